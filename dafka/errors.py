@@ -1,0 +1,36 @@
+"""Exception types shared by every dafka module."""
+
+from __future__ import annotations
+
+
+class DafkaError(Exception):
+    """Base class of every dafka error."""
+
+
+class ProtocolError(DafkaError, ValueError):
+    """Bytes that do not follow the Dafka or Tank wire format.
+
+    Raised by decoders for wrong versions, truncated fields, unknown commands,
+    over-long strings and the like.  A node that receives one logs it, counts
+    it and keeps serving.
+    """
+
+
+class PublishError(DafkaError):
+    """A record was not acknowledged by a store (timeout, closed producer, ...)."""
+
+    def __init__(self, message: str, offset: int | None = None) -> None:
+        super().__init__(message)
+        self.offset = offset
+
+
+class BufferFullError(PublishError):
+    """The producer's unacked buffer is full and the publish timeout passed."""
+
+
+class ClosedError(DafkaError):
+    """The node has been closed."""
+
+
+class ConfigError(DafkaError):
+    """A configuration value is missing or invalid."""

@@ -1,0 +1,391 @@
+"""Dafka wire codec, byte-exact with the reference C implementation.
+
+One Dafka message is one ZeroMQ frame (plus a content frame for RECORD and
+DIRECT-RECORD)::
+
+    [command id:1][zmq topic bytes][0x00][version 0x01][fields...]
+
+All numbers are big-endian.  Strings are a 1-byte length and bytes, "strings"
+are a 4-byte count then 4-byte-length strings.  See ``shared/specs/dafka_wire.md``.
+
+This module is pure: no sockets.  ``encode`` turns a message into frames,
+``decode`` turns frames into a message or raises :class:`ProtocolError`.
+The hot-path helpers (``record_prefix`` and friends) let nodes build and
+recognise RECORD headers with one concatenation or one dict lookup.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from dafka.errors import ProtocolError
+
+VERSION = 1
+
+RECORD = ord("M")
+DIRECT_RECORD = ord("D")
+FETCH = ord("F")
+ACK = ord("K")
+HEAD = ord("H")
+DIRECT_HEAD = ord("E")
+GET_HEADS = ord("G")
+CONSUMER_HELLO = ord("W")
+STORE_HELLO = ord("L")
+
+COMMAND_NAMES = {
+    RECORD: "RECORD",
+    DIRECT_RECORD: "DIRECT-RECORD",
+    FETCH: "FETCH",
+    ACK: "ACK",
+    HEAD: "HEAD",
+    DIRECT_HEAD: "DIRECT-HEAD",
+    GET_HEADS: "GET-HEADS",
+    CONSUMER_HELLO: "CONSUMER-HELLO",
+    STORE_HELLO: "STORE-HELLO",
+}
+
+# Subscription prefixes are the command id followed by the zmq topic.
+P_RECORD = b"M"
+P_DIRECT_RECORD = b"D"
+P_FETCH = b"F"
+P_ACK = b"K"
+P_HEAD = b"H"
+P_DIRECT_HEAD = b"E"
+P_GET_HEADS = b"G"
+P_CONSUMER_HELLO = b"W"
+P_STORE_HELLO = b"L"
+
+# Beacon frames exchanged with towers.
+BEACON = b"B"
+WELCOME = b"W"
+
+MAX_STRING = 255
+MAX_STRINGS = 65536  # a sane bound on CONSUMER-HELLO subject lists
+
+_U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+_SEQ_COUNT = struct.Struct(">QI")
+pack_u64 = _U64.pack
+
+
+class Record(NamedTuple):
+    """RECORD: a producer publishes ``content`` at ``sequence`` of its partition."""
+
+    topic: str  # zmq topic: the subject
+    address: str  # producer (partition) address
+    subject: str
+    sequence: int
+    content: bytes
+
+
+class DirectRecord(NamedTuple):
+    """DIRECT-RECORD: a record sent to one requester in answer to FETCH."""
+
+    topic: str  # zmq topic: the requester's address
+    address: str  # partition address
+    subject: str
+    sequence: int
+    content: bytes
+
+
+class Fetch(NamedTuple):
+    """FETCH: ask for ``count`` records of a partition from ``sequence`` on."""
+
+    topic: str  # zmq topic: the partition (producer) address
+    address: str  # sender's address (where DIRECT-RECORDs go)
+    subject: str
+    sequence: int
+    count: int
+
+
+class Ack(NamedTuple):
+    """ACK: a store has durably stored the partition up to ``sequence``."""
+
+    topic: str  # zmq topic: the producer's address
+    subject: str
+    sequence: int
+
+
+class Head(NamedTuple):
+    """HEAD: the producer's last published sequence."""
+
+    topic: str  # zmq topic: the subject
+    address: str  # producer address
+    subject: str
+    sequence: int
+
+
+class DirectHead(NamedTuple):
+    """DIRECT-HEAD: a partition's head sent to one consumer."""
+
+    topic: str  # zmq topic: the consumer's address
+    address: str  # partition address
+    subject: str
+    sequence: int
+
+
+class GetHeads(NamedTuple):
+    """GET-HEADS: a consumer asks for the heads of every partition of ``topic``."""
+
+    topic: str  # zmq topic: the subject
+    address: str  # consumer address
+
+
+class ConsumerHello(NamedTuple):
+    """CONSUMER-HELLO: a consumer tells a store which subjects it reads."""
+
+    topic: str  # zmq topic: the store's address
+    address: str  # consumer address
+    subjects: tuple[str, ...]
+
+
+class StoreHello(NamedTuple):
+    """STORE-HELLO: a store greets a consumer that subscribed to it."""
+
+    topic: str  # zmq topic: the consumer's address
+    address: str  # store address
+
+
+Message = (
+    Record | DirectRecord | Fetch | Ack | Head | DirectHead | GetHeads | ConsumerHello | StoreHello
+)
+
+_IDS: dict[type, int] = {
+    Record: RECORD,
+    DirectRecord: DIRECT_RECORD,
+    Fetch: FETCH,
+    Ack: ACK,
+    Head: HEAD,
+    DirectHead: DIRECT_HEAD,
+    GetHeads: GET_HEADS,
+    ConsumerHello: CONSUMER_HELLO,
+    StoreHello: STORE_HELLO,
+}
+
+
+def command_id(msg: Message) -> int:
+    return _IDS[type(msg)]
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def _s(value: str) -> bytes:
+    b = value.encode()
+    if len(b) > MAX_STRING:
+        raise ProtocolError(f"string longer than {MAX_STRING} bytes")
+    return bytes((len(b),)) + b
+
+
+def _topic(value: str) -> bytes:
+    b = value.encode()
+    if b"\x00" in b:
+        raise ProtocolError("a zmq topic must not contain NUL")
+    return b
+
+
+def header(cmd: int, topic: str) -> bytes:
+    """The frame start shared by every command: id, topic, NUL, version."""
+    return bytes((cmd,)) + _topic(topic) + b"\x00\x01"
+
+
+def encode(msg: Message) -> list[bytes]:
+    """Encode ``msg`` into its ZeroMQ frames."""
+    cmd = command_id(msg)
+    head = header(cmd, msg.topic)
+    if cmd == RECORD or cmd == DIRECT_RECORD:
+        return [
+            head + _s(msg.address) + _s(msg.subject) + pack_u64(msg.sequence),  # type: ignore[union-attr]
+            bytes(msg.content),  # type: ignore[union-attr]
+        ]
+    if cmd == FETCH:
+        return [head + _s(msg.address) + _s(msg.subject) + _SEQ_COUNT.pack(msg.sequence, msg.count)]  # type: ignore[union-attr]
+    if cmd == ACK:
+        return [head + _s(msg.subject) + pack_u64(msg.sequence)]  # type: ignore[union-attr]
+    if cmd == HEAD or cmd == DIRECT_HEAD:
+        return [head + _s(msg.address) + _s(msg.subject) + pack_u64(msg.sequence)]  # type: ignore[union-attr]
+    if cmd == GET_HEADS or cmd == STORE_HELLO:
+        return [head + _s(msg.address)]  # type: ignore[union-attr]
+    # CONSUMER-HELLO
+    subjects = msg.subjects  # type: ignore[union-attr]
+    if len(subjects) > MAX_STRINGS:
+        raise ProtocolError("too many subjects")
+    parts = [head, _s(msg.address), _U32.pack(len(subjects))]  # type: ignore[union-attr]
+    for subject in subjects:
+        b = subject.encode()
+        parts.append(_U32.pack(len(b)))
+        parts.append(b)
+    return [b"".join(parts)]
+
+
+# ---------------------------------------------------------------- decoding
+
+
+class _Reader:
+    """A bounds-checked cursor over one frame."""
+
+    __slots__ = ("buf", "pos")
+
+    def __init__(self, buf: bytes, pos: int) -> None:
+        self.buf = buf
+        self.pos = pos
+
+    def string(self) -> str:
+        buf, pos = self.buf, self.pos
+        if pos >= len(buf):
+            raise ProtocolError("truncated string length")
+        n = buf[pos]
+        end = pos + 1 + n
+        if end > len(buf):
+            raise ProtocolError("truncated string")
+        self.pos = end
+        return _text(buf[pos + 1 : end])
+
+    def u64(self) -> int:
+        pos = self.pos
+        if pos + 8 > len(self.buf):
+            raise ProtocolError("truncated number-8")
+        self.pos = pos + 8
+        return _U64.unpack_from(self.buf, pos)[0]
+
+    def u32(self) -> int:
+        pos = self.pos
+        if pos + 4 > len(self.buf):
+            raise ProtocolError("truncated number-4")
+        self.pos = pos + 4
+        return _U32.unpack_from(self.buf, pos)[0]
+
+    def longstr(self) -> str:
+        n = self.u32()
+        pos = self.pos
+        if pos + n > len(self.buf):
+            raise ProtocolError("truncated longstr")
+        self.pos = pos + n
+        return _text(self.buf[pos : pos + n])
+
+    def end(self) -> None:
+        if self.pos != len(self.buf):
+            raise ProtocolError(f"{len(self.buf) - self.pos} trailing bytes")
+
+
+def _text(b: bytes) -> str:
+    try:
+        return b.decode()
+    except UnicodeDecodeError as exc:
+        raise ProtocolError("string is not UTF-8") from exc
+
+
+def decode(frames: Sequence[bytes]) -> Message:
+    """Decode one Dafka message from its frames; raise ProtocolError if malformed."""
+    if not frames:
+        raise ProtocolError("empty message")
+    frame = bytes(frames[0])
+    if len(frame) < 3:
+        raise ProtocolError("frame too short")
+    cmd = frame[0]
+    if cmd not in COMMAND_NAMES:
+        raise ProtocolError(f"unknown command id 0x{cmd:02x}")
+    nul = frame.find(b"\x00", 1)
+    if nul < 0 or nul + 1 >= len(frame):
+        raise ProtocolError("missing topic terminator or version")
+    if frame[nul + 1] != VERSION:
+        raise ProtocolError(f"unsupported version {frame[nul + 1]}")
+    topic = _text(frame[1:nul])
+    r = _Reader(frame, nul + 2)
+    has_content = cmd == RECORD or cmd == DIRECT_RECORD
+    if len(frames) != (2 if has_content else 1):
+        raise ProtocolError(
+            f"{COMMAND_NAMES[cmd]} has {len(frames)} frames, expected {2 if has_content else 1}"
+        )
+    msg: Message
+    if has_content:
+        address, subject, seq = r.string(), r.string(), r.u64()
+        content = bytes(frames[1])
+        msg = (Record if cmd == RECORD else DirectRecord)(topic, address, subject, seq, content)
+    elif cmd == FETCH:
+        address, subject, seq, count = r.string(), r.string(), r.u64(), r.u32()
+        msg = Fetch(topic, address, subject, seq, count)
+    elif cmd == ACK:
+        subject, seq = r.string(), r.u64()
+        msg = Ack(topic, subject, seq)
+    elif cmd == HEAD or cmd == DIRECT_HEAD:
+        address, subject, seq = r.string(), r.string(), r.u64()
+        msg = (Head if cmd == HEAD else DirectHead)(topic, address, subject, seq)
+    elif cmd == GET_HEADS:
+        msg = GetHeads(topic, r.string())
+    elif cmd == STORE_HELLO:
+        msg = StoreHello(topic, r.string())
+    else:  # CONSUMER-HELLO
+        address = r.string()
+        n = r.u32()
+        if n > MAX_STRINGS:
+            raise ProtocolError(f"{n} subjects is more than {MAX_STRINGS}")
+        subjects = tuple(r.longstr() for _ in range(n))
+        msg = ConsumerHello(topic, address, subjects)
+    r.end()
+    return msg
+
+
+# ---------------------------------------------------------------- hot path
+
+
+def record_prefix(cmd: int, topic: str, address: str, subject: str) -> bytes:
+    """Header bytes of a (DIRECT-)RECORD up to, not including, the sequence.
+
+    ``record_prefix(...) + pack_u64(seq)`` is the complete first frame; a
+    receiver can recognise a known partition by looking up ``frame[:-8]``.
+    """
+    return header(cmd, topic) + _s(address) + _s(subject)
+
+
+def subscription(prefix: bytes, topic: str = "") -> bytes:
+    """A SUB subscription for command ``prefix`` and zmq ``topic``."""
+    return prefix + topic.encode()
+
+
+def parse_subscription(frame: bytes) -> tuple[bool, bytes] | None:
+    """An XPUB's received frame: (subscribe?, prefix) or None if not one."""
+    if not frame or frame[0] > 1:
+        return None
+    return frame[0] == 1, bytes(frame[1:])
+
+
+# ---------------------------------------------------------------- beacons
+
+
+def node_beacon(address: str, host: str, port: int) -> list[bytes]:
+    """The 4-frame beacon a node sends to a tower's XSUB."""
+    return [BEACON, address.encode(), host.encode(), str(port).encode()]
+
+
+def tower_beacon(address: str, endpoint: str) -> list[bytes]:
+    """The 3-frame beacon a tower publishes to nodes."""
+    return [BEACON, address.encode(), endpoint.encode()]
+
+
+def decode_node_beacon(frames: Sequence[bytes]) -> tuple[str, str, int]:
+    """(address, host, port) from a node beacon; ProtocolError if malformed."""
+    if len(frames) != 4 or bytes(frames[0]) != BEACON:
+        raise ProtocolError("node beacon must be 4 frames starting with B")
+    address = _text(bytes(frames[1]))
+    host = _text(bytes(frames[2]))
+    port_text = bytes(frames[3])
+    if not port_text.isdigit() or len(port_text) > 5:
+        raise ProtocolError("beacon port is not a decimal number")
+    port = int(port_text)
+    if not 0 < port < 65536 or not address or len(address) > MAX_STRING:
+        raise ProtocolError("beacon port or address out of range")
+    return address, host, port
+
+
+def decode_tower_beacon(frames: Sequence[bytes]) -> tuple[str, str]:
+    """(address, endpoint) from a tower beacon; ProtocolError if malformed."""
+    if len(frames) != 3 or bytes(frames[0]) != BEACON:
+        raise ProtocolError("tower beacon must be 3 frames starting with B")
+    address = _text(bytes(frames[1]))
+    endpoint = _text(bytes(frames[2]))
+    if not endpoint.startswith("tcp://") or not address:
+        raise ProtocolError("tower beacon endpoint must be tcp://host:port")
+    return address, endpoint
