@@ -1,0 +1,131 @@
+"""Configuration: defaults, TOML files, environment variables.
+
+Precedence, lowest first: built-in defaults, the TOML file (``--config`` or
+``$DAFKA_CONFIG``), environment variables (``$DAFKA_TOWERS``), command-line
+flags.  A tower is named ``host`` (ports 5556/5557), ``host:in_port`` (out is
+in + 1) or ``host:in_port:out_port``; ``tcp://`` prefixes are accepted.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from dafka.errors import ConfigError
+
+DEFAULT_BEACON_IN_PORT = 5556  # tower XSUB: node beacons in
+DEFAULT_BEACON_OUT_PORT = 5557  # tower XPUB: tower beacons out
+
+
+@dataclass(frozen=True, slots=True)
+class TowerAddress:
+    """Where a node finds one tower."""
+
+    host: str = "127.0.0.1"
+    in_port: int = DEFAULT_BEACON_IN_PORT
+    out_port: int = DEFAULT_BEACON_OUT_PORT
+
+    @property
+    def beacon_in(self) -> str:
+        return f"tcp://{self.host}:{self.in_port}"
+
+    @property
+    def beacon_out(self) -> str:
+        return f"tcp://{self.host}:{self.out_port}"
+
+    @classmethod
+    def parse(cls, text: str) -> TowerAddress:
+        spec = text.strip()
+        if spec.startswith("tcp://"):
+            spec = spec[len("tcp://") :]
+        parts = spec.split(":")
+        try:
+            if len(parts) == 1:
+                return cls(parts[0] or "127.0.0.1")
+            if len(parts) == 2:
+                port = int(parts[1])
+                return cls(parts[0], port, port + 1)
+            if len(parts) == 3:
+                return cls(parts[0], int(parts[1]), int(parts[2]))
+        except ValueError:
+            pass
+        raise ConfigError(f"bad tower address {text!r}: use host, host:in_port or host:in:out")
+
+
+def parse_towers(value: str | list[str] | tuple[str, ...]) -> tuple[TowerAddress, ...]:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    towers = tuple(TowerAddress.parse(item) for item in items if item.strip())
+    if not towers:
+        raise ConfigError("at least one tower is needed")
+    return towers
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """What every mesh node needs: its towers and how it is reached."""
+
+    towers: tuple[TowerAddress, ...] = (TowerAddress(),)
+    bind: str = "*"  # interface the node's data publisher binds (port is ephemeral)
+    advertise: str = ""  # host put in beacons; "" lets the tower use the peer address
+    beacon_interval: float = 1.0
+    beacon_timeout: float = 4.0
+    hwm: int = 100_000  # ZeroMQ high-water marks of the data sockets, in messages
+
+    def with_towers(self, towers: str | list[str] | None) -> NodeConfig:
+        return self if not towers else replace(self, towers=parse_towers(towers))
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything a TOML file can say, already merged with the environment."""
+
+    node: NodeConfig = field(default_factory=NodeConfig)
+    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def section(self, name: str) -> dict[str, Any]:
+        return dict(self.sections.get(name, {}))
+
+
+_NODE_KEYS = {"towers", "bind", "advertise", "beacon_interval", "beacon_timeout", "hwm"}
+
+
+def node_config_from(data: dict[str, Any], base: NodeConfig | None = None) -> NodeConfig:
+    cfg = base or NodeConfig()
+    unknown = set(data) - _NODE_KEYS
+    if unknown:
+        raise ConfigError(f"unknown [node] keys: {', '.join(sorted(unknown))}")
+    kwargs: dict[str, Any] = {}
+    if "towers" in data:
+        kwargs["towers"] = parse_towers(data["towers"])
+    for key in ("bind", "advertise"):
+        if key in data:
+            kwargs[key] = str(data[key])
+    for key in ("beacon_interval", "beacon_timeout"):
+        if key in data:
+            kwargs[key] = float(data[key])
+    if "hwm" in data:
+        kwargs["hwm"] = int(data["hwm"])
+    return replace(cfg, **kwargs)
+
+
+def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
+    """Read the TOML file (if any) and apply ``$DAFKA_TOWERS``."""
+    path = path or os.environ.get("DAFKA_CONFIG")
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            with Path(path).open("rb") as f:
+                data = tomllib.load(f)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config {path} is not valid TOML: {exc}") from exc
+    node = node_config_from(data.get("node", {}))
+    env_towers = os.environ.get("DAFKA_TOWERS")
+    if env_towers:
+        node = node.with_towers(env_towers)
+    sections = {k: v for k, v in data.items() if k != "node" and isinstance(v, dict)}
+    return Settings(node=node, sections=sections)

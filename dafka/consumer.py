@@ -1,0 +1,393 @@
+"""The consumer: receives the records of one or more topics, per partition in order.
+
+Subscriptions (as the reference): ``D``+own address, ``E``+own address,
+``L``+own address, and per topic ``M``+topic and ``H``+topic.  Because ZeroMQ
+matches prefixes, every message's subject is checked exactly: a consumer of
+``hello`` never delivers ``hello2`` records.
+
+The I/O thread decodes, runs each partition's :class:`PartitionTracker` and
+appends deliverable records to a queue; ``poll`` / iteration take them from
+there in the caller's thread.  When the queue is full the I/O thread stops
+reading (ZeroMQ then buffers, and whatever the publishers drop is fetched
+again later), so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Literal, NamedTuple
+
+import zmq
+
+from dafka import wire
+from dafka.config import NodeConfig
+from dafka.errors import ClosedError, ProtocolError
+from dafka.gaps import PartitionTracker
+from dafka.node import DRAIN, Node
+
+log = logging.getLogger("dafka.consumer")
+
+_NOBLOCK = int(zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
+_seq_at = struct.Struct(">Q").unpack_from
+
+
+class ConsumerRecord(NamedTuple):
+    """One delivered record."""
+
+    topic: str
+    partition: str  # the producer's address
+    offset: int
+    content: bytes
+
+
+_new_record = tuple.__new__
+
+
+class Consumer(Node):
+    """Consume ``topics`` from the mesh.
+
+    ``offset_reset="latest"`` (default) starts each partition at the first
+    record (or after the first HEAD) seen; ``"earliest"`` starts every
+    partition at offset 0, asking stores and producers for heads (GET-HEADS)
+    and fetching what exists.
+    """
+
+    kind = "consumer"
+    publisher_type = zmq.XPUB
+
+    def __init__(
+        self,
+        topics: str | Iterable[str],
+        config: NodeConfig | None = None,
+        *,
+        towers: str | list[str] | None = None,
+        offset_reset: Literal["latest", "earliest"] = "latest",
+        max_queued: int = 200_000,
+        max_held: int = 100_000,
+        retry_interval: float = 0.5,
+        skip_after: float = 10.0,
+    ) -> None:
+        if offset_reset not in ("latest", "earliest"):
+            raise ValueError("offset_reset must be 'latest' or 'earliest'")
+        config = (config or NodeConfig()).with_towers(towers)
+        super().__init__(config)
+        self.offset_reset = offset_reset
+        self.earliest = offset_reset == "earliest"
+        self.max_queued = max_queued
+        self._tracker_options = {
+            "max_held": max_held,
+            "retry_interval": retry_interval,
+            "skip_after": skip_after,
+        }
+        self.topics: list[str] = []
+        # Header prefix (everything before the sequence) of a known partition's
+        # RECORD and DIRECT-RECORD -> its tracker: one dict lookup per record.
+        self._by_prefix: dict[bytes, PartitionTracker] = {}
+        self._trackers: dict[tuple[str, str], PartitionTracker] = {}
+        self._missing: set[PartitionTracker] = set()
+        self._queue: deque[ConsumerRecord] = deque()
+        self._ready = threading.Event()
+        self._paused = False
+        self._closed = False
+        self._out: list[tuple[int, bytes]] = []
+        self.delivered = 0
+        self.fetches_sent = 0
+        self.skipped = 0
+        own = self.address.encode()
+        for prefix in (wire.P_DIRECT_RECORD, wire.P_DIRECT_HEAD, wire.P_STORE_HELLO):
+            self.subscribe(prefix + own)
+        for topic in [topics] if isinstance(topics, str) else list(topics):
+            self._add_topic(topic)
+        self.start()
+
+    # ---------------------------------------------------------------- public API
+
+    def __enter__(self) -> Consumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[ConsumerRecord]:
+        """Yield records until the consumer is closed."""
+        while not self._closed:
+            record = self.poll(0.5)
+            if record is not None:
+                yield record
+
+    def subscribe_topic(self, topic: str) -> None:
+        """Add a topic (thread-safe)."""
+        self.call_soon(lambda: self._add_topic(topic))
+
+    def poll(self, timeout: float | None = None) -> ConsumerRecord | None:
+        """The next record, waiting up to ``timeout`` seconds (None: forever)."""
+        queue = self._queue
+        if queue:
+            if self._paused and len(queue) < self.max_queued // 2:
+                self._wake()
+            return queue.popleft()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._ready.clear()
+            if queue:
+                return queue.popleft()
+            if self._closed:
+                raise ClosedError("consumer is closed")
+            if self._paused:
+                self._wake()
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            self._ready.wait(remaining)
+
+    def poll_batch(self, max_records: int = 10_000, timeout: float | None = None) -> list[ConsumerRecord]:
+        """Up to ``max_records`` records; waits up to ``timeout`` for the first."""
+        first = self.poll(timeout)
+        if first is None:
+            return []
+        batch = [first]
+        queue = self._queue
+        popleft = queue.popleft
+        try:
+            while len(batch) < max_records:
+                batch.append(popleft())
+        except IndexError:
+            pass
+        return batch
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the consumer; records not yet polled are discarded."""
+        if self._closed:
+            return
+        self._closed = True
+        self._ready.set()
+        self.stop(timeout)
+
+    def positions(self) -> dict[tuple[str, str], int]:
+        """Next offset to deliver per (topic, partition) known so far."""
+        return {k: t.next for k, t in list(self._trackers.items()) if t.next is not None}
+
+    # ---------------------------------------------------------------- I/O thread
+
+    def _add_topic(self, topic: str) -> None:
+        if topic in self.topics:
+            return
+        if not topic or len(topic.encode()) > wire.MAX_STRING or "\x00" in topic:
+            raise ValueError("topic must be 1..255 bytes without NUL")
+        self.topics.append(topic)
+        self.subscribe(wire.P_RECORD + topic.encode())
+        self.subscribe(wire.P_HEAD + topic.encode())
+        if self.earliest and self.running:
+            self._send(wire.GetHeads(topic, self.address))
+
+    def sockets(self) -> list[tuple[zmq.Socket, object]]:
+        return [(self.publisher, self._read_subscriptions)]
+
+    def on_start(self) -> None:
+        if self.earliest:
+            for topic in self.topics:
+                self._send(wire.GetHeads(topic, self.address))
+
+    def _send(self, msg: wire.Message) -> None:
+        try:
+            self.publisher.send_multipart(wire.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("could not send %s: %s", type(msg).__name__, exc)
+
+    def _tracker(self, subject: str, address: str) -> PartitionTracker:
+        key = (subject, address)
+        tracker = self._trackers.get(key)
+        if tracker is None:
+            tracker = PartitionTracker(
+                subject, address, 0 if self.earliest else None, **self._tracker_options
+            )
+            self._trackers[key] = tracker
+            self._by_prefix[wire.record_prefix(wire.RECORD, subject, address, subject)] = tracker
+            self._by_prefix[
+                wire.record_prefix(wire.DIRECT_RECORD, self.address, address, subject)
+            ] = tracker
+        return tracker
+
+    def _read_data(self) -> None:
+        # The hot path: one dict lookup recognises a known partition's record.
+        if self._paused:
+            return
+        recv = self.sub.recv
+        lookup = self._by_prefix.get
+        queue = self._queue
+        append = queue.append
+        out = self._out
+        delivered = 0
+        for _ in range(DRAIN):
+            try:
+                frame = recv(_NOBLOCK)
+            except zmq.Again:
+                break
+            tracker = lookup(frame[:-8])
+            if tracker is None:
+                self._on_message(frame)
+                continue
+            try:
+                # Every RECORD has a content frame; a malformed one-frame
+                # message costs at most its neighbour, which is fetched again.
+                content = recv(_NOBLOCK)
+            except zmq.Again:
+                self.bad_input("record", "no content frame")
+                continue
+            seq = _seq_at(frame, len(frame) - 8)[0]
+            if seq == tracker.next and seq >= tracker.known:
+                tracker.next = seq + 1
+                tracker.known = seq
+                append(_new_record(ConsumerRecord, (tracker.subject, tracker.address, seq, content)))
+                delivered += 1
+            else:
+                delivered += self._deliver(tracker, seq, content, out)
+        if delivered:
+            self.delivered += delivered
+            self._ready.set()
+            if len(queue) >= self.max_queued:
+                self._paused = True
+                self.pause_data(True)
+
+    def _deliver(
+        self, tracker: PartitionTracker, seq: int, content: bytes, out: list[tuple[int, bytes]]
+    ) -> int:
+        missing = tracker.on_record(seq, content, out)
+        n = len(out)
+        if out:
+            append = self._queue.append
+            subject, address = tracker.subject, tracker.address
+            for s, c in out:
+                append(_new_record(ConsumerRecord, (subject, address, s, c)))
+            out.clear()
+        if missing:
+            self._missing.add(tracker)
+            self._maybe_fetch(tracker, time.monotonic())
+        return n
+
+    def _maybe_fetch(self, tracker: PartitionTracker, now: float) -> None:
+        request = tracker.fetch_request(now)
+        if request is not None:
+            offset, count = request
+            self._send(wire.Fetch(tracker.address, self.address, tracker.subject, offset, count))
+            self.fetches_sent += 1
+
+    def _on_message(self, frame: bytes) -> None:
+        """Anything that is not a known partition's record."""
+        try:
+            if frame[:1] in (b"M", b"D"):
+                try:
+                    content = self.sub.recv(_NOBLOCK)
+                except zmq.Again:
+                    raise ProtocolError("record without content frame") from None
+                msg = wire.decode([frame, content])
+            else:
+                frames = [frame]
+                while self.sub.getsockopt(_RCVMORE):
+                    frames.append(self.sub.recv())
+                msg = wire.decode(frames)
+        except ProtocolError as exc:
+            self.bad_input("message", exc)
+            return
+        if isinstance(msg, wire.Record | wire.DirectRecord):
+            if isinstance(msg, wire.Record):
+                if msg.topic != msg.subject:
+                    return
+            elif msg.topic != self.address:
+                return
+            if msg.subject not in self.topics:
+                return  # a prefix match of another topic
+            tracker = self._tracker(msg.subject, msg.address)
+            n = self._deliver(tracker, msg.sequence, msg.content, self._out)
+            if n:
+                self.delivered += n
+                self._ready.set()
+        elif isinstance(msg, wire.Head | wire.DirectHead):
+            if isinstance(msg, wire.Head):
+                if msg.topic != msg.subject:
+                    return
+            elif msg.topic != self.address:
+                return
+            if msg.subject not in self.topics:
+                return
+            tracker = self._tracker(msg.subject, msg.address)
+            if tracker.on_head(msg.sequence):
+                self._missing.add(tracker)
+                self._maybe_fetch(tracker, time.monotonic())
+        elif isinstance(msg, wire.StoreHello):
+            if msg.topic == self.address:
+                self._hello(msg.address)
+
+    def _hello(self, store: str) -> None:
+        subjects = tuple(self.topics) if self.earliest else ()
+        self._send(wire.ConsumerHello(store, self.address, subjects))
+
+    def _read_subscriptions(self) -> None:
+        """Our XPUB saw a (un)subscription from a peer."""
+        for _ in range(DRAIN):
+            try:
+                frame = self.publisher.recv(_NOBLOCK)
+            except zmq.Again:
+                return
+            parsed = wire.parse_subscription(frame)
+            if parsed is None or not parsed[0] or not parsed[1]:
+                continue
+            prefix = parsed[1]
+            if prefix[:1] == wire.P_CONSUMER_HELLO and len(prefix) > 1:
+                # A store wants our CONSUMER-HELLO.
+                try:
+                    self._hello(prefix[1:].decode())
+                except UnicodeDecodeError:
+                    self.bad_input("subscription", "store address is not UTF-8")
+            elif prefix[:1] == wire.P_GET_HEADS and self.earliest:
+                # A new store or producer listens for GET-HEADS: ask it now,
+                # the GET-HEADS sent before it connected was lost.
+                for topic in self.topics:
+                    if topic.encode().startswith(prefix[1:]):
+                        self._send(wire.GetHeads(topic, self.address))
+            elif prefix[:1] == wire.P_FETCH:
+                # Someone new answers FETCHes: retry missing ranges now.
+                for tracker in self._missing:
+                    tracker.progress_at = -1e9
+
+    def on_tick(self, now: float) -> None:
+        if self._paused and len(self._queue) < self.max_queued // 2:
+            self._paused = False
+            self.pause_data(False)
+            self._read_data()
+        if not self._missing:
+            return
+        done = []
+        out = self._out
+        for tracker in self._missing:
+            if not tracker.missing:
+                done.append(tracker)
+                continue
+            skipped = tracker.skip_if_stalled(now, out)
+            if skipped is not None:
+                self.skipped += skipped[1] - skipped[0] + 1
+                log.warning(
+                    "consumer %s: offsets %d..%d of %s/%s are gone (retention?); skipping ahead",
+                    self.address,
+                    skipped[0],
+                    skipped[1],
+                    tracker.subject,
+                    tracker.address,
+                )
+                n = len(out)
+                if out:
+                    append = self._queue.append
+                    for s, c in out:
+                        append(_new_record(ConsumerRecord, (tracker.subject, tracker.address, s, c)))
+                    out.clear()
+                    self.delivered += n
+                    self._ready.set()
+            self._maybe_fetch(tracker, now)
+        for tracker in done:
+            self._missing.discard(tracker)

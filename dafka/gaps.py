@@ -1,0 +1,177 @@
+"""A consumer's per-partition delivery state, sans-IO.
+
+For one (subject, partition) it decides which records to deliver, in offset
+order with no gap and no duplicate, and when to FETCH what is missing:
+
+* a record at ``next`` is delivered, then any held records that follow it;
+* an older record is a duplicate and dropped;
+* a record ahead of ``next`` is held in a bounded window (the reference drops
+  it) and a FETCH from ``next`` is requested;
+* a HEAD / DIRECT-HEAD at or beyond ``next`` requests a FETCH up to it;
+* while records are missing, the FETCH is re-sent every ``retry_interval``
+  (the reference has no retry and can stall);
+* if the missing records never come while later ones are held (a store's
+  retention removed them), after ``skip_after`` seconds the tracker skips
+  forward to the first held record and reports the skipped range.
+
+Times are passed in by the caller; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+FETCH_CHUNK = 100_000  # largest count asked for in one FETCH
+
+
+class PartitionTracker:
+    """Delivery state of one partition of one subject."""
+
+    __slots__ = (
+        "subject",
+        "address",
+        "next",
+        "known",
+        "held",
+        "max_held",
+        "retry_interval",
+        "skip_after",
+        "fetch_upto",
+        "progress_next",
+        "progress_at",
+        "fetches",
+        "skipped",
+    )
+
+    def __init__(
+        self,
+        subject: str,
+        address: str,
+        next_offset: int | None,
+        *,
+        max_held: int = 100_000,
+        retry_interval: float = 0.5,
+        skip_after: float = 10.0,
+    ) -> None:
+        self.subject = subject
+        self.address = address
+        # Next offset to deliver; None until the first record or head is seen
+        # (offset reset "latest").
+        self.next = next_offset
+        self.known = -1 if next_offset is None else next_offset - 1  # highest offset known to exist
+        self.held: dict[int, bytes] = {}
+        self.max_held = max_held
+        self.retry_interval = retry_interval
+        self.skip_after = skip_after
+        self.fetch_upto = -1  # last offset asked for by the outstanding FETCH
+        self.progress_next = -1  # next as of the last progress check
+        self.progress_at = 0.0  # when next last moved (or a FETCH was sent)
+        self.fetches = 0
+        self.skipped = 0  # offsets skipped forward in total
+
+    @property
+    def missing(self) -> bool:
+        """Whether records below ``known`` have not been delivered yet."""
+        return self.next is not None and self.known >= self.next
+
+    def on_record(self, seq: int, content: bytes, out: list[tuple[int, bytes]]) -> bool:
+        """A (DIRECT-)RECORD arrived.  Deliverable records are appended to ``out``.
+
+        Returns True when records are missing (the caller should call
+        :meth:`fetch_request`).
+        """
+        nxt = self.next
+        if nxt is None:
+            nxt = seq  # "latest": start at the first record seen
+        if seq == nxt:
+            out.append((seq, content))
+            nxt += 1
+            held = self.held
+            if held:
+                pop = held.pop
+                while True:
+                    c = pop(nxt, None)
+                    if c is None:
+                        break
+                    out.append((nxt, c))
+                    nxt += 1
+            self.next = nxt
+            if seq > self.known:
+                self.known = seq
+            return self.known >= nxt
+        self.next = nxt
+        if seq < nxt:
+            return self.known >= nxt  # duplicate
+        if seq > self.known:
+            self.known = seq
+        held = self.held
+        # When the window is full the newest records are the ones dropped:
+        # they are furthest from next and will be fetched again.
+        if len(held) < self.max_held:
+            held[seq] = content
+        return True
+
+    def on_head(self, seq: int) -> bool:
+        """A HEAD / DIRECT-HEAD says the partition's last offset is ``seq``.
+
+        Returns True when records are missing.
+        """
+        if self.next is None:
+            # "latest": skip everything published so far.
+            self.next = seq + 1
+            self.known = seq
+            return False
+        if seq > self.known:
+            self.known = seq
+        return self.known >= self.next
+
+    def fetch_request(self, now: float) -> tuple[int, int] | None:
+        """(offset, count) of a FETCH to send now, or None.
+
+        Cheap enough to call after every record: a FETCH goes out when records
+        are missing and no FETCH covering ``next`` is outstanding, or when the
+        outstanding one has made no progress for ``retry_interval``.
+        """
+        nxt = self.next
+        if nxt is None or self.known < nxt:
+            return None
+        if self.fetch_upto >= nxt:
+            if nxt != self.progress_next:
+                self.progress_next = nxt
+                self.progress_at = now
+                return None
+            if now - self.progress_at < self.retry_interval:
+                return None
+        upto = self.known
+        if self.held:
+            # Ask only for the hole before the first held record.
+            first_held = min(self.held)
+            if first_held > nxt:
+                upto = first_held - 1
+        count = min(upto - nxt + 1, FETCH_CHUNK)
+        self.fetch_upto = nxt + count - 1
+        if nxt != self.progress_next:
+            self.progress_next = nxt
+            self.progress_at = now
+        self.fetches += 1
+        return nxt, count
+
+    def skip_if_stalled(self, now: float, out: list[tuple[int, bytes]]) -> tuple[int, int] | None:
+        """Give up on a hole that nobody can fill (records removed by retention).
+
+        Only when later records are held and ``next`` has not moved for
+        ``skip_after`` seconds of FETCH retries.  Returns the skipped range
+        ``(first, last)`` and appends the now deliverable records to ``out``.
+        """
+        nxt = self.next
+        if not self.held or nxt is None or nxt != self.progress_next:
+            return None
+        if now - self.progress_at < self.skip_after:
+            return None
+        first_held = min(self.held)
+        skipped = (nxt, first_held - 1)
+        self.skipped += first_held - nxt
+        self.next = first_held
+        content = self.held.pop(first_held)
+        self.on_record(first_held, content, out)
+        self.progress_next = self.next
+        self.progress_at = now
+        return skipped

@@ -1,0 +1,64 @@
+"""Peer discovery state, sans-IO.
+
+A node learns peers from tower beacons ``(address, endpoint)``.  The first
+beacon of a peer means "connect your data SUB to its endpoint"; a peer whose
+beacons stop for ``timeout`` seconds is dropped ("disconnect").  Times are
+passed in by the caller, so the table can be driven deterministically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Connect:
+    endpoint: str
+    address: str
+
+
+@dataclass(frozen=True, slots=True)
+class Disconnect:
+    endpoint: str
+    address: str
+
+
+PeerAction = Connect | Disconnect
+
+
+class PeerTable:
+    """Known peers keyed by node address, each with its endpoint and expiry time."""
+
+    def __init__(self, own_address: str, timeout: float) -> None:
+        self.own_address = own_address
+        self.timeout = timeout
+        self._peers: dict[str, tuple[str, float]] = {}  # address -> (endpoint, expires)
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def __contains__(self, address: object) -> bool:
+        return address in self._peers
+
+    def endpoints(self) -> list[str]:
+        return [endpoint for endpoint, _ in self._peers.values()]
+
+    def on_beacon(self, address: str, endpoint: str, now: float) -> list[PeerAction]:
+        """A tower relayed a beacon; return what to do with the data SUB."""
+        if address == self.own_address:
+            return []
+        known = self._peers.get(address)
+        self._peers[address] = (endpoint, now + self.timeout)
+        if known is None:
+            return [Connect(endpoint, address)]
+        if known[0] != endpoint:
+            # Same node, new endpoint (it restarted with a persistent identity).
+            return [Disconnect(known[0], address), Connect(endpoint, address)]
+        return []
+
+    def expire(self, now: float) -> list[PeerAction]:
+        """Drop peers whose last beacon is older than the timeout."""
+        dead = [(a, e) for a, (e, expires) in self._peers.items() if expires <= now]
+        for address, _ in dead:
+            del self._peers[address]
+        return [Disconnect(endpoint, address) for address, endpoint in dead]

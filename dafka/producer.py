@@ -1,0 +1,445 @@
+"""The producer: publishes records to one partition of one topic.
+
+Each producer is one partition, named by its address.  ``publish`` assigns the
+next offset, sends a RECORD and keeps the record until a store acknowledges it
+(ACKs are cumulative).  FETCH requests are answered from the kept records with
+DIRECT-RECORDs.  Once something is published a HEAD goes out every interval,
+so consumers and stores notice what they missed.
+
+``publish`` is thread-safe and sends from the caller's thread (the data PUB is
+shared under a lock); ACKs, FETCHes and timers run in the node's I/O thread.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq
+
+from dafka import wire
+from dafka.config import NodeConfig
+from dafka.errors import BufferFullError, ClosedError, ProtocolError, PublishError
+from dafka.node import Node
+from dafka.unacked import UnackedWindow
+
+log = logging.getLogger("dafka.producer")
+
+_SNDMORE = zmq.SNDMORE
+_pack = wire.pack_u64
+
+
+class Receipt:
+    """The outcome of one ``publish``: its offset, and whether a store acked it.
+
+    Resolves exactly once: acknowledged, or failed with a :class:`PublishError`.
+    Costs no memory in the producer until a callback is attached.
+    """
+
+    __slots__ = ("offset", "_producer")
+
+    def __init__(self, producer: Producer, offset: int) -> None:
+        self.offset = offset
+        self._producer = producer
+
+    def __repr__(self) -> str:
+        state = "acked" if self.acked() else "failed" if self.failed() else "pending"
+        return f"<Receipt offset={self.offset} {state}>"
+
+    def acked(self) -> bool:
+        return self._producer._acked_upto() >= self.offset
+
+    def failed(self) -> bool:
+        return self._producer._failure_for(self.offset) is not None
+
+    def done(self) -> bool:
+        return self.acked() or self.failed()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until resolved; True when acknowledged, False on timeout.
+
+        Raises :class:`PublishError` if the record failed.
+        """
+        return self._producer._wait_for(self.offset, timeout)
+
+    def result(self, timeout: float | None = None) -> int:
+        """The offset once acknowledged; raises PublishError on failure or timeout."""
+        if not self.wait(timeout):
+            raise PublishError(f"offset {self.offset} not acknowledged within {timeout}s", self.offset)
+        return self.offset
+
+    def add_done_callback(self, fn: Callable[[Receipt], None]) -> None:
+        """Call ``fn(receipt)`` once resolved (from the producer's I/O thread)."""
+        self._producer._add_callback(self, fn)
+
+
+class Producer(Node):
+    """Publish records to ``topic``.
+
+    Parameters
+    ----------
+    topic:
+        The topic (subject) to publish to.
+    config / towers:
+        Node configuration; ``towers`` overrides ``config.towers``.
+    capacity:
+        How many records may wait for an ACK.  When full, ``publish`` blocks
+        up to ``publish_timeout`` seconds, then raises BufferFullError
+        (``publish_timeout=0`` raises at once).  Nothing is ever dropped.
+    acks:
+        False for a mesh without stores: publishes never wait, receipts
+        resolve at once, and the newest ``capacity`` records are kept to
+        answer FETCHes.
+    identity:
+        Path of a small JSON file holding the producer's address and offsets,
+        so that a restarted producer continues its partition.
+    """
+
+    kind = "producer"
+
+    def __init__(
+        self,
+        topic: str,
+        config: NodeConfig | None = None,
+        *,
+        towers: str | list[str] | None = None,
+        capacity: int = 1_000_000,
+        publish_timeout: float | None = 30.0,
+        acks: bool = True,
+        identity: str | os.PathLike[str] | None = None,
+        head_interval: float = 1.0,
+        resume_timeout: float = 3.0,
+    ) -> None:
+        if not topic or len(topic.encode()) > wire.MAX_STRING or "\x00" in topic:
+            raise ValueError("topic must be 1..255 bytes without NUL")
+        config = (config or NodeConfig()).with_towers(towers)
+        self.topic = topic
+        self.acks = acks
+        self.publish_timeout = publish_timeout
+        self.head_interval = head_interval
+        self._identity_path = Path(identity) if identity else None
+        saved = self._load_identity() if self._identity_path else None
+        super().__init__(config, address=saved["address"] if saved else None)
+        next_offset = 0
+        self._resume_until = 0.0
+        if saved:
+            next_offset = int(saved["acked"]) + 1
+            if int(saved["next"]) > next_offset:
+                # Unclean stop: ask the stores how far they got before going on.
+                self._resume_until = time.monotonic() + resume_timeout
+        self.window = UnackedWindow(capacity, next_offset, ring=not acks)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._closed = False
+        self._failure: PublishError | None = None
+        self._failed_from = 1 << 64  # offsets >= this failed with _failure
+        self._callbacks: list[tuple[int, int, Receipt, Callable[[Receipt], None]]] = []
+        self._callback_seq = 0
+        self._last_saved = -2
+        self._head_sent_at = 0.0
+        self._resume_head: int | None = None
+        self._resumed = threading.Event()
+        self._saved_at = 0.0
+        self.fetches_served = 0
+
+        self._prefix = wire.record_prefix(wire.RECORD, topic, self.address, topic)
+        self.subscribe(wire.P_ACK + self.address.encode())
+        self.subscribe(wire.P_FETCH + self.address.encode())
+        self.subscribe(wire.P_GET_HEADS + topic.encode())
+        if self._resume_until:
+            self.subscribe(wire.P_DIRECT_HEAD + self.address.encode())
+        self.every(head_interval, self._send_head)
+        self.start()
+        if self._resume_until:
+            self._resume()
+
+    # ---------------------------------------------------------------- public API
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close()
+
+    @property
+    def next_offset(self) -> int:
+        """The offset the next publish gets."""
+        return self.window.next
+
+    @property
+    def acked_offset(self) -> int:
+        """The highest offset a store has acknowledged (-1: none)."""
+        return self.window.acked
+
+    @property
+    def unacked(self) -> int:
+        return len(self.window)
+
+    def publish(
+        self,
+        content: bytes,
+        callback: Callable[[Receipt], None] | None = None,
+        *,
+        offset: int | None = None,
+        timeout: float | None = -1.0,
+    ) -> Receipt:
+        """Publish ``content``; return its :class:`Receipt` (offset + outcome).
+
+        ``offset`` makes resends idempotent: an offset below ``next_offset``
+        was already published and is not sent again; it must never be above.
+        ``timeout`` overrides ``publish_timeout`` for waiting on a full buffer.
+        """
+        with self._lock:
+            window = self.window
+            if offset is not None and offset != window.next:
+                if offset > window.next:
+                    raise ValueError(f"offset {offset} is beyond next offset {window.next}")
+                receipt = Receipt(self, offset)
+            else:
+                if window.full:
+                    self._wait_for_room(self.publish_timeout if timeout == -1.0 else timeout)
+                if self._closed:
+                    raise ClosedError("producer is closed")
+                seq = window.push(content)
+                send = self.publisher.send
+                send(self._prefix + _pack(seq), _SNDMORE)
+                send(content)
+                receipt = Receipt(self, seq)
+        if callback is not None:
+            self._add_callback(receipt, callback)
+        return receipt
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every published record is acknowledged; False on timeout."""
+        if not self.acks:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self.window.acked < self.window.next - 1 and self._failure is None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return self._failure is None
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Wait up to ``timeout`` for ACKs, then stop.
+
+        Returns True when everything published was acknowledged.  Records
+        still unacknowledged fail with a PublishError.
+        """
+        with self._lock:
+            if self._closed:
+                return self._failure is None
+        ok = self.flush(timeout)
+        with self._lock:
+            self._closed = True
+            if not ok and self._failure is None:
+                self._fail(PublishError(f"not acknowledged by a store within {timeout}s"))
+            self._cond.notify_all()
+        self.stop()
+        self._save_identity(force=True)
+        self._run_callbacks()
+        return ok
+
+    # ---------------------------------------------------------------- receipts
+
+    def _acked_upto(self) -> int:
+        return self.window.next - 1 if not self.acks else self.window.acked
+
+    def _failure_for(self, offset: int) -> PublishError | None:
+        if self._failure is not None and offset >= self._failed_from and offset > self._acked_upto():
+            return self._failure
+        return None
+
+    def _wait_for(self, offset: int, timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._acked_upto() < offset:
+                failure = self._failure_for(offset)
+                if failure is not None:
+                    raise PublishError(str(failure), offset)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
+    def _wait_for_room(self, timeout: float | None) -> None:
+        # Called with the lock held.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.window.full and not self._closed:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise BufferFullError(
+                    f"{len(self.window)} records wait for an ACK (capacity {self.window.capacity})"
+                )
+            self._cond.wait(remaining)
+
+    def _add_callback(self, receipt: Receipt, fn: Callable[[Receipt], None]) -> None:
+        with self._lock:
+            if not receipt.done():
+                self._callback_seq += 1
+                heapq.heappush(self._callbacks, (receipt.offset, self._callback_seq, receipt, fn))
+                return
+        self._call(fn, receipt)
+
+    def _call(self, fn: Callable[[Receipt], None], receipt: Receipt) -> None:
+        try:
+            fn(receipt)
+        except Exception:
+            log.exception("publish callback failed")
+
+    def _run_callbacks(self) -> None:
+        due = []
+        with self._lock:
+            heap = self._callbacks
+            upto = self._acked_upto()
+            while heap and (heap[0][0] <= upto or self._failure_for(heap[0][0]) is not None):
+                due.append(heapq.heappop(heap))
+        for _, _, receipt, fn in due:
+            self._call(fn, receipt)
+
+    def _fail(self, failure: PublishError) -> None:
+        # Called with the lock held.
+        self._failure = failure
+        self._failed_from = self.window.acked + 1
+
+    # ---------------------------------------------------------------- I/O thread
+
+    def on_data(self, frame: bytes) -> None:
+        try:
+            msg = wire.decode([frame, self.recv_content()] if frame[:1] in (b"M", b"D") else [frame])
+        except ProtocolError as exc:
+            self.bad_input("message", exc)
+            return
+        if isinstance(msg, wire.Ack):
+            if msg.topic == self.address and msg.subject == self.topic:
+                self._on_ack(msg.sequence)
+        elif isinstance(msg, wire.Fetch):
+            if msg.topic == self.address and msg.subject == self.topic:
+                self._on_fetch(msg)
+        elif isinstance(msg, wire.GetHeads):
+            if msg.topic == self.topic and self.window.next > 0:
+                self._send_locked(
+                    wire.encode(
+                        wire.DirectHead(msg.address, self.address, self.topic, self.window.next - 1)
+                    )
+                )
+        elif isinstance(msg, wire.DirectHead):
+            if msg.address == self.address and msg.subject == self.topic:
+                head = msg.sequence
+                if self._resume_head is None or head > self._resume_head:
+                    self._resume_head = head
+                self._resumed.set()
+
+    def _on_ack(self, seq: int) -> None:
+        with self._lock:
+            newly = self.window.ack(seq)
+            if newly:
+                self._cond.notify_all()
+        if newly:
+            if self._callbacks:
+                self._run_callbacks()
+            self._save_identity()
+
+    def _on_fetch(self, fetch: wire.Fetch) -> None:
+        prefix = wire.record_prefix(wire.DIRECT_RECORD, fetch.address, self.address, self.topic)
+        records = list(self.window.fetch(fetch.sequence, fetch.count))
+        for start in range(0, len(records), 1000):
+            with self._lock:
+                if self._closed:
+                    return
+                send = self.publisher.send
+                for seq, content in records[start : start + 1000]:
+                    send(prefix + _pack(seq), _SNDMORE)
+                    send(content)
+        self.fetches_served += 1
+
+    def _send_locked(self, frames: list[bytes]) -> None:
+        with self._lock:
+            if not self._closed:
+                self.publisher.send_multipart(frames)
+
+    def _send_head(self, now: float) -> None:
+        last = self.window.next - 1
+        if last >= 0:
+            self._send_locked(wire.encode(wire.Head(self.topic, self.address, self.topic, last)))
+
+    def close_publisher(self) -> None:
+        with self._lock:
+            self._closed = True
+            self.publisher.close()
+
+    def on_tick(self, now: float) -> None:
+        if self._callbacks:
+            self._run_callbacks()
+        if self._identity_path is not None and self.window.acked != self._last_saved:
+            self._save_identity()
+
+    # ---------------------------------------------------------------- identity
+
+    def _resume(self) -> None:
+        """After an unclean stop, learn the stores' head of our partition."""
+        get_heads = wire.encode(wire.GetHeads(self.topic, self.address))
+        while time.monotonic() < self._resume_until and not self._resumed.is_set():
+            self._send_locked(get_heads)
+            self._resumed.wait(min(0.2, max(0.0, self._resume_until - time.monotonic())))
+        head = self._resume_head
+        with self._lock:
+            if head is not None and head >= self.window.next:
+                self.window = UnackedWindow(self.window.capacity, head + 1, ring=not self.acks)
+        log.info(
+            "producer %s resumes %s at offset %d (store head %s)",
+            self.address,
+            self.topic,
+            self.window.next,
+            head,
+        )
+        self._save_identity(force=True)
+
+    def _load_identity(self) -> dict[str, object] | None:
+        path = self._identity_path
+        assert path is not None
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"identity file {path} is unreadable: {exc}") from exc
+        if data.get("topic") != self.topic:
+            raise ValueError(f"identity file {path} belongs to topic {data.get('topic')!r}")
+        return data
+
+    def _save_identity(self, force: bool = False) -> None:
+        path = self._identity_path
+        if path is None:
+            return
+        acked = self.window.acked
+        now = time.monotonic()
+        # Throttled: an fsync per ACK would slow the I/O thread down.
+        if not force and (acked == self._last_saved or now - self._saved_at < 0.5):
+            return
+        self._last_saved = acked
+        self._saved_at = now
+        data = {
+            "address": self.address,
+            "topic": self.topic,
+            "acked": acked,
+            "next": self.window.next,
+        }
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            with tmp.open("w") as f:
+                json.dump(data, f)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(path)
+        except OSError:
+            log.exception("cannot save producer identity to %s", path)

@@ -1,0 +1,149 @@
+"""Byte layout of the store's LMDB keys and values (format version 1).
+
+Pure functions and precompiled :class:`struct.Struct` objects, no LMDB.
+The layout itself is documented in :mod:`dafka.store.db`; in short::
+
+    meta        b"format"              -> version:u32
+    partitions  tlen:u8 topic plen:u8 partition
+                                       -> pid:u32 first:u64 last:u64 count:u64 bytes:u64
+    pids        pid:u32                -> the partition key above
+    records     pid:u32 offset:u64     -> ts_ms:u64 flags:u8 [klen:u8 key] content
+
+All integers are big-endian so that LMDB's bytewise key order is numeric order.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+FORMAT_VERSION = 1
+
+#: Value flag: a Tank message key follows the flags byte.
+FLAG_KEY = 0x01
+#: Value flag: ``ts_ms`` was supplied by the producer (Tank), not stamped by the store.
+FLAG_PRODUCER_TS = 0x02
+
+MAX_NAME = 255  # topic, partition and key lengths are one byte
+MAX_U64 = (1 << 64) - 1
+
+VALUE_HEADER_SIZE = 9  # ts_ms:u64 + flags:u8
+RECORD_KEY_SIZE = 12  # pid:u32 + offset:u64
+
+U32 = struct.Struct(">I")
+U64 = struct.Struct(">Q")
+RECORD_KEY = struct.Struct(">IQ")
+VALUE_HEADER = struct.Struct(">QB")
+PARTITION_INFO = struct.Struct(">IQQQQ")
+
+META_FORMAT = b"format"
+
+
+class PartitionInfo(NamedTuple):
+    """What the store knows about one partition.
+
+    ``last`` is the head: the highest offset ever stored, kept even after
+    retention removed every record.  ``first`` is the oldest offset still
+    stored; ``first == last + 1`` (and ``count == 0``) when none is left.
+    ``bytes`` is the payload total (content plus Tank key) of the stored records.
+    """
+
+    topic: str
+    partition: str
+    pid: int
+    first: int
+    last: int
+    count: int
+    bytes: int
+
+
+def encode_name(name: str, what: str) -> bytes:
+    """UTF-8 encode a topic or partition name, checking the one-byte length limit."""
+    if not isinstance(name, str):
+        raise TypeError(f"{what} must be str, not {type(name).__name__}")
+    raw = name.encode("utf-8")
+    if len(raw) > MAX_NAME:
+        raise ValueError(f"{what} is {len(raw)} bytes long, at most {MAX_NAME} allowed")
+    return raw
+
+
+def pack_partition_key(topic: str, partition: str) -> bytes:
+    """``tlen:u8 topic plen:u8 partition``; topics must not contain NUL."""
+    t = encode_name(topic, "topic")
+    if b"\x00" in t:
+        raise ValueError("topic must not contain NUL")
+    p = encode_name(partition, "partition")
+    return bytes((len(t),)) + t + bytes((len(p),)) + p
+
+
+def unpack_partition_key(key: bytes) -> tuple[str, str]:
+    """Inverse of :func:`pack_partition_key`; raises ValueError on malformed keys."""
+    tlen = key[0]
+    t_end = 1 + tlen
+    plen = key[t_end]
+    if len(key) != t_end + 1 + plen:
+        raise ValueError(f"malformed partition key {key!r}")
+    return key[1:t_end].decode("utf-8"), key[t_end + 1 :].decode("utf-8")
+
+
+def topic_prefix(topic: str) -> bytes:
+    """The common prefix of every partition key of ``topic``."""
+    t = encode_name(topic, "topic")
+    return bytes((len(t),)) + t
+
+
+def pack_record_key(pid: int, offset: int) -> bytes:
+    """``pid:u32 offset:u64``, 12 bytes."""
+    return RECORD_KEY.pack(pid, offset)
+
+
+def unpack_record_key(key: bytes) -> tuple[int, int]:
+    """Inverse of :func:`pack_record_key`: ``(pid, offset)``."""
+    pid, offset = RECORD_KEY.unpack(key)
+    return pid, offset
+
+
+def pack_value(
+    ts_ms: int, content: bytes, key: bytes | None = None, ts_from_producer: bool = False
+) -> bytes:
+    """``ts_ms:u64 flags:u8 [klen:u8 key] content``."""
+    flags = FLAG_PRODUCER_TS if ts_from_producer else 0
+    if key is None:
+        return VALUE_HEADER.pack(ts_ms, flags) + content
+    if len(key) > MAX_NAME:
+        raise ValueError(f"record key is {len(key)} bytes long, at most {MAX_NAME} allowed")
+    return VALUE_HEADER.pack(ts_ms, flags | FLAG_KEY) + bytes((len(key),)) + key + content
+
+
+def unpack_value(value: bytes) -> tuple[int, int, bytes | None, bytes]:
+    """Inverse of :func:`pack_value`: ``(ts_ms, flags, key or None, content)``."""
+    ts_ms, flags = VALUE_HEADER.unpack_from(value)
+    if flags & FLAG_KEY:
+        klen = value[9]
+        return ts_ms, flags, bytes(value[10 : 10 + klen]), bytes(value[10 + klen :])
+    return ts_ms, flags, None, bytes(value[9:])
+
+
+def value_content(value: bytes) -> bytes:
+    """Only the content of a stored value (what a plain Dafka consumer gets)."""
+    if value[8] & FLAG_KEY:
+        return value[10 + value[9] :]
+    return value[9:]
+
+
+def value_payload_size(value: bytes) -> int:
+    """Bytes a stored value adds to a partition's ``bytes`` total (content + key)."""
+    if value[8] & FLAG_KEY:
+        return len(value) - 10
+    return len(value) - 9
+
+
+def pack_info(pid: int, first: int, last: int, count: int, nbytes: int) -> bytes:
+    """Value of the ``partitions`` table."""
+    return PARTITION_INFO.pack(pid, first, last, count, nbytes)
+
+
+def unpack_info(value: bytes) -> tuple[int, int, int, int, int]:
+    """Inverse of :func:`pack_info`: ``(pid, first, last, count, bytes)``."""
+    pid, first, last, count, nbytes = PARTITION_INFO.unpack(value)
+    return pid, first, last, count, nbytes

@@ -1,0 +1,139 @@
+"""The tower: where nodes find each other.
+
+An XSUB takes node beacons in (``B, address, host, port``) and an XPUB sends
+tower beacons out (``B, address, tcp://host:port``) to every node; when the
+node gave no host, the connection's Peer-Address is used.  Subscriptions that
+arrive on the XPUB are forwarded to the XSUB (so the nodes' beacon PUBs send
+their beacons), except the ``W`` welcome subscriptions.  New subscribers get a
+one-frame ``W`` welcome message.  Unlike the reference tower, nothing here
+needs a network interface besides loopback.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import zmq
+
+from dafka import wire
+from dafka.errors import ProtocolError
+from dafka.node import ErrorLog
+
+log = logging.getLogger("dafka.tower")
+
+
+class Tower:
+    """A tower bound on ``beacon_in`` (XSUB) and ``beacon_out`` (XPUB).
+
+    Use as a context manager or call :meth:`start` / :meth:`close`.  Ports may
+    be 0 to bind ephemeral ones (see :attr:`in_port` / :attr:`out_port`).
+    """
+
+    def __init__(self, bind: str = "*", in_port: int = 5556, out_port: int = 5557) -> None:
+        self.ctx = zmq.Context.instance()
+        self.xsub = self.ctx.socket(zmq.XSUB)
+        self.xsub.setsockopt(zmq.LINGER, 0)
+        self.xpub = self.ctx.socket(zmq.XPUB)
+        self.xpub.setsockopt(zmq.LINGER, 0)
+        self.xpub.setsockopt(zmq.XPUB_WELCOME_MSG, wire.WELCOME)
+        try:
+            self.in_port = self._bind(self.xsub, bind, in_port)
+            self.out_port = self._bind(self.xpub, bind, out_port)
+        except zmq.ZMQError:
+            self.xsub.close(0)
+            self.xpub.close(0)
+            raise
+        self.bad_input = ErrorLog(log)
+        self.beacons = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        log.info("tower: beacons in on %s:%d, out on %s:%d", bind, self.in_port, bind, self.out_port)
+
+    @staticmethod
+    def _bind(sock: zmq.Socket, host: str, port: int) -> int:
+        if port == 0:
+            return sock.bind_to_random_port(f"tcp://{host}")
+        sock.bind(f"tcp://{host}:{port}")
+        return port
+
+    def __enter__(self) -> Tower:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self.run, name="dafka-tower", daemon=True)
+            self._thread.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        else:
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self.xsub.close(0)
+        self.xpub.close(0)
+
+    def run(self) -> None:
+        """Serve until :meth:`close` (blocking; :meth:`start` runs it in a thread)."""
+        poller = zmq.Poller()
+        poller.register(self.xsub, zmq.POLLIN)
+        poller.register(self.xpub, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                for sock, _ in poller.poll(200):
+                    try:
+                        if sock is self.xsub:
+                            self._relay_beacons()
+                        else:
+                            self._forward_subscriptions()
+                    except zmq.ZMQError as exc:
+                        if exc.errno == zmq.ETERM:
+                            return
+                        log.exception("tower socket error")
+        finally:
+            self._close_sockets()
+
+    def _relay_beacons(self) -> None:
+        for _ in range(1000):
+            try:
+                first = self.xsub.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            frames = [first.bytes]
+            while self.xsub.getsockopt(zmq.RCVMORE):
+                frames.append(self.xsub.recv())
+            try:
+                address, host, port = wire.decode_node_beacon(frames)
+            except ProtocolError as exc:
+                self.bad_input("node beacon", exc)
+                continue
+            if not host:
+                try:
+                    host = first.get("Peer-Address")
+                except zmq.ZMQError:
+                    host = "127.0.0.1"  # inproc/ipc peers have no address
+            if ":" in host and not host.startswith("["):
+                host = f"[{host}]"  # IPv6 literal
+            self.xpub.send_multipart(wire.tower_beacon(address, f"tcp://{host}:{port}"))
+            self.beacons += 1
+
+    def _forward_subscriptions(self) -> None:
+        for _ in range(1000):
+            try:
+                frame = self.xpub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            # Welcome subscriptions stay here; the rest reach the nodes' PUBs.
+            if len(frame) >= 2 and frame[1:2] == wire.WELCOME:
+                continue
+            if not frame or frame[0] > 1:
+                self.bad_input("subscription", "not a (un)subscribe frame")
+                continue
+            self.xsub.send(frame)
