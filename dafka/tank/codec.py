@@ -14,6 +14,7 @@ negative varint, ...).
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 
 from dafka.errors import ProtocolError
 
@@ -122,7 +123,7 @@ def encode_str8(value: str | bytes) -> bytes:
     b = value.encode() if isinstance(value, str) else bytes(value)
     if len(b) > 255:
         raise ProtocolError(f"str8 value is {len(b)} bytes, more than 255")
-    return _VARINT1[len(b)] + b if len(b) < 128 else bytes((len(b),)) + b
+    return bytes((len(b),)) + b
 
 
 def decode_text(b: bytes) -> str:
@@ -283,7 +284,7 @@ class FrameBuffer:
             self._pos = stop
         return msg_id, payload
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
         """Yield every complete frame currently buffered."""
         while (frame := self.next_frame()) is not None:
             yield frame

@@ -1,0 +1,282 @@
+"""The ``dafka`` command line.
+
+Sub-commands: ``tower``, ``produce``, ``consume``, ``up`` (the services of
+``make run``), ``bench``, and the store/gateway commands when available.
+Tower addresses come from ``--tower`` (repeatable, or comma-separated), the
+TOML file of ``--config`` / ``$DAFKA_CONFIG``, or ``$DAFKA_TOWERS``; with none
+of them the tower on 127.0.0.1 is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from dafka.config import NodeConfig, Settings, load_settings
+from dafka.errors import DafkaError
+
+log = logging.getLogger("dafka.cli")
+
+Command = Callable[[argparse.Namespace, Settings], int]
+_COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str) -> Callable[[Command], Command]:
+    def register(fn: Command) -> Command:
+        _COMMANDS[name] = fn
+        return fn
+
+    return register
+
+
+def node_config(args: argparse.Namespace, settings: Settings) -> NodeConfig:
+    cfg = settings.node
+    if getattr(args, "tower", None):
+        cfg = cfg.with_towers(",".join(args.tower))
+    if getattr(args, "bind", None):
+        cfg = replace(cfg, bind=args.bind)
+    if getattr(args, "advertise", None) is not None:
+        cfg = replace(cfg, advertise=args.advertise)
+    return cfg
+
+
+def wait_for_signal(stop: threading.Event) -> None:
+    """Block until SIGINT/SIGTERM (or ``stop`` is set)."""
+
+    def handler(signum: int, frame: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    while not stop.wait(0.5):
+        pass
+
+
+# ---------------------------------------------------------------- tower
+
+
+@command("tower")
+def cmd_tower(args: argparse.Namespace, settings: Settings) -> int:
+    from dafka.tower import Tower
+
+    section = settings.section("tower")
+    bind = args.bind or section.get("bind", "*")
+    in_port = args.in_port if args.in_port is not None else int(section.get("beacon_in_port", 5556))
+    out_port = args.out_port if args.out_port is not None else int(section.get("beacon_out_port", 5557))
+    with Tower(bind, in_port, out_port) as tower:
+        print(f"tower up: beacons in tcp://{bind}:{tower.in_port}, out tcp://{bind}:{tower.out_port}", flush=True)
+        wait_for_signal(threading.Event())
+    return 0
+
+
+# ---------------------------------------------------------------- produce
+
+
+@command("produce")
+def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
+    from dafka.producer import Producer
+
+    cfg = node_config(args, settings)
+    source = open(args.file, "rb") if args.file else sys.stdin.buffer  # noqa: SIM115
+    producer = Producer(
+        args.topic,
+        cfg,
+        acks=not args.no_ack,
+        identity=args.identity,
+        capacity=args.capacity,
+        publish_timeout=args.timeout,
+    )
+    try:
+        if args.no_ack:
+            # Without stores nobody keeps the records: give consumers a moment to connect.
+            deadline = time.monotonic() + args.wait_peers
+            while len(producer.peers) == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        count = 0
+        last = None
+        batch: list[bytes] = []
+        for line in source:
+            batch.append(line.rstrip(b"\r\n"))
+            if len(batch) >= 1000:
+                last = producer.publish_many(batch)
+                count += len(batch)
+                batch = []
+        if batch:
+            last = producer.publish_many(batch)
+            count += len(batch)
+        if args.no_ack:
+            time.sleep(args.linger)  # answer late FETCHes from the kept records
+            producer.close(0)
+            print(f"published {count} records (no acknowledgement requested)", file=sys.stderr)
+            return 0
+        ok = producer.close(args.timeout)
+        if ok:
+            print(f"published {count} records, all acknowledged", file=sys.stderr)
+            return 0
+        acked = producer.acked_offset + 1 - (producer.next_offset - count)
+        print(
+            f"error: {count - max(acked, 0)} of {count} records were not acknowledged by a store "
+            f"within {args.timeout}s (is a store running?)",
+            file=sys.stderr,
+        )
+        del last
+        return 1
+    finally:
+        if args.file:
+            source.close()
+        producer.close(0)
+
+
+# ---------------------------------------------------------------- consume
+
+
+@command("consume")
+def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
+    from dafka.consumer import Consumer
+
+    cfg = node_config(args, settings)
+    consumer = Consumer(
+        args.topic, cfg, offset_reset="earliest" if args.from_beginning else "latest"
+    )
+    out = sys.stdout.buffer
+    seen = 0
+    deadline = time.monotonic() + args.timeout if args.timeout else None
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.is_set() and (args.count is None or seen < args.count):
+            wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            if wait <= 0:
+                break
+            record = consumer.poll(wait)
+            if record is None:
+                continue
+            seen += 1
+            if args.verbose:
+                out.write(f"{record.topic} {record.partition} {record.offset} ".encode())
+            out.write(record.content + b"\n")
+            if args.count is not None or seen % 1000 == 0:
+                out.flush()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        out.flush()
+        consumer.close()
+    if args.count is not None and seen < args.count:
+        print(f"error: got {seen} of {args.count} records within {args.timeout}s", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------- up
+
+
+@command("up")
+def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
+    from dafka.services import Services
+
+    with Services(settings, data_dir=args.data, bind=args.bind or "127.0.0.1") as services:
+        for line in services.describe():
+            print(line, flush=True)
+        wait_for_signal(threading.Event())
+    return 0
+
+
+# ---------------------------------------------------------------- bench
+
+
+@command("bench")
+def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
+    from dafka import bench
+
+    return bench.main(args)
+
+
+# ---------------------------------------------------------------- parser
+
+
+def _add_node_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tower",
+        action="append",
+        metavar="HOST[:IN[:OUT]]",
+        help="tower to use (repeatable; default 127.0.0.1:5556:5557)",
+    )
+    p.add_argument("--bind", help="interface the node binds (default: all)")
+    p.add_argument("--advertise", help="host to announce in beacons (default: as the tower sees us)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dafka", description="Dafka: brokerless streaming over ZeroMQ")
+    parser.add_argument("--config", help="TOML config file (default: $DAFKA_CONFIG)")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("tower", help="run a tower (discovery service)")
+    p.add_argument("--bind", help="interface to bind (default *, or [tower] bind)")
+    p.add_argument("--in-port", type=int, help="beacons in (XSUB) port, default 5556")
+    p.add_argument("--out-port", type=int, help="beacons out (XPUB) port, default 5557")
+
+    p = sub.add_parser("produce", help="publish one record per input line")
+    p.add_argument("topic")
+    _add_node_flags(p)
+    p.add_argument("--file", help="read records from this file instead of stdin")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for acknowledgements")
+    p.add_argument("--no-ack", action="store_true", help="do not wait for a store (none running)")
+    p.add_argument("--identity", help="persistent producer identity file (continue a partition)")
+    p.add_argument("--capacity", type=int, default=1_000_000, help="max unacknowledged records")
+    p.add_argument("--wait-peers", type=float, default=2.0, help="--no-ack: seconds to wait for a peer")
+    p.add_argument("--linger", type=float, default=1.0, help="--no-ack: seconds to serve FETCHes after the last record")
+
+    p = sub.add_parser("consume", help="print records, one per line")
+    p.add_argument("topic", nargs="+")
+    _add_node_flags(p)
+    p.add_argument("--from-beginning", action="store_true", help="start at offset 0 (earliest)")
+    p.add_argument("--count", type=int, help="exit after this many records")
+    p.add_argument("--timeout", type=float, help="give up after this many seconds")
+    p.add_argument("-v", "--verbose", action="store_true", help="prefix topic, partition and offset")
+
+    p = sub.add_parser("up", help="run the main services (tower + store + gateway) on loopback")
+    p.add_argument("--data", default="var", help="data directory (default ./var)")
+    p.add_argument("--bind", help="interface to bind (default 127.0.0.1)")
+
+    p = sub.add_parser("bench", help="measure throughput")
+    from dafka import bench
+
+    bench.add_arguments(p)
+
+    for extra in _EXTRA_PARSERS:
+        extra(sub)
+    return parser
+
+
+_EXTRA_PARSERS: list[Callable[[Any], None]] = []
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        settings = load_settings(args.config)
+        return _COMMANDS[args.command](args, settings)
+    except DafkaError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

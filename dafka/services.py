@@ -1,0 +1,63 @@
+"""The main services in one process, for ``dafka up`` / ``make run``.
+
+A tower on the standard ports, plus a store and a Tank gateway when those
+components are available, all bound to loopback with data under ``./var``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from dafka.config import Settings, TowerAddress
+from dafka.tower import Tower
+
+log = logging.getLogger("dafka.services")
+
+
+class Services:
+    """Start the tower (and store/gateway) on ``bind``; close them in reverse order."""
+
+    def __init__(self, settings: Settings, *, data_dir: str = "var", bind: str = "127.0.0.1") -> None:
+        self.settings = settings
+        self.data_dir = Path(data_dir)
+        self.bind = bind
+        self.started: list[tuple[str, Any]] = []
+
+    def __enter__(self) -> Services:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        section = self.settings.section("tower")
+        in_port = int(section.get("beacon_in_port", 5556))
+        out_port = int(section.get("beacon_out_port", 5557))
+        tower = Tower(self.bind, in_port, out_port)
+        tower.start()
+        self.started.append((f"tower      beacons in tcp://{self.bind}:{in_port}, out tcp://{self.bind}:{out_port}", tower))
+        node = replace(
+            self.settings.node,
+            towers=(TowerAddress(self.bind if self.bind not in ("*", "0.0.0.0") else "127.0.0.1", in_port, out_port),),
+            bind=self.bind,
+        )
+        for starter in _STARTERS:
+            try:
+                self.started.append(starter(self.settings, node, self.data_dir))
+            except Exception:
+                self.__exit__()
+                raise
+        return self
+
+    def describe(self) -> list[str]:
+        return [name for name, _ in self.started]
+
+    def __exit__(self, *exc: object) -> None:
+        while self.started:
+            name, service = self.started.pop()
+            try:
+                service.close()
+            except Exception:
+                log.exception("closing %s failed", name.split()[0])
+
+
+# Components register a starter: (settings, node_config, data_dir) -> (description, service).
+_STARTERS: list[Any] = []

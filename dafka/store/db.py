@@ -1,0 +1,967 @@
+"""LMDB record storage of a Dafka store: every record of every partition.
+
+No sockets and no threads: the store node calls :class:`RecordDB` from its own
+threads (any number of readers, one writer at a time), and other processes
+(the PySpark connector, ``dafka topics``) open the same directory with
+``readonly=True`` while the store writes.
+
+Layout (format version 1)
+=========================
+
+One LMDB environment (a directory holding ``data.mdb`` and ``lock.mdb``) with
+four named sub-databases.  All integers are unsigned big-endian, so LMDB's
+bytewise key order is numeric order.
+
+``meta``
+    ``b"format"`` -> ``version:u32`` (1).  Opening a store of another version
+    raises :class:`StorageError`.
+
+``partitions`` -- one entry per partition ever stored
+    key:   ``topic_len:u8  topic  partition_len:u8  partition`` (UTF-8;
+    topics contain no NUL; each name at most 255 bytes)
+
+    value: ``pid:u32  first:u64  last:u64  count:u64  bytes:u64`` (36 bytes)
+
+    ``pid`` is the compact partition id used in record keys, ``last`` is the
+    head (highest offset ever stored; it stays when retention removes every
+    record, so the store never re-fetches them), ``first`` the oldest offset
+    still stored (``last + 1`` when none is left), ``count`` the number of
+    stored records (always ``last - first + 1``: offsets are contiguous) and
+    ``bytes`` their payload total (content plus Tank key, headers excluded).
+
+``pids``
+    ``pid:u32`` -> the partition key above (reverse map; pids are allocated in
+    increasing order, the next one is the last key + 1, never reused).
+
+``records``
+    key:   ``pid:u32  offset:u64`` (12 bytes): one partition's records are one
+    contiguous key range and the newest partition appends at the very end.
+
+    value: ``ts_ms:u64  flags:u8  [key_len:u8  key  if flags & 1]  content``
+
+    ``ts_ms`` is when the store received the record, except for records
+    published through the Tank gateway, whose Tank timestamp is kept
+    (``flags & 2``: "timestamp supplied by the producer").  The key is the
+    optional Tank message key.  Other flag bits are reserved (zero).
+
+Durability and concurrency
+==========================
+
+* :meth:`RecordDB.append` writes a whole batch in one write transaction and
+  commits it (fsync'ed unless ``sync=False``) before returning; a crash (even
+  SIGKILL) keeps every batch whose ``append`` returned and nothing of a batch
+  whose ``append`` did not.
+* Readers use short read-only transactions (never held across a ``yield``),
+  so they see a consistent snapshot and never block the writer or retention.
+* The map grows on demand (doubling, up to ``max_map_size``); other processes
+  adopt the new size on their next transaction.
+* The environment is opened without ``writemap``, so a full disk surfaces as a
+  failed write (:class:`StorageFullError`), never as a SIGBUS.
+* LMDB allows one open environment per directory per process: share one
+  :class:`RecordDB` between the threads of a process, and do not carry one
+  across ``fork()``.
+"""
+
+from __future__ import annotations
+
+import errno
+import heapq
+import logging
+import os
+import struct
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from itertools import islice, repeat
+from operator import itemgetter
+from typing import Any, NamedTuple, TypeVar
+
+import lmdb
+
+from dafka.errors import ClosedError, DafkaError
+from dafka.store.layout import (
+    FLAG_KEY,
+    FLAG_PRODUCER_TS,
+    FORMAT_VERSION,
+    MAX_NAME,
+    META_FORMAT,
+    PARTITION_INFO,
+    RECORD_KEY,
+    U32,
+    VALUE_HEADER,
+    PartitionInfo,
+    pack_partition_key,
+    topic_prefix,
+    unpack_partition_key,
+    value_payload_size,
+)
+
+__all__ = [
+    "DEFAULT_MAP_SIZE",
+    "PartitionInfo",
+    "ReadRecord",
+    "RecordDB",
+    "Retention",
+    "RetentionPolicy",
+    "RetentionResult",
+    "StorageError",
+    "StorageFullError",
+    "StoreRecord",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAP_SIZE = 64 << 20  # initial map; grows by doubling
+MAX_DBS = 8
+MAX_READERS = 512  # concurrent read transactions over all processes
+READ_CHUNK = 1024  # records per read transaction in read()
+_PKEY_CACHE_MAX = 65536
+
+# errno values that mean "the write did not fit" (LMDB reports short writes as EIO).
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+
+_T = TypeVar("_T")
+
+
+class StorageError(DafkaError):
+    """The record database cannot do what was asked (wrong format, read-only, corrupt)."""
+
+
+class StorageFullError(StorageError):
+    """A write did not fit: the disk is full or ``max_map_size`` was reached.
+
+    Nothing of the failed batch was committed and everything committed before
+    is intact; the database stays usable (reads, retention, smaller writes).
+    """
+
+
+class StoreRecord(NamedTuple):
+    """One record for :meth:`RecordDB.append`.
+
+    Plain tuples of 5, 6 or 7 items in this order are accepted too (and are
+    the cheapest to build): ``(topic, partition, offset, content, ts_ms)``
+    with optional ``key`` and ``ts_from_producer``.
+    """
+
+    topic: str
+    partition: str
+    offset: int
+    content: bytes
+    ts_ms: int
+    key: bytes | None = None
+    ts_from_producer: bool = False
+
+
+class ReadRecord(NamedTuple):
+    """One record yielded by :meth:`RecordDB.read`."""
+
+    offset: int
+    ts_ms: int
+    key: bytes | None
+    content: bytes
+
+
+class Retention(NamedTuple):
+    """Limits of one topic; ``None`` keeps everything."""
+
+    max_age_ms: int | None = None
+    max_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """Retention limits: ``topics[topic]`` if present (it replaces ``default``
+    entirely), else ``default``.  The default policy keeps everything."""
+
+    default: Retention = Retention()
+    topics: Mapping[str, Retention] = field(default_factory=dict)
+
+    def for_topic(self, topic: str) -> Retention:
+        """The limits that apply to ``topic``."""
+        return self.topics.get(topic, self.default)
+
+
+class RetentionResult(NamedTuple):
+    """Outcome of one :meth:`RecordDB.enforce_retention` call."""
+
+    deleted: int  # records removed
+    freed_bytes: int  # payload bytes removed
+    more: bool  # the budget ran out while records were still due: call again
+
+
+class _Gate:
+    """Counts this process's open read transactions so the map can be resized
+    (or the environment reopened) only when none is open, as LMDB requires."""
+
+    __slots__ = ("_cond", "_readers", "_exclusive")
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._exclusive = False
+
+    def enter(self) -> None:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._readers += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            if self._readers == 0:
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._exclusive = True  # stops new readers from entering
+            while self._readers:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+class _Dbs(NamedTuple):
+    """Handles of the four sub-databases."""
+
+    meta: Any
+    partitions: Any
+    pids: Any
+    records: Any
+
+
+_DB_NAMES = tuple(name.encode() for name in _Dbs._fields)
+
+
+_get0 = itemgetter(0)
+_get1 = itemgetter(1)
+_get2 = itemgetter(2)
+_get3 = itemgetter(3)
+_get4 = itemgetter(4)
+_get5 = itemgetter(5)
+_get6 = itemgetter(6)
+
+
+def _group(batch: Sequence[Sequence[Any]]) -> dict[tuple[str, str], Sequence[Sequence[Any]]]:
+    """Split a batch per partition, keeping each partition's arrival order."""
+    first = batch[0]
+    n = len(batch)
+    # Common case, one partition: a few C-level passes, no Python loop.
+    if (
+        list(map(_get1, batch)).count(first[1]) == n
+        and list(map(_get0, batch)).count(first[0]) == n
+    ):
+        return {(first[0], first[1]): batch}
+    groups: dict[tuple[str, str], Sequence[Sequence[Any]]] = {}
+    cur_t: object = None
+    cur_p: object = None
+    add: Callable[[Sequence[Any]], None] = list().append
+    for rec in batch:
+        t = rec[0]
+        p = rec[1]
+        # Comparing with the previous record's names is cheaper than hashing a tuple.
+        if p != cur_p or t != cur_t:
+            tp = (t, p)
+            got = groups.get(tp)
+            if got is None:
+                got = groups[tp] = []
+            add = got.append  # type: ignore[attr-defined]
+            cur_t = t
+            cur_p = p
+        add(rec)
+    return groups
+
+
+# What _pack_run returns: keys, values, next offset, payload bytes, duplicates skipped.
+_Packed = tuple[list[bytes], list[bytes], int, int, int]
+
+
+def _pack_run(pid: int, nxt: int, recs: Sequence[Sequence[Any]], tp: tuple[str, str]) -> _Packed:
+    """Pack one partition's records that must continue at offset ``nxt``."""
+    n = len(recs)
+    # Fast path: offsets exactly nxt..nxt+n-1, no Tank key or timestamp.  Every
+    # step is one C-level pass (map/itemgetter/struct), no per-record bytecode.
+    if recs[0][2] == nxt and recs[-1][2] == nxt + n - 1:
+        lens = set(map(len, recs))
+        plain = lens == {5} or (
+            lens == {7} and list(map(_get5, recs)).count(None) == n and not any(map(_get6, recs))
+        )
+        end = nxt + n
+        if plain and list(map(_get2, recs)) == list(range(nxt, end)):
+            contents = list(map(_get3, recs))
+            tss = list(map(_get4, recs))
+            pack_hdr = VALUE_HEADER.pack
+            if tss.count(tss[0]) == n:
+                # The store stamps a batch with one receive time: one header.
+                values = list(map(pack_hdr(tss[0], 0).__add__, contents))
+            else:
+                hdrs = {ts: pack_hdr(ts, 0) for ts in set(tss)}
+                values = list(map(bytes.__add__, map(hdrs.__getitem__, tss), contents))
+            keys = list(map(RECORD_KEY.pack, repeat(pid, n), range(nxt, end)))
+            return keys, values, end, sum(map(len, contents)), 0
+    return _pack_run_slow(pid, nxt, recs, tp)
+
+
+def _pack_run_slow(
+    pid: int, nxt: int, recs: Sequence[Sequence[Any]], tp: tuple[str, str]
+) -> _Packed:
+    """General case of :func:`_pack_run`: duplicates, gaps, keys, producer timestamps.
+
+    A record below ``nxt`` is a duplicate (skipped and counted); above it, a
+    gap (ValueError, which rejects the whole batch).
+    """
+    pack_key = RECORD_KEY.pack
+    pack_hdr = VALUE_HEADER.pack
+    keys: list[bytes] = []
+    values: list[bytes] = []
+    add_key = keys.append
+    add_value = values.append
+    nbytes = 0
+    dups = 0
+    hdr_ts: object = None
+    hdr = b""
+    for rec in recs:
+        off = rec[2]
+        if off != nxt:
+            if off < nxt:
+                dups += 1
+                continue
+            raise ValueError(
+                f"gap in {tp[0]!r}/{tp[1]!r}: offset {off} after head {nxt - 1} "
+                "(offsets must be contiguous)"
+            )
+        content = rec[3]
+        if len(rec) > 5 and (rec[5] is not None or (len(rec) > 6 and rec[6])):
+            key = rec[5]
+            flags = FLAG_PRODUCER_TS if len(rec) > 6 and rec[6] else 0
+            if key is None:
+                value = pack_hdr(rec[4], flags) + content
+            else:
+                if len(key) > MAX_NAME:
+                    raise ValueError(f"record key of {len(key)} bytes, at most {MAX_NAME}")
+                value = pack_hdr(rec[4], flags | FLAG_KEY) + bytes((len(key),)) + key + content
+                nbytes += len(key)
+        else:
+            ts = rec[4]
+            if ts != hdr_ts:
+                hdr = pack_hdr(ts, 0)
+                hdr_ts = ts
+            value = hdr + content
+        nbytes += len(content)
+        add_key(pack_key(pid, off))
+        add_value(value)
+        nxt += 1
+    return keys, values, nxt, nbytes, dups
+
+
+class RecordDB:
+    """The records of every partition, in one LMDB environment at ``path``.
+
+    ``sync=False`` skips the fsync at each commit (a process crash loses
+    nothing, an OS crash may lose the last commits; see :meth:`flush`).
+    ``readonly=True`` is for other processes reading while the store writes;
+    the directory must already hold a store.  ``map_size`` is the initial map
+    size in bytes, doubled whenever a write does not fit, up to
+    ``max_map_size`` (``None``: no limit but the disk).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        sync: bool = True,
+        readonly: bool = False,
+        map_size: int = DEFAULT_MAP_SIZE,
+        max_map_size: int | None = None,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.sync = sync
+        self.readonly = readonly
+        self.max_map_size = max_map_size
+        if max_map_size is not None:
+            map_size = min(map_size, max_map_size)
+        self._initial_map_size = map_size
+        self._gate = _Gate()
+        self._write_lock = threading.RLock()  # reentrant: reopening runs a write
+        self._pkeys: dict[tuple[str, str], bytes] = {}
+        self._env: lmdb.Environment | None = None
+        self._dbs: _Dbs | None = None
+        #: Records skipped by :meth:`append` because their offset was <= head.
+        self.duplicates = 0
+        self._open()
+
+    # ------------------------------------------------------------------ open/close
+
+    def _open(self) -> None:
+        if self.readonly:
+            if not os.path.exists(os.path.join(self.path, "data.mdb")):
+                raise FileNotFoundError(f"no record database at {self.path}")
+            # map_size=0: take the size the writer recorded; lock=True so our
+            # readers register and the writer never reuses pages we still read.
+            env = lmdb.open(
+                self.path,
+                readonly=True,
+                lock=True,
+                create=False,
+                map_size=0,
+                max_dbs=MAX_DBS,
+                max_readers=MAX_READERS,
+            )
+            try:
+                self._env = env
+                self._dbs = self._open_dbs_readonly(env)
+            except BaseException:
+                self._env = None
+                env.close()
+                raise
+            return
+        os.makedirs(self.path, exist_ok=True)
+        env = lmdb.open(
+            self.path,
+            map_size=self._initial_map_size,
+            sync=self.sync,
+            metasync=self.sync,
+            writemap=False,
+            lock=True,
+            max_dbs=MAX_DBS,
+            max_readers=MAX_READERS,
+        )
+        self._env = env
+        try:
+            stale = env.reader_check()  # reader slots of killed processes
+            if stale:
+                log.info("cleared %d stale LMDB reader slots in %s", stale, self.path)
+            try:
+                # An existing store opens without writing anything.
+                self._dbs = self._open_dbs_readonly(env)
+            except StorageError:
+                if env.stat()["entries"]:
+                    raise  # named DBs exist but something is off: do not touch it
+                self._dbs = self._write(self._create_dbs)
+        except BaseException:
+            self._env = None
+            env.close()
+            raise
+
+    def _open_dbs_readonly(self, env: lmdb.Environment) -> _Dbs:
+        try:
+            dbs = _Dbs(*(env.open_db(name, create=False) for name in _DB_NAMES))
+        except lmdb.NotFoundError as exc:
+            raise StorageError(f"{self.path} holds no dafka record database (yet)") from exc
+        with env.begin() as txn:
+            self._check_format(txn.get(META_FORMAT, db=dbs.meta))
+        return dbs
+
+    def _create_dbs(self, txn: lmdb.Transaction) -> _Dbs:
+        env = self._env
+        assert env is not None
+        dbs = _Dbs(*(env.open_db(name, txn=txn, create=True) for name in _DB_NAMES))
+        raw = txn.get(META_FORMAT, db=dbs.meta)
+        if raw is None:
+            txn.put(META_FORMAT, U32.pack(FORMAT_VERSION), db=dbs.meta)
+        else:
+            self._check_format(raw)
+        return dbs
+
+    def _check_format(self, raw: bytes | None) -> None:
+        if raw is None:
+            raise StorageError(f"{self.path}: record database has no format version")
+        version = U32.unpack(raw)[0]
+        if version != FORMAT_VERSION:
+            raise StorageError(
+                f"{self.path}: record database format {version}, this code reads {FORMAT_VERSION}"
+            )
+
+    def close(self) -> None:
+        """Close the environment (flushing first if ``sync=False``); idempotent."""
+        with self._write_lock, self._gate.exclusive():
+            env = self._env
+            if env is None:
+                return
+            self._env = None
+            self._dbs = None
+            try:
+                if not self.readonly and not self.sync:
+                    env.sync(True)
+            finally:
+                env.close()
+
+    def __enter__(self) -> RecordDB:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def flush(self) -> None:
+        """Force everything committed to disk (only useful with ``sync=False``)."""
+        if not self.readonly:
+            self._live_env().sync(True)
+
+    @property
+    def map_size(self) -> int:
+        """The current map size in bytes."""
+        return int(self._live_env().info()["map_size"])
+
+    def _live_env(self) -> lmdb.Environment:
+        env = self._env
+        if env is None:
+            raise ClosedError(f"record database {self.path} is closed")
+        return env
+
+    # ------------------------------------------------------------------ transactions
+
+    @contextmanager
+    def _read_txn(self) -> Iterator[tuple[lmdb.Transaction, _Dbs]]:
+        """A short read-only transaction; adopts a map grown by another process."""
+        gate = self._gate
+        gate.enter()
+        try:
+            while True:
+                env = self._live_env()
+                try:
+                    txn = env.begin()
+                    break
+                except lmdb.MapResizedError:
+                    # The writer (another process) grew the map past ours: remap,
+                    # which LMDB allows only with no transaction open here.
+                    gate.leave()
+                    try:
+                        with gate.exclusive():
+                            if self._env is not None:
+                                self._env.set_mapsize(0)
+                    finally:
+                        gate.enter()
+            dbs = self._dbs
+            assert dbs is not None
+            try:
+                yield txn, dbs
+            finally:
+                txn.abort()
+        finally:
+            gate.leave()
+
+    def _write(self, body: Callable[[lmdb.Transaction], _T]) -> _T:
+        """Run ``body`` in one write transaction and commit it.
+
+        On MDB_MAP_FULL the transaction is aborted, the map grown and ``body``
+        run again from scratch.  Write errors become :class:`StorageFullError`;
+        any exception aborts, so nothing of a failed call is committed.
+        """
+        if self.readonly:
+            raise StorageError(f"record database {self.path} was opened read-only")
+        with self._write_lock:
+            while True:
+                txn = self._live_env().begin(write=True)
+                try:
+                    result = body(txn)
+                except lmdb.MapFullError:
+                    txn.abort()
+                    self._grow()
+                    continue
+                except lmdb.Error as exc:
+                    txn.abort()
+                    if getattr(exc, "code", None) in _FULL_ERRNOS:
+                        raise StorageFullError(f"write to {self.path} failed: {exc}") from exc
+                    raise
+                except OSError as exc:
+                    txn.abort()
+                    if exc.errno in _FULL_ERRNOS:
+                        raise StorageFullError(f"write to {self.path} failed: {exc}") from exc
+                    raise
+                except BaseException:
+                    txn.abort()
+                    raise
+                try:
+                    txn.commit()
+                except lmdb.MapFullError:
+                    txn.abort()  # already aborted by LMDB; harmless
+                    self._grow()
+                    continue
+                except lmdb.Error as exc:
+                    # Pages could not be written (ENOSPC, EFBIG, EIO...): LMDB
+                    # aborted the transaction and the old meta page still rules.
+                    txn.abort()
+                    self._recover_after_failed_commit()
+                    raise StorageFullError(
+                        f"commit to {self.path} failed (disk full?): {exc}"
+                    ) from exc
+                return result
+
+    def _grow(self) -> None:
+        """Double the map (up to ``max_map_size``); called with no transaction open."""
+        env = self._live_env()
+        cur = int(env.info()["map_size"])
+        cap = self.max_map_size
+        if cap is not None and cur >= cap:
+            raise StorageFullError(f"record database {self.path} reached max_map_size={cap} bytes")
+        new = cur * 2
+        if cap is not None:
+            new = min(new, cap)
+        with self._gate.exclusive():
+            env.set_mapsize(new)
+        log.info("record database %s: map size %d -> %d bytes", self.path, cur, new)
+
+    def _recover_after_failed_commit(self) -> None:
+        """Reopen the environment if the failed commit left it unusable.
+
+        LMDB marks the environment fatally broken only when writing the meta
+        page failed; reopening then reads the last good meta page from disk.
+        """
+        env = self._live_env()
+        try:
+            with env.begin():
+                pass
+            return
+        except lmdb.Error:
+            log.warning("record database %s unusable after a failed commit: reopening", self.path)
+        with self._gate.exclusive():
+            env.close()
+            self._env = None
+            self._dbs = None
+            self._open()  # the store exists, so this writes nothing
+
+    # ------------------------------------------------------------------ helpers
+
+    def _pkey(self, topic: str, partition: str) -> bytes:
+        tp = (topic, partition)
+        pkey = self._pkeys.get(tp)
+        if pkey is None:
+            pkey = pack_partition_key(topic, partition)
+            if len(self._pkeys) >= _PKEY_CACHE_MAX:
+                self._pkeys.clear()  # unbounded names from the network must not grow it
+            self._pkeys[tp] = pkey
+        return pkey
+
+    # ------------------------------------------------------------------ append
+
+    def append(self, batch: Sequence[Sequence[Any]]) -> dict[tuple[str, str], int]:
+        """Persist ``batch`` in one committed (and, with ``sync``, fsync'ed) transaction.
+
+        ``batch`` holds :class:`StoreRecord` or plain tuples
+        ``(topic, partition, offset, content, ts_ms[, key[, ts_from_producer]])``
+        in any mix of partitions.  Per partition, in batch order, each record
+        must be at ``head + 1``; a record at or below the head is a duplicate
+        and skipped (counted in :attr:`duplicates`); a record beyond
+        ``head + 1`` is a gap and raises ValueError, rejecting the WHOLE batch
+        (nothing committed): the caller must fetch the missing records first.
+        A partition's very first record may be at any offset.
+
+        Returns the head of every partition in the batch (also of those whose
+        records were all duplicates).  Raises :class:`StorageFullError` when
+        the batch does not fit; nothing of it is committed then.
+        """
+        if not batch:
+            return {}
+        groups = _group(batch)
+        # Names are validated before the write transaction starts.
+        pkeys = [(tp, self._pkey(tp[0], tp[1]), recs) for tp, recs in groups.items()]
+        heads, dups = self._write(lambda txn: self._append_txn(txn, pkeys))
+        self.duplicates += dups
+        return heads
+
+    def _append_txn(
+        self,
+        txn: lmdb.Transaction,
+        groups: list[tuple[tuple[str, str], bytes, Sequence[Sequence[Any]]]],
+    ) -> tuple[dict[tuple[str, str], int], int]:
+        dbs = self._dbs
+        assert dbs is not None
+        parts_db = dbs.partitions
+        heads: dict[tuple[str, str], int] = {}
+        runs: list[tuple[int, list[bytes], list[bytes]]] = []
+        dups = 0
+        next_pid: int | None = None
+        try:
+            for tp, pkey, recs in groups:
+                raw = txn.get(pkey, db=parts_db)
+                if raw is None:
+                    if next_pid is None:
+                        next_pid = self._next_pid(txn, dbs)
+                    pid = next_pid
+                    next_pid += 1
+                    nxt = recs[0][2]  # a new partition may start anywhere
+                    if not isinstance(nxt, int) or nxt < 0:
+                        raise ValueError(f"bad offset {nxt!r} for {tp[0]!r}/{tp[1]!r}")
+                    first = nxt
+                    count = nbytes = 0
+                    txn.put(U32.pack(pid), pkey, db=dbs.pids)
+                else:
+                    pid, first, last, count, nbytes = PARTITION_INFO.unpack(raw)
+                    nxt = last + 1
+                keys, values, new_nxt, added_bytes, d = _pack_run(pid, nxt, recs, tp)
+                dups += d
+                heads[tp] = new_nxt - 1
+                if not keys:
+                    continue
+                if count == 0:
+                    first = nxt  # retention had emptied it (or it is new)
+                txn.put(
+                    pkey,
+                    PARTITION_INFO.pack(
+                        pid, first, new_nxt - 1, count + len(keys), nbytes + added_bytes
+                    ),
+                    db=parts_db,
+                )
+                runs.append((pid, keys, values))
+        except struct.error as exc:
+            raise ValueError(f"bad record field: {exc}") from exc
+        if not runs:
+            return heads, dups
+        runs.sort(key=_get0)
+        cur = txn.cursor(db=dbs.records)
+        tail = cur.key() if cur.last() else b""
+        for _pid, keys, values in runs:
+            # MDB_APPEND is only valid past the last key of the whole sub-DB
+            # (the newest partition); older partitions get no-overwrite puts.
+            if keys[0] > tail:
+                _consumed, added = cur.putmulti(zip(keys, values, strict=True), append=True)
+                tail = keys[-1]
+            else:
+                _consumed, added = cur.putmulti(zip(keys, values, strict=True), overwrite=False)
+            if added != len(keys):
+                raise StorageError(
+                    f"{self.path}: {len(keys) - added} records already present past a head "
+                    "(database inconsistent)"
+                )
+        return heads, dups
+
+    @staticmethod
+    def _next_pid(txn: lmdb.Transaction, dbs: _Dbs) -> int:
+        cur = txn.cursor(db=dbs.pids)
+        if cur.last():
+            return int(U32.unpack(cur.key())[0]) + 1
+        return 0
+
+    # ------------------------------------------------------------------ reads
+
+    def info(self, topic: str, partition: str) -> PartitionInfo | None:
+        """What is stored of one partition, or None if it was never seen."""
+        pkey = self._pkey(topic, partition)
+        with self._read_txn() as (txn, dbs):
+            raw = txn.get(pkey, db=dbs.partitions)
+        if raw is None:
+            return None
+        return PartitionInfo(topic, partition, *PARTITION_INFO.unpack(raw))
+
+    def head(self, topic: str, partition: str) -> int | None:
+        """The highest offset ever stored in the partition, or None."""
+        info = self.info(topic, partition)
+        return None if info is None else info.last
+
+    def first(self, topic: str, partition: str) -> int | None:
+        """The oldest offset still stored (``head + 1`` if retention removed all), or None."""
+        info = self.info(topic, partition)
+        return None if info is None else info.first
+
+    def partitions(self, topic: str | None = None) -> list[PartitionInfo]:
+        """Every partition (of ``topic`` if given), sorted by topic then partition."""
+        out: list[PartitionInfo] = []
+        unpack = PARTITION_INFO.unpack
+        prefix = topic_prefix(topic) if topic is not None else b""
+        with self._read_txn() as (txn, dbs):
+            cur = txn.cursor(db=dbs.partitions)
+            if not cur.set_range(prefix):
+                return out
+            for key, raw in cur.iternext():
+                if not key.startswith(prefix):
+                    break  # the length byte pins the topic, so a prefix match is exact
+                t, p = unpack_partition_key(key)
+                out.append(PartitionInfo(t, p, *unpack(raw)))
+        out.sort(key=lambda i: (i.topic, i.partition))
+        return out
+
+    def topics(self) -> list[str]:
+        """Every topic with at least one partition, sorted."""
+        names: set[str] = set()
+        with self._read_txn() as (txn, dbs):
+            for key in txn.cursor(db=dbs.partitions).iternext(values=False):
+                names.add(bytes(key[1 : 1 + key[0]]).decode("utf-8"))
+        return sorted(names)
+
+    def fetch_raw(
+        self, topic: str, partition: str, offset: int, count: int
+    ) -> tuple[int, list[bytes]]:
+        """Hot-path read: ``(start, values)`` in one read transaction.
+
+        ``start = max(offset, first)`` and ``values`` are the raw stored
+        values of offsets ``start, start + 1, ...`` (at most ``count``,
+        contiguous); decode them with :func:`dafka.store.layout.unpack_value`
+        or :func:`~dafka.store.layout.value_content`.  Unknown partitions and
+        offsets past the head give ``(offset, [])``-like empty answers.
+        """
+        pkey = self._pkey(topic, partition)
+        with self._read_txn() as (txn, dbs):
+            raw = txn.get(pkey, db=dbs.partitions)
+            if raw is None:
+                return offset, []
+            pid, first, last, _count, _bytes = PARTITION_INFO.unpack(raw)
+            start = offset if offset > first else first
+            n = last - start + 1
+            if count < n:
+                n = count
+            if n <= 0:
+                return start, []
+            cur = txn.cursor(db=dbs.records)
+            if not cur.set_key(RECORD_KEY.pack(pid, start)):
+                raise StorageError(
+                    f"{self.path}: {topic!r}/{partition!r} offset {start} missing "
+                    f"inside [{first}, {last}]"
+                )
+            # Offsets in [first, last] are contiguous: take n values, no key checks.
+            return start, list(islice(cur.iternext(keys=False), n))
+
+    def fetch(self, topic: str, partition: str, offset: int, count: int) -> tuple[int, list[bytes]]:
+        """Like :meth:`fetch_raw` but only the contents (what a Dafka consumer gets):
+        record ``i`` of the list is offset ``start + i``."""
+        start, values = self.fetch_raw(topic, partition, offset, count)
+        # Flags byte 0 (no key) is the common case: one slice per record.
+        return start, [v[9:] if not v[8] & FLAG_KEY else v[10 + v[9] :] for v in values]
+
+    def read(self, topic: str, partition: str, offset: int, count: int) -> Iterator[ReadRecord]:
+        """Yield at most ``count`` records from ``max(offset, first)`` on.
+
+        Reads in chunks of short transactions, so an abandoned iterator holds
+        nothing.  Records that retention removes while the iterator is in
+        progress are skipped.
+        """
+        self._pkey(topic, partition)  # validate now, not at the first next()
+        return self._iter_read(topic, partition, offset, count)
+
+    def _iter_read(
+        self, topic: str, partition: str, offset: int, count: int
+    ) -> Iterator[ReadRecord]:
+        unpack_hdr = VALUE_HEADER.unpack_from
+        make = ReadRecord._make
+        nxt = offset
+        remaining = count
+        while remaining > 0:
+            start, values = self.fetch_raw(
+                topic, partition, nxt, remaining if remaining < READ_CHUNK else READ_CHUNK
+            )
+            if not values:
+                return
+            off = start
+            for v in values:
+                ts, flags = unpack_hdr(v)
+                if flags & FLAG_KEY:
+                    klen = v[9]
+                    yield make((off, ts, v[10 : 10 + klen], v[10 + klen :]))
+                else:
+                    yield make((off, ts, None, v[9:]))
+                off += 1
+            remaining -= len(values)
+            nxt = off
+
+    # ------------------------------------------------------------------ retention
+
+    def enforce_retention(
+        self, now_ms: int, policy: RetentionPolicy, *, max_records: int = 10_000
+    ) -> RetentionResult:
+        """Delete records that ``policy`` no longer keeps, at most ``max_records``.
+
+        Per topic, first by age: from the front of each partition, records
+        with ``ts_ms < now_ms - max_age_ms`` (stopping at the first younger
+        one, so offsets stay contiguous).  Then by size: while the topic's
+        payload total exceeds ``max_bytes``, the front record with the oldest
+        timestamp among the topic's partitions.  Heads never change.
+
+        Runs in one write transaction; call again while ``more`` is true.
+        """
+        if max_records <= 0:
+            return RetentionResult(0, 0, False)
+        if policy.default == Retention() and not any(
+            r != Retention() for r in policy.topics.values()
+        ):
+            return RetentionResult(0, 0, False)  # keep everything: no write transaction
+        return self._write(lambda txn: self._retention_txn(txn, now_ms, policy, max_records))
+
+    def _retention_txn(
+        self, txn: lmdb.Transaction, now_ms: int, policy: RetentionPolicy, budget: int
+    ) -> RetentionResult:
+        dbs = self._dbs
+        assert dbs is not None
+        by_topic: dict[bytes, list[list[Any]]] = {}
+        for key, raw in txn.cursor(db=dbs.partitions).iternext():
+            # state: [pkey, pid, first, last, count, bytes, changed]
+            by_topic.setdefault(key[: 1 + key[0]], []).append(
+                [key, *PARTITION_INFO.unpack(raw), False]
+            )
+        cur = txn.cursor(db=dbs.records)
+        pack_key = RECORD_KEY.pack
+        unpack_hdr = VALUE_HEADER.unpack_from
+        deleted = freed = 0
+        more = False
+
+        def drop_front(st: list[Any], value: bytes) -> None:
+            """Delete the record under the cursor, the front of partition ``st``."""
+            nonlocal deleted, freed, budget
+            size = value_payload_size(value)
+            cur.delete()
+            st[2] += 1
+            st[4] -= 1
+            st[5] -= size
+            st[6] = True
+            deleted += 1
+            freed += size
+            budget -= 1
+
+        def front(st: list[Any]) -> bytes:
+            if not cur.set_key(pack_key(st[1], st[2])):
+                raise StorageError(f"{self.path}: record {st[2]} of pid {st[1]} missing")
+            return cur.value()
+
+        for tprefix, states in by_topic.items():
+            rule = policy.for_topic(bytes(tprefix[1:]).decode("utf-8"))
+            if rule.max_age_ms is not None:
+                cutoff = now_ms - rule.max_age_ms
+                for st in states:
+                    if not st[4]:
+                        continue
+                    value = front(st)
+                    while unpack_hdr(value)[0] < cutoff:
+                        if not budget:
+                            more = True
+                            break
+                        drop_front(st, value)  # the cursor moves to the next record
+                        if not st[4]:
+                            break
+                        value = cur.value()
+                    if more:
+                        break
+            if more:
+                break
+            if rule.max_bytes is not None:
+                total = sum(st[5] for st in states)
+                heap = []
+                for i, st in enumerate(states):
+                    if st[4]:
+                        heap.append((unpack_hdr(front(st))[0], st[2], i))
+                heapq.heapify(heap)
+                while total > rule.max_bytes and heap:
+                    if not budget:
+                        more = True
+                        break
+                    _ts, _off, i = heapq.heappop(heap)
+                    st = states[i]
+                    before = st[5]
+                    drop_front(st, front(st))
+                    total -= before - st[5]
+                    if st[4]:
+                        heapq.heappush(heap, (unpack_hdr(cur.value())[0], st[2], i))
+                if more:
+                    break
+        for states in by_topic.values():
+            for st in states:
+                if st[6]:
+                    txn.put(st[0], PARTITION_INFO.pack(*st[1:6]), db=dbs.partitions)
+        if deleted:
+            log.debug("retention removed %d records (%d bytes) from %s", deleted, freed, self.path)
+        return RetentionResult(deleted, freed, more)

@@ -1,0 +1,179 @@
+"""Shared fixtures: a tower on ephemeral loopback ports and a raw ZeroMQ test peer."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from dafka import wire
+from dafka.config import NodeConfig, TowerAddress
+from dafka.node import new_address
+from dafka.tower import Tower
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:
+    """Poll ``predicate`` until it is truthy or ``timeout`` passes (then fail)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(interval)
+
+
+@pytest.fixture
+def tower() -> Any:
+    with Tower("127.0.0.1", 0, 0) as t:
+        yield t
+
+
+@pytest.fixture
+def cfg(tower: Tower) -> NodeConfig:
+    return NodeConfig(
+        towers=(TowerAddress("127.0.0.1", tower.in_port, tower.out_port),),
+        bind="127.0.0.1",
+        beacon_interval=0.2,
+        beacon_timeout=2.0,
+    )
+
+
+def tower_flag(cfg: NodeConfig) -> str:
+    t = cfg.towers[0]
+    return f"{t.host}:{t.in_port}:{t.out_port}"
+
+
+def dafka_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dafka.cli", *args]
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("DAFKA_TOWERS", None)
+    env.pop("DAFKA_CONFIG", None)
+    return env
+
+
+class RawPeer:
+    """A hand-driven mesh node made of raw ZeroMQ sockets.
+
+    It beacons to the tower, connects to the peers the tower announces and
+    records every message it receives, so tests can play a store or a
+    producer byte by byte (including malformed bytes).
+    """
+
+    def __init__(self, cfg: NodeConfig, subscriptions: list[bytes], xpub: bool = True) -> None:
+        self.ctx = zmq.Context.instance()
+        self.address = new_address()
+        self.pub = self.ctx.socket(zmq.XPUB if xpub else zmq.PUB)
+        if xpub:
+            self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        for s in subscriptions:
+            self.sub.setsockopt(zmq.SUBSCRIBE, s)
+        self.bpub = self.ctx.socket(zmq.PUB)
+        self.bpub.setsockopt(zmq.LINGER, 0)
+        self.bsub = self.ctx.socket(zmq.SUB)
+        self.bsub.setsockopt(zmq.LINGER, 0)
+        self.bsub.setsockopt(zmq.SUBSCRIBE, b"B")
+        t = cfg.towers[0]
+        self.bpub.connect(t.beacon_in)
+        self.bsub.connect(t.beacon_out)
+        self.peers: set[str] = set()
+        self.received: list[list[bytes]] = []
+        self.subscriptions: list[bytes] = []
+        self._last_beacon = 0.0
+        self.xpub = xpub
+
+    def close(self) -> None:
+        for s in (self.pub, self.sub, self.bpub, self.bsub):
+            s.close(0)
+
+    def pump(self, duration: float = 0.05) -> None:
+        """Beacon, connect to new peers, collect messages for ``duration`` seconds."""
+        poller = zmq.Poller()
+        poller.register(self.bsub, zmq.POLLIN)
+        poller.register(self.sub, zmq.POLLIN)
+        if self.xpub:
+            poller.register(self.pub, zmq.POLLIN)
+        end = time.monotonic() + duration
+        while True:
+            now = time.monotonic()
+            if now - self._last_beacon > 0.2:
+                self.bpub.send_multipart(wire.node_beacon(self.address, "", self.port))
+                self._last_beacon = now
+            remaining = end - now
+            if remaining <= 0:
+                break
+            for sock, _ in poller.poll(max(1, int(remaining * 1000))):
+                if sock is self.bsub:
+                    frames = self.bsub.recv_multipart()
+                    if len(frames) == 3 and frames[1].decode() != self.address:
+                        endpoint = frames[2].decode()
+                        if endpoint not in self.peers:
+                            self.peers.add(endpoint)
+                            self.sub.connect(endpoint)
+                elif sock is self.sub:
+                    self.received.append(self.sub.recv_multipart())
+                else:
+                    self.subscriptions.append(self.pub.recv())
+
+    def wait_for(self, predicate: Callable[[RawPeer], Any], timeout: float = 10.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            value = predicate(self)
+            if value:
+                return value
+            if time.monotonic() >= deadline:
+                raise AssertionError(
+                    f"peer condition not met within {timeout}s; received {self.received[-5:]!r}"
+                )
+            self.pump(0.05)
+
+    def send(self, msg: wire.Message) -> None:
+        self.pub.send_multipart(wire.encode(msg))
+
+    def send_raw(self, frames: list[bytes]) -> None:
+        self.pub.send_multipart(frames)
+
+    def messages(self, kind: type | None = None) -> list[Any]:
+        out = []
+        for frames in self.received:
+            try:
+                msg = wire.decode(frames)
+            except Exception:
+                continue
+            if kind is None or isinstance(msg, kind):
+                out.append(msg)
+        return out
+
+    def subscribed(self, prefix: bytes) -> bool:
+        return any(s[:1] == b"\x01" and s[1:].startswith(prefix) for s in self.subscriptions)
+
+
+@pytest.fixture
+def raw_peer(cfg: NodeConfig) -> Any:
+    peers: list[RawPeer] = []
+
+    def make(subscriptions: list[bytes], xpub: bool = True) -> RawPeer:
+        peer = RawPeer(cfg, subscriptions, xpub)
+        peers.append(peer)
+        return peer
+
+    yield make
+    for p in peers:
+        p.close()

@@ -1,0 +1,308 @@
+"""Tower, producer and consumer on real ZeroMQ sockets on 127.0.0.1.
+
+A RawPeer (tests/conftest.py) plays the other side byte by byte: a store that
+says STORE-HELLO, a producer that withholds records, a peer that sends garbage.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import zmq
+
+from dafka import wire
+from dafka.config import NodeConfig, TowerAddress
+from dafka.consumer import Consumer
+from dafka.errors import BufferFullError, PublishError
+from dafka.producer import Producer
+from dafka.tower import Tower
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def collect(consumer: Consumer, n: int, timeout: float = 15.0) -> list:
+    got: list = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        got += consumer.poll_batch(n - len(got), 0.2)
+    return got
+
+
+def as_consumer(peer, consumer: Consumer) -> None:
+    """Wait until the peer and the consumer are connected both ways."""
+    peer.wait_for(lambda p: len(p.peers) >= 1 and len(consumer.peers) >= 1)
+
+
+def test_tower_rewrites_beacon_with_peer_address(tower: Tower) -> None:
+    ctx = zmq.Context.instance()
+    pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 200)
+    pub.connect(f"tcp://127.0.0.1:{tower.in_port}")
+    sub.connect(f"tcp://127.0.0.1:{tower.out_port}")
+    try:
+        assert sub.recv_multipart() == [b"W"] or True  # welcome message
+        deadline = time.monotonic() + 10
+        seen = None
+        while time.monotonic() < deadline and seen is None:
+            pub.send_multipart([b"B", b"A" * 32, b"", b"49155"])
+            pub.send_multipart([b"B", b"C" * 32, b"example.org", b"1234"])
+            try:
+                while True:
+                    frames = sub.recv_multipart()
+                    if frames[:2] == [b"B", b"A" * 32]:
+                        seen = frames
+            except zmq.Again:
+                pass
+        assert seen == [b"B", b"A" * 32, b"tcp://127.0.0.1:49155"]
+    finally:
+        pub.close(0)
+        sub.close(0)
+
+
+def test_store_hello_gets_consumer_hello_latest_and_earliest(cfg: NodeConfig, raw_peer) -> None:
+    store = raw_peer([wire.P_CONSUMER_HELLO])
+    with Consumer("hello", cfg) as latest, Consumer(["hello", "world", "x"], cfg, offset_reset="earliest") as earliest:
+        store.wait_for(lambda p: len(p.peers) >= 2)
+        wait_until(lambda: len(latest.peers) >= 1 and len(earliest.peers) >= 1)
+        store.pump(0.5)
+        for consumer in (latest, earliest):
+            store.send(wire.StoreHello(consumer.address, store.address))
+
+        def hellos(p):
+            return {m.address: m for m in p.messages(wire.ConsumerHello) if m.topic == store.address}
+
+        got = store.wait_for(lambda p: len(hellos(p)) == 2 and hellos(p))
+        assert got[latest.address].subjects == ()
+        assert got[earliest.address].subjects == ("hello", "world", "x")
+
+
+def test_earliest_record_one_triggers_fetch_of_zero(cfg: NodeConfig, raw_peer) -> None:
+    producer = raw_peer([wire.P_FETCH])
+    with Consumer("hello", cfg, offset_reset="earliest") as consumer:
+        as_consumer(producer, consumer)
+        producer.wait_for(lambda p: p.subscribed(b"M" + b"hello"))
+        producer.send(wire.Record("hello", producer.address, "hello", 1, b"one"))
+        fetch = producer.wait_for(lambda p: p.messages(wire.Fetch))[0]
+        assert (fetch.topic, fetch.address, fetch.subject, fetch.sequence) == (
+            producer.address,
+            consumer.address,
+            "hello",
+            0,
+        )
+        assert fetch.count >= 1
+        producer.send(wire.DirectRecord(consumer.address, producer.address, "hello", 0, b"zero"))
+        got = collect(consumer, 2)
+        assert [(r.offset, r.content) for r in got] == [(0, b"zero"), (1, b"one")]
+
+
+def test_latest_starts_at_first_record_seen(cfg: NodeConfig, raw_peer) -> None:
+    producer = raw_peer([wire.P_FETCH])
+    with Consumer("hello", cfg) as consumer:
+        as_consumer(producer, consumer)
+        producer.wait_for(lambda p: p.subscribed(b"Mhello"))
+        for seq in (7, 8, 9):
+            producer.send(wire.Record("hello", producer.address, "hello", seq, b"r%d" % seq))
+        got = collect(consumer, 3)
+        assert [r.offset for r in got] == [7, 8, 9]
+        producer.pump(0.3)
+        assert producer.messages(wire.Fetch) == []
+
+
+def test_gap_filled_and_lost_fetch_retried(cfg: NodeConfig, raw_peer) -> None:
+    producer = raw_peer([wire.P_FETCH])
+    with Consumer("hello", cfg, retry_interval=0.3) as consumer:
+        as_consumer(producer, consumer)
+        producer.wait_for(lambda p: p.subscribed(b"Mhello"))
+        producer.send(wire.Record("hello", producer.address, "hello", 0, b"r0"))
+        producer.send(wire.Record("hello", producer.address, "hello", 3, b"r3"))
+        assert [r.offset for r in collect(consumer, 1)] == [0]
+        # Ignore the first FETCH: it is "lost".  The consumer must ask again.
+        producer.wait_for(lambda p: len(p.messages(wire.Fetch)) >= 2, timeout=10)
+        fetches = producer.messages(wire.Fetch)
+        assert all((f.sequence, f.count) == (1, 2) for f in fetches[:2])
+        for seq in (1, 2):
+            producer.send(wire.DirectRecord(consumer.address, producer.address, "hello", seq, b"r%d" % seq))
+        got = collect(consumer, 3)
+        assert [(r.offset, r.content) for r in got] == [(1, b"r1"), (2, b"r2"), (3, b"r3")]
+
+
+def test_head_ahead_triggers_fetch(cfg: NodeConfig, raw_peer) -> None:
+    producer = raw_peer([wire.P_FETCH])
+    with Consumer("hello", cfg) as consumer:
+        as_consumer(producer, consumer)
+        producer.wait_for(lambda p: p.subscribed(b"Hhello"))
+        producer.send(wire.Record("hello", producer.address, "hello", 10, b"r10"))
+        assert [r.offset for r in collect(consumer, 1)] == [10]
+        producer.send(wire.Head("hello", producer.address, "hello", 12))
+        fetch = producer.wait_for(lambda p: p.messages(wire.Fetch))[0]
+        assert (fetch.sequence, fetch.count) == (11, 2)
+
+
+def test_prefix_topics_stay_apart(cfg: NodeConfig) -> None:
+    with Consumer("hello", cfg, offset_reset="earliest") as consumer, Producer(
+        "hello2", cfg, acks=False
+    ) as p2, Producer("hello", cfg, acks=False) as p1:
+        wait_until(lambda: len(consumer.peers) >= 2 and len(p1.peers) >= 1 and len(p2.peers) >= 1)
+        time.sleep(0.3)  # subscriptions travel after the connection
+        for i in range(5):
+            p2.publish(b"wrong %d" % i)
+            p1.publish(b"right %d" % i)
+        got = collect(consumer, 5)
+        assert [r.content for r in got] == [b"right %d" % i for i in range(5)]
+        assert {r.topic for r in got} == {"hello"}
+        assert consumer.poll(1.0) is None
+
+
+def test_two_producers_and_several_topics(cfg: NodeConfig) -> None:
+    with Consumer(["a", "b"], cfg, offset_reset="earliest") as consumer:
+        with Producer("a", cfg, acks=False) as pa1, Producer("a", cfg, acks=False) as pa2, Producer(
+            "b", cfg, acks=False
+        ) as pb:
+            for i in range(100):
+                pa1.publish(b"a1-%d" % i)
+                pa2.publish(b"a2-%d" % i)
+                pb.publish(b"b-%d" % i)
+            got = collect(consumer, 300, timeout=20)
+    by_partition: dict = {}
+    for r in got:
+        by_partition.setdefault((r.topic, r.partition), []).append(r.offset)
+    assert len(got) == 300
+    assert len(by_partition) == 3
+    assert all(offsets == list(range(100)) for offsets in by_partition.values())
+
+
+def test_producer_fetch_answers_carry_right_content_beyond_1000(cfg: NodeConfig, raw_peer) -> None:
+    with Producer("big", cfg) as producer:  # acks on, no store: everything stays held
+        for i in range(3000):
+            producer.publish(b"content-%d" % i)
+        requester = raw_peer([wire.P_DIRECT_RECORD])
+        requester.wait_for(lambda p: len(p.peers) >= 1 and len(producer.peers) >= 1)
+        requester.wait_for(lambda p: p.subscribed(b"F" + producer.address.encode()))
+        requester.send(wire.Fetch(producer.address, requester.address, "big", 1500, 1200))
+        records = requester.wait_for(
+            lambda p: len(p.messages(wire.DirectRecord)) >= 1200 and p.messages(wire.DirectRecord)
+        )
+        assert [(r.sequence, r.content) for r in records] == [
+            (i, b"content-%d" % i) for i in range(1500, 2700)
+        ]
+        assert all(r.topic == requester.address and r.subject == "big" for r in records)
+        producer.close(0.1)
+
+
+def test_acks_are_cumulative_and_close_timeout_fails_the_rest(cfg: NodeConfig, raw_peer) -> None:
+    store = raw_peer([wire.P_RECORD, wire.P_HEAD])
+    producer = Producer("t", cfg)
+    try:
+        store.wait_for(lambda p: len(p.peers) >= 1 and len(producer.peers) >= 1)
+        store.wait_for(lambda p: p.subscribed(b"K" + producer.address.encode()))
+        receipts = [producer.publish(b"%d" % i) for i in range(10)]
+        called = []
+        receipts[9].add_done_callback(called.append)
+        store.send(wire.Ack(producer.address, "t", 5))  # one ACK covers 0..5
+        assert receipts[5].wait(10)
+        assert all(r.acked() for r in receipts[:6])
+        assert not receipts[6].done()
+        store.send(wire.Ack(producer.address, "other-topic", 9))  # wrong subject: ignored
+        assert not producer.flush(0.3)
+        assert producer.close(0.2) is False
+        assert receipts[9].failed()
+        with pytest.raises(PublishError):
+            receipts[7].result(1)
+        assert called == [receipts[9]]
+    finally:
+        producer.close(0)
+
+
+def test_full_buffer_blocks_then_raises(cfg: NodeConfig) -> None:
+    with Producer("t", cfg, capacity=3, publish_timeout=0.2) as producer:
+        for i in range(3):
+            producer.publish(b"x")
+        t0 = time.monotonic()
+        with pytest.raises(BufferFullError):
+            producer.publish(b"y")
+        assert time.monotonic() - t0 >= 0.19
+        with pytest.raises(BufferFullError):
+            producer.publish(b"y", timeout=0)
+        assert producer.next_offset == 3
+        producer.close(0)
+
+
+def test_malformed_frames_at_every_socket(cfg: NodeConfig, tower: Tower, raw_peer) -> None:
+    evil = raw_peer([wire.P_FETCH, wire.P_DIRECT_RECORD])
+    with Consumer("hello", cfg, offset_reset="earliest") as consumer, Producer("hello", cfg, acks=False) as producer:
+        evil.wait_for(
+            lambda p: len(p.peers) >= 2 and len(consumer.peers) >= 2 and len(producer.peers) >= 2
+        )
+        evil.wait_for(lambda p: p.subscribed(b"Mhello") and p.subscribed(b"K" + producer.address.encode()))
+        garbage = [
+            [b"Mhello\x00\x09junk"],
+            [b"Mhello\x00\x01\x01"],
+            [b"Hhello"],
+            [b"M"],
+            [b"K" + producer.address.encode() + b"\x00\x01\xff"],
+            [b"F" + producer.address.encode() + b"\x00\x01\x20" + b"A" * 32 + b"\x05hello" + bytes(12), b"extra"],
+            [b"D" + consumer.address.encode() + b"\x00\x01"],
+            [b"Mhello\x00\x01\x01a\x05hello" + bytes(8), b"c", b"third frame"],
+            [b"L" + consumer.address.encode() + b"\x00\x01\x10short"],
+        ]
+        for frames in garbage * 3:
+            evil.send_raw(frames)
+        # Garbage at the tower's XSUB too.
+        ctx = zmq.Context.instance()
+        s = ctx.socket(zmq.PUB)
+        s.connect(f"tcp://127.0.0.1:{tower.in_port}")
+
+        def tower_garbage(p) -> bool:
+            s.send_multipart([b"B", b"x"])
+            s.send_multipart([b"\xff" * 10])
+            s.send_multipart([b"B", b"\xff", b"", b"notaport"])
+            return tower.bad_input.count >= 2
+
+        evil.wait_for(tower_garbage)
+        # Garbage subscriptions at the consumer's XPUB.
+        raw = ctx.socket(zmq.XSUB)
+        raw.connect(f"tcp://127.0.0.1:{consumer.port}")
+        raw.send(b"\x05weird")
+        raw.send(b"\x01W\xff\xfe")
+        # Raw TCP garbage at the producer's and consumer's publishers.
+        for port in (producer.port, consumer.port, tower.in_port):
+            with socket.create_connection(("127.0.0.1", port)) as conn:
+                conn.sendall(b"\x00\xff garbage that is not ZMTP \x01\x02" * 10)
+        evil.wait_for(lambda p: consumer.bad_input.count > 0 and producer.bad_input.count > 0)
+        for i in range(50):
+            producer.publish(b"ok %d" % i)
+        got = collect(consumer, 50)
+        assert [r.content for r in got] == [b"ok %d" % i for i in range(50)]
+        assert consumer.running and producer.running
+        s.close(0)
+        raw.close(0)
+    assert tower.bad_input.count > 0
+
+
+def test_nodes_started_before_their_tower(cfg: NodeConfig) -> None:
+    # A tower on ports nobody listens on yet.
+    probe = Tower("127.0.0.1", 0, 0)
+    in_port, out_port = probe.in_port, probe.out_port
+    probe.close()
+    late = NodeConfig(
+        towers=(TowerAddress("127.0.0.1", in_port, out_port),),
+        bind="127.0.0.1",
+        beacon_interval=0.2,
+        beacon_timeout=2.0,
+    )
+    consumer = Consumer("late", late, offset_reset="earliest")
+    producer = Producer("late", late, acks=False)
+    try:
+        producer.publish(b"before the tower")
+        time.sleep(0.3)  # nothing to wait for: there is no tower yet
+        assert len(consumer.peers) == 0
+        with Tower("127.0.0.1", in_port, out_port):
+            got = collect(consumer, 1, timeout=20)
+            assert [r.content for r in got] == [b"before the tower"]
+    finally:
+        producer.close(0)
+        consumer.close()

@@ -1,0 +1,147 @@
+"""The protocol state machines, driven deterministically (no sockets, no clocks)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dafka.gaps import FETCH_CHUNK, PartitionTracker
+from dafka.peers import Connect, Disconnect, PeerTable
+from dafka.unacked import UnackedWindow
+
+
+def deliver(t: PartitionTracker, seq: int) -> list[int]:
+    out: list[tuple[int, bytes]] = []
+    t.on_record(seq, b"%d" % seq, out)
+    return [s for s, _ in out]
+
+
+# ---------------------------------------------------------------- tracker
+
+
+def test_latest_starts_at_first_record() -> None:
+    t = PartitionTracker("s", "p", None)
+    assert deliver(t, 42) == [42]
+    assert deliver(t, 43) == [43]
+    assert t.fetch_request(0.0) is None
+
+
+def test_latest_head_skips_history() -> None:
+    t = PartitionTracker("s", "p", None)
+    assert t.on_head(10) is False
+    assert t.next == 11
+    assert deliver(t, 11) == [11]
+
+
+def test_earliest_record_one_fetches_zero_then_delivers_both() -> None:
+    t = PartitionTracker("s", "p", 0)
+    assert deliver(t, 1) == []
+    assert t.fetch_request(0.0) == (0, 1)
+    assert deliver(t, 0) == [0, 1]
+    assert not t.missing
+
+
+def test_gap_in_middle_is_held_and_filled() -> None:
+    t = PartitionTracker("s", "p", 0)
+    assert deliver(t, 0) == [0]
+    assert deliver(t, 3) == []
+    assert deliver(t, 4) == []
+    assert t.fetch_request(0.0) == (1, 2)  # only the hole before the held records
+    assert deliver(t, 1) == [1]
+    assert deliver(t, 2) == [2, 3, 4]
+    assert deliver(t, 3) == []  # duplicate
+
+
+def test_fetch_is_not_repeated_while_progressing_but_retried_when_stalled() -> None:
+    t = PartitionTracker("s", "p", 0, retry_interval=0.5)
+    t.on_head(99)
+    assert t.fetch_request(0.0) == (0, 100)
+    assert t.fetch_request(0.1) is None
+    deliver(t, 0)
+    assert t.fetch_request(0.2) is None  # progress: no new FETCH
+    assert t.fetch_request(0.6) is None  # progress was at 0.2
+    assert t.fetch_request(0.71) == (1, 99)  # stalled for 0.5 s: retry
+    assert t.fetches == 2
+
+
+def test_fetch_count_is_capped() -> None:
+    t = PartitionTracker("s", "p", 0)
+    t.on_head(10 * FETCH_CHUNK)
+    assert t.fetch_request(0.0) == (0, FETCH_CHUNK)
+
+
+def test_held_window_is_bounded() -> None:
+    t = PartitionTracker("s", "p", 0, max_held=3)
+    for seq in range(5, 20):
+        deliver(t, seq)
+    assert len(t.held) == 3
+    assert sorted(t.held) == [5, 6, 7]  # the records closest to next are kept
+
+
+def test_skip_forward_when_hole_cannot_be_filled() -> None:
+    t = PartitionTracker("s", "p", 0, retry_interval=0.5, skip_after=2.0)
+    deliver(t, 5)
+    deliver(t, 6)
+    assert t.fetch_request(0.0) == (0, 5)
+    out: list[tuple[int, bytes]] = []
+    assert t.skip_if_stalled(1.0, out) is None
+    assert t.skip_if_stalled(2.5, out) == (0, 4)
+    assert [s for s, _ in out] == [5, 6]
+    assert t.skipped == 5 and t.next == 7
+
+
+@settings(max_examples=200)
+@given(st.permutations(list(range(30))), st.integers(0, 29))
+def test_any_arrival_order_delivers_in_order_without_duplicates(order: list[int], dup: int) -> None:
+    t = PartitionTracker("s", "p", 0)
+    got: list[int] = []
+    for seq in order + [dup]:
+        got += deliver(t, seq)
+    assert got == list(range(30))
+
+
+# ---------------------------------------------------------------- window
+
+
+def test_window_cumulative_acks_and_fetch_content() -> None:
+    w = UnackedWindow(5000)
+    for i in range(3000):
+        w.push(b"r%d" % i)
+    assert w.ack(999) == 1000
+    assert w.ack(500) == 0  # older ACK: nothing new
+    got = list(w.fetch(1500, 3))
+    assert got == [(1500, b"r1500"), (1501, b"r1501"), (1502, b"r1502")]
+    assert list(w.fetch(0, 2)) == []  # acknowledged records are gone
+    assert w.ack(10**9) == 2000  # clamped to what was published
+    assert len(w) == 0 and w.bytes == 0
+
+
+def test_window_full_and_ring_mode() -> None:
+    w = UnackedWindow(3)
+    for i in range(3):
+        w.push(b"x")
+    assert w.full
+    r = UnackedWindow(3, ring=True)
+    for i in range(10):
+        r.push(b"%d" % i)
+    assert not r.full and len(r) == 3
+    assert list(r.fetch(0, 100)) == [(7, b"7"), (8, b"8"), (9, b"9")]
+
+
+def test_window_resumes_at_offset() -> None:
+    w = UnackedWindow(10, 100)
+    assert w.push(b"a") == 100 and w.acked == 99
+
+
+# ---------------------------------------------------------------- peers
+
+
+def test_peer_table_connects_once_and_expires() -> None:
+    t = PeerTable("ME", timeout=4.0)
+    assert t.on_beacon("ME", "tcp://x:1", 0.0) == []
+    assert t.on_beacon("A", "tcp://a:1", 0.0) == [Connect("tcp://a:1", "A")]
+    assert t.on_beacon("A", "tcp://a:1", 1.0) == []
+    assert t.on_beacon("A", "tcp://a:2", 2.0) == [Disconnect("tcp://a:1", "A"), Connect("tcp://a:2", "A")]
+    assert t.expire(5.9) == []
+    assert t.expire(6.0) == [Disconnect("tcp://a:2", "A")]
+    assert len(t) == 0

@@ -1,0 +1,149 @@
+"""Dafka wire codec: captured bytes from the reference, round trips, fuzzing."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dafka import wire
+from dafka.errors import ProtocolError
+
+UUID_A = "0123456789ABCDEF0123456789ABCDEF"
+UUID_B = "FEDCBA9876543210FEDCBA9876543210"
+
+
+def test_head_capture() -> None:
+    # 48 'hello' 00 01 20 <uuid> 05 'hello' 0000000000000002
+    raw = b"\x48hello\x00\x01\x20" + UUID_A.encode() + b"\x05hello" + bytes.fromhex("0000000000000002")
+    msg = wire.decode([raw])
+    assert msg == wire.Head("hello", UUID_A, "hello", 2)
+    assert wire.encode(msg) == [raw]
+
+
+def test_fetch_capture() -> None:
+    # 46 <partition uuid> 00 01 20 <consumer uuid> 05 'hello' 0000000000000002 0001869e
+    raw = (
+        b"\x46" + UUID_A.encode() + b"\x00\x01\x20" + UUID_B.encode() + b"\x05hello"
+        + bytes.fromhex("0000000000000002") + bytes.fromhex("0001869e")
+    )
+    msg = wire.decode([raw])
+    assert msg == wire.Fetch(UUID_A, UUID_B, "hello", 2, 99998)
+    assert wire.encode(msg) == [raw]
+
+
+def test_ack_capture() -> None:
+    # 4b <producer uuid> 00 01 05 'hello' <sequence:8>  (no address field)
+    raw = b"\x4b" + UUID_A.encode() + b"\x00\x01\x05hello" + (7).to_bytes(8, "big")
+    msg = wire.decode([raw])
+    assert msg == wire.Ack(UUID_A, "hello", 7)
+    assert wire.encode(msg) == [raw]
+
+
+def test_consumer_hello_capture() -> None:
+    # 57 <store uuid> 00 01 20 <consumer uuid> 00000000
+    raw = b"\x57" + UUID_A.encode() + b"\x00\x01\x20" + UUID_B.encode() + b"\x00\x00\x00\x00"
+    msg = wire.decode([raw])
+    assert msg == wire.ConsumerHello(UUID_A, UUID_B, ())
+    assert wire.encode(msg) == [raw]
+
+
+def test_record_layout_and_prefix() -> None:
+    frames = wire.encode(wire.Record("hello", UUID_A, "hello", 5, b"content"))
+    assert frames[0] == b"Mhello\x00\x01\x20" + UUID_A.encode() + b"\x05hello" + (5).to_bytes(8, "big")
+    assert frames[1] == b"content"
+    prefix = wire.record_prefix(wire.RECORD, "hello", UUID_A, "hello")
+    assert frames[0] == prefix + wire.pack_u64(5)
+
+
+def test_consumer_hello_with_subjects_layout() -> None:
+    frames = wire.encode(wire.ConsumerHello(UUID_A, UUID_B, ("a", "bc")))
+    assert frames[0].endswith(b"\x00\x00\x00\x02\x00\x00\x00\x01a\x00\x00\x00\x02bc")
+
+
+def test_beacons() -> None:
+    assert wire.node_beacon(UUID_A, "", 49155) == [b"B", UUID_A.encode(), b"", b"49155"]
+    assert wire.decode_node_beacon([b"B", UUID_A.encode(), b"", b"49155"]) == (UUID_A, "", 49155)
+    assert wire.decode_tower_beacon([b"B", UUID_A.encode(), b"tcp://1.2.3.4:5"]) == (UUID_A, "tcp://1.2.3.4:5")
+    for bad in ([b"B", b"x", b"", b"port"], [b"B", b"x", b""], [b"X", b"x", b"", b"1"], [b"B", b"x", b"", b"70000"]):
+        with pytest.raises(ProtocolError):
+            wire.decode_node_beacon(bad)
+    with pytest.raises(ProtocolError):
+        wire.decode_tower_beacon([b"B", b"x", b"udp://a:1"])
+
+
+@pytest.mark.parametrize(
+    "frames,why",
+    [
+        ([b"Mhello\x00\x02"], "wrong version"),
+        ([b"Hhello\x00\x01\x20" + b"A" * 10], "truncated string"),
+        ([b"Hhello\x00\x01\x05hello\x05hello\x00\x00"], "truncated number"),
+        ([b"Xhello\x00\x01"], "unknown command"),
+        ([b"Hhello"], "no terminator"),
+        ([b"Hhello\x00\x01\x01a\x01a" + bytes(8) + b"junk"], "trailing bytes"),
+        ([b"Mhello\x00\x01\x01a\x01a" + bytes(8)], "record without content"),
+        ([b"Hhello\x00\x01\x01a\x01a" + bytes(8), b"extra"], "head with content"),
+        ([], "empty"),
+        ([b"Whello\x00\x01\x01a\xff\xff\xff\xff"], "absurd subject count"),
+    ],
+)
+def test_strict_decoding(frames: list[bytes], why: str) -> None:
+    with pytest.raises(ProtocolError):
+        wire.decode(frames)
+
+
+def test_overlong_string_is_refused() -> None:
+    with pytest.raises(ProtocolError):
+        wire.encode(wire.Head("t", "A" * 256, "t", 0))
+
+
+names = st.text(min_size=1, max_size=60).filter(lambda s: "\x00" not in s and len(s.encode()) <= 255)
+seqs = st.integers(min_value=0, max_value=2**64 - 1)
+messages = st.one_of(
+    st.builds(wire.Record, names, names, names, seqs, st.binary(max_size=300)),
+    st.builds(wire.DirectRecord, names, names, names, seqs, st.binary(max_size=300)),
+    st.builds(wire.Fetch, names, names, names, seqs, st.integers(0, 2**32 - 1)),
+    st.builds(wire.Ack, names, names, seqs),
+    st.builds(wire.Head, names, names, names, seqs),
+    st.builds(wire.DirectHead, names, names, names, seqs),
+    st.builds(wire.GetHeads, names, names),
+    st.builds(wire.ConsumerHello, names, names, st.lists(names, max_size=5).map(tuple)),
+    st.builds(wire.StoreHello, names, names),
+)
+
+
+@given(messages)
+def test_round_trip(msg: wire.Message) -> None:
+    assert wire.decode(wire.encode(msg)) == msg
+
+
+@settings(max_examples=500)
+@given(st.lists(st.binary(max_size=120), min_size=0, max_size=3))
+def test_random_bytes_only_raise_protocol_error(frames: list[bytes]) -> None:
+    try:
+        wire.decode(frames)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=300)
+@given(messages, st.data())
+def test_mutated_messages_only_raise_protocol_error(msg: wire.Message, data: st.DataObject) -> None:
+    frames = wire.encode(msg)
+    raw = bytearray(frames[0])
+    pos = data.draw(st.integers(0, len(raw) - 1))
+    raw[pos] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(raw)))
+    try:
+        wire.decode([bytes(raw[:cut]), *frames[1:]])
+    except ProtocolError:
+        pass
+
+
+@given(st.lists(st.binary(max_size=40), max_size=5))
+def test_beacon_decoders_only_raise_protocol_error(frames: list[bytes]) -> None:
+    for decoder in (wire.decode_node_beacon, wire.decode_tower_beacon):
+        try:
+            decoder(frames)
+        except ProtocolError:
+            pass
