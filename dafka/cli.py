@@ -175,6 +175,62 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- store
+
+
+def retention_policy(section: dict[str, Any], age: float | None = None, size: int | None = None) -> Any:
+    """[store.retention] max_age_s / max_bytes, plus [store.retention.topics.NAME]."""
+    from dafka.store.db import Retention, RetentionPolicy
+
+    def one(d: dict[str, Any]) -> Retention:
+        max_age = d.get("max_age_s")
+        return Retention(
+            None if max_age is None else int(float(max_age) * 1000),
+            None if d.get("max_bytes") is None else int(d["max_bytes"]),
+        )
+
+    default = one(section)
+    if age is not None:
+        default = default._replace(max_age_ms=int(age * 1000))
+    if size is not None:
+        default = default._replace(max_bytes=size)
+    topics = {name: one(d) for name, d in section.get("topics", {}).items()}
+    return RetentionPolicy(default=default, topics=topics)
+
+
+@command("store")
+def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
+    from dafka.store.node import Store
+
+    section = settings.section("store")
+    db = args.db or section.get("db")
+    if not db:
+        print("error: --db DIR (or [store] db) is required", file=sys.stderr)
+        return 2
+    sync = not args.no_sync and bool(section.get("sync", True))
+    policy = retention_policy(section.get("retention", {}), args.retention_age, args.retention_bytes)
+    with Store(db, node_config(args, settings), sync=sync, retention=policy) as store:
+        print(f"store up: {store.address} db {db} (sync={'on' if sync else 'OFF'})", flush=True)
+        wait_for_signal(threading.Event())
+    return 0
+
+
+@command("topics")
+def cmd_topics(args: argparse.Namespace, settings: Settings) -> int:
+    from dafka.store.db import RecordDB
+
+    db = args.db or settings.section("store").get("db")
+    if not db:
+        print("error: --db DIR is required", file=sys.stderr)
+        return 2
+    with RecordDB(db, readonly=True) as records:
+        rows = records.partitions(args.topic)
+    print(f"{'topic':<24} {'partition':<34} {'first':>12} {'last':>12} {'records':>12} {'bytes':>14}")
+    for r in rows:
+        print(f"{r.topic:<24} {r.partition:<34} {r.first:>12} {r.last:>12} {r.count:>12} {r.bytes:>14}")
+    return 0
+
+
 # ---------------------------------------------------------------- up
 
 
@@ -242,6 +298,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--count", type=int, help="exit after this many records")
     p.add_argument("--timeout", type=float, help="give up after this many seconds")
     p.add_argument("-v", "--verbose", action="store_true", help="prefix topic, partition and offset")
+
+    p = sub.add_parser("store", help="run a store (persists every record in LMDB)")
+    _add_node_flags(p)
+    p.add_argument("--db", help="LMDB directory (or [store] db)")
+    p.add_argument("--no-sync", action="store_true", help="do not fsync commits (UNSAFE: acked data can be lost on power failure)")
+    p.add_argument("--retention-age", type=float, help="default retention: seconds to keep records")
+    p.add_argument("--retention-bytes", type=int, help="default retention: bytes to keep per topic")
+
+    p = sub.add_parser("topics", help="list topics and partitions of a store's database")
+    p.add_argument("--db", help="LMDB directory of a store (read-only)")
+    p.add_argument("topic", nargs="?", help="only this topic")
 
     p = sub.add_parser("up", help="run the main services (tower + store + gateway) on loopback")
     p.add_argument("--data", default="var", help="data directory (default ./var)")

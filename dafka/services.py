@@ -59,5 +59,14 @@ class Services:
                 log.exception("closing %s failed", name.split()[0])
 
 
+def _start_store(settings: Settings, node: Any, data_dir: Path) -> tuple[str, Any]:
+    from dafka.store.node import Store
+
+    section = settings.section("store")
+    db = section.get("db") or str(data_dir / "store")
+    store = Store(db, node, sync=bool(section.get("sync", True)))
+    return f"store      {store.address} db {db}", store
+
+
 # Components register a starter: (settings, node_config, data_dir) -> (description, service).
-_STARTERS: list[Any] = []
+_STARTERS: list[Any] = [_start_store]

@@ -1,0 +1,475 @@
+"""The store node: persists every record of every partition and serves them.
+
+I/O thread (the node loop): subscribes to all RECORDs (``M``), HEADs (``H``),
+FETCHes (``F``), GET-HEADS (``G``), and to ``D``/``W`` + own address.  Each
+partition's :class:`PartitionTracker` (offset reset "earliest": a store wants
+everything) turns arrivals into an in-order stream; gaps and HEADs ahead of
+what is stored become FETCHes (with retries) to producers or other stores.
+
+Writer thread: takes the accumulated batch when it is idle and appends it to
+LMDB in one transaction (group commit, synced by default).  Only after the
+commit returns does the I/O thread send one cumulative ACK per partition.  A
+failed commit (disk full) keeps the batch, stops acknowledging and retries;
+nothing acknowledged is ever lost.
+
+FETCH(offset, count) is answered with exactly ``count`` DIRECT-RECORDs, or
+fewer if fewer are stored, from the first retained offset when the asked one
+was removed by retention.  Large answers are served in slices so one FETCH
+cannot starve the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import zmq
+
+from dafka import wire
+from dafka.config import NodeConfig
+from dafka.errors import ProtocolError
+from dafka.gaps import PartitionTracker
+from dafka.node import DRAIN, Node
+from dafka.store.db import RecordDB, RetentionPolicy, StorageError
+from dafka.store.layout import FLAG_KEY
+
+log = logging.getLogger("dafka.store")
+
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
+_seq_at = struct.Struct(">Q").unpack_from
+_pack = wire.pack_u64
+
+MAX_BATCH = 200_000  # records waiting for the writer before reading pauses
+SERVE_SLICE = 2_000  # DIRECT-RECORDs sent per FETCH job per loop turn
+STATS_INTERVAL = 10.0
+
+
+class Store(Node):
+    """A store on the mesh, persisting into the LMDB directory ``db``."""
+
+    kind = "store"
+    publisher_type = zmq.XPUB
+
+    def __init__(
+        self,
+        db: str | RecordDB,
+        config: NodeConfig | None = None,
+        *,
+        towers: str | list[str] | None = None,
+        sync: bool = True,
+        retention: RetentionPolicy | None = None,
+        retention_interval: float = 1.0,
+        retry_interval: float = 0.5,
+        address: str | None = None,
+    ) -> None:
+        config = (config or NodeConfig()).with_towers(towers)
+        super().__init__(config, address=address)
+        self.db = db if isinstance(db, RecordDB) else RecordDB(db, sync=sync)
+        self.retention = retention or RetentionPolicy()
+        self.retention_interval = retention_interval
+        self.retry_interval = retry_interval
+        self._trackers: dict[tuple[str, str], PartitionTracker] = {}
+        self._by_prefix: dict[bytes, PartitionTracker] = {}
+        self._missing: set[PartitionTracker] = set()
+        self._heads: dict[tuple[str, str], int] = {}
+        for info in self.db.partitions():
+            self._heads[(info.topic, info.partition)] = info.last
+        self._batch: list[tuple[Any, ...]] = []
+        self._out: list[tuple[int, bytes]] = []
+        self._jobs: deque[list[Any]] = deque()  # FETCH answers in progress
+        self._paused = False
+        self.storage_error: StorageError | None = None
+        self._retry_at = 0.0
+        # Writer thread hand-off.
+        self._writer_cond = threading.Condition()
+        self._to_write: list[tuple[Any, ...]] | None = None
+        self._writer_busy = False
+        self._writer_stop = False
+        self._writer = threading.Thread(target=self._write_loop, name="dafka-store-writer", daemon=True)
+        # Counters for the periodic log and `dafka status`.
+        self.stored = 0
+        self.acks_sent = 0
+        self.records_served = 0
+        self._stats_at = time.monotonic()
+        self._stats_stored = 0
+        self._stats_served = 0
+
+        own = self.address.encode()
+        for prefix in (wire.P_RECORD, wire.P_HEAD, wire.P_FETCH, wire.P_GET_HEADS):
+            self.subscribe(prefix)
+        self.subscribe(wire.P_DIRECT_RECORD + own)
+        self.subscribe(wire.P_CONSUMER_HELLO + own)
+        self.every(STATS_INTERVAL, self._log_stats)
+        self._writer.start()
+        self.start()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Commit what is pending, stop the node and close the database."""
+        self.stop(timeout)
+        with self._writer_cond:
+            self._writer_stop = True
+            self._writer_cond.notify_all()
+        self._writer.join(timeout)
+        self.db.close()
+
+    def heads(self) -> dict[tuple[str, str], int]:
+        """Committed head per (topic, partition)."""
+        return dict(self._heads)
+
+    # ---------------------------------------------------------------- writer thread
+
+    def _write_loop(self) -> None:
+        next_retention = time.monotonic() + self.retention_interval
+        while True:
+            with self._writer_cond:
+                while self._to_write is None and not self._writer_stop:
+                    wait = next_retention - time.monotonic()
+                    if wait <= 0:
+                        break
+                    self._writer_cond.wait(wait)
+                batch = self._to_write
+                stop = self._writer_stop and batch is None
+            if stop:
+                return
+            if batch is not None:
+                self._commit(batch)
+            if time.monotonic() >= next_retention:
+                self._enforce_retention()
+                next_retention = time.monotonic() + self.retention_interval
+
+    def _commit(self, batch: list[tuple[Any, ...]]) -> None:
+        try:
+            heads = self.db.append(batch)
+            error = None
+        except StorageError as exc:
+            heads, error = {}, exc
+        except Exception as exc:  # a bug: keep the batch, report loudly
+            log.exception("store commit failed")
+            heads, error = {}, StorageError(str(exc))
+        with self._writer_cond:
+            self._to_write = None
+        self.call_soon(lambda: self._on_committed(batch, heads, error))
+
+    def _enforce_retention(self) -> None:
+        try:
+            result = self.db.enforce_retention(int(time.time() * 1000), self.retention)
+        except StorageError:
+            log.exception("retention failed")
+            return
+        if result.deleted:
+            log.info("retention removed %d records (%d bytes)", result.deleted, result.freed_bytes)
+
+    # ---------------------------------------------------------------- I/O thread: writing
+
+    def _flush_batch(self, retry: bool = False) -> None:
+        """Hand the accumulated batch to the writer if it is idle.
+
+        After a failed commit only a ``retry`` writes again.
+        """
+        if not self._batch or self._writer_busy or (self.storage_error is not None and not retry):
+            return
+        batch, self._batch = self._batch, []
+        self._writer_busy = True
+        with self._writer_cond:
+            self._to_write = batch
+            self._writer_cond.notify()
+
+    def _on_committed(
+        self, batch: list[tuple[Any, ...]], heads: dict[tuple[str, str], int], error: StorageError | None
+    ) -> None:
+        self._writer_busy = False
+        if error is not None:
+            if self.storage_error is None:
+                log.error("store cannot write (%s): acknowledgements stop until it can", error)
+            self.storage_error = error
+            self._batch = batch + self._batch  # keep everything, retry later
+            self._pause(True)
+            return
+        if self.storage_error is not None:
+            log.info("store writes again; acknowledgements resume")
+            self.storage_error = None
+        self.stored += len(batch)
+        send = self.publisher.send
+        for (topic, partition), head in heads.items():
+            self._heads[(topic, partition)] = head
+            # One cumulative ACK per partition per commit, after the commit.
+            send(b"K" + partition.encode() + b"\x00\x01" + _string(topic) + _pack(head))
+            self.acks_sent += 1
+        if self._paused and len(self._batch) < MAX_BATCH // 2:
+            self._pause(False)
+        self._flush_batch()
+
+    def _pause(self, paused: bool) -> None:
+        if paused != self._paused:
+            self._paused = paused
+            self.pause_data(paused)
+
+    # ---------------------------------------------------------------- I/O thread: input
+
+    def sockets(self) -> list[tuple[zmq.Socket, Any]]:
+        return [(self.publisher, self._read_subscriptions)]
+
+    def _tracker(self, subject: str, partition: str) -> PartitionTracker:
+        key = (subject, partition)
+        tracker = self._trackers.get(key)
+        if tracker is None:
+            head = self._heads.get(key)
+            tracker = PartitionTracker(
+                subject,
+                partition,
+                0 if head is None else head + 1,
+                retry_interval=self.retry_interval,
+                # A new partition may begin after what other stores retained;
+                # a stored one must stay contiguous, so it never skips.
+                skip_after=10.0 if head is None else float("inf"),
+            )
+            self._trackers[key] = tracker
+            self._by_prefix[wire.record_prefix(wire.RECORD, subject, partition, subject)] = tracker
+            self._by_prefix[wire.record_prefix(wire.DIRECT_RECORD, self.address, partition, subject)] = tracker
+        return tracker
+
+    def _read_data(self) -> None:
+        if self._paused:
+            return
+        recv = self.sub.recv
+        lookup = self._by_prefix.get
+        batch = self._batch
+        append = batch.append
+        ts = int(time.time() * 1000)
+        n = 0
+        for _ in range(DRAIN):
+            try:
+                frame = recv(_NOBLOCK)
+            except zmq.Again:
+                break
+            tracker = lookup(frame[:-8])
+            if tracker is None:
+                self._on_message(frame, ts)
+                continue
+            try:
+                content = recv(_NOBLOCK)
+            except zmq.Again:
+                self.bad_input("record", "no content frame")
+                continue
+            seq = _seq_at(frame, len(frame) - 8)[0]
+            if seq == tracker.next and seq >= tracker.known:
+                tracker.next = seq + 1
+                tracker.known = seq
+                append((tracker.subject, tracker.address, seq, content, ts))
+                n += 1
+            else:
+                self._accept(tracker, seq, content, ts)
+        if len(self._batch) >= MAX_BATCH:
+            self._pause(True)
+        self._flush_batch()
+
+    def _accept(self, tracker: PartitionTracker, seq: int, content: bytes, ts: int) -> None:
+        out = self._out
+        missing = tracker.on_record(seq, content, out)
+        if out:
+            append = self._batch.append
+            subject, partition = tracker.subject, tracker.address
+            for s, c in out:
+                append((subject, partition, s, c, ts))
+            out.clear()
+        if missing:
+            self._missing.add(tracker)
+            self._maybe_fetch(tracker, time.monotonic())
+
+    def _maybe_fetch(self, tracker: PartitionTracker, now: float) -> None:
+        request = tracker.fetch_request(now)
+        if request is not None:
+            self._send(wire.Fetch(tracker.address, self.address, tracker.subject, *request))
+
+    def _send(self, msg: wire.Message) -> None:
+        try:
+            self.publisher.send_multipart(wire.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("could not send %s: %s", type(msg).__name__, exc)
+
+    def _on_message(self, frame: bytes, ts: int) -> None:
+        try:
+            if frame[:1] in (b"M", b"D"):
+                try:
+                    content = self.sub.recv(_NOBLOCK)
+                except zmq.Again:
+                    raise ProtocolError("record without content frame") from None
+                msg = wire.decode([frame, content])
+            else:
+                frames = [frame]
+                while self.sub.getsockopt(_RCVMORE):
+                    frames.append(self.sub.recv())
+                msg = wire.decode(frames)
+        except ProtocolError as exc:
+            self.bad_input("message", exc)
+            return
+        if isinstance(msg, wire.Record):
+            if msg.topic == msg.subject:
+                self._accept(self._tracker(msg.subject, msg.address), msg.sequence, msg.content, ts)
+        elif isinstance(msg, wire.DirectRecord):
+            if msg.topic == self.address:
+                self._accept(self._tracker(msg.subject, msg.address), msg.sequence, msg.content, ts)
+        elif isinstance(msg, wire.Head):
+            if msg.topic == msg.subject:
+                tracker = self._tracker(msg.subject, msg.address)
+                if tracker.on_head(msg.sequence):
+                    self._missing.add(tracker)
+                    self._maybe_fetch(tracker, time.monotonic())
+        elif isinstance(msg, wire.Fetch):
+            self._on_fetch(msg)
+        elif isinstance(msg, wire.GetHeads):
+            self._send_heads(msg.address, (msg.topic,))
+        elif isinstance(msg, wire.ConsumerHello):
+            if msg.topic == self.address:
+                self._send_heads(msg.address, msg.subjects)
+
+    def _send_heads(self, requester: str, subjects: tuple[str, ...] | list[str]) -> None:
+        wanted = set(subjects)
+        for (topic, partition), head in list(self._heads.items()):
+            if topic in wanted:  # exact subject match, not a prefix
+                self._send(wire.DirectHead(requester, partition, topic, head))
+
+    def _on_fetch(self, fetch: wire.Fetch) -> None:
+        key = (fetch.subject, fetch.topic)
+        if key not in self._heads or fetch.count == 0 or fetch.address == self.address:
+            return  # not a partition we have
+        prefix = wire.record_prefix(wire.DIRECT_RECORD, fetch.address, fetch.topic, fetch.subject)
+        # [prefix, topic, partition, next offset, remaining count]
+        self._jobs.append([prefix, fetch.subject, fetch.topic, fetch.sequence, fetch.count])
+        self._serve()
+
+    def _serve(self) -> None:
+        """Send one slice of each pending FETCH answer."""
+        jobs = self._jobs
+        send = self.publisher.send
+        for _ in range(len(jobs)):
+            job = jobs.popleft()
+            prefix, topic, partition, offset, remaining = job
+            try:
+                start, values = self.db.fetch_raw(topic, partition, offset, min(remaining, SERVE_SLICE))
+            except StorageError as exc:
+                log.error("cannot serve FETCH of %s/%s: %s", topic, partition, exc)
+                continue
+            if not values:
+                continue
+            if start > offset:
+                log.warning(
+                    "FETCH %s/%s from %d: offsets below %d were removed by retention",
+                    topic,
+                    partition,
+                    offset,
+                    start,
+                )
+            seq = start
+            for v in values:
+                send(prefix + _pack(seq), _SNDMORE)
+                send(v[9:] if not v[8] & FLAG_KEY else v[10 + v[9] :])
+                seq += 1
+            self.records_served += len(values)
+            remaining -= len(values)
+            if remaining > 0 and len(values) == SERVE_SLICE:
+                job[3], job[4] = seq, remaining
+                jobs.append(job)
+
+    def _read_subscriptions(self) -> None:
+        for _ in range(DRAIN):
+            try:
+                frame = self.publisher.recv(_NOBLOCK)
+            except zmq.Again:
+                return
+            parsed = wire.parse_subscription(frame)
+            if parsed is None or not parsed[0]:
+                continue
+            prefix = parsed[1]
+            if prefix[:1] == wire.P_STORE_HELLO and len(prefix) > 1:
+                try:
+                    consumer = prefix[1:].decode()
+                except UnicodeDecodeError:
+                    self.bad_input("subscription", "consumer address is not UTF-8")
+                    continue
+                # A consumer subscribed to us: greet it (it answers CONSUMER-HELLO).
+                self._send(wire.StoreHello(consumer, self.address))
+            elif prefix[:1] == wire.P_FETCH:
+                for tracker in self._missing:
+                    tracker.progress_at = -1e9  # a new peer may have what we miss
+
+    def on_tick(self, now: float) -> None:
+        if self._jobs:
+            self._serve()
+        if self._paused and self.storage_error is None and len(self._batch) < MAX_BATCH // 2:
+            self._pause(False)
+        if self.storage_error is not None and now - self._retry_at >= 2.0:
+            # Retry the failed batch now and then (a full disk may get space).
+            self._retry_at = now
+            self._flush_batch(retry=True)
+        if self._missing:
+            out = self._out
+            done = []
+            for tracker in self._missing:
+                if not tracker.missing:
+                    done.append(tracker)
+                    continue
+                skipped = tracker.skip_if_stalled(now, out)
+                if skipped is not None:
+                    log.warning(
+                        "store: offsets %d..%d of %s/%s are nowhere to be had; starting at %d",
+                        skipped[0],
+                        skipped[1],
+                        tracker.subject,
+                        tracker.address,
+                        skipped[1] + 1,
+                    )
+                    ts = int(time.time() * 1000)
+                    for s, c in out:
+                        self._batch.append((tracker.subject, tracker.address, s, c, ts))
+                    out.clear()
+                self._maybe_fetch(tracker, now)
+            for tracker in done:
+                self._missing.discard(tracker)
+        self._flush_batch()
+
+    def on_shutdown(self) -> None:
+        # Commit what was received; ACKs for it go out if the socket still can.
+        deadline = time.monotonic() + 5.0
+        while (self._batch or self._writer_busy) and time.monotonic() < deadline:
+            if self.storage_error is not None:
+                break
+            self._flush_batch()
+            self._read_wake_blocking(0.05)
+
+    def _read_wake_blocking(self, timeout: float) -> None:
+        if self._wake_rx.poll(int(timeout * 1000)):
+            self._read_wake()
+
+    def _log_stats(self, now: float) -> None:
+        elapsed = now - self._stats_at
+        stored = self.stored - self._stats_stored
+        served = self.records_served - self._stats_served
+        self._stats_at, self._stats_stored, self._stats_served = now, self.stored, self.records_served
+        if stored or served:
+            log.info(
+                "store %s: %.0f records/s stored, %.0f records/s served, %d partitions",
+                self.address[:8],
+                stored / elapsed,
+                served / elapsed,
+                len(self._heads),
+            )
+
+
+def _string(text: str) -> bytes:
+    b = text.encode()
+    return bytes((len(b),)) + b
