@@ -48,6 +48,7 @@ _pack = wire.pack_u64
 MAX_BATCH = 200_000  # records waiting for the writer before reading pauses
 SERVE_SLICE = 2_000  # DIRECT-RECORDs sent per FETCH job per loop turn
 STATS_INTERVAL = 10.0
+HEADS_INTERVAL = 30.0  # stores re-announce the heads they hold (replication)
 
 
 class Store(Node):
@@ -106,6 +107,7 @@ class Store(Node):
         self.subscribe(wire.P_DIRECT_RECORD + own)
         self.subscribe(wire.P_CONSUMER_HELLO + own)
         self.every(STATS_INTERVAL, self._log_stats)
+        self.every(HEADS_INTERVAL, self._announce_heads)
         self._writer.start()
         self.start()
 
@@ -406,6 +408,14 @@ class Store(Node):
             elif prefix[:1] == wire.P_FETCH:
                 for tracker in self._missing:
                     tracker.progress_at = -1e9  # a new peer may have what we miss
+            elif prefix == wire.P_HEAD:
+                # Another store (it takes every HEAD) connected: tell it what we
+                # hold, so it can fetch partitions whose producers are gone.
+                self._announce_heads(0.0)
+
+    def _announce_heads(self, now: float) -> None:
+        for (topic, partition), head in list(self._heads.items()):
+            self._send(wire.Head(topic, partition, topic, head))
 
     def on_tick(self, now: float) -> None:
         if self._jobs:

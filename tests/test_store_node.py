@@ -1,0 +1,172 @@
+"""Stores on the mesh: real processes, real LMDB, SIGKILL, replication, retention."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from dafka import wire
+from dafka.config import NodeConfig
+from dafka.consumer import Consumer
+from dafka.producer import Producer
+from dafka.store.db import RecordDB, Retention, RetentionPolicy
+from dafka.store.node import Store
+from tests.conftest import dafka_cmd, subprocess_env, tower_flag, wait_until
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def start_store_process(cfg: NodeConfig, db: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        dafka_cmd("store", "--db", str(db), "--tower", tower_flag(cfg), "--bind", "127.0.0.1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=subprocess_env(),
+    )
+    line = proc.stdout.readline()
+    assert b"store up" in line, line
+    return proc
+
+
+def read_all(cfg: NodeConfig, topic: str, n: int, timeout: float = 90.0) -> list:
+    with Consumer(topic, cfg, offset_reset="earliest") as consumer:
+        got: list = []
+        deadline = time.monotonic() + timeout
+        while len(got) < n and time.monotonic() < deadline:
+            got += consumer.poll_batch(100_000, 0.5)
+        extra = consumer.poll_batch(10, 0.5)
+    return got + extra
+
+
+def test_store_killed_halfway_keeps_every_acked_record(cfg: NodeConfig, tmp_path: Path) -> None:
+    n = 100_000
+    db = tmp_path / "store"
+    store = start_store_process(cfg, db)
+    producer = Producer("crash", cfg)
+    try:
+        producer.publish_many(b"record-%d" % i for i in range(n // 2))
+        wait_until(lambda: producer.acked_offset >= n // 4, timeout=60)
+        store.send_signal(signal.SIGKILL)
+        store.wait(10)
+        acked_before_kill = producer.acked_offset
+        store = start_store_process(cfg, db)
+        producer.publish_many(b"record-%d" % i for i in range(n // 2, n))
+        assert producer.flush(120), f"acked only up to {producer.acked_offset}"
+        assert producer.acked_offset == n - 1 and acked_before_kill >= n // 4
+    finally:
+        producer.close(0)
+    got = read_all(cfg, "crash", n)
+    store.terminate()
+    store.wait(20)
+    assert [r.offset for r in got] == list(range(n))
+    assert all(r.content == b"record-%d" % r.offset for r in got)
+
+
+def test_second_store_catches_up_and_replaces_the_first(cfg: NodeConfig, tmp_path: Path) -> None:
+    first = start_store_process(cfg, tmp_path / "first")
+    producer = Producer("repl", cfg)
+    second = None
+    try:
+        producer.publish_many(b"v%d" % i for i in range(50_000))
+        assert producer.flush(60)
+        second = start_store_process(cfg, tmp_path / "second")
+        producer.publish_many(b"v%d" % i for i in range(50_000, 60_000))
+        assert producer.flush(60)
+    finally:
+        producer.close(0)
+
+    def second_has_everything() -> bool:
+        try:
+            with RecordDB(tmp_path / "second", readonly=True) as db:
+                return [(p.first, p.last) for p in db.partitions("repl")] == [(0, 59_999)]
+        except Exception:
+            return False
+
+    wait_until(second_has_everything, timeout=90, interval=0.5)
+    first.terminate()
+    first.wait(20)
+    shutil.rmtree(tmp_path / "first")
+    got = read_all(cfg, "repl", 60_000)
+    second.terminate()
+    second.wait(20)
+    assert [r.offset for r in got] == list(range(60_000))
+    assert got[12345].content == b"v12345"
+
+
+def test_producer_identity_continues_partition_without_duplicates(cfg: NodeConfig, tmp_path: Path) -> None:
+    identity = tmp_path / "producer.json"
+    with Store(tmp_path / "db", cfg):
+        with Producer("ident", cfg, identity=identity) as p1:
+            address = p1.address
+            p1.publish_many(b"a%d" % i for i in range(100))
+            assert p1.flush(30)
+        with Producer("ident", cfg, identity=identity) as p2:
+            assert p2.address == address and p2.next_offset == 100
+            # An app resending what is already stored: recognised, not re-sent.
+            assert p2.publish(b"a5", offset=5).acked()
+            for i in range(100, 150):
+                p2.publish(b"a%d" % i)
+            assert p2.flush(30)
+        got = read_all(cfg, "ident", 150)
+    assert [(r.partition, r.offset) for r in got] == [(address, i) for i in range(150)]
+    assert [r.content for r in got] == [b"a%d" % i for i in range(150)]
+
+
+def test_retention_by_bytes_and_consumers_skip_forward(cfg: NodeConfig, tmp_path: Path) -> None:
+    policy = RetentionPolicy(topics={"small": Retention(max_bytes=10_000), "young": Retention(max_age_ms=1)})
+    with Store(tmp_path / "db", cfg, retention=policy, retention_interval=0.2) as store:
+        with Producer("small", cfg) as p:
+            p.publish_many(b"x" * 100 for _ in range(1000))  # 100 kB, keep 10 kB
+            assert p.flush(30)
+        with Producer("young", cfg) as p:
+            p.publish_many(b"y" for _ in range(10))
+            assert p.flush(30)
+
+        def trimmed() -> bool:
+            parts = {i.topic: i for i in store.db.partitions()}
+            return parts["small"].bytes <= 10_000 and parts["young"].count == 0
+
+        wait_until(trimmed, timeout=30)
+        first = store.db.partitions("small")[0].first
+        assert first > 0
+        with Consumer("small", cfg, offset_reset="earliest", skip_after=1.0, retry_interval=0.2) as c:
+            got = []
+            deadline = time.monotonic() + 30
+            while (not got or got[-1].offset < 999) and time.monotonic() < deadline:
+                got += c.poll_batch(10_000, 0.5)
+            assert [r.offset for r in got] == list(range(got[0].offset, 1000))
+            assert got[0].offset >= first and c.skipped >= first
+
+
+def test_store_serves_exact_counts_heads_and_hello(cfg: NodeConfig, tmp_path: Path, raw_peer) -> None:
+    with Store(tmp_path / "db", cfg) as store:
+        with Producer("t", cfg) as p:
+            p.publish_many(b"r%d" % i for i in range(20))
+            assert p.flush(30)
+        peer = raw_peer([wire.P_DIRECT_RECORD, wire.P_DIRECT_HEAD, wire.P_STORE_HELLO])
+        peer.wait_for(lambda q: len(q.peers) >= 1 and len(store.peers) >= 1)
+        peer.wait_for(lambda q: q.subscribed(b"F") and q.subscribed(b"W" + store.address.encode()))
+        partition = next(iter(store.heads()))[1]
+        peer.send(wire.Fetch(partition, peer.address, "t", 3, 5))
+        peer.send(wire.Fetch("F" * 32, peer.address, "t", 0, 10))  # unknown partition
+        peer.send(wire.Fetch(partition, peer.address, "t", 15, 2**32 - 1))  # huge count
+        peer.send(wire.GetHeads("t", peer.address))
+        peer.send(wire.ConsumerHello(store.address, peer.address, ("t", "nothing")))
+        peer.wait_for(lambda q: len(q.messages(wire.DirectRecord)) >= 10 and len(q.messages(wire.DirectHead)) >= 2)
+        peer.pump(0.5)
+        records = [(m.sequence, m.content) for m in peer.messages(wire.DirectRecord)]
+        assert records == [(i, b"r%d" % i) for i in range(3, 8)] + [(i, b"r%d" % i) for i in range(15, 20)]
+        heads = peer.messages(wire.DirectHead)
+        assert [(h.address, h.subject, h.sequence) for h in heads] == [(partition, "t", 19)] * 2
+        # Garbage at the store, then it still works.
+        for frames in ([b"F\x00\x01"], [b"Gt\x00\x01\x05"], [b"Wxx"], [b"M"], [b"Ht\x00\x01\x01"]):
+            peer.send_raw(frames)
+        peer.wait_for(lambda q: store.bad_input.count >= 3)
+        peer.send(wire.Fetch(partition, peer.address, "t", 0, 1))
+        peer.wait_for(lambda q: len(q.messages(wire.DirectRecord)) >= 11)
+        assert store.running
