@@ -94,7 +94,114 @@ def bench_live(args: argparse.Namespace) -> list[float]:
     return rates
 
 
-BENCHMARKS: dict[str, Callable[[argparse.Namespace], list[float]]] = {"live": bench_live}
+def _store_process(cfg: NodeConfig, db: str, sync: bool, ready: Any, done: Any) -> None:
+    from dafka.store.node import Store
+
+    store = Store(db, cfg, sync=sync)
+    ready.set()
+    done.wait(600)
+    store.close()
+
+
+def _acked_producer(cfg: NodeConfig, topic: str, n: int, size: int, result: Any) -> None:
+    from dafka.producer import Producer
+
+    producer = Producer(topic, cfg, capacity=max(n, 1))
+    deadline = time.monotonic() + 30
+    while len(producer.peers) == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    payload = b"x" * size
+    chunk = [payload] * 1000
+    t0 = time.perf_counter()
+    sent = 0
+    while sent < n:
+        batch = chunk if n - sent >= 1000 else chunk[: n - sent]
+        producer.publish_many(batch)
+        sent += len(batch)
+    ok = producer.flush(600)
+    elapsed = time.perf_counter() - t0
+    producer.close(0)
+    result.put(n / elapsed if ok else 0.0)
+
+
+def bench_store(args: argparse.Namespace) -> list[float]:
+    """Records/s acknowledged by one store process, from one producer process."""
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    rates = []
+    for run in range(args.runs):
+        tower, cfg = _mesh()
+        with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
+            ready, done, result = ctx.Event(), ctx.Event(), ctx.Queue()
+            store = ctx.Process(target=_store_process, args=(cfg, db, not args.no_sync, ready, done))
+            store.start()
+            ready.wait(60)
+            prod = ctx.Process(target=_acked_producer, args=(cfg, f"bench-store-{run}", args.records, args.size, result))
+            prod.start()
+            rate = result.get(timeout=900)
+            prod.join(30)
+            done.set()
+            store.join(60)
+        tower.close()
+        if rate:
+            rates.append(rate)
+            print(f"run {run}: {rate:,.0f} records/s acknowledged (sync={'off' if args.no_sync else 'on'})", flush=True)
+    return rates
+
+
+def bench_replay(args: argparse.Namespace) -> list[float]:
+    """Records/s an earliest consumer reads back from one store process."""
+    import tempfile
+
+    from dafka.consumer import Consumer
+    from dafka.store.db import RecordDB
+
+    ctx = mp.get_context("spawn")
+    rates = []
+    with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
+        topic = "bench-replay"
+        payload = b"x" * args.size
+        with RecordDB(db, sync=False) as records:
+            partition = "B" * 32
+            now = int(time.time() * 1000)
+            for start in range(0, args.records, 10_000):
+                stop = min(start + 10_000, args.records)
+                records.append([(topic, partition, i, payload, now) for i in range(start, stop)])
+        for run in range(args.runs):
+            tower, cfg = _mesh()
+            ready, done = ctx.Event(), ctx.Event()
+            store = ctx.Process(target=_store_process, args=(cfg, db, False, ready, done))
+            store.start()
+            ready.wait(60)
+            consumer = Consumer(topic, cfg, offset_reset="earliest")
+            got = 0
+            t0 = None
+            deadline = time.monotonic() + 600
+            while got < args.records and time.monotonic() < deadline:
+                batch = consumer.poll_batch(100_000, 1.0)
+                if batch and t0 is None:
+                    t0 = time.perf_counter()  # from the first record: excludes discovery
+                got += len(batch)
+            elapsed = time.perf_counter() - (t0 or time.perf_counter())
+            consumer.close()
+            done.set()
+            store.join(60)
+            tower.close()
+            if got >= args.records and elapsed > 0:
+                rates.append(got / elapsed)
+                print(f"run {run}: {got / elapsed:,.0f} records/s replayed", flush=True)
+            else:
+                print(f"run {run}: only {got} records", file=sys.stderr)
+    return rates
+
+
+BENCHMARKS: dict[str, Callable[[argparse.Namespace], list[float]]] = {
+    "live": bench_live,
+    "store": bench_store,
+    "replay": bench_replay,
+}
 
 
 def main(args: argparse.Namespace) -> int:

@@ -170,6 +170,13 @@ class Node:
     def on_peer(self, endpoint: str, address: str) -> None:
         """A new peer was connected."""
 
+    def has_work(self) -> bool:
+        """Whether :meth:`do_work` has something to do (the loop then spins)."""
+        return False
+
+    def do_work(self) -> None:
+        """A slice of background work (answering FETCHes), between polls."""
+
     def on_shutdown(self) -> None:
         """Called in the I/O thread after the loop, before sockets close."""
 
@@ -207,6 +214,8 @@ class Node:
                         self.log.exception("%s timer failed", self.kind)
                     due = now + interval
                 wait = min(wait, due - now)
+            if self.has_work():
+                wait = min(wait, 0.001)
             try:
                 events = poller.poll(max(0, int(wait * 1000)))
             except zmq.ZMQError as exc:
@@ -219,6 +228,11 @@ class Node:
                 except Exception:
                     # A bug must not kill the node; bad input is handled inside readers.
                     self.log.exception("%s failed handling input", self.kind)
+            if self.has_work():
+                try:
+                    self.do_work()
+                except Exception:
+                    self.log.exception("%s failed doing work", self.kind)
         try:
             self.on_shutdown()
         except Exception:

@@ -18,7 +18,8 @@ bytewise key order is numeric order.
 
 ``partitions`` -- one entry per partition ever stored
     key:   ``topic_len:u8  topic  partition_len:u8  partition`` (UTF-8;
-    topics contain no NUL; each name at most 255 bytes)
+    topics contain no NUL; each name at most 255 bytes, both together at
+    most 509 because LMDB keys are at most 511 bytes)
 
     value: ``pid:u32  first:u64  last:u64  count:u64  bytes:u64`` (36 bytes)
 
@@ -73,7 +74,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import islice, repeat
+from itertools import compress, islice, repeat
 from operator import itemgetter
 from typing import Any, NamedTuple, TypeVar
 
@@ -252,14 +253,18 @@ _get6 = itemgetter(6)
 
 def _group(batch: Sequence[Sequence[Any]]) -> dict[tuple[str, str], Sequence[Sequence[Any]]]:
     """Split a batch per partition, keeping each partition's arrival order."""
-    first = batch[0]
     n = len(batch)
-    # Common case, one partition: a few C-level passes, no Python loop.
-    if (
-        list(map(_get1, batch)).count(first[1]) == n
-        and list(map(_get0, batch)).count(first[0]) == n
-    ):
-        return {(first[0], first[1]): batch}
+    topics = list(map(_get0, batch))
+    t0 = topics[0]
+    if topics.count(t0) == n:
+        # One topic (the usual case): split with C-level passes, no Python loop.
+        parts = list(map(_get1, batch))
+        p0 = parts[0]
+        if parts.count(p0) == n:
+            return {(t0, p0): batch}
+        distinct = dict.fromkeys(parts)
+        if len(distinct) <= 16 and all(type(p) is str for p in distinct):
+            return {(t0, p): list(compress(batch, map(p.__eq__, parts))) for p in distinct}
     groups: dict[tuple[str, str], Sequence[Sequence[Any]]] = {}
     cur_t: object = None
     cur_p: object = None
@@ -280,14 +285,25 @@ def _group(batch: Sequence[Sequence[Any]]) -> dict[tuple[str, str], Sequence[Seq
     return groups
 
 
-# What _pack_run returns: keys, values, next offset, payload bytes, duplicates skipped.
+# What the packers return: keys, values, next offset, payload bytes, duplicates skipped.
 _Packed = tuple[list[bytes], list[bytes], int, int, int]
 
 
-def _pack_run(pid: int, nxt: int, recs: Sequence[Sequence[Any]], tp: tuple[str, str]) -> _Packed:
-    """Pack one partition's records that must continue at offset ``nxt``."""
+def _pack_contents(pid: int, nxt: int, contents: Sequence[bytes], ts_ms: int) -> _Packed:
+    """Keys and values of plain records at offsets ``nxt, nxt + 1, ...`` with one timestamp."""
+    hdr = VALUE_HEADER.pack(ts_ms, 0)
+    values = [hdr + c for c in contents]
+    n = len(values)
+    keys = list(map(RECORD_KEY.pack, repeat(pid, n), range(nxt, nxt + n)))
+    return keys, values, nxt + n, sum(map(len, contents)), 0
+
+
+def _pack_records(
+    pid: int, nxt: int, recs: Sequence[Sequence[Any]], tp: tuple[str, str]
+) -> _Packed:
+    """Pack one partition's records (tuples), which must continue at offset ``nxt``."""
     n = len(recs)
-    # Fast path: offsets exactly nxt..nxt+n-1, no Tank key or timestamp.  Every
+    # Fast path: offsets exactly nxt..nxt+n-1, no Tank key or timestamp.  Each
     # step is one C-level pass (map/itemgetter/struct), no per-record bytecode.
     if recs[0][2] == nxt and recs[-1][2] == nxt + n - 1:
         lens = set(map(len, recs))
@@ -298,22 +314,20 @@ def _pack_run(pid: int, nxt: int, recs: Sequence[Sequence[Any]], tp: tuple[str, 
         if plain and list(map(_get2, recs)) == list(range(nxt, end)):
             contents = list(map(_get3, recs))
             tss = list(map(_get4, recs))
-            pack_hdr = VALUE_HEADER.pack
             if tss.count(tss[0]) == n:
-                # The store stamps a batch with one receive time: one header.
-                values = list(map(pack_hdr(tss[0], 0).__add__, contents))
-            else:
-                hdrs = {ts: pack_hdr(ts, 0) for ts in set(tss)}
-                values = list(map(bytes.__add__, map(hdrs.__getitem__, tss), contents))
+                return _pack_contents(pid, nxt, contents, tss[0])
+            pack_hdr = VALUE_HEADER.pack
+            hdrs = {ts: pack_hdr(ts, 0) for ts in set(tss)}
+            values = list(map(bytes.__add__, map(hdrs.__getitem__, tss), contents))
             keys = list(map(RECORD_KEY.pack, repeat(pid, n), range(nxt, end)))
             return keys, values, end, sum(map(len, contents)), 0
-    return _pack_run_slow(pid, nxt, recs, tp)
+    return _pack_records_slow(pid, nxt, recs, tp)
 
 
-def _pack_run_slow(
+def _pack_records_slow(
     pid: int, nxt: int, recs: Sequence[Sequence[Any]], tp: tuple[str, str]
 ) -> _Packed:
-    """General case of :func:`_pack_run`: duplicates, gaps, keys, producer timestamps.
+    """General case of :func:`_pack_records`: duplicates, gaps, keys, producer timestamps.
 
     A record below ``nxt`` is a duplicate (skipped and counted); above it, a
     gap (ValueError, which rejects the whole batch).
@@ -360,6 +374,29 @@ def _pack_run_slow(
         add_value(value)
         nxt += 1
     return keys, values, nxt, nbytes, dups
+
+
+# One unit of an append: (topic, partition), partition key, first offset,
+# then either record tuples and None, or contents and their common ts_ms.
+_Unit = tuple[tuple[str, str], bytes, int, Sequence[Any], int | None]
+
+
+class _PartState:
+    """A partition's info while an append transaction changes it."""
+
+    __slots__ = ("pkey", "pid", "first", "last", "count", "nbytes", "changed")
+
+    def __init__(self, pkey: bytes, pid: int, first: int, last: int, count: int, nbytes: int):
+        self.pkey = pkey
+        self.pid = pid
+        self.first = first
+        self.last = last
+        self.count = count
+        self.nbytes = nbytes
+        self.changed = False
+
+    def pack(self) -> bytes:
+        return PARTITION_INFO.pack(self.pid, self.first, self.last, self.count, self.nbytes)
 
 
 class RecordDB:
@@ -647,91 +684,142 @@ class RecordDB:
 
         ``batch`` holds :class:`StoreRecord` or plain tuples
         ``(topic, partition, offset, content, ts_ms[, key[, ts_from_producer]])``
-        in any mix of partitions.  Per partition, in batch order, each record
-        must be at ``head + 1``; a record at or below the head is a duplicate
-        and skipped (counted in :attr:`duplicates`); a record beyond
-        ``head + 1`` is a gap and raises ValueError, rejecting the WHOLE batch
-        (nothing committed): the caller must fetch the missing records first.
-        A partition's very first record may be at any offset.
+        in any mix of partitions (plain 5-tuples with one ``ts_ms`` per batch
+        are the fastest).  Per partition, in batch order, each record must be
+        at ``head + 1``; a record at or below the head is a duplicate and
+        skipped (counted in :attr:`duplicates`); a record beyond ``head + 1``
+        is a gap and raises ValueError, rejecting the WHOLE batch (nothing
+        committed): the caller must fetch the missing records first.  A
+        partition's very first record may be at any offset.
 
         Returns the head of every partition in the batch (also of those whose
         records were all duplicates).  Raises :class:`StorageFullError` when
-        the batch does not fit; nothing of it is committed then.
+        the batch does not fit (nothing of it is committed then), ValueError
+        or TypeError for malformed records.
         """
         if not batch:
             return {}
-        groups = _group(batch)
         # Names are validated before the write transaction starts.
-        pkeys = [(tp, self._pkey(tp[0], tp[1]), recs) for tp, recs in groups.items()]
-        heads, dups = self._write(lambda txn: self._append_txn(txn, pkeys))
-        self.duplicates += dups
+        units = [
+            (tp, self._pkey(tp[0], tp[1]), recs[0][2], recs, None)
+            for tp, recs in _group(batch).items()
+        ]
+        return self._append_units(units)
+
+    def append_runs(
+        self, runs: Sequence[tuple[str, str, int, Sequence[bytes], int]]
+    ) -> dict[tuple[str, str], int]:
+        """The fastest append: runs of consecutive plain records, all in one transaction.
+
+        Each run is ``(topic, partition, first_offset, contents, ts_ms)``:
+        ``contents[i]`` is the record at ``first_offset + i``, all stamped
+        ``ts_ms``, without Tank key.  Same rules and result as :meth:`append`
+        (the part of a run at or below the head is skipped as duplicates, a
+        run starting beyond ``head + 1`` is a gap); several runs of one
+        partition are applied in order.
+        """
+        units = []
+        for topic, partition, first_offset, contents, ts_ms in runs:
+            if contents:
+                units.append(
+                    (
+                        (topic, partition),
+                        self._pkey(topic, partition),
+                        first_offset,
+                        contents,
+                        ts_ms,
+                    )
+                )
+        if not units:
+            return {}
+        return self._append_units(units)
+
+    def _append_units(self, units: list[_Unit]) -> dict[tuple[str, str], int]:
+        with self._write_lock:
+            heads, dups = self._write(lambda txn: self._append_txn(txn, units))
+            self.duplicates += dups
         return heads
 
     def _append_txn(
-        self,
-        txn: lmdb.Transaction,
-        groups: list[tuple[tuple[str, str], bytes, Sequence[Sequence[Any]]]],
+        self, txn: lmdb.Transaction, units: list[_Unit]
     ) -> tuple[dict[tuple[str, str], int], int]:
         dbs = self._dbs
         assert dbs is not None
         parts_db = dbs.partitions
-        heads: dict[tuple[str, str], int] = {}
-        runs: list[tuple[int, list[bytes], list[bytes]]] = []
+        states: dict[tuple[str, str], _PartState] = {}
+        puts: dict[int, tuple[list[bytes], list[bytes]]] = {}
         dups = 0
         next_pid: int | None = None
         try:
-            for tp, pkey, recs in groups:
-                raw = txn.get(pkey, db=parts_db)
-                if raw is None:
-                    if next_pid is None:
-                        next_pid = self._next_pid(txn, dbs)
-                    pid = next_pid
-                    next_pid += 1
-                    nxt = recs[0][2]  # a new partition may start anywhere
-                    if not isinstance(nxt, int) or nxt < 0:
-                        raise ValueError(f"bad offset {nxt!r} for {tp[0]!r}/{tp[1]!r}")
-                    first = nxt
-                    count = nbytes = 0
-                    txn.put(U32.pack(pid), pkey, db=dbs.pids)
+            for tp, pkey, start, recs, ts_ms in units:
+                st = states.get(tp)
+                if st is None:
+                    raw = txn.get(pkey, db=parts_db)
+                    if raw is None:
+                        # A new partition may start anywhere (its store caught up
+                        # from others whose retention removed the beginning).
+                        if not isinstance(start, int) or start < 0:
+                            raise ValueError(f"bad offset {start!r} for {tp[0]!r}/{tp[1]!r}")
+                        if next_pid is None:
+                            next_pid = self._next_pid(txn, dbs)
+                        st = _PartState(pkey, next_pid, start, start - 1, 0, 0)
+                        next_pid += 1
+                        txn.put(U32.pack(st.pid), pkey, db=dbs.pids)
+                    else:
+                        st = _PartState(pkey, *PARTITION_INFO.unpack(raw))
+                    states[tp] = st
+                nxt = st.last + 1
+                if ts_ms is None:
+                    keys, values, new_nxt, nbytes, d = _pack_records(st.pid, nxt, recs, tp)
                 else:
-                    pid, first, last, count, nbytes = PARTITION_INFO.unpack(raw)
-                    nxt = last + 1
-                keys, values, new_nxt, added_bytes, d = _pack_run(pid, nxt, recs, tp)
+                    if start > nxt:
+                        raise ValueError(
+                            f"gap in {tp[0]!r}/{tp[1]!r}: offset {start} after head {nxt - 1} "
+                            "(offsets must be contiguous)"
+                        )
+                    d = nxt - start  # leading records at or below the head
+                    if d > 0:
+                        d = min(d, len(recs))
+                        recs = recs[d:]
+                    keys, values, new_nxt, nbytes, _ = _pack_contents(st.pid, nxt, recs, ts_ms)
                 dups += d
-                heads[tp] = new_nxt - 1
                 if not keys:
                     continue
-                if count == 0:
-                    first = nxt  # retention had emptied it (or it is new)
-                txn.put(
-                    pkey,
-                    PARTITION_INFO.pack(
-                        pid, first, new_nxt - 1, count + len(keys), nbytes + added_bytes
-                    ),
-                    db=parts_db,
-                )
-                runs.append((pid, keys, values))
+                if st.count == 0:
+                    st.first = nxt  # new, or emptied by retention
+                st.last = new_nxt - 1
+                st.count += len(keys)
+                st.nbytes += nbytes
+                st.changed = True
+                got = puts.get(st.pid)
+                if got is None:
+                    puts[st.pid] = (keys, values)
+                else:
+                    got[0].extend(keys)
+                    got[1].extend(values)
         except struct.error as exc:
             raise ValueError(f"bad record field: {exc}") from exc
-        if not runs:
-            return heads, dups
-        runs.sort(key=_get0)
-        cur = txn.cursor(db=dbs.records)
-        tail = cur.key() if cur.last() else b""
-        for _pid, keys, values in runs:
-            # MDB_APPEND is only valid past the last key of the whole sub-DB
-            # (the newest partition); older partitions get no-overwrite puts.
-            if keys[0] > tail:
-                _consumed, added = cur.putmulti(zip(keys, values, strict=True), append=True)
-                tail = keys[-1]
-            else:
-                _consumed, added = cur.putmulti(zip(keys, values, strict=True), overwrite=False)
-            if added != len(keys):
-                raise StorageError(
-                    f"{self.path}: {len(keys) - added} records already present past a head "
-                    "(database inconsistent)"
-                )
-        return heads, dups
+        for st in states.values():
+            if st.changed:
+                txn.put(st.pkey, st.pack(), db=parts_db)
+        if puts:
+            cur = txn.cursor(db=dbs.records)
+            tail = cur.key() if cur.last() else b""
+            for pid in sorted(puts):
+                keys, values = puts[pid]
+                # MDB_APPEND is only valid past the last key of the whole sub-DB
+                # (the newest partition); older partitions get no-overwrite puts.
+                if keys[0] > tail:
+                    _consumed, added = cur.putmulti(zip(keys, values, strict=True), append=True)
+                    tail = keys[-1]
+                else:
+                    _consumed, added = cur.putmulti(zip(keys, values, strict=True), overwrite=False)
+                if added != len(keys):
+                    raise StorageError(
+                        f"{self.path}: {len(keys) - added} records already present past a head "
+                        "(database inconsistent)"
+                    )
+        return {tp: st.last for tp, st in states.items()}, dups
 
     @staticmethod
     def _next_pid(txn: lmdb.Transaction, dbs: _Dbs) -> int:

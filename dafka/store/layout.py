@@ -25,6 +25,9 @@ FLAG_KEY = 0x01
 FLAG_PRODUCER_TS = 0x02
 
 MAX_NAME = 255  # topic, partition and key lengths are one byte
+# LMDB's key size limit (MDB_MAXKEYSIZE, 511): with both names at 255 bytes a
+# partition key would be 512 bytes, so topic + partition may total 509 bytes.
+MAX_PARTITION_KEY = 511
 MAX_U64 = (1 << 64) - 1
 
 VALUE_HEADER_SIZE = 9  # ts_ms:u64 + flags:u8
@@ -68,11 +71,19 @@ def encode_name(name: str, what: str) -> bytes:
 
 
 def pack_partition_key(topic: str, partition: str) -> bytes:
-    """``tlen:u8 topic plen:u8 partition``; topics must not contain NUL."""
+    """``tlen:u8 topic plen:u8 partition``; topics must not contain NUL.
+
+    Each name is at most 255 bytes of UTF-8 and both together at most 509.
+    """
     t = encode_name(topic, "topic")
     if b"\x00" in t:
         raise ValueError("topic must not contain NUL")
     p = encode_name(partition, "partition")
+    if len(t) + len(p) + 2 > MAX_PARTITION_KEY:
+        raise ValueError(
+            f"topic and partition total {len(t) + len(p)} bytes, "
+            f"at most {MAX_PARTITION_KEY - 2} allowed (LMDB key size)"
+        )
     return bytes((len(t),)) + t + bytes((len(p),)) + p
 
 

@@ -42,6 +42,7 @@ log = logging.getLogger("dafka.store")
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
 _RCVMORE = int(zmq.RCVMORE)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 _seq_at = struct.Struct(">Q").unpack_from
 _pack = wire.pack_u64
 
@@ -85,8 +86,10 @@ class Store(Node):
         self._out: list[tuple[int, bytes]] = []
         self._jobs: deque[list[Any]] = deque()  # FETCH answers in progress
         self._paused = False
+        self._blocked = False  # a FETCH reader's queue was full
         self.storage_error: StorageError | None = None
         self._retry_at = 0.0
+        self._unsent_acks: dict[tuple[str, str], int] = {}
         # Writer thread hand-off.
         self._writer_cond = threading.Condition()
         self._to_write: list[tuple[Any, ...]] | None = None
@@ -101,6 +104,9 @@ class Store(Node):
         self._stats_stored = 0
         self._stats_served = 0
 
+        # Block (EAGAIN) rather than drop when a reader's queue is full, so a
+        # big FETCH answer paces itself to the reader instead of being lost.
+        self.publisher.setsockopt(zmq.XPUB_NODROP, 1)
         own = self.address.encode()
         for prefix in (wire.P_RECORD, wire.P_HEAD, wire.P_FETCH, wire.P_GET_HEADS):
             self.subscribe(prefix)
@@ -205,15 +211,27 @@ class Store(Node):
             log.info("store writes again; acknowledgements resume")
             self.storage_error = None
         self.stored += len(batch)
-        send = self.publisher.send
-        for (topic, partition), head in heads.items():
-            self._heads[(topic, partition)] = head
+        for key, head in heads.items():
+            self._heads[key] = head
             # One cumulative ACK per partition per commit, after the commit.
-            send(b"K" + partition.encode() + b"\x00\x01" + _string(topic) + _pack(head))
-            self.acks_sent += 1
+            self._unsent_acks[key] = head
+        self._send_acks()
         if self._paused and len(self._batch) < MAX_BATCH // 2:
             self._pause(False)
         self._flush_batch()
+
+    def _send_acks(self) -> None:
+        send = self.publisher.send
+        sent = []
+        for (topic, partition), head in self._unsent_acks.items():
+            try:
+                send(b"K" + partition.encode() + b"\x00\x01" + _string(topic) + _pack(head), _NOBLOCK)
+            except zmq.Again:
+                break  # a full reader: the rest go out on the next tick
+            sent.append((topic, partition))
+            self.acks_sent += 1
+        for key in sent:
+            del self._unsent_acks[key]
 
     def _pause(self, paused: bool) -> None:
         if paused != self._paused:
@@ -350,8 +368,13 @@ class Store(Node):
         if key not in self._heads or fetch.count == 0 or fetch.address == self.address:
             return  # not a partition we have
         prefix = wire.record_prefix(wire.DIRECT_RECORD, fetch.address, fetch.topic, fetch.subject)
-        # [prefix, topic, partition, next offset, remaining count]
-        self._jobs.append([prefix, fetch.subject, fetch.topic, fetch.sequence, fetch.count])
+        # [prefix, topic, partition, next offset, remaining count, first offset]
+        self._jobs.append([prefix, fetch.subject, fetch.topic, fetch.sequence, fetch.count, fetch.sequence])
+
+    def has_work(self) -> bool:
+        return bool(self._jobs) and not self._blocked
+
+    def do_work(self) -> None:
         self._serve()
 
     def _serve(self) -> None:
@@ -360,7 +383,7 @@ class Store(Node):
         send = self.publisher.send
         for _ in range(len(jobs)):
             job = jobs.popleft()
-            prefix, topic, partition, offset, remaining = job
+            prefix, topic, partition, offset, remaining, _ = job
             try:
                 start, values = self.db.fetch_raw(topic, partition, offset, min(remaining, SERVE_SLICE))
             except StorageError as exc:
@@ -368,7 +391,7 @@ class Store(Node):
                 continue
             if not values:
                 continue
-            if start > offset:
+            if start > offset and offset == job[5]:
                 log.warning(
                     "FETCH %s/%s from %d: offsets below %d were removed by retention",
                     topic,
@@ -377,15 +400,22 @@ class Store(Node):
                     start,
                 )
             seq = start
-            for v in values:
-                send(prefix + _pack(seq), _SNDMORE)
-                send(v[9:] if not v[8] & FLAG_KEY else v[10 + v[9] :])
-                seq += 1
-            self.records_served += len(values)
-            remaining -= len(values)
-            if remaining > 0 and len(values) == SERVE_SLICE:
+            try:
+                for v in values:
+                    send(prefix + _pack(seq), _SNDMORE_NOBLOCK)
+                    send(v[9:] if not v[8] & FLAG_KEY else v[10 + v[9] :])
+                    seq += 1
+            except zmq.Again:
+                # A reader is full: resume from here on the next tick.
+                self._blocked = True
+            sent = seq - start
+            self.records_served += sent
+            remaining -= sent
+            if remaining > 0 and (sent == SERVE_SLICE or self._blocked):
                 job[3], job[4] = seq, remaining
                 jobs.append(job)
+            if self._blocked:
+                return
 
     def _read_subscriptions(self) -> None:
         for _ in range(DRAIN):
@@ -418,8 +448,9 @@ class Store(Node):
             self._send(wire.Head(topic, partition, topic, head))
 
     def on_tick(self, now: float) -> None:
-        if self._jobs:
-            self._serve()
+        self._blocked = False  # readers had a tick to drain their queues
+        if self._unsent_acks:
+            self._send_acks()
         if self._paused and self.storage_error is None and len(self._batch) < MAX_BATCH // 2:
             self._pause(False)
         if self.storage_error is not None and now - self._retry_at >= 2.0:

@@ -344,23 +344,34 @@ def _decode_plain(
     app = out.append
     unpack_ts = U64.unpack_from
     ts = None
+    if buf[pos] & MSG_USE_LAST_TS:  # only the first message could lack one
+        raise ProtocolError("the first message of a bundle has no timestamp")
     for seq in repeat(None, count) if base is None else range(base, base + count):
         f = buf[pos]
-        if f > _MSG_KNOWN_FLAGS:
-            raise ProtocolError(f"unknown message flags 0x{f:02x}")
-        if f & MSG_USE_LAST_TS:
-            if ts is None:
-                raise ProtocolError("the first message of a bundle has no timestamp")
+        if f == MSG_USE_LAST_TS:
+            # Fast path, nearly every message: no key, same timestamp.
+            n = buf[pos + 1]
+            if n < 0x80:
+                pos += 2
+                app((seq, ts, None, buf[pos : pos + n]))
+                pos += n
+                continue
             pos += 1
-        else:
-            ts = unpack_ts(buf, pos + 1)[0]
-            pos += 9
-        if f & MSG_HAS_KEY:
-            kl = buf[pos] + pos + 1
-            key = buf[pos + 1 : kl]
-            pos = kl
-        else:
             key = None
+        else:
+            if f > _MSG_KNOWN_FLAGS:
+                raise ProtocolError(f"unknown message flags 0x{f:02x}")
+            if f & MSG_USE_LAST_TS:
+                pos += 1
+            else:
+                ts = unpack_ts(buf, pos + 1)[0]
+                pos += 9
+            if f & MSG_HAS_KEY:
+                kl = buf[pos] + pos + 1
+                key = buf[pos + 1 : kl]
+                pos = kl
+            else:
+                key = None
         n = buf[pos]
         if n < 0x80:
             pos += 1

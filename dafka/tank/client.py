@@ -218,7 +218,9 @@ class TankClient:
                 self._pump(deadline)
         except TankTimeoutError:
             self.close()
-            raise TankTimeoutError(f"no greeting Ping from {host}:{port} within {timeout}s") from None
+            raise TankTimeoutError(
+                f"no greeting Ping from {host}:{port} within {timeout}s"
+            ) from None
         except BaseException:
             self.close()
             raise

@@ -277,7 +277,9 @@ class FrameBuffer:
         if stop == len(buf):
             buf.clear()
             self._pos = 0
-        elif stop >= self._COMPACT_AT:
+        elif stop >= self._COMPACT_AT and stop * 2 >= len(buf):
+            # Only once the consumed prefix is at least half the buffer, so
+            # that the memmove stays amortised O(1) per byte.
             del buf[:stop]
             self._pos = 0
         else:

@@ -1,0 +1,232 @@
+"""Tank wire primitives: varints, str8, bounded reads, frames."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dafka.errors import ProtocolError
+from dafka.tank.codec import (
+    MAX_FRAME_SIZE,
+    MAX_VARINT,
+    FrameBuffer,
+    Reader,
+    decode_text,
+    decode_varint,
+    encode_frame,
+    encode_str8,
+    encode_varint,
+    frame_header,
+    parse_frame_header,
+    varint_is_truncated,
+)
+
+VARINT_VECTORS = [
+    (0, "00"),
+    (1, "01"),
+    (127, "7f"),
+    (128, "8001"),
+    (300, "ac02"),
+    (16383, "ff7f"),
+    (16384, "808001"),
+    (2**28 - 1, "ffffff7f"),
+    (2**28, "8080808001"),
+    (MAX_VARINT, "ffffffff0f"),
+]
+
+
+@pytest.mark.parametrize(("value", "hexed"), VARINT_VECTORS)
+def test_varint_vectors(value: int, hexed: str) -> None:
+    raw = bytes.fromhex(hexed)
+    assert encode_varint(value) == raw
+    assert decode_varint(raw) == (value, len(raw))
+    # at an offset, followed by other bytes
+    assert decode_varint(b"\xaa" + raw + b"\x99", 1) == (value, 1 + len(raw))
+
+
+@given(st.integers(0, MAX_VARINT), st.binary(max_size=4))
+def test_varint_roundtrip(value: int, prefix: bytes) -> None:
+    raw = encode_varint(value)
+    assert 1 <= len(raw) <= 5
+    assert decode_varint(prefix + raw, len(prefix)) == (value, len(prefix) + len(raw))
+
+
+@pytest.mark.parametrize("value", [-1, MAX_VARINT + 1, 2**40])
+def test_varint_encode_out_of_range(value: int) -> None:
+    with pytest.raises(ProtocolError):
+        encode_varint(value)
+
+
+@pytest.mark.parametrize(
+    "hexed",
+    [
+        "",  # nothing
+        "80",  # cut
+        "ffffffff",  # cut after 4 continuation bytes
+        "8080808080",  # 5 continuation bytes: over-long
+        "808080808000",  # 6 bytes
+        "ffffffff1f",  # 33 bits
+        "ffffffff7f",  # 35 bits
+    ],
+)
+def test_varint_malformed(hexed: str) -> None:
+    with pytest.raises(ProtocolError):
+        decode_varint(bytes.fromhex(hexed))
+
+
+def test_varint_end_bound() -> None:
+    raw = encode_varint(300)
+    with pytest.raises(ProtocolError):
+        decode_varint(raw, 0, 1)
+
+
+def test_varint_is_truncated() -> None:
+    assert varint_is_truncated(b"\x80", 0, 1)
+    assert varint_is_truncated(b"\x80\x80\x80\x80", 0, 4)
+    assert not varint_is_truncated(b"\x80\x80\x80\x80\x80", 0, 5)  # over-long, not cut
+    assert not varint_is_truncated(b"\x05", 0, 1)
+    assert not varint_is_truncated(b"\x80\x01", 0, 2)
+    assert varint_is_truncated(b"\x01\x80", 1, 2)
+
+
+@given(st.binary(max_size=12), st.integers(0, 12))
+def test_decode_varint_random_bytes(data: bytes, pos: int) -> None:
+    try:
+        value, end = decode_varint(data, pos)
+    except ProtocolError:
+        return
+    assert 0 <= value <= MAX_VARINT
+    assert pos < end <= min(len(data), pos + 5)
+
+
+def test_str8() -> None:
+    assert encode_str8("events") == b"\x06events"
+    assert encode_str8(b"") == b"\x00"
+    assert encode_str8("é") == b"\x02\xc3\xa9"
+    assert len(encode_str8("x" * 255)) == 256
+    with pytest.raises(ProtocolError):
+        encode_str8("x" * 256)
+    assert Reader(b"\x06events").str8() == "events"
+    with pytest.raises(ProtocolError):
+        Reader(b"\x06event").str8()
+    with pytest.raises(ProtocolError):
+        Reader(b"\x02\xff\xfe").str8()
+    with pytest.raises(ProtocolError):
+        decode_text(b"\xc3")
+
+
+@given(st.text(max_size=80).filter(lambda s: len(s.encode()) <= 255))
+def test_str8_roundtrip(text: str) -> None:
+    r = Reader(encode_str8(text))
+    assert r.str8() == text
+    r.expect_end()
+
+
+def test_reader_little_endian_and_bounds() -> None:
+    data = bytes.fromhex("01 0200 03000000 0400000000000000 ff")
+    r = Reader(data)
+    assert (r.u8(), r.u16(), r.u32(), r.u64()) == (1, 2, 3, 4)
+    assert r.remaining() == 1
+    with pytest.raises(ProtocolError, match="trailing"):
+        r.expect_end()
+    assert r.peek_u16() is None
+    assert r.rest() == b"\xff"
+    r.expect_end()
+    for method in (r.u8, r.u16, r.u32, r.u64, r.varint, r.str8):
+        with pytest.raises(ProtocolError):
+            method()
+    with pytest.raises(ProtocolError):
+        r.raw(1)
+    # ``end`` bounds the reader even inside a longer buffer
+    r = Reader(b"\x01\x02\x03\x04", 0, 2)
+    assert r.u16() == 0x0201
+    with pytest.raises(ProtocolError):
+        r.u8()
+
+
+@given(st.binary(max_size=40))
+def test_reader_random_bytes(data: bytes) -> None:
+    r = Reader(data)
+    ops = [r.u8, r.u16, r.varint, r.str8, r.u32, r.u64]
+    try:
+        for i in range(20):
+            ops[i % len(ops)]()
+    except ProtocolError:
+        pass
+
+
+def test_frame_header() -> None:
+    assert frame_header(3, 0) == bytes.fromhex("03 00000000")
+    assert encode_frame(1, b"\x01\x00\x00\x00\x00") == bytes.fromhex("01 05000000 0100000000")
+    assert parse_frame_header(bytes.fromhex("02 38000000")) == (2, 0x38)
+    with pytest.raises(ProtocolError):
+        parse_frame_header(b"\x02\x38\x00")
+    with pytest.raises(ProtocolError):
+        parse_frame_header(frame_header(1, MAX_FRAME_SIZE + 1))
+    with pytest.raises(ProtocolError):
+        frame_header(256, 0)
+
+
+def test_frame_buffer_byte_by_byte() -> None:
+    stream = encode_frame(3, b"") + encode_frame(1, b"abc") + encode_frame(2, b"x" * 300)
+    fb = FrameBuffer()
+    got = []
+    for i in range(len(stream)):
+        fb.feed(stream[i : i + 1])
+        got.extend(fb)
+    assert got == [(3, b""), (1, b"abc"), (2, b"x" * 300)]
+    assert fb.buffered == 0
+
+
+def test_frame_buffer_needed_and_many_frames() -> None:
+    fb = FrameBuffer()
+    assert fb.needed() == 5
+    fb.feed(b"\x01\x03\x00")
+    assert fb.needed() == 2
+    fb.feed(b"\x00\x00ab")
+    assert fb.needed() == 1
+    assert fb.next_frame() is None
+    fb.feed(b"c")
+    assert fb.next_frame() == (1, b"abc")
+    # enough frames in one feed to go through the buffer compaction path
+    frames = [(7, bytes([i % 256]) * 1000) for i in range(200)]
+    blob = b"".join(encode_frame(m, p) for m, p in frames)
+    fb.feed(blob[:-10])
+    got = list(fb)
+    fb.feed(blob[-10:])
+    got.extend(fb)
+    assert got == frames
+
+
+def test_frame_buffer_oversized() -> None:
+    fb = FrameBuffer(max_frame_size=100)
+    fb.feed(frame_header(1, 101))
+    with pytest.raises(ProtocolError):
+        fb.next_frame()
+
+
+@given(st.lists(st.binary(max_size=30), max_size=8))
+def test_frame_buffer_random_bytes(pieces: list[bytes]) -> None:
+    fb = FrameBuffer(max_frame_size=64)
+    try:
+        for piece in pieces:
+            fb.feed(piece)
+            for msg_id, payload in fb:
+                assert 0 <= msg_id <= 255 and len(payload) <= 64
+    except ProtocolError:
+        pass
+
+
+@given(st.lists(st.tuples(st.integers(0, 255), st.binary(max_size=50)), max_size=6), st.data())
+def test_frame_buffer_roundtrip_any_split(frames: list[tuple[int, bytes]], data) -> None:
+    blob = b"".join(encode_frame(m, p) for m, p in frames)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(blob)), max_size=5)))
+    fb = FrameBuffer()
+    got = []
+    prev = 0
+    for cut in [*cuts, len(blob)]:
+        fb.feed(blob[prev:cut])
+        prev = cut
+        got.extend(fb)
+    assert got == frames
