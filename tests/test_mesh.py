@@ -219,7 +219,7 @@ def test_acks_are_cumulative_and_close_timeout_fails_the_rest(cfg: NodeConfig, r
 
 def test_full_buffer_blocks_then_raises(cfg: NodeConfig) -> None:
     with Producer("t", cfg, capacity=3, publish_timeout=0.2) as producer:
-        for i in range(3):
+        for _i in range(3):
             producer.publish(b"x")
         t0 = time.monotonic()
         with pytest.raises(BufferFullError):

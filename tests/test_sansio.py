@@ -118,7 +118,7 @@ def test_window_cumulative_acks_and_fetch_content() -> None:
 
 def test_window_full_and_ring_mode() -> None:
     w = UnackedWindow(3)
-    for i in range(3):
+    for _ in range(3):
         w.push(b"x")
     assert w.full
     r = UnackedWindow(3, ring=True)
