@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import zmq
+from hypothesis import HealthCheck, settings
 
 from dafka import wire
 from dafka.config import NodeConfig, TowerAddress
@@ -18,6 +19,11 @@ from dafka.node import new_address
 from dafka.tower import Tower
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Fuzz tests check behaviour, not speed: no per-example deadline, so a loaded
+# 2-core CI machine cannot make them flaky.
+settings.register_profile("dafka", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("dafka")
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:
