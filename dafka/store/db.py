@@ -48,10 +48,15 @@ bytewise key order is numeric order.
 Durability and concurrency
 ==========================
 
-* :meth:`RecordDB.append` writes a whole batch in one write transaction and
-  commits it (fsync'ed unless ``sync=False``) before returning; a crash (even
-  SIGKILL) keeps every batch whose ``append`` returned and nothing of a batch
-  whose ``append`` did not.
+* :meth:`RecordDB.append` (and :meth:`RecordDB.append_runs`) writes a whole
+  batch in one write transaction and commits it (fsync'ed unless
+  ``sync=False``) before returning; a crash (even SIGKILL) keeps every batch
+  whose ``append`` returned and nothing of a batch whose ``append`` did not.
+* Records go in with MDB_APPEND when they sort after every stored key (the
+  newest partition), else with ordinary puts.  Older partitions written in
+  the middle of the key space fill their B-tree pages only about half, so a
+  store with many concurrently written partitions uses up to ~1.5-1.8x the
+  space of one written partition by partition.
 * Readers use short read-only transactions (never held across a ``yield``),
   so they see a consistent snapshot and never block the writer or retention.
 * The map grows on demand (doubling, up to ``max_map_size``); other processes
@@ -61,6 +66,9 @@ Durability and concurrency
 * LMDB allows one open environment per directory per process: share one
   :class:`RecordDB` between the threads of a process, and do not carry one
   across ``fork()``.
+* Retention (:meth:`RecordDB.enforce_retention`) deletes from the front of
+  partitions in bounded write transactions; call it again while it reports
+  ``more``.
 """
 
 from __future__ import annotations
@@ -74,8 +82,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import compress, islice, repeat
-from operator import itemgetter
+from itertools import islice, repeat
 from typing import Any, NamedTuple, TypeVar
 
 import lmdb
@@ -242,57 +249,60 @@ class _Dbs(NamedTuple):
 _DB_NAMES = tuple(name.encode() for name in _Dbs._fields)
 
 
-_get0 = itemgetter(0)
-_get1 = itemgetter(1)
-_get2 = itemgetter(2)
-_get3 = itemgetter(3)
-_get4 = itemgetter(4)
-_get5 = itemgetter(5)
-_get6 = itemgetter(6)
-
-
-def _group(batch: Sequence[Sequence[Any]]) -> dict[tuple[str, str], Sequence[Sequence[Any]]]:
-    """Split a batch per partition, keeping each partition's arrival order."""
-    n = len(batch)
-    topics = list(map(_get0, batch))
-    t0 = topics[0]
-    if topics.count(t0) == n:
-        # One topic (the usual case): split with C-level passes, no Python loop.
-        parts = list(map(_get1, batch))
-        p0 = parts[0]
-        if parts.count(p0) == n:
-            return {(t0, p0): batch}
-        distinct = dict.fromkeys(parts)
-        if len(distinct) <= 16 and all(type(p) is str for p in distinct):
-            return {(t0, p): list(compress(batch, map(p.__eq__, parts))) for p in distinct}
-    groups: dict[tuple[str, str], Sequence[Sequence[Any]]] = {}
-    cur_t: object = None
-    cur_p: object = None
-    add: Callable[[Sequence[Any]], None] = list().append
+def _group(batch: Sequence[Sequence[Any]]) -> dict[tuple[str, str], list[Sequence[Any]]]:
+    """Split a batch of several partitions per partition, keeping arrival order."""
+    groups: dict[tuple[str, str], list[Sequence[Any]]] = {}
     for rec in batch:
-        t = rec[0]
-        p = rec[1]
-        # Comparing with the previous record's names is cheaper than hashing a tuple.
-        if p != cur_p or t != cur_t:
-            tp = (t, p)
-            got = groups.get(tp)
-            if got is None:
-                got = groups[tp] = []
-            add = got.append  # type: ignore[attr-defined]
-            cur_t = t
-            cur_p = p
-        add(rec)
+        tp = (rec[0], rec[1])
+        # try/append on a dict hit is the cheapest per-record step measured.
+        try:
+            groups[tp].append(rec)
+        except KeyError:
+            groups[tp] = [rec]
     return groups
+
+
+def _run_of(cols: tuple[tuple[Any, ...], ...]) -> tuple[int, tuple[bytes, ...], Any] | None:
+    """``(first offset, contents, ts)`` if the transposed records ``cols`` are
+    plain (no Tank key or timestamp) and at consecutive offsets, else None.
+
+    ``ts`` is one int when every record has the same timestamp (the store
+    stamps a batch with its receive time), else the tuple of timestamps.
+    """
+    if len(cols) != 5:
+        if len(cols) != 7 or cols[6].count(False) != len(cols[6]):
+            return None
+        if cols[5].count(None) != len(cols[5]):
+            return None
+    offs = cols[2]
+    first = offs[0]
+    n = len(offs)
+    if offs[-1] != first + n - 1 or offs != tuple(range(first, first + n)):
+        return None
+    tss = cols[4]
+    return first, cols[3], (tss[0] if tss.count(tss[0]) == n else tss)
 
 
 # What the packers return: keys, values, next offset, payload bytes, duplicates skipped.
 _Packed = tuple[list[bytes], list[bytes], int, int, int]
 
 
-def _pack_contents(pid: int, nxt: int, contents: Sequence[bytes], ts_ms: int) -> _Packed:
-    """Keys and values of plain records at offsets ``nxt, nxt + 1, ...`` with one timestamp."""
-    hdr = VALUE_HEADER.pack(ts_ms, 0)
-    values = [hdr + c for c in contents]
+def _pack_contents(pid: int, nxt: int, contents: Sequence[bytes], ts: Any) -> _Packed:
+    """Keys and values of plain records at offsets ``nxt, nxt + 1, ...``.
+
+    ``ts`` is one timestamp for all or a sequence of one per content.  Each
+    step is a C-level pass (list comprehension, map, struct), no per-record
+    Python statements.
+    """
+    pack_hdr = VALUE_HEADER.pack
+    if isinstance(ts, int):
+        hdr = pack_hdr(ts, 0)
+        values = [hdr + c for c in contents]
+    else:
+        if len(ts) != len(contents):
+            raise ValueError(f"{len(ts)} timestamps for {len(contents)} records")
+        hdrs = {t: pack_hdr(t, 0) for t in set(ts)}
+        values = list(map(bytes.__add__, map(hdrs.__getitem__, ts), contents))
     n = len(values)
     keys = list(map(RECORD_KEY.pack, repeat(pid, n), range(nxt, nxt + n)))
     return keys, values, nxt + n, sum(map(len, contents)), 0
@@ -301,33 +311,9 @@ def _pack_contents(pid: int, nxt: int, contents: Sequence[bytes], ts_ms: int) ->
 def _pack_records(
     pid: int, nxt: int, recs: Sequence[Sequence[Any]], tp: tuple[str, str]
 ) -> _Packed:
-    """Pack one partition's records (tuples), which must continue at offset ``nxt``."""
-    n = len(recs)
-    # Fast path: offsets exactly nxt..nxt+n-1, no Tank key or timestamp.  Each
-    # step is one C-level pass (map/itemgetter/struct), no per-record bytecode.
-    if recs[0][2] == nxt and recs[-1][2] == nxt + n - 1:
-        lens = set(map(len, recs))
-        plain = lens == {5} or (
-            lens == {7} and list(map(_get5, recs)).count(None) == n and not any(map(_get6, recs))
-        )
-        end = nxt + n
-        if plain and list(map(_get2, recs)) == list(range(nxt, end)):
-            contents = list(map(_get3, recs))
-            tss = list(map(_get4, recs))
-            if tss.count(tss[0]) == n:
-                return _pack_contents(pid, nxt, contents, tss[0])
-            pack_hdr = VALUE_HEADER.pack
-            hdrs = {ts: pack_hdr(ts, 0) for ts in set(tss)}
-            values = list(map(bytes.__add__, map(hdrs.__getitem__, tss), contents))
-            keys = list(map(RECORD_KEY.pack, repeat(pid, n), range(nxt, end)))
-            return keys, values, end, sum(map(len, contents)), 0
-    return _pack_records_slow(pid, nxt, recs, tp)
+    """Pack one partition's records (tuples), which must continue at offset ``nxt``.
 
-
-def _pack_records_slow(
-    pid: int, nxt: int, recs: Sequence[Sequence[Any]], tp: tuple[str, str]
-) -> _Packed:
-    """General case of :func:`_pack_records`: duplicates, gaps, keys, producer timestamps.
+    The general case: duplicates, gaps, keys, producer timestamps.
 
     A record below ``nxt`` is a duplicate (skipped and counted); above it, a
     gap (ValueError, which rejects the whole batch).
@@ -376,9 +362,9 @@ def _pack_records_slow(
     return keys, values, nxt, nbytes, dups
 
 
-# One unit of an append: (topic, partition), partition key, first offset,
-# then either record tuples and None, or contents and their common ts_ms.
-_Unit = tuple[tuple[str, str], bytes, int, Sequence[Any], int | None]
+# One unit of an append: (topic, partition), partition key, first offset, then
+# either record tuples and None, or contents and their ts_ms (int or one each).
+_Unit = tuple[tuple[str, str], bytes, int, Sequence[Any], Any]
 
 
 class _PartState:
@@ -600,37 +586,47 @@ class RecordDB:
                 try:
                     result = body(txn)
                 except lmdb.MapFullError:
-                    txn.abort()
+                    self._abort_write(txn)
                     self._grow()
                     continue
                 except lmdb.Error as exc:
-                    txn.abort()
+                    self._abort_write(txn)
                     if getattr(exc, "code", None) in _FULL_ERRNOS:
                         raise StorageFullError(f"write to {self.path} failed: {exc}") from exc
                     raise
                 except OSError as exc:
-                    txn.abort()
+                    self._abort_write(txn)
                     if exc.errno in _FULL_ERRNOS:
                         raise StorageFullError(f"write to {self.path} failed: {exc}") from exc
                     raise
                 except BaseException:
-                    txn.abort()
+                    self._abort_write(txn)
                     raise
                 try:
                     txn.commit()
                 except lmdb.MapFullError:
-                    txn.abort()  # already aborted by LMDB; harmless
+                    self._abort_write(txn)  # already aborted by LMDB; harmless
                     self._grow()
                     continue
                 except lmdb.Error as exc:
                     # Pages could not be written (ENOSPC, EFBIG, EIO...): LMDB
                     # aborted the transaction and the old meta page still rules.
-                    txn.abort()
+                    self._abort_write(txn)
                     self._recover_after_failed_commit()
                     raise StorageFullError(
                         f"commit to {self.path} failed (disk full?): {exc}"
                     ) from exc
                 return result
+
+    def _abort_write(self, txn: lmdb.Transaction) -> None:
+        """Abort a write transaction while no read transaction of this process is open.
+
+        py-lmdb 3.0's ``abort()`` of a write transaction never returns while
+        two or more other threads keep beginning read transactions (they
+        starve it; commit is not affected), so readers are held off meanwhile.
+        """
+        with self._gate.exclusive():
+            txn.abort()
 
     def _grow(self) -> None:
         """Double the map (up to ``max_map_size``); called with no transaction open."""
@@ -684,8 +680,9 @@ class RecordDB:
 
         ``batch`` holds :class:`StoreRecord` or plain tuples
         ``(topic, partition, offset, content, ts_ms[, key[, ts_from_producer]])``
-        in any mix of partitions (plain 5-tuples with one ``ts_ms`` per batch
-        are the fastest).  Per partition, in batch order, each record must be
+        in any mix of partitions.  Fastest: plain 5-tuples, all records of a
+        partition at consecutive offsets (they are then packed with C-level
+        passes, no per-record Python statements); a common ``ts_ms`` helps.  Per partition, in batch order, each record must be
         at ``head + 1``; a record at or below the head is a duplicate and
         skipped (counted in :attr:`duplicates`); a record beyond ``head + 1``
         is a gap and raises ValueError, rejecting the WHOLE batch (nothing
@@ -697,26 +694,46 @@ class RecordDB:
         the batch does not fit (nothing of it is committed then), ValueError
         or TypeError for malformed records.
         """
-        if not batch:
+        n = len(batch)
+        if not n:
             return {}
-        # Names are validated before the write transaction starts.
-        units = [
-            (tp, self._pkey(tp[0], tp[1]), recs[0][2], recs, None)
-            for tp, recs in _group(batch).items()
-        ]
+        pkey = self._pkey
+        try:
+            # Transposing is one C-level pass and checks the tuple shapes.
+            cols = tuple(zip(*batch, strict=True))
+        except ValueError:
+            cols = ()  # mixed tuple lengths: the general path
+        units: list[_Unit] = []
+        if cols and cols[0].count(cols[0][0]) == n and cols[1].count(cols[1][0]) == n:
+            groups: Any = (((cols[0][0], cols[1][0]), batch, cols),)  # one partition
+        else:
+            groups = ((tp, recs, None) for tp, recs in _group(batch).items())
+        for tp, recs, tcols in groups:
+            # Names are validated before the write transaction starts.
+            if tcols is None:
+                try:
+                    tcols = tuple(zip(*recs, strict=True))
+                except ValueError:
+                    tcols = ()
+            run = _run_of(tcols) if tcols else None
+            if run is None:
+                units.append((tp, pkey(tp[0], tp[1]), recs[0][2], recs, None))
+            else:
+                units.append((tp, pkey(tp[0], tp[1]), run[0], run[1], run[2]))
         return self._append_units(units)
 
     def append_runs(
-        self, runs: Sequence[tuple[str, str, int, Sequence[bytes], int]]
+        self, runs: Sequence[tuple[str, str, int, Sequence[bytes], int | Sequence[int]]]
     ) -> dict[tuple[str, str], int]:
         """The fastest append: runs of consecutive plain records, all in one transaction.
 
         Each run is ``(topic, partition, first_offset, contents, ts_ms)``:
-        ``contents[i]`` is the record at ``first_offset + i``, all stamped
-        ``ts_ms``, without Tank key.  Same rules and result as :meth:`append`
-        (the part of a run at or below the head is skipped as duplicates, a
-        run starting beyond ``head + 1`` is a gap); several runs of one
-        partition are applied in order.
+        ``contents[i]`` is the record at ``first_offset + i``, without Tank
+        key, stamped ``ts_ms`` (one int for all, or a sequence of one each).
+        Same rules and result as :meth:`append` (the part of a run at or
+        below the head is skipped as duplicates, a run starting beyond
+        ``head + 1`` is a gap); several runs of one partition are applied in
+        order.
         """
         units = []
         for topic, partition, first_offset, contents, ts_ms in runs:
@@ -781,6 +798,8 @@ class RecordDB:
                     if d > 0:
                         d = min(d, len(recs))
                         recs = recs[d:]
+                        if not isinstance(ts_ms, int):
+                            ts_ms = ts_ms[d:]
                     keys, values, new_nxt, nbytes, _ = _pack_contents(st.pid, nxt, recs, ts_ms)
                 dups += d
                 if not keys:

@@ -103,9 +103,9 @@ class ChildLines:
 
 # --------------------------------------------------------------------------- layout
 
-names = st.text(st.characters(blacklist_characters="\x00"), max_size=60).filter(
-    lambda s: len(s.encode()) <= 255
-)
+names = st.text(
+    st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=60
+).filter(lambda s: len(s.encode()) <= 255)
 
 
 @pytest.mark.timeout(60)
@@ -166,6 +166,8 @@ def test_bad_names_are_rejected(tmp_path: Path) -> None:
             db.append([("t", "é" * 128, 0, b"x", 1)])  # 256 bytes in UTF-8
         with pytest.raises(TypeError):
             db.append([(b"t", P1, 0, b"x", 1)])
+        with pytest.raises(ValueError):
+            db.append([("t", "\ud800", 0, b"x", 1)])  # not encodable as UTF-8
         with pytest.raises(ValueError):
             db.append([StoreRecord("t", P1, 0, b"x", 1, key=b"k" * 256)])
         with pytest.raises(ValueError):
@@ -297,6 +299,32 @@ def test_tuple_shapes_and_timestamps(tmp_path: Path) -> None:
         assert [(r.offset, r.ts_ms) for r in db.read("t", P1, 6, 1000)] == [
             (o, o) for o in range(6, 600)
         ]
+        # ... overlapping the head: the leading duplicates and their timestamps are dropped.
+        assert db.append([("t", P1, o, b"w", o + 1) for o in range(590, 610)]) == {("t", P1): 609}
+        assert db.duplicates == 10
+        got = list(db.read("t", P1, 595, 100))
+        assert [(r.offset, r.ts_ms, r.content) for r in got] == [
+            (o, o, b"z") for o in range(595, 600)
+        ] + [(o, o + 1, b"w") for o in range(600, 610)]
+        # Plain StoreRecords (7 fields, no key, store timestamp) take the fast path too.
+        db.append([StoreRecord("t", P2, o, b"s%d" % o, 5) for o in range(3, 8)])
+        assert db.fetch("t", P2, 0, 10) == (3, [b"s%d" % o for o in range(3, 8)])
+        assert list(db.read("t", P2, 3, 1)) == [(3, 5, None, b"s3")]
+        # A producer timestamp flag anywhere sends the batch down the general path.
+        db.append([StoreRecord("t", P2, 8, b"a", 6), StoreRecord("t", P2, 9, b"b", 7, None, True)])
+        assert [layout.unpack_value(v)[:2] for v in db.fetch_raw("t", P2, 8, 2)[1]] == [
+            (6, 0),
+            (7, layout.FLAG_PRODUCER_TS),
+        ]
+        # append_runs takes one timestamp per record too.
+        db.append_runs([("t", P2, 9, [b"dup", b"c", b"d"], [1, 2, 3])])
+        assert [(r.offset, r.ts_ms, r.content) for r in db.read("t", P2, 9, 5)] == [
+            (9, 7, b"b"),
+            (10, 2, b"c"),
+            (11, 3, b"d"),
+        ]
+        with pytest.raises(ValueError):
+            db.append_runs([("t", P2, 12, [b"e", b"f"], [1])])
 
 
 @pytest.mark.timeout(60)
@@ -897,3 +925,18 @@ def check_against_model(db: RecordDB, model: Model, data: st.DataObject) -> None
         assert contents == [e[3] for e in want]
         if want:
             assert start == want[0][0]
+
+
+def test_environment_reopened_after_a_fatal_commit_failure(tmp_path: Path) -> None:
+    """After a failed commit that leaves LMDB unusable (a failed meta-page write
+    marks the environment fatally broken), the environment is reopened from disk."""
+    with RecordDB(tmp_path / "db") as db:
+        db.append(plain("t", P1, 0, 10))
+        env = db._env
+        assert env is not None
+        env.close()  # stands in for MDB_PANIC: every transaction now fails
+        with db._write_lock:
+            db._recover_after_failed_commit()
+        assert db._env is not env
+        assert db.head("t", P1) == 9
+        assert db.append(plain("t", P1, 10, 1)) == {("t", P1): 10}
