@@ -15,7 +15,6 @@ again later), so memory stays bounded.
 from __future__ import annotations
 
 import logging
-import struct
 import threading
 import time
 from collections import deque
@@ -26,15 +25,12 @@ import zmq
 
 from dafka import wire
 from dafka.config import NodeConfig
-from dafka.errors import ClosedError, ProtocolError
+from dafka.errors import ClosedError
 from dafka.gaps import PartitionTracker
-from dafka.node import DRAIN, Node
+from dafka.node import DRAIN
+from dafka.reader import NOBLOCK, PartitionReader, seq_at
 
 log = logging.getLogger("dafka.consumer")
-
-_NOBLOCK = int(zmq.NOBLOCK)
-_RCVMORE = int(zmq.RCVMORE)
-_seq_at = struct.Struct(">Q").unpack_from
 
 
 class ConsumerRecord(NamedTuple):
@@ -49,7 +45,7 @@ class ConsumerRecord(NamedTuple):
 _new_record = tuple.__new__
 
 
-class Consumer(Node):
+class Consumer(PartitionReader):
     """Consume ``topics`` from the mesh.
 
     ``offset_reset="latest"`` (default) starts each partition at the first
@@ -59,7 +55,6 @@ class Consumer(Node):
     """
 
     kind = "consumer"
-    publisher_type = zmq.XPUB
 
     def __init__(
         self,
@@ -86,18 +81,10 @@ class Consumer(Node):
             "skip_after": skip_after,
         }
         self.topics: list[str] = []
-        # Header prefix (everything before the sequence) of a known partition's
-        # RECORD and DIRECT-RECORD -> its tracker: one dict lookup per record.
-        self._by_prefix: dict[bytes, PartitionTracker] = {}
-        self._trackers: dict[tuple[str, str], PartitionTracker] = {}
-        self._missing: set[PartitionTracker] = set()
         self._queue: deque[ConsumerRecord] = deque()
         self._ready = threading.Event()
-        self._paused = False
         self._closed = False
-        self._out: list[tuple[int, bytes]] = []
         self.delivered = 0
-        self.fetches_sent = 0
         self.skipped = 0
         own = self.address.encode()
         for prefix in (wire.P_DIRECT_RECORD, wire.P_DIRECT_HEAD, wire.P_STORE_HELLO):
@@ -129,7 +116,7 @@ class Consumer(Node):
         """The next record, waiting up to ``timeout`` seconds (None: forever)."""
         queue = self._queue
         if queue:
-            if self._paused and len(queue) < self.max_queued // 2:
+            if self.data_paused and len(queue) < self.max_queued // 2:
                 self._wake()
             return queue.popleft()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -139,7 +126,7 @@ class Consumer(Node):
                 return queue.popleft()
             if self._closed:
                 raise ClosedError("consumer is closed")
-            if self._paused:
+            if self.data_paused:
                 self._wake()
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -184,7 +171,7 @@ class Consumer(Node):
         self.subscribe(wire.P_RECORD + topic.encode())
         self.subscribe(wire.P_HEAD + topic.encode())
         if self.earliest and self.running:
-            self._send(wire.GetHeads(topic, self.address))
+            self.send(wire.GetHeads(topic, self.address))
 
     def sockets(self) -> list[tuple[zmq.Socket, object]]:
         return [(self.publisher, self._read_subscriptions)]
@@ -192,147 +179,75 @@ class Consumer(Node):
     def on_start(self) -> None:
         if self.earliest:
             for topic in self.topics:
-                self._send(wire.GetHeads(topic, self.address))
+                self.send(wire.GetHeads(topic, self.address))
 
-    def _send(self, msg: wire.Message) -> None:
-        try:
-            self.publisher.send_multipart(wire.encode(msg), zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.debug("could not send %s: %s", type(msg).__name__, exc)
+    def new_tracker(self, subject: str, partition: str) -> PartitionTracker:
+        return PartitionTracker(
+            subject, partition, 0 if self.earliest else None, **self._tracker_options
+        )
 
-    def _tracker(self, subject: str, address: str) -> PartitionTracker:
-        key = (subject, address)
-        tracker = self._trackers.get(key)
-        if tracker is None:
-            tracker = PartitionTracker(
-                subject, address, 0 if self.earliest else None, **self._tracker_options
-            )
-            self._trackers[key] = tracker
-            self._by_prefix[wire.record_prefix(wire.RECORD, subject, address, subject)] = tracker
-            self._by_prefix[
-                wire.record_prefix(wire.DIRECT_RECORD, self.address, address, subject)
-            ] = tracker
-        return tracker
+    def wants(self, subject: str) -> bool:
+        return subject in self.topics
+
+    def emit(self, tracker: PartitionTracker, records: list[tuple[int, bytes]]) -> None:
+        append = self._queue.append
+        subject, partition = tracker.subject, tracker.address
+        for seq, content in records:
+            append(_new_record(ConsumerRecord, (subject, partition, seq, content)))
+        self.delivered += len(records)
+        self._ready.set()
 
     def _read_data(self) -> None:
-        # The hot path: one dict lookup recognises a known partition's record.
-        if self._paused:
-            return
+        # The hot path: one dict lookup recognises a known partition's record,
+        # and the next record in order is queued right here.
         recv = self.sub.recv
         lookup = self._by_prefix.get
         queue = self._queue
         append = queue.append
-        out = self._out
-        delivered = 0
+        fast = 0
         for _ in range(DRAIN):
             try:
-                frame = recv(_NOBLOCK)
+                frame = recv(NOBLOCK)
             except zmq.Again:
                 break
             tracker = lookup(frame[:-8])
             if tracker is None:
-                self._on_message(frame)
+                self.on_message(frame)
                 continue
             try:
                 # Every RECORD has a content frame; a malformed one-frame
                 # message costs at most its neighbour, which is fetched again.
-                content = recv(_NOBLOCK)
+                content = recv(NOBLOCK)
             except zmq.Again:
                 self.bad_input("record", "no content frame")
                 continue
-            seq = _seq_at(frame, len(frame) - 8)[0]
+            seq = seq_at(frame, len(frame) - 8)[0]
             if seq == tracker.next and seq >= tracker.known:
                 tracker.next = seq + 1
                 tracker.known = seq
                 append(_new_record(ConsumerRecord, (tracker.subject, tracker.address, seq, content)))
-                delivered += 1
+                fast += 1
             else:
-                delivered += self._deliver(tracker, seq, content, out)
-        if delivered:
-            self.delivered += delivered
+                self.track(tracker, seq, content)
+        if fast:
+            self.delivered += fast
             self._ready.set()
-            if len(queue) >= self.max_queued:
-                self._paused = True
-                self.pause_data(True)
+        if len(queue) >= self.max_queued:
+            self.pause_data(True)
 
-    def _deliver(
-        self, tracker: PartitionTracker, seq: int, content: bytes, out: list[tuple[int, bytes]]
-    ) -> int:
-        missing = tracker.on_record(seq, content, out)
-        n = len(out)
-        if out:
-            append = self._queue.append
-            subject, address = tracker.subject, tracker.address
-            for s, c in out:
-                append(_new_record(ConsumerRecord, (subject, address, s, c)))
-            out.clear()
-        if missing:
-            self._missing.add(tracker)
-            self._maybe_fetch(tracker, time.monotonic())
-        return n
-
-    def _maybe_fetch(self, tracker: PartitionTracker, now: float) -> None:
-        request = tracker.fetch_request(now)
-        if request is not None:
-            offset, count = request
-            self._send(wire.Fetch(tracker.address, self.address, tracker.subject, offset, count))
-            self.fetches_sent += 1
-
-    def _on_message(self, frame: bytes) -> None:
-        """Anything that is not a known partition's record."""
-        try:
-            if frame[:1] in (b"M", b"D"):
-                try:
-                    content = self.sub.recv(_NOBLOCK)
-                except zmq.Again:
-                    raise ProtocolError("record without content frame") from None
-                msg = wire.decode([frame, content])
-            else:
-                frames = [frame]
-                while self.sub.getsockopt(_RCVMORE):
-                    frames.append(self.sub.recv())
-                msg = wire.decode(frames)
-        except ProtocolError as exc:
-            self.bad_input("message", exc)
-            return
-        if isinstance(msg, wire.Record | wire.DirectRecord):
-            if isinstance(msg, wire.Record):
-                if msg.topic != msg.subject:
-                    return
-            elif msg.topic != self.address:
-                return
-            if msg.subject not in self.topics:
-                return  # a prefix match of another topic
-            tracker = self._tracker(msg.subject, msg.address)
-            n = self._deliver(tracker, msg.sequence, msg.content, self._out)
-            if n:
-                self.delivered += n
-                self._ready.set()
-        elif isinstance(msg, wire.Head | wire.DirectHead):
-            if isinstance(msg, wire.Head):
-                if msg.topic != msg.subject:
-                    return
-            elif msg.topic != self.address:
-                return
-            if msg.subject not in self.topics:
-                return
-            tracker = self._tracker(msg.subject, msg.address)
-            if tracker.on_head(msg.sequence):
-                self._missing.add(tracker)
-                self._maybe_fetch(tracker, time.monotonic())
-        elif isinstance(msg, wire.StoreHello):
-            if msg.topic == self.address:
-                self._hello(msg.address)
+    def on_other(self, msg: wire.Message) -> None:
+        if isinstance(msg, wire.StoreHello) and msg.topic == self.address:
+            self._hello(msg.address)
 
     def _hello(self, store: str) -> None:
         subjects = tuple(self.topics) if self.earliest else ()
-        self._send(wire.ConsumerHello(store, self.address, subjects))
+        self.send(wire.ConsumerHello(store, self.address, subjects))
 
     def _read_subscriptions(self) -> None:
         """Our XPUB saw a (un)subscription from a peer."""
         for _ in range(DRAIN):
             try:
-                frame = self.publisher.recv(_NOBLOCK)
+                frame = self.publisher.recv(NOBLOCK)
             except zmq.Again:
                 return
             parsed = wire.parse_subscription(frame)
@@ -350,44 +265,23 @@ class Consumer(Node):
                 # the GET-HEADS sent before it connected was lost.
                 for topic in self.topics:
                     if topic.encode().startswith(prefix[1:]):
-                        self._send(wire.GetHeads(topic, self.address))
+                        self.send(wire.GetHeads(topic, self.address))
             elif prefix[:1] == wire.P_FETCH:
-                # Someone new answers FETCHes: retry missing ranges now.
-                for tracker in self._missing:
-                    tracker.progress_at = -1e9
+                self.retry_missing_now()
+
+    def on_skipped(self, tracker: PartitionTracker, first: int, last: int) -> None:
+        self.skipped += last - first + 1
+        log.warning(
+            "consumer %s: offsets %d..%d of %s/%s are gone (retention?); skipping ahead",
+            self.address,
+            first,
+            last,
+            tracker.subject,
+            tracker.address,
+        )
 
     def on_tick(self, now: float) -> None:
-        if self._paused and len(self._queue) < self.max_queued // 2:
-            self._paused = False
+        if self.data_paused and len(self._queue) < self.max_queued // 2:
             self.pause_data(False)
             self._read_data()
-        if not self._missing:
-            return
-        done = []
-        out = self._out
-        for tracker in self._missing:
-            if not tracker.missing:
-                done.append(tracker)
-                continue
-            skipped = tracker.skip_if_stalled(now, out)
-            if skipped is not None:
-                self.skipped += skipped[1] - skipped[0] + 1
-                log.warning(
-                    "consumer %s: offsets %d..%d of %s/%s are gone (retention?); skipping ahead",
-                    self.address,
-                    skipped[0],
-                    skipped[1],
-                    tracker.subject,
-                    tracker.address,
-                )
-                n = len(out)
-                if out:
-                    append = self._queue.append
-                    for s, c in out:
-                        append(_new_record(ConsumerRecord, (tracker.subject, tracker.address, s, c)))
-                    out.clear()
-                    self.delivered += n
-                    self._ready.set()
-            self._maybe_fetch(tracker, now)
-        for tracker in done:
-            self._missing.discard(tracker)
+        self.check_missing(now)

@@ -154,6 +154,10 @@ class PartitionTracker:
         self.fetches += 1
         return nxt, count
 
+    def retry_now(self) -> None:
+        """Let the next :meth:`fetch_request` re-send at once (a new peer joined)."""
+        self.progress_at = float("-inf")
+
     def skip_if_stalled(self, now: float, out: list[tuple[int, bytes]]) -> tuple[int, int] | None:
         """Give up on a hole that nobody can fill (records removed by retention).
 

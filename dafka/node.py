@@ -28,7 +28,7 @@ import zmq
 from dafka import wire
 from dafka.config import NodeConfig
 from dafka.errors import ProtocolError
-from dafka.peers import Connect, PeerTable
+from dafka.peers import Connect, PeerAction, PeerTable
 
 DRAIN = 4096  # messages read from a socket before looking at the others again
 TICK = 0.05  # seconds between calls of on_tick
@@ -72,6 +72,7 @@ class Node:
         self._thread: threading.Thread | None = None
         self._wake_lock = threading.Lock()
         self._timers: list[tuple[float, float, Callable[[float], None]]] = []
+        self.data_paused = False
 
         cfg = self.config
         self.publisher = self.ctx.socket(self.publisher_type)
@@ -312,7 +313,7 @@ class Node:
             for action in actions:
                 self._apply_peer_action(action)
 
-    def _apply_peer_action(self, action: object) -> None:
+    def _apply_peer_action(self, action: PeerAction) -> None:
         if isinstance(action, Connect):
             try:
                 self.sub.connect(action.endpoint)
@@ -325,18 +326,24 @@ class Node:
             self.on_peer(action.endpoint, action.address)
         else:
             try:
-                self.sub.disconnect(action.endpoint)  # type: ignore[attr-defined]
+                self.sub.disconnect(action.endpoint)
             except zmq.ZMQError:
                 pass
-            self.log.debug("dropped silent peer %s", action.address)  # type: ignore[attr-defined]
+            self.log.debug("dropped silent peer %s", action.address)
 
     def _expire_peers(self, now: float) -> None:
         for action in self.peers.expire(now):
             self._apply_peer_action(action)
 
     def pause_data(self, paused: bool) -> None:
-        """Stop (or restart) reading the data SUB (I/O thread only)."""
-        self._poller.modify(self.sub, 0 if paused else zmq.POLLIN)
+        """Stop (or restart) reading the data SUB (I/O thread only).
+
+        While paused, ZeroMQ buffers up to the high-water mark and publishers
+        drop beyond it; what they drop is fetched again later.
+        """
+        if paused != self.data_paused:
+            self.data_paused = paused
+            self._poller.modify(self.sub, 0 if paused else zmq.POLLIN)
 
     def subscribe(self, prefix: bytes) -> None:
         """Subscribe the data SUB (I/O thread only)."""

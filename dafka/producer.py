@@ -200,17 +200,9 @@ class Producer(Node):
             if offset is not None and offset != window.next:
                 if offset > window.next:
                     raise ValueError(f"offset {offset} is beyond next offset {window.next}")
-                receipt = Receipt(self, offset)
+                receipt = Receipt(self, offset)  # already published: not sent again
             else:
-                if window.full:
-                    self._wait_for_room(self.publish_timeout if timeout == -1.0 else timeout)
-                if self._closed:
-                    raise ClosedError("producer is closed")
-                seq = window.push(content)
-                send = self.publisher.send
-                send(self._prefix + _pack(seq), _SNDMORE)
-                send(content)
-                receipt = Receipt(self, seq)
+                receipt = Receipt(self, self._push_locked((content,), timeout))
         if callback is not None:
             self._add_callback(receipt, callback)
         return receipt
@@ -233,28 +225,27 @@ class Producer(Node):
         return Receipt(self, last) if last >= 0 else None
 
     def _publish_chunk(self, batch: list[bytes], timeout: float | None) -> int:
-        prefix = self._prefix
-        window = self.window
-        seq = -1
         with self._lock:
-            if self._closed:
-                raise ClosedError("producer is closed")
-            send = self.publisher.send
-            push = window.push
-            if window.ring or len(window) + len(batch) <= window.capacity:
-                for content in batch:  # room for all: no per-record checks
-                    seq = push(content)
-                    send(prefix + _pack(seq), _SNDMORE)
-                    send(content)
-                return seq
-            for content in batch:
-                if window.full:
-                    self._wait_for_room(self.publish_timeout if timeout == -1.0 else timeout)
-                if self._closed:
-                    raise ClosedError("producer is closed")
-                seq = push(content)
-                send(prefix + _pack(seq), _SNDMORE)
-                send(content)
+            return self._push_locked(batch, timeout)
+
+    def _push_locked(self, batch: list[bytes] | tuple[bytes, ...], timeout: float | None) -> int:
+        """Assign offsets to ``batch`` and send it (lock held); the last offset."""
+        if self._closed:
+            raise ClosedError("producer is closed")
+        window = self.window
+        # With room for the whole batch (the common case) nothing is checked per record.
+        check = not window.ring and len(window) + len(batch) > window.capacity
+        wait = self.publish_timeout if timeout == -1.0 else timeout
+        prefix = self._prefix
+        send = self.publisher.send
+        push = window.push
+        seq = -1
+        for content in batch:
+            if check and window.full:
+                self._wait_for_room(wait)
+            seq = push(content)
+            send(prefix + _pack(seq), _SNDMORE)
+            send(content)
         return seq
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -314,7 +305,7 @@ class Producer(Node):
             return True
 
     def _wait_for_room(self, timeout: float | None) -> None:
-        # Called with the lock held.
+        # Called with the lock held; waiting releases it, so re-check closed.
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.window.full and not self._closed:
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -323,6 +314,8 @@ class Producer(Node):
                     f"{len(self.window)} records wait for an ACK (capacity {self.window.capacity})"
                 )
             self._cond.wait(remaining)
+        if self._closed:
+            raise ClosedError("producer is closed")
 
     def _add_callback(self, receipt: Receipt, fn: Callable[[Receipt], None]) -> None:
         with self._lock:

@@ -21,29 +21,25 @@ cannot starve the rest.
 from __future__ import annotations
 
 import logging
-import struct
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from dafka import wire
 from dafka.config import NodeConfig
-from dafka.errors import ProtocolError
 from dafka.gaps import PartitionTracker
-from dafka.node import DRAIN, Node
+from dafka.node import DRAIN
+from dafka.reader import NOBLOCK, PartitionReader, seq_at
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.layout import FLAG_KEY
 
 log = logging.getLogger("dafka.store")
 
-_NOBLOCK = int(zmq.NOBLOCK)
-_SNDMORE = int(zmq.SNDMORE)
-_RCVMORE = int(zmq.RCVMORE)
-_SNDMORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
-_seq_at = struct.Struct(">Q").unpack_from
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE) | NOBLOCK
 _pack = wire.pack_u64
 
 MAX_BATCH = 200_000  # records waiting for the writer before reading pauses
@@ -52,11 +48,22 @@ STATS_INTERVAL = 10.0
 HEADS_INTERVAL = 30.0  # stores re-announce the heads they hold (replication)
 
 
-class Store(Node):
+@dataclass(slots=True)
+class FetchJob:
+    """A FETCH answer in progress (served a slice at a time)."""
+
+    prefix: bytes  # DIRECT-RECORD header up to the sequence, for the requester
+    topic: str
+    partition: str
+    offset: int  # next offset to send
+    remaining: int
+    asked: int  # the offset the FETCH asked for
+
+
+class Store(PartitionReader):
     """A store on the mesh, persisting into the LMDB directory ``db``."""
 
     kind = "store"
-    publisher_type = zmq.XPUB
 
     def __init__(
         self,
@@ -76,16 +83,12 @@ class Store(Node):
         self.retention = retention or RetentionPolicy()
         self.retention_interval = retention_interval
         self.retry_interval = retry_interval
-        self._trackers: dict[tuple[str, str], PartitionTracker] = {}
-        self._by_prefix: dict[bytes, PartitionTracker] = {}
-        self._missing: set[PartitionTracker] = set()
         self._heads: dict[tuple[str, str], int] = {}
         for info in self.db.partitions():
             self._heads[(info.topic, info.partition)] = info.last
         self._batch: list[tuple[Any, ...]] = []
-        self._out: list[tuple[int, bytes]] = []
-        self._jobs: deque[list[Any]] = deque()  # FETCH answers in progress
-        self._paused = False
+        self._ts = 0  # receive time (ms) of the records being read
+        self._jobs: deque[FetchJob] = deque()
         self._blocked = False  # a FETCH reader's queue was full
         self.storage_error: StorageError | None = None
         self._retry_at = 0.0
@@ -205,7 +208,7 @@ class Store(Node):
                 log.error("store cannot write (%s): acknowledgements stop until it can", error)
             self.storage_error = error
             self._batch = batch + self._batch  # keep everything, retry later
-            self._pause(True)
+            self.pause_data(True)
             return
         if self.storage_error is not None:
             log.info("store writes again; acknowledgements resume")
@@ -216,8 +219,8 @@ class Store(Node):
             # One cumulative ACK per partition per commit, after the commit.
             self._unsent_acks[key] = head
         self._send_acks()
-        if self._paused and len(self._batch) < MAX_BATCH // 2:
-            self._pause(False)
+        if len(self._batch) < MAX_BATCH // 2:
+            self.pause_data(False)
         self._flush_batch()
 
     def _send_acks(self) -> None:
@@ -225,7 +228,7 @@ class Store(Node):
         sent = []
         for (topic, partition), head in self._unsent_acks.items():
             try:
-                send(b"K" + partition.encode() + b"\x00\x01" + _string(topic) + _pack(head), _NOBLOCK)
+                send(wire.encode(wire.Ack(partition, topic, head))[0], NOBLOCK)
             except zmq.Again:
                 break  # a full reader: the rest go out on the next tick
             sent.append((topic, partition))
@@ -233,123 +236,62 @@ class Store(Node):
         for key in sent:
             del self._unsent_acks[key]
 
-    def _pause(self, paused: bool) -> None:
-        if paused != self._paused:
-            self._paused = paused
-            self.pause_data(paused)
-
     # ---------------------------------------------------------------- I/O thread: input
 
     def sockets(self) -> list[tuple[zmq.Socket, Any]]:
         return [(self.publisher, self._read_subscriptions)]
 
-    def _tracker(self, subject: str, partition: str) -> PartitionTracker:
-        key = (subject, partition)
-        tracker = self._trackers.get(key)
-        if tracker is None:
-            head = self._heads.get(key)
-            tracker = PartitionTracker(
-                subject,
-                partition,
-                0 if head is None else head + 1,
-                retry_interval=self.retry_interval,
-                # A new partition may begin after what other stores retained;
-                # a stored one must stay contiguous, so it never skips.
-                skip_after=10.0 if head is None else float("inf"),
-            )
-            self._trackers[key] = tracker
-            self._by_prefix[wire.record_prefix(wire.RECORD, subject, partition, subject)] = tracker
-            self._by_prefix[wire.record_prefix(wire.DIRECT_RECORD, self.address, partition, subject)] = tracker
-        return tracker
+    def new_tracker(self, subject: str, partition: str) -> PartitionTracker:
+        head = self._heads.get((subject, partition))
+        return PartitionTracker(
+            subject,
+            partition,
+            0 if head is None else head + 1,
+            retry_interval=self.retry_interval,
+            # A new partition may begin after what other stores retained;
+            # a stored one must stay contiguous, so it never skips.
+            skip_after=10.0 if head is None else float("inf"),
+        )
+
+    def emit(self, tracker: PartitionTracker, records: list[tuple[int, bytes]]) -> None:
+        append = self._batch.append
+        subject, partition, ts = tracker.subject, tracker.address, self._ts
+        for seq, content in records:
+            append((subject, partition, seq, content, ts))
 
     def _read_data(self) -> None:
-        if self._paused:
-            return
+        # The hot path: the next record of a known partition joins the batch here.
         recv = self.sub.recv
         lookup = self._by_prefix.get
-        batch = self._batch
-        append = batch.append
-        ts = int(time.time() * 1000)
-        n = 0
+        append = self._batch.append
+        ts = self._ts = int(time.time() * 1000)
         for _ in range(DRAIN):
             try:
-                frame = recv(_NOBLOCK)
+                frame = recv(NOBLOCK)
             except zmq.Again:
                 break
             tracker = lookup(frame[:-8])
             if tracker is None:
-                self._on_message(frame, ts)
+                self.on_message(frame)
                 continue
             try:
-                content = recv(_NOBLOCK)
+                content = recv(NOBLOCK)
             except zmq.Again:
                 self.bad_input("record", "no content frame")
                 continue
-            seq = _seq_at(frame, len(frame) - 8)[0]
+            seq = seq_at(frame, len(frame) - 8)[0]
             if seq == tracker.next and seq >= tracker.known:
                 tracker.next = seq + 1
                 tracker.known = seq
                 append((tracker.subject, tracker.address, seq, content, ts))
-                n += 1
             else:
-                self._accept(tracker, seq, content, ts)
+                self.track(tracker, seq, content)
         if len(self._batch) >= MAX_BATCH:
-            self._pause(True)
+            self.pause_data(True)
         self._flush_batch()
 
-    def _accept(self, tracker: PartitionTracker, seq: int, content: bytes, ts: int) -> None:
-        out = self._out
-        missing = tracker.on_record(seq, content, out)
-        if out:
-            append = self._batch.append
-            subject, partition = tracker.subject, tracker.address
-            for s, c in out:
-                append((subject, partition, s, c, ts))
-            out.clear()
-        if missing:
-            self._missing.add(tracker)
-            self._maybe_fetch(tracker, time.monotonic())
-
-    def _maybe_fetch(self, tracker: PartitionTracker, now: float) -> None:
-        request = tracker.fetch_request(now)
-        if request is not None:
-            self._send(wire.Fetch(tracker.address, self.address, tracker.subject, *request))
-
-    def _send(self, msg: wire.Message) -> None:
-        try:
-            self.publisher.send_multipart(wire.encode(msg), zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.debug("could not send %s: %s", type(msg).__name__, exc)
-
-    def _on_message(self, frame: bytes, ts: int) -> None:
-        try:
-            if frame[:1] in (b"M", b"D"):
-                try:
-                    content = self.sub.recv(_NOBLOCK)
-                except zmq.Again:
-                    raise ProtocolError("record without content frame") from None
-                msg = wire.decode([frame, content])
-            else:
-                frames = [frame]
-                while self.sub.getsockopt(_RCVMORE):
-                    frames.append(self.sub.recv())
-                msg = wire.decode(frames)
-        except ProtocolError as exc:
-            self.bad_input("message", exc)
-            return
-        if isinstance(msg, wire.Record):
-            if msg.topic == msg.subject:
-                self._accept(self._tracker(msg.subject, msg.address), msg.sequence, msg.content, ts)
-        elif isinstance(msg, wire.DirectRecord):
-            if msg.topic == self.address:
-                self._accept(self._tracker(msg.subject, msg.address), msg.sequence, msg.content, ts)
-        elif isinstance(msg, wire.Head):
-            if msg.topic == msg.subject:
-                tracker = self._tracker(msg.subject, msg.address)
-                if tracker.on_head(msg.sequence):
-                    self._missing.add(tracker)
-                    self._maybe_fetch(tracker, time.monotonic())
-        elif isinstance(msg, wire.Fetch):
+    def on_other(self, msg: wire.Message) -> None:
+        if isinstance(msg, wire.Fetch):
             self._on_fetch(msg)
         elif isinstance(msg, wire.GetHeads):
             self._send_heads(msg.address, (msg.topic,))
@@ -361,15 +303,16 @@ class Store(Node):
         wanted = set(subjects)
         for (topic, partition), head in list(self._heads.items()):
             if topic in wanted:  # exact subject match, not a prefix
-                self._send(wire.DirectHead(requester, partition, topic, head))
+                self.send(wire.DirectHead(requester, partition, topic, head))
 
     def _on_fetch(self, fetch: wire.Fetch) -> None:
         key = (fetch.subject, fetch.topic)
         if key not in self._heads or fetch.count == 0 or fetch.address == self.address:
             return  # not a partition we have
         prefix = wire.record_prefix(wire.DIRECT_RECORD, fetch.address, fetch.topic, fetch.subject)
-        # [prefix, topic, partition, next offset, remaining count, first offset]
-        self._jobs.append([prefix, fetch.subject, fetch.topic, fetch.sequence, fetch.count, fetch.sequence])
+        self._jobs.append(
+            FetchJob(prefix, fetch.subject, fetch.topic, fetch.sequence, fetch.count, fetch.sequence)
+        )
 
     def has_work(self) -> bool:
         return bool(self._jobs) and not self._blocked
@@ -383,22 +326,24 @@ class Store(Node):
         send = self.publisher.send
         for _ in range(len(jobs)):
             job = jobs.popleft()
-            prefix, topic, partition, offset, remaining, _ = job
             try:
-                start, values = self.db.fetch_raw(topic, partition, offset, min(remaining, SERVE_SLICE))
+                start, values = self.db.fetch_raw(
+                    job.topic, job.partition, job.offset, min(job.remaining, SERVE_SLICE)
+                )
             except StorageError as exc:
-                log.error("cannot serve FETCH of %s/%s: %s", topic, partition, exc)
+                log.error("cannot serve FETCH of %s/%s: %s", job.topic, job.partition, exc)
                 continue
             if not values:
                 continue
-            if start > offset and offset == job[5]:
+            if start > job.offset == job.asked:
                 log.warning(
                     "FETCH %s/%s from %d: offsets below %d were removed by retention",
-                    topic,
-                    partition,
-                    offset,
+                    job.topic,
+                    job.partition,
+                    job.offset,
                     start,
                 )
+            prefix = job.prefix
             seq = start
             try:
                 for v in values:
@@ -410,9 +355,8 @@ class Store(Node):
                 self._blocked = True
             sent = seq - start
             self.records_served += sent
-            remaining -= sent
-            if remaining > 0 and (sent == SERVE_SLICE or self._blocked):
-                job[3], job[4] = seq, remaining
+            job.offset, job.remaining = seq, job.remaining - sent
+            if job.remaining > 0 and (sent == SERVE_SLICE or self._blocked):
                 jobs.append(job)
             if self._blocked:
                 return
@@ -420,7 +364,7 @@ class Store(Node):
     def _read_subscriptions(self) -> None:
         for _ in range(DRAIN):
             try:
-                frame = self.publisher.recv(_NOBLOCK)
+                frame = self.publisher.recv(NOBLOCK)
             except zmq.Again:
                 return
             parsed = wire.parse_subscription(frame)
@@ -434,10 +378,9 @@ class Store(Node):
                     self.bad_input("subscription", "consumer address is not UTF-8")
                     continue
                 # A consumer subscribed to us: greet it (it answers CONSUMER-HELLO).
-                self._send(wire.StoreHello(consumer, self.address))
+                self.send(wire.StoreHello(consumer, self.address))
             elif prefix[:1] == wire.P_FETCH:
-                for tracker in self._missing:
-                    tracker.progress_at = -1e9  # a new peer may have what we miss
+                self.retry_missing_now()
             elif prefix == wire.P_HEAD:
                 # Another store (it takes every HEAD) connected: tell it what we
                 # hold, so it can fetch partitions whose producers are gone.
@@ -445,43 +388,31 @@ class Store(Node):
 
     def _announce_heads(self, now: float) -> None:
         for (topic, partition), head in list(self._heads.items()):
-            self._send(wire.Head(topic, partition, topic, head))
+            self.send(wire.Head(topic, partition, topic, head))
 
     def on_tick(self, now: float) -> None:
         self._blocked = False  # readers had a tick to drain their queues
         if self._unsent_acks:
             self._send_acks()
-        if self._paused and self.storage_error is None and len(self._batch) < MAX_BATCH // 2:
-            self._pause(False)
+        if self.storage_error is None and len(self._batch) < MAX_BATCH // 2:
+            self.pause_data(False)
         if self.storage_error is not None and now - self._retry_at >= 2.0:
             # Retry the failed batch now and then (a full disk may get space).
             self._retry_at = now
             self._flush_batch(retry=True)
-        if self._missing:
-            out = self._out
-            done = []
-            for tracker in self._missing:
-                if not tracker.missing:
-                    done.append(tracker)
-                    continue
-                skipped = tracker.skip_if_stalled(now, out)
-                if skipped is not None:
-                    log.warning(
-                        "store: offsets %d..%d of %s/%s are nowhere to be had; starting at %d",
-                        skipped[0],
-                        skipped[1],
-                        tracker.subject,
-                        tracker.address,
-                        skipped[1] + 1,
-                    )
-                    ts = int(time.time() * 1000)
-                    for s, c in out:
-                        self._batch.append((tracker.subject, tracker.address, s, c, ts))
-                    out.clear()
-                self._maybe_fetch(tracker, now)
-            for tracker in done:
-                self._missing.discard(tracker)
+        self._ts = int(time.time() * 1000)
+        self.check_missing(now)
         self._flush_batch()
+
+    def on_skipped(self, tracker: PartitionTracker, first: int, last: int) -> None:
+        log.warning(
+            "store: offsets %d..%d of %s/%s are nowhere to be had; starting at %d",
+            first,
+            last,
+            tracker.subject,
+            tracker.address,
+            last + 1,
+        )
 
     def on_shutdown(self) -> None:
         # Commit what was received; ACKs for it go out if the socket still can.
@@ -509,8 +440,3 @@ class Store(Node):
                 served / elapsed,
                 len(self._heads),
             )
-
-
-def _string(text: str) -> bytes:
-    b = text.encode()
-    return bytes((len(b),)) + b

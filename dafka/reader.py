@@ -1,0 +1,166 @@
+"""What consumers and stores share: assembling partitions from RECORDs.
+
+A :class:`PartitionReader` keeps one :class:`PartitionTracker` per (subject,
+partition), recognises a known partition's RECORD / DIRECT-RECORD by its header
+prefix, turns arrivals and HEADs into in-order records, FETCHes what is missing
+(with retries) and skips forward over holes nobody can fill.  Subclasses say
+where in-order records go (:meth:`emit`) and how a new partition starts
+(:meth:`new_tracker`).
+
+The per-record fast path (a known partition's next record) is written out in
+each subclass's ``_read_data``: there the only difference is the item the
+record becomes, and one extra call per record would cost more than the lines.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+
+import zmq
+
+from dafka import wire
+from dafka.errors import ProtocolError
+from dafka.gaps import PartitionTracker
+from dafka.node import Node
+
+NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's enum flags are slower
+RCVMORE = int(zmq.RCVMORE)
+seq_at = struct.Struct(">Q").unpack_from  # sequence = the last 8 bytes of a record header
+
+
+class PartitionReader(Node):
+    """Base of Consumer and Store (see the module docstring)."""
+
+    publisher_type = zmq.XPUB
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._trackers: dict[tuple[str, str], PartitionTracker] = {}
+        # Header prefix (everything before the sequence) of a known partition's
+        # RECORD and DIRECT-RECORD -> its tracker: one dict lookup per record.
+        self._by_prefix: dict[bytes, PartitionTracker] = {}
+        self._missing: set[PartitionTracker] = set()
+        self._out: list[tuple[int, bytes]] = []
+        self.fetches_sent = 0
+
+    # ---------------------------------------------------------------- hooks
+
+    def new_tracker(self, subject: str, partition: str) -> PartitionTracker:
+        """The tracker of a partition seen for the first time."""
+        raise NotImplementedError
+
+    def emit(self, tracker: PartitionTracker, records: list[tuple[int, bytes]]) -> None:
+        """In-order records of ``tracker``'s partition, ready to deliver or store."""
+        raise NotImplementedError
+
+    def wants(self, subject: str) -> bool:
+        """Whether records and heads of ``subject`` concern this node."""
+        return True
+
+    def on_skipped(self, tracker: PartitionTracker, first: int, last: int) -> None:
+        """Offsets ``first..last`` could not be had and were skipped."""
+
+    def on_other(self, msg: wire.Message) -> None:
+        """A valid message that is neither a record nor a head."""
+
+    # ---------------------------------------------------------------- trackers
+
+    def tracker(self, subject: str, partition: str) -> PartitionTracker:
+        key = (subject, partition)
+        tracker = self._trackers.get(key)
+        if tracker is None:
+            tracker = self.new_tracker(subject, partition)
+            self._trackers[key] = tracker
+            prefix = wire.record_prefix
+            self._by_prefix[prefix(wire.RECORD, subject, partition, subject)] = tracker
+            self._by_prefix[prefix(wire.DIRECT_RECORD, self.address, partition, subject)] = tracker
+        return tracker
+
+    def track(self, tracker: PartitionTracker, seq: int, content: bytes) -> None:
+        """A record outside the fast path: gaps, held records, FETCHes."""
+        out = self._out
+        missing = tracker.on_record(seq, content, out)
+        if out:
+            self.emit(tracker, out)
+            out.clear()
+        if missing:
+            self._missing.add(tracker)
+            self.maybe_fetch(tracker, time.monotonic())
+
+    def maybe_fetch(self, tracker: PartitionTracker, now: float) -> None:
+        request = tracker.fetch_request(now)
+        if request is not None:
+            self.send(wire.Fetch(tracker.address, self.address, tracker.subject, *request))
+            self.fetches_sent += 1
+
+    def retry_missing_now(self) -> None:
+        """Someone new answers FETCHes: retry every missing range at once."""
+        for tracker in self._missing:
+            tracker.retry_now()
+
+    def check_missing(self, now: float) -> None:
+        """Timer: re-send stalled FETCHes, skip holes nobody can fill."""
+        if not self._missing:
+            return
+        out = self._out
+        done = []
+        for tracker in self._missing:
+            if not tracker.missing:
+                done.append(tracker)
+                continue
+            skipped = tracker.skip_if_stalled(now, out)
+            if skipped is not None:
+                self.on_skipped(tracker, *skipped)
+                if out:
+                    self.emit(tracker, out)
+                    out.clear()
+            self.maybe_fetch(tracker, now)
+        for tracker in done:
+            self._missing.discard(tracker)
+
+    # ---------------------------------------------------------------- messages
+
+    def send(self, msg: wire.Message) -> None:
+        """Publish ``msg``; a full reader queue drops it (every sender retries)."""
+        try:
+            self.publisher.send_multipart(wire.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self.log.debug("could not send %s: %s", type(msg).__name__, exc)
+
+    def decode_rest(self, frame: bytes) -> wire.Message | None:
+        """Read the rest of the message whose first frame is ``frame`` and decode it."""
+        try:
+            if frame[:1] in (b"M", b"D"):
+                try:
+                    content = self.sub.recv(NOBLOCK)
+                except zmq.Again:
+                    raise ProtocolError("record without content frame") from None
+                return wire.decode([frame, content])
+            frames = [frame]
+            while self.sub.getsockopt(RCVMORE):
+                frames.append(self.sub.recv())
+            return wire.decode(frames)
+        except ProtocolError as exc:
+            self.bad_input("message", exc)
+            return None
+
+    def on_message(self, frame: bytes) -> None:
+        """Anything that is not a known partition's record (the slow path)."""
+        msg = self.decode_rest(frame)
+        if msg is None:
+            return
+        if isinstance(msg, wire.Record | wire.DirectRecord | wire.Head | wire.DirectHead):
+            # RECORD/HEAD go to the topic, DIRECT-* to us; the subject is
+            # checked exactly because ZeroMQ subscriptions match prefixes.
+            direct = isinstance(msg, wire.DirectRecord | wire.DirectHead)
+            if msg.topic != (self.address if direct else msg.subject) or not self.wants(msg.subject):
+                return
+            tracker = self.tracker(msg.subject, msg.address)
+            if isinstance(msg, wire.Record | wire.DirectRecord):
+                self.track(tracker, msg.sequence, msg.content)
+            elif tracker.on_head(msg.sequence):
+                self._missing.add(tracker)
+                self.maybe_fetch(tracker, time.monotonic())
+        else:
+            self.on_other(msg)
