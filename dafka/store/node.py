@@ -45,6 +45,7 @@ _pack = wire.pack_u64
 MAX_BATCH = 200_000  # records waiting for the writer before reading pauses
 SERVE_SLICE = 2_000  # DIRECT-RECORDs sent per FETCH job per loop turn
 STATS_INTERVAL = 10.0
+RETENTION_BUDGET = 0.2  # seconds of deletions per retention round
 HEADS_INTERVAL = 30.0  # stores re-announce the heads they hold (replication)
 
 
@@ -176,13 +177,26 @@ class Store(PartitionReader):
         self.call_soon(lambda: self._on_committed(batch, heads, error))
 
     def _enforce_retention(self) -> None:
-        try:
-            result = self.db.enforce_retention(int(time.time() * 1000), self.retention)
-        except StorageError:
-            log.exception("retention failed")
-            return
-        if result.deleted:
-            log.info("retention removed %d records (%d bytes)", result.deleted, result.freed_bytes)
+        """Delete what the policy no longer keeps, in bounded steps.
+
+        Each step is one LMDB transaction of at most 10k deletions; steps go
+        on while more is due, for at most RETENTION_BUDGET seconds, so a
+        backlog is worked off without holding up commits for long.
+        """
+        deadline = time.monotonic() + RETENTION_BUDGET
+        deleted = freed = 0
+        while True:
+            try:
+                result = self.db.enforce_retention(int(time.time() * 1000), self.retention)
+            except StorageError:
+                log.exception("retention failed")
+                break
+            deleted += result.deleted
+            freed += result.freed_bytes
+            if not result.more or time.monotonic() >= deadline or self._to_write is not None:
+                break
+        if deleted:
+            log.info("retention removed %d records (%d bytes)", deleted, freed)
 
     # ---------------------------------------------------------------- I/O thread: writing
 
