@@ -885,8 +885,8 @@ class StatusResponse(_Message):
 
 
 @dataclass(slots=True)
-class DiscoverTopicsRequest(_Message):
-    MSG_ID: ClassVar[int] = MsgId.DISCOVER_TOPICS
+class _FlagsRequest(_Message):
+    """A request of just ``req_id:u32, flags:u8`` (DiscoverTopics, DiscoverTopology)."""
 
     req_id: int
     flags: int = 0
@@ -898,8 +898,13 @@ class DiscoverTopicsRequest(_Message):
     def decode(cls, payload: bytes) -> Self:
         r = Reader(payload)
         res = cls(r.u32("request id"), r.u8("flags"))
-        r.expect_end("discover topics request")
+        r.expect_end(cls.__name__)
         return res
+
+
+@dataclass(slots=True)
+class DiscoverTopicsRequest(_FlagsRequest):
+    MSG_ID: ClassVar[int] = MsgId.DISCOVER_TOPICS
 
 
 @dataclass(slots=True)
@@ -935,21 +940,8 @@ class DiscoverTopicsResponse(_Message):
 
 
 @dataclass(slots=True)
-class DiscoverTopologyRequest(_Message):
+class DiscoverTopologyRequest(_FlagsRequest):
     MSG_ID: ClassVar[int] = MsgId.DISCOVER_TOPOLOGY
-
-    req_id: int
-    flags: int = 0
-
-    def _payload_parts(self) -> list[bytes]:
-        return [U32.pack(self.req_id), U8.pack(self.flags)]
-
-    @classmethod
-    def decode(cls, payload: bytes) -> Self:
-        r = Reader(payload)
-        res = cls(r.u32("request id"), r.u8("flags"))
-        r.expect_end("discover topology request")
-        return res
 
 
 @dataclass(slots=True)
