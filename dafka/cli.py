@@ -99,34 +99,23 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
             deadline = time.monotonic() + args.wait_peers
             while len(producer.peers) == 0 and time.monotonic() < deadline:
                 time.sleep(0.05)
-        count = 0
-        last = None
-        batch: list[bytes] = []
-        for line in source:
-            batch.append(line.rstrip(b"\r\n"))
-            if len(batch) >= 1000:
-                last = producer.publish_many(batch)
-                count += len(batch)
-                batch = []
-        if batch:
-            last = producer.publish_many(batch)
-            count += len(batch)
+        start = producer.next_offset
+        producer.publish_many(line.rstrip(b"\r\n") for line in source)
+        count = producer.next_offset - start
         if args.no_ack:
             time.sleep(args.linger)  # answer late FETCHes from the kept records
             producer.close(0)
             print(f"published {count} records (no acknowledgement requested)", file=sys.stderr)
             return 0
-        ok = producer.close(args.timeout)
-        if ok:
+        if producer.close(args.timeout):
             print(f"published {count} records, all acknowledged", file=sys.stderr)
             return 0
-        acked = producer.acked_offset + 1 - (producer.next_offset - count)
+        unacked = producer.next_offset - 1 - max(producer.acked_offset, start - 1)
         print(
-            f"error: {count - max(acked, 0)} of {count} records were not acknowledged by a store "
+            f"error: {unacked} of {count} records were not acknowledged by a store "
             f"within {args.timeout}s (is a store running?)",
             file=sys.stderr,
         )
-        del last
         return 1
     finally:
         if args.file:

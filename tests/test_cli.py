@@ -71,7 +71,7 @@ def test_produce_without_store_fails_clearly(tower_proc: str) -> None:
         timeout=60,
     )
     assert producer.returncode == 1
-    assert b"not acknowledged" in producer.stderr
+    assert b"2 of 2 records were not acknowledged" in producer.stderr
 
 
 def test_bad_tower_address_is_a_clear_error() -> None:
