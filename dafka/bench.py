@@ -13,6 +13,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from itertools import repeat
 from typing import Any
 
 from dafka.config import NodeConfig, TowerAddress
@@ -46,13 +47,7 @@ def _live_producer(cfg: NodeConfig, topic: str, n: int, size: int, start: Any, d
 
     producer = Producer(topic, cfg, acks=False, capacity=max(n, 1))
     start.wait(30)
-    payload = b"x" * size
-    chunk = [payload] * 1000
-    sent = 0
-    while sent < n:
-        batch = chunk if n - sent >= 1000 else chunk[: n - sent]
-        producer.publish_many(batch)
-        sent += len(batch)
+    producer.publish_many(repeat(b"x" * size, n))
     done.wait(120)  # keep answering FETCHes until the consumer has everything
     producer.close(0)
 
@@ -111,14 +106,8 @@ def _acked_producer(cfg: NodeConfig, topic: str, n: int, size: int, result: Any)
     while len(producer.peers) == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(1.0)
-    payload = b"x" * size
-    chunk = [payload] * 1000
     t0 = time.perf_counter()
-    sent = 0
-    while sent < n:
-        batch = chunk if n - sent >= 1000 else chunk[: n - sent]
-        producer.publish_many(batch)
-        sent += len(batch)
+    producer.publish_many(repeat(b"x" * size, n))
     ok = producer.flush(600)
     elapsed = time.perf_counter() - t0
     producer.close(0)
