@@ -186,7 +186,58 @@ def bench_replay(args: argparse.Namespace) -> list[float]:
     return rates
 
 
+def _zmq_receiver(port: int, n: int, ready: Any, result: Any) -> None:
+    import zmq
+
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    ready.set()
+    recv = sub.recv
+    recv()
+    recv()
+    t0 = time.perf_counter()
+    for _ in range(n - 1):
+        recv()
+        recv()
+    result.put((n - 1) / (time.perf_counter() - t0))
+    sub.close(0)
+
+
+def bench_zmq(args: argparse.Namespace) -> list[float]:
+    """The ceiling: bare pyzmq PUB -> SUB of 2-frame messages, no protocol work."""
+    import zmq
+
+    from dafka import wire
+
+    ctx = mp.get_context("spawn")
+    rates = []
+    header = wire.record_prefix(wire.RECORD, "bench", "A" * 32, "bench")
+    payload = b"x" * args.size
+    for run in range(args.runs):
+        pub = zmq.Context.instance().socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, 0)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        ready, result = ctx.Event(), ctx.Queue()
+        proc = ctx.Process(target=_zmq_receiver, args=(port, args.records, ready, result))
+        proc.start()
+        ready.wait(30)
+        time.sleep(0.5)  # the subscription has to reach the PUB; nothing to observe here
+        send, pack, more = pub.send, wire.pack_u64, int(zmq.SNDMORE)
+        for seq in range(args.records):
+            send(header + pack(seq), more)
+            send(payload)
+        rate = result.get(timeout=300)
+        proc.join(30)
+        pub.close(0)
+        rates.append(rate)
+        print(f"run {run}: {rate:,.0f} messages/s received", flush=True)
+    return rates
+
+
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], list[float]]] = {
+    "zmq": bench_zmq,
     "live": bench_live,
     "store": bench_store,
     "replay": bench_replay,
