@@ -194,8 +194,8 @@ class Consumer(PartitionReader):
         subject, partition = tracker.subject, tracker.address
         for seq, content in records:
             append(_new_record(ConsumerRecord, (subject, partition, seq, content)))
+        # The poller is woken once per drain (_read_data / on_tick), not per call.
         self.delivered += len(records)
-        self._ready.set()
 
     def _read_data(self) -> None:
         # The hot path: one dict lookup recognises a known partition's record,
@@ -204,6 +204,7 @@ class Consumer(PartitionReader):
         lookup = self._by_prefix.get
         queue = self._queue
         append = queue.append
+        before = self.delivered
         fast = 0
         for _ in range(DRAIN):
             try:
@@ -222,15 +223,18 @@ class Consumer(PartitionReader):
                 self.bad_input("record", "no content frame")
                 continue
             seq = seq_at(frame, len(frame) - 8)[0]
-            if seq == tracker.next and seq >= tracker.known:
+            if seq == tracker.next and not tracker.held:
+                # Next in order: live, or catching up (then the timer sends
+                # the follow-up FETCH once this one's range is done).
                 tracker.next = seq + 1
-                tracker.known = seq
+                if seq > tracker.known:
+                    tracker.known = seq
                 append(_new_record(ConsumerRecord, (tracker.subject, tracker.address, seq, content)))
                 fast += 1
             else:
                 self.track(tracker, seq, content)
-        if fast:
-            self.delivered += fast
+        self.delivered += fast
+        if self.delivered != before:
             self._ready.set()
         if len(queue) >= self.max_queued:
             self.pause_data(True)
@@ -284,4 +288,7 @@ class Consumer(PartitionReader):
         if self.data_paused and len(self._queue) < self.max_queued // 2:
             self.pause_data(False)
             self._read_data()
+        before = self.delivered
         self.check_missing(now)
+        if self.delivered != before:
+            self._ready.set()

@@ -312,3 +312,27 @@ def test_nodes_started_before_their_tower(cfg: NodeConfig) -> None:
     finally:
         producer.close(0)
         consumer.close()
+
+
+def test_catch_up_over_several_fetch_ranges(cfg: NodeConfig, raw_peer, monkeypatch) -> None:
+    # Small FETCH ranges so that one catch-up needs three: the records of each
+    # range take the fast path, and the follow-up FETCH comes from the timer.
+    monkeypatch.setattr("dafka.gaps.FETCH_CHUNK", 100)
+    producer = raw_peer([wire.P_FETCH])
+    with Consumer("hello", cfg, offset_reset="earliest") as consumer:
+        as_consumer(producer, consumer)
+        producer.wait_for(lambda p: p.subscribed(b"Hhello"))
+        producer.send(wire.Head("hello", producer.address, "hello", 249))
+        answered: set[tuple[int, int]] = set()
+
+        def answer_fetches(p) -> bool:
+            for f in p.messages(wire.Fetch):
+                if (f.sequence, f.count) not in answered:
+                    answered.add((f.sequence, f.count))
+                    for seq in range(f.sequence, f.sequence + f.count):
+                        p.send(wire.DirectRecord(consumer.address, p.address, "hello", seq, b"r%d" % seq))
+            return {(0, 100), (100, 100), (200, 50)} <= answered
+
+        producer.wait_for(answer_fetches, timeout=20)
+        got = collect(consumer, 250)
+        assert [(r.offset, r.content) for r in got] == [(i, b"r%d" % i) for i in range(250)]

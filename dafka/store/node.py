@@ -294,9 +294,12 @@ class Store(PartitionReader):
                 self.bad_input("record", "no content frame")
                 continue
             seq = seq_at(frame, len(frame) - 8)[0]
-            if seq == tracker.next and seq >= tracker.known:
+            if seq == tracker.next and not tracker.held:
+                # Next in order: live, or catching up (then the timer sends
+                # the follow-up FETCH once this one's range is done).
                 tracker.next = seq + 1
-                tracker.known = seq
+                if seq > tracker.known:
+                    tracker.known = seq
                 append((tracker.subject, tracker.address, seq, content, ts))
             else:
                 self.track(tracker, seq, content)
