@@ -204,6 +204,42 @@ def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def parse_listen(text: str, default_port: int) -> tuple[str, int]:
+    """``HOST:PORT``, ``HOST`` or ``:PORT`` as a (host, port) pair."""
+    host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
+    try:
+        return host or "127.0.0.1", int(port) if port else default_port
+    except ValueError:
+        raise DafkaError(f"--listen {text!r}: expected HOST:PORT") from None
+
+
+@command("gateway")
+def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
+    from dafka.tank.gateway import DEFAULT_PORT, Gateway
+
+    section = settings.section("gateway")
+    db = args.db or section.get("db")
+    if not db:
+        print("error: --db DIR (or [gateway] db) is required", file=sys.stderr)
+        return 2
+    listen = parse_listen(args.listen or section.get("listen", f"127.0.0.1:{DEFAULT_PORT}"), DEFAULT_PORT)
+    sync = not args.no_sync and bool(section.get("sync", True))
+    policy = retention_policy(section.get("retention", {}), args.retention_age, args.retention_bytes)
+    try:
+        gateway = Gateway(db, node_config(args, settings), listen=listen, sync=sync, retention=policy)
+    except OSError as exc:
+        print(f"error: cannot listen on {listen[0]}:{listen[1]}: {exc}", file=sys.stderr)
+        return 2
+    with gateway:
+        print(
+            f"gateway up: Tank on {listen[0]}:{gateway.tank_port}, store {gateway.address} db {db}"
+            f" (sync={'on' if sync else 'OFF'})",
+            flush=True,
+        )
+        wait_for_signal(threading.Event())
+    return 0
+
+
 @command("topics")
 def cmd_topics(args: argparse.Namespace, settings: Settings) -> int:
     from dafka.store.db import RecordDB
@@ -292,6 +328,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_node_flags(p)
     p.add_argument("--db", help="LMDB directory (or [store] db)")
     p.add_argument("--no-sync", action="store_true", help="do not fsync commits (UNSAFE: acked data can be lost on power failure)")
+    p.add_argument("--retention-age", type=float, help="default retention: seconds to keep records")
+    p.add_argument("--retention-bytes", type=int, help="default retention: bytes to keep per topic")
+
+    p = sub.add_parser("gateway", help="run a Tank-protocol gateway (also a full store)")
+    _add_node_flags(p)
+    p.add_argument("--listen", help="Tank address HOST:PORT (default 127.0.0.1:11011)")
+    p.add_argument("--db", help="LMDB directory (or [gateway] db)")
+    p.add_argument("--no-sync", action="store_true", help="do not fsync commits (UNSAFE)")
     p.add_argument("--retention-age", type=float, help="default retention: seconds to keep records")
     p.add_argument("--retention-bytes", type=int, help="default retention: bytes to keep per topic")
 

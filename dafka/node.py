@@ -73,6 +73,7 @@ class Node:
         self._wake_lock = threading.Lock()
         self._timers: list[tuple[float, float, Callable[[float], None]]] = []
         self.data_paused = False
+        self._readers: dict[object, Callable[[], None]] = {}
 
         cfg = self.config
         self.publisher = self.ctx.socket(self.publisher_type)
@@ -185,15 +186,15 @@ class Node:
 
     def _run(self) -> None:
         poller = self._poller = zmq.Poller()
-        readers: dict[zmq.Socket, Callable[[], None]] = {
+        readers = self._readers = {
             self.sub: self._read_data,
             self.beacon_sub: self._read_beacons,
             self._wake_rx: self._read_wake,
         }
-        for sock, reader in self.sockets():
-            readers[sock] = reader
         for sock in readers:
             poller.register(sock, zmq.POLLIN)
+        for sock, reader in self.sockets():
+            self.watch(sock, reader)
         try:
             self.on_start()
             self._send_beacon(time.monotonic())
@@ -224,8 +225,11 @@ class Node:
                     break
                 raise
             for sock, _ in events:
+                reader = readers.get(sock)
+                if reader is None:
+                    continue  # unwatched by an earlier reader of this round
                 try:
-                    readers[sock]()
+                    reader()
                 except Exception:
                     # A bug must not kill the node; bad input is handled inside readers.
                     self.log.exception("%s failed handling input", self.kind)
@@ -344,6 +348,24 @@ class Node:
         if paused != self.data_paused:
             self.data_paused = paused
             self._poller.modify(self.sub, 0 if paused else zmq.POLLIN)
+
+    def watch(self, sock: object, reader: Callable[[], None], events: int = zmq.POLLIN) -> None:
+        """Poll another socket (ZeroMQ or plain, e.g. a TCP client) from now on (I/O thread only)."""
+        # The poller reports plain sockets by file descriptor.
+        self._readers[sock if isinstance(sock, zmq.Socket) else sock.fileno()] = reader  # type: ignore[attr-defined]
+        self._poller.register(sock, events)
+
+    def watch_events(self, sock: object, events: int) -> None:
+        """Change what a watched socket is polled for (0: nothing, for now)."""
+        self._poller.modify(sock, events)
+
+    def unwatch(self, sock: object) -> None:
+        """Stop polling a socket :meth:`watch` added."""
+        self._readers.pop(sock if isinstance(sock, zmq.Socket) else sock.fileno(), None)  # type: ignore[attr-defined]
+        try:
+            self._poller.unregister(sock)
+        except KeyError:
+            pass
 
     def subscribe(self, prefix: bytes) -> None:
         """Subscribe the data SUB (I/O thread only)."""

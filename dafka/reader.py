@@ -58,6 +58,10 @@ class PartitionReader(Node):
         """Whether records and heads of ``subject`` concern this node."""
         return True
 
+    def owns(self, subject: str, partition: str) -> bool:
+        """Whether this node itself writes that partition (a gateway's own partitions)."""
+        return False
+
     def on_skipped(self, tracker: PartitionTracker, first: int, last: int) -> None:
         """Offsets ``first..last`` could not be had and were skipped."""
 
@@ -156,6 +160,8 @@ class PartitionReader(Node):
             direct = isinstance(msg, wire.DirectRecord | wire.DirectHead)
             if msg.topic != (self.address if direct else msg.subject) or not self.wants(msg.subject):
                 return
+            if self.owns(msg.subject, msg.address):
+                return  # our own partition: we write it, nobody else fills it in
             tracker = self.tracker(msg.subject, msg.address)
             if isinstance(msg, wire.Record | wire.DirectRecord):
                 self.track(tracker, msg.sequence, msg.content)

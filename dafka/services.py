@@ -68,5 +68,17 @@ def _start_store(settings: Settings, node: Any, data_dir: Path) -> tuple[str, An
     return f"store      {store.address} db {db}", store
 
 
+def _start_gateway(settings: Settings, node: Any, data_dir: Path) -> tuple[str, Any]:
+    from dafka.cli import parse_listen
+    from dafka.tank.gateway import DEFAULT_PORT, Gateway
+
+    section = settings.section("gateway")
+    db = section.get("db") or str(data_dir / "gateway")
+    host = node.bind if node.bind not in ("*", "0.0.0.0") else "127.0.0.1"
+    listen = parse_listen(section.get("listen", f"{host}:{DEFAULT_PORT}"), DEFAULT_PORT)
+    gateway = Gateway(db, node, listen=listen, sync=bool(section.get("sync", True)))
+    return f"gateway    Tank on {listen[0]}:{gateway.tank_port}, db {db}", gateway
+
+
 # Components register a starter: (settings, node_config, data_dir) -> (description, service).
-_STARTERS: list[Any] = [_start_store]
+_STARTERS: list[Any] = [_start_store, _start_gateway]

@@ -233,9 +233,13 @@ class Store(PartitionReader):
             # One cumulative ACK per partition per commit, after the commit.
             self._unsent_acks[key] = head
         self._send_acks()
+        self.on_commit(heads)
         if len(self._batch) < MAX_BATCH // 2:
             self.pause_data(False)
         self._flush_batch()
+
+    def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
+        """Hook: a batch is durable; ``heads`` are the new heads it made."""
 
     def _send_acks(self) -> None:
         send = self.publisher.send

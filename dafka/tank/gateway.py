@@ -1,0 +1,695 @@
+"""The Tank gateway: a store node on the mesh that also speaks Tank over TCP.
+
+Existing Tank clients (tank-cli, the C++ and Java clients) connect to it as
+to a Tank broker.  It is a full :class:`~dafka.store.node.Store`: it stores
+and serves every record of the mesh, and Tank fetches are answered from its
+own LMDB.
+
+Mapping (see :mod:`dafka.tank.mapping`): a Tank topic is a Dafka topic, every
+Dafka partition has a stable Tank partition id, and Tank sequence = Dafka
+offset + 1.  ``CreateTopic(T, N)`` makes N partitions the gateway writes
+itself; partitions of mesh producers are read-only to Tank clients (produce
+answers 0xfd, "no leader": their leader is a producer Tank cannot reach).
+The read-only topic ``__dafka_partitions`` (partition 0) lists the map: its
+message i (seq i + 1) has the topic name as key and JSON
+``{"address", "owned", "partition", "topic"}`` as value.
+
+Keys and timestamps: a Tank message's key and timestamp are stored beside the
+record in LMDB (record flags 1 and 2); the mesh RECORD carries the content
+only, so Dafka consumers see exactly what they always see, and a Tank fetch
+gets the key and the producer's timestamp back.
+
+Produce is answered once the records are committed (synced) to LMDB; then
+they are published on the mesh as RECORDs of the owned partition, and a HEAD
+follows.  ProduceWithSeqnum (and a sparse bundle in a plain Produce) must
+start exactly at hwm + 1: at or below the hwm is error 10 and nothing is
+written, so an exact resend is idempotent; a gap is error 10 as well, since
+Dafka offsets have none.
+
+Everything runs in the store's I/O thread: the TCP sockets are polled beside
+the ZeroMQ ones, so mapping, pending produces and parked fetches need no
+locks.  A connection that sends a frame over the limit, an unknown msgId or a
+malformed payload, or stalls half way through a frame, is closed and logged;
+nothing else is affected.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from dafka import wire
+from dafka.config import NodeConfig
+from dafka.errors import ProtocolError
+from dafka.node import new_address
+from dafka.store.db import RecordDB, RetentionPolicy, StorageError
+from dafka.store.node import MAX_BATCH, Store
+from dafka.tank.bundle import decode_bundle
+from dafka.tank.codec import MAX_FRAME_SIZE, FrameBuffer
+from dafka.tank.mapping import FILE_NAME, PARTITIONS_TOPIC, PartitionMap, TankPartition
+from dafka.tank.messages import (
+    ConsumeFlag,
+    ConsumePartition,
+    ConsumePartitionResult,
+    ConsumeRequest,
+    ConsumeResponse,
+    ConsumeTopicResult,
+    CreateTopicError,
+    CreateTopicRequest,
+    CreateTopicResponse,
+    DiscoverPartitionsRequest,
+    DiscoverPartitionsResponse,
+    DiscoverTopicsRequest,
+    DiscoverTopicsResponse,
+    DiscoverTopologyRequest,
+    DiscoverTopologyResponse,
+    PartitionBounds,
+    Ping,
+    ProduceError,
+    ProducePartitionResult,
+    ProduceRequest,
+    ProduceResponse,
+    ProduceTopicResult,
+    ProduceWithSeqnumRequest,
+    ReloadConfRequest,
+    ReloadConfResponse,
+    StatusRequest,
+    StatusResponse,
+    TopicInfo,
+    decode_request,
+)
+from dafka.tank.serving import Bounds, chunk_of, consume_start, stored_bundle
+
+log = logging.getLogger("dafka.gateway")
+
+DEFAULT_PORT = 11011
+TANK_VERSION = 400  # what Status reports: clients expect a v4.0 broker
+RECV_SIZE = 256 << 10
+MAX_ANSWER_RECORDS = 16_384  # per partition per consume answer
+MAX_ANSWER_BYTES = 4 << 20  # ... and at most this much content (whole records)
+MAX_OUTPUT = 64 << 20  # unsent bytes before a connection's input pauses
+OWNED_HEADS_INTERVAL = 1.0  # HEADs of owned partitions, for consumers that missed the tail
+_PING = Ping().encode()
+_VIRTUAL_KEY = (PARTITIONS_TOPIC, "")
+_NOW_FLAGS = b"\x01"  # stored-value flags of a map record: it has a key
+
+
+@dataclass(eq=False, slots=True)
+class _Conn:
+    sock: socket.socket
+    name: str
+    frames: FrameBuffer
+    out: deque[Any] = field(default_factory=deque)
+    out_size: int = 0
+    closed: bool = False
+    reading: bool = True
+    stalled_since: float | None = None  # half a frame buffered, no progress since
+
+
+@dataclass(eq=False, slots=True)
+class _PendingProduce:
+    conn: _Conn
+    response: ProduceResponse
+    needs: dict[tuple[str, str], int]  # committed head each partition must reach
+
+
+@dataclass(eq=False, slots=True)
+class _Parked:
+    conn: _Conn
+    request: ConsumeRequest
+    deadline: float
+    keys: list[tuple[str, str]]
+
+
+class Gateway(Store):
+    """A store on the mesh plus a Tank server on ``listen`` (port 0: ephemeral)."""
+
+    kind = "gateway"
+
+    def __init__(
+        self,
+        db: str | RecordDB,
+        config: NodeConfig | None = None,
+        *,
+        listen: tuple[str, int] = ("127.0.0.1", DEFAULT_PORT),
+        towers: str | list[str] | None = None,
+        sync: bool = True,
+        retention: RetentionPolicy | None = None,
+        max_frame: int = MAX_FRAME_SIZE,
+        stall_timeout: float = 30.0,
+        compress: bool = True,
+        **store_options: Any,
+    ) -> None:
+        rdb = db if isinstance(db, RecordDB) else RecordDB(db, sync=sync)
+        # Everything the I/O thread uses must exist before Store starts it.
+        self.map_path = os.path.join(rdb.path, FILE_NAME)
+        self.pmap = PartitionMap.load(self.map_path)
+        self._owned = {(p.topic, p.address): p for p in self.pmap.owned()}
+        self.max_frame = max_frame
+        self.stall_timeout = stall_timeout
+        self.compress = compress
+        self.started_at = time.time()
+        self._conns: dict[socket.socket, _Conn] = {}
+        self._throttled: list[_Conn] = []
+        self._next_offset: dict[tuple[str, str], int] = {}  # owned: next offset to give
+        self._to_publish: list[tuple[tuple[str, str], int, bytes]] = []
+        self._publishing = 0  # how many of _to_publish are in the batch being committed
+        self._record_prefix: dict[tuple[str, str], bytes] = {}
+        self._pending: deque[_PendingProduce] = deque()
+        self._parked: dict[tuple[str, str], list[_Parked]] = {}
+        self._parked_all: list[_Parked] = []
+        self.listener = socket.create_server(listen, backlog=256)
+        self.listener.setblocking(False)
+        self.tank_port = self.listener.getsockname()[1]
+        try:
+            super().__init__(rdb, config, towers=towers, retention=retention, **store_options)
+        except BaseException:
+            self.listener.close()
+            raise
+        self.every(OWNED_HEADS_INTERVAL, self._announce_owned)
+        log.info("Tank gateway on %s:%d, db %s", listen[0], self.tank_port, rdb.path)
+
+    def __enter__(self) -> Gateway:
+        return self
+
+    # ---------------------------------------------------------------- store hooks
+
+    def on_start(self) -> None:
+        super().on_start()
+        for (topic, address), head in self._heads.items():
+            if (topic, address) in self._owned:
+                self._next_offset[(topic, address)] = head + 1
+            elif self.pmap.lookup(topic, address) is None:
+                self.pmap.add(topic, address)  # stored before the map knew it
+        self._save_map()
+
+    def sockets(self) -> list[tuple[Any, Any]]:
+        return [*super().sockets(), (self.listener, self._accept)]
+
+    def owns(self, subject: str, partition: str) -> bool:
+        return (subject, partition) in self._owned
+
+    def new_tracker(self, subject: str, partition: str) -> Any:
+        if self.pmap.lookup(subject, partition) is None and self.pmap.add(subject, partition):
+            self._save_map()
+            self._wake_parked((_VIRTUAL_KEY,))
+        return super().new_tracker(subject, partition)
+
+    def _flush_batch(self, retry: bool = False) -> None:
+        busy = self._writer_busy
+        super()._flush_batch(retry)
+        if self._writer_busy and not busy:
+            # The batch just handed over holds every record queued so far.
+            self._publishing = len(self._to_publish)
+
+    def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
+        n, self._publishing = self._publishing, 0
+        if n:
+            done = self._to_publish[:n]
+            del self._to_publish[:n]
+            self._publish(done)
+        pending = self._pending
+        committed = self._heads
+        while pending:
+            p = pending[0]
+            if any(committed.get(k, -1) < off for k, off in p.needs.items()):
+                break
+            pending.popleft()
+            self._write(p.conn, p.response.encode())
+        self._wake_parked(heads)
+        if self._throttled and len(self._batch) < MAX_BATCH // 2:
+            for conn in self._throttled:
+                self._set_reading(conn, True)
+            self._throttled.clear()
+
+    def _publish(self, records: list[tuple[tuple[str, str], int, bytes]]) -> None:
+        """Committed records of owned partitions go out on the mesh, then their HEAD."""
+        send = self.publisher.send
+        pack = wire.pack_u64
+        prefixes = self._record_prefix
+        more = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
+        noblock = int(zmq.NOBLOCK)
+        for key, offset, content in records:
+            prefix = prefixes.get(key)
+            if prefix is None:
+                prefix = prefixes[key] = wire.record_prefix(wire.RECORD, key[0], key[1], key[0])
+            try:
+                send(prefix + pack(offset), more)
+                send(content, noblock)
+            except zmq.Again:
+                pass  # a full reader: it FETCHes the rest after the HEAD
+        for key in {r[0] for r in records}:
+            self.send(wire.Head(key[0], key[1], key[0], self._heads[key]))
+
+    def _announce_owned(self, now: float) -> None:
+        for (topic, address) in self._owned:
+            head = self._heads.get((topic, address))
+            if head is not None:
+                self.send(wire.Head(topic, address, topic, head))
+
+    def on_tick(self, now: float) -> None:
+        super().on_tick(now)
+        for conn in list(self._conns.values()):
+            since = conn.stalled_since
+            if since is not None and now - since > self.stall_timeout:
+                self._close(conn, f"stalled half way through a frame for {now - since:.0f}s", True)
+        if self._parked_all:
+            for parked in [p for p in self._parked_all if p.deadline <= now]:
+                self._answer_parked(parked, timed_out=True)
+
+    def on_shutdown(self) -> None:
+        super().on_shutdown()  # commits what is queued; its produces are answered
+        for conn in list(self._conns.values()):
+            self._flush_out(conn)
+            self._close(conn, None)
+        self.unwatch(self.listener)
+        self.listener.close()
+
+    def close(self, timeout: float = 10.0) -> None:
+        super().close(timeout)
+        self.listener.close()  # when the loop never ran
+
+    # ---------------------------------------------------------------- map
+
+    def _save_map(self) -> None:
+        try:
+            self.pmap.save(self.map_path)
+        except OSError as exc:
+            log.error("cannot save the Tank partition map to %s: %s", self.map_path, exc)
+
+    def _bounds(self, topic: str, part: TankPartition | None) -> Bounds:
+        if part is None:  # the map topic
+            return Bounds(1, len(self.pmap))
+        key = (topic, part.address)
+        last = self._heads.get(key)
+        if last is None:
+            return Bounds(1, 0)
+        try:
+            first = self.db.first(topic, part.address)
+        except StorageError:
+            first = None
+        return Bounds.of(first, last)
+
+    def _stored(self, topic: str, part: TankPartition | None, offset: int, count: int) -> tuple[int, list[bytes]]:
+        """``(first offset, stored values)`` from ``offset`` on."""
+        if part is None:
+            ts = int(self.started_at * 1000).to_bytes(8, "big")
+            values = []
+            for p in self.pmap.order[offset : offset + count]:
+                key = p.topic.encode()
+                values.append(ts + _NOW_FLAGS + bytes((len(key),)) + key + p.describe())
+            return offset, values
+        return self.db.fetch_raw(topic, part.address, offset, count)
+
+    # ---------------------------------------------------------------- connections
+
+    def _accept(self) -> None:
+        for _ in range(64):
+            try:
+                sock, peer = self.listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:  # out of file descriptors, ...
+                log.error("cannot accept a Tank connection: %s", exc)
+                return
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock, f"{peer[0]}:{peer[1]}", FrameBuffer(self.max_frame))
+            self._conns[sock] = conn
+            self.watch(sock, lambda c=conn: self._on_ready(c))
+            log.debug("Tank client %s connected", conn.name)
+            self._write(conn, _PING)  # the greeting some clients wait for
+
+    def _on_ready(self, conn: _Conn) -> None:
+        if conn.out:
+            self._flush_out(conn)
+        if conn.reading and not conn.closed:
+            self._read(conn)
+
+    def _read(self, conn: _Conn) -> None:
+        sock = conn.sock
+        got = False
+        for _ in range(16):
+            try:
+                data = sock.recv(RECV_SIZE)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                self._close(conn, f"receive failed: {exc}")
+                return
+            if not data:
+                self._close(conn, None)
+                return
+            got = True
+            conn.frames.feed(data)
+            if len(data) < RECV_SIZE:
+                break
+        if not got:
+            return
+        frames = conn.frames
+        try:
+            while not conn.closed:
+                frame = frames.next_frame()
+                if frame is None:
+                    break
+                self._on_frame(conn, *frame)
+        except ProtocolError as exc:
+            self._close(conn, f"bad input: {exc}", True)
+            return
+        conn.stalled_since = time.monotonic() if frames.buffered else None
+        if len(self._batch) >= MAX_BATCH and conn.reading and not conn.closed:
+            self._set_reading(conn, False)  # the writer is behind: stop taking produces
+            self._throttled.append(conn)
+        self._flush_batch()
+
+    def _set_reading(self, conn: _Conn, reading: bool) -> None:
+        if conn.closed:
+            return
+        conn.reading = reading
+        self._update_events(conn)
+
+    def _update_events(self, conn: _Conn) -> None:
+        events = (zmq.POLLIN if conn.reading else 0) | (zmq.POLLOUT if conn.out else 0)
+        self.watch_events(conn.sock, events)
+
+    def _write(self, conn: _Conn, data: bytes) -> None:
+        if conn.closed:
+            return
+        if conn.out:
+            conn.out.append(data)
+            conn.out_size += len(data)
+        else:
+            try:
+                n = conn.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError as exc:
+                self._close(conn, f"send failed: {exc}")
+                return
+            if n == len(data):
+                return
+            conn.out.append(memoryview(data)[n:])
+            conn.out_size += len(data) - n
+        if conn.out_size > MAX_OUTPUT:
+            conn.reading = False  # a client that does not read its answers
+        self._update_events(conn)
+
+    def _flush_out(self, conn: _Conn) -> None:
+        out = conn.out
+        while out and not conn.closed:
+            head = out[0]
+            try:
+                n = conn.sock.send(head)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                self._close(conn, f"send failed: {exc}")
+                return
+            conn.out_size -= n
+            if n == len(head):
+                out.popleft()
+            else:
+                out[0] = memoryview(head)[n:]
+                break
+        if not out and not conn.reading and conn not in self._throttled:
+            conn.reading = True
+        if not conn.closed:
+            self._update_events(conn)
+
+    def _close(self, conn: _Conn, why: str | None, bad: bool = False) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        self._conns.pop(conn.sock, None)
+        self.unwatch(conn.sock)
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+        if bad:
+            self.bad_input(f"Tank request from {conn.name}", f"{why}; connection closed")
+        elif why:
+            log.info("Tank client %s: %s; connection closed", conn.name, why)
+        else:
+            log.debug("Tank client %s disconnected", conn.name)
+
+    @property
+    def connections(self) -> int:
+        return len(self._conns)
+
+    # ---------------------------------------------------------------- requests
+
+    def _on_frame(self, conn: _Conn, msg_id: int, payload: bytes) -> None:
+        req = decode_request(msg_id, payload)  # ProtocolError closes the connection
+        if isinstance(req, ProduceRequest):
+            self._on_produce(conn, req)
+        elif isinstance(req, ConsumeRequest):
+            self._on_consume(conn, req)
+        elif isinstance(req, Ping):
+            pass  # a heartbeat: Tank does not answer it
+        elif isinstance(req, DiscoverPartitionsRequest):
+            self._write(conn, self._discover_partitions(req).encode())
+        elif isinstance(req, CreateTopicRequest):
+            self._write(conn, self._create_topic(req).encode())
+        elif isinstance(req, StatusRequest):
+            topics = self.pmap.topics()
+            self._write(
+                conn,
+                StatusResponse(
+                    req.req_id,
+                    topics=len(topics),
+                    partitions=len(self.pmap),
+                    open_partitions=len(self.pmap),
+                    startup_ts=int(self.started_at),
+                    version=TANK_VERSION,
+                ).encode(),
+            )
+        elif isinstance(req, DiscoverTopicsRequest):
+            infos = [
+                TopicInfo(t, True, len(self.pmap.partitions(t) or ())) for t in self.pmap.topics()
+            ]
+            self._write(conn, DiscoverTopicsResponse(req.req_id, infos).encode())
+        elif isinstance(req, DiscoverTopologyRequest):
+            self._write(conn, DiscoverTopologyResponse(req.req_id).encode())  # standalone
+        elif isinstance(req, ReloadConfRequest):
+            # Dafka partitions have no per-partition configuration to reload.
+            known = self.pmap.get(req.topic, req.partition) is not None
+            log.info("ReloadConf %s/%d refused: nothing to reload", req.topic, req.partition)
+            self._write(conn, ReloadConfResponse(req.req_id, req.topic, req.partition, 2 if known else 1).encode())
+
+    # ---------------------------------------------------------------- produce
+
+    def _on_produce(self, conn: _Conn, req: ProduceRequest) -> None:
+        with_seq = isinstance(req, ProduceWithSeqnumRequest)
+        # Decode every bundle first: a malformed one closes the connection
+        # before anything of the request is written.
+        plan: list[tuple[ProducePartitionResult, TankPartition, list[Any], int | None]] = []
+        results: list[ProduceTopicResult] = []
+        for t in req.topics:
+            parts = None if t.name == PARTITIONS_TOPIC else self.pmap.partitions(t.name)
+            if parts is None:
+                code = ProduceError.READ_ONLY if t.name == PARTITIONS_TOPIC else ProduceError.UNKNOWN_TOPIC
+                results.append(ProduceTopicResult([], code if t.partitions else None))
+                continue
+            tres = ProduceTopicResult([])
+            results.append(tres)
+            for p in t.partitions:
+                res = ProducePartitionResult()
+                tres.partitions.append(res)
+                part = parts[p.partition] if p.partition < len(parts) else None
+                if part is None:
+                    res.error = ProduceError.UNKNOWN_PARTITION
+                elif not part.owned:
+                    res.error = ProduceError.NO_LEADER  # a mesh producer writes it
+                elif self.storage_error is not None:
+                    res.error = ProduceError.SYSTEM
+                else:
+                    records = decode_bundle(p.bundle)
+                    first = p.first_seq if with_seq else (records[0][0] if records else None)
+                    plan.append((res, part, records, first))
+        needs: dict[tuple[str, str], int] = {}
+        batch = self._batch.append
+        publish = self._to_publish.append
+        for res, part, records, first in plan:
+            if not records:
+                continue
+            key = (part.topic, part.address)
+            n = self._next_offset.get(key, 0)
+            if first is not None and (
+                first != n + 1 or (records[-1][0] is not None and records[-1][0] != first + len(records) - 1)
+            ):
+                res.error = ProduceError.INVALID_SEQNUM  # at or below the hwm (a resend), or a gap
+                continue
+            topic, address = key
+            for seq_ts_key_value in records:
+                _, ts, k, value = seq_ts_key_value
+                batch((topic, address, n, value, ts, k, True))
+                publish((key, n, value))
+                n += 1
+            self._next_offset[key] = n
+            needs[key] = n - 1
+        response = ProduceResponse(req.req_id, results)
+        if needs:
+            self._pending.append(_PendingProduce(conn, response, needs))
+        else:
+            self._write(conn, response.encode())
+
+    # ---------------------------------------------------------------- create topic
+
+    def _create_topic(self, req: CreateTopicRequest) -> CreateTopicResponse:
+        def answer(code: int) -> CreateTopicResponse:
+            return CreateTopicResponse(req.req_id, req.topic, code)
+
+        raw = req.topic.encode()
+        if not raw or len(raw) > 255 or b"\0" in raw or req.topic.startswith("__"):
+            return answer(CreateTopicError.INVALID)
+        if req.partitions == 0 or req.partitions == 0xFFFF:
+            return answer(CreateTopicError.INVALID)
+        for line in req.config.splitlines():
+            if line.strip() and not line.strip().startswith("#") and "=" not in line:
+                return answer(CreateTopicError.INVALID_CONFIG)
+        if self.pmap.partitions(req.topic) is not None or self.db.partitions(req.topic):
+            return answer(CreateTopicError.EXISTS)
+        self.pmap.create_topic(req.topic, req.partitions, new_address)
+        for part in self.pmap.partitions(req.topic) or ():
+            self._owned[(part.topic, part.address)] = part
+        self._save_map()
+        self._wake_parked((_VIRTUAL_KEY,))
+        if req.config.strip():
+            log.info("topic %s: Tank topic configuration ignored (%r)", req.topic, req.config)
+        log.info("created topic %s with %d gateway partitions", req.topic, req.partitions)
+        return answer(CreateTopicError.OK)
+
+    # ---------------------------------------------------------------- discover
+
+    def _discover_partitions(self, req: DiscoverPartitionsRequest) -> DiscoverPartitionsResponse:
+        virtual = req.topic == PARTITIONS_TOPIC
+        parts: list[TankPartition | None] | None
+        parts = [None] if virtual else self.pmap.partitions(req.topic)  # type: ignore[assignment]
+        if not parts:
+            return DiscoverPartitionsResponse(req.req_id, req.topic, [])
+        pids = req.partitions or range(len(parts))
+        bounds = []
+        for pid in pids:
+            if pid < len(parts):
+                bounds.append(PartitionBounds(*self._bounds(req.topic, parts[pid]).discover()))
+            else:
+                bounds.append(PartitionBounds(0, 0))
+        return DiscoverPartitionsResponse(req.req_id, req.topic, bounds)
+
+    # ---------------------------------------------------------------- consume
+
+    def _on_consume(self, conn: _Conn, req: ConsumeRequest) -> None:
+        response, size, waiting = self._consume_answer(req, timed_out=False)
+        if size >= max(1, req.min_bytes) or not waiting or req.max_wait_ms == 0:
+            self._write(conn, response.encode())
+            return
+        # Park until one of the partitions at their tail gets data, or max_wait.
+        deadline = time.monotonic() + req.max_wait_ms / 1000.0
+        parked = _Parked(conn, req, deadline, waiting)
+        self._parked_all.append(parked)
+        for key in waiting:
+            self._parked.setdefault(key, []).append(parked)
+
+    def _wake_parked(self, keys: Any) -> None:
+        """Re-answer parked fetches waiting on any of ``keys``."""
+        if not self._parked:
+            return
+        woken: list[_Parked] = []
+        for key in keys:
+            for parked in self._parked.get(key, ()):
+                if parked not in woken:
+                    woken.append(parked)
+        for parked in woken:
+            self._answer_parked(parked, timed_out=False)
+
+    def _answer_parked(self, parked: _Parked, timed_out: bool) -> None:
+        if not parked.conn.closed:
+            response, size, _ = self._consume_answer(parked.request, timed_out)
+            if size < max(1, parked.request.min_bytes) and not timed_out:
+                return  # not enough yet
+            self._write(parked.conn, response.encode())
+        self._parked_all.remove(parked)
+        for key in parked.keys:
+            waiters = self._parked.get(key)
+            if waiters is not None:
+                waiters.remove(parked)
+                if not waiters:
+                    del self._parked[key]
+
+    def _consume_answer(
+        self, req: ConsumeRequest, timed_out: bool
+    ) -> tuple[ConsumeResponse, int, list[tuple[str, str]]]:
+        """The answer as things are now, its chunk bytes, and the partitions at their tail."""
+        topics = []
+        size = 0
+        waiting: list[tuple[str, str]] = []
+        for t in req.topics:
+            virtual = t.name == PARTITIONS_TOPIC
+            parts = None if virtual else self.pmap.partitions(t.name)
+            if parts is None and not virtual:
+                topics.append(ConsumeTopicResult(t.name, [], True, len(t.partitions)))
+                continue
+            results = []
+            for p in t.partitions:
+                if virtual:
+                    part, known = None, p.partition == 0
+                else:
+                    part = parts[p.partition] if p.partition < len(parts) else None  # type: ignore[index]
+                    known = part is not None
+                if not known:
+                    results.append(ConsumePartitionResult(p.partition, ConsumeFlag.UNKNOWN_PARTITION))
+                    continue
+                res = self._consume_partition(t.name, part, p, timed_out)
+                if res is None:
+                    results.append(ConsumePartitionResult(p.partition, ConsumeFlag.SYSTEM_ERROR))
+                    continue
+                if res.chunk:
+                    size += len(res.chunk)
+                elif res.flags == ConsumeFlag.OK:
+                    waiting.append(_VIRTUAL_KEY if part is None else (t.name, part.address))
+                results.append(res)
+            topics.append(ConsumeTopicResult(t.name, results))
+        return ConsumeResponse(req.req_id, topics), size, waiting
+
+    def _consume_partition(
+        self, topic: str, part: TankPartition | None, p: ConsumePartition, timed_out: bool
+    ) -> ConsumePartitionResult | None:
+        bounds = self._bounds(topic, part)
+        start = consume_start(p.seq, bounds)
+        if start.kind == "boundary":
+            return ConsumePartitionResult(
+                p.partition, ConsumeFlag.BOUNDARY_CHECK, 0, bounds.hwm, b"", bounds.first_avail
+            )
+        if start.kind == "tail":
+            # Remember where the tail was: a parked "UINT64_MAX" must not move on.
+            p.seq = start.seq
+            return ConsumePartitionResult(
+                p.partition, ConsumeFlag.OK, 0 if timed_out else bounds.first_avail, bounds.hwm
+            )
+        limit = min(max(p.fetch_size, 1), MAX_ANSWER_BYTES)
+        count = min(MAX_ANSWER_RECORDS, max(1, limit // 64), bounds.hwm - start.seq + 1)
+        try:
+            first, values = self._stored(topic, part, start.seq - 1, count)
+        except StorageError as exc:
+            log.error("cannot read %s for a Tank fetch: %s", topic, exc)
+            return None
+        if not values:  # retention ran meanwhile
+            return ConsumePartitionResult(
+                p.partition, ConsumeFlag.BOUNDARY_CHECK, 0, bounds.hwm, b"", first + 1
+            )
+        total = 0
+        for i, v in enumerate(values):
+            total += len(v) - 9
+            if total >= limit:
+                del values[i + 1 :]  # whole records: at least one, even over fetch_size
+                break
+        chunk = chunk_of(stored_bundle(values, self.compress))
+        return ConsumePartitionResult(p.partition, ConsumeFlag.OK, first + 1, bounds.hwm, chunk)
