@@ -240,6 +240,13 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+@command("tank")
+def cmd_tank(args: argparse.Namespace, settings: Settings) -> int:
+    from dafka.tank import cli as tank_cli
+
+    return tank_cli.run(args)
+
+
 @command("topics")
 def cmd_topics(args: argparse.Namespace, settings: Settings) -> int:
     from dafka.store.db import RecordDB
@@ -338,6 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sync", action="store_true", help="do not fsync commits (UNSAFE)")
     p.add_argument("--retention-age", type=float, help="default retention: seconds to keep records")
     p.add_argument("--retention-bytes", type=int, help="default retention: bytes to keep per topic")
+
+    from dafka.tank import cli as tank_cli
+
+    tank_cli.add_parser(sub)
 
     p = sub.add_parser("topics", help="list topics and partitions of a store's database")
     p.add_argument("--db", help="LMDB directory of a store (read-only)")

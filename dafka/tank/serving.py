@@ -88,7 +88,14 @@ def stored_bundle(values: list[bytes], compress: bool = True) -> bytes:
     ts_of = _TS_BE
     flags_ts = _FLAGS_TS
     last_ts = b""
+    plain = b"-"  # stored header (ts, flags) of a keyless record at the last timestamp
     for v in values:
+        if v.startswith(plain):
+            # The common case: no key, same timestamp as the previous message.
+            n = len(v) - 9
+            app(same_short[n] if n < 128 else byte[_SAME_TS] + encode_varint(n))
+            app(v[9:])
+            continue
         ts = v[:8]
         if v[8] & FLAG_KEY:
             kl = v[9]
@@ -96,17 +103,12 @@ def stored_bundle(values: list[bytes], compress: bool = True) -> bytes:
             if ts == last_ts:
                 app(byte[_SAME_TS | _HAS_KEY])
             else:
-                last_ts = ts
+                last_ts, plain = ts, ts + b"\0"
                 app(flags_ts(_HAS_KEY, ts_of(ts)[0]))
             app(v[9 : 10 + kl])
         else:
             content = v[9:]
-            n = len(content)
-            if ts == last_ts:
-                app(same_short[n] if n < 128 else byte[_SAME_TS] + encode_varint(n))
-                app(content)
-                continue
-            last_ts = ts
+            last_ts, plain = ts, v[:9]  # flags 0 or 2 (Tank timestamp): both keyless
             app(flags_ts(0, ts_of(ts)[0]))
         n = len(content)
         app(byte[n] if n < 128 else encode_varint(n))
