@@ -181,3 +181,24 @@ def test_retention_works_off_a_backlog_in_one_round(cfg: NodeConfig, tmp_path: P
         store._enforce_retention()
         info = store.db.partitions("t")[0]
         assert info.bytes <= 100 and info.first == 35_000 - info.count
+
+
+def test_full_disk_stops_acks_and_keeps_every_acked_record(cfg: NodeConfig, tmp_path: Path) -> None:
+    # A map that cannot grow past 1 MiB plays the full disk.
+    db = RecordDB(tmp_path / "db", map_size=256 << 10, max_map_size=1 << 20)
+    with Store(db, cfg) as store:
+        producer = Producer("full", cfg, capacity=100_000, publish_timeout=0.1)
+        try:
+            producer.publish_many(b"z" * 200 for _ in range(20_000))  # ~4 MB: cannot fit
+            wait_until(lambda: store.storage_error is not None, timeout=60)
+            acked = producer.acked_offset
+            time.sleep(0.3)  # nothing to wait for: acks must *not* move from here on
+            assert producer.acked_offset == acked < 19_999
+            assert store.running
+            info = store.db.partitions("full")[0]
+            # Everything acknowledged is stored, and nothing was acknowledged beyond it.
+            assert info.first == 0 and info.last >= acked
+            got = [r.offset for r in store.db.read("full", info.partition, 0, info.count)]
+            assert got == list(range(info.count))
+        finally:
+            producer.close(0)
