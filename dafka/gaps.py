@@ -10,6 +10,8 @@ order with no gap and no duplicate, and when to FETCH what is missing:
 * a HEAD / DIRECT-HEAD at or beyond ``next`` requests a FETCH up to it;
 * while records are missing, the FETCH is re-sent every ``retry_interval``
   (the reference has no retry and can stall);
+* a long catch-up is fetched in ranges of FETCH_CHUNK, the next range asked
+  for once the current one is half delivered (pipelined);
 * if the missing records never come while later ones are held (a store's
   retention removed them), after ``skip_after`` seconds the tracker skips
   forward to the first held record and reports the skipped range.
@@ -134,6 +136,14 @@ class PartitionTracker:
         if nxt is None or self.known < nxt:
             return None
         if self.fetch_upto >= nxt:
+            ahead = self.fetch_upto
+            if self.known > ahead and ahead - nxt < FETCH_CHUNK // 2 and not self.held:
+                # Pipelining: the outstanding range is half delivered, so ask
+                # for the next one now and the answerer never idles between ranges.
+                count = min(self.known - ahead, FETCH_CHUNK)
+                self.fetch_upto = ahead + count
+                self.fetches += 1
+                return ahead + 1, count
             if nxt != self.progress_next:
                 self.progress_next = nxt
                 self.progress_at = now

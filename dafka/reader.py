@@ -98,6 +98,12 @@ class PartitionReader(Node):
             self.send(wire.Fetch(tracker.address, self.address, tracker.subject, *request))
             self.fetches_sent += 1
 
+    def fetch_missing(self) -> None:
+        """After a drain: FETCH the next range of every partition catching up, if due."""
+        now = time.monotonic()
+        for tracker in self._missing:
+            self.maybe_fetch(tracker, now)
+
     def retry_missing_now(self) -> None:
         """Someone new answers FETCHes: retry every missing range at once."""
         for tracker in self._missing:

@@ -145,3 +145,17 @@ def test_peer_table_connects_once_and_expires() -> None:
     assert t.expire(5.9) == []
     assert t.expire(6.0) == [Disconnect("tcp://a:2", "A")]
     assert len(t) == 0
+
+
+def test_catch_up_is_pipelined_half_way_through_a_range() -> None:
+    t = PartitionTracker("s", "p", 0)
+    t.on_head(3 * FETCH_CHUNK - 1)
+    assert t.fetch_request(0.0) == (0, FETCH_CHUNK)
+    half = FETCH_CHUNK // 2
+    t.next = half  # the first half of the range was delivered
+    assert t.fetch_request(0.1) == (FETCH_CHUNK, FETCH_CHUNK)
+    assert t.fetch_request(0.1) is None  # one range ahead at most
+    t.next = FETCH_CHUNK + half
+    assert t.fetch_request(0.2) == (2 * FETCH_CHUNK, FETCH_CHUNK)
+    t.next = 3 * FETCH_CHUNK - 10
+    assert t.fetch_request(0.3) is None  # nothing known beyond what was asked

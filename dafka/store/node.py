@@ -299,14 +299,16 @@ class Store(PartitionReader):
                 continue
             seq = seq_at(frame, len(frame) - 8)[0]
             if seq == tracker.next and not tracker.held:
-                # Next in order: live, or catching up (then the timer sends
-                # the follow-up FETCH once this one's range is done).
+                # Next in order: live, or catching up (fetch_missing below
+                # asks for the next range when this one is half done).
                 tracker.next = seq + 1
                 if seq > tracker.known:
                     tracker.known = seq
                 append((tracker.subject, tracker.address, seq, content, ts))
             else:
                 self.track(tracker, seq, content)
+        if self._missing:
+            self.fetch_missing()
         if len(self._batch) >= MAX_BATCH:
             self.pause_data(True)
         self._flush_batch()
