@@ -148,6 +148,24 @@ class Gateway(Store):
         **store_options: Any,
     ) -> None:
         rdb = db if isinstance(db, RecordDB) else RecordDB(db, sync=sync)
+        try:
+            self._setup(rdb, listen, max_frame, stall_timeout, compress)
+            super().__init__(rdb, config, towers=towers, retention=retention, **store_options)
+        except BaseException:
+            # A failed start must not keep the LMDB environment open: it could
+            # never be opened again in this process.
+            listener = getattr(self, "listener", None)
+            if listener is not None:
+                listener.close()
+            if rdb is not db:
+                rdb.close()
+            raise
+        self.every(OWNED_HEADS_INTERVAL, self._announce_owned)
+        log.info("Tank gateway on %s:%d, db %s", listen[0], self.tank_port, rdb.path)
+
+    def _setup(
+        self, rdb: RecordDB, listen: tuple[str, int], max_frame: int, stall_timeout: float, compress: bool
+    ) -> None:
         # Everything the I/O thread uses must exist before Store starts it.
         self.map_path = os.path.join(rdb.path, FILE_NAME)
         self.pmap = PartitionMap.load(self.map_path)
@@ -168,13 +186,6 @@ class Gateway(Store):
         self.listener = socket.create_server(listen, backlog=256)
         self.listener.setblocking(False)
         self.tank_port = self.listener.getsockname()[1]
-        try:
-            super().__init__(rdb, config, towers=towers, retention=retention, **store_options)
-        except BaseException:
-            self.listener.close()
-            raise
-        self.every(OWNED_HEADS_INTERVAL, self._announce_owned)
-        log.info("Tank gateway on %s:%d, db %s", listen[0], self.tank_port, rdb.path)
 
     def __enter__(self) -> Gateway:
         return self
@@ -225,9 +236,10 @@ class Gateway(Store):
             self._write(p.conn, p.response.encode())
         self._wake_parked(heads)
         if self._throttled and len(self._batch) < MAX_BATCH // 2:
-            for conn in self._throttled:
+            throttled, self._throttled = self._throttled, []
+            for conn in throttled:
                 self._set_reading(conn, True)
-            self._throttled.clear()
+                self._process(conn)  # the frames that were left waiting
 
     def _publish(self, records: list[tuple[tuple[str, str], int, bytes]]) -> None:
         """Committed records of owned partitions go out on the mesh, then their HEAD."""
@@ -353,9 +365,16 @@ class Gateway(Store):
                 break
         if not got:
             return
+        self._process(conn)
+
+    def _process(self, conn: _Conn) -> None:
+        """Answer the complete frames buffered, while the connection may take more."""
         frames = conn.frames
         try:
-            while not conn.closed:
+            # Not past a pause: an over-full output (or the writer being
+            # behind) must stop a client that pipelines requests, not only
+            # its next recv().
+            while conn.reading and not conn.closed:
                 frame = frames.next_frame()
                 if frame is None:
                     break
@@ -363,7 +382,8 @@ class Gateway(Store):
         except ProtocolError as exc:
             self._close(conn, f"bad input: {exc}", True)
             return
-        conn.stalled_since = time.monotonic() if frames.buffered else None
+        # Only a client we wait for can stall (not one whose frames we hold back).
+        conn.stalled_since = time.monotonic() if frames.buffered and conn.reading else None
         if len(self._batch) >= MAX_BATCH and conn.reading and not conn.closed:
             self._set_reading(conn, False)  # the writer is behind: stop taking produces
             self._throttled.append(conn)
@@ -420,6 +440,10 @@ class Gateway(Store):
                 break
         if not out and not conn.reading and conn not in self._throttled:
             conn.reading = True
+            if not conn.closed:
+                self._update_events(conn)
+                self._process(conn)  # the frames that were left waiting
+            return
         if not conn.closed:
             self._update_events(conn)
 
@@ -428,6 +452,10 @@ class Gateway(Store):
             return
         conn.closed = True
         self._conns.pop(conn.sock, None)
+        if self._parked_all:
+            # Its parked fetches go too (a long poll may otherwise wait for weeks).
+            for parked in [p for p in self._parked_all if p.conn is conn]:
+                self._unpark(parked)
         self.unwatch(conn.sock)
         try:
             conn.sock.close()
@@ -616,7 +644,13 @@ class Gateway(Store):
             if size < max(1, parked.request.min_bytes) and not timed_out:
                 return  # not enough yet
             self._write(parked.conn, response.encode())
-        self._parked_all.remove(parked)
+        self._unpark(parked)
+
+    def _unpark(self, parked: _Parked) -> None:
+        try:
+            self._parked_all.remove(parked)
+        except ValueError:
+            return  # already gone (its connection closed while it was answered)
         for key in parked.keys:
             waiters = self._parked.get(key)
             if waiters is not None:

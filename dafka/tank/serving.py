@@ -26,6 +26,7 @@ _FLAGS_TS = struct.Struct("<BQ").pack
 _SAME_TS = 0x02
 _HAS_KEY = 0x01
 _SAME_TS_SHORT = tuple(bytes((_SAME_TS, n)) for n in range(128))
+_NO_HEADER = bytes(8) + b"\xff"  # no stored value starts with this (flags are 0..3)
 
 
 class Bounds(NamedTuple):
@@ -88,7 +89,10 @@ def stored_bundle(values: list[bytes], compress: bool = True) -> bytes:
     ts_of = _TS_BE
     flags_ts = _FLAGS_TS
     last_ts = b""
-    plain = b"-"  # stored header (ts, flags) of a keyless record at the last timestamp
+    # Stored header (ts, flags) of a keyless record at the last timestamp.  It
+    # starts as one no stored value has (flags 0xff are never stored), so the
+    # first message always gets its timestamp, whatever its bytes.
+    plain = _NO_HEADER
     for v in values:
         if v.startswith(plain):
             # The common case: no key, same timestamp as the previous message.
