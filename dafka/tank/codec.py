@@ -263,6 +263,10 @@ class FrameBuffer:
         _, length = parse_frame_header(self._buf, self._pos, self.max_frame_size)
         return max(0, FRAME_HEADER_SIZE + length - avail)
 
+    def peek_msg_id(self) -> int | None:
+        """The msgId of the next frame, as soon as its first byte is here."""
+        return self._buf[self._pos] if len(self._buf) > self._pos else None
+
     def next_frame(self) -> tuple[int, bytes] | None:
         """The next complete ``(msg_id, payload)``, or None if more bytes are needed."""
         buf, pos = self._buf, self._pos

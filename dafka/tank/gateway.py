@@ -55,6 +55,7 @@ from dafka.tank.bundle import decode_bundle
 from dafka.tank.codec import MAX_FRAME_SIZE, FrameBuffer
 from dafka.tank.mapping import FILE_NAME, PARTITIONS_TOPIC, PartitionMap, TankPartition
 from dafka.tank.messages import (
+    REQUEST_TYPES,
     ConsumeFlag,
     ConsumePartition,
     ConsumePartitionResult,
@@ -347,7 +348,7 @@ class Gateway(Store):
 
     def _read(self, conn: _Conn) -> None:
         sock = conn.sock
-        got = False
+        got = eof = False
         for _ in range(16):
             try:
                 data = sock.recv(RECV_SIZE)
@@ -357,15 +358,22 @@ class Gateway(Store):
                 self._close(conn, f"receive failed: {exc}")
                 return
             if not data:
-                self._close(conn, None)
-                return
+                eof = True
+                break
             got = True
             conn.frames.feed(data)
             if len(data) < RECV_SIZE:
                 break
-        if not got:
-            return
-        self._process(conn)
+        if got:
+            msg_id = conn.frames.peek_msg_id()
+            if msg_id is not None and msg_id not in REQUEST_TYPES:
+                # Do not wait for the rest of a "frame" that is not Tank at all.
+                self._close(conn, f"bad input: unsupported request msgId 0x{msg_id:02x}", True)
+                return
+            # Frames that arrived with the EOF are handled like any others.
+            self._process(conn)
+        if eof:
+            self._close(conn, None)
 
     def _process(self, conn: _Conn) -> None:
         """Answer the complete frames buffered, while the connection may take more."""

@@ -1325,3 +1325,19 @@ def test_a_failed_start_releases_the_database(make_gateway: Any, tmp_path: Path)
     assert failed.value.errno is not None
     with TankClient(HOST, gw.tank_port) as c:
         assert c.status().version == 400
+
+
+def test_non_tank_bytes_are_refused_at_once_not_after_the_stall_timeout(tmp_path: Path) -> None:
+    # A TLS ClientHello announces a ~131 KB "frame" with msgId 0x16.
+    with Gateway(tmp_path / "gw", NodeConfig(towers=()), listen=("127.0.0.1", 0), stall_timeout=60) as gw:
+        with socket.create_connection(("127.0.0.1", gw.tank_port), timeout=10) as sock:
+            sock.sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")
+            deadline = time.monotonic() + 10
+            data = b""
+            while time.monotonic() < deadline:
+                chunk = sock.recv(100)
+                if not chunk:
+                    break
+                data += chunk
+            assert data == b"\x03\x00\x00\x00\x00"  # the greeting, then EOF well before 60 s
+            assert time.monotonic() < deadline
