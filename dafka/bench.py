@@ -27,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=3, help="runs (the median is reported)")
     p.add_argument("--size", type=int, default=PAYLOAD, help="payload bytes")
     p.add_argument("--no-sync", action="store_true", help="store: do not fsync commits")
+    p.add_argument("--transport", default="both", help="spark: path, gateway or both")
 
 
 def _mesh() -> tuple[Any, NodeConfig]:
@@ -342,12 +343,19 @@ def bench_tank(args: argparse.Namespace) -> dict[str, list[float]]:
     return {"tank publish": publish, "tank fetch": fetch}
 
 
+def _spark_bench(args: argparse.Namespace) -> dict[str, list[float]]:
+    from dafka.spark_bench import bench_spark  # pyspark is an extra: imported only here
+
+    return bench_spark(args)
+
+
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "zmq": bench_zmq,
     "live": bench_live,
     "store": bench_store,
     "replay": bench_replay,
     "tank": bench_tank,
+    "spark": lambda args: _spark_bench(args),
 }
 
 
