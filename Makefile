@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup java run test lint bench clean
+.PHONY: setup java run test lint bench pipeline clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test: setup lint
 
 bench: setup
 	$(BIN)/dafka bench live --records 1000000 --runs 3
+
+# The edge-to-analytics example: devices -> mesh -> Spark -> mesh -> console.
+pipeline: setup
+	$(BIN)/python examples/edge_pipeline.py --devices 4 --seconds 60
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .ruff_cache .hypothesis

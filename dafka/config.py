@@ -129,3 +129,8 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
         node = node.with_towers(env_towers)
     sections = {k: v for k, v in data.items() if k != "node" and isinstance(v, dict)}
     return Settings(node=node, sections=sections)
+
+
+def default_node_config() -> NodeConfig:
+    """What a node embedded without a config uses: ``$DAFKA_CONFIG`` / ``$DAFKA_TOWERS``, else defaults."""
+    return load_settings().node

@@ -24,7 +24,7 @@ from typing import Literal, NamedTuple
 import zmq
 
 from dafka import wire
-from dafka.config import NodeConfig
+from dafka.config import NodeConfig, default_node_config
 from dafka.errors import ClosedError
 from dafka.gaps import PartitionTracker
 from dafka.node import DRAIN
@@ -70,7 +70,7 @@ class Consumer(PartitionReader):
     ) -> None:
         if offset_reset not in ("latest", "earliest"):
             raise ValueError("offset_reset must be 'latest' or 'earliest'")
-        config = (config or NodeConfig()).with_towers(towers)
+        config = (config or default_node_config()).with_towers(towers)
         super().__init__(config)
         self.offset_reset = offset_reset
         self.earliest = offset_reset == "earliest"

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import zmq
 
 from dafka import wire
-from dafka.config import NodeConfig
+from dafka.config import NodeConfig, default_node_config
 from dafka.errors import ProtocolError
 from dafka.peers import Connect, PeerAction, PeerTable
 
@@ -60,7 +60,7 @@ class Node:
     publisher_type = zmq.PUB
 
     def __init__(self, config: NodeConfig | None = None, *, address: str | None = None) -> None:
-        self.config = config or NodeConfig()
+        self.config = config or default_node_config()
         self.address = address or new_address()
         self.log = logging.getLogger(f"dafka.{self.kind}")
         self.bad_input = ErrorLog(self.log)

@@ -24,7 +24,7 @@ from pathlib import Path
 import zmq
 
 from dafka import wire
-from dafka.config import NodeConfig
+from dafka.config import NodeConfig, default_node_config
 from dafka.errors import BufferFullError, ClosedError, ProtocolError, PublishError
 from dafka.node import Node
 from dafka.unacked import UnackedWindow
@@ -118,7 +118,7 @@ class Producer(Node):
     ) -> None:
         if not topic or len(topic.encode()) > wire.MAX_STRING or "\x00" in topic:
             raise ValueError("topic must be 1..255 bytes without NUL")
-        config = (config or NodeConfig()).with_towers(towers)
+        config = (config or default_node_config()).with_towers(towers)
         self.topic = topic
         self.acks = acks
         self.publish_timeout = publish_timeout

@@ -4,7 +4,7 @@ Protocol
 ========
 
 Each streaming query writing through the gateway owns a *commit log*: the
-gateway topic ``__dafka_sink_<sink id>`` (one gateway-owned partition; the
+gateway topic ``_dafka_sink_<sink id>`` (one gateway-owned partition; the
 sink id is the query's persistent id, which survives restarts from the
 checkpoint, or the ``sinkId`` option).  Its records are JSON:
 

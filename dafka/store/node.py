@@ -30,7 +30,7 @@ from typing import Any
 import zmq
 
 from dafka import wire
-from dafka.config import NodeConfig
+from dafka.config import NodeConfig, default_node_config
 from dafka.gaps import PartitionTracker
 from dafka.node import DRAIN
 from dafka.reader import NOBLOCK, PartitionReader, seq_at
@@ -78,7 +78,7 @@ class Store(PartitionReader):
         retry_interval: float = 0.5,
         address: str | None = None,
     ) -> None:
-        config = (config or NodeConfig()).with_towers(towers)
+        config = (config or default_node_config()).with_towers(towers)
         super().__init__(config, address=address)
         self.db = db if isinstance(db, RecordDB) else RecordDB(db, sync=sync)
         self.retention = retention or RetentionPolicy()
