@@ -8,8 +8,9 @@ order with no gap and no duplicate, and when to FETCH what is missing:
 * a record ahead of ``next`` is held in a bounded window (the reference drops
   it) and a FETCH from ``next`` is requested;
 * a HEAD / DIRECT-HEAD at or beyond ``next`` requests a FETCH up to it;
-* while records are missing, the FETCH is re-sent every ``retry_interval``
-  (the reference has no retry and can stall);
+* while records are missing, the FETCH is re-sent after ``retry_interval``
+  without progress, backing off (doubling, up to 8x) while retries bring
+  nothing (the reference has no retry and can stall);
 * a long catch-up is fetched in ranges of FETCH_CHUNK, the next range asked
   for once the current one is half delivered (pipelined);
 * if the missing records never come while later ones are held (a store's
@@ -22,6 +23,7 @@ Times are passed in by the caller; nothing here reads a clock.
 from __future__ import annotations
 
 FETCH_CHUNK = 100_000  # largest count asked for in one FETCH
+MAX_RETRY_BACKOFF = 8  # retries without progress wait up to this many retry intervals
 
 
 class PartitionTracker:
@@ -35,6 +37,9 @@ class PartitionTracker:
         "held",
         "max_held",
         "retry_interval",
+        "retry_wait",
+        "retry_asap",
+        "sent_at",
         "skip_after",
         "fetch_upto",
         "progress_next",
@@ -62,6 +67,9 @@ class PartitionTracker:
         self.held: dict[int, bytes] = {}
         self.max_held = max_held
         self.retry_interval = retry_interval
+        self.retry_wait = retry_interval  # doubles while retries make no progress
+        self.retry_asap = False  # a new peer answers FETCHes: ask again at once
+        self.sent_at = float("-inf")  # when the last FETCH went out
         self.skip_after = skip_after
         self.fetch_upto = -1  # last offset asked for by the outstanding FETCH
         self.progress_next = -1  # next as of the last progress check
@@ -129,8 +137,9 @@ class PartitionTracker:
         """(offset, count) of a FETCH to send now, or None.
 
         Cheap enough to call after every record: a FETCH goes out when records
-        are missing and no FETCH covering ``next`` is outstanding, or when the
-        outstanding one has made no progress for ``retry_interval``.
+        are missing and no FETCH covering ``next`` is outstanding, or when
+        neither progress nor a FETCH happened for ``retry_wait`` (which starts
+        at ``retry_interval`` and doubles while retries bring nothing).
         """
         nxt = self.next
         if nxt is None or self.known < nxt:
@@ -142,14 +151,23 @@ class PartitionTracker:
                 # for the next one now and the answerer never idles between ranges.
                 count = min(self.known - ahead, FETCH_CHUNK)
                 self.fetch_upto = ahead + count
+                self.sent_at = now
                 self.fetches += 1
                 return ahead + 1, count
             if nxt != self.progress_next:
                 self.progress_next = nxt
                 self.progress_at = now
+                self.retry_wait = self.retry_interval
+                self.retry_asap = False
                 return None
-            if now - self.progress_at < self.retry_interval:
+            if self.retry_asap:
+                self.retry_asap = False
+            elif now - max(self.progress_at, self.sent_at) < self.retry_wait:
                 return None
+            else:
+                # A retry: back off while retries bring nothing, so a slow reader
+                # is not buried under answers to FETCHes it asked for again.
+                self.retry_wait = min(self.retry_wait * 2, MAX_RETRY_BACKOFF * self.retry_interval)
         upto = self.known
         if self.held:
             # Ask only for the hole before the first held record.
@@ -158,6 +176,8 @@ class PartitionTracker:
                 upto = first_held - 1
         count = min(upto - nxt + 1, FETCH_CHUNK)
         self.fetch_upto = nxt + count - 1
+        self.retry_asap = False
+        self.sent_at = now
         if nxt != self.progress_next:
             self.progress_next = nxt
             self.progress_at = now
@@ -166,7 +186,10 @@ class PartitionTracker:
 
     def retry_now(self) -> None:
         """Let the next :meth:`fetch_request` re-send at once (a new peer joined)."""
-        self.progress_at = float("-inf")
+        # Not by moving progress_at: that would also make a hole look stalled
+        # long enough to skip, and a new store must never cause a skip.
+        self.retry_asap = True
+        self.retry_wait = self.retry_interval
 
     def skip_if_stalled(self, now: float, out: list[tuple[int, bytes]]) -> tuple[int, int] | None:
         """Give up on a hole that nobody can fill (records removed by retention).

@@ -128,15 +128,39 @@ def start_stream(spark: Any, gateway: str, checkpoints: Path, parquet: str | Non
     return queries
 
 
-def print_results(cfg: Any, stop: threading.Event) -> None:
-    """The console: every result the Spark job writes back to the mesh."""
-    from dafka.consumer import Consumer
+class Console:
+    """Prints every result the Spark job writes back to the mesh."""
 
-    with Consumer(RESULTS, cfg, offset_reset="earliest") as consumer:
-        while not stop.is_set():
-            record = consumer.poll(0.5)
-            if record is not None:
-                print("result:", record.content.decode(), flush=True)
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.results = 0
+        self.last_result = time.monotonic()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        from dafka.consumer import Consumer
+
+        with Consumer(RESULTS, self.cfg, offset_reset="earliest") as consumer:
+            while not self.stop.is_set():
+                record = consumer.poll(0.5)
+                if record is not None:
+                    print("result:", record.content.decode(), flush=True)
+                    self.results += 1
+                    self.last_result = time.monotonic()
+
+    def wait_quiet(self, quiet: float, limit: float) -> None:
+        """Until results came and then none for ``quiet`` seconds (at most ``limit``)."""
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            if self.results and time.monotonic() - self.last_result > quiet:
+                return
+            self.stop.wait(0.5)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
 
 
 def spark_session() -> Any:
@@ -178,7 +202,6 @@ def main() -> int:
     data.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     stop_devices = ctx.Event()
-    stop_console = threading.Event()
     with Tower("127.0.0.1", 0, 0) as tower:
         cfg = NodeConfig(
             towers=(TowerAddress("127.0.0.1", tower.in_port, tower.out_port),), bind="127.0.0.1"
@@ -192,25 +215,24 @@ def main() -> int:
             ]
             for p in devices:
                 p.start()
-            console = threading.Thread(target=print_results, args=(cfg, stop_console), daemon=True)
-            console.start()
+            console = Console(cfg)
             spark = spark_session()
             queries = start_stream(spark, address, data / "checkpoints", args.parquet)
             print(f"streaming job running; devices publish for {args.seconds:.0f}s", flush=True)
             try:
                 for p in devices:
                     p.join(args.seconds + 30)
-                # Let the watermark close the last windows: event time moves
-                # only with new readings, so the final windows stay open.
-                time.sleep(12)
+                # The windows the watermark closed come out over the next
+                # micro-batches (the last windows stay open: event time only
+                # moves with new readings).
+                console.wait_quiet(quiet=12, limit=120)
             except KeyboardInterrupt:
                 stop_devices.set()
             finally:
                 for q in queries:
                     q.stop()
                 spark.stop()
-                stop_console.set()
-                console.join(5)
+                console.close()
                 for p in devices:
                     p.join(5)
     print("done", flush=True)

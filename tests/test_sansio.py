@@ -159,3 +159,17 @@ def test_catch_up_is_pipelined_half_way_through_a_range() -> None:
     assert t.fetch_request(0.2) == (2 * FETCH_CHUNK, FETCH_CHUNK)
     t.next = 3 * FETCH_CHUNK - 10
     assert t.fetch_request(0.3) is None  # nothing known beyond what was asked
+
+
+def test_retries_back_off_and_a_new_peer_never_causes_a_skip() -> None:
+    t = PartitionTracker("s", "p", 0, retry_interval=0.5, skip_after=10.0)
+    deliver(t, 5)  # 0..4 missing, 5 held
+    assert t.fetch_request(0.0) == (0, 5)
+    assert t.fetch_request(0.6) == (0, 5)  # no progress for 0.5 s
+    assert t.fetch_request(1.2) is None  # backing off: now 1 s
+    assert t.fetch_request(1.7) == (0, 5)
+    t.retry_now()  # a new store subscribed: ask it at once ...
+    assert t.fetch_request(1.8) == (0, 5)
+    out: list[tuple[int, bytes]] = []
+    assert t.skip_if_stalled(2.0, out) is None  # ... but that is no reason to skip
+    assert t.skip_if_stalled(10.1, out) == (0, 4)

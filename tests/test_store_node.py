@@ -21,6 +21,20 @@ from tests.conftest import dafka_cmd, subprocess_env, tower_flag, wait_until
 pytestmark = pytest.mark.timeout(240)
 
 
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_orphan_stores():
+    """A failing test must not leave its store processes running."""
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
 def start_store_process(cfg: NodeConfig, db: Path) -> subprocess.Popen:
     proc = subprocess.Popen(
         dafka_cmd("store", "--db", str(db), "--tower", tower_flag(cfg), "--bind", "127.0.0.1"),
@@ -28,6 +42,7 @@ def start_store_process(cfg: NodeConfig, db: Path) -> subprocess.Popen:
         stderr=subprocess.DEVNULL,
         env=subprocess_env(),
     )
+    _STARTED.append(proc)
     line = proc.stdout.readline()
     assert b"store up" in line, line
     return proc

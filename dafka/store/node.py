@@ -53,6 +53,7 @@ HEADS_INTERVAL = 30.0  # stores re-announce the heads they hold (replication)
 class FetchJob:
     """A FETCH answer in progress (served a slice at a time)."""
 
+    key: tuple[str, str, str]  # (requester, subject, partition): one job each
     prefix: bytes  # DIRECT-RECORD header up to the sequence, for the requester
     topic: str
     partition: str
@@ -90,6 +91,7 @@ class Store(PartitionReader):
         self._batch: list[tuple[Any, ...]] = []
         self._ts = 0  # receive time (ms) of the records being read
         self._jobs: deque[FetchJob] = deque()
+        self._job_of: dict[tuple[str, str, str], FetchJob] = {}  # (requester, subject, partition)
         self._blocked = False  # a FETCH reader's queue was full
         self.storage_error: StorageError | None = None
         self._retry_at = 0.0
@@ -332,10 +334,26 @@ class Store(PartitionReader):
         key = (fetch.subject, fetch.topic)
         if key not in self._heads or fetch.count == 0 or fetch.address == self.address:
             return  # not a partition we have
+        job_key = (fetch.address, fetch.subject, fetch.topic)
+        job = self._job_of.get(job_key)
+        start, end = fetch.sequence, fetch.sequence + fetch.count
+        if job is not None and start <= job.offset + job.remaining:
+            # A retry, or the next pipelined range, of an answer in progress:
+            # one job covers both, so retries never multiply the records sent.
+            # Starting earlier than where the job is means the requester lost
+            # what was sent since: resend from there.
+            stop = max(job.offset + job.remaining, end)
+            if start < job.offset:
+                job.offset = job.asked = start
+            job.remaining = stop - job.offset
+            return
         prefix = wire.record_prefix(wire.DIRECT_RECORD, fetch.address, fetch.topic, fetch.subject)
-        self._jobs.append(
-            FetchJob(prefix, fetch.subject, fetch.topic, fetch.sequence, fetch.count, fetch.sequence)
+        new = FetchJob(
+            job_key, prefix, fetch.subject, fetch.topic, fetch.sequence, fetch.count, fetch.sequence
         )
+        if job is None:
+            self._job_of[job_key] = new
+        self._jobs.append(new)  # (a range beyond the current job's gets a job of its own)
 
     def has_work(self) -> bool:
         return bool(self._jobs) and not self._blocked
@@ -355,8 +373,10 @@ class Store(PartitionReader):
                 )
             except StorageError as exc:
                 log.error("cannot serve FETCH of %s/%s: %s", job.topic, job.partition, exc)
+                self._job_done(job)
                 continue
             if not values:
+                self._job_done(job)
                 continue
             if start > job.offset == job.asked:
                 log.warning(
@@ -381,8 +401,14 @@ class Store(PartitionReader):
             job.offset, job.remaining = seq, job.remaining - sent
             if job.remaining > 0 and (sent == SERVE_SLICE or self._blocked):
                 jobs.append(job)
+            else:
+                self._job_done(job)
             if self._blocked:
                 return
+
+    def _job_done(self, job: FetchJob) -> None:
+        if self._job_of.get(job.key) is job:
+            del self._job_of[job.key]
 
     def _read_subscriptions(self) -> None:
         for _ in range(DRAIN):
