@@ -39,8 +39,10 @@ import logging
 import os
 import socket
 import time
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import zmq
@@ -727,11 +729,9 @@ class Gateway(Store):
             return ConsumePartitionResult(
                 p.partition, ConsumeFlag.BOUNDARY_CHECK, 0, bounds.hwm, b"", first + 1
             )
-        total = 0
-        for i, v in enumerate(values):
-            total += len(v) - 9
-            if total >= limit:
-                del values[i + 1 :]  # whole records: at least one, even over fetch_size
-                break
+        if sum(map(len, values)) > limit:
+            # Whole records: at least one, even when it alone is over fetch_size.
+            ends = list(accumulate(map(len, values)))
+            del values[bisect_left(ends, limit) + 1 :]
         chunk = chunk_of(stored_bundle(values, self.compress))
         return ConsumePartitionResult(p.partition, ConsumeFlag.OK, first + 1, bounds.hwm, chunk)

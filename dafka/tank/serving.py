@@ -19,6 +19,8 @@ from dafka.tank.codec import UINT64_MAX, encode_varint
 COMPRESS_MIN = 4096
 #: ... and kept only when it saves at least a quarter.
 COMPRESS_KEEP = 0.75
+#: Bytes compressed first to find out (records of one partition look alike).
+COMPRESS_PROBE = 32 << 10
 
 _BYTE = tuple(bytes((i,)) for i in range(256))
 _TS_BE = struct.Struct(">Q").unpack_from
@@ -120,7 +122,7 @@ def stored_bundle(values: list[bytes], compress: bool = True) -> bytes:
     count = len(values)
     codec = 0
     msgset = b"".join(parts)
-    if compress and len(msgset) >= COMPRESS_MIN:
+    if compress and len(msgset) >= COMPRESS_MIN and _compresses(msgset[:COMPRESS_PROBE]):
         packed = snappy.compress(msgset)
         if len(packed) < len(msgset) * COMPRESS_KEEP:
             codec, msgset = CODEC_SNAPPY, packed
@@ -129,6 +131,11 @@ def stored_bundle(values: list[bytes], compress: bool = True) -> bytes:
     else:
         head = byte[codec] + encode_varint(count)
     return head + msgset
+
+
+def _compresses(sample: bytes) -> bool:
+    """Whether snappy pays, judged on a sample: incompressible data costs only the probe."""
+    return len(snappy.compress(sample)) < len(sample) * COMPRESS_KEEP
 
 
 def chunk_of(bundle: bytes) -> bytes:
