@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup java run test lint bench pipeline clean
+.PHONY: setup java run test lint bench bench-all pipeline clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,16 @@ test: setup lint
 
 bench: setup
 	$(BIN)/dafka bench live --records 1000000 --runs 3
+
+# Every row of the README's performance table, one after the other.
+bench-all: setup
+	$(BIN)/dafka bench zmq --records 300000 --runs 3
+	$(BIN)/dafka bench live --records 300000 --runs 3
+	$(BIN)/dafka bench store --records 300000 --runs 3
+	$(BIN)/dafka bench store --no-sync --records 300000 --runs 3
+	$(BIN)/dafka bench replay --records 1000000 --runs 3
+	$(BIN)/dafka bench tank --records 1000000 --runs 3
+	$(BIN)/dafka bench spark --records 1000000 --runs 3
 
 # The edge-to-analytics example: devices -> mesh -> Spark -> mesh -> console.
 pipeline: setup
