@@ -187,17 +187,21 @@ def retention_policy(section: dict[str, Any], age: float | None = None, size: in
     return RetentionPolicy(default=default, topics=topics)
 
 
+def storage_options(args: argparse.Namespace, section: dict[str, Any], name: str) -> tuple[str, bool, Any]:
+    """``(db, sync, retention policy)`` of a store or gateway, from its flags and [name] section."""
+    db = args.db or section.get("db")
+    if not db:
+        raise DafkaError(f"--db DIR (or [{name}] db) is required")
+    sync = not args.no_sync and bool(section.get("sync", True))
+    policy = retention_policy(section.get("retention", {}), args.retention_age, args.retention_bytes)
+    return db, sync, policy
+
+
 @command("store")
 def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
     from dafka.store.node import Store
 
-    section = settings.section("store")
-    db = args.db or section.get("db")
-    if not db:
-        print("error: --db DIR (or [store] db) is required", file=sys.stderr)
-        return 2
-    sync = not args.no_sync and bool(section.get("sync", True))
-    policy = retention_policy(section.get("retention", {}), args.retention_age, args.retention_bytes)
+    db, sync, policy = storage_options(args, settings.section("store"), "store")
     with Store(db, node_config(args, settings), sync=sync, retention=policy) as store:
         print(f"store up: {store.address} db {db} (sync={'on' if sync else 'OFF'})", flush=True)
         wait_for_signal(threading.Event())
@@ -218,13 +222,8 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
     from dafka.tank.gateway import DEFAULT_PORT, Gateway
 
     section = settings.section("gateway")
-    db = args.db or section.get("db")
-    if not db:
-        print("error: --db DIR (or [gateway] db) is required", file=sys.stderr)
-        return 2
+    db, sync, policy = storage_options(args, section, "gateway")
     listen = parse_listen(args.listen or section.get("listen", f"127.0.0.1:{DEFAULT_PORT}"), DEFAULT_PORT)
-    sync = not args.no_sync and bool(section.get("sync", True))
-    policy = retention_policy(section.get("retention", {}), args.retention_age, args.retention_bytes)
     try:
         gateway = Gateway(db, node_config(args, settings), listen=listen, sync=sync, retention=policy)
     except OSError as exc:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import sys
 import tempfile
 import time
@@ -61,25 +60,9 @@ def _gateway_process(db: str, cfg: NodeConfig, port_q: Any, done: Any) -> None:
 
 
 def _spark(master: str) -> Any:
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    from pyspark.sql import SparkSession
+    from dafka.spark.session import local_session
 
-    from dafka.spark import register
-
-    spark = (
-        SparkSession.builder.master(master)
-        .appName("dafka-bench-spark")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.sql.adaptive.enabled", "false")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
-    register(spark)
-    return spark
+    return local_session("dafka-bench-spark", master)
 
 
 def _measure(spark: Any, options: dict[str, str], records: int) -> tuple[float, float]:

@@ -25,7 +25,6 @@ import argparse
 import json
 import logging
 import multiprocessing as mp
-import os
 import random
 import sys
 import tempfile
@@ -164,25 +163,9 @@ class Console:
 
 
 def spark_session() -> Any:
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    from pyspark.sql import SparkSession
+    from dafka.spark.session import local_session
 
-    from dafka.spark import register
-
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .appName("dafka-edge-pipeline")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.sql.session.timeZone", "UTC")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("WARN")
-    register(spark)
-    return spark
+    return local_session("dafka-edge-pipeline", log_level="WARN")
 
 
 def main() -> int:

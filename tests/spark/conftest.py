@@ -7,8 +7,6 @@ the ``dafka`` package is importable there because it is installed in it.
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,25 +19,13 @@ def spark() -> Iterator[Any]:
     # planning tests in this directory need neither Spark nor Java.
     pytest.importorskip("pyspark")
     pytest.importorskip("pyarrow")
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    from pyspark.sql import SparkSession
+    from dafka.spark.session import local_session
 
-    from dafka.spark import register
-
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("dafka-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "1")
-        .config("spark.sql.adaptive.enabled", "false")
-        .config("spark.driver.extraJavaOptions", "-XX:+UseSerialGC -XX:TieredStopAtLevel=1")
-        .config("spark.sql.session.timeZone", "UTC")
-        .getOrCreate()
+    session = local_session(
+        "dafka-tests",
+        spark__sql__shuffle__partitions="1",
+        # A JVM that starts fast: the tests' queries are small.
+        spark__driver__extraJavaOptions="-XX:+UseSerialGC -XX:TieredStopAtLevel=1",
     )
-    session.sparkContext.setLogLevel("ERROR")
-    register(session)
     yield session
     session.stop()
