@@ -18,7 +18,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("sub", [[], ["tower"], ["produce"], ["consume"], ["up"], ["bench"]])
+@pytest.mark.parametrize(
+    "sub", [[], ["tower"], ["produce"], ["consume"], ["store"], ["gateway"], ["tank"], ["up"], ["bench"]]
+)
 def test_help(sub: list[str]) -> None:
     out = subprocess.run(dafka_cmd(*sub, "--help"), capture_output=True, text=True, env=subprocess_env())
     assert out.returncode == 0, out.stderr
@@ -83,3 +85,33 @@ def test_bad_tower_address_is_a_clear_error() -> None:
     )
     assert out.returncode == 2
     assert "bad tower address" in out.stderr
+
+
+def test_tank_cli_against_a_gateway(tmp_path) -> None:
+    from dafka.config import NodeConfig
+    from dafka.tank.gateway import Gateway
+
+    def tank(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            dafka_cmd("tank", "--broker", f"127.0.0.1:{gw.tank_port}", *args),
+            input=stdin,
+            capture_output=True,
+            text=True,
+            env=subprocess_env(),
+            timeout=60,
+        )
+
+    with Gateway(tmp_path / "gw", NodeConfig(towers=()), listen=("127.0.0.1", 0)) as gw:
+        assert tank("create", "news", "2").returncode == 0
+        assert tank("produce", "news", "hello", "world", "-k", "greeting").returncode == 0
+        assert tank("produce", "news", "-p", "1", stdin="a\nb\nc\n").returncode == 0
+        out = tank("consume", "news", "-v")
+        assert out.returncode == 0, out.stderr
+        rows = [line.split("\t") for line in out.stdout.splitlines()]
+        assert [(r[0], r[2], r[3]) for r in rows] == [("1", "greeting", "hello"), ("2", "greeting", "world")]
+        assert tank("consume", "news", "-p", "1", "--from", "2").stdout.split() == ["b", "c"]
+        assert tank("partitions", "news").stdout.split("\n")[:2] == ["0\tfirst 1\thwm 2", "1\tfirst 1\thwm 3"]
+        assert "news\t2 partitions" in tank("topics").stdout
+        assert "version 400" in tank("status").stdout
+        missing = tank("consume", "nope")
+        assert missing.returncode == 1 and "unknown topic" in missing.stderr
