@@ -101,7 +101,7 @@ MAX_OUTPUT = 64 << 20  # unsent bytes before a connection's input pauses
 OWNED_HEADS_INTERVAL = 1.0  # HEADs of owned partitions, for consumers that missed the tail
 _PING = Ping().encode()
 _VIRTUAL_KEY = (PARTITIONS_TOPIC, "")
-_NOW_FLAGS = b"\x01"  # stored-value flags of a map record: it has a key
+_MAP_RECORD_FLAGS = b"\x01"  # stored-value flags of a __dafka_partitions record: keyed
 
 
 @dataclass(eq=False, slots=True)
@@ -163,7 +163,6 @@ class Gateway(Store):
             if rdb is not db:
                 rdb.close()
             raise
-        self.every(OWNED_HEADS_INTERVAL, self._announce_owned)
         log.info("Tank gateway on %s:%d, db %s", listen[0], self.tank_port, rdb.path)
 
     def _setup(
@@ -197,6 +196,7 @@ class Gateway(Store):
 
     def on_start(self) -> None:
         super().on_start()
+        self.every(OWNED_HEADS_INTERVAL, self._announce_owned)
         for (topic, address), head in self._heads.items():
             if (topic, address) in self._owned:
                 self._next_offset[(topic, address)] = head + 1
@@ -319,7 +319,7 @@ class Gateway(Store):
             values = []
             for p in self.pmap.order[offset : offset + count]:
                 key = p.topic.encode()
-                values.append(ts + _NOW_FLAGS + bytes((len(key),)) + key + p.describe())
+                values.append(ts + _MAP_RECORD_FLAGS + bytes((len(key),)) + key + p.describe())
             return offset, values
         return self.db.fetch_raw(topic, part.address, offset, count)
 
