@@ -625,8 +625,10 @@ class Gateway(Store):
     # ---------------------------------------------------------------- consume
 
     def _on_consume(self, conn: _Conn, req: ConsumeRequest) -> None:
-        response, size, waiting = self._consume_answer(req, timed_out=False)
-        if size >= max(1, req.min_bytes) or not waiting or req.max_wait_ms == 0:
+        response, size, waiting, faulted = self._consume_answer(req, timed_out=False)
+        # Like the broker (respond_now), a fault is reported at once: a client
+        # asking for several partitions must not wait max_wait to learn of it.
+        if faulted or size >= max(1, req.min_bytes) or not waiting or req.max_wait_ms == 0:
             self._write(conn, response.encode())
             return
         # Park until one of the partitions at their tail gets data, or max_wait.
@@ -650,8 +652,8 @@ class Gateway(Store):
 
     def _answer_parked(self, parked: _Parked, timed_out: bool) -> None:
         if not parked.conn.closed:
-            response, size, _ = self._consume_answer(parked.request, timed_out)
-            if size < max(1, parked.request.min_bytes) and not timed_out:
+            response, size, _, faulted = self._consume_answer(parked.request, timed_out)
+            if size < max(1, parked.request.min_bytes) and not timed_out and not faulted:
                 return  # not enough yet
             self._write(parked.conn, response.encode())
         self._unpark(parked)
@@ -670,16 +672,19 @@ class Gateway(Store):
 
     def _consume_answer(
         self, req: ConsumeRequest, timed_out: bool
-    ) -> tuple[ConsumeResponse, int, list[tuple[str, str]]]:
-        """The answer as things are now, its chunk bytes, and the partitions at their tail."""
+    ) -> tuple[ConsumeResponse, int, list[tuple[str, str]], bool]:
+        """The answer as things are now, its chunk bytes, the partitions at their
+        tail, and whether any topic or partition is answered with a fault."""
         topics = []
         size = 0
         waiting: list[tuple[str, str]] = []
+        faulted = False
         for t in req.topics:
             virtual = t.name == PARTITIONS_TOPIC
             parts = None if virtual else self.pmap.partitions(t.name)
             if parts is None and not virtual:
                 topics.append(ConsumeTopicResult(t.name, [], True, len(t.partitions)))
+                faulted = True
                 continue
             results = []
             for p in t.partitions:
@@ -700,8 +705,9 @@ class Gateway(Store):
                 elif res.flags == ConsumeFlag.OK:
                     waiting.append(_VIRTUAL_KEY if part is None else (t.name, part.address))
                 results.append(res)
+            faulted = faulted or any(r.flags != ConsumeFlag.OK for r in results)
             topics.append(ConsumeTopicResult(t.name, results))
-        return ConsumeResponse(req.req_id, topics), size, waiting
+        return ConsumeResponse(req.req_id, topics), size, waiting, faulted
 
     def _consume_partition(
         self, topic: str, part: TankPartition | None, p: ConsumePartition, timed_out: bool
