@@ -139,5 +139,9 @@ def _compresses(sample: bytes) -> bool:
 
 
 def chunk_of(bundle: bytes) -> bytes:
-    """A consume chunk holding one bundle."""
+    """A consume chunk holding one bundle.
+
+    One bundle per partition answer is deliberate: the Java client reads only
+    the first bundle of a chunk and would lose (and misparse) any further ones.
+    """
     return encode_varint(len(bundle)) + bundle
