@@ -355,7 +355,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "store": bench_store,
     "replay": bench_replay,
     "tank": bench_tank,
-    "spark": lambda args: _spark_bench(args),
+    "spark": _spark_bench,
 }
 
 

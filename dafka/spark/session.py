@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 
 def local_session(
-    app: str, master: str = "local[2]", *, log_level: str = "ERROR", **conf: str
+    app: str,
+    master: str = "local[2]",
+    *,
+    log_level: str = "ERROR",
+    conf: Mapping[str, str] | None = None,
 ) -> Any:
     """A local SparkSession (UI off, few shuffle partitions) with ``dafka`` registered.
 
-    ``conf`` adds Spark settings; use their names with dots replaced by
-    ``__`` (``spark__sql__shuffle__partitions="4"``) or pass them after.
+    ``conf`` adds or overrides Spark settings.
     """
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
@@ -35,7 +39,7 @@ def local_session(
         "spark.sql.adaptive.enabled": "false",
         "spark.sql.session.timeZone": "UTC",
     }
-    settings.update({k.replace("__", "."): v for k, v in conf.items()})
+    settings.update(conf or {})
     builder = SparkSession.builder.master(master).appName(app)
     for key, value in settings.items():
         builder = builder.config(key, value)

@@ -95,9 +95,9 @@ def _consume(client: TankClient, args: argparse.Namespace) -> int:
         wait = 1000 if args.follow else 0
         result = client.consume(args.topic, args.partition, seq, max_wait_ms=wait)
         if result.boundary_check:
-            if result.first_avail is None or result.first_avail == seq:
-                break
-            seq = result.first_avail if seq < (result.first_avail or 0) else (result.hwm or 0) + 1
+            # Below what is kept: go to the first kept; past the end: go to the end.
+            below = result.first_avail is not None and seq < result.first_avail
+            seq = result.first_avail if below else (result.hwm or 0) + 1  # type: ignore[assignment]
             continue
         for s, ts, key, value in result.messages:
             if args.verbose:

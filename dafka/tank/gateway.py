@@ -55,7 +55,13 @@ from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.node import MAX_BATCH, Store
 from dafka.tank.bundle import decode_bundle
 from dafka.tank.codec import MAX_FRAME_SIZE, FrameBuffer
-from dafka.tank.mapping import FILE_NAME, PARTITIONS_TOPIC, PartitionMap, TankPartition
+from dafka.tank.mapping import (
+    FILE_NAME,
+    PARTITIONS_TOPIC,
+    PartitionMap,
+    TankPartition,
+    valid_topic_name,
+)
 from dafka.tank.messages import (
     REQUEST_TYPES,
     ConsumeFlag,
@@ -566,8 +572,7 @@ class Gateway(Store):
                 res.error = ProduceError.INVALID_SEQNUM  # at or below the hwm (a resend), or a gap
                 continue
             topic, address = key
-            for seq_ts_key_value in records:
-                _, ts, k, value = seq_ts_key_value
+            for _, ts, k, value in records:
                 batch((topic, address, n, value, ts, k, True))
                 publish((key, n, value))
                 n += 1
@@ -585,10 +590,7 @@ class Gateway(Store):
         def answer(code: int) -> CreateTopicResponse:
             return CreateTopicResponse(req.req_id, req.topic, code)
 
-        raw = req.topic.encode()
-        if not raw or len(raw) > 255 or b"\0" in raw or req.topic.startswith("__"):
-            return answer(CreateTopicError.INVALID)
-        if req.partitions == 0 or req.partitions == 0xFFFF:
+        if not valid_topic_name(req.topic) or req.partitions in (0, 0xFFFF):
             return answer(CreateTopicError.INVALID)
         for line in req.config.splitlines():
             if line.strip() and not line.strip().startswith("#") and "=" not in line:

@@ -23,9 +23,11 @@ def spark() -> Iterator[Any]:
 
     session = local_session(
         "dafka-tests",
-        spark__sql__shuffle__partitions="1",
-        # A JVM that starts fast: the tests' queries are small.
-        spark__driver__extraJavaOptions="-XX:+UseSerialGC -XX:TieredStopAtLevel=1",
+        conf={
+            "spark.sql.shuffle.partitions": "1",
+            # A JVM that starts fast: the tests' queries are small.
+            "spark.driver.extraJavaOptions": "-XX:+UseSerialGC -XX:TieredStopAtLevel=1",
+        },
     )
     yield session
     session.stop()

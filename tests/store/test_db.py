@@ -9,8 +9,6 @@ import sys
 import tempfile
 import textwrap
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,17 +39,6 @@ def content_for(offset: int, size: int = 40) -> bytes:
 
 def plain(topic: str, partition: str, first: int, n: int, ts: int = 1000) -> list[tuple[Any, ...]]:
     return [(topic, partition, o, content_for(o), ts) for o in range(first, first + n)]
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 class ChildLines:

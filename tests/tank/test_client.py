@@ -50,6 +50,7 @@ from dafka.tank.messages import (
     TopicInfo,
     decode_request,
 )
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -57,15 +58,6 @@ GREETING = bytes.fromhex("03 00000000")
 U64 = struct.Struct("<Q")
 TS = 1_700_000_000_000
 DEADLINE = 10.0
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = DEADLINE) -> None:
-    """Poll ``cond`` until true; fail the test at the deadline."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met before the deadline")
-        time.sleep(0.001)
 
 
 class Conn:
@@ -229,7 +221,7 @@ def test_partial_frames_are_reassembled() -> None:
             sent = cut
             if cut < len(frame):
                 # the client holds the piece and is still waiting for the rest
-                wait_for(lambda n=cut: c._frames.buffered == n)
+                wait_until(lambda n=cut: c._frames.buffered == n, DEADLINE, 0.001)
         assert conn.recv_frame() is None
 
     with FakeBroker(handler) as broker, client(broker) as c:
