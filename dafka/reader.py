@@ -89,8 +89,7 @@ class PartitionReader(Node):
             self.emit(tracker, out)
             out.clear()
         if missing:
-            self._missing.add(tracker)
-            self.maybe_fetch(tracker, time.monotonic())
+            self._missing.add(tracker)  # fetch_missing asks at the end of this drain
 
     def maybe_fetch(self, tracker: PartitionTracker, now: float) -> None:
         request = tracker.fetch_request(now)
@@ -99,7 +98,11 @@ class PartitionReader(Node):
             self.fetches_sent += 1
 
     def fetch_missing(self) -> None:
-        """After a drain: FETCH the next range of every partition catching up, if due."""
+        """After a drain: FETCH what every partition with missing records needs, if due.
+
+        Called once per drain rather than per record, so a burst of out-of-order
+        records or HEADs costs one FETCH decision per partition.
+        """
         now = time.monotonic()
         for tracker in self._missing:
             self.maybe_fetch(tracker, now)
@@ -172,7 +175,6 @@ class PartitionReader(Node):
             if isinstance(msg, wire.Record | wire.DirectRecord):
                 self.track(tracker, msg.sequence, msg.content)
             elif tracker.on_head(msg.sequence):
-                self._missing.add(tracker)
-                self.maybe_fetch(tracker, time.monotonic())
+                self._missing.add(tracker)  # fetch_missing asks at the end of this drain
         else:
             self.on_other(msg)
