@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from dafka.config import NodeConfig, Settings, load_settings
+from dafka.config import NodeConfig, Settings, load_settings, parse_listen
 from dafka.errors import DafkaError
 
 log = logging.getLogger("dafka.cli")
@@ -206,15 +206,6 @@ def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
         print(f"store up: {store.address} db {db} (sync={'on' if sync else 'OFF'})", flush=True)
         wait_for_signal(threading.Event())
     return 0
-
-
-def parse_listen(text: str, default_port: int) -> tuple[str, int]:
-    """``HOST:PORT``, ``HOST`` or ``:PORT`` as a (host, port) pair."""
-    host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
-    try:
-        return host or "127.0.0.1", int(port) if port else default_port
-    except ValueError:
-        raise DafkaError(f"--listen {text!r}: expected HOST:PORT") from None
 
 
 @command("gateway")

@@ -134,3 +134,12 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
 def default_node_config() -> NodeConfig:
     """What a node embedded without a config uses: ``$DAFKA_CONFIG`` / ``$DAFKA_TOWERS``, else defaults."""
     return load_settings().node
+
+
+def parse_listen(text: str, default_port: int) -> tuple[str, int]:
+    """A server address ``HOST:PORT``, ``HOST`` or ``:PORT`` as (host, port)."""
+    host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
+    try:
+        return host or "127.0.0.1", int(port) if port else default_port
+    except ValueError:
+        raise ConfigError(f"listen address {text!r}: expected HOST:PORT") from None

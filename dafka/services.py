@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dafka.config import Settings, TowerAddress
+from dafka.config import Settings, TowerAddress, parse_listen
 from dafka.tower import Tower
 
 log = logging.getLogger("dafka.services")
@@ -69,7 +69,6 @@ def _start_store(settings: Settings, node: Any, data_dir: Path) -> tuple[str, An
 
 
 def _start_gateway(settings: Settings, node: Any, data_dir: Path) -> tuple[str, Any]:
-    from dafka.cli import parse_listen
     from dafka.tank.gateway import DEFAULT_PORT, Gateway
 
     section = settings.section("gateway")
