@@ -289,11 +289,28 @@ def test_malformed_frames_at_every_socket(cfg: NodeConfig, tower: Tower, raw_pee
     assert tower.bad_input.count > 0
 
 
+def free_ports_below_ephemeral(n: int) -> list[int]:
+    """``n`` loopback ports free now, all below the ephemeral range."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports: list[int] = []
+    for port in range(low - 1, 1024, -1):  # bounded: at most the whole range once
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise AssertionError("no free ports below the ephemeral range")
+
+
 def test_nodes_started_before_their_tower(cfg: NodeConfig) -> None:
-    # A tower on ports nobody listens on yet.
-    probe = Tower("127.0.0.1", 0, 0)
-    in_port, out_port = probe.in_port, probe.out_port
-    probe.close()
+    # A tower on ports nobody listens on yet.  They are taken below the kernel's
+    # ephemeral range: a node reconnecting to a port in that range can be given
+    # the very same port as its own end (a TCP self-connect) and hold it.
+    in_port, out_port = free_ports_below_ephemeral(2)
     late = NodeConfig(
         towers=(TowerAddress("127.0.0.1", in_port, out_port),),
         bind="127.0.0.1",
