@@ -253,6 +253,26 @@ def cmd_topics(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- status
+
+
+@command("status")
+def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
+    from dafka.status import run_status
+
+    try:
+        return run_status(
+            node_config(args, settings),
+            wait=args.wait,
+            watch=args.watch,
+            as_json=args.json,
+            interval=args.interval,
+            out=sys.stdout,
+        )
+    except KeyboardInterrupt:
+        return 0
+
+
 # ---------------------------------------------------------------- up
 
 
@@ -343,6 +363,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("topics", help="list topics and partitions of a store's database")
     p.add_argument("--db", help="LMDB directory of a store (read-only)")
     p.add_argument("topic", nargs="?", help="only this topic")
+
+    p = sub.add_parser("status", help="join the mesh read-only and show nodes, heads and lag")
+    _add_node_flags(p)
+    p.add_argument("--wait", type=float, default=3.0, help="seconds to listen before the first view")
+    p.add_argument("--watch", action="store_true", help="keep refreshing the view (Ctrl-C ends)")
+    p.add_argument("--interval", type=float, default=1.0, help="--watch: seconds between views")
+    p.add_argument("--json", action="store_true", help="print JSON (one object per view)")
 
     p = sub.add_parser("up", help="run the main services (tower + store + gateway) on loopback")
     p.add_argument("--data", default="var", help="data directory (default ./var)")
