@@ -72,8 +72,31 @@ def cmd_tower(args: argparse.Namespace, settings: Settings) -> int:
     out_port = args.out_port if args.out_port is not None else int(section.get("beacon_out_port", 5557))
     with Tower(bind, in_port, out_port) as tower:
         print(f"tower up: beacons in tcp://{bind}:{tower.in_port}, out tcp://{bind}:{tower.out_port}", flush=True)
-        wait_for_signal(threading.Event())
+        server = serve_metrics(args, section, tower)
+        try:
+            wait_for_signal(threading.Event())
+        finally:
+            if server is not None:
+                server.close()
     return 0
+
+
+def serve_metrics(args: argparse.Namespace, section: dict[str, Any], service: Any) -> Any:
+    """Start the service's Prometheus endpoint if ``--metrics`` (or ``metrics =``) asks for one."""
+    listen = getattr(args, "metrics", None) or section.get("metrics")
+    if not listen:
+        return None
+    from dafka import metrics
+
+    host, port = parse_listen(listen, 9100)
+    try:
+        server = metrics.serve(service, host, port)
+    except OSError as exc:
+        raise DafkaError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
+    print(f"metrics on http://{host}:{server.port}/metrics", flush=True)
+    if hasattr(service, "metrics_server"):
+        service.metrics_server = server  # the node closes it when it stops
+    return server
 
 
 # ---------------------------------------------------------------- produce
@@ -202,8 +225,10 @@ def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
     from dafka.store.node import Store
 
     db, sync, policy = storage_options(args, settings.section("store"), "store")
+    section = settings.section("store")
     with Store(db, node_config(args, settings), sync=sync, retention=policy) as store:
         print(f"store up: {store.address} db {db} (sync={'on' if sync else 'OFF'})", flush=True)
+        serve_metrics(args, section, store)
         wait_for_signal(threading.Event())
     return 0
 
@@ -226,6 +251,7 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
             f" (sync={'on' if sync else 'OFF'})",
             flush=True,
         )
+        serve_metrics(args, section, gateway)
         wait_for_signal(threading.Event())
     return 0
 
@@ -321,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", help="interface to bind (default *, or [tower] bind)")
     p.add_argument("--in-port", type=int, help="beacons in (XSUB) port, default 5556")
     p.add_argument("--out-port", type=int, help="beacons out (XPUB) port, default 5557")
+    p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
 
     p = sub.add_parser("produce", help="publish one record per input line")
     p.add_argument("topic")
@@ -347,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sync", action="store_true", help="do not fsync commits (UNSAFE: acked data can be lost on power failure)")
     p.add_argument("--retention-age", type=float, help="default retention: seconds to keep records")
     p.add_argument("--retention-bytes", type=int, help="default retention: bytes to keep per topic")
+    p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
 
     p = sub.add_parser("gateway", help="run a Tank-protocol gateway (also a full store)")
     _add_node_flags(p)
@@ -355,6 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sync", action="store_true", help="do not fsync commits (UNSAFE)")
     p.add_argument("--retention-age", type=float, help="default retention: seconds to keep records")
     p.add_argument("--retention-bytes", type=int, help="default retention: bytes to keep per topic")
+    p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
 
     from dafka.tank import cli as tank_cli
 

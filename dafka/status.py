@@ -169,7 +169,9 @@ class MeshView:
                 "last_beacon_age": round(now - p.last_beacon, 3),
                 "alive": p.alive,
             }
-            for p in sorted(self.peers.values(), key=lambda p: (self.kind(p.address) or "~", p.address))
+            for p in sorted(
+                self.peers.values(), key=lambda p: (self.kind(p.address) or "~", p.address)
+            )
         ]
         partitions = []
         for (topic, partition), info in sorted(self.partitions.items()):
@@ -181,7 +183,8 @@ class MeshView:
                     "producer_head": info.producer_head,
                     "producer_alive": partition in self.peers and self.peers[partition].alive,
                     "stores": [
-                        {"address": s, "head": h, "lag": lag[s]} for s, h in sorted(info.stores.items())
+                        {"address": s, "head": h, "lag": lag[s]}
+                        for s, h in sorted(info.stores.items())
                     ],
                 }
             )
@@ -213,7 +216,9 @@ def render_text(snap: dict[str, Any]) -> str:
         head = "-" if p["producer_head"] is None else str(p["producer_head"])
         if p["producer_head"] is not None and not p["producer_alive"]:
             head += "*"
-        stores = "  ".join(f"{s['address'][:8]}:{s['head']}/{s['lag']}" for s in p["stores"]) or "(none)"
+        stores = (
+            "  ".join(f"{s['address'][:8]}:{s['head']}/{s['lag']}" for s in p["stores"]) or "(none)"
+        )
         lines.append(f"  {p['topic']:<20} {p['partition']:<34} {head:>10}  {stores}")
     if any(p["producer_head"] is not None and not p["producer_alive"] for p in snap["partitions"]):
         lines.append("  (* producer no longer beaconing)")
@@ -229,7 +234,9 @@ class StatusProbe:
         self.config = config
         self.address = new_address()
         self.ctx = zmq.Context.instance()
-        self.view = MeshView(self.address, [t.beacon_out for t in config.towers], config.beacon_timeout)
+        self.view = MeshView(
+            self.address, [t.beacon_out for t in config.towers], config.beacon_timeout
+        )
         self.poller = zmq.Poller()
         self._readers: dict[zmq.Socket, Any] = {}
         self.tower_subs: list[zmq.Socket] = []
@@ -308,7 +315,9 @@ class StatusProbe:
         # C stores only tell their heads in answer to GET-HEADS (or as ACKs).
         for topic in self.view.topics():
             try:
-                self.publisher.send_multipart(wire.encode(wire.GetHeads(topic, self.address)), zmq.NOBLOCK)
+                self.publisher.send_multipart(
+                    wire.encode(wire.GetHeads(topic, self.address)), zmq.NOBLOCK
+                )
             except zmq.ZMQError:
                 pass
 
@@ -377,7 +386,9 @@ class StatusProbe:
                 self.view.on_subscription(parsed[1])
 
 
-def run_status(config: NodeConfig, *, wait: float, watch: bool, as_json: bool, interval: float, out: Any) -> int:
+def run_status(
+    config: NodeConfig, *, wait: float, watch: bool, as_json: bool, interval: float, out: Any
+) -> int:
     """The ``dafka status`` command: one snapshot after ``wait`` seconds, or a live view."""
     tty = out.isatty() and not as_json
     with StatusProbe(config) as probe:

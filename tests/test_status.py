@@ -150,7 +150,9 @@ def test_status_command_against_processes(cfg: NodeConfig, tmp_path: Path) -> No
 
 def test_status_watch_prints_repeated_views(cfg: NodeConfig) -> None:
     proc = subprocess.Popen(
-        dafka_cmd("status", "--tower", tower_flag(cfg), "--watch", "--wait", "0.3", "--interval", "0.3"),
+        dafka_cmd(
+            "status", "--tower", tower_flag(cfg), "--watch", "--wait", "0.3", "--interval", "0.3"
+        ),
         env=subprocess_env(),
         stdout=subprocess.PIPE,
         text=True,
