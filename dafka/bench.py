@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", type=int, default=PAYLOAD, help="payload bytes")
     p.add_argument("--no-sync", action="store_true", help="store: do not fsync commits")
     p.add_argument("--transport", default="both", help="spark: path, gateway or both")
+    p.add_argument("--rate", type=int, default=10_000, help="latency: records/s published")
+    p.add_argument("--seconds", type=float, default=3.0, help="latency: seconds of publishing per run")
 
 
 def _mesh() -> tuple[Any, NodeConfig]:
@@ -343,6 +345,127 @@ def bench_tank(args: argparse.Namespace) -> dict[str, list[float]]:
     return {"tank publish": publish, "tank fetch": fetch}
 
 
+def _percentiles(samples: list[float]) -> str:
+    """p50/p99/p99.9/max of latencies in seconds, as milliseconds."""
+    if not samples:
+        return "no samples"
+    ordered = sorted(samples)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+    return (
+        f"p50 {at(0.5):.3f} ms  p99 {at(0.99):.3f} ms  p99.9 {at(0.999):.3f} ms"
+        f"  max {ordered[-1] * 1000:.3f} ms  ({len(ordered)} records)"
+    )
+
+
+def _paced_producer(
+    cfg: NodeConfig, topic: str, rate: int, seconds: float, size: int, go: Any, result: Any
+) -> None:
+    """Publish ``rate`` records/s stamped with their send time; collect publish->ACK latencies."""
+    import struct
+
+    from dafka.producer import Producer
+
+    n = int(rate * seconds)
+    producer = Producer(topic, cfg, capacity=max(n, 1))
+    stamp = struct.Struct(">q")
+    pad = b"x" * max(0, size - stamp.size)
+    sent = [0] * n
+    acked: list[float] = []
+    clock = time.perf_counter_ns  # CLOCK_MONOTONIC: comparable across processes
+
+    def on_ack(receipt: Any) -> None:
+        if receipt.acked():
+            acked.append((clock() - sent[receipt.offset]) / 1e9)
+
+    go.wait(60)
+    t0 = clock()
+    interval = 1e9 / rate
+    i = 0
+    while i < n:
+        due = min(n, int((clock() - t0) / interval) + 1)
+        while i < due:
+            now = clock()
+            sent[i] = now
+            producer.publish(stamp.pack(now) + pad, on_ack)
+            i += 1
+        if i < n:
+            # Sleep to the next record's time (Linux sleeps ~60 us past it).
+            time.sleep(max(0.0, (t0 + i * interval - clock()) / 1e9))
+    producer.flush(30)
+    producer.close(5)
+    result.put(acked)
+
+
+def bench_latency(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Latency at a fixed rate: producer -> consumer delivery and publish -> store ACK.
+
+    Producer, store (fsync on unless --no-sync) and consumer are separate
+    processes (the consumer is this one).  The first half second of each run
+    is left out (connections settling).
+    """
+    import struct
+    import tempfile
+
+    from dafka.consumer import Consumer
+
+    ctx = mp.get_context("spawn")
+    unpack = struct.Struct(">q").unpack_from
+    clock = time.perf_counter_ns
+    delivery: list[float] = []
+    ack: list[float] = []
+    for run in range(args.runs):
+        tower, cfg = _mesh()
+        topic = f"bench-latency-{run}"
+        with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
+            ready, done, go, result = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
+            store = ctx.Process(target=_store_process, args=(cfg, db, not args.no_sync, ready, done))
+            store.start()
+            ready.wait(60)
+            consumer = Consumer(topic, cfg)
+            prod = ctx.Process(
+                target=_paced_producer,
+                args=(cfg, topic, args.rate, args.seconds, args.size, go, result),
+            )
+            prod.start()
+            try:
+                # Both the consumer and the store must be connected to the producer.
+                deadline = time.monotonic() + 30
+                while len(consumer.peers) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                time.sleep(1.5)  # the producer connects to its peers from their beacons
+                go.set()
+                n = int(args.rate * args.seconds)
+                warm = int(args.rate * 0.5)
+                got: list[float] = []
+                deadline = time.monotonic() + args.seconds + 30
+                while len(got) < n and time.monotonic() < deadline:
+                    record = consumer.poll(0.5)
+                    if record is not None:
+                        got.append((clock() - unpack(record.content)[0]) / 1e9)
+                acks = result.get(timeout=60)
+            finally:
+                prod.join(30)
+                consumer.close()
+                done.set()
+                store.join(60)
+                tower.close()
+        run_delivery, run_ack = got[warm:], acks[warm:]
+        print(f"run {run}: delivery {_percentiles(run_delivery)}", flush=True)
+        print(f"run {run}: ACK      {_percentiles(run_ack)}", flush=True)
+        if len(got) < n:
+            print(f"run {run}: only {len(got)} of {n} records delivered", file=sys.stderr)
+        delivery += run_delivery
+        ack += run_ack
+    sync = "off" if args.no_sync else "on"
+    print(f"latency at {args.rate:,} records/s of {args.size} bytes, {args.runs} runs (fsync {sync}):")
+    print(f"  producer -> consumer delivery: {_percentiles(delivery)}")
+    print(f"  publish -> store ACK:          {_percentiles(ack)}")
+    return {}
+
+
 def _spark_bench(args: argparse.Namespace) -> dict[str, list[float]]:
     from dafka.spark_bench import bench_spark  # pyspark is an extra: imported only here
 
@@ -356,6 +479,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "replay": bench_replay,
     "tank": bench_tank,
     "spark": _spark_bench,
+    "latency": bench_latency,
 }
 
 
