@@ -92,13 +92,18 @@ def bench_live(args: argparse.Namespace) -> list[float]:
     return rates
 
 
-def _store_process(cfg: NodeConfig, db: str, sync: bool, ready: Any, done: Any) -> None:
+def _store_process(
+    cfg: NodeConfig, db: str, sync: bool, ready: Any, done: Any, stats: Any = None
+) -> None:
     from dafka.store.node import Store
 
     store = Store(db, cfg, sync=sync)
     ready.set()
     done.wait(600)
     store.close()
+    if stats is not None:
+        hists = (store.commit_seconds, store.commit_sizes, store.ack_latency)
+        stats.put([(h.bounds, h.counts, h.sum, h.count) for h in hists])
 
 
 def _acked_producer(cfg: NodeConfig, topic: str, n: int, size: int, result: Any) -> None:
@@ -360,6 +365,16 @@ def _percentiles(samples: list[float]) -> str:
     )
 
 
+def _bucket_quantile(bounds: tuple[float, ...], counts: list[int], q: float) -> float:
+    """The upper bound of the histogram bucket holding quantile ``q``."""
+    need, running = q * sum(counts), 0
+    for bound, n in zip((*bounds, float("inf")), counts, strict=True):
+        running += n
+        if running >= need:
+            return bound
+    return float("inf")
+
+
 def _paced_producer(
     cfg: NodeConfig, topic: str, rate: int, seconds: float, size: int, go: Any, result: Any
 ) -> None:
@@ -421,7 +436,10 @@ def bench_latency(args: argparse.Namespace) -> dict[str, list[float]]:
         topic = f"bench-latency-{run}"
         with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
             ready, done, go, result = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
-            store = ctx.Process(target=_store_process, args=(cfg, db, not args.no_sync, ready, done))
+            stats = ctx.Queue()
+            store = ctx.Process(
+                target=_store_process, args=(cfg, db, not args.no_sync, ready, done, stats)
+            )
             store.start()
             ready.wait(60)
             consumer = Consumer(topic, cfg)
@@ -450,9 +468,22 @@ def bench_latency(args: argparse.Namespace) -> dict[str, list[float]]:
                 prod.join(30)
                 consumer.close()
                 done.set()
+                try:
+                    store_stats = stats.get(timeout=60)
+                except Exception:
+                    store_stats = []
                 store.join(60)
                 tower.close()
         run_delivery, run_ack = got[warm:], acks[warm:]
+        for name, unit, (bounds, counts, total, count) in zip(
+            ("store commit (fsync)", "store commit size", "store receipt->ACK"),
+            (1000, 1, 1000),
+            store_stats,
+            strict=False,
+        ):
+            if count:
+                p99 = _bucket_quantile(bounds, counts, 0.99) * unit
+                print(f"run {run}: {name}: mean {total / count * unit:.1f}, p99 <= {p99:g} ({count} commits)")
         print(f"run {run}: delivery {_percentiles(run_delivery)}", flush=True)
         print(f"run {run}: ACK      {_percentiles(run_ack)}", flush=True)
         if len(got) < n:
