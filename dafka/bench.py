@@ -16,6 +16,7 @@ from collections.abc import Callable
 from itertools import repeat
 from typing import Any
 
+from dafka import progress
 from dafka.config import NodeConfig, TowerAddress
 
 PAYLOAD = 100
@@ -76,8 +77,11 @@ def bench_live(args: argparse.Namespace) -> list[float]:
         got = 0
         t0 = time.perf_counter()
         deadline = time.monotonic() + 300
-        while got < args.records and time.monotonic() < deadline:
-            got += len(consumer.poll_batch(100_000, 1.0))
+        with progress.bar(args.records, f"run {run}") as bar:
+            while got < args.records and time.monotonic() < deadline:
+                n = len(consumer.poll_batch(100_000, 1.0))
+                got += n
+                bar.update(n)
         elapsed = time.perf_counter() - t0
         done.set()
         proc.join(30)
@@ -176,11 +180,14 @@ def bench_replay(args: argparse.Namespace) -> list[float]:
             got = 0
             t0 = None
             deadline = time.monotonic() + 600
+            bar = progress.bar(args.records, f"run {run}")
             while got < args.records and time.monotonic() < deadline:
                 batch = consumer.poll_batch(100_000, 1.0)
                 if batch and t0 is None:
                     t0 = time.perf_counter()  # from the first record: excludes discovery
                 got += len(batch)
+                bar.update(len(batch))
+            bar.close()
             elapsed = time.perf_counter() - (t0 or time.perf_counter())
             consumer.close()
             done.set()
@@ -459,10 +466,13 @@ def bench_latency(args: argparse.Namespace) -> dict[str, list[float]]:
                 warm = int(args.rate * 0.5)
                 got: list[float] = []
                 deadline = time.monotonic() + args.seconds + 30
-                while len(got) < n and time.monotonic() < deadline:
-                    record = consumer.poll(0.5)
-                    if record is not None:
-                        got.append((clock() - unpack(record.content)[0]) / 1e9)
+                with progress.bar(n, f"run {run}") as bar:
+                    while len(got) < n and time.monotonic() < deadline:
+                        record = consumer.poll(0.5)
+                        if record is not None:
+                            got.append((clock() - unpack(record.content)[0]) / 1e9)
+                            if len(got) % 1000 == 0:
+                                bar.update(1000)  # not per record: this loop is measured
                 acks = result.get(timeout=60)
             finally:
                 prod.join(30)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -123,7 +124,13 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
             while len(producer.peers) == 0 and time.monotonic() < deadline:
                 time.sleep(0.05)
         start = producer.next_offset
-        producer.publish_many(line.rstrip(b"\r\n") for line in source)
+        from dafka import progress
+
+        # A bar for a file (its size is known); stdin is often a live stream.
+        size = os.path.getsize(args.file) if args.file else None
+        show = None if args.file else False
+        with progress.bar(size, f"publishing {args.topic}", bytes_=True, show=show) as bar:
+            producer.publish_many(progress.read_lines(source, bar))
         count = producer.next_offset - start
         if args.no_ack:
             time.sleep(args.linger)  # answer late FETCHes from the kept records
@@ -162,6 +169,11 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
     deadline = time.monotonic() + args.timeout if args.timeout else None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    from dafka import progress
+
+    # Records printed to the same terminal would tear the bar: only with stdout redirected.
+    show = args.count is not None and progress.enabled() and not progress.enabled(sys.stdout)
+    bar = progress.bar(args.count, f"consuming {' '.join(args.topic)}", show=show)
     try:
         while not stop.is_set() and (args.count is None or seen < args.count):
             wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
@@ -171,6 +183,7 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
             if record is None:
                 continue
             seen += 1
+            bar.update()
             if args.verbose:
                 out.write(f"{record.topic} {record.partition} {record.offset} ".encode())
             out.write(record.content + b"\n")
@@ -179,6 +192,7 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        bar.close()
         out.flush()
         consumer.close()
     if args.count is not None and seen < args.count:
