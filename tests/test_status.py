@@ -167,3 +167,40 @@ def test_status_watch_prints_repeated_views(cfg: NodeConfig) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_status_of_c_like_nodes_that_only_answer_get_heads(cfg: NodeConfig, raw_peer: Any) -> None:
+    """Nodes that behave as the C reference: no HEAD re-announcement, heads only on GET-HEADS."""
+    import threading
+
+    from dafka.status import StatusProbe
+
+    producer = raw_peer([])  # a C producer: HEADs of its own partition
+    store = raw_peer([wire.P_GET_HEADS])  # a C store's reader: answers GET-HEADS
+    result: dict[str, Any] = {}
+    probe = StatusProbe(cfg)
+    thread = threading.Thread(target=lambda: result.update(probe.run(4.0)))
+    thread.start()
+    answered: set[str] = set()
+    try:
+        while thread.is_alive():
+            producer.send(wire.Head("ct", producer.address, "ct", 9))
+            producer.pump(0.05)
+            store.pump(0.05)
+            for msg in store.messages(wire.GetHeads):
+                if msg.topic == "ct" and msg.address not in answered:
+                    answered.add(msg.address)
+                    store.send(wire.DirectHead(msg.address, producer.address, "ct", 7))
+            for sub in store.subscriptions:
+                if sub[:2] == b"\x01" + wire.P_STORE_HELLO and len(sub) > 2:
+                    store.send(wire.StoreHello(sub[2:].decode(), store.address))
+            store.subscriptions.clear()
+        thread.join()
+    finally:
+        probe.close()
+    assert answered == {probe.address}
+    kinds = {n["address"]: n["kind"] for n in result["nodes"]}
+    assert kinds == {producer.address: "producer", store.address: "store"}
+    (part,) = result["partitions"]
+    assert part["producer_head"] == 9
+    assert part["stores"] == [{"address": store.address, "head": 7, "lag": 2}]
