@@ -421,6 +421,53 @@ def _paced_producer(
     result.put(acked)
 
 
+def _zmq_latency_receiver(port: int, n: int, ready: Any, result: Any) -> None:
+    import struct
+
+    import zmq
+
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    ready.set()
+    unpack, clock = struct.Struct(">q").unpack_from, time.perf_counter_ns
+    lat = []
+    while len(lat) < n and sub.poll(10_000):
+        lat.append((clock() - unpack(sub.recv())[0]) / 1e9)
+    sub.close(0)
+    result.put(lat)
+
+
+def _zmq_latency(rate: int, seconds: float, size: int) -> list[float]:
+    """The floor on this machine: bare pyzmq PUB -> SUB between two processes at ``rate``."""
+    import struct
+
+    import zmq
+
+    ctx = mp.get_context("spawn")
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    n = int(rate * seconds)
+    ready, result = ctx.Event(), ctx.Queue()
+    proc = ctx.Process(target=_zmq_latency_receiver, args=(port, n, ready, result))
+    proc.start()
+    ready.wait(30)
+    time.sleep(1.0)  # the subscription has to reach the PUB
+    stamp, pad = struct.Struct(">q"), b"x" * max(0, size - 8)
+    clock, interval, t0, i = time.perf_counter_ns, 1e9 / rate, time.perf_counter_ns(), 0
+    while i < n:
+        due = min(n, int((clock() - t0) / interval) + 1)
+        while i < due:
+            pub.send(stamp.pack(clock()) + pad)
+            i += 1
+        if i < n:
+            time.sleep(max(0.0, (t0 + i * interval - clock()) / 1e9))
+    lat = result.get(timeout=60)
+    proc.join(30)
+    pub.close(0)
+    return lat[int(rate * 0.5) :]
+
+
 def bench_latency(args: argparse.Namespace) -> dict[str, list[float]]:
     """Latency at a fixed rate: producer -> consumer delivery and publish -> store ACK.
 
@@ -504,7 +551,8 @@ def bench_latency(args: argparse.Namespace) -> dict[str, list[float]]:
     print(f"latency at {args.rate:,} records/s of {args.size} bytes, {args.runs} runs (fsync {sync}):")
     print(f"  producer -> consumer delivery: {_percentiles(delivery)}")
     print(f"  publish -> store ACK:          {_percentiles(ack)}")
-    return {}
+    print(f"  bare pyzmq PUB -> SUB (floor): {_percentiles(_zmq_latency(args.rate, args.seconds, args.size))}")
+    return {} if delivery and ack else {"latency": []}
 
 
 def _spark_bench(args: argparse.Namespace) -> dict[str, list[float]]:
