@@ -86,7 +86,7 @@ GAUGES: list[tuple[str, Getter, str]] = [
     ("dafka_peers", lambda n: len(n.peers), "Peers currently known through the towers"),
     (
         "dafka_partitions",
-        lambda n: len(getattr(n, "_heads", None) or n._trackers),
+        lambda n: len(n._heads) if hasattr(n, "_heads") else len(n._trackers),
         "Partitions held (stores) or read (consumers)",
     ),
     (
