@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -406,5 +407,7 @@ def run_status(
             if not watch:
                 break
             snap = probe.run(interval)
-    unreached = [t["endpoint"] for t in snap["towers"] if not t["reached"]]
-    return 1 if unreached and len(unreached) == len(snap["towers"]) else 0
+    if snap["towers"] and not any(t["reached"] for t in snap["towers"]):
+        print("error: no tower answered (is one running? see --tower)", file=sys.stderr)
+        return 1
+    return 0

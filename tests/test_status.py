@@ -204,3 +204,16 @@ def test_status_of_c_like_nodes_that_only_answer_get_heads(cfg: NodeConfig, raw_
     (part,) = result["partitions"]
     assert part["producer_head"] == 9
     assert part["stores"] == [{"address": store.address, "head": 7, "lag": 2}]
+
+
+def test_status_without_a_tower_says_so() -> None:
+    out = subprocess.run(
+        dafka_cmd("status", "--tower", "127.0.0.1:1:2", "--wait", "0.5", "--json"),
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 1
+    assert json.loads(out.stdout)["towers"] == [{"endpoint": "tcp://127.0.0.1:2", "reached": False}]
+    assert "no tower answered" in out.stderr
