@@ -16,6 +16,7 @@ from collections.abc import Callable
 from itertools import repeat
 from typing import Any
 
+from dafka import progress
 from dafka.config import NodeConfig, TowerAddress
 
 PAYLOAD = 100
@@ -28,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", type=int, default=PAYLOAD, help="payload bytes")
     p.add_argument("--no-sync", action="store_true", help="store: do not fsync commits")
     p.add_argument("--transport", default="both", help="spark: path, gateway or both")
+    p.add_argument("--rate", type=int, default=10_000, help="latency: records/s published")
+    p.add_argument("--seconds", type=float, default=3.0, help="latency: seconds of publishing per run")
 
 
 def _mesh() -> tuple[Any, NodeConfig]:
@@ -74,8 +77,11 @@ def bench_live(args: argparse.Namespace) -> list[float]:
         got = 0
         t0 = time.perf_counter()
         deadline = time.monotonic() + 300
-        while got < args.records and time.monotonic() < deadline:
-            got += len(consumer.poll_batch(100_000, 1.0))
+        with progress.bar(args.records, f"run {run}") as bar:
+            while got < args.records and time.monotonic() < deadline:
+                n = len(consumer.poll_batch(100_000, 1.0))
+                got += n
+                bar.update(n)
         elapsed = time.perf_counter() - t0
         done.set()
         proc.join(30)
@@ -90,13 +96,18 @@ def bench_live(args: argparse.Namespace) -> list[float]:
     return rates
 
 
-def _store_process(cfg: NodeConfig, db: str, sync: bool, ready: Any, done: Any) -> None:
+def _store_process(
+    cfg: NodeConfig, db: str, sync: bool, ready: Any, done: Any, stats: Any = None
+) -> None:
     from dafka.store.node import Store
 
     store = Store(db, cfg, sync=sync)
     ready.set()
     done.wait(600)
     store.close()
+    if stats is not None:
+        hists = (store.commit_seconds, store.commit_sizes, store.ack_latency)
+        stats.put([(h.bounds, h.counts, h.sum, h.count) for h in hists])
 
 
 def _acked_producer(cfg: NodeConfig, topic: str, n: int, size: int, result: Any) -> None:
@@ -169,11 +180,14 @@ def bench_replay(args: argparse.Namespace) -> list[float]:
             got = 0
             t0 = None
             deadline = time.monotonic() + 600
+            bar = progress.bar(args.records, f"run {run}")
             while got < args.records and time.monotonic() < deadline:
                 batch = consumer.poll_batch(100_000, 1.0)
                 if batch and t0 is None:
                     t0 = time.perf_counter()  # from the first record: excludes discovery
                 got += len(batch)
+                bar.update(len(batch))
+            bar.close()
             elapsed = time.perf_counter() - (t0 or time.perf_counter())
             consumer.close()
             done.set()
@@ -343,6 +357,204 @@ def bench_tank(args: argparse.Namespace) -> dict[str, list[float]]:
     return {"tank publish": publish, "tank fetch": fetch}
 
 
+def _percentiles(samples: list[float]) -> str:
+    """p50/p99/p99.9/max of latencies in seconds, as milliseconds."""
+    if not samples:
+        return "no samples"
+    ordered = sorted(samples)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+    return (
+        f"p50 {at(0.5):.3f} ms  p99 {at(0.99):.3f} ms  p99.9 {at(0.999):.3f} ms"
+        f"  max {ordered[-1] * 1000:.3f} ms  ({len(ordered)} records)"
+    )
+
+
+def _bucket_quantile(bounds: tuple[float, ...], counts: list[int], q: float) -> float:
+    """The upper bound of the histogram bucket holding quantile ``q``."""
+    need, running = q * sum(counts), 0
+    for bound, n in zip((*bounds, float("inf")), counts, strict=True):
+        running += n
+        if running >= need:
+            return bound
+    return float("inf")
+
+
+def _paced_producer(
+    cfg: NodeConfig, topic: str, rate: int, seconds: float, size: int, go: Any, result: Any
+) -> None:
+    """Publish ``rate`` records/s stamped with their send time; collect publish->ACK latencies."""
+    import struct
+
+    from dafka.producer import Producer
+
+    n = int(rate * seconds)
+    producer = Producer(topic, cfg, capacity=max(n, 1))
+    stamp = struct.Struct(">q")
+    pad = b"x" * max(0, size - stamp.size)
+    sent = [0] * n
+    acked: list[float] = []
+    clock = time.perf_counter_ns  # CLOCK_MONOTONIC: comparable across processes
+
+    def on_ack(receipt: Any) -> None:
+        if receipt.acked():
+            acked.append((clock() - sent[receipt.offset]) / 1e9)
+
+    go.wait(60)
+    t0 = clock()
+    interval = 1e9 / rate
+    i = 0
+    while i < n:
+        due = min(n, int((clock() - t0) / interval) + 1)
+        while i < due:
+            now = clock()
+            sent[i] = now
+            producer.publish(stamp.pack(now) + pad, on_ack)
+            i += 1
+        if i < n:
+            # Sleep to the next record's time (Linux sleeps ~60 us past it).
+            time.sleep(max(0.0, (t0 + i * interval - clock()) / 1e9))
+    producer.flush(30)
+    producer.close(5)
+    result.put(acked)
+
+
+def _zmq_latency_receiver(port: int, n: int, ready: Any, result: Any) -> None:
+    import struct
+
+    import zmq
+
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    ready.set()
+    unpack, clock = struct.Struct(">q").unpack_from, time.perf_counter_ns
+    lat = []
+    while len(lat) < n and sub.poll(10_000):
+        lat.append((clock() - unpack(sub.recv())[0]) / 1e9)
+    sub.close(0)
+    result.put(lat)
+
+
+def _zmq_latency(rate: int, seconds: float, size: int) -> list[float]:
+    """The floor on this machine: bare pyzmq PUB -> SUB between two processes at ``rate``."""
+    import struct
+
+    import zmq
+
+    ctx = mp.get_context("spawn")
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    n = int(rate * seconds)
+    ready, result = ctx.Event(), ctx.Queue()
+    proc = ctx.Process(target=_zmq_latency_receiver, args=(port, n, ready, result))
+    proc.start()
+    ready.wait(30)
+    time.sleep(1.0)  # the subscription has to reach the PUB
+    stamp, pad = struct.Struct(">q"), b"x" * max(0, size - 8)
+    clock, interval, t0, i = time.perf_counter_ns, 1e9 / rate, time.perf_counter_ns(), 0
+    while i < n:
+        due = min(n, int((clock() - t0) / interval) + 1)
+        while i < due:
+            pub.send(stamp.pack(clock()) + pad)
+            i += 1
+        if i < n:
+            time.sleep(max(0.0, (t0 + i * interval - clock()) / 1e9))
+    lat = result.get(timeout=60)
+    proc.join(30)
+    pub.close(0)
+    return lat[int(rate * 0.5) :]
+
+
+def bench_latency(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Latency at a fixed rate: producer -> consumer delivery and publish -> store ACK.
+
+    Producer, store (fsync on unless --no-sync) and consumer are separate
+    processes (the consumer is this one).  The first half second of each run
+    is left out (connections settling).
+    """
+    import struct
+    import tempfile
+
+    from dafka.consumer import Consumer
+
+    ctx = mp.get_context("spawn")
+    unpack = struct.Struct(">q").unpack_from
+    clock = time.perf_counter_ns
+    delivery: list[float] = []
+    ack: list[float] = []
+    for run in range(args.runs):
+        tower, cfg = _mesh()
+        topic = f"bench-latency-{run}"
+        with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
+            ready, done, go, result = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
+            stats = ctx.Queue()
+            store = ctx.Process(
+                target=_store_process, args=(cfg, db, not args.no_sync, ready, done, stats)
+            )
+            store.start()
+            ready.wait(60)
+            consumer = Consumer(topic, cfg)
+            prod = ctx.Process(
+                target=_paced_producer,
+                args=(cfg, topic, args.rate, args.seconds, args.size, go, result),
+            )
+            prod.start()
+            try:
+                # Both the consumer and the store must be connected to the producer.
+                deadline = time.monotonic() + 30
+                while len(consumer.peers) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                time.sleep(1.5)  # the producer connects to its peers from their beacons
+                go.set()
+                n = int(args.rate * args.seconds)
+                warm = int(args.rate * 0.5)
+                got: list[float] = []
+                deadline = time.monotonic() + args.seconds + 30
+                with progress.bar(n, f"run {run}") as bar:
+                    while len(got) < n and time.monotonic() < deadline:
+                        record = consumer.poll(0.5)
+                        if record is not None:
+                            got.append((clock() - unpack(record.content)[0]) / 1e9)
+                            if len(got) % 1000 == 0:
+                                bar.update(1000)  # not per record: this loop is measured
+                acks = result.get(timeout=60)
+            finally:
+                prod.join(30)
+                consumer.close()
+                done.set()
+                try:
+                    store_stats = stats.get(timeout=60)
+                except Exception:
+                    store_stats = []
+                store.join(60)
+                tower.close()
+        run_delivery, run_ack = got[warm:], acks[warm:]
+        for name, unit, (bounds, counts, total, count) in zip(
+            ("store commit (fsync)", "store commit size", "store receipt->ACK"),
+            (1000, 1, 1000),
+            store_stats,
+            strict=False,
+        ):
+            if count:
+                p99 = _bucket_quantile(bounds, counts, 0.99) * unit
+                print(f"run {run}: {name}: mean {total / count * unit:.1f}, p99 <= {p99:g} ({count} commits)")
+        print(f"run {run}: delivery {_percentiles(run_delivery)}", flush=True)
+        print(f"run {run}: ACK      {_percentiles(run_ack)}", flush=True)
+        if len(got) < n:
+            print(f"run {run}: only {len(got)} of {n} records delivered", file=sys.stderr)
+        delivery += run_delivery
+        ack += run_ack
+    sync = "off" if args.no_sync else "on"
+    print(f"latency at {args.rate:,} records/s of {args.size} bytes, {args.runs} runs (fsync {sync}):")
+    print(f"  producer -> consumer delivery: {_percentiles(delivery)}")
+    print(f"  publish -> store ACK:          {_percentiles(ack)}")
+    print(f"  bare pyzmq PUB -> SUB (floor): {_percentiles(_zmq_latency(args.rate, args.seconds, args.size))}")
+    return {} if delivery and ack else {"latency": []}
+
+
 def _spark_bench(args: argparse.Namespace) -> dict[str, list[float]]:
     from dafka.spark_bench import bench_spark  # pyspark is an extra: imported only here
 
@@ -356,6 +568,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "replay": bench_replay,
     "tank": bench_tank,
     "spark": _spark_bench,
+    "latency": bench_latency,
 }
 
 

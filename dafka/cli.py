@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -72,8 +73,31 @@ def cmd_tower(args: argparse.Namespace, settings: Settings) -> int:
     out_port = args.out_port if args.out_port is not None else int(section.get("beacon_out_port", 5557))
     with Tower(bind, in_port, out_port) as tower:
         print(f"tower up: beacons in tcp://{bind}:{tower.in_port}, out tcp://{bind}:{tower.out_port}", flush=True)
-        wait_for_signal(threading.Event())
+        server = serve_metrics(args, section, tower)
+        try:
+            wait_for_signal(threading.Event())
+        finally:
+            if server is not None:
+                server.close()
     return 0
+
+
+def serve_metrics(args: argparse.Namespace, section: dict[str, Any], service: Any) -> Any:
+    """Start the service's Prometheus endpoint if ``--metrics`` (or ``metrics =``) asks for one."""
+    listen = getattr(args, "metrics", None) or section.get("metrics")
+    if not listen:
+        return None
+    from dafka import metrics
+
+    host, port = parse_listen(listen, 9100)
+    try:
+        server = metrics.serve(service, host, port)
+    except OSError as exc:
+        raise DafkaError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
+    print(f"metrics on http://{host}:{server.port}/metrics", flush=True)
+    if hasattr(service, "metrics_server"):
+        service.metrics_server = server  # the node closes it when it stops
+    return server
 
 
 # ---------------------------------------------------------------- produce
@@ -100,7 +124,13 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
             while len(producer.peers) == 0 and time.monotonic() < deadline:
                 time.sleep(0.05)
         start = producer.next_offset
-        producer.publish_many(line.rstrip(b"\r\n") for line in source)
+        from dafka import progress
+
+        # A bar for a file (its size is known); stdin is often a live stream.
+        size = os.path.getsize(args.file) if args.file else None
+        show = None if args.file else False
+        with progress.bar(size, f"publishing {args.topic}", bytes_=True, show=show) as bar:
+            producer.publish_many(progress.read_lines(source, bar))
         count = producer.next_offset - start
         if args.no_ack:
             time.sleep(args.linger)  # answer late FETCHes from the kept records
@@ -139,6 +169,11 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
     deadline = time.monotonic() + args.timeout if args.timeout else None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    from dafka import progress
+
+    # Records printed to the same terminal would tear the bar: only with stdout redirected.
+    show = args.count is not None and progress.enabled() and not progress.enabled(sys.stdout)
+    bar = progress.bar(args.count, f"consuming {' '.join(args.topic)}", show=show)
     try:
         while not stop.is_set() and (args.count is None or seen < args.count):
             wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
@@ -148,6 +183,7 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
             if record is None:
                 continue
             seen += 1
+            bar.update()
             if args.verbose:
                 out.write(f"{record.topic} {record.partition} {record.offset} ".encode())
             out.write(record.content + b"\n")
@@ -156,6 +192,7 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        bar.close()
         out.flush()
         consumer.close()
     if args.count is not None and seen < args.count:
@@ -202,8 +239,10 @@ def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
     from dafka.store.node import Store
 
     db, sync, policy = storage_options(args, settings.section("store"), "store")
+    section = settings.section("store")
     with Store(db, node_config(args, settings), sync=sync, retention=policy) as store:
         print(f"store up: {store.address} db {db} (sync={'on' if sync else 'OFF'})", flush=True)
+        serve_metrics(args, section, store)
         wait_for_signal(threading.Event())
     return 0
 
@@ -226,6 +265,7 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
             f" (sync={'on' if sync else 'OFF'})",
             flush=True,
         )
+        serve_metrics(args, section, gateway)
         wait_for_signal(threading.Event())
     return 0
 
@@ -251,6 +291,26 @@ def cmd_topics(args: argparse.Namespace, settings: Settings) -> int:
     for r in rows:
         print(f"{r.topic:<24} {r.partition:<34} {r.first:>12} {r.last:>12} {r.count:>12} {r.bytes:>14}")
     return 0
+
+
+# ---------------------------------------------------------------- status
+
+
+@command("status")
+def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
+    from dafka.status import run_status
+
+    try:
+        return run_status(
+            node_config(args, settings),
+            wait=args.wait,
+            watch=args.watch,
+            as_json=args.json,
+            interval=args.interval,
+            out=sys.stdout,
+        )
+    except KeyboardInterrupt:
+        return 0
 
 
 # ---------------------------------------------------------------- up
@@ -301,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", help="interface to bind (default *, or [tower] bind)")
     p.add_argument("--in-port", type=int, help="beacons in (XSUB) port, default 5556")
     p.add_argument("--out-port", type=int, help="beacons out (XPUB) port, default 5557")
+    p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
 
     p = sub.add_parser("produce", help="publish one record per input line")
     p.add_argument("topic")
@@ -327,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sync", action="store_true", help="do not fsync commits (UNSAFE: acked data can be lost on power failure)")
     p.add_argument("--retention-age", type=float, help="default retention: seconds to keep records")
     p.add_argument("--retention-bytes", type=int, help="default retention: bytes to keep per topic")
+    p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
 
     p = sub.add_parser("gateway", help="run a Tank-protocol gateway (also a full store)")
     _add_node_flags(p)
@@ -335,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sync", action="store_true", help="do not fsync commits (UNSAFE)")
     p.add_argument("--retention-age", type=float, help="default retention: seconds to keep records")
     p.add_argument("--retention-bytes", type=int, help="default retention: bytes to keep per topic")
+    p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
 
     from dafka.tank import cli as tank_cli
 
@@ -343,6 +406,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("topics", help="list topics and partitions of a store's database")
     p.add_argument("--db", help="LMDB directory of a store (read-only)")
     p.add_argument("topic", nargs="?", help="only this topic")
+
+    p = sub.add_parser("status", help="join the mesh read-only and show nodes, heads and lag")
+    _add_node_flags(p)
+    p.add_argument("--wait", type=float, default=3.0, help="seconds to listen before the first view")
+    p.add_argument("--watch", action="store_true", help="keep refreshing the view (Ctrl-C ends)")
+    p.add_argument("--interval", type=float, default=1.0, help="--watch: seconds between views")
+    p.add_argument("--json", action="store_true", help="print JSON (one object per view)")
 
     p = sub.add_parser("up", help="run the main services (tower + store + gateway) on loopback")
     p.add_argument("--data", default="var", help="data directory (default ./var)")

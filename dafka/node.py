@@ -22,6 +22,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -73,6 +74,7 @@ class Node:
         self._wake_lock = threading.Lock()
         self._timers: list[tuple[float, float, Callable[[float], None]]] = []
         self.data_paused = False
+        self.metrics_server: Any = None  # see serve_metrics
         self._readers: dict[object, Callable[[], None]] = {}
 
         cfg = self.config
@@ -123,8 +125,19 @@ class Node:
         self._thread.start()
         self._started.wait(5.0)
 
+    def serve_metrics(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Expose this node's Prometheus metrics on ``http://host:port/metrics``; the port."""
+        from dafka import metrics
+
+        if self.metrics_server is None:
+            self.metrics_server = metrics.serve(self, host, port)
+        return self.metrics_server.port
+
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the I/O thread and close its sockets."""
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
         if self._thread is None:
             self._close_sockets()
             return

@@ -32,6 +32,7 @@ import zmq
 from dafka import wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.gaps import PartitionTracker
+from dafka.metrics import SECONDS_BUCKETS, SIZE_BUCKETS, Histogram
 from dafka.node import DRAIN
 from dafka.reader import NOBLOCK, PartitionReader, seq_at
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
@@ -106,6 +107,11 @@ class Store(PartitionReader):
         self.stored = 0
         self.acks_sent = 0
         self.records_served = 0
+        self.fetches_received = 0
+        # Observed once per commit, read by the metrics collector.
+        self.commit_sizes = Histogram(SIZE_BUCKETS)
+        self.commit_seconds = Histogram(SECONDS_BUCKETS)
+        self.ack_latency = Histogram(SECONDS_BUCKETS)
         self._stats_at = time.monotonic()
         self._stats_stored = 0
         self._stats_served = 0
@@ -167,7 +173,9 @@ class Store(PartitionReader):
 
     def _commit(self, batch: list[tuple[Any, ...]]) -> None:
         try:
+            t0 = time.perf_counter()
             heads = self.db.append(batch)
+            self.commit_seconds.observe(time.perf_counter() - t0)
             error = None
         except StorageError as exc:
             heads, error = {}, exc
@@ -235,6 +243,11 @@ class Store(PartitionReader):
             # One cumulative ACK per partition per commit, after the commit.
             self._unsent_acks[key] = head
         self._send_acks()
+        self.commit_sizes.observe(len(batch))
+        received = batch[0][4] if batch and len(batch[0]) == 5 else None  # mesh records: ms stamp
+        if isinstance(received, int):
+            # From the oldest record's receipt to its ACK.
+            self.ack_latency.observe(max(0.0, time.time() - received / 1000))
         self.on_commit(heads)
         if len(self._batch) < MAX_BATCH // 2:
             self.pause_data(False)
@@ -331,6 +344,7 @@ class Store(PartitionReader):
                 self.send(wire.DirectHead(requester, partition, topic, head))
 
     def _on_fetch(self, fetch: wire.Fetch) -> None:
+        self.fetches_received += 1
         key = (fetch.subject, fetch.topic)
         if key not in self._heads or fetch.count == 0 or fetch.address == self.address:
             return  # not a partition we have

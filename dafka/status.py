@@ -1,0 +1,413 @@
+"""``dafka status``: a read-only view of the mesh.
+
+:class:`MeshView` is the sans-IO part: it is told what arrived (tower beacons,
+peers' messages with their sender, subscriptions seen on our publisher) and
+keeps what is known of every peer and partition.  :class:`StatusProbe` is the
+thin I/O shell: one beacon SUB per tower (so we know which towers answer), one
+data SUB per peer (so every message's sender is known: a HEAD's address field
+names the partition, not the sender), and an XPUB it announces in beacons, so
+that stores connect and answer GET-HEADS and peers' subscriptions reveal their
+kind.  It only ever sends beacons and GET-HEADS.
+
+What the protocol shows of a peer's kind:
+
+* a HEAD or DIRECT-HEAD for its own address: a producer (the partition is it);
+* an ACK, a STORE-HELLO, or a HEAD / DIRECT-HEAD for another partition: a store
+  (Python stores re-announce every head when a subscriber to ``H`` connects,
+  C and Python stores answer GET-HEADS with DIRECT-HEADs);
+* subscriptions on our XPUB carrying an address: ``K``/``F`` + X (X is a
+  producer), ``W`` + X (a store), ``L`` + X (a consumer).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from dafka import wire
+from dafka.config import NodeConfig
+from dafka.errors import ProtocolError
+from dafka.node import new_address
+
+log = logging.getLogger("dafka.status")
+
+KIND_ORDER = ("store", "producer", "consumer")  # strongest evidence first
+
+
+@dataclass
+class PeerInfo:
+    """One node seen through the towers."""
+
+    address: str
+    endpoint: str
+    last_beacon: float
+    alive: bool = True
+
+
+@dataclass
+class PartitionInfo:
+    """What is known of one (topic, partition)."""
+
+    topic: str
+    partition: str
+    producer_head: int | None = None  # from the producer's own HEAD / DIRECT-HEAD
+    stores: dict[str, int] = field(default_factory=dict)  # store address -> head
+
+    def lag(self) -> dict[str, int]:
+        """Per store: how many records it is behind the newest head known."""
+        top = self.producer_head
+        if self.stores:
+            top = max(top if top is not None else -1, *self.stores.values())
+        return {s: (top - h if top is not None else 0) for s, h in self.stores.items()}
+
+
+class MeshView:
+    """Sans-IO aggregation of what a status probe learns (times passed in)."""
+
+    def __init__(self, own_address: str, towers: list[str], timeout: float = 4.0) -> None:
+        self.own_address = own_address
+        self.timeout = timeout
+        self.towers: dict[str, float | None] = dict.fromkeys(towers)  # endpoint -> last heard
+        self.peers: dict[str, PeerInfo] = {}
+        self.evidence: dict[str, set[str]] = {}  # address -> kinds it showed
+        self.partitions: dict[tuple[str, str], PartitionInfo] = {}
+        self.malformed = 0
+
+    # ---------------------------------------------------------------- input
+
+    def on_tower(self, tower: str, now: float) -> None:
+        """A tower sent us something (welcome or beacon): it is reachable."""
+        self.towers[tower] = now
+
+    def on_beacon(self, address: str, endpoint: str, now: float) -> str | None:
+        """A tower relayed a beacon; returns an endpoint to connect to, if new."""
+        if address == self.own_address:
+            return None
+        peer = self.peers.get(address)
+        if peer is None or not peer.alive or peer.endpoint != endpoint:
+            self.peers[address] = PeerInfo(address, endpoint, now)
+            return endpoint
+        peer.last_beacon = now
+        return None
+
+    def expire(self, now: float) -> list[str]:
+        """Mark peers silent for ``timeout`` as gone; returns their addresses."""
+        gone = []
+        for peer in self.peers.values():
+            if peer.alive and now - peer.last_beacon >= self.timeout:
+                peer.alive = False
+                gone.append(peer.address)
+        return gone
+
+    def _seen_as(self, address: str, kind: str) -> None:
+        self.evidence.setdefault(address, set()).add(kind)
+
+    def _partition(self, topic: str, partition: str) -> PartitionInfo:
+        key = (topic, partition)
+        info = self.partitions.get(key)
+        if info is None:
+            info = self.partitions[key] = PartitionInfo(topic, partition)
+        return info
+
+    def on_message(self, sender: str, msg: wire.Message) -> None:
+        """A message arrived from the peer ``sender``."""
+        if isinstance(msg, wire.Head | wire.DirectHead):
+            if isinstance(msg, wire.Head) and msg.topic != msg.subject:
+                return  # a prefix match of another topic's subscription
+            info = self._partition(msg.subject, msg.address)
+            if msg.address == sender:
+                self._seen_as(sender, "producer")
+                info.producer_head = msg.sequence
+            else:
+                self._seen_as(sender, "store")
+                info.stores[sender] = msg.sequence
+        elif isinstance(msg, wire.Ack):
+            # ACK's zmq topic is the producer (the partition) it acknowledges.
+            self._seen_as(sender, "store")
+            self._partition(msg.subject, msg.topic).stores[sender] = msg.sequence
+        elif isinstance(msg, wire.StoreHello):
+            self._seen_as(msg.address, "store")
+
+    def on_subscription(self, prefix: bytes) -> None:
+        """A peer subscribed ``prefix`` on our publisher."""
+        if len(prefix) < 2:
+            return
+        try:
+            address = prefix[1:].decode()
+        except UnicodeDecodeError:
+            return
+        kind = {
+            wire.P_ACK: "producer",
+            wire.P_FETCH: "producer",
+            wire.P_CONSUMER_HELLO: "store",
+            wire.P_STORE_HELLO: "consumer",
+        }.get(prefix[:1])
+        if kind is not None and address != self.own_address:
+            self._seen_as(address, kind)
+
+    # ---------------------------------------------------------------- output
+
+    def kind(self, address: str) -> str | None:
+        seen = self.evidence.get(address, set())
+        return next((k for k in KIND_ORDER if k in seen), None)
+
+    def topics(self) -> list[str]:
+        return sorted({topic for topic, _ in self.partitions})
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """Everything known, as plain data (what ``--json`` prints)."""
+        nodes = [
+            {
+                "address": p.address,
+                "kind": self.kind(p.address),
+                "endpoint": p.endpoint,
+                "last_beacon_age": round(now - p.last_beacon, 3),
+                "alive": p.alive,
+            }
+            for p in sorted(
+                self.peers.values(), key=lambda p: (self.kind(p.address) or "~", p.address)
+            )
+        ]
+        partitions = []
+        for (topic, partition), info in sorted(self.partitions.items()):
+            lag = info.lag()
+            partitions.append(
+                {
+                    "topic": topic,
+                    "partition": partition,
+                    "producer_head": info.producer_head,
+                    "producer_alive": partition in self.peers and self.peers[partition].alive,
+                    "stores": [
+                        {"address": s, "head": h, "lag": lag[s]}
+                        for s, h in sorted(info.stores.items())
+                    ],
+                }
+            )
+        return {
+            "towers": [
+                {"endpoint": t, "reached": seen is not None} for t, seen in self.towers.items()
+            ],
+            "nodes": nodes,
+            "partitions": partitions,
+            "malformed": self.malformed,
+        }
+
+
+def render_text(snap: dict[str, Any]) -> str:
+    """The human-readable status tables."""
+    lines = ["TOWERS"]
+    for t in snap["towers"]:
+        lines.append(f"  {t['endpoint']:<40} {'reached' if t['reached'] else 'NOT REACHED'}")
+    lines.append("")
+    lines.append(f"NODES ({len(snap['nodes'])})")
+    lines.append(f"  {'address':<34} {'kind':<9} {'endpoint':<28} {'beacon':>8}")
+    for n in snap["nodes"]:
+        age = f"{n['last_beacon_age']:.1f}s" if n["alive"] else "gone"
+        lines.append(f"  {n['address']:<34} {n['kind'] or '?':<9} {n['endpoint']:<28} {age:>8}")
+    lines.append("")
+    lines.append(f"PARTITIONS ({len(snap['partitions'])})")
+    lines.append(f"  {'topic':<20} {'partition':<34} {'producer':>10}  stores (head/lag)")
+    for p in snap["partitions"]:
+        head = "-" if p["producer_head"] is None else str(p["producer_head"])
+        if p["producer_head"] is not None and not p["producer_alive"]:
+            head += "*"
+        stores = (
+            "  ".join(f"{s['address'][:8]}:{s['head']}/{s['lag']}" for s in p["stores"]) or "(none)"
+        )
+        lines.append(f"  {p['topic']:<20} {p['partition']:<34} {head:>10}  {stores}")
+    if any(p["producer_head"] is not None and not p["producer_alive"] for p in snap["partitions"]):
+        lines.append("  (* producer no longer beaconing)")
+    return "\n".join(lines)
+
+
+class StatusProbe:
+    """The I/O shell around :class:`MeshView` (single-threaded: call :meth:`run`)."""
+
+    GET_HEADS_INTERVAL = 2.0
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.address = new_address()
+        self.ctx = zmq.Context.instance()
+        self.view = MeshView(
+            self.address, [t.beacon_out for t in config.towers], config.beacon_timeout
+        )
+        self.poller = zmq.Poller()
+        self._readers: dict[zmq.Socket, Any] = {}
+        self.tower_subs: list[zmq.Socket] = []
+        for tower in config.towers:
+            sub = self._socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, wire.WELCOME)
+            sub.setsockopt(zmq.SUBSCRIBE, wire.BEACON)
+            sub.connect(tower.beacon_out)
+            self.tower_subs.append(sub)
+            self._watch(sub, lambda s=sub, t=tower.beacon_out: self._read_tower(s, t))
+        self.publisher = self._socket(zmq.XPUB)
+        self.publisher.setsockopt(zmq.XPUB_VERBOSE, 1)
+        port = self.publisher.bind_to_random_port(f"tcp://{config.bind}")
+        self._watch(self.publisher, self._read_subscriptions)
+        self.beacon_pub = self._socket(zmq.PUB)
+        for tower in config.towers:
+            self.beacon_pub.connect(tower.beacon_in)
+        self._beacon = wire.node_beacon(self.address, config.advertise, port)
+        self.peer_subs: dict[str, zmq.Socket] = {}
+        self._beacon_at = 0.0
+        self._heads_at = 0.0
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        return sock
+
+    def _watch(self, sock: zmq.Socket, reader: Any) -> None:
+        self._readers[sock] = reader
+        self.poller.register(sock, zmq.POLLIN)
+
+    def close(self) -> None:
+        for sock in list(self._readers):
+            sock.close(0)
+        self.beacon_pub.close(0)
+        self._readers.clear()
+
+    def __enter__(self) -> StatusProbe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- loop
+
+    def run(self, seconds: float) -> dict[str, Any]:
+        """Listen for ``seconds``; return the snapshot."""
+        deadline = time.monotonic() + seconds
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if now - self._beacon_at >= self.config.beacon_interval:
+                self._beacon_at = now
+                try:
+                    self.beacon_pub.send_multipart(self._beacon, zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # no tower connected yet
+            if now - self._heads_at >= self.GET_HEADS_INTERVAL:
+                self._heads_at = now
+                self._ask_heads()
+            for address in self.view.expire(now):
+                sub = self.peer_subs.pop(address, None)
+                if sub is not None:
+                    self.poller.unregister(sub)
+                    self._readers.pop(sub, None)
+                    sub.close(0)
+            wait = min(deadline - now, 0.1)
+            for sock, _ in self.poller.poll(max(1, int(wait * 1000))):
+                reader = self._readers.get(sock)
+                if reader is not None:
+                    reader()
+        return self.view.snapshot(time.monotonic())
+
+    def _ask_heads(self) -> None:
+        # C stores only tell their heads in answer to GET-HEADS (or as ACKs).
+        for topic in self.view.topics():
+            try:
+                self.publisher.send_multipart(
+                    wire.encode(wire.GetHeads(topic, self.address)), zmq.NOBLOCK
+                )
+            except zmq.ZMQError:
+                pass
+
+    def _read_tower(self, sock: zmq.Socket, tower: str) -> None:
+        for _ in range(1000):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            now = time.monotonic()
+            self.view.on_tower(tower, now)
+            if frames == [wire.WELCOME]:
+                continue
+            try:
+                address, endpoint = wire.decode_tower_beacon(frames)
+            except ProtocolError:
+                self.view.malformed += 1
+                continue
+            if self.view.on_beacon(address, endpoint, now) is not None:
+                self._connect_peer(address, endpoint)
+
+    def _connect_peer(self, address: str, endpoint: str) -> None:
+        old = self.peer_subs.pop(address, None)
+        if old is not None:
+            self.poller.unregister(old)
+            self._readers.pop(old, None)
+            old.close(0)
+        sub = self._socket(zmq.SUB)
+        own = self.address.encode()
+        # Exactly "H" first: a Python store re-announces every head it holds
+        # when a subscriber to exactly H connects.
+        for prefix in (wire.P_HEAD, wire.P_ACK, wire.P_DIRECT_HEAD + own, wire.P_STORE_HELLO + own):
+            sub.setsockopt(zmq.SUBSCRIBE, prefix)
+        try:
+            sub.connect(endpoint)
+        except zmq.ZMQError:
+            self.view.malformed += 1
+            sub.close(0)
+            return
+        self.peer_subs[address] = sub
+        self._watch(sub, lambda: self._read_peer(sub, address))
+
+    def _read_peer(self, sock: zmq.Socket, sender: str) -> None:
+        for _ in range(1000):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = wire.decode(frames)
+            except ProtocolError:
+                self.view.malformed += 1
+                continue
+            if isinstance(msg, wire.DirectHead | wire.StoreHello) and msg.topic != self.address:
+                continue
+            self.view.on_message(sender, msg)
+
+    def _read_subscriptions(self) -> None:
+        for _ in range(1000):
+            try:
+                frame = self.publisher.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            parsed = wire.parse_subscription(frame)
+            if parsed is not None and parsed[0]:
+                self.view.on_subscription(parsed[1])
+
+
+def run_status(
+    config: NodeConfig, *, wait: float, watch: bool, as_json: bool, interval: float, out: Any
+) -> int:
+    """The ``dafka status`` command: one snapshot after ``wait`` seconds, or a live view."""
+    tty = out.isatty() and not as_json
+    with StatusProbe(config) as probe:
+        snap = probe.run(wait)
+        while True:
+            if as_json:
+                out.write(json.dumps(snap) + "\n")
+            else:
+                if watch and tty:
+                    out.write("\x1b[H\x1b[2J")  # home + clear: redraw in place
+                out.write(render_text(snap) + "\n")
+                if watch and not tty:
+                    out.write("\n")
+            out.flush()
+            if not watch:
+                break
+            snap = probe.run(interval)
+    if snap["towers"] and not any(t["reached"] for t in snap["towers"]):
+        print("error: no tower answered (is one running? see --tower)", file=sys.stderr)
+        return 1
+    return 0
