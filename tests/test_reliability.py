@@ -1,0 +1,211 @@
+"""Reliability in separate processes: producer restarts, twins, forged ACKs, diagnostics.
+
+Each test runs real nodes (a store process, producer processes killed with
+SIGKILL) on 127.0.0.1 with a tower on ephemeral ports.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from dafka import wire
+from dafka.config import NodeConfig
+from dafka.consumer import Consumer
+from dafka.errors import ResumeError
+from dafka.producer import Producer
+from tests.conftest import dafka_cmd, subprocess_env, tower_flag, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_orphans():
+    """A failing test must not leave its processes running."""
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def start_store(cfg: NodeConfig, db: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        dafka_cmd("store", "--db", str(db), "--tower", tower_flag(cfg), "--bind", "127.0.0.1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=subprocess_env(),
+    )
+    _STARTED.append(proc)
+    line = proc.stdout.readline()
+    assert b"store up" in line, line
+    return proc
+
+
+# A producer process: publishes one record at a time, waits for its ACK and
+# prints the acknowledged offset (what its receipts promised).
+PRODUCER = textwrap.dedent(
+    """
+    import sys, time
+    from dafka.config import NodeConfig, TowerAddress
+    from dafka.producer import Producer
+
+    host, pin, pout, identity, prefix, count, pause = sys.argv[1:8]
+    cfg = NodeConfig(towers=(TowerAddress(host, int(pin), int(pout)),), bind="127.0.0.1",
+                     beacon_interval=0.2, beacon_timeout=2.0)
+    producer = Producer("reliable", cfg, identity=identity, resume_timeout=10.0)
+    print("ready", producer.address, producer.next_offset, flush=True)
+    for i in range(int(count)):
+        receipt = producer.publish(b"%s-%d" % (prefix.encode(), i))
+        if receipt.wait(30):
+            print(receipt.offset, flush=True)
+        time.sleep(float(pause))
+    producer.close(10)
+    """
+)
+
+
+def start_producer(cfg: NodeConfig, identity: Path, prefix: str, count: int, pause: float = 0.0):
+    t = cfg.towers[0]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PRODUCER, t.host, str(t.in_port), str(t.out_port), str(identity), prefix,
+         str(count), str(pause)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=subprocess_env(),
+    )
+    _STARTED.append(proc)
+    line = proc.stdout.readline().split()
+    assert line[:1] == [b"ready"], (line, proc.stderr.read() if proc.poll() is not None else b"")
+    return proc, line[1].decode()
+
+
+def read_partition(cfg: NodeConfig, topic: str, n: int, timeout: float = 60.0) -> dict[int, bytes]:
+    with Consumer(topic, cfg, offset_reset="earliest") as consumer:
+        got: dict[int, bytes] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < n and time.monotonic() < deadline:
+            for r in consumer.poll_batch(100_000, 0.5):
+                got[r.offset] = r.content
+    return got
+
+
+def test_kill_9_and_restart_loses_no_acknowledged_record(cfg: NodeConfig, tmp_path: Path) -> None:
+    identity = tmp_path / "id.json"
+    start_store(cfg, tmp_path / "db")
+    proc, address = start_producer(cfg, identity, "old", 1_000_000)
+    acked: dict[int, bytes] = {}
+    while len(acked) < 2000:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        offset = int(line)
+        acked[offset] = b"old-%d" % offset
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    saved = json.loads(identity.read_text())
+    # The file lags behind what the store acknowledged (saved at most every 0.5 s).
+    assert saved["address"] == address and saved["acked"] < max(acked)
+
+    with Producer("reliable", cfg, identity=identity, resume_timeout=10.0) as producer:
+        assert producer.address == address
+        assert producer.next_offset > max(acked)
+        receipts = [(producer.publish(b"new-%d" % i), b"new-%d" % i) for i in range(1000)]
+        assert producer.flush(60)
+        assert producer.bad_acks == 0
+    for receipt, content in receipts:
+        assert receipt.acked()
+        acked[receipt.offset] = content
+    got = read_partition(cfg, "reliable", max(acked) + 1)
+    lost = {o: c for o, c in acked.items() if got.get(o) != c}
+    assert not lost, f"{len(lost)} acknowledged records lost or overwritten, e.g. {sorted(lost)[:5]}"
+
+
+def test_resume_without_a_store_refuses_unless_started_anyway(cfg: NodeConfig, tmp_path: Path) -> None:
+    identity = tmp_path / "id.json"
+    address = "A" * 32
+    identity.write_text(json.dumps({"address": address, "topic": "lonely", "acked": 41, "next": 45}))
+    with Producer("lonely", cfg, identity=identity, resume_timeout=1.0) as strict:
+        with pytest.raises(ResumeError, match="no store answered"):
+            strict.publish(b"x")
+        with pytest.raises(ResumeError):
+            strict.publish_many([b"y"])
+    assert json.loads(identity.read_text())["next"] == 45  # the refused one left the file alone
+    with Producer("lonely", cfg, identity=identity, resume_timeout=1.0, resume="start_anyway") as anyway:
+        assert anyway.publish(b"x").offset == 45
+        assert anyway.bad_acks == 0
+        anyway.close(0)  # no store: nothing will be acknowledged
+
+
+def test_second_process_with_the_same_identity_is_refused(cfg: NodeConfig, tmp_path: Path) -> None:
+    identity = tmp_path / "id.json"
+    start_store(cfg, tmp_path / "db")
+    first, address = start_producer(cfg, identity, "first", 1_000_000, pause=0.01)
+    assert int(first.stdout.readline()) == 0  # publishing and acknowledged
+    with Producer("reliable", cfg, identity=identity, resume_timeout=10.0) as twin:
+        assert twin.address == address
+        with pytest.raises(ResumeError, match="another live producer"):
+            twin.publish(b"mine")
+    # The first one keeps publishing and getting ACKs.
+    before = int(first.stdout.readline())
+    for _ in range(50):
+        after = int(first.stdout.readline())
+    assert after >= before + 50
+    # The twin never beaconed (it listens first), so it disturbed nobody.
+    first.send_signal(signal.SIGKILL)
+    first.wait(10)
+    assert b"another node uses" not in first.stderr.read()
+
+
+def test_running_producer_notices_a_newcomer_beaconing_its_address(cfg: NodeConfig, raw_peer, caplog) -> None:
+    with Producer("twins", cfg) as producer:
+        wait_until(lambda: producer.tower_watch.reached)
+        newcomer = raw_peer([])
+        newcomer.address = producer.address  # e.g. a producer that does not check first
+        wait_until(lambda: newcomer.pump(0.05) or producer.duplicates_seen >= 1)
+        assert producer.publish(b"still mine").offset == 0  # the first one keeps working
+        producer.close(0)
+    assert "another node uses this producer's address" in caplog.text
+
+
+def test_forged_ack_beyond_published_offsets_is_counted_not_applied(cfg: NodeConfig, raw_peer) -> None:
+    peer = raw_peer([])
+    with Producer("forged", cfg) as producer:
+        for i in range(3):
+            producer.publish(b"r%d" % i)
+        ack_prefix = wire.P_ACK + producer.address.encode()
+        peer.wait_for(lambda p: p.subscribed(ack_prefix))
+        peer.send(wire.Ack(producer.address, "forged", 1_000_000))
+        wait_until(lambda: producer.bad_acks == 1)
+        assert producer.acked_offset == -1 and producer.unacked == 3
+        peer.send(wire.Ack(producer.address, "forged", 1))
+        wait_until(lambda: producer.acked_offset == 1)
+        assert producer.bad_acks == 1
+        producer.close(0)
+
+
+def test_cli_warns_when_no_tower_is_reached(tmp_path: Path) -> None:
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        pin, pout = a.getsockname()[1], b.getsockname()[1]
+        # Bound but never listening: connections are refused while the test runs.
+        proc = subprocess.run(
+            dafka_cmd("consume", "nowhere", "--tower", f"127.0.0.1:{pin}:{pout}", "--timeout", "4.5"),
+            capture_output=True,
+            env=subprocess_env(),
+            timeout=60,
+        )
+    err = proc.stderr.decode()
+    assert "reached no tower" in err, err
+    assert f"tcp://127.0.0.1:{pin}" in err and f"tcp://127.0.0.1:{pout}" in err
