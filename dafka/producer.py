@@ -172,11 +172,14 @@ class Producer(Node):
         self._head_sent_at = 0.0
         self._saved_at = 0.0
         self.fetches_served = 0
+        # store address -> (writing, reason, when): what stores said (STORE-STATUS)
+        self.store_status: dict[str, tuple[bool, str, float]] = {}
 
         self._prefix = wire.record_prefix(wire.RECORD, topic, self.address, topic)
         self.subscribe(wire.P_ACK + self.address.encode())
         self.subscribe(wire.P_FETCH + self.address.encode())
         self.subscribe(wire.P_GET_HEADS + topic.encode())
+        self.subscribe(wire.P_STORE_STATUS + self.address.encode())
         if self._resume_state is not None:
             self.subscribe(wire.P_DIRECT_HEAD + self.address.encode())
         self.every(head_interval, self._send_head)
@@ -401,6 +404,9 @@ class Producer(Node):
             resume = self._resume_state
             if resume is not None and msg.address == self.address and msg.subject == self.topic:
                 resume.on_head(msg.sequence, time.monotonic())
+        elif isinstance(msg, wire.StoreStatus):
+            if msg.topic == self.address and msg.subject == self.topic:
+                self._on_store_status(msg)
 
     def _on_ack(self, seq: int) -> None:
         with self._lock:
@@ -428,6 +434,41 @@ class Producer(Node):
             if self._callbacks:
                 self._run_callbacks()
             self._save_identity()
+
+    def _on_store_status(self, msg: wire.StoreStatus) -> None:
+        writing = bool(msg.writing)
+        before = self.store_status.get(msg.address)
+        self.store_status[msg.address] = (writing, msg.reason, time.monotonic())
+        if not writing and (before is None or before[0]):
+            log.warning("producer %s: %s (no ACKs from it until it can)", self.address[:8], msg.reason)
+        elif writing and before is not None and not before[0]:
+            log.info("producer %s: store %s writes again", self.address[:8], msg.address[:8])
+
+    def diagnose(self, recent: float = 5.0) -> str:
+        """Why records are not acknowledged, as far as this producer can tell."""
+        now = time.monotonic()
+        fresh = {a: (w, r) for a, (w, r, t) in list(self.store_status.items()) if now - t <= recent}
+        failing = [reason for writing, reason in fresh.values() if not writing]
+        if failing:
+            others = len(fresh) - len(failing)
+            tail = f"; {others} other store(s) write but did not acknowledge" if others else ""
+            return "; ".join(failing) + tail
+        if fresh:
+            return (
+                f"{len(fresh)} store(s) on the mesh receive this partition and write, but did not"
+                " acknowledge everything yet (still catching up?)"
+            )
+        if self.store_status:
+            return "stores were seen, but none reported in the last few seconds (stopped or unreachable?)"
+        towers = ", ".join(t.beacon_in for t in self.config.towers) or "none configured"
+        if not self.tower_watch.reached:
+            return f"no tower reached (tried {towers}), so no store could be found"
+        if len(self.peers) == 0:
+            return "no other node on the mesh: no store seen (is a store running, using the same tower?)"
+        return (
+            f"no store seen on the mesh ({len(self.peers)} other node(s), none reported as a store;"
+            " is a store running?)"
+        )
 
     def _on_fetch(self, fetch: wire.Fetch) -> None:
         prefix = wire.record_prefix(wire.DIRECT_RECORD, fetch.address, self.address, self.topic)

@@ -6,6 +6,7 @@ SIGKILL) on 127.0.0.1 with a tower on ephemeral ports.
 
 from __future__ import annotations
 
+import errno
 import json
 import signal
 import socket
@@ -22,6 +23,8 @@ from dafka.config import NodeConfig
 from dafka.consumer import Consumer
 from dafka.errors import ResumeError
 from dafka.producer import Producer
+from dafka.store.db import RecordDB, StorageFullError
+from dafka.store.node import Store
 from tests.conftest import dafka_cmd, subprocess_env, tower_flag, wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -209,3 +212,61 @@ def test_cli_warns_when_no_tower_is_reached(tmp_path: Path) -> None:
     err = proc.stderr.decode()
     assert "reached no tower" in err, err
     assert f"tcp://127.0.0.1:{pin}" in err and f"tcp://127.0.0.1:{pout}" in err
+
+
+class FlakyDB(RecordDB):
+    """A record database whose commits fail while ``failure`` is set.
+
+    Injected at the RecordDB boundary (the store's only contact with LMDB):
+    an I/O error such as a full tmpfs gives is hard to cause for real.
+    """
+
+    failure: BaseException | None = None
+
+    def append(self, batch):  # type: ignore[no-untyped-def]
+        if self.failure is not None:
+            raise self.failure
+        return super().append(batch)
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [OSError(errno.EIO, "Input/output error"), StorageFullError("commit failed: Input/output error")],
+    ids=["raw-oserror", "storage-error"],
+)
+def test_commit_io_error_keeps_the_batch_stops_acks_and_says_why(
+    cfg: NodeConfig, tmp_path: Path, failure: BaseException
+) -> None:
+    db = FlakyDB(tmp_path / "db")
+    with Store(db, cfg) as store, Producer("eio", cfg, publish_timeout=0.1) as producer:
+        producer.publish_many(b"r%d" % i for i in range(10))
+        assert producer.flush(30)
+        db.failure = failure
+        producer.publish_many(b"r%d" % i for i in range(10, 20))
+        wait_until(lambda: "Input/output error" in producer.diagnose(), timeout=15)
+        assert "cannot write" in producer.diagnose() and store.address[:8] in producer.diagnose()
+        assert producer.acked_offset == 9 and store.storage_error is not None
+        db.failure = None  # the disk recovers: the kept batch is committed, ACKs resume
+        assert producer.flush(30)
+        wait_until(lambda: producer.store_status[store.address][0], timeout=10)
+        assert "write" in producer.diagnose()
+        partition = producer.address
+        got = [r.content for r in db.read("eio", partition, 0, 100)]
+    assert got == [b"r%d" % i for i in range(20)]
+
+
+def test_cli_produce_says_why_records_were_not_acknowledged(cfg: NodeConfig, tmp_path: Path) -> None:
+    source = tmp_path / "records.txt"
+    source.write_bytes(b"".join(b"%06d-" % i + b"x" * 1000 + b"\n" for i in range(3000)))  # 3 MB
+    produce = dafka_cmd("produce", "full", "--tower", tower_flag(cfg), "--bind", "127.0.0.1",
+                        "--file", str(source), "--timeout", "4")
+    # No store at all.
+    proc = subprocess.run(produce, capture_output=True, env=subprocess_env(), timeout=60)
+    assert proc.returncode == 1
+    assert b"no store seen" in proc.stderr, proc.stderr
+    # A store whose map cannot grow past 1 MiB: a full disk, for real.
+    db = RecordDB(tmp_path / "db", map_size=256 << 10, max_map_size=1 << 20)
+    with Store(db, cfg):
+        proc = subprocess.run(produce, capture_output=True, env=subprocess_env(), timeout=60)
+    assert proc.returncode == 1
+    assert b"cannot write" in proc.stderr and b"max_map_size" in proc.stderr, proc.stderr
