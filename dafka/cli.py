@@ -93,6 +93,7 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
         capacity=args.capacity,
         publish_timeout=args.timeout,
         resume="start_anyway" if args.start_anyway else "strict",
+        resume_timeout=args.resume_timeout,
     )
     try:
         if args.no_ack:
@@ -314,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--start-anyway",
         action="store_true",
         help="--identity: continue even if no store tells the partition's head (may overwrite)",
+    )
+    p.add_argument(
+        "--resume-timeout", type=float, default=5.0, help="--identity: seconds to wait for the stores' head"
     )
     p.add_argument("--capacity", type=int, default=1_000_000, help="max unacknowledged records")
     p.add_argument("--wait-peers", type=float, default=2.0, help="--no-ack: seconds to wait for a peer")

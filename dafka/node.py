@@ -103,7 +103,6 @@ class Node:
         self.tower_watch = TowerWatch(time.monotonic(), 3 * cfg.beacon_interval)
         self.beacon_held = False  # a subclass may stay silent for a while (see producer resume)
         self.duplicates_seen = 0
-        self._own_endpoint: str | None = None
 
         # Unique per instance: a restart with the same address may bind before the old one is reaped.
         wake_endpoint = f"inproc://dafka-wake-{self.address}-{new_address()}"
@@ -333,11 +332,9 @@ class Node:
 
     def _is_own_endpoint(self, endpoint: str) -> bool:
         """Whether a beacon with our address is our own (else: another process)."""
-        if self.beacon_held or not endpoint.endswith(f":{self.port}"):
-            return False  # we sent none, or not from our publisher's port
-        if self._own_endpoint is None:
-            self._own_endpoint = endpoint
-        return endpoint == self._own_endpoint
+        # Not the host: each tower may see us under another address. Our port is
+        # ours on this host; a twin elsewhere on the very same port goes unnoticed.
+        return not self.beacon_held and endpoint.endswith(f":{self.port}")
 
     def on_duplicate_address(self, endpoint: str) -> None:
         """Another live node beacons our address from ``endpoint`` (logged at a low rate)."""

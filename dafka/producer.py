@@ -127,7 +127,7 @@ class Producer(Node):
         acks: bool = True,
         identity: str | os.PathLike[str] | None = None,
         head_interval: float = 1.0,
-        resume_timeout: float = 3.0,
+        resume_timeout: float = 5.0,
         resume: str = STRICT,
     ) -> None:
         if not topic or len(topic.encode()) > wire.MAX_STRING or "\x00" in topic:

@@ -270,3 +270,21 @@ def test_cli_produce_says_why_records_were_not_acknowledged(cfg: NodeConfig, tmp
         proc = subprocess.run(produce, capture_output=True, env=subprocess_env(), timeout=60)
     assert proc.returncode == 1
     assert b"cannot write" in proc.stderr and b"max_map_size" in proc.stderr, proc.stderr
+
+
+def test_cli_produce_with_identity_refuses_without_a_store_unless_started_anyway(
+    cfg: NodeConfig, tmp_path: Path
+) -> None:
+    identity = tmp_path / "id.json"
+    identity.write_text(json.dumps({"address": "B" * 32, "topic": "cli", "acked": 6, "next": 8}))
+    produce = dafka_cmd("produce", "cli", "--tower", tower_flag(cfg), "--bind", "127.0.0.1",
+                        "--identity", str(identity), "--resume-timeout", "1", "--timeout", "1")
+    proc = subprocess.run(produce, input=b"a\nb\n", capture_output=True, env=subprocess_env(), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert b"error: cannot resume the partition: no store answered" in proc.stderr
+    assert b"--start-anyway" in proc.stderr
+    proc = subprocess.run([*produce, "--start-anyway"], input=b"a\nb\n", capture_output=True,
+                          env=subprocess_env(), timeout=60)
+    assert proc.returncode == 1, proc.stderr  # started, but nothing acknowledges
+    assert b"2 of 2 records were not acknowledged" in proc.stderr and b"no store seen" in proc.stderr
+    assert json.loads(identity.read_text())["next"] == 10  # continued after the saved offsets
