@@ -27,7 +27,7 @@ from dafka import wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import BufferFullError, ClosedError, ProtocolError, PublishError, ResumeError
 from dafka.node import Node
-from dafka.resume import STRICT, Resume
+from dafka.resume import PROBATION, STRICT, Resume
 from dafka.unacked import UnackedWindow
 
 log = logging.getLogger("dafka.producer")
@@ -103,7 +103,7 @@ class Producer(Node):
         started from an existing identity file first checks that no other
         live process uses that identity, then asks the stores for the head
         of its partition and continues right after it (see
-        :mod:`dafka.resume`); this takes at least 1.5 beacon intervals.
+        :mod:`dafka.resume`); this takes at least 2.5 beacon intervals.
     resume_timeout:
         Seconds the resume may take.
     resume:
@@ -143,6 +143,7 @@ class Producer(Node):
         next_offset = 0
         self._resume_state: Resume | None = None
         self._resume_error: ResumeError | None = None
+        self._resumed_at: float | None = None  # when a resume from an identity file ended
         self.bad_acks = 0  # ACKs beyond what was published (protocol violations)
         if saved:
             next_offset = int(saved["acked"]) + 1
@@ -536,6 +537,7 @@ class Producer(Node):
             if next_offset != self.window.next:
                 self.window = UnackedWindow(self.window.capacity, next_offset, ring=not self.acks)
             self._resume_state = None
+            self._resumed_at = time.monotonic()
         if state.head is not None and next_offset < state.saved_next:
             log.warning(
                 "producer %s: offsets %d..%d of %s were published before the restart but no store"
@@ -558,6 +560,18 @@ class Producer(Node):
         state = self._resume_state
         if state is not None:
             state.on_duplicate(endpoint)
+        elif (
+            self._resumed_at is not None
+            and self._resume_error is None
+            and time.monotonic() - self._resumed_at < PROBATION * self.config.beacon_interval
+        ):
+            # We only just resumed: we are the newcomer. Stop, leave the partition to the other.
+            self._resume_error = ResumeError(
+                f"another live producer uses this identity (beacons from {endpoint}), noticed just"
+                " after this one resumed: it stops publishing"
+            )
+            self.beacon_held = True
+            log.error("producer %s of %s: %s", self.address, self.topic, self._resume_error)
         super().on_duplicate_address(endpoint)
 
     def _load_identity(self) -> dict[str, object] | None:

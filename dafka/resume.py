@@ -8,7 +8,8 @@ a new offset the restarted producer therefore always
 1. listens to the towers' beacons for a while *without* beaconing itself: a
    beacon carrying its own address from another endpoint means another live
    process uses the same identity, and it refuses to start (so it does not
-   disturb the first one);
+   disturb the first one); a twin noticed only shortly after the resume
+   (``PROBATION``) stops the newcomer all the same;
 2. beacons, asks the stores for the head of its partition (GET-HEADS, each
    store answers DIRECT-HEAD) and continues after the highest head any store
    answered within a short grace period after the first answer.
@@ -26,7 +27,10 @@ START_ANYWAY = "start_anyway"  # no store answered: continue after the saved off
 POLICIES = (STRICT, START_ANYWAY)
 
 HEAD_GRACE = 0.3  # seconds to wait for more stores after the first DIRECT-HEAD
-DUPLICATE_WINDOW = 1.5  # beacon intervals listened to before beaconing ourselves
+DUPLICATE_WINDOW = 2.5  # beacon intervals listened to before beaconing ourselves
+# A twin's beacon can still come late (a starved machine): seen within this many
+# beacon intervals after the resume, the newcomer stops publishing too.
+PROBATION = 10.0
 
 
 @dataclass(slots=True)

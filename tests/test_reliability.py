@@ -288,3 +288,16 @@ def test_cli_produce_with_identity_refuses_without_a_store_unless_started_anyway
     assert proc.returncode == 1, proc.stderr  # started, but nothing acknowledges
     assert b"2 of 2 records were not acknowledged" in proc.stderr and b"no store seen" in proc.stderr
     assert json.loads(identity.read_text())["next"] == 10  # continued after the saved offsets
+
+
+def test_twin_noticed_just_after_resume_stops_the_newcomer(cfg: NodeConfig, tmp_path: Path, raw_peer) -> None:
+    identity = tmp_path / "id.json"
+    identity.write_text(json.dumps({"address": "C" * 32, "topic": "late", "acked": -1, "next": 0}))
+    with Producer("late", cfg, identity=identity, resume_timeout=1.0, resume="start_anyway") as producer:
+        assert producer.publish(b"first").offset == 0
+        twin = raw_peer([])
+        twin.address = producer.address  # its beacons come late, after our resume
+        wait_until(lambda: twin.pump(0.05) or producer.duplicates_seen >= 1)
+        with pytest.raises(ResumeError, match="noticed just after this one resumed"):
+            producer.publish(b"second")
+        producer.close(0)

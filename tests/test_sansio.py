@@ -187,13 +187,13 @@ def test_resume_always_continues_after_the_highest_store_head() -> None:
     r = Resume(1875, 1876, started=0.0, timeout=3.0, beacon_interval=0.2)
     assert not r.done(0.1) and not r.may_beacon(0.1)  # no tower heard yet
     r.on_tower(0.1)
-    assert not r.may_beacon(0.3)  # listening for a twin's beacons first
-    assert r.may_beacon(0.4)
-    assert not r.done(0.5)  # no head yet
-    r.on_head(2000, 0.5)
-    r.on_head(2023, 0.6)
-    assert not r.done(0.7)  # a grace period for slower stores
-    assert r.done(0.9)
+    assert not r.may_beacon(0.5)  # listening for a twin's beacons first
+    assert r.may_beacon(0.61)
+    assert not r.done(0.7)  # no head yet
+    r.on_head(2000, 0.7)
+    r.on_head(2023, 0.8)
+    assert not r.done(0.9)  # a grace period for slower stores
+    assert r.done(1.01)
     assert r.decide() == (2024, None)
 
 
@@ -221,7 +221,7 @@ def test_resume_without_any_store_refuses_unless_asked_to_start_anyway() -> None
     assert anyway.decide() == (12, None)  # after everything the file knew of
     no_stores = Resume(10, 12, started=0.0, timeout=1.0, beacon_interval=0.2, need_store=False)
     no_stores.on_tower(0.0)
-    assert no_stores.done(0.31) and no_stores.decide() == (12, None)
+    assert no_stores.done(0.51) and no_stores.decide() == (12, None)
     with pytest.raises(ValueError):
         Resume(10, 12, started=0.0, timeout=1.0, beacon_interval=0.2, policy="maybe")
 
