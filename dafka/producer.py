@@ -27,7 +27,7 @@ from dafka import wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import BufferFullError, ClosedError, ProtocolError, PublishError, ResumeError
 from dafka.node import Node
-from dafka.resume import PROBATION, STRICT, Resume
+from dafka.resume import POLICIES, PROBATION, STRICT, Resume
 from dafka.unacked import UnackedWindow
 
 log = logging.getLogger("dafka.producer")
@@ -132,6 +132,8 @@ class Producer(Node):
     ) -> None:
         if not topic or len(topic.encode()) > wire.MAX_STRING or "\x00" in topic:
             raise ValueError("topic must be 1..255 bytes without NUL")
+        if resume not in POLICIES:
+            raise ValueError(f"resume must be one of {POLICIES}, not {resume!r}")
         config = (config or default_node_config()).with_towers(towers)
         self.topic = topic
         self.acks = acks
@@ -159,8 +161,6 @@ class Producer(Node):
             )
             # Silent until we know no other process beacons this address.
             self.beacon_held = True
-        elif resume not in ("strict", "start_anyway"):
-            raise ValueError(f"resume must be 'strict' or 'start_anyway', not {resume!r}")
         self.window = UnackedWindow(capacity, next_offset, ring=not acks)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
