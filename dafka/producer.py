@@ -530,6 +530,9 @@ class Producer(Node):
             time.sleep(0.02)
         next_offset, error = state.decide()
         if error is not None:
+            failing = [r for writing, r, _ in list(self.store_status.values()) if not writing]
+            if failing and state.duplicate is None:
+                error += "; " + "; ".join(failing)
             log.error("producer %s of %s refuses to publish: %s", self.address, self.topic, error)
             self._resume_error = ResumeError(error)
             return  # beacons stay held after a duplicate: the other process keeps the partition

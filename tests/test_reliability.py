@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -228,7 +229,13 @@ class FlakyDB(RecordDB):
 
     failure: BaseException | None = None
 
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.hold = threading.Event()  # cleared: commits wait (a slow disk)
+        self.hold.set()
+
     def append(self, batch):  # type: ignore[no-untyped-def]
+        self.hold.wait(30)
         if self.failure is not None:
             raise self.failure
         return super().append(batch)
@@ -306,3 +313,48 @@ def test_twin_noticed_just_after_resume_stops_the_newcomer(cfg: NodeConfig, tmp_
         with pytest.raises(ResumeError, match="noticed just after this one resumed"):
             producer.publish(b"second")
         producer.close(0)
+
+
+def test_resume_continues_after_records_a_busy_store_holds_uncommitted(cfg: NodeConfig, tmp_path: Path) -> None:
+    identity = tmp_path / "id.json"
+    db = FlakyDB(tmp_path / "db")
+    with Store(db, cfg) as store:
+        with Producer("held", cfg, identity=identity) as first:
+            first.publish_many(b"old-%d" % i for i in range(10))
+            assert first.flush(30)
+            db.hold.clear()  # the next commit takes its time (a slow disk)
+            first.publish_many(b"old-%d" % i for i in range(10, 20))
+            wait_until(lambda: store._trackers[("held", first.address)].next == 20)
+            first.close(0)  # it dies with 10..19 published, received by the store, not committed
+        with Producer("held", cfg, identity=identity) as second:
+            assert second.next_offset == 20  # after what the store received, not what it committed
+            db.hold.set()
+            second.publish_many(b"new-%d" % i for i in range(20, 30))
+            assert second.flush(30)
+            assert second.bad_acks == 0
+            got = [r.content for r in db.read("held", second.address, 0, 100)]
+    assert got == [b"old-%d" % i for i in range(20)] + [b"new-%d" % i for i in range(20, 30)]
+
+
+def test_resume_refuses_while_the_store_cannot_write_and_says_why(cfg: NodeConfig, tmp_path: Path) -> None:
+    identity = tmp_path / "id.json"
+    db = FlakyDB(tmp_path / "db")
+    with Store(db, cfg) as store:
+        with Producer("failing", cfg, identity=identity) as first:
+            first.publish_many(b"old-%d" % i for i in range(10))
+            assert first.flush(30)
+            db.failure = OSError(errno.EIO, "Input/output error")
+            first.publish_many(b"old-%d" % i for i in range(10, 20))
+            wait_until(lambda: store.storage_error is not None)
+            first.close(0)
+        # A store that cannot write reads nothing (it keeps its batch): no head, no guess.
+        with Producer("failing", cfg, identity=identity, resume_timeout=2.0) as second:
+            with pytest.raises(ResumeError, match="no store answered.*Input/output error"):
+                second.publish(b"x")
+        db.failure = None
+        with Producer("failing", cfg, identity=identity) as third:
+            assert third.next_offset == 20
+            third.publish(b"new-20")
+            assert third.flush(30)
+            got = [r.content for r in db.read("failing", third.address, 0, 100)]
+    assert got == [b"old-%d" % i for i in range(20)] + [b"new-20"]

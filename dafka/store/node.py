@@ -355,9 +355,15 @@ class Store(PartitionReader):
 
     def _send_heads(self, requester: str, subjects: tuple[str, ...] | list[str]) -> None:
         wanted = set(subjects)
-        for (topic, partition), head in list(self._heads.items()):
-            if topic in wanted:  # exact subject match, not a prefix
-                self.send(wire.DirectHead(requester, partition, topic, head))
+        heads = {key: head for key, head in self._heads.items() if key[0] in wanted}
+        # Received in order but not committed yet (a slow or failing disk) counts
+        # too: a producer resuming after a crash must continue after those, or
+        # its new records would be taken for duplicates of them.
+        for key, tracker in list(self._trackers.items()):
+            if key[0] in wanted and tracker.next - 1 > heads.get(key, -1):
+                heads[key] = tracker.next - 1
+        for (topic, partition), head in heads.items():  # exact subject match, not a prefix
+            self.send(wire.DirectHead(requester, partition, topic, head))
 
     def _on_fetch(self, fetch: wire.Fetch) -> None:
         key = (fetch.subject, fetch.topic)
