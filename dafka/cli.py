@@ -116,6 +116,8 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
         identity=args.identity,
         capacity=args.capacity,
         publish_timeout=args.timeout,
+        resume="start_anyway" if args.start_anyway else "strict",
+        resume_timeout=args.resume_timeout,
     )
     try:
         if args.no_ack:
@@ -143,7 +145,7 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
         unacked = producer.next_offset - 1 - max(producer.acked_offset, start - 1)
         print(
             f"error: {unacked} of {count} records were not acknowledged by a store "
-            f"within {args.timeout}s (is a store running?)",
+            f"within {args.timeout}s: {producer.diagnose()}",
             file=sys.stderr,
         )
         return 1
@@ -370,6 +372,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for acknowledgements")
     p.add_argument("--no-ack", action="store_true", help="do not wait for a store (none running)")
     p.add_argument("--identity", help="persistent producer identity file (continue a partition)")
+    p.add_argument(
+        "--start-anyway",
+        action="store_true",
+        help="--identity: continue even if no store tells the partition's head (may overwrite)",
+    )
+    p.add_argument(
+        "--resume-timeout", type=float, default=5.0, help="--identity: seconds to wait for the stores' head"
+    )
     p.add_argument("--capacity", type=int, default=1_000_000, help="max unacknowledged records")
     p.add_argument("--wait-peers", type=float, default=2.0, help="--no-ack: seconds to wait for a peer")
     p.add_argument("--linger", type=float, default=1.0, help="--no-ack: seconds to serve FETCHes after the last record")

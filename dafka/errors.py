@@ -24,6 +24,15 @@ class PublishError(DafkaError):
         self.offset = offset
 
 
+class ResumeError(PublishError):
+    """A producer restarted from an identity file cannot safely continue its partition.
+
+    Either no store told it the partition's head within the resume timeout
+    (pass ``resume="start_anyway"`` to continue regardless), or another live
+    process uses the same identity.
+    """
+
+
 class BufferFullError(PublishError):
     """The producer's unacked buffer is full and the publish timeout passed."""
 

@@ -29,7 +29,7 @@ import zmq
 from dafka import wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import ProtocolError
-from dafka.peers import Connect, PeerAction, PeerTable
+from dafka.peers import Connect, PeerAction, PeerTable, TowerWatch
 
 DRAIN = 4096  # messages read from a socket before looking at the others again
 TICK = 0.05  # seconds between calls of on_tick
@@ -101,8 +101,13 @@ class Node:
             self.beacon_pub.connect(tower.beacon_in)
             self.beacon_sub.connect(tower.beacon_out)
         self._beacon = wire.node_beacon(self.address, cfg.advertise, self.port)
+        # Diagnostics: warn while no tower answers; notice another node with our address.
+        self.tower_watch = TowerWatch(time.monotonic(), 3 * cfg.beacon_interval)
+        self.beacon_held = False  # a subclass may stay silent for a while (see producer resume)
+        self.duplicates_seen = 0
 
-        wake_endpoint = f"inproc://dafka-wake-{self.address}"
+        # Unique per instance: a restart with the same address may bind before the old one is reaped.
+        wake_endpoint = f"inproc://dafka-wake-{self.address}-{new_address()}"
         self._wake_rx = self.ctx.socket(zmq.PAIR)
         self._wake_rx.bind(wake_endpoint)
         self._wake_tx = self.ctx.socket(zmq.PAIR)
@@ -112,6 +117,7 @@ class Node:
         self.every(cfg.beacon_interval, self._send_beacon)
         self.every(min(1.0, cfg.beacon_timeout / 4), self._expire_peers)
         self.every(TICK, self.on_tick)
+        self.every(cfg.beacon_interval, self._check_towers)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -305,6 +311,8 @@ class Node:
     # ---------------------------------------------------------------- beacons
 
     def _send_beacon(self, now: float) -> None:
+        if self.beacon_held:
+            return
         try:
             self.beacon_pub.send_multipart(self._beacon, zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -317,6 +325,7 @@ class Node:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self.tower_watch.on_heard(time.monotonic())
             if frames == [wire.WELCOME]:
                 # A tower (re)appeared: tell it about us right away.
                 self._send_beacon(time.monotonic())
@@ -326,9 +335,42 @@ class Node:
             except ProtocolError as exc:
                 self.bad_input("tower beacon", exc)
                 continue
+            if address == self.address and not self._is_own_endpoint(endpoint):
+                self.duplicates_seen += 1
+                self.on_duplicate_address(endpoint)
+                continue
             actions = self.peers.on_beacon(address, endpoint, time.monotonic())
             for action in actions:
                 self._apply_peer_action(action)
+
+    def _is_own_endpoint(self, endpoint: str) -> bool:
+        """Whether a beacon with our address is our own (else: another process)."""
+        # Not the host: each tower may see us under another address. Our port is
+        # ours on this host; a twin elsewhere on the very same port goes unnoticed.
+        return not self.beacon_held and endpoint.endswith(f":{self.port}")
+
+    def on_duplicate_address(self, endpoint: str) -> None:
+        """Another live node beacons our address from ``endpoint`` (logged at a low rate)."""
+        n = self.duplicates_seen
+        if n <= 3 or n % 100 == 0:
+            self.log.error(
+                "another node uses this %s's address %s (beacons from %s, ours are on port %d):"
+                " two processes share one identity",
+                self.kind,
+                self.address,
+                endpoint,
+                self.port,
+            )
+
+    def _check_towers(self, now: float) -> None:
+        if self.config.towers and self.tower_watch.warning_due(now):
+            self.log.warning(
+                "%s %s has reached no tower after %.0fs; trying %s (is a tower running there?)",
+                self.kind,
+                self.address[:8],
+                now - self.tower_watch.started,
+                ", ".join(f"{t.beacon_in} / {t.beacon_out}" for t in self.config.towers),
+            )
 
     def _apply_peer_action(self, action: PeerAction) -> None:
         if isinstance(action, Connect):

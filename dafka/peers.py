@@ -62,3 +62,36 @@ class PeerTable:
         for address, _ in dead:
             del self._peers[address]
         return [Disconnect(endpoint, address) for address, endpoint in dead]
+
+
+class TowerWatch:
+    """Whether a node has reached a tower, and when to warn that it has not.
+
+    A tower is reached when its welcome or any beacon arrives.  Until then a
+    warning is due ``grace`` seconds after start and every ``repeat`` seconds
+    after that (a node with an unreachable tower must not wait in silence).
+    """
+
+    def __init__(self, started: float, grace: float, repeat: float = 30.0) -> None:
+        self.started = started
+        self.grace = grace
+        self.repeat = repeat
+        self.reached_at: float | None = None
+        self._warned_at: float | None = None
+
+    @property
+    def reached(self) -> bool:
+        return self.reached_at is not None
+
+    def on_heard(self, now: float) -> None:
+        if self.reached_at is None:
+            self.reached_at = now
+
+    def warning_due(self, now: float) -> bool:
+        """True when a "no tower reached" warning should be logged now."""
+        if self.reached_at is not None or now < self.started + self.grace:
+            return False
+        if self._warned_at is not None and now < self._warned_at + self.repeat:
+            return False
+        self._warned_at = now
+        return True

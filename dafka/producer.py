@@ -25,8 +25,9 @@ import zmq
 
 from dafka import wire
 from dafka.config import NodeConfig, default_node_config
-from dafka.errors import BufferFullError, ClosedError, ProtocolError, PublishError
+from dafka.errors import BufferFullError, ClosedError, ProtocolError, PublishError, ResumeError
 from dafka.node import Node
+from dafka.resume import POLICIES, PROBATION, STRICT, Resume
 from dafka.unacked import UnackedWindow
 
 log = logging.getLogger("dafka.producer")
@@ -98,7 +99,19 @@ class Producer(Node):
         answer FETCHes.
     identity:
         Path of a small JSON file holding the producer's address and offsets,
-        so that a restarted producer continues its partition.
+        so that a restarted producer continues its partition.  A producer
+        started from an existing identity file first checks that no other
+        live process uses that identity, then asks the stores for the head
+        of its partition and continues right after it (see
+        :mod:`dafka.resume`); this takes at least 2.5 beacon intervals.
+    resume_timeout:
+        Seconds the resume may take.
+    resume:
+        What to do when no store answers within ``resume_timeout``:
+        ``"strict"`` (default) makes ``publish`` raise :class:`ResumeError`;
+        ``"start_anyway"`` continues after the offsets the identity file
+        saved (records a store holds beyond them may then be overwritten).
+        Another process with the same identity is always refused.
     """
 
     kind = "producer"
@@ -114,10 +127,13 @@ class Producer(Node):
         acks: bool = True,
         identity: str | os.PathLike[str] | None = None,
         head_interval: float = 1.0,
-        resume_timeout: float = 3.0,
+        resume_timeout: float = 5.0,
+        resume: str = STRICT,
     ) -> None:
         if not topic or len(topic.encode()) > wire.MAX_STRING or "\x00" in topic:
             raise ValueError("topic must be 1..255 bytes without NUL")
+        if resume not in POLICIES:
+            raise ValueError(f"resume must be one of {POLICIES}, not {resume!r}")
         config = (config or default_node_config()).with_towers(towers)
         self.topic = topic
         self.acks = acks
@@ -127,12 +143,24 @@ class Producer(Node):
         saved = self._load_identity() if self._identity_path else None
         super().__init__(config, address=saved["address"] if saved else None)
         next_offset = 0
-        self._resume_until = 0.0
+        self._resume_state: Resume | None = None
+        self._resume_error: ResumeError | None = None
+        self._resumed_at: float | None = None  # when a resume from an identity file ended
+        self.bad_acks = 0  # ACKs beyond what was published (protocol violations)
         if saved:
             next_offset = int(saved["acked"]) + 1
-            if int(saved["next"]) > next_offset:
-                # Unclean stop: ask the stores how far they got before going on.
-                self._resume_until = time.monotonic() + resume_timeout
+            # Always ask the stores how far they got: the file may be behind them.
+            self._resume_state = Resume(
+                int(saved["acked"]),
+                int(saved["next"]),
+                time.monotonic(),
+                resume_timeout,
+                self.config.beacon_interval,
+                resume,
+                need_store=acks,
+            )
+            # Silent until we know no other process beacons this address.
+            self.beacon_held = True
         self.window = UnackedWindow(capacity, next_offset, ring=not acks)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -143,20 +171,21 @@ class Producer(Node):
         self._callback_seq = 0
         self._last_saved = -2
         self._head_sent_at = 0.0
-        self._resume_head: int | None = None
-        self._resumed = threading.Event()
         self._saved_at = 0.0
         self.fetches_served = 0
+        # store address -> (writing, reason, when): what stores said (STORE-STATUS)
+        self.store_status: dict[str, tuple[bool, str, float]] = {}
 
         self._prefix = wire.record_prefix(wire.RECORD, topic, self.address, topic)
         self.subscribe(wire.P_ACK + self.address.encode())
         self.subscribe(wire.P_FETCH + self.address.encode())
         self.subscribe(wire.P_GET_HEADS + topic.encode())
-        if self._resume_until:
+        self.subscribe(wire.P_STORE_STATUS + self.address.encode())
+        if self._resume_state is not None:
             self.subscribe(wire.P_DIRECT_HEAD + self.address.encode())
         self.every(head_interval, self._send_head)
         self.start()
-        if self._resume_until:
+        if self._resume_state is not None:
             self._resume()
 
     # ---------------------------------------------------------------- public API
@@ -194,7 +223,10 @@ class Producer(Node):
         ``offset`` makes resends idempotent: an offset below ``next_offset``
         was already published and is not sent again; it must never be above.
         ``timeout`` overrides ``publish_timeout`` for waiting on a full buffer.
+        Raises :class:`ResumeError` if the producer could not resume its partition.
         """
+        if self._resume_error is not None:
+            raise self._resume_error
         with self._lock:
             window = self.window
             if offset is not None and offset != window.next:
@@ -225,6 +257,8 @@ class Producer(Node):
         return Receipt(self, last) if last >= 0 else None
 
     def _publish_chunk(self, batch: list[bytes], timeout: float | None) -> int:
+        if self._resume_error is not None:
+            raise self._resume_error
         with self._lock:
             return self._push_locked(batch, timeout)
 
@@ -361,28 +395,81 @@ class Producer(Node):
             if msg.topic == self.address and msg.subject == self.topic:
                 self._on_fetch(msg)
         elif isinstance(msg, wire.GetHeads):
-            if msg.topic == self.topic and self.window.next > 0:
+            if msg.topic == self.topic and self.window.next > 0 and self._resume_state is None:
                 self._send_locked(
                     wire.encode(
                         wire.DirectHead(msg.address, self.address, self.topic, self.window.next - 1)
                     )
                 )
         elif isinstance(msg, wire.DirectHead):
-            if msg.address == self.address and msg.subject == self.topic:
-                head = msg.sequence
-                if self._resume_head is None or head > self._resume_head:
-                    self._resume_head = head
-                self._resumed.set()
+            resume = self._resume_state
+            if resume is not None and msg.address == self.address and msg.subject == self.topic:
+                resume.on_head(msg.sequence, time.monotonic())
+        elif isinstance(msg, wire.StoreStatus):
+            if msg.topic == self.address and msg.subject == self.topic:
+                self._on_store_status(msg)
 
     def _on_ack(self, seq: int) -> None:
         with self._lock:
-            newly = self.window.ack(seq)
+            last = self.window.last
+            beyond = seq > last
+            newly = 0 if beyond else self.window.ack(seq)
             if newly:
                 self._cond.notify_all()
+        if beyond:
+            # A store claims offsets we never published: its copy of the partition
+            # is not ours (another process with this identity?). Acknowledge nothing.
+            self.bad_acks += 1
+            if self.bad_acks <= 20 or self.bad_acks % 1000 == 0:
+                log.error(
+                    "producer %s: ACK of offset %d beyond the last published offset %d of %s"
+                    " ignored (%d so far)",
+                    self.address,
+                    seq,
+                    last,
+                    self.topic,
+                    self.bad_acks,
+                )
+            return
         if newly:
             if self._callbacks:
                 self._run_callbacks()
             self._save_identity()
+
+    def _on_store_status(self, msg: wire.StoreStatus) -> None:
+        writing = bool(msg.writing)
+        before = self.store_status.get(msg.address)
+        self.store_status[msg.address] = (writing, msg.reason, time.monotonic())
+        if not writing and (before is None or before[0]):
+            log.warning("producer %s: %s (no ACKs from it until it can)", self.address[:8], msg.reason)
+        elif writing and before is not None and not before[0]:
+            log.info("producer %s: store %s writes again", self.address[:8], msg.address[:8])
+
+    def diagnose(self, recent: float = 5.0) -> str:
+        """Why records are not acknowledged, as far as this producer can tell."""
+        now = time.monotonic()
+        fresh = {a: (w, r) for a, (w, r, t) in list(self.store_status.items()) if now - t <= recent}
+        failing = [reason for writing, reason in fresh.values() if not writing]
+        if failing:
+            others = len(fresh) - len(failing)
+            tail = f"; {others} other store(s) write but did not acknowledge" if others else ""
+            return "; ".join(failing) + tail
+        if fresh:
+            return (
+                f"{len(fresh)} store(s) on the mesh receive this partition and write, but did not"
+                " acknowledge everything yet (still catching up?)"
+            )
+        if self.store_status:
+            return "stores were seen, but none reported in the last few seconds (stopped or unreachable?)"
+        towers = ", ".join(t.beacon_in for t in self.config.towers) or "none configured"
+        if not self.tower_watch.reached:
+            return f"no tower reached (tried {towers}), so no store could be found"
+        if len(self.peers) == 0:
+            return "no other node on the mesh: no store seen (is a store running, using the same tower?)"
+        return (
+            f"no store seen on the mesh ({len(self.peers)} other node(s), none reported as a store;"
+            " is a store running?)"
+        )
 
     def _on_fetch(self, fetch: wire.Fetch) -> None:
         prefix = wire.record_prefix(wire.DIRECT_RECORD, fetch.address, self.address, self.topic)
@@ -404,7 +491,7 @@ class Producer(Node):
 
     def _send_head(self, now: float) -> None:
         last = self.window.next - 1
-        if last >= 0:
+        if last >= 0 and self._resume_state is None and self._resume_error is None:
             self._send_locked(wire.encode(wire.Head(self.topic, self.address, self.topic, last)))
 
     def close_publisher(self) -> None:
@@ -421,23 +508,74 @@ class Producer(Node):
     # ---------------------------------------------------------------- identity
 
     def _resume(self) -> None:
-        """After an unclean stop, learn the stores' head of our partition."""
+        """Check the identity is ours alone, then learn the stores' head of our partition."""
+        state = self._resume_state
+        assert state is not None
         get_heads = wire.encode(wire.GetHeads(self.topic, self.address))
-        while time.monotonic() < self._resume_until and not self._resumed.is_set():
-            self._send_locked(get_heads)
-            self._resumed.wait(min(0.2, max(0.0, self._resume_until - time.monotonic())))
-        head = self._resume_head
+        asked_at = 0.0
+        while True:
+            now = time.monotonic()
+            reached = self.tower_watch.reached_at
+            if reached is not None:
+                state.on_tower(reached)
+            if state.done(now):
+                break
+            if state.may_beacon(now):
+                if self.beacon_held:
+                    self.beacon_held = False
+                    self.call_soon(lambda: self._send_beacon(time.monotonic()))
+                if now - asked_at >= 0.2:
+                    asked_at = now
+                    self._send_locked(get_heads)
+            time.sleep(0.02)
+        next_offset, error = state.decide()
+        if error is not None:
+            failing = [r for writing, r, _ in list(self.store_status.values()) if not writing]
+            if failing and state.duplicate is None:
+                error += "; " + "; ".join(failing)
+            log.error("producer %s of %s refuses to publish: %s", self.address, self.topic, error)
+            self._resume_error = ResumeError(error)
+            return  # beacons stay held after a duplicate: the other process keeps the partition
         with self._lock:
-            if head is not None and head >= self.window.next:
-                self.window = UnackedWindow(self.window.capacity, head + 1, ring=not self.acks)
+            if next_offset != self.window.next:
+                self.window = UnackedWindow(self.window.capacity, next_offset, ring=not self.acks)
+            self._resume_state = None
+            self._resumed_at = time.monotonic()
+        if state.head is not None and next_offset < state.saved_next:
+            log.warning(
+                "producer %s: offsets %d..%d of %s were published before the restart but no store"
+                " has them; they are assigned again",
+                self.address,
+                next_offset,
+                state.saved_next - 1,
+                self.topic,
+            )
         log.info(
             "producer %s resumes %s at offset %d (store head %s)",
             self.address,
             self.topic,
-            self.window.next,
-            head,
+            next_offset,
+            state.head,
         )
         self._save_identity(force=True)
+
+    def on_duplicate_address(self, endpoint: str) -> None:
+        state = self._resume_state
+        if state is not None:
+            state.on_duplicate(endpoint)
+        elif (
+            self._resumed_at is not None
+            and self._resume_error is None
+            and time.monotonic() - self._resumed_at < PROBATION * self.config.beacon_interval
+        ):
+            # We only just resumed: we are the newcomer. Stop, leave the partition to the other.
+            self._resume_error = ResumeError(
+                f"another live producer uses this identity (beacons from {endpoint}), noticed just"
+                " after this one resumed: it stops publishing"
+            )
+            self.beacon_held = True
+            log.error("producer %s of %s: %s", self.address, self.topic, self._resume_error)
+        super().on_duplicate_address(endpoint)
 
     def _load_identity(self) -> dict[str, object] | None:
         path = self._identity_path
@@ -454,8 +592,8 @@ class Producer(Node):
 
     def _save_identity(self, force: bool = False) -> None:
         path = self._identity_path
-        if path is None:
-            return
+        if path is None or self._resume_state is not None or self._resume_error is not None:
+            return  # not resumed (yet): the file may belong to a live twin; keep it as it is
         acked = self.window.acked
         now = time.monotonic()
         # Throttled: an fsync per ACK would slow the I/O thread down.

@@ -59,13 +59,15 @@ class UnackedWindow:
         return seq
 
     def ack(self, seq: int) -> int:
-        """Apply a cumulative ACK; return how many offsets became acknowledged."""
+        """Apply a cumulative ACK; return how many offsets became acknowledged.
+
+        An ACK beyond the last published offset acknowledges nothing (the
+        caller counts and logs it).
+        """
         if seq <= self.acked:
             return 0
         if seq >= self.next:
-            seq = self.next - 1  # an ACK beyond what we published: clamp
-            if seq <= self.acked:
-                return 0
+            return 0  # beyond what was published: a protocol violation, acknowledges nothing
         records = self.records
         pop = records.pop
         freed = 0

@@ -33,6 +33,9 @@ DIRECT_HEAD = ord("E")
 GET_HEADS = ord("G")
 CONSUMER_HELLO = ord("W")
 STORE_HELLO = ord("L")
+# Not in the RFC nor in the C nodes: only dafka producers subscribe to it (C nodes
+# subscribe to exact prefixes of the ids above, so it never reaches them).
+STORE_STATUS = ord("Y")
 
 COMMAND_NAMES = {
     RECORD: "RECORD",
@@ -44,6 +47,7 @@ COMMAND_NAMES = {
     GET_HEADS: "GET-HEADS",
     CONSUMER_HELLO: "CONSUMER-HELLO",
     STORE_HELLO: "STORE-HELLO",
+    STORE_STATUS: "STORE-STATUS",
 }
 
 # Subscription prefixes are the command id followed by the zmq topic.
@@ -56,6 +60,7 @@ P_DIRECT_HEAD = b"E"
 P_GET_HEADS = b"G"
 P_CONSUMER_HELLO = b"W"
 P_STORE_HELLO = b"L"
+P_STORE_STATUS = b"Y"
 
 # Beacon frames exchanged with towers.
 BEACON = b"B"
@@ -148,8 +153,34 @@ class StoreHello(NamedTuple):
     address: str  # store address
 
 
+class StoreStatus(NamedTuple):
+    """STORE-STATUS (dafka only): whether a store can acknowledge a producer's records.
+
+    ``Y <producer address> 00 01 <store address:string> <subject:string>
+    <writing:1> <reason:string>``.  A store sends it about once a second to
+    each producer whose records it has received or is holding; ``writing``
+    is 1 while its commits succeed, 0 while they fail (then ``reason`` says
+    why, e.g. a full disk), so a producer without ACKs can say why.
+    """
+
+    topic: str  # zmq topic: the producer's address
+    address: str  # store address
+    subject: str
+    writing: int  # 1: commits succeed; 0: they fail and ACKs have stopped
+    reason: str  # why not writing ("" when writing)
+
+
 Message = (
-    Record | DirectRecord | Fetch | Ack | Head | DirectHead | GetHeads | ConsumerHello | StoreHello
+    Record
+    | DirectRecord
+    | Fetch
+    | Ack
+    | Head
+    | DirectHead
+    | GetHeads
+    | ConsumerHello
+    | StoreHello
+    | StoreStatus
 )
 
 _IDS: dict[type, int] = {
@@ -162,7 +193,13 @@ _IDS: dict[type, int] = {
     GetHeads: GET_HEADS,
     ConsumerHello: CONSUMER_HELLO,
     StoreHello: STORE_HELLO,
+    StoreStatus: STORE_STATUS,
 }
+
+
+def reason_text(text: str) -> str:
+    """``text`` cut to what a string field holds (255 bytes, whole UTF-8 characters)."""
+    return text.encode()[:MAX_STRING].decode(errors="ignore")
 
 
 def command_id(msg: Message) -> int:
@@ -208,6 +245,11 @@ def encode(msg: Message) -> list[bytes]:
         return [head + _s(msg.address) + _s(msg.subject) + pack_u64(msg.sequence)]  # type: ignore[union-attr]
     if cmd == GET_HEADS or cmd == STORE_HELLO:
         return [head + _s(msg.address)]  # type: ignore[union-attr]
+    if cmd == STORE_STATUS:
+        writing = msg.writing  # type: ignore[union-attr]
+        if writing not in (0, 1):
+            raise ProtocolError("STORE-STATUS writing must be 0 or 1")
+        return [head + _s(msg.address) + _s(msg.subject) + bytes((writing,)) + _s(msg.reason)]  # type: ignore[union-attr]
     # CONSUMER-HELLO
     subjects = msg.subjects  # type: ignore[union-attr]
     if len(subjects) > MAX_STRINGS:
@@ -242,6 +284,13 @@ class _Reader:
             raise ProtocolError("truncated string")
         self.pos = end
         return _text(buf[pos + 1 : end])
+
+    def u8(self) -> int:
+        pos = self.pos
+        if pos >= len(self.buf):
+            raise ProtocolError("truncated number-1")
+        self.pos = pos + 1
+        return self.buf[pos]
 
     def u64(self) -> int:
         pos = self.pos
@@ -317,6 +366,11 @@ def decode(frames: Sequence[bytes]) -> Message:
         msg = GetHeads(topic, r.string())
     elif cmd == STORE_HELLO:
         msg = StoreHello(topic, r.string())
+    elif cmd == STORE_STATUS:
+        address, subject, writing = r.string(), r.string(), r.u8()
+        if writing > 1:
+            raise ProtocolError(f"STORE-STATUS writing {writing} is not 0 or 1")
+        msg = StoreStatus(topic, address, subject, writing, r.string())
     else:  # CONSUMER-HELLO
         address = r.string()
         n = r.u32()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dafka.gaps import FETCH_CHUNK, PartitionTracker
-from dafka.peers import Connect, Disconnect, PeerTable
+from dafka.peers import Connect, Disconnect, PeerTable, TowerWatch
+from dafka.resume import START_ANYWAY, Resume
 from dafka.unacked import UnackedWindow
 
 
@@ -112,7 +114,9 @@ def test_window_cumulative_acks_and_fetch_content() -> None:
     got = list(w.fetch(1500, 3))
     assert got == [(1500, b"r1500"), (1501, b"r1501"), (1502, b"r1502")]
     assert list(w.fetch(0, 2)) == []  # acknowledged records are gone
-    assert w.ack(10**9) == 2000  # clamped to what was published
+    assert w.ack(10**9) == 0  # beyond what was published: acknowledges nothing
+    assert w.acked == 999 and len(w) == 2000
+    assert w.ack(2999) == 2000
     assert len(w) == 0 and w.bytes == 0
 
 
@@ -173,3 +177,73 @@ def test_retries_back_off_and_a_new_peer_never_causes_a_skip() -> None:
     out: list[tuple[int, bytes]] = []
     assert t.skip_if_stalled(2.0, out) is None  # ... but that is no reason to skip
     assert t.skip_if_stalled(10.1, out) == (0, 4)
+
+
+# ---------------------------------------------------------------- producer resume
+
+
+def test_resume_always_continues_after_the_highest_store_head() -> None:
+    # The file says acked 1875 / next 1876, the stores hold up to 2023.
+    r = Resume(1875, 1876, started=0.0, timeout=3.0, beacon_interval=0.2)
+    assert not r.done(0.1) and not r.may_beacon(0.1)  # no tower heard yet
+    r.on_tower(0.1)
+    assert not r.may_beacon(0.5)  # listening for a twin's beacons first
+    assert r.may_beacon(0.61)
+    assert not r.done(0.7)  # no head yet
+    r.on_head(2000, 0.7)
+    r.on_head(2023, 0.8)
+    assert not r.done(0.9)  # a grace period for slower stores
+    assert r.done(1.01)
+    assert r.decide() == (2024, None)
+
+
+def test_resume_head_behind_the_saved_next_reuses_unacked_offsets() -> None:
+    # Published up to 2099 but the stores hold 2023: 2024.. were never
+    # acknowledged, and skipping them would leave a hole nobody can fill.
+    r = Resume(1900, 2100, started=0.0, timeout=3.0, beacon_interval=0.2)
+    r.on_tower(0.0)
+    r.on_head(2023, 0.5)
+    assert r.decide() == (2024, None)
+    stale = Resume(1900, 2100, started=0.0, timeout=3.0, beacon_interval=0.2)
+    stale.on_head(1500, 0.5)  # a store that lags behind what was acknowledged
+    assert stale.decide() == (1901, None)
+
+
+def test_resume_without_any_store_refuses_unless_asked_to_start_anyway() -> None:
+    r = Resume(10, 12, started=0.0, timeout=1.0, beacon_interval=0.2)
+    r.on_tower(0.0)
+    assert not r.done(0.99) and r.done(1.0)
+    offset, error = r.decide()
+    assert error is not None and "no store answered" in error and "start_anyway" in error
+    silent = Resume(10, 12, started=0.0, timeout=1.0, beacon_interval=0.2)
+    assert "no tower answered" in (silent.decide()[1] or "")
+    anyway = Resume(10, 12, started=0.0, timeout=1.0, beacon_interval=0.2, policy=START_ANYWAY)
+    assert anyway.decide() == (12, None)  # after everything the file knew of
+    no_stores = Resume(10, 12, started=0.0, timeout=1.0, beacon_interval=0.2, need_store=False)
+    no_stores.on_tower(0.0)
+    assert no_stores.done(0.51) and no_stores.decide() == (12, None)
+    with pytest.raises(ValueError):
+        Resume(10, 12, started=0.0, timeout=1.0, beacon_interval=0.2, policy="maybe")
+
+
+def test_resume_refuses_when_a_twin_beacons_our_address() -> None:
+    r = Resume(5, 6, started=0.0, timeout=3.0, beacon_interval=0.2, policy=START_ANYWAY)
+    r.on_tower(0.0)
+    r.on_duplicate("tcp://127.0.0.1:40000")
+    assert not r.may_beacon(1.0) and r.done(0.01)
+    r.on_head(100, 0.02)
+    offset, error = r.decide()
+    assert error is not None and "another live producer" in error and "tcp://127.0.0.1:40000" in error
+
+
+def test_tower_watch_warns_after_grace_then_at_a_low_rate() -> None:
+    w = TowerWatch(started=0.0, grace=3.0, repeat=30.0)
+    assert not w.warning_due(2.9)
+    assert w.warning_due(3.0)
+    assert not w.warning_due(4.0) and not w.warning_due(32.9)
+    assert w.warning_due(33.0)
+    w.on_heard(34.0)
+    assert w.reached and not w.warning_due(100.0)
+    heard = TowerWatch(started=0.0, grace=3.0)
+    heard.on_heard(0.5)
+    assert not heard.warning_due(5.0)

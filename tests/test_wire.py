@@ -48,6 +48,25 @@ def test_consumer_hello_capture() -> None:
     assert wire.encode(msg) == [raw]
 
 
+def test_store_status_layout() -> None:
+    # 59 <producer uuid> 00 01 20 <store uuid> 05 'hello' <writing:1> <reason:string>
+    raw = (
+        b"\x59" + UUID_A.encode() + b"\x00\x01\x20" + UUID_B.encode() + b"\x05hello"
+        + b"\x00" + b"\x09disk full"
+    )
+    msg = wire.decode([raw])
+    assert msg == wire.StoreStatus(UUID_A, UUID_B, "hello", 0, "disk full")
+    assert wire.encode(msg) == [raw]
+    ok = wire.StoreStatus(UUID_A, UUID_B, "hello", 1, "")
+    assert wire.encode(ok) == [raw[: -len(b"\x00\x09disk full")] + b"\x01\x00"]
+    # Only dafka producers subscribe to it: no C node's prefix matches it.
+    for c_prefix in (b"M", b"H", b"F", b"G", b"D", b"E", b"L", b"W", b"K"):
+        assert not raw.startswith(c_prefix)
+    with pytest.raises(ProtocolError):
+        wire.encode(wire.StoreStatus(UUID_A, UUID_B, "hello", 2, ""))
+    assert len(wire.reason_text("\u00e9" * 200).encode()) == 254  # whole characters only
+
+
 def test_record_layout_and_prefix() -> None:
     frames = wire.encode(wire.Record("hello", UUID_A, "hello", 5, b"content"))
     assert frames[0] == b"Mhello\x00\x01\x20" + UUID_A.encode() + b"\x05hello" + (5).to_bytes(8, "big")
@@ -85,6 +104,9 @@ def test_beacons() -> None:
         ([b"Hhello\x00\x01\x01a\x01a" + bytes(8), b"extra"], "head with content"),
         ([], "empty"),
         ([b"Whello\x00\x01\x01a\xff\xff\xff\xff"], "absurd subject count"),
+        ([b"Yp\x00\x01\x01s\x01t\x02\x00"], "status writing not 0/1"),
+        ([b"Yp\x00\x01\x01s\x01t\x01"], "status without reason"),
+        ([b"Yp\x00\x01\x01s\x01t\x01\x00", b"extra"], "status with content"),
     ],
 )
 def test_strict_decoding(frames: list[bytes], why: str) -> None:
@@ -109,6 +131,7 @@ messages = st.one_of(
     st.builds(wire.GetHeads, names, names),
     st.builds(wire.ConsumerHello, names, names, st.lists(names, max_size=5).map(tuple)),
     st.builds(wire.StoreHello, names, names),
+    st.builds(wire.StoreStatus, names, names, names, st.integers(0, 1), st.text(max_size=80).map(wire.reason_text)),
 )
 
 

@@ -614,7 +614,7 @@ class RecordDB:
                     self._abort_write(txn)
                     self._recover_after_failed_commit()
                     raise StorageFullError(
-                        f"commit to {self.path} failed (disk full?): {exc}"
+                        f"commit to {self.path} failed (disk full or I/O error): {exc}"
                     ) from exc
                 return result
 

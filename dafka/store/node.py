@@ -9,8 +9,11 @@ what is stored become FETCHes (with retries) to producers or other stores.
 Writer thread: takes the accumulated batch when it is idle and appends it to
 LMDB in one transaction (group commit, synced by default).  Only after the
 commit returns does the I/O thread send one cumulative ACK per partition.  A
-failed commit (disk full) keeps the batch, stops acknowledging and retries;
-nothing acknowledged is ever lost.
+failed commit (disk full, I/O error, any other write error) keeps the batch,
+stops acknowledging and retries; nothing acknowledged is ever lost.  About once
+a second the store tells each producer whose records it holds whether it can
+write (STORE-STATUS, a dafka-only message), so a producer without ACKs can
+report why.
 
 FETCH(offset, count) is answered with exactly ``count`` DIRECT-RECORDs, or
 fewer if fewer are stored, from the first retained offset when the asked one
@@ -48,6 +51,8 @@ SERVE_SLICE = 2_000  # DIRECT-RECORDs sent per FETCH job per loop turn
 STATS_INTERVAL = 10.0
 RETENTION_BUDGET = 0.2  # seconds of deletions per retention round
 HEADS_INTERVAL = 30.0  # stores re-announce the heads they hold (replication)
+STATUS_INTERVAL = 1.0  # STORE-STATUS to the producers whose records came in
+ERROR_LOG_INTERVAL = 30.0  # a lasting write failure is logged again this often
 
 
 @dataclass(slots=True)
@@ -97,6 +102,8 @@ class Store(PartitionReader):
         self.storage_error: StorageError | None = None
         self._retry_at = 0.0
         self._unsent_acks: dict[tuple[str, str], int] = {}
+        self._status_keys: set[tuple[str, str]] = set()  # partitions committed since the last status
+        self._error_logged_at = 0.0
         # Writer thread hand-off.
         self._writer_cond = threading.Condition()
         self._to_write: list[tuple[Any, ...]] | None = None
@@ -126,6 +133,7 @@ class Store(PartitionReader):
         self.subscribe(wire.P_CONSUMER_HELLO + own)
         self.every(STATS_INTERVAL, self._log_stats)
         self.every(HEADS_INTERVAL, self._announce_heads)
+        self.every(STATUS_INTERVAL, self._send_status)
         self._writer.start()
         self.start()
 
@@ -228,16 +236,24 @@ class Store(PartitionReader):
     ) -> None:
         self._writer_busy = False
         if error is not None:
-            if self.storage_error is None:
-                log.error("store cannot write (%s): acknowledgements stop until it can", error)
+            now = time.monotonic()
+            if self.storage_error is None or now - self._error_logged_at >= ERROR_LOG_INTERVAL:
+                self._error_logged_at = now
+                log.error(
+                    "store cannot write (%s): %d records kept, acknowledgements stop, retrying",
+                    error,
+                    len(batch) + len(self._batch),
+                )
             self.storage_error = error
             self._batch = batch + self._batch  # keep everything, retry later
             self.pause_data(True)
+            self._send_status(now)  # producers learn why at once
             return
         if self.storage_error is not None:
             log.info("store writes again; acknowledgements resume")
             self.storage_error = None
         self.stored += len(batch)
+        self._status_keys.update(heads)
         for key, head in heads.items():
             self._heads[key] = head
             # One cumulative ACK per partition per commit, after the commit.
@@ -252,6 +268,19 @@ class Store(PartitionReader):
         if len(self._batch) < MAX_BATCH // 2:
             self.pause_data(False)
         self._flush_batch()
+
+    def _send_status(self, now: float) -> None:
+        """Tell producers whether their records get acknowledged (STORE-STATUS)."""
+        keys = self._status_keys
+        self._status_keys = set()
+        error = self.storage_error
+        if error is not None:
+            keys |= {(r[0], r[1]) for r in self._batch}  # the partitions waiting for an ACK
+            writing, reason = 0, wire.reason_text(f"store {self.address[:8]} cannot write: {error}")
+        else:
+            writing, reason = 1, ""
+        for topic, partition in keys:
+            self.send(wire.StoreStatus(partition, self.address, topic, writing, reason))
 
     def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
         """Hook: a batch is durable; ``heads`` are the new heads it made."""
@@ -339,9 +368,15 @@ class Store(PartitionReader):
 
     def _send_heads(self, requester: str, subjects: tuple[str, ...] | list[str]) -> None:
         wanted = set(subjects)
-        for (topic, partition), head in list(self._heads.items()):
-            if topic in wanted:  # exact subject match, not a prefix
-                self.send(wire.DirectHead(requester, partition, topic, head))
+        heads = {key: head for key, head in self._heads.items() if key[0] in wanted}
+        # Received in order but not committed yet (a slow or failing disk) counts
+        # too: a producer resuming after a crash must continue after those, or
+        # its new records would be taken for duplicates of them.
+        for key, tracker in list(self._trackers.items()):
+            if key[0] in wanted and tracker.next - 1 > heads.get(key, -1):
+                heads[key] = tracker.next - 1
+        for (topic, partition), head in heads.items():  # exact subject match, not a prefix
+            self.send(wire.DirectHead(requester, partition, topic, head))
 
     def _on_fetch(self, fetch: wire.Fetch) -> None:
         self.fetches_received += 1
