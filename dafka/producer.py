@@ -175,6 +175,11 @@ class Producer(Node):
         self.fetches_served = 0
         # store address -> (writing, reason, when): what stores said (STORE-STATUS)
         self.store_status: dict[str, tuple[bool, str, float]] = {}
+        if self._identity_path is not None and saved is None:
+            # A new identity goes to disk before anything is published: a crash
+            # before the first ACK still restarts as the same partition, and a
+            # twin started at once finds the address it must not reuse.
+            self._save_identity(force=True)
 
         self._prefix = wire.record_prefix(wire.RECORD, topic, self.address, topic)
         self.subscribe(wire.P_ACK + self.address.encode())
