@@ -353,8 +353,13 @@ def test_resume_refuses_while_the_store_cannot_write_and_says_why(cfg: NodeConfi
                 second.publish(b"x")
         db.failure = None
         with Producer("failing", cfg, identity=identity) as third:
-            assert third.next_offset == 20
-            third.publish(b"new-20")
+            # 11..19 were never acknowledged: the store still has them (20), or
+            # it expired the closed producer while paused, which drops what its
+            # pipe held, and they are gone (11). Either way nothing is reused
+            # that a store holds.
+            resumed = third.next_offset
+            assert resumed in (11, 20)
+            third.publish(b"new")
             assert third.flush(30)
             got = [r.content for r in db.read("failing", third.address, 0, 100)]
-    assert got == [b"old-%d" % i for i in range(20)] + [b"new-20"]
+    assert got == [b"old-%d" % i for i in range(resumed)] + [b"new"]

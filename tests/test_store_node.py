@@ -219,3 +219,18 @@ def test_full_disk_stops_acks_and_keeps_every_acked_record(cfg: NodeConfig, tmp_
             assert got == list(range(info.count))
         finally:
             producer.close(0)
+
+
+def test_heads_answer_counts_records_held_beyond_a_hole(cfg: NodeConfig, tmp_path: Path, raw_peer) -> None:
+    # A producer restarted after a crash resumes after the head the stores
+    # give: offsets the store holds beyond a hole must count, or the new
+    # records would reuse them and be dropped as their duplicates.
+    with Store(tmp_path / "db", cfg, retry_interval=60) as store:
+        peer = raw_peer([wire.P_DIRECT_HEAD, wire.P_FETCH])
+        peer.wait_for(lambda q: q.subscribed(b"M") and q.subscribed(b"G"))
+        for seq in (0, 1, 2, 5):
+            peer.send(wire.Record("h", peer.address, "h", seq, b"c%d" % seq))
+        wait_until(lambda: store.heads().get(("h", peer.address)) == 2)
+        peer.send(wire.GetHeads("h", peer.address))
+        heads = peer.wait_for(lambda q: q.messages(wire.DirectHead))
+        assert [(h.address, h.sequence) for h in heads] == [(peer.address, 5)]

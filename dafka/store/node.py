@@ -102,6 +102,9 @@ class Store(PartitionReader):
         self.storage_error: StorageError | None = None
         self._retry_at = 0.0
         self._unsent_acks: dict[tuple[str, str], int] = {}
+        # GET-HEADS / CONSUMER-HELLO answers wait until the input queued before
+        # them is read (see _answer_heads): (requester, subjects, when asked).
+        self._heads_wanted: list[tuple[str, tuple[str, ...], float]] = []
         self._status_keys: set[tuple[str, str]] = set()  # partitions committed since the last status
         self._error_logged_at = 0.0
         # Writer thread hand-off.
@@ -356,25 +359,46 @@ class Store(PartitionReader):
         if len(self._batch) >= MAX_BATCH:
             self.pause_data(True)
         self._flush_batch()
+        if self._heads_wanted:
+            self._answer_heads(time.monotonic())
 
     def on_other(self, msg: wire.Message) -> None:
         if isinstance(msg, wire.Fetch):
             self._on_fetch(msg)
         elif isinstance(msg, wire.GetHeads):
-            self._send_heads(msg.address, (msg.topic,))
+            self._heads_wanted.append((msg.address, (msg.topic,), time.monotonic()))
         elif isinstance(msg, wire.ConsumerHello):
             if msg.topic == self.address:
-                self._send_heads(msg.address, msg.subjects)
+                self._heads_wanted.append((msg.address, tuple(msg.subjects), time.monotonic()))
+
+    def _answer_heads(self, now: float) -> None:
+        """Answer the waiting GET-HEADS once the input queued before them is read.
+
+        ZeroMQ reads its peers' queues in turn, so a GET-HEADS from a producer
+        restarted after a crash can overtake records of its dead incarnation
+        still queued here; answered at once, the producer would reuse their
+        offsets and its new records would be dropped as duplicates of them.
+        So answers wait until the data socket is drained (at most a second
+        under a steady stream), and never while reading is paused.
+        """
+        if self.data_paused:
+            return
+        if self.sub.get(zmq.EVENTS) & zmq.POLLIN and now - self._heads_wanted[0][2] < 1.0:
+            return
+        wanted, self._heads_wanted = self._heads_wanted, []
+        for requester, subjects, _ in wanted:
+            self._send_heads(requester, subjects)
 
     def _send_heads(self, requester: str, subjects: tuple[str, ...] | list[str]) -> None:
         wanted = set(subjects)
         heads = {key: head for key, head in self._heads.items() if key[0] in wanted}
-        # Received in order but not committed yet (a slow or failing disk) counts
-        # too: a producer resuming after a crash must continue after those, or
-        # its new records would be taken for duplicates of them.
+        # Every offset received counts, committed or not (a slow or failing
+        # disk), in order or held beyond a hole: a producer resuming after a
+        # crash must continue after all of them, or its new records would be
+        # taken for duplicates of them.
         for key, tracker in list(self._trackers.items()):
-            if key[0] in wanted and tracker.next - 1 > heads.get(key, -1):
-                heads[key] = tracker.next - 1
+            if key[0] in wanted and tracker.known > heads.get(key, -1):
+                heads[key] = tracker.known
         for (topic, partition), head in heads.items():  # exact subject match, not a prefix
             self.send(wire.DirectHead(requester, partition, topic, head))
 
@@ -490,6 +514,8 @@ class Store(PartitionReader):
 
     def on_tick(self, now: float) -> None:
         self._blocked = False  # readers had a tick to drain their queues
+        if self._heads_wanted:
+            self._answer_heads(now)
         if self._unsent_acks:
             self._send_acks()
         if self.storage_error is None and len(self._batch) < MAX_BATCH // 2:
