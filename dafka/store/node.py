@@ -16,6 +16,11 @@ FETCH(offset, count) is answered with exactly ``count`` DIRECT-RECORDs, or
 fewer if fewer are stored, from the first retained offset when the asked one
 was removed by retention.  Large answers are served in slices so one FETCH
 cannot starve the rest.
+
+Consumer groups: every COMMIT (``C``) seen is written to the ``positions``
+table (one small synced transaction, in the I/O thread) and then confirmed
+with COMMITTED; GET-POSITIONS (``P``) is answered with every position of the
+group the store holds (POSITIONS).
 """
 
 from __future__ import annotations
@@ -115,6 +120,8 @@ class Store(PartitionReader):
         self.publisher.setsockopt(zmq.XPUB_NODROP, 1)
         own = self.address.encode()
         for prefix in (wire.P_RECORD, wire.P_HEAD, wire.P_FETCH, wire.P_GET_HEADS):
+            self.subscribe(prefix)
+        for prefix in (wire.P_COMMIT, wire.P_GET_POSITIONS):
             self.subscribe(prefix)
         self.subscribe(wire.P_DIRECT_RECORD + own)
         self.subscribe(wire.P_CONSUMER_HELLO + own)
@@ -323,6 +330,31 @@ class Store(PartitionReader):
         elif isinstance(msg, wire.ConsumerHello):
             if msg.topic == self.address:
                 self._send_heads(msg.address, msg.subjects)
+        elif isinstance(msg, wire.Commit):
+            self._on_group_commit(msg)
+        elif isinstance(msg, wire.GetPositions):
+            self._send_positions(msg)
+
+    def _on_group_commit(self, msg: wire.Commit) -> None:
+        """Record a group's positions durably, then confirm to the member."""
+        positions: dict[tuple[str, str], int] = {}
+        for topic, partition, offset in msg.positions:
+            positions[(topic, partition)] = offset
+        try:
+            self.db.put_positions(msg.topic, positions)
+        except (StorageError, ValueError) as exc:
+            self.bad_input("commit", exc)  # not confirmed: the member retries or another store confirms
+            return
+        self.send(wire.Committed(msg.address, self.address, msg.commit_id))
+
+    def _send_positions(self, msg: wire.GetPositions) -> None:
+        try:
+            held = self.db.positions(msg.topic)
+        except (StorageError, ValueError) as exc:
+            self.bad_input("get-positions", exc)
+            return
+        entries = tuple((t, p, o) for (t, p), o in sorted(held.items()))
+        self.send(wire.Positions(msg.address, self.address, msg.topic, msg.request_id, entries))
 
     def _send_heads(self, requester: str, subjects: tuple[str, ...] | list[str]) -> None:
         wanted = set(subjects)
