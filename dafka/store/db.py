@@ -9,8 +9,9 @@ Layout (format version 1)
 =========================
 
 One LMDB environment (a directory holding ``data.mdb`` and ``lock.mdb``) with
-four named sub-databases.  All integers are unsigned big-endian, so LMDB's
-bytewise key order is numeric order.
+four named sub-databases, plus ``positions`` once a consumer group committed.
+All integers are unsigned big-endian, so LMDB's bytewise key order is numeric
+order.
 
 ``meta``
     ``b"format"`` -> ``version:u32`` (1).  Opening a store of another version
