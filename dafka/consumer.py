@@ -258,7 +258,7 @@ class Consumer(PartitionReader):
     def assignment(self) -> frozenset[Key]:
         """The (topic, partition)s this group member delivers now (without a group: every known one)."""
         if self._group is None:
-            return frozenset(self._trackers)
+            return frozenset(self._trackers.copy())  # copy(): atomic against the I/O thread
         return self._owned_now
 
     def commit(self, timeout: float = 5.0) -> dict[Key, int]:
@@ -500,6 +500,7 @@ class Consumer(PartitionReader):
             for key in plan.revoke:
                 self._drop_tracker(key)
                 self._polled.pop(key, None)
+                self._committed.pop(key, None)
             group.released([k for k in plan.revoke if k not in handed])
             if handed:
                 commit_id = self._send_commit(handed, None)

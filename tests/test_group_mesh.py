@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from dafka import wire
 from dafka.config import NodeConfig
 from dafka.consumer import Consumer
 from dafka.producer import Producer
@@ -215,6 +216,25 @@ def test_group_resumes_from_another_store_when_one_is_killed(cfg: NodeConfig, tm
             if s.poll() is None:
                 s.send_signal(signal.SIGTERM)
                 s.wait(20)
+
+
+def test_store_keeps_positions_and_survives_bad_group_messages(cfg: NodeConfig, tmp_path: Path, raw_peer) -> None:
+    with Store(str(tmp_path / "db"), cfg) as store:
+        peer = raw_peer([wire.P_COMMITTED, wire.P_POSITIONS])
+        peer.wait_for(lambda p: p.subscribed(wire.P_COMMIT) and p.subscribed(wire.P_GET_POSITIONS))
+        me = peer.address
+        peer.send_raw([b"Cg\x00\x01\x01a"])  # truncated
+        peer.send(wire.Commit("g" * 300, me, 1, (("t", "p", 5),)))  # group too long for a key
+        peer.send(wire.Commit("g", me, 2, (("t\x00", "p", 5),)))  # NUL in a topic
+        peer.send(wire.GetPositions("g", "bad\x00address", 3))  # answer cannot be addressed
+        peer.send(wire.Commit("g", me, 4, (("t", "p", 5), ("t", "q", 7))))
+        peer.send(wire.Commit("g", me, 5, (("t", "p", 6),)))
+        peer.wait_for(lambda p: [m.commit_id for m in p.messages(wire.Committed)] == [4, 5])
+        peer.send(wire.GetPositions("g", me, 9))
+        answer = peer.wait_for(lambda p: p.messages(wire.Positions))[0]
+        assert answer == wire.Positions(me, store.address, "g", 9, (("t", "p", 6), ("t", "q", 7)))
+        assert store.db.positions("g") == {("t", "p"): 6, ("t", "q"): 7}
+        assert store.bad_input.count >= 3
 
 
 def test_cli_start_positions(cfg: NodeConfig, tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ import zmq
 
 from dafka import wire
 from dafka.config import NodeConfig, default_node_config
+from dafka.errors import ProtocolError
 from dafka.gaps import PartitionTracker
 from dafka.node import DRAIN
 from dafka.reader import NOBLOCK, PartitionReader, seq_at
@@ -345,7 +346,7 @@ class Store(PartitionReader):
         except (StorageError, ValueError) as exc:
             self.bad_input("commit", exc)  # not confirmed: the member retries or another store confirms
             return
-        self.send(wire.Committed(msg.address, self.address, msg.commit_id))
+        self._send_checked(wire.Committed(msg.address, self.address, msg.commit_id))
 
     def _send_positions(self, msg: wire.GetPositions) -> None:
         try:
@@ -354,7 +355,14 @@ class Store(PartitionReader):
             self.bad_input("get-positions", exc)
             return
         entries = tuple((t, p, o) for (t, p), o in sorted(held.items()))
-        self.send(wire.Positions(msg.address, self.address, msg.topic, msg.request_id, entries))
+        self._send_checked(wire.Positions(msg.address, self.address, msg.topic, msg.request_id, entries))
+
+    def _send_checked(self, msg: wire.Message) -> None:
+        """Send an answer whose fields came from the network (they may not encode)."""
+        try:
+            self.send(msg)
+        except ProtocolError as exc:
+            self.bad_input(type(msg).__name__, exc)
 
     def _send_heads(self, requester: str, subjects: tuple[str, ...] | list[str]) -> None:
         wanted = set(subjects)
