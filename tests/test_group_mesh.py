@@ -181,8 +181,20 @@ def test_three_members_share_six_partitions_and_take_over_a_killed_one(
                 assert partition in lost and offset >= committed[partition], (partition, offset, n)
         wait_until(lambda: sorted(m.owned() for m in group[1:]) == [3, 3], timeout=30)
         assert took < 3 * cfg.beacon_timeout + 5  # generous: a loaded 2-core machine
-        for m in group[1:]:
-            assert m.stop() == 0
+
+        # A clean leave commits what it printed and hands over at once, without repeats.
+        before = union()
+        assert group[1].stop() == 0
+        left_at = time.monotonic()
+        wait_until(lambda: group[2].owned() == 6, timeout=30)
+        assert time.monotonic() - left_at < cfg.beacon_timeout + 2
+        for p in producers:
+            publish(p, 260, 50)
+        expected = {(p.address, o) for p in producers for o in range(310)}
+        wait_until(lambda: set(union()) >= expected, timeout=60)
+        repeated = [r for r, n in union().items() if n > 1 and n != before[r]]
+        assert not repeated, repeated[:5]
+        assert group[2].stop() == 0
         for p in producers:
             p.close(0)
 
