@@ -412,6 +412,9 @@ class Consumer(PartitionReader):
                     self._hello(prefix[1:].decode())
                 except UnicodeDecodeError:
                     self.bad_input("subscription", "store address is not UTF-8")
+            elif prefix == wire.P_GET_POSITIONS and self._group is not None:
+                # A store connected: ask it too (what was asked before it came was lost).
+                self._ask_positions_again()
             elif prefix[:1] == wire.P_MEMBER and self._group is not None:
                 # A peer listens to group heartbeats: tell it about us now.
                 if self._group.group.encode().startswith(prefix[1:]):
@@ -487,6 +490,7 @@ class Consumer(PartitionReader):
                 del self._commit_done[commit_id]
             # Every heartbeat re-checks the assignment (expiries, late releases, settling).
             self._rebalance(now, heartbeat=False)
+            self._ask_positions_again()
         self.send(wire.Member(group.group, self.address, False, tuple(self.topics), tuple(group.claims())))
 
     def _rebalance(self, now: float, heartbeat: bool = True) -> None:
@@ -509,12 +513,21 @@ class Consumer(PartitionReader):
         if plan.acquire:
             request_id = self._next_request
             self._next_request += 1
-            timeout = max(1.0, self.config.beacon_timeout)
+            # Long enough for a store to connect; an answer ends the wait sooner.
+            timeout = max(2.0, 2 * self.config.beacon_timeout)
             grace = min(POSITIONS_GRACE, self.config.beacon_interval)
             self._queries[request_id] = (PositionsQuery(request_id, now, timeout, grace), plan.acquire)
             self.send(wire.GetPositions(group.group, self.address, request_id))
         if heartbeat and (plan.revoke or plan.acquire):
             self._group_heartbeat(now, check=False)
+
+    def _ask_positions_again(self) -> None:
+        """Re-send the GET-POSITIONS nobody answered yet (the stores may not be connected)."""
+        group = self._group
+        assert group is not None
+        for request_id, (query, _keys) in self._queries.items():
+            if not query.answers:
+                self.send(wire.GetPositions(group.group, self.address, request_id))
 
     def _finish_queries(self, now: float) -> None:
         group = self._group

@@ -138,6 +138,24 @@ def test_commit_restart_resumes_after_the_last_commit(cfg: NodeConfig, tmp_path:
         producer.close(0)
 
 
+def test_member_started_before_the_store_still_resumes(cfg: NodeConfig, tmp_path: Path, members) -> None:
+    db = str(tmp_path / "db")
+    producer = Producer("t", cfg)
+    with Store(db, cfg):
+        wait_until(lambda: len(producer.peers))
+        publish(producer, 0, 100)
+        first = members("first", "t", "--group", "g", "--from-beginning", "--count", "40", "--timeout", "60")
+        assert first.proc.wait(90) == 0, first.err.read_text()
+    late = members("late", "t", "--group", "g", "--count", "60", "--timeout", "60")
+    # Ordering, not waiting for a result: the member settles and asks for positions
+    # before any store is up; its question must be asked again when the store comes.
+    time.sleep(1.5)
+    with Store(db, cfg):
+        assert late.proc.wait(90) == 0, late.err.read_text()
+    assert late.records() == [(producer.address, i) for i in range(40, 100)]
+    producer.close(0)
+
+
 def test_three_members_share_six_partitions_and_take_over_a_killed_one(
     cfg: NodeConfig, tmp_path: Path, members
 ) -> None:
