@@ -200,15 +200,25 @@ def test_three_members_share_six_partitions_and_take_over_a_killed_one(
         wait_until(lambda: sorted(m.owned() for m in group[1:]) == [3, 3], timeout=30)
         assert took < 3 * cfg.beacon_timeout + 5  # generous: a loaded 2-core machine
 
+        # A new producer's partition is assigned as it appears.
+        newcomer = Producer("t", cfg)
+        producers.append(newcomer)
+        wait_until(lambda: len(newcomer.peers) >= 3)
+        publish(newcomer, 0, 20)
+        wait_until(lambda: sorted(m.owned() for m in group[1:]) == [3, 4], timeout=30)
+        wait_until(lambda: {(newcomer.address, o) for o in range(20)} <= set(union()), timeout=30)
+
         # A clean leave commits what it printed and hands over at once, without repeats.
         before = union()
         assert group[1].stop() == 0
         left_at = time.monotonic()
-        wait_until(lambda: group[2].owned() == 6, timeout=30)
+        wait_until(lambda: group[2].owned() == 7, timeout=30)
         assert time.monotonic() - left_at < cfg.beacon_timeout + 2
-        for p in producers:
+        for p in producers[:-1]:
             publish(p, 260, 50)
-        expected = {(p.address, o) for p in producers for o in range(310)}
+        publish(newcomer, 20, 50)
+        expected = {(p.address, o) for p in producers[:-1] for o in range(310)}
+        expected |= {(newcomer.address, o) for o in range(70)}
         wait_until(lambda: set(union()) >= expected, timeout=60)
         repeated = [r for r, n in union().items() if n > 1 and n != before[r]]
         assert not repeated, repeated[:5]
