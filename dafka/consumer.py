@@ -549,6 +549,8 @@ class Consumer(PartitionReader):
                     self._drop_tracker(key)  # none expected: the next record starts it there
             taken = group.acquired(keys)
             if taken:
+                for key in taken:
+                    self._polled.pop(key, None)  # a late poll of an earlier ownership
                 self._owned_now = frozenset(group.owned)
                 for topic in sorted({t for t, _ in taken}):
                     # Heads of the taken partitions, so a backlog is fetched even when idle.

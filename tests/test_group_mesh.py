@@ -277,6 +277,33 @@ def test_store_keeps_positions_and_survives_bad_group_messages(cfg: NodeConfig, 
         assert store.bad_input.count >= 3
 
 
+def test_plain_consumer_subscribes_as_before_and_members_shrug_off_junk(cfg: NodeConfig, raw_peer) -> None:
+    peer = raw_peer([wire.P_MEMBER + b"g"])
+    with Consumer("t", cfg) as plain:
+        own = plain.address.encode()
+        old = {b"D" + own, b"E" + own, b"L" + own, b"Mt", b"Ht"}
+        peer.wait_for(lambda p: old <= {s[1:] for s in p.subscriptions if s[:1] == b"\x01"})
+        peer.pump(0.3)
+        assert {s[1:] for s in peer.subscriptions if s[:1] == b"\x01"} == old  # nothing new without a group
+    peer.subscriptions.clear()
+    with Consumer("t", cfg, group="g") as member:
+        own = member.address.encode()
+        peer.wait_for(lambda p: p.subscribed(b"Jg") and p.subscribed(b"A" + own) and p.subscribed(b"Q" + own))
+        # The member heartbeats at once to a new listener.
+        peer.wait_for(lambda p: any(m.address == member.address for m in p.messages(wire.Member)))
+        peer.send_raw([b"Jg\x00\x01\x05junk"])
+        peer.send_raw([b"Jg\x00\x01"])
+        peer.send(wire.Member("g", "X" * 32, False, ("t",), (("t", "P"),)))  # claims a partition nobody has
+        peer.send(wire.Member("gg", "Y" * 32, False, ("t",), ()))  # another group, same prefix
+        peer.send(wire.Committed(member.address, "S", 12345))  # a commit it never made
+        peer.send(wire.Positions(member.address, "S", "g", 999, (("t", "p", 1),)))  # a question never asked
+        wait_until(lambda: member.bad_input.count >= 2)
+        wait_until(lambda: member._group is not None and member._group.members() == sorted([member.address, "X" * 32]))
+        assert member.running and member.assignment() == frozenset()
+        seen = len(peer.messages(wire.Member))
+        peer.wait_for(lambda p: len(p.messages(wire.Member)) > seen + 2)  # still beating
+
+
 def test_cli_start_positions(cfg: NodeConfig, tmp_path: Path) -> None:
     with Store(str(tmp_path / "db"), cfg):
         producer = Producer("t", cfg)
