@@ -395,8 +395,17 @@ def _group_producers(cfg: NodeConfig, topic: str, per: int, size: int, started: 
 
 def _group_member(cfg: NodeConfig, topic: str, index: int, events: Any, stop: Any) -> None:
     """A group member: reports assignments, delivered counts and the first record of each new partition."""
+    import logging
+    import os
+
     from dafka.consumer import Consumer
 
+    if os.environ.get("DAFKA_BENCH_LOG"):
+        logging.basicConfig(
+            filename=f"{os.environ['DAFKA_BENCH_LOG']}.{index}.{os.getpid()}",
+            level=logging.INFO,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
     fresh: set[tuple[str, str]] = set()
     known: set[tuple[str, str]] = set()
 

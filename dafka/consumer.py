@@ -131,6 +131,9 @@ class Consumer(PartitionReader):
         self._release_on: dict[int, list[Key]] = {}
         self._queries: dict[int, tuple[PositionsQuery, list[Key]]] = {}
         self._next_request = 1
+        # RECORD header prefix (before the sequence) of partitions other members
+        # deliver: their records are dropped without decoding.
+        self._not_mine: dict[bytes, Key] = {}
         own = self.address.encode()
         for prefix in (wire.P_DIRECT_RECORD, wire.P_DIRECT_HEAD, wire.P_STORE_HELLO):
             self.subscribe(prefix + own)
@@ -327,7 +330,20 @@ class Consumer(PartitionReader):
         key = (subject, partition)
         if group.add_partition(key):
             self._rebalance(time.monotonic())
-        return key not in group.owned
+        if key in group.owned:
+            return False
+        self._not_mine[wire.record_prefix(wire.RECORD, subject, partition, subject)] = key
+        return True
+
+    def on_message(self, frame: bytes) -> None:
+        not_mine = self._not_mine
+        if not_mine and frame[:-8] in not_mine:
+            try:
+                self.sub.recv(NOBLOCK)  # its content frame
+            except zmq.Again:
+                pass
+            return
+        super().on_message(frame)
 
     def _wants_heads(self) -> bool:
         """Whether to ask for heads: to fetch from a position rather than the live edge."""
@@ -475,7 +491,10 @@ class Consumer(PartitionReader):
         group = self._group
         if group is None:
             return
-        if check:
+        if check and self.data_paused:
+            # The caller is not polling and we read nothing: hold the view as it is.
+            group.keep_alive(now)
+        elif check:
             group.expire(now)
             late = group.release_overdue(now)
             if late:
@@ -551,6 +570,7 @@ class Consumer(PartitionReader):
             if taken:
                 for key in taken:
                     self._polled.pop(key, None)  # a late poll of an earlier ownership
+                    self._not_mine.pop(wire.record_prefix(wire.RECORD, key[0], key[1], key[0]), None)
                 self._owned_now = frozenset(group.owned)
                 for topic in sorted({t for t, _ in taken}):
                     # Heads of the taken partitions, so a backlog is fetched even when idle.

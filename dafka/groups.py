@@ -129,6 +129,14 @@ class GroupState:
             del self.peers[member]
         return dead
 
+    def keep_alive(self, now: float) -> None:
+        """We are not reading (our queue is full): give every member a fresh timeout.
+
+        Their heartbeats wait unread meanwhile; silence we cannot hear is no death.
+        """
+        for peer in self.peers.values():
+            peer.expires = max(peer.expires, now + self.timeout)
+
     def add_partition(self, key: Key) -> bool:
         """A partition of one of our topics was seen; True if it is new."""
         if key in self.partitions or key[0] not in self.topics:

@@ -87,6 +87,13 @@ def test_killed_member_expires_and_its_partitions_move() -> None:
     assert a.rebalance(2.5).acquire == [("t", "P1"), ("t", "P3"), ("t", "P5")]
 
 
+def test_keep_alive_while_not_reading() -> None:
+    a = state("A")
+    a.on_member("B", ["t"], [], False, 0.0)
+    a.keep_alive(1.5)  # paused reading: B's heartbeats wait unread
+    assert a.expire(3.0) == [] and a.expire(3.5) == ["B"]
+
+
 def test_leave_and_overdue_release() -> None:
     a = state("A")
     a.add_partition(PARTS[0])
