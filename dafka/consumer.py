@@ -552,8 +552,8 @@ class Consumer(PartitionReader):
         group = self._group
         assert group is not None
         for request_id, (query, keys) in list(self._queries.items()):
-            if not query.done(now):
-                continue
+            if not query.done(now) or (self.data_paused and not query.answers):
+                continue  # (not reading: an answer may be waiting unread)
             del self._queries[request_id]
             if not query.answers:
                 log.warning(
