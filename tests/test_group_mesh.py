@@ -21,6 +21,7 @@ import pytest
 from dafka import wire
 from dafka.config import NodeConfig
 from dafka.consumer import Consumer
+from dafka.errors import CommitError
 from dafka.producer import Producer
 from dafka.store.node import Store
 from tests.conftest import dafka_cmd, subprocess_env, tower_flag, wait_until
@@ -105,6 +106,33 @@ def test_start_positions_in_process(cfg: NodeConfig, tmp_path: Path) -> None:
             assert got[10:] == [(b.address, 50)]
         a.close(0)
         b.close(0)
+
+
+def test_auto_commit_on_assign_and_commit_errors(cfg: NodeConfig, tmp_path: Path) -> None:
+    assigned: list[frozenset[Key]] = []
+    store = Store(str(tmp_path / "db"), cfg)
+    try:
+        producer = Producer("t", cfg)
+        wait_until(lambda: len(producer.peers))
+        publish(producer, 0, 60)
+        key = ("t", producer.address)
+        with Consumer("t", cfg, group="g", offset_reset="earliest", auto_commit_interval=0.1, on_assign=assigned.append) as c:
+            got = [c.poll(10) for _ in range(50)]
+            assert [r.offset for r in got if r] == list(range(50))
+            assert c.assignment() == frozenset({key}) and assigned == [frozenset({key})]
+            wait_until(lambda: store.db.positions("g") == {key: 50})  # committed without asking
+            assert c.commit() == {key: 50}
+            store.close()
+            assert c.poll(10).offset == 50
+            with pytest.raises(CommitError):
+                c.commit(timeout=0.5)
+        with Consumer("t", cfg) as plain, pytest.raises(ValueError):
+            plain.commit()
+        with pytest.raises(ValueError):
+            Consumer("t", cfg, auto_commit_interval=1.0)
+        producer.close(0)
+    finally:
+        store.close()
 
 
 def test_commit_restart_resumes_after_the_last_commit(cfg: NodeConfig, tmp_path: Path, members) -> None:
