@@ -163,8 +163,13 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
     from dafka.consumer import Consumer
 
     cfg = node_config(args, settings)
+    start = parse_starts(args.start or [], args.topic)
     consumer = Consumer(
-        args.topic, cfg, offset_reset="earliest" if args.from_beginning else "latest"
+        args.topic,
+        cfg,
+        offset_reset="earliest" if args.from_beginning else "latest",
+        start=start,
+        group=args.group,
     )
     out = sys.stdout.buffer
     seen = 0
@@ -176,12 +181,22 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
     # Records printed to the same terminal would tear the bar: only with stdout redirected.
     show = args.count is not None and progress.enabled() and not progress.enabled(sys.stdout)
     bar = progress.bar(args.count, f"consuming {' '.join(args.topic)}", show=show)
+    commit_every = args.commit_interval if args.group and args.commit_interval > 0 else None
+    next_commit = time.monotonic() + (commit_every or 0)
     try:
         while not stop.is_set() and (args.count is None or seen < args.count):
             wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
             if wait <= 0:
                 break
-            record = consumer.poll(wait)
+            if commit_every is not None and time.monotonic() >= next_commit:
+                # What was printed is flushed before its position is committed (at-least-once).
+                out.flush()
+                try:
+                    consumer.commit(args.commit_timeout)
+                except DafkaError as exc:
+                    log.warning("%s", exc)
+                next_commit = time.monotonic() + commit_every
+            record = consumer.poll(min(wait, commit_every or wait))
             if record is None:
                 continue
             seen += 1
@@ -196,7 +211,7 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
     finally:
         bar.close()
         out.flush()
-        consumer.close()
+        consumer.close()  # a group member commits what was printed and leaves
     if args.count is not None and seen < args.count:
         print(f"error: got {seen} of {args.count} records within {args.timeout}s", file=sys.stderr)
         return 1
@@ -329,6 +344,19 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def parse_starts(items: list[str], topics: list[str]) -> dict[tuple[str, str], int]:
+    """``[TOPIC/]PARTITION=OFFSET`` items (a bare partition applies to every topic)."""
+    starts: dict[tuple[str, str], int] = {}
+    for item in items:
+        where, sep, offset = item.rpartition("=")
+        if not sep or not where or not offset.isdigit():
+            raise DafkaError(f"--start {item!r}: expected [TOPIC/]PARTITION=OFFSET")
+        topic, slash, partition = where.rpartition("/")
+        for t in [topic] if slash else topics:
+            starts[(t, partition)] = int(offset)
+    return starts
+
+
 # ---------------------------------------------------------------- bench
 
 
@@ -391,6 +419,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--count", type=int, help="exit after this many records")
     p.add_argument("--timeout", type=float, help="give up after this many seconds")
     p.add_argument("-v", "--verbose", action="store_true", help="prefix topic, partition and offset")
+    p.add_argument(
+        "--start",
+        action="append",
+        metavar="[TOPIC/]PARTITION=OFFSET",
+        help="start this partition at OFFSET (repeatable; others follow --from-beginning or latest)",
+    )
+    p.add_argument("--group", help="consumer group: share partitions with its members, resume at its commits")
+    p.add_argument(
+        "--commit-interval",
+        type=float,
+        default=1.0,
+        help="--group: seconds between commits of what was printed (0: only at exit; default 1)",
+    )
+    p.add_argument("--commit-timeout", type=float, default=5.0, help="--group: seconds to wait for a store to confirm")
 
     p = sub.add_parser("store", help="run a store (persists every record in LMDB)")
     _add_node_flags(p)

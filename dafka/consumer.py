@@ -10,6 +10,12 @@ appends deliverable records to a queue; ``poll`` / iteration take them from
 there in the caller's thread.  When the queue is full the I/O thread stops
 reading (ZeroMQ then buffers, and whatever the publishers drop is fetched
 again later), so memory stays bounded.
+
+Start positions (``start=``) and consumer groups (``group=``) hook in where a
+partition is first seen (:meth:`Consumer.new_tracker`, :meth:`Consumer.owns`),
+never on the per-record path.  A group member exchanges MEMBER heartbeats,
+COMMIT / COMMITTED and GET-POSITIONS / POSITIONS with the mesh; the decisions
+are taken by :class:`dafka.groups.GroupState` and friends.
 """
 
 from __future__ import annotations
@@ -18,15 +24,16 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Literal, NamedTuple
 
 import zmq
 
 from dafka import wire
 from dafka.config import NodeConfig, default_node_config
-from dafka.errors import ClosedError
+from dafka.errors import ClosedError, CommitError
 from dafka.gaps import PartitionTracker
+from dafka.groups import GroupState, Key, PendingCommits, PositionsQuery
 from dafka.node import DRAIN
 from dafka.reader import NOBLOCK, PartitionReader, seq_at
 
@@ -44,6 +51,9 @@ class ConsumerRecord(NamedTuple):
 
 _new_record = tuple.__new__
 
+COMMIT_MEMORY = 60.0  # seconds an unconfirmed commit is remembered
+POSITIONS_GRACE = 0.1  # seconds to wait for more stores after the first POSITIONS
+
 
 class Consumer(PartitionReader):
     """Consume ``topics`` from the mesh.
@@ -52,6 +62,17 @@ class Consumer(PartitionReader):
     record (or after the first HEAD) seen; ``"earliest"`` starts every
     partition at offset 0, asking stores and producers for heads (GET-HEADS)
     and fetching what exists.
+
+    ``start={(topic, partition): offset}`` starts the listed partitions at
+    those offsets (the others follow ``offset_reset``).
+
+    ``group="name"`` makes the consumer a member of a consumer group: the
+    members of a group share the partitions of their topics (each partition
+    delivered by one member), and a partition resumes at the group's position
+    committed in the stores (:meth:`commit`, ``auto_commit_interval``); with
+    no committed position, ``start`` then ``offset_reset`` apply.
+    ``on_assign(partitions)`` is called (in the I/O thread) whenever the set of
+    partitions this member delivers changes.
     """
 
     kind = "consumer"
@@ -67,9 +88,20 @@ class Consumer(PartitionReader):
         max_held: int = 100_000,
         retry_interval: float = 0.5,
         skip_after: float = 10.0,
+        start: Mapping[tuple[str, str], int] | None = None,
+        group: str | None = None,
+        auto_commit_interval: float | None = None,
+        on_assign: Callable[[frozenset[Key]], None] | None = None,
     ) -> None:
         if offset_reset not in ("latest", "earliest"):
             raise ValueError("offset_reset must be 'latest' or 'earliest'")
+        starts = {(str(t), str(p)): int(o) for (t, p), o in (start or {}).items()}
+        if any(o < 0 for o in starts.values()):
+            raise ValueError("start offsets must be >= 0")
+        if group is not None and (not group or len(group.encode()) > wire.MAX_STRING or "\x00" in group):
+            raise ValueError("group must be 1..255 bytes without NUL")
+        if auto_commit_interval is not None and (group is None or auto_commit_interval <= 0):
+            raise ValueError("auto_commit_interval needs a group and must be > 0")
         config = (config or default_node_config()).with_towers(towers)
         super().__init__(config)
         self.offset_reset = offset_reset
@@ -86,10 +118,44 @@ class Consumer(PartitionReader):
         self._closed = False
         self.delivered = 0
         self.skipped = 0
+        self._starts = starts
+        self.group = group
+        self.on_assign = on_assign
+        self._committed: dict[Key, int] = {}  # positions read from the stores, until used
+        self._group: GroupState | None = None
+        self._owned_now: frozenset[Key] = frozenset()  # what poll delivers (group members)
+        self._polled: dict[Key, int] = {}  # next offset per partition, as polled by the caller
+        self._last_commit: dict[Key, int] = {}
+        self._commits = PendingCommits()
+        self._commit_done: dict[int, threading.Event] = {}
+        self._release_on: dict[int, list[Key]] = {}
+        self._queries: dict[int, tuple[PositionsQuery, list[Key]]] = {}
+        self._next_request = 1
+        # RECORD header prefix (before the sequence) of partitions other members
+        # deliver: their records are dropped without decoding.
+        self._not_mine: dict[bytes, Key] = {}
         own = self.address.encode()
         for prefix in (wire.P_DIRECT_RECORD, wire.P_DIRECT_HEAD, wire.P_STORE_HELLO):
             self.subscribe(prefix + own)
-        for topic in [topics] if isinstance(topics, str) else list(topics):
+        topic_list = [topics] if isinstance(topics, str) else list(topics)
+        if group is not None:
+            cfg = self.config
+            self._group = GroupState(
+                group,
+                self.address,
+                topic_list,
+                timeout=cfg.beacon_timeout,
+                settle=min(cfg.beacon_timeout, 3 * cfg.beacon_interval),
+                release_timeout=cfg.beacon_timeout,
+                now=time.monotonic(),
+            )
+            for prefix in (wire.P_COMMITTED, wire.P_POSITIONS):
+                self.subscribe(prefix + own)
+            self.subscribe(wire.P_MEMBER + group.encode())
+            self.every(cfg.beacon_interval, self._group_heartbeat)
+            if auto_commit_interval is not None:
+                self.every(auto_commit_interval, self._auto_commit)
+        for topic in topic_list:
             self._add_topic(topic)
         self.start()
 
@@ -114,6 +180,21 @@ class Consumer(PartitionReader):
 
     def poll(self, timeout: float | None = None) -> ConsumerRecord | None:
         """The next record, waiting up to ``timeout`` seconds (None: forever)."""
+        if self._group is None:
+            return self._poll(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            record = self._poll(remaining)
+            if record is None:
+                return None
+            key = (record.topic, record.partition)
+            if key in self._owned_now:
+                self._polled[key] = record.offset + 1
+                return record
+            # Queued before its partition was handed over: the new owner delivers it.
+
+    def _poll(self, timeout: float | None) -> ConsumerRecord | None:
         queue = self._queue
         if queue:
             if self.data_paused and len(queue) < self.max_queued // 2:
@@ -146,12 +227,29 @@ class Consumer(PartitionReader):
                 batch.append(popleft())
         except IndexError:
             pass
+        if self._group is not None:
+            owned, polled = self._owned_now, self._polled
+            batch = [r for r in batch if (r.topic, r.partition) in owned]
+            for r in batch:
+                polled[(r.topic, r.partition)] = r.offset + 1
         return batch
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the consumer; records not yet polled are discarded."""
+        """Stop the consumer; records not yet polled are discarded.
+
+        A group member first commits what was polled and says goodbye, so the
+        others take its partitions over at once, where it stopped.
+        """
         if self._closed:
             return
+        if self._group is not None and self.running:
+            try:
+                self.commit(min(timeout, 2.0))
+            except CommitError as exc:
+                log.warning("consumer %s: final commit failed: %s", self.address, exc)
+            left = threading.Event()
+            self.call_soon(lambda: self._leave(left))
+            left.wait(1.0)
         self._closed = True
         self._ready.set()
         self.stop(timeout)
@@ -159,6 +257,33 @@ class Consumer(PartitionReader):
     def positions(self) -> dict[tuple[str, str], int]:
         """Next offset to deliver per (topic, partition) known so far."""
         return {k: t.next for k, t in list(self._trackers.items()) if t.next is not None}
+
+    def assignment(self) -> frozenset[Key]:
+        """The (topic, partition)s this group member delivers now (without a group: every known one)."""
+        if self._group is None:
+            return frozenset(self._trackers.copy())  # copy(): atomic against the I/O thread
+        return self._owned_now
+
+    def commit(self, timeout: float = 5.0) -> dict[Key, int]:
+        """Record the group's positions (the next offset after what was polled)
+        durably in the stores; blocks until one store confirmed it.
+
+        Returns the committed positions ({} when nothing was polled since the
+        partitions were taken).  Raises :class:`CommitError` when no store
+        confirmed within ``timeout`` seconds, ValueError without a group.
+        """
+        if self._group is None:
+            raise ValueError("commit() needs a consumer group (group=...)")
+        if self._closed or not self.running:
+            raise ClosedError("consumer is closed")
+        positions = self._positions_to_commit()
+        if not positions:
+            return {}
+        done = threading.Event()
+        self.call_soon(lambda: self._send_commit(positions, done))
+        if not done.wait(timeout):
+            raise CommitError(f"no store confirmed the commit of group {self.group!r} within {timeout}s")
+        return positions
 
     # ---------------------------------------------------------------- I/O thread
 
@@ -170,24 +295,59 @@ class Consumer(PartitionReader):
         self.topics.append(topic)
         self.subscribe(wire.P_RECORD + topic.encode())
         self.subscribe(wire.P_HEAD + topic.encode())
-        if self.earliest and self.running:
+        if self._group is not None:
+            self._group.add_topic(topic)
+        if self._wants_heads() and self.running:
             self.send(wire.GetHeads(topic, self.address))
 
     def sockets(self) -> list[tuple[zmq.Socket, object]]:
         return [(self.publisher, self._read_subscriptions)]
 
     def on_start(self) -> None:
-        if self.earliest:
+        if self._wants_heads():
             for topic in self.topics:
                 self.send(wire.GetHeads(topic, self.address))
 
     def new_tracker(self, subject: str, partition: str) -> PartitionTracker:
-        return PartitionTracker(
-            subject, partition, 0 if self.earliest else None, **self._tracker_options
-        )
+        key = (subject, partition)
+        # Committed (group) position, then start position, then offset reset.
+        first = self._committed.pop(key, None)
+        if first is None:
+            first = self._starts.get(key)
+        if first is None and self.earliest:
+            first = 0
+        return PartitionTracker(subject, partition, first, **self._tracker_options)
 
     def wants(self, subject: str) -> bool:
         return subject in self.topics
+
+    def owns(self, subject: str, partition: str) -> bool:
+        # "Not ours to deliver": a group member ignores the partitions of the
+        # others; this runs only for partitions without a tracker (slow path).
+        group = self._group
+        if group is None:
+            return False
+        key = (subject, partition)
+        if group.add_partition(key):
+            self._rebalance(time.monotonic())
+        if key in group.owned:
+            return False
+        self._not_mine[wire.record_prefix(wire.RECORD, subject, partition, subject)] = key
+        return True
+
+    def on_message(self, frame: bytes) -> None:
+        not_mine = self._not_mine
+        if not_mine and frame[:-8] in not_mine:
+            try:
+                self.sub.recv(NOBLOCK)  # its content frame
+            except zmq.Again:
+                pass
+            return
+        super().on_message(frame)
+
+    def _wants_heads(self) -> bool:
+        """Whether to ask for heads: to fetch from a position rather than the live edge."""
+        return self.earliest or bool(self._starts) or self._group is not None
 
     def emit(self, tracker: PartitionTracker, records: list[tuple[int, bytes]]) -> None:
         append = self._queue.append
@@ -244,9 +404,11 @@ class Consumer(PartitionReader):
     def on_other(self, msg: wire.Message) -> None:
         if isinstance(msg, wire.StoreHello) and msg.topic == self.address:
             self._hello(msg.address)
+        elif self._group is not None:
+            self._on_group_message(msg)
 
     def _hello(self, store: str) -> None:
-        subjects = tuple(self.topics) if self.earliest else ()
+        subjects = tuple(self.topics) if self._wants_heads() else ()
         self.send(wire.ConsumerHello(store, self.address, subjects))
 
     def _read_subscriptions(self) -> None:
@@ -266,7 +428,14 @@ class Consumer(PartitionReader):
                     self._hello(prefix[1:].decode())
                 except UnicodeDecodeError:
                     self.bad_input("subscription", "store address is not UTF-8")
-            elif prefix[:1] == wire.P_GET_HEADS and self.earliest:
+            elif prefix == wire.P_GET_POSITIONS and self._group is not None:
+                # A store connected: ask it too (what was asked before it came was lost).
+                self._ask_positions_again()
+            elif prefix[:1] == wire.P_MEMBER and self._group is not None:
+                # A peer listens to group heartbeats: tell it about us now.
+                if self._group.group.encode().startswith(prefix[1:]):
+                    self._group_heartbeat(time.monotonic(), check=False)
+            elif prefix[:1] == wire.P_GET_HEADS and self._wants_heads():
                 # A new store or producer listens for GET-HEADS: ask it now,
                 # the GET-HEADS sent before it connected was lost.
                 for topic in self.topics:
@@ -294,3 +463,184 @@ class Consumer(PartitionReader):
         self.check_missing(now)
         if self.delivered != before:
             self._ready.set()
+        if self._queries:
+            self._finish_queries(now)
+
+    # ---------------------------------------------------------------- I/O thread: groups
+
+    def _on_group_message(self, msg: wire.Message) -> None:
+        group = self._group
+        assert group is not None
+        now = time.monotonic()
+        if isinstance(msg, wire.Member):
+            if msg.topic == group.group and group.on_member(
+                msg.address, msg.topics, msg.claims, msg.leaving, now
+            ):
+                self._rebalance(now)
+        elif isinstance(msg, wire.Committed):
+            if msg.topic == self.address:
+                self._on_committed(msg.commit_id)
+        elif isinstance(msg, wire.Positions):
+            if msg.topic == self.address and msg.group == group.group:
+                entry = self._queries.get(msg.request_id)
+                if entry is not None:
+                    entry[0].on_answer(msg.positions, now)
+
+    def _group_heartbeat(self, now: float, check: bool = True) -> None:
+        """Timer: say we are here (with our claims), forget silent members, rebalance."""
+        group = self._group
+        if group is None:
+            return
+        if check and self.data_paused:
+            # The caller is not polling and we read nothing: hold the view as it is.
+            group.keep_alive(now)
+        elif check:
+            group.expire(now)
+            late = group.release_overdue(now)
+            if late:
+                log.warning(
+                    "consumer %s: no store confirmed the hand-over commit of %d partitions; "
+                    "releasing them anyway",
+                    self.address,
+                    len(late),
+                )
+            self._commits.forget_older(now, COMMIT_MEMORY)
+            for commit_id in [c for c in self._commit_done if c < self._commits.next_id - 1000]:
+                del self._commit_done[commit_id]
+            # Every heartbeat re-checks the assignment (expiries, late releases, settling).
+            self._rebalance(now, heartbeat=False)
+            self._ask_positions_again()
+        self.send(wire.Member(group.group, self.address, False, tuple(self.topics), tuple(group.claims())))
+
+    def _rebalance(self, now: float, heartbeat: bool = True) -> None:
+        group = self._group
+        assert group is not None
+        plan = group.rebalance(now)
+        if plan.revoke:
+            self._owned_now = frozenset(group.owned)  # poll stops delivering them at once
+            polled = self._polled.copy()
+            handed = {k: polled[k] for k in plan.revoke if k in polled}
+            for key in plan.revoke:
+                self._drop_tracker(key)
+                self._polled.pop(key, None)
+                self._committed.pop(key, None)
+            group.released([k for k in plan.revoke if k not in handed])
+            if handed:
+                commit_id = self._send_commit(handed, None)
+                self._release_on[commit_id] = list(handed)
+            self._assignment_changed(set(), set(plan.revoke))
+        if plan.acquire:
+            request_id = self._next_request
+            self._next_request += 1
+            # Long enough for a store to connect; an answer ends the wait sooner.
+            timeout = max(2.0, 2 * self.config.beacon_timeout)
+            grace = min(POSITIONS_GRACE, self.config.beacon_interval)
+            self._queries[request_id] = (PositionsQuery(request_id, now, timeout, grace), plan.acquire)
+            self.send(wire.GetPositions(group.group, self.address, request_id))
+        if heartbeat and (plan.revoke or plan.acquire):
+            self._group_heartbeat(now, check=False)
+
+    def _ask_positions_again(self) -> None:
+        """Re-send the GET-POSITIONS nobody answered yet (the stores may not be connected)."""
+        group = self._group
+        assert group is not None
+        for request_id, (query, _keys) in self._queries.items():
+            if not query.answers:
+                self.send(wire.GetPositions(group.group, self.address, request_id))
+
+    def _finish_queries(self, now: float) -> None:
+        group = self._group
+        assert group is not None
+        for request_id, (query, keys) in list(self._queries.items()):
+            if not query.done(now) or (self.data_paused and not query.answers):
+                continue  # (not reading: an answer may be waiting unread)
+            del self._queries[request_id]
+            if not query.answers:
+                log.warning(
+                    "consumer %s: no store answered for the positions of group %r; "
+                    "partitions without one follow start/offset_reset",
+                    self.address,
+                    group.group,
+                )
+            for key in keys:
+                if key in query.positions and key in group.acquiring:
+                    self._committed[key] = query.positions[key]
+                    self._drop_tracker(key)  # none expected: the next record starts it there
+            taken = group.acquired(keys)
+            if taken:
+                for key in taken:
+                    self._polled.pop(key, None)  # a late poll of an earlier ownership
+                    self._not_mine.pop(wire.record_prefix(wire.RECORD, key[0], key[1], key[0]), None)
+                self._owned_now = frozenset(group.owned)
+                for topic in sorted({t for t, _ in taken}):
+                    # Heads of the taken partitions, so a backlog is fetched even when idle.
+                    self.send(wire.GetHeads(topic, self.address))
+                self._assignment_changed(set(taken), set())
+                self._group_heartbeat(now, check=False)
+
+    def _assignment_changed(self, added: set[Key], removed: set[Key]) -> None:
+        owned = self._owned_now
+        log.info(
+            "consumer %s group %r: delivers %d partitions (+%d -%d)",
+            self.address[:8],
+            self.group,
+            len(owned),
+            len(added),
+            len(removed),
+        )
+        if self.on_assign is not None:
+            try:
+                self.on_assign(owned)
+            except Exception:
+                log.exception("on_assign callback failed")
+
+    def _drop_tracker(self, key: Key) -> None:
+        """Forget a partition's delivery state (it is handed over or restarts)."""
+        tracker = self._trackers.pop(key, None)
+        if tracker is None:
+            return
+        subject, partition = key
+        prefix = wire.record_prefix
+        self._by_prefix.pop(prefix(wire.RECORD, subject, partition, subject), None)
+        self._by_prefix.pop(prefix(wire.DIRECT_RECORD, self.address, partition, subject), None)
+        self._missing.discard(tracker)
+
+    def _positions_to_commit(self) -> dict[Key, int]:
+        owned = self._owned_now
+        return {k: v for k, v in self._polled.copy().items() if k in owned}
+
+    def _send_commit(self, positions: Mapping[Key, int], done: threading.Event | None) -> int:
+        commit_id = self._commits.new(positions, time.monotonic())
+        if done is not None:
+            self._commit_done[commit_id] = done
+        entries = tuple((t, p, o) for (t, p), o in sorted(positions.items()))
+        assert self.group is not None
+        self.send(wire.Commit(self.group, self.address, commit_id, entries))
+        return commit_id
+
+    def _on_committed(self, commit_id: int) -> None:
+        positions = self._commits.confirmed(commit_id)
+        if positions is None:
+            return  # another store confirmed it first
+        self._last_commit.update(positions)
+        done = self._commit_done.pop(commit_id, None)
+        if done is not None:
+            done.set()
+        keys = self._release_on.pop(commit_id, None)
+        if keys and self._group is not None:
+            self._group.released(keys)
+            self._group_heartbeat(time.monotonic(), check=False)
+
+    def _auto_commit(self, now: float) -> None:
+        positions = self._positions_to_commit()
+        last = self._last_commit
+        if any(last.get(k) != v for k, v in positions.items()):
+            self._send_commit(positions, None)
+
+    def _leave(self, left: threading.Event) -> None:
+        group = self._group
+        if group is not None:
+            group.leave()
+            self._owned_now = frozenset()
+            self.send(wire.Member(group.group, self.address, True, tuple(self.topics), ()))
+        left.set()

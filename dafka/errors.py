@@ -37,6 +37,10 @@ class BufferFullError(PublishError):
     """The producer's unacked buffer is full and the publish timeout passed."""
 
 
+class CommitError(DafkaError):
+    """No store confirmed a consumer group's commit in time."""
+
+
 class ClosedError(DafkaError):
     """The node has been closed."""
 

@@ -36,6 +36,12 @@ STORE_HELLO = ord("L")
 # Not in the RFC nor in the C nodes: only dafka producers subscribe to it (C nodes
 # subscribe to exact prefixes of the ids above, so it never reaches them).
 STORE_STATUS = ord("Y")
+# Consumer groups (this implementation only; see "Consumer groups" below).
+COMMIT = ord("C")
+COMMITTED = ord("A")
+GET_POSITIONS = ord("P")
+POSITIONS = ord("Q")
+MEMBER = ord("J")
 
 COMMAND_NAMES = {
     RECORD: "RECORD",
@@ -48,6 +54,11 @@ COMMAND_NAMES = {
     CONSUMER_HELLO: "CONSUMER-HELLO",
     STORE_HELLO: "STORE-HELLO",
     STORE_STATUS: "STORE-STATUS",
+    COMMIT: "COMMIT",
+    COMMITTED: "COMMITTED",
+    GET_POSITIONS: "GET-POSITIONS",
+    POSITIONS: "POSITIONS",
+    MEMBER: "MEMBER",
 }
 
 # Subscription prefixes are the command id followed by the zmq topic.
@@ -61,6 +72,11 @@ P_GET_HEADS = b"G"
 P_CONSUMER_HELLO = b"W"
 P_STORE_HELLO = b"L"
 P_STORE_STATUS = b"Y"
+P_COMMIT = b"C"
+P_COMMITTED = b"A"
+P_GET_POSITIONS = b"P"
+P_POSITIONS = b"Q"
+P_MEMBER = b"J"
 
 # Beacon frames exchanged with towers.
 BEACON = b"B"
@@ -168,6 +184,69 @@ class StoreStatus(NamedTuple):
     subject: str
     writing: int  # 1: commits succeed; 0: they fail and ACKs have stopped
     reason: str  # why not writing ("" when writing)
+# ---------------------------------------------------------------- consumer groups
+#
+# Messages the C reference does not have.  Their command ids are letters no
+# reference node subscribes to (it subscribes to exact prefixes of M D F K H E
+# G W L), so they never reach C nodes.  A position is the next offset to
+# deliver; positions travel as ``count:4`` then, per entry, ``subject string,
+# partition string, offset:8``; claims as ``count:4`` then ``subject string,
+# partition string``.
+#
+# | id | command       | ZeroMQ topic     | fields after the version byte                        |
+# | C  | COMMIT        | group            | address (member), commit id:8, positions             |
+# | A  | COMMITTED     | member address   | address (store), commit id:8                         |
+# | P  | GET-POSITIONS | group            | address (member), request id:8                       |
+# | Q  | POSITIONS     | member address   | address (store), group string, request id:8, positions |
+# | J  | MEMBER        | group            | address (member), flags:1 (1 = leaving), strings (topics), claims |
+
+Position = tuple[str, str, int]  # (subject, partition, next offset)
+Claim = tuple[str, str]  # (subject, partition)
+
+
+class Commit(NamedTuple):
+    """COMMIT: a group member asks every store to record the group's positions."""
+
+    topic: str  # zmq topic: the group
+    address: str  # member address (where COMMITTED goes)
+    commit_id: int
+    positions: tuple[Position, ...]
+
+
+class Committed(NamedTuple):
+    """COMMITTED: a store has durably recorded commit ``commit_id``."""
+
+    topic: str  # zmq topic: the member's address
+    address: str  # store address
+    commit_id: int
+
+
+class GetPositions(NamedTuple):
+    """GET-POSITIONS: a member asks the stores for the group's committed positions."""
+
+    topic: str  # zmq topic: the group
+    address: str  # member address
+    request_id: int
+
+
+class Positions(NamedTuple):
+    """POSITIONS: a store's answer to GET-POSITIONS (every position of the group it holds)."""
+
+    topic: str  # zmq topic: the member's address
+    address: str  # store address
+    group: str
+    request_id: int
+    positions: tuple[Position, ...]
+
+
+class Member(NamedTuple):
+    """MEMBER: a group member's heartbeat (or, with ``leaving``, its goodbye)."""
+
+    topic: str  # zmq topic: the group
+    address: str  # member address
+    leaving: bool
+    topics: tuple[str, ...]  # the subjects it consumes
+    claims: tuple[Claim, ...]  # the partitions it delivers (or still hands over)
 
 
 Message = (
@@ -181,6 +260,11 @@ Message = (
     | ConsumerHello
     | StoreHello
     | StoreStatus
+    | Commit
+    | Committed
+    | GetPositions
+    | Positions
+    | Member
 )
 
 _IDS: dict[type, int] = {
@@ -194,6 +278,11 @@ _IDS: dict[type, int] = {
     ConsumerHello: CONSUMER_HELLO,
     StoreHello: STORE_HELLO,
     StoreStatus: STORE_STATUS,
+    Commit: COMMIT,
+    Committed: COMMITTED,
+    GetPositions: GET_POSITIONS,
+    Positions: POSITIONS,
+    Member: MEMBER,
 }
 
 
@@ -250,6 +339,8 @@ def encode(msg: Message) -> list[bytes]:
         if writing not in (0, 1):
             raise ProtocolError("STORE-STATUS writing must be 0 or 1")
         return [head + _s(msg.address) + _s(msg.subject) + bytes((writing,)) + _s(msg.reason)]  # type: ignore[union-attr]
+    if cmd in _GROUP_COMMANDS:
+        return [head + _encode_group(cmd, msg)]
     # CONSUMER-HELLO
     subjects = msg.subjects  # type: ignore[union-attr]
     if len(subjects) > MAX_STRINGS:
@@ -371,6 +462,8 @@ def decode(frames: Sequence[bytes]) -> Message:
         if writing > 1:
             raise ProtocolError(f"STORE-STATUS writing {writing} is not 0 or 1")
         msg = StoreStatus(topic, address, subject, writing, r.string())
+    elif cmd in _GROUP_COMMANDS:
+        msg = _decode_group(cmd, topic, r)
     else:  # CONSUMER-HELLO
         address = r.string()
         n = r.u32()
@@ -380,6 +473,91 @@ def decode(frames: Sequence[bytes]) -> Message:
         msg = ConsumerHello(topic, address, subjects)
     r.end()
     return msg
+
+
+def _strings(values: Sequence[str]) -> bytes:
+    if len(values) > MAX_STRINGS:
+        raise ProtocolError("too many strings")
+    parts = [_U32.pack(len(values))]
+    for value in values:
+        b = value.encode()
+        parts.append(_U32.pack(len(b)))
+        parts.append(b)
+    return b"".join(parts)
+
+
+def _positions(positions: Sequence[Position]) -> bytes:
+    if len(positions) > MAX_STRINGS:
+        raise ProtocolError("too many positions")
+    parts = [_U32.pack(len(positions))]
+    for subject, partition, offset in positions:
+        parts.append(_s(subject) + _s(partition) + pack_u64(offset))
+    return b"".join(parts)
+
+
+def _encode_group(cmd: int, msg: Message) -> bytes:
+    """The fields of a consumer-group message (after the version byte)."""
+    if cmd == COMMIT:
+        return _s(msg.address) + pack_u64(msg.commit_id) + _positions(msg.positions)  # type: ignore[union-attr]
+    if cmd == COMMITTED:
+        return _s(msg.address) + pack_u64(msg.commit_id)  # type: ignore[union-attr]
+    if cmd == GET_POSITIONS:
+        return _s(msg.address) + pack_u64(msg.request_id)  # type: ignore[union-attr]
+    if cmd == POSITIONS:
+        return (
+            _s(msg.address) + _s(msg.group) + pack_u64(msg.request_id) + _positions(msg.positions)  # type: ignore[union-attr]
+        )
+    # MEMBER
+    claims = msg.claims  # type: ignore[union-attr]
+    if len(claims) > MAX_STRINGS:
+        raise ProtocolError("too many claims")
+    parts = [
+        _s(msg.address),  # type: ignore[union-attr]
+        b"\x01" if msg.leaving else b"\x00",  # type: ignore[union-attr]
+        _strings(msg.topics),  # type: ignore[union-attr]
+        _U32.pack(len(claims)),
+    ]
+    for subject, partition in claims:
+        parts.append(_s(subject) + _s(partition))
+    return b"".join(parts)
+
+
+def _read_positions(r: _Reader) -> tuple[Position, ...]:
+    n = r.u32()
+    if n > MAX_STRINGS:
+        raise ProtocolError(f"{n} positions is more than {MAX_STRINGS}")
+    return tuple((r.string(), r.string(), r.u64()) for _ in range(n))
+
+
+def _decode_group(cmd: int, topic: str, r: _Reader) -> Message:
+    if cmd == COMMIT:
+        return Commit(topic, r.string(), r.u64(), _read_positions(r))
+    if cmd == COMMITTED:
+        return Committed(topic, r.string(), r.u64())
+    if cmd == GET_POSITIONS:
+        return GetPositions(topic, r.string(), r.u64())
+    if cmd == POSITIONS:
+        return Positions(topic, r.string(), r.string(), r.u64(), _read_positions(r))
+    # MEMBER
+    address = r.string()
+    if r.pos >= len(r.buf):
+        raise ProtocolError("truncated flags")
+    flags = r.buf[r.pos]
+    if flags > 1:
+        raise ProtocolError(f"unknown MEMBER flags 0x{flags:02x}")
+    r.pos += 1
+    n = r.u32()
+    if n > MAX_STRINGS:
+        raise ProtocolError(f"{n} topics is more than {MAX_STRINGS}")
+    topics = tuple(r.longstr() for _ in range(n))
+    n = r.u32()
+    if n > MAX_STRINGS:
+        raise ProtocolError(f"{n} claims is more than {MAX_STRINGS}")
+    claims = tuple((r.string(), r.string()) for _ in range(n))
+    return Member(topic, address, bool(flags), topics, claims)
+
+
+_GROUP_COMMANDS = frozenset((COMMIT, COMMITTED, GET_POSITIONS, POSITIONS, MEMBER))
 
 
 # ---------------------------------------------------------------- hot path

@@ -132,6 +132,18 @@ messages = st.one_of(
     st.builds(wire.ConsumerHello, names, names, st.lists(names, max_size=5).map(tuple)),
     st.builds(wire.StoreHello, names, names),
     st.builds(wire.StoreStatus, names, names, names, st.integers(0, 1), st.text(max_size=80).map(wire.reason_text)),
+    st.builds(wire.Commit, names, names, seqs, st.lists(st.tuples(names, names, seqs), max_size=4).map(tuple)),
+    st.builds(wire.Committed, names, names, seqs),
+    st.builds(wire.GetPositions, names, names, seqs),
+    st.builds(wire.Positions, names, names, names, seqs, st.lists(st.tuples(names, names, seqs), max_size=4).map(tuple)),
+    st.builds(
+        wire.Member,
+        names,
+        names,
+        st.booleans(),
+        st.lists(names, max_size=3).map(tuple),
+        st.lists(st.tuples(names, names), max_size=4).map(tuple),
+    ),
 )
 
 
@@ -170,3 +182,26 @@ def test_beacon_decoders_only_raise_protocol_error(frames: list[bytes]) -> None:
             decoder(frames)
         except ProtocolError:
             pass
+
+
+def test_group_messages_bytes() -> None:
+    """The consumer-group messages' layout (ids no C node subscribes to)."""
+    a, b = "A" * 32, "B" * 32
+    frames = wire.encode(wire.Commit("billing", a, 7, (("hello", b, 5),)))
+    assert frames == [
+        b"Cbilling\x00\x01\x20" + a.encode() + (7).to_bytes(8, "big") + (1).to_bytes(4, "big")
+        + b"\x05hello\x20" + b.encode() + (5).to_bytes(8, "big")
+    ]
+    assert wire.encode(wire.Committed(a, b, 7)) == [b"A" + a.encode() + b"\x00\x01\x20" + b.encode() + (7).to_bytes(8, "big")]
+    member = wire.encode(wire.Member("billing", a, False, ("hello",), ()))
+    assert member == [
+        b"Jbilling\x00\x01\x20" + a.encode() + b"\x00" + (1).to_bytes(4, "big") + (5).to_bytes(4, "big")
+        + b"hello" + (0).to_bytes(4, "big")
+    ]
+    # None of the new ids is one the reference uses.
+    for cmd in (wire.COMMIT, wire.COMMITTED, wire.GET_POSITIONS, wire.POSITIONS, wire.MEMBER):
+        assert chr(cmd) not in "MDFKHEGWL"
+    with pytest.raises(ProtocolError):
+        wire.decode([member[0][:-1]])
+    with pytest.raises(ProtocolError):
+        wire.decode([b"Jbilling\x00\x01\x01a\x02" + bytes(8)])  # unknown flags

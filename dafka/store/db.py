@@ -9,8 +9,9 @@ Layout (format version 1)
 =========================
 
 One LMDB environment (a directory holding ``data.mdb`` and ``lock.mdb``) with
-four named sub-databases.  All integers are unsigned big-endian, so LMDB's
-bytewise key order is numeric order.
+four named sub-databases, plus ``positions`` once a consumer group committed.
+All integers are unsigned big-endian, so LMDB's bytewise key order is numeric
+order.
 
 ``meta``
     ``b"format"`` -> ``version:u32`` (1).  Opening a store of another version
@@ -44,6 +45,18 @@ bytewise key order is numeric order.
     published through the Tank gateway, whose Tank timestamp is kept
     (``flags & 2``: "timestamp supplied by the producer").  The key is the
     optional Tank message key.  Other flag bits are reserved (zero).
+
+``positions`` -- committed positions of consumer groups (optional)
+    key:   ``group_len:u8  group`` then the partition key above (at most 511
+    bytes in all)
+
+    value: ``offset:u64``, the next offset the group delivers
+
+    A commit overwrites the entries in place, so a group's positions are one
+    key range whose size is the number of partitions it consumed, however
+    many commits were made.  Stores written before this table existed open
+    unchanged: the table is created by the first commit, and read as empty
+    until then.
 
 Durability and concurrency
 ==========================
@@ -97,9 +110,12 @@ from dafka.store.layout import (
     PARTITION_INFO,
     RECORD_KEY,
     U32,
+    U64,
     VALUE_HEADER,
     PartitionInfo,
+    group_prefix,
     pack_partition_key,
+    pack_position_key,
     topic_prefix,
     unpack_partition_key,
     value_payload_size,
@@ -247,6 +263,7 @@ class _Dbs(NamedTuple):
 
 
 _DB_NAMES = tuple(name.encode() for name in _Dbs._fields)
+POSITIONS_DB = b"positions"
 
 
 def _group(batch: Sequence[Sequence[Any]]) -> dict[tuple[str, str], list[Sequence[Any]]]:
@@ -417,6 +434,7 @@ class RecordDB:
         self._pkeys: dict[tuple[str, str], bytes] = {}
         self._env: lmdb.Environment | None = None
         self._dbs: _Dbs | None = None
+        self._positions_db: Any = None  # opened when it exists (see the layout)
         #: Records skipped by :meth:`append` because their offset was <= head.
         self.duplicates = 0
         self._open()
@@ -441,6 +459,7 @@ class RecordDB:
             try:
                 self._env = env
                 self._dbs = self._open_dbs_readonly(env)
+                self._positions_db = self._open_positions(env)
             except BaseException:
                 self._env = None
                 env.close()
@@ -469,6 +488,7 @@ class RecordDB:
                 if env.stat()["entries"]:
                     raise  # named DBs exist but something is off: do not touch it
                 self._dbs = self._write(self._create_dbs)
+            self._positions_db = self._open_positions(env)
         except BaseException:
             self._env = None
             env.close()
@@ -482,6 +502,14 @@ class RecordDB:
         with env.begin() as txn:
             self._check_format(txn.get(META_FORMAT, db=dbs.meta))
         return dbs
+
+    @staticmethod
+    def _open_positions(env: lmdb.Environment) -> Any:
+        """The ``positions`` table if a commit created it, else None (nothing is written)."""
+        try:
+            return env.open_db(POSITIONS_DB, create=False)
+        except lmdb.NotFoundError:
+            return None
 
     def _create_dbs(self, txn: lmdb.Transaction) -> _Dbs:
         env = self._env
@@ -892,6 +920,49 @@ class RecordDB:
             for key in txn.cursor(db=dbs.partitions).iternext(values=False):
                 names.add(bytes(key[1 : 1 + key[0]]).decode("utf-8"))
         return sorted(names)
+
+    # ------------------------------------------------------------------ group positions
+
+    def put_positions(self, group: str, positions: Mapping[tuple[str, str], int]) -> None:
+        """Record ``group``'s next offset per (topic, partition), durably, in one transaction.
+
+        Entries overwrite the previous ones in place (the last commit wins).
+        Raises ValueError for names that do not fit a key (nothing is written).
+        """
+        items = [(pack_position_key(group, t, p), U64.pack(off)) for (t, p), off in positions.items()]
+        if not items:
+            return
+
+        def body(txn: lmdb.Transaction) -> Any:
+            db = self._positions_db
+            if db is None:
+                db = self._live_env().open_db(POSITIONS_DB, txn=txn, create=True)
+            for key, value in items:
+                txn.put(key, value, db=db)
+            return db
+
+        # The handle of a table created in this transaction is kept only once it committed.
+        self._positions_db = self._write(body)
+
+    def positions(self, group: str) -> dict[tuple[str, str], int]:
+        """``group``'s committed next offset per (topic, partition): one range scan."""
+        out: dict[tuple[str, str], int] = {}
+        prefix = group_prefix(group)
+        with self._read_txn() as (txn, _dbs):
+            db = self._positions_db
+            if db is None:
+                return out
+            cur = txn.cursor(db=db)
+            if not cur.set_range(prefix):
+                return out
+            for key, raw in cur.iternext():
+                if not key.startswith(prefix):
+                    break  # the length byte pins the group, so a prefix match is exact
+                try:
+                    out[unpack_partition_key(bytes(key[len(prefix) :]))] = U64.unpack(raw)[0]
+                except (ValueError, IndexError, struct.error):
+                    log.warning("skipping malformed position key %r", bytes(key))
+        return out
 
     def fetch_raw(
         self, topic: str, partition: str, offset: int, count: int

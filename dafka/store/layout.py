@@ -8,6 +8,8 @@ The layout itself is documented in :mod:`dafka.store.db`; in short::
                                        -> pid:u32 first:u64 last:u64 count:u64 bytes:u64
     pids        pid:u32                -> the partition key above
     records     pid:u32 offset:u64     -> ts_ms:u64 flags:u8 [klen:u8 key] content
+    positions   glen:u8 group tlen:u8 topic plen:u8 partition
+                                       -> offset:u64 (optional; created by the first commit)
 
 All integers are big-endian so that LMDB's bytewise key order is numeric order.
 """
@@ -101,6 +103,21 @@ def topic_prefix(topic: str) -> bytes:
     """The common prefix of every partition key of ``topic``."""
     t = encode_name(topic, "topic")
     return bytes((len(t),)) + t
+
+
+def pack_position_key(group: str, topic: str, partition: str) -> bytes:
+    """``glen:u8 group`` then the partition key: one group's positions are one key range."""
+    g = encode_name(group, "group")
+    key = bytes((len(g),)) + g + pack_partition_key(topic, partition)
+    if len(key) > MAX_PARTITION_KEY:
+        raise ValueError(f"group, topic and partition total {len(key)} bytes, at most {MAX_PARTITION_KEY}")
+    return key
+
+
+def group_prefix(group: str) -> bytes:
+    """The common prefix of every position key of ``group``."""
+    g = encode_name(group, "group")
+    return bytes((len(g),)) + g
 
 
 def pack_record_key(pid: int, offset: int) -> bytes:

@@ -19,6 +19,11 @@ FETCH(offset, count) is answered with exactly ``count`` DIRECT-RECORDs, or
 fewer if fewer are stored, from the first retained offset when the asked one
 was removed by retention.  Large answers are served in slices so one FETCH
 cannot starve the rest.
+
+Consumer groups: every COMMIT (``C``) seen is written to the ``positions``
+table (one small synced transaction, in the I/O thread) and then confirmed
+with COMMITTED; GET-POSITIONS (``P``) is answered with every position of the
+group the store holds (POSITIONS).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import zmq
 
 from dafka import wire
 from dafka.config import NodeConfig, default_node_config
+from dafka.errors import ProtocolError
 from dafka.gaps import PartitionTracker
 from dafka.metrics import SECONDS_BUCKETS, SIZE_BUCKETS, Histogram
 from dafka.node import DRAIN
@@ -131,6 +137,8 @@ class Store(PartitionReader):
         self.publisher.setsockopt(zmq.XPUB_NODROP, 1)
         own = self.address.encode()
         for prefix in (wire.P_RECORD, wire.P_HEAD, wire.P_FETCH, wire.P_GET_HEADS):
+            self.subscribe(prefix)
+        for prefix in (wire.P_COMMIT, wire.P_GET_POSITIONS):
             self.subscribe(prefix)
         self.subscribe(wire.P_DIRECT_RECORD + own)
         self.subscribe(wire.P_CONSUMER_HELLO + own)
@@ -370,6 +378,10 @@ class Store(PartitionReader):
         elif isinstance(msg, wire.ConsumerHello):
             if msg.topic == self.address:
                 self._heads_wanted.append((msg.address, tuple(msg.subjects), time.monotonic()))
+        elif isinstance(msg, wire.Commit):
+            self._on_group_commit(msg)
+        elif isinstance(msg, wire.GetPositions):
+            self._send_positions(msg)
 
     def _answer_heads(self, now: float) -> None:
         """Answer the waiting GET-HEADS once the input queued before them is read.
@@ -388,6 +400,34 @@ class Store(PartitionReader):
         wanted, self._heads_wanted = self._heads_wanted, []
         for requester, subjects, _ in wanted:
             self._send_heads(requester, subjects)
+
+    def _on_group_commit(self, msg: wire.Commit) -> None:
+        """Record a group's positions durably, then confirm to the member."""
+        positions: dict[tuple[str, str], int] = {}
+        for topic, partition, offset in msg.positions:
+            positions[(topic, partition)] = offset
+        try:
+            self.db.put_positions(msg.topic, positions)
+        except (StorageError, ValueError) as exc:
+            self.bad_input("commit", exc)  # not confirmed: the member retries or another store confirms
+            return
+        self._send_checked(wire.Committed(msg.address, self.address, msg.commit_id))
+
+    def _send_positions(self, msg: wire.GetPositions) -> None:
+        try:
+            held = self.db.positions(msg.topic)
+        except (StorageError, ValueError) as exc:
+            self.bad_input("get-positions", exc)
+            return
+        entries = tuple((t, p, o) for (t, p), o in sorted(held.items()))
+        self._send_checked(wire.Positions(msg.address, self.address, msg.topic, msg.request_id, entries))
+
+    def _send_checked(self, msg: wire.Message) -> None:
+        """Send an answer whose fields came from the network (they may not encode)."""
+        try:
+            self.send(msg)
+        except ProtocolError as exc:
+            self.bad_input(type(msg).__name__, exc)
 
     def _send_heads(self, requester: str, subjects: tuple[str, ...] | list[str]) -> None:
         wanted = set(subjects)
