@@ -242,7 +242,7 @@ class Consumer(PartitionReader):
             self.pause_data(True)
 
     def on_other(self, msg: wire.Message) -> None:
-        if isinstance(msg, wire.StoreHello) and msg.topic == self.address:
+        if isinstance(msg, wire.StoreHello) and msg.topic == self.address and not self.untrusted():
             self._hello(msg.address)
 
     def _hello(self, store: str) -> None:

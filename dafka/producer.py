@@ -355,7 +355,7 @@ class Producer(Node):
             self.bad_input("message", exc)
             return
         if isinstance(msg, wire.Ack):
-            if msg.topic == self.address and msg.subject == self.topic:
+            if msg.topic == self.address and msg.subject == self.topic and not self.untrusted():
                 self._on_ack(msg.sequence)
         elif isinstance(msg, wire.Fetch):
             if msg.topic == self.address and msg.subject == self.topic:
@@ -368,7 +368,7 @@ class Producer(Node):
                     )
                 )
         elif isinstance(msg, wire.DirectHead):
-            if msg.address == self.address and msg.subject == self.topic:
+            if msg.address == self.address and msg.subject == self.topic and not self.untrusted():
                 head = msg.sequence
                 if self._resume_head is None or head > self._resume_head:
                     self._resume_head = head
@@ -406,6 +406,9 @@ class Producer(Node):
         last = self.window.next - 1
         if last >= 0:
             self._send_locked(wire.encode(wire.Head(self.topic, self.address, self.topic, last)))
+
+    def publisher_lock(self) -> threading.Lock:
+        return self._lock
 
     def close_publisher(self) -> None:
         with self._lock:
