@@ -86,6 +86,7 @@ class Settings:
 
     node: NodeConfig = field(default_factory=NodeConfig)
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    node_keys: frozenset[str] = frozenset()  # the keys the [node] table gave (bind given or not)
 
     def section(self, name: str) -> dict[str, Any]:
         return dict(self.sections.get(name, {}))
@@ -132,12 +133,25 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
     if data.get("security"):
         node = replace(node, security=security_from(data["security"]))
     sections = {k: v for k, v in data.items() if k != "node" and isinstance(v, dict)}
-    return Settings(node=node, sections=sections)
+    return Settings(node=node, sections=sections, node_keys=frozenset(data.get("node", {})))
 
 
 def default_node_config() -> NodeConfig:
     """What a node embedded without a config uses: ``$DAFKA_CONFIG`` / ``$DAFKA_TOWERS``, else defaults."""
     return load_settings().node
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` only exposes the machine itself ("*" does not)."""
+    import ipaddress
+
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # "*", an interface name, a host name
 
 
 def parse_listen(text: str, default_port: int) -> tuple[str, int]:
