@@ -304,14 +304,14 @@ class RefusalLog:
                 continue
             self.count += 1
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                why = "its key is not in the allow-list"
+                why = "the peer's key is not in the allow-list"
             elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-                why = "it does not speak CURVE (a plain node?) or the handshake was malformed"
+                why = "the peer does not speak CURVE (a plain node or tower?) or the handshake was malformed"
             else:
                 why = "the CURVE handshake failed (wrong key?)"
             if self.count <= 20 or self.count % 1000 == 0:
                 self.log.warning(
-                    "secure %s refused a connection on %s: %s; %d refused so far",
+                    "secure %s: handshake on %s refused: %s; %d refused so far",
                     self.what,
                     event["endpoint"].decode(errors="replace"),
                     why,
