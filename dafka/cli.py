@@ -310,6 +310,8 @@ def cmd_topics(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     from dafka.services import Services
 
+    if settings.node.security is not None:
+        raise DafkaError("`dafka up` runs a plain mesh; start tower, store and gateway one by one for a secure one")
     bind = service_bind(args, args.bind, False, "services of `dafka up`")
     with Services(settings, data_dir=args.data, bind=bind) as services:
         for line in services.describe():

@@ -295,3 +295,22 @@ def test_services_refuse_to_expose_a_plain_mesh(tmp_path: Path) -> None:
         proc = subprocess.run(dafka_cmd(*args), env=subprocess_env(), capture_output=True, timeout=30)
         assert proc.returncode == 2, args
         assert b"--insecure" in proc.stderr
+
+
+def test_secure_example_configs_load(tmp_path: Path) -> None:
+    from dafka.config import load_settings
+
+    base = tmp_path / "etc"
+    for name, role in (("tower", "tower"), ("store1", "store"), ("gateway1", "gateway"), ("app1", "producer")):
+        security.new_keys(name, role, base / "keys")
+    (base / "allow").mkdir()
+    for public in (base / "keys").glob("*.key"):
+        shutil.copy(public, base / "allow")
+    for example in sorted((ROOT / "towers" / "secure").glob("*.toml")):
+        conf = tmp_path / example.name
+        conf.write_text(example.read_text().replace("/etc/dafka", str(base)))
+        sec = load_settings(conf).node.security
+        assert sec is not None, example
+        assert security.own_keys(sec).role == security.read_certificate(sec.key).role
+        if example.name != "tower.toml":
+            assert sec.tower_key(0) == security.read_certificate(base / "keys" / "tower.key").public
