@@ -143,7 +143,9 @@ class Node:
         if self.keys is not None:
             self._beacon = security.secure_node_beacon(self._beacon, self.keys.public)
             # A plain tower cannot tell why a secure node fails its handshake: say it here.
-            self._refusals.append(security.RefusalLog(self.beacon_sub, f"{self.kind} beacons", self.log))
+            self._refusals.append(
+                security.RefusalLog(self.beacon_sub, f"{self.kind} beacons", self.log, client=True)
+            )
 
         wake_endpoint = f"inproc://dafka-wake-{self.address}"
         self._wake_rx = self.ctx.socket(zmq.PAIR)

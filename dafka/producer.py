@@ -361,7 +361,9 @@ class Producer(Node):
             if msg.topic == self.address and msg.subject == self.topic:
                 self._on_fetch(msg)
         elif isinstance(msg, wire.GetHeads):
-            if msg.topic == self.topic and self.window.next > 0:
+            # In secure mode only stores' DIRECT-HEADs are believed: the HEAD
+            # every head_interval tells consumers the same.
+            if msg.topic == self.topic and self.window.next > 0 and not self.secure:
                 self._send_locked(
                     wire.encode(
                         wire.DirectHead(msg.address, self.address, self.topic, self.window.next - 1)

@@ -161,6 +161,8 @@ def security_from(data: dict[str, object], flags: dict[str, object] | None = Non
     if unknown:
         raise ConfigError(f"unknown [security] keys: {', '.join(sorted(unknown))}")
     if not merged.get("key") and not merged.get("allow"):
+        if merged.get("tower_keys"):
+            raise ConfigError("tower keys are given but no key and allow-list: secure mode needs all three")
         return None
     if not merged.get("key") or not merged.get("allow"):
         raise ConfigError("secure mode needs both a key ([security] key / --key) and an allow-list (allow / --allow)")
@@ -286,8 +288,9 @@ class RefusalLog:
     :meth:`read`.  Logging is rate-limited like bad input.
     """
 
-    def __init__(self, sock: zmq.Socket, what: str, logger: logging.Logger) -> None:
+    def __init__(self, sock: zmq.Socket, what: str, logger: logging.Logger, client: bool = False) -> None:
         self.what = what
+        self.client = client
         self.log = logger
         self.count = 0
         self.monitor = sock.get_monitor_socket(_REFUSALS)
@@ -304,11 +307,11 @@ class RefusalLog:
                 continue
             self.count += 1
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                why = "the peer's key is not in the allow-list"
+                why = "our key is not in its allow-list" if self.client else "the peer's key is not in the allow-list"
             elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 why = "the peer does not speak CURVE (a plain node or tower?) or the handshake was malformed"
             else:
-                why = "the CURVE handshake failed (wrong key?)"
+                why = "the handshake failed: a plain (non-CURVE) peer, or a wrong key"
             if self.count <= 20 or self.count % 1000 == 0:
                 self.log.warning(
                     "secure %s: handshake on %s refused: %s; %d refused so far",
