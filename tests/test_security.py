@@ -314,3 +314,26 @@ def test_secure_example_configs_load(tmp_path: Path) -> None:
         assert security.own_keys(sec).role == security.read_certificate(sec.key).role
         if example.name != "tower.toml":
             assert sec.tower_key(0) == security.read_certificate(base / "keys" / "tower.key").public
+
+
+def test_gateway_accepts_only_listed_client_networks(tmp_path: Path, cfg: NodeConfig) -> None:
+    import ipaddress
+    import socket
+
+    from dafka.tank.gateway import Gateway
+
+    def greeting(port: int) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            try:
+                return s.recv(100)
+            except ConnectionResetError:
+                return b""
+
+    only_ten = [ipaddress.ip_network("10.0.0.0/8")]
+    with Gateway(str(tmp_path / "g"), cfg, listen=("127.0.0.1", 0), allow_clients=only_ten) as gateway:
+        assert greeting(gateway.tank_port) == b""  # closed on accept
+        assert gateway.clients_refused == 1
+    loopback = [ipaddress.ip_network("127.0.0.0/8")]
+    with Gateway(str(tmp_path / "g"), cfg, listen=("127.0.0.1", 0), allow_clients=loopback) as gateway:
+        assert greeting(gateway.tank_port) != b""  # the Tank ping
+        assert gateway.clients_refused == 0
