@@ -37,6 +37,7 @@ TICK = 0.05  # seconds between calls of on_tick
 # What only a store may say: ACK, DIRECT-HEAD, STORE-HELLO (honoured in secure
 # mode only when they arrive from a store-role key, on the trusted SUB).
 STORE_ONLY = (wire.P_ACK, wire.P_DIRECT_HEAD, wire.P_STORE_HELLO)
+RETRY_REFUSED = 1.0  # seconds before connecting again where a secure handshake was refused
 
 
 def new_address() -> str:
@@ -142,10 +143,28 @@ class Node:
         self._beacon = wire.node_beacon(self.address, cfg.advertise, self.port)
         if self.keys is not None:
             self._beacon = security.secure_node_beacon(self._beacon, self.keys.public)
-            # A plain tower cannot tell why a secure node fails its handshake: say it here.
-            self._refusals.append(
-                security.RefusalLog(self.beacon_sub, f"{self.kind} beacons", self.log, client=True)
-            )
+            # The connecting side logs refused handshakes too (a plain tower cannot
+            # tell why a secure node fails) and retries them.
+            for sock, what in (
+                (self.beacon_sub, "beacons"),
+                (self.beacon_pub, "beacons out"),
+                (self.sub, "data"),
+                (self.trusted_sub, "data from stores"),
+                (self.suspect_sub, "data from others"),
+            ):
+                self._refusals.append(
+                    security.RefusalLog(
+                        sock,  # type: ignore[arg-type]
+                        f"{self.kind} {what}",
+                        self.log,
+                        lambda endpoint, s=sock: self._retry_later(s, endpoint),
+                    )
+                )
+            self._retries: list[tuple[float, zmq.Socket, str]] = []
+            self._tower_keys = {}
+            for i, tower in enumerate(cfg.towers):
+                self._tower_keys[(self.beacon_pub, tower.beacon_in)] = sec.tower_key(i)  # type: ignore[union-attr]
+                self._tower_keys[(self.beacon_sub, tower.beacon_out)] = sec.tower_key(i)  # type: ignore[union-attr]
 
         wake_endpoint = f"inproc://dafka-wake-{self.address}"
         self._wake_rx = self.ctx.socket(zmq.PAIR)
@@ -161,6 +180,7 @@ class Node:
             self._allow_version = self.guard.version  # type: ignore[union-attr]
             self._known_keys = set(self.guard.roles)  # type: ignore[union-attr]
             self.every(sec.reload_interval, self._check_allow_list)
+            self.every(RETRY_REFUSED / 4, self._retry_refused)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -504,6 +524,34 @@ class Node:
                     self._gate(address, endpoint)
         if removed:
             self.rebind_publisher()
+
+    def _retry_later(self, sock: zmq.Socket, endpoint: str) -> None:
+        """A handshake was refused: ZeroMQ gives that connection up, so retry it later."""
+        self._retries.append((time.monotonic() + RETRY_REFUSED, sock, endpoint))
+
+    def _retry_refused(self, now: float) -> None:
+        """Timer: connect again where a handshake was refused, if still wanted."""
+        due = [r for r in self._retries if r[0] <= now]
+        if not due:
+            return
+        self._retries = [r for r in self._retries if r[0] > now]
+        for _, sock, endpoint in due:
+            key = self._tower_keys.get((sock, endpoint))
+            if key is None:
+                for address, (gated, gated_endpoint) in self._gated.items():
+                    if gated_endpoint == endpoint and sock in (self.sub, gated):
+                        key = self._peer_keys.get(address)
+                        break
+            if key is None:
+                continue  # the peer is gone meanwhile
+            try:
+                sock.disconnect(endpoint)
+            except zmq.ZMQError:
+                pass  # already given up by ZeroMQ
+            try:
+                security.connect(sock, endpoint, key)
+            except zmq.ZMQError as exc:
+                self.log.debug("could not reconnect to %s: %s", endpoint, exc)
 
     def publisher_lock(self) -> Any:
         """What must be held to use the publisher outside the I/O thread."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -285,12 +286,22 @@ class RefusalLog:
     """Logs the handshakes a secure socket refused (unknown key, plain peer).
 
     Reads the socket's monitor; the owner polls :attr:`monitor` and calls
-    :meth:`read`.  Logging is rate-limited like bad input.
+    :meth:`read`.  Logging is rate-limited like bad input.  On a connecting
+    socket, ``on_refused(endpoint)`` is called: ZeroMQ does not reconnect
+    after a refused handshake, so the owner retries later itself (the peer's
+    allow-list may have us by then).
     """
 
-    def __init__(self, sock: zmq.Socket, what: str, logger: logging.Logger, client: bool = False) -> None:
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        what: str,
+        logger: logging.Logger,
+        on_refused: Callable[[str], None] | None = None,
+    ) -> None:
         self.what = what
-        self.client = client
+        self.client = on_refused is not None
+        self.on_refused = on_refused
         self.log = logger
         self.count = 0
         self.monitor = sock.get_monitor_socket(_REFUSALS)
@@ -312,14 +323,17 @@ class RefusalLog:
                 why = "the peer does not speak CURVE (a plain node or tower?) or the handshake was malformed"
             else:
                 why = "the handshake failed: a plain (non-CURVE) peer, or a wrong key"
+            endpoint = event["endpoint"].decode(errors="replace")
             if self.count <= 20 or self.count % 1000 == 0:
                 self.log.warning(
                     "secure %s: handshake on %s refused: %s; %d refused so far",
                     self.what,
-                    event["endpoint"].decode(errors="replace"),
+                    endpoint,
                     why,
                     self.count,
                 )
+            if self.on_refused is not None:
+                self.on_refused(endpoint)
 
     def close(self) -> None:
         self.monitor.close(0)

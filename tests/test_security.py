@@ -337,3 +337,14 @@ def test_gateway_accepts_only_listed_client_networks(tmp_path: Path, cfg: NodeCo
     with Gateway(str(tmp_path / "g"), cfg, listen=("127.0.0.1", 0), allow_clients=loopback) as gateway:
         assert greeting(gateway.tank_port) != b""  # the Tank ping
         assert gateway.clients_refused == 0
+
+
+def test_added_key_joins_without_restart(pki: Pki, secure_tower: Tower) -> None:
+    with Producer("t", node_cfg(pki, secure_tower, "producer"), acks=False) as producer:
+        with Consumer("t", node_cfg(pki, secure_tower, "intruder")) as newcomer:
+            time.sleep(1.0)  # the negative half: not allowed yet, nothing may happen
+            assert len(newcomer.peers) == 0 and len(producer.peers) == 0
+            shutil.copy(pki.keys / "intruder.key", pki.allow)
+            wait_until(lambda: len(newcomer.peers) == 1 and len(producer.peers) == 1, 10)
+            got = wait_until(lambda: producer.publish(b"welcome") and newcomer.poll(0.2), 10)
+            assert got.content == b"welcome"
