@@ -210,7 +210,11 @@ class Guard:
             if signature == self._signature and not force:
                 return False
             self._signature = signature
-            roles = load_allow_list(self.allow) if signature is not None else {}
+            if signature is None:
+                # ZAP would keep its previous list: keep ours the same, and say so.
+                log.error("allow-list directory %s is unreadable; keeping the previous list", self.allow)
+                return False
+            roles = load_allow_list(self.allow)
             self.auth.configure_curve(domain="*", location=self.allow)
             if roles != self.roles or force:
                 if not force:

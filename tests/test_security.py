@@ -348,3 +348,58 @@ def test_added_key_joins_without_restart(pki: Pki, secure_tower: Tower) -> None:
             wait_until(lambda: len(newcomer.peers) == 1 and len(producer.peers) == 1, 10)
             got = wait_until(lambda: producer.publish(b"welcome") and newcomer.poll(0.2), 10)
             assert got.content == b"welcome"
+
+
+def test_tower_relays_a_beacon_only_with_the_key_it_came_with(pki: Pki, secure_tower: Tower) -> None:
+    from dafka import wire
+    from dafka.node import new_address
+
+    def client(sock_type: int, name: str, endpoint: str) -> zmq.Socket:
+        cert = security.read_certificate(pki.secret(name))
+        sock = zmq.Context.instance().socket(sock_type)
+        sock.setsockopt(zmq.LINGER, 0)
+        security.make_client(sock, security.OwnKeys(cert.public, cert.secret or b"", cert.role))
+        security.connect(sock, endpoint, pki.tower_key)
+        return sock
+
+    t = TowerAddress("127.0.0.1", secure_tower.in_port, secure_tower.out_port)
+    listener = client(zmq.SUB, "consumer", t.beacon_out)
+    listener.setsockopt(zmq.SUBSCRIBE, wire.BEACON)
+    rogue = client(zmq.PUB, "rogue", t.beacon_in)
+    store_key = security.read_certificate(pki.keys / "store.key").public
+    rogue_key = security.read_certificate(pki.keys / "rogue.key").public
+    lie, truth = new_address(), new_address()
+    seen: set[bytes] = set()
+    try:
+        deadline = time.monotonic() + 10
+        while truth.encode() not in seen and time.monotonic() < deadline:
+            # Posing as the store (its key in the beacon), and then honestly.
+            rogue.send_multipart(security.secure_node_beacon(wire.node_beacon(lie, "", 4000), store_key))
+            rogue.send_multipart(security.secure_node_beacon(wire.node_beacon(truth, "", 4001), rogue_key))
+            while listener.poll(100):
+                frames = listener.recv_multipart()
+                assert len(frames) == 4 and frames[3] == (rogue_key if frames[1] == truth.encode() else b"?")
+                seen.add(frames[1])
+        assert truth.encode() in seen and lie.encode() not in seen
+        assert secure_tower.bad_input.count > 0
+    finally:
+        listener.close(0)
+        rogue.close(0)
+
+
+def test_keys_command_and_up_stays_plain(tmp_path: Path) -> None:
+    env = subprocess_env()
+    run = subprocess.run(dafka_cmd("keys", "new", "s1", "--role", "store", "--dir", str(tmp_path)), env=env, timeout=30)
+    assert run.returncode == 0
+    out = subprocess.run(dafka_cmd("keys", "list", "--dir", str(tmp_path)), env=env, capture_output=True, timeout=30)
+    lines = out.stdout.decode().splitlines()
+    assert any(line.split()[:3] == ["s1", "store", "public"] for line in lines)
+    assert any(line.split()[:3] == ["s1", "store", "secret"] for line in lines)
+    again = subprocess.run(
+        dafka_cmd("keys", "new", "s1", "--role", "store", "--dir", str(tmp_path)), env=env, capture_output=True, timeout=30
+    )
+    assert again.returncode == 2 and b"already exists" in again.stderr
+    conf = tmp_path / "c.toml"
+    conf.write_text(f'[security]\nkey = "{tmp_path}/s1.key_secret"\nallow = "{tmp_path}"\n')
+    up = subprocess.run(dafka_cmd("--config", str(conf), "up", "--data", str(tmp_path / "var")), env=env, capture_output=True, timeout=30)
+    assert up.returncode == 2 and b"plain mesh" in up.stderr
