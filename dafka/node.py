@@ -177,6 +177,7 @@ class Node:
         self.every(min(1.0, cfg.beacon_timeout / 4), self._expire_peers)
         self.every(TICK, self.on_tick)
         if sec is not None:
+            self._check_own_role()
             self._allow_version = self.guard.version  # type: ignore[union-attr]
             self._known_keys = set(self.guard.roles)  # type: ignore[union-attr]
             self.every(sec.reload_interval, self._check_allow_list)
@@ -524,6 +525,27 @@ class Node:
                     self._gate(address, endpoint)
         if removed:
             self.rebind_publisher()
+
+    def _check_own_role(self) -> None:
+        """Warn at start when the allow-list would make this node useless."""
+        assert self.guard is not None and self.keys is not None
+        role = self.guard.role(self.keys.public)
+        expected = {
+            "store": security.STORING_ROLES,
+            "gateway": security.STORING_ROLES,
+            "producer": {"producer"},
+            "consumer": {"consumer"},
+        }.get(self.kind)
+        if role is None:
+            self.log.warning("this %s's key is not in the allow-list: every peer will refuse it", self.kind)
+        elif expected is not None and role not in expected:
+            self.log.warning(
+                "this %s's key has the role %r in the allow-list (expected %s)%s",
+                self.kind,
+                role,
+                " or ".join(sorted(expected)),
+                ": producers will ignore its ACKs" if self.kind in ("store", "gateway") else "",
+            )
 
     def _retry_later(self, sock: zmq.Socket, endpoint: str) -> None:
         """A handshake was refused: ZeroMQ gives that connection up, so retry it later."""
