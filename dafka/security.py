@@ -184,6 +184,11 @@ class Guard:
     Secure nodes use the guard's own ZeroMQ context (ZAP is per context), so
     plain nodes in the same process are unaffected.  :meth:`refresh` reloads
     the directory when it changed; ``version`` counts the reloads.
+
+    ZAP (pyzmq's authenticator) asks :meth:`callback`, so it allows exactly
+    the keys the nodes themselves accept: a certificate with a known role.
+    (``configure_curve(location=...)`` would keep its whole previous list
+    when one file in the directory is unreadable, and ignores roles.)
     """
 
     def __init__(self, allow: str) -> None:
@@ -191,6 +196,7 @@ class Guard:
         self.ctx = zmq.Context()
         self.auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("dafka.auth"))
         self.auth.start()
+        self.auth.configure_curve_callback("*", self)
         self._lock = threading.Lock()
         self._signature: object = None
         self.roles: dict[bytes, str] = {}
@@ -211,11 +217,9 @@ class Guard:
                 return False
             self._signature = signature
             if signature is None:
-                # ZAP would keep its previous list: keep ours the same, and say so.
                 log.error("allow-list directory %s is unreadable; keeping the previous list", self.allow)
                 return False
             roles = load_allow_list(self.allow)
-            self.auth.configure_curve(domain="*", location=self.allow)
             if roles != self.roles or force:
                 if not force:
                     log.info("allow-list %s reloaded: %d keys", self.allow, len(roles))
@@ -226,6 +230,10 @@ class Guard:
 
     def role(self, key: bytes) -> str | None:
         return self.roles.get(key)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP's question (in the authenticator's thread): is this Z85 client key allowed?"""
+        return key in self.roles
 
 
 _guards: dict[str, Guard] = {}

@@ -124,6 +124,19 @@ def test_keys_carry_roles_and_allow_list_maps_them(pki: Pki) -> None:
     assert security.read_certificate(pki.secret("store")).secret is not None
 
 
+def test_a_bad_certificate_does_not_freeze_the_allow_list(pki: Pki) -> None:
+    (pki.allow / "junk.key").write_text("not a certificate\n")
+    guard = security.Guard(str(pki.allow))
+    try:
+        store_key = security.read_certificate(pki.keys / "store.key").public
+        assert guard.callback("*", store_key) and guard.role(store_key) == "store"
+        (pki.allow / "store.key").unlink()
+        assert guard.refresh()
+        assert not guard.callback("*", store_key)  # what ZAP is told follows at once
+    finally:
+        guard.auth.stop()
+
+
 def test_secure_mesh_delivers_and_store_acks(pki: Pki, secure_tower: Tower, procs: Procs, tmp_path: Path) -> None:
     procs.store(pki, secure_tower, tmp_path / "db")
     with Consumer("t", node_cfg(pki, secure_tower, "consumer"), offset_reset="earliest") as consumer:
