@@ -12,6 +12,13 @@ The loop runs in one thread, owns every socket except the ones a subclass
 documents as shared, and calls the subclass hooks.  Protocol decisions live in
 the sans-IO objects (``PeerTable``, ``PartitionTracker``, ``UnackedWindow``);
 this module only moves bytes and time.
+
+In secure mode (``config.security``, see :mod:`dafka.security`) every socket
+speaks CURVE: the publisher is a server checked by ZAP against the allow-list,
+the others are clients that connect only to allow-listed keys; beacons carry
+the node's public key; ACK, DIRECT-HEAD and STORE-HELLO are read from two more
+SUBs (``trusted_sub`` connected to store-role peers, ``suspect_sub`` to the
+rest) so that only stores are believed.
 """
 
 from __future__ import annotations
@@ -161,7 +168,7 @@ class Node:
                     )
                 )
             self._retries: list[tuple[float, zmq.Socket, str]] = []
-            self._tower_keys = {}
+            self._tower_keys: dict[tuple[zmq.Socket, str], bytes] = {}
             for i, tower in enumerate(cfg.towers):
                 self._tower_keys[(self.beacon_pub, tower.beacon_in)] = sec.tower_key(i)  # type: ignore[union-attr]
                 self._tower_keys[(self.beacon_sub, tower.beacon_out)] = sec.tower_key(i)  # type: ignore[union-attr]
