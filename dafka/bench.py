@@ -13,7 +13,9 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from itertools import repeat
+from pathlib import Path
 from typing import Any
 
 from dafka import progress
@@ -31,19 +33,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default="both", help="spark: path, gateway or both")
     p.add_argument("--rate", type=int, default=10_000, help="latency: records/s published")
     p.add_argument("--seconds", type=float, default=3.0, help="latency: seconds of publishing per run")
+    p.add_argument("--secure", action="store_true", help="live, store: CURVE mesh with temporary keys")
 
 
-def _mesh() -> tuple[Any, NodeConfig]:
+def _mesh(secure: bool = False) -> tuple[Any, NodeConfig]:
     from dafka.tower import Tower
 
-    tower = Tower("127.0.0.1", 0, 0)
+    sec = _temporary_keys() if secure else None
+    tower = Tower("127.0.0.1", 0, 0, _as(sec, "tower"))
     tower.start()
     cfg = NodeConfig(
         towers=(TowerAddress("127.0.0.1", tower.in_port, tower.out_port),),
         bind="127.0.0.1",
         beacon_interval=0.2,
+        security=sec,
     )
     return tower, cfg
+
+
+def _temporary_keys() -> Any:
+    """Keys of every role in a temporary directory (removed at exit), all allowed."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from dafka import security
+
+    root = Path(tempfile.mkdtemp(prefix="dafka-bench-keys-"))
+    atexit.register(shutil.rmtree, root, True)
+    allow = root / "allow"
+    allow.mkdir()
+    for role in ("tower", "store", "producer", "consumer"):
+        public, _ = security.new_keys(role, role, root)
+        shutil.copy(public, allow)
+    tower_key = security.read_certificate(root / "tower.key").public
+    return security.SecurityConfig(str(root / "producer.key_secret"), str(allow), (tower_key,))
+
+
+def _as(sec: Any, role: str) -> Any:
+    """The security config of the bench node with that role (None: plain)."""
+    return None if sec is None else replace(sec, key=str(Path(sec.key).with_name(f"{role}.key_secret")))
+
+
+def _role(cfg: NodeConfig, role: str) -> NodeConfig:
+    return cfg if cfg.security is None else replace(cfg, security=_as(cfg.security, role))
 
 
 def _live_producer(cfg: NodeConfig, topic: str, n: int, size: int, start: Any, done: Any) -> None:
@@ -61,11 +94,11 @@ def bench_live(args: argparse.Namespace) -> list[float]:
     ctx = mp.get_context("spawn")
     rates = []
     for run in range(args.runs):
-        tower, cfg = _mesh()
+        tower, cfg = _mesh(args.secure)
         from dafka.consumer import Consumer
 
         topic = f"bench-live-{run}"
-        consumer = Consumer(topic, cfg, offset_reset="earliest")
+        consumer = Consumer(topic, _role(cfg, "consumer"), offset_reset="earliest")
         start, done = ctx.Event(), ctx.Event()
         proc = ctx.Process(target=_live_producer, args=(cfg, topic, args.records, args.size, start, done))
         proc.start()
@@ -133,10 +166,10 @@ def bench_store(args: argparse.Namespace) -> list[float]:
     ctx = mp.get_context("spawn")
     rates = []
     for run in range(args.runs):
-        tower, cfg = _mesh()
+        tower, cfg = _mesh(args.secure)
         with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
             ready, done, result = ctx.Event(), ctx.Event(), ctx.Queue()
-            store = ctx.Process(target=_store_process, args=(cfg, db, not args.no_sync, ready, done))
+            store = ctx.Process(target=_store_process, args=(_role(cfg, "store"), db, not args.no_sync, ready, done))
             store.start()
             ready.wait(60)
             prod = ctx.Process(target=_acked_producer, args=(cfg, f"bench-store-{run}", args.records, args.size, result))

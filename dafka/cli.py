@@ -20,8 +20,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from dafka.config import NodeConfig, Settings, load_settings, parse_listen
+from dafka.config import NodeConfig, Settings, is_loopback, load_settings, parse_listen
 from dafka.errors import DafkaError
+from dafka.security import SecurityConfig, security_from
 
 log = logging.getLogger("dafka.cli")
 
@@ -45,7 +46,43 @@ def node_config(args: argparse.Namespace, settings: Settings) -> NodeConfig:
         cfg = replace(cfg, bind=args.bind)
     if getattr(args, "advertise", None) is not None:
         cfg = replace(cfg, advertise=args.advertise)
+    sec = security_config(args, settings)
+    if sec is not None:
+        cfg = replace(cfg, security=sec)
     return cfg
+
+
+def security_config(args: argparse.Namespace, settings: Settings) -> SecurityConfig | None:
+    """[security] of the config file overridden by --key / --allow / --tower-key."""
+    tower_keys = getattr(args, "tower_key", None)
+    flags = {
+        "key": getattr(args, "key", None),
+        "allow": getattr(args, "allow", None),
+        "tower_keys": ",".join(tower_keys) if tower_keys else None,
+    }
+    return security_from(settings.section("security"), flags)
+
+
+def service_bind(args: argparse.Namespace, given: str | None, secure: bool, what: str) -> str:
+    """Where a service binds: loopback unless told otherwise (all interfaces when secure).
+
+    Safe by default: binding beyond loopback without security needs --insecure.
+    """
+    bind = given or ("*" if secure else "127.0.0.1")
+    if not secure and not is_loopback(bind) and not getattr(args, "insecure", False):
+        raise DafkaError(
+            f"the {what} would bind {bind} without security: anyone who reaches it could join the mesh, "
+            "read every topic and forge ACKs. Configure [security] (--key/--allow, see `dafka keys`), "
+            "bind 127.0.0.1, or pass --insecure"
+        )
+    return bind
+
+
+def service_node_config(args: argparse.Namespace, settings: Settings, what: str) -> NodeConfig:
+    """node_config of a store or gateway, with its bind checked by service_bind."""
+    cfg = node_config(args, settings)
+    given = args.bind or (cfg.bind if "bind" in settings.node_keys else None)
+    return replace(cfg, bind=service_bind(args, given, cfg.security is not None, what))
 
 
 def wait_for_signal(stop: threading.Event) -> None:
@@ -68,11 +105,13 @@ def cmd_tower(args: argparse.Namespace, settings: Settings) -> int:
     from dafka.tower import Tower
 
     section = settings.section("tower")
-    bind = args.bind or section.get("bind", "*")
+    sec = security_config(args, settings)
+    bind = service_bind(args, args.bind or section.get("bind"), sec is not None, "tower")
     in_port = args.in_port if args.in_port is not None else int(section.get("beacon_in_port", 5556))
     out_port = args.out_port if args.out_port is not None else int(section.get("beacon_out_port", 5557))
-    with Tower(bind, in_port, out_port) as tower:
-        print(f"tower up: beacons in tcp://{bind}:{tower.in_port}, out tcp://{bind}:{tower.out_port}", flush=True)
+    with Tower(bind, in_port, out_port, sec) as tower:
+        mode = " (secure)" if sec else ""
+        print(f"tower up: beacons in tcp://{bind}:{tower.in_port}, out tcp://{bind}:{tower.out_port}{mode}", flush=True)
         server = serve_metrics(args, section, tower)
         try:
             wait_for_signal(threading.Event())
@@ -257,7 +296,7 @@ def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
 
     db, sync, policy = storage_options(args, settings.section("store"), "store")
     section = settings.section("store")
-    with Store(db, node_config(args, settings), sync=sync, retention=policy) as store:
+    with Store(db, service_node_config(args, settings, "store"), sync=sync, retention=policy) as store:
         print(f"store up: {store.address} db {db} (sync={'on' if sync else 'OFF'})", flush=True)
         serve_metrics(args, section, store)
         wait_for_signal(threading.Event())
@@ -271,8 +310,19 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
     section = settings.section("gateway")
     db, sync, policy = storage_options(args, section, "gateway")
     listen = parse_listen(args.listen or section.get("listen", f"127.0.0.1:{DEFAULT_PORT}"), DEFAULT_PORT)
+    cfg = service_node_config(args, settings, "gateway")
+    allow_clients = args.allow_clients or section.get("allow_clients")
+    clients = parse_networks(allow_clients) if allow_clients else None
+    if not is_loopback(listen[0]) and clients is None and not args.insecure:
+        # Tank has no authentication: only listed client networks, or an explicit --insecure.
+        raise DafkaError(
+            f"the Tank port would listen on {listen[0]}, and the Tank protocol has no authentication: "
+            "pass --allow-clients NET[,NET...] (e.g. 10.0.0.0/8), listen on 127.0.0.1, or pass --insecure"
+        )
     try:
-        gateway = Gateway(db, node_config(args, settings), listen=listen, sync=sync, retention=policy)
+        gateway = Gateway(
+            db, cfg, listen=listen, sync=sync, retention=policy, allow_clients=clients
+        )
     except OSError as exc:
         print(f"error: cannot listen on {listen[0]}:{listen[1]}: {exc}", file=sys.stderr)
         return 2
@@ -337,7 +387,10 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     from dafka.services import Services
 
-    with Services(settings, data_dir=args.data, bind=args.bind or "127.0.0.1") as services:
+    if settings.node.security is not None:
+        raise DafkaError("`dafka up` runs a plain mesh; start tower, store and gateway one by one for a secure one")
+    bind = service_bind(args, args.bind, False, "services of `dafka up`")
+    with Services(settings, data_dir=args.data, bind=bind) as services:
         for line in services.describe():
             print(line, flush=True)
         wait_for_signal(threading.Event())
@@ -355,6 +408,35 @@ def parse_starts(items: list[str], topics: list[str]) -> dict[tuple[str, str], i
         for t in [topic] if slash else topics:
             starts[(t, partition)] = int(offset)
     return starts
+# ---------------------------------------------------------------- keys
+
+
+def parse_networks(value: str | list[str]) -> list[Any]:
+    """``10.0.0.0/8,192.168.1.7`` (or a list) as IP networks."""
+    import ipaddress
+
+    items = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        return [ipaddress.ip_network(item.strip(), strict=False) for item in items if item.strip()]
+    except ValueError as exc:
+        raise DafkaError(f"--allow-clients: {exc}") from None
+
+
+@command("keys")
+def cmd_keys(args: argparse.Namespace, settings: Settings) -> int:
+    from dafka import security
+
+    if args.keys_command == "new":
+        public, secret = security.new_keys(args.name, args.role, args.dir)
+        print(f"{public}  (public: copy it into the allow-list directory of every node)")
+        print(f"{secret}  (secret: only for the {args.role} that uses it)")
+        return 0
+    certs = security.list_certificates(args.dir)
+    print(f"{'name':<24} {'role':<10} {'kind':<7} public key")
+    for cert in certs:
+        kind = "secret" if cert.secret else "public"
+        print(f"{cert.name:<24} {cert.role or '?':<10} {kind:<7} {cert.public.decode()}")
+    return 0
 
 
 # ---------------------------------------------------------------- bench
@@ -379,6 +461,22 @@ def _add_node_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--bind", help="interface the node binds (default: all)")
     p.add_argument("--advertise", help="host to announce in beacons (default: as the tower sees us)")
+    _add_security_flags(p)
+
+
+def _add_security_flags(p: argparse.ArgumentParser, insecure: bool = False) -> None:
+    p.add_argument("--key", metavar="FILE", help="secure mode: this node's secret certificate (NAME.key_secret)")
+    p.add_argument("--allow", metavar="DIR", help="secure mode: directory of allowed public certificates")
+    p.add_argument(
+        "--tower-key",
+        action="append",
+        metavar="KEY|FILE",
+        help="secure mode: a tower's public key or certificate (repeatable: one per --tower, or one for all)",
+    )
+    if insecure:
+        p.add_argument(
+            "--insecure", action="store_true", help="allow binding beyond loopback without security"
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -388,10 +486,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("tower", help="run a tower (discovery service)")
-    p.add_argument("--bind", help="interface to bind (default *, or [tower] bind)")
+    p.add_argument("--bind", help="interface to bind (default 127.0.0.1, or * when secure; or [tower] bind)")
     p.add_argument("--in-port", type=int, help="beacons in (XSUB) port, default 5556")
     p.add_argument("--out-port", type=int, help="beacons out (XPUB) port, default 5557")
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
+    _add_security_flags(p, insecure=True)
 
     p = sub.add_parser("produce", help="publish one record per input line")
     p.add_argument("topic")
@@ -436,6 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("store", help="run a store (persists every record in LMDB)")
     _add_node_flags(p)
+    p.add_argument("--insecure", action="store_true", help="allow binding beyond loopback without security")
     p.add_argument("--db", help="LMDB directory (or [store] db)")
     p.add_argument("--no-sync", action="store_true", help="do not fsync commits (UNSAFE: acked data can be lost on power failure)")
     p.add_argument("--retention-age", type=float, help="default retention: seconds to keep records")
@@ -445,6 +545,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gateway", help="run a Tank-protocol gateway (also a full store)")
     _add_node_flags(p)
     p.add_argument("--listen", help="Tank address HOST:PORT (default 127.0.0.1:11011)")
+    p.add_argument(
+        "--insecure", action="store_true", help="allow binding or listening beyond loopback without security"
+    )
+    p.add_argument(
+        "--allow-clients", metavar="NET[,NET...]", help="Tank clients allowed from these networks (checked on accept)"
+    )
     p.add_argument("--db", help="LMDB directory (or [gateway] db)")
     p.add_argument("--no-sync", action="store_true", help="do not fsync commits (UNSAFE)")
     p.add_argument("--retention-age", type=float, help="default retention: seconds to keep records")
@@ -469,6 +575,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="run the main services (tower + store + gateway) on loopback")
     p.add_argument("--data", default="var", help="data directory (default ./var)")
     p.add_argument("--bind", help="interface to bind (default 127.0.0.1)")
+    p.add_argument("--insecure", action="store_true", help="allow binding beyond loopback (plain mode)")
+
+    p = sub.add_parser("keys", help="make and list CURVE key pairs for a secure mesh")
+    ksub = p.add_subparsers(dest="keys_command", required=True, metavar="new|list")
+    k = ksub.add_parser("new", help="create NAME.key (public) and NAME.key_secret")
+    k.add_argument("name")
+    k.add_argument("--role", required=True, choices=["tower", "store", "producer", "consumer", "gateway"])
+    k.add_argument("--dir", default=".", help="where to write them (default .)")
+    k = ksub.add_parser("list", help="certificates in a directory, with role and public key")
+    k.add_argument("--dir", default=".", help="directory (default .)")
 
     p = sub.add_parser("bench", help="measure throughput")
     from dafka import bench

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dafka.errors import ConfigError
+from dafka.security import SecurityConfig, security_from
 
 DEFAULT_BEACON_IN_PORT = 5556  # tower XSUB: node beacons in
 DEFAULT_BEACON_OUT_PORT = 5557  # tower XPUB: tower beacons out
@@ -73,6 +74,7 @@ class NodeConfig:
     beacon_interval: float = 1.0
     beacon_timeout: float = 4.0
     hwm: int = 100_000  # ZeroMQ high-water marks of the data sockets, in messages
+    security: SecurityConfig | None = None  # None: plain mode (as the C reference)
 
     def with_towers(self, towers: str | list[str] | None) -> NodeConfig:
         return self if not towers else replace(self, towers=parse_towers(towers))
@@ -84,6 +86,7 @@ class Settings:
 
     node: NodeConfig = field(default_factory=NodeConfig)
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    node_keys: frozenset[str] = frozenset()  # the keys the [node] table gave (bind given or not)
 
     def section(self, name: str) -> dict[str, Any]:
         return dict(self.sections.get(name, {}))
@@ -127,13 +130,28 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
     env_towers = os.environ.get("DAFKA_TOWERS")
     if env_towers:
         node = node.with_towers(env_towers)
+    if data.get("security"):
+        node = replace(node, security=security_from(data["security"]))
     sections = {k: v for k, v in data.items() if k != "node" and isinstance(v, dict)}
-    return Settings(node=node, sections=sections)
+    return Settings(node=node, sections=sections, node_keys=frozenset(data.get("node", {})))
 
 
 def default_node_config() -> NodeConfig:
     """What a node embedded without a config uses: ``$DAFKA_CONFIG`` / ``$DAFKA_TOWERS``, else defaults."""
     return load_settings().node
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` only exposes the machine itself ("*" does not)."""
+    import ipaddress
+
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # "*", an interface name, a host name
 
 
 def parse_listen(text: str, default_port: int) -> tuple[str, int]:

@@ -402,7 +402,7 @@ class Consumer(PartitionReader):
             self.pause_data(True)
 
     def on_other(self, msg: wire.Message) -> None:
-        if isinstance(msg, wire.StoreHello) and msg.topic == self.address:
+        if isinstance(msg, wire.StoreHello) and msg.topic == self.address and not self.untrusted():
             self._hello(msg.address)
         elif self._group is not None:
             self._on_group_message(msg)

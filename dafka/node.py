@@ -12,10 +12,18 @@ The loop runs in one thread, owns every socket except the ones a subclass
 documents as shared, and calls the subclass hooks.  Protocol decisions live in
 the sans-IO objects (``PeerTable``, ``PartitionTracker``, ``UnackedWindow``);
 this module only moves bytes and time.
+
+In secure mode (``config.security``, see :mod:`dafka.security`) every socket
+speaks CURVE: the publisher is a server checked by ZAP against the allow-list,
+the others are clients that connect only to allow-listed keys; beacons carry
+the node's public key; ACK, DIRECT-HEAD and STORE-HELLO are read from two more
+SUBs (``trusted_sub`` connected to store-role peers, ``suspect_sub`` to the
+rest) so that only stores are believed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -26,13 +34,17 @@ from typing import Any
 
 import zmq
 
-from dafka import wire
+from dafka import security, wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import ProtocolError
 from dafka.peers import Connect, PeerAction, PeerTable, TowerWatch
 
 DRAIN = 4096  # messages read from a socket before looking at the others again
 TICK = 0.05  # seconds between calls of on_tick
+# What only a store may say: ACK, DIRECT-HEAD, STORE-HELLO (honoured in secure
+# mode only when they arrive from a store-role key, on the trusted SUB).
+STORE_ONLY = (wire.P_ACK, wire.P_DIRECT_HEAD, wire.P_STORE_HELLO)
+RETRY_REFUSED = 1.0  # seconds before connecting again where a secure handshake was refused
 
 
 def new_address() -> str:
@@ -66,6 +78,22 @@ class Node:
         self.log = logging.getLogger(f"dafka.{self.kind}")
         self.bad_input = ErrorLog(self.log)
         self.ctx = zmq.Context.instance()
+        # Secure mode (a [security] config): CURVE on every mesh socket.
+        sec = self.config.security
+        self.guard = security.guard_for(sec) if sec else None
+        self.keys = security.own_keys(sec) if sec else None
+        if self.guard is not None:
+            self.ctx = self.guard.ctx  # the context whose ZAP handler checks the allow-list
+        self.secure = self.keys is not None
+        self.from_store = False  # set while a message from a store-role peer is handled
+        self.forged = 0  # store-only messages (ACK, STORE-HELLO) from peers without a store key
+        self._peer_keys: dict[str, bytes] = {}  # secure: peer address -> its public key
+        # Secure: peer address -> (trusted_sub or suspect_sub, endpoint) it is connected on.
+        self._gated: dict[str, tuple[zmq.Socket, str]] = {}
+        self._refused_peers: set[str] = set()
+        self._refusals: list[security.RefusalLog] = []
+        self.trusted_sub: zmq.Socket | None = None
+        self.suspect_sub: zmq.Socket | None = None
         self.peers = PeerTable(self.address, self.config.beacon_timeout)
         self._commands: deque[Callable[[], None]] = deque()
         self._stop = threading.Event()
@@ -83,7 +111,11 @@ class Node:
         self.publisher.setsockopt(zmq.LINGER, 2000)
         if self.publisher_type == zmq.XPUB:
             self.publisher.setsockopt(zmq.XPUB_VERBOSE, 1)
+        if self.keys is not None:
+            security.make_server(self.publisher, self.keys)
+            self._refusals.append(security.RefusalLog(self.publisher, f"{self.kind} publisher", self.log))
         self.port = self.publisher.bind_to_random_port(f"tcp://{cfg.bind}")
+        self._bound = self.publisher.getsockopt_string(zmq.LAST_ENDPOINT)
 
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.RCVHWM, cfg.hwm)
@@ -95,9 +127,25 @@ class Node:
         self.beacon_sub.setsockopt(zmq.LINGER, 0)
         self.beacon_sub.setsockopt(zmq.SUBSCRIBE, wire.WELCOME)
         self.beacon_sub.setsockopt(zmq.SUBSCRIBE, wire.BEACON)
-        for tower in cfg.towers:
+        if self.keys is not None:
+            # What only stores may say (ACK, DIRECT-HEAD, STORE-HELLO) is not
+            # subscribed on the data SUB but on two more SUBs: trusted_sub,
+            # connected to the store-role peers, and suspect_sub, connected to
+            # all others (what arrives there is forged).  A client socket cannot
+            # tell which connection a message came from, but it can tell which
+            # socket.
+            self.trusted_sub = self.ctx.socket(zmq.SUB)
+            self.suspect_sub = self.ctx.socket(zmq.SUB)
+            for sock in (self.sub, self.trusted_sub, self.suspect_sub, self.beacon_pub, self.beacon_sub):
+                sock.setsockopt(zmq.LINGER, 0)
+                security.make_client(sock, self.keys)
+        for i, tower in enumerate(cfg.towers):
             # connect() never fails for a tower that is not up yet: ZeroMQ
             # keeps retrying, so a node may start before its tower.
+            if sec is not None:
+                security.connect(self.beacon_pub, tower.beacon_in, sec.tower_key(i))
+                security.connect(self.beacon_sub, tower.beacon_out, sec.tower_key(i))
+                continue
             self.beacon_pub.connect(tower.beacon_in)
             self.beacon_sub.connect(tower.beacon_out)
         self._beacon = wire.node_beacon(self.address, cfg.advertise, self.port)
@@ -105,6 +153,30 @@ class Node:
         self.tower_watch = TowerWatch(time.monotonic(), 3 * cfg.beacon_interval)
         self.beacon_held = False  # a subclass may stay silent for a while (see producer resume)
         self.duplicates_seen = 0
+        if self.keys is not None:
+            self._beacon = security.secure_node_beacon(self._beacon, self.keys.public)
+            # The connecting side logs refused handshakes too (a plain tower cannot
+            # tell why a secure node fails) and retries them.
+            for sock, what in (
+                (self.beacon_sub, "beacons"),
+                (self.beacon_pub, "beacons out"),
+                (self.sub, "data"),
+                (self.trusted_sub, "data from stores"),
+                (self.suspect_sub, "data from others"),
+            ):
+                self._refusals.append(
+                    security.RefusalLog(
+                        sock,  # type: ignore[arg-type]
+                        f"{self.kind} {what}",
+                        self.log,
+                        lambda endpoint, s=sock: self._retry_later(s, endpoint),
+                    )
+                )
+            self._retries: list[tuple[float, zmq.Socket, str]] = []
+            self._tower_keys: dict[tuple[zmq.Socket, str], bytes] = {}
+            for i, tower in enumerate(cfg.towers):
+                self._tower_keys[(self.beacon_pub, tower.beacon_in)] = sec.tower_key(i)  # type: ignore[union-attr]
+                self._tower_keys[(self.beacon_sub, tower.beacon_out)] = sec.tower_key(i)  # type: ignore[union-attr]
 
         # Unique per instance: a restart with the same address may bind before the old one is reaped.
         wake_endpoint = f"inproc://dafka-wake-{self.address}-{new_address()}"
@@ -118,6 +190,12 @@ class Node:
         self.every(min(1.0, cfg.beacon_timeout / 4), self._expire_peers)
         self.every(TICK, self.on_tick)
         self.every(cfg.beacon_interval, self._check_towers)
+        if sec is not None:
+            self._check_own_role()
+            self._allow_version = self.guard.version  # type: ignore[union-attr]
+            self._known_keys = set(self.guard.roles)  # type: ignore[union-attr]
+            self.every(sec.reload_interval, self._check_allow_list)
+            self.every(RETRY_REFUSED / 4, self._retry_refused)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -210,6 +288,11 @@ class Node:
             self.beacon_sub: self._read_beacons,
             self._wake_rx: self._read_wake,
         }
+        if self.trusted_sub is not None and self.suspect_sub is not None:
+            readers[self.trusted_sub] = self._read_trusted
+            readers[self.suspect_sub] = self._read_suspect
+        for refusals in self._refusals:
+            readers[refusals.monitor] = refusals.read
         for sock in readers:
             poller.register(sock, zmq.POLLIN)
         for sock, reader in self.sockets():
@@ -266,7 +349,12 @@ class Node:
     def _close_sockets(self) -> None:
         for sock in (self.sub, self.beacon_pub, self.beacon_sub, self._wake_rx, self._wake_tx):
             sock.close(0)
+        for sock in (self.trusted_sub, self.suspect_sub):
+            if sock is not None:
+                sock.close(0)
         self.close_publisher()
+        for refusals in self._refusals:
+            refusals.close()
 
     def close_publisher(self) -> None:
         self.publisher.close()
@@ -302,6 +390,57 @@ class Node:
             while getsockopt(more):
                 recv()
 
+    def _read_trusted(self) -> None:
+        """Secure mode: messages from store-role peers (ACK, DIRECT-HEAD, STORE-HELLO)."""
+        sock = self.trusted_sub
+        assert sock is not None
+        for _ in range(DRAIN):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 1:
+                self.bad_input("message from a store", "expected one frame")
+                continue
+            self.from_store = True
+            try:
+                self.on_trusted(frames[0])
+            finally:
+                self.from_store = False
+
+    def on_trusted(self, frame: bytes) -> None:
+        """A one-frame message from a store-role peer (``from_store`` is set)."""
+        self.on_data(frame)
+
+    def _read_suspect(self) -> None:
+        """Secure mode: store-only messages sent by peers without a store key."""
+        sock = self.suspect_sub
+        assert sock is not None
+        for _ in range(DRAIN):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.forged += 1
+            if self.forged <= 20 or self.forged % 1000 == 0:
+                try:
+                    what = type(wire.decode(frames)).__name__
+                except ProtocolError:
+                    what = "malformed message"
+                self.log.warning(
+                    "ignored a forged %s from a peer without a store key; %d so far", what, self.forged
+                )
+
+    def untrusted(self) -> bool:
+        """Secure mode: True when the store-only message being handled did not
+        come from a store key (then it must not be acted on)."""
+        return self.keys is not None and not self.from_store
+
+    def peer_role(self, address: str) -> str | None:
+        """Secure mode: the allow-list role of a peer's key (None: unknown)."""
+        key = self._peer_keys.get(address)
+        return None if key is None or self.guard is None else self.guard.role(key)
+
     def recv_content(self) -> bytes | None:
         """The second frame of the message being handled, if there is one."""
         if self.sub.getsockopt(zmq.RCVMORE):
@@ -331,6 +470,8 @@ class Node:
                 self._send_beacon(time.monotonic())
                 continue
             try:
+                if self.guard is not None:
+                    frames, key = security.split_key(frames, 3, "tower beacon")
                 address, endpoint = wire.decode_tower_beacon(frames)
             except ProtocolError as exc:
                 self.bad_input("tower beacon", exc)
@@ -338,6 +479,8 @@ class Node:
             if address == self.address and not self._is_own_endpoint(endpoint):
                 self.duplicates_seen += 1
                 self.on_duplicate_address(endpoint)
+                continue
+            if self.guard is not None and not self._allowed_peer(address, key):
                 continue
             actions = self.peers.on_beacon(address, endpoint, time.monotonic())
             for action in actions:
@@ -372,10 +515,150 @@ class Node:
                 ", ".join(f"{t.beacon_in} / {t.beacon_out}" for t in self.config.towers),
             )
 
+    def _allowed_peer(self, address: str, key: bytes) -> bool:
+        """Secure mode: connect only to allow-listed keys, and keep an address's key."""
+        if address == self.address:
+            return False
+        if self.guard is None or self.guard.role(key) is None:
+            if address not in self._refused_peers:
+                self._refused_peers.add(address)
+                self.log.warning("not connecting to peer %s: its key is not in the allow-list", address)
+            return False
+        known = self._peer_keys.get(address)
+        if known is not None and known != key and address in self.peers:
+            self.bad_input("tower beacon", f"peer {address} beacons with another key")
+            return False
+        self._peer_keys[address] = key
+        self._refused_peers.discard(address)
+        return True
+
+    def _connect_peer(self, action: Connect) -> None:
+        if self.keys is None:
+            self.sub.connect(action.endpoint)
+            return
+        security.connect(self.sub, action.endpoint, self._peer_keys[action.address])
+        self._gate(action.address, action.endpoint)
+
+    def _gate(self, address: str, endpoint: str) -> None:
+        """Connect the trusted or the suspect SUB to a peer, by its key's role."""
+        storing = self.peer_role(address) in security.STORING_ROLES
+        sock = self.trusted_sub if storing else self.suspect_sub
+        assert sock is not None
+        security.connect(sock, endpoint, self._peer_keys[address])
+        self._gated[address] = (sock, endpoint)
+
+    def _ungate(self, address: str) -> None:
+        gated = self._gated.pop(address, None)
+        if gated is not None:
+            try:
+                gated[0].disconnect(gated[1])
+            except zmq.ZMQError:
+                pass
+
+    def _check_allow_list(self, now: float) -> None:
+        """Secure mode: apply allow-list changes (timer).
+
+        Peers whose key was removed are disconnected; if any key was removed,
+        the publisher is bound anew, which drops every connection it accepted:
+        peers reconnect at once and pass ZAP again, the removed ones fail.
+        """
+        guard = self.guard
+        assert guard is not None
+        guard.refresh()
+        if guard.version == self._allow_version:
+            return
+        self._allow_version = guard.version
+        removed = self._known_keys - set(guard.roles)
+        self._known_keys = set(guard.roles)
+        for address, key in list(self._peer_keys.items()):
+            role = guard.role(key)
+            if role is None:
+                self._peer_keys.pop(address, None)
+                if address in self.peers:
+                    self.log.warning("cutting off peer %s: its key was removed from the allow-list", address)
+                for action in self.peers.forget(address):
+                    self._apply_peer_action(action)
+            elif address in self._gated:
+                trusted = self._gated[address][0] is self.trusted_sub
+                if (role in security.STORING_ROLES) != trusted:  # the key got another role
+                    endpoint = self._gated[address][1]
+                    self._ungate(address)
+                    self._gate(address, endpoint)
+        if removed:
+            self.rebind_publisher()
+
+    def _check_own_role(self) -> None:
+        """Warn at start when the allow-list would make this node useless."""
+        assert self.guard is not None and self.keys is not None
+        role = self.guard.role(self.keys.public)
+        expected = {
+            "store": security.STORING_ROLES,
+            "gateway": security.STORING_ROLES,
+            "producer": {"producer"},
+            "consumer": {"consumer"},
+        }.get(self.kind)
+        if role is None:
+            self.log.warning("this %s's key is not in the allow-list: every peer will refuse it", self.kind)
+        elif expected is not None and role not in expected:
+            self.log.warning(
+                "this %s's key has the role %r in the allow-list (expected %s)%s",
+                self.kind,
+                role,
+                " or ".join(sorted(expected)),
+                ": producers will ignore its ACKs" if self.kind in ("store", "gateway") else "",
+            )
+
+    def _retry_later(self, sock: zmq.Socket, endpoint: str) -> None:
+        """A handshake was refused: ZeroMQ gives that connection up, so retry it later."""
+        self._retries.append((time.monotonic() + RETRY_REFUSED, sock, endpoint))
+
+    def _retry_refused(self, now: float) -> None:
+        """Timer: connect again where a handshake was refused, if still wanted."""
+        due = [r for r in self._retries if r[0] <= now]
+        if not due:
+            return
+        self._retries = [r for r in self._retries if r[0] > now]
+        for _, sock, endpoint in due:
+            key = self._tower_keys.get((sock, endpoint))
+            if key is None:
+                for address, (gated, gated_endpoint) in self._gated.items():
+                    if gated_endpoint == endpoint and sock in (self.sub, gated):
+                        key = self._peer_keys.get(address)
+                        break
+            if key is None:
+                continue  # the peer is gone meanwhile
+            try:
+                sock.disconnect(endpoint)
+            except zmq.ZMQError:
+                pass  # already given up by ZeroMQ
+            try:
+                security.connect(sock, endpoint, key)
+            except zmq.ZMQError as exc:
+                self.log.debug("could not reconnect to %s: %s", endpoint, exc)
+
+    def publisher_lock(self) -> Any:
+        """What must be held to use the publisher outside the I/O thread."""
+        return contextlib.nullcontext()
+
+    def rebind_publisher(self) -> None:
+        """Bind the publisher anew on its port, dropping every accepted connection."""
+        with self.publisher_lock():
+            self.publisher.unbind(self._bound)
+            for _ in range(200):  # the old listener closes asynchronously
+                try:
+                    self.publisher.bind(self._bound)
+                    break
+                except zmq.ZMQError:
+                    time.sleep(0.01)
+            else:
+                self.log.error("could not bind %s again; peers cannot reach this node", self._bound)
+                return
+        self.log.info("publisher bound anew after an allow-list change")
+
     def _apply_peer_action(self, action: PeerAction) -> None:
         if isinstance(action, Connect):
             try:
-                self.sub.connect(action.endpoint)
+                self._connect_peer(action)
             except zmq.ZMQError as exc:
                 self.bad_input("peer endpoint", exc)
                 return
@@ -388,11 +671,15 @@ class Node:
                 self.sub.disconnect(action.endpoint)
             except zmq.ZMQError:
                 pass
+            if action.address in self._gated and self._gated[action.address][1] == action.endpoint:
+                self._ungate(action.address)
             self.log.debug("dropped silent peer %s", action.address)
 
     def _expire_peers(self, now: float) -> None:
         for action in self.peers.expire(now):
             self._apply_peer_action(action)
+            if action.address not in self.peers:
+                self._peer_keys.pop(action.address, None)
 
     def pause_data(self, paused: bool) -> None:
         """Stop (or restart) reading the data SUB (I/O thread only).
@@ -424,7 +711,15 @@ class Node:
 
     def subscribe(self, prefix: bytes) -> None:
         """Subscribe the data SUB (I/O thread only)."""
+        if self.trusted_sub is not None and self.suspect_sub is not None and prefix[:1] in STORE_ONLY:
+            self.trusted_sub.setsockopt(zmq.SUBSCRIBE, prefix)
+            self.suspect_sub.setsockopt(zmq.SUBSCRIBE, prefix)
+            return
         self.sub.setsockopt(zmq.SUBSCRIBE, prefix)
 
     def unsubscribe(self, prefix: bytes) -> None:
+        if self.trusted_sub is not None and self.suspect_sub is not None and prefix[:1] in STORE_ONLY:
+            self.trusted_sub.setsockopt(zmq.UNSUBSCRIBE, prefix)
+            self.suspect_sub.setsockopt(zmq.UNSUBSCRIBE, prefix)
+            return
         self.sub.setsockopt(zmq.UNSUBSCRIBE, prefix)

@@ -56,6 +56,11 @@ class PeerTable:
             return [Disconnect(known[0], address), Connect(endpoint, address)]
         return []
 
+    def forget(self, address: str) -> list[PeerAction]:
+        """Drop a peer at once (its key was removed from the allow-list)."""
+        known = self._peers.pop(address, None)
+        return [] if known is None else [Disconnect(known[0], address)]
+
     def expire(self, now: float) -> list[PeerAction]:
         """Drop peers whose last beacon is older than the timeout."""
         dead = [(a, e) for a, (e, expires) in self._peers.items() if expires <= now]

@@ -394,13 +394,20 @@ class Producer(Node):
             self.bad_input("message", exc)
             return
         if isinstance(msg, wire.Ack):
-            if msg.topic == self.address and msg.subject == self.topic:
+            if msg.topic == self.address and msg.subject == self.topic and not self.untrusted():
                 self._on_ack(msg.sequence)
         elif isinstance(msg, wire.Fetch):
             if msg.topic == self.address and msg.subject == self.topic:
                 self._on_fetch(msg)
         elif isinstance(msg, wire.GetHeads):
-            if msg.topic == self.topic and self.window.next > 0 and self._resume_state is None:
+            # In secure mode only stores' DIRECT-HEADs are believed: the HEAD
+            # every head_interval tells consumers the same.
+            if (
+                msg.topic == self.topic
+                and self.window.next > 0
+                and self._resume_state is None
+                and not self.secure
+            ):
                 self._send_locked(
                     wire.encode(
                         wire.DirectHead(msg.address, self.address, self.topic, self.window.next - 1)
@@ -408,7 +415,7 @@ class Producer(Node):
                 )
         elif isinstance(msg, wire.DirectHead):
             resume = self._resume_state
-            if resume is not None and msg.address == self.address and msg.subject == self.topic:
+            if resume is not None and msg.address == self.address and msg.subject == self.topic and not self.untrusted():
                 resume.on_head(msg.sequence, time.monotonic())
         elif isinstance(msg, wire.StoreStatus):
             if msg.topic == self.address and msg.subject == self.topic:
@@ -498,6 +505,9 @@ class Producer(Node):
         last = self.window.next - 1
         if last >= 0 and self._resume_state is None and self._resume_error is None:
             self._send_locked(wire.encode(wire.Head(self.topic, self.address, self.topic, last)))
+
+    def publisher_lock(self) -> threading.Lock:
+        return self._lock
 
     def close_publisher(self) -> None:
         with self._lock:

@@ -158,6 +158,9 @@ class PartitionReader(Node):
             self.bad_input("message", exc)
             return None
 
+    def on_trusted(self, frame: bytes) -> None:
+        self.on_message(frame)
+
     def on_message(self, frame: bytes) -> None:
         """Anything that is not a known partition's record (the slow path)."""
         msg = self.decode_rest(frame)
@@ -171,6 +174,8 @@ class PartitionReader(Node):
                 return
             if self.owns(msg.subject, msg.address):
                 return  # our own partition: we write it, nobody else fills it in
+            if isinstance(msg, wire.DirectHead) and self.untrusted():
+                return  # secure mode: only a store's DIRECT-HEAD is believed
             tracker = self.tracker(msg.subject, msg.address)
             if isinstance(msg, wire.Record | wire.DirectRecord):
                 self.track(tracker, msg.sequence, msg.content)

@@ -7,16 +7,22 @@ arrive on the XPUB are forwarded to the XSUB (so the nodes' beacon PUBs send
 their beacons), except the ``W`` welcome subscriptions.  New subscribers get a
 one-frame ``W`` welcome message.  Unlike the reference tower, nothing here
 needs a network interface besides loopback.
+
+In secure mode (a :class:`~dafka.security.SecurityConfig`) both sockets are
+CURVE servers checked against the allow-list; a node beacon carries the
+node's public key as a 5th frame and is relayed (with the key as a 4th frame)
+only when that key is the one the node authenticated with (ZAP User-Id).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import zmq
 
-from dafka import wire
+from dafka import security, wire
 from dafka.errors import ProtocolError
 from dafka.node import ErrorLog
 
@@ -30,25 +36,47 @@ class Tower:
     be 0 to bind ephemeral ones (see :attr:`in_port` / :attr:`out_port`).
     """
 
-    def __init__(self, bind: str = "*", in_port: int = 5556, out_port: int = 5557) -> None:
-        self.ctx = zmq.Context.instance()
+    def __init__(
+        self,
+        bind: str = "*",
+        in_port: int = 5556,
+        out_port: int = 5557,
+        security_config: security.SecurityConfig | None = None,
+    ) -> None:
+        self.security = security_config
+        self.guard = security.guard_for(security_config) if security_config else None
+        self.ctx = self.guard.ctx if self.guard else zmq.Context.instance()
         self.xsub = self.ctx.socket(zmq.XSUB)
         self.xsub.setsockopt(zmq.LINGER, 0)
         self.xpub = self.ctx.socket(zmq.XPUB)
         self.xpub.setsockopt(zmq.LINGER, 0)
         self.xpub.setsockopt(zmq.XPUB_WELCOME_MSG, wire.WELCOME)
+        self._refusals: list[security.RefusalLog] = []
+        self._known_keys = set(self.guard.roles) if self.guard else set()
+        if security_config is not None:
+            keys = security.own_keys(security_config)
+            for sock, what in ((self.xsub, "tower beacons in"), (self.xpub, "tower beacons out")):
+                security.make_server(sock, keys)
+                self._refusals.append(security.RefusalLog(sock, what, log))
         try:
             self.in_port = self._bind(self.xsub, bind, in_port)
             self.out_port = self._bind(self.xpub, bind, out_port)
         except zmq.ZMQError:
-            self.xsub.close(0)
-            self.xpub.close(0)
+            self._close_sockets()
             raise
+        self._bound = [sock.getsockopt_string(zmq.LAST_ENDPOINT) for sock in (self.xsub, self.xpub)]
         self.bad_input = ErrorLog(log)
         self.beacons = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        log.info("tower: beacons in on %s:%d, out on %s:%d", bind, self.in_port, bind, self.out_port)
+        log.info(
+            "tower: beacons in on %s:%d, out on %s:%d%s",
+            bind,
+            self.in_port,
+            bind,
+            self.out_port,
+            " (secure)" if security_config else "",
+        )
 
     @staticmethod
     def _bind(sock: zmq.Socket, host: str, port: int) -> int:
@@ -79,20 +107,31 @@ class Tower:
     def _close_sockets(self) -> None:
         self.xsub.close(0)
         self.xpub.close(0)
+        for refusals in self._refusals:
+            refusals.close()
 
     def run(self) -> None:
         """Serve until :meth:`close` (blocking; :meth:`start` runs it in a thread)."""
         poller = zmq.Poller()
         poller.register(self.xsub, zmq.POLLIN)
         poller.register(self.xpub, zmq.POLLIN)
+        monitors = {refusals.monitor: refusals for refusals in self._refusals}
+        for monitor in monitors:
+            poller.register(monitor, zmq.POLLIN)
+        check_at = 0.0
         try:
             while not self._stop.is_set():
+                if self.guard is not None and time.monotonic() >= check_at:
+                    check_at = time.monotonic() + self.security.reload_interval  # type: ignore[union-attr]
+                    self._check_allow_list()
                 for sock, _ in poller.poll(200):
                     try:
                         if sock is self.xsub:
                             self._relay_beacons()
-                        else:
+                        elif sock is self.xpub:
                             self._forward_subscriptions()
+                        else:
+                            monitors[sock].read()
                     except zmq.ZMQError as exc:
                         if exc.errno == zmq.ETERM:
                             return
@@ -109,7 +148,12 @@ class Tower:
             frames = [first.bytes]
             while self.xsub.getsockopt(zmq.RCVMORE):
                 frames.append(self.xsub.recv())
+            key = b""
             try:
+                if self.guard is not None:
+                    frames, key = security.split_key(frames, 4, "node beacon")
+                    if key != first.get("User-Id").encode():
+                        raise ProtocolError("beacon names another key than the one it came with")
                 address, host, port = wire.decode_node_beacon(frames)
             except ProtocolError as exc:
                 self.bad_input("node beacon", exc)
@@ -121,8 +165,31 @@ class Tower:
                     host = "127.0.0.1"  # inproc/ipc peers have no address
             if ":" in host and not host.startswith("["):
                 host = f"[{host}]"  # IPv6 literal
-            self.xpub.send_multipart(wire.tower_beacon(address, f"tcp://{host}:{port}"))
+            beacon = wire.tower_beacon(address, f"tcp://{host}:{port}")
+            self.xpub.send_multipart(beacon + [key] if key else beacon)
             self.beacons += 1
+
+    def _check_allow_list(self) -> None:
+        """Secure mode: reload the allow-list; when a key was removed, bind both
+        sockets anew, which drops every connection: nodes reconnect at once and
+        pass ZAP again, the removed ones fail."""
+        assert self.guard is not None
+        self.guard.refresh()
+        removed = self._known_keys - set(self.guard.roles)
+        self._known_keys = set(self.guard.roles)
+        if not removed:
+            return
+        for sock, endpoint in zip((self.xsub, self.xpub), self._bound, strict=True):
+            sock.unbind(endpoint)
+            for _ in range(200):  # the old listener closes asynchronously
+                try:
+                    sock.bind(endpoint)
+                    break
+                except zmq.ZMQError:
+                    time.sleep(0.01)
+            else:
+                log.error("tower could not bind %s again", endpoint)
+        log.info("tower: a key left the allow-list; connections re-authenticated")
 
     def _forward_subscriptions(self) -> None:
         for _ in range(1000):

@@ -35,6 +35,7 @@ nothing else is affected.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
@@ -154,9 +155,13 @@ class Gateway(Store):
         max_frame: int = MAX_FRAME_SIZE,
         stall_timeout: float = 30.0,
         compress: bool = True,
+        allow_clients: list[Any] | None = None,
         **store_options: Any,
     ) -> None:
         rdb = db if isinstance(db, RecordDB) else RecordDB(db, sync=sync)
+        # Tank has no authentication: when set, only these IP networks may connect.
+        self.allow_clients = allow_clients
+        self.clients_refused = 0
         try:
             self._setup(rdb, listen, max_frame, stall_timeout, compress)
             super().__init__(rdb, config, towers=towers, retention=retention, **store_options)
@@ -340,6 +345,9 @@ class Gateway(Store):
             except OSError as exc:  # out of file descriptors, ...
                 log.error("cannot accept a Tank connection: %s", exc)
                 return
+            if self.allow_clients is not None and not self._client_allowed(peer[0]):
+                sock.close()
+                continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(sock, f"{peer[0]}:{peer[1]}", FrameBuffer(self.max_frame))
@@ -347,6 +355,20 @@ class Gateway(Store):
             self.watch(sock, lambda c=conn: self._on_ready(c))
             log.debug("Tank client %s connected", conn.name)
             self._write(conn, _PING)  # the greeting some clients wait for
+
+    def _client_allowed(self, host: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(host.split("%")[0])
+        except ValueError:
+            ip = None
+        if ip is not None and getattr(ip, "ipv4_mapped", None):
+            ip = ip.ipv4_mapped  # type: ignore[union-attr]
+        if ip is not None and any(ip in net for net in self.allow_clients or ()):
+            return True
+        self.clients_refused += 1
+        if self.clients_refused <= 20 or self.clients_refused % 1000 == 0:
+            log.warning("refused a Tank client from %s: not in --allow-clients", host)
+        return False
 
     def _on_ready(self, conn: _Conn) -> None:
         if conn.out:
