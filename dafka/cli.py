@@ -82,20 +82,32 @@ def node_config(args: argparse.Namespace, settings: Settings) -> NodeConfig:
     return cfg
 
 
+class StopSignals:
+    """SIGINT/SIGTERM set a flag from now on (install before a service says it is up)."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.got: list[int] = []
+        signal.signal(signal.SIGINT, self._handler)
+        signal.signal(signal.SIGTERM, self._handler)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.got.append(signum)
+        self.stop.set()
+
+    def wait(self) -> int:
+        """Block until a signal came; the exit code to use."""
+        while not self.stop.wait(0.5):
+            pass
+        # SIGTERM is how a service manager stops a service: a clean stop, 0.
+        return EXIT_INTERRUPTED if self.got[:1] == [signal.SIGINT] else 0
+
+
 def wait_for_signal(stop: threading.Event) -> int:
     """Block until SIGINT/SIGTERM (or ``stop`` is set); the exit code to use."""
-    got: list[int] = []
-
-    def handler(signum: int, frame: Any) -> None:
-        got.append(signum)
-        stop.set()
-
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
-    while not stop.wait(0.5):
-        pass
-    # SIGTERM is how a service manager stops a service: a clean stop, 0.
-    return EXIT_INTERRUPTED if got and got[0] == signal.SIGINT else 0
+    signals = StopSignals()
+    signals.stop = stop
+    return signals.wait()
 
 
 def writable_dir(path: str | os.PathLike[str], what: str = "database directory") -> str:
@@ -150,9 +162,10 @@ def cmd_tower(args: argparse.Namespace, settings: Settings) -> int:
     bind = args.bind or section.get("bind", "*")
     in_port = args.in_port if args.in_port is not None else parse_port(section.get("beacon_in_port", 5556))
     out_port = args.out_port if args.out_port is not None else parse_port(section.get("beacon_out_port", 5557))
+    signals = StopSignals()
     with Tower(bind, in_port, out_port) as tower:
         print(f"tower up: beacons in tcp://{bind}:{tower.in_port}, out tcp://{bind}:{tower.out_port}", flush=True)
-        return wait_for_signal(threading.Event())
+        return signals.wait()
 
 
 # ---------------------------------------------------------------- produce
@@ -312,13 +325,14 @@ def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
     from dafka.store.node import Store
 
     db, sync, policy = storage_options(args, settings.section("store"), "store")
+    signals = StopSignals()
     try:
         store = Store(db, node_config(args, settings), sync=sync, retention=policy)
     except lmdb.Error as exc:
         raise open_error(db, exc) from None
     with store:
         print(f"store up: {store.address} db {db} (sync={'on' if sync else 'OFF'})", flush=True)
-        return wait_for_signal(threading.Event())
+        return signals.wait()
 
 
 @command("gateway")
@@ -330,6 +344,7 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
     section = settings.section("gateway")
     listen = args.listen or parse_listen(section.get("listen", f"127.0.0.1:{DEFAULT_PORT}"), DEFAULT_PORT)
     db, sync, policy = storage_options(args, section, "gateway")
+    signals = StopSignals()
     try:
         gateway = Gateway(db, node_config(args, settings), listen=listen, sync=sync, retention=policy)
     except lmdb.Error as exc:
@@ -344,7 +359,7 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
             f" (sync={'on' if sync else 'OFF'})",
             flush=True,
         )
-        return wait_for_signal(threading.Event())
+        return signals.wait()
 
 
 @command("tank")
@@ -388,10 +403,11 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     from dafka.services import Services
 
     writable_dir(args.data, "data directory")
+    signals = StopSignals()
     with Services(settings, data_dir=args.data, bind=args.bind or "127.0.0.1") as services:
         for line in services.describe():
             print(line, flush=True)
-        return wait_for_signal(threading.Event())
+        return signals.wait()
 
 
 # ---------------------------------------------------------------- bench
