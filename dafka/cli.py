@@ -40,6 +40,13 @@ from dafka.errors import ConfigError, DafkaError
 
 log = logging.getLogger("dafka.cli")
 
+if getattr(__import__("multiprocessing").current_process(), "_inheriting", False):
+    # A process spawned by a command (the benchmarks' nodes) imports this
+    # module first: Ctrl-C reaches the whole process group, and only the
+    # parent handles it (it stops its children), so no child prints a
+    # KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
 Command = Callable[[argparse.Namespace, Settings], int]
 _COMMANDS: dict[str, Command] = {}
 
@@ -176,6 +183,14 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
     from dafka.producer import Producer
 
     cfg = node_config(args, settings)
+    if args.identity:
+        parent = os.path.dirname(os.path.abspath(args.identity))
+        if os.path.isdir(args.identity):
+            raise DafkaError(f"identity file {args.identity}: is a directory")
+        if not os.path.isdir(parent):
+            raise DafkaError(f"identity file {args.identity}: directory {parent} does not exist")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise DafkaError(f"identity file {args.identity}: directory {parent} is not writable")
     source = open(args.file, "rb") if args.file else sys.stdin.buffer  # noqa: SIM115
     producer = Producer(
         args.topic,
@@ -415,9 +430,19 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
 
 @command("bench")
 def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
+    import multiprocessing
+
     from dafka import bench
 
-    return bench.main(args)
+    try:
+        return bench.main(args)
+    except KeyboardInterrupt:
+        # The children ignore Ctrl-C (see the top of this module): stop them.
+        for child in multiprocessing.active_children():
+            child.terminate()
+        for child in multiprocessing.active_children():
+            child.join(5)
+        return EXIT_INTERRUPTED
 
 
 # ---------------------------------------------------------------- parser

@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 
 import pytest
 
@@ -183,6 +184,8 @@ def test_path_errors_name_the_path(tmp_path) -> None:
          "a file is in the way"),
         (["up", "--data", str(in_the_way)], "a file is in the way"),
         (["produce", "t", "--file", str(tmp_path / "missing.txt")], "No such file or directory"),
+        (["produce", "t", "--identity", str(tmp_path / "nodir" / "id.json")], "does not exist"),
+        (["produce", "t", "--identity", str(empty)], "is a directory"),
     ]
     for args, words in cases:
         out = run(*args)
@@ -313,3 +316,38 @@ def test_cli_nodes_bind_loopback_when_every_tower_is(monkeypatch) -> None:
     assert bind("--tower", "127.0.0.1", "--tower", "10.1.2.3") == "*"
     assert bind("--tower", "127.0.0.1", "--advertise", "10.1.2.3") == "*"
     assert bind("--bind", "0.0.0.0") == "0.0.0.0"
+
+
+def test_bench_ctrl_c_stops_every_process_without_traceback() -> None:
+    proc = subprocess.Popen(
+        dafka_cmd("bench", "live", "--records", "50000000", "--runs", "1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=subprocess_env(),
+        start_new_session=True,  # its own process group, as a terminal's Ctrl-C sees it
+    )
+    try:
+        assert "tower" in proc.stdout.readline()
+        # The benchmark's node process starts after the tower (beside
+        # multiprocessing's resource tracker): wait for both.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and len(_children(proc.pid)) < 2:
+            time.sleep(0.1)
+        assert len(_children(proc.pid)) >= 2, "no benchmark process started"
+        time.sleep(1)  # let it get busy
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+
+
+def _children(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return f.read().split()
+    except OSError:
+        return []
