@@ -17,6 +17,7 @@ import argparse
 import errno
 import ipaddress
 import logging
+import multiprocessing
 import os
 import signal
 import socket
@@ -40,7 +41,7 @@ from dafka.errors import ConfigError, DafkaError
 
 log = logging.getLogger("dafka.cli")
 
-if getattr(__import__("multiprocessing").current_process(), "_inheriting", False):
+if getattr(multiprocessing.current_process(), "_inheriting", False):
     # A process spawned by a command (the benchmarks' nodes) imports this
     # module first: Ctrl-C reaches the whole process group, and only the
     # parent handles it (it stops its children), so no child prints a
@@ -430,8 +431,6 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
 
 @command("bench")
 def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
-    import multiprocessing
-
     from dafka import bench
 
     try:
