@@ -8,7 +8,8 @@ of them the tower on 127.0.0.1 is used.
 
 Errors a user can act on (bad option values, paths, addresses, missing peers)
 print one ``error: ...`` line on stderr, no traceback.  Exit codes: 0 done,
-1 runtime failure, 2 usage or configuration error, 130 interrupted (Ctrl-C).
+1 runtime failure, 2 usage or configuration error, 130 interrupted (Ctrl-C),
+141 the reader of stdout went away.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def command(name: str) -> Callable[[Command], Command]:
 EXIT_FAILURE = 1  # runtime failure (missing peer, unusable path, ...)
 EXIT_USAGE = 2  # bad option value or configuration
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
+EXIT_BROKEN_PIPE = 141  # the reader of stdout went away (128 + SIGPIPE)
 
 
 def is_loopback(host: str) -> bool:
@@ -538,7 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dafka",
         description="Dafka: brokerless streaming over ZeroMQ",
         epilog="Exit codes: 0 done, 1 runtime failure (one 'error:' line on stderr), "
-        "2 usage or configuration error, 130 interrupted (Ctrl-C).",
+        "2 usage or configuration error, 130 interrupted (Ctrl-C), 141 stdout closed.",
     )
     parser.add_argument("--config", help="TOML config file (default: $DAFKA_CONFIG)")
     parser.add_argument(
@@ -635,6 +637,11 @@ def main(argv: list[str] | None = None) -> int:
         return _COMMANDS[args.command](args, settings)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`dafka consume t | head`): quietly, as other
+        # Unix tools do; stdout goes to /dev/null so the exit flush is silent.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except ConfigError as exc:
         return _error(exc, EXIT_USAGE)
     except DafkaError as exc:

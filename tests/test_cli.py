@@ -242,6 +242,19 @@ def test_tank_errors(tmp_path) -> None:
         assert "unknown partition 7 of topic 't'" in error_line(out)
         out = run("tank", "--broker", broker, "consume", "nope")
         assert out.returncode == 1 and "unknown topic 'nope'" in error_line(out)
+        # A reader that goes away (`| head`) is no error: quiet, exit 141.
+        run("tank", "--broker", broker, "produce", "t", *["x" * 100] * 2000)
+        proc = subprocess.Popen(
+            dafka_cmd("tank", "--broker", broker, "consume", "t"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=subprocess_env(),
+        )
+        proc.stdout.readline()
+        proc.stdout.close()  # the reader is gone, most of 200 kB still to write
+        assert proc.wait(30) == 141
+        assert proc.stderr.read() == b""
+        proc.stderr.close()
     out = run("tank", "--broker", "nonsense.invalid", "--timeout", "2", "topics")
     assert out.returncode == 1 and "cannot connect to Tank at nonsense.invalid:11011" in error_line(out)
     out = run("tank", "--broker", f"127.0.0.1:{free_port()}", "topics")
