@@ -172,7 +172,8 @@ def _consume(client: TankClient, args: argparse.Namespace) -> int:
     wait = max(100, 1000 // max(1, len(partitions))) if args.follow else 0
     rounds = 0
     while (args.count is None or printed < args.count) and len(done) < len(partitions):
-        pid = next(p for p in partitions if p not in done) if not args.follow else partitions[rounds % len(partitions)]
+        active = [p for p in partitions if p not in done]
+        pid = active[rounds % len(active)] if args.follow else active[0]
         rounds += 1
         seq = seqs[pid]
         result = client.consume(args.topic, pid, seq, max_wait_ms=wait)
