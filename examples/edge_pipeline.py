@@ -16,7 +16,7 @@ What runs (all on 127.0.0.1, data in a temporary directory unless --data):
 * a Dafka consumer that prints the results as they arrive.
 
 A result is written once its window is closed by the watermark, so the
-first lines appear about 35 s after start (Spark's start-up included).  The
+first lines appear about 35-55 s after start (Spark's start-up included).  The
 last windows of a run are never closed (event time only moves with new
 readings), so they are never written.
 
