@@ -5,14 +5,23 @@ Sub-commands: ``tower``, ``produce``, ``consume``, ``up`` (the services of
 Tower addresses come from ``--tower`` (repeatable, or comma-separated), the
 TOML file of ``--config`` / ``$DAFKA_CONFIG``, or ``$DAFKA_TOWERS``; with none
 of them the tower on 127.0.0.1 is used.
+
+Errors a user can act on (bad option values, paths, addresses, missing peers)
+print one ``error: ...`` line on stderr, no traceback.  Exit codes: 0 done,
+1 runtime failure, 2 usage or configuration error, 130 interrupted (Ctrl-C),
+141 the reader of stdout went away.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import ipaddress
 import logging
+import multiprocessing
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -20,11 +29,27 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from dafka.config import NodeConfig, Settings, is_loopback, load_settings, parse_listen
-from dafka.errors import DafkaError
+from dafka.config import (
+    NodeConfig,
+    Settings,
+    TowerAddress,
+    is_loopback,
+    load_settings,
+    parse_listen,
+    parse_port,
+    parse_towers,
+)
+from dafka.errors import ConfigError, DafkaError, ResumeError
 from dafka.security import SecurityConfig, security_from
 
 log = logging.getLogger("dafka.cli")
+
+if getattr(multiprocessing.current_process(), "_inheriting", False):
+    # A process spawned by a command (the benchmarks' nodes) imports this
+    # module first: Ctrl-C reaches the whole process group, and only the
+    # parent handles it (it stops its children), so no child prints a
+    # KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 Command = Callable[[argparse.Namespace, Settings], int]
 _COMMANDS: dict[str, Command] = {}
@@ -38,14 +63,26 @@ def command(name: str) -> Callable[[Command], Command]:
     return register
 
 
+EXIT_FAILURE = 1  # runtime failure (missing peer, unusable path, ...)
+EXIT_USAGE = 2  # bad option value or configuration
+EXIT_NOT_STARTED = 2  # produce: refused to start publishing (ResumeError), nothing was sent
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
+EXIT_BROKEN_PIPE = 141  # the reader of stdout went away (128 + SIGPIPE)
+
+
 def node_config(args: argparse.Namespace, settings: Settings) -> NodeConfig:
     cfg = settings.node
     if getattr(args, "tower", None):
         cfg = cfg.with_towers(",".join(args.tower))
-    if getattr(args, "bind", None):
-        cfg = replace(cfg, bind=args.bind)
     if getattr(args, "advertise", None) is not None:
         cfg = replace(cfg, advertise=args.advertise)
+    if getattr(args, "bind", None):
+        cfg = replace(cfg, bind=args.bind)
+    elif cfg.bind in ("*", "0.0.0.0") and all(is_loopback(t.host) for t in cfg.towers):
+        # Every tower is on this machine, so peers reach us as the tower sees
+        # us: 127.0.0.1.  Binding every interface would only expose the node.
+        if not cfg.advertise or is_loopback(cfg.advertise):
+            cfg = replace(cfg, bind="127.0.0.1")
     sec = security_config(args, settings)
     if sec is not None:
         cfg = replace(cfg, security=sec)
@@ -70,7 +107,7 @@ def service_bind(args: argparse.Namespace, given: str | None, secure: bool, what
     """
     bind = given or ("*" if secure else "127.0.0.1")
     if not secure and not is_loopback(bind) and not getattr(args, "insecure", False):
-        raise DafkaError(
+        raise ConfigError(
             f"the {what} would bind {bind} without security: anyone who reaches it could join the mesh, "
             "read every topic and forge ACKs. Configure [security] (--key/--allow, see `dafka keys`), "
             "bind 127.0.0.1, or pass --insecure"
@@ -85,16 +122,73 @@ def service_node_config(args: argparse.Namespace, settings: Settings, what: str)
     return replace(cfg, bind=service_bind(args, given, cfg.security is not None, what))
 
 
-def wait_for_signal(stop: threading.Event) -> None:
-    """Block until SIGINT/SIGTERM (or ``stop`` is set)."""
+class StopSignals:
+    """SIGINT/SIGTERM set a flag from now on (install before a service says it is up)."""
 
-    def handler(signum: int, frame: Any) -> None:
-        stop.set()
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.got: list[int] = []
+        signal.signal(signal.SIGINT, self._handler)
+        signal.signal(signal.SIGTERM, self._handler)
 
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
-    while not stop.wait(0.5):
-        pass
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.got.append(signum)
+        self.stop.set()
+
+    def wait(self) -> int:
+        """Block until a signal came; the exit code to use."""
+        while not self.stop.wait(0.5):
+            pass
+        # SIGTERM is how a service manager stops a service: a clean stop, 0.
+        return EXIT_INTERRUPTED if self.got[:1] == [signal.SIGINT] else 0
+
+
+def wait_for_signal(stop: threading.Event) -> int:
+    """Block until SIGINT/SIGTERM (or ``stop`` is set); the exit code to use."""
+    signals = StopSignals()
+    signals.stop = stop
+    return signals.wait()
+
+
+def writable_dir(path: str | os.PathLike[str], what: str = "database directory") -> str:
+    """Create ``path`` if needed and check it is a directory we may write; say what is wrong."""
+    text = os.fspath(path)
+    try:
+        os.makedirs(text, exist_ok=True)
+    except FileExistsError:
+        raise DafkaError(f"{what} {text}: a file is in the way (not a directory)") from None
+    except NotADirectoryError:
+        raise DafkaError(f"{what} {text}: a file is in the way of one of its parent directories") from None
+    except PermissionError:
+        raise DafkaError(f"{what} {text}: permission denied (cannot create it)") from None
+    except OSError as exc:
+        raise DafkaError(f"{what} {text}: {exc.strerror or exc}") from None
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise DafkaError(f"{what} {text}: permission denied (not writable)")
+    return text
+
+
+def open_error(db: str, exc: Exception) -> DafkaError:
+    """An LMDB failure to open ``db`` as an error line."""
+    return DafkaError(f"cannot open the database in {db}: {exc}")
+
+
+def tower_names(towers: tuple[TowerAddress, ...]) -> str:
+    return ", ".join(f"{t.host}:{t.in_port}/{t.out_port}" for t in towers)
+
+
+def unreached_towers(towers: tuple[TowerAddress, ...], timeout: float = 1.0) -> list[str]:
+    """The towers nothing answers on (a plain TCP connect to their out port), with why."""
+    out = []
+    for t in towers:
+        try:
+            with socket.create_connection((t.host, t.out_port), timeout=timeout):
+                pass
+        except socket.gaierror:
+            out.append(f"{t.host}:{t.in_port}/{t.out_port} (cannot resolve {t.host})")
+        except OSError as exc:
+            out.append(f"{t.host}:{t.in_port}/{t.out_port} ({exc.strerror or exc})")
+    return out
 
 
 # ---------------------------------------------------------------- tower
@@ -107,18 +201,18 @@ def cmd_tower(args: argparse.Namespace, settings: Settings) -> int:
     section = settings.section("tower")
     sec = security_config(args, settings)
     bind = service_bind(args, args.bind or section.get("bind"), sec is not None, "tower")
-    in_port = args.in_port if args.in_port is not None else int(section.get("beacon_in_port", 5556))
-    out_port = args.out_port if args.out_port is not None else int(section.get("beacon_out_port", 5557))
+    in_port = args.in_port if args.in_port is not None else parse_port(section.get("beacon_in_port", 5556))
+    out_port = args.out_port if args.out_port is not None else parse_port(section.get("beacon_out_port", 5557))
+    signals = StopSignals()
     with Tower(bind, in_port, out_port, sec) as tower:
         mode = " (secure)" if sec else ""
         print(f"tower up: beacons in tcp://{bind}:{tower.in_port}, out tcp://{bind}:{tower.out_port}{mode}", flush=True)
         server = serve_metrics(args, section, tower)
         try:
-            wait_for_signal(threading.Event())
+            return signals.wait()
         finally:
             if server is not None:
                 server.close()
-    return 0
 
 
 def serve_metrics(args: argparse.Namespace, section: dict[str, Any], service: Any) -> Any:
@@ -147,6 +241,14 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
     from dafka.producer import Producer
 
     cfg = node_config(args, settings)
+    if args.identity:
+        parent = os.path.dirname(os.path.abspath(args.identity))
+        if os.path.isdir(args.identity):
+            raise DafkaError(f"identity file {args.identity}: is a directory")
+        if not os.path.isdir(parent):
+            raise DafkaError(f"identity file {args.identity}: directory {parent} does not exist")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise DafkaError(f"identity file {args.identity}: directory {parent} is not writable")
     source = open(args.file, "rb") if args.file else sys.stdin.buffer  # noqa: SIM115
     producer = Producer(
         args.topic,
@@ -212,7 +314,12 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
     )
     out = sys.stdout.buffer
     seen = 0
-    deadline = time.monotonic() + args.timeout if args.timeout else None
+    start = time.monotonic()
+    deadline = start + args.timeout if args.timeout else None
+    # No record and no peer after this long: check the towers and say so
+    # once, rather than wait in silence.
+    note_at: float | None = start + min(3.0, max(1.0, cfg.beacon_timeout))
+    unreached: list[str] = []
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     from dafka import progress
@@ -222,11 +329,26 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
     bar = progress.bar(args.count, f"consuming {' '.join(args.topic)}", show=show)
     commit_every = args.commit_interval if args.group and args.commit_interval > 0 else None
     next_commit = time.monotonic() + (commit_every or 0)
+    interrupted = False
     try:
         while not stop.is_set() and (args.count is None or seen < args.count):
-            wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            now = time.monotonic()
+            wait = 0.5 if deadline is None else min(0.5, deadline - now)
             if wait <= 0:
                 break
+            if note_at is not None and now >= note_at:
+                note_at = None
+                if seen == 0 and len(consumer.peers) == 0:
+                    unreached = unreached_towers(cfg.towers)
+                    if len(unreached) == len(cfg.towers):
+                        print(
+                            f"note: no tower reached at {', '.join(unreached)}; still trying"
+                            + ("" if deadline is not None else " (Ctrl-C to stop)"),
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                    else:
+                        unreached = []
             if commit_every is not None and time.monotonic() >= next_commit:
                 # What was printed is flushed before its position is committed (at-least-once).
                 out.flush()
@@ -246,14 +368,22 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
             if args.count is not None or seen % 1000 == 0:
                 out.flush()
     except KeyboardInterrupt:
-        pass
+        interrupted = True
     finally:
         bar.close()
         out.flush()
         consumer.close()  # a group member commits what was printed and leaves
+    if interrupted:
+        if args.count is not None:
+            print(f"error: interrupted after {seen} of {args.count} records", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if args.count is not None and seen < args.count:
-        print(f"error: got {seen} of {args.count} records within {args.timeout}s", file=sys.stderr)
-        return 1
+        hint = f" (no tower reached at {tower_names(cfg.towers)})" if unreached and len(consumer.peers) == 0 else ""
+        if stop.is_set():
+            print(f"error: stopped after {seen} of {args.count} records{hint}", file=sys.stderr)
+        else:
+            print(f"error: got {seen} of {args.count} records within {args.timeout:g}s{hint}", file=sys.stderr)
+        return EXIT_FAILURE
     return 0
 
 
@@ -284,7 +414,8 @@ def storage_options(args: argparse.Namespace, section: dict[str, Any], name: str
     """``(db, sync, retention policy)`` of a store or gateway, from its flags and [name] section."""
     db = args.db or section.get("db")
     if not db:
-        raise DafkaError(f"--db DIR (or [{name}] db) is required")
+        raise ConfigError(f"--db DIR (or [{name}] db) is required")
+    writable_dir(db)
     sync = not args.no_sync and bool(section.get("sync", True))
     policy = retention_policy(section.get("retention", {}), args.retention_age, args.retention_bytes)
     return db, sync, policy
@@ -292,40 +423,52 @@ def storage_options(args: argparse.Namespace, section: dict[str, Any], name: str
 
 @command("store")
 def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
+    import lmdb
+
     from dafka.store.node import Store
 
     db, sync, policy = storage_options(args, settings.section("store"), "store")
     section = settings.section("store")
-    with Store(db, service_node_config(args, settings, "store"), sync=sync, retention=policy) as store:
+    signals = StopSignals()
+    try:
+        store = Store(db, service_node_config(args, settings, "store"), sync=sync, retention=policy)
+    except lmdb.Error as exc:
+        raise open_error(db, exc) from None
+    with store:
         print(f"store up: {store.address} db {db} (sync={'on' if sync else 'OFF'})", flush=True)
         serve_metrics(args, section, store)
-        wait_for_signal(threading.Event())
-    return 0
+        return signals.wait()
 
 
 @command("gateway")
 def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
+    import lmdb
+
     from dafka.tank.gateway import DEFAULT_PORT, Gateway
 
     section = settings.section("gateway")
+    listen = args.listen or parse_listen(section.get("listen", f"127.0.0.1:{DEFAULT_PORT}"), DEFAULT_PORT)
     db, sync, policy = storage_options(args, section, "gateway")
-    listen = parse_listen(args.listen or section.get("listen", f"127.0.0.1:{DEFAULT_PORT}"), DEFAULT_PORT)
     cfg = service_node_config(args, settings, "gateway")
     allow_clients = args.allow_clients or section.get("allow_clients")
     clients = parse_networks(allow_clients) if allow_clients else None
     if not is_loopback(listen[0]) and clients is None and not args.insecure:
         # Tank has no authentication: only listed client networks, or an explicit --insecure.
-        raise DafkaError(
+        raise ConfigError(
             f"the Tank port would listen on {listen[0]}, and the Tank protocol has no authentication: "
             "pass --allow-clients NET[,NET...] (e.g. 10.0.0.0/8), listen on 127.0.0.1, or pass --insecure"
         )
+    signals = StopSignals()
     try:
         gateway = Gateway(
             db, cfg, listen=listen, sync=sync, retention=policy, allow_clients=clients
         )
+    except lmdb.Error as exc:
+        raise open_error(db, exc) from None
     except OSError as exc:
-        print(f"error: cannot listen on {listen[0]}:{listen[1]}: {exc}", file=sys.stderr)
-        return 2
+        if exc.filename is not None:  # a file of the database, not the socket
+            raise
+        raise DafkaError(f"cannot listen on {listen[0]}:{listen[1]}: {exc.strerror or exc}") from None
     with gateway:
         print(
             f"gateway up: Tank on {listen[0]}:{gateway.tank_port}, store {gateway.address} db {db}"
@@ -333,8 +476,7 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
             flush=True,
         )
         serve_metrics(args, section, gateway)
-        wait_for_signal(threading.Event())
-    return 0
+        return signals.wait()
 
 
 @command("tank")
@@ -346,14 +488,24 @@ def cmd_tank(args: argparse.Namespace, settings: Settings) -> int:
 
 @command("topics")
 def cmd_topics(args: argparse.Namespace, settings: Settings) -> int:
+    import lmdb
+
     from dafka.store.db import RecordDB
 
     db = args.db or settings.section("store").get("db")
     if not db:
-        print("error: --db DIR is required", file=sys.stderr)
-        return 2
-    with RecordDB(db, readonly=True) as records:
-        rows = records.partitions(args.topic)
+        raise ConfigError("--db DIR (or [store] db) is required")
+    if not os.path.exists(db):
+        raise DafkaError(f"{db}: no such directory")
+    if not os.path.isdir(db):
+        raise DafkaError(f"{db}: not a directory")
+    if not os.path.exists(os.path.join(db, "data.mdb")):
+        raise DafkaError(f"{db}: no store database here (no data.mdb); give the --db of a store or gateway")
+    try:
+        with RecordDB(db, readonly=True) as records:
+            rows = records.partitions(args.topic)
+    except lmdb.Error as exc:
+        raise DafkaError(f"cannot read the database in {db}: {exc}") from None
     print(f"{'topic':<24} {'partition':<34} {'first':>12} {'last':>12} {'records':>12} {'bytes':>14}")
     for r in rows:
         print(f"{r.topic:<24} {r.partition:<34} {r.first:>12} {r.last:>12} {r.count:>12} {r.bytes:>14}")
@@ -388,13 +540,14 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     from dafka.services import Services
 
     if settings.node.security is not None:
-        raise DafkaError("`dafka up` runs a plain mesh; start tower, store and gateway one by one for a secure one")
+        raise ConfigError("`dafka up` runs a plain mesh; start tower, store and gateway one by one for a secure one")
     bind = service_bind(args, args.bind, False, "services of `dafka up`")
+    writable_dir(args.data, "data directory")
+    signals = StopSignals()
     with Services(settings, data_dir=args.data, bind=bind) as services:
         for line in services.describe():
             print(line, flush=True)
-        wait_for_signal(threading.Event())
-    return 0
+        return signals.wait()
 
 
 def parse_starts(items: list[str], topics: list[str]) -> dict[tuple[str, str], int]:
@@ -403,7 +556,7 @@ def parse_starts(items: list[str], topics: list[str]) -> dict[tuple[str, str], i
     for item in items:
         where, sep, offset = item.rpartition("=")
         if not sep or not where or not offset.isdigit():
-            raise DafkaError(f"--start {item!r}: expected [TOPIC/]PARTITION=OFFSET")
+            raise ConfigError(f"--start {item!r}: expected [TOPIC/]PARTITION=OFFSET")
         topic, slash, partition = where.rpartition("/")
         for t in [topic] if slash else topics:
             starts[(t, partition)] = int(offset)
@@ -413,13 +566,12 @@ def parse_starts(items: list[str], topics: list[str]) -> dict[tuple[str, str], i
 
 def parse_networks(value: str | list[str]) -> list[Any]:
     """``10.0.0.0/8,192.168.1.7`` (or a list) as IP networks."""
-    import ipaddress
 
     items = value.split(",") if isinstance(value, str) else list(value)
     try:
         return [ipaddress.ip_network(item.strip(), strict=False) for item in items if item.strip()]
     except ValueError as exc:
-        raise DafkaError(f"--allow-clients: {exc}") from None
+        raise ConfigError(f"--allow-clients: {exc}") from None
 
 
 @command("keys")
@@ -446,20 +598,103 @@ def cmd_keys(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
     from dafka import bench
 
-    return bench.main(args)
+    try:
+        return bench.main(args)
+    except KeyboardInterrupt:
+        # The children ignore Ctrl-C (see the top of this module): stop them.
+        for child in multiprocessing.active_children():
+            child.terminate()
+        for child in multiprocessing.active_children():
+            child.join(5)
+        return EXIT_INTERRUPTED
 
 
 # ---------------------------------------------------------------- parser
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line ``error: ...`` for usage errors (exit 2)."""
+
+    def error(self, message: str) -> Any:
+        self.exit(EXIT_USAGE, f"error: {message} (see '{self.prog} --help')\n")
+
+
+def _checked(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
+    """An argparse ``type=`` that turns ConfigError/ValueError into a usage error."""
+
+    def check(text: str) -> Any:
+        try:
+            return parse(text)
+        except (ConfigError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    check.__name__ = name
+    return check
+
+
+def _log_level(text: str) -> str:
+    level = text.strip().upper()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"unknown log level {text!r}: use one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
+def _host(text: str) -> str:
+    if not text.strip() or any(c.isspace() for c in text):
+        raise ValueError(f"bad host {text!r}: an interface name, an IP address or *")
+    return text
+
+
+def _towers(text: str) -> str:
+    parse_towers(text)  # validate now; node_config parses again
+    return text
+
+
+def _topic(text: str) -> str:
+    if not text or len(text.encode()) > 255 or "\x00" in text:
+        raise ValueError(f"bad topic {text!r}: 1..255 bytes without NUL")
+    return text
+
+
+def _number(kind: type, minimum: float, what: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not a number") from None
+        if value != value or value < minimum or value == float("inf"):
+            raise ValueError(f"{text!r}: {what}")
+        return value
+
+    return parse
+
+
+host_arg = _checked(_host, "host")
+port_arg = _checked(lambda t: parse_port(t), "port")  # 0: any free port
+towers_arg = _checked(_towers, "tower")
+topic_arg = _checked(_topic, "topic")
+log_level_arg = _checked(_log_level, "log level")
+listen_arg = _checked(lambda t: parse_listen(t, 11011), "address")
+seconds_arg = _checked(_number(float, 0.0, "must be 0 or more seconds"), "seconds")
+positive_seconds_arg = _checked(_number(float, 1e-9, "must be more than 0 seconds"), "seconds")
+count_arg = _checked(_number(int, 1, "must be 1 or more"), "count")
 
 
 def _add_node_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tower",
         action="append",
+        type=towers_arg,
         metavar="HOST[:IN[:OUT]]",
         help="tower to use (repeatable; default 127.0.0.1:5556:5557)",
     )
-    p.add_argument("--bind", help="interface the node binds (default: all)")
+    p.add_argument(
+        "--bind",
+        type=host_arg,
+        help="interface the node binds (default: 127.0.0.1 when every tower is on loopback, else all)",
+    )
     p.add_argument("--advertise", help="host to announce in beacons (default: as the tower sees us)")
     _add_security_flags(p)
 
@@ -480,23 +715,30 @@ def _add_security_flags(p: argparse.ArgumentParser, insecure: bool = False) -> N
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dafka", description="Dafka: brokerless streaming over ZeroMQ")
+    parser = Parser(
+        prog="dafka",
+        description="Dafka: brokerless streaming over ZeroMQ",
+        epilog="Exit codes: 0 done, 1 runtime failure (one 'error:' line on stderr), "
+        "2 usage or configuration error, 130 interrupted (Ctrl-C), 141 stdout closed.",
+    )
     parser.add_argument("--config", help="TOML config file (default: $DAFKA_CONFIG)")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument(
+        "--log-level", default="INFO", type=log_level_arg, help=", ".join(LOG_LEVELS) + " (default INFO)"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("tower", help="run a tower (discovery service)")
-    p.add_argument("--bind", help="interface to bind (default 127.0.0.1, or * when secure; or [tower] bind)")
-    p.add_argument("--in-port", type=int, help="beacons in (XSUB) port, default 5556")
-    p.add_argument("--out-port", type=int, help="beacons out (XPUB) port, default 5557")
+    p.add_argument("--bind", type=host_arg, help="interface to bind (default 127.0.0.1, or * when secure; or [tower] bind)")
+    p.add_argument("--in-port", type=port_arg, help="beacons in (XSUB) port, default 5556 (0: any free port)")
+    p.add_argument("--out-port", type=port_arg, help="beacons out (XPUB) port, default 5557 (0: any free port)")
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
     _add_security_flags(p, insecure=True)
 
     p = sub.add_parser("produce", help="publish one record per input line")
-    p.add_argument("topic")
+    p.add_argument("topic", type=topic_arg)
     _add_node_flags(p)
     p.add_argument("--file", help="read records from this file instead of stdin")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for acknowledgements")
+    p.add_argument("--timeout", type=positive_seconds_arg, default=30.0, help="seconds to wait for acknowledgements")
     p.add_argument("--no-ack", action="store_true", help="do not wait for a store (none running)")
     p.add_argument("--identity", help="persistent producer identity file (continue a partition)")
     p.add_argument(
@@ -505,18 +747,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="--identity: continue even if no store tells the partition's head (may overwrite)",
     )
     p.add_argument(
-        "--resume-timeout", type=float, default=5.0, help="--identity: seconds to wait for the stores' head"
+        "--resume-timeout", type=seconds_arg, default=5.0, help="--identity: seconds to wait for the stores' head"
     )
-    p.add_argument("--capacity", type=int, default=1_000_000, help="max unacknowledged records")
-    p.add_argument("--wait-peers", type=float, default=2.0, help="--no-ack: seconds to wait for a peer")
-    p.add_argument("--linger", type=float, default=1.0, help="--no-ack: seconds to serve FETCHes after the last record")
+    p.add_argument("--capacity", type=count_arg, default=1_000_000, help="max unacknowledged records")
+    p.add_argument("--wait-peers", type=seconds_arg, default=2.0, help="--no-ack: seconds to wait for a peer")
+    p.add_argument("--linger", type=seconds_arg, default=1.0, help="--no-ack: seconds to serve FETCHes after the last record")
 
     p = sub.add_parser("consume", help="print records, one per line")
-    p.add_argument("topic", nargs="+")
+    p.add_argument("topic", nargs="+", type=topic_arg)
     _add_node_flags(p)
     p.add_argument("--from-beginning", action="store_true", help="start at offset 0 (earliest)")
-    p.add_argument("--count", type=int, help="exit after this many records")
-    p.add_argument("--timeout", type=float, help="give up after this many seconds")
+    p.add_argument("--count", type=count_arg, help="exit after this many records")
+    p.add_argument("--timeout", type=positive_seconds_arg, help="give up after this many seconds (default: never)")
     p.add_argument("-v", "--verbose", action="store_true", help="prefix topic, partition and offset")
     p.add_argument(
         "--start",
@@ -538,13 +780,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--insecure", action="store_true", help="allow binding beyond loopback without security")
     p.add_argument("--db", help="LMDB directory (or [store] db)")
     p.add_argument("--no-sync", action="store_true", help="do not fsync commits (UNSAFE: acked data can be lost on power failure)")
-    p.add_argument("--retention-age", type=float, help="default retention: seconds to keep records")
-    p.add_argument("--retention-bytes", type=int, help="default retention: bytes to keep per topic")
+    p.add_argument("--retention-age", type=positive_seconds_arg, help="default retention: seconds to keep records")
+    p.add_argument("--retention-bytes", type=count_arg, help="default retention: bytes to keep per topic")
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
 
     p = sub.add_parser("gateway", help="run a Tank-protocol gateway (also a full store)")
     _add_node_flags(p)
-    p.add_argument("--listen", help="Tank address HOST:PORT (default 127.0.0.1:11011)")
+    p.add_argument("--listen", type=listen_arg, help="Tank address HOST:PORT (default 127.0.0.1:11011; port 0: any free port)")
     p.add_argument(
         "--insecure", action="store_true", help="allow binding or listening beyond loopback without security"
     )
@@ -553,8 +795,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--db", help="LMDB directory (or [gateway] db)")
     p.add_argument("--no-sync", action="store_true", help="do not fsync commits (UNSAFE)")
-    p.add_argument("--retention-age", type=float, help="default retention: seconds to keep records")
-    p.add_argument("--retention-bytes", type=int, help="default retention: bytes to keep per topic")
+    p.add_argument("--retention-age", type=positive_seconds_arg, help="default retention: seconds to keep records")
+    p.add_argument("--retention-bytes", type=count_arg, help="default retention: bytes to keep per topic")
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
 
     from dafka.tank import cli as tank_cli
@@ -574,7 +816,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="run the main services (tower + store + gateway) on loopback")
     p.add_argument("--data", default="var", help="data directory (default ./var)")
-    p.add_argument("--bind", help="interface to bind (default 127.0.0.1)")
+    p.add_argument("--bind", type=host_arg, help="interface to bind (default 127.0.0.1)")
     p.add_argument("--insecure", action="store_true", help="allow binding beyond loopback (plain mode)")
 
     p = sub.add_parser("keys", help="make and list CURVE key pairs for a secure mesh")
@@ -599,22 +841,56 @@ def build_parser() -> argparse.ArgumentParser:
 _EXTRA_PARSERS: list[Callable[[Any], None]] = []
 
 
+# zmq errnos of a bind/connect the user can fix (address in use, no such interface, ...).
+_ADDRESS_ERRNOS = {errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.ENODEV, errno.EACCES, errno.EINVAL}
+
+
+def _error(message: object, code: int) -> int:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    """Run one command.  Known failures become one ``error:`` line; bugs keep their traceback."""
+    import zmq
+
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        logging.basicConfig(
+            level=getattr(logging, args.log_level),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            stream=sys.stderr,
+        )
         settings = load_settings(args.config)
         return _COMMANDS[args.command](args, settings)
-    except DafkaError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`dafka consume t | head`): quietly, as other
+        # Unix tools do; stdout goes to /dev/null so the exit flush is silent.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except ConfigError as exc:
+        return _error(exc, EXIT_USAGE)
+    except ResumeError as exc:
+        return _error(exc, EXIT_NOT_STARTED)  # nothing was published
+    except DafkaError as exc:
+        return _error(exc, EXIT_FAILURE)
+    except zmq.ZMQError as exc:
+        if exc.errno not in _ADDRESS_ERRNOS:
+            raise
+        hint = {
+            errno.EADDRINUSE: " (is another process using that port?)",
+            errno.ENODEV: " (bind takes an interface name, an IP address of this machine or *)",
+            errno.EADDRNOTAVAIL: " (that address is not one of this machine's)",
+        }.get(exc.errno, "")
+        return _error(f"cannot bind: {exc}{hint}", EXIT_FAILURE)
+    except OSError as exc:
+        # A file or socket problem of this machine: name it, no traceback.
+        if exc.filename is not None:
+            return _error(f"{exc.filename}: {exc.strerror or exc}", EXIT_FAILURE)
+        return _error(exc.strerror or exc, EXIT_FAILURE)
 
 
 if __name__ == "__main__":

@@ -44,16 +44,20 @@ class TowerAddress:
             spec = spec[len("tcp://") :]
         parts = spec.split(":")
         try:
+            if any(not p.strip() or " " in p for p in parts[1:]) or " " in parts[0]:
+                raise ValueError("empty part")
             if len(parts) == 1:
                 return cls(parts[0] or "127.0.0.1")
             if len(parts) == 2:
-                port = int(parts[1])
-                return cls(parts[0], port, port + 1)
+                port = parse_port(parts[1], minimum=1, maximum=65534)  # out = in + 1
+                return cls(parts[0] or "127.0.0.1", port, port + 1)
             if len(parts) == 3:
-                return cls(parts[0], int(parts[1]), int(parts[2]))
-        except ValueError:
+                return cls(parts[0] or "127.0.0.1", parse_port(parts[1], minimum=1), parse_port(parts[2], minimum=1))
+        except (ValueError, ConfigError):
             pass
-        raise ConfigError(f"bad tower address {text!r}: use host, host:in_port or host:in:out")
+        raise ConfigError(
+            f"bad tower address {text!r}: use host, host:in_port or host:in_port:out_port (ports 1..65535)"
+        )
 
 
 def parse_towers(value: str | list[str] | tuple[str, ...]) -> tuple[TowerAddress, ...]:
@@ -154,10 +158,28 @@ def is_loopback(host: str) -> bool:
         return False  # "*", an interface name, a host name
 
 
-def parse_listen(text: str, default_port: int) -> tuple[str, int]:
-    """A server address ``HOST:PORT``, ``HOST`` or ``:PORT`` as (host, port)."""
-    host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
+def parse_port(text: str | int, *, minimum: int = 0, maximum: int = 65535) -> int:
+    """A TCP port number in ``minimum..maximum`` (0 lets a server pick a free one)."""
     try:
-        return host or "127.0.0.1", int(port) if port else default_port
+        port = int(str(text).strip())
     except ValueError:
-        raise ConfigError(f"listen address {text!r}: expected HOST:PORT") from None
+        raise ConfigError(f"bad port {text!r}: not a number") from None
+    if not minimum <= port <= maximum:
+        raise ConfigError(f"bad port {port}: must be in {minimum}..{maximum}")
+    return port
+
+
+def parse_listen(text: str, default_port: int, *, minimum_port: int = 0) -> tuple[str, int]:
+    """A server address ``HOST:PORT``, ``HOST`` or ``:PORT`` as (host, port).
+
+    Ports must be in ``minimum_port..65535``; 0 (for a server) means any free port.
+    """
+    text = str(text).strip()
+    host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
+    host = host.strip("[]")  # [::1]:PORT
+    if " " in host or (not host and not port):
+        raise ConfigError(f"bad address {text!r}: expected HOST:PORT")
+    try:
+        return host or "127.0.0.1", parse_port(port, minimum=minimum_port) if port else default_port
+    except ConfigError as exc:
+        raise ConfigError(f"bad address {text!r}: {exc}") from None

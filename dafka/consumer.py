@@ -168,9 +168,12 @@ class Consumer(PartitionReader):
         self.close()
 
     def __iter__(self) -> Iterator[ConsumerRecord]:
-        """Yield records until the consumer is closed."""
+        """Yield records until the consumer is closed (also from another thread)."""
         while not self._closed:
-            record = self.poll(0.5)
+            try:
+                record = self.poll(0.5)
+            except ClosedError:
+                return  # closed while we waited: the iteration simply ends
             if record is not None:
                 yield record
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dafka.config import Settings, TowerAddress, parse_listen
+from dafka.errors import DafkaError
 from dafka.tower import Tower
 
 log = logging.getLogger("dafka.services")
@@ -75,7 +76,12 @@ def _start_gateway(settings: Settings, node: Any, data_dir: Path) -> tuple[str, 
     db = section.get("db") or str(data_dir / "gateway")
     host = node.bind if node.bind not in ("*", "0.0.0.0") else "127.0.0.1"
     listen = parse_listen(section.get("listen", f"{host}:{DEFAULT_PORT}"), DEFAULT_PORT)
-    gateway = Gateway(db, node, listen=listen, sync=bool(section.get("sync", True)))
+    try:
+        gateway = Gateway(db, node, listen=listen, sync=bool(section.get("sync", True)))
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise DafkaError(f"cannot listen on {listen[0]}:{listen[1]} for the Tank gateway: {exc.strerror or exc}") from None
     return f"gateway    Tank on {listen[0]}:{gateway.tank_port}, db {db}", gateway
 
 

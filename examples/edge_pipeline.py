@@ -16,7 +16,12 @@ What runs (all on 127.0.0.1, data in a temporary directory unless --data):
 * a Dafka consumer that prints the results as they arrive.
 
 A result is written once its window is closed by the watermark, so the
-first lines appear about 20-30 s after start (Spark's start-up included).
+first lines appear about 35-55 s after start (Spark's start-up included).  The
+last windows of a run are never closed (event time only moves with new
+readings), so they are never written.
+
+Ctrl-C stops everything cleanly (exit 130); a temporary data directory is
+removed at the end of every run, also after an error or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import json
 import logging
 import multiprocessing as mp
 import random
+import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -168,23 +175,43 @@ def spark_session() -> Any:
     return local_session("dafka-edge-pipeline", log_level="WARN")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--devices", type=int, default=4)
-    parser.add_argument("--seconds", type=float, default=60.0, help="how long the devices publish")
-    parser.add_argument("--data", help="data directory (default: a temporary one)")
-    parser.add_argument("--parquet", help="also write the results as Parquet files here")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+def start_devices(ctx: Any, count: int, cfg: Any, seconds: float, stop: Any) -> list[Any]:
+    """One process per device.  They ignore Ctrl-C: the parent stops them through ``stop``."""
+    # A child started while SIGINT is ignored ignores it from its first
+    # instruction on (Python keeps an inherited SIG_IGN), so no device prints
+    # a KeyboardInterrupt traceback, however early the Ctrl-C comes.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        devices = [
+            ctx.Process(target=device, args=(f"device-{i}", cfg, seconds, stop), daemon=True)
+            for i in range(count)
+        ]
+        for p in devices:
+            p.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return devices
 
+
+def stop_devices(devices: list[Any], stop: Any, timeout: float = 15.0) -> None:
+    stop.set()
+    deadline = time.monotonic() + timeout
+    for p in devices:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in devices:
+        if p.is_alive():
+            p.terminate()
+            p.join(5)
+
+
+def run(args: argparse.Namespace, data: Path) -> int:
     from dafka.config import NodeConfig, TowerAddress
     from dafka.tank.gateway import Gateway
     from dafka.tower import Tower
 
-    data = Path(args.data or tempfile.mkdtemp(prefix="dafka-pipeline-"))
-    data.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
-    stop_devices = ctx.Event()
+    stop = ctx.Event()
+    devices: list[Any] = []
     with Tower("127.0.0.1", 0, 0) as tower:
         cfg = NodeConfig(
             towers=(TowerAddress("127.0.0.1", tower.in_port, tower.out_port),), bind="127.0.0.1"
@@ -192,34 +219,57 @@ def main() -> int:
         with Gateway(data / "gateway", cfg, listen=("127.0.0.1", 0)) as gateway:
             address = f"127.0.0.1:{gateway.tank_port}"
             print(f"tower and gateway up (Tank on {address}); data in {data}", flush=True)
-            devices = [
-                ctx.Process(target=device, args=(f"device-{i}", cfg, args.seconds, stop_devices))
-                for i in range(args.devices)
-            ]
-            for p in devices:
-                p.start()
-            console = Console(cfg)
-            spark = spark_session()
-            queries = start_stream(spark, address, data / "checkpoints", args.parquet)
-            print(f"streaming job running; devices publish for {args.seconds:.0f}s", flush=True)
+            console: Console | None = None
+            spark = None
+            queries: list[Any] = []
             try:
+                devices = start_devices(ctx, args.devices, cfg, args.seconds, stop)
+                console = Console(cfg)
+                spark = spark_session()
+                queries = start_stream(spark, address, data / "checkpoints", args.parquet)
+                print(f"streaming job running; devices publish for {args.seconds:.0f}s", flush=True)
                 for p in devices:
                     p.join(args.seconds + 30)
                 # The windows the watermark closed come out over the next
                 # micro-batches (the last windows stay open: event time only
                 # moves with new readings).
                 console.wait_quiet(quiet=12, limit=120)
-            except KeyboardInterrupt:
-                stop_devices.set()
             finally:
+                stop_devices(devices, stop)
+                if spark is not None:
+                    # Stopping a query mid-batch makes Spark log Java stack
+                    # traces at WARN; they say nothing about this run.
+                    spark.sparkContext.setLogLevel("ERROR")
                 for q in queries:
                     q.stop()
-                spark.stop()
-                console.close()
-                for p in devices:
-                    p.join(5)
+                if spark is not None:
+                    spark.stop()
+                if console is not None:
+                    console.close()
     print("done", flush=True)
     return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=60.0, help="how long the devices publish")
+    parser.add_argument("--data", help="data directory (default: a temporary one, removed at the end)")
+    parser.add_argument("--parquet", help="also write the results as Parquet files here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    temporary = args.data is None
+    data = Path(args.data or tempfile.mkdtemp(prefix="dafka-pipeline-"))
+    try:
+        data.mkdir(parents=True, exist_ok=True)
+        return run(args, data)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        if temporary:
+            shutil.rmtree(data, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -353,3 +353,30 @@ def test_catch_up_over_several_fetch_ranges(cfg: NodeConfig, raw_peer, monkeypat
         producer.wait_for(answer_fetches, timeout=20)
         got = collect(consumer, 250)
         assert [(r.offset, r.content) for r in got] == [(i, b"r%d" % i) for i in range(250)]
+
+
+def test_iteration_ends_when_another_thread_closes_the_consumer(cfg: NodeConfig) -> None:
+    import threading
+
+    with Producer("iter", cfg, acks=False) as producer, Consumer("iter", cfg) as consumer:
+        wait_until(lambda: len(consumer.peers) and len(producer.peers), 10)
+        got: list[bytes] = []
+        first = threading.Event()
+
+        def closer() -> None:
+            first.wait(10)
+            # Close while the loop below waits inside poll(), as a worker
+            # thread stopping a consumer would.
+            time.sleep(0.2)
+            consumer.close()
+
+        thread = threading.Thread(target=closer)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            producer.publish(b"one")
+            for record in consumer:  # ends (StopIteration) once closed, no ClosedError
+                got.append(record.content)
+                first.set()
+        thread.join(10)
+        assert got and got[0] == b"one"

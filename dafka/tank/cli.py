@@ -4,6 +4,10 @@
     dafka tank produce TOPIC [-p N] [-k KEY] [MESSAGE ...]      (else one per stdin line)
     dafka tank consume TOPIC [-p N] [--from first|tail|SEQ] [--count N] [--follow] [-v]
     dafka tank topics | partitions TOPIC | status
+
+``consume`` reads every partition of the topic (in partition order) unless
+``-p`` names one.  Errors print one ``error:`` line: exit 1 for what the
+broker said or an unreachable broker, 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -12,36 +16,92 @@ import argparse
 import sys
 from typing import Any
 
-from dafka.tank.client import TankClient, TankError
+from dafka.config import parse_listen
+from dafka.errors import ConfigError
+from dafka.tank.client import TankClient, TankConnectionError, TankError, UnknownTopicError
 from dafka.tank.codec import UINT64_MAX
+from dafka.tank.messages import ConsumeFlag
 
-DEFAULT_BROKER = "127.0.0.1:11011"
+DEFAULT_PORT = 11011
+DEFAULT_BROKER = f"127.0.0.1:{DEFAULT_PORT}"
+
+
+def _arg(parse: Any) -> Any:
+    """An argparse ``type=`` turning ConfigError/ValueError into a usage error."""
+
+    def check(text: str) -> Any:
+        try:
+            return parse(text)
+        except (ConfigError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return check
+
+
+def _int_in(low: int, high: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not a whole number") from None
+        if not low <= value <= high:
+            raise ValueError(f"{value} is not in {low}..{high}")
+        return value
+
+    return _arg(parse)
+
+
+def _start(text: str) -> int:
+    """``first`` (0), ``tail`` (UINT64_MAX) or a sequence number."""
+    named = {"first": 0, "tail": UINT64_MAX}.get(text)
+    if named is not None:
+        return named
+    try:
+        seq = int(text)
+    except ValueError:
+        raise ValueError(f"{text!r}: use first, tail or a sequence number") from None
+    if not 0 <= seq < UINT64_MAX:
+        raise ValueError(f"sequence number {seq} out of range")
+    return seq
+
+
+def _timeout(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{text!r}: must be more than 0 seconds")
+    return value
+
+
+broker_arg = _arg(lambda t: parse_listen(t, DEFAULT_PORT, minimum_port=1))
+partition_arg = _int_in(0, 65534)  # u16 ids; 0xffff marks an unknown topic
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("tank", help="Tank client: talk to a dafka gateway (or a Tank broker)")
-    p.add_argument("--broker", default=DEFAULT_BROKER, help=f"HOST:PORT (default {DEFAULT_BROKER})")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per request")
+    p.add_argument(
+        "--broker", default=DEFAULT_BROKER, type=broker_arg, help=f"HOST[:PORT] (default {DEFAULT_BROKER})"
+    )
+    p.add_argument("--timeout", type=_arg(_timeout), default=10.0, help="seconds per request")
     tank = p.add_subparsers(dest="tank_command", required=True, metavar="ACTION")
 
     q = tank.add_parser("create", help="create a topic with gateway-owned partitions")
     q.add_argument("topic")
-    q.add_argument("partitions", type=int, nargs="?", default=1)
+    q.add_argument("partitions", type=_int_in(1, 65534), nargs="?", default=1)
 
     q = tank.add_parser("produce", help="publish messages (arguments, else stdin lines)")
     q.add_argument("topic")
     q.add_argument("messages", nargs="*")
-    q.add_argument("-p", "--partition", type=int, default=0)
+    q.add_argument("-p", "--partition", type=partition_arg, default=0)
     q.add_argument("-k", "--key", help="key of every message")
-    q.add_argument("--batch", type=int, default=1000, help="messages per produce request")
+    q.add_argument("--batch", type=_int_in(1, 1 << 30), default=1000, help="messages per produce request")
 
     q = tank.add_parser("consume", help="print messages, one per line")
     q.add_argument("topic")
-    q.add_argument("-p", "--partition", type=int, default=0)
-    q.add_argument("--from", dest="start", default="first", help="first, tail or a sequence number")
-    q.add_argument("--count", type=int, help="stop after this many messages")
+    q.add_argument("-p", "--partition", type=partition_arg, help="only this partition (default: all, in order)")
+    q.add_argument("--from", dest="start", type=_arg(_start), default="first", help="first, tail or a sequence number")
+    q.add_argument("--count", type=_int_in(1, 1 << 62), help="stop after this many messages")
     q.add_argument("--follow", action="store_true", help="wait for new messages at the end")
-    q.add_argument("-v", "--verbose", action="store_true", help="prefix seq, timestamp and key")
+    q.add_argument("-v", "--verbose", action="store_true", help="prefix partition, seq, timestamp and key")
 
     tank.add_parser("topics", help="list topics")
     q = tank.add_parser("partitions", help="first and last sequence number of each partition")
@@ -50,15 +110,21 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    host, _, port = args.broker.rpartition(":")
+    host, port = args.broker if isinstance(args.broker, tuple) else broker_arg(args.broker)
     try:
-        with TankClient(host or "127.0.0.1", int(port), timeout=args.timeout) as client:
+        with TankClient(host, port, timeout=args.timeout) as client:
             return _ACTIONS[args.tank_command](client, args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except TankConnectionError as exc:
+        refused = isinstance(exc.__cause__, ConnectionRefusedError)
+        hint = " (is a gateway running? see `dafka gateway` / `dafka up`)" if refused else ""
+        print(f"error: {exc}{hint}", file=sys.stderr)
+        return 1
     except TankError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        unknown_partition = exc.code == ConsumeFlag.UNKNOWN_PARTITION and str(exc).startswith("consume")
+        if unknown_partition and not isinstance(exc, UnknownTopicError):
+            print(f"error: unknown partition {exc.partition} of topic {exc.topic!r}", file=sys.stderr)
+        else:
+            print(f"error: {exc}", file=sys.stderr)
         return 1
 
 
@@ -87,31 +153,50 @@ def _produce(client: TankClient, args: argparse.Namespace) -> int:
 
 
 def _consume(client: TankClient, args: argparse.Namespace) -> int:
-    start = {"first": 0, "tail": UINT64_MAX}.get(args.start)
-    seq = int(args.start) if start is None else start
+    start = args.start if isinstance(args.start, int) else _start(args.start)
+    known = sorted(client.discover_partitions(args.topic))  # raises for an unknown topic
+    if args.partition is None:
+        partitions = known
+    elif args.partition in known:
+        partitions = [args.partition]
+    else:
+        have = f"partitions 0..{known[-1]}" if known else "no partitions"
+        print(f"error: unknown partition {args.partition} of topic {args.topic!r} (it has {have})", file=sys.stderr)
+        return 1
+    seqs = dict.fromkeys(partitions, start)
+    done: set[int] = set()  # drained partitions (without --follow)
     printed = 0
     out = sys.stdout.buffer
-    while args.count is None or printed < args.count:
-        wait = 1000 if args.follow else 0
-        result = client.consume(args.topic, args.partition, seq, max_wait_ms=wait)
+    # Without --follow, each partition is read to its end in turn; with it,
+    # the partitions are long-polled in turn (so each waits at most ~1 s).
+    wait = max(100, 1000 // max(1, len(partitions))) if args.follow else 0
+    rounds = 0
+    while (args.count is None or printed < args.count) and len(done) < len(partitions):
+        active = [p for p in partitions if p not in done]
+        pid = active[rounds % len(active)] if args.follow else active[0]
+        rounds += 1
+        seq = seqs[pid]
+        result = client.consume(args.topic, pid, seq, max_wait_ms=wait)
         if result.boundary_check:
             # Below what is kept: go to the first kept; past the end: go to the end.
             below = result.first_avail is not None and seq < result.first_avail
-            seq = result.first_avail if below else (result.hwm or 0) + 1  # type: ignore[assignment]
+            seqs[pid] = result.first_avail if below else (result.hwm or 0) + 1  # type: ignore[assignment]
+            if seqs[pid] == seq:
+                done.add(pid)  # guard: the broker keeps sending the same boundary
             continue
         for s, ts, key, value in result.messages:
             if args.verbose:
                 k = key.decode(errors="replace") if key is not None else "-"
-                out.write(f"{s}\t{ts}\t{k}\t".encode())
+                out.write(f"{pid}\t{s}\t{ts}\t{k}\t".encode())
             out.write(value + b"\n")
             printed += 1
             if args.count is not None and printed >= args.count:
                 break
         out.flush()
         if result.messages:
-            seq = result.next_seq
+            seqs[pid] = result.next_seq
         elif not args.follow:
-            break
+            done.add(pid)
     return 0
 
 
