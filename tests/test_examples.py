@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -145,6 +146,9 @@ def test_edge_pipeline_ctrl_c(tmp_path: Path) -> None:
     finally:
         proc.kill()
     assert code == 130, out[-3000:]
-    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    # No traceback of ours (PySpark's own streaming-source worker may still
+    # print a BrokenPipe one while the JVM shuts down: Spark's, not ours).
+    assert "KeyboardInterrupt" not in out, out[-3000:]
+    assert not re.search(r'File "[^"]*(/dafka/|edge_pipeline)', out), out[-3000:]
     assert "data in " + str(tmp_path) in out
     assert not list(tmp_path.glob("dafka-pipeline-*")), "the temporary data directory was left behind"
