@@ -23,12 +23,12 @@ from typing import Literal, NamedTuple
 
 import zmq
 
-from dafka import wire
+from dafka import fastio, wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import ClosedError
 from dafka.gaps import PartitionTracker
 from dafka.node import DRAIN
-from dafka.reader import NOBLOCK, PartitionReader, seq_at
+from dafka.reader import NOBLOCK, PartitionReader
 
 log = logging.getLogger("dafka.consumer")
 
@@ -198,41 +198,14 @@ class Consumer(PartitionReader):
         self.delivered += len(records)
 
     def _read_data(self) -> None:
-        # The hot path: one dict lookup recognises a known partition's record,
-        # and the next record in order is queued right here.
-        recv = self.sub.recv
-        lookup = self._by_prefix.get
+        # The hot path: a batch of messages, frame-exact; the next records of
+        # known partitions are queued inside drain_records, the rest come back
+        # through track / on_message in arrival order.
         queue = self._queue
-        append = queue.append
         before = self.delivered
-        fast = 0
-        for _ in range(DRAIN):
-            try:
-                frame = recv(NOBLOCK)
-            except zmq.Again:
-                break
-            tracker = lookup(frame[:-8])
-            if tracker is None:
-                self.on_message(frame)
-                continue
-            try:
-                # Every RECORD has a content frame; a malformed one-frame
-                # message costs at most its neighbour, which is fetched again.
-                content = recv(NOBLOCK)
-            except zmq.Again:
-                self.bad_input("record", "no content frame")
-                continue
-            seq = seq_at(frame, len(frame) - 8)[0]
-            if seq == tracker.next and not tracker.held:
-                # Next in order: live, or catching up (fetch_missing below
-                # asks for the next range when this one is half done).
-                tracker.next = seq + 1
-                if seq > tracker.known:
-                    tracker.known = seq
-                append(_new_record(ConsumerRecord, (tracker.subject, tracker.address, seq, content)))
-                fast += 1
-            else:
-                self.track(tracker, seq, content)
+        fast = fastio.drain_records(
+            self.sub, DRAIN, self._by_prefix, queue, ConsumerRecord, 0, self.track, self.on_message
+        )
         if self._missing:
             self.fetch_missing()
         self.delivered += fast

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import zmq
 
-from dafka import wire
+from dafka import fastio, wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import ProtocolError
 from dafka.peers import Connect, PeerAction, PeerTable
@@ -166,8 +166,8 @@ class Node:
     def on_tick(self, now: float) -> None:
         """Called in the I/O thread every TICK seconds."""
 
-    def on_data(self, frame: bytes) -> None:
-        """A message arrived on the data SUB; ``frame`` is its first frame."""
+    def on_data(self, frames: list[bytes]) -> None:
+        """A whole message arrived on the data SUB (exactly its frames)."""
 
     def on_peer(self, endpoint: str, address: str) -> None:
         """A new peer was connected."""
@@ -268,26 +268,9 @@ class Node:
                 self.log.exception("%s command failed", self.kind)
 
     def _read_data(self) -> None:
-        sub = self.sub
         on_data = self.on_data
-        recv = sub.recv
-        more = zmq.RCVMORE
-        getsockopt = sub.getsockopt
-        for _ in range(DRAIN):
-            try:
-                frame = recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            on_data(frame)
-            # Whatever the handler did not read of a multi-frame message goes.
-            while getsockopt(more):
-                recv()
-
-    def recv_content(self) -> bytes | None:
-        """The second frame of the message being handled, if there is one."""
-        if self.sub.getsockopt(zmq.RCVMORE):
-            return self.sub.recv()
-        return None
+        for frames in fastio.recv_messages(self.sub, DRAIN):
+            on_data(frames)
 
     # ---------------------------------------------------------------- beacons
 

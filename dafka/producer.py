@@ -348,9 +348,9 @@ class Producer(Node):
 
     # ---------------------------------------------------------------- I/O thread
 
-    def on_data(self, frame: bytes) -> None:
+    def on_data(self, frames: list[bytes]) -> None:
         try:
-            msg = wire.decode([frame, self.recv_content()] if frame[:1] in (b"M", b"D") else [frame])
+            msg = wire.decode(frames)
         except ProtocolError as exc:
             self.bad_input("message", exc)
             return

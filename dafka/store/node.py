@@ -29,11 +29,11 @@ from typing import Any
 
 import zmq
 
-from dafka import wire
+from dafka import fastio, wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.gaps import PartitionTracker
 from dafka.node import DRAIN
-from dafka.reader import NOBLOCK, PartitionReader, seq_at
+from dafka.reader import NOBLOCK, PartitionReader
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.layout import FLAG_KEY
 
@@ -280,35 +280,13 @@ class Store(PartitionReader):
             append((subject, partition, seq, content, ts))
 
     def _read_data(self) -> None:
-        # The hot path: the next record of a known partition joins the batch here.
-        recv = self.sub.recv
-        lookup = self._by_prefix.get
-        append = self._batch.append
+        # The hot path: the next records of known partitions join the batch
+        # inside drain_records (frame-exact); the rest go through track /
+        # on_message in arrival order.
         ts = self._ts = int(time.time() * 1000)
-        for _ in range(DRAIN):
-            try:
-                frame = recv(NOBLOCK)
-            except zmq.Again:
-                break
-            tracker = lookup(frame[:-8])
-            if tracker is None:
-                self.on_message(frame)
-                continue
-            try:
-                content = recv(NOBLOCK)
-            except zmq.Again:
-                self.bad_input("record", "no content frame")
-                continue
-            seq = seq_at(frame, len(frame) - 8)[0]
-            if seq == tracker.next and not tracker.held:
-                # Next in order: live, or catching up (fetch_missing below
-                # asks for the next range when this one is half done).
-                tracker.next = seq + 1
-                if seq > tracker.known:
-                    tracker.known = seq
-                append((tracker.subject, tracker.address, seq, content, ts))
-            else:
-                self.track(tracker, seq, content)
+        fastio.drain_records(
+            self.sub, DRAIN, self._by_prefix, self._batch, None, ts, self.track, self.on_message
+        )
         if self._missing:
             self.fetch_missing()
         if len(self._batch) >= MAX_BATCH:
