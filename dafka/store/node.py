@@ -35,12 +35,9 @@ from dafka.gaps import PartitionTracker
 from dafka.node import DRAIN
 from dafka.reader import NOBLOCK, PartitionReader
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
-from dafka.store.layout import FLAG_KEY
 
 log = logging.getLogger("dafka.store")
 
-_SNDMORE_NOBLOCK = int(zmq.SNDMORE) | NOBLOCK
-_pack = wire.pack_u64
 
 MAX_BATCH = 200_000  # records waiting for the writer before reading pauses
 SERVE_SLICE = 2_000  # DIRECT-RECORDs sent per FETCH job per loop turn
@@ -342,7 +339,6 @@ class Store(PartitionReader):
     def _serve(self) -> None:
         """Send one slice of each pending FETCH answer."""
         jobs = self._jobs
-        send = self.publisher.send
         for _ in range(len(jobs)):
             job = jobs.popleft()
             try:
@@ -364,19 +360,12 @@ class Store(PartitionReader):
                     job.offset,
                     start,
                 )
-            prefix = job.prefix
-            seq = start
-            try:
-                for v in values:
-                    send(prefix + _pack(seq), _SNDMORE_NOBLOCK)
-                    send(v[9:] if not v[8] & FLAG_KEY else v[10 + v[9] :])
-                    seq += 1
-            except zmq.Again:
+            sent = fastio.send_values(self.publisher, job.prefix, start, values, True)
+            if sent < len(values):
                 # A reader is full: resume from here on the next tick.
                 self._blocked = True
-            sent = seq - start
             self.records_served += sent
-            job.offset, job.remaining = seq, job.remaining - sent
+            job.offset, job.remaining = start + sent, job.remaining - sent
             if job.remaining > 0 and (sent == SERVE_SLICE or self._blocked):
                 jobs.append(job)
             else:
