@@ -64,6 +64,7 @@ class Node:
         self.address = address or new_address()
         self.log = logging.getLogger(f"dafka.{self.kind}")
         self.bad_input = ErrorLog(self.log)
+        fastio.warn_if_pure(self.log)
         self.ctx = zmq.Context.instance()
         self.peers = PeerTable(self.address, self.config.beacon_timeout)
         self._commands: deque[Callable[[], None]] = deque()

@@ -50,6 +50,19 @@ send_values = _impl.send_values  # type: ignore[attr-defined]
 _warned = False
 
 
+def describe() -> str:
+    """What ``dafka --version`` / ``dafka doctor`` print about the I/O implementation."""
+    import sys
+
+    import zmq
+
+    return (
+        f"I/O: {IMPLEMENTATION} ({REASON})\n"
+        f"pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()}, "
+        f"Python {sys.version.split()[0]} ({sys.implementation.name})"
+    )
+
+
 def warn_if_pure(logger: logging.Logger) -> None:
     """Log once per process that nodes run without the compiled extension."""
     global _warned
@@ -63,6 +76,7 @@ __all__ = [
     "COMPILED",
     "IMPLEMENTATION",
     "REASON",
+    "describe",
     "drain_records",
     "recv_messages",
     "send_records",
