@@ -15,7 +15,14 @@ else:
     from setuptools import Extension
 
     ext_modules = cythonize(
-        [Extension("dafka.fastio._compiled", ["dafka/fastio/_compiled.pyx"], include_dirs=["dafka/fastio"])],
+        [
+            Extension(
+                "dafka.fastio._compiled",
+                ["dafka/fastio/_compiled.pyx"],
+                include_dirs=["dafka/fastio"],
+                depends=["dafka/fastio/zmq_api.h"],
+            )
+        ],
         compiler_directives={"language_level": "3"},
         quiet=True,
     )

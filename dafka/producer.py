@@ -245,10 +245,7 @@ class Producer(Node):
                 self._wait_for_room(wait)
                 continue
             stop = min(n, done + room)
-            first = window.next
-            push = window.push
-            for i in range(done, stop):
-                push(batch[i])
+            first = window.push_many(batch, done, stop)
             fastio.send_records(self.publisher, prefix, first, batch, done, stop)
             done = stop
         return window.next - 1 if n else -1

@@ -173,3 +173,19 @@ def test_retries_back_off_and_a_new_peer_never_causes_a_skip() -> None:
     out: list[tuple[int, bytes]] = []
     assert t.skip_if_stalled(2.0, out) is None  # ... but that is no reason to skip
     assert t.skip_if_stalled(10.1, out) == (0, 4)
+
+
+@given(
+    chunks=st.lists(st.lists(st.binary(max_size=5), max_size=8), max_size=6),
+    ring=st.booleans(),
+    capacity=st.integers(1, 20),
+)
+def test_window_push_many_equals_pushes(chunks: list[list[bytes]], ring: bool, capacity: int) -> None:
+    one, many = UnackedWindow(capacity, 5, ring=ring), UnackedWindow(capacity, 5, ring=ring)
+    for chunk in chunks:
+        if not ring:
+            chunk = chunk[: capacity - len(one)]  # the caller makes room first
+        for c in chunk:
+            one.push(c)
+        assert many.push_many([b"skip"] + chunk + [b"skip"], 1, 1 + len(chunk)) == one.next - len(chunk)
+        assert (one.next, one.acked, one.records, one.bytes) == (many.next, many.acked, many.records, many.bytes)

@@ -10,6 +10,13 @@ send the socket cannot take yet).
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.exc cimport PyErr_CheckSignals
+from cpython.object cimport PyObject, PyTypeObject
+from cpython.ref cimport Py_DECREF, Py_INCREF
+from cpython.tuple cimport PyTuple_SET_ITEM
+
+
+cdef extern from "Python.h":
+    PyObject *PyType_GenericAlloc(PyTypeObject *type, Py_ssize_t nitems)
 from libc.errno cimport EAGAIN, EINTR
 from libc.stdint cimport uint64_t, uintptr_t
 from libc.string cimport memcmp, memcpy
@@ -175,6 +182,35 @@ cdef inline void _put_be64(unsigned char *p, uint64_t v) noexcept nogil:
         v >>= 8
 
 
+cdef class _Cursor:
+    """The tracker of the partition being read, its ``next`` kept in C between callbacks."""
+
+    cdef object tracker
+    cdef bint fast  # next is an int and nothing is held: records at next take the fast path
+    cdef uint64_t next
+    cdef uint64_t start  # next when loaded: written back only if it moved
+
+    cdef int load(self, object tracker) except -1:
+        self.tracker = tracker
+        nxt = tracker.next
+        self.fast = False
+        # Offsets near 2**64 stay on the Python-int path (no wrap-around here).
+        if nxt is not None and not tracker.held and 0 <= nxt < 0xFFFFFFFFFFFFFFFF:
+            self.fast = True
+            self.next = self.start = nxt
+        return 0
+
+    cdef int flush(self) except -1:
+        """Write ``next`` (and ``known``) back to the tracker before anyone else looks."""
+        if self.tracker is not None and self.fast and self.next != self.start:
+            self.tracker.next = self.next
+            last = self.next - 1
+            if last > self.tracker.known:
+                self.tracker.known = last
+            self.start = self.next
+        return 0
+
+
 def drain_records(sock, int limit, dict by_prefix, out, record_type, ts, on_record, on_message):
     """See :func:`dafka.fastio._pure.drain_records`."""
     cdef void *s = _handle(sock)
@@ -184,8 +220,14 @@ def drain_records(sock, int limit, dict by_prefix, out, record_type, ts, on_reco
     cdef const unsigned char *hdata
     cdef bytes key = None
     cdef object tracker = None, subject = None, address = None
-    cdef object seq_obj, nxt, content
+    cdef object seq_obj, content, item
     cdef uint64_t seq
+    cdef _Cursor cur = _Cursor()
+    cdef PyTypeObject *rtype = NULL
+    if record_type is not None:
+        if not isinstance(record_type, type) or not issubclass(record_type, tuple):
+            raise TypeError("record_type must be a tuple subclass")
+        rtype = <PyTypeObject *>record_type
     append = out.append
     z_msg_init(&head)
     z_msg_init(&body)
@@ -194,19 +236,22 @@ def drain_records(sock, int limit, dict by_prefix, out, record_type, ts, on_reco
             if not _recv(&head, s):
                 break
             if not z_msg_more(&head):
-                on_message([_bytes_of(&head)])
+                cur.flush()
                 key = None  # a callback may change the trackers
+                on_message([_bytes_of(&head)])
                 continue
             _recv_part(&body, s)
             if z_msg_more(&body):
-                on_message(_rest(&body, s, [_bytes_of(&head), _bytes_of(&body)]))
+                cur.flush()
                 key = None
+                on_message(_rest(&body, s, [_bytes_of(&head), _bytes_of(&body)]))
                 continue
             hsize = z_msg_size(&head)
             hdata = <const unsigned char *>z_msg_data(&head)
             if hsize < 9:
-                on_message([_bytes_of(&head), _bytes_of(&body)])
+                cur.flush()
                 key = None
+                on_message([_bytes_of(&head), _bytes_of(&body)])
                 continue
             plen = hsize - 8
             # Consecutive records mostly share a partition: compare bytes
@@ -214,34 +259,56 @@ def drain_records(sock, int limit, dict by_prefix, out, record_type, ts, on_reco
             if key is None or <size_t>PyBytes_GET_SIZE(key) != plen or memcmp(
                 PyBytes_AS_STRING(key), hdata, plen
             ) != 0:
+                cur.flush()
                 key = PyBytes_FromStringAndSize(<const char *>hdata, plen)
                 tracker = by_prefix.get(key)
                 if tracker is None:
                     key = None
+                    cur.tracker = None
                     on_message([_bytes_of(&head), _bytes_of(&body)])
                     continue
+                cur.load(tracker)
                 subject = tracker.subject
                 address = tracker.address
             seq = _be64(hdata + plen)
-            seq_obj = seq
             content = _bytes_of(&body)
-            nxt = tracker.next
-            if nxt is not None and nxt == seq_obj and not tracker.held:
-                tracker.next = seq_obj + 1
-                if seq_obj > tracker.known:
-                    tracker.known = seq_obj
-                if record_type is None:
-                    append((subject, address, seq_obj, content, ts))
+            if cur.fast and seq == cur.next:
+                cur.next = seq + 1
+                seq_obj = seq
+                if rtype == NULL:
+                    item = (subject, address, seq_obj, content, ts)
                 else:
-                    append(_tuple_new(record_type, (subject, address, seq_obj, content)))
+                    item = _new_record(rtype, subject, address, seq_obj, content)
+                append(item)
                 queued += 1
             else:
-                on_record(tracker, seq_obj, content)
+                cur.flush()
                 key = None
+                on_record(tracker, seq, content)
     finally:
+        cur.flush()
         z_msg_close(&head)
         z_msg_close(&body)
     return queued
+
+
+cdef inline object _new_record(PyTypeObject *rtype, object a, object b, object c, object d):
+    """``rtype((a, b, c, d))`` for a tuple subclass without fields of its own (a NamedTuple)."""
+    cdef PyObject *obj = PyType_GenericAlloc(rtype, 4)  # what tuple.__new__ does for subclasses
+    if obj == NULL:
+        raise MemoryError()
+    cdef object result = <object>obj  # a second reference: give the allocation's back
+    Py_DECREF(result)
+    # PyTuple_SET_ITEM steals a reference.
+    Py_INCREF(a)
+    PyTuple_SET_ITEM(result, 0, a)
+    Py_INCREF(b)
+    PyTuple_SET_ITEM(result, 1, b)
+    Py_INCREF(c)
+    PyTuple_SET_ITEM(result, 2, c)
+    Py_INCREF(d)
+    PyTuple_SET_ITEM(result, 3, d)
+    return result
 
 
 cdef int _send(void *s, const char *buf, size_t size, int flags, bint block) except -1:
