@@ -17,6 +17,7 @@ from cpython.tuple cimport PyTuple_SET_ITEM
 
 cdef extern from "Python.h":
     PyObject *PyType_GenericAlloc(PyTypeObject *type, Py_ssize_t nitems)
+    void PyObject_GC_UnTrack(void *op)
 from libc.errno cimport EAGAIN, EINTR
 from libc.stdint cimport uint64_t, uintptr_t
 from libc.string cimport memcmp, memcpy
@@ -279,6 +280,10 @@ def drain_records(sock, int limit, dict by_prefix, out, record_type, ts, on_reco
                     item = (subject, address, seq_obj, content, ts)
                 else:
                     item = _new_record(rtype, subject, address, seq_obj, content)
+                # Only str, int and bytes inside: no cycle can pass through the
+                # record, so the cyclic GC need not scan the (possibly huge)
+                # queues and batches of them again and again.
+                PyObject_GC_UnTrack(<PyObject *>item)
                 append(item)
                 queued += 1
             else:
