@@ -19,6 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
+from itertools import islice
 from pathlib import Path
 
 import zmq
@@ -214,13 +215,11 @@ class Producer(Node):
         Cheaper per record than :meth:`publish`: one lock hold per chunk.
         """
         last = -1
-        batch: list[bytes] = []
-        for content in contents:
-            batch.append(content)
-            if len(batch) == 1024:
-                last = self._publish_chunk(batch, timeout)
-                batch = []
-        if batch:
+        it = iter(contents)
+        while True:
+            batch = list(islice(it, 1024))  # chunks taken at C level
+            if not batch:
+                break
             last = self._publish_chunk(batch, timeout)
         return Receipt(self, last) if last >= 0 else None
 
