@@ -22,8 +22,6 @@ from collections.abc import Callable, Iterable
 from itertools import islice
 from pathlib import Path
 
-import zmq
-
 from dafka import fastio, wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import BufferFullError, ClosedError, ProtocolError, PublishError
@@ -32,8 +30,6 @@ from dafka.unacked import UnackedWindow
 
 log = logging.getLogger("dafka.producer")
 
-_SNDMORE = int(zmq.SNDMORE)  # a plain int: pyzmq's enum flags are slower
-_pack = wire.pack_u64
 
 
 class Receipt:
