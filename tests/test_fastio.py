@@ -243,3 +243,11 @@ def test_closed_socket_raises_instead_of_crashing(impl: Any) -> None:
         impl.send_records(sock, b"p", 0, [b"x"])
     with pytest.raises(zmq.ZMQError):
         impl.recv_messages(sock, 10)
+
+
+@needs_compiled
+def test_bad_content_fails_before_its_header_goes_out(pair: Pair) -> None:
+    with pytest.raises((TypeError, ValueError)):
+        _compiled.send_records(pair.tx, b"h", 0, [b"ok", "not bytes", b"never"])
+    _compiled.send_records(pair.tx, b"h", 5, [b"next"])
+    assert pair.recv_all() == [[b"h" + wire.pack_u64(0), b"ok"], [b"h" + wire.pack_u64(5), b"next"]]

@@ -354,6 +354,7 @@ def send_records(sock, bytes prefix, seq, contents, Py_ssize_t start=0, stop=Non
     cdef object content
     cdef const unsigned char[::1] view
     cdef const char *data
+    cdef Py_ssize_t size
     cdef const char *empty = ""
     if plen + 8 > HEADER_MAX:
         raise ValueError("record header too long")
@@ -361,16 +362,20 @@ def send_records(sock, bytes prefix, seq, contents, Py_ssize_t start=0, stop=Non
     end = len(contents) if stop is None else stop
     for i in range(start, end):
         content = contents[i]
+        # The content's buffer first: a bad one must fail before the header
+        # goes out, or the next message would be glued onto this one.
+        if PyBytes_Check(content):
+            data = PyBytes_AS_STRING(content)
+            size = PyBytes_GET_SIZE(content)
+        else:
+            view = content
+            size = view.shape[0]
+            data = <const char *>&view[0] if size else empty
         _put_be64(header + plen, first + <uint64_t>sent)
         if not _send(s, <const char *>header, plen + 8, DAFKA_ZMQ_SNDMORE, not noblock):
             break
         # The rest of a message is never refused once its first part was taken.
-        if PyBytes_Check(content):
-            _send(s, PyBytes_AS_STRING(content), PyBytes_GET_SIZE(content), 0, True)
-        else:
-            view = content
-            data = <const char *>&view[0] if view.shape[0] else empty
-            _send(s, data, view.shape[0], 0, True)
+        _send(s, data, size, 0, True)
         sent += 1
     return sent
 
