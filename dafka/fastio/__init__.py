@@ -22,10 +22,14 @@ log = logging.getLogger("dafka.fastio")
 def _load() -> tuple[object, str]:
     if os.environ.get("DAFKA_NO_EXTENSIONS", "").strip() not in ("", "0"):
         return _pure, "DAFKA_NO_EXTENSIONS is set"
+    from importlib.util import find_spec
+
+    if find_spec("dafka.fastio._compiled") is None:
+        return _pure, "the compiled extension is not built"
     try:
         from dafka.fastio import _compiled  # type: ignore[attr-defined]
     except ImportError as exc:
-        return _pure, f"the compiled extension is not built ({exc})"
+        return _pure, f"the compiled extension does not load ({exc})"
     try:
         from dafka.fastio._bind import bind
 
