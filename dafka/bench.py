@@ -32,7 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sync", action="store_true", help="store: do not fsync commits")
     p.add_argument("--transport", default="both", help="spark: path, gateway or both")
     p.add_argument("--rate", type=int, default=10_000, help="latency: records/s published")
-    p.add_argument("--seconds", type=float, default=3.0, help="latency: seconds of publishing per run")
+    p.add_argument(
+        "--seconds", type=float, default=3.0,
+        help="latency: seconds of publishing per run; embedded: seconds per measurement",
+    )
     p.add_argument("--secure", action="store_true", help="live, store: CURVE mesh with temporary keys")
 
 
@@ -588,6 +591,148 @@ def bench_latency(args: argparse.Namespace) -> dict[str, list[float]]:
     return {} if delivery and ack else {"latency": []}
 
 
+def _tower_process(ports: Any, done: Any) -> None:
+    from dafka.tower import Tower
+
+    tower = Tower("127.0.0.1", 0, 0)
+    tower.start()
+    ports.put((tower.in_port, tower.out_port))
+    done.wait(1800)
+    tower.close()
+
+
+def _busy(stop: Any) -> None:
+    """The application's own work: a pure-Python loop that never waits."""
+    x = 0
+    while not stop.is_set():
+        for i in range(1000):
+            x += i
+
+
+def _with_busy_thread(busy: bool, fn: Callable[[], float]) -> float:
+    import threading
+
+    stop = threading.Event()
+    thread = threading.Thread(target=_busy, args=(stop,), daemon=True)
+    if busy:
+        thread.start()
+    try:
+        return fn()
+    finally:
+        stop.set()
+        if busy:
+            thread.join()
+
+
+def _embedded_publish(cfg: NodeConfig, topic: str, args: argparse.Namespace, busy: bool) -> float:
+    """Records/s an embedded Producer gets acknowledged by the store, for ``--seconds``."""
+    from dafka.producer import Producer
+
+    producer = Producer(topic, cfg, capacity=max(args.records, 1))
+    deadline = time.monotonic() + 30
+    while len(producer.peers) == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # subscriptions both ways
+    chunk = [b"x" * args.size] * 100
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        end = time.monotonic() + args.seconds
+        sent = 0
+        while time.monotonic() < end and sent < args.records:
+            producer.publish_many(chunk)
+            sent += len(chunk)
+        ok = producer.flush(120)
+        elapsed = time.perf_counter() - t0
+        return (producer.acked_offset + 1) / elapsed if ok else 0.0
+
+    try:
+        return _with_busy_thread(busy, run)
+    finally:
+        producer.close(0)
+
+
+def _embedded_consume(cfg: NodeConfig, topic: str, args: argparse.Namespace, busy: bool) -> float:
+    """Records/s an embedded earliest Consumer reads from the store, for ``--seconds``."""
+    from dafka.consumer import Consumer
+
+    def run() -> float:
+        consumer = Consumer(topic, cfg, offset_reset="earliest")
+        try:
+            got, t0 = 0, None
+            end = time.monotonic() + 60
+            while got < args.records and time.monotonic() < end:
+                batch = consumer.poll_batch(100_000, 1.0)
+                if batch and t0 is None:
+                    t0 = time.perf_counter()  # from the first record: excludes discovery
+                    end = time.monotonic() + args.seconds
+                got += len(batch)
+            return got / (time.perf_counter() - t0) if t0 is not None and got else 0.0
+        finally:
+            consumer.close()
+
+    return _with_busy_thread(busy, run)
+
+
+def bench_embedded(args: argparse.Namespace) -> dict[str, list[float]]:
+    """An app with one busy pure-Python thread embeds a Producer, then a Consumer.
+
+    The store and the tower run in their own processes; the producer and the
+    consumer run in this one, beside the busy thread or alone.  Reports
+    records/s for both with and without the busy thread, and the ratio.
+    """
+    import tempfile
+
+    from dafka import fastio
+    from dafka.store.db import RecordDB
+
+    print(f"I/O implementation: {fastio.IMPLEMENTATION} ({fastio.REASON})", flush=True)
+    ctx = mp.get_context("spawn")
+    series: dict[str, list[float]] = {}
+    for run in range(args.runs):
+        ports, tower_done = ctx.Queue(), ctx.Event()
+        tower = ctx.Process(target=_tower_process, args=(ports, tower_done))
+        tower.start()
+        in_port, out_port = ports.get(timeout=60)
+        cfg = NodeConfig(
+            towers=(TowerAddress("127.0.0.1", in_port, out_port),), bind="127.0.0.1", beacon_interval=0.2
+        )
+        with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
+            topic = f"bench-embedded-read-{run}"
+            with RecordDB(db, sync=False) as records:
+                now = int(time.time() * 1000)
+                payload = b"x" * args.size
+                for start in range(0, args.records, 10_000):
+                    stop = min(start + 10_000, args.records)
+                    records.append([(topic, "B" * 32, i, payload, now) for i in range(start, stop)])
+            ready, done = ctx.Event(), ctx.Event()
+            store = ctx.Process(target=_store_process, args=(cfg, db, not args.no_sync, ready, done))
+            store.start()
+            ready.wait(60)
+            try:
+                for busy in (False, True):
+                    label = "busy" if busy else "alone"
+                    rate = _embedded_publish(cfg, f"bench-embedded-{run}-{label}", args, busy)
+                    series.setdefault(f"produce {label}", []).append(rate)
+                    print(f"run {run}: produce, {label}: {rate:,.0f} records/s acknowledged", flush=True)
+                for busy in (False, True):
+                    label = "busy" if busy else "alone"
+                    rate = _embedded_consume(cfg, topic, args, busy)
+                    series.setdefault(f"consume {label}", []).append(rate)
+                    print(f"run {run}: consume, {label}: {rate:,.0f} records/s", flush=True)
+            finally:
+                done.set()
+                store.join(60)
+                tower_done.set()
+                tower.join(30)
+    for what in ("produce", "consume"):
+        alone, busy = series.get(f"{what} alone", []), series.get(f"{what} busy", [])
+        if alone and busy and statistics.median(alone) > 0:
+            ratio = statistics.median(busy) / statistics.median(alone)
+            print(f"{what}: busy/alone ratio {ratio:.2f} (goal >= 0.4)", flush=True)
+    return series
+
+
 def _spark_bench(args: argparse.Namespace) -> dict[str, list[float]]:
     from dafka.spark_bench import bench_spark  # pyspark is an extra: imported only here
 
@@ -600,6 +745,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "store": bench_store,
     "replay": bench_replay,
     "tank": bench_tank,
+    "embedded": bench_embedded,
     "spark": _spark_bench,
     "latency": bench_latency,
     "group": lambda args: bench_group(args),

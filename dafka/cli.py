@@ -591,6 +591,17 @@ def cmd_keys(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- doctor
+
+
+@command("doctor")
+def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
+    from dafka import fastio
+
+    print(fastio.describe())
+    return 0
+
+
 # ---------------------------------------------------------------- bench
 
 
@@ -725,6 +736,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level", default="INFO", type=log_level_arg, help=", ".join(LOG_LEVELS) + " (default INFO)"
     )
+    parser.add_argument("--version", action=_Version, help="version and I/O implementation, then exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("tower", help="run a tower (discovery service)")
@@ -833,9 +845,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench.add_arguments(p)
 
+    sub.add_parser("doctor", help="say which I/O implementation is active and why")
+
     for extra in _EXTRA_PARSERS:
         extra(sub)
     return parser
+
+
+class _Version(argparse.Action):
+    """``--version``: imported only when asked (binding the I/O extension takes a moment)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        from dafka import fastio
+
+        try:
+            v = version("dafka")
+        except PackageNotFoundError:
+            v = "(not installed)"
+        print(f"dafka {v}\n{fastio.describe()}")
+        parser.exit()
 
 
 _EXTRA_PARSERS: list[Callable[[Any], None]] = []

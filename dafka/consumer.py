@@ -25,17 +25,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from itertools import repeat, starmap
 from typing import Literal, NamedTuple
 
 import zmq
 
-from dafka import wire
+from dafka import fastio, wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import ClosedError, CommitError
 from dafka.gaps import PartitionTracker
 from dafka.groups import GroupState, Key, PendingCommits, PositionsQuery
 from dafka.node import DRAIN
-from dafka.reader import NOBLOCK, PartitionReader, seq_at
+from dafka.reader import NOBLOCK, PartitionReader
 
 log = logging.getLogger("dafka.consumer")
 
@@ -224,12 +225,9 @@ class Consumer(PartitionReader):
             return []
         batch = [first]
         queue = self._queue
-        popleft = queue.popleft
-        try:
-            while len(batch) < max_records:
-                batch.append(popleft())
-        except IndexError:
-            pass
+        # Only this thread takes from the queue, so this many are there: popped
+        # by a C-level loop, no Python statement per record.
+        batch.extend(starmap(queue.popleft, repeat((), min(len(queue), max_records - 1))))
         if self._group is not None:
             owned, polled = self._owned_now, self._polled
             batch = [r for r in batch if (r.topic, r.partition) in owned]
@@ -338,15 +336,11 @@ class Consumer(PartitionReader):
         self._not_mine[wire.record_prefix(wire.RECORD, subject, partition, subject)] = key
         return True
 
-    def on_message(self, frame: bytes) -> None:
+    def on_message(self, frames: list[bytes]) -> None:
         not_mine = self._not_mine
-        if not_mine and frame[:-8] in not_mine:
-            try:
-                self.sub.recv(NOBLOCK)  # its content frame
-            except zmq.Again:
-                pass
-            return
-        super().on_message(frame)
+        if not_mine and frames[0][:-8] in not_mine:
+            return  # another member's partition: dropped by its header, not decoded
+        super().on_message(frames)
 
     def _wants_heads(self) -> bool:
         """Whether to ask for heads: to fetch from a position rather than the live edge."""
@@ -361,41 +355,14 @@ class Consumer(PartitionReader):
         self.delivered += len(records)
 
     def _read_data(self) -> None:
-        # The hot path: one dict lookup recognises a known partition's record,
-        # and the next record in order is queued right here.
-        recv = self.sub.recv
-        lookup = self._by_prefix.get
+        # The hot path: a batch of messages, frame-exact; the next records of
+        # known partitions are queued inside drain_records, the rest come back
+        # through track / on_message in arrival order.
         queue = self._queue
-        append = queue.append
         before = self.delivered
-        fast = 0
-        for _ in range(DRAIN):
-            try:
-                frame = recv(NOBLOCK)
-            except zmq.Again:
-                break
-            tracker = lookup(frame[:-8])
-            if tracker is None:
-                self.on_message(frame)
-                continue
-            try:
-                # Every RECORD has a content frame; a malformed one-frame
-                # message costs at most its neighbour, which is fetched again.
-                content = recv(NOBLOCK)
-            except zmq.Again:
-                self.bad_input("record", "no content frame")
-                continue
-            seq = seq_at(frame, len(frame) - 8)[0]
-            if seq == tracker.next and not tracker.held:
-                # Next in order: live, or catching up (fetch_missing below
-                # asks for the next range when this one is half done).
-                tracker.next = seq + 1
-                if seq > tracker.known:
-                    tracker.known = seq
-                append(_new_record(ConsumerRecord, (tracker.subject, tracker.address, seq, content)))
-                fast += 1
-            else:
-                self.track(tracker, seq, content)
+        fast = fastio.drain_records(
+            self.sub, DRAIN, self._by_prefix, queue, ConsumerRecord, 0, self.track, self.on_message
+        )
         if self._missing:
             self.fetch_missing()
         self.delivered += fast

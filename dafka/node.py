@@ -34,7 +34,7 @@ from typing import Any
 
 import zmq
 
-from dafka import security, wire
+from dafka import fastio, security, wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import ProtocolError
 from dafka.peers import Connect, PeerAction, PeerTable, TowerWatch
@@ -77,6 +77,7 @@ class Node:
         self.address = address or new_address()
         self.log = logging.getLogger(f"dafka.{self.kind}")
         self.bad_input = ErrorLog(self.log)
+        fastio.warn_if_pure(self.log)
         self.ctx = zmq.Context.instance()
         # Secure mode (a [security] config): CURVE on every mesh socket.
         sec = self.config.security
@@ -263,8 +264,8 @@ class Node:
     def on_tick(self, now: float) -> None:
         """Called in the I/O thread every TICK seconds."""
 
-    def on_data(self, frame: bytes) -> None:
-        """A message arrived on the data SUB; ``frame`` is its first frame."""
+    def on_data(self, frames: list[bytes]) -> None:
+        """A whole message arrived on the data SUB (exactly its frames)."""
 
     def on_peer(self, endpoint: str, address: str) -> None:
         """A new peer was connected."""
@@ -375,20 +376,9 @@ class Node:
                 self.log.exception("%s command failed", self.kind)
 
     def _read_data(self) -> None:
-        sub = self.sub
         on_data = self.on_data
-        recv = sub.recv
-        more = zmq.RCVMORE
-        getsockopt = sub.getsockopt
-        for _ in range(DRAIN):
-            try:
-                frame = recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            on_data(frame)
-            # Whatever the handler did not read of a multi-frame message goes.
-            while getsockopt(more):
-                recv()
+        for frames in fastio.recv_messages(self.sub, DRAIN):
+            on_data(frames)
 
     def _read_trusted(self) -> None:
         """Secure mode: messages from store-role peers (ACK, DIRECT-HEAD, STORE-HELLO)."""
@@ -404,13 +394,13 @@ class Node:
                 continue
             self.from_store = True
             try:
-                self.on_trusted(frames[0])
+                self.on_trusted(frames)
             finally:
                 self.from_store = False
 
-    def on_trusted(self, frame: bytes) -> None:
+    def on_trusted(self, frames: list[bytes]) -> None:
         """A one-frame message from a store-role peer (``from_store`` is set)."""
-        self.on_data(frame)
+        self.on_data(frames)
 
     def _read_suspect(self) -> None:
         """Secure mode: store-only messages sent by peers without a store key."""
@@ -440,12 +430,6 @@ class Node:
         """Secure mode: the allow-list role of a peer's key (None: unknown)."""
         key = self._peer_keys.get(address)
         return None if key is None or self.guard is None else self.guard.role(key)
-
-    def recv_content(self) -> bytes | None:
-        """The second frame of the message being handled, if there is one."""
-        if self.sub.getsockopt(zmq.RCVMORE):
-            return self.sub.recv()
-        return None
 
     # ---------------------------------------------------------------- beacons
 

@@ -19,11 +19,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
+from itertools import islice
 from pathlib import Path
 
-import zmq
-
-from dafka import wire
+from dafka import fastio, wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import BufferFullError, ClosedError, ProtocolError, PublishError, ResumeError
 from dafka.node import Node
@@ -32,8 +31,6 @@ from dafka.unacked import UnackedWindow
 
 log = logging.getLogger("dafka.producer")
 
-_SNDMORE = int(zmq.SNDMORE)  # a plain int: pyzmq's enum flags are slower
-_pack = wire.pack_u64
 
 
 class Receipt:
@@ -251,13 +248,11 @@ class Producer(Node):
         Cheaper per record than :meth:`publish`: one lock hold per chunk.
         """
         last = -1
-        batch: list[bytes] = []
-        for content in contents:
-            batch.append(content)
-            if len(batch) == 1024:
-                last = self._publish_chunk(batch, timeout)
-                batch = []
-        if batch:
+        it = iter(contents)
+        while True:
+            batch = list(islice(it, 1024))  # chunks taken at C level
+            if not batch:
+                break
             last = self._publish_chunk(batch, timeout)
         return Receipt(self, last) if last >= 0 else None
 
@@ -272,20 +267,22 @@ class Producer(Node):
         if self._closed:
             raise ClosedError("producer is closed")
         window = self.window
-        # With room for the whole batch (the common case) nothing is checked per record.
-        check = not window.ring and len(window) + len(batch) > window.capacity
         wait = self.publish_timeout if timeout == -1.0 else timeout
         prefix = self._prefix
-        send = self.publisher.send
-        push = window.push
-        seq = -1
-        for content in batch:
-            if check and window.full:
+        n = len(batch)
+        done = 0
+        while done < n:
+            # Offsets for as many records as the window has room for, then one
+            # batch send (a compiled loop when the extension is active).
+            room = n - done if window.ring else window.capacity - len(window)
+            if room <= 0:
                 self._wait_for_room(wait)
-            seq = push(content)
-            send(prefix + _pack(seq), _SNDMORE)
-            send(content)
-        return seq
+                continue
+            stop = min(n, done + room)
+            first = window.push_many(batch, done, stop)
+            fastio.send_records(self.publisher, prefix, first, batch, done, stop)
+            done = stop
+        return window.next - 1 if n else -1
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every published record is acknowledged; False on timeout."""
@@ -387,9 +384,9 @@ class Producer(Node):
 
     # ---------------------------------------------------------------- I/O thread
 
-    def on_data(self, frame: bytes) -> None:
+    def on_data(self, frames: list[bytes]) -> None:
         try:
-            msg = wire.decode([frame, self.recv_content()] if frame[:1] in (b"M", b"D") else [frame])
+            msg = wire.decode(frames)
         except ProtocolError as exc:
             self.bad_input("message", exc)
             return
@@ -487,13 +484,17 @@ class Producer(Node):
         prefix = wire.record_prefix(wire.DIRECT_RECORD, fetch.address, self.address, self.topic)
         records = list(self.window.fetch(fetch.sequence, fetch.count))
         for start in range(0, len(records), 1000):
+            chunk = records[start : start + 1000]
             with self._lock:
                 if self._closed:
                     return
-                send = self.publisher.send
-                for seq, content in records[start : start + 1000]:
-                    send(prefix + _pack(seq), _SNDMORE)
-                    send(content)
+                # The window holds consecutive offsets; send runs of them.
+                run_start = 0
+                for i in range(1, len(chunk) + 1):
+                    if i == len(chunk) or chunk[i][0] != chunk[i - 1][0] + 1:
+                        contents = [content for _, content in chunk[run_start:i]]
+                        fastio.send_records(self.publisher, prefix, chunk[run_start][0], contents)
+                        run_start = i
         self.fetches_served += 1
 
     def _send_locked(self, frames: list[bytes]) -> None:

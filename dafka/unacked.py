@@ -8,7 +8,7 @@ with its own content.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 
 class UnackedWindow:
@@ -57,6 +57,24 @@ class UnackedWindow:
             if old > self.acked:
                 self.acked = old  # evicted unacknowledged: only in ring mode
         return seq
+
+    def push_many(self, contents: Sequence[bytes], start: int = 0, stop: int | None = None) -> int:
+        """Assign consecutive offsets to ``contents[start:stop]``; the first one.
+
+        The caller checks there is room for all of them (ring windows evict).
+        """
+        stop = len(contents) if stop is None else stop
+        first = self.next
+        if self.ring:
+            for i in range(start, stop):
+                self.push(contents[i])
+            return first
+        chunk = contents[start:stop]
+        # C-level passes: no Python statement per record.
+        self.records.update(zip(range(first, first + len(chunk)), chunk, strict=True))
+        self.bytes += sum(map(len, chunk))
+        self.next = first + len(chunk)
+        return first
 
     def ack(self, seq: int) -> int:
         """Apply a cumulative ACK; return how many offsets became acknowledged.

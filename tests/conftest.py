@@ -183,3 +183,17 @@ def raw_peer(cfg: NodeConfig) -> Any:
     yield make
     for p in peers:
         p.close()
+
+
+def misframed_stream(topic: str, address: str, n: int) -> list[list[bytes]]:
+    """Records 0..n-1 of a partition, each followed by a one-frame and a
+    three-frame RECORD of the next offset: a reader that is not frame-exact
+    pairs the one-frame header with the next message's header, or keeps the
+    three-frame message's second frame, and delivers wrong content."""
+    out: list[list[bytes]] = []
+    for i in range(n):
+        out.append(wire.encode(wire.Record(topic, address, topic, i, b"good %d" % i)))
+        header = wire.encode(wire.Record(topic, address, topic, i + 1, b""))[0]
+        out.append([header])
+        out.append([header, b"bad", b"third frame"])
+    return out

@@ -17,9 +17,9 @@ from dafka.node import Node
 class Rogue(Node):
     kind = "rogue"
 
-    def on_data(self, frame: bytes) -> None:
+    def on_data(self, frames: list[bytes]) -> None:
         try:
-            msg = wire.decode([frame])
+            msg = wire.decode(frames)
         except Exception:
             return
         if isinstance(msg, wire.Head):

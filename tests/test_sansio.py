@@ -247,3 +247,19 @@ def test_tower_watch_warns_after_grace_then_at_a_low_rate() -> None:
     heard = TowerWatch(started=0.0, grace=3.0)
     heard.on_heard(0.5)
     assert not heard.warning_due(5.0)
+
+
+@given(
+    chunks=st.lists(st.lists(st.binary(max_size=5), max_size=8), max_size=6),
+    ring=st.booleans(),
+    capacity=st.integers(1, 20),
+)
+def test_window_push_many_equals_pushes(chunks: list[list[bytes]], ring: bool, capacity: int) -> None:
+    one, many = UnackedWindow(capacity, 5, ring=ring), UnackedWindow(capacity, 5, ring=ring)
+    for chunk in chunks:
+        if not ring:
+            chunk = chunk[: capacity - len(one)]  # the caller makes room first
+        for c in chunk:
+            one.push(c)
+        assert many.push_many([b"skip"] + chunk + [b"skip"], 1, 1 + len(chunk)) == one.next - len(chunk)
+        assert (one.next, one.acked, one.records, one.bytes) == (many.next, many.acked, many.records, many.bytes)

@@ -16,7 +16,7 @@ from dafka.consumer import Consumer
 from dafka.producer import Producer
 from dafka.store.db import RecordDB, Retention, RetentionPolicy
 from dafka.store.node import Store
-from tests.conftest import dafka_cmd, subprocess_env, tower_flag, wait_until
+from tests.conftest import dafka_cmd, misframed_stream, subprocess_env, tower_flag, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -185,6 +185,25 @@ def test_store_serves_exact_counts_heads_and_hello(cfg: NodeConfig, tmp_path: Pa
         peer.send(wire.Fetch(partition, peer.address, "t", 0, 1))
         peer.wait_for(lambda q: len(q.messages(wire.DirectRecord)) >= 11)
         assert store.running
+
+
+def test_store_drops_misframed_records_whole(cfg: NodeConfig, tmp_path: Path, raw_peer) -> None:
+    producer = raw_peer([])
+    with Store(tmp_path / "db", cfg) as store:
+        producer.wait_for(lambda p: len(p.peers) >= 1 and p.subscribed(b"M"))
+        # 300 messages in flight at most: well below the 1000 messages of the
+        # raw peer's high-water mark (libzmq may count up to half of it as in
+        # flight long after they were read).
+        n, chunk = 3000, 100
+        stream = misframed_stream("t", producer.address, n)
+        for start in range(0, n, chunk):
+            for frames in stream[3 * start : 3 * (start + chunk)]:
+                producer.send_raw(frames)
+            last = start + chunk - 1
+            producer.wait_for(lambda p, last=last: store.heads().get(("t", producer.address), -1) >= last)
+        producer.wait_for(lambda p: store.bad_input.count >= 2 * n)
+        got = [(r.offset, r.content) for r in store.db.read("t", producer.address, 0, n + 10)]
+        assert got == [(i, b"good %d" % i) for i in range(n)]
 
 
 def test_retention_works_off_a_backlog_in_one_round(cfg: NodeConfig, tmp_path: Path) -> None:

@@ -37,20 +37,17 @@ from typing import Any
 
 import zmq
 
-from dafka import wire
+from dafka import fastio, wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import ProtocolError
 from dafka.gaps import PartitionTracker
 from dafka.metrics import SECONDS_BUCKETS, SIZE_BUCKETS, Histogram
 from dafka.node import DRAIN
-from dafka.reader import NOBLOCK, PartitionReader, seq_at
+from dafka.reader import NOBLOCK, PartitionReader
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
-from dafka.store.layout import FLAG_KEY
 
 log = logging.getLogger("dafka.store")
 
-_SNDMORE_NOBLOCK = int(zmq.SNDMORE) | NOBLOCK
-_pack = wire.pack_u64
 
 MAX_BATCH = 200_000  # records waiting for the writer before reading pauses
 SERVE_SLICE = 2_000  # DIRECT-RECORDs sent per FETCH job per loop turn
@@ -333,35 +330,13 @@ class Store(PartitionReader):
             append((subject, partition, seq, content, ts))
 
     def _read_data(self) -> None:
-        # The hot path: the next record of a known partition joins the batch here.
-        recv = self.sub.recv
-        lookup = self._by_prefix.get
-        append = self._batch.append
+        # The hot path: the next records of known partitions join the batch
+        # inside drain_records (frame-exact); the rest go through track /
+        # on_message in arrival order.
         ts = self._ts = int(time.time() * 1000)
-        for _ in range(DRAIN):
-            try:
-                frame = recv(NOBLOCK)
-            except zmq.Again:
-                break
-            tracker = lookup(frame[:-8])
-            if tracker is None:
-                self.on_message(frame)
-                continue
-            try:
-                content = recv(NOBLOCK)
-            except zmq.Again:
-                self.bad_input("record", "no content frame")
-                continue
-            seq = seq_at(frame, len(frame) - 8)[0]
-            if seq == tracker.next and not tracker.held:
-                # Next in order: live, or catching up (fetch_missing below
-                # asks for the next range when this one is half done).
-                tracker.next = seq + 1
-                if seq > tracker.known:
-                    tracker.known = seq
-                append((tracker.subject, tracker.address, seq, content, ts))
-            else:
-                self.track(tracker, seq, content)
+        fastio.drain_records(
+            self.sub, DRAIN, self._by_prefix, self._batch, None, ts, self.track, self.on_message
+        )
         if self._missing:
             self.fetch_missing()
         if len(self._batch) >= MAX_BATCH:
@@ -477,7 +452,6 @@ class Store(PartitionReader):
     def _serve(self) -> None:
         """Send one slice of each pending FETCH answer."""
         jobs = self._jobs
-        send = self.publisher.send
         for _ in range(len(jobs)):
             job = jobs.popleft()
             try:
@@ -499,19 +473,12 @@ class Store(PartitionReader):
                     job.offset,
                     start,
                 )
-            prefix = job.prefix
-            seq = start
-            try:
-                for v in values:
-                    send(prefix + _pack(seq), _SNDMORE_NOBLOCK)
-                    send(v[9:] if not v[8] & FLAG_KEY else v[10 + v[9] :])
-                    seq += 1
-            except zmq.Again:
+            sent = fastio.send_values(self.publisher, job.prefix, start, values, True)
+            if sent < len(values):
                 # A reader is full: resume from here on the next tick.
                 self._blocked = True
-            sent = seq - start
             self.records_served += sent
-            job.offset, job.remaining = seq, job.remaining - sent
+            job.offset, job.remaining = start + sent, job.remaining - sent
             if job.remaining > 0 and (sent == SERVE_SLICE or self._blocked):
                 jobs.append(job)
             else:

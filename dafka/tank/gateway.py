@@ -48,7 +48,7 @@ from typing import Any
 
 import zmq
 
-from dafka import wire
+from dafka import fastio, wire
 from dafka.config import NodeConfig
 from dafka.errors import ProtocolError
 from dafka.node import new_address
@@ -257,20 +257,21 @@ class Gateway(Store):
 
     def _publish(self, records: list[tuple[tuple[str, str], int, bytes]]) -> None:
         """Committed records of owned partitions go out on the mesh, then their HEAD."""
-        send = self.publisher.send
-        pack = wire.pack_u64
         prefixes = self._record_prefix
-        more = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
-        noblock = int(zmq.NOBLOCK)
-        for key, offset, content in records:
+        publisher = self.publisher
+        i, n = 0, len(records)
+        while i < n:
+            # A run of consecutive offsets of one partition is one batch send.
+            key, first, _ = records[i]
+            j = i + 1
+            while j < n and records[j][0] == key and records[j][1] == first + (j - i):
+                j += 1
             prefix = prefixes.get(key)
             if prefix is None:
                 prefix = prefixes[key] = wire.record_prefix(wire.RECORD, key[0], key[1], key[0])
-            try:
-                send(prefix + pack(offset), more)
-                send(content, noblock)
-            except zmq.Again:
-                pass  # a full reader: it FETCHes the rest after the HEAD
+            # A full reader gets less: it FETCHes the rest after the HEAD.
+            fastio.send_records(publisher, prefix, first, [r[2] for r in records[i:j]], noblock=True)
+            i = j
         for key in {r[0] for r in records}:
             self.send(wire.Head(key[0], key[1], key[0], self._heads[key]))
 

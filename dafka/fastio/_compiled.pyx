@@ -1,0 +1,416 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The compiled twin of :mod:`dafka.fastio._pure` (same functions, same results).
+
+Calls libzmq directly, through function pointers bound at import to the
+libzmq that pyzmq loaded (:mod:`dafka.fastio._bind`).  GIL policy: every
+non-blocking libzmq call runs with the GIL held, so a busy Python thread
+cannot stall a batch between records; the GIL is released only to wait (a
+send the socket cannot take yet).
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.exc cimport PyErr_CheckSignals
+from cpython.object cimport PyObject, PyTypeObject
+from cpython.ref cimport Py_DECREF, Py_INCREF
+from cpython.tuple cimport PyTuple_SET_ITEM
+
+
+cdef extern from "Python.h":
+    PyObject *PyType_GenericAlloc(PyTypeObject *type, Py_ssize_t nitems)
+    void PyObject_GC_UnTrack(void *op)
+from libc.errno cimport EAGAIN, EINTR
+from libc.stdint cimport uint64_t, uintptr_t
+from libc.string cimport memcmp, memcpy
+
+import zmq
+
+IMPLEMENTATION = "compiled"
+
+
+cdef extern from "zmq_api.h" nogil:
+    ctypedef union dafka_zmq_msg_t:
+        pass
+    ctypedef int (*dafka_msg_init_fn)(dafka_zmq_msg_t *msg)
+    ctypedef int (*dafka_msg_close_fn)(dafka_zmq_msg_t *msg)
+    ctypedef int (*dafka_msg_recv_fn)(dafka_zmq_msg_t *msg, void *socket, int flags)
+    ctypedef void *(*dafka_msg_data_fn)(dafka_zmq_msg_t *msg)
+    ctypedef size_t (*dafka_msg_size_fn)(const dafka_zmq_msg_t *msg)
+    ctypedef int (*dafka_msg_more_fn)(const dafka_zmq_msg_t *msg)
+    ctypedef int (*dafka_send_fn)(void *socket, const void *buf, size_t len, int flags)
+    ctypedef int (*dafka_errno_fn)()
+    ctypedef void (*dafka_version_fn)(int *major, int *minor, int *patch)
+    ctypedef int (*dafka_getsockopt_fn)(void *socket, int option, void *optval, size_t *optvallen)
+    int DAFKA_ZMQ_DONTWAIT
+    int DAFKA_ZMQ_SNDMORE
+    int DAFKA_ZMQ_TYPE
+
+
+cdef dafka_msg_init_fn z_msg_init = NULL
+cdef dafka_msg_close_fn z_msg_close = NULL
+cdef dafka_msg_recv_fn z_msg_recv = NULL
+cdef dafka_msg_data_fn z_msg_data = NULL
+cdef dafka_msg_size_fn z_msg_size = NULL
+cdef dafka_msg_more_fn z_msg_more = NULL
+cdef dafka_send_fn z_send = NULL
+cdef dafka_errno_fn z_errno = NULL
+cdef dafka_version_fn z_version = NULL
+cdef dafka_getsockopt_fn z_getsockopt = NULL
+cdef bint bound = False
+
+FUNCTIONS = (
+    "zmq_msg_init", "zmq_msg_close", "zmq_msg_recv", "zmq_msg_data", "zmq_msg_size",
+    "zmq_msg_more", "zmq_send", "zmq_errno", "zmq_version", "zmq_getsockopt",
+)
+
+cdef object _tuple_new = tuple.__new__
+cdef object ZMQError = zmq.ZMQError
+
+
+def set_functions(dict addresses):
+    """Bind the libzmq functions (name -> address); :mod:`dafka.fastio._bind` checks them."""
+    global z_msg_init, z_msg_close, z_msg_recv, z_msg_data, z_msg_size, z_msg_more
+    global z_send, z_errno, z_version, z_getsockopt, bound
+    for name in FUNCTIONS:
+        if not addresses.get(name):
+            raise ValueError(f"no address for {name}")
+    z_msg_init = <dafka_msg_init_fn><uintptr_t>addresses["zmq_msg_init"]
+    z_msg_close = <dafka_msg_close_fn><uintptr_t>addresses["zmq_msg_close"]
+    z_msg_recv = <dafka_msg_recv_fn><uintptr_t>addresses["zmq_msg_recv"]
+    z_msg_data = <dafka_msg_data_fn><uintptr_t>addresses["zmq_msg_data"]
+    z_msg_size = <dafka_msg_size_fn><uintptr_t>addresses["zmq_msg_size"]
+    z_msg_more = <dafka_msg_more_fn><uintptr_t>addresses["zmq_msg_more"]
+    z_send = <dafka_send_fn><uintptr_t>addresses["zmq_send"]
+    z_errno = <dafka_errno_fn><uintptr_t>addresses["zmq_errno"]
+    z_version = <dafka_version_fn><uintptr_t>addresses["zmq_version"]
+    z_getsockopt = <dafka_getsockopt_fn><uintptr_t>addresses["zmq_getsockopt"]
+    bound = True
+
+
+def libzmq_version():
+    """``(major, minor, patch)`` of the bound libzmq."""
+    cdef int major = 0, minor = 0, patch = 0
+    _check_bound()
+    z_version(&major, &minor, &patch)
+    return (major, minor, patch)
+
+
+def socket_type(sock):
+    """The ZMQ_TYPE of a pyzmq socket, read through the bound libzmq."""
+    cdef int value = -1
+    cdef size_t size = sizeof(int)
+    cdef void *s = _handle(sock)
+    if z_getsockopt(s, DAFKA_ZMQ_TYPE, &value, &size) != 0:
+        raise ZMQError(z_errno())
+    return value
+
+
+cdef inline int _check_bound() except -1:
+    if not bound:
+        raise RuntimeError("dafka.fastio._compiled is not bound to libzmq")
+    return 0
+
+
+cdef void *_handle(object sock) except NULL:
+    _check_bound()
+    if sock.closed:
+        raise ZMQError(zmq.ENOTSOCK)
+    cdef uintptr_t address = sock.underlying
+    if address == 0:
+        raise ZMQError(zmq.ENOTSOCK)
+    return <void *>address
+
+
+cdef inline bytes _bytes_of(dafka_zmq_msg_t *msg):
+    return PyBytes_FromStringAndSize(<char *>z_msg_data(msg), z_msg_size(msg))
+
+
+cdef int _recv(dafka_zmq_msg_t *msg, void *s) except -2:
+    """One frame without waiting: 1, or 0 when none is there."""
+    cdef int err
+    while z_msg_recv(msg, s, DAFKA_ZMQ_DONTWAIT) < 0:
+        err = z_errno()
+        if err == EAGAIN:
+            return 0
+        if err == EINTR:
+            PyErr_CheckSignals()
+            continue
+        raise ZMQError(err)
+    return 1
+
+
+cdef int _recv_part(dafka_zmq_msg_t *msg, void *s) except -1:
+    """A further frame of a message being read: its parts arrive together."""
+    if not _recv(msg, s):
+        raise ZMQError(EAGAIN)
+    return 0
+
+
+cdef list _rest(dafka_zmq_msg_t *msg, void *s, list frames):
+    """Read the remaining frames of a message into ``frames`` (``msg`` holds the last one read)."""
+    while z_msg_more(msg):
+        _recv_part(msg, s)
+        frames.append(_bytes_of(msg))
+    return frames
+
+
+def recv_messages(sock, int limit):
+    """Up to ``limit`` whole messages waiting on ``sock`` (never blocks), each a list of frames."""
+    cdef void *s = _handle(sock)
+    cdef dafka_zmq_msg_t msg
+    cdef list out = []
+    cdef int i
+    z_msg_init(&msg)
+    try:
+        for i in range(limit):
+            if not _recv(&msg, s):
+                break
+            out.append(_rest(&msg, s, [_bytes_of(&msg)]))
+    finally:
+        z_msg_close(&msg)
+    return out
+
+
+cdef inline uint64_t _be64(const unsigned char *p) noexcept nogil:
+    return ((<uint64_t>p[0] << 56) | (<uint64_t>p[1] << 48) | (<uint64_t>p[2] << 40)
+            | (<uint64_t>p[3] << 32) | (<uint64_t>p[4] << 24) | (<uint64_t>p[5] << 16)
+            | (<uint64_t>p[6] << 8) | <uint64_t>p[7])
+
+
+cdef inline void _put_be64(unsigned char *p, uint64_t v) noexcept nogil:
+    cdef int i
+    for i in range(7, -1, -1):
+        p[i] = v & 0xFF
+        v >>= 8
+
+
+cdef class _Cursor:
+    """The tracker of the partition being read, its ``next`` kept in C between callbacks."""
+
+    cdef object tracker
+    cdef bint fast  # next is an int and nothing is held: records at next take the fast path
+    cdef uint64_t next
+    cdef uint64_t start  # next when loaded: written back only if it moved
+
+    cdef int load(self, object tracker) except -1:
+        self.tracker = tracker
+        nxt = tracker.next
+        self.fast = False
+        # Offsets near 2**64 stay on the Python-int path (no wrap-around here).
+        if nxt is not None and not tracker.held and 0 <= nxt < 0xFFFFFFFFFFFFFFFF:
+            self.fast = True
+            self.next = self.start = nxt
+        return 0
+
+    cdef int flush(self) except -1:
+        """Write ``next`` (and ``known``) back to the tracker before anyone else looks."""
+        if self.tracker is not None and self.fast and self.next != self.start:
+            self.tracker.next = self.next
+            last = self.next - 1
+            if last > self.tracker.known:
+                self.tracker.known = last
+            self.start = self.next
+        return 0
+
+
+def drain_records(sock, int limit, dict by_prefix, out, record_type, ts, on_record, on_message):
+    """See :func:`dafka.fastio._pure.drain_records`."""
+    cdef void *s = _handle(sock)
+    cdef dafka_zmq_msg_t head, body
+    cdef int i, queued = 0
+    cdef size_t hsize, plen
+    cdef const unsigned char *hdata
+    cdef bytes key = None
+    cdef object tracker = None, subject = None, address = None
+    cdef object seq_obj, content, item
+    cdef uint64_t seq
+    cdef _Cursor cur = _Cursor()
+    cdef PyTypeObject *rtype = NULL
+    if record_type is not None:
+        if not isinstance(record_type, type) or not issubclass(record_type, tuple):
+            raise TypeError("record_type must be a tuple subclass")
+        rtype = <PyTypeObject *>record_type
+    append = out.append
+    z_msg_init(&head)
+    z_msg_init(&body)
+    try:
+        for i in range(limit):
+            if not _recv(&head, s):
+                break
+            if not z_msg_more(&head):
+                cur.flush()
+                key = None  # a callback may change the trackers
+                on_message([_bytes_of(&head)])
+                continue
+            _recv_part(&body, s)
+            if z_msg_more(&body):
+                cur.flush()
+                key = None
+                on_message(_rest(&body, s, [_bytes_of(&head), _bytes_of(&body)]))
+                continue
+            hsize = z_msg_size(&head)
+            hdata = <const unsigned char *>z_msg_data(&head)
+            if hsize < 9:
+                cur.flush()
+                key = None
+                on_message([_bytes_of(&head), _bytes_of(&body)])
+                continue
+            plen = hsize - 8
+            # Consecutive records mostly share a partition: compare bytes
+            # before building a key and looking it up.
+            if key is None or <size_t>PyBytes_GET_SIZE(key) != plen or memcmp(
+                PyBytes_AS_STRING(key), hdata, plen
+            ) != 0:
+                cur.flush()
+                key = PyBytes_FromStringAndSize(<const char *>hdata, plen)
+                tracker = by_prefix.get(key)
+                if tracker is None:
+                    key = None
+                    cur.tracker = None
+                    on_message([_bytes_of(&head), _bytes_of(&body)])
+                    continue
+                cur.load(tracker)
+                subject = tracker.subject
+                address = tracker.address
+            seq = _be64(hdata + plen)
+            content = _bytes_of(&body)
+            if cur.fast and seq == cur.next:
+                cur.next = seq + 1
+                seq_obj = seq
+                if rtype == NULL:
+                    item = (subject, address, seq_obj, content, ts)
+                else:
+                    item = _new_record(rtype, subject, address, seq_obj, content)
+                # Only str, int and bytes inside: no cycle can pass through the
+                # record, so the cyclic GC need not scan the (possibly huge)
+                # queues and batches of them again and again.
+                PyObject_GC_UnTrack(<PyObject *>item)
+                append(item)
+                queued += 1
+            else:
+                cur.flush()
+                key = None
+                on_record(tracker, seq, content)
+    finally:
+        cur.flush()
+        z_msg_close(&head)
+        z_msg_close(&body)
+    return queued
+
+
+cdef inline object _new_record(PyTypeObject *rtype, object a, object b, object c, object d):
+    """``rtype((a, b, c, d))`` for a tuple subclass without fields of its own (a NamedTuple)."""
+    cdef PyObject *obj = PyType_GenericAlloc(rtype, 4)  # what tuple.__new__ does for subclasses
+    if obj == NULL:
+        raise MemoryError()
+    cdef object result = <object>obj  # a second reference: give the allocation's back
+    Py_DECREF(result)
+    # PyTuple_SET_ITEM steals a reference.
+    Py_INCREF(a)
+    PyTuple_SET_ITEM(result, 0, a)
+    Py_INCREF(b)
+    PyTuple_SET_ITEM(result, 1, b)
+    Py_INCREF(c)
+    PyTuple_SET_ITEM(result, 2, c)
+    Py_INCREF(d)
+    PyTuple_SET_ITEM(result, 3, d)
+    return result
+
+
+cdef int _send(void *s, const char *buf, size_t size, int flags, bint block) except -1:
+    """Send one frame: 1, or 0 when the socket cannot take it now and ``block`` is false.
+
+    Tried without waiting first, with the GIL held; only a wait releases it.
+    """
+    cdef int rc, err
+    rc = z_send(s, buf, size, flags | DAFKA_ZMQ_DONTWAIT)
+    while rc < 0:
+        err = z_errno()
+        if err == EAGAIN:
+            if not block:
+                return 0
+            with nogil:
+                rc = z_send(s, buf, size, flags)
+            continue
+        if err == EINTR:
+            PyErr_CheckSignals()
+            rc = z_send(s, buf, size, flags | DAFKA_ZMQ_DONTWAIT)
+            continue
+        raise ZMQError(err)
+    return 1
+
+
+cdef enum:
+    HEADER_MAX = 1024
+
+
+def send_records(sock, bytes prefix, seq, contents, Py_ssize_t start=0, stop=None,
+                 bint noblock=False):
+    """See :func:`dafka.fastio._pure.send_records`."""
+    cdef void *s = _handle(sock)
+    cdef unsigned char header[HEADER_MAX]
+    cdef Py_ssize_t plen = len(prefix), i, end
+    cdef uint64_t first = seq
+    cdef Py_ssize_t sent = 0
+    cdef object content
+    cdef const unsigned char[::1] view
+    cdef const char *data
+    cdef Py_ssize_t size
+    cdef const char *empty = ""
+    if plen + 8 > HEADER_MAX:
+        raise ValueError("record header too long")
+    memcpy(header, PyBytes_AS_STRING(prefix), plen)
+    end = len(contents) if stop is None else stop
+    for i in range(start, end):
+        content = contents[i]
+        # The content's buffer first: a bad one must fail before the header
+        # goes out, or the next message would be glued onto this one.
+        if PyBytes_Check(content):
+            data = PyBytes_AS_STRING(content)
+            size = PyBytes_GET_SIZE(content)
+        else:
+            view = content
+            size = view.shape[0]
+            data = <const char *>&view[0] if size else empty
+        _put_be64(header + plen, first + <uint64_t>sent)
+        if not _send(s, <const char *>header, plen + 8, DAFKA_ZMQ_SNDMORE, not noblock):
+            break
+        # The rest of a message is never refused once its first part was taken.
+        _send(s, data, size, 0, True)
+        sent += 1
+    return sent
+
+
+def send_values(sock, bytes prefix, seq, values, bint noblock=True):
+    """See :func:`dafka.fastio._pure.send_values`."""
+    cdef void *s = _handle(sock)
+    cdef unsigned char header[HEADER_MAX]
+    cdef Py_ssize_t plen = len(prefix), size, skip
+    cdef uint64_t first = seq
+    cdef Py_ssize_t sent = 0
+    cdef const unsigned char *data
+    cdef const unsigned char *empty = <const unsigned char *>""
+    cdef const unsigned char[::1] view
+    if plen + 8 > HEADER_MAX:
+        raise ValueError("record header too long")
+    memcpy(header, PyBytes_AS_STRING(prefix), plen)
+    for value in values:
+        if PyBytes_Check(value):
+            data = <const unsigned char *>PyBytes_AS_STRING(value)
+            size = PyBytes_GET_SIZE(value)
+        else:
+            view = value
+            size = view.shape[0]
+            data = &view[0] if size else empty
+        if size < 9:
+            raise ValueError("stored value too short")
+        skip = 9
+        if data[8] & 1:
+            skip = 10 + (data[9] if size > 9 else 0)
+        if skip > size:
+            raise ValueError("stored value too short for its key")
+        _put_be64(header + plen, first + <uint64_t>sent)
+        if not _send(s, <const char *>header, plen + 8, DAFKA_ZMQ_SNDMORE, not noblock):
+            break
+        _send(s, <const char *>(data + skip), size - skip, 0, True)
+        sent += 1
+    return sent

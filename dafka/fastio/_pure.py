@@ -1,0 +1,156 @@
+"""The pure-Python twin of :mod:`dafka.fastio._compiled` (same functions, same results).
+
+Frame-exact: every function consumes exactly the frames of one message at a
+time, so a message with a missing or extra frame never shifts frames into the
+next one.  ``recv(copy=False)`` gives each frame's ``more`` flag without the
+(much slower) ``getsockopt(RCVMORE)`` call.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+
+NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's enum flags are slower
+SNDMORE = int(zmq.SNDMORE)
+_u64 = struct.Struct(">Q")
+_pack = _u64.pack
+_seq_at = _u64.unpack_from
+_new_tuple = tuple.__new__
+
+IMPLEMENTATION = "pure"
+
+
+def _rest(recv: Callable[..., Any], first: list[bytes]) -> list[bytes]:
+    """Read the remaining frames of a message whose frames so far are ``first``."""
+    while True:
+        frame = recv(NOBLOCK, False)
+        first.append(frame.bytes)
+        if not frame.more:
+            return first
+
+
+def recv_messages(sock: zmq.Socket, limit: int) -> list[list[bytes]]:
+    """Up to ``limit`` whole messages waiting on ``sock`` (never blocks), each a list of frames."""
+    recv = sock.recv
+    out: list[list[bytes]] = []
+    for _ in range(limit):
+        try:
+            frame = recv(NOBLOCK, False)
+        except zmq.Again:
+            break
+        frames = [frame.bytes]
+        # The parts of a multi-part message arrive together: no wait after the first.
+        out.append(_rest(recv, frames) if frame.more else frames)
+    return out
+
+
+def drain_records(
+    sock: zmq.Socket,
+    limit: int,
+    by_prefix: dict[bytes, Any],
+    out: list[Any] | Any,
+    record_type: type | None,
+    ts: int,
+    on_record: Callable[[Any, int, bytes], None],
+    on_message: Callable[[list[bytes]], None],
+) -> int:
+    """Read up to ``limit`` messages from ``sock`` without blocking; the number of records queued.
+
+    A two-frame message whose first frame, less its last 8 bytes (the
+    sequence), is a key of ``by_prefix`` is a known partition's RECORD or
+    DIRECT-RECORD; the value is its tracker (``next``, ``known``, ``held``).
+    When it is the tracker's next record and nothing is held, the tracker is
+    advanced and ``out`` gets ``record_type(subject, address, seq, content)``
+    (``record_type`` a tuple subclass) or, with ``record_type=None``, the
+    tuple ``(subject, address, seq, content, ts)``.  Other records of known
+    partitions go to ``on_record(tracker, seq, content)``; every other
+    message, malformed ones included, to ``on_message(frames)``, all in
+    arrival order.
+    """
+    recv = sock.recv
+    lookup = by_prefix.get
+    append = out.append
+    queued = 0
+    for _ in range(limit):
+        try:
+            frame = recv(NOBLOCK, False)
+        except zmq.Again:
+            break
+        header = frame.bytes
+        if not frame.more:
+            on_message([header])
+            continue
+        second = recv(NOBLOCK, False)
+        content = second.bytes
+        if second.more:
+            on_message(_rest(recv, [header, content]))
+            continue
+        tracker = lookup(header[:-8])
+        if tracker is None:
+            on_message([header, content])
+            continue
+        seq = _seq_at(header, len(header) - 8)[0]
+        if seq == tracker.next and not tracker.held:
+            tracker.next = seq + 1
+            if seq > tracker.known:
+                tracker.known = seq
+            if record_type is None:
+                append((tracker.subject, tracker.address, seq, content, ts))
+            else:
+                append(_new_tuple(record_type, (tracker.subject, tracker.address, seq, content)))
+            queued += 1
+        else:
+            on_record(tracker, seq, content)
+    return queued
+
+
+def send_records(
+    sock: zmq.Socket,
+    prefix: bytes,
+    seq: int,
+    contents: Sequence[bytes],
+    start: int = 0,
+    stop: int | None = None,
+    noblock: bool = False,
+) -> int:
+    """Send ``contents[start:stop]`` as records ``prefix + seq`` (seq counting up); how many went.
+
+    ``noblock``: stop at the first record the socket cannot take now;
+    otherwise wait for room.
+    """
+    send = sock.send
+    flags = NOBLOCK if noblock else 0
+    more = SNDMORE | flags
+    stop = len(contents) if stop is None else stop
+    sent = 0
+    try:
+        for i in range(start, stop):
+            send(prefix + _pack(seq + sent), more)
+            # The rest of a message is never refused once its first part was taken.
+            send(contents[i])
+            sent += 1
+    except zmq.Again:
+        pass
+    return sent
+
+
+def send_values(
+    sock: zmq.Socket, prefix: bytes, seq: int, values: Sequence[bytes], noblock: bool = True
+) -> int:
+    """As :func:`send_records` for stored LMDB values (``ts:u64 flags:u8 [klen:u8 key] content``)."""
+    send = sock.send
+    flags = NOBLOCK if noblock else 0
+    more = SNDMORE | flags
+    sent = 0
+    try:
+        for v in values:
+            send(prefix + _pack(seq + sent), more)
+            send(v[9:] if not v[8] & 1 else v[10 + v[9] :])
+            sent += 1
+    except zmq.Again:
+        pass
+    return sent
