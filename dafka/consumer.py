@@ -448,10 +448,10 @@ class Consumer(PartitionReader):
             ):
                 self._rebalance(now)
         elif isinstance(msg, wire.Committed):
-            if msg.topic == self.address:
+            if msg.topic == self.address and not self.untrusted():
                 self._on_committed(msg.commit_id)
         elif isinstance(msg, wire.Positions):
-            if msg.topic == self.address and msg.group == group.group:
+            if msg.topic == self.address and msg.group == group.group and not self.untrusted():
                 entry = self._queries.get(msg.request_id)
                 if entry is not None:
                     entry[0].on_answer(msg.positions, now)

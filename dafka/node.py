@@ -43,7 +43,16 @@ DRAIN = 4096  # messages read from a socket before looking at the others again
 TICK = 0.05  # seconds between calls of on_tick
 # What only a store may say: ACK, DIRECT-HEAD, STORE-HELLO (honoured in secure
 # mode only when they arrive from a store-role key, on the trusted SUB).
-STORE_ONLY = (wire.P_ACK, wire.P_DIRECT_HEAD, wire.P_STORE_HELLO)
+# What only stores may say: ACK, DIRECT-HEAD, STORE-HELLO, and the dafka-only
+# STORE-STATUS and consumer-group answers (COMMITTED, POSITIONS).
+STORE_ONLY = (
+    wire.P_ACK,
+    wire.P_DIRECT_HEAD,
+    wire.P_STORE_HELLO,
+    wire.P_STORE_STATUS,
+    wire.P_COMMITTED,
+    wire.P_POSITIONS,
+)
 RETRY_REFUSED = 1.0  # seconds before connecting again where a secure handshake was refused
 
 

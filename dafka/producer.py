@@ -415,7 +415,7 @@ class Producer(Node):
             if resume is not None and msg.address == self.address and msg.subject == self.topic and not self.untrusted():
                 resume.on_head(msg.sequence, time.monotonic())
         elif isinstance(msg, wire.StoreStatus):
-            if msg.topic == self.address and msg.subject == self.topic:
+            if msg.topic == self.address and msg.subject == self.topic and not self.untrusted():
                 self._on_store_status(msg)
 
     def _on_ack(self, seq: int) -> None:

@@ -150,6 +150,27 @@ def test_secure_mesh_delivers_and_store_acks(pki: Pki, secure_tower: Tower, proc
             assert producer.forged == 0
 
 
+
+def test_group_positions_come_from_stores_in_secure_mode(
+    pki: Pki, secure_tower: Tower, procs: Procs, tmp_path: Path
+) -> None:
+    # COMMITTED and POSITIONS are store-only answers: they travel on the trusted path.
+    procs.store(pki, secure_tower, tmp_path / "db")
+    with Producer("g", node_cfg(pki, secure_tower, "producer")) as producer:
+        producer.publish_many(b"r%d" % i for i in range(30))
+        assert producer.flush(20)
+    cfg = node_cfg(pki, secure_tower, "consumer")
+    with Consumer("g", cfg, group="billing", offset_reset="earliest") as first:
+        got: list[bytes] = []
+        wait_until(lambda: got.extend(r.content for r in first.poll_batch(10 - len(got), 0.1)) or len(got) >= 10, 20)
+        assert got == [b"r%d" % i for i in range(10)]
+        assert sum(first.commit(10).values()) == 10
+        assert first.forged == 0
+    with Consumer("g", cfg, group="billing", offset_reset="earliest") as second:
+        rest: list[bytes] = []
+        wait_until(lambda: rest.extend(r.content for r in second.poll_batch(100, 0.1)) or len(rest) >= 20, 20)
+        assert rest == [b"r%d" % i for i in range(10, 30)]
+
 def test_unknown_key_sees_nothing_and_cannot_publish_or_fetch(
     pki: Pki, secure_tower: Tower, procs: Procs, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
