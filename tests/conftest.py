@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -70,6 +71,42 @@ def subprocess_env() -> dict[str, str]:
     env.pop("DAFKA_CONFIG", None)
     return env
 
+
+
+# Processes a test started (spawned): killed after the test, so a failing test
+# never leaves nodes running that would disturb the next ones.
+_SPAWNED: list[subprocess.Popen] = []
+
+
+def spawned(proc: subprocess.Popen) -> subprocess.Popen:
+    """Register ``proc`` to be killed when the current test ends."""
+    _SPAWNED.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def _no_orphan_processes() -> Any:
+    yield
+    while _SPAWNED:
+        proc = _SPAWNED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def start_store_process(cfg: NodeConfig, db: Path) -> subprocess.Popen:
+    """A `dafka store` process on the test's tower, once it says it is up."""
+    proc = spawned(
+        subprocess.Popen(
+            dafka_cmd("store", "--db", str(db), "--tower", tower_flag(cfg), "--bind", "127.0.0.1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=subprocess_env(),
+        )
+    )
+    line = proc.stdout.readline()
+    assert b"store up" in line, line
+    return proc
 
 class RawPeer:
     """A hand-driven mesh node made of raw ZeroMQ sockets.

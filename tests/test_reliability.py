@@ -26,35 +26,18 @@ from dafka.errors import ResumeError
 from dafka.producer import Producer
 from dafka.store.db import RecordDB, StorageFullError
 from dafka.store.node import Store
-from tests.conftest import dafka_cmd, subprocess_env, tower_flag, wait_until
+from tests.conftest import (
+    dafka_cmd,
+    spawned,
+    start_store_process,
+    subprocess_env,
+    tower_flag,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
-_STARTED: list[subprocess.Popen] = []
 
-
-@pytest.fixture(autouse=True)
-def _no_orphans():
-    """A failing test must not leave its processes running."""
-    yield
-    while _STARTED:
-        proc = _STARTED.pop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-
-
-def start_store(cfg: NodeConfig, db: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        dafka_cmd("store", "--db", str(db), "--tower", tower_flag(cfg), "--bind", "127.0.0.1"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env=subprocess_env(),
-    )
-    _STARTED.append(proc)
-    line = proc.stdout.readline()
-    assert b"store up" in line, line
-    return proc
 
 
 # A producer process: publishes one record at a time, waits for its ACK and
@@ -89,7 +72,7 @@ def start_producer(cfg: NodeConfig, identity: Path, prefix: str, count: int, pau
         stderr=subprocess.PIPE,
         env=subprocess_env(),
     )
-    _STARTED.append(proc)
+    spawned(proc)
     line = proc.stdout.readline().split()
     assert line[:1] == [b"ready"], (line, proc.stderr.read() if proc.poll() is not None else b"")
     return proc, line[1].decode()
@@ -107,7 +90,7 @@ def read_partition(cfg: NodeConfig, topic: str, n: int, timeout: float = 60.0) -
 
 def test_kill_9_and_restart_loses_no_acknowledged_record(cfg: NodeConfig, tmp_path: Path) -> None:
     identity = tmp_path / "id.json"
-    start_store(cfg, tmp_path / "db")
+    start_store_process(cfg, tmp_path / "db")
     proc, address = start_producer(cfg, identity, "old", 1_000_000)
     acked: dict[int, bytes] = {}
     while len(acked) < 2000:
@@ -158,7 +141,7 @@ def test_resume_without_a_store_refuses_unless_started_anyway(cfg: NodeConfig, t
 
 def test_second_process_with_the_same_identity_is_refused(cfg: NodeConfig, tmp_path: Path) -> None:
     identity = tmp_path / "id.json"
-    start_store(cfg, tmp_path / "db")
+    start_store_process(cfg, tmp_path / "db")
     first, address = start_producer(cfg, identity, "first", 1_000_000, pause=0.01)
     assert int(first.stdout.readline()) == 0  # publishing and acknowledged
     with Producer("reliable", cfg, identity=identity, resume_timeout=10.0) as twin:

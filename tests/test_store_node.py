@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -16,36 +15,16 @@ from dafka.consumer import Consumer
 from dafka.producer import Producer
 from dafka.store.db import RecordDB, Retention, RetentionPolicy
 from dafka.store.node import Store
-from tests.conftest import dafka_cmd, misframed_stream, subprocess_env, tower_flag, wait_until
+from tests.conftest import (
+    misframed_stream,
+    start_store_process,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
 
-_STARTED: list[subprocess.Popen] = []
 
-
-@pytest.fixture(autouse=True)
-def _no_orphan_stores():
-    """A failing test must not leave its store processes running."""
-    yield
-    while _STARTED:
-        proc = _STARTED.pop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-
-
-def start_store_process(cfg: NodeConfig, db: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        dafka_cmd("store", "--db", str(db), "--tower", tower_flag(cfg), "--bind", "127.0.0.1"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env=subprocess_env(),
-    )
-    _STARTED.append(proc)
-    line = proc.stdout.readline()
-    assert b"store up" in line, line
-    return proc
 
 
 def read_all(cfg: NodeConfig, topic: str, n: int, timeout: float = 90.0) -> list:
