@@ -391,13 +391,8 @@ class Node:
 
     def _read_trusted(self) -> None:
         """Secure mode: messages from store-role peers (ACK, DIRECT-HEAD, STORE-HELLO)."""
-        sock = self.trusted_sub
-        assert sock is not None
-        for _ in range(DRAIN):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        assert self.trusted_sub is not None
+        for frames in fastio.recv_messages(self.trusted_sub, DRAIN):
             if len(frames) != 1:
                 self.bad_input("message from a store", "expected one frame")
                 continue
@@ -413,13 +408,8 @@ class Node:
 
     def _read_suspect(self) -> None:
         """Secure mode: store-only messages sent by peers without a store key."""
-        sock = self.suspect_sub
-        assert sock is not None
-        for _ in range(DRAIN):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        assert self.suspect_sub is not None
+        for frames in fastio.recv_messages(self.suspect_sub, DRAIN):
             self.forged += 1
             if self.forged <= 20 or self.forged % 1000 == 0:
                 try:
