@@ -48,6 +48,7 @@ COMPILED = IMPLEMENTATION == "compiled"
 
 recv_messages = _impl.recv_messages  # type: ignore[attr-defined]
 drain_records = _impl.drain_records  # type: ignore[attr-defined]
+drain_pairs = _impl.drain_pairs  # type: ignore[attr-defined]
 send_records = _impl.send_records  # type: ignore[attr-defined]
 send_values = _impl.send_values  # type: ignore[attr-defined]
 
@@ -81,6 +82,7 @@ __all__ = [
     "IMPLEMENTATION",
     "REASON",
     "describe",
+    "drain_pairs",
     "drain_records",
     "recv_messages",
     "send_records",
