@@ -94,7 +94,7 @@ import os
 import struct
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from itertools import islice, repeat
 from operator import itemgetter
@@ -786,6 +786,7 @@ class RecordDB:
         batch: Sequence[Sequence[Any]],
         pairs: list[tuple[bytes, bytes]],
         segs: Sequence[tuple[str, str, int, int, int, int]],
+        gate: AbstractContextManager[Any] | None = None,
     ) -> dict[tuple[str, str], int]:
         """:meth:`append` of ``batch`` and of ready record pairs, in one transaction.
 
@@ -797,6 +798,12 @@ class RecordDB:
         must continue its partition exactly (``first == head + 1``) with the
         partition's ``pid``, else ValueError rejects everything.  ``pairs``
         may be reordered (sorted by key).
+
+        ``gate`` (a lock) is held while the pairs are put: py-lmdb releases
+        the GIL around every single put, so a thread of the caller that runs
+        without releasing the GIL for long (a compiled receive loop) would
+        make each put wait for it; such a thread takes the gate around its
+        work and so waits, GIL released, while the puts run.
         """
         if not pairs:
             return self.append(batch) if batch else {}
@@ -805,7 +812,7 @@ class RecordDB:
             for tp, recs in _group(batch).items():
                 units.append((tp, self._pkey(tp[0], tp[1]), recs[0][2], recs, None))
         with self._write_lock:
-            heads, dups = self._write(lambda txn: self._append_txn(txn, units, pairs, segs))
+            heads, dups = self._write(lambda txn: self._append_txn(txn, units, pairs, segs, gate))
             self.duplicates += dups
         return heads
 
@@ -852,6 +859,7 @@ class RecordDB:
         units: list[_Unit],
         pairs: list[tuple[bytes, bytes]] | None = None,
         segs: Sequence[tuple[str, str, int, int, int, int]] = (),
+        gate: AbstractContextManager[Any] | None = None,
     ) -> tuple[dict[tuple[str, str], int], int]:
         dbs = self._dbs
         assert dbs is not None
@@ -943,10 +951,11 @@ class RecordDB:
             # MDB_APPEND for what sorts past the last stored key, plain puts before it.
             split = bisect.bisect_right(pairs, tail, key=itemgetter(0)) if pairs[0][0] <= tail else 0
             added = 0
-            if split:
-                added += cur.putmulti(pairs[:split], overwrite=False)[1]
-            if split < len(pairs):
-                added += cur.putmulti(pairs if not split else pairs[split:], append=True)[1]
+            with gate if gate is not None else nullcontext():
+                if split:
+                    added += cur.putmulti(pairs[:split], overwrite=False)[1]
+                if split < len(pairs):
+                    added += cur.putmulti(pairs if not split else pairs[split:], append=True)[1]
             if added != len(pairs):
                 raise StorageError(
                     f"{self.path}: {len(pairs) - added} records already present past a head "

@@ -108,6 +108,9 @@ class Store(PartitionReader):
         # (topic, partition, pid, first, last, bytes); committed after _batch.
         self._pairs: list[tuple[bytes, bytes]] = []
         self._segs: list[tuple[str, str, int, int, int, int]] = []
+        # Held by the writer while it puts ready pairs, by the I/O thread while it
+        # drains: see RecordDB.append_pairs (py-lmdb gives up the GIL at every put).
+        self._put_gate = threading.Lock()
         self._ts = 0  # receive time (ms) of the records being read
         self._jobs: deque[FetchJob] = deque()
         self._job_of: dict[tuple[str, str, str], FetchJob] = {}  # (requester, subject, partition)
@@ -205,7 +208,10 @@ class Store(PartitionReader):
         batch, pairs, segs = work
         try:
             t0 = time.perf_counter()
-            heads = self.db.append_pairs(batch, pairs, segs) if pairs else self.db.append(batch)
+            if pairs:
+                heads = self.db.append_pairs(batch, pairs, segs, self._put_gate)
+            else:
+                heads = self.db.append(batch)
             self.commit_seconds.observe(time.perf_counter() - t0)
             error = None
         except StorageError as exc:
@@ -392,9 +398,10 @@ class Store(PartitionReader):
         # on_message in arrival order.
         ts = self._ts = int(time.time() * 1000)
         if self.ready_pairs:
-            fastio.drain_pairs(
-                self.sub, DRAIN, self._by_prefix, self._pairs, self._segs, ts, self.track, self.on_message
-            )
+            with self._put_gate:
+                fastio.drain_pairs(
+                    self.sub, DRAIN, self._by_prefix, self._pairs, self._segs, ts, self.track, self.on_message
+                )
         else:
             fastio.drain_records(
                 self.sub, DRAIN, self._by_prefix, self._batch, None, ts, self.track, self.on_message
