@@ -30,6 +30,10 @@ def _load() -> tuple[object, str]:
         from dafka.fastio import _compiled  # type: ignore[attr-defined]
     except ImportError as exc:
         return _pure, f"the compiled extension does not load ({exc})"
+    missing = [name for name in ("drain_records", "drain_pairs", "send_records", "send_values", "recv_messages")
+               if not hasattr(_compiled, name)]
+    if missing:  # built from an older source: rebuild it
+        return _pure, f"the compiled extension is out of date (no {', '.join(missing)}); rebuild it"
     try:
         from dafka.fastio._bind import bind
 
