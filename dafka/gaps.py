@@ -46,6 +46,7 @@ class PartitionTracker:
         "progress_at",
         "fetches",
         "skipped",
+        "pid",
     )
 
     def __init__(
@@ -76,6 +77,9 @@ class PartitionTracker:
         self.progress_at = 0.0  # when next last moved (or a FETCH was sent)
         self.fetches = 0
         self.skipped = 0  # offsets skipped forward in total
+        # The store's LMDB partition id once the partition is stored (records
+        # then go to LMDB as ready key/value pairs, see fastio.drain_pairs).
+        self.pid: int | None = None
 
     @property
     def missing(self) -> bool:

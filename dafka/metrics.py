@@ -96,7 +96,7 @@ GAUGES: list[tuple[str, Getter, str]] = [
     ),
     (
         "dafka_store_batch_pending",
-        lambda n: len(n._batch),
+        lambda n: n.pending_records(),
         "Records received, waiting for the writer",
     ),
     (

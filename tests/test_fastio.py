@@ -23,7 +23,7 @@ from dafka import fastio, wire
 from dafka.consumer import ConsumerRecord
 from dafka.fastio import _pure
 from dafka.gaps import PartitionTracker
-from dafka.store.layout import pack_value
+from dafka.store.layout import RECORD_KEY, pack_value
 
 try:
     from dafka.fastio import _compiled  # type: ignore[attr-defined]
@@ -233,6 +233,76 @@ def test_drain_records_same_batches(pair: Pair, record_type: type | None, events
     for call in calls:
         if call[0] == "message":
             assert call[1] in messages
+
+
+def _run_drain_pairs(impl: Any, pair: Pair, messages: list[list[bytes]]) -> Any:
+    # A stored partition (pid known, the largest pid) and a new one (no pid yet).
+    trackers = {p: PartitionTracker(TOPIC, p, 0) for p in PARTITIONS}
+    trackers[PARTITIONS[0]].pid = 0xFFFFFFFF
+    by_prefix = {}
+    for p, tracker in trackers.items():
+        by_prefix[wire.record_prefix(wire.RECORD, TOPIC, p, TOPIC)] = tracker
+        by_prefix[wire.record_prefix(wire.DIRECT_RECORD, "R" * 32, p, TOPIC)] = tracker
+    calls: list[Any] = []
+    out: list[Any] = []
+    segs: list[Any] = []
+
+    def on_record(tracker: PartitionTracker, seq: int, content: bytes) -> None:
+        calls.append(("record", tracker.address, seq, content))
+        delivered: list[tuple[int, bytes]] = []
+        tracker.on_record(seq, content, delivered)
+        out.extend(("slow", tracker.address, s, c) for s, c in delivered)
+
+    def on_message(frames: list[bytes]) -> None:
+        calls.append(("message", frames))
+
+    pair.send_all(messages)
+    queued = 0
+    for _ in range(len(messages) + 2):
+        if queued + len(calls) >= len(messages) or not pair.rx.poll(1000):
+            break
+        queued += impl.drain_pairs(pair.rx, 7, by_prefix, out, segs, 1234, on_record, on_message)
+    state = {p: (t.next, t.known, sorted(t.held.items())) for p, t in trackers.items()}
+    return queued, out, segs, calls, state
+
+
+@needs_compiled
+@fast
+@given(events=st.lists(event, max_size=60))
+def test_drain_pairs_same_pairs(pair: Pair, events: list[Any]) -> None:
+    messages = _messages(events)
+    pure = _run_drain_pairs(_pure, pair, messages)
+    compiled = _run_drain_pairs(_compiled, pair, messages)
+    assert pure == compiled
+    queued, out, segs, calls, _ = compiled
+    assert queued + len(calls) == len(messages)
+    pairs = [item for item in out if item[0] != "slow"]
+    assert len(pairs) == queued == sum(last - first + 1 for _, _, _, first, last, _ in segs)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_drain_pairs_builds_the_lmdb_layout(impl: Any, pair: Pair) -> None:
+    # The pairs are byte-identical to what RecordDB stores for these records.
+    tracker = PartitionTracker(TOPIC, PARTITIONS[0], 5)
+    tracker.pid = 3
+    by_prefix = {wire.record_prefix(wire.RECORD, TOPIC, PARTITIONS[0], TOPIC): tracker}
+    contents = [b"", b"a", b"x" * 300]
+    pair.send_all([_record(PARTITIONS[0], 5 + i, c) for i, c in enumerate(contents)])
+    out: list[Any] = []
+    segs: list[Any] = []
+    got = 0
+    for _ in range(10):
+        if got == 3 or not pair.rx.poll(1000):
+            break
+        got += impl.drain_pairs(pair.rx, 10, by_prefix, out, segs, 1_700_000_000_123, None, None)
+    assert out == [
+        (RECORD_KEY.pack(3, 5 + i), pack_value(1_700_000_000_123, c)) for i, c in enumerate(contents)
+    ]
+    # One run per drain call that read records: together 5..7, contiguous, 301 content bytes.
+    assert all(seg[:3] == (TOPIC, PARTITIONS[0], 3) for seg in segs)
+    assert [seg[3] for seg in segs] == [5] + [seg[4] + 1 for seg in segs[:-1]]
+    assert segs[-1][4] == 7 and sum(seg[5] for seg in segs) == 301
+    assert (tracker.next, tracker.known) == (8, 7)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

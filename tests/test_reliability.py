@@ -223,6 +223,12 @@ class FlakyDB(RecordDB):
             raise self.failure
         return super().append(batch)
 
+    def append_pairs(self, batch, pairs, segs, gate=None):  # type: ignore[no-untyped-def]
+        self.hold.wait(30)
+        if self.failure is not None:
+            raise self.failure
+        return super().append_pairs(batch, pairs, segs, gate)
+
 
 @pytest.mark.parametrize(
     "failure",

@@ -30,6 +30,10 @@ def _load() -> tuple[object, str]:
         from dafka.fastio import _compiled  # type: ignore[attr-defined]
     except ImportError as exc:
         return _pure, f"the compiled extension does not load ({exc})"
+    missing = [name for name in ("drain_records", "drain_pairs", "send_records", "send_values", "recv_messages")
+               if not hasattr(_compiled, name)]
+    if missing:  # built from an older source: rebuild it
+        return _pure, f"the compiled extension is out of date (no {', '.join(missing)}); rebuild it"
     try:
         from dafka.fastio._bind import bind
 
@@ -48,6 +52,7 @@ COMPILED = IMPLEMENTATION == "compiled"
 
 recv_messages = _impl.recv_messages  # type: ignore[attr-defined]
 drain_records = _impl.drain_records  # type: ignore[attr-defined]
+drain_pairs = _impl.drain_pairs  # type: ignore[attr-defined]
 send_records = _impl.send_records  # type: ignore[attr-defined]
 send_values = _impl.send_values  # type: ignore[attr-defined]
 
@@ -81,6 +86,7 @@ __all__ = [
     "IMPLEMENTATION",
     "REASON",
     "describe",
+    "drain_pairs",
     "drain_records",
     "recv_messages",
     "send_records",

@@ -414,3 +414,122 @@ def send_values(sock, bytes prefix, seq, values, bint noblock=True):
         _send(s, <const char *>(data + skip), size - skip, 0, True)
         sent += 1
     return sent
+
+
+cdef class _PairCursor:
+    """As :class:`_Cursor` for :func:`drain_pairs`: also the partition's pid and the open run."""
+
+    cdef object tracker
+    cdef bint fast
+    cdef uint64_t next
+    cdef uint64_t start
+    cdef uint64_t nbytes
+    cdef unsigned int pid
+
+    cdef int load(self, object tracker) except -1:
+        self.tracker = tracker
+        nxt = tracker.next
+        pid = tracker.pid
+        self.fast = False
+        if (nxt is not None and pid is not None and not tracker.held
+                and 0 <= nxt < 0xFFFFFFFFFFFFFFFF and 0 <= pid <= 0xFFFFFFFF):
+            self.fast = True
+            self.next = self.start = nxt
+            self.pid = pid
+            self.nbytes = 0
+        return 0
+
+    cdef int flush(self, list segs) except -1:
+        if self.tracker is not None and self.fast and self.next != self.start:
+            self.tracker.next = self.next
+            last = self.next - 1
+            if last > self.tracker.known:
+                self.tracker.known = last
+            segs.append((self.tracker.subject, self.tracker.address, self.pid, self.start, last, self.nbytes))
+            self.start = self.next
+            self.nbytes = 0
+        return 0
+
+
+def drain_pairs(sock, int limit, dict by_prefix, list out, list segs, ts, on_record, on_message):
+    """See :func:`dafka.fastio._pure.drain_pairs`."""
+    cdef void *s = _handle(sock)
+    cdef dafka_zmq_msg_t head, body
+    cdef int i, queued = 0
+    cdef size_t hsize, plen, bsize
+    cdef const unsigned char *hdata
+    cdef unsigned char *p
+    cdef bytes key = None
+    cdef object tracker = None
+    cdef object content, item, rkey, value
+    cdef uint64_t seq
+    cdef uint64_t ts64 = ts
+    cdef _PairCursor cur = _PairCursor()
+    z_msg_init(&head)
+    z_msg_init(&body)
+    try:
+        for i in range(limit):
+            if not _recv(&head, s):
+                break
+            if not z_msg_more(&head):
+                cur.flush(segs)
+                key = None
+                on_message([_bytes_of(&head)])
+                continue
+            _recv_part(&body, s)
+            if z_msg_more(&body):
+                cur.flush(segs)
+                key = None
+                on_message(_rest(&body, s, [_bytes_of(&head), _bytes_of(&body)]))
+                continue
+            hsize = z_msg_size(&head)
+            hdata = <const unsigned char *>z_msg_data(&head)
+            if hsize < 9:
+                cur.flush(segs)
+                key = None
+                on_message([_bytes_of(&head), _bytes_of(&body)])
+                continue
+            plen = hsize - 8
+            if key is None or <size_t>PyBytes_GET_SIZE(key) != plen or memcmp(
+                PyBytes_AS_STRING(key), hdata, plen
+            ) != 0:
+                cur.flush(segs)
+                key = PyBytes_FromStringAndSize(<const char *>hdata, plen)
+                tracker = by_prefix.get(key)
+                if tracker is None:
+                    key = None
+                    cur.tracker = None
+                    on_message([_bytes_of(&head), _bytes_of(&body)])
+                    continue
+                cur.load(tracker)
+            seq = _be64(hdata + plen)
+            if cur.fast and seq == cur.next:
+                cur.next = seq + 1
+                # The LMDB key (pid:u32 offset:u64) and value (ts_ms:u64 flags:u8 content), built here.
+                rkey = PyBytes_FromStringAndSize(NULL, 12)
+                p = <unsigned char *>PyBytes_AS_STRING(rkey)
+                p[0] = (cur.pid >> 24) & 0xFF
+                p[1] = (cur.pid >> 16) & 0xFF
+                p[2] = (cur.pid >> 8) & 0xFF
+                p[3] = cur.pid & 0xFF
+                _put_be64(p + 4, seq)
+                bsize = z_msg_size(&body)
+                value = PyBytes_FromStringAndSize(NULL, 9 + bsize)
+                p = <unsigned char *>PyBytes_AS_STRING(value)
+                _put_be64(p, ts64)
+                p[8] = 0
+                memcpy(p + 9, z_msg_data(&body), bsize)
+                cur.nbytes += bsize
+                item = (rkey, value)
+                PyObject_GC_UnTrack(<PyObject *>item)  # bytes only: no cycle through it
+                out.append(item)
+                queued += 1
+            else:
+                cur.flush(segs)
+                key = None
+                on_record(tracker, seq, _bytes_of(&body))
+    finally:
+        cur.flush(segs)
+        z_msg_close(&head)
+        z_msg_close(&body)
+    return queued

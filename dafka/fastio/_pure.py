@@ -154,3 +154,79 @@ def send_values(
     except zmq.Again:
         pass
     return sent
+
+
+_pair_key = struct.Struct(">IQ").pack  # LMDB record key: pid:u32 offset:u64
+_value_header = struct.Struct(">QB").pack  # LMDB record value header: ts_ms:u64 flags:u8
+
+
+def drain_pairs(
+    sock: zmq.Socket,
+    limit: int,
+    by_prefix: dict[bytes, Any],
+    out: list[tuple[bytes, bytes]],
+    segs: list[tuple[str, str, int, int, int, int]],
+    ts: int,
+    on_record: Callable[[Any, int, bytes], None],
+    on_message: Callable[[list[bytes]], None],
+) -> int:
+    """As :func:`drain_records`, for a store: records go out as ready LMDB ``(key, value)`` pairs.
+
+    Only partitions whose tracker has a ``pid`` (stored partitions) take the
+    fast path: the next record becomes ``(pid:u32 offset:u64, ts_ms:u64 0:u8
+    content)`` in ``out``, and each run of consecutive records of one
+    partition adds ``(subject, address, pid, first, last, content_bytes)`` to
+    ``segs`` when it ends.  Records of partitions without a pid, and records
+    out of order, go to ``on_record``; other messages to ``on_message``.
+    """
+    recv = sock.recv
+    lookup = by_prefix.get
+    append = out.append
+    hdr = _value_header(ts, 0)
+    queued = 0
+    seg: Any = None  # the tracker of the open run
+    first = nbytes = 0
+
+    def close() -> None:
+        nonlocal seg
+        if seg is not None:
+            segs.append((seg.subject, seg.address, seg.pid, first, seg.next - 1, nbytes))
+            seg = None
+
+    for _ in range(limit):
+        try:
+            frame = recv(NOBLOCK, False)
+        except zmq.Again:
+            break
+        header = frame.bytes
+        if not frame.more:
+            close()
+            on_message([header])
+            continue
+        second = recv(NOBLOCK, False)
+        content = second.bytes
+        if second.more:
+            close()
+            on_message(_rest(recv, [header, content]))
+            continue
+        tracker = lookup(header[:-8])
+        if tracker is None:
+            close()
+            on_message([header, content])
+            continue
+        seq = _seq_at(header, len(header) - 8)[0]
+        if seq == tracker.next and not tracker.held and tracker.pid is not None and seq < 0xFFFFFFFFFFFFFFFF:
+            if seg is not tracker:
+                close()
+                seg, first, nbytes = tracker, seq, 0
+            tracker.next = seq + 1
+            if seq > tracker.known:
+                tracker.known = seq
+            append((_pair_key(tracker.pid, seq), hdr + content))
+            nbytes += len(content)
+            queued += 1
+        else:
+            close()
+            on_record(tracker, seq, content)
+    close()
+    return queued

@@ -86,6 +86,7 @@ Durability and concurrency
 
 from __future__ import annotations
 
+import bisect
 import errno
 import heapq
 import logging
@@ -93,9 +94,10 @@ import os
 import struct
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from itertools import islice, repeat
+from operator import itemgetter
 from typing import Any, NamedTuple, TypeVar
 
 import lmdb
@@ -779,14 +781,85 @@ class RecordDB:
             return {}
         return self._append_units(units)
 
+    def append_pairs(
+        self,
+        batch: Sequence[Sequence[Any]],
+        pairs: list[tuple[bytes, bytes]],
+        segs: Sequence[tuple[str, str, int, int, int, int]],
+        gate: AbstractContextManager[Any] | None = None,
+    ) -> dict[tuple[str, str], int]:
+        """:meth:`append` of ``batch`` and of ready record pairs, in one transaction.
+
+        ``pairs`` are LMDB ``(key, value)`` pairs of plain records (see the
+        layout above) of partitions already stored, as built by
+        :func:`dafka.fastio.drain_pairs`; ``segs`` describes them: one
+        ``(topic, partition, pid, first, last, content_bytes)`` per run of
+        consecutive offsets, in order.  ``batch`` is applied first.  Each run
+        must continue its partition exactly (``first == head + 1``) with the
+        partition's ``pid``, else ValueError rejects everything.  ``pairs``
+        may be reordered (sorted by key).
+
+        ``gate`` (a lock) is held while the pairs are put: py-lmdb releases
+        the GIL around every single put, so a thread of the caller that runs
+        without releasing the GIL for long (a compiled receive loop) would
+        make each put wait for it; such a thread takes the gate around its
+        work and so waits, GIL released, while the puts run.
+        """
+        if not pairs:
+            return self.append(batch) if batch else {}
+        units: list[_Unit] = []
+        if batch:
+            for tp, recs in _group(batch).items():
+                units.append((tp, self._pkey(tp[0], tp[1]), recs[0][2], recs, None))
+        with self._write_lock:
+            heads, dups = self._write(lambda txn: self._append_txn(txn, units, pairs, segs, gate))
+            self.duplicates += dups
+        return heads
+
     def _append_units(self, units: list[_Unit]) -> dict[tuple[str, str], int]:
         with self._write_lock:
             heads, dups = self._write(lambda txn: self._append_txn(txn, units))
             self.duplicates += dups
         return heads
 
+    def _append_pair_runs(
+        self,
+        txn: lmdb.Transaction,
+        states: dict[tuple[str, str], _PartState],
+        segs: Sequence[tuple[str, str, int, int, int, int]],
+    ) -> None:
+        """Account runs of ready pairs in the partitions' states (checks included)."""
+        dbs = self._dbs
+        assert dbs is not None
+        for topic, partition, pid, first, last, nbytes in segs:
+            tp = (topic, partition)
+            st = states.get(tp)
+            if st is None:
+                pkey = self._pkey(topic, partition)
+                raw = txn.get(pkey, db=dbs.partitions)
+                if raw is None:
+                    raise ValueError(f"ready records of {topic!r}/{partition!r}, which is not stored")
+                st = _PartState(pkey, *PARTITION_INFO.unpack(raw))
+                states[tp] = st
+            if pid != st.pid or first != st.last + 1 or last < first:
+                raise ValueError(
+                    f"ready records {first}..{last} (pid {pid}) of {topic!r}/{partition!r} do not "
+                    f"continue head {st.last} (pid {st.pid})"
+                )
+            if st.count == 0:
+                st.first = first
+            st.count += last - first + 1
+            st.last = last
+            st.nbytes += nbytes
+            st.changed = True
+
     def _append_txn(
-        self, txn: lmdb.Transaction, units: list[_Unit]
+        self,
+        txn: lmdb.Transaction,
+        units: list[_Unit],
+        pairs: list[tuple[bytes, bytes]] | None = None,
+        segs: Sequence[tuple[str, str, int, int, int, int]] = (),
+        gate: AbstractContextManager[Any] | None = None,
     ) -> tuple[dict[tuple[str, str], int], int]:
         dbs = self._dbs
         assert dbs is not None
@@ -846,6 +919,10 @@ class RecordDB:
                     got[1].extend(values)
         except struct.error as exc:
             raise ValueError(f"bad record field: {exc}") from exc
+        if pairs:
+            self._append_pair_runs(txn, states, segs)
+            if len(pairs) != sum(seg[4] - seg[3] + 1 for seg in segs):
+                raise ValueError(f"{len(pairs)} ready records, runs describe another number")
         for st in states.values():
             if st.changed:
                 txn.put(st.pkey, st.pack(), db=parts_db)
@@ -866,6 +943,24 @@ class RecordDB:
                         f"{self.path}: {len(keys) - added} records already present past a head "
                         "(database inconsistent)"
                     )
+        if pairs:
+            cur = txn.cursor(db=dbs.records)
+            tail = cur.key() if cur.last() else b""
+            if len({seg[2] for seg in segs}) > 1:
+                pairs.sort()  # several partitions: key order, so the tail part can append
+            # MDB_APPEND for what sorts past the last stored key, plain puts before it.
+            split = bisect.bisect_right(pairs, tail, key=itemgetter(0)) if pairs[0][0] <= tail else 0
+            added = 0
+            with gate if gate is not None else nullcontext():
+                if split:
+                    added += cur.putmulti(pairs[:split], overwrite=False)[1]
+                if split < len(pairs):
+                    added += cur.putmulti(pairs if not split else pairs[split:], append=True)[1]
+            if added != len(pairs):
+                raise StorageError(
+                    f"{self.path}: {len(pairs) - added} records already present past a head "
+                    "(database inconsistent)"
+                )
         return {tp: st.last for tp, st in states.items()}, dups
 
     @staticmethod

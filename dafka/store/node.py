@@ -45,6 +45,7 @@ from dafka.metrics import SECONDS_BUCKETS, SIZE_BUCKETS, Histogram
 from dafka.node import DRAIN
 from dafka.reader import NOBLOCK, PartitionReader
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
+from dafka.store.layout import RECORD_KEY, VALUE_HEADER
 
 log = logging.getLogger("dafka.store")
 
@@ -75,6 +76,9 @@ class Store(PartitionReader):
     """A store on the mesh, persisting into the LMDB directory ``db``."""
 
     kind = "store"
+    # Records of stored partitions are queued as ready LMDB pairs (fastio.drain_pairs).
+    # Off where other code queues records of the same partitions (the Tank gateway).
+    ready_pairs = True
 
     def __init__(
         self,
@@ -95,9 +99,18 @@ class Store(PartitionReader):
         self.retention_interval = retention_interval
         self.retry_interval = retry_interval
         self._heads: dict[tuple[str, str], int] = {}
+        self._pids: dict[tuple[str, str], int] = {}
         for info in self.db.partitions():
             self._heads[(info.topic, info.partition)] = info.last
+            self._pids[(info.topic, info.partition)] = info.pid
         self._batch: list[tuple[Any, ...]] = []
+        # Ready LMDB (key, value) pairs of stored partitions and their runs
+        # (topic, partition, pid, first, last, bytes); committed after _batch.
+        self._pairs: list[tuple[bytes, bytes]] = []
+        self._segs: list[tuple[str, str, int, int, int, int]] = []
+        # Held by the writer while it puts ready pairs, by the I/O thread while it
+        # drains: see RecordDB.append_pairs (py-lmdb gives up the GIL at every put).
+        self._put_gate = threading.Lock()
         self._ts = 0  # receive time (ms) of the records being read
         self._jobs: deque[FetchJob] = deque()
         self._job_of: dict[tuple[str, str, str], FetchJob] = {}  # (requester, subject, partition)
@@ -112,7 +125,7 @@ class Store(PartitionReader):
         self._error_logged_at = 0.0
         # Writer thread hand-off.
         self._writer_cond = threading.Condition()
-        self._to_write: list[tuple[Any, ...]] | None = None
+        self._to_write: tuple[list[Any], list[tuple[bytes, bytes]], list[Any]] | None = None
         self._writer_busy = False
         self._writer_stop = False
         self._writer = threading.Thread(target=self._write_loop, name="dafka-store-writer", daemon=True)
@@ -162,6 +175,10 @@ class Store(PartitionReader):
         self._writer.join(timeout)
         self.db.close()
 
+    def pending_records(self) -> int:
+        """Records received and not yet handed to the writer."""
+        return len(self._batch) + len(self._pairs)
+
     def heads(self) -> dict[tuple[str, str], int]:
         """Committed head per (topic, partition)."""
         return dict(self._heads)
@@ -187,10 +204,14 @@ class Store(PartitionReader):
                 self._enforce_retention()
                 next_retention = time.monotonic() + self.retention_interval
 
-    def _commit(self, batch: list[tuple[Any, ...]]) -> None:
+    def _commit(self, work: tuple[list[Any], list[tuple[bytes, bytes]], list[Any]]) -> None:
+        batch, pairs, segs = work
         try:
             t0 = time.perf_counter()
-            heads = self.db.append(batch)
+            if pairs:
+                heads = self.db.append_pairs(batch, pairs, segs, self._put_gate)
+            else:
+                heads = self.db.append(batch)
             self.commit_seconds.observe(time.perf_counter() - t0)
             error = None
         except StorageError as exc:
@@ -200,7 +221,7 @@ class Store(PartitionReader):
             heads, error = {}, StorageError(str(exc))
         with self._writer_cond:
             self._to_write = None
-        self.call_soon(lambda: self._on_committed(batch, heads, error))
+        self.call_soon(lambda: self._on_committed(work, heads, error))
 
     def _enforce_retention(self) -> None:
         """Delete what the policy no longer keeps, in bounded steps.
@@ -231,18 +252,28 @@ class Store(PartitionReader):
 
         After a failed commit only a ``retry`` writes again.
         """
-        if not self._batch or self._writer_busy or (self.storage_error is not None and not retry):
+        if (
+            not (self._batch or self._pairs)
+            or self._writer_busy
+            or (self.storage_error is not None and not retry)
+        ):
             return
-        batch, self._batch = self._batch, []
+        # Group commit: everything queued while the last commit ran goes in one transaction.
+        work = (self._batch, self._pairs, self._segs)
+        self._batch, self._pairs, self._segs = [], [], []
         self._writer_busy = True
         with self._writer_cond:
-            self._to_write = batch
+            self._to_write = work
             self._writer_cond.notify()
 
     def _on_committed(
-        self, batch: list[tuple[Any, ...]], heads: dict[tuple[str, str], int], error: StorageError | None
+        self,
+        work: tuple[list[Any], list[tuple[bytes, bytes]], list[Any]],
+        heads: dict[tuple[str, str], int],
+        error: StorageError | None,
     ) -> None:
         self._writer_busy = False
+        batch, pairs, segs = work
         if error is not None:
             now = time.monotonic()
             if self.storage_error is None or now - self._error_logged_at >= ERROR_LOG_INTERVAL:
@@ -250,32 +281,49 @@ class Store(PartitionReader):
                 log.error(
                     "store cannot write (%s): %d records kept, acknowledgements stop, retrying",
                     error,
-                    len(batch) + len(self._batch),
+                    len(batch) + len(pairs) + self.pending_records(),
                 )
             self.storage_error = error
-            self._batch = batch + self._batch  # keep everything, retry later
+            # Keep everything, retry later (the failed batch goes first).
+            self._batch = batch + self._batch
+            self._pairs = pairs + self._pairs
+            self._segs = segs + self._segs
             self.pause_data(True)
             self._send_status(now)  # producers learn why at once
             return
         if self.storage_error is not None:
             log.info("store writes again; acknowledgements resume")
             self.storage_error = None
-        self.stored += len(batch)
+        self.stored += len(batch) + len(pairs)
         self._status_keys.update(heads)
         for key, head in heads.items():
             self._heads[key] = head
+            if self.ready_pairs and key not in self._pids:
+                self._learn_pid(key)
             # One cumulative ACK per partition per commit, after the commit.
             self._unsent_acks[key] = head
         self._send_acks()
-        self.commit_sizes.observe(len(batch))
-        received = batch[0][4] if batch and len(batch[0]) == 5 else None  # mesh records: ms stamp
+        self.commit_sizes.observe(len(batch) + len(pairs))
+        received: Any = batch[0][4] if batch and len(batch[0]) == 5 else None  # mesh records: ms stamp
+        if received is None and pairs:
+            received = int.from_bytes(pairs[0][1][:8], "big")
         if isinstance(received, int):
             # From the oldest record's receipt to its ACK.
             self.ack_latency.observe(max(0.0, time.time() - received / 1000))
         self.on_commit(heads)
-        if len(self._batch) < MAX_BATCH // 2:
+        if self.pending_records() < MAX_BATCH // 2:
             self.pause_data(False)
         self._flush_batch()
+
+    def _learn_pid(self, key: tuple[str, str]) -> None:
+        """A partition was stored for the first time: its records can now go as ready pairs."""
+        info = self.db.info(*key)
+        if info is None:
+            return
+        self._pids[key] = info.pid
+        tracker = self._trackers.get(key)
+        if tracker is not None:
+            tracker.pid = info.pid
 
     def _send_status(self, now: float) -> None:
         """Tell producers whether their records get acknowledged (STORE-STATUS)."""
@@ -284,6 +332,7 @@ class Store(PartitionReader):
         error = self.storage_error
         if error is not None:
             keys |= {(r[0], r[1]) for r in self._batch}  # the partitions waiting for an ACK
+            keys |= {(r[0], r[1]) for r in self._segs}
             writing, reason = 0, wire.reason_text(f"store {self.address[:8]} cannot write: {error}")
         else:
             writing, reason = 1, ""
@@ -313,7 +362,7 @@ class Store(PartitionReader):
 
     def new_tracker(self, subject: str, partition: str) -> PartitionTracker:
         head = self._heads.get((subject, partition))
-        return PartitionTracker(
+        tracker = PartitionTracker(
             subject,
             partition,
             0 if head is None else head + 1,
@@ -322,24 +371,44 @@ class Store(PartitionReader):
             # a stored one must stay contiguous, so it never skips.
             skip_after=10.0 if head is None else float("inf"),
         )
+        if self.ready_pairs:
+            tracker.pid = self._pids.get((subject, partition))
+        return tracker
 
     def emit(self, tracker: PartitionTracker, records: list[tuple[int, bytes]]) -> None:
-        append = self._batch.append
         subject, partition, ts = tracker.subject, tracker.address, self._ts
-        for seq, content in records:
-            append((subject, partition, seq, content, ts))
+        pid = tracker.pid
+        if pid is None or not records:
+            append = self._batch.append
+            for seq, content in records:
+                append((subject, partition, seq, content, ts))
+            return
+        # The slow path of drain_pairs: the same pairs and run, built here.
+        hdr = VALUE_HEADER.pack(ts, 0)
+        pack_key = RECORD_KEY.pack
+        self._pairs.extend([(pack_key(pid, seq), hdr + content) for seq, content in records])
+        first = records[0][0]
+        self._segs.append(
+            (subject, partition, pid, first, first + len(records) - 1, sum(len(c) for _, c in records))
+        )
 
     def _read_data(self) -> None:
         # The hot path: the next records of known partitions join the batch
         # inside drain_records (frame-exact); the rest go through track /
         # on_message in arrival order.
         ts = self._ts = int(time.time() * 1000)
-        fastio.drain_records(
-            self.sub, DRAIN, self._by_prefix, self._batch, None, ts, self.track, self.on_message
-        )
+        if self.ready_pairs:
+            with self._put_gate:
+                fastio.drain_pairs(
+                    self.sub, DRAIN, self._by_prefix, self._pairs, self._segs, ts, self.track, self.on_message
+                )
+        else:
+            fastio.drain_records(
+                self.sub, DRAIN, self._by_prefix, self._batch, None, ts, self.track, self.on_message
+            )
         if self._missing:
             self.fetch_missing()
-        if len(self._batch) >= MAX_BATCH:
+        if self.pending_records() >= MAX_BATCH:
             self.pause_data(True)
         self._flush_batch()
         if self._heads_wanted:
@@ -525,7 +594,7 @@ class Store(PartitionReader):
             self._answer_heads(now)
         if self._unsent_acks:
             self._send_acks()
-        if self.storage_error is None and len(self._batch) < MAX_BATCH // 2:
+        if self.storage_error is None and self.pending_records() < MAX_BATCH // 2:
             self.pause_data(False)
         if self.storage_error is not None and now - self._retry_at >= 2.0:
             # Retry the failed batch now and then (a full disk may get space).
@@ -548,7 +617,7 @@ class Store(PartitionReader):
     def on_shutdown(self) -> None:
         # Commit what was received; ACKs for it go out if the socket still can.
         deadline = time.monotonic() + 5.0
-        while (self._batch or self._writer_busy) and time.monotonic() < deadline:
+        while (self._batch or self._pairs or self._writer_busy) and time.monotonic() < deadline:
             if self.storage_error is not None:
                 break
             self._flush_batch()

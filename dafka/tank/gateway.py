@@ -142,6 +142,7 @@ class Gateway(Store):
     """A store on the mesh plus a Tank server on ``listen`` (port 0: ephemeral)."""
 
     kind = "gateway"
+    ready_pairs = False  # it queues records of its own partitions in _batch too
 
     def __init__(
         self,

@@ -344,6 +344,38 @@ def test_append_runs(tmp_path: Path) -> None:
         assert db.append([]) == {}
 
 
+def _ready(topic: str, partition: str, pid: int, first: int, n: int, ts: int) -> tuple[list[Any], Any]:
+    """Ready pairs and their run, as fastio.drain_pairs builds them."""
+    pairs = [(layout.RECORD_KEY.pack(pid, o), layout.pack_value(ts, content_for(o))) for o in range(first, first + n)]
+    return pairs, (topic, partition, pid, first, first + n - 1, 40 * n)
+
+
+def test_append_pairs_matches_append(tmp_path: Path) -> None:
+    with RecordDB(tmp_path / "a") as a, RecordDB(tmp_path / "b") as b:
+        for db in (a, b):
+            db.append(plain("t", P1, 0, 3) + plain("t", P2, 0, 2))
+        pid1, pid2 = a.info("t", P1).pid, a.info("t", P2).pid
+        # Interleaved runs of two partitions, the older one in the middle of the key space,
+        # plus tuples of a new partition in the same transaction.
+        p1a, s1a = _ready("t", P1, pid1, 3, 4, 7)
+        p2, s2 = _ready("t", P2, pid2, 2, 5, 7)
+        p1b, s1b = _ready("t", P1, pid1, 7, 2, 7)
+        heads = b.append_pairs(plain("t", "N" * 32, 4, 3, 7), p1a + p2 + p1b, [s1a, s2, s1b])
+        assert heads == {("t", P1): 8, ("t", P2): 6, ("t", "N" * 32): 6}
+        a.append(plain("t", P1, 3, 6, 7) + plain("t", P2, 2, 5, 7) + plain("t", "N" * 32, 4, 3, 7))
+        for t, p in (("t", P1), ("t", P2), ("t", "N" * 32)):
+            assert b.info(t, p) == a.info(t, p)
+            assert list(b.read(t, p, 0, 100)) == list(a.read(t, p, 0, 100))
+        # A run that does not continue its head (or names another pid) rejects everything.
+        bad, seg = _ready("t", P1, pid1, 10, 1, 7)
+        with pytest.raises(ValueError, match="continue"):
+            b.append_pairs(plain("t", P2, 7, 1), bad, [seg])
+        bad, seg = _ready("t", P1, pid2, 9, 1, 7)
+        with pytest.raises(ValueError, match="continue"):
+            b.append_pairs([], bad, [seg])
+        assert b.head("t", P2) == 6 and b.head("t", P1) == 8
+
+
 @pytest.mark.timeout(60)
 def test_older_partitions_use_ordinary_puts(tmp_path: Path) -> None:
     """MDB_APPEND only for the newest partition: interleaving must stay correct."""
