@@ -357,14 +357,14 @@ class Node:
         self._close_sockets()
 
     def _close_sockets(self) -> None:
+        for refusals in self._refusals:
+            refusals.close()  # stop the monitors while their sockets are open
         for sock in (self.sub, self.beacon_pub, self.beacon_sub, self._wake_rx, self._wake_tx):
             sock.close(0)
         for sock in (self.trusted_sub, self.suspect_sub):
             if sock is not None:
                 sock.close(0)
         self.close_publisher()
-        for refusals in self._refusals:
-            refusals.close()
 
     def close_publisher(self) -> None:
         self.publisher.close()

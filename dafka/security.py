@@ -15,6 +15,7 @@ key: towers' keys come from the configuration, peers' keys from the beacons
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -294,6 +295,9 @@ def connect(sock: zmq.Socket, endpoint: str, server_key: bytes) -> None:
 _REFUSALS = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
+_MONITOR_IDS = itertools.count(1)
+
+
 class RefusalLog:
     """Logs the handshakes a secure socket refused (unknown key, plain peer).
 
@@ -316,7 +320,11 @@ class RefusalLog:
         self.on_refused = on_refused
         self.log = logger
         self.count = 0
-        self.monitor = sock.get_monitor_socket(_REFUSALS)
+        self.sock = sock
+        # A unique inproc name: pyzmq's default names it after the socket's
+        # FD, and a closed socket's monitor endpoint is released by libzmq's
+        # reaper later, so a new socket that got the same FD could collide.
+        self.monitor = sock.get_monitor_socket(_REFUSALS, f"inproc://dafka-refusals-{next(_MONITOR_IDS)}")
 
     def read(self) -> None:
         for _ in range(1000):
@@ -348,6 +356,10 @@ class RefusalLog:
                 self.on_refused(endpoint)
 
     def close(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass  # the socket is already closed
         self.monitor.close(0)
 
 

@@ -105,10 +105,10 @@ class Tower:
             self._close_sockets()
 
     def _close_sockets(self) -> None:
+        for refusals in self._refusals:
+            refusals.close()  # stop the monitors while their sockets are open
         self.xsub.close(0)
         self.xpub.close(0)
-        for refusals in self._refusals:
-            refusals.close()
 
     def run(self) -> None:
         """Serve until :meth:`close` (blocking; :meth:`start` runs it in a thread)."""
