@@ -189,11 +189,25 @@ def test_retention_works_off_a_backlog_in_one_round(cfg: NodeConfig, tmp_path: P
     policy = RetentionPolicy(default=Retention(max_bytes=100))
     # The writer's own round never comes (interval 1 h): the test drives one.
     with Store(tmp_path / "db", cfg, retention=policy, retention_interval=3600) as store:
+        # The steps, not the time budget, are under test: on a loaded machine
+        # 0.2 s may not fit four synced 10k-deletion transactions.
+        store.retention_budget = 60.0
         now = int(time.time() * 1000)
         store.db.append([("t", "P" * 32, i, b"x", now) for i in range(35_000)])  # 3.5 steps of 10k
         store._enforce_retention()
         info = store.db.partitions("t")[0]
         assert info.bytes <= 100 and info.first == 35_000 - info.count
+
+
+def test_retention_round_stops_at_its_time_budget(cfg: NodeConfig, tmp_path: Path) -> None:
+    policy = RetentionPolicy(default=Retention(max_bytes=100))
+    with Store(tmp_path / "db", cfg, retention=policy, retention_interval=3600) as store:
+        store.retention_budget = 0.0  # spent after the first step
+        now = int(time.time() * 1000)
+        store.db.append([("t", "P" * 32, i, b"x", now) for i in range(35_000)])
+        store._enforce_retention()
+        info = store.db.partitions("t")[0]
+        assert info.first == 10_000  # one step of 10k deletions, the rest left for later rounds
 
 
 def test_full_disk_stops_acks_and_keeps_every_acked_record(cfg: NodeConfig, tmp_path: Path) -> None:
