@@ -482,19 +482,14 @@ class Producer(Node):
 
     def _on_fetch(self, fetch: wire.Fetch) -> None:
         prefix = wire.record_prefix(wire.DIRECT_RECORD, fetch.address, self.address, self.topic)
-        records = list(self.window.fetch(fetch.sequence, fetch.count))
-        for start in range(0, len(records), 1000):
-            chunk = records[start : start + 1000]
+        with self._lock:
+            runs = self.window.runs(fetch.sequence, fetch.count)  # the publisher may push meanwhile
+        for first, contents in runs:
+            # Runs hold up to unacked.CHUNK records: the lock is released between them.
             with self._lock:
                 if self._closed:
                     return
-                # The window holds consecutive offsets; send runs of them.
-                run_start = 0
-                for i in range(1, len(chunk) + 1):
-                    if i == len(chunk) or chunk[i][0] != chunk[i - 1][0] + 1:
-                        contents = [content for _, content in chunk[run_start:i]]
-                        fastio.send_records(self.publisher, prefix, chunk[run_start][0], contents)
-                        run_start = i
+                fastio.send_records(self.publisher, prefix, first, contents)
         self.fetches_served += 1
 
     def _send_locked(self, frames: list[bytes]) -> None:
