@@ -235,6 +235,11 @@ class Producer(Node):
                 if offset > window.next:
                     raise ValueError(f"offset {offset} is beyond next offset {window.next}")
                 receipt = Receipt(self, offset)  # already published: not sent again
+            elif not self._closed and (window.ring or len(window) < window.capacity):
+                # The common case without _push_locked's loop: room for one record.
+                seq = window.push(content)
+                fastio.send_records(self.publisher, self._prefix, seq, (content,))
+                receipt = Receipt(self, seq)
             else:
                 receipt = Receipt(self, self._push_locked((content,), timeout))
         if callback is not None:

@@ -61,7 +61,18 @@ class UnackedWindow:
 
     def push(self, content: bytes) -> int:
         """Assign the next offset to ``content``; the caller checks ``full`` first."""
-        return self.push_many((content,))
+        seq = self.next
+        chunks = self._chunks
+        if chunks and len(chunks[-1]) < CHUNK:
+            chunks[-1].append(content)
+        else:
+            chunks.append([content])
+            self._firsts.append(seq)
+        self.next = seq + 1
+        self.bytes += len(content)
+        if self.ring and seq - self.acked > self.capacity:
+            self._drop_upto(seq - self.capacity)  # evicted unacknowledged: only in ring mode
+        return seq
 
     def push_many(self, contents: Sequence[bytes], start: int = 0, stop: int | None = None) -> int:
         """Assign consecutive offsets to ``contents[start:stop]``; the first one.
