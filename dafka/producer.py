@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 from pathlib import Path
 
@@ -238,7 +238,7 @@ class Producer(Node):
             elif not self._closed and (window.ring or len(window) < window.capacity):
                 # The common case without _push_locked's loop: room for one record.
                 seq = window.push(content)
-                fastio.send_records(self.publisher, self._prefix, seq, (content,))
+                self._send_run(self._prefix, seq, (content,), 0, 1)
                 receipt = Receipt(self, seq)
             else:
                 receipt = Receipt(self, self._push_locked((content,), timeout))
@@ -285,7 +285,7 @@ class Producer(Node):
                 continue
             stop = min(n, done + room)
             first = window.push_many(batch, done, stop)
-            fastio.send_records(self.publisher, prefix, first, batch, done, stop)
+            self._send_run(prefix, first, batch, done, stop)
             done = stop
         return window.next - 1 if n else -1
 
@@ -494,8 +494,14 @@ class Producer(Node):
             with self._lock:
                 if self._closed:
                     return
-                fastio.send_records(self.publisher, prefix, first, contents)
+                self._send_run(prefix, first, contents, 0, len(contents))
         self.fetches_served += 1
+
+    def _send_run(
+        self, prefix: bytes, seq: int, contents: Sequence[bytes], start: int, stop: int
+    ) -> None:
+        """Send ``contents[start:stop]`` as records from ``seq`` (lock held): one batch call."""
+        fastio.send_records(self.publisher, prefix, seq, contents, start, stop)
 
     def _send_locked(self, frames: list[bytes]) -> None:
         with self._lock:
