@@ -96,7 +96,8 @@ class UnackedWindow:
                 offset += take
         while pos < stop:
             take = min(CHUNK, stop - pos)
-            chunks.append(list(contents[pos : pos + take]))
+            chunk = contents[pos : pos + take]  # a copy: the caller may reuse its list
+            chunks.append(chunk if type(chunk) is list else list(chunk))
             self._firsts.append(offset)
             pos += take
             offset += take
