@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 from pathlib import Path
 
@@ -235,6 +235,11 @@ class Producer(Node):
                 if offset > window.next:
                     raise ValueError(f"offset {offset} is beyond next offset {window.next}")
                 receipt = Receipt(self, offset)  # already published: not sent again
+            elif not self._closed and (window.ring or len(window) < window.capacity):
+                # The common case without _push_locked's loop: room for one record.
+                seq = window.push(content)
+                self._send_run(self._prefix, seq, (content,), 0, 1)
+                receipt = Receipt(self, seq)
             else:
                 receipt = Receipt(self, self._push_locked((content,), timeout))
         if callback is not None:
@@ -280,7 +285,7 @@ class Producer(Node):
                 continue
             stop = min(n, done + room)
             first = window.push_many(batch, done, stop)
-            fastio.send_records(self.publisher, prefix, first, batch, done, stop)
+            self._send_run(prefix, first, batch, done, stop)
             done = stop
         return window.next - 1 if n else -1
 
@@ -482,20 +487,21 @@ class Producer(Node):
 
     def _on_fetch(self, fetch: wire.Fetch) -> None:
         prefix = wire.record_prefix(wire.DIRECT_RECORD, fetch.address, self.address, self.topic)
-        records = list(self.window.fetch(fetch.sequence, fetch.count))
-        for start in range(0, len(records), 1000):
-            chunk = records[start : start + 1000]
+        with self._lock:
+            runs = self.window.runs(fetch.sequence, fetch.count)  # the publisher may push meanwhile
+        for first, contents in runs:
+            # Runs hold up to unacked.CHUNK records: the lock is released between them.
             with self._lock:
                 if self._closed:
                     return
-                # The window holds consecutive offsets; send runs of them.
-                run_start = 0
-                for i in range(1, len(chunk) + 1):
-                    if i == len(chunk) or chunk[i][0] != chunk[i - 1][0] + 1:
-                        contents = [content for _, content in chunk[run_start:i]]
-                        fastio.send_records(self.publisher, prefix, chunk[run_start][0], contents)
-                        run_start = i
+                self._send_run(prefix, first, contents, 0, len(contents))
         self.fetches_served += 1
+
+    def _send_run(
+        self, prefix: bytes, seq: int, contents: Sequence[bytes], start: int, stop: int
+    ) -> None:
+        """Send ``contents[start:stop]`` as records from ``seq`` (lock held): one batch call."""
+        fastio.send_records(self.publisher, prefix, seq, contents, start, stop)
 
     def _send_locked(self, frames: list[bytes]) -> None:
         with self._lock:

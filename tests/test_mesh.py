@@ -185,15 +185,17 @@ def test_producer_fetch_answers_carry_right_content_beyond_1000(cfg: NodeConfig,
     with Producer("big", cfg) as producer:  # acks on, no store: everything stays held
         for i in range(3000):
             producer.publish(b"content-%d" % i)
+        # Batches too, so the answer spans several of the window's chunks.
+        producer.publish_many(b"content-%d" % i for i in range(3000, 9000))
         requester = raw_peer([wire.P_DIRECT_RECORD])
         requester.wait_for(lambda p: len(p.peers) >= 1 and len(producer.peers) >= 1)
         requester.wait_for(lambda p: p.subscribed(b"F" + producer.address.encode()))
-        requester.send(wire.Fetch(producer.address, requester.address, "big", 1500, 1200))
+        requester.send(wire.Fetch(producer.address, requester.address, "big", 1500, 7000))
         records = requester.wait_for(
-            lambda p: len(p.messages(wire.DirectRecord)) >= 1200 and p.messages(wire.DirectRecord)
+            lambda p: len(p.messages(wire.DirectRecord)) >= 7000 and p.messages(wire.DirectRecord)
         )
         assert [(r.sequence, r.content) for r in records] == [
-            (i, b"content-%d" % i) for i in range(1500, 2700)
+            (i, b"content-%d" % i) for i in range(1500, 8500)
         ]
         assert all(r.topic == requester.address and r.subject == "big" for r in records)
         producer.close(0.1)

@@ -262,4 +262,80 @@ def test_window_push_many_equals_pushes(chunks: list[list[bytes]], ring: bool, c
         for c in chunk:
             one.push(c)
         assert many.push_many([b"skip"] + chunk + [b"skip"], 1, 1 + len(chunk)) == one.next - len(chunk)
-        assert (one.next, one.acked, one.records, one.bytes) == (many.next, many.acked, many.records, many.bytes)
+        held = (one.next, one.acked, list(one.fetch(0, 10**6)), one.bytes)
+        assert held == (many.next, many.acked, list(many.fetch(0, 10**6)), many.bytes)
+
+
+class WindowModel:
+    """The window's contract, one dict entry per record (the obviously right version)."""
+
+    def __init__(self, capacity: int, next_offset: int, ring: bool) -> None:
+        self.capacity, self.next, self.acked, self.ring = capacity, next_offset, next_offset - 1, ring
+        self.records: dict[int, bytes] = {}
+
+    def push(self, content: bytes) -> int:
+        seq = self.next
+        self.records[seq] = content
+        self.next += 1
+        if self.ring and len(self.records) > self.capacity:
+            old = min(self.records)
+            del self.records[old]
+            self.acked = max(self.acked, old)
+        return seq
+
+    def ack(self, seq: int) -> int:
+        if seq <= self.acked or seq >= self.next:
+            return 0
+        for offset in range(self.acked + 1, seq + 1):
+            self.records.pop(offset, None)
+        newly, self.acked = seq - self.acked, seq
+        return newly
+
+
+_window_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("push"), st.lists(st.binary(max_size=4), max_size=12)),
+        st.tuples(st.just("one"), st.binary(max_size=4)),
+        st.tuples(st.just("ack"), st.integers(-3, 40)),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=_window_ops, ring=st.booleans(), capacity=st.integers(1, 25), start=st.integers(0, 5))
+def test_window_matches_dict_model(ops: list[tuple[str, object]], ring: bool, capacity: int, start: int) -> None:
+    import dafka.unacked as unacked
+
+    old_chunk = unacked.CHUNK
+    unacked.CHUNK = 3  # many chunk boundaries in small examples
+    try:
+        w, model = UnackedWindow(capacity, start, ring=ring), WindowModel(capacity, start, ring)
+        for op, arg in ops:
+            if op == "ack":
+                seq = model.acked + int(arg)  # type: ignore[call-overload]
+                assert w.ack(seq) == model.ack(seq)
+                continue
+            batch = [arg] if op == "one" else list(arg)  # type: ignore[call-overload]
+            if not ring:
+                batch = batch[: capacity - len(model.records)]  # the caller makes room first
+            first = model.next
+            for content in batch:
+                model.push(content)
+            if op == "one" and batch:
+                assert w.push(batch[0]) == first
+            else:
+                assert w.push_many([b"-", *batch, b"-"], 1, 1 + len(batch)) == first
+            assert w.full == (not ring and len(model.records) >= capacity)
+        assert (w.next, w.acked, w.last, len(w)) == (model.next, model.acked, model.next - 1, len(model.records))
+        assert w.bytes == sum(map(len, model.records.values()))
+        for seq in range(start - 2, model.next + 2):
+            assert w.get(seq) == model.records.get(seq)
+        for seq in range(start - 2, model.next + 1, 2):
+            for count in (0, 1, 2, 5, 100):
+                want = [(o, model.records[o]) for o in range(seq, seq + count) if o in model.records]
+                assert list(w.fetch(seq, count)) == want
+                runs = w.runs(seq, count)
+                assert [(first + i, c) for first, cs in runs for i, c in enumerate(cs)] == want
+    finally:
+        unacked.CHUNK = old_chunk
