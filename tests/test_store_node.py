@@ -232,3 +232,43 @@ def test_heads_answer_counts_records_held_beyond_a_hole(cfg: NodeConfig, tmp_pat
         peer.send(wire.GetHeads("h", peer.address))
         heads = peer.wait_for(lambda q: q.messages(wire.DirectHead))
         assert [(h.address, h.sequence) for h in heads] == [(peer.address, 5)]
+
+
+class _SlowStore(Store):
+    """A store whose commits, and whose I/O thread's handling of them, are slow;
+    it logs when each commit starts and when the I/O thread gets to each."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.commit_starts: list[float] = []
+        self.handled: list[float] = []
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def _commit(self, work: tuple) -> None:
+        self.commit_starts.append(time.monotonic())
+        time.sleep(0.05)  # a slow fsync: records come in meanwhile
+        super()._commit(work)
+
+    def _on_committed(self, *args: object) -> None:
+        time.sleep(0.1)  # an I/O thread slow to get the CPU
+        self.handled.append(time.monotonic())
+        super()._on_committed(*args)  # type: ignore[arg-type]
+
+
+def test_next_commit_starts_without_waiting_for_the_io_thread(cfg: NodeConfig, tmp_path: Path) -> None:
+    # What arrived during a commit is committed right after it by the writer
+    # itself, not once the I/O thread got round to handling the commit.
+    with _SlowStore(tmp_path / "db", cfg) as store:
+        producer = Producer("step", cfg)
+        try:
+            wait_until(lambda: len(producer.peers) > 0, timeout=10)
+            for i in range(60):
+                producer.publish(b"r%d" % i)
+                time.sleep(0.01)
+            assert producer.flush(30)
+        finally:
+            producer.close(0)
+        starts, handled = store.commit_starts, store.handled
+        early = [k for k in range(1, min(len(starts), len(handled) + 1)) if starts[k] < handled[k - 1]]
+        assert early, (starts, handled)
+        info = store.db.partitions("step")[0]
+        assert (info.first, info.last) == (0, 59)
