@@ -118,6 +118,7 @@ class Consumer(PartitionReader):
         self._ready = threading.Event()
         self._closed = False
         self.delivered = 0
+        self._signalled = 0  # `delivered` when the poller was last woken (before_wait)
         self.skipped = 0
         self._starts = starts
         self.group = group
@@ -351,7 +352,7 @@ class Consumer(PartitionReader):
         subject, partition = tracker.subject, tracker.address
         for seq, content in records:
             append(_new_record(ConsumerRecord, (subject, partition, seq, content)))
-        # The poller is woken once per drain (_read_data / on_tick), not per call.
+        # The poller is woken once per loop turn (before_wait), not per call.
         self.delivered += len(records)
 
     def _read_data(self) -> None:
@@ -359,17 +360,22 @@ class Consumer(PartitionReader):
         # known partitions are queued inside drain_records, the rest come back
         # through track / on_message in arrival order.
         queue = self._queue
-        before = self.delivered
         fast = fastio.drain_records(
             self.sub, DRAIN, self._by_prefix, queue, ConsumerRecord, 0, self.track, self.on_message
         )
         if self._missing:
             self.fetch_missing()
         self.delivered += fast
-        if self.delivered != before:
-            self._ready.set()
         if len(queue) >= self.max_queued:
             self.pause_data(True)
+
+    def before_wait(self) -> None:
+        # The poller is woken once per loop turn, right before the I/O thread lets
+        # go of the GIL: woken earlier, the app thread would find the GIL taken
+        # and wait (and be woken) a second time.
+        if self.delivered != self._signalled:
+            self._signalled = self.delivered
+            self._ready.set()
 
     def on_other(self, msg: wire.Message) -> None:
         if isinstance(msg, wire.StoreHello) and msg.topic == self.address and not self.untrusted():
@@ -429,10 +435,7 @@ class Consumer(PartitionReader):
         if self.data_paused and len(self._queue) < self.max_queued // 2:
             self.pause_data(False)
             self._read_data()
-        before = self.delivered
         self.check_missing(now)
-        if self.delivered != before:
-            self._ready.set()
         if self._queries:
             self._finish_queries(now)
 
