@@ -115,10 +115,12 @@ class Consumer(PartitionReader):
         }
         self.topics: list[str] = []
         self._queue: deque[ConsumerRecord] = deque()
-        self._ready = threading.Event()
+        # Locks of application threads waiting in poll, each held until released
+        # by the I/O thread (before_wait) or close(): a handoff in which the I/O
+        # thread never waits for a lock an application thread may hold.
+        self._sleepers: list[threading.Lock] = []
         self._closed = False
         self.delivered = 0
-        self._signalled = 0  # `delivered` when the poller was last woken (before_wait)
         self.skipped = 0
         self._starts = starts
         self.group = group
@@ -207,17 +209,27 @@ class Consumer(PartitionReader):
             return queue.popleft()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            self._ready.clear()
-            if queue:
-                return queue.popleft()
-            if self._closed:
-                raise ClosedError("consumer is closed")
-            if self.data_paused:
-                self._wake()
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return None
-            self._ready.wait(remaining)
+            sleeper = threading.Lock()
+            sleeper.acquire()
+            # Listed before the queue is checked: records queued after the check
+            # find it in the list and release it.
+            self._sleepers.append(sleeper)
+            try:
+                if queue:
+                    return queue.popleft()
+                if self._closed:
+                    raise ClosedError("consumer is closed")
+                if self.data_paused:
+                    self._wake()
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                sleeper.acquire(True, -1 if remaining is None else remaining)
+            finally:
+                try:
+                    self._sleepers.remove(sleeper)
+                except ValueError:
+                    pass  # taken out by whoever released it
 
     def poll_batch(self, max_records: int = 10_000, timeout: float | None = None) -> list[ConsumerRecord]:
         """Up to ``max_records`` records; waits up to ``timeout`` for the first."""
@@ -253,7 +265,7 @@ class Consumer(PartitionReader):
             self.call_soon(lambda: self._leave(left))
             left.wait(1.0)
         self._closed = True
-        self._ready.set()
+        self._release_sleepers()
         self.stop(timeout)
 
     def positions(self) -> dict[tuple[str, str], int]:
@@ -370,12 +382,19 @@ class Consumer(PartitionReader):
             self.pause_data(True)
 
     def before_wait(self) -> None:
-        # The poller is woken once per loop turn, right before the I/O thread lets
-        # go of the GIL: woken earlier, the app thread would find the GIL taken
-        # and wait (and be woken) a second time.
-        if self.delivered != self._signalled:
-            self._signalled = self.delivered
-            self._ready.set()
+        # Waiting pollers are woken once per loop turn, right before the I/O thread
+        # lets go of the GIL: woken earlier, they would find the GIL taken and
+        # wait (and be woken) a second time.
+        if self._sleepers and self._queue:
+            self._release_sleepers()
+
+    def _release_sleepers(self) -> None:
+        sleepers, self._sleepers = self._sleepers, []
+        for sleeper in sleepers:
+            try:
+                sleeper.release()
+            except RuntimeError:
+                pass  # released by the other side (close and the I/O thread at once)
 
     def on_other(self, msg: wire.Message) -> None:
         if isinstance(msg, wire.StoreHello) and msg.topic == self.address and not self.untrusted():
