@@ -378,13 +378,15 @@ class Consumer(PartitionReader):
         if self._missing:
             self.fetch_missing()
         self.delivered += fast
+        if self._sleepers and queue:
+            # Woken at once: the waking overlaps the rest of this loop turn.
+            self._release_sleepers()
         if len(queue) >= self.max_queued:
             self.pause_data(True)
 
     def before_wait(self) -> None:
-        # Waiting pollers are woken once per loop turn, right before the I/O thread
-        # lets go of the GIL: woken earlier, they would find the GIL taken and
-        # wait (and be woken) a second time.
+        # Records queued elsewhere in the turn (FETCH answers, skips on a tick)
+        # wake waiting pollers here, once, before the I/O thread waits.
         if self._sleepers and self._queue:
             self._release_sleepers()
 

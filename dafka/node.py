@@ -287,9 +287,8 @@ class Node:
         """A slice of background work (answering FETCHes), between polls."""
 
     def before_wait(self) -> None:
-        """Called in the I/O thread right before it waits in the poller (and so
-        lets go of the GIL): the moment to wake an application thread, which then
-        finds the GIL free instead of waking twice."""
+        """Called in the I/O thread at the end of every loop turn, right before it
+        waits in the poller (e.g. to wake application threads once per turn)."""
 
     def on_shutdown(self) -> None:
         """Called in the I/O thread after the loop, before sockets close."""
