@@ -507,8 +507,8 @@ def _zmq_latency(rate: int, seconds: float, size: int) -> list[float]:
 def bench_latency(args: argparse.Namespace) -> dict[str, list[float]]:
     """Latency at a fixed rate: producer -> consumer delivery and publish -> store ACK.
 
-    Tower, producer, store (fsync on unless --no-sync) and consumer are
-    separate processes (the consumer is this one).  The first half second of each run
+    Producer, store (fsync on unless --no-sync) and consumer are separate
+    processes (the consumer is this one).  The first half second of each run
     is left out (connections settling).
     """
     import struct
@@ -522,16 +522,7 @@ def bench_latency(args: argparse.Namespace) -> dict[str, list[float]]:
     delivery: list[float] = []
     ack: list[float] = []
     for run in range(args.runs):
-        # The tower runs in a process of its own, as in a deployment: as a thread
-        # of this (the consumer's) process it would compete for the GIL with the
-        # consumer being measured.
-        ports, tower_done = ctx.Queue(), ctx.Event()
-        tower = ctx.Process(target=_tower_process, args=(ports, tower_done))
-        tower.start()
-        in_port, out_port = ports.get(timeout=60)
-        cfg = NodeConfig(
-            towers=(TowerAddress("127.0.0.1", in_port, out_port),), bind="127.0.0.1", beacon_interval=0.2
-        )
+        tower, cfg = _mesh()
         topic = f"bench-latency-{run}"
         with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
             ready, done, go, result = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
@@ -575,8 +566,7 @@ def bench_latency(args: argparse.Namespace) -> dict[str, list[float]]:
                 except Exception:
                     store_stats = []
                 store.join(60)
-                tower_done.set()
-                tower.join(30)
+                tower.close()
         run_delivery, run_ack = got[warm:], acks[warm:]
         for name, unit, (bounds, counts, total, count) in zip(
             ("store commit (fsync)", "store commit size", "store receipt->ACK"),
