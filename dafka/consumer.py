@@ -364,7 +364,7 @@ class Consumer(PartitionReader):
         subject, partition = tracker.subject, tracker.address
         for seq, content in records:
             append(_new_record(ConsumerRecord, (subject, partition, seq, content)))
-        # The poller is woken once per loop turn (before_wait), not per call.
+        # Waiting pollers are woken after the drain or at the end of the loop turn, not per call.
         self.delivered += len(records)
 
     def _read_data(self) -> None:
