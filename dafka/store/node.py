@@ -110,9 +110,7 @@ class Store(PartitionReader):
         self._segs: list[tuple[str, str, int, int, int, int]] = []
         # Held by the writer while it puts ready pairs, by the I/O thread while it
         # drains: see RecordDB.append_pairs (py-lmdb gives up the GIL at every put).
-        # Also guards the batch lists against the writer taking them (see
-        # _take_next); reentrant because emit runs inside the drain.
-        self._put_gate = threading.RLock()
+        self._put_gate = threading.Lock()
         self._ts = 0  # receive time (ms) of the records being read
         self._jobs: deque[FetchJob] = deque()
         self._job_of: dict[tuple[str, str, str], FetchJob] = {}  # (requester, subject, partition)
@@ -221,30 +219,9 @@ class Store(PartitionReader):
         except Exception as exc:  # a bug: keep the batch, report loudly
             log.exception("store commit failed")
             heads, error = {}, StorageError(str(exc))
-        # The next commit starts as soon as this one's fsync ends, with what came
-        # in meanwhile: not after a round trip through the I/O thread, which may
-        # be slow to get a CPU and the GIL.  The I/O thread sends the ACKs of
-        # this commit while the next one runs.
-        following = self._take_next() if error is None else None
         with self._writer_cond:
-            self._to_write = following
-        self.call_soon(lambda: self._on_committed(work, heads, error, following is not None))
-
-    def _take_next(self) -> tuple[list[Any], list[tuple[bytes, bytes]], list[Any]] | None:
-        """Writer thread: take the records queued since the last hand-off (None: none).
-
-        Only where every append to the batch holds ``_put_gate`` (ready pairs:
-        the drain and :meth:`emit` take it); elsewhere, as in the Tank gateway,
-        the I/O thread hands each batch over (:meth:`_flush_batch`).
-        """
-        if not self.ready_pairs or self._writer_stop:
-            return None
-        with self._put_gate:
-            if not (self._batch or self._pairs):
-                return None
-            work = (self._batch, self._pairs, self._segs)
-            self._batch, self._pairs, self._segs = [], [], []
-        return work
+            self._to_write = None
+        self.call_soon(lambda: self._on_committed(work, heads, error))
 
     def _enforce_retention(self) -> None:
         """Delete what the policy no longer keeps, in bounded steps.
@@ -294,10 +271,8 @@ class Store(PartitionReader):
         work: tuple[list[Any], list[tuple[bytes, bytes]], list[Any]],
         heads: dict[tuple[str, str], int],
         error: StorageError | None,
-        continued: bool = False,
     ) -> None:
-        # continued: the writer already took the next batch (_take_next).
-        self._writer_busy = continued
+        self._writer_busy = False
         batch, pairs, segs = work
         if error is not None:
             now = time.monotonic()
@@ -401,10 +376,6 @@ class Store(PartitionReader):
         return tracker
 
     def emit(self, tracker: PartitionTracker, records: list[tuple[int, bytes]]) -> None:
-        with self._put_gate:  # the writer may take the batch lists (_take_next)
-            self._emit(tracker, records)
-
-    def _emit(self, tracker: PartitionTracker, records: list[tuple[int, bytes]]) -> None:
         subject, partition, ts = tracker.subject, tracker.address, self._ts
         pid = tracker.pid
         if pid is None or not records:
