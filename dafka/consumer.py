@@ -115,7 +115,10 @@ class Consumer(PartitionReader):
         }
         self.topics: list[str] = []
         self._queue: deque[ConsumerRecord] = deque()
-        self._ready = threading.Event()
+        # Locks of application threads waiting in poll, each held until released
+        # by the I/O thread (before_wait) or close(): a handoff in which the I/O
+        # thread never waits for a lock an application thread may hold.
+        self._sleepers: list[threading.Lock] = []
         self._closed = False
         self.delivered = 0
         self.skipped = 0
@@ -206,17 +209,27 @@ class Consumer(PartitionReader):
             return queue.popleft()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            self._ready.clear()
-            if queue:
-                return queue.popleft()
-            if self._closed:
-                raise ClosedError("consumer is closed")
-            if self.data_paused:
-                self._wake()
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return None
-            self._ready.wait(remaining)
+            sleeper = threading.Lock()
+            sleeper.acquire()
+            # Listed before the queue is checked: records queued after the check
+            # find it in the list and release it.
+            self._sleepers.append(sleeper)
+            try:
+                if queue:
+                    return queue.popleft()
+                if self._closed:
+                    raise ClosedError("consumer is closed")
+                if self.data_paused:
+                    self._wake()
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                sleeper.acquire(True, -1 if remaining is None else remaining)
+            finally:
+                try:
+                    self._sleepers.remove(sleeper)
+                except ValueError:
+                    pass  # taken out by whoever released it
 
     def poll_batch(self, max_records: int = 10_000, timeout: float | None = None) -> list[ConsumerRecord]:
         """Up to ``max_records`` records; waits up to ``timeout`` for the first."""
@@ -252,7 +265,7 @@ class Consumer(PartitionReader):
             self.call_soon(lambda: self._leave(left))
             left.wait(1.0)
         self._closed = True
-        self._ready.set()
+        self._release_sleepers()
         self.stop(timeout)
 
     def positions(self) -> dict[tuple[str, str], int]:
@@ -351,7 +364,7 @@ class Consumer(PartitionReader):
         subject, partition = tracker.subject, tracker.address
         for seq, content in records:
             append(_new_record(ConsumerRecord, (subject, partition, seq, content)))
-        # The poller is woken once per drain (_read_data / on_tick), not per call.
+        # Waiting pollers are woken after the drain or at the end of the loop turn, not per call.
         self.delivered += len(records)
 
     def _read_data(self) -> None:
@@ -359,17 +372,31 @@ class Consumer(PartitionReader):
         # known partitions are queued inside drain_records, the rest come back
         # through track / on_message in arrival order.
         queue = self._queue
-        before = self.delivered
         fast = fastio.drain_records(
             self.sub, DRAIN, self._by_prefix, queue, ConsumerRecord, 0, self.track, self.on_message
         )
         if self._missing:
             self.fetch_missing()
         self.delivered += fast
-        if self.delivered != before:
-            self._ready.set()
+        if self._sleepers and queue:
+            # Woken at once: the waking overlaps the rest of this loop turn.
+            self._release_sleepers()
         if len(queue) >= self.max_queued:
             self.pause_data(True)
+
+    def before_wait(self) -> None:
+        # Records queued elsewhere in the turn (FETCH answers, skips on a tick)
+        # wake waiting pollers here, once, before the I/O thread waits.
+        if self._sleepers and self._queue:
+            self._release_sleepers()
+
+    def _release_sleepers(self) -> None:
+        sleepers, self._sleepers = self._sleepers, []
+        for sleeper in sleepers:
+            try:
+                sleeper.release()
+            except RuntimeError:
+                pass  # released by the other side (close and the I/O thread at once)
 
     def on_other(self, msg: wire.Message) -> None:
         if isinstance(msg, wire.StoreHello) and msg.topic == self.address and not self.untrusted():
@@ -429,10 +456,7 @@ class Consumer(PartitionReader):
         if self.data_paused and len(self._queue) < self.max_queued // 2:
             self.pause_data(False)
             self._read_data()
-        before = self.delivered
         self.check_missing(now)
-        if self.delivered != before:
-            self._ready.set()
         if self._queries:
             self._finish_queries(now)
 

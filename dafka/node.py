@@ -286,6 +286,10 @@ class Node:
     def do_work(self) -> None:
         """A slice of background work (answering FETCHes), between polls."""
 
+    def before_wait(self) -> None:
+        """Called in the I/O thread at the end of every loop turn, right before it
+        waits in the poller (e.g. to wake application threads once per turn)."""
+
     def on_shutdown(self) -> None:
         """Called in the I/O thread after the loop, before sockets close."""
 
@@ -330,6 +334,7 @@ class Node:
                 wait = min(wait, due - now)
             if self.has_work():
                 wait = min(wait, 0.001)
+            self.before_wait()
             try:
                 events = poller.poll(max(0, int(wait * 1000)))
             except zmq.ZMQError as exc:
