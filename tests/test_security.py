@@ -437,3 +437,38 @@ def test_keys_command_and_up_stays_plain(tmp_path: Path) -> None:
     conf.write_text(f'[security]\nkey = "{tmp_path}/s1.key_secret"\nallow = "{tmp_path}"\n')
     up = subprocess.run(dafka_cmd("--config", str(conf), "up", "--data", str(tmp_path / "var")), env=env, capture_output=True, timeout=30)
     assert up.returncode == 2 and b"plain mesh" in up.stderr
+
+
+def test_status_shows_a_secure_mesh_only_with_an_allowed_key(
+    pki: Pki, secure_tower: Tower, procs: Procs, tmp_path: Path
+) -> None:
+    import json
+
+    store = procs.store(pki, secure_tower, tmp_path / "db")
+    with Producer("t", node_cfg(pki, secure_tower, "producer")) as producer:
+        producer.publish_many(b"r%d" % i for i in range(5))
+        assert producer.flush(20)
+        status = subprocess.run(
+            dafka_cmd("status", "--json", "--wait", "4", *pki.flags("consumer", secure_tower)),
+            env=subprocess_env(), capture_output=True, timeout=60,
+        )  # fmt: skip
+        assert status.returncode == 0, status.stderr
+        snap = json.loads(status.stdout)
+        kinds = {n["address"]: n["kind"] for n in snap["nodes"]}
+        assert kinds[producer.address] == "producer"
+        assert sorted(kinds.values()) == ["producer", "store"]
+        (part,) = snap["partitions"]
+        assert part["partition"] == producer.address and part["producer_head"] == 4
+        assert [s["head"] for s in part["stores"]] == [4]
+        assert store.poll() is None
+        # A key outside the allow-list (or no key: plain mode) sees nothing, and is told why.
+        for flags in (pki.flags("intruder", secure_tower), pki.flags("consumer", secure_tower)[:4]):
+            refused = subprocess.run(
+                dafka_cmd("status", "--json", "--wait", "2", *flags),
+                env=subprocess_env(), capture_output=True, timeout=60,
+            )  # fmt: skip
+            assert refused.returncode == 1, refused.stderr
+            assert json.loads(refused.stdout)["nodes"] == []
+            assert b"no tower answered" in refused.stderr
+            if "--key" in flags:
+                assert b"refused: our key is not in its allow-list" in refused.stderr, refused.stderr
