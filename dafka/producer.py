@@ -31,6 +31,10 @@ from dafka.unacked import UnackedWindow
 
 log = logging.getLogger("dafka.producer")
 
+# After a burst ends, a HEAD every QUICK_HEAD_INTERVAL for QUICK_HEAD_FOR seconds.
+QUICK_HEAD_INTERVAL = 0.1
+QUICK_HEAD_FOR = 2.0
+
 
 
 class Receipt:
@@ -168,6 +172,9 @@ class Producer(Node):
         self._callback_seq = 0
         self._last_saved = -2
         self._head_sent_at = 0.0
+        self._tick_next = 0  # window.next at the previous tick
+        self._burst_end = float("-inf")  # when window.next was last seen to stop moving
+        self._quick_at = 0.0  # when the next quick HEAD is due
         self._saved_at = 0.0
         self.fetches_served = 0
         # store address -> (writing, reason, when): what stores said (STORE-STATUS)
@@ -516,6 +523,18 @@ class Producer(Node):
             self.publisher.close()
 
     def on_tick(self, now: float) -> None:
+        nxt = self.window.next
+        if nxt != self._tick_next:
+            self._tick_next = nxt
+            self._burst_end = self._quick_at = now
+        elif now - self._burst_end < QUICK_HEAD_FOR and now >= self._quick_at:
+            # A burst ended: say where it ended often for a while, not only every
+            # head_interval.  What overflowed the high-water mark (e.g. while
+            # CURVE encrypts) was dropped, its tail too, and only a HEAD tells
+            # readers about that tail; HEADs are dropped as well until the queue
+            # has room, and the first that gets in arrives right behind the queue.
+            self._send_head(now)
+            self._quick_at = now + QUICK_HEAD_INTERVAL
         if self._callbacks:
             self._run_callbacks()
         if self._identity_path is not None and self.window.acked != self._last_saved:
