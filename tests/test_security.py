@@ -257,6 +257,21 @@ def test_rogue_acks_from_a_producer_key_are_never_honoured(
         assert producer.acked_offset == 9
 
 
+def test_forged_store_hellos_and_direct_heads_are_never_acted_on(pki: Pki, secure_tower: Tower, procs: Procs) -> None:
+    rogue = procs.start(
+        [sys.executable, str(ROOT / "tests" / "secure_rogue.py"), pki.secret("rogue"), str(pki.allow),
+         str(pki.keys / "tower.key"), str(secure_tower.in_port), str(secure_tower.out_port), "greet"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert rogue.stdout is not None and b"rogue up" in rogue.stdout.readline()
+    with Consumer("t", node_cfg(pki, secure_tower, "consumer"), offset_reset="earliest") as consumer:
+        # Believed, the DIRECT-HEAD would make the consumer FETCH offsets 0..1000 of a
+        # partition nobody has, and the STORE-HELLO would make it say hello back.
+        wait_until(lambda: consumer.forged >= 6, 15)
+        assert consumer.fetches_sent == 0
+        assert consumer.positions() == {}
+
+
 def test_removed_key_is_cut_off_within_seconds(
     pki: Pki, secure_tower: Tower, procs: Procs, tmp_path: Path
 ) -> None:
