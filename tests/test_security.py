@@ -487,3 +487,39 @@ def test_status_shows_a_secure_mesh_only_with_an_allowed_key(
             assert b"no tower answered" in refused.stderr
             if "--key" in flags:
                 assert b"refused: our key is not in its allow-list" in refused.stderr, refused.stderr
+
+
+
+def test_gateway_command_listens_beyond_loopback_only_for_listed_client_networks(
+    tmp_path: Path, cfg: NodeConfig, procs: Procs
+) -> None:
+    import re
+    import socket
+
+    from tests.conftest import tower_flag
+
+    def start(before: list[str], after: list[str]) -> int:
+        db = str(tmp_path / f"g{len(procs.procs)}")
+        proc = procs.start(
+            dafka_cmd(*before, "gateway", "--db", db, "--listen", "0.0.0.0:0", "--tower", tower_flag(cfg), *after),
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        found = re.search(rb"Tank on 0\.0\.0\.0:(\d+)", line)
+        assert found, line
+        return int(found.group(1))
+
+    def greeting(port: int) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            try:
+                return s.recv(100)
+            except ConnectionResetError:
+                return b""
+
+    # Checked on each accept: a loopback client is not in 10.0.0.0/8 ...
+    assert greeting(start([], ["--allow-clients", "10.0.0.0/8"])) == b""
+    # ... but in 127.0.0.0/8, here from the config file's [gateway] allow_clients.
+    conf = tmp_path / "gw.toml"
+    conf.write_text('[gateway]\nallow_clients = "10.0.0.0/8,127.0.0.0/8"\n')
+    assert greeting(start(["--config", str(conf)], [])) != b""  # the Tank ping
