@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -523,3 +525,53 @@ def test_gateway_command_listens_beyond_loopback_only_for_listed_client_networks
     conf = tmp_path / "gw.toml"
     conf.write_text('[gateway]\nallow_clients = "10.0.0.0/8,127.0.0.0/8"\n')
     assert greeting(start(["--config", str(conf)], [])) != b""  # the Tank ping
+
+
+def test_secure_producer_paces_a_burst_instead_of_dropping_it(pki: Pki, secure_tower: Tower) -> None:
+    # Small queues: a plain PUB would drop most of this burst (fetched later); a
+    # secure producer waits for room while CURVE encrypts, so nothing is fetched.
+    small = replace(node_cfg(pki, secure_tower, "consumer"), hwm=100)
+    n = 20_000
+    with Consumer("t", small, offset_reset="earliest") as consumer:
+        prod_cfg = replace(node_cfg(pki, secure_tower, "producer"), hwm=100)
+        with Producer("t", prod_cfg, acks=False, capacity=n + 100, head_interval=60.0) as producer:
+            wait_until(lambda: producer.publish(b"start") and consumer.poll(0.2), 10)
+            base, fetches = producer.next_offset, consumer.fetches_sent
+            producer.publish_many(b"%06d" % i for i in range(n))
+            got: list[bytes] = []
+            deadline = time.monotonic() + 30
+            while len(got) < n and time.monotonic() < deadline:
+                got.extend(r.content for r in consumer.poll_batch(n, 0.2) if r.offset >= base)
+            assert got == [b"%06d" % i for i in range(n)]
+            assert consumer.fetches_sent == fetches
+
+
+def test_a_stuck_subscriber_does_not_stall_a_secure_producer(pki: Pki, secure_tower: Tower) -> None:
+    # A subscriber that never reads: after waiting PACE_LIMIT the producer drops
+    # for it (as plain does), and the other consumer gets everything (fetching).
+    cert = security.read_certificate(pki.secret("removed"))  # an allowed consumer key
+    stuck = zmq.Context.instance().socket(zmq.SUB)
+    stuck.setsockopt(zmq.LINGER, 0)
+    stuck.setsockopt(zmq.RCVHWM, 10)
+    stuck.setsockopt(zmq.RCVBUF, 4096)
+    security.make_client(stuck, security.OwnKeys(cert.public, cert.secret or b"", cert.role))
+    stuck.setsockopt(zmq.SUBSCRIBE, b"")
+    n, payload = 3000, b"x" * 10_000  # 30 MB: more than the socket buffers hold
+    try:
+        with Consumer("t", node_cfg(pki, secure_tower, "consumer"), offset_reset="earliest") as consumer:
+            cfg = replace(node_cfg(pki, secure_tower, "producer"), hwm=10)
+            with Producer("t", cfg, acks=False, capacity=n + 100) as producer:
+                wait_until(lambda: producer.publish(b"start") and consumer.poll(0.2), 10)
+                base = producer.next_offset
+                security.connect(stuck, f"tcp://127.0.0.1:{producer.port}", security.read_certificate(pki.keys / "producer.key").public)
+                wait_until(lambda: stuck.poll(50), 10)  # connected and subscribed: it holds data now
+                started = time.monotonic()
+                producer.publish_many(repeat(payload, n))
+                assert time.monotonic() - started < 5.0  # PACE_LIMIT 0.5 s, then no waiting for 2 s
+                got = 0
+                deadline = time.monotonic() + 60
+                while got < n and time.monotonic() < deadline:
+                    got += sum(r.offset >= base for r in consumer.poll_batch(n, 0.2))
+                assert got == n
+    finally:
+        stuck.close(0)
