@@ -253,6 +253,14 @@ def test_rogue_acks_from_a_producer_key_are_never_honoured(
         assert b"acked" in rogue.stdout.readline()
         assert producer.acked_offset == -1
         assert not producer.flush(0.5)
+        # The scenario: `dafka produce` with the rogue and no store must not
+        # say "all acknowledged" nor exit 0.
+        cli = subprocess.run(
+            dafka_cmd("produce", "t", "--timeout", "3", "--wait-peers", "2", *pki.flags("producer", secure_tower)),
+            input=b"precious\n", env=subprocess_env(), capture_output=True, timeout=60,
+        )  # fmt: skip
+        assert cli.returncode == 1 and b"all acknowledged" not in cli.stderr, cli.stderr
+        assert b"not acknowledged" in cli.stderr
         # A real store acknowledges.
         procs.store(pki, secure_tower, tmp_path / "db")
         assert producer.flush(20)
