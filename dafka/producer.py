@@ -33,9 +33,6 @@ from dafka.unacked import UnackedWindow
 
 log = logging.getLogger("dafka.producer")
 
-# After a burst ends, a HEAD every QUICK_HEAD_INTERVAL for QUICK_HEAD_FOR seconds.
-QUICK_HEAD_INTERVAL = 0.1
-QUICK_HEAD_FOR = 2.0
 # Secure mode: a send waits up to PACE_LIMIT for room in a full subscriber
 # queue (see Producer._send_run), then drops for LOSSY_HOLD seconds as plain does.
 PACE_LIMIT = 0.5
@@ -156,6 +153,7 @@ class Producer(Node):
         super().__init__(config, address=saved["address"] if saved else None)
         self._paced = self.publisher_type == zmq.XPUB
         self._lossy_until = 0.0
+        self.pace_timeouts = 0  # secure: times a full subscriber made the producer stop waiting
         if self._paced:
             self.publisher.setsockopt(zmq.XPUB_VERBOSE, 0)
             self.publisher.setsockopt(zmq.XPUB_NODROP, 1)
@@ -188,9 +186,6 @@ class Producer(Node):
         self._callback_seq = 0
         self._last_saved = -2
         self._head_sent_at = 0.0
-        self._tick_next = 0  # window.next at the previous tick
-        self._burst_end = float("-inf")  # when window.next was last seen to stop moving
-        self._quick_at = 0.0  # when the next quick HEAD is due
         self._saved_at = 0.0
         self.fetches_served = 0
         # store address -> (writing, reason, when): what stores said (STORE-STATUS)
@@ -544,13 +539,16 @@ class Producer(Node):
             if not deadline:
                 deadline = now + PACE_LIMIT
             elif now >= deadline:
-                log.warning(
-                    "producer %s: a subscriber's queue stayed full for %.1fs; dropping for it for %.0fs"
-                    " (it fetches what it missed)",
-                    self.address[:8],
-                    PACE_LIMIT,
-                    LOSSY_HOLD,
-                )
+                self.pace_timeouts += 1
+                if self.pace_timeouts <= 20 or self.pace_timeouts % 1000 == 0:
+                    log.warning(
+                        "producer %s: a subscriber's queue stayed full for %.1fs; dropping for it for %.0fs"
+                        " (it fetches what it missed); %d times so far",
+                        self.address[:8],
+                        PACE_LIMIT,
+                        LOSSY_HOLD,
+                        self.pace_timeouts,
+                    )
                 self._paced = False
                 self._lossy_until = now + LOSSY_HOLD
                 self.publisher.setsockopt(zmq.XPUB_NODROP, 0)
@@ -603,18 +601,6 @@ class Producer(Node):
     def on_tick(self, now: float) -> None:
         if self.publisher_type == zmq.XPUB:
             self._tick_paced(now)
-        nxt = self.window.next
-        if nxt != self._tick_next:
-            self._tick_next = nxt
-            self._burst_end = self._quick_at = now
-        elif now - self._burst_end < QUICK_HEAD_FOR and now >= self._quick_at:
-            # A burst ended: say where it ended often for a while, not only every
-            # head_interval.  What overflowed the high-water mark (e.g. while
-            # CURVE encrypts) was dropped, its tail too, and only a HEAD tells
-            # readers about that tail; HEADs are dropped as well until the queue
-            # has room, and the first that gets in arrives right behind the queue.
-            self._send_head(now)
-            self._quick_at = now + QUICK_HEAD_INTERVAL
         if self._callbacks:
             self._run_callbacks()
         if self._identity_path is not None and self.window.acked != self._last_saved:

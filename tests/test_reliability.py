@@ -352,34 +352,3 @@ def test_resume_refuses_while_the_store_cannot_write_and_says_why(cfg: NodeConfi
             assert third.flush(30)
             got = [r.content for r in db.read("failing", third.address, 0, 100)]
     assert got == [b"old-%d" % i for i in range(resumed)] + [b"new"]
-
-
-
-def test_producer_says_where_a_burst_ended_without_waiting_for_head_interval(cfg: NodeConfig) -> None:
-    # A PUB drops what overflows its high-water mark, a burst's tail too, and
-    # only a HEAD tells readers that tail exists: it must come right after the
-    # burst, not head_interval (here 60 s) later.
-    import zmq
-
-    with Producer("t", cfg, acks=False, capacity=1000, head_interval=60.0) as producer:
-        sub = zmq.Context.instance().socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, wire.P_HEAD + b"t")
-        sub.connect(f"tcp://127.0.0.1:{producer.port}")
-        try:
-            heads: list[int] = []
-            started = time.monotonic()
-
-            def burst_then_head() -> bool:
-                producer.publish_many([b"x"] * 100)
-                while sub.poll(300):
-                    msg = wire.decode(sub.recv_multipart())
-                    assert isinstance(msg, wire.Head) and msg.address == producer.address
-                    heads.append(msg.sequence)
-                return bool(heads)
-
-            wait_until(burst_then_head, 10)  # the first bursts may precede the subscription
-            assert time.monotonic() - started < 10
-            assert heads[-1] == producer.next_offset - 1
-        finally:
-            sub.close(0)
