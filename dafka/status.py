@@ -345,6 +345,8 @@ class StatusProbe:
             if now - self._heads_at >= self.GET_HEADS_INTERVAL:
                 self._heads_at = now
                 self._ask_heads()
+                if self.guard is not None:
+                    self.guard.refresh()  # --watch: follow allow-list changes as the nodes do
             for address in self.view.expire(now):
                 sub = self.peer_subs.pop(address, None)
                 if sub is not None:
