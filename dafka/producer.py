@@ -564,9 +564,12 @@ class Producer(Node):
     def _send_locked(self, frames: list[bytes]) -> None:
         with self._lock:
             if not self._closed:
+                if self.publisher_type == zmq.PUB:
+                    self.publisher.send_multipart(frames)  # a PUB never waits
+                    return
                 try:
-                    # Never waits: in secure mode (NODROP) a full queue refuses it,
-                    # and HEADs / DIRECT-HEADs are sent again anyway.
+                    # Secure (NODROP): never wait for a full queue; HEADs and
+                    # DIRECT-HEADs are sent again anyway.
                     self.publisher.send_multipart(frames, zmq.NOBLOCK)
                 except zmq.Again:
                     pass
