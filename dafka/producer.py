@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 from pathlib import Path
 
+import zmq
+
 from dafka import fastio, wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import BufferFullError, ClosedError, ProtocolError, PublishError, ResumeError
@@ -30,6 +32,12 @@ from dafka.resume import POLICIES, PROBATION, STRICT, Resume
 from dafka.unacked import UnackedWindow
 
 log = logging.getLogger("dafka.producer")
+
+# Secure mode: a send waits up to PACE_LIMIT for room in a full subscriber
+# queue (see Producer._send_run), then drops for LOSSY_HOLD seconds as plain does.
+PACE_LIMIT = 0.5
+PACE_STEP = 0.002
+LOSSY_HOLD = 2.0
 
 
 
@@ -138,7 +146,17 @@ class Producer(Node):
         self.head_interval = head_interval
         self._identity_path = Path(identity) if identity else None
         saved = self._load_identity() if self._identity_path else None
+        # Secure mode: an XPUB that refuses (NODROP) rather than drops when a
+        # subscriber's queue is full, so a publisher can pace itself to what
+        # CURVE encrypts instead of losing a burst's tail (see _send_run).
+        self.publisher_type = zmq.XPUB if config.security is not None else zmq.PUB
         super().__init__(config, address=saved["address"] if saved else None)
+        self._paced = self.publisher_type == zmq.XPUB
+        self._lossy_until = 0.0
+        self.pace_timeouts = 0  # secure: times a full subscriber made the producer stop waiting
+        if self._paced:
+            self.publisher.setsockopt(zmq.XPUB_VERBOSE, 0)
+            self.publisher.setsockopt(zmq.XPUB_NODROP, 1)
         next_offset = 0
         self._resume_state: Resume | None = None
         self._resume_error: ResumeError | None = None
@@ -497,21 +515,83 @@ class Producer(Node):
                 self._send_run(prefix, first, contents, 0, len(contents))
         self.fetches_served += 1
 
-    def _send_run(
-        self, prefix: bytes, seq: int, contents: Sequence[bytes], start: int, stop: int
-    ) -> None:
-        """Send ``contents[start:stop]`` as records from ``seq`` (lock held): one batch call."""
-        fastio.send_records(self.publisher, prefix, seq, contents, start, stop)
+    def _send_run(self, prefix: bytes, seq: int, contents: Sequence[bytes], start: int, stop: int) -> None:
+        """Send ``contents[start:stop]`` as records from ``seq`` (lock held).
+
+        Plain PUB: what a full subscriber queue cannot take is dropped (and
+        fetched later).  Secure mode: CURVE encryption in ZeroMQ's I/O thread
+        is slower than the publisher, so a burst would overflow the queues;
+        instead wait for room (the lock released meanwhile, so ACKs and FETCHes
+        go on), up to PACE_LIMIT.  A subscriber that stays full that long is
+        stuck: then drop for it, as plain PUBs do, for LOSSY_HOLD seconds.
+        """
+        if not self._paced:
+            fastio.send_records(self.publisher, prefix, seq, contents, start, stop)
+            return
+        deadline = 0.0
+        while True:
+            sent = fastio.send_records(self.publisher, prefix, seq, contents, start, stop, True)
+            start += sent
+            seq += sent
+            if start >= stop:
+                return
+            now = time.monotonic()
+            if not deadline:
+                deadline = now + PACE_LIMIT
+            elif now >= deadline:
+                self.pace_timeouts += 1
+                if self.pace_timeouts <= 20 or self.pace_timeouts % 1000 == 0:
+                    log.warning(
+                        "producer %s: a subscriber's queue stayed full for %.1fs; dropping for it for %.0fs"
+                        " (it fetches what it missed); %d times so far",
+                        self.address[:8],
+                        PACE_LIMIT,
+                        LOSSY_HOLD,
+                        self.pace_timeouts,
+                    )
+                self._paced = False
+                self._lossy_until = now + LOSSY_HOLD
+                self.publisher.setsockopt(zmq.XPUB_NODROP, 0)
+                fastio.send_records(self.publisher, prefix, seq, contents, start, stop)
+                return
+            self._cond.wait(PACE_STEP)
+            if self._closed:
+                return
+            if not self._paced:  # another sender gave up waiting meanwhile
+                fastio.send_records(self.publisher, prefix, seq, contents, start, stop)
+                return
 
     def _send_locked(self, frames: list[bytes]) -> None:
         with self._lock:
             if not self._closed:
-                self.publisher.send_multipart(frames)
+                if self.publisher_type == zmq.PUB:
+                    self.publisher.send_multipart(frames)  # a PUB never waits
+                    return
+                try:
+                    # Secure (NODROP): never wait for a full queue; HEADs and
+                    # DIRECT-HEADs are sent again anyway.
+                    self.publisher.send_multipart(frames, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
 
     def _send_head(self, now: float) -> None:
         last = self.window.next - 1
         if last >= 0 and self._resume_state is None and self._resume_error is None:
             self._send_locked(wire.encode(wire.Head(self.topic, self.address, self.topic, last)))
+
+    def _tick_paced(self, now: float) -> None:
+        """Secure mode: read the XPUB's subscription messages; end a lossy hold."""
+        with self._lock:
+            if self._closed:
+                return
+            for _ in range(1000):
+                try:
+                    self.publisher.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+            if not self._paced and now >= self._lossy_until:
+                self.publisher.setsockopt(zmq.XPUB_NODROP, 1)
+                self._paced = True
 
     def publisher_lock(self) -> threading.Lock:
         return self._lock
@@ -522,6 +602,8 @@ class Producer(Node):
             self.publisher.close()
 
     def on_tick(self, now: float) -> None:
+        if self.publisher_type == zmq.XPUB:
+            self._tick_paced(now)
         if self._callbacks:
             self._run_callbacks()
         if self._identity_path is not None and self.window.acked != self._last_saved:

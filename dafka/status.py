@@ -9,6 +9,13 @@ names the partition, not the sender), and an XPUB it announces in beacons, so
 that stores connect and answer GET-HEADS and peers' subscriptions reveal their
 kind.  It only ever sends beacons and GET-HEADS.
 
+In secure mode (``config.security``) the probe is a CURVE node like any other:
+it needs an allow-listed key (any role; ``consumer`` is the natural one), sends
+its public key in beacons, connects only to allow-listed peers, and takes a
+peer's kind from its key's role in the allow-list.  Heads that only stores may
+tell (ACK, DIRECT-HEAD, another partition's HEAD) count only from store-role
+keys, as in the nodes.
+
 What the protocol shows of a peer's kind:
 
 * a HEAD or DIRECT-HEAD for its own address: a producer (the partition is it);
@@ -30,7 +37,7 @@ from typing import Any
 
 import zmq
 
-from dafka import wire
+from dafka import security, wire
 from dafka.config import NodeConfig
 from dafka.errors import ProtocolError
 from dafka.node import new_address
@@ -38,6 +45,8 @@ from dafka.node import new_address
 log = logging.getLogger("dafka.status")
 
 KIND_ORDER = ("store", "producer", "consumer")  # strongest evidence first
+# Secure mode: the kind a key's allow-list role shows (a gateway stores and produces).
+ROLE_KINDS = {"store": "store", "gateway": "store", "producer": "producer", "consumer": "consumer"}
 
 
 @dataclass
@@ -78,6 +87,7 @@ class MeshView:
         self.evidence: dict[str, set[str]] = {}  # address -> kinds it showed
         self.partitions: dict[tuple[str, str], PartitionInfo] = {}
         self.malformed = 0
+        self.forged = 0  # secure mode: store-only heads from keys without a store role
 
     # ---------------------------------------------------------------- input
 
@@ -104,6 +114,12 @@ class MeshView:
                 peer.alive = False
                 gone.append(peer.address)
         return gone
+
+    def on_role(self, address: str, role: str) -> None:
+        """Secure mode: the allow-list gives this peer's key ``role``."""
+        kind = ROLE_KINDS.get(role)
+        if kind is not None:
+            self._seen_as(address, kind)
 
     def _seen_as(self, address: str, kind: str) -> None:
         self.evidence.setdefault(address, set()).add(kind)
@@ -196,6 +212,7 @@ class MeshView:
             "nodes": nodes,
             "partitions": partitions,
             "malformed": self.malformed,
+            "forged": self.forged,
         }
 
 
@@ -235,27 +252,41 @@ class StatusProbe:
         self.config = config
         self.address = new_address()
         self.ctx = zmq.Context.instance()
+        sec = config.security
+        self.guard = security.guard_for(sec) if sec else None
+        self.keys = security.own_keys(sec) if sec else None
+        if self.guard is not None:
+            self.ctx = self.guard.ctx  # the context whose ZAP handler checks the allow-list
+            self.guard.refresh()
+        self.roles: dict[str, str] = {}  # secure: peer address -> its key's role
+        self.refused: list[str] = []  # secure: endpoints that refused our handshake
+        self._refusals: list[security.RefusalLog] = []
         self.view = MeshView(
             self.address, [t.beacon_out for t in config.towers], config.beacon_timeout
         )
         self.poller = zmq.Poller()
         self._readers: dict[zmq.Socket, Any] = {}
+        self._refused_by: dict[zmq.Socket, security.RefusalLog] = {}
         self.tower_subs: list[zmq.Socket] = []
-        for tower in config.towers:
+        for i, tower in enumerate(config.towers):
             sub = self._socket(zmq.SUB)
             sub.setsockopt(zmq.SUBSCRIBE, wire.WELCOME)
             sub.setsockopt(zmq.SUBSCRIBE, wire.BEACON)
-            sub.connect(tower.beacon_out)
+            self._connect(sub, tower.beacon_out, sec.tower_key(i) if sec else None, "tower beacons")
             self.tower_subs.append(sub)
             self._watch(sub, lambda s=sub, t=tower.beacon_out: self._read_tower(s, t))
         self.publisher = self._socket(zmq.XPUB)
         self.publisher.setsockopt(zmq.XPUB_VERBOSE, 1)
+        if self.keys is not None:
+            security.make_server(self.publisher, self.keys)
         port = self.publisher.bind_to_random_port(f"tcp://{config.bind}")
         self._watch(self.publisher, self._read_subscriptions)
         self.beacon_pub = self._socket(zmq.PUB)
-        for tower in config.towers:
-            self.beacon_pub.connect(tower.beacon_in)
+        for i, tower in enumerate(config.towers):
+            self._connect(self.beacon_pub, tower.beacon_in, sec.tower_key(i) if sec else None, "beacons out")
         self._beacon = wire.node_beacon(self.address, config.advertise, port)
+        if self.keys is not None:
+            self._beacon = security.secure_node_beacon(self._beacon, self.keys.public)
         self.peer_subs: dict[str, zmq.Socket] = {}
         self._beacon_at = 0.0
         self._heads_at = 0.0
@@ -265,11 +296,26 @@ class StatusProbe:
         sock.setsockopt(zmq.LINGER, 0)
         return sock
 
+    def _connect(self, sock: zmq.Socket, endpoint: str, server_key: bytes | None, what: str) -> None:
+        """Connect, as a CURVE client logging refused handshakes when secure."""
+        if self.keys is None or server_key is None:
+            sock.connect(endpoint)
+            return
+        if sock not in self._refused_by:
+            security.make_client(sock, self.keys)
+            refusals = security.RefusalLog(sock, f"status {what}", log, self.refused.append)
+            self._refused_by[sock] = refusals
+            self._watch(refusals.monitor, refusals.read)
+        security.connect(sock, endpoint, server_key)
+
     def _watch(self, sock: zmq.Socket, reader: Any) -> None:
         self._readers[sock] = reader
         self.poller.register(sock, zmq.POLLIN)
 
     def close(self) -> None:
+        for refusals in self._refused_by.values():
+            self._readers.pop(refusals.monitor, None)
+            refusals.close()  # stopped before its socket closes
         for sock in list(self._readers):
             sock.close(0)
         self.beacon_pub.close(0)
@@ -299,12 +345,12 @@ class StatusProbe:
             if now - self._heads_at >= self.GET_HEADS_INTERVAL:
                 self._heads_at = now
                 self._ask_heads()
+                if self.guard is not None:
+                    self.guard.refresh()  # --watch: follow allow-list changes as the nodes do
             for address in self.view.expire(now):
                 sub = self.peer_subs.pop(address, None)
                 if sub is not None:
-                    self.poller.unregister(sub)
-                    self._readers.pop(sub, None)
-                    sub.close(0)
+                    self._close_sub(sub)
             wait = min(deadline - now, 0.1)
             for sock, _ in self.poller.poll(max(1, int(wait * 1000))):
                 reader = self._readers.get(sock)
@@ -332,20 +378,37 @@ class StatusProbe:
             self.view.on_tower(tower, now)
             if frames == [wire.WELCOME]:
                 continue
+            key = None
             try:
+                if self.keys is not None:
+                    frames, key = security.split_key(frames, 3, "tower beacon")
                 address, endpoint = wire.decode_tower_beacon(frames)
             except ProtocolError:
                 self.view.malformed += 1
                 continue
+            if key is not None:
+                # Secure: only allow-listed keys are peers; their role is their kind.
+                role = self.guard.role(key) if self.guard is not None else None
+                if role is None:
+                    continue
+                self.roles[address] = role
+                self.view.on_role(address, role)
             if self.view.on_beacon(address, endpoint, now) is not None:
-                self._connect_peer(address, endpoint)
+                self._connect_peer(address, endpoint, key)
 
-    def _connect_peer(self, address: str, endpoint: str) -> None:
+    def _close_sub(self, sub: zmq.Socket) -> None:
+        refusals = self._refused_by.pop(sub, None)
+        for sock in (sub, refusals.monitor if refusals is not None else None):
+            if sock is not None and self._readers.pop(sock, None) is not None:
+                self.poller.unregister(sock)
+        if refusals is not None:
+            refusals.close()  # before its socket closes
+        sub.close(0)
+
+    def _connect_peer(self, address: str, endpoint: str, key: bytes | None = None) -> None:
         old = self.peer_subs.pop(address, None)
         if old is not None:
-            self.poller.unregister(old)
-            self._readers.pop(old, None)
-            old.close(0)
+            self._close_sub(old)
         sub = self._socket(zmq.SUB)
         own = self.address.encode()
         # Exactly "H" first: a Python store re-announces every head it holds
@@ -353,10 +416,10 @@ class StatusProbe:
         for prefix in (wire.P_HEAD, wire.P_ACK, wire.P_DIRECT_HEAD + own, wire.P_STORE_HELLO + own):
             sub.setsockopt(zmq.SUBSCRIBE, prefix)
         try:
-            sub.connect(endpoint)
+            self._connect(sub, endpoint, key, f"peer {address[:8]}")
         except zmq.ZMQError:
             self.view.malformed += 1
-            sub.close(0)
+            self._close_sub(sub)
             return
         self.peer_subs[address] = sub
         self._watch(sub, lambda: self._read_peer(sub, address))
@@ -374,7 +437,17 @@ class StatusProbe:
                 continue
             if isinstance(msg, wire.DirectHead | wire.StoreHello) and msg.topic != self.address:
                 continue
+            if self.keys is not None and not self._may_tell(sender, msg):
+                self.view.forged += 1
+                continue
             self.view.on_message(sender, msg)
+
+    def _may_tell(self, sender: str, msg: wire.Message) -> bool:
+        """Secure: what only stores may say (another partition's head, ACK,
+        DIRECT-HEAD, STORE-HELLO) counts only from a store-role key."""
+        if isinstance(msg, wire.Head) and msg.address == sender:
+            return True  # a producer's own head
+        return self.roles.get(sender) in security.STORING_ROLES
 
     def _read_subscriptions(self) -> None:
         for _ in range(1000):
@@ -408,6 +481,9 @@ def run_status(
                 break
             snap = probe.run(interval)
     if snap["towers"] and not any(t["reached"] for t in snap["towers"]):
-        print("error: no tower answered (is one running? see --tower)", file=sys.stderr)
+        why = "is one running? see --tower"
+        if config.security is not None:
+            why += "; secure: is our key in its allow-list, and is it a secure tower? see --key/--tower-key"
+        print(f"error: no tower answered ({why})", file=sys.stderr)
         return 1
     return 0

@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -251,10 +253,33 @@ def test_rogue_acks_from_a_producer_key_are_never_honoured(
         assert b"acked" in rogue.stdout.readline()
         assert producer.acked_offset == -1
         assert not producer.flush(0.5)
+        # The scenario: `dafka produce` with the rogue and no store must not
+        # say "all acknowledged" nor exit 0.
+        cli = subprocess.run(
+            dafka_cmd("produce", "t", "--timeout", "3", "--wait-peers", "2", *pki.flags("producer", secure_tower)),
+            input=b"precious\n", env=subprocess_env(), capture_output=True, timeout=60,
+        )  # fmt: skip
+        assert cli.returncode == 1 and b"all acknowledged" not in cli.stderr, cli.stderr
+        assert b"not acknowledged" in cli.stderr
         # A real store acknowledges.
         procs.store(pki, secure_tower, tmp_path / "db")
         assert producer.flush(20)
         assert producer.acked_offset == 9
+
+
+def test_forged_store_hellos_and_direct_heads_are_never_acted_on(pki: Pki, secure_tower: Tower, procs: Procs) -> None:
+    rogue = procs.start(
+        [sys.executable, str(ROOT / "tests" / "secure_rogue.py"), pki.secret("rogue"), str(pki.allow),
+         str(pki.keys / "tower.key"), str(secure_tower.in_port), str(secure_tower.out_port), "greet"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert rogue.stdout is not None and b"rogue up" in rogue.stdout.readline()
+    with Consumer("t", node_cfg(pki, secure_tower, "consumer"), offset_reset="earliest") as consumer:
+        # Believed, the DIRECT-HEAD would make the consumer FETCH offsets 0..1000 of a
+        # partition nobody has, and the STORE-HELLO would make it say hello back.
+        wait_until(lambda: consumer.forged >= 6, 15)
+        assert consumer.fetches_sent == 0
+        assert consumer.positions() == {}
 
 
 def test_removed_key_is_cut_off_within_seconds(
@@ -437,3 +462,124 @@ def test_keys_command_and_up_stays_plain(tmp_path: Path) -> None:
     conf.write_text(f'[security]\nkey = "{tmp_path}/s1.key_secret"\nallow = "{tmp_path}"\n')
     up = subprocess.run(dafka_cmd("--config", str(conf), "up", "--data", str(tmp_path / "var")), env=env, capture_output=True, timeout=30)
     assert up.returncode == 2 and b"plain mesh" in up.stderr
+
+
+def test_status_shows_a_secure_mesh_only_with_an_allowed_key(
+    pki: Pki, secure_tower: Tower, procs: Procs, tmp_path: Path
+) -> None:
+    import json
+
+    store = procs.store(pki, secure_tower, tmp_path / "db")
+    with Producer("t", node_cfg(pki, secure_tower, "producer")) as producer:
+        producer.publish_many(b"r%d" % i for i in range(5))
+        assert producer.flush(20)
+        status = subprocess.run(
+            dafka_cmd("status", "--json", "--wait", "4", *pki.flags("consumer", secure_tower)),
+            env=subprocess_env(), capture_output=True, timeout=60,
+        )  # fmt: skip
+        assert status.returncode == 0, status.stderr
+        snap = json.loads(status.stdout)
+        kinds = {n["address"]: n["kind"] for n in snap["nodes"]}
+        assert kinds[producer.address] == "producer"
+        assert sorted(kinds.values()) == ["producer", "store"]
+        (part,) = snap["partitions"]
+        assert part["partition"] == producer.address and part["producer_head"] == 4
+        assert [s["head"] for s in part["stores"]] == [4]
+        assert store.poll() is None
+        # A key outside the allow-list (or no key: plain mode) sees nothing, and is told why.
+        for flags in (pki.flags("intruder", secure_tower), pki.flags("consumer", secure_tower)[:4]):
+            refused = subprocess.run(
+                dafka_cmd("status", "--json", "--wait", "2", *flags),
+                env=subprocess_env(), capture_output=True, timeout=60,
+            )  # fmt: skip
+            assert refused.returncode == 1, refused.stderr
+            assert json.loads(refused.stdout)["nodes"] == []
+            assert b"no tower answered" in refused.stderr
+            if "--key" in flags:
+                assert b"refused: our key is not in its allow-list" in refused.stderr, refused.stderr
+
+
+
+def test_gateway_command_listens_beyond_loopback_only_for_listed_client_networks(
+    tmp_path: Path, cfg: NodeConfig, procs: Procs
+) -> None:
+    import re
+    import socket
+
+    from tests.conftest import tower_flag
+
+    def start(before: list[str], after: list[str]) -> int:
+        db = str(tmp_path / f"g{len(procs.procs)}")
+        proc = procs.start(
+            dafka_cmd(*before, "gateway", "--db", db, "--listen", "0.0.0.0:0", "--tower", tower_flag(cfg), *after),
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        found = re.search(rb"Tank on 0\.0\.0\.0:(\d+)", line)
+        assert found, line
+        return int(found.group(1))
+
+    def greeting(port: int) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            try:
+                return s.recv(100)
+            except ConnectionResetError:
+                return b""
+
+    # Checked on each accept: a loopback client is not in 10.0.0.0/8 ...
+    assert greeting(start([], ["--allow-clients", "10.0.0.0/8"])) == b""
+    # ... but in 127.0.0.0/8, here from the config file's [gateway] allow_clients.
+    conf = tmp_path / "gw.toml"
+    conf.write_text('[gateway]\nallow_clients = "10.0.0.0/8,127.0.0.0/8"\n')
+    assert greeting(start(["--config", str(conf)], [])) != b""  # the Tank ping
+
+
+def test_secure_producer_paces_a_burst_instead_of_dropping_it(pki: Pki, secure_tower: Tower) -> None:
+    # Small queues: a plain PUB would drop most of this burst (fetched later); a
+    # secure producer waits for room while CURVE encrypts, so nothing is fetched.
+    small = replace(node_cfg(pki, secure_tower, "consumer"), hwm=100)
+    n = 20_000
+    with Consumer("t", small, offset_reset="earliest") as consumer:
+        prod_cfg = replace(node_cfg(pki, secure_tower, "producer"), hwm=100)
+        with Producer("t", prod_cfg, acks=False, capacity=n + 100, head_interval=60.0) as producer:
+            wait_until(lambda: producer.publish(b"start") and consumer.poll(0.2), 10)
+            base, fetches = producer.next_offset, consumer.fetches_sent
+            producer.publish_many(b"%06d" % i for i in range(n))
+            got: list[bytes] = []
+            deadline = time.monotonic() + 30
+            while len(got) < n and time.monotonic() < deadline:
+                got.extend(r.content for r in consumer.poll_batch(n, 0.2) if r.offset >= base)
+            assert got == [b"%06d" % i for i in range(n)]
+            assert consumer.fetches_sent == fetches
+
+
+def test_a_stuck_subscriber_does_not_stall_a_secure_producer(pki: Pki, secure_tower: Tower) -> None:
+    # A subscriber that never reads: after waiting PACE_LIMIT the producer drops
+    # for it (as plain does), and the other consumer gets everything (fetching).
+    cert = security.read_certificate(pki.secret("removed"))  # an allowed consumer key
+    stuck = zmq.Context.instance().socket(zmq.SUB)
+    stuck.setsockopt(zmq.LINGER, 0)
+    stuck.setsockopt(zmq.RCVHWM, 10)
+    stuck.setsockopt(zmq.RCVBUF, 4096)
+    security.make_client(stuck, security.OwnKeys(cert.public, cert.secret or b"", cert.role))
+    stuck.setsockopt(zmq.SUBSCRIBE, b"")
+    n, payload = 3000, b"x" * 10_000  # 30 MB: more than the socket buffers hold
+    try:
+        with Consumer("t", node_cfg(pki, secure_tower, "consumer"), offset_reset="earliest") as consumer:
+            cfg = replace(node_cfg(pki, secure_tower, "producer"), hwm=10)
+            with Producer("t", cfg, acks=False, capacity=n + 100) as producer:
+                wait_until(lambda: producer.publish(b"start") and consumer.poll(0.2), 10)
+                base = producer.next_offset
+                security.connect(stuck, f"tcp://127.0.0.1:{producer.port}", security.read_certificate(pki.keys / "producer.key").public)
+                wait_until(lambda: stuck.poll(50), 10)  # connected and subscribed: it holds data now
+                started = time.monotonic()
+                producer.publish_many(repeat(payload, n))
+                assert time.monotonic() - started < 5.0  # PACE_LIMIT 0.5 s, then no waiting for 2 s
+                got = 0
+                deadline = time.monotonic() + 60
+                while got < n and time.monotonic() < deadline:
+                    got += sum(r.offset >= base for r in consumer.poll_batch(n, 0.2))
+                assert got == n
+    finally:
+        stuck.close(0)
