@@ -32,6 +32,7 @@ import logging
 import threading
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,7 +111,9 @@ class Store(PartitionReader):
         self._segs: list[tuple[str, str, int, int, int, int]] = []
         # Held by the writer while it puts ready pairs, by the I/O thread while it
         # drains: see RecordDB.append_pairs (py-lmdb gives up the GIL at every put).
-        self._put_gate = threading.Lock()
+        # Only the compiled drain holds the GIL for long; a pure drain gives it up
+        # at every recv, so it and the writer's puts may overlap freely.
+        self._put_gate: Any = threading.Lock() if fastio.COMPILED else nullcontext()
         self._ts = 0  # receive time (ms) of the records being read
         self._jobs: deque[FetchJob] = deque()
         self._job_of: dict[tuple[str, str, str], FetchJob] = {}  # (requester, subject, partition)
