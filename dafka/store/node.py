@@ -34,6 +34,7 @@ import time
 from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import zmq
@@ -427,10 +428,13 @@ class Store(PartitionReader):
         elif isinstance(msg, wire.ConsumerHello):
             if msg.topic == self.address:
                 self._heads_wanted.append((msg.address, tuple(msg.subjects), time.monotonic()))
+        # Group positions touch the database: not from inside a drain, which holds
+        # the put gate the writer (holding the write lock) may be waiting for.
+        # Both go through the command queue, so they keep their order.
         elif isinstance(msg, wire.Commit):
-            self._on_group_commit(msg)
+            self.call_soon(partial(self._on_group_commit, msg))
         elif isinstance(msg, wire.GetPositions):
-            self._send_positions(msg)
+            self.call_soon(partial(self._send_positions, msg))
 
     def _answer_heads(self, now: float) -> None:
         """Answer the waiting GET-HEADS once the input queued before them is read.
