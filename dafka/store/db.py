@@ -139,7 +139,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_MAP_SIZE = 64 << 20  # initial map; grows by doubling
-PUT_CHUNK = 8192  # ready pairs put per turn of the gate (see append_pairs)
 MAX_DBS = 8
 MAX_READERS = 512  # concurrent read transactions over all processes
 READ_CHUNK = 1024  # records per read transaction in read()
@@ -800,12 +799,11 @@ class RecordDB:
         partition's ``pid``, else ValueError rejects everything.  ``pairs``
         may be reordered (sorted by key).
 
-        ``gate`` (a lock) is held while the pairs are put, one chunk of
-        ``PUT_CHUNK`` at a time: py-lmdb releases the GIL around every single
-        put, so a thread of the caller that runs without releasing the GIL
-        for long (a compiled receive loop) would make each put wait for it;
-        such a thread takes the gate around its work and so waits, GIL
-        released, while a chunk is put (see :mod:`dafka.store.gate`).
+        ``gate`` (a lock) is held while the pairs are put: py-lmdb releases
+        the GIL around every single put, so a thread of the caller that runs
+        without releasing the GIL for long (a compiled receive loop) would
+        make each put wait for it; such a thread takes the gate around its
+        work and so waits, GIL released, while the puts run.
         """
         if not pairs:
             return self.append(batch) if batch else {}
@@ -953,15 +951,11 @@ class RecordDB:
             # MDB_APPEND for what sorts past the last stored key, plain puts before it.
             split = bisect.bisect_right(pairs, tail, key=itemgetter(0)) if pairs[0][0] <= tail else 0
             added = 0
-            # The gate is taken per chunk, so a receive thread waiting for it
-            # gets a turn between chunks rather than after all the puts.
-            for lo in range(0, len(pairs), PUT_CHUNK):
-                hi = min(lo + PUT_CHUNK, len(pairs))
-                with gate if gate is not None else nullcontext():
-                    if lo < split:
-                        added += cur.putmulti(pairs[lo : min(hi, split)], overwrite=False)[1]
-                    if hi > split:
-                        added += cur.putmulti(pairs[max(lo, split) : hi], append=True)[1]
+            with gate if gate is not None else nullcontext():
+                if split:
+                    added += cur.putmulti(pairs[:split], overwrite=False)[1]
+                if split < len(pairs):
+                    added += cur.putmulti(pairs if not split else pairs[split:], append=True)[1]
             if added != len(pairs):
                 raise StorageError(
                     f"{self.path}: {len(pairs) - added} records already present past a head "

@@ -47,7 +47,6 @@ from dafka.metrics import SECONDS_BUCKETS, SIZE_BUCKETS, Histogram
 from dafka.node import DRAIN
 from dafka.reader import NOBLOCK, PartitionReader
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
-from dafka.store.gate import TurnGate
 from dafka.store.layout import RECORD_KEY, VALUE_HEADER
 
 log = logging.getLogger("dafka.store")
@@ -111,12 +110,11 @@ class Store(PartitionReader):
         # (topic, partition, pid, first, last, bytes); committed after _batch.
         self._pairs: list[tuple[bytes, bytes]] = []
         self._segs: list[tuple[str, str, int, int, int, int]] = []
-        # Held by the writer while it puts a chunk of ready pairs, by the I/O thread
-        # while it drains, in turns: see dafka.store.gate (py-lmdb gives up the GIL
-        # at every put).  Only the compiled drain holds the GIL for long; a pure
-        # drain gives it up at every recv, so it and the puts may overlap freely.
-        self._put_gate: Any = TurnGate() if fastio.COMPILED else nullcontext()
-        self._drain_gate: Any = self._put_gate.drain if fastio.COMPILED else nullcontext
+        # Held by the writer while it puts ready pairs, by the I/O thread while it
+        # drains: see RecordDB.append_pairs (py-lmdb gives up the GIL at every put).
+        # Only the compiled drain holds the GIL for long; a pure drain gives it up
+        # at every recv, so it and the writer's puts may overlap freely.
+        self._put_gate: Any = threading.Lock() if fastio.COMPILED else nullcontext()
         self._ts = 0  # receive time (ms) of the records being read
         self._jobs: deque[FetchJob] = deque()
         self._job_of: dict[tuple[str, str, str], FetchJob] = {}  # (requester, subject, partition)
@@ -404,7 +402,7 @@ class Store(PartitionReader):
         # on_message in arrival order.
         ts = self._ts = int(time.time() * 1000)
         if self.ready_pairs:
-            with self._drain_gate():
+            with self._put_gate:
                 fastio.drain_pairs(
                     self.sub, DRAIN, self._by_prefix, self._pairs, self._segs, ts, self.track, self.on_message
                 )
