@@ -333,7 +333,7 @@ class Node:
                     due = now + interval
                 wait = min(wait, due - now)
             if self.has_work():
-                wait = min(wait, 0.001)
+                wait = 0.0  # more work waits: only look for input, never sleep
             self.before_wait()
             try:
                 events = poller.poll(max(0, int(wait * 1000)))

@@ -75,37 +75,79 @@ def drain_records(
     lookup = by_prefix.get
     append = out.append
     queued = 0
-    for _ in range(limit):
-        try:
-            frame = recv(NOBLOCK, False)
-        except zmq.Again:
-            break
-        header = frame.bytes
-        if not frame.more:
-            on_message([header])
-            continue
-        second = recv(NOBLOCK, False)
-        content = second.bytes
-        if second.more:
-            on_message(_rest(recv, [header, content]))
-            continue
-        tracker = lookup(header[:-8])
-        if tracker is None:
-            on_message([header, content])
-            continue
-        seq = _seq_at(header, len(header) - 8)[0]
-        if seq == tracker.next and not tracker.held:
-            tracker.next = seq + 1
-            if seq > tracker.known:
-                tracker.known = seq
-            if record_type is None:
-                append((tracker.subject, tracker.address, seq, content, ts))
+    # The run being read (as the compiled cursor): consecutive records with
+    # one header prefix; the tracker's next is kept in ``nxt`` and written
+    # back before any callback, at a prefix change and at the end.
+    pfx: bytes | None = None
+    tracker: Any = None
+    fast = False
+    nxt = start = 0
+    subject = address = None
+    try:
+        for _ in range(limit):
+            try:
+                frame = recv(NOBLOCK, False)
+            except zmq.Again:
+                break
+            header = frame.bytes
+            if not frame.more:
+                if nxt != start:
+                    _advance(tracker, nxt)
+                    start = nxt
+                pfx = None
+                on_message([header])
+                continue
+            second = recv(NOBLOCK, False)
+            content = second.bytes
+            if second.more:
+                if nxt != start:
+                    _advance(tracker, nxt)
+                    start = nxt
+                pfx = None
+                on_message(_rest(recv, [header, content]))
+                continue
+            key = header[:-8]
+            if key != pfx:
+                if nxt != start:
+                    _advance(tracker, nxt)
+                    start = nxt
+                pfx = None
+                tracker = lookup(key) if len(header) >= 9 else None
+                if tracker is None:
+                    on_message([header, content])
+                    continue
+                pfx = key
+                nxt = tracker.next
+                fast = nxt is not None and not tracker.held and 0 <= nxt < 0xFFFFFFFFFFFFFFFF
+                if not fast:
+                    nxt = 0
+                start = nxt
+                subject, address = tracker.subject, tracker.address
+            seq = _seq_at(header, len(key))[0]
+            if fast and seq == nxt:
+                nxt += 1
+                if record_type is None:
+                    append((subject, address, seq, content, ts))
+                else:
+                    append(_new_tuple(record_type, (subject, address, seq, content)))
+                queued += 1
             else:
-                append(_new_tuple(record_type, (tracker.subject, tracker.address, seq, content)))
-            queued += 1
-        else:
-            on_record(tracker, seq, content)
+                if nxt != start:
+                    _advance(tracker, nxt)
+                    start = nxt
+                pfx = None
+                on_record(tracker, seq, content)
+    finally:
+        if nxt != start:
+            _advance(tracker, nxt)
     return queued
+
+
+def _advance(tracker: Any, nxt: int) -> None:
+    """Write a run's progress back: ``next`` and (if beyond it) ``known``."""
+    tracker.next = nxt
+    if nxt - 1 > tracker.known:
+        tracker.known = nxt - 1
 
 
 def send_records(
@@ -156,7 +198,7 @@ def send_values(
     return sent
 
 
-_pair_key = struct.Struct(">IQ").pack  # LMDB record key: pid:u32 offset:u64
+_u32 = struct.Struct(">I").pack  # LMDB record key: pid:u32 offset:u64
 _value_header = struct.Struct(">QB").pack  # LMDB record value header: ts_ms:u64 flags:u8
 
 
@@ -174,59 +216,83 @@ def drain_pairs(
 
     Only partitions whose tracker has a ``pid`` (stored partitions) take the
     fast path: the next record becomes ``(pid:u32 offset:u64, ts_ms:u64 0:u8
-    content)`` in ``out``, and each run of consecutive records of one
-    partition adds ``(subject, address, pid, first, last, content_bytes)`` to
-    ``segs`` when it ends.  Records of partitions without a pid, and records
-    out of order, go to ``on_record``; other messages to ``on_message``.
+    content)`` in ``out``, and each run of consecutive records with one
+    header prefix adds ``(subject, address, pid, first, last, content_bytes)``
+    to ``segs`` when it ends.  Records of partitions without a pid, and
+    records out of order, go to ``on_record``; other messages to
+    ``on_message``.
     """
     recv = sock.recv
     lookup = by_prefix.get
     append = out.append
     hdr = _value_header(ts, 0)
     queued = 0
-    seg: Any = None  # the tracker of the open run
-    first = nbytes = 0
+    pfx: bytes | None = None  # the open run's header prefix (see drain_records)
+    tracker: Any = None
+    fast = False
+    nxt = start = nbytes = 0
+    pid_bytes = b""
 
     def close() -> None:
-        nonlocal seg
-        if seg is not None:
-            segs.append((seg.subject, seg.address, seg.pid, first, seg.next - 1, nbytes))
-            seg = None
+        nonlocal start, nbytes
+        if nxt != start:
+            _advance(tracker, nxt)
+            segs.append((tracker.subject, tracker.address, tracker.pid, start, nxt - 1, nbytes))
+            start, nbytes = nxt, 0
 
-    for _ in range(limit):
-        try:
-            frame = recv(NOBLOCK, False)
-        except zmq.Again:
-            break
-        header = frame.bytes
-        if not frame.more:
-            close()
-            on_message([header])
-            continue
-        second = recv(NOBLOCK, False)
-        content = second.bytes
-        if second.more:
-            close()
-            on_message(_rest(recv, [header, content]))
-            continue
-        tracker = lookup(header[:-8])
-        if tracker is None:
-            close()
-            on_message([header, content])
-            continue
-        seq = _seq_at(header, len(header) - 8)[0]
-        if seq == tracker.next and not tracker.held and tracker.pid is not None and seq < 0xFFFFFFFFFFFFFFFF:
-            if seg is not tracker:
+    try:
+        for _ in range(limit):
+            try:
+                frame = recv(NOBLOCK, False)
+            except zmq.Again:
+                break
+            header = frame.bytes
+            if not frame.more:
                 close()
-                seg, first, nbytes = tracker, seq, 0
-            tracker.next = seq + 1
-            if seq > tracker.known:
-                tracker.known = seq
-            append((_pair_key(tracker.pid, seq), hdr + content))
-            nbytes += len(content)
-            queued += 1
-        else:
-            close()
-            on_record(tracker, seq, content)
-    close()
+                pfx = None
+                on_message([header])
+                continue
+            second = recv(NOBLOCK, False)
+            content = second.bytes
+            if second.more:
+                close()
+                pfx = None
+                on_message(_rest(recv, [header, content]))
+                continue
+            key = header[:-8]
+            if key != pfx:
+                close()
+                pfx = None
+                tracker = lookup(key) if len(header) >= 9 else None
+                if tracker is None:
+                    on_message([header, content])
+                    continue
+                pfx = key
+                nxt, pid = tracker.next, tracker.pid
+                fast = (
+                    nxt is not None
+                    and pid is not None
+                    and not tracker.held
+                    and 0 <= nxt < 0xFFFFFFFFFFFFFFFF
+                    and 0 <= pid <= 0xFFFFFFFF
+                )
+                if fast:
+                    pid_bytes = _u32(pid)
+                else:
+                    nxt = 0
+                start, nbytes = nxt, 0
+            tail = header[-8:]
+            seq = _seq_at(tail)[0]
+            if fast and seq == nxt:
+                nxt += 1
+                # The key is pid:u32 + the header's own big-endian sequence.
+                append((pid_bytes + tail, hdr + content))
+                nbytes += len(content)
+                queued += 1
+            else:
+                close()
+                pfx = None
+                on_record(tracker, seq, content)
+    finally:
+        close()
     return queued

@@ -32,7 +32,9 @@ import logging
 import threading
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import zmq
@@ -112,7 +114,9 @@ class Store(PartitionReader):
         self._segs: list[tuple[str, str, int, int, int, int]] = []
         # Held by the writer while it puts ready pairs, by the I/O thread while it
         # drains: see RecordDB.append_pairs (py-lmdb gives up the GIL at every put).
-        self._put_gate = threading.Lock()
+        # Only the compiled drain holds the GIL for long; a pure drain gives it up
+        # at every recv, so it and the writer's puts may overlap freely.
+        self._put_gate: Any = threading.Lock() if fastio.COMPILED else nullcontext()
         self._ts = 0  # receive time (ms) of the records being read
         self._jobs: deque[FetchJob] = deque()
         self._job_of: dict[tuple[str, str, str], FetchJob] = {}  # (requester, subject, partition)
@@ -424,10 +428,13 @@ class Store(PartitionReader):
         elif isinstance(msg, wire.ConsumerHello):
             if msg.topic == self.address:
                 self._heads_wanted.append((msg.address, tuple(msg.subjects), time.monotonic()))
+        # Group positions touch the database: not from inside a drain, which holds
+        # the put gate the writer (holding the write lock) may be waiting for.
+        # Both go through the command queue, so they keep their order.
         elif isinstance(msg, wire.Commit):
-            self._on_group_commit(msg)
+            self.call_soon(partial(self._on_group_commit, msg))
         elif isinstance(msg, wire.GetPositions):
-            self._send_positions(msg)
+            self.call_soon(partial(self._send_positions, msg))
 
     def _answer_heads(self, now: float) -> None:
         """Answer the waiting GET-HEADS once the input queued before them is read.
