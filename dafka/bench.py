@@ -260,32 +260,45 @@ def _zmq_receiver(port: int, n: int, ready: Any, result: Any) -> None:
     sub.close(0)
 
 
+def _publish_to_receiver(receiver: Callable[..., None], n: int, send_all: Callable[[Any], None]) -> float:
+    """One run of a bare PUB -> SUB bench: ``receiver(port, n, ready, result)`` runs in
+    a process of its own and reports its rate; ``send_all(pub)`` sends the records."""
+    import zmq
+
+    ctx = mp.get_context("spawn")
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    ready, result = ctx.Event(), ctx.Queue()
+    proc = ctx.Process(target=receiver, args=(port, n, ready, result))
+    proc.start()
+    try:
+        ready.wait(30)
+        time.sleep(0.5)  # the subscription has to reach the PUB; nothing to observe here
+        send_all(pub)
+        return float(result.get(timeout=300))
+    finally:
+        proc.join(30)
+        pub.close(0)
+
+
 def bench_zmq(args: argparse.Namespace) -> list[float]:
     """The ceiling: bare pyzmq PUB -> SUB of 2-frame messages, no protocol work."""
     import zmq
 
     from dafka import wire
 
-    ctx = mp.get_context("spawn")
     rates = []
     header = wire.record_prefix(wire.RECORD, "bench", "A" * 32, "bench")
     payload = b"x" * args.size
-    for run in range(args.runs):
-        pub = zmq.Context.instance().socket(zmq.PUB)
-        pub.setsockopt(zmq.SNDHWM, 0)
-        port = pub.bind_to_random_port("tcp://127.0.0.1")
-        ready, result = ctx.Event(), ctx.Queue()
-        proc = ctx.Process(target=_zmq_receiver, args=(port, args.records, ready, result))
-        proc.start()
-        ready.wait(30)
-        time.sleep(0.5)  # the subscription has to reach the PUB; nothing to observe here
+    def send_all(pub: zmq.Socket) -> None:
         send, pack, more = pub.send, wire.pack_u64, int(zmq.SNDMORE)
         for seq in range(args.records):
             send(header + pack(seq), more)
             send(payload)
-        rate = result.get(timeout=300)
-        proc.join(30)
-        pub.close(0)
+
+    for run in range(args.runs):
+        rate = _publish_to_receiver(_zmq_receiver, args.records, send_all)
         rates.append(rate)
         print(f"run {run}: {rate:,.0f} messages/s received", flush=True)
     return rates
@@ -338,24 +351,15 @@ def bench_ceiling(args: argparse.Namespace) -> list[float]:
     from dafka import fastio, wire
 
     print(f"I/O implementation: {fastio.IMPLEMENTATION} ({fastio.REASON})", flush=True)
-    ctx = mp.get_context("spawn")
     rates = []
     prefix = wire.record_prefix(wire.RECORD, "bench", "A" * 32, "bench")
     contents = [b"x" * args.size] * 1024  # the chunks publish_many sends
-    for run in range(args.runs):
-        pub = zmq.Context.instance().socket(zmq.PUB)
-        pub.setsockopt(zmq.SNDHWM, 0)
-        port = pub.bind_to_random_port("tcp://127.0.0.1")
-        ready, result = ctx.Event(), ctx.Queue()
-        proc = ctx.Process(target=_ceiling_receiver, args=(port, args.records, ready, result))
-        proc.start()
-        ready.wait(30)
-        time.sleep(0.5)  # the subscription has to reach the PUB; nothing to observe here
+    def send_all(pub: zmq.Socket) -> None:
         for seq in range(0, args.records, len(contents)):
             fastio.send_records(pub, prefix, seq, contents, 0, min(len(contents), args.records - seq))
-        rate = result.get(timeout=300)
-        proc.join(30)
-        pub.close(0)
+
+    for run in range(args.runs):
+        rate = _publish_to_receiver(_ceiling_receiver, args.records, send_all)
         if rate:
             rates.append(rate)
             print(f"run {run}: {rate:,.0f} records/s received", flush=True)
