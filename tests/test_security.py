@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -375,26 +376,27 @@ def test_secure_example_configs_load(tmp_path: Path) -> None:
             assert sec.tower_key(0) == security.read_certificate(base / "keys" / "tower.key").public
 
 
+def tank_greeting(port: int) -> bytes:
+    """What a Tank port says to a new client in its first 100 bytes (b"" if it hangs up)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        try:
+            return s.recv(100)
+        except ConnectionResetError:
+            return b""
+
+
 def test_gateway_accepts_only_listed_client_networks(tmp_path: Path, cfg: NodeConfig) -> None:
     import ipaddress
-    import socket
 
     from dafka.tank.gateway import Gateway
 
-    def greeting(port: int) -> bytes:
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-            try:
-                return s.recv(100)
-            except ConnectionResetError:
-                return b""
-
     only_ten = [ipaddress.ip_network("10.0.0.0/8")]
     with Gateway(str(tmp_path / "g"), cfg, listen=("127.0.0.1", 0), allow_clients=only_ten) as gateway:
-        assert greeting(gateway.tank_port) == b""  # closed on accept
+        assert tank_greeting(gateway.tank_port) == b""  # closed on accept
         assert gateway.clients_refused == 1
     loopback = [ipaddress.ip_network("127.0.0.0/8")]
     with Gateway(str(tmp_path / "g"), cfg, listen=("127.0.0.1", 0), allow_clients=loopback) as gateway:
-        assert greeting(gateway.tank_port) != b""  # the Tank ping
+        assert tank_greeting(gateway.tank_port) != b""  # the Tank ping
         assert gateway.clients_refused == 0
 
 
@@ -504,7 +506,6 @@ def test_gateway_command_listens_beyond_loopback_only_for_listed_client_networks
     tmp_path: Path, cfg: NodeConfig, procs: Procs
 ) -> None:
     import re
-    import socket
 
     from tests.conftest import tower_flag
 
@@ -520,19 +521,12 @@ def test_gateway_command_listens_beyond_loopback_only_for_listed_client_networks
         assert found, line
         return int(found.group(1))
 
-    def greeting(port: int) -> bytes:
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-            try:
-                return s.recv(100)
-            except ConnectionResetError:
-                return b""
-
     # Checked on each accept: a loopback client is not in 10.0.0.0/8 ...
-    assert greeting(start([], ["--allow-clients", "10.0.0.0/8"])) == b""
+    assert tank_greeting(start([], ["--allow-clients", "10.0.0.0/8"])) == b""
     # ... but in 127.0.0.0/8, here from the config file's [gateway] allow_clients.
     conf = tmp_path / "gw.toml"
     conf.write_text('[gateway]\nallow_clients = "10.0.0.0/8,127.0.0.0/8"\n')
-    assert greeting(start(["--config", str(conf)], [])) != b""  # the Tank ping
+    assert tank_greeting(start(["--config", str(conf)], [])) != b""  # the Tank ping
 
 
 def test_secure_producer_paces_a_burst_instead_of_dropping_it(pki: Pki, secure_tower: Tower) -> None:
