@@ -256,10 +256,12 @@ class Node:
 
     def _wake(self) -> None:
         with self._wake_lock:
+            if self._wake_tx.closed:
+                return
             try:
                 self._wake_tx.send(b"", zmq.NOBLOCK)
             except zmq.ZMQError:
-                pass  # closed, or already a wake-up pending
+                pass  # already a wake-up pending
 
     # ---------------------------------------------------------------- hooks
 
@@ -364,8 +366,13 @@ class Node:
     def _close_sockets(self) -> None:
         for refusals in self._refusals:
             refusals.close()  # stop the monitors while their sockets are open
-        for sock in (self.sub, self.beacon_pub, self.beacon_sub, self._wake_rx, self._wake_tx):
+        for sock in (self.sub, self.beacon_pub, self.beacon_sub, self._wake_rx):
             sock.close(0)
+        # Other threads wake the loop (stop, call_soon) at any time, also while
+        # it shuts down: a socket closed during another thread's send crashes
+        # libzmq (an assertion), so the wake socket closes under their lock.
+        with self._wake_lock:
+            self._wake_tx.close(0)
         for sock in (self.trusted_sub, self.suspect_sub):
             if sock is not None:
                 sock.close(0)

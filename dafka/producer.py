@@ -27,17 +27,21 @@ import zmq
 from dafka import fastio, wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import BufferFullError, ClosedError, ProtocolError, PublishError, ResumeError
+from dafka.fairlock import FairLock
 from dafka.node import Node
 from dafka.resume import POLICIES, PROBATION, STRICT, Resume
 from dafka.unacked import UnackedWindow
 
 log = logging.getLogger("dafka.producer")
 
-# Secure mode: a send waits up to PACE_LIMIT for room in a full subscriber
-# queue (see Producer._send_run), then drops for LOSSY_HOLD seconds as plain does.
-PACE_LIMIT = 0.5
+# A send waits up to PACE_LIMIT for room in a full subscriber queue (see
+# Producer._send_run), then drops for LOSSY_HOLD seconds as a PUB (and the C
+# reference) does; a subscriber that stays stuck doubles the hold, up to
+# MAX_LOSSY_HOLD, so it costs its producers less and less.
+PACE_LIMIT = 0.25
 PACE_STEP = 0.002
 LOSSY_HOLD = 2.0
+MAX_LOSSY_HOLD = 32.0
 
 
 
@@ -111,6 +115,14 @@ class Producer(Node):
         :mod:`dafka.resume`); this takes at least 2.5 beacon intervals.
     resume_timeout:
         Seconds the resume may take.
+    pace_limit:
+        Seconds a publish waits for room when a live subscriber's queue (the
+        high-water mark) is full, instead of dropping what it cannot take:
+        a burst larger than the queues then reaches fast readers whole, with
+        no FETCH.  A subscriber still full after that long is stuck (its
+        application stopped reading): the producer then drops for it, as the
+        C reference always does, for a hold that starts at 2 s and doubles
+        while it stays stuck (up to 32 s).  0: never wait.
     resume:
         What to do when no store answers within ``resume_timeout``:
         ``"strict"`` (default) makes ``publish`` raise :class:`ResumeError`;
@@ -134,6 +146,7 @@ class Producer(Node):
         head_interval: float = 1.0,
         resume_timeout: float = 5.0,
         resume: str = STRICT,
+        pace_limit: float = PACE_LIMIT,
     ) -> None:
         if not topic or len(topic.encode()) > wire.MAX_STRING or "\x00" in topic:
             raise ValueError("topic must be 1..255 bytes without NUL")
@@ -146,17 +159,20 @@ class Producer(Node):
         self.head_interval = head_interval
         self._identity_path = Path(identity) if identity else None
         saved = self._load_identity() if self._identity_path else None
-        # Secure mode: an XPUB that refuses (NODROP) rather than drops when a
-        # subscriber's queue is full, so a publisher can pace itself to what
-        # CURVE encrypts instead of losing a burst's tail (see _send_run).
-        self.publisher_type = zmq.XPUB if config.security is not None else zmq.PUB
+        # An XPUB that refuses (NODROP) rather than drops when a subscriber's
+        # queue is full, so a publisher can pace itself to its readers (and to
+        # what CURVE encrypts) instead of losing a burst's tail (see _send_run).
+        # On the wire it is a PUB: C reference subscribers see no difference.
+        self.publisher_type = zmq.XPUB
         super().__init__(config, address=saved["address"] if saved else None)
-        self._paced = self.publisher_type == zmq.XPUB
+        self.pace_limit = max(0.0, pace_limit)
+        self._paced = self.pace_limit > 0
         self._lossy_until = 0.0
-        self.pace_timeouts = 0  # secure: times a full subscriber made the producer stop waiting
-        if self._paced:
-            self.publisher.setsockopt(zmq.XPUB_VERBOSE, 0)
-            self.publisher.setsockopt(zmq.XPUB_NODROP, 1)
+        self._lossy_hold = LOSSY_HOLD  # doubles while a subscriber stays stuck
+        self._paced_since = 0.0  # when the last lossy hold ended
+        self.pace_timeouts = 0  # times a full subscriber made the producer stop waiting
+        self.publisher.setsockopt(zmq.XPUB_VERBOSE, 0)
+        self.publisher.setsockopt(zmq.XPUB_NODROP, 1 if self._paced else 0)
         next_offset = 0
         self._resume_state: Resume | None = None
         self._resume_error: ResumeError | None = None
@@ -177,8 +193,10 @@ class Producer(Node):
             # Silent until we know no other process beacons this address.
             self.beacon_held = True
         self.window = UnackedWindow(capacity, next_offset, ring=not acks)
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        # Publishing loops take this lock per chunk; FairLock lets the I/O
+        # thread (ACKs, FETCHes, timers) in between instead of starving it.
+        self._lock = FairLock()
+        self._cond = threading.Condition(self._lock)  # type: ignore[arg-type]
         self._closed = False
         self._failure: PublishError | None = None
         self._failed_from = 1 << 64  # offsets >= this failed with _failure
@@ -247,7 +265,10 @@ class Producer(Node):
         """
         if self._resume_error is not None:
             raise self._resume_error
-        with self._lock:
+        lock = self._lock
+        if lock.waiters:
+            lock.let_waiters_in()
+        with lock.raw:
             window = self.window
             if offset is not None and offset != window.next:
                 if offset > window.next:
@@ -282,7 +303,10 @@ class Producer(Node):
     def _publish_chunk(self, batch: list[bytes], timeout: float | None) -> int:
         if self._resume_error is not None:
             raise self._resume_error
-        with self._lock:
+        lock = self._lock
+        if lock.waiters:
+            lock.let_waiters_in()
+        with lock.raw:
             return self._push_locked(batch, timeout)
 
     def _push_locked(self, batch: list[bytes] | tuple[bytes, ...], timeout: float | None) -> int:
@@ -512,21 +536,29 @@ class Producer(Node):
             with self._lock:
                 if self._closed:
                     return
-                self._send_run(prefix, first, contents, 0, len(contents))
+                self._send_run(prefix, first, contents, 0, len(contents), answer=True)
         self.fetches_served += 1
 
-    def _send_run(self, prefix: bytes, seq: int, contents: Sequence[bytes], start: int, stop: int) -> None:
+    def _send_run(
+        self, prefix: bytes, seq: int, contents: Sequence[bytes], start: int, stop: int, answer: bool = False
+    ) -> None:
         """Send ``contents[start:stop]`` as records from ``seq`` (lock held).
 
-        Plain PUB: what a full subscriber queue cannot take is dropped (and
-        fetched later).  Secure mode: CURVE encryption in ZeroMQ's I/O thread
-        is slower than the publisher, so a burst would overflow the queues;
-        instead wait for room (the lock released meanwhile, so ACKs and FETCHes
-        go on), up to PACE_LIMIT.  A subscriber that stays full that long is
-        stuck: then drop for it, as plain PUBs do, for LOSSY_HOLD seconds.
+        A burst larger than the high-water marks would overflow a reader's
+        queue (and in secure mode CURVE encryption is slower than the
+        publisher): instead of dropping (to be fetched later) wait for room,
+        the lock released meanwhile so ACKs and FETCHes go on, up to
+        ``pace_limit``.  A subscriber that stays full that long is stuck: then
+        drop for everyone's queue that is full, as a PUB does, for a hold
+        (see :meth:`_tick_paced`).  FETCH ``answer``s wait for room even then.
         """
         if not self._paced:
-            fastio.send_records(self.publisher, prefix, seq, contents, start, stop)
+            if answer and self.pace_limit:
+                self._send_answer(prefix, seq, contents, start, stop)
+            else:
+                # Lossy: what a full queue cannot take is dropped.  (Never a
+                # wait: while an answer has NODROP on, the rest is dropped.)
+                fastio.send_records(self.publisher, prefix, seq, contents, start, stop, True)
             return
         deadline = 0.0
         while True:
@@ -537,38 +569,66 @@ class Producer(Node):
                 return
             now = time.monotonic()
             if not deadline:
-                deadline = now + PACE_LIMIT
+                deadline = now + self.pace_limit
             elif now >= deadline:
                 self.pace_timeouts += 1
+                # Stuck again soon after the last hold: hold longer this time.
+                if now - self._paced_since < 2 * self._lossy_hold:
+                    self._lossy_hold = min(self._lossy_hold * 2, MAX_LOSSY_HOLD)
+                else:
+                    self._lossy_hold = LOSSY_HOLD
                 if self.pace_timeouts <= 20 or self.pace_timeouts % 1000 == 0:
                     log.warning(
-                        "producer %s: a subscriber's queue stayed full for %.1fs; dropping for it for %.0fs"
+                        "producer %s: a subscriber's queue stayed full for %.2fs; dropping for it for %.0fs"
                         " (it fetches what it missed); %d times so far",
                         self.address[:8],
-                        PACE_LIMIT,
-                        LOSSY_HOLD,
+                        self.pace_limit,
+                        self._lossy_hold,
                         self.pace_timeouts,
                     )
                 self._paced = False
-                self._lossy_until = now + LOSSY_HOLD
+                self._lossy_until = now + self._lossy_hold
                 self.publisher.setsockopt(zmq.XPUB_NODROP, 0)
-                fastio.send_records(self.publisher, prefix, seq, contents, start, stop)
+                fastio.send_records(self.publisher, prefix, seq, contents, start, stop, True)
                 return
             self._cond.wait(PACE_STEP)
             if self._closed:
                 return
             if not self._paced:  # another sender gave up waiting meanwhile
-                fastio.send_records(self.publisher, prefix, seq, contents, start, stop)
+                self._send_run(prefix, seq, contents, start, stop, answer)
                 return
+
+    def _send_answer(self, prefix: bytes, seq: int, contents: Sequence[bytes], start: int, stop: int) -> None:
+        """A FETCH answer during a lossy hold (lock held): still wait for room.
+
+        A DIRECT-RECORD matches only the queue of the consumer that asked, so
+        NODROP, on for this answer alone, waits for that reader only, not for
+        the stuck one that caused the hold.  Dropping an answer would cost the
+        requester a retry interval.  Up to ``pace_limit``; then the rest is
+        dropped and the requester asks again.
+        """
+        publisher = self.publisher
+        deadline = time.monotonic() + self.pace_limit
+        publisher.setsockopt(zmq.XPUB_NODROP, 1)
+        try:
+            while True:
+                sent = fastio.send_records(publisher, prefix, seq, contents, start, stop, True)
+                start += sent
+                seq += sent
+                if start >= stop or time.monotonic() >= deadline:
+                    return
+                self._cond.wait(PACE_STEP)
+                if self._closed:
+                    return
+        finally:
+            if not self._paced and not self._closed:
+                publisher.setsockopt(zmq.XPUB_NODROP, 0)
 
     def _send_locked(self, frames: list[bytes]) -> None:
         with self._lock:
             if not self._closed:
-                if self.publisher_type == zmq.PUB:
-                    self.publisher.send_multipart(frames)  # a PUB never waits
-                    return
                 try:
-                    # Secure (NODROP): never wait for a full queue; HEADs and
+                    # Never wait for a full queue (NODROP): HEADs and
                     # DIRECT-HEADs are sent again anyway.
                     self.publisher.send_multipart(frames, zmq.NOBLOCK)
                 except zmq.Again:
@@ -580,7 +640,7 @@ class Producer(Node):
             self._send_locked(wire.encode(wire.Head(self.topic, self.address, self.topic, last)))
 
     def _tick_paced(self, now: float) -> None:
-        """Secure mode: read the XPUB's subscription messages; end a lossy hold."""
+        """Read the XPUB's subscription messages; end a lossy hold."""
         with self._lock:
             if self._closed:
                 return
@@ -589,11 +649,12 @@ class Producer(Node):
                     self.publisher.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-            if not self._paced and now >= self._lossy_until:
+            if not self._paced and self.pace_limit > 0 and now >= self._lossy_until:
                 self.publisher.setsockopt(zmq.XPUB_NODROP, 1)
                 self._paced = True
+                self._paced_since = now
 
-    def publisher_lock(self) -> threading.Lock:
+    def publisher_lock(self) -> FairLock:
         return self._lock
 
     def close_publisher(self) -> None:
@@ -602,8 +663,7 @@ class Producer(Node):
             self.publisher.close()
 
     def on_tick(self, now: float) -> None:
-        if self.publisher_type == zmq.XPUB:
-            self._tick_paced(now)
+        self._tick_paced(now)
         if self._callbacks:
             self._run_callbacks()
         if self._identity_path is not None and self.window.acked != self._last_saved:

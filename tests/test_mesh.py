@@ -31,6 +31,15 @@ def collect(consumer: Consumer, n: int, timeout: float = 15.0) -> list:
     return got
 
 
+def collect_from(consumer: Consumer, base: int, n: int, timeout: float = 30.0) -> list[bytes]:
+    """Contents of the first ``n`` records at offsets ``base`` and after."""
+    got: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        got += [r.content for r in consumer.poll_batch(n, 0.2) if r.offset >= base]
+    return got
+
+
 def as_consumer(peer, consumer: Consumer) -> None:
     """Wait until the peer and the consumer are connected both ways."""
     peer.wait_for(lambda p: len(p.peers) >= 1 and len(consumer.peers) >= 1)
@@ -403,3 +412,71 @@ def test_iteration_ends_when_another_thread_closes_the_consumer(cfg: NodeConfig)
                 first.set()
         thread.join(10)
         assert got and got[0] == b"one"
+
+
+def test_producer_paces_a_burst_larger_than_the_queues(cfg: NodeConfig) -> None:
+    # Queues of 100 messages each side: a paced producer waits for room and the
+    # consumer gets a 20,000-record burst whole, with no FETCH; a lossy one
+    # (pace_limit=0, as the C reference) drops most of it and FETCHes follow.
+    from dataclasses import replace
+
+    small = replace(cfg, hwm=100)
+    n = 20_000
+    for pace_limit in (0.25, 0.0):
+        with Consumer("pace", small, offset_reset="earliest") as consumer:
+            with Producer("pace", small, acks=False, capacity=n + 100, pace_limit=pace_limit) as producer:
+                wait_until(lambda: producer.publish(b"start") and consumer.poll(0.2), 10)
+                base, fetches = producer.next_offset, consumer.fetches_sent
+                producer.publish_many(b"%06d" % i for i in range(n))
+                if pace_limit:
+                    assert collect_from(consumer, base, n) == [b"%06d" % i for i in range(n)]
+                    assert consumer.fetches_sent == fetches
+                    assert producer.pace_timeouts == 0
+                else:
+                    wait_until(lambda f=fetches: consumer.poll_batch(n, 0.1) is not None and consumer.fetches_sent > f, 10)
+
+
+def test_a_stuck_subscriber_costs_a_paced_producer_less_and_less(cfg: NodeConfig) -> None:
+    # A subscriber that stops reading: after pace_limit the producer drops for
+    # it (the live consumer fetches what it missed).  One that then reads a
+    # little and stops again is stuck again soon after the hold: the next hold
+    # is twice as long.
+    from dataclasses import replace
+    from itertools import repeat
+
+    from dafka import producer as producer_module
+
+    stuck = zmq.Context.instance().socket(zmq.SUB)
+    stuck.setsockopt(zmq.LINGER, 0)
+    stuck.setsockopt(zmq.RCVHWM, 10)
+    stuck.setsockopt(zmq.RCVBUF, 4096)
+    stuck.setsockopt(zmq.SUBSCRIBE, wire.P_RECORD + b"stuck")  # as a consumer of the topic does
+    payload = b"x" * 10_000
+    try:
+        with Consumer("stuck", cfg, offset_reset="earliest") as consumer:
+            with Producer("stuck", replace(cfg, hwm=10), acks=False, capacity=100_000, pace_limit=0.1) as producer:
+                wait_until(lambda: producer.publish(b"start") and consumer.poll(0.2), 10)
+                stuck.connect(f"tcp://127.0.0.1:{producer.port}")
+                # Connected and subscribed: it holds data now.
+                wait_until(lambda: producer.publish(b"hello") and stuck.poll(50), 10)
+                base = producer.next_offset
+                started = time.monotonic()
+                producer.publish_many(repeat(payload, 3000))  # 30 MB: more than the socket buffers hold
+                assert time.monotonic() - started < 5.0
+                assert producer.pace_timeouts == 1
+                assert producer._lossy_hold == producer_module.LOSSY_HOLD
+                published = 3000
+                deadline = time.monotonic() + 3 * producer_module.LOSSY_HOLD
+                while producer.pace_timeouts < 2 and time.monotonic() < deadline:
+                    for _ in range(1000):  # reads what it holds, then stops again
+                        if not stuck.poll(0):
+                            break
+                        stuck.recv()
+                    producer.publish_many(repeat(payload, 100))
+                    published += 100
+                    time.sleep(0.02)  # a rate the live consumer keeps up with (not a wait for a condition)
+                assert producer.pace_timeouts == 2
+                assert producer._lossy_hold == 2 * producer_module.LOSSY_HOLD
+                assert len(collect_from(consumer, base, published)) == published
+    finally:
+        stuck.close(0)
