@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--seconds", type=float, default=3.0,
         help="latency: seconds of publishing per run; embedded: seconds per measurement",
     )
-    p.add_argument("--secure", action="store_true", help="live, store: CURVE mesh with temporary keys")
+    p.add_argument("--secure", action="store_true", help="live, store: CURVE mesh with temporary keys; zmq, ceiling: CURVE on the bare pair")
 
 
 def _mesh(secure: bool = False) -> tuple[Any, NodeConfig]:
@@ -241,13 +241,22 @@ def bench_replay(args: argparse.Namespace) -> list[float]:
     return rates
 
 
-def _zmq_receiver(port: int, n: int, ready: Any, result: Any) -> None:
+def _bare_sub(port: int, curve: tuple[bytes, bytes, bytes] | None) -> Any:
+    """The receiving SUB of a bare bench, a CURVE client when ``curve`` is
+    (server public, client public, client secret)."""
     import zmq
 
     sub = zmq.Context.instance().socket(zmq.SUB)
+    if curve is not None:
+        sub.curve_serverkey, sub.curve_publickey, sub.curve_secretkey = curve
     sub.setsockopt(zmq.RCVHWM, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(f"tcp://127.0.0.1:{port}")
+    return sub
+
+
+def _zmq_receiver(port: int, n: int, ready: Any, result: Any, curve: tuple[bytes, bytes, bytes] | None) -> None:
+    sub = _bare_sub(port, curve)
     ready.set()
     recv = sub.recv
     recv()
@@ -260,17 +269,25 @@ def _zmq_receiver(port: int, n: int, ready: Any, result: Any) -> None:
     sub.close(0)
 
 
-def _publish_to_receiver(receiver: Callable[..., None], n: int, send_all: Callable[[Any], None]) -> float:
-    """One run of a bare PUB -> SUB bench: ``receiver(port, n, ready, result)`` runs in
-    a process of its own and reports its rate; ``send_all(pub)`` sends the records."""
+def _publish_to_receiver(
+    receiver: Callable[..., None], n: int, send_all: Callable[[Any], None], secure: bool = False
+) -> float:
+    """One run of a bare PUB -> SUB bench: ``receiver(port, n, ready, result, curve)``
+    runs in a process of its own and reports its rate; ``send_all(pub)`` sends the
+    records.  ``secure``: CURVE on the pair (no ZAP), to see what encryption costs."""
     import zmq
 
     ctx = mp.get_context("spawn")
     pub = zmq.Context.instance().socket(zmq.PUB)
+    curve = None
+    if secure:
+        server_public, server_secret = zmq.curve_keypair()
+        pub.curve_secretkey, pub.curve_server = server_secret, True
+        curve = (server_public, *zmq.curve_keypair())
     pub.setsockopt(zmq.SNDHWM, 0)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     ready, result = ctx.Event(), ctx.Queue()
-    proc = ctx.Process(target=receiver, args=(port, n, ready, result))
+    proc = ctx.Process(target=receiver, args=(port, n, ready, result, curve))
     proc.start()
     try:
         ready.wait(30)
@@ -298,13 +315,13 @@ def bench_zmq(args: argparse.Namespace) -> list[float]:
             send(payload)
 
     for run in range(args.runs):
-        rate = _publish_to_receiver(_zmq_receiver, args.records, send_all)
+        rate = _publish_to_receiver(_zmq_receiver, args.records, send_all, args.secure)
         rates.append(rate)
         print(f"run {run}: {rate:,.0f} messages/s received", flush=True)
     return rates
 
 
-def _ceiling_receiver(port: int, n: int, ready: Any, result: Any) -> None:
+def _ceiling_receiver(port: int, n: int, ready: Any, result: Any, curve: tuple[bytes, bytes, bytes] | None) -> None:
     import zmq
 
     from dafka import fastio, wire
@@ -312,10 +329,7 @@ def _ceiling_receiver(port: int, n: int, ready: Any, result: Any) -> None:
     from dafka.gaps import PartitionTracker
     from dafka.node import DRAIN
 
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.RCVHWM, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(f"tcp://127.0.0.1:{port}")
+    sub = _bare_sub(port, curve)
     tracker = PartitionTracker("bench", "A" * 32, 0)
     by_prefix = {wire.record_prefix(wire.RECORD, "bench", "A" * 32, "bench"): tracker}
     out: list[Any] = []
@@ -359,7 +373,7 @@ def bench_ceiling(args: argparse.Namespace) -> list[float]:
             fastio.send_records(pub, prefix, seq, contents, 0, min(len(contents), args.records - seq))
 
     for run in range(args.runs):
-        rate = _publish_to_receiver(_ceiling_receiver, args.records, send_all)
+        rate = _publish_to_receiver(_ceiling_receiver, args.records, send_all, args.secure)
         if rate:
             rates.append(rate)
             print(f"run {run}: {rate:,.0f} records/s received", flush=True)
