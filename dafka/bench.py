@@ -31,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=3, help="runs (the median is reported)")
     p.add_argument("--size", type=int, default=PAYLOAD, help="payload bytes")
     p.add_argument("--no-sync", action="store_true", help="store: do not fsync commits")
+    p.add_argument("--no-store", action="store_true", help="latency: no store process, delivery only")
     p.add_argument("--transport", default="both", help="spark: path, gateway or both")
     p.add_argument("--rate", type=int, default=10_000, help="latency: records/s published")
     p.add_argument(
@@ -514,7 +515,7 @@ def _bucket_quantile(bounds: tuple[float, ...], counts: list[int], q: float) -> 
 
 
 def _paced_producer(
-    cfg: NodeConfig, topic: str, rate: int, seconds: float, size: int, go: Any, result: Any
+    cfg: NodeConfig, topic: str, rate: int, seconds: float, size: int, go: Any, result: Any, acks: bool = True
 ) -> None:
     """Publish ``rate`` records/s stamped with their send time; collect publish->ACK latencies."""
     import struct
@@ -522,7 +523,7 @@ def _paced_producer(
     from dafka.producer import Producer
 
     n = int(rate * seconds)
-    producer = Producer(topic, cfg, capacity=max(n, 1))
+    producer = Producer(topic, cfg, capacity=max(n, 1), acks=acks)
     stamp = struct.Struct(">q")
     pad = b"x" * max(0, size - stamp.size)
     sent = [0] * n
@@ -530,7 +531,7 @@ def _paced_producer(
     clock = time.perf_counter_ns  # CLOCK_MONOTONIC: comparable across processes
 
     def on_ack(receipt: Any) -> None:
-        if receipt.acked():
+        if acks and receipt.acked():
             acked.append((clock() - sent[receipt.offset]) / 1e9)
 
     go.wait(60)
@@ -604,7 +605,8 @@ def bench_latency(args: argparse.Namespace) -> dict[str, list[float]]:
 
     Producer, store (fsync on unless --no-sync) and consumer are separate
     processes (the consumer is this one).  The first half second of each run
-    is left out (connections settling).
+    is left out (connections settling).  ``--no-store``: no store, no ACKs,
+    delivery alone (what a store's commits on the same cores cost it).
     """
     import struct
     import tempfile
@@ -622,21 +624,23 @@ def bench_latency(args: argparse.Namespace) -> dict[str, list[float]]:
         with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
             ready, done, go, result = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
             stats = ctx.Queue()
+            with_store = not args.no_store
             store = ctx.Process(
                 target=_store_process, args=(cfg, db, not args.no_sync, ready, done, stats)
             )
-            store.start()
-            ready.wait(60)
+            if with_store:
+                store.start()
+                ready.wait(60)
             consumer = Consumer(topic, cfg)
             prod = ctx.Process(
                 target=_paced_producer,
-                args=(cfg, topic, args.rate, args.seconds, args.size, go, result),
+                args=(cfg, topic, args.rate, args.seconds, args.size, go, result, with_store),
             )
             prod.start()
             try:
                 # Both the consumer and the store must be connected to the producer.
                 deadline = time.monotonic() + 30
-                while len(consumer.peers) < 2 and time.monotonic() < deadline:
+                while len(consumer.peers) < 1 + with_store and time.monotonic() < deadline:
                     time.sleep(0.05)
                 time.sleep(1.5)  # the producer connects to its peers from their beacons
                 go.set()
@@ -656,11 +660,13 @@ def bench_latency(args: argparse.Namespace) -> dict[str, list[float]]:
                 prod.join(30)
                 consumer.close()
                 done.set()
-                try:
-                    store_stats = stats.get(timeout=60)
-                except Exception:
-                    store_stats = []
-                store.join(60)
+                store_stats = []
+                if with_store:
+                    try:
+                        store_stats = stats.get(timeout=60)
+                    except Exception:
+                        pass
+                    store.join(60)
                 tower.close()
         run_delivery, run_ack = got[warm:], acks[warm:]
         for name, unit, (bounds, counts, total, count) in zip(
@@ -673,17 +679,19 @@ def bench_latency(args: argparse.Namespace) -> dict[str, list[float]]:
                 p99 = _bucket_quantile(bounds, counts, 0.99) * unit
                 print(f"run {run}: {name}: mean {total / count * unit:.1f}, p99 <= {p99:g} ({count} commits)")
         print(f"run {run}: delivery {_percentiles(run_delivery)}", flush=True)
-        print(f"run {run}: ACK      {_percentiles(run_ack)}", flush=True)
+        if with_store:
+            print(f"run {run}: ACK      {_percentiles(run_ack)}", flush=True)
         if len(got) < n:
             print(f"run {run}: only {len(got)} of {n} records delivered", file=sys.stderr)
         delivery += run_delivery
         ack += run_ack
-    sync = "off" if args.no_sync else "on"
-    print(f"latency at {args.rate:,} records/s of {args.size} bytes, {args.runs} runs (fsync {sync}):")
+    sync = "no store" if args.no_store else "fsync off" if args.no_sync else "fsync on"
+    print(f"latency at {args.rate:,} records/s of {args.size} bytes, {args.runs} runs ({sync}):")
     print(f"  producer -> consumer delivery: {_percentiles(delivery)}")
-    print(f"  publish -> store ACK:          {_percentiles(ack)}")
+    if not args.no_store:
+        print(f"  publish -> store ACK:          {_percentiles(ack)}")
     print(f"  bare pyzmq PUB -> SUB (floor): {_percentiles(_zmq_latency(args.rate, args.seconds, args.size))}")
-    return {} if delivery and ack else {"latency": []}
+    return {} if delivery and (ack or args.no_store) else {"latency": []}
 
 
 def _tower_process(ports: Any, done: Any) -> None:
