@@ -890,9 +890,21 @@ def _group_producers(cfg: NodeConfig, topic: str, per: int, size: int, started: 
 
 
 def _group_member(cfg: NodeConfig, topic: str, index: int, events: Any, stop: Any) -> None:
-    """A group member: reports assignments, delivered counts and the first record of each new partition."""
+    """A group member: reports assignments, delivered counts and the first record of each new partition.
+
+    ``events`` is this member's own pipe: the member that is killed could
+    otherwise die holding a queue shared with the others (its write lock),
+    and their reports would never arrive.
+    """
     import logging
     import os
+    import threading
+
+    lock = threading.Lock()  # on_assign runs in the consumer's I/O thread
+
+    def report(*event: Any) -> None:
+        with lock:
+            events.send(event)
 
     from dafka.consumer import Consumer
 
@@ -909,7 +921,7 @@ def _group_member(cfg: NodeConfig, topic: str, index: int, events: Any, stop: An
         fresh.update(parts - known)
         known.clear()
         known.update(parts)
-        events.put(("assign", index, len(parts), time.time()))
+        report("assign", index, len(parts), time.time())
 
     consumer = Consumer(
         topic, cfg, group="bench", offset_reset="earliest", auto_commit_interval=0.2, on_assign=on_assign
@@ -924,27 +936,32 @@ def _group_member(cfg: NodeConfig, topic: str, index: int, events: Any, stop: An
                 key = (r.topic, r.partition)
                 if key in fresh:
                     fresh.discard(key)
-                    events.put(("resumed", index, r.partition, time.time()))
+                    report("resumed", index, r.partition, time.time())
         if time.monotonic() - reported >= 0.05:
-            events.put(("count", index, count, time.time()))
+            report("count", index, count, time.time())
             reported = time.monotonic()
     consumer.close()
 
 
-def _group_event(events: Any, wait: float, owned: list[int], counts: list[int], resumed: list[Any]) -> None:
-    """Take one member report (if one comes within ``wait``) into the tallies."""
-    import queue
+def _group_event(events: list[Any], wait: float, owned: list[int], counts: list[int], resumed: list[Any]) -> None:
+    """Take the member reports that come within ``wait`` (from ``events``, their pipes) into the tallies."""
+    from multiprocessing.connection import wait as ready
 
-    try:
-        event = events.get(timeout=wait)
-    except queue.Empty:
+    if not events:
+        time.sleep(wait)
         return
-    if event[0] == "assign":
-        owned[event[1]] = event[2]
-    elif event[0] == "count":
-        counts[event[1]] = event[2]
-    else:
-        resumed.append((event[1], event[3]))
+    for conn in ready(events, timeout=wait):
+        try:
+            event = conn.recv()
+        except (EOFError, OSError):
+            events.remove(conn)  # the member exited
+            continue
+        if event[0] == "assign":
+            owned[event[1]] = event[2]
+        elif event[0] == "count":
+            counts[event[1]] = event[2]
+        else:
+            resumed.append((event[1], event[3]))
 
 
 def bench_group(args: argparse.Namespace) -> dict[str, list[float]]:
@@ -962,12 +979,14 @@ def bench_group(args: argparse.Namespace) -> dict[str, list[float]]:
         topic = f"bench-group-{run}"
         with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
             ready, done, stop = ctx.Event(), ctx.Event(), ctx.Event()
-            events = ctx.Queue()
+            pipes = [ctx.Pipe(duplex=False) for _ in range(GROUP_MEMBERS)]
+            events = [reader for reader, _ in pipes]
             store = ctx.Process(target=_store_process, args=(cfg, db, not args.no_sync, ready, done))
             store.start()
             ready.wait(60)
             members = [
-                ctx.Process(target=_group_member, args=(cfg, topic, i, events, stop)) for i in range(GROUP_MEMBERS)
+                ctx.Process(target=_group_member, args=(cfg, topic, i, pipes[i][1], stop))
+                for i in range(GROUP_MEMBERS)
             ]
             for m in members:
                 m.start()
@@ -994,6 +1013,8 @@ def bench_group(args: argparse.Namespace) -> dict[str, list[float]]:
             lost = owned[victim]
             members[victim].kill()
             killed = time.time()
+            # Its pipe may hold half a report now: read the others only.
+            events = [reader for i, (reader, _) in enumerate(pipes) if i != victim]
             resumed.clear()
             deadline = time.monotonic() + 60
             while len([t for i, t in resumed if i != victim and t > killed]) < lost and time.monotonic() < deadline:
@@ -1007,6 +1028,8 @@ def bench_group(args: argparse.Namespace) -> dict[str, list[float]]:
                 p.join(30)
                 if p.is_alive():
                     p.kill()
+            for conn in (c for pair in pipes for c in pair):
+                conn.close()
         tower.close()
         if total >= per * GROUP_PARTITIONS:
             rate = total / elapsed
