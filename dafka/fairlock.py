@@ -44,9 +44,6 @@ class FairLock:
     def release(self) -> None:
         self.raw.release()
 
-    def locked(self) -> bool:
-        return self.raw.locked()
-
     def __enter__(self) -> bool:
         return self.acquire()
 

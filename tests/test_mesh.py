@@ -23,20 +23,12 @@ from tests.conftest import misframed_stream, wait_until
 pytestmark = pytest.mark.timeout(60)
 
 
-def collect(consumer: Consumer, n: int, timeout: float = 15.0) -> list:
+def collect(consumer: Consumer, n: int, timeout: float = 15.0, since: int = 0) -> list:
+    """The first ``n`` records polled (of offsets ``since`` and after), waiting up to ``timeout``."""
     got: list = []
     deadline = time.monotonic() + timeout
     while len(got) < n and time.monotonic() < deadline:
-        got += consumer.poll_batch(n - len(got), 0.2)
-    return got
-
-
-def collect_from(consumer: Consumer, base: int, n: int, timeout: float = 30.0) -> list[bytes]:
-    """Contents of the first ``n`` records at offsets ``base`` and after."""
-    got: list[bytes] = []
-    deadline = time.monotonic() + timeout
-    while len(got) < n and time.monotonic() < deadline:
-        got += [r.content for r in consumer.poll_batch(n, 0.2) if r.offset >= base]
+        got += [r for r in consumer.poll_batch(n - len(got), 0.2) if r.offset >= since]
     return got
 
 
@@ -429,11 +421,13 @@ def test_producer_paces_a_burst_larger_than_the_queues(cfg: NodeConfig) -> None:
                 base, fetches = producer.next_offset, consumer.fetches_sent
                 producer.publish_many(b"%06d" % i for i in range(n))
                 if pace_limit:
-                    assert collect_from(consumer, base, n) == [b"%06d" % i for i in range(n)]
+                    got = [r.content for r in collect(consumer, n, 30, since=base)]
+                    assert got == [b"%06d" % i for i in range(n)]
                     assert consumer.fetches_sent == fetches
                     assert producer.pace_timeouts == 0
                 else:
-                    wait_until(lambda f=fetches: consumer.poll_batch(n, 0.1) is not None and consumer.fetches_sent > f, 10)
+                    # Keep reading (the consumer pauses when its queue is full) until a FETCH goes out.
+                    wait_until(lambda f=fetches: (consumer.poll_batch(n, 0.1), consumer.fetches_sent > f)[1], 10)
 
 
 def test_a_stuck_subscriber_costs_a_paced_producer_less_and_less(cfg: NodeConfig) -> None:
@@ -477,6 +471,6 @@ def test_a_stuck_subscriber_costs_a_paced_producer_less_and_less(cfg: NodeConfig
                     time.sleep(0.02)  # a rate the live consumer keeps up with (not a wait for a condition)
                 assert producer.pace_timeouts == 2
                 assert producer._lossy_hold == 2 * producer_module.LOSSY_HOLD
-                assert len(collect_from(consumer, base, published)) == published
+                assert len(collect(consumer, published, 30, since=base)) == published
     finally:
         stuck.close(0)
