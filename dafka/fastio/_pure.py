@@ -20,6 +20,10 @@ _u64 = struct.Struct(">Q")
 _pack = _u64.pack
 _seq_at = _u64.unpack_from
 _new_tuple = tuple.__new__
+# pyzmq's Socket.send is a Python wrapper (routing_id / group handling for
+# draft sockets) around the compiled backend's send: calling the backend
+# directly saves a Python frame per frame sent (about 0.5 us a record).
+_backend_send = zmq.backend.Socket.send
 
 IMPLEMENTATION = "pure"
 
@@ -164,7 +168,7 @@ def send_records(
     ``noblock``: stop at the first record the socket cannot take now;
     otherwise wait for room.
     """
-    send = sock.send
+    send = _backend_send.__get__(sock)
     flags = NOBLOCK if noblock else 0
     more = SNDMORE | flags
     stop = len(contents) if stop is None else stop
@@ -184,7 +188,7 @@ def send_values(
     sock: zmq.Socket, prefix: bytes, seq: int, values: Sequence[bytes], noblock: bool = True
 ) -> int:
     """As :func:`send_records` for stored LMDB values (``ts:u64 flags:u8 [klen:u8 key] content``)."""
-    send = sock.send
+    send = _backend_send.__get__(sock)
     flags = NOBLOCK if noblock else 0
     more = SNDMORE | flags
     sent = 0
