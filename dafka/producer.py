@@ -34,11 +34,14 @@ from dafka.unacked import UnackedWindow
 
 log = logging.getLogger("dafka.producer")
 
-# A send waits up to PACE_LIMIT for room in a full subscriber queue (see
-# Producer._send_run), then drops for LOSSY_HOLD seconds as a PUB (and the C
-# reference) does; a subscriber that stays stuck doubles the hold, up to
-# MAX_LOSSY_HOLD, so it costs its producers less and less.
-PACE_LIMIT = 0.25
+# A send waits for room in a full subscriber queue (see Producer._send_run);
+# after PACE_LIMIT with no progress it drops for LOSSY_HOLD seconds as a PUB
+# (and the C reference) does; a subscriber that stays stuck doubles the hold,
+# up to MAX_LOSSY_HOLD, so it costs its producers less and less.  A moving
+# reader frees room only in steps: ZeroMQ reopens a full pipe once its reader
+# has taken half the queue (50,000 messages at the default hwm, 0.5 s for a
+# reader at 100k records/s), so the limit must be longer than such a step.
+PACE_LIMIT = 1.0
 PACE_STEP = 0.002
 LOSSY_HOLD = 2.0
 MAX_LOSSY_HOLD = 32.0
@@ -119,7 +122,7 @@ class Producer(Node):
         Seconds a publish waits for room when a live subscriber's queue (the
         high-water mark) is full, instead of dropping what it cannot take:
         a burst larger than the queues then reaches fast readers whole, with
-        no FETCH.  A subscriber still full after that long is stuck (its
+        no FETCH.  A subscriber that takes nothing for that long is stuck (its
         application stopped reading): the producer then drops for it, as the
         C reference always does, for a hold that starts at 2 s and doubles
         while it stays stuck (up to 32 s).  0: never wait.
@@ -170,6 +173,10 @@ class Producer(Node):
         self._lossy_until = 0.0
         self._lossy_hold = LOSSY_HOLD  # doubles while a subscriber stays stuck
         self._paced_since = 0.0  # when the last lossy hold ended
+        # Set while a live send waits for room with the lock released: other
+        # publishers wait for their turn before taking offsets, so records go
+        # out in offset order whatever the number of publishing threads.
+        self._live_waiting = False
         self.pace_timeouts = 0  # times a full subscriber made the producer stop waiting
         self.publisher.setsockopt(zmq.XPUB_VERBOSE, 0)
         self.publisher.setsockopt(zmq.XPUB_NODROP, 1 if self._paced else 0)
@@ -274,7 +281,7 @@ class Producer(Node):
                 if offset > window.next:
                     raise ValueError(f"offset {offset} is beyond next offset {window.next}")
                 receipt = Receipt(self, offset)  # already published: not sent again
-            elif not self._closed and (window.ring or len(window) < window.capacity):
+            elif not self._live_waiting and not self._closed and (window.ring or len(window) < window.capacity):
                 # The common case without _push_locked's loop: room for one record.
                 seq = window.push(content)
                 self._send_run(self._prefix, seq, (content,), 0, 1)
@@ -318,6 +325,10 @@ class Producer(Node):
         prefix = self._prefix
         n = len(batch)
         done = 0
+        while self._live_waiting:  # another thread's records wait for room: they go first
+            self._cond.wait(PACE_STEP)
+            if self._closed:
+                raise ClosedError("producer is closed")
         while done < n:
             # Offsets for as many records as the window has room for, then one
             # batch send (a compiled loop when the extension is active).
@@ -548,8 +559,8 @@ class Producer(Node):
         queue (and in secure mode CURVE encryption is slower than the
         publisher): instead of dropping (to be fetched later) wait for room,
         the lock released meanwhile so ACKs and FETCHes go on, up to
-        ``pace_limit``.  A subscriber that stays full that long is stuck: then
-        drop for everyone's queue that is full, as a PUB does, for a hold
+        ``pace_limit`` with no progress.  A subscriber that takes nothing that
+        long is stuck: then drop for everyone's queue that is full, as a PUB does, for a hold
         (see :meth:`_tick_paced`).  FETCH ``answer``s wait for room even then.
         """
         if not self._paced:
@@ -568,7 +579,7 @@ class Producer(Node):
             if start >= stop:
                 return
             now = time.monotonic()
-            if not deadline:
+            if not deadline or sent:  # stuck means no progress, not a slow reader
                 deadline = now + self.pace_limit
             elif now >= deadline:
                 self.pace_timeouts += 1
@@ -579,7 +590,7 @@ class Producer(Node):
                     self._lossy_hold = LOSSY_HOLD
                 if self.pace_timeouts <= 20 or self.pace_timeouts % 1000 == 0:
                     log.warning(
-                        "producer %s: a subscriber's queue stayed full for %.2fs; dropping for it for %.0fs"
+                        "producer %s: a subscriber took nothing for %.2fs; dropping for it for %.0fs"
                         " (it fetches what it missed); %d times so far",
                         self.address[:8],
                         self.pace_limit,
@@ -591,7 +602,14 @@ class Producer(Node):
                 self.publisher.setsockopt(zmq.XPUB_NODROP, 0)
                 fastio.send_records(self.publisher, prefix, seq, contents, start, stop, True)
                 return
-            self._cond.wait(PACE_STEP)
+            if answer:
+                self._cond.wait(PACE_STEP)
+            else:
+                self._live_waiting = True
+                try:
+                    self._cond.wait(PACE_STEP)
+                finally:
+                    self._live_waiting = False
             if self._closed:
                 return
             if not self._paced:  # another sender gave up waiting meanwhile

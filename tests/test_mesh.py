@@ -474,3 +474,109 @@ def test_a_stuck_subscriber_costs_a_paced_producer_less_and_less(cfg: NodeConfig
                 assert len(collect(consumer, published, 30, since=base)) == published
     finally:
         stuck.close(0)
+
+
+def test_paced_records_go_out_in_offset_order_from_several_threads(cfg: NodeConfig) -> None:
+    # One thread publishes a burst far larger than the queues (its sends wait
+    # for room, the lock released); another publishes one record at a time
+    # meanwhile.  What the subscriber receives must be every offset, in order:
+    # no thread's records may overtake records that already have offsets.
+    import threading
+    from dataclasses import replace
+
+    reader = zmq.Context.instance().socket(zmq.SUB)
+    reader.setsockopt(zmq.LINGER, 0)
+    reader.setsockopt(zmq.RCVHWM, 10)
+    reader.setsockopt(zmq.RCVBUF, 4096)
+    reader.setsockopt(zmq.SUBSCRIBE, wire.P_RECORD + b"order")
+    burst, singles = 3000, 300
+    payload = b"x" * 2000  # fills the socket buffers soon
+    try:
+        with Producer("order", replace(cfg, hwm=10), acks=False, capacity=100_000, pace_limit=10.0) as producer:
+            reader.connect(f"tcp://127.0.0.1:{producer.port}")
+            wait_until(lambda: producer.publish(b"hello") and reader.poll(50), 10)
+            seqs: list[int] = []
+
+            def read() -> None:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and reader.poll(2000):
+                    header = reader.recv()
+                    reader.recv()
+                    seqs.append(int.from_bytes(header[-8:], "big"))
+
+            while reader.poll(100):  # the hellos
+                reader.recv()
+            base = producer.next_offset
+            started = threading.Event()
+
+            def single() -> None:
+                # One record each time the reader got a few more: they land
+                # while the burst's sends wait for room.
+                started.wait(10)
+                deadline = time.monotonic() + 60
+                for i in range(singles):
+                    seen = 3 * i
+                    while len(seqs) < seen and time.monotonic() < deadline:
+                        time.sleep(0.0005)  # polls the reader's progress
+                    producer.publish(b"single")
+
+            one = threading.Thread(target=single)
+            one.start()
+            taker = threading.Thread(target=read)
+            started.set()
+            taker_started = time.monotonic()
+            taker.start()
+            producer.publish_many([payload] * burst)
+            one.join(60)
+            taker.join(60)
+            assert time.monotonic() - taker_started < 60
+            assert producer.pace_timeouts == 0
+            assert seqs == list(range(base, base + burst + singles))
+    finally:
+        reader.close(0)
+
+
+def test_a_slow_subscriber_that_keeps_reading_is_paced_not_dropped(cfg: NodeConfig) -> None:
+    # A run of records takes longer than pace_limit to go out to a subscriber
+    # that reads slowly but never stops: that is not stuck (there is progress
+    # every few milliseconds), so nothing is dropped and no hold starts.
+    import threading
+    from dataclasses import replace
+
+    reader = zmq.Context.instance().socket(zmq.SUB)
+    reader.setsockopt(zmq.LINGER, 0)
+    reader.setsockopt(zmq.RCVHWM, 10)
+    reader.setsockopt(zmq.RCVBUF, 4096)
+    reader.setsockopt(zmq.SUBSCRIBE, wire.P_RECORD + b"slow")
+    n = 1000  # one send run (publish_many takes 1024 at a time)
+    try:
+        with Producer("slow", replace(cfg, hwm=10), acks=False, capacity=100_000, pace_limit=0.1) as producer:
+            reader.connect(f"tcp://127.0.0.1:{producer.port}")
+            wait_until(lambda: producer.publish(b"hello") and reader.poll(50), 10)
+            while reader.poll(100):
+                reader.recv()
+            base = producer.next_offset
+            seqs: list[int] = []
+
+            def read() -> None:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and reader.poll(2000):
+                    for _ in range(10):
+                        if not reader.poll(0):
+                            break
+                        header = reader.recv()
+                        reader.recv()
+                        seqs.append(int.from_bytes(header[-8:], "big"))
+                    time.sleep(0.01)  # reads about 1,000 records/s (a load shape, not a wait)
+
+            taker = threading.Thread(target=read)
+            taker.start()
+            started = time.monotonic()
+            producer.publish_many([b"y" * 10_000] * n)  # 10 MB: more than the socket buffers hold
+            took = time.monotonic() - started
+            taker.join(60)
+            assert producer.pace_timeouts == 0
+            assert seqs == list(range(base, base + n))
+            assert took > 2 * producer.pace_limit  # the run did take longer than the limit
+    finally:
+        reader.close(0)
