@@ -65,6 +65,9 @@ class PartitionReader(Node):
     def on_other(self, msg: wire.Message) -> None:
         """A valid message that is neither a record nor a head."""
 
+    def on_producer_head(self, tracker: PartitionTracker, sequence: int) -> None:
+        """The partition's producer says its last offset is ``sequence`` (a HEAD)."""
+
     # ---------------------------------------------------------------- trackers
 
     def tracker(self, subject: str, partition: str) -> PartitionTracker:
@@ -167,7 +170,10 @@ class PartitionReader(Node):
             tracker = self.tracker(msg.subject, msg.address)
             if isinstance(msg, wire.Record | wire.DirectRecord):
                 self.track(tracker, msg.sequence, msg.content)
-            elif tracker.on_head(msg.sequence):
+                return
+            if tracker.on_head(msg.sequence):
                 self._missing.add(tracker)  # fetch_missing asks at the end of this drain
+            if isinstance(msg, wire.Head):
+                self.on_producer_head(tracker, msg.sequence)
         else:
             self.on_other(msg)

@@ -6,8 +6,10 @@ import shutil
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import zmq
 
 from dafka import wire
 from dafka.config import NodeConfig
@@ -246,3 +248,31 @@ def test_heads_answer_counts_records_held_beyond_a_hole(cfg: NodeConfig, tmp_pat
         peer.send(wire.GetHeads("h", peer.address))
         heads = peer.wait_for(lambda q: q.messages(wire.DirectHead))
         assert [(h.address, h.sequence) for h in heads] == [(peer.address, 5)]
+
+
+def test_a_lost_ack_is_sent_again_on_the_producers_head(cfg: NodeConfig, tmp_path: Path, raw_peer) -> None:
+    # A new producer publishes as soon as it knows any peer: the store may
+    # commit its records and send the one ACK before the producer subscribed
+    # to it.  The producer's next HEAD must bring the ACK again, else its
+    # flush waits forever.  (Never an ACK beyond the HEAD's offset.)
+    producer = raw_peer([])  # not subscribed to ACKs yet: the first one is lost
+    with Store(tmp_path / "db", cfg) as store:
+        producer.wait_for(lambda p: len(p.peers) >= 1 and p.subscribed(b"M"))
+        for i in range(5):
+            producer.send(wire.Record("t", producer.address, "t", i, b"r%d" % i))
+        producer.wait_for(lambda p: store.heads().get(("t", producer.address), -1) == 4)
+        producer.wait_for(lambda p: store.acks_sent >= 1)
+        producer.sub.setsockopt(zmq.SUBSCRIBE, wire.P_ACK + producer.address.encode())
+        producer.pump(0.3)  # the subscription reaches the store
+        assert producer.messages(wire.Ack) == []
+
+        def acked(p: Any, upto: int) -> bool:
+            p.send(wire.Head("t", producer.address, "t", upto))
+            return any(a.sequence == upto for a in p.messages(wire.Ack))
+
+        producer.wait_for(lambda p: acked(p, 4))
+        # A HEAD behind the store (a producer that lost its state) is not acked past itself.
+        producer.pump(0.5)  # answers to the HEADs still in flight
+        producer.received.clear()
+        producer.wait_for(lambda p: acked(p, 2))
+        assert all(a.sequence <= 2 for a in producer.messages(wire.Ack))

@@ -348,6 +348,18 @@ class Store(PartitionReader):
     def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
         """Hook: a batch is durable; ``heads`` are the new heads it made."""
 
+    def on_producer_head(self, tracker: PartitionTracker, sequence: int) -> None:
+        # An ACK goes out once per commit, and is lost if the producer was not
+        # yet connected to us (a new producer publishes as soon as it knows
+        # any peer): its flush would wait forever.  Every HEAD (each second
+        # while it has records) gets the committed head again; ACKs are
+        # cumulative, so a repeat costs nothing.  Never beyond what it published.
+        key = (tracker.subject, tracker.address)
+        head = self._heads.get(key, -1)
+        if head >= 0 and self.storage_error is None:
+            self._unsent_acks[key] = min(head, sequence)
+            self._send_acks()
+
     def _send_acks(self) -> None:
         send = self.publisher.send
         sent = []
