@@ -357,7 +357,8 @@ class Store(PartitionReader):
         key = (tracker.subject, tracker.address)
         head = self._heads.get(key, -1)
         if head >= 0 and self.storage_error is None:
-            self._unsent_acks[key] = min(head, sequence)
+            # A pending ACK may be higher (records a peer store sent us): keep it.
+            self._unsent_acks[key] = max(self._unsent_acks.get(key, -1), min(head, sequence))
             self._send_acks()
 
     def _send_acks(self) -> None:
