@@ -558,10 +558,11 @@ class Producer(Node):
         A burst larger than the high-water marks would overflow a reader's
         queue (and in secure mode CURVE encryption is slower than the
         publisher): instead of dropping (to be fetched later) wait for room,
-        the lock released meanwhile so ACKs and FETCHes go on, up to
-        ``pace_limit`` with no progress.  A subscriber that takes nothing that
-        long is stuck: then drop for everyone's queue that is full, as a PUB does, for a hold
-        (see :meth:`_tick_paced`).  FETCH ``answer``s wait for room even then.
+        the lock released meanwhile so ACKs and FETCHes go on (see
+        :meth:`_send_waiting`).  A subscriber that takes nothing for
+        ``pace_limit`` is stuck: then drop for everyone's queue that is full,
+        as a PUB does, for a hold (see :meth:`_tick_paced`).  FETCH
+        ``answer``s wait for room even then.
         """
         if not self._paced:
             if answer and self.pace_limit:
@@ -571,50 +572,71 @@ class Producer(Node):
                 # wait: while an answer has NODROP on, the rest is dropped.)
                 fastio.send_records(self.publisher, prefix, seq, contents, start, stop, True)
             return
-        deadline = 0.0
+        reached = self._send_waiting(prefix, seq, contents, start, stop, live=not answer)
+        if reached >= stop or self._closed:
+            return
+        seq += reached - start
+        if self._paced:  # waited in vain: a subscriber is stuck
+            self._start_hold(time.monotonic())
+            fastio.send_records(self.publisher, prefix, seq, contents, reached, stop, True)
+        else:  # another sender gave up waiting meanwhile
+            self._send_run(prefix, seq, contents, reached, stop, answer)
+
+    def _send_waiting(
+        self, prefix: bytes, seq: int, contents: Sequence[bytes], start: int, stop: int, live: bool
+    ) -> int:
+        """Send, waiting for room with the lock released (lock held); the index reached.
+
+        Stops when everything went, on close, when another sender gives up
+        waiting (the producer turns lossy), or when waiting is over: for
+        ``live`` records after ``pace_limit`` with no progress (a slow reader
+        is not stuck); for FETCH answers, sent by the I/O thread, after
+        ``pace_limit`` in all, so that ACKs and timers are not held up long.
+        """
+        paced = self._paced
+        deadline = time.monotonic() + self.pace_limit
         while True:
             sent = fastio.send_records(self.publisher, prefix, seq, contents, start, stop, True)
             start += sent
             seq += sent
             if start >= stop:
-                return
+                return start
             now = time.monotonic()
-            if not deadline or sent:  # stuck means no progress, not a slow reader
+            if live and sent:  # stuck means no progress, not a slow reader
                 deadline = now + self.pace_limit
             elif now >= deadline:
-                self.pace_timeouts += 1
-                # Stuck again soon after the last hold: hold longer this time.
-                if now - self._paced_since < 2 * self._lossy_hold:
-                    self._lossy_hold = min(self._lossy_hold * 2, MAX_LOSSY_HOLD)
-                else:
-                    self._lossy_hold = LOSSY_HOLD
-                if self.pace_timeouts <= 20 or self.pace_timeouts % 1000 == 0:
-                    log.warning(
-                        "producer %s: a subscriber took nothing for %.2fs; dropping for it for %.0fs"
-                        " (it fetches what it missed); %d times so far",
-                        self.address[:8],
-                        self.pace_limit,
-                        self._lossy_hold,
-                        self.pace_timeouts,
-                    )
-                self._paced = False
-                self._lossy_until = now + self._lossy_hold
-                self.publisher.setsockopt(zmq.XPUB_NODROP, 0)
-                fastio.send_records(self.publisher, prefix, seq, contents, start, stop, True)
-                return
-            if answer:
-                self._cond.wait(PACE_STEP)
-            else:
-                self._live_waiting = True
+                return start
+            if live:
+                self._live_waiting = True  # other publishers wait their turn meanwhile
                 try:
                     self._cond.wait(PACE_STEP)
                 finally:
                     self._live_waiting = False
-            if self._closed:
-                return
-            if not self._paced:  # another sender gave up waiting meanwhile
-                self._send_run(prefix, seq, contents, start, stop, answer)
-                return
+            else:
+                self._cond.wait(PACE_STEP)
+            if self._closed or (paced and not self._paced):
+                return start
+
+    def _start_hold(self, now: float) -> None:
+        """A subscriber stayed stuck: drop for full queues (as a PUB does) for a hold."""
+        self.pace_timeouts += 1
+        # Stuck again soon after the last hold: hold longer this time.
+        if now - self._paced_since < 2 * self._lossy_hold:
+            self._lossy_hold = min(self._lossy_hold * 2, MAX_LOSSY_HOLD)
+        else:
+            self._lossy_hold = LOSSY_HOLD
+        if self.pace_timeouts <= 20 or self.pace_timeouts % 1000 == 0:
+            log.warning(
+                "producer %s: a subscriber took nothing for %.2fs; dropping for it for %.0fs"
+                " (it fetches what it missed); %d times so far",
+                self.address[:8],
+                self.pace_limit,
+                self._lossy_hold,
+                self.pace_timeouts,
+            )
+        self._paced = False
+        self._lossy_until = now + self._lossy_hold
+        self.publisher.setsockopt(zmq.XPUB_NODROP, 0)
 
     def _send_answer(self, prefix: bytes, seq: int, contents: Sequence[bytes], start: int, stop: int) -> None:
         """A FETCH answer during a lossy hold (lock held): still wait for room.
@@ -625,22 +647,12 @@ class Producer(Node):
         requester a retry interval.  Up to ``pace_limit``; then the rest is
         dropped and the requester asks again.
         """
-        publisher = self.publisher
-        deadline = time.monotonic() + self.pace_limit
-        publisher.setsockopt(zmq.XPUB_NODROP, 1)
+        self.publisher.setsockopt(zmq.XPUB_NODROP, 1)
         try:
-            while True:
-                sent = fastio.send_records(publisher, prefix, seq, contents, start, stop, True)
-                start += sent
-                seq += sent
-                if start >= stop or time.monotonic() >= deadline:
-                    return
-                self._cond.wait(PACE_STEP)
-                if self._closed:
-                    return
+            self._send_waiting(prefix, seq, contents, start, stop, live=False)
         finally:
             if not self._paced and not self._closed:
-                publisher.setsockopt(zmq.XPUB_NODROP, 0)
+                self.publisher.setsockopt(zmq.XPUB_NODROP, 0)
 
     def _send_locked(self, frames: list[bytes]) -> None:
         with self._lock:
