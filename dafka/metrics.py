@@ -76,6 +76,7 @@ COUNTERS: list[tuple[str, Getter, str]] = [
     ("dafka_fetches_received", "fetches_received", "FETCHes received for partitions held"),
     ("dafka_fetches_sent", "fetches_sent", "FETCHes sent for missing records"),
     ("dafka_fetches_answered", "fetches_served", "FETCHes answered from the producer's buffer"),
+    ("dafka_fetch_answers_cut", "answers_cut", "FETCH answers cut short after pace_limit (the requester asks again)"),
     ("dafka_pace_timeouts", "pace_timeouts", "Times a stuck subscriber made the producer drop for a hold"),
     ("dafka_records_delivered", "delivered", "Records delivered in order to the application"),
     ("dafka_records_skipped", "skipped", "Offsets skipped because nobody had them"),

@@ -213,6 +213,7 @@ class Producer(Node):
         self._head_sent_at = 0.0
         self._saved_at = 0.0
         self.fetches_served = 0
+        self.answers_cut = 0  # FETCH answers stopped after pace_limit: the requester reads slowly
         # store address -> (writing, reason, when): what stores said (STORE-STATUS)
         self.store_status: dict[str, tuple[bool, str, float]] = {}
         if self._identity_path is not None and saved is None:
@@ -542,12 +543,15 @@ class Producer(Node):
         prefix = wire.record_prefix(wire.DIRECT_RECORD, fetch.address, self.address, self.topic)
         with self._lock:
             runs = self.window.runs(fetch.sequence, fetch.count)  # the publisher may push meanwhile
+        cut = self.answers_cut
         for first, contents in runs:
             # Runs hold up to unacked.CHUNK records: the lock is released between them.
             with self._lock:
                 if self._closed:
                     return
                 self._send_run(prefix, first, contents, 0, len(contents), answer=True)
+                if self.answers_cut != cut:
+                    break  # the requester reads slowly: no wait for each later run
         self.fetches_served += 1
 
     def _send_run(
@@ -562,7 +566,8 @@ class Producer(Node):
         :meth:`_send_waiting`).  A subscriber that takes nothing for
         ``pace_limit`` is stuck: then drop for everyone's queue that is full,
         as a PUB does, for a hold (see :meth:`_tick_paced`).  FETCH
-        ``answer``s wait for room even then.
+        ``answer``s wait for room even then, up to ``pace_limit``; an answer
+        that times out is cut short and starts no hold.
         """
         if not self._paced:
             if answer and self.pace_limit:
@@ -576,6 +581,12 @@ class Producer(Node):
         if reached >= stop or self._closed:
             return
         seq += reached - start
+        if self._paced and answer:
+            # Only the requester's queue takes DIRECT-RECORDs, and a replay may
+            # read slowly without being stuck: cut the answer short (it asks
+            # again for the rest) rather than drop live records for everyone.
+            self.answers_cut += 1
+            return
         if self._paced:  # waited in vain: a subscriber is stuck
             self._start_hold(time.monotonic())
             fastio.send_records(self.publisher, prefix, seq, contents, reached, stop, True)
@@ -649,7 +660,8 @@ class Producer(Node):
         """
         self.publisher.setsockopt(zmq.XPUB_NODROP, 1)
         try:
-            self._send_waiting(prefix, seq, contents, start, stop, live=False)
+            if self._send_waiting(prefix, seq, contents, start, stop, live=False) < stop and not self._closed:
+                self.answers_cut += 1
         finally:
             if not self._paced and not self._closed:
                 self.publisher.setsockopt(zmq.XPUB_NODROP, 0)

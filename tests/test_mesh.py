@@ -536,6 +536,58 @@ def test_paced_records_go_out_in_offset_order_from_several_threads(cfg: NodeConf
         reader.close(0)
 
 
+def test_a_slow_fetch_answer_is_cut_short_and_starts_no_hold(cfg: NodeConfig, raw_peer) -> None:
+    # A replaying requester reads its answer slowly.  Only its queue takes
+    # DIRECT-RECORDs, so this is no reason to drop live records for everyone:
+    # the answer stops after pace_limit (the requester asks again for the
+    # rest), the later runs of the answer are not tried, and no hold starts.
+    import threading
+    from dataclasses import replace
+
+    requester = raw_peer([])
+    reader = small_queue_sub(wire.P_DIRECT_RECORD + requester.address.encode())
+    n = 3000  # several of the window's runs
+    producer = Producer("replay", replace(cfg, hwm=10), capacity=100_000, pace_limit=0.1)
+    try:
+        producer.publish_many([b"y" * 10_000] * n)  # acks on, no store: all kept for FETCHes
+        requester.wait_for(lambda p: len(p.peers) >= 1 and p.subscribed(b"F" + producer.address.encode()))
+        reader.connect(f"tcp://127.0.0.1:{producer.port}")
+
+        def answered() -> bool:
+            requester.send(wire.Fetch(producer.address, requester.address, "replay", 0, 1))
+            return bool(reader.poll(100))
+
+        wait_until(answered, 10)
+        while reader.poll(100):
+            reader.recv()
+        seqs: list[int] = []
+
+        def read() -> None:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and reader.poll(2000):
+                for _ in range(10):
+                    if not reader.poll(0):
+                        break
+                    header = reader.recv()
+                    reader.recv()
+                    seqs.append(int.from_bytes(header[-8:], "big"))
+                time.sleep(0.01)  # reads about 1,000 records/s (a load shape, not a wait)
+
+        taker = threading.Thread(target=read)
+        taker.start()
+        served = producer.fetches_served
+        requester.send(wire.Fetch(producer.address, requester.address, "replay", 0, n))
+        wait_until(lambda: producer.fetches_served > served, 10)
+        taker.join(60)
+        assert producer.answers_cut == 1
+        assert producer.pace_timeouts == 0  # no hold: live subscribers are still waited for
+        assert 0 < len(seqs) < n
+        assert seqs == list(range(len(seqs)))  # a prefix of the answer, in order
+    finally:
+        producer.close(0)
+        reader.close(0)
+
+
 def test_a_slow_subscriber_that_keeps_reading_is_paced_not_dropped(cfg: NodeConfig) -> None:
     # A run of records takes longer than pace_limit to go out to a subscriber
     # that reads slowly but never stops: that is not stuck (there is progress
