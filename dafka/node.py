@@ -622,14 +622,7 @@ class Node:
                         break
             if key is None:
                 continue  # the peer is gone meanwhile
-            try:
-                sock.disconnect(endpoint)
-            except zmq.ZMQError:
-                pass  # already given up by ZeroMQ
-            try:
-                security.connect(sock, endpoint, key)
-            except zmq.ZMQError as exc:
-                self.log.debug("could not reconnect to %s: %s", endpoint, exc)
+            security.reconnect(sock, endpoint, key, self.log)
 
     def publisher_lock(self) -> Any:
         """What must be held to use the publisher outside the I/O thread."""

@@ -292,6 +292,18 @@ def connect(sock: zmq.Socket, endpoint: str, server_key: bytes) -> None:
     sock.connect(endpoint)
 
 
+def reconnect(sock: zmq.Socket, endpoint: str, server_key: bytes, logger: logging.Logger) -> None:
+    """Connect again after a refused handshake (ZeroMQ gives such a connection up)."""
+    try:
+        sock.disconnect(endpoint)
+    except zmq.ZMQError:
+        pass  # already given up by ZeroMQ
+    try:
+        connect(sock, endpoint, server_key)
+    except zmq.ZMQError as exc:
+        logger.debug("could not reconnect to %s: %s", endpoint, exc)
+
+
 _REFUSALS = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 

@@ -40,7 +40,7 @@ import zmq
 from dafka import security, wire
 from dafka.config import NodeConfig
 from dafka.errors import ProtocolError
-from dafka.node import new_address
+from dafka.node import RETRY_REFUSED, new_address
 
 log = logging.getLogger("dafka.status")
 
@@ -267,6 +267,10 @@ class StatusProbe:
         self.poller = zmq.Poller()
         self._readers: dict[zmq.Socket, Any] = {}
         self._refused_by: dict[zmq.Socket, security.RefusalLog] = {}
+        self._server_keys: dict[tuple[zmq.Socket, str], bytes] = {}
+        # (when, socket, endpoint): ZeroMQ gives a refused handshake up for
+        # good; --watch connects again (the allow-list may have us by then).
+        self._retries: list[tuple[float, zmq.Socket, str]] = []
         self.tower_subs: list[zmq.Socket] = []
         for i, tower in enumerate(config.towers):
             sub = self._socket(zmq.SUB)
@@ -303,10 +307,29 @@ class StatusProbe:
             return
         if sock not in self._refused_by:
             security.make_client(sock, self.keys)
-            refusals = security.RefusalLog(sock, f"status {what}", log, self.refused.append)
+            refusals = security.RefusalLog(
+                sock, f"status {what}", log, lambda endpoint, s=sock: self._on_refused(s, endpoint)
+            )
             self._refused_by[sock] = refusals
             self._watch(refusals.monitor, refusals.read)
+        self._server_keys[(sock, endpoint)] = server_key
         security.connect(sock, endpoint, server_key)
+
+    def _on_refused(self, sock: zmq.Socket, endpoint: str) -> None:
+        self.refused.append(endpoint)
+        self._retries.append((time.monotonic() + RETRY_REFUSED, sock, endpoint))
+
+    def _retry_refused(self, now: float) -> None:
+        """Connect again where a handshake was refused, if the socket is still in use."""
+        due = [r for r in self._retries if r[0] <= now]
+        if not due:
+            return
+        self._retries = [r for r in self._retries if r[0] > now]
+        for _, sock, endpoint in due:
+            key = self._server_keys.get((sock, endpoint))
+            if key is None or sock not in self._refused_by:
+                continue  # the peer's socket was closed meanwhile
+            security.reconnect(sock, endpoint, key, log)
 
     def _watch(self, sock: zmq.Socket, reader: Any) -> None:
         self._readers[sock] = reader
@@ -347,6 +370,7 @@ class StatusProbe:
                 self._ask_heads()
                 if self.guard is not None:
                     self.guard.refresh()  # --watch: follow allow-list changes as the nodes do
+            self._retry_refused(now)
             for address in self.view.expire(now):
                 sub = self.peer_subs.pop(address, None)
                 if sub is not None:
@@ -398,6 +422,7 @@ class StatusProbe:
 
     def _close_sub(self, sub: zmq.Socket) -> None:
         refusals = self._refused_by.pop(sub, None)
+        self._server_keys = {k: v for k, v in self._server_keys.items() if k[0] is not sub}
         for sock in (sub, refusals.monitor if refusals is not None else None):
             if sock is not None and self._readers.pop(sock, None) is not None:
                 self.poller.unregister(sock)

@@ -411,6 +411,26 @@ def test_added_key_joins_without_restart(pki: Pki, secure_tower: Tower) -> None:
             assert got.content == b"welcome"
 
 
+def test_status_probe_joins_once_its_key_is_added(pki: Pki, secure_tower: Tower) -> None:
+    # ZeroMQ gives a refused handshake up for good: a watching status probe
+    # connects again, so adding its key lets it in without a restart.
+    from dafka.status import StatusProbe
+
+    with Producer("t", node_cfg(pki, secure_tower, "producer"), acks=False) as producer:
+        with StatusProbe(node_cfg(pki, secure_tower, "intruder")) as probe:
+            snap = probe.run(1.5)  # the negative half: not allowed yet
+            assert snap["nodes"] == [] and not any(t["reached"] for t in snap["towers"])
+            assert probe.refused
+            shutil.copy(pki.keys / "intruder.key", pki.allow)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                snap = probe.run(0.5)
+                if any(n["address"] == producer.address for n in snap["nodes"]):
+                    break
+            assert all(t["reached"] for t in snap["towers"])
+            assert producer.address in [n["address"] for n in snap["nodes"]]
+
+
 def test_tower_relays_a_beacon_only_with_the_key_it_came_with(pki: Pki, secure_tower: Tower) -> None:
     from dafka import wire
     from dafka.node import new_address
