@@ -94,7 +94,14 @@ def test_beacons() -> None:
 @pytest.mark.parametrize(
     "frames,why",
     [
-        ([b"Mhello\x00\x02"], "wrong version"),
+        ([b"Mhello\x00\x03\x01a\x01a" + bytes(8), b"x"], "wrong version"),
+        ([b"Hhello\x00\x02\x01a\x01a" + bytes(8)], "batch version on a head"),
+        ([b"Mhello\x00\x02\x01a\x01a" + bytes(8), bytes(4)], "empty batch"),
+        ([b"Mhello\x00\x02\x01a\x01a" + bytes(8), b"\x00\x00\x00\x01\x00\x00\x00\x02a"], "truncated batch record"),
+        ([b"Mhello\x00\x02\x01a\x01a" + bytes(8), b"\x00\x00\x00\x01\x00\x00\x00\x01ab"], "batch trailing bytes"),
+        ([b"Mhello\x00\x02\x01a\x01a" + bytes(8), b"\x00\x00\x00\x02\x00\x00\x00\x01a"], "batch count too high"),
+        ([b"Mhello\x00\x02\x01a\x01a" + b"\xff" * 8, b"\x00\x00\x00\x02" + bytes(8)], "batch past the last offset"),
+        ([b"Mhello\x00\x02\x01a\x01a" + bytes(8)], "batch without content"),
         ([b"Hhello\x00\x01\x20" + b"A" * 10], "truncated string"),
         ([b"Hhello\x00\x01\x05hello\x05hello\x00\x00"], "truncated number"),
         ([b"Xhello\x00\x01"], "unknown command"),
@@ -114,6 +121,19 @@ def test_strict_decoding(frames: list[bytes], why: str) -> None:
         wire.decode(frames)
 
 
+def test_record_batch_bytes() -> None:
+    """A batch is a RECORD with version 2 and the records packed in its content frame."""
+    a = "A" * 32
+    frames = wire.encode(wire.RecordBatch("hello", a, "hello", 7, (b"one", b"")))
+    single = wire.encode(wire.Record("hello", a, "hello", 7, b"one"))
+    assert frames[0] == single[0].replace(b"hello\x00\x01", b"hello\x00\x02", 1)
+    assert frames[1] == b"\x00\x00\x00\x02" + b"\x00\x00\x00\x03one" + b"\x00\x00\x00\x00"
+    prefix = wire.record_prefix(wire.RECORD, "hello", a, "hello")
+    assert wire.batch_prefix(prefix) + wire.pack_u64(7) == frames[0]
+    # The same subscription prefix as a single RECORD: a subscriber needs nothing new.
+    assert frames[0].startswith(wire.P_RECORD + b"hello")
+
+
 def test_overlong_string_is_refused() -> None:
     with pytest.raises(ProtocolError):
         wire.encode(wire.Head("t", "A" * 256, "t", 0))
@@ -124,6 +144,8 @@ seqs = st.integers(min_value=0, max_value=2**64 - 1)
 messages = st.one_of(
     st.builds(wire.Record, names, names, names, seqs, st.binary(max_size=300)),
     st.builds(wire.DirectRecord, names, names, names, seqs, st.binary(max_size=300)),
+    st.builds(wire.RecordBatch, names, names, names, st.integers(0, 2**64 - 8), st.lists(st.binary(max_size=60), min_size=1, max_size=7).map(tuple)),
+    st.builds(wire.DirectRecordBatch, names, names, names, st.integers(0, 2**64 - 8), st.lists(st.binary(max_size=60), min_size=1, max_size=7).map(tuple)),
     st.builds(wire.Fetch, names, names, names, seqs, st.integers(0, 2**32 - 1)),
     st.builds(wire.Ack, names, names, seqs),
     st.builds(wire.Head, names, names, names, seqs),
