@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from dafka import fastio, wire
 from dafka.consumer import ConsumerRecord
+from dafka.errors import ProtocolError
 from dafka.fastio import _pure
 from dafka.gaps import PartitionTracker
 from dafka.store.layout import RECORD_KEY, pack_value
@@ -132,6 +133,51 @@ def test_send_values_same_bytes(pair: Pair, values: list[tuple[int, bytes, bytes
     assert wires[0] == wires[1] == expected
 
 
+@needs_compiled
+@fast
+@given(
+    contents=contents,
+    first=seqs,
+    noblock=st.booleans(),
+    max_records=st.integers(1, 20),
+    max_bytes=st.integers(0, 200),
+)
+def test_send_batches_same_bytes(
+    pair: Pair, contents: list[bytes], first: int, noblock: bool, max_records: int, max_bytes: int
+) -> None:
+    prefix = wire.batch_prefix(wire.record_prefix(wire.RECORD, "t", "A" * 32, "t"))
+    wires = []
+    for impl in (_pure, _compiled):
+        sent = impl.send_batches(pair.tx, prefix, first, contents, noblock=noblock, max_records=max_records, max_bytes=max_bytes)
+        assert sent == len(contents)
+        wires.append(pair.recv_all())
+    assert wires[0] == wires[1]
+    batches = [wire.decode(frames) for frames in wires[0]]
+    assert all(isinstance(b, wire.RecordBatch) for b in batches)
+    # Every record once, in order, with its offset; each batch within the limits.
+    assert [c for b in batches for c in b.contents] == contents
+    assert [b.sequence for b in batches] == [first + sum(len(x.contents) for x in batches[:i]) for i in range(len(batches))]
+    for b in batches:
+        assert len(b.contents) <= max_records
+        assert len(b.contents) == 1 or sum(map(len, b.contents)) <= max_bytes
+    # A slice, from a tuple of memoryviews and bytearrays.
+    mixed = tuple(memoryview(c) if i % 2 else bytearray(c) for i, c in enumerate(contents))
+    for impl in (_pure, _compiled):
+        impl.send_batches(pair.tx, prefix, first, mixed, 1, max(1, len(mixed) - 1), max_records=max_records)
+        wires.append(pair.recv_all())
+    assert wires[2] == wires[3]
+
+
+@settings(max_examples=300)
+@given(body=st.binary(max_size=40), first=st.sampled_from([0, 5, 2**64 - 3]))
+def test_batch_bodies_are_judged_as_the_wire_decoder_does(body: bytes, first: int) -> None:
+    try:
+        expected: Any = list(wire.unpack_batch(body, first))
+    except ProtocolError:
+        expected = None
+    assert _pure._unpack_batch(body, first) == expected
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @fast
 @given(messages=st.lists(message, max_size=40), limit=st.integers(1, 50))
@@ -159,6 +205,21 @@ def _record(partition: str, seq: int, content: bytes, direct: bool = False) -> l
     return wire.encode(cls(topic, partition, TOPIC, seq, content))
 
 
+def _batch(partition: str, seq: int, contents: tuple[bytes, ...], direct: bool = False) -> list[bytes]:
+    cls = wire.DirectRecordBatch if direct else wire.RecordBatch
+    topic = "R" * 32 if direct else TOPIC
+    return wire.encode(cls(topic, partition, TOPIC, seq, contents))
+
+
+def _prefixes(partition: str) -> list[bytes]:
+    """The header prefixes a node registers for a partition: single records and batches."""
+    singles = [
+        wire.record_prefix(wire.RECORD, TOPIC, partition, TOPIC),
+        wire.record_prefix(wire.DIRECT_RECORD, "R" * 32, partition, TOPIC),
+    ]
+    return singles + [wire.batch_prefix(p) for p in singles]
+
+
 # What arrives: good records of two known partitions (in order, out of order,
 # duplicates), records of an unknown partition, and malformed messages.
 event = st.one_of(
@@ -168,7 +229,16 @@ event = st.one_of(
     st.tuples(st.just("short"), st.sampled_from(PARTITIONS), st.integers(0, 12), st.just(b"")),
     st.tuples(st.just("long"), st.sampled_from(PARTITIONS), st.integers(0, 12), st.binary(max_size=8)),
     st.tuples(st.just("garbage"), st.just(""), st.just(0), st.binary(max_size=12)),
-)
+    # Batches (version 2): good ones, direct ones, and ones whose content frame is malformed.
+    st.tuples(st.just("batch"), st.sampled_from(PARTITIONS), st.integers(0, 12), st.lists(st.binary(max_size=8), min_size=1, max_size=6).map(tuple)),
+    st.tuples(st.just("dbatch"), st.sampled_from(PARTITIONS), st.integers(0, 12), st.lists(st.binary(max_size=8), min_size=1, max_size=6).map(tuple)),
+    st.tuples(st.just("badbatch"), st.sampled_from(PARTITIONS), st.integers(0, 12), st.binary(max_size=16)),
+)  # fmt: skip
+
+
+def _units(events: list[Any]) -> int:
+    """How many callbacks and queued records the events make: one each, a good batch one per record."""
+    return sum(len(content) if kind in ("batch", "dbatch") else 1 for kind, _, _, content in events)
 
 
 def _messages(events: list[tuple[str, str, int, bytes]]) -> list[list[bytes]]:
@@ -182,17 +252,18 @@ def _messages(events: list[tuple[str, str, int, bytes]]) -> list[list[bytes]]:
             out.append(_record(partition, seq, b"")[:1])
         elif kind == "long":
             out.append(_record(partition, seq, content) + [b"extra"])
+        elif kind in ("batch", "dbatch"):
+            out.append(_batch(partition, seq, content, direct=kind == "dbatch"))
+        elif kind == "badbatch":
+            out.append([_batch(partition, seq, (b"",))[0], b"\x00\x00\x00\x05" + content])
         else:
             out.append([content])
     return out
 
 
-def _run_drain(impl: Any, pair: Pair, messages: list[list[bytes]], record_type: type | None) -> Any:
+def _run_drain(impl: Any, pair: Pair, messages: list[list[bytes]], record_type: type | None, units: int) -> Any:
     trackers = {p: PartitionTracker(TOPIC, p, 0) for p in PARTITIONS}
-    by_prefix = {}
-    for p, tracker in trackers.items():
-        by_prefix[wire.record_prefix(wire.RECORD, TOPIC, p, TOPIC)] = tracker
-        by_prefix[wire.record_prefix(wire.DIRECT_RECORD, "R" * 32, p, TOPIC)] = tracker
+    by_prefix = {prefix: tracker for p, tracker in trackers.items() for prefix in _prefixes(p)}
     calls: list[Any] = []
     out: list[Any] = []
 
@@ -210,7 +281,7 @@ def _run_drain(impl: Any, pair: Pair, messages: list[list[bytes]], record_type: 
     queued = 0
     for _ in range(len(messages) + 2):
         # Every message is read (none left over for the next example).
-        if queued + len(calls) >= len(messages) or not pair.rx.poll(1000):
+        if queued + len(calls) >= units or not pair.rx.poll(1000):
             break
         queued += impl.drain_records(pair.rx, 7, by_prefix, out, record_type, 1234, on_record, on_message)
     state = {p: (t.next, t.known, sorted(t.held.items())) for p, t in trackers.items()}
@@ -222,27 +293,25 @@ def _run_drain(impl: Any, pair: Pair, messages: list[list[bytes]], record_type: 
 @fast
 @given(events=st.lists(event, max_size=60))
 def test_drain_records_same_batches(pair: Pair, record_type: type | None, events: list[Any]) -> None:
-    messages = _messages(events)
-    pure = _run_drain(_pure, pair, messages, record_type)
-    compiled = _run_drain(_compiled, pair, messages, record_type)
+    messages, units = _messages(events), _units(events)
+    pure = _run_drain(_pure, pair, messages, record_type, units)
+    compiled = _run_drain(_compiled, pair, messages, record_type, units)
     assert pure == compiled
     assert all(type(item) is (record_type or tuple) for item in compiled[1] if item[0] != "slow")
-    # Frame-exact: every message was handled exactly once, as a whole.
+    # Frame-exact: every message was handled exactly once, as a whole (a
+    # good batch as its records).
     queued, out, calls, _ = compiled
-    assert queued + len(calls) == len(messages)
+    assert queued + len(calls) == units
     for call in calls:
         if call[0] == "message":
             assert call[1] in messages
 
 
-def _run_drain_pairs(impl: Any, pair: Pair, messages: list[list[bytes]]) -> Any:
+def _run_drain_pairs(impl: Any, pair: Pair, messages: list[list[bytes]], units: int) -> Any:
     # A stored partition (pid known, the largest pid) and a new one (no pid yet).
     trackers = {p: PartitionTracker(TOPIC, p, 0) for p in PARTITIONS}
     trackers[PARTITIONS[0]].pid = 0xFFFFFFFF
-    by_prefix = {}
-    for p, tracker in trackers.items():
-        by_prefix[wire.record_prefix(wire.RECORD, TOPIC, p, TOPIC)] = tracker
-        by_prefix[wire.record_prefix(wire.DIRECT_RECORD, "R" * 32, p, TOPIC)] = tracker
+    by_prefix = {prefix: tracker for p, tracker in trackers.items() for prefix in _prefixes(p)}
     calls: list[Any] = []
     out: list[Any] = []
     segs: list[Any] = []
@@ -259,7 +328,7 @@ def _run_drain_pairs(impl: Any, pair: Pair, messages: list[list[bytes]]) -> Any:
     pair.send_all(messages)
     queued = 0
     for _ in range(len(messages) + 2):
-        if queued + len(calls) >= len(messages) or not pair.rx.poll(1000):
+        if queued + len(calls) >= units or not pair.rx.poll(1000):
             break
         queued += impl.drain_pairs(pair.rx, 7, by_prefix, out, segs, 1234, on_record, on_message)
     state = {p: (t.next, t.known, sorted(t.held.items())) for p, t in trackers.items()}
@@ -270,24 +339,29 @@ def _run_drain_pairs(impl: Any, pair: Pair, messages: list[list[bytes]]) -> Any:
 @fast
 @given(events=st.lists(event, max_size=60))
 def test_drain_pairs_same_pairs(pair: Pair, events: list[Any]) -> None:
-    messages = _messages(events)
-    pure = _run_drain_pairs(_pure, pair, messages)
-    compiled = _run_drain_pairs(_compiled, pair, messages)
+    messages, units = _messages(events), _units(events)
+    pure = _run_drain_pairs(_pure, pair, messages, units)
+    compiled = _run_drain_pairs(_compiled, pair, messages, units)
     assert pure == compiled
     queued, out, segs, calls, _ = compiled
-    assert queued + len(calls) == len(messages)
+    assert queued + len(calls) == units
     pairs = [item for item in out if item[0] != "slow"]
     assert len(pairs) == queued == sum(last - first + 1 for _, _, _, first, last, _ in segs)
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["records", "batch"])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_drain_pairs_builds_the_lmdb_layout(impl: Any, pair: Pair) -> None:
-    # The pairs are byte-identical to what RecordDB stores for these records.
+def test_drain_pairs_builds_the_lmdb_layout(impl: Any, pair: Pair, batched: bool) -> None:
+    # The pairs are byte-identical to what RecordDB stores for these records,
+    # whether they came one a message or in a batch.
     tracker = PartitionTracker(TOPIC, PARTITIONS[0], 5)
     tracker.pid = 3
-    by_prefix = {wire.record_prefix(wire.RECORD, TOPIC, PARTITIONS[0], TOPIC): tracker}
+    by_prefix = {prefix: tracker for prefix in _prefixes(PARTITIONS[0])}
     contents = [b"", b"a", b"x" * 300]
-    pair.send_all([_record(PARTITIONS[0], 5 + i, c) for i, c in enumerate(contents)])
+    if batched:
+        pair.send_all([_batch(PARTITIONS[0], 5, tuple(contents))])
+    else:
+        pair.send_all([_record(PARTITIONS[0], 5 + i, c) for i, c in enumerate(contents)])
     out: list[Any] = []
     segs: list[Any] = []
     got = 0
@@ -321,3 +395,17 @@ def test_bad_content_fails_before_its_header_goes_out(pair: Pair) -> None:
         _compiled.send_records(pair.tx, b"h", 0, [b"ok", "not bytes", b"never"])
     _compiled.send_records(pair.tx, b"h", 5, [b"next"])
     assert pair.recv_all() == [[b"h" + wire.pack_u64(0), b"ok"], [b"h" + wire.pack_u64(5), b"next"]]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_batch_counts_its_records_against_the_limit(impl: Any, pair: Pair) -> None:
+    # Callers check their back-pressure between calls: a call must not take
+    # limit batches, each of many records, at once.
+    tracker = PartitionTracker(TOPIC, PARTITIONS[0], 0)
+    by_prefix = {prefix: tracker for prefix in _prefixes(PARTITIONS[0])}
+    pair.send_all([_batch(PARTITIONS[0], 5 * i, (b"r",) * 5) for i in range(4)])
+    assert pair.rx.poll(1000)
+    out: list[Any] = []
+    got = [impl.drain_records(pair.rx, limit, by_prefix, out, None, 0, None, None) for limit in (1, 6, 100)]
+    assert got == [5, 10, 5]
+    assert [item[2] for item in out] == list(range(20))

@@ -20,7 +20,7 @@ cdef extern from "Python.h":
     void PyObject_GC_UnTrack(void *op)
 from libc.errno cimport EAGAIN, EINTR
 from libc.stdint cimport uint64_t, uintptr_t
-from libc.string cimport memcmp, memcpy
+from libc.string cimport memchr, memcmp, memcpy
 
 import zmq
 
@@ -183,6 +183,50 @@ cdef inline void _put_be64(unsigned char *p, uint64_t v) noexcept nogil:
         v >>= 8
 
 
+cdef inline uint64_t _be32(const unsigned char *p) noexcept nogil:
+    return (<uint64_t>p[0] << 24) | (<uint64_t>p[1] << 16) | (<uint64_t>p[2] << 8) | <uint64_t>p[3]
+
+
+cdef inline void _put_be32(unsigned char *p, uint64_t v) noexcept nogil:
+    p[0] = (v >> 24) & 0xFF
+    p[1] = (v >> 16) & 0xFF
+    p[2] = (v >> 8) & 0xFF
+    p[3] = v & 0xFF
+
+
+cdef enum:
+    BATCH_VERSION = 2
+    BATCH_RECORDS = 128
+    BATCH_BYTES = 65536
+
+
+cdef inline bint _is_batch(const unsigned char *prefix, size_t plen) noexcept nogil:
+    """Whether a known RECORD / DIRECT-RECORD header prefix is a batch's (version 2)."""
+    if plen < 2:
+        return False
+    cdef const unsigned char *nul = <const unsigned char *>memchr(prefix + 1, 0, plen - 1)
+    return nul != NULL and <size_t>(nul + 1 - prefix) < plen and nul[1] == BATCH_VERSION
+
+
+cdef Py_ssize_t _batch_count(const unsigned char *p, size_t size, uint64_t first) noexcept nogil:
+    """The number of records in a batch's content frame, or -1 if it is malformed."""
+    cdef uint64_t count, i, n
+    cdef size_t pos = 4
+    if size < 4:
+        return -1
+    count = _be32(p)
+    if count == 0 or count > (size - 4) // 4 or count - 1 > <uint64_t>0xFFFFFFFFFFFFFFFF - first:
+        return -1
+    for i in range(count):
+        if pos + 4 > size:
+            return -1
+        n = _be32(p + pos)
+        if n > size - pos - 4:
+            return -1
+        pos += 4 + n
+    return <Py_ssize_t>count if pos == size else -1
+
+
 cdef class _Cursor:
     """The tracker of the partition being read, its ``next`` kept in C between callbacks."""
 
@@ -216,7 +260,8 @@ def drain_records(sock, int limit, dict by_prefix, out, record_type, ts, on_reco
     """See :func:`dafka.fastio._pure.drain_records`."""
     cdef void *s = _handle(sock)
     cdef dafka_zmq_msg_t head, body
-    cdef int i, queued = 0
+    cdef int queued = 0
+    cdef Py_ssize_t i = 0
     cdef size_t hsize, plen
     cdef const unsigned char *hdata
     cdef bytes key = None
@@ -224,6 +269,10 @@ def drain_records(sock, int limit, dict by_prefix, out, record_type, ts, on_reco
     cdef object seq_obj, content, item
     cdef uint64_t seq
     cdef _Cursor cur = _Cursor()
+    cdef bint batch = False
+    cdef Py_ssize_t count, j
+    cdef size_t bsize, pos, n
+    cdef const unsigned char *bdata
     cdef PyTypeObject *rtype = NULL
     if record_type is not None:
         if not isinstance(record_type, type) or not issubclass(record_type, tuple):
@@ -233,7 +282,8 @@ def drain_records(sock, int limit, dict by_prefix, out, record_type, ts, on_reco
     z_msg_init(&head)
     z_msg_init(&body)
     try:
-        for i in range(limit):
+        while i < limit:
+            i += 1
             if not _recv(&head, s):
                 break
             if not z_msg_more(&head):
@@ -271,7 +321,42 @@ def drain_records(sock, int limit, dict by_prefix, out, record_type, ts, on_reco
                 cur.load(tracker)
                 subject = tracker.subject
                 address = tracker.address
+                batch = _is_batch(hdata, plen)
             seq = _be64(hdata + plen)
+            if batch:
+                # Many records in one message: the same steps for each (kept
+                # apart so that the one-record path stays short).
+                bsize = z_msg_size(&body)
+                bdata = <const unsigned char *>z_msg_data(&body)
+                count = _batch_count(bdata, bsize, seq)
+                if count < 0:
+                    cur.flush()
+                    key = None
+                    on_message([_bytes_of(&head), _bytes_of(&body)])
+                    continue
+                i += count - 1  # a batch counts as its records against limit
+                pos = 4
+                for j in range(count):
+                    n = <size_t>_be32(bdata + pos)
+                    content = PyBytes_FromStringAndSize(<const char *>(bdata + pos + 4), n)
+                    pos += 4 + n
+                    if cur.fast and seq == cur.next:
+                        cur.next = seq + 1
+                        seq_obj = seq
+                        if rtype == NULL:
+                            item = (subject, address, seq_obj, content, ts)
+                        else:
+                            item = _new_record(rtype, subject, address, seq_obj, content)
+                        PyObject_GC_UnTrack(<PyObject *>item)
+                        append(item)
+                        queued += 1
+                    else:
+                        cur.flush()
+                        key = None
+                        cur.fast = False  # after a callback: the rest of this batch takes the slow path
+                        on_record(tracker, seq, content)
+                    seq += 1
+                continue
             content = _bytes_of(&body)
             if cur.fast and seq == cur.next:
                 cur.next = seq + 1
@@ -380,6 +465,76 @@ def send_records(sock, bytes prefix, seq, contents, Py_ssize_t start=0, stop=Non
     return sent
 
 
+cdef inline Py_ssize_t _size_of(object content) except -1:
+    """A content's size in bytes (bytes, or any contiguous buffer)."""
+    cdef const unsigned char[::1] view
+    if PyBytes_Check(content):
+        return PyBytes_GET_SIZE(content)
+    view = content
+    return view.shape[0]
+
+
+def send_batches(sock, bytes prefix, seq, contents, Py_ssize_t start=0, stop=None,
+                 bint noblock=False, Py_ssize_t max_records=BATCH_RECORDS,
+                 Py_ssize_t max_bytes=BATCH_BYTES):
+    """See :func:`dafka.fastio._pure.send_batches`."""
+    cdef void *s = _handle(sock)
+    cdef unsigned char header[HEADER_MAX]
+    cdef Py_ssize_t plen = len(prefix), i, j, k, end, total, size
+    cdef uint64_t first = seq
+    cdef Py_ssize_t sent = 0
+    cdef const char *data
+    cdef unsigned char *p
+    cdef unsigned char *body_end
+    cdef bytes body
+    cdef object content
+    cdef const unsigned char[::1] view
+    cdef const char *empty = ""
+    if plen + 8 > HEADER_MAX:
+        raise ValueError("record header too long")
+    memcpy(header, PyBytes_AS_STRING(prefix), plen)
+    end = len(contents) if stop is None else stop
+    i = start
+    while i < end:
+        # The batch: records i..j-1, at least one, within both limits.
+        j = i
+        total = 0
+        while j < end and j - i < max_records:
+            size = _size_of(contents[j])
+            if j > i and total + size > max_bytes:
+                break
+            total += size
+            j += 1
+        body = PyBytes_FromStringAndSize(NULL, 4 + 4 * (j - i) + total)
+        p = <unsigned char *>PyBytes_AS_STRING(body)
+        body_end = p + PyBytes_GET_SIZE(body)
+        _put_be32(p, j - i)
+        p += 4
+        for k in range(i, j):
+            content = contents[k]
+            if PyBytes_Check(content):
+                data = PyBytes_AS_STRING(content)
+                size = PyBytes_GET_SIZE(content)
+            else:
+                view = content
+                size = view.shape[0]
+                data = <const char *>&view[0] if size else empty
+            if size > body_end - p - 4:
+                raise ValueError("a record changed size while it was being sent")
+            _put_be32(p, size)
+            memcpy(p + 4, data, size)
+            p += 4 + size
+        if p != body_end:
+            raise ValueError("a record changed size while it was being sent")
+        _put_be64(header + plen, first + <uint64_t>sent)
+        if not _send(s, <const char *>header, plen + 8, DAFKA_ZMQ_SNDMORE, not noblock):
+            break
+        _send(s, PyBytes_AS_STRING(body), PyBytes_GET_SIZE(body), 0, True)
+        sent += j - i
+        i = j
+    return sent
+
+
 def send_values(sock, bytes prefix, seq, values, bint noblock=True):
     """See :func:`dafka.fastio._pure.send_values`."""
     cdef void *s = _handle(sock)
@@ -451,11 +606,28 @@ cdef class _PairCursor:
         return 0
 
 
+cdef object _pair(unsigned int pid, uint64_t seq, uint64_t ts, const unsigned char *data, size_t size):
+    """The LMDB key (pid:u32 offset:u64) and value (ts_ms:u64 flags:u8 content) of a record."""
+    cdef bytes rkey = PyBytes_FromStringAndSize(NULL, 12)
+    cdef unsigned char *p = <unsigned char *>PyBytes_AS_STRING(rkey)
+    _put_be32(p, pid)
+    _put_be64(p + 4, seq)
+    cdef bytes value = PyBytes_FromStringAndSize(NULL, 9 + size)
+    p = <unsigned char *>PyBytes_AS_STRING(value)
+    _put_be64(p, ts)
+    p[8] = 0
+    memcpy(p + 9, data, size)
+    item = (rkey, value)
+    PyObject_GC_UnTrack(<PyObject *>item)  # bytes only: no cycle through it
+    return item
+
+
 def drain_pairs(sock, int limit, dict by_prefix, list out, list segs, ts, on_record, on_message):
     """See :func:`dafka.fastio._pure.drain_pairs`."""
     cdef void *s = _handle(sock)
     cdef dafka_zmq_msg_t head, body
-    cdef int i, queued = 0
+    cdef int queued = 0
+    cdef Py_ssize_t i = 0
     cdef size_t hsize, plen, bsize
     cdef const unsigned char *hdata
     cdef unsigned char *p
@@ -465,10 +637,15 @@ def drain_pairs(sock, int limit, dict by_prefix, list out, list segs, ts, on_rec
     cdef uint64_t seq
     cdef uint64_t ts64 = ts
     cdef _PairCursor cur = _PairCursor()
+    cdef bint batch = False
+    cdef Py_ssize_t count, j
+    cdef size_t pos, n
+    cdef const unsigned char *bdata
     z_msg_init(&head)
     z_msg_init(&body)
     try:
-        for i in range(limit):
+        while i < limit:
+            i += 1
             if not _recv(&head, s):
                 break
             if not z_msg_more(&head):
@@ -502,26 +679,42 @@ def drain_pairs(sock, int limit, dict by_prefix, list out, list segs, ts, on_rec
                     on_message([_bytes_of(&head), _bytes_of(&body)])
                     continue
                 cur.load(tracker)
+                batch = _is_batch(hdata, plen)
             seq = _be64(hdata + plen)
+            if batch:
+                # Many records in one message (see drain_records).
+                bsize = z_msg_size(&body)
+                bdata = <const unsigned char *>z_msg_data(&body)
+                count = _batch_count(bdata, bsize, seq)
+                if count < 0:
+                    cur.flush(segs)
+                    key = None
+                    on_message([_bytes_of(&head), _bytes_of(&body)])
+                    continue
+                i += count - 1
+                pos = 4
+                for j in range(count):
+                    n = <size_t>_be32(bdata + pos)
+                    pos += 4
+                    if cur.fast and seq == cur.next:
+                        cur.next = seq + 1
+                        item = _pair(cur.pid, seq, ts64, bdata + pos, n)
+                        cur.nbytes += n
+                        out.append(item)
+                        queued += 1
+                    else:
+                        cur.flush(segs)
+                        key = None
+                        cur.fast = False
+                        on_record(tracker, seq, PyBytes_FromStringAndSize(<const char *>(bdata + pos), n))
+                    pos += n
+                    seq += 1
+                continue
             if cur.fast and seq == cur.next:
                 cur.next = seq + 1
-                # The LMDB key (pid:u32 offset:u64) and value (ts_ms:u64 flags:u8 content), built here.
-                rkey = PyBytes_FromStringAndSize(NULL, 12)
-                p = <unsigned char *>PyBytes_AS_STRING(rkey)
-                p[0] = (cur.pid >> 24) & 0xFF
-                p[1] = (cur.pid >> 16) & 0xFF
-                p[2] = (cur.pid >> 8) & 0xFF
-                p[3] = cur.pid & 0xFF
-                _put_be64(p + 4, seq)
                 bsize = z_msg_size(&body)
-                value = PyBytes_FromStringAndSize(NULL, 9 + bsize)
-                p = <unsigned char *>PyBytes_AS_STRING(value)
-                _put_be64(p, ts64)
-                p[8] = 0
-                memcpy(p + 9, z_msg_data(&body), bsize)
+                item = _pair(cur.pid, seq, ts64, <const unsigned char *>z_msg_data(&body), bsize)
                 cur.nbytes += bsize
-                item = (rkey, value)
-                PyObject_GC_UnTrack(<PyObject *>item)  # bytes only: no cycle through it
                 out.append(item)
                 queued += 1
             else:

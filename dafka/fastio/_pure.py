@@ -19,6 +19,10 @@ SNDMORE = int(zmq.SNDMORE)
 _u64 = struct.Struct(">Q")
 _pack = _u64.pack
 _seq_at = _u64.unpack_from
+_u32_at = struct.Struct(">I").unpack_from
+BATCH_VERSION = 2  # a RECORD / DIRECT-RECORD whose content frame packs many records (wire.pack_batch)
+BATCH_RECORDS = 128  # wire.BATCH_RECORDS, wire.BATCH_BYTES
+BATCH_BYTES = 64 * 1024
 _new_tuple = tuple.__new__
 # pyzmq's Socket.send is a Python wrapper (routing_id / group handling for
 # draft sockets) around the compiled backend's send: calling the backend
@@ -64,6 +68,10 @@ def drain_records(
 ) -> int:
     """Read up to ``limit`` messages from ``sock`` without blocking; the number of records queued.
 
+    A batch message counts as its number of records against ``limit`` (so a
+    call handles at most ``limit + BATCH_RECORDS - 1`` records, as a
+    caller's back-pressure checks expect).
+
     A two-frame message whose first frame, less its last 8 bytes (the
     sequence), is a key of ``by_prefix`` is a known partition's RECORD or
     DIRECT-RECORD; the value is its tracker (``next``, ``known``, ``held``).
@@ -84,11 +92,13 @@ def drain_records(
     # back before any callback, at a prefix change and at the end.
     pfx: bytes | None = None
     tracker: Any = None
-    fast = False
+    fast = batch = False
     nxt = start = 0
     subject = address = None
+    units = 0  # messages read, a batch counting as its records
     try:
-        for _ in range(limit):
+        while units < limit:
+            units += 1
             try:
                 frame = recv(NOBLOCK, False)
             except zmq.Again:
@@ -127,7 +137,37 @@ def drain_records(
                     nxt = 0
                 start = nxt
                 subject, address = tracker.subject, tracker.address
+                batch = _is_batch(key)
             seq = _seq_at(header, len(key))[0]
+            if batch:
+                # Many records in one message: the same steps for each (kept
+                # apart so that the one-record path stays short).
+                contents = _unpack_batch(content, seq)
+                if contents is None:
+                    if nxt != start:
+                        _advance(tracker, nxt)
+                        start = nxt
+                    pfx = None
+                    on_message([header, content])
+                    continue
+                units += len(contents) - 1
+                for content in contents:
+                    if fast and seq == nxt:
+                        nxt += 1
+                        if record_type is None:
+                            append((subject, address, seq, content, ts))
+                        else:
+                            append(_new_tuple(record_type, (subject, address, seq, content)))
+                        queued += 1
+                    else:
+                        if nxt != start:
+                            _advance(tracker, nxt)
+                            start = nxt
+                        pfx = None
+                        fast = False  # after a callback: the rest of this batch takes the slow path
+                        on_record(tracker, seq, content)
+                    seq += 1
+                continue
             if fast and seq == nxt:
                 nxt += 1
                 if record_type is None:
@@ -145,6 +185,32 @@ def drain_records(
         if nxt != start:
             _advance(tracker, nxt)
     return queued
+
+
+def _is_batch(prefix: bytes) -> bool:
+    """Whether a known RECORD / DIRECT-RECORD header prefix is a batch's (version 2)."""
+    return prefix[prefix.index(0, 1) + 1] == BATCH_VERSION
+
+
+def _unpack_batch(body: bytes, first: int) -> list[bytes] | None:
+    """A batch's contents (``count:4``, then ``length:4 bytes`` each); None if malformed."""
+    size = len(body)
+    if size < 4:
+        return None
+    count = _u32_at(body, 0)[0]
+    if count == 0 or count > (size - 4) // 4 or first + count - 1 > 0xFFFFFFFFFFFFFFFF:
+        return None
+    out = []
+    pos = 4
+    for _ in range(count):
+        if pos + 4 > size:
+            return None
+        end = pos + 4 + _u32_at(body, pos)[0]
+        if end > size:
+            return None
+        out.append(body[pos + 4 : end])
+        pos = end
+    return out if pos == size else None
 
 
 def _advance(tracker: Any, nxt: int) -> None:
@@ -179,6 +245,52 @@ def send_records(
             # The rest of a message is never refused once its first part was taken.
             send(contents[i])
             sent += 1
+    except zmq.Again:
+        pass
+    return sent
+
+
+def send_batches(
+    sock: zmq.Socket,
+    prefix: bytes,
+    seq: int,
+    contents: Sequence[bytes],
+    start: int = 0,
+    stop: int | None = None,
+    noblock: bool = False,
+    max_records: int = BATCH_RECORDS,
+    max_bytes: int = BATCH_BYTES,
+) -> int:
+    """As :func:`send_records`, packing consecutive records into batch messages; how many records went.
+
+    ``prefix`` is a batch (version 2) header prefix.  A batch takes up to
+    ``max_records`` records and ``max_bytes`` of contents (at least one record).
+    """
+    send = _backend_send.__get__(sock)
+    flags = NOBLOCK if noblock else 0
+    more = SNDMORE | flags
+    stop = len(contents) if stop is None else stop
+    pack = _u32
+    sent = 0
+    i = start
+    try:
+        while i < stop:
+            parts = []
+            size = 0
+            j = i
+            while j < stop and j - i < max_records:
+                content = contents[j]
+                if j > i and size + len(content) > max_bytes:
+                    break
+                parts.append(pack(len(content)))
+                parts.append(content)
+                size += len(content)
+                j += 1
+            body = pack(j - i) + b"".join(parts)
+            send(prefix + _pack(seq + sent), more)
+            send(body)
+            sent += j - i
+            i = j
     except zmq.Again:
         pass
     return sent
@@ -233,8 +345,9 @@ def drain_pairs(
     queued = 0
     pfx: bytes | None = None  # the open run's header prefix (see drain_records)
     tracker: Any = None
-    fast = False
+    fast = batch = False
     nxt = start = nbytes = 0
+    units = 0  # messages read, a batch counting as its records
     pid_bytes = b""
 
     def close() -> None:
@@ -245,7 +358,8 @@ def drain_pairs(
             start, nbytes = nxt, 0
 
     try:
-        for _ in range(limit):
+        while units < limit:
+            units += 1
             try:
                 frame = recv(NOBLOCK, False)
             except zmq.Again:
@@ -285,8 +399,31 @@ def drain_pairs(
                 else:
                     nxt = 0
                 start, nbytes = nxt, 0
+                batch = _is_batch(key)
             tail = header[-8:]
             seq = _seq_at(tail)[0]
+            if batch:
+                # Many records in one message (see drain_records).
+                contents = _unpack_batch(content, seq)
+                if contents is None:
+                    close()
+                    pfx = None
+                    on_message([header, content])
+                    continue
+                units += len(contents) - 1
+                for content in contents:
+                    if fast and seq == nxt:
+                        nxt += 1
+                        append((pid_bytes + _pack(seq), hdr + content))
+                        nbytes += len(content)
+                        queued += 1
+                    else:
+                        close()
+                        pfx = None
+                        fast = False
+                        on_record(tracker, seq, content)
+                    seq += 1
+                continue
             if fast and seq == nxt:
                 nxt += 1
                 # The key is pid:u32 + the header's own big-endian sequence.
