@@ -346,7 +346,8 @@ class Consumer(PartitionReader):
             self._rebalance(time.monotonic())
         if key in group.owned:
             return False
-        self._not_mine[wire.record_prefix(wire.RECORD, subject, partition, subject)] = key
+        for prefix in wire.record_prefixes(wire.RECORD, subject, partition, subject):
+            self._not_mine[prefix] = key
         return True
 
     def on_message(self, frames: list[bytes]) -> None:
@@ -564,7 +565,8 @@ class Consumer(PartitionReader):
             if taken:
                 for key in taken:
                     self._polled.pop(key, None)  # a late poll of an earlier ownership
-                    self._not_mine.pop(wire.record_prefix(wire.RECORD, key[0], key[1], key[0]), None)
+                    for prefix in wire.record_prefixes(wire.RECORD, key[0], key[1], key[0]):
+                        self._not_mine.pop(prefix, None)
                 self._owned_now = frozenset(group.owned)
                 for topic in sorted({t for t, _ in taken}):
                     # Heads of the taken partitions, so a backlog is fetched even when idle.
@@ -594,9 +596,12 @@ class Consumer(PartitionReader):
         if tracker is None:
             return
         subject, partition = key
-        prefix = wire.record_prefix
-        self._by_prefix.pop(prefix(wire.RECORD, subject, partition, subject), None)
-        self._by_prefix.pop(prefix(wire.DIRECT_RECORD, self.address, partition, subject), None)
+        prefixes = wire.record_prefixes
+        for prefix in (
+            *prefixes(wire.RECORD, subject, partition, subject),
+            *prefixes(wire.DIRECT_RECORD, self.address, partition, subject),
+        ):
+            self._by_prefix.pop(prefix, None)
         self._missing.discard(tracker)
 
     def _positions_to_commit(self) -> dict[Key, int]:

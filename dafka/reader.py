@@ -24,6 +24,7 @@ from dafka.gaps import PartitionTracker
 from dafka.node import Node
 
 NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's enum flags are slower
+_RECORDS = wire.Record | wire.DirectRecord | wire.RecordBatch | wire.DirectRecordBatch
 
 
 class PartitionReader(Node):
@@ -76,9 +77,12 @@ class PartitionReader(Node):
         if tracker is None:
             tracker = self.new_tracker(subject, partition)
             self._trackers[key] = tracker
-            prefix = wire.record_prefix
-            self._by_prefix[prefix(wire.RECORD, subject, partition, subject)] = tracker
-            self._by_prefix[prefix(wire.DIRECT_RECORD, self.address, partition, subject)] = tracker
+            prefixes = wire.record_prefixes
+            for prefix in (
+                *prefixes(wire.RECORD, subject, partition, subject),
+                *prefixes(wire.DIRECT_RECORD, self.address, partition, subject),
+            ):
+                self._by_prefix[prefix] = tracker
         return tracker
 
     def track(self, tracker: PartitionTracker, seq: int, content: bytes) -> None:
@@ -157,10 +161,10 @@ class PartitionReader(Node):
         msg = self.decode_frames(frames)
         if msg is None:
             return
-        if isinstance(msg, wire.Record | wire.DirectRecord | wire.Head | wire.DirectHead):
+        if isinstance(msg, _RECORDS | wire.Head | wire.DirectHead):
             # RECORD/HEAD go to the topic, DIRECT-* to us; the subject is
             # checked exactly because ZeroMQ subscriptions match prefixes.
-            direct = isinstance(msg, wire.DirectRecord | wire.DirectHead)
+            direct = isinstance(msg, wire.DirectRecord | wire.DirectRecordBatch | wire.DirectHead)
             if msg.topic != (self.address if direct else msg.subject) or not self.wants(msg.subject):
                 return
             if self.owns(msg.subject, msg.address):
@@ -170,6 +174,10 @@ class PartitionReader(Node):
             tracker = self.tracker(msg.subject, msg.address)
             if isinstance(msg, wire.Record | wire.DirectRecord):
                 self.track(tracker, msg.sequence, msg.content)
+                return
+            if isinstance(msg, wire.RecordBatch | wire.DirectRecordBatch):
+                for i, content in enumerate(msg.contents):
+                    self.track(tracker, msg.sequence + i, content)
                 return
             if tracker.on_head(msg.sequence):
                 self._missing.add(tracker)  # fetch_missing asks at the end of this drain

@@ -313,6 +313,32 @@ def test_misframed_records_between_good_ones_are_dropped(cfg: NodeConfig, raw_pe
         assert consumer.poll(0.2) is None
 
 
+def test_record_batches_are_delivered_and_malformed_ones_dropped_whole(cfg: NodeConfig, raw_peer) -> None:
+    # Batches (RECORD version 2, what producers send on a secure mesh) between
+    # malformed ones: a content frame that does not parse, a third frame, no
+    # content frame.  Each bad one is dropped whole, the good ones delivered.
+    producer = raw_peer([])
+    with Consumer("hello", cfg, offset_reset="earliest") as consumer:
+        producer.wait_for(lambda p: len(p.peers) >= 1 and p.subscribed(b"Mhello"))
+        n, chunk = 200, 25  # 100 messages in flight at most (see above)
+        expected: list[bytes] = []
+        got: list = []
+        for start in range(0, n, chunk):
+            for i in range(start, start + chunk):
+                contents = tuple(b"good %d" % (3 * i + k) for k in range(3))
+                expected += contents
+                good = wire.encode(wire.RecordBatch("hello", producer.address, "hello", 3 * i, contents))
+                producer.send_raw(good)
+                bad = wire.encode(wire.RecordBatch("hello", producer.address, "hello", 3 * i + 3, (b"bad",)))
+                producer.send_raw([bad[0], b"\x00\x00\x00\x02" + bad[1][4:]])  # counts 2, holds 1
+                producer.send_raw([*bad, b"third frame"])
+                producer.send_raw(bad[:1])
+            got += collect(consumer, 3 * chunk)
+        assert [(r.offset, r.content) for r in got] == list(enumerate(expected))
+        producer.wait_for(lambda p: consumer.bad_input.count >= 3 * n)
+        assert consumer.poll(0.2) is None
+
+
 def free_ports_below_ephemeral(n: int) -> list[int]:
     """``n`` loopback ports free now, all below the ephemeral range."""
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:

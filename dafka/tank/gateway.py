@@ -260,6 +260,9 @@ class Gateway(Store):
         """Committed records of owned partitions go out on the mesh, then their HEAD."""
         prefixes = self._record_prefix
         publisher = self.publisher
+        # Batches on a secure mesh, as a Producer sends them (see Producer.batches).
+        batches = self.config.security is not None
+        send = fastio.send_batches if batches else fastio.send_records
         i, n = 0, len(records)
         while i < n:
             # A run of consecutive offsets of one partition is one batch send.
@@ -269,9 +272,10 @@ class Gateway(Store):
                 j += 1
             prefix = prefixes.get(key)
             if prefix is None:
-                prefix = prefixes[key] = wire.record_prefix(wire.RECORD, key[0], key[1], key[0])
+                prefix = wire.record_prefix(wire.RECORD, key[0], key[1], key[0])
+                prefix = prefixes[key] = wire.batch_prefix(prefix) if batches else prefix
             # A full reader gets less: it FETCHes the rest after the HEAD.
-            fastio.send_records(publisher, prefix, first, [r[2] for r in records[i:j]], noblock=True)
+            send(publisher, prefix, first, [r[2] for r in records[i:j]], noblock=True)
             i = j
         for key in {r[0] for r in records}:
             self.send(wire.Head(key[0], key[1], key[0], self._heads[key]))
