@@ -95,6 +95,10 @@ class Node:
         if self.guard is not None:
             self.ctx = self.guard.ctx  # the context whose ZAP handler checks the allow-list
         self.secure = self.keys is not None
+        # A secure mesh holds only dafka nodes (C nodes have no CURVE): records
+        # go out in batches there, as CURVE encrypts each frame at a fixed cost
+        # (wire.RecordBatch).  A plain mesh keeps the reference's one record a message.
+        self.batches = self.secure
         self.from_store = False  # set while a message from a store-role peer is handled
         self.forged = 0  # store-only messages (ACK, STORE-HELLO) from peers without a store key
         self._peer_keys: dict[str, bytes] = {}  # secure: peer address -> its public key
@@ -182,7 +186,7 @@ class Node:
                         lambda endpoint, s=sock: self._retry_later(s, endpoint),
                     )
                 )
-            self._retries: list[tuple[float, zmq.Socket, str]] = []
+            self._retries = security.Retries(RETRY_REFUSED)
             self._tower_keys: dict[tuple[zmq.Socket, str], bytes] = {}
             for i, tower in enumerate(cfg.towers):
                 self._tower_keys[(self.beacon_pub, tower.beacon_in)] = sec.tower_key(i)  # type: ignore[union-attr]
@@ -605,15 +609,11 @@ class Node:
 
     def _retry_later(self, sock: zmq.Socket, endpoint: str) -> None:
         """A handshake was refused: ZeroMQ gives that connection up, so retry it later."""
-        self._retries.append((time.monotonic() + RETRY_REFUSED, sock, endpoint))
+        self._retries.add(sock, endpoint, time.monotonic())
 
     def _retry_refused(self, now: float) -> None:
         """Timer: connect again where a handshake was refused, if still wanted."""
-        due = [r for r in self._retries if r[0] <= now]
-        if not due:
-            return
-        self._retries = [r for r in self._retries if r[0] > now]
-        for _, sock, endpoint in due:
+        for sock, endpoint in self._retries.take_due(now):
             key = self._tower_keys.get((sock, endpoint))
             if key is None:
                 for address, (gated, gated_endpoint) in self._gated.items():

@@ -292,6 +292,26 @@ def connect(sock: zmq.Socket, endpoint: str, server_key: bytes) -> None:
     sock.connect(endpoint)
 
 
+class Retries:
+    """Connections to make again later: ZeroMQ gives a refused handshake up for good,
+    and the peer's allow-list may have us by then."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self._waiting: list[tuple[float, zmq.Socket, str]] = []
+
+    def add(self, sock: zmq.Socket, endpoint: str, now: float) -> None:
+        self._waiting.append((now + self.delay, sock, endpoint))
+
+    def take_due(self, now: float) -> list[tuple[zmq.Socket, str]]:
+        """The (socket, endpoint) pairs due by ``now``, no longer waiting."""
+        if not any(when <= now for when, _, _ in self._waiting):
+            return []
+        due = [(sock, endpoint) for when, sock, endpoint in self._waiting if when <= now]
+        self._waiting = [r for r in self._waiting if r[0] > now]
+        return due
+
+
 def reconnect(sock: zmq.Socket, endpoint: str, server_key: bytes, logger: logging.Logger) -> None:
     """Connect again after a refused handshake (ZeroMQ gives such a connection up)."""
     try:

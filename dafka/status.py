@@ -268,9 +268,8 @@ class StatusProbe:
         self._readers: dict[zmq.Socket, Any] = {}
         self._refused_by: dict[zmq.Socket, security.RefusalLog] = {}
         self._server_keys: dict[tuple[zmq.Socket, str], bytes] = {}
-        # (when, socket, endpoint): ZeroMQ gives a refused handshake up for
-        # good; --watch connects again (the allow-list may have us by then).
-        self._retries: list[tuple[float, zmq.Socket, str]] = []
+        # --watch connects again where a handshake was refused.
+        self._retries = security.Retries(RETRY_REFUSED)
         self.tower_subs: list[zmq.Socket] = []
         for i, tower in enumerate(config.towers):
             sub = self._socket(zmq.SUB)
@@ -317,15 +316,11 @@ class StatusProbe:
 
     def _on_refused(self, sock: zmq.Socket, endpoint: str) -> None:
         self.refused.append(endpoint)
-        self._retries.append((time.monotonic() + RETRY_REFUSED, sock, endpoint))
+        self._retries.add(sock, endpoint, time.monotonic())
 
     def _retry_refused(self, now: float) -> None:
         """Connect again where a handshake was refused, if the socket is still in use."""
-        due = [r for r in self._retries if r[0] <= now]
-        if not due:
-            return
-        self._retries = [r for r in self._retries if r[0] > now]
-        for _, sock, endpoint in due:
+        for sock, endpoint in self._retries.take_due(now):
             key = self._server_keys.get((sock, endpoint))
             if key is None or sock not in self._refused_by:
                 continue  # the peer's socket was closed meanwhile

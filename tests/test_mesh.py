@@ -7,6 +7,7 @@ says STORE-HELLO, a producer that withholds records, a peer that sends garbage.
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import pytest
@@ -406,7 +407,6 @@ def test_catch_up_over_several_fetch_ranges(cfg: NodeConfig, raw_peer, monkeypat
 
 
 def test_iteration_ends_when_another_thread_closes_the_consumer(cfg: NodeConfig) -> None:
-    import threading
 
     with Producer("iter", cfg, acks=False) as producer, Consumer("iter", cfg) as consumer:
         wait_until(lambda: len(consumer.peers) and len(producer.peers), 10)
@@ -440,6 +440,26 @@ def small_queue_sub(prefix: bytes) -> zmq.Socket:
     sock.setsockopt(zmq.RCVBUF, 4096)
     sock.setsockopt(zmq.SUBSCRIBE, prefix)
     return sock
+
+
+def slow_reader(reader: zmq.Socket, seqs: list[int], seconds: float) -> threading.Thread:
+    """A started thread that reads records from ``reader`` at about 1,000 a second into ``seqs``
+    (their offsets), until nothing comes for 2 s or ``seconds`` pass."""
+
+    def read() -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and reader.poll(2000):
+            for _ in range(10):
+                if not reader.poll(0):
+                    break
+                header = reader.recv()
+                reader.recv()
+                seqs.append(int.from_bytes(header[-8:], "big"))
+            time.sleep(0.01)  # a load shape, not a wait
+
+    taker = threading.Thread(target=read)
+    taker.start()
+    return taker
 
 
 def test_producer_paces_a_burst_larger_than_the_queues(cfg: NodeConfig) -> None:
@@ -513,7 +533,6 @@ def test_paced_records_go_out_in_offset_order_from_several_threads(cfg: NodeConf
     # for room, the lock released); another publishes one record at a time
     # meanwhile.  What the subscriber receives must be every offset, in order:
     # no thread's records may overtake records that already have offsets.
-    import threading
     from dataclasses import replace
 
     reader = small_queue_sub(wire.P_RECORD + b"order")
@@ -567,7 +586,6 @@ def test_a_slow_fetch_answer_is_cut_short_and_starts_no_hold(cfg: NodeConfig, ra
     # DIRECT-RECORDs, so this is no reason to drop live records for everyone:
     # the answer stops after pace_limit (the requester asks again for the
     # rest), the later runs of the answer are not tried, and no hold starts.
-    import threading
     from dataclasses import replace
 
     requester = raw_peer([])
@@ -587,20 +605,7 @@ def test_a_slow_fetch_answer_is_cut_short_and_starts_no_hold(cfg: NodeConfig, ra
         while reader.poll(100):
             reader.recv()
         seqs: list[int] = []
-
-        def read() -> None:
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and reader.poll(2000):
-                for _ in range(10):
-                    if not reader.poll(0):
-                        break
-                    header = reader.recv()
-                    reader.recv()
-                    seqs.append(int.from_bytes(header[-8:], "big"))
-                time.sleep(0.01)  # reads about 1,000 records/s (a load shape, not a wait)
-
-        taker = threading.Thread(target=read)
-        taker.start()
+        taker = slow_reader(reader, seqs, 30)
         served = producer.fetches_served
         requester.send(wire.Fetch(producer.address, requester.address, "replay", 0, n))
         wait_until(lambda: producer.fetches_served > served, 10)
@@ -618,7 +623,6 @@ def test_a_slow_subscriber_that_keeps_reading_is_paced_not_dropped(cfg: NodeConf
     # A run of records takes longer than pace_limit to go out to a subscriber
     # that reads slowly but never stops: that is not stuck (there is progress
     # every few milliseconds), so nothing is dropped and no hold starts.
-    import threading
     from dataclasses import replace
 
     reader = small_queue_sub(wire.P_RECORD + b"slow")
@@ -631,20 +635,7 @@ def test_a_slow_subscriber_that_keeps_reading_is_paced_not_dropped(cfg: NodeConf
                 reader.recv()
             base = producer.next_offset
             seqs: list[int] = []
-
-            def read() -> None:
-                deadline = time.monotonic() + 60
-                while time.monotonic() < deadline and reader.poll(2000):
-                    for _ in range(10):
-                        if not reader.poll(0):
-                            break
-                        header = reader.recv()
-                        reader.recv()
-                        seqs.append(int.from_bytes(header[-8:], "big"))
-                    time.sleep(0.01)  # reads about 1,000 records/s (a load shape, not a wait)
-
-            taker = threading.Thread(target=read)
-            taker.start()
+            taker = slow_reader(reader, seqs, 60)
             started = time.monotonic()
             producer.publish_many([b"y" * 10_000] * n)  # 10 MB: more than the socket buffers hold
             took = time.monotonic() - started
