@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--seconds", type=float, default=3.0,
         help="latency: seconds of publishing per run; embedded: seconds per measurement",
     )
-    p.add_argument("--secure", action="store_true", help="live, store: CURVE mesh with temporary keys; zmq, ceiling: CURVE on the bare pair")
+    p.add_argument("--secure", action="store_true", help="live, store, replay: CURVE mesh with temporary keys; zmq, ceiling: CURVE on the bare pair")
 
 
 def _mesh(secure: bool = False) -> tuple[Any, NodeConfig]:
@@ -212,12 +212,12 @@ def bench_replay(args: argparse.Namespace) -> list[float]:
                 stop = min(start + 10_000, args.records)
                 records.append([(topic, partition, i, payload, now) for i in range(start, stop)])
         for run in range(args.runs):
-            tower, cfg = _mesh()
+            tower, cfg = _mesh(args.secure)
             ready, done = ctx.Event(), ctx.Event()
-            store = ctx.Process(target=_store_process, args=(cfg, db, False, ready, done))
+            store = ctx.Process(target=_store_process, args=(_role(cfg, "store"), db, False, ready, done))
             store.start()
             ready.wait(60)
-            consumer = Consumer(topic, cfg, offset_reset="earliest")
+            consumer = Consumer(topic, _role(cfg, "consumer"), offset_reset="earliest")
             got = 0
             t0 = None
             deadline = time.monotonic() + 600

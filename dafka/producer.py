@@ -222,10 +222,6 @@ class Producer(Node):
             # twin started at once finds the address it must not reuse.
             self._save_identity(force=True)
 
-        # A secure mesh holds only dafka nodes (C nodes have no CURVE): records
-        # go out in batches there, as CURVE encrypts each frame at a fixed cost
-        # (wire.RecordBatch).  A plain mesh keeps the reference's one record a message.
-        self.batches = self.config.security is not None
         self._send_fn = fastio.send_batches if self.batches else fastio.send_records
         self._prefix = self._as_sent(wire.record_prefix(wire.RECORD, topic, self.address, topic))
         self.subscribe(wire.P_ACK + self.address.encode())

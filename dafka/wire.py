@@ -28,7 +28,8 @@ VERSION = 1
 # encrypts per frame, so one frame for many records).  C nodes drop it.
 BATCH_VERSION = 2
 BATCH_RECORDS = 128  # at most this many records in one batch message...
-BATCH_BYTES = 64 * 1024  # ...and contents of at most this size (a bigger record goes alone)
+BATCH_BYTES = 16 * 1024  # ...and contents of at most this size (a bigger record goes alone);
+# queues count messages, so this bounds what a full queue of batches holds
 
 RECORD = ord("M")
 DIRECT_RECORD = ord("D")

@@ -168,6 +168,40 @@ def test_send_batches_same_bytes(
     assert wires[2] == wires[3]
 
 
+@needs_compiled
+@fast
+@given(
+    values=st.lists(
+        st.tuples(st.integers(0, (1 << 64) - 1), st.binary(max_size=50), st.none() | st.binary(max_size=20)),
+        max_size=30,
+    ),
+    first=seqs,
+    max_records=st.integers(1, 10),
+)
+def test_send_batches_of_stored_values_same_bytes(
+    pair: Pair, values: list[tuple[int, bytes, bytes | None]], first: int, max_records: int
+) -> None:
+    # A store's FETCH answer on a secure mesh: the stored values' contents, batched.
+    stored = [memoryview(pack_value(ts, content, key)) for ts, content, key in values]
+    prefix = wire.batch_prefix(wire.record_prefix(wire.DIRECT_RECORD, "C" * 32, "A" * 32, "t"))
+    wires = []
+    for impl in (_pure, _compiled):
+        assert impl.send_batches(pair.tx, prefix, first, stored, noblock=True, max_records=max_records, stored=True) == len(values)
+        wires.append(pair.recv_all())
+        impl.send_batches(pair.tx, prefix, first, [v[1] for v in values], noblock=True, max_records=max_records)
+        assert pair.recv_all() == wires[-1]  # the same as sending the contents themselves
+    assert wires[0] == wires[1]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_stored_value_too_short_is_refused(impl: Any, pair: Pair) -> None:
+    prefix = wire.batch_prefix(wire.record_prefix(wire.DIRECT_RECORD, "C" * 32, "A" * 32, "t"))
+    for bad in (b"short", pack_value(1, b"", b"key")[:12]):
+        with pytest.raises(ValueError):
+            impl.send_batches(pair.tx, prefix, 0, [bad], stored=True)
+    assert pair.recv_all() == []
+
+
 @settings(max_examples=300)
 @given(body=st.binary(max_size=40), first=st.sampled_from([0, 5, 2**64 - 3]))
 def test_batch_bodies_are_judged_as_the_wire_decoder_does(body: bytes, first: int) -> None:
@@ -409,3 +443,13 @@ def test_a_batch_counts_its_records_against_the_limit(impl: Any, pair: Pair) -> 
     got = [impl.drain_records(pair.rx, limit, by_prefix, out, None, 0, None, None) for limit in (1, 6, 100)]
     assert got == [5, 10, 5]
     assert [item[2] for item in out] == list(range(20))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_send_batches_defaults_are_the_wire_limits(impl: Any, pair: Pair) -> None:
+    prefix = wire.batch_prefix(wire.record_prefix(wire.RECORD, "t", "A" * 32, "t"))
+    small, big = [b"s" * 100] * 300, [b"b" * (wire.BATCH_BYTES // 2 + 1)] * 3
+    for contents, sizes in ((small, [128, 128, 44]), (big, [1, 1, 1])):
+        assert impl.send_batches(pair.tx, prefix, 0, contents) == len(contents)
+        assert [len(wire.decode(frames).contents) for frames in pair.recv_all()] == sizes
+    assert wire.BATCH_RECORDS == 128

@@ -151,6 +151,12 @@ def test_secure_mesh_delivers_and_store_acks(pki: Pki, secure_tower: Tower, proc
             wait_until(lambda: got.extend(r.content for r in consumer.poll_batch(1000, 0.1)) or len(got) >= 200, 20)
             assert got == [b"r%d" % i for i in range(200)]
             assert producer.forged == 0
+    # Read back from the store alone (the producer is gone): its FETCH answers come as batches.
+    with Consumer("t", node_cfg(pki, secure_tower, "consumer"), offset_reset="earliest") as late:
+        again: list[bytes] = []
+        wait_until(lambda: again.extend(r.content for r in late.poll_batch(1000, 0.1)) or len(again) >= 200, 20)
+        assert again == [b"r%d" % i for i in range(200)]
+        assert late.fetches_sent > 0
 
 
 

@@ -8,6 +8,7 @@ cannot stall a batch between records; the GIL is released only to wait (a
 send the socket cannot take yet).
 """
 
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.object cimport PyObject, PyTypeObject
@@ -197,7 +198,7 @@ cdef inline void _put_be32(unsigned char *p, uint64_t v) noexcept nogil:
 cdef enum:
     BATCH_VERSION = 2
     BATCH_RECORDS = 128
-    BATCH_BYTES = 65536
+    BATCH_BYTES = 16384
 
 
 cdef inline bint _is_batch(const unsigned char *prefix, size_t plen) noexcept nogil:
@@ -266,7 +267,7 @@ def drain_records(sock, int limit, dict by_prefix, out, record_type, ts, on_reco
     cdef const unsigned char *hdata
     cdef bytes key = None
     cdef object tracker = None, subject = None, address = None
-    cdef object seq_obj, content, item
+    cdef object content
     cdef uint64_t seq
     cdef _Cursor cur = _Cursor()
     cdef bint batch = False
@@ -342,13 +343,7 @@ def drain_records(sock, int limit, dict by_prefix, out, record_type, ts, on_reco
                     pos += 4 + n
                     if cur.fast and seq == cur.next:
                         cur.next = seq + 1
-                        seq_obj = seq
-                        if rtype == NULL:
-                            item = (subject, address, seq_obj, content, ts)
-                        else:
-                            item = _new_record(rtype, subject, address, seq_obj, content)
-                        PyObject_GC_UnTrack(<PyObject *>item)
-                        append(item)
+                        append(_queued_record(rtype, subject, address, seq, content, ts))
                         queued += 1
                     else:
                         cur.flush()
@@ -360,16 +355,7 @@ def drain_records(sock, int limit, dict by_prefix, out, record_type, ts, on_reco
             content = _bytes_of(&body)
             if cur.fast and seq == cur.next:
                 cur.next = seq + 1
-                seq_obj = seq
-                if rtype == NULL:
-                    item = (subject, address, seq_obj, content, ts)
-                else:
-                    item = _new_record(rtype, subject, address, seq_obj, content)
-                # Only str, int and bytes inside: no cycle can pass through the
-                # record, so the cyclic GC need not scan the (possibly huge)
-                # queues and batches of them again and again.
-                PyObject_GC_UnTrack(<PyObject *>item)
-                append(item)
+                append(_queued_record(rtype, subject, address, seq, content, ts))
                 queued += 1
             else:
                 cur.flush()
@@ -380,6 +366,20 @@ def drain_records(sock, int limit, dict by_prefix, out, record_type, ts, on_reco
         z_msg_close(&head)
         z_msg_close(&body)
     return queued
+
+
+cdef inline object _queued_record(PyTypeObject *rtype, object subject, object address, uint64_t seq,
+                                  object content, object ts):
+    """What drain_records queues for a record: ``rtype`` or the plain tuple with ``ts``."""
+    cdef object seq_obj = seq
+    if rtype == NULL:
+        item = (subject, address, seq_obj, content, ts)
+    else:
+        item = _new_record(rtype, subject, address, seq_obj, content)
+    # Only str, int and bytes inside: no cycle can pass through the record, so
+    # the cyclic GC need not scan the (possibly huge) queues of them again and again.
+    PyObject_GC_UnTrack(<PyObject *>item)
+    return item
 
 
 cdef inline object _new_record(PyTypeObject *rtype, object a, object b, object c, object d):
@@ -465,31 +465,58 @@ def send_records(sock, bytes prefix, seq, contents, Py_ssize_t start=0, stop=Non
     return sent
 
 
-cdef inline Py_ssize_t _size_of(object content) except -1:
-    """A content's size in bytes (bytes, or any contiguous buffer)."""
-    cdef const unsigned char[::1] view
-    if PyBytes_Check(content):
-        return PyBytes_GET_SIZE(content)
-    view = content
-    return view.shape[0]
+cdef Py_ssize_t _stored_skip(const unsigned char *data, Py_ssize_t size) except -1:
+    """Where the content starts in a stored LMDB value (``ts:u64 flags:u8 [klen:u8 key] content``)."""
+    cdef Py_ssize_t skip = 9
+    if size < 9:
+        raise ValueError("stored value too short")
+    if data[8] & 1:
+        skip = 10 + (data[9] if size > 9 else 0)
+    if skip > size:
+        raise ValueError("stored value too short for its key")
+    return skip
+
+
+cdef Py_ssize_t _part_size(object item, bint stored) except -1:
+    """The size of a record's content: ``item`` itself, or the content of a stored value."""
+    cdef Py_buffer buf
+    PyObject_GetBuffer(item, &buf, PyBUF_SIMPLE)
+    try:
+        return buf.len - (_stored_skip(<const unsigned char *>buf.buf, buf.len) if stored else 0)
+    finally:
+        PyBuffer_Release(&buf)
+
+
+cdef unsigned char *_put_part(unsigned char *p, unsigned char *end, object item, bint stored) except NULL:
+    """Write ``length:4 content`` of a record at ``p`` (within ``end``); the position after it."""
+    cdef Py_buffer buf
+    cdef Py_ssize_t skip = 0, size
+    PyObject_GetBuffer(item, &buf, PyBUF_SIMPLE)
+    try:
+        if stored:
+            skip = _stored_skip(<const unsigned char *>buf.buf, buf.len)
+        size = buf.len - skip
+        if size > end - p - 4:
+            raise ValueError("a record changed size while it was being sent")
+        _put_be32(p, size)
+        memcpy(p + 4, <const char *>buf.buf + skip, size)
+    finally:
+        PyBuffer_Release(&buf)
+    return p + 4 + size
 
 
 def send_batches(sock, bytes prefix, seq, contents, Py_ssize_t start=0, stop=None,
                  bint noblock=False, Py_ssize_t max_records=BATCH_RECORDS,
-                 Py_ssize_t max_bytes=BATCH_BYTES):
+                 Py_ssize_t max_bytes=BATCH_BYTES, bint stored=False):
     """See :func:`dafka.fastio._pure.send_batches`."""
     cdef void *s = _handle(sock)
     cdef unsigned char header[HEADER_MAX]
     cdef Py_ssize_t plen = len(prefix), i, j, k, end, total, size
     cdef uint64_t first = seq
     cdef Py_ssize_t sent = 0
-    cdef const char *data
     cdef unsigned char *p
     cdef unsigned char *body_end
     cdef bytes body
-    cdef object content
-    cdef const unsigned char[::1] view
-    cdef const char *empty = ""
     if plen + 8 > HEADER_MAX:
         raise ValueError("record header too long")
     memcpy(header, PyBytes_AS_STRING(prefix), plen)
@@ -500,7 +527,7 @@ def send_batches(sock, bytes prefix, seq, contents, Py_ssize_t start=0, stop=Non
         j = i
         total = 0
         while j < end and j - i < max_records:
-            size = _size_of(contents[j])
+            size = _part_size(contents[j], stored)
             if j > i and total + size > max_bytes:
                 break
             total += size
@@ -511,19 +538,7 @@ def send_batches(sock, bytes prefix, seq, contents, Py_ssize_t start=0, stop=Non
         _put_be32(p, j - i)
         p += 4
         for k in range(i, j):
-            content = contents[k]
-            if PyBytes_Check(content):
-                data = PyBytes_AS_STRING(content)
-                size = PyBytes_GET_SIZE(content)
-            else:
-                view = content
-                size = view.shape[0]
-                data = <const char *>&view[0] if size else empty
-            if size > body_end - p - 4:
-                raise ValueError("a record changed size while it was being sent")
-            _put_be32(p, size)
-            memcpy(p + 4, data, size)
-            p += 4 + size
+            p = _put_part(p, body_end, contents[k], stored)
         if p != body_end:
             raise ValueError("a record changed size while it was being sent")
         _put_be64(header + plen, first + <uint64_t>sent)
@@ -556,13 +571,7 @@ def send_values(sock, bytes prefix, seq, values, bint noblock=True):
             view = value
             size = view.shape[0]
             data = &view[0] if size else empty
-        if size < 9:
-            raise ValueError("stored value too short")
-        skip = 9
-        if data[8] & 1:
-            skip = 10 + (data[9] if size > 9 else 0)
-        if skip > size:
-            raise ValueError("stored value too short for its key")
+        skip = _stored_skip(data, size)
         _put_be64(header + plen, first + <uint64_t>sent)
         if not _send(s, <const char *>header, plen + 8, DAFKA_ZMQ_SNDMORE, not noblock):
             break

@@ -22,7 +22,7 @@ _seq_at = _u64.unpack_from
 _u32_at = struct.Struct(">I").unpack_from
 BATCH_VERSION = 2  # a RECORD / DIRECT-RECORD whose content frame packs many records (wire.pack_batch)
 BATCH_RECORDS = 128  # wire.BATCH_RECORDS, wire.BATCH_BYTES
-BATCH_BYTES = 64 * 1024
+BATCH_BYTES = 16 * 1024
 _new_tuple = tuple.__new__
 # pyzmq's Socket.send is a Python wrapper (routing_id / group handling for
 # draft sockets) around the compiled backend's send: calling the backend
@@ -260,16 +260,21 @@ def send_batches(
     noblock: bool = False,
     max_records: int = BATCH_RECORDS,
     max_bytes: int = BATCH_BYTES,
+    stored: bool = False,
 ) -> int:
     """As :func:`send_records`, packing consecutive records into batch messages; how many records went.
 
     ``prefix`` is a batch (version 2) header prefix.  A batch takes up to
     ``max_records`` records and ``max_bytes`` of contents (at least one record).
+    ``stored``: the items are stored LMDB values, as for :func:`send_values`.
     """
     send = _backend_send.__get__(sock)
     flags = NOBLOCK if noblock else 0
     more = SNDMORE | flags
     stop = len(contents) if stop is None else stop
+    if stored:
+        contents = [_stored_content(v) for v in contents[start:stop]]
+        start, stop = 0, len(contents)
     pack = _u32
     sent = 0
     i = start
@@ -294,6 +299,16 @@ def send_batches(
     except zmq.Again:
         pass
     return sent
+
+
+def _stored_content(v: Any) -> Any:
+    """The content of a stored LMDB value (``ts:u64 flags:u8 [klen:u8 key] content``)."""
+    if len(v) < 9:
+        raise ValueError("stored value too short")
+    skip = 9 if not v[8] & 1 else 10 + (v[9] if len(v) > 9 else 0)
+    if skip > len(v):
+        raise ValueError("stored value too short for its key")
+    return v[skip:]
 
 
 def send_values(

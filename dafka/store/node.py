@@ -527,6 +527,8 @@ class Store(PartitionReader):
             job.remaining = stop - job.offset
             return
         prefix = wire.record_prefix(wire.DIRECT_RECORD, fetch.address, fetch.topic, fetch.subject)
+        if self.batches:
+            prefix = wire.batch_prefix(prefix)
         new = FetchJob(
             job_key, prefix, fetch.subject, fetch.topic, fetch.sequence, fetch.count, fetch.sequence
         )
@@ -564,7 +566,10 @@ class Store(PartitionReader):
                     job.offset,
                     start,
                 )
-            sent = fastio.send_values(self.publisher, job.prefix, start, values, True)
+            if self.batches:
+                sent = fastio.send_batches(self.publisher, job.prefix, start, values, noblock=True, stored=True)
+            else:
+                sent = fastio.send_values(self.publisher, job.prefix, start, values, True)
             if sent < len(values):
                 # A reader is full: resume from here on the next tick.
                 self._blocked = True

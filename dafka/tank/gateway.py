@@ -260,8 +260,7 @@ class Gateway(Store):
         """Committed records of owned partitions go out on the mesh, then their HEAD."""
         prefixes = self._record_prefix
         publisher = self.publisher
-        # Batches on a secure mesh, as a Producer sends them (see Producer.batches).
-        batches = self.config.security is not None
+        batches = self.batches  # a secure mesh (see Node.batches)
         send = fastio.send_batches if batches else fastio.send_records
         i, n = 0, len(records)
         while i < n:
