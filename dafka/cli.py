@@ -425,13 +425,14 @@ def storage_options(args: argparse.Namespace, section: dict[str, Any], name: str
 def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
     import lmdb
 
-    from dafka.store.node import Store
+    from dafka.store.node import Store, linger_setting
 
     db, sync, policy = storage_options(args, settings.section("store"), "store")
     section = settings.section("store")
+    linger = linger_setting(section)
     signals = StopSignals()
     try:
-        store = Store(db, service_node_config(args, settings, "store"), sync=sync, retention=policy)
+        store = Store(db, service_node_config(args, settings, "store"), sync=sync, retention=policy, linger=linger)
     except lmdb.Error as exc:
         raise open_error(db, exc) from None
     with store:

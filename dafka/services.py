@@ -61,11 +61,11 @@ class Services:
 
 
 def _start_store(settings: Settings, node: Any, data_dir: Path) -> tuple[str, Any]:
-    from dafka.store.node import Store
+    from dafka.store.node import Store, linger_setting
 
     section = settings.section("store")
     db = section.get("db") or str(data_dir / "store")
-    store = Store(db, node, sync=bool(section.get("sync", True)))
+    store = Store(db, node, sync=bool(section.get("sync", True)), linger=linger_setting(section))
     return f"store      {store.address} db {db}", store
 
 

@@ -276,3 +276,39 @@ def test_a_lost_ack_is_sent_again_on_the_producers_head(cfg: NodeConfig, tmp_pat
         producer.received.clear()
         producer.wait_for(lambda p: acked(p, 2))
         assert all(a.sequence <= 2 for a in producer.messages(wire.Ack))
+
+
+@pytest.mark.parametrize("linger", [0.0, 0.3])
+def test_a_store_reads_a_trickle_together_after_a_small_read(
+    cfg: NodeConfig, tmp_path: Path, raw_peer, linger: float
+) -> None:
+    # At low rates a store rests from reading after a small read (linger):
+    # what arrives meanwhile is read at once, one wake-up for several records,
+    # and still stored and acknowledged.  Without linger, a read a record.
+    producer = raw_peer([wire.P_ACK])
+    with Store(tmp_path / "db", cfg, linger=linger) as store:
+        producer.wait_for(lambda p: len(p.peers) >= 1 and p.subscribed(b"M"))
+        producer.send(wire.Record("t", producer.address, "t", 0, b"first"))
+        producer.wait_for(lambda p: store.heads().get(("t", producer.address), -1) == 0)
+        producer.pump(linger + 0.1)  # the linger after that read is over
+        reads = store.data_reads
+        for i in range(1, 11):
+            producer.send(wire.Record("t", producer.address, "t", i, b"r%d" % i))
+            producer.pump(0.02)  # a trickle: 20 ms apart, 0.2 s in all
+        producer.wait_for(lambda p: any(a.sequence == 10 for a in p.messages(wire.Ack)))
+        if linger:
+            assert store.data_reads - reads <= 3
+        else:
+            assert store.data_reads - reads >= 6
+
+
+def test_linger_setting_is_checked() -> None:
+    from dafka.errors import ConfigError
+    from dafka.store.node import linger_setting
+
+    assert linger_setting({}) == 0.001
+    assert linger_setting({"linger_ms": 0}) == 0.0
+    assert linger_setting({"linger_ms": 2.5}) == 0.0025
+    for bad in ("1", -1, 1001, True):
+        with pytest.raises(ConfigError):
+            linger_setting({"linger_ms": bad})

@@ -40,7 +40,7 @@ import zmq
 
 from dafka import fastio, wire
 from dafka.config import NodeConfig, default_node_config
-from dafka.errors import ProtocolError
+from dafka.errors import ConfigError, ProtocolError
 from dafka.gaps import PartitionTracker
 from dafka.metrics import SECONDS_BUCKETS, SIZE_BUCKETS, Histogram
 from dafka.node import DRAIN
@@ -49,6 +49,16 @@ from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.layout import RECORD_KEY, VALUE_HEADER
 
 log = logging.getLogger("dafka.store")
+LINGER = 0.001  # seconds a store rests from reading after a small read (see Store)
+LINGER_BELOW = 64  # a read of fewer records than this is small
+
+
+def linger_setting(section: dict[str, Any]) -> float:
+    """A [store] section's ``linger_ms`` in seconds (default :data:`LINGER`)."""
+    value = section.get("linger_ms", LINGER * 1000)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1000:
+        raise ConfigError(f"[store] linger_ms must be a number of milliseconds from 0 to 1000, not {value!r}")
+    return float(value) / 1000
 
 
 MAX_BATCH = 200_000  # records waiting for the writer before reading pauses
@@ -94,10 +104,17 @@ class Store(PartitionReader):
         retention_interval: float = 1.0,
         retry_interval: float = 0.5,
         address: str | None = None,
+        linger: float = LINGER,
     ) -> None:
         config = (config or default_node_config()).with_towers(towers)
         super().__init__(config, address=address)
         self.db = db if isinstance(db, RecordDB) else RecordDB(db, sync=sync)
+        # After a read that found only a few records, rest from reading for
+        # this long (see Node.linger_data): at low rates the store then wakes
+        # about once a millisecond rather than once a record, and consumers on
+        # the same cores deliver sooner.  Its cost: up to this much more ACK latency.
+        self.linger = linger
+        self.data_reads = 0  # reads of the data socket (each a wake-up)
         self.retention = retention or RetentionPolicy()
         self.retention_interval = retention_interval
         self.retry_interval = retry_interval
@@ -418,13 +435,16 @@ class Store(PartitionReader):
         ts = self._ts = int(time.time() * 1000)
         if self.ready_pairs:
             with self._put_gate:
-                fastio.drain_pairs(
+                read = fastio.drain_pairs(
                     self.sub, DRAIN, self._by_prefix, self._pairs, self._segs, ts, self.track, self.on_message
                 )
         else:
-            fastio.drain_records(
+            read = fastio.drain_records(
                 self.sub, DRAIN, self._by_prefix, self._batch, None, ts, self.track, self.on_message
             )
+        self.data_reads += 1
+        if self.linger and read < LINGER_BELOW:
+            self.linger_data(self.linger)
         if self._missing:
             self.fetch_missing()
         if self.pending_records() >= MAX_BATCH:
