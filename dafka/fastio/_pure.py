@@ -95,10 +95,11 @@ def drain_records(
     fast = batch = False
     nxt = start = 0
     subject = address = None
-    units = 0  # messages read, a batch counting as its records
+    extra = 0  # the records of batches beyond one a message: they count against limit too
     try:
-        while units < limit:
-            units += 1
+        for i in range(limit):
+            if extra and i + extra >= limit:
+                break
             try:
                 frame = recv(NOBLOCK, False)
             except zmq.Again:
@@ -150,7 +151,7 @@ def drain_records(
                     pfx = None
                     on_message([header, content])
                     continue
-                units += len(contents) - 1
+                extra += len(contents) - 1
                 for content in contents:
                     if fast and seq == nxt:
                         nxt += 1
@@ -362,7 +363,7 @@ def drain_pairs(
     tracker: Any = None
     fast = batch = False
     nxt = start = nbytes = 0
-    units = 0  # messages read, a batch counting as its records
+    extra = 0  # see drain_records
     pid_bytes = b""
 
     def close() -> None:
@@ -373,8 +374,9 @@ def drain_pairs(
             start, nbytes = nxt, 0
 
     try:
-        while units < limit:
-            units += 1
+        for i in range(limit):
+            if extra and i + extra >= limit:
+                break
             try:
                 frame = recv(NOBLOCK, False)
             except zmq.Again:
@@ -425,7 +427,7 @@ def drain_pairs(
                     pfx = None
                     on_message([header, content])
                     continue
-                units += len(contents) - 1
+                extra += len(contents) - 1
                 for content in contents:
                     if fast and seq == nxt:
                         nxt += 1
