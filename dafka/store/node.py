@@ -443,7 +443,9 @@ class Store(PartitionReader):
                 self.sub, DRAIN, self._by_prefix, self._batch, None, ts, self.track, self.on_message
             )
         self.data_reads += 1
-        if self.linger and read < LINGER_BELOW:
+        # A trickle: few records read and nothing left waiting (``read`` counts
+        # only the fast path's records, so a full read of others is no trickle).
+        if self.linger and read < LINGER_BELOW and not self.sub.get(zmq.EVENTS) & zmq.POLLIN:
             self.linger_data(self.linger)
         if self._missing:
             self.fetch_missing()
