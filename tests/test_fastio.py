@@ -95,6 +95,23 @@ seqs = st.integers(min_value=0, max_value=(1 << 64) - 200)
 fast = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
+def _same_from_buffers(pair: Pair, contents: list[bytes], send: Any) -> None:
+    """``send(impl, items)`` sends the same bytes in both implementations from a slice of a
+    tuple of memoryviews and bytearrays."""
+    mixed = tuple(memoryview(c) if i % 2 else bytearray(c) for i, c in enumerate(contents))
+    wires = []
+    for impl in (_pure, _compiled):
+        send(impl, mixed)
+        wires.append(pair.recv_all())
+    assert wires[0] == wires[1]
+
+
+stored_values = st.lists(
+    st.tuples(st.integers(0, (1 << 64) - 1), st.binary(max_size=50), st.none() | st.binary(max_size=20)),
+    max_size=30,
+)  # (ts, content, key) of stored LMDB values
+
+
 @needs_compiled
 @fast
 @given(contents=contents, first=seqs, noblock=st.booleans())
@@ -105,23 +122,12 @@ def test_send_records_same_bytes(pair: Pair, contents: list[bytes], first: int, 
         assert impl.send_records(pair.tx, prefix, first, contents, noblock=noblock) == len(contents)
         wires.append(pair.recv_all())
     assert wires[0] == wires[1] == [[prefix + wire.pack_u64(first + i), c] for i, c in enumerate(contents)]
-    # A slice, from a tuple of memoryviews and bytearrays.
-    mixed = tuple(memoryview(c) if i % 2 else bytearray(c) for i, c in enumerate(contents))
-    for impl in (_pure, _compiled):
-        impl.send_records(pair.tx, prefix, first, mixed, 1, max(1, len(mixed) - 1))
-        wires.append(pair.recv_all())
-    assert wires[2] == wires[3]
+    _same_from_buffers(pair, contents, lambda impl, mixed: impl.send_records(pair.tx, prefix, first, mixed, 1, max(1, len(mixed) - 1)))
 
 
 @needs_compiled
 @fast
-@given(
-    values=st.lists(
-        st.tuples(st.integers(0, (1 << 64) - 1), st.binary(max_size=50), st.none() | st.binary(max_size=20)),
-        max_size=30,
-    ),
-    first=seqs,
-)
+@given(values=stored_values, first=seqs)
 def test_send_values_same_bytes(pair: Pair, values: list[tuple[int, bytes, bytes | None]], first: int) -> None:
     stored = [pack_value(ts, content, key) for ts, content, key in values]
     prefix = wire.record_prefix(wire.DIRECT_RECORD, "C" * 32, "A" * 32, "t")
@@ -160,24 +166,16 @@ def test_send_batches_same_bytes(
     for b in batches:
         assert len(b.contents) <= max_records
         assert len(b.contents) == 1 or sum(map(len, b.contents)) <= max_bytes
-    # A slice, from a tuple of memoryviews and bytearrays.
-    mixed = tuple(memoryview(c) if i % 2 else bytearray(c) for i, c in enumerate(contents))
-    for impl in (_pure, _compiled):
-        impl.send_batches(pair.tx, prefix, first, mixed, 1, max(1, len(mixed) - 1), max_records=max_records)
-        wires.append(pair.recv_all())
-    assert wires[2] == wires[3]
+    _same_from_buffers(
+        pair,
+        contents,
+        lambda impl, mixed: impl.send_batches(pair.tx, prefix, first, mixed, 1, max(1, len(mixed) - 1), max_records=max_records),
+    )
 
 
 @needs_compiled
 @fast
-@given(
-    values=st.lists(
-        st.tuples(st.integers(0, (1 << 64) - 1), st.binary(max_size=50), st.none() | st.binary(max_size=20)),
-        max_size=30,
-    ),
-    first=seqs,
-    max_records=st.integers(1, 10),
-)
+@given(values=stored_values, first=seqs, max_records=st.integers(1, 10))
 def test_send_batches_of_stored_values_same_bytes(
     pair: Pair, values: list[tuple[int, bytes, bytes | None]], first: int, max_records: int
 ) -> None:
