@@ -315,7 +315,8 @@ class StatusProbe:
         security.connect(sock, endpoint, server_key)
 
     def _on_refused(self, sock: zmq.Socket, endpoint: str) -> None:
-        self.refused.append(endpoint)
+        if endpoint not in self.refused:  # --watch retries every second: list each once
+            self.refused.append(endpoint)
         self._retries.add(sock, endpoint, time.monotonic())
 
     def _retry_refused(self, now: float) -> None:
