@@ -548,21 +548,19 @@ class Producer(Node):
         prefix = self._as_sent(wire.record_prefix(wire.DIRECT_RECORD, fetch.address, self.address, self.topic))
         with self._lock:
             runs = self.window.runs(fetch.sequence, fetch.count)  # the publisher may push meanwhile
-        cut = self.answers_cut
         for first, contents in runs:
             # Runs hold up to unacked.CHUNK records: the lock is released between them.
             with self._lock:
                 if self._closed:
                     return
-                self._send_run(prefix, first, contents, 0, len(contents), answer=True)
-                if self.answers_cut != cut:
-                    break  # the requester reads slowly: no wait for each later run
+                if not self._send_run(prefix, first, contents, 0, len(contents), answer=True):
+                    break  # cut short (the requester reads slowly): no wait for each later run
         self.fetches_served += 1
 
     def _send_run(
         self, prefix: bytes, seq: int, contents: Sequence[bytes], start: int, stop: int, answer: bool = False
-    ) -> None:
-        """Send ``contents[start:stop]`` as records from ``seq`` (lock held).
+    ) -> bool:
+        """Send ``contents[start:stop]`` as records from ``seq`` (lock held); False if an answer was cut short.
 
         A burst larger than the high-water marks would overflow a reader's
         queue (and in secure mode CURVE encryption is slower than the
@@ -576,27 +574,27 @@ class Producer(Node):
         """
         if not self._paced:
             if answer and self.pace_limit:
-                self._send_answer(prefix, seq, contents, start, stop)
-            else:
-                # Lossy: what a full queue cannot take is dropped.  (Never a
-                # wait: while an answer has NODROP on, the rest is dropped.)
-                self._send_fn(self.publisher, prefix, seq, contents, start, stop, True)
-            return
+                return self._send_answer(prefix, seq, contents, start, stop)
+            # Lossy: what a full queue cannot take is dropped.  (Never a
+            # wait: while an answer has NODROP on, the rest is dropped.)
+            self._send_fn(self.publisher, prefix, seq, contents, start, stop, True)
+            return True
         reached = self._send_waiting(prefix, seq, contents, start, stop, live=not answer)
         if reached >= stop or self._closed:
-            return
+            return True
         seq += reached - start
         if self._paced and answer:
             # Only the requester's queue takes DIRECT-RECORDs, and a replay may
             # read slowly without being stuck: cut the answer short (it asks
             # again for the rest) rather than drop live records for everyone.
             self.answers_cut += 1
-            return
+            return False
         if self._paced:  # waited in vain: a subscriber is stuck
             self._start_hold(time.monotonic())
             self._send_fn(self.publisher, prefix, seq, contents, reached, stop, True)
-        else:  # another sender gave up waiting meanwhile
-            self._send_run(prefix, seq, contents, reached, stop, answer)
+            return True
+        # Another sender gave up waiting meanwhile.
+        return self._send_run(prefix, seq, contents, reached, stop, answer)
 
     def _send_waiting(
         self, prefix: bytes, seq: int, contents: Sequence[bytes], start: int, stop: int, live: bool
@@ -654,8 +652,8 @@ class Producer(Node):
         self._lossy_until = now + self._lossy_hold
         self.publisher.setsockopt(zmq.XPUB_NODROP, 0)
 
-    def _send_answer(self, prefix: bytes, seq: int, contents: Sequence[bytes], start: int, stop: int) -> None:
-        """A FETCH answer during a lossy hold (lock held): still wait for room.
+    def _send_answer(self, prefix: bytes, seq: int, contents: Sequence[bytes], start: int, stop: int) -> bool:
+        """A FETCH answer during a lossy hold (lock held): still wait for room; False if cut short.
 
         A DIRECT-RECORD matches only the queue of the consumer that asked, so
         NODROP, on for this answer alone, waits for that reader only, not for
@@ -665,11 +663,13 @@ class Producer(Node):
         """
         self.publisher.setsockopt(zmq.XPUB_NODROP, 1)
         try:
-            if self._send_waiting(prefix, seq, contents, start, stop, live=False) < stop and not self._closed:
-                self.answers_cut += 1
+            whole = self._send_waiting(prefix, seq, contents, start, stop, live=False) >= stop or self._closed
         finally:
             if not self._paced and not self._closed:
                 self.publisher.setsockopt(zmq.XPUB_NODROP, 0)
+        if not whole:
+            self.answers_cut += 1
+        return whole
 
     def _send_locked(self, frames: list[bytes]) -> None:
         with self._lock:

@@ -305,10 +305,9 @@ class Retries:
 
     def take_due(self, now: float) -> list[tuple[zmq.Socket, str]]:
         """The (socket, endpoint) pairs due by ``now``, no longer waiting."""
-        if not any(when <= now for when, _, _ in self._waiting):
-            return []
         due = [(sock, endpoint) for when, sock, endpoint in self._waiting if when <= now]
-        self._waiting = [r for r in self._waiting if r[0] > now]
+        if due:
+            self._waiting = [r for r in self._waiting if r[0] > now]
         return due
 
 

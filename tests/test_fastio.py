@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 
 from dafka import fastio, wire
 from dafka.consumer import ConsumerRecord
-from dafka.errors import ProtocolError
 from dafka.fastio import _pure
 from dafka.gaps import PartitionTracker
 from dafka.store.layout import RECORD_KEY, pack_value
@@ -198,16 +197,6 @@ def test_a_stored_value_too_short_is_refused(impl: Any, pair: Pair) -> None:
         with pytest.raises(ValueError):
             impl.send_batches(pair.tx, prefix, 0, [bad], stored=True)
     assert pair.recv_all() == []
-
-
-@settings(max_examples=300)
-@given(body=st.binary(max_size=40), first=st.sampled_from([0, 5, 2**64 - 3]))
-def test_batch_bodies_are_judged_as_the_wire_decoder_does(body: bytes, first: int) -> None:
-    try:
-        expected: Any = list(wire.unpack_batch(body, first))
-    except ProtocolError:
-        expected = None
-    assert _pure._unpack_batch(body, first) == expected
 
 
 @pytest.mark.parametrize("impl", IMPLS)

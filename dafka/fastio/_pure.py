@@ -14,15 +14,15 @@ from typing import Any
 
 import zmq
 
+from dafka.errors import ProtocolError
+from dafka.store.layout import value_content
+from dafka.wire import BATCH_BYTES, BATCH_RECORDS, BATCH_VERSION, pack_batch, unpack_batch
+
 NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's enum flags are slower
 SNDMORE = int(zmq.SNDMORE)
 _u64 = struct.Struct(">Q")
 _pack = _u64.pack
 _seq_at = _u64.unpack_from
-_u32_at = struct.Struct(">I").unpack_from
-BATCH_VERSION = 2  # a RECORD / DIRECT-RECORD whose content frame packs many records (wire.pack_batch)
-BATCH_RECORDS = 128  # wire.BATCH_RECORDS, wire.BATCH_BYTES
-BATCH_BYTES = 16 * 1024
 _new_tuple = tuple.__new__
 # pyzmq's Socket.send is a Python wrapper (routing_id / group handling for
 # draft sockets) around the compiled backend's send: calling the backend
@@ -143,7 +143,7 @@ def drain_records(
             if batch:
                 # Many records in one message: the same steps for each (kept
                 # apart so that the one-record path stays short).
-                contents = _unpack_batch(content, seq)
+                contents = _batch_contents(content, seq)
                 if contents is None:
                     if nxt != start:
                         _advance(tracker, nxt)
@@ -193,25 +193,12 @@ def _is_batch(prefix: bytes) -> bool:
     return prefix[prefix.index(0, 1) + 1] == BATCH_VERSION
 
 
-def _unpack_batch(body: bytes, first: int) -> list[bytes] | None:
-    """A batch's contents (``count:4``, then ``length:4 bytes`` each); None if malformed."""
-    size = len(body)
-    if size < 4:
+def _batch_contents(body: bytes, first: int) -> tuple[bytes, ...] | None:
+    """A batch's contents (:func:`dafka.wire.unpack_batch`), or None if it is malformed."""
+    try:
+        return unpack_batch(body, first)
+    except ProtocolError:
         return None
-    count = _u32_at(body, 0)[0]
-    if count == 0 or count > (size - 4) // 4 or first + count - 1 > 0xFFFFFFFFFFFFFFFF:
-        return None
-    out = []
-    pos = 4
-    for _ in range(count):
-        if pos + 4 > size:
-            return None
-        end = pos + 4 + _u32_at(body, pos)[0]
-        if end > size:
-            return None
-        out.append(body[pos + 4 : end])
-        pos = end
-    return out if pos == size else None
 
 
 def _advance(tracker: Any, nxt: int) -> None:
@@ -274,25 +261,19 @@ def send_batches(
     more = SNDMORE | flags
     stop = len(contents) if stop is None else stop
     if stored:
-        contents = [_stored_content(v) for v in contents[start:stop]]
+        contents = [value_content(v) for v in contents[start:stop]]
         start, stop = 0, len(contents)
-    pack = _u32
     sent = 0
     i = start
     try:
         while i < stop:
-            parts = []
-            size = 0
-            j = i
-            while j < stop and j - i < max_records:
-                content = contents[j]
-                if j > i and size + len(content) > max_bytes:
-                    break
-                parts.append(pack(len(content)))
-                parts.append(content)
-                size += len(content)
+            # The batch: records i..j-1, at least one, within both limits.
+            size = len(contents[i])
+            j = i + 1
+            while j < stop and j - i < max_records and size + len(contents[j]) <= max_bytes:
+                size += len(contents[j])
                 j += 1
-            body = pack(j - i) + b"".join(parts)
+            body = pack_batch(contents[i:j])
             send(prefix + _pack(seq + sent), more)
             send(body)
             sent += j - i
@@ -300,16 +281,6 @@ def send_batches(
     except zmq.Again:
         pass
     return sent
-
-
-def _stored_content(v: Any) -> Any:
-    """The content of a stored LMDB value (``ts:u64 flags:u8 [klen:u8 key] content``)."""
-    if len(v) < 9:
-        raise ValueError("stored value too short")
-    skip = 9 if not v[8] & 1 else 10 + (v[9] if len(v) > 9 else 0)
-    if skip > len(v):
-        raise ValueError("stored value too short for its key")
-    return v[skip:]
 
 
 def send_values(
@@ -421,7 +392,7 @@ def drain_pairs(
             seq = _seq_at(tail)[0]
             if batch:
                 # Many records in one message (see drain_records).
-                contents = _unpack_batch(content, seq)
+                contents = _batch_contents(content, seq)
                 if contents is None:
                     close()
                     pfx = None

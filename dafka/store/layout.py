@@ -153,8 +153,13 @@ def unpack_value(value: bytes) -> tuple[int, int, bytes | None, bytes]:
 
 
 def value_content(value: bytes) -> bytes:
-    """Only the content of a stored value (what a plain Dafka consumer gets)."""
+    """Only the content of a stored value (what a plain Dafka consumer gets); ValueError if too short."""
+    size = len(value)
+    if size < VALUE_HEADER_SIZE:
+        raise ValueError("stored value too short")
     if value[8] & FLAG_KEY:
+        if size < VALUE_HEADER_SIZE + 1 or VALUE_HEADER_SIZE + 1 + value[9] > size:
+            raise ValueError("stored value too short for its key")
         return value[10 + value[9] :]
     return value[9:]
 
