@@ -361,15 +361,31 @@ def pack_batch(contents: Sequence[bytes]) -> bytes:
 
 def unpack_batch(body: bytes, first: int) -> tuple[bytes, ...]:
     """The contents of a batch's content frame (see :func:`pack_batch`) starting at offset ``first``."""
-    r = _Reader(body, 0)
-    count = r.u32()
+    # A tight loop rather than _Reader: pure-Python readers call it per batch on their hot path.
+    size = len(body)
+    if size < 4:
+        raise ProtocolError("truncated batch count")
+    count = _U32.unpack_from(body)[0]
     if count == 0:
         raise ProtocolError("empty batch")
+    if count > (size - 4) // 4:
+        raise ProtocolError("batch count larger than its frame")
     if first + count - 1 > 0xFFFFFFFFFFFFFFFF:
         raise ProtocolError("batch runs past the last offset")
-    contents = tuple(r.longbytes() for _ in range(count))
-    r.end()
-    return contents
+    length_at = _U32.unpack_from
+    out = []
+    pos = 4
+    for _ in range(count):
+        if pos + 4 > size:
+            raise ProtocolError("truncated batch record length")
+        end = pos + 4 + length_at(body, pos)[0]
+        if end > size:
+            raise ProtocolError("truncated batch record")
+        out.append(body[pos + 4 : end])
+        pos = end
+    if pos != size:
+        raise ProtocolError(f"{size - pos} trailing bytes after a batch")
+    return tuple(out)
 
 
 def batch_prefix(prefix: bytes) -> bytes:
@@ -468,14 +484,6 @@ class _Reader:
             raise ProtocolError("truncated longstr")
         self.pos = pos + n
         return _text(self.buf[pos : pos + n])
-
-    def longbytes(self) -> bytes:
-        n = self.u32()
-        pos = self.pos
-        if pos + n > len(self.buf):
-            raise ProtocolError("truncated batch record")
-        self.pos = pos + n
-        return self.buf[pos : pos + n]
 
     def end(self) -> None:
         if self.pos != len(self.buf):
