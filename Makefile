@@ -33,7 +33,7 @@ lint: setup
 # mesh, store and wire tests again on the pure-Python twin.
 test: setup lint
 	DAFKA_REQUIRE_EXTENSIONS=1 $(BIN)/pytest
-	DAFKA_NO_EXTENSIONS=1 $(BIN)/pytest tests/test_mesh.py tests/test_store_node.py tests/test_wire.py tests/test_fastio.py
+	DAFKA_NO_EXTENSIONS=1 $(BIN)/pytest tests/test_mesh.py tests/test_batches.py tests/test_store_node.py tests/test_wire.py tests/test_fastio.py
 
 bench: setup
 	$(BIN)/dafka bench live --records 1000000 --runs 3

@@ -79,6 +79,9 @@ class NodeConfig:
     beacon_timeout: float = 4.0
     hwm: int = 100_000  # ZeroMQ high-water marks of the data sockets, in messages
     security: SecurityConfig | None = None  # None: plain mode (as the C reference)
+    # Plain mesh: records go out in batches to readers that all take them (dafka
+    # nodes; see dafka.audience).  False: always one record a message.
+    batches: bool = True
 
     def with_towers(self, towers: str | list[str] | None) -> NodeConfig:
         return self if not towers else replace(self, towers=parse_towers(towers))
@@ -96,7 +99,7 @@ class Settings:
         return dict(self.sections.get(name, {}))
 
 
-_NODE_KEYS = {"towers", "bind", "advertise", "beacon_interval", "beacon_timeout", "hwm"}
+_NODE_KEYS = {"towers", "bind", "advertise", "beacon_interval", "beacon_timeout", "hwm", "batches"}
 
 
 def node_config_from(data: dict[str, Any], base: NodeConfig | None = None) -> NodeConfig:
@@ -115,6 +118,10 @@ def node_config_from(data: dict[str, Any], base: NodeConfig | None = None) -> No
             kwargs[key] = float(data[key])
     if "hwm" in data:
         kwargs["hwm"] = int(data["hwm"])
+    if "batches" in data:
+        if not isinstance(data["batches"], bool):
+            raise ConfigError(f"[node] batches must be true or false, not {data['batches']!r}")
+        kwargs["batches"] = data["batches"]
     return replace(cfg, **kwargs)
 
 

@@ -108,6 +108,11 @@ GAUGES: list[tuple[str, Getter, str]] = [
     ),
     ("dafka_records_acked_offset", lambda n: n.window.acked, "Highest offset a store acknowledged"),
     ("dafka_records_unacked", lambda n: len(n.window), "Records kept waiting for an ACK"),
+    (
+        "dafka_producer_batching",
+        lambda n: int(n.batching),
+        "1 while live records go out in batches (every reader takes them), 0: one a message",
+    ),
     ("dafka_consumer_queued", lambda n: len(n._queue), "Records delivered, not yet polled"),
     ("dafka_tank_connections", lambda n: len(n._conns), "Open Tank client connections"),
 ]

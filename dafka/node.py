@@ -35,6 +35,7 @@ from typing import Any
 import zmq
 
 from dafka import fastio, security, wire
+from dafka.audience import BatchAudience
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import ProtocolError
 from dafka.peers import Connect, PeerAction, PeerTable, TowerWatch
@@ -53,6 +54,7 @@ STORE_ONLY = (
     wire.P_COMMITTED,
     wire.P_POSITIONS,
 )
+RECORD_IDS = (wire.P_RECORD, wire.P_DIRECT_RECORD)  # subscriptions that get a batch twin
 RETRY_REFUSED = 1.0  # seconds before connecting again where a secure handshake was refused
 
 
@@ -96,9 +98,11 @@ class Node:
             self.ctx = self.guard.ctx  # the context whose ZAP handler checks the allow-list
         self.secure = self.keys is not None
         # A secure mesh holds only dafka nodes (C nodes have no CURVE): records
-        # go out in batches there, as CURVE encrypts each frame at a fixed cost
-        # (wire.RecordBatch).  A plain mesh keeps the reference's one record a message.
+        # always go out in batches there (wire.RecordBatch).  On a plain mesh they
+        # do where every reader of a message took batches (its subscriptions'
+        # batch twins, counted by the audience); C readers get one record a message.
         self.batches = self.secure
+        self.audience = BatchAudience(enabled=self.config.batches)
         self.from_store = False  # set while a message from a store-role peer is handled
         self.forged = 0  # store-only messages (ACK, STORE-HELLO) from peers without a store key
         self._peer_keys: dict[str, bytes] = {}  # secure: peer address -> its public key
@@ -125,7 +129,8 @@ class Node:
         self.publisher.setsockopt(zmq.SNDHWM, cfg.hwm)
         self.publisher.setsockopt(zmq.LINGER, 2000)
         if self.publisher_type == zmq.XPUB:
-            self.publisher.setsockopt(zmq.XPUB_VERBOSE, 1)
+            # Every subscribe and unsubscribe (a peer leaving too): the audience counts them.
+            self.publisher.setsockopt(zmq.XPUB_VERBOSER, 1)
         if self.keys is not None:
             security.make_server(self.publisher, self.keys)
             self._refusals.append(security.RefusalLog(self.publisher, f"{self.kind} publisher", self.log))
@@ -719,8 +724,22 @@ class Node:
         except KeyError:
             pass
 
+    def batches_for(self, header: bytes) -> bool:
+        """Whether records with this single-record header prefix go out as batches."""
+        return self.batches or self.audience.takes_batches(header)
+
+    def on_subscription(self, subscribe: bool, prefix: bytes) -> None:
+        """A peer (un)subscribed ``prefix`` on our XPUB publisher (I/O thread)."""
+        self.audience.on_subscription(subscribe, prefix)
+
     def subscribe(self, prefix: bytes) -> None:
-        """Subscribe the data SUB (I/O thread only)."""
+        """Subscribe the data SUB (I/O thread only).
+
+        Record prefixes get their batch twin first (see :mod:`dafka.audience`):
+        every reader of ours takes batches.
+        """
+        if prefix[:1] in RECORD_IDS:
+            self.sub.setsockopt(zmq.SUBSCRIBE, wire.BATCH_CAPABLE + prefix)
         if self.trusted_sub is not None and self.suspect_sub is not None and prefix[:1] in STORE_ONLY:
             self.trusted_sub.setsockopt(zmq.SUBSCRIBE, prefix)
             self.suspect_sub.setsockopt(zmq.SUBSCRIBE, prefix)
@@ -733,3 +752,5 @@ class Node:
             self.suspect_sub.setsockopt(zmq.UNSUBSCRIBE, prefix)
             return
         self.sub.setsockopt(zmq.UNSUBSCRIBE, prefix)
+        if prefix[:1] in RECORD_IDS:  # the twin last
+            self.sub.setsockopt(zmq.UNSUBSCRIBE, wire.BATCH_CAPABLE + prefix)

@@ -45,6 +45,8 @@ PACE_LIMIT = 1.0
 PACE_STEP = 0.002
 LOSSY_HOLD = 2.0
 MAX_LOSSY_HOLD = 32.0
+# A header prefix and the fastio function that sends records with it.
+Route = tuple[bytes, Callable[..., int]]
 
 
 
@@ -178,7 +180,6 @@ class Producer(Node):
         # out in offset order whatever the number of publishing threads.
         self._live_waiting = False
         self.pace_timeouts = 0  # times a full subscriber made the producer stop waiting
-        self.publisher.setsockopt(zmq.XPUB_VERBOSE, 0)
         self.publisher.setsockopt(zmq.XPUB_NODROP, 1 if self._paced else 0)
         next_offset = 0
         self._resume_state: Resume | None = None
@@ -222,8 +223,11 @@ class Producer(Node):
             # twin started at once finds the address it must not reuse.
             self._save_identity(force=True)
 
-        self._send_fn = fastio.send_batches if self.batches else fastio.send_records
-        self._prefix = self._as_sent(wire.record_prefix(wire.RECORD, topic, self.address, topic))
+        # How live records go out: (header prefix, send function), as batches
+        # while every reader takes them (see _tick_paced and dafka.audience).
+        self._record_header = wire.record_prefix(wire.RECORD, topic, self.address, topic)
+        self._live = self._route(self._record_header)
+        self._audience_seen = self.audience.changes
         self.subscribe(wire.P_ACK + self.address.encode())
         self.subscribe(wire.P_FETCH + self.address.encode())
         self.subscribe(wire.P_GET_HEADS + topic.encode())
@@ -252,6 +256,11 @@ class Producer(Node):
     def acked_offset(self) -> int:
         """The highest offset a store has acknowledged (-1: none)."""
         return self.window.acked
+
+    @property
+    def batching(self) -> bool:
+        """Whether live records go out in batches (every reader takes them; see dafka.audience)."""
+        return self._live[1] is fastio.send_batches
 
     @property
     def unacked(self) -> int:
@@ -286,7 +295,7 @@ class Producer(Node):
             elif not self._live_waiting and not self._closed and (window.ring or len(window) < window.capacity):
                 # The common case without _push_locked's loop: room for one record.
                 seq = window.push(content)
-                self._send_run(self._prefix, seq, (content,), 0, 1)
+                self._send_run(self._live, seq, (content,), 0, 1)
                 receipt = Receipt(self, seq)
             else:
                 receipt = Receipt(self, self._push_locked((content,), timeout))
@@ -324,7 +333,6 @@ class Producer(Node):
             raise ClosedError("producer is closed")
         window = self.window
         wait = self.publish_timeout if timeout == -1.0 else timeout
-        prefix = self._prefix
         n = len(batch)
         done = 0
         while self._live_waiting:  # another thread's records wait for room: they go first
@@ -340,7 +348,7 @@ class Producer(Node):
                 continue
             stop = min(n, done + room)
             first = window.push_many(batch, done, stop)
-            self._send_run(prefix, first, batch, done, stop)
+            self._send_run(self._live, first, batch, done, stop)
             done = stop
         return window.next - 1 if n else -1
 
@@ -540,27 +548,36 @@ class Producer(Node):
             " is a store running?)"
         )
 
-    def _as_sent(self, prefix: bytes) -> bytes:
-        """The header prefix records go out with: a batch's when sending batches."""
-        return wire.batch_prefix(prefix) if self.batches else prefix
+    def _route(self, header: bytes) -> Route:
+        """How records with this single-record header prefix go out: as batches or one a message."""
+        if self.batches_for(header):
+            return wire.batch_prefix(header), fastio.send_batches
+        return header, fastio.send_records
 
     def _on_fetch(self, fetch: wire.Fetch) -> None:
-        prefix = self._as_sent(wire.record_prefix(wire.DIRECT_RECORD, fetch.address, self.address, self.topic))
+        header = wire.record_prefix(wire.DIRECT_RECORD, fetch.address, self.address, self.topic)
         with self._lock:
+            if self._closed:
+                return
+            # The requester's subscriptions may not be read yet: its answer's form depends on them.
+            self._read_subscriptions_locked()
+            route = self._route(header)
             runs = self.window.runs(fetch.sequence, fetch.count)  # the publisher may push meanwhile
         for first, contents in runs:
             # Runs hold up to unacked.CHUNK records: the lock is released between them.
             with self._lock:
                 if self._closed:
                     return
-                if not self._send_run(prefix, first, contents, 0, len(contents), answer=True):
+                if not self._send_run(route, first, contents, 0, len(contents), answer=True):
                     break  # cut short (the requester reads slowly): no wait for each later run
         self.fetches_served += 1
 
     def _send_run(
-        self, prefix: bytes, seq: int, contents: Sequence[bytes], start: int, stop: int, answer: bool = False
+        self, route: Route, seq: int, contents: Sequence[bytes], start: int, stop: int, answer: bool = False
     ) -> bool:
         """Send ``contents[start:stop]`` as records from ``seq`` (lock held); False if an answer was cut short.
+
+        ``route`` is a header prefix and the send function for it (:meth:`_route`).
 
         A burst larger than the high-water marks would overflow a reader's
         queue (and in secure mode CURVE encryption is slower than the
@@ -574,12 +591,12 @@ class Producer(Node):
         """
         if not self._paced:
             if answer and self.pace_limit:
-                return self._send_answer(prefix, seq, contents, start, stop)
+                return self._send_answer(route, seq, contents, start, stop)
             # Lossy: what a full queue cannot take is dropped.  (Never a
             # wait: while an answer has NODROP on, the rest is dropped.)
-            self._send_fn(self.publisher, prefix, seq, contents, start, stop, True)
+            route[1](self.publisher, route[0], seq, contents, start, stop, True)
             return True
-        reached = self._send_waiting(prefix, seq, contents, start, stop, live=not answer)
+        reached = self._send_waiting(route, seq, contents, start, stop, live=not answer)
         if reached >= stop or self._closed:
             return True
         seq += reached - start
@@ -591,13 +608,13 @@ class Producer(Node):
             return False
         if self._paced:  # waited in vain: a subscriber is stuck
             self._start_hold(time.monotonic())
-            self._send_fn(self.publisher, prefix, seq, contents, reached, stop, True)
+            route[1](self.publisher, route[0], seq, contents, reached, stop, True)
             return True
         # Another sender gave up waiting meanwhile.
-        return self._send_run(prefix, seq, contents, reached, stop, answer)
+        return self._send_run(route, seq, contents, reached, stop, answer)
 
     def _send_waiting(
-        self, prefix: bytes, seq: int, contents: Sequence[bytes], start: int, stop: int, live: bool
+        self, route: Route, seq: int, contents: Sequence[bytes], start: int, stop: int, live: bool
     ) -> int:
         """Send, waiting for room with the lock released (lock held); the index reached.
 
@@ -608,9 +625,10 @@ class Producer(Node):
         ``pace_limit`` in all, so that ACKs and timers are not held up long.
         """
         paced = self._paced
+        prefix, send = route
         deadline = time.monotonic() + self.pace_limit
         while True:
-            sent = self._send_fn(self.publisher, prefix, seq, contents, start, stop, True)
+            sent = send(self.publisher, prefix, seq, contents, start, stop, True)
             start += sent
             seq += sent
             if start >= stop:
@@ -652,7 +670,7 @@ class Producer(Node):
         self._lossy_until = now + self._lossy_hold
         self.publisher.setsockopt(zmq.XPUB_NODROP, 0)
 
-    def _send_answer(self, prefix: bytes, seq: int, contents: Sequence[bytes], start: int, stop: int) -> bool:
+    def _send_answer(self, route: Route, seq: int, contents: Sequence[bytes], start: int, stop: int) -> bool:
         """A FETCH answer during a lossy hold (lock held): still wait for room; False if cut short.
 
         A DIRECT-RECORD matches only the queue of the consumer that asked, so
@@ -663,7 +681,7 @@ class Producer(Node):
         """
         self.publisher.setsockopt(zmq.XPUB_NODROP, 1)
         try:
-            whole = self._send_waiting(prefix, seq, contents, start, stop, live=False) >= stop or self._closed
+            whole = self._send_waiting(route, seq, contents, start, stop, live=False) >= stop or self._closed
         finally:
             if not self._paced and not self._closed:
                 self.publisher.setsockopt(zmq.XPUB_NODROP, 0)
@@ -687,19 +705,38 @@ class Producer(Node):
             self._send_locked(wire.encode(wire.Head(self.topic, self.address, self.topic, last)))
 
     def _tick_paced(self, now: float) -> None:
-        """Read the XPUB's subscription messages; end a lossy hold."""
+        """Read the XPUB's subscription messages (the batch audience); end a lossy hold."""
         with self._lock:
             if self._closed:
                 return
-            for _ in range(1000):
-                try:
-                    self.publisher.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+            self._read_subscriptions_locked()
+            if self.audience.changes != self._audience_seen:
+                self._audience_seen = self.audience.changes
+                live = self._route(self._record_header)
+                if live[1] is not self._live[1]:
+                    log.info(
+                        "producer %s: records go out %s",
+                        self.address[:8],
+                        "in batches (every reader takes them)"
+                        if live[1] is fastio.send_batches
+                        else "one a message (a reader that takes no batches subscribed)",
+                    )
+                self._live = live
             if not self._paced and self.pace_limit > 0 and now >= self._lossy_until:
                 self.publisher.setsockopt(zmq.XPUB_NODROP, 1)
                 self._paced = True
                 self._paced_since = now
+
+    def _read_subscriptions_locked(self) -> None:
+        """Take the XPUB's pending (un)subscriptions into the audience (lock held)."""
+        for _ in range(1000):
+            try:
+                frame = self.publisher.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            parsed = wire.parse_subscription(frame)
+            if parsed is not None:
+                self.on_subscription(*parsed)
 
     def publisher_lock(self) -> FairLock:
         return self._lock

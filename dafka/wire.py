@@ -24,8 +24,9 @@ from dafka.errors import ProtocolError
 
 VERSION = 1
 # A RECORD or DIRECT-RECORD with version 2 carries a batch of consecutive
-# records in its content frame (this implementation only, secure meshes: CURVE
-# encrypts per frame, so one frame for many records).  C nodes drop it.
+# records in its content frame (this implementation only: one message for many
+# records costs libzmq, the readers and CURVE a fraction of one each).  C nodes
+# drop it, so it goes only to readers that all subscribed its twin (below).
 BATCH_VERSION = 2
 BATCH_RECORDS = 128  # at most this many records in one batch message...
 BATCH_BYTES = 16 * 1024  # ...and contents of at most this size (a bigger record goes alone);
@@ -84,6 +85,10 @@ P_COMMITTED = b"A"
 P_GET_POSITIONS = b"P"
 P_POSITIONS = b"Q"
 P_MEMBER = b"J"
+# A reader that takes batches subscribes, beside each record subscription, the
+# same prefix behind this byte (its batch twin; see dafka.audience).  No message
+# starts with it, and a C node's XPUB ignores a subscription of an unknown id.
+BATCH_CAPABLE = b"\x02"
 
 # Beacon frames exchanged with towers.
 BEACON = b"B"

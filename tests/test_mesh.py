@@ -470,15 +470,20 @@ def test_producer_paces_a_burst_larger_than_the_queues(cfg: NodeConfig) -> None:
 
     small = replace(cfg, hwm=100)
     n = 20_000
+
+    def record(i: int) -> bytes:
+        # 1 KB: 16 records a batch, so the burst is 1,250 messages, far more than the queues hold.
+        return (b"%06d" % i).ljust(1000, b".")
+
     for pace_limit in (0.25, 0.0):
         with Consumer("pace", small, offset_reset="earliest") as consumer:
             with Producer("pace", small, acks=False, capacity=n + 100, pace_limit=pace_limit) as producer:
                 wait_until(lambda: producer.publish(b"start") and consumer.poll(0.2), 10)
                 base, fetches = producer.next_offset, consumer.fetches_sent
-                producer.publish_many(b"%06d" % i for i in range(n))
+                producer.publish_many(record(i) for i in range(n))
                 if pace_limit:
                     got = [r.content for r in collect(consumer, n, 30, since=base)]
-                    assert got == [b"%06d" % i for i in range(n)]
+                    assert got == [record(i) for i in range(n)]
                     assert consumer.fetches_sent == fetches
                     assert producer.pace_timeouts == 0
                 else:

@@ -96,6 +96,7 @@ def test_embedded_nodes_each_serve_their_own_registry(cfg: NodeConfig, tower: To
         assert pm["dafka_records_published"] >= 10
         assert pm["dafka_pace_timeouts_total"] == 0
         assert pm["dafka_fetch_answers_cut_total"] == 0
+        assert pm["dafka_producer_batching"] == 1  # its one reader is a dafka consumer
         assert "dafka_records_delivered_total" not in pm
         tm = scrape(tower_server.port)
         assert tm["dafka_beacons_relayed_total"] > 0

@@ -76,6 +76,7 @@ class FetchJob:
 
     key: tuple[str, str, str]  # (requester, subject, partition): one job each
     prefix: bytes  # DIRECT-RECORD header up to the sequence, for the requester
+    batched: bool  # the prefix is a batch's: the requester takes batches (see dafka.audience)
     topic: str
     partition: str
     offset: int  # next offset to send
@@ -549,10 +550,12 @@ class Store(PartitionReader):
             job.remaining = stop - job.offset
             return
         prefix = wire.record_prefix(wire.DIRECT_RECORD, fetch.address, fetch.topic, fetch.subject)
-        if self.batches:
+        self._read_subscriptions()  # the requester's may not be read yet: the answer's form depends on them
+        batched = self.batches_for(prefix)
+        if batched:
             prefix = wire.batch_prefix(prefix)
         new = FetchJob(
-            job_key, prefix, fetch.subject, fetch.topic, fetch.sequence, fetch.count, fetch.sequence
+            job_key, prefix, batched, fetch.subject, fetch.topic, fetch.sequence, fetch.count, fetch.sequence
         )
         if job is None:
             self._job_of[job_key] = new
@@ -588,7 +591,7 @@ class Store(PartitionReader):
                     job.offset,
                     start,
                 )
-            if self.batches:
+            if job.batched:
                 sent = fastio.send_batches(self.publisher, job.prefix, start, values, noblock=True, stored=True)
             else:
                 sent = fastio.send_values(self.publisher, job.prefix, start, values, True)
@@ -615,7 +618,10 @@ class Store(PartitionReader):
             except zmq.Again:
                 return
             parsed = wire.parse_subscription(frame)
-            if parsed is None or not parsed[0]:
+            if parsed is None:
+                continue
+            self.on_subscription(*parsed)
+            if not parsed[0]:
                 continue
             prefix = parsed[1]
             if prefix[:1] == wire.P_STORE_HELLO and len(prefix) > 1:

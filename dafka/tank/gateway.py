@@ -193,7 +193,9 @@ class Gateway(Store):
         self._next_offset: dict[tuple[str, str], int] = {}  # owned: next offset to give
         self._to_publish: list[tuple[tuple[str, str], int, bytes]] = []
         self._publishing = 0  # how many of _to_publish are in the batch being committed
-        self._record_prefix: dict[tuple[str, str], bytes] = {}
+        # Owned partition -> (header prefix, send function) of its records on the mesh.
+        self._record_routes: dict[tuple[str, str], tuple[bytes, Any]] = {}
+        self._routes_seen = -1  # the audience's changes they were made for (-1: none yet)
         self._pending: deque[_PendingProduce] = deque()
         self._parked: dict[tuple[str, str], list[_Parked]] = {}
         self._parked_all: list[_Parked] = []
@@ -258,10 +260,11 @@ class Gateway(Store):
 
     def _publish(self, records: list[tuple[tuple[str, str], int, bytes]]) -> None:
         """Committed records of owned partitions go out on the mesh, then their HEAD."""
-        prefixes = self._record_prefix
+        routes = self._record_routes
+        if self._routes_seen != self.audience.changes:  # readers came or went: batches or not
+            routes.clear()
+            self._routes_seen = -1  # the audience's changes they were made for (-1: none yet)
         publisher = self.publisher
-        batches = self.batches  # a secure mesh (see Node.batches)
-        send = fastio.send_batches if batches else fastio.send_records
         i, n = 0, len(records)
         while i < n:
             # A run of consecutive offsets of one partition is one batch send.
@@ -269,12 +272,16 @@ class Gateway(Store):
             j = i + 1
             while j < n and records[j][0] == key and records[j][1] == first + (j - i):
                 j += 1
-            prefix = prefixes.get(key)
-            if prefix is None:
-                prefix = wire.record_prefix(wire.RECORD, key[0], key[1], key[0])
-                prefix = prefixes[key] = wire.batch_prefix(prefix) if batches else prefix
+            route = routes.get(key)
+            if route is None:
+                header = wire.record_prefix(wire.RECORD, key[0], key[1], key[0])
+                if self.batches_for(header):
+                    route = (wire.batch_prefix(header), fastio.send_batches)
+                else:
+                    route = (header, fastio.send_records)
+                routes[key] = route
             # A full reader gets less: it FETCHes the rest after the HEAD.
-            send(publisher, prefix, first, [r[2] for r in records[i:j]], noblock=True)
+            route[1](publisher, route[0], first, [r[2] for r in records[i:j]], noblock=True)
             i = j
         for key in {r[0] for r in records}:
             self.send(wire.Head(key[0], key[1], key[0], self._heads[key]))
