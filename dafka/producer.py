@@ -45,6 +45,9 @@ PACE_LIMIT = 1.0
 PACE_STEP = 0.002
 LOSSY_HOLD = 2.0
 MAX_LOSSY_HOLD = 32.0
+SUBSCRIPTION_CHECK = 0.001  # seconds between checks for new subscriptions while batching
+_SEND_BATCHES = fastio.send_batches
+monotonic = time.monotonic
 # A header prefix and the fastio function that sends records with it.
 Route = tuple[bytes, Callable[..., int]]
 
@@ -228,6 +231,7 @@ class Producer(Node):
         self._record_header = wire.record_prefix(wire.RECORD, topic, self.address, topic)
         self._live = self._route(self._record_header)
         self._audience_seen = self.audience.changes
+        self._subscriptions_due = 0.0  # see _check_subscriptions
         self.subscribe(wire.P_ACK + self.address.encode())
         self.subscribe(wire.P_FETCH + self.address.encode())
         self.subscribe(wire.P_GET_HEADS + topic.encode())
@@ -589,6 +593,10 @@ class Producer(Node):
         ``answer``s wait for room even then, up to ``pace_limit``; an answer
         that times out is cut short and starts no hold.
         """
+        if route[1] is _SEND_BATCHES and not answer:
+            now = monotonic()
+            if now >= self._subscriptions_due:
+                route = self._check_subscriptions(now)
         if not self._paced:
             if answer and self.pace_limit:
                 return self._send_answer(route, seq, contents, start, stop)
@@ -710,22 +718,41 @@ class Producer(Node):
             if self._closed:
                 return
             self._read_subscriptions_locked()
-            if self.audience.changes != self._audience_seen:
-                self._audience_seen = self.audience.changes
-                live = self._route(self._record_header)
-                if live[1] is not self._live[1]:
-                    log.info(
-                        "producer %s: records go out %s",
-                        self.address[:8],
-                        "in batches (every reader takes them)"
-                        if live[1] is fastio.send_batches
-                        else "one a message (a reader that takes no batches subscribed)",
-                    )
-                self._live = live
+            self._refresh_live()
             if not self._paced and self.pace_limit > 0 and now >= self._lossy_until:
                 self.publisher.setsockopt(zmq.XPUB_NODROP, 1)
                 self._paced = True
                 self._paced_since = now
+
+    def _refresh_live(self) -> None:
+        """After subscriptions were read: how live records go out now (lock held)."""
+        if self.audience.changes == self._audience_seen:
+            return
+        self._audience_seen = self.audience.changes
+        live = self._route(self._record_header)
+        if live[1] is not self._live[1]:
+            log.info(
+                "producer %s: records go out %s",
+                self.address[:8],
+                "in batches (every reader takes them)"
+                if live[1] is fastio.send_batches
+                else "one a message (a reader that takes no batches subscribed)",
+            )
+        self._live = live
+
+    def _check_subscriptions(self, now: float) -> Route:
+        """While batching: take subscriptions the XPUB holds (lock held); the live route then.
+
+        The tick reads them every 50 ms; a C reader that subscribed meanwhile
+        would get batches it drops (and fetches again) until then.  Checked
+        at most every millisecond from the publishing path, so the window is
+        about that long.
+        """
+        self._subscriptions_due = now + SUBSCRIPTION_CHECK
+        if self.publisher.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._read_subscriptions_locked()
+            self._refresh_live()
+        return self._live
 
     def _read_subscriptions_locked(self) -> None:
         """Take the XPUB's pending (un)subscriptions into the audience (lock held)."""

@@ -7,6 +7,7 @@ the twins is a dafka-like reader and gets batches.  Real sockets, real store.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -79,6 +80,30 @@ def test_dafka_readers_get_batches_and_a_c_like_reader_single_records(cfg: NodeC
         base = producer.next_offset
         producer.publish_many(b"c%04d" % i for i in range(100))
         assert collect(consumer, 100, base) == [b"c%04d" % i for i in range(100)]
+
+
+def test_a_c_like_reader_joining_mid_stream_gets_few_batches(cfg: NodeConfig, raw_peer) -> None:
+    # While batching, the publishing path looks for new subscriptions every
+    # millisecond: a reader without twins gets batches (which a C node drops
+    # and fetches again) for about that long, not until the next 50 ms tick.
+    with Producer("mid", cfg, acks=False) as producer:
+        stop = threading.Event()
+
+        def publish() -> None:
+            while not stop.is_set():
+                producer.publish(b"m")
+                time.sleep(0.0005)  # a publishing rate, not a wait
+
+        thread = threading.Thread(target=publish)
+        thread.start()
+        try:
+            c_like = raw_peer([b"Mmid"])
+            c_like.wait_for(lambda p: len(p.messages(wire.Record)) >= 200)
+        finally:
+            stop.set()
+            thread.join(10)
+        assert len(c_like.messages(wire.RecordBatch)) <= 10
+        assert not producer.batching
 
 
 def fetch_as(raw_peer, partition: str, topic: str, capable: bool, first: int, count: int) -> tuple[list, list]:
