@@ -82,6 +82,7 @@ COUNTERS: list[tuple[str, Getter, str]] = [
     ("dafka_records_skipped", "skipped", "Offsets skipped because nobody had them"),
     ("dafka_beacons_relayed", "beacons", "Node beacons relayed to the mesh"),
     ("dafka_malformed_input", lambda n: n.bad_input.count, "Malformed messages dropped"),
+    ("dafka_loop_turns", "loop_turns", "Wake-ups of the node's I/O loop (input, timers or work)"),
 ]
 
 GAUGES: list[tuple[str, Getter, str]] = [

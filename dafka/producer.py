@@ -47,7 +47,7 @@ LOSSY_HOLD = 2.0
 MAX_LOSSY_HOLD = 32.0
 SUBSCRIPTION_CHECK = 0.001  # seconds between checks for new subscriptions while batching
 _SEND_BATCHES = fastio.send_batches
-monotonic = time.monotonic
+_monotonic = time.monotonic
 # A header prefix and the fastio function that sends records with it.
 Route = tuple[bytes, Callable[..., int]]
 
@@ -593,8 +593,8 @@ class Producer(Node):
         ``answer``s wait for room even then, up to ``pace_limit``; an answer
         that times out is cut short and starts no hold.
         """
-        if route[1] is _SEND_BATCHES and not answer:
-            now = monotonic()
+        if route[1] is _SEND_BATCHES and not answer and not self.batches:  # (secure: always batches)
+            now = _monotonic()
             if now >= self._subscriptions_due:
                 route = self._check_subscriptions(now)
         if not self._paced:
