@@ -39,9 +39,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="latency: seconds of publishing per run; embedded: seconds per measurement",
     )
     p.add_argument("--secure", action="store_true", help="live, store, replay: CURVE mesh with temporary keys; zmq, ceiling: CURVE on the bare pair")
+    p.add_argument(
+        "--no-batches", action="store_true",
+        help="live, store, replay, latency (plain mesh): one record a message, as to C readers",
+    )
 
 
-def _mesh(secure: bool = False) -> tuple[Any, NodeConfig]:
+def _mesh(secure: bool = False, batches: bool = True) -> tuple[Any, NodeConfig]:
     from dafka.tower import Tower
 
     sec = _temporary_keys() if secure else None
@@ -52,6 +56,7 @@ def _mesh(secure: bool = False) -> tuple[Any, NodeConfig]:
         bind="127.0.0.1",
         beacon_interval=0.2,
         security=sec,
+        batches=batches,
     )
     return tower, cfg
 
@@ -99,7 +104,7 @@ def bench_live(args: argparse.Namespace) -> list[float]:
     ctx = mp.get_context("spawn")
     rates = []
     for run in range(args.runs):
-        tower, cfg = _mesh(args.secure)
+        tower, cfg = _mesh(args.secure, not args.no_batches)
         from dafka.consumer import Consumer
 
         topic = f"bench-live-{run}"
@@ -174,7 +179,7 @@ def bench_store(args: argparse.Namespace) -> list[float]:
     ctx = mp.get_context("spawn")
     rates = []
     for run in range(args.runs):
-        tower, cfg = _mesh(args.secure)
+        tower, cfg = _mesh(args.secure, not args.no_batches)
         with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
             ready, done, result = ctx.Event(), ctx.Event(), ctx.Queue()
             store = ctx.Process(target=_store_process, args=(_role(cfg, "store"), db, not args.no_sync, ready, done))
@@ -212,7 +217,7 @@ def bench_replay(args: argparse.Namespace) -> list[float]:
                 stop = min(start + 10_000, args.records)
                 records.append([(topic, partition, i, payload, now) for i in range(start, stop)])
         for run in range(args.runs):
-            tower, cfg = _mesh(args.secure)
+            tower, cfg = _mesh(args.secure, not args.no_batches)
             ready, done = ctx.Event(), ctx.Event()
             store = ctx.Process(target=_store_process, args=(_role(cfg, "store"), db, False, ready, done))
             store.start()
@@ -619,7 +624,7 @@ def bench_latency(args: argparse.Namespace) -> dict[str, list[float]]:
     delivery: list[float] = []
     ack: list[float] = []
     for run in range(args.runs):
-        tower, cfg = _mesh()
+        tower, cfg = _mesh(batches=not args.no_batches)
         topic = f"bench-latency-{run}"
         with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
             ready, done, go, result = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
