@@ -662,6 +662,6 @@ def test_an_idle_node_sleeps_between_its_timers(cfg: NodeConfig) -> None:
         start = consumer.loop_turns
         time.sleep(1.0)  # the window observed, not a wait for a condition
         turns = consumer.loop_turns - start
-    # About 40 timer calls a second here (tick, beacons, peer expiry, tower
+    # About 30 turns a second here (tick, beacons, peer expiry, tower
     # check) plus the tower's beacons; a spinning loop makes thousands.
     assert turns < 300, turns
