@@ -35,8 +35,8 @@ from dafka.config import NodeConfig, default_node_config
 from dafka.errors import ClosedError, CommitError
 from dafka.gaps import PartitionTracker
 from dafka.groups import GroupState, Key, PendingCommits, PositionsQuery
-from dafka.node import DRAIN
-from dafka.reader import NOBLOCK, PartitionReader
+from dafka.node import DRAIN, read_subscriptions
+from dafka.reader import PartitionReader
 
 log = logging.getLogger("dafka.consumer")
 
@@ -411,15 +411,9 @@ class Consumer(PartitionReader):
 
     def _read_subscriptions(self) -> None:
         """Our XPUB saw a (un)subscription from a peer."""
-        for _ in range(DRAIN):
-            try:
-                frame = self.publisher.recv(NOBLOCK)
-            except zmq.Again:
-                return
-            parsed = wire.parse_subscription(frame)
-            if parsed is None or not parsed[0] or not parsed[1]:
+        for subscribe, prefix in read_subscriptions(self.publisher):
+            if not subscribe or not prefix:
                 continue
-            prefix = parsed[1]
             if prefix[:1] == wire.P_CONSUMER_HELLO and len(prefix) > 1:
                 # A store wants our CONSUMER-HELLO.
                 try:

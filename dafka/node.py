@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
@@ -57,6 +57,18 @@ STORE_ONLY = (
 )
 RECORD_IDS = (wire.P_RECORD, wire.P_DIRECT_RECORD)  # subscriptions that get a batch twin
 RETRY_REFUSED = 1.0  # seconds before connecting again where a secure handshake was refused
+
+
+def read_subscriptions(sock: zmq.Socket, limit: int = DRAIN) -> Iterator[tuple[bool, bytes]]:
+    """``(subscribe?, prefix)`` of up to ``limit`` (un)subscriptions waiting on an XPUB; never blocks."""
+    for _ in range(limit):
+        try:
+            frame = sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        parsed = wire.parse_subscription(frame)
+        if parsed is not None:
+            yield parsed
 
 
 def new_address() -> str:

@@ -28,7 +28,7 @@ from dafka import fastio, wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import BufferFullError, ClosedError, ProtocolError, PublishError, ResumeError
 from dafka.fairlock import FairLock
-from dafka.node import Node
+from dafka.node import Node, read_subscriptions
 from dafka.resume import POLICIES, PROBATION, STRICT, Resume
 from dafka.unacked import UnackedWindow
 
@@ -756,14 +756,8 @@ class Producer(Node):
 
     def _read_subscriptions_locked(self) -> None:
         """Take the XPUB's pending (un)subscriptions into the audience (lock held)."""
-        for _ in range(1000):
-            try:
-                frame = self.publisher.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            parsed = wire.parse_subscription(frame)
-            if parsed is not None:
-                self.on_subscription(*parsed)
+        for subscribe, prefix in read_subscriptions(self.publisher, 1000):
+            self.on_subscription(subscribe, prefix)
 
     def publisher_lock(self) -> FairLock:
         return self._lock

@@ -40,7 +40,7 @@ import zmq
 from dafka import security, wire
 from dafka.config import NodeConfig
 from dafka.errors import ProtocolError
-from dafka.node import RETRY_REFUSED, new_address
+from dafka.node import RETRY_REFUSED, new_address, read_subscriptions
 
 log = logging.getLogger("dafka.status")
 
@@ -471,14 +471,9 @@ class StatusProbe:
         return self.roles.get(sender) in security.STORING_ROLES
 
     def _read_subscriptions(self) -> None:
-        for _ in range(1000):
-            try:
-                frame = self.publisher.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            parsed = wire.parse_subscription(frame)
-            if parsed is not None and parsed[0]:
-                self.view.on_subscription(parsed[1])
+        for subscribe, prefix in read_subscriptions(self.publisher, 1000):
+            if subscribe:
+                self.view.on_subscription(prefix)
 
 
 def run_status(

@@ -43,7 +43,7 @@ from dafka.config import NodeConfig, default_node_config
 from dafka.errors import ConfigError, ProtocolError
 from dafka.gaps import PartitionTracker
 from dafka.metrics import SECONDS_BUCKETS, SIZE_BUCKETS, Histogram
-from dafka.node import DRAIN
+from dafka.node import DRAIN, read_subscriptions
 from dafka.reader import NOBLOCK, PartitionReader
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.layout import RECORD_KEY, VALUE_HEADER
@@ -612,18 +612,10 @@ class Store(PartitionReader):
             del self._job_of[job.key]
 
     def _read_subscriptions(self) -> None:
-        for _ in range(DRAIN):
-            try:
-                frame = self.publisher.recv(NOBLOCK)
-            except zmq.Again:
-                return
-            parsed = wire.parse_subscription(frame)
-            if parsed is None:
+        for subscribe, prefix in read_subscriptions(self.publisher):
+            self.on_subscription(subscribe, prefix)
+            if not subscribe:
                 continue
-            self.on_subscription(*parsed)
-            if not parsed[0]:
-                continue
-            prefix = parsed[1]
             if prefix[:1] == wire.P_STORE_HELLO and len(prefix) > 1:
                 try:
                     consumer = prefix[1:].decode()
