@@ -35,7 +35,6 @@ class BatchAudience:
         self._plain: dict[bytes, int] = {}  # subscription prefix -> how many peers hold it
         self._twins: dict[bytes, int] = {}  # the same, for batch twins (marker removed)
         self._verdicts: dict[bytes, bool] = {}  # header prefix -> takes_batches (cleared on change)
-        self.changes = 0  # counts (un)subscriptions taken: callers caching a verdict compare it
 
     def on_subscription(self, subscribe: bool, prefix: bytes) -> None:
         """One (un)subscription read off the XPUB."""
@@ -49,7 +48,6 @@ class BatchAudience:
         else:
             counts.pop(prefix, None)  # never negative: an unmatched unsubscribe is ignored
         self._verdicts.clear()
-        self.changes += 1
 
     def takes_batches(self, header: bytes) -> bool:
         """Whether every subscriber that a message starting with ``header`` reaches takes batches.
@@ -70,5 +68,6 @@ class BatchAudience:
         return verdict
 
     def readers(self, header: bytes) -> int:
-        """How many subscriptions reach ``header`` (for diagnostics and tests)."""
-        return sum(count for prefix, count in self._plain.items() if header.startswith(prefix))
+        """How many subscriptions reach ``header`` (for diagnostics and tests; any thread)."""
+        plain = list(self._plain.items())  # a snapshot: the I/O thread may be counting meanwhile
+        return sum(count for prefix, count in plain if header.startswith(prefix))

@@ -56,6 +56,8 @@ STORE_ONLY = (
     wire.P_POSITIONS,
 )
 RECORD_IDS = (wire.P_RECORD, wire.P_DIRECT_RECORD)  # subscriptions that get a batch twin
+# How records go out: a header prefix and the fastio function that sends records with it.
+Route = tuple[bytes, Callable[..., int]]
 RETRY_REFUSED = 1.0  # seconds before connecting again where a secure handshake was refused
 
 
@@ -364,8 +366,7 @@ class Node:
                     self._linger_until = 0.0
                     self._watch_data()
                 else:
-                    # Rounded up: a wait shorter than the poller's millisecond would spin.
-                    wait = min(wait, max(0.001, self._linger_until - now))
+                    wait = min(wait, self._linger_until - now)
             if self.has_work():
                 wait = 0.0  # more work waits: only look for input, never sleep
             self.before_wait()
@@ -746,6 +747,12 @@ class Node:
     def batches_for(self, header: bytes) -> bool:
         """Whether records with this single-record header prefix go out as batches."""
         return self.batches or self.audience.takes_batches(header)
+
+    def route(self, header: bytes) -> Route:
+        """How records with this single-record header prefix go out: as batches or one a message."""
+        if self.batches_for(header):
+            return wire.batch_prefix(header), fastio.send_batches
+        return header, fastio.send_records
 
     def on_subscription(self, subscribe: bool, prefix: bytes) -> None:
         """A peer (un)subscribed ``prefix`` on our XPUB publisher (I/O thread)."""

@@ -28,7 +28,7 @@ from dafka import fastio, wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import BufferFullError, ClosedError, ProtocolError, PublishError, ResumeError
 from dafka.fairlock import FairLock
-from dafka.node import Node, read_subscriptions
+from dafka.node import Node, Route, read_subscriptions
 from dafka.resume import POLICIES, PROBATION, STRICT, Resume
 from dafka.unacked import UnackedWindow
 
@@ -48,8 +48,6 @@ MAX_LOSSY_HOLD = 32.0
 SUBSCRIPTION_CHECK = 0.001  # seconds between checks for new subscriptions while batching
 _SEND_BATCHES = fastio.send_batches
 _monotonic = time.monotonic
-# A header prefix and the fastio function that sends records with it.
-Route = tuple[bytes, Callable[..., int]]
 
 
 
@@ -229,8 +227,7 @@ class Producer(Node):
         # How live records go out: (header prefix, send function), as batches
         # while every reader takes them (see _tick_paced and dafka.audience).
         self._record_header = wire.record_prefix(wire.RECORD, topic, self.address, topic)
-        self._live = self._route(self._record_header)
-        self._audience_seen = self.audience.changes
+        self._live = self.route(self._record_header)
         self._subscriptions_due = 0.0  # see _check_subscriptions
         self.subscribe(wire.P_ACK + self.address.encode())
         self.subscribe(wire.P_FETCH + self.address.encode())
@@ -264,7 +261,7 @@ class Producer(Node):
     @property
     def batching(self) -> bool:
         """Whether live records go out in batches (every reader takes them; see dafka.audience)."""
-        return self._live[1] is fastio.send_batches
+        return self._live[1] is _SEND_BATCHES
 
     @property
     def unacked(self) -> int:
@@ -552,12 +549,6 @@ class Producer(Node):
             " is a store running?)"
         )
 
-    def _route(self, header: bytes) -> Route:
-        """How records with this single-record header prefix go out: as batches or one a message."""
-        if self.batches_for(header):
-            return wire.batch_prefix(header), fastio.send_batches
-        return header, fastio.send_records
-
     def _on_fetch(self, fetch: wire.Fetch) -> None:
         header = wire.record_prefix(wire.DIRECT_RECORD, fetch.address, self.address, self.topic)
         with self._lock:
@@ -565,7 +556,7 @@ class Producer(Node):
                 return
             # The requester's subscriptions may not be read yet: its answer's form depends on them.
             self._read_subscriptions_locked()
-            route = self._route(header)
+            route = self.route(header)
             runs = self.window.runs(fetch.sequence, fetch.count)  # the publisher may push meanwhile
         for first, contents in runs:
             # Runs hold up to unacked.CHUNK records: the lock is released between them.
@@ -581,7 +572,7 @@ class Producer(Node):
     ) -> bool:
         """Send ``contents[start:stop]`` as records from ``seq`` (lock held); False if an answer was cut short.
 
-        ``route`` is a header prefix and the send function for it (:meth:`_route`).
+        ``route`` is a header prefix and the send function for it (:meth:`Node.route`).
 
         A burst larger than the high-water marks would overflow a reader's
         queue (and in secure mode CURVE encryption is slower than the
@@ -726,16 +717,13 @@ class Producer(Node):
 
     def _refresh_live(self) -> None:
         """After subscriptions were read: how live records go out now (lock held)."""
-        if self.audience.changes == self._audience_seen:
-            return
-        self._audience_seen = self.audience.changes
-        live = self._route(self._record_header)
+        live = self.route(self._record_header)  # (the audience keeps its verdicts)
         if live[1] is not self._live[1]:
             log.info(
                 "producer %s: records go out %s",
                 self.address[:8],
                 "in batches (every reader takes them)"
-                if live[1] is fastio.send_batches
+                if live[1] is _SEND_BATCHES
                 else "one a message (a reader that takes no batches subscribed)",
             )
         self._live = live

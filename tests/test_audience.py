@@ -98,13 +98,6 @@ def test_disabled_never_takes_batches() -> None:
     assert not audience.takes_batches(HELLO)
 
 
-def test_changes_count_every_subscription() -> None:
-    audience = BatchAudience()
-    before = audience.changes
-    dafka_reader(audience, b"Mhello")
-    assert audience.changes == before + 2
-
-
 readers = st.lists(
     st.tuples(st.booleans(), st.sampled_from([b"M", b"Mhello", b"Mhello2", b"Mhe", b"Hhello", b""])),
     max_size=8,

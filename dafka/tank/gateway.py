@@ -48,7 +48,7 @@ from typing import Any
 
 import zmq
 
-from dafka import fastio, wire
+from dafka import wire
 from dafka.config import NodeConfig
 from dafka.errors import ProtocolError
 from dafka.node import new_address
@@ -193,9 +193,8 @@ class Gateway(Store):
         self._next_offset: dict[tuple[str, str], int] = {}  # owned: next offset to give
         self._to_publish: list[tuple[tuple[str, str], int, bytes]] = []
         self._publishing = 0  # how many of _to_publish are in the batch being committed
-        # Owned partition -> (header prefix, send function) of its records on the mesh.
-        self._record_routes: dict[tuple[str, str], tuple[bytes, Any]] = {}
-        self._routes_seen = -1  # the audience's changes they were made for (-1: none yet)
+        # Owned partition -> the header prefix of its records on the mesh (single-record form).
+        self._record_headers: dict[tuple[str, str], bytes] = {}
         self._pending: deque[_PendingProduce] = deque()
         self._parked: dict[tuple[str, str], list[_Parked]] = {}
         self._parked_all: list[_Parked] = []
@@ -260,10 +259,7 @@ class Gateway(Store):
 
     def _publish(self, records: list[tuple[tuple[str, str], int, bytes]]) -> None:
         """Committed records of owned partitions go out on the mesh, then their HEAD."""
-        routes = self._record_routes
-        if self._routes_seen != self.audience.changes:  # readers came or went: batches or not
-            routes.clear()
-            self._routes_seen = -1  # the audience's changes they were made for (-1: none yet)
+        headers = self._record_headers
         publisher = self.publisher
         i, n = 0, len(records)
         while i < n:
@@ -272,16 +268,13 @@ class Gateway(Store):
             j = i + 1
             while j < n and records[j][0] == key and records[j][1] == first + (j - i):
                 j += 1
-            route = routes.get(key)
-            if route is None:
-                header = wire.record_prefix(wire.RECORD, key[0], key[1], key[0])
-                if self.batches_for(header):
-                    route = (wire.batch_prefix(header), fastio.send_batches)
-                else:
-                    route = (header, fastio.send_records)
-                routes[key] = route
-            # A full reader gets less: it FETCHes the rest after the HEAD.
-            route[1](publisher, route[0], first, [r[2] for r in records[i:j]], noblock=True)
+            header = headers.get(key)
+            if header is None:
+                header = headers[key] = wire.record_prefix(wire.RECORD, key[0], key[1], key[0])
+            # Batches or not as the readers of the moment take them; a full reader
+            # gets less and FETCHes the rest after the HEAD.
+            prefix, send = self.route(header)
+            send(publisher, prefix, first, [r[2] for r in records[i:j]], noblock=True)
             i = j
         for key in {r[0] for r in records}:
             self.send(wire.Head(key[0], key[1], key[0], self._heads[key]))

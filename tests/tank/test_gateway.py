@@ -433,6 +433,31 @@ def test_produced_records_go_out_live_on_the_mesh_then_a_head(
     assert (live[first_head].address, live[first_head].sequence) == (address, 2)
 
 
+def test_produced_records_go_out_in_batches_while_every_reader_takes_them(
+    gw: Gateway, client: TankClient, raw_peer: Any
+) -> None:
+    client.create_topic("bl", 1)
+    address = gw.pmap.get("bl", 0).address
+    header = wire.record_prefix(wire.RECORD, "bl", address, "bl")
+    assert client.produce("bl", 0, [b"r0"]) == 0
+    # A reader subscribed as dafka readers are (with batch twins) gets one batch.
+    dafka_like = raw_peer([wire.BATCH_CAPABLE + b"Mbl", b"Mbl"])
+    dafka_like.wait_for(lambda q: q.peers)
+    wait_until(lambda: gw.audience.readers(header) >= 1)
+    assert client.produce("bl", 0, [b"r1", b"r2", b"r3"]) == 0
+    got = dafka_like.wait_for(lambda q: q.messages(wire.RecordBatch))
+    assert [(b.sequence, b.contents) for b in got] == [(1, (b"r1", b"r2", b"r3"))]
+    # A reader subscribed as C nodes are: from then on both get single records.
+    c_like = raw_peer([b"Mbl"])
+    c_like.wait_for(lambda q: q.peers)
+    wait_until(lambda: gw.audience.readers(header) >= 2)
+    assert client.produce("bl", 0, [b"r4", b"r5"]) == 0
+    for peer in (c_like, dafka_like):
+        records = peer.wait_for(lambda q: len(q.messages(wire.Record)) >= 2 and q.messages(wire.Record))
+        assert [(r.sequence, r.content) for r in records] == [(4, b"r4"), (5, b"r5")]
+    assert len(dafka_like.messages(wire.RecordBatch)) == 1
+
+
 def test_produce_with_seqnum_resend_is_idempotent_and_gaps_are_refused(gw: Gateway, client: TankClient) -> None:
     client.create_topic("seq", 2)
     assert client.produce("seq", 0, [b"a", b"b", b"c"]) == 0
