@@ -446,9 +446,11 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
     import lmdb
 
     from dafka.tank.gateway import DEFAULT_PORT, Gateway
+    from dafka.tank.limits import GatewayLimits
 
     section = settings.section("gateway")
     listen = args.listen or parse_listen(section.get("listen", f"127.0.0.1:{DEFAULT_PORT}"), DEFAULT_PORT)
+    limits = GatewayLimits.from_settings(section, args)
     db, sync, policy = storage_options(args, section, "gateway")
     cfg = service_node_config(args, settings, "gateway")
     allow_clients = args.allow_clients or section.get("allow_clients")
@@ -462,7 +464,7 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
     signals = StopSignals()
     try:
         gateway = Gateway(
-            db, cfg, listen=listen, sync=sync, retention=policy, allow_clients=clients
+            db, cfg, listen=listen, sync=sync, retention=policy, allow_clients=clients, limits=limits
         )
     except lmdb.Error as exc:
         raise open_error(db, exc) from None
@@ -726,6 +728,27 @@ def _add_security_flags(p: argparse.ArgumentParser, insecure: bool = False) -> N
         )
 
 
+def _add_gateway_limit_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per Tank-port limit (dafka.tank.limits); unset flags leave [gateway] or the default."""
+    from dafka.tank.limits import GatewayLimits
+
+    d = GatewayLimits()
+    byte_count = _checked(_number(int, 0, "must be 0 or more"), "count")
+    for name, kind, what in (
+        ("max_connections", count_arg, "Tank connections open at once"),
+        ("max_request_bytes", count_arg, "largest Tank request frame, bytes"),
+        ("max_buffered_bytes", count_arg, "request bytes in flight over all connections"),
+        ("min_request_rate", byte_count, "bytes/s a request in flight must average once request-timeout passed"),
+        ("request_timeout", positive_seconds_arg, "seconds of silence mid-request (or of unread answers)"),
+        ("max_answer_bytes", count_arg, "record bytes in one consume answer"),
+        ("max_output_bytes", count_arg, "unsent answer bytes of one connection"),
+        ("max_partitions_per_topic", count_arg, "partitions a Tank CreateTopic may ask for"),
+    ):
+        p.add_argument(
+            "--" + name.replace("_", "-"), type=kind, help=f"{what} (or [gateway] {name}; default {getattr(d, name)})"
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="dafka",
@@ -808,6 +831,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--db", help="LMDB directory (or [gateway] db)")
     p.add_argument("--no-sync", action="store_true", help="do not fsync commits (UNSAFE)")
+    _add_gateway_limit_flags(p)
     p.add_argument("--retention-age", type=positive_seconds_arg, help="default retention: seconds to keep records")
     p.add_argument("--retention-bytes", type=count_arg, help="default retention: bytes to keep per topic")
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")

@@ -182,6 +182,9 @@ def parse_listen(text: str, default_port: int, *, minimum_port: int = 0) -> tupl
     Ports must be in ``minimum_port..65535``; 0 (for a server) means any free port.
     """
     text = str(text).strip()
+    if text.isdigit():
+        # A port alone is not a host name (it would read as an IPv4 address in integer form).
+        raise ConfigError(f"bad address {text!r}: expected HOST:PORT (for a port alone, write :{text})")
     host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
     host = host.strip("[]")  # [::1]:PORT
     if " " in host or (not host and not port):

@@ -71,13 +71,16 @@ def _start_store(settings: Settings, node: Any, data_dir: Path) -> tuple[str, An
 
 def _start_gateway(settings: Settings, node: Any, data_dir: Path) -> tuple[str, Any]:
     from dafka.tank.gateway import DEFAULT_PORT, Gateway
+    from dafka.tank.limits import GatewayLimits
 
     section = settings.section("gateway")
     db = section.get("db") or str(data_dir / "gateway")
     host = node.bind if node.bind not in ("*", "0.0.0.0") else "127.0.0.1"
     listen = parse_listen(section.get("listen", f"{host}:{DEFAULT_PORT}"), DEFAULT_PORT)
     try:
-        gateway = Gateway(db, node, listen=listen, sync=bool(section.get("sync", True)))
+        gateway = Gateway(
+            db, node, listen=listen, sync=bool(section.get("sync", True)), limits=GatewayLimits.from_settings(section)
+        )
     except OSError as exc:
         if exc.filename is not None:
             raise

@@ -76,13 +76,38 @@ broker_arg = _arg(lambda t: parse_listen(t, DEFAULT_PORT, minimum_port=1))
 partition_arg = _int_in(0, 65534)  # u16 ids; 0xffff marks an unknown topic
 
 
+def _intermixed(base: type[argparse.ArgumentParser]) -> type[argparse.ArgumentParser]:
+    """``base`` parsing options between positionals too (``produce news -p 1 msg``).
+
+    argparse fills ``TOPIC MESSAGE*`` at the first positional it meets, so
+    anything after an option would be "unrecognized"; intermixed parsing takes
+    the options first, then the positionals.
+    """
+
+    class Intermixed(base):  # type: ignore[valid-type, misc]
+        _mixing = False
+
+        def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+            if self._mixing:  # parse_known_intermixed_args calls back in here
+                return super().parse_known_args(args, namespace)
+            self._mixing = True
+            try:
+                return self.parse_known_intermixed_args(args, namespace)
+            finally:
+                self._mixing = False
+
+    return Intermixed
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("tank", help="Tank client: talk to a dafka gateway (or a Tank broker)")
     p.add_argument(
         "--broker", default=DEFAULT_BROKER, type=broker_arg, help=f"HOST[:PORT] (default {DEFAULT_BROKER})"
     )
     p.add_argument("--timeout", type=_arg(_timeout), default=10.0, help="seconds per request")
-    tank = p.add_subparsers(dest="tank_command", required=True, metavar="ACTION")
+    tank = p.add_subparsers(
+        dest="tank_command", required=True, metavar="ACTION", parser_class=_intermixed(type(p))
+    )
 
     q = tank.add_parser("create", help="create a topic with gateway-owned partitions")
     q.add_argument("topic")

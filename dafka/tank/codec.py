@@ -263,6 +263,18 @@ class FrameBuffer:
         _, length = parse_frame_header(self._buf, self._pos, self.max_frame_size)
         return max(0, FRAME_HEADER_SIZE + length - avail)
 
+    def pending_length(self) -> int:
+        """The announced payload length of a frame begun but not complete (0: none).
+
+        Raises ProtocolError as soon as a header announces more than the limit,
+        before any of its payload needs to be buffered.
+        """
+        avail = len(self._buf) - self._pos
+        if avail < FRAME_HEADER_SIZE:
+            return 0
+        _, length = parse_frame_header(self._buf, self._pos, self.max_frame_size)
+        return length if FRAME_HEADER_SIZE + length > avail else 0
+
     def peek_msg_id(self) -> int | None:
         """The msgId of the next frame, as soon as its first byte is here."""
         return self._buf[self._pos] if len(self._buf) > self._pos else None

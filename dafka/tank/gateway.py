@@ -30,7 +30,8 @@ Everything runs in the store's I/O thread: the TCP sockets are polled beside
 the ZeroMQ ones, so mapping, pending produces and parked fetches need no
 locks.  A connection that sends a frame over the limit, an unknown msgId or a
 malformed payload, or stalls half way through a frame, is closed and logged;
-nothing else is affected.
+nothing else is affected.  :mod:`dafka.tank.limits` bounds what clients can
+make the gateway hold (connections, request bytes, answer bytes, partitions).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import logging
 import os
 import socket
 import time
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -55,7 +56,8 @@ from dafka.node import new_address
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.node import MAX_BATCH, Store
 from dafka.tank.bundle import decode_bundle
-from dafka.tank.codec import MAX_FRAME_SIZE, FrameBuffer
+from dafka.tank.codec import FrameBuffer
+from dafka.tank.limits import SMALL_REQUEST, GatewayLimits, answer_budget, too_slow
 from dafka.tank.mapping import (
     FILE_NAME,
     PARTITIONS_TOPIC,
@@ -104,7 +106,9 @@ TANK_VERSION = 400  # what Status reports: clients expect a v4.0 broker
 RECV_SIZE = 256 << 10
 MAX_ANSWER_RECORDS = 16_384  # per partition per consume answer
 MAX_ANSWER_BYTES = 4 << 20  # ... and at most this much content (whole records)
-MAX_OUTPUT = 64 << 20  # unsent bytes before a connection's input pauses
+# Partition entries of the parked fetches of one connection; a fetch past it is
+# answered at once, as a timed-out one is (a long poll holds its request).
+MAX_PARKED_ENTRIES = 4096
 OWNED_HEADS_INTERVAL = 1.0  # HEADs of owned partitions, for consumers that missed the tail
 _PING = Ping().encode()
 _VIRTUAL_KEY = (PARTITIONS_TOPIC, "")
@@ -121,6 +125,11 @@ class _Conn:
     closed: bool = False
     reading: bool = True
     stalled_since: float | None = None  # half a frame buffered, no progress since
+    frame_since: float | None = None  # when the frame in flight began (while we read it)
+    reserved: int = 0  # bytes of the in-flight budget its frame in flight holds
+    out_since: float | None = None  # answers unsent, none of them taken since
+    parked_entries: int = 0  # partition entries of its parked fetches
+    deferred: bool = False  # a parked fetch woke while its answers were not taken
 
 
 @dataclass(eq=False, slots=True)
@@ -153,18 +162,19 @@ class Gateway(Store):
         towers: str | list[str] | None = None,
         sync: bool = True,
         retention: RetentionPolicy | None = None,
-        max_frame: int = MAX_FRAME_SIZE,
-        stall_timeout: float = 30.0,
         compress: bool = True,
         allow_clients: list[Any] | None = None,
+        limits: GatewayLimits | None = None,
         **store_options: Any,
     ) -> None:
         rdb = db if isinstance(db, RecordDB) else RecordDB(db, sync=sync)
         # Tank has no authentication: when set, only these IP networks may connect.
         self.allow_clients = allow_clients
         self.clients_refused = 0
+        self.limits = limits or GatewayLimits()
+        self.connections_refused = 0  # over max_connections
         try:
-            self._setup(rdb, listen, max_frame, stall_timeout, compress)
+            self._setup(rdb, listen, compress)
             super().__init__(rdb, config, towers=towers, retention=retention, **store_options)
         except BaseException:
             # A failed start must not keep the LMDB environment open: it could
@@ -177,19 +187,18 @@ class Gateway(Store):
             raise
         log.info("Tank gateway on %s:%d, db %s", listen[0], self.tank_port, rdb.path)
 
-    def _setup(
-        self, rdb: RecordDB, listen: tuple[str, int], max_frame: int, stall_timeout: float, compress: bool
-    ) -> None:
+    def _setup(self, rdb: RecordDB, listen: tuple[str, int], compress: bool) -> None:
         # Everything the I/O thread uses must exist before Store starts it.
         self.map_path = os.path.join(rdb.path, FILE_NAME)
         self.pmap = PartitionMap.load(self.map_path)
         self._owned = {(p.topic, p.address): p for p in self.pmap.owned()}
-        self.max_frame = max_frame
-        self.stall_timeout = stall_timeout
         self.compress = compress
         self.started_at = time.time()
         self._conns: dict[socket.socket, _Conn] = {}
         self._throttled: list[_Conn] = []
+        self._reserved = 0  # in-flight request bytes reserved over all connections
+        self._budget_waiting: list[_Conn] = []  # not read until the reservations allow
+        self.budget_waits = 0
         self._next_offset: dict[tuple[str, str], int] = {}  # owned: next offset to give
         self._to_publish: list[tuple[tuple[str, str], int, bytes]] = []
         self._publishing = 0  # how many of _to_publish are in the batch being committed
@@ -254,6 +263,8 @@ class Gateway(Store):
         if self._throttled and len(self._batch) < MAX_BATCH // 2:
             throttled, self._throttled = self._throttled, []
             for conn in throttled:
+                if conn in self._budget_waiting:
+                    continue  # on_tick resumes it
                 self._set_reading(conn, True)
                 self._process(conn)  # the frames that were left waiting
 
@@ -287,10 +298,23 @@ class Gateway(Store):
 
     def on_tick(self, now: float) -> None:
         super().on_tick(now)
+        limits = self.limits
+        timeout = limits.request_timeout
         for conn in list(self._conns.values()):
             since = conn.stalled_since
-            if since is not None and now - since > self.stall_timeout:
+            if since is not None and now - since > timeout:
                 self._close(conn, f"stalled half way through a frame for {now - since:.0f}s", True)
+            elif conn.frame_since is not None and too_slow(conn.frames.buffered, now - conn.frame_since, limits):
+                self._close(
+                    conn,
+                    f"too slow: {conn.frames.buffered} bytes of a {conn.frames.pending_length()}-byte request"
+                    f" in {now - conn.frame_since:.0f}s, under min_request_rate {limits.min_request_rate} bytes/s",
+                    True,
+                )
+            elif conn.out_since is not None and now - conn.out_since > timeout:
+                self._close(conn, f"did not read its answers ({conn.out_size} bytes unsent) for {timeout:g}s", True)
+        if self._budget_waiting:
+            self._resume_budget_waiting()
         if self._parked_all:
             for parked in [p for p in self._parked_all if p.deadline <= now]:
                 self._answer_parked(parked, timed_out=True)
@@ -353,9 +377,19 @@ class Gateway(Store):
             if self.allow_clients is not None and not self._client_allowed(peer[0]):
                 sock.close()
                 continue
+            if len(self._conns) >= self.limits.max_connections:
+                sock.close()
+                self.connections_refused += 1
+                if self.connections_refused <= 20 or self.connections_refused % 1000 == 0:
+                    log.warning(
+                        "refused a Tank client from %s: %d connections open, the limit (max_connections); "
+                        "%d refused so far",
+                        peer[0], len(self._conns), self.connections_refused,
+                    )
+                continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, f"{peer[0]}:{peer[1]}", FrameBuffer(self.max_frame))
+            conn = _Conn(sock, f"{peer[0]}:{peer[1]}", FrameBuffer(self.limits.max_request_bytes))
             self._conns[sock] = conn
             self.watch(sock, lambda c=conn: self._on_ready(c))
             log.debug("Tank client %s connected", conn.name)
@@ -397,6 +431,14 @@ class Gateway(Store):
                 break
             got = True
             conn.frames.feed(data)
+            try:
+                admitted = self._reserve(conn)  # an oversized header raises at once
+            except ProtocolError as exc:
+                self._close(conn, f"bad input: {exc}", True)
+                return
+            if not admitted:
+                self._wait_for_budget(conn)
+                break
             if len(data) < RECV_SIZE:
                 break
         if got:
@@ -417,20 +459,73 @@ class Gateway(Store):
             # Not past a pause: an over-full output (or the writer being
             # behind) must stop a client that pipelines requests, not only
             # its next recv().
+            took = False
             while conn.reading and not conn.closed:
                 frame = frames.next_frame()
                 if frame is None:
                     break
+                took = True
                 self._on_frame(conn, *frame)
         except ProtocolError as exc:
             self._close(conn, f"bad input: {exc}", True)
             return
         # Only a client we wait for can stall (not one whose frames we hold back).
-        conn.stalled_since = time.monotonic() if frames.buffered and conn.reading else None
+        if frames.buffered and conn.reading and not conn.closed:
+            now = time.monotonic()
+            conn.stalled_since = now
+            if conn.frame_since is None or took:
+                conn.frame_since = now  # a new frame in flight
+        else:
+            conn.stalled_since = conn.frame_since = None
+        if not conn.closed and not self._reserve(conn):
+            self._wait_for_budget(conn)
         if len(self._batch) >= MAX_BATCH and conn.reading and not conn.closed:
             self._set_reading(conn, False)  # the writer is behind: stop taking produces
             self._throttled.append(conn)
         self._flush_batch()
+
+    def _reserve(self, conn: _Conn) -> bool:
+        """Reserve the in-flight budget for the large frame this connection has begun.
+
+        False: the reservations of others leave no room (the caller stops
+        reading it).  A finished frame's reservation is given back.
+        """
+        length = conn.frames.pending_length()
+        want = length if length > SMALL_REQUEST else 0
+        if want == conn.reserved:
+            return True
+        self._reserved -= conn.reserved
+        conn.reserved = 0
+        if want and self._reserved + want > self.limits.max_buffered_bytes:
+            return False
+        conn.reserved = want
+        self._reserved += want
+        return True
+
+    def _wait_for_budget(self, conn: _Conn) -> None:
+        conn.stalled_since = conn.frame_since = None  # we hold it back: not its fault
+        self._set_reading(conn, False)
+        if conn in self._budget_waiting:
+            return
+        self.budget_waits += 1
+        if self.budget_waits <= 20 or self.budget_waits % 1000 == 0:
+            log.warning(
+                "Tank client %s: its %d-byte request waits: %d bytes of requests are in flight, "
+                "the limit is %d (max_buffered_bytes)",
+                conn.name, conn.frames.pending_length(), self._reserved, self.limits.max_buffered_bytes,
+            )
+        self._budget_waiting.append(conn)
+
+    def _resume_budget_waiting(self) -> None:
+        waiting, self._budget_waiting = self._budget_waiting, []
+        for i, conn in enumerate(waiting):
+            if conn.closed:
+                continue
+            if not self._reserve(conn):
+                self._budget_waiting += [c for c in waiting[i:] if not c.closed]  # in order
+                return
+            self._set_reading(conn, True)
+            self._process(conn)
 
     def _set_reading(self, conn: _Conn, reading: bool) -> None:
         if conn.closed:
@@ -460,7 +555,8 @@ class Gateway(Store):
                 return
             conn.out.append(memoryview(data)[n:])
             conn.out_size += len(data) - n
-        if conn.out_size > MAX_OUTPUT:
+            conn.out_since = time.monotonic()
+        if conn.out_size > self.limits.max_output_bytes:
             conn.reading = False  # a client that does not read its answers
         self._update_events(conn)
 
@@ -476,12 +572,19 @@ class Gateway(Store):
                 self._close(conn, f"send failed: {exc}")
                 return
             conn.out_size -= n
+            conn.out_since = time.monotonic() if n else conn.out_since
             if n == len(head):
                 out.popleft()
             else:
                 out[0] = memoryview(head)[n:]
                 break
-        if not out and not conn.reading and conn not in self._throttled:
+        if not out:
+            conn.out_since = None
+            if conn.deferred and not conn.closed:
+                conn.deferred = False
+                for parked in [p for p in self._parked_all if p.conn is conn]:
+                    self._answer_parked(parked, timed_out=False)
+        if not out and not conn.reading and conn not in self._throttled and conn not in self._budget_waiting:
             conn.reading = True
             if not conn.closed:
                 self._update_events(conn)
@@ -494,7 +597,11 @@ class Gateway(Store):
         if conn.closed:
             return
         conn.closed = True
+        if conn in self._budget_waiting:
+            self._budget_waiting.remove(conn)
         self._conns.pop(conn.sock, None)
+        self._reserved -= conn.reserved
+        conn.reserved = 0
         if self._parked_all:
             # Its parked fetches go too (a long poll may otherwise wait for weeks).
             for parked in [p for p in self._parked_all if p.conn is conn]:
@@ -619,6 +726,12 @@ class Gateway(Store):
 
         if not valid_topic_name(req.topic) or req.partitions in (0, 0xFFFF):
             return answer(CreateTopicError.INVALID)
+        if req.partitions > self.limits.max_partitions_per_topic:
+            log.warning(
+                "CreateTopic %s refused: %d partitions, over the limit of %d (max_partitions_per_topic)",
+                req.topic, req.partitions, self.limits.max_partitions_per_topic,
+            )
+            return answer(CreateTopicError.INVALID)
         for line in req.config.splitlines():
             if line.strip() and not line.strip().startswith("#") and "=" not in line:
                 return answer(CreateTopicError.INVALID_CONFIG)
@@ -654,15 +767,25 @@ class Gateway(Store):
     # ---------------------------------------------------------------- consume
 
     def _on_consume(self, conn: _Conn, req: ConsumeRequest) -> None:
-        response, size, waiting, faulted = self._consume_answer(req, timed_out=False)
+        budget = answer_budget(conn.out_size, self.limits)
+        response, size, waiting, faulted = self._consume_answer(req, False, budget)
         # Like the broker (respond_now), a fault is reported at once: a client
         # asking for several partitions must not wait max_wait to learn of it.
-        if faulted or size >= max(1, req.min_bytes) or not waiting or req.max_wait_ms == 0:
+        # An answer cut short by its byte budget goes at once too.
+        if faulted or size >= max(1, req.min_bytes) or not waiting or req.max_wait_ms == 0 or size >= budget:
+            self._write(conn, response.encode())
+            return
+        entries = sum(len(t.partitions) for t in req.topics)
+        if conn.parked_entries + entries > MAX_PARKED_ENTRIES:
+            # A long poll holds its request: past this the connection gets
+            # what a timed-out fetch gets, at once.
+            response, *_ = self._consume_answer(req, True, budget)
             self._write(conn, response.encode())
             return
         # Park until one of the partitions at their tail gets data, or max_wait.
         deadline = time.monotonic() + req.max_wait_ms / 1000.0
         parked = _Parked(conn, req, deadline, waiting)
+        conn.parked_entries += entries
         self._parked_all.append(parked)
         for key in waiting:
             self._parked.setdefault(key, []).append(parked)
@@ -680,11 +803,16 @@ class Gateway(Store):
             self._answer_parked(parked, timed_out=False)
 
     def _answer_parked(self, parked: _Parked, timed_out: bool) -> None:
-        if not parked.conn.closed:
-            response, size, _, faulted = self._consume_answer(parked.request, timed_out)
-            if size < max(1, parked.request.min_bytes) and not timed_out and not faulted:
+        conn = parked.conn
+        if not conn.closed:
+            budget = answer_budget(conn.out_size, self.limits)
+            if budget == 0 and not timed_out:
+                conn.deferred = True  # answered once its earlier answers are taken
+                return
+            response, size, _, faulted = self._consume_answer(parked.request, timed_out, budget)
+            if size < max(1, parked.request.min_bytes) and not timed_out and not faulted and size < budget:
                 return  # not enough yet
-            self._write(parked.conn, response.encode())
+            self._write(conn, response.encode())
         self._unpark(parked)
 
     def _unpark(self, parked: _Parked) -> None:
@@ -692,6 +820,7 @@ class Gateway(Store):
             self._parked_all.remove(parked)
         except ValueError:
             return  # already gone (its connection closed while it was answered)
+        parked.conn.parked_entries -= sum(len(t.partitions) for t in parked.request.topics)
         for key in parked.keys:
             waiters = self._parked.get(key)
             if waiters is not None:
@@ -700,14 +829,23 @@ class Gateway(Store):
                     del self._parked[key]
 
     def _consume_answer(
-        self, req: ConsumeRequest, timed_out: bool
+        self, req: ConsumeRequest, timed_out: bool, budget: int
     ) -> tuple[ConsumeResponse, int, list[tuple[str, str]], bool]:
         """The answer as things are now, its chunk bytes, the partitions at their
-        tail, and whether any topic or partition is answered with a fault."""
+        tail, and whether any topic or partition is answered with a fault.
+
+        The chunks hold at most ``budget`` bytes of records (or one whole
+        record, when the first one alone is over it); partitions past the
+        budget get an empty answer, as a partition at its end does, and the
+        client asks again.  A partition named twice is served once: its
+        repeats get the same empty answer (so a 3 KB request cannot make the
+        gateway build hundreds of copies of one partition's data).
+        """
         topics = []
         size = 0
         waiting: list[tuple[str, str]] = []
         faulted = False
+        seen: set[tuple[str, int]] = set()
         for t in req.topics:
             virtual = t.name == PARTITIONS_TOPIC
             parts = None if virtual else self.pmap.partitions(t.name)
@@ -725,36 +863,53 @@ class Gateway(Store):
                 if not known:
                     results.append(ConsumePartitionResult(p.partition, ConsumeFlag.UNKNOWN_PARTITION))
                     continue
-                res = self._consume_partition(t.name, part, p, timed_out)
-                if res is None:
+                if (t.name, p.partition) in seen or size >= budget:
+                    results.append(self._empty_answer(t.name, part, p.partition))
+                    continue
+                seen.add((t.name, p.partition))
+                got = self._consume_partition(t.name, part, p, timed_out, budget - size, size == 0)
+                if got is None:
                     results.append(ConsumePartitionResult(p.partition, ConsumeFlag.SYSTEM_ERROR))
                     continue
+                res, at_tail = got
                 if res.chunk:
                     size += len(res.chunk)
-                elif res.flags == ConsumeFlag.OK:
+                elif at_tail:
                     waiting.append(_VIRTUAL_KEY if part is None else (t.name, part.address))
+                elif res.flags == ConsumeFlag.OK:
+                    size = max(size, budget)  # had data, but no room for it: the answer is full
                 results.append(res)
             faulted = faulted or any(r.flags != ConsumeFlag.OK for r in results)
             topics.append(ConsumeTopicResult(t.name, results))
         return ConsumeResponse(req.req_id, topics), size, waiting, faulted
 
+    def _empty_answer(self, topic: str, part: TankPartition | None, pid: int) -> ConsumePartitionResult:
+        """No records this time: what a partition at its end is answered."""
+        bounds = self._bounds(topic, part)
+        return ConsumePartitionResult(pid, ConsumeFlag.OK, bounds.first_avail, bounds.hwm)
+
     def _consume_partition(
-        self, topic: str, part: TankPartition | None, p: ConsumePartition, timed_out: bool
-    ) -> ConsumePartitionResult | None:
+        self, topic: str, part: TankPartition | None, p: ConsumePartition, timed_out: bool, budget: int, first_data: bool
+    ) -> tuple[ConsumePartitionResult, bool] | None:
+        """One partition's answer and whether it is at its tail (None: a storage fault).
+
+        Whole records, at most ``budget`` bytes of them, except that the
+        ``first_data`` partition of an answer gets at least one record.
+        """
         bounds = self._bounds(topic, part)
         start = consume_start(p.seq, bounds)
         if start.kind == "boundary":
             return ConsumePartitionResult(
                 p.partition, ConsumeFlag.BOUNDARY_CHECK, 0, bounds.hwm, b"", bounds.first_avail
-            )
+            ), False
         if start.kind == "tail":
             # Remember where the tail was: a parked "UINT64_MAX" must not move on.
             p.seq = start.seq
             return ConsumePartitionResult(
                 p.partition, ConsumeFlag.OK, 0 if timed_out else bounds.first_avail, bounds.hwm
-            )
+            ), True
         limit = min(max(p.fetch_size, 1), MAX_ANSWER_BYTES)
-        count = min(MAX_ANSWER_RECORDS, max(1, limit // 64), bounds.hwm - start.seq + 1)
+        count = min(MAX_ANSWER_RECORDS, max(1, min(limit, budget) // 64), bounds.hwm - start.seq + 1)
         try:
             first, values = self._stored(topic, part, start.seq - 1, count)
         except StorageError as exc:
@@ -763,10 +918,16 @@ class Gateway(Store):
         if not values:  # retention ran meanwhile
             return ConsumePartitionResult(
                 p.partition, ConsumeFlag.BOUNDARY_CHECK, 0, bounds.hwm, b"", first + 1
-            )
-        if sum(map(len, values)) > limit:
-            # Whole records: at least one, even when it alone is over fetch_size.
+            ), False
+        if sum(map(len, values)) > min(limit, budget):
             ends = list(accumulate(map(len, values)))
-            del values[bisect_left(ends, limit) + 1 :]
+            # Whole records: as Tank, the one that crosses fetch_size too ...
+            cut = bisect_left(ends, limit) + 1
+            # ... but none past the answer's budget (one, as the answer's first).
+            fit = bisect_right(ends, budget)
+            cut = min(cut, max(1, fit) if first_data else fit)
+            if not cut:
+                return ConsumePartitionResult(p.partition, ConsumeFlag.OK, bounds.first_avail, bounds.hwm), False
+            del values[cut:]
         chunk = chunk_of(stored_bundle(values, self.compress))
-        return ConsumePartitionResult(p.partition, ConsumeFlag.OK, first + 1, bounds.hwm, chunk)
+        return ConsumePartitionResult(p.partition, ConsumeFlag.OK, first + 1, bounds.hwm, chunk), False

@@ -690,6 +690,9 @@ class DiscoverPartitionsRequest(_Message):
         topic = r.str8("topic")
         if r.remaining() % 2:
             raise ProtocolError("odd number of bytes in the partition id list")
+        if r.remaining() // 2 > 0xFFFF:
+            # The answer counts partitions in a u16: more could never be answered.
+            raise ProtocolError(f"{r.remaining() // 2} partition ids, more than 65535")
         pids = [r.u16() for _ in range(r.remaining() // 2)]
         return cls(req_id, topic, pids)
 

@@ -1,0 +1,108 @@
+"""What a Tank client may make the gateway hold: the limits and their pure rules.
+
+The Tank protocol has no authentication, so every client is a possible
+attacker.  These limits bound what one connection, and all of them together,
+can make the gateway hold or wait for:
+
+* ``max_connections``: connections open at once; more are accepted and closed
+  at once (logged).
+* ``max_request_bytes``: the largest request frame; a frame announcing more is
+  refused as soon as its 5-byte header is read, before its payload is taken.
+* ``max_buffered_bytes``: request bytes in flight over all connections.  A
+  request over 64 KiB reserves its announced size when its header arrives;
+  when the reservations would pass this, its connection is not read until
+  others finish (logged).
+* ``min_request_rate`` and ``request_timeout``: a frame in flight must keep
+  arriving: silence of ``request_timeout`` seconds half way through a frame,
+  or, once it has been in flight that long, fewer than ``min_request_rate``
+  bytes a second on average since it began, closes the connection
+  (slow-loris senders).  An unsent answer that the client does not read for
+  ``request_timeout`` seconds closes it too.
+* ``max_answer_bytes``: record bytes in one consume answer (on top of the
+  4 MiB per partition); ``max_output_bytes``: unsent answer bytes of one
+  connection, past which its requests wait and its answers shrink.
+* ``max_partitions_per_topic``: CreateTopic above it is refused (error 10).
+
+Every limit is a key of the ``[gateway]`` TOML table; ``dafka gateway`` also
+takes each as a flag (``--max-connections`` ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from dafka.errors import ConfigError
+
+#: A request frame at most this large needs no reservation of the in-flight budget.
+SMALL_REQUEST = 64 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayLimits:
+    """Limits of the gateway's Tank port (see the module doc); defaults documented in README."""
+
+    max_connections: int = 256
+    max_request_bytes: int = 64 << 20
+    max_buffered_bytes: int = 256 << 20
+    min_request_rate: int = 16 << 10  # bytes a second
+    request_timeout: float = 30.0  # seconds
+    max_answer_bytes: int = 16 << 20
+    max_output_bytes: int = 32 << 20
+    max_partitions_per_topic: int = 1024
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            kind = float if f.type in ("float", float) else int
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                kind is int and not isinstance(value, int)
+            ):
+                raise ConfigError(f"[gateway] {f.name} must be a number, not {value!r}")
+            minimum = 0 if f.name == "min_request_rate" else 1
+            if kind is float and not value > 0:
+                raise ConfigError(f"[gateway] {f.name} must be more than 0, not {value!r}")
+            if kind is int and value < minimum:
+                raise ConfigError(f"[gateway] {f.name} must be {minimum} or more, not {value!r}")
+        if self.max_partitions_per_topic > 0xFFFE:
+            raise ConfigError("[gateway] max_partitions_per_topic must be at most 65534 (Tank partition ids are u16)")
+        if self.max_request_bytes > self.max_buffered_bytes:
+            raise ConfigError(
+                f"[gateway] max_request_bytes ({self.max_request_bytes}) must not be over "
+                f"max_buffered_bytes ({self.max_buffered_bytes}): such a request could never be read"
+            )
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """The ``[gateway]`` keys these limits read."""
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_settings(cls, section: dict[str, Any], args: argparse.Namespace | None = None) -> GatewayLimits:
+        """From the ``[gateway]`` table, then flags (``args.max_connections`` ...) that were given."""
+        given: dict[str, Any] = {}
+        for name in cls.keys():
+            if name in section:
+                value = section[name]
+                if name == "request_timeout" and isinstance(value, int) and not isinstance(value, bool):
+                    value = float(value)
+                given[name] = value
+            flag = getattr(args, name, None) if args is not None else None
+            if flag is not None:
+                given[name] = flag
+        return replace(cls(), **given) if given else cls()
+
+
+def too_slow(received: int, in_flight: float, limits: GatewayLimits) -> bool:
+    """Whether a frame in flight for ``in_flight`` seconds with ``received`` bytes of it is too slow.
+
+    Judged only once it has been in flight ``request_timeout`` seconds: from
+    then on it must have come at ``min_request_rate`` bytes a second on average.
+    """
+    return in_flight >= limits.request_timeout and received < limits.min_request_rate * in_flight
+
+
+def answer_budget(out_size: int, limits: GatewayLimits) -> int:
+    """Record bytes one consume answer may carry on a connection with ``out_size`` bytes unsent."""
+    return max(0, min(limits.max_answer_bytes, limits.max_output_bytes - out_size))
