@@ -179,7 +179,8 @@ def _produce(client: TankClient, args: argparse.Namespace) -> int:
 
 def _consume(client: TankClient, args: argparse.Namespace) -> int:
     start = args.start if isinstance(args.start, int) else _start(args.start)
-    known = sorted(client.discover_partitions(args.topic))  # raises for an unknown topic
+    bounds = client.discover_partitions(args.topic)  # raises for an unknown topic
+    known = sorted(bounds)
     if args.partition is None:
         partitions = known
     elif args.partition in known:
@@ -188,7 +189,9 @@ def _consume(client: TankClient, args: argparse.Namespace) -> int:
         have = f"partitions 0..{known[-1]}" if known else "no partitions"
         print(f"error: unknown partition {args.partition} of topic {args.topic!r} (it has {have})", file=sys.stderr)
         return 1
-    seqs = dict.fromkeys(partitions, start)
+    # "tail" is where each partition ends now, fixed once: asked for again on
+    # every turn, it would skip what came while the other partitions were read.
+    seqs = {p: bounds[p].hwm + 1 if start == UINT64_MAX else start for p in partitions}
     done: set[int] = set()  # drained partitions (without --follow)
     printed = 0
     out = sys.stdout.buffer
