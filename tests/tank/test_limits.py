@@ -221,9 +221,14 @@ def test_a_slow_but_steady_request_is_served(make: Any) -> None:
         w.close()
 
 
-def test_an_announced_frame_over_the_limit_is_refused_at_once(make: Any) -> None:
-    gw = make()  # default max_request_bytes: 64 MiB
-    w, kept = witness(gw)
+def test_an_announced_frame_over_the_limit_is_refused_at_once(tmp_path: Path) -> None:
+    # The default limits (max_request_bytes 64 MiB; it was Tank's 256 MiB).
+    with Gateway(tmp_path / "gw", NodeConfig(towers=()), listen=(HOST, 0)) as gw:
+        w, kept = witness(gw)
+        _refused_at_once(gw, w, kept)
+
+
+def _refused_at_once(gw: Gateway, w: TankClient, kept: list[bytes]) -> None:
     try:
         s = connect_raw(gw.tank_port)
         started = time.monotonic()

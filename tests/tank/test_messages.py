@@ -577,3 +577,63 @@ def test_consume_response_garbage_examples() -> None:
         with pytest.raises(ProtocolError):
             ConsumeResponse.decode(payload)
     assert encode_frame(2, b"")[0] == 2
+
+
+# ---------------------------------------------------------------- request decoder fuzzing (issue 21)
+
+_VALID_REQUESTS = [
+    ProduceRequest(1, [ProduceTopic("t", [ProducePartition(0, encode_bundle([(None, 5, b"k", b"v")]))])]).encode(),
+    ConsumeRequest(2, [ConsumeTopic("t", [ConsumePartition(0, 1, 100), ConsumePartition(1, 0, 9)])], "c", 10, 1).encode(),
+    DiscoverPartitionsRequest(3, "t", [0, 1]).encode(),
+    CreateTopicRequest(4, "t", 3, "a=b").encode(),
+    StatusRequest(5).encode(),
+    Ping().encode(),
+]
+
+
+def _only_protocol_errors(msg_id: int, payload: bytes) -> None:
+    try:
+        decode_request(msg_id, payload)
+    except ProtocolError:
+        pass  # the gateway closes that connection
+
+
+@given(st.integers(0, 255), st.binary(max_size=300))
+def test_any_bytes_decode_or_raise_protocol_error(msg_id: int, payload: bytes) -> None:
+    _only_protocol_errors(msg_id, payload)
+
+
+@given(st.sampled_from(_VALID_REQUESTS), st.data())
+def test_mutated_requests_decode_or_raise_protocol_error(frame: bytes, data: st.DataObject) -> None:
+    payload = bytearray(frame[5:])
+    for _ in range(data.draw(st.integers(1, 4))):
+        if not payload:
+            break
+        i = data.draw(st.integers(0, len(payload) - 1))
+        payload[i] = data.draw(st.sampled_from([0, 1, 0x7F, 0x80, 0xFF, payload[i] ^ 0x55]))
+    cut = data.draw(st.integers(0, len(payload)))
+    _only_protocol_errors(frame[0], bytes(payload[:cut]))
+    _only_protocol_errors(frame[0], bytes(payload))
+
+
+@given(st.integers(0, 255), st.integers(0, 0xFFFFFFFF))
+def test_a_huge_length_allocates_nothing_before_its_data(msg_id: int, length: int) -> None:
+    fb = FrameBuffer(max_frame_size=64 << 20)
+    header = struct.pack("<BI", msg_id, length)
+    fb.feed(header)
+    if length > 64 << 20:
+        with pytest.raises(ProtocolError):
+            fb.pending_length()  # refused at the header
+        return
+    assert fb.pending_length() == (length if length else 0) and fb.buffered == 5
+    assert fb.next_frame() == ((msg_id, b"") if length == 0 else None)
+    assert len(fb._buf) <= 5  # nothing reserved for the announced payload
+
+
+def test_counts_in_a_request_are_bounded_by_its_bytes() -> None:
+    # A u8 count of 255 topics needs 255 names: a short payload is refused, not looped on.
+    with pytest.raises(ProtocolError):
+        decode_request(MsgId.CONSUME, struct.pack("<HI", 2, 1) + b"\0" + struct.pack("<QI", 0, 0) + b"\xff")
+    # More partition ids than a DiscoverPartitions answer can count (u16).
+    with pytest.raises(ProtocolError, match="65535"):
+        decode_request(MsgId.DISCOVER_PARTITIONS, struct.pack("<I", 1) + b"\x01t" + b"\0\0" * 65_536)
