@@ -35,6 +35,7 @@ from dafka.config import (
     TowerAddress,
     is_loopback,
     load_settings,
+    loopback_trap,
     parse_listen,
     parse_port,
     parse_towers,
@@ -119,7 +120,11 @@ def service_node_config(args: argparse.Namespace, settings: Settings, what: str)
     """node_config of a store or gateway, with its bind checked by service_bind."""
     cfg = node_config(args, settings)
     given = args.bind or (cfg.bind if "bind" in settings.node_keys else None)
-    return replace(cfg, bind=service_bind(args, given, cfg.security is not None, what))
+    cfg = replace(cfg, bind=service_bind(args, given, cfg.security is not None, what))
+    trap = loopback_trap(cfg, cfg.bind, what)  # at once, before anything starts (Node checks again)
+    if trap:
+        raise ConfigError(trap)
+    return cfg
 
 
 class StopSignals:

@@ -225,14 +225,11 @@ def loopback_trap(cfg: NodeConfig, bound_host: str, what: str = "node") -> str |
     elsewhere = [t.host for t in cfg.towers if not _resolves_to_loopback(t.host)]
     if not elsewhere:
         return None
-    fix = (
-        "pass --bind ADDR --insecure (ADDR: this host's address that peers reach, or '*')"
-        if cfg.security is None
-        else "pass --bind ADDR (this host's address that peers reach, or '*')"
+    addr = "ADDR: this host's address that peers reach, or '*'"
+    fix = f"pass --bind ADDR ({addr})" + (
+        " with --insecure, or configure [security] (see `dafka keys`)" if cfg.security is None else ""
     )
     return (
-        f"this {what} would listen on {bound_host} only, but its tower {elsewhere[0]} is on another host:"
-        f" nodes there could not reach it. {fix}"
-        + (", or configure [security] (see `dafka keys`)" if cfg.security is None else "")
-        + " ([node] bind in a config file)"
+        f"this {what} would listen on {bound_host} only, but its tower {elsewhere[0]} is on another host,"
+        f" so nodes there could not reach it: {fix}; in a config file, [node] bind"
     )

@@ -10,6 +10,7 @@ nothing), so our nodes are tested against both.
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +27,7 @@ from dafka.node import Node
 from dafka.producer import Producer
 from dafka.store.node import Store
 from dafka.tower import Tower
-from tests.conftest import wait_until
+from tests.conftest import dafka_cmd, subprocess_env, wait_until
 
 
 def own_interface_address() -> str | None:
@@ -278,10 +279,48 @@ def test_a_node_no_peer_reaches_says_why(raw_tower, caplog) -> None:
 
 def test_loopback_node_with_a_tower_elsewhere_refuses_to_start() -> None:
     towers = (TowerAddress("10.9.8.7"),)
-    with pytest.raises(ConfigError, match=r"listen on 127\.0\.0\.1 only.*10\.9\.8\.7.*--bind ADDR --insecure"):
+    with pytest.raises(ConfigError, match=r"listen on 127\.0\.0\.1 only.*10\.9\.8\.7.*--bind ADDR.*--insecure"):
         Node(NodeConfig(towers=towers, bind="127.0.0.1"))
     with pytest.raises(ConfigError):
         Node(NodeConfig(towers=towers, bind="lo"))  # an interface name is judged by what it binds
     # A non-loopback advertise is the user's own routing (a forwarded port): allowed.
     Node(NodeConfig(towers=towers, bind="127.0.0.1", advertise="10.9.8.1")).stop()
     Node(NodeConfig(towers=(TowerAddress("localhost"),), bind="127.0.0.1")).stop()
+
+
+@pytest.mark.parametrize("service", ["store", "gateway"])
+def test_a_service_with_a_tower_elsewhere_refuses_loopback_in_one_line(service: str, tmp_path: Path) -> None:
+    # Before: the store bound 127.0.0.1 silently and no other host ever reached it.
+    out = subprocess.run(
+        dafka_cmd(service, "--db", str(tmp_path / "db"), "--tower", "10.9.8.7"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=subprocess_env(),
+    )
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith(f"error: this {service} would listen on 127.0.0.1 only")
+    assert "10.9.8.7" in lines[0] and "--bind ADDR" in lines[0] and "--insecure" in lines[0]
+    assert "[security]" in lines[0]
+
+
+def test_the_producer_names_the_store_endpoint_it_cannot_reach(cfg: NodeConfig, tmp_path: Path) -> None:
+    # A store that announces where nothing listens (127.0.0.2: loopback, but the
+    # store is bound to 127.0.0.1 only): the producer sees its beacons but cannot connect.
+    with Store(str(tmp_path / "db"), replace(cfg, advertise="127.0.0.2"), sync=False) as store:
+        with Producer("unreached", cfg) as producer:
+            receipt = producer.publish(b"x")
+            assert not receipt.wait(1.5)
+            why = wait_until(lambda: "failed connection attempt" in producer.diagnose() and producer.diagnose())
+            assert f"tcp://127.0.0.2:{store.port}" in why and store.address[:8] in why
+            assert why.startswith("no store reported; this producer cannot connect to 1 of the 1 node(s)")
+            producer.close(timeout=0.1)
+
+
+def test_the_producer_says_when_it_reached_every_node_and_none_is_a_store(cfg: NodeConfig) -> None:
+    with Consumer("nostore", cfg), Producer("nostore", cfg) as producer:
+        why = wait_until(lambda: "reached all" in producer.diagnose() and producer.diagnose())
+        assert why.startswith("no store on the mesh: this producer reached all 1 other node(s)")
+        producer.close(timeout=0.1)
