@@ -324,3 +324,26 @@ def test_the_producer_says_when_it_reached_every_node_and_none_is_a_store(cfg: N
         why = wait_until(lambda: "reached all" in producer.diagnose() and producer.diagnose())
         assert why.startswith("no store on the mesh: this producer reached all 1 other node(s)")
         producer.close(timeout=0.1)
+
+
+def test_doctor_names_what_cannot_be_reached(tower: Tower, cfg: NodeConfig) -> None:
+    from dafka import doctor
+
+    peer = Node(cfg)
+    peer.start()
+    try:
+        lines: list[str] = []
+        assert doctor.check(cfg, 3.0, lines.append, [])
+        assert any(line.startswith("ok   reachable from the tower's side") for line in lines), lines
+        assert any(line.startswith("ok   reachable from peers") for line in lines), lines
+        assert f"ok   reaches peer node {peer.address[:8]} at tcp://127.0.0.1:{peer.port}" in lines
+        # Announced where nothing listens: the tower's probe and the peer both fail, by address and port.
+        lines = []
+        assert not doctor.check(replace(cfg, advertise="127.0.0.2"), 3.0, lines.append, ["x:1/2 (refused)"])
+        text = "\n".join(lines)
+        assert "FAIL tower x:1/2 (refused)" in text
+        assert "FAIL not reachable from the tower's side: address 127.0.0.2 port" in text
+        assert "connection refused" in text
+        assert "FAIL not reachable from any peer: 1 peer(s) on the mesh, none connected to address 127.0.0.2" in text
+    finally:
+        peer.stop()
