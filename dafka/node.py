@@ -159,7 +159,12 @@ class Node:
             security.make_server(self.publisher, self.keys)
         self._refusals.append(
             security.RefusalLog(
-                self.publisher, f"{self.kind} publisher", self.log, events=INBOUND_EVENTS, on_event=self.inbound.on_event
+                self.publisher,
+                f"{self.kind} publisher",
+                self.log,
+                events=INBOUND_EVENTS,
+                on_event=self.inbound.on_event,
+                refusals=self.keys is not None,  # plain: the tower's probe closes before a handshake
             )
         )
         try:
@@ -240,7 +245,14 @@ class Node:
             self._retries = security.Retries(RETRY_REFUSED)
         else:
             self._refusals.append(
-                security.RefusalLog(self.sub, f"{self.kind} data", self.log, events=OUTBOUND_EVENTS, on_event=self.links.on_event)
+                security.RefusalLog(
+                    self.sub,
+                    f"{self.kind} data",
+                    self.log,
+                    events=OUTBOUND_EVENTS,
+                    on_event=self.links.on_event,
+                    refusals=False,
+                )
             )
         if sec is not None:
             self._tower_keys: dict[tuple[zmq.Socket, str], bytes] = {}

@@ -347,9 +347,11 @@ class RefusalLog:
         on_refused: Callable[[str], None] | None = None,
         events: int = 0,
         on_event: Callable[[int, str], None] | None = None,
+        refusals: bool = True,
     ) -> None:
         """``events``: more monitor events to pass to ``on_event(event, endpoint)``
-        (one monitor per socket: ZeroMQ allows no second one)."""
+        (one monitor per socket: ZeroMQ allows no second one); ``refusals=False``:
+        those only (a plain socket: a connection closed before its handshake is no refusal)."""
         self.what = what
         self.on_event = on_event
         self.client = on_refused is not None
@@ -360,7 +362,8 @@ class RefusalLog:
         # A unique inproc name: pyzmq's default names it after the socket's
         # FD, and a closed socket's monitor endpoint is released by libzmq's
         # reaper later, so a new socket that got the same FD could collide.
-        self.monitor = sock.get_monitor_socket(_REFUSALS | events, f"inproc://dafka-refusals-{next(_MONITOR_IDS)}")
+        mask = (_REFUSALS if refusals else 0) | events
+        self.monitor = sock.get_monitor_socket(mask, f"inproc://dafka-refusals-{next(_MONITOR_IDS)}")
 
     def read(self) -> None:
         for _ in range(1000):

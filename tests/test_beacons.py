@@ -179,7 +179,9 @@ def test_our_tower_still_fills_in_a_missing_host(tower: Tower) -> None:
         pub.close(0)
 
 
-def test_the_tower_tells_a_node_how_it_is_seen_and_c_nodes_never_get_it(tower: Tower, cfg: NodeConfig) -> None:
+def test_the_tower_tells_a_node_how_it_is_seen_and_c_nodes_never_get_it(
+    tower: Tower, cfg: NodeConfig, caplog
+) -> None:
     ctx = zmq.Context.instance()
     c_like = ctx.socket(zmq.SUB)  # a C node's beacon SUB: W and B only
     c_like.setsockopt(zmq.SUBSCRIBE, b"W")
@@ -193,6 +195,7 @@ def test_the_tower_tells_a_node_how_it_is_seen_and_c_nodes_never_get_it(tower: T
         assert r.endpoint == f"tcp://127.0.0.1:{node.port}"
         assert r.probe == reach.PROBE_OK
         assert tower.reflections > 0
+        assert "refused" not in caplog.text  # the probe is no failed handshake to a plain node
         heard = []
         for _ in range(200):
             if not c_like.poll(10):
