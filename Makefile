@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup java run test lint bench bench-all pipeline clean
+.PHONY: setup java netns run test lint bench bench-all pipeline clean
 
 # The install also compiles the I/O extension in place (setup.py, Cython from
 # the build requirements); a failed compile leaves the pure-Python twin.
@@ -21,7 +21,13 @@ java:
 	  echo "installing a Java runtime for Spark"; \
 	  apt-get update -q && apt-get install -y -q default-jre-headless; }
 
-setup: $(STAMP) java
+# iproute2 (`ip`) builds the network namespaces of tests/test_multihost.py.
+netns:
+	@command -v ip >/dev/null 2>&1 || { \
+	  echo "installing iproute2 for the multi-host test"; \
+	  apt-get update -q && apt-get install -y -q iproute2; }
+
+setup: $(STAMP) java netns
 
 run: setup
 	$(BIN)/dafka up --data var

@@ -35,6 +35,7 @@ from dafka.config import (
     TowerAddress,
     is_loopback,
     load_settings,
+    loopback_trap,
     parse_listen,
     parse_port,
     parse_towers,
@@ -119,7 +120,11 @@ def service_node_config(args: argparse.Namespace, settings: Settings, what: str)
     """node_config of a store or gateway, with its bind checked by service_bind."""
     cfg = node_config(args, settings)
     given = args.bind or (cfg.bind if "bind" in settings.node_keys else None)
-    return replace(cfg, bind=service_bind(args, given, cfg.security is not None, what))
+    cfg = replace(cfg, bind=service_bind(args, given, cfg.security is not None, what))
+    trap = loopback_trap(cfg, cfg.bind, what)  # at once, before anything starts (Node checks again)
+    if trap:
+        raise ConfigError(trap)
+    return cfg
 
 
 class StopSignals:
@@ -231,6 +236,24 @@ def serve_metrics(args: argparse.Namespace, section: dict[str, Any], service: An
     if hasattr(service, "metrics_server"):
         service.metrics_server = server  # the node closes it when it stops
     return server
+
+
+# ---------------------------------------------------------------- doctor
+
+
+@command("doctor")
+def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
+    """The I/O implementation; with a tower named, whether a node started here reaches the mesh and is reached."""
+    from dafka import doctor, fastio
+
+    print(fastio.describe(), flush=True)
+    if not (args.tower or os.environ.get("DAFKA_TOWERS") or "towers" in settings.node_keys):
+        print("mesh not checked: name a tower (--tower HOST, $DAFKA_TOWERS or [node] towers)")
+        return 0
+    cfg = node_config(args, settings)
+    unreached = unreached_towers(cfg.towers)
+    passed = doctor.check(cfg, args.wait, lambda line: print(line, flush=True), unreached)
+    return 0 if passed else EXIT_FAILURE
 
 
 # ---------------------------------------------------------------- produce
@@ -597,14 +620,6 @@ def cmd_keys(args: argparse.Namespace, settings: Settings) -> int:
 # ---------------------------------------------------------------- doctor
 
 
-@command("doctor")
-def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
-    from dafka import fastio
-
-    print(fastio.describe())
-    return 0
-
-
 # ---------------------------------------------------------------- bench
 
 
@@ -709,7 +724,10 @@ def _add_node_flags(p: argparse.ArgumentParser) -> None:
         type=host_arg,
         help="interface the node binds (default: 127.0.0.1 when every tower is on loopback, else all)",
     )
-    p.add_argument("--advertise", help="host to announce in beacons (default: as the tower sees us)")
+    p.add_argument(
+        "--advertise",
+        help="host to announce in beacons (default: the interface bound; bound to all, as the tower sees us)",
+    )
     _add_security_flags(p)
 
 
@@ -851,6 +869,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=1.0, help="--watch: seconds between views")
     p.add_argument("--json", action="store_true", help="print JSON (one object per view)")
 
+    p = sub.add_parser(
+        "doctor",
+        help="the I/O implementation in use; with a tower: whether nodes started here reach the mesh and are reached",
+    )
+    _add_node_flags(p)
+    p.add_argument("--wait", type=positive_seconds_arg, default=5.0, help="seconds to wait for peers (default 5)")
+
     p = sub.add_parser("up", help="run the main services (tower + store + gateway) on loopback")
     p.add_argument("--data", default="var", help="data directory (default ./var)")
     p.add_argument("--bind", type=host_arg, help="interface to bind (default 127.0.0.1)")
@@ -870,7 +895,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench.add_arguments(p)
 
-    sub.add_parser("doctor", help="say which I/O implementation is active and why")
 
     for extra in _EXTRA_PARSERS:
         extra(sub)

@@ -193,3 +193,46 @@ def parse_listen(text: str, default_port: int, *, minimum_port: int = 0) -> tupl
         return host or "127.0.0.1", parse_port(port, minimum=minimum_port) if port else default_port
     except ConfigError as exc:
         raise ConfigError(f"bad address {text!r}: {exc}") from None
+
+
+def _resolves_to_loopback(host: str) -> bool:
+    """Whether a tower's host is this machine's loopback (a name is resolved; unresolvable: no)."""
+    if is_loopback(host):
+        return True
+    import ipaddress
+    import socket
+
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return False  # an address, not loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
+def loopback_trap(cfg: NodeConfig, bound_host: str, what: str = "node") -> str | None:
+    """Why a node bound to ``bound_host`` could not be reached, or None.
+
+    The one rule of where nodes listen: a node whose towers are all on this
+    machine's loopback may listen on loopback; with a tower on another host it
+    must listen where that host's nodes reach it.  So a node bound to loopback
+    only, with a tower elsewhere, is refused (unless ``advertise`` names a
+    non-loopback host: a forwarded port, NAT).
+    """
+    if not is_loopback(bound_host) or (cfg.advertise and not is_loopback(cfg.advertise)):
+        return None
+    elsewhere = [t.host for t in cfg.towers if not _resolves_to_loopback(t.host)]
+    if not elsewhere:
+        return None
+    addr = "ADDR: this host's address that peers reach, or '*'"
+    fix = f"pass --bind ADDR ({addr})" + (
+        " with --insecure, or configure [security] (see `dafka keys`)" if cfg.security is None else ""
+    )
+    return (
+        f"this {what} would listen on {bound_host} only, but its tower {elsewhere[0]} is on another host,"
+        f" so nodes there could not reach it: {fix}; in a config file, [node] bind"
+    )

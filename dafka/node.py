@@ -35,10 +35,10 @@ from typing import Any
 
 import zmq
 
-from dafka import fastio, security, wire
+from dafka import fastio, reach, security, wire
 from dafka.audience import BatchAudience
-from dafka.config import NodeConfig, default_node_config
-from dafka.errors import ProtocolError
+from dafka.config import NodeConfig, default_node_config, loopback_trap
+from dafka.errors import ConfigError, ProtocolError
 from dafka.peers import Connect, PeerAction, PeerTable, TowerWatch
 
 DRAIN = 4096  # messages read from a socket before looking at the others again
@@ -59,6 +59,11 @@ RECORD_IDS = (wire.P_RECORD, wire.P_DIRECT_RECORD)  # subscriptions that get a b
 # How records go out: a header prefix and the fastio function that sends records with it.
 Route = tuple[bytes, Callable[..., int]]
 RETRY_REFUSED = 1.0  # seconds before connecting again where a secure handshake was refused
+# Monitor events read besides refused handshakes: who completed a handshake with
+# our publisher (peers reach us), and which peers our data SUB reaches (dafka.reach).
+INBOUND_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+OUTBOUND_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
+REACH_GRACE = 5  # beacon intervals with peers and none reaching us before a warning
 
 
 def read_subscriptions(sock: zmq.Socket, limit: int = DRAIN) -> Iterator[tuple[bool, bytes]]:
@@ -147,11 +152,32 @@ class Node:
         if self.publisher_type == zmq.XPUB:
             # Every subscribe and unsubscribe (a peer leaving too): the audience counts them.
             self.publisher.setsockopt(zmq.XPUB_VERBOSER, 1)
+        # Who reaches us (handshakes on the publisher) and whom we reach (the data SUB).
+        self.inbound = reach.Links()
+        self.links = reach.Links()
         if self.keys is not None:
             security.make_server(self.publisher, self.keys)
-            self._refusals.append(security.RefusalLog(self.publisher, f"{self.kind} publisher", self.log))
-        self.port = self.publisher.bind_to_random_port(f"tcp://{cfg.bind}")
-        self._bound = self.publisher.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._refusals.append(
+            security.RefusalLog(
+                self.publisher,
+                f"{self.kind} publisher",
+                self.log,
+                events=INBOUND_EVENTS,
+                on_event=self.inbound.on_event,
+                refusals=self.keys is not None,  # plain: the tower's probe closes before a handshake
+            )
+        )
+        try:
+            self.port = self.publisher.bind_to_random_port(f"tcp://{cfg.bind}")
+            self._bound = self.publisher.getsockopt_string(zmq.LAST_ENDPOINT)
+            trap = loopback_trap(cfg, reach.split_endpoint(self._bound)[0], self.kind)
+            if trap:
+                raise ConfigError(trap)
+        except BaseException:
+            for refusals in self._refusals:
+                refusals.close()
+            self.publisher.close(0)
+            raise
 
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.RCVHWM, cfg.hwm)
@@ -163,6 +189,8 @@ class Node:
         self.beacon_sub.setsockopt(zmq.LINGER, 0)
         self.beacon_sub.setsockopt(zmq.SUBSCRIBE, wire.WELCOME)
         self.beacon_sub.setsockopt(zmq.SUBSCRIBE, wire.BEACON)
+        # How the tower sees us (dafka towers only; see dafka.reach).
+        self.beacon_sub.setsockopt(zmq.SUBSCRIBE, reach.reflection_topic(self.address))
         if self.keys is not None:
             # What only stores may say (ACK, DIRECT-HEAD, STORE-HELLO) is not
             # subscribed on the data SUB but on two more SUBs: trusted_sub,
@@ -184,7 +212,11 @@ class Node:
                 continue
             self.beacon_pub.connect(tower.beacon_in)
             self.beacon_sub.connect(tower.beacon_out)
-        self._beacon = wire.node_beacon(self.address, cfg.advertise, self.port)
+        # The host we name: the interface we are bound to, else (bound to all) the
+        # tower fills in the address it sees, as for C nodes (see dafka.reach).
+        self.beacon_host = reach.beacon_host(cfg.advertise, self._bound)
+        self._beacon = wire.node_beacon(self.address, self.beacon_host, self.port)
+        self.reach = reach.ReachWatch(time.monotonic(), REACH_GRACE * cfg.beacon_interval)
         # Diagnostics: warn while no tower answers; notice another node with our address.
         self.tower_watch = TowerWatch(time.monotonic(), 3 * cfg.beacon_interval)
         self.beacon_held = False  # a subclass may stay silent for a while (see producer resume)
@@ -206,9 +238,23 @@ class Node:
                         f"{self.kind} {what}",
                         self.log,
                         lambda endpoint, s=sock: self._retry_later(s, endpoint),
+                        events=OUTBOUND_EVENTS if sock is self.sub else 0,
+                        on_event=self.links.on_event if sock is self.sub else None,
                     )
                 )
             self._retries = security.Retries(RETRY_REFUSED)
+        else:
+            self._refusals.append(
+                security.RefusalLog(
+                    self.sub,
+                    f"{self.kind} data",
+                    self.log,
+                    events=OUTBOUND_EVENTS,
+                    on_event=self.links.on_event,
+                    refusals=False,
+                )
+            )
+        if sec is not None:
             self._tower_keys: dict[tuple[zmq.Socket, str], bytes] = {}
             for i, tower in enumerate(cfg.towers):
                 self._tower_keys[(self.beacon_pub, tower.beacon_in)] = sec.tower_key(i)  # type: ignore[union-attr]
@@ -226,6 +272,7 @@ class Node:
         self.every(min(1.0, cfg.beacon_timeout / 4), self._expire_peers)
         self.every(TICK, self.on_tick)
         self.every(cfg.beacon_interval, self._check_towers)
+        self.every(cfg.beacon_interval, self._check_reach)
         if sec is not None:
             self._check_own_role()
             self._allow_version = self.guard.version  # type: ignore[union-attr]
@@ -497,6 +544,9 @@ class Node:
             except zmq.Again:
                 return
             self.tower_watch.on_heard(time.monotonic())
+            if frames[0][:1] == reach.REFLECTION:
+                self._on_reflection(frames)
+                continue
             if frames == [wire.WELCOME]:
                 # A tower (re)appeared: tell it about us right away.
                 self._send_beacon(time.monotonic())
@@ -517,6 +567,35 @@ class Node:
             actions = self.peers.on_beacon(address, endpoint, time.monotonic())
             for action in actions:
                 self._apply_peer_action(action)
+
+    def _on_reflection(self, frames: list[bytes]) -> None:
+        """How the tower sees us (dafka towers; C towers never send it)."""
+        try:
+            reflection = reach.decode_reflection(frames)
+        except ProtocolError as exc:
+            self.bad_input("reflection", exc)
+            return
+        if reflection.address != self.address:
+            return  # another node's address with ours as a prefix
+        warning = self.reach.on_reflection(reflection)
+        if warning:
+            self.log.warning("%s %s: %s", self.kind, self.address[:8], warning)
+
+    def _check_reach(self, now: float) -> None:
+        """Timer: warn when peers are on the mesh but none reached our publisher."""
+        peers = 0 if self.beacon_held else len(self.peers)
+        if not self.reach.warning_due(now, peers, self.inbound.handshakes):
+            return
+        reasons = self.reach.reasons(self._bound, self.beacon_host, self.peers.endpoints())
+        self.log.warning(
+            "%s %s may be unreachable: %d peer(s) on the mesh, none connected to its publisher (%s) in %.0fs: %s",
+            self.kind,
+            self.address[:8],
+            peers,
+            self._bound,
+            now - max(self.reach.peers_since or now, self.reach.started),
+            "; ".join(reasons),
+        )
 
     def _is_own_endpoint(self, endpoint: str) -> bool:
         """Whether a beacon with our address is our own (else: another process)."""
@@ -692,6 +771,7 @@ class Node:
                 self.sub.disconnect(action.endpoint)
             except zmq.ZMQError:
                 pass
+            self.links.forget(action.endpoint)
             if action.address in self._gated and self._gated[action.address][1] == action.endpoint:
                 self._ungate(action.address)
             self.log.debug("dropped silent peer %s", action.address)

@@ -43,6 +43,10 @@ class PeerTable:
     def endpoints(self) -> list[str]:
         return [endpoint for endpoint, _ in self._peers.values()]
 
+    def items(self) -> list[tuple[str, str]]:
+        """(address, endpoint) of every known peer (a copy)."""
+        return [(address, endpoint) for address, (endpoint, _) in list(self._peers.items())]
+
     def on_beacon(self, address: str, endpoint: str, now: float) -> list[PeerAction]:
         """A tower relayed a beacon; return what to do with the data SUB."""
         if address == self.own_address:

@@ -544,10 +544,31 @@ class Producer(Node):
             return f"no tower reached (tried {towers}), so no store could be found"
         if len(self.peers) == 0:
             return "no other node on the mesh: no store seen (is a store running, using the same tower?)"
+        unreached = self._unreached_peers()
+        if unreached:
+            return (
+                f"no store reported; this producer cannot connect to {len(unreached)} of the"
+                f" {len(self.peers)} node(s) on the mesh: {'; '.join(unreached[:5])}. A store among them"
+                " cannot be reached from here (bound to loopback on another host, a wrong --advertise,"
+                " or a firewall?): `dafka doctor` on its host checks it"
+            )
         return (
-            f"no store seen on the mesh ({len(self.peers)} other node(s), none reported as a store;"
-            " is a store running?)"
+            f"no store on the mesh: this producer reached all {len(self.peers)} other node(s) and none"
+            " reported as a store (is a store running, using the same tower?)"
         )
+
+    def _unreached_peers(self) -> list[str]:
+        """Peers our data SUB has no connection to: endpoint, who, and how it went."""
+        out = []
+        for address, endpoint in self.peers.items():
+            if endpoint in self.links.up:
+                continue
+            role = self.peer_role(address)
+            who = f"a {role}" if role else "node"
+            fails = self.links.failing.get(endpoint, 0)
+            how = f"{fails} failed connection attempt(s)" if fails else "not connected yet"
+            out.append(f"{endpoint} ({who} {address[:8]}, {how})")
+        return out
 
     def _on_fetch(self, fetch: wire.Fetch) -> None:
         header = wire.record_prefix(wire.DIRECT_RECORD, fetch.address, self.address, self.topic)

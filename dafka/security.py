@@ -345,8 +345,15 @@ class RefusalLog:
         what: str,
         logger: logging.Logger,
         on_refused: Callable[[str], None] | None = None,
+        events: int = 0,
+        on_event: Callable[[int, str], None] | None = None,
+        refusals: bool = True,
     ) -> None:
+        """``events``: more monitor events to pass to ``on_event(event, endpoint)``
+        (one monitor per socket: ZeroMQ allows no second one); ``refusals=False``:
+        those only (a plain socket: a connection closed before its handshake is no refusal)."""
         self.what = what
+        self.on_event = on_event
         self.client = on_refused is not None
         self.on_refused = on_refused
         self.log = logger
@@ -355,7 +362,8 @@ class RefusalLog:
         # A unique inproc name: pyzmq's default names it after the socket's
         # FD, and a closed socket's monitor endpoint is released by libzmq's
         # reaper later, so a new socket that got the same FD could collide.
-        self.monitor = sock.get_monitor_socket(_REFUSALS, f"inproc://dafka-refusals-{next(_MONITOR_IDS)}")
+        mask = (_REFUSALS if refusals else 0) | events
+        self.monitor = sock.get_monitor_socket(mask, f"inproc://dafka-refusals-{next(_MONITOR_IDS)}")
 
     def read(self) -> None:
         for _ in range(1000):
@@ -366,6 +374,10 @@ class RefusalLog:
             try:
                 event = parse_monitor_message(frames)
             except Exception:
+                continue
+            if not event["event"] & _REFUSALS:
+                if self.on_event is not None:
+                    self.on_event(event["event"], event["endpoint"].decode(errors="replace"))
                 continue
             self.count += 1
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:

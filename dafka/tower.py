@@ -12,21 +12,30 @@ In secure mode (a :class:`~dafka.security.SecurityConfig`) both sockets are
 CURVE servers checked against the allow-list; a node beacon carries the
 node's public key as a 5th frame and is relayed (with the key as a 4th frame)
 only when that key is the one the node authenticated with (ZAP User-Id).
+
+Dafka only: a node that subscribed its REFLECTION gets, after each of its
+beacons, how this tower sees it (the peer address, the endpoint relayed) and
+whether the tower could open a TCP connection to that endpoint (plain mode;
+see :mod:`dafka.reach`).  C nodes never ask, and never get one.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import socket
 import threading
 import time
 
 import zmq
 
-from dafka import security, wire
+from dafka import reach, security, wire
 from dafka.errors import ProtocolError
 from dafka.node import ErrorLog
 
 log = logging.getLogger("dafka.tower")
+PROBE_TIMEOUT = 2.0  # seconds a TCP connection to an announced endpoint may take
 
 
 class Tower:
@@ -67,6 +76,11 @@ class Tower:
         self._bound = [sock.getsockopt_string(zmq.LAST_ENDPOINT) for sock in (self.xsub, self.xpub)]
         self.bad_input = ErrorLog(log)
         self.beacons = 0
+        self.reflections = 0
+        # Plain mode: TCP connections to announced endpoints (a secure node would log
+        # a raw connection as a refused handshake, so secure towers do not probe).
+        self.probes = reach.ProbePlan()
+        self._probing: dict[int, tuple[socket.socket, tuple[str, int], float]] = {}  # fd -> (sock, key, deadline)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         log.info(
@@ -119,17 +133,21 @@ class Tower:
         for monitor in monitors:
             poller.register(monitor, zmq.POLLIN)
         check_at = 0.0
+        self._poller = poller
         try:
             while not self._stop.is_set():
                 if self.guard is not None and time.monotonic() >= check_at:
                     check_at = time.monotonic() + self.security.reload_interval  # type: ignore[union-attr]
                     self._check_allow_list()
-                for sock, _ in poller.poll(200):
+                self._expire_probes(time.monotonic())
+                for sock, _ in poller.poll(100 if self._probing else 200):
                     try:
                         if sock is self.xsub:
                             self._relay_beacons()
                         elif sock is self.xpub:
                             self._forward_subscriptions()
+                        elif isinstance(sock, int):
+                            self._probe_done(sock)
                         else:
                             monitors[sock].read()
                     except zmq.ZMQError as exc:
@@ -137,6 +155,8 @@ class Tower:
                             return
                         log.exception("tower socket error")
         finally:
+            for fd in list(self._probing):
+                self._probing.pop(fd)[0].close()
             self._close_sockets()
 
     def _relay_beacons(self) -> None:
@@ -158,16 +178,63 @@ class Tower:
             except ProtocolError as exc:
                 self.bad_input("node beacon", exc)
                 continue
+            try:
+                seen = first.get("Peer-Address")
+            except zmq.ZMQError:
+                seen = ""  # inproc/ipc peers have no address
             if not host:
-                try:
-                    host = first.get("Peer-Address")
-                except zmq.ZMQError:
-                    host = "127.0.0.1"  # inproc/ipc peers have no address
+                host = seen or "127.0.0.1"
             if ":" in host and not host.startswith("["):
                 host = f"[{host}]"  # IPv6 literal
-            beacon = wire.tower_beacon(address, f"tcp://{host}:{port}")
+            endpoint = f"tcp://{host}:{port}"
+            beacon = wire.tower_beacon(address, endpoint)
             self.xpub.send_multipart(beacon + [key] if key else beacon)
             self.beacons += 1
+            if self.probes.wants(address):
+                self._reflect(address, seen, endpoint)
+
+    def _reflect(self, address: str, seen: str, endpoint: str) -> None:
+        """Tell a node how this tower sees it, probing its endpoint now and then."""
+        if self.guard is not None:
+            probe = "not checked: a secure tower does not probe"
+        else:
+            probe, start = self.probes.on_beacon(seen, endpoint, time.monotonic())
+            if start is not None:
+                self._start_probe(start)
+        self.xpub.send_multipart(reach.encode_reflection(reach.Reflection(address, seen, endpoint, probe)))
+        self.reflections += 1
+
+    def _start_probe(self, key: tuple[str, int]) -> None:
+        host, port = key
+        try:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as exc:
+            self.probes.on_result(key, f"cannot probe: {exc.strerror or exc}", time.monotonic())
+            return
+        sock.setblocking(False)
+        code = sock.connect_ex((host, port))
+        if code not in (0, errno.EINPROGRESS):
+            sock.close()
+            self.probes.on_result(key, os.strerror(code).lower(), time.monotonic())
+            return
+        self._probing[sock.fileno()] = (sock, key, time.monotonic() + PROBE_TIMEOUT)
+        self._poller.register(sock.fileno(), zmq.POLLOUT)
+
+    def _probe_done(self, fd: int) -> None:
+        sock, key, _ = self._probing.pop(fd)
+        self._poller.unregister(fd)
+        code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        sock.close()
+        self.probes.on_result(key, reach.PROBE_OK if code == 0 else os.strerror(code).lower(), time.monotonic())
+
+    def _expire_probes(self, now: float) -> None:
+        for fd, (sock, key, deadline) in list(self._probing.items()):
+            if now >= deadline:
+                del self._probing[fd]
+                self._poller.unregister(fd)
+                sock.close()
+                self.probes.on_result(key, f"no answer within {PROBE_TIMEOUT:.0f}s (a firewall dropping it?)", now)
 
     def _check_allow_list(self) -> None:
         """Secure mode: reload the allow-list; when a key was removed, bind both
@@ -197,8 +264,12 @@ class Tower:
                 frame = self.xpub.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            # Welcome subscriptions stay here; the rest reach the nodes' PUBs.
+            # Welcome and reflection subscriptions stay here; the rest reach the nodes' PUBs.
             if len(frame) >= 2 and frame[1:2] == wire.WELCOME:
+                continue
+            wanted = reach.wanted_reflection(frame)
+            if wanted is not None:
+                self.probes.on_subscription(*wanted)
                 continue
             if not frame or frame[0] > 1:
                 self.bad_input("subscription", "not a (un)subscribe frame")

@@ -1,0 +1,121 @@
+"""``dafka doctor``: can the mesh reach a node started here, and can it reach the mesh?
+
+It joins the mesh as a node would with the same configuration (towers, bind,
+advertise, security) and reports, one line each:
+
+* the towers: reached or not (and why);
+* where this node listens and what it beacons;
+* how the tower sees it and whether the tower could connect to the endpoint
+  it announces (a dafka tower's REFLECTION, see :mod:`dafka.reach`; a C tower
+  sends none, and that is said);
+* whether the peers on the mesh connected to it (handshakes on its
+  publisher), and whether it connected to each of them, naming the address
+  and port of every failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from dafka import reach
+from dafka.config import NodeConfig
+from dafka.node import Node
+
+
+class DoctorNode(Node):
+    """A node that only beacons and connects (it subscribes to nothing)."""
+
+    kind = "doctor"
+
+
+def _where(endpoint: str) -> str:
+    try:
+        host, port = reach.split_endpoint(endpoint)
+    except ValueError:
+        return endpoint
+    return f"address {host} port {port}"
+
+
+def check(cfg: NodeConfig, wait: float, say: Callable[[str], None], unreached_towers: list[str]) -> bool:
+    """Run the checks (about ``wait`` seconds); True when every check passed."""
+    ok = True
+    for line in unreached_towers:
+        say(f"FAIL tower {line}")
+        ok = False
+    logging.getLogger(f"dafka.{DoctorNode.kind}").setLevel(logging.ERROR)  # the lines below say it
+    node = DoctorNode(cfg)
+    node.start()
+    try:
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            r = node.reach.reflection
+            peers = node.peers.items()
+            if (
+                r is not None
+                and r.probe
+                and peers
+                and node.inbound.handshakes >= len(peers)
+                and not node.links.unreached([e for _, e in peers])
+            ):
+                break
+            time.sleep(0.05)
+        waited = wait - max(0.0, deadline - time.monotonic())
+        if not node.tower_watch.reached:
+            say(f"FAIL no tower answered within {waited:.1f}s")
+            return False
+        say(f"ok   tower reached ({', '.join(t.beacon_in for t in cfg.towers)})")
+        host = node.beacon_host
+        say(
+            f"info this node listens on {node._bound} and beacons "
+            + (f"host {host}" if host else "no host (the tower fills in the address it sees)")
+        )
+        r = node.reach.reflection
+        if r is None:
+            say("info the tower did not say how it sees this node (a C tower or an older dafka tower): no tower-side check")
+        else:
+            say(f"info the tower sees this host as {r.seen or '(unknown)'} and announces this node as {r.endpoint}")
+            if r.probe == reach.PROBE_OK:
+                say(f"ok   reachable from the tower's side: it connected to {_where(r.endpoint)}")
+            elif not r.probe:
+                say(f"info the tower has not probed {r.endpoint} yet")
+            elif r.probe.startswith("not checked"):
+                say(f"info tower-side check {r.probe}")
+            else:
+                say(f"FAIL not reachable from the tower's side: {_where(r.endpoint)}: {r.probe}")
+                ok = False
+        peers = node.peers.items()
+        announced = r.endpoint if r is not None else node._bound
+        if not peers:
+            say(
+                "info no other node on the mesh: the peer checks need one"
+                " (start a node, or run `dafka doctor` on another host at the same time)"
+            )
+            return ok
+        connected = node.inbound.handshakes
+        if connected:
+            say(f"ok   reachable from peers: {connected} connection(s) from the {len(peers)} peer(s) on the mesh")
+        else:
+            say(
+                f"FAIL not reachable from any peer: {len(peers)} peer(s) on the mesh, none connected to"
+                f" {_where(announced)} in {waited:.1f}s"
+            )
+            for why in node.reach.reasons(node._bound, host, [e for _, e in peers]):
+                say(f"     {why}")
+            ok = False
+        for address, endpoint in peers:
+            role = node.peer_role(address)
+            who = f"{role} {address[:8]}" if role else f"node {address[:8]}"
+            if endpoint in node.links.up:
+                say(f"ok   reaches peer {who} at {endpoint}")
+            else:
+                fails = node.links.failing.get(endpoint, 0)
+                say(
+                    f"FAIL cannot reach peer {who} at {_where(endpoint)}"
+                    + (f" ({fails} failed attempt(s))" if fails else " (no connection yet)")
+                )
+                ok = False
+        return ok
+    finally:
+        node.stop()

@@ -1,0 +1,230 @@
+"""The README's "Across hosts" walkthrough, run as written on three hosts.
+
+Three network namespaces (hosts 1-3, 10.0.0.5-7/24) hang on a bridge that
+lives in a fourth namespace, so nothing of the machine's own network changes
+and every address exists only inside namespaces this test creates and
+deletes (always, also on failure).  The hosts share one filesystem: the
+walkthrough's "copy allow/ and each key to its host" is a no-op here.
+
+The commands are parsed from the README's ``<!-- walkthrough: NAME -->``
+blocks: ``# host N`` switches host, ``export K=V`` sets a variable on that
+host, a line ending in ``&`` is a service (started, ready once it prints its
+first line, stopped at the end), any other line must exit 0.  The output of
+``dafka consume`` must be exactly the lines fed to ``dafka produce``.  The
+secure block runs the config files of ``towers/hosts/`` unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+HOSTS = {1: "10.0.0.5", 2: "10.0.0.6", 3: "10.0.0.7"}
+PREFIX = 24
+STEP_TIMEOUT = 60.0
+
+
+@dataclass
+class Step:
+    host: int
+    command: str
+    background: bool = False
+
+
+@dataclass
+class Walkthrough:
+    name: str
+    steps: list[Step] = field(default_factory=list)
+    env: dict[int, dict[str, str]] = field(default_factory=dict)
+
+
+def walkthroughs(readme: str) -> dict[str, list[tuple[int, str]]]:
+    """``name -> [(host, line)]`` of every walkthrough block in the README."""
+    out = {}
+    for m in re.finditer(r"<!-- walkthrough: (\w+) -->\s*```sh\n(.*?)```", readme, re.S):
+        host = 0
+        lines: list[tuple[int, str]] = []
+        for raw in m.group(2).splitlines():
+            line = raw.strip()
+            hm = re.fullmatch(r"# host (\d)\b.*", line)
+            if hm:
+                host = int(hm.group(1))
+            elif line and not line.startswith("#"):
+                assert host in HOSTS, f"walkthrough {m.group(1)}: {line!r} before any '# host N'"
+                lines.append((host, line))
+        out[m.group(1)] = lines
+    return out
+
+
+def _run(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+
+
+class Hosts:
+    """Three namespaces on a bridge (in a fourth); :meth:`close` deletes them all."""
+
+    def __init__(self) -> None:
+        tag = f"dk{os.getpid() % 100000}"
+        self.switch = f"{tag}sw"
+        self.names = {n: f"{tag}h{n}" for n in HOSTS}
+        self.made: list[str] = []
+        self._make(self.switch)
+        self._ip(self.switch, "link", "add", "br0", "type", "bridge")
+        self._ip(self.switch, "link", "set", "br0", "up")
+        for n, addr in HOSTS.items():
+            ns = self.names[n]
+            self._make(ns)
+            self._check("ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", f"p{n}", "netns", self.switch)
+            self._ip(self.switch, "link", "set", f"p{n}", "master", "br0")
+            self._ip(self.switch, "link", "set", f"p{n}", "up")
+            self._ip(ns, "addr", "add", f"{addr}/{PREFIX}", "dev", "eth0")
+            self._ip(ns, "link", "set", "eth0", "up")
+            self._ip(ns, "link", "set", "lo", "up")
+
+    def _make(self, ns: str) -> None:
+        self._check("ip", "netns", "add", ns)
+        self.made.append(ns)
+
+    def _ip(self, ns: str, *args: str) -> None:
+        self._check("ip", "-n", ns, *args)
+
+    @staticmethod
+    def _check(*cmd: str) -> None:
+        out = _run(*cmd)
+        if out.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)}: {out.stderr.strip()}")
+
+    def close(self) -> None:
+        for ns in reversed(self.made):
+            _run("ip", "netns", "del", ns)  # its interfaces (and the bridge) go with it
+        self.made.clear()
+
+
+@pytest.fixture
+def hosts() -> Iterator[Hosts]:
+    if shutil.which("ip") is None:
+        pytest.skip("no `ip` command (iproute2): `make test` installs it")
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root (CI runs as root)")
+    try:
+        made = Hosts()
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot make network namespaces here: {exc}")
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+@pytest.fixture
+def dafka_bin() -> Path:
+    program = Path(sys.executable).with_name("dafka")
+    if not program.exists():
+        pytest.skip(f"no dafka script beside {sys.executable} (make setup installs it)")
+    return program.parent
+
+
+def run_walkthrough(name: str, hosts: Hosts, workdir: Path, bin_dir: Path) -> None:
+    lines = walkthroughs((ROOT / "README.md").read_text())[name]
+    base = dict(os.environ)
+    for key in ("DAFKA_TOWERS", "DAFKA_CONFIG"):
+        base.pop(key, None)
+    base["PATH"] = f"{bin_dir}{os.pathsep}{base.get('PATH', '')}"
+    base["PYTHONPATH"] = str(ROOT) + os.pathsep + base.get("PYTHONPATH", "")
+    env = {n: dict(base) for n in HOSTS}
+    services: list[tuple[str, subprocess.Popen, Path]] = []
+    produced: list[str] | None = None
+    consumed = False
+    try:
+        for i, (host, line) in enumerate(lines):
+            export = re.fullmatch(r"export (\w+)=(\S+)", line)
+            if export:
+                env[host][export.group(1)] = export.group(2)
+                continue
+            where = f"walkthrough {name}, host {host}: {line}"
+            cmd = ["ip", "netns", "exec", hosts.names[host], "sh", "-c", line.removesuffix("&").strip()]
+            if line.endswith("&"):
+                log = workdir / f"{name}-{i}.log"
+                with log.open("wb") as out:
+                    proc = subprocess.Popen(
+                        cmd, cwd=workdir, env=env[host], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                    )
+                services.append((line, proc, log))
+                deadline = time.monotonic() + STEP_TIMEOUT
+                while not log.read_text(errors="replace").strip():  # ready: its first line
+                    assert proc.poll() is None, f"{where} exited: {log.read_text(errors='replace')}"
+                    assert time.monotonic() < deadline, f"{where}: nothing printed"
+                    time.sleep(0.05)
+                continue
+            out = subprocess.run(cmd, cwd=workdir, env=env[host], capture_output=True, text=True, timeout=STEP_TIMEOUT)
+            assert out.returncode == 0, f"{where} exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+            feed = re.fullmatch(r"(.+?)\s*\|\s*dafka .*\bproduce\b.*", line)
+            if feed:
+                produced = subprocess.run(["sh", "-c", feed.group(1)], capture_output=True, text=True).stdout.splitlines()
+            if re.search(r"\bdafka\b.*\bconsume\b", line):
+                assert produced, f"{where}: nothing was produced before"
+                got = out.stdout.splitlines()
+                assert len(got) == len(produced) and sorted(got) == sorted(produced), (
+                    f"{where}: {len(got)} of {len(produced)} records arrived"
+                )
+                consumed = True
+            if re.search(r"\bdafka\b.*\bdoctor\b", line):
+                assert "FAIL" not in out.stdout and "ok   reachable from peers" in out.stdout, out.stdout
+                assert name == "secure" or "ok   reachable from the tower's side" in out.stdout, out.stdout
+    finally:
+        for _, proc, _ in services:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for _, proc, _ in services:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+    assert consumed, f"walkthrough {name} consumed nothing"
+
+
+def test_the_readme_has_both_walkthroughs_on_three_hosts() -> None:
+    found = walkthroughs((ROOT / "README.md").read_text())
+    assert set(found) == {"plain", "secure"}
+    for lines in found.values():
+        assert {host for host, _ in lines} == set(HOSTS)
+    # The secure one runs the shipped three-host files.
+    used = {m for _, line in found["secure"] for m in re.findall(r"towers/hosts/\w+\.toml", line)}
+    assert used == {f"towers/hosts/{n}.toml" for n in ("tower", "store", "producer", "consumer")}
+    assert used == {str(p.relative_to(ROOT)) for p in (ROOT / "towers" / "hosts").glob("*.toml")}
+
+
+@pytest.mark.parametrize("name", ["plain", "secure"])
+def test_readme_walkthrough_on_three_hosts(name: str, hosts: Hosts, dafka_bin: Path, tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "towers", tmp_path / "towers")
+    run_walkthrough(name, hosts, tmp_path, dafka_bin)
+
+
+def test_a_store_on_loopback_with_a_tower_on_another_host_stops_at_once(
+    hosts: Hosts, dafka_bin: Path, tmp_path: Path
+) -> None:
+    # The trap of a new user: the store's defaults with a tower on host 1.
+    env = dict(os.environ, DAFKA_TOWERS=HOSTS[1], PYTHONPATH=str(ROOT))
+    started = time.monotonic()
+    out = subprocess.run(
+        ["ip", "netns", "exec", hosts.names[2], str(dafka_bin / "dafka"), "store", "--db", str(tmp_path / "db")],
+        capture_output=True,
+        text=True,
+        timeout=STEP_TIMEOUT,
+        env=env,
+    )
+    assert out.returncode == 2 and time.monotonic() - started < 20
+    assert out.stderr.count("\n") == 1 and "--bind ADDR" in out.stderr and "--insecure" in out.stderr, out.stderr
