@@ -33,7 +33,7 @@ import zmq
 from dafka import fastio, wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import ClosedError, CommitError
-from dafka.gaps import PartitionTracker
+from dafka.gaps import LIVE_SETTLE_MIN, LiveEdge, PartitionTracker
 from dafka.groups import GroupState, Key, PendingCommits, PositionsQuery
 from dafka.node import DRAIN, read_subscriptions
 from dafka.reader import PartitionReader
@@ -59,10 +59,12 @@ POSITIONS_GRACE = 0.1  # seconds to wait for more stores after the first POSITIO
 class Consumer(PartitionReader):
     """Consume ``topics`` from the mesh.
 
-    ``offset_reset="latest"`` (default) starts each partition at the first
-    record (or after the first HEAD) seen; ``"earliest"`` starts every
-    partition at offset 0, asking stores and producers for heads (GET-HEADS)
-    and fetching what exists.
+    ``offset_reset="latest"`` (default) delivers everything published after
+    the consumer subscribed: a partition that existed then starts at the
+    first record (or after the first HEAD) seen, a partition first seen later
+    (a new producer) from offset 0 (see :class:`dafka.gaps.LiveEdge`);
+    ``"earliest"`` starts every partition at offset 0, asking stores and
+    producers for heads (GET-HEADS) and fetching what exists.
 
     ``start={(topic, partition): offset}`` starts the listed partitions at
     those offsets (the others follow ``offset_reset``).
@@ -107,6 +109,13 @@ class Consumer(PartitionReader):
         super().__init__(config)
         self.offset_reset = offset_reset
         self.earliest = offset_reset == "earliest"
+        # "latest": which partitions existed when a topic was subscribed.
+        self._live: LiveEdge | None = None
+        self._live_told: set[str] = set()  # topics whose settling was logged as over
+        if not self.earliest:
+            self._live = LiveEdge(max(2 * self.config.beacon_interval, LIVE_SETTLE_MIN))
+            if not self.config.towers:
+                self._live.on_tower(time.monotonic())  # peers come another way: settle from now
         self.max_queued = max_queued
         self._tracker_options = {
             "max_held": max_held,
@@ -307,19 +316,21 @@ class Consumer(PartitionReader):
         if not topic or len(topic.encode()) > wire.MAX_STRING or "\x00" in topic:
             raise ValueError("topic must be 1..255 bytes without NUL")
         self.topics.append(topic)
+        if self._live is not None:
+            self._live.subscribe(topic, time.monotonic())
         self.subscribe(wire.P_RECORD + topic.encode())
         self.subscribe(wire.P_HEAD + topic.encode())
         if self._group is not None:
             self._group.add_topic(topic)
-        if self._wants_heads() and self.running:
+        if self._asks_heads(topic) and self.running:
             self.send(wire.GetHeads(topic, self.address))
 
     def sockets(self) -> list[tuple[zmq.Socket, object]]:
         return [(self.publisher, self._read_subscriptions)]
 
     def on_start(self) -> None:
-        if self._wants_heads():
-            for topic in self.topics:
+        for topic in self.topics:
+            if self._asks_heads(topic):
                 self.send(wire.GetHeads(topic, self.address))
 
     def new_tracker(self, subject: str, partition: str) -> PartitionTracker:
@@ -330,6 +341,8 @@ class Consumer(PartitionReader):
             first = self._starts.get(key)
         if first is None and self.earliest:
             first = 0
+        if first is None and self._live is not None:
+            first = self._latest_start(key)
         return PartitionTracker(subject, partition, first, **self._tracker_options)
 
     def wants(self, subject: str) -> bool:
@@ -343,6 +356,8 @@ class Consumer(PartitionReader):
             return False
         key = (subject, partition)
         if group.add_partition(key):
+            if self._live is not None:
+                self._latest_start(key)  # first seen now: existing, or new since we subscribed
             self._rebalance(time.monotonic())
         if key in group.owned:
             return False
@@ -359,6 +374,41 @@ class Consumer(PartitionReader):
     def _wants_heads(self) -> bool:
         """Whether to ask for heads: to fetch from a position rather than the live edge."""
         return self.earliest or bool(self._starts) or self._group is not None
+
+    def _asks_heads(self, topic: str) -> bool:
+        """Whether to send GET-HEADS for ``topic`` now: always when heads are
+        wanted, and while "latest" learns which partitions exist (settling)."""
+        if self._wants_heads():
+            return True
+        live = self._live
+        return live is not None and live.settling(topic, time.monotonic())
+
+    def _latest_start(self, key: Key) -> int | None:
+        """Offset reset "latest": None (live edge) for a partition that existed
+        when its topic was subscribed, 0 for one created since."""
+        live = self._live
+        assert live is not None
+        reached = self.tower_watch.reached_at
+        if reached is not None:
+            live.on_tower(reached)
+        return live.start(key, time.monotonic())
+
+    def _check_settled(self, now: float) -> None:
+        """Log once per topic when "latest" has learnt which partitions exist."""
+        live = self._live
+        if live is None or len(self._live_told) == len(self.topics):
+            return
+        reached = self.tower_watch.reached_at
+        if reached is not None:
+            live.on_tower(reached)
+        for topic in self.topics:
+            if topic not in self._live_told and not live.settling(topic, now):
+                self._live_told.add(topic)
+                log.info(
+                    "consumer %s: subscribed to %s; partitions that appear from now on are read from their start",
+                    self.address[:8],
+                    topic,
+                )
 
     def emit(self, tracker: PartitionTracker, records: list[tuple[int, bytes]]) -> None:
         append = self._queue.append
@@ -427,11 +477,11 @@ class Consumer(PartitionReader):
                 # A peer listens to group heartbeats: tell it about us now.
                 if self._group.group.encode().startswith(prefix[1:]):
                     self._group_heartbeat(time.monotonic(), check=False)
-            elif prefix[:1] == wire.P_GET_HEADS and self._wants_heads():
+            elif prefix[:1] == wire.P_GET_HEADS:
                 # A new store or producer listens for GET-HEADS: ask it now,
                 # the GET-HEADS sent before it connected was lost.
                 for topic in self.topics:
-                    if topic.encode().startswith(prefix[1:]):
+                    if topic.encode().startswith(prefix[1:]) and self._asks_heads(topic):
                         self.send(wire.GetHeads(topic, self.address))
             elif prefix[:1] == wire.P_FETCH:
                 self.retry_missing_now()
@@ -454,6 +504,8 @@ class Consumer(PartitionReader):
         self.check_missing(now)
         if self._queries:
             self._finish_queries(now)
+        if self._live is not None:
+            self._check_settled(now)
 
     # ---------------------------------------------------------------- I/O thread: groups
 
