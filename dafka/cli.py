@@ -782,11 +782,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group", help="consumer group: share partitions with its members, resume at its commits")
     p.add_argument(
         "--commit-interval",
-        type=float,
+        type=seconds_arg,
         default=1.0,
         help="--group: seconds between commits of what was printed (0: only at exit; default 1)",
     )
-    p.add_argument("--commit-timeout", type=float, default=5.0, help="--group: seconds to wait for a store to confirm")
+    p.add_argument(
+        "--commit-timeout", type=positive_seconds_arg, default=5.0, help="--group: seconds to wait for a store to confirm"
+    )
 
     p = sub.add_parser("store", help="run a store (persists every record in LMDB)")
     _add_node_flags(p)
@@ -822,9 +824,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="join the mesh read-only and show nodes, heads and lag")
     _add_node_flags(p)
-    p.add_argument("--wait", type=float, default=3.0, help="seconds to listen before the first view")
+    p.add_argument("--wait", type=seconds_arg, default=3.0, help="seconds to listen before the first view")
     p.add_argument("--watch", action="store_true", help="keep refreshing the view (Ctrl-C ends)")
-    p.add_argument("--interval", type=float, default=1.0, help="--watch: seconds between views")
+    p.add_argument("--interval", type=positive_seconds_arg, default=1.0, help="--watch: seconds between views")
     p.add_argument("--json", action="store_true", help="print JSON (one object per view)")
 
     p = sub.add_parser("up", help="run the main services (tower + store + gateway) on loopback")
