@@ -329,6 +329,7 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
     bar = progress.bar(args.count, f"consuming {' '.join(args.topic)}", show=show)
     commit_every = args.commit_interval if args.group and args.commit_interval > 0 else None
     next_commit = time.monotonic() + (commit_every or 0)
+    commit_failure = ""  # the last commit error shown (each new one is shown once)
     interrupted = False
     try:
         while not stop.is_set() and (args.count is None or seen < args.count):
@@ -354,8 +355,14 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
                 out.flush()
                 try:
                     consumer.commit(args.commit_timeout)
+                    commit_failure = ""
                 except DafkaError as exc:
-                    log.warning("%s", exc)
+                    if str(exc) != commit_failure:
+                        commit_failure = str(exc)
+                        print(f"warning: {exc}", file=sys.stderr, flush=True)
+                    # Retried less often while it fails (each try waits for a store).
+                    next_commit = time.monotonic() + max(commit_every, 5.0)
+                    continue
                 next_commit = time.monotonic() + commit_every
             record = consumer.poll(min(wait, commit_every or wait))
             if record is None:

@@ -143,6 +143,9 @@ class Consumer(PartitionReader):
         self._commit_done: dict[int, threading.Event] = {}
         self._release_on: dict[int, list[Key]] = {}
         self._queries: dict[int, tuple[PositionsQuery, list[Key]]] = {}
+        # Set once any store showed itself (STORE-HELLO, its CONSUMER-HELLO
+        # subscription, a POSITIONS or COMMITTED answer): commit() says so when none did.
+        self._store_seen = threading.Event()
         self._next_request = 1
         # RECORD header prefix (before the sequence) of partitions other members
         # deliver: their records are dropped without decoding.
@@ -267,7 +270,8 @@ class Consumer(PartitionReader):
             return
         if self._group is not None and self.running:
             try:
-                self.commit(min(timeout, 2.0))
+                if self._positions_to_commit():  # nothing polled: no store to wait for
+                    self.commit(min(timeout, 2.0))
             except CommitError as exc:
                 log.warning("consumer %s: final commit failed: %s", self.address, exc)
             left = threading.Event()
@@ -293,20 +297,34 @@ class Consumer(PartitionReader):
 
         Returns the committed positions ({} when nothing was polled since the
         partitions were taken).  Raises :class:`CommitError` when no store
-        confirmed within ``timeout`` seconds, ValueError without a group.
+        confirmed within ``timeout`` seconds, or, with nothing to commit, when
+        no store showed itself on the mesh within ``timeout`` (a group's
+        positions live in the stores: without one nothing is kept);
+        ValueError without a group.
         """
         if self._group is None:
             raise ValueError("commit() needs a consumer group (group=...)")
         if self._closed or not self.running:
             raise ClosedError("consumer is closed")
+        started = time.monotonic()
         positions = self._positions_to_commit()
         if not positions:
+            if not self._store_seen.wait(timeout):
+                raise CommitError(self._no_store(timeout))
             return {}
         done = threading.Event()
         self.call_soon(lambda: self._send_commit(positions, done))
         if not done.wait(timeout):
+            if not self._store_seen.is_set():
+                raise CommitError(self._no_store(time.monotonic() - started))
             raise CommitError(f"no store confirmed the commit of group {self.group!r} within {timeout}s")
         return positions
+
+    def _no_store(self, waited: float) -> str:
+        return (
+            f"cannot commit the positions of group {self.group!r}: no store on the mesh"
+            f" (none seen in {waited:.3g}s; a group's positions are kept by the stores: start `dafka store`)"
+        )
 
     # ---------------------------------------------------------------- I/O thread
 
@@ -451,6 +469,7 @@ class Consumer(PartitionReader):
 
     def on_other(self, msg: wire.Message) -> None:
         if isinstance(msg, wire.StoreHello) and msg.topic == self.address and not self.untrusted():
+            self._store_seen.set()
             self._hello(msg.address)
         elif self._group is not None:
             self._on_group_message(msg)
@@ -466,6 +485,7 @@ class Consumer(PartitionReader):
                 continue
             if prefix[:1] == wire.P_CONSUMER_HELLO and len(prefix) > 1:
                 # A store wants our CONSUMER-HELLO.
+                self._store_seen.set()
                 try:
                     self._hello(prefix[1:].decode())
                 except UnicodeDecodeError:
@@ -520,9 +540,11 @@ class Consumer(PartitionReader):
                 self._rebalance(now)
         elif isinstance(msg, wire.Committed):
             if msg.topic == self.address and not self.untrusted():
+                self._store_seen.set()
                 self._on_committed(msg.commit_id)
         elif isinstance(msg, wire.Positions):
             if msg.topic == self.address and msg.group == group.group and not self.untrusted():
+                self._store_seen.set()
                 entry = self._queries.get(msg.request_id)
                 if entry is not None:
                     entry[0].on_answer(msg.positions, now)
