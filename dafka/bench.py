@@ -26,16 +26,18 @@ PAYLOAD = 100
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from dafka.cli import count_arg, positive_seconds_arg
+
     p.add_argument("which", choices=sorted(BENCHMARKS), help="what to measure")
-    p.add_argument("--records", type=int, default=1_000_000, help="records per run")
-    p.add_argument("--runs", type=int, default=3, help="runs (the median is reported)")
-    p.add_argument("--size", type=int, default=PAYLOAD, help="payload bytes")
+    p.add_argument("--records", type=count_arg, default=1_000_000, help="records per run")
+    p.add_argument("--runs", type=count_arg, default=3, help="runs (the median is reported)")
+    p.add_argument("--size", type=count_arg, default=PAYLOAD, help="payload bytes")
     p.add_argument("--no-sync", action="store_true", help="store: do not fsync commits")
     p.add_argument("--no-store", action="store_true", help="latency: no store process, delivery only")
     p.add_argument("--transport", default="both", help="spark: path, gateway or both")
-    p.add_argument("--rate", type=int, default=10_000, help="latency: records/s published")
+    p.add_argument("--rate", type=count_arg, default=10_000, help="latency: records/s published")
     p.add_argument(
-        "--seconds", type=float, default=3.0,
+        "--seconds", type=positive_seconds_arg, default=3.0,
         help="latency: seconds of publishing per run; embedded: seconds per measurement",
     )
     p.add_argument("--secure", action="store_true", help="live, store, replay: CURVE mesh with temporary keys; zmq, ceiling: CURVE on the bare pair")

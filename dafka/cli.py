@@ -352,6 +352,7 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
     bar = progress.bar(args.count, f"consuming {' '.join(args.topic)}", show=show)
     commit_every = args.commit_interval if args.group and args.commit_interval > 0 else None
     next_commit = time.monotonic() + (commit_every or 0)
+    commit_failure = ""  # the last commit error shown (each new one is shown once)
     interrupted = False
     try:
         while not stop.is_set() and (args.count is None or seen < args.count):
@@ -377,8 +378,14 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
                 out.flush()
                 try:
                     consumer.commit(args.commit_timeout)
+                    commit_failure = ""
                 except DafkaError as exc:
-                    log.warning("%s", exc)
+                    if str(exc) != commit_failure:
+                        commit_failure = str(exc)
+                        print(f"warning: {exc}", file=sys.stderr, flush=True)
+                    # Retried less often while it fails (each try waits for a store).
+                    next_commit = time.monotonic() + max(commit_every, 5.0)
+                    continue
                 next_commit = time.monotonic() + commit_every
             record = consumer.poll(min(wait, commit_every or wait))
             if record is None:
@@ -823,11 +830,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group", help="consumer group: share partitions with its members, resume at its commits")
     p.add_argument(
         "--commit-interval",
-        type=float,
+        type=seconds_arg,
         default=1.0,
         help="--group: seconds between commits of what was printed (0: only at exit; default 1)",
     )
-    p.add_argument("--commit-timeout", type=float, default=5.0, help="--group: seconds to wait for a store to confirm")
+    p.add_argument(
+        "--commit-timeout", type=positive_seconds_arg, default=5.0, help="--group: seconds to wait for a store to confirm"
+    )
 
     p = sub.add_parser("store", help="run a store (persists every record in LMDB)")
     _add_node_flags(p)
@@ -864,9 +873,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="join the mesh read-only and show nodes, heads and lag")
     _add_node_flags(p)
-    p.add_argument("--wait", type=float, default=3.0, help="seconds to listen before the first view")
+    p.add_argument("--wait", type=seconds_arg, default=3.0, help="seconds to listen before the first view")
     p.add_argument("--watch", action="store_true", help="keep refreshing the view (Ctrl-C ends)")
-    p.add_argument("--interval", type=float, default=1.0, help="--watch: seconds between views")
+    p.add_argument("--interval", type=positive_seconds_arg, default=1.0, help="--watch: seconds between views")
     p.add_argument("--json", action="store_true", help="print JSON (one object per view)")
 
     p = sub.add_parser(

@@ -2,15 +2,23 @@
 
 Precedence, lowest first: built-in defaults, the TOML file (``--config`` or
 ``$DAFKA_CONFIG``), environment variables (``$DAFKA_TOWERS``), command-line
-flags.  A tower is named ``host`` (ports 5556/5557), ``host:in_port`` (out is
+flags.
+
+Every setting is checked against :data:`SCHEMA` (type and range), wherever it
+comes from: a TOML file (unknown sections and keys are refused, naming the
+nearest valid one), a :class:`NodeConfig` built in code, and the command
+line's numeric options (:func:`Spec.parse`).  Adding a setting is one line in
+:data:`SCHEMA`; a ``[node]`` key also needs its :class:`NodeConfig` field.  A tower is named ``host`` (ports 5556/5557), ``host:in_port`` (out is
 in + 1) or ``host:in_port:out_port``; ``tcp://`` prefixes are accepted.
 """
 
 from __future__ import annotations
 
+import difflib
+import math
 import os
 import tomllib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +27,204 @@ from dafka.security import SecurityConfig, security_from
 
 DEFAULT_BEACON_IN_PORT = 5556  # tower XSUB: node beacons in
 DEFAULT_BEACON_OUT_PORT = 5557  # tower XPUB: tower beacons out
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """What one setting accepts: a kind and, for numbers, a range.
+
+    ``kind`` is ``"int"``, ``"float"`` (an integer is accepted), ``"bool"``,
+    ``"str"``, ``"strs"`` (a string or a list of strings), ``"table"`` (a
+    sub-table checked against ``SCHEMA[table]``) or ``"tables"`` (a table of
+    freely named sub-tables, each checked against ``SCHEMA[table]``).
+    ``minimum`` is exclusive when ``above`` is set.
+    """
+
+    kind: str
+    minimum: float | None = None
+    maximum: float | None = None
+    above: bool = False
+    table: str = ""
+
+    def describe(self) -> str:
+        """What is expected, in words ("a number > 0", "an integer 0..65535")."""
+        what = {
+            "int": "an integer",
+            "float": "a number",
+            "bool": "true or false",
+            "str": "a string",
+            "strs": "a string or a list of strings",
+        }.get(self.kind, "a table")
+        if self.kind not in ("int", "float"):
+            return what
+        lo, hi = self.minimum, self.maximum
+        if lo is not None and hi is not None and not self.above:
+            return f"{what} from {_num(lo)} to {_num(hi)}"
+        parts = []
+        if lo is not None:
+            parts.append(f"{'>' if self.above else '>='} {_num(lo)}")
+        if hi is not None:
+            parts.append(f"<= {_num(hi)}")
+        return f"{what} {' and '.join(parts)}".strip()
+
+    def check(self, value: Any, where: str) -> Any:
+        """``value`` as this setting's type, or a ConfigError naming ``where``."""
+        kind = self.kind
+        given = value
+        ok = True
+        if kind == "bool":
+            ok = isinstance(value, bool)
+        elif kind == "str":
+            ok = isinstance(value, str)
+        elif kind == "strs":
+            ok = isinstance(value, str) or (
+                isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
+            )
+        elif kind in ("table", "tables"):
+            ok = isinstance(value, dict)
+        elif kind == "int":
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif kind == "float":
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            if ok:
+                value = float(value)
+        if ok and kind in ("int", "float"):
+            lo, hi = self.minimum, self.maximum
+            ok = (lo is None or (value > lo if self.above else value >= lo)) and (hi is None or value <= hi)
+        if not ok:
+            raise ConfigError(f"{where} = {given!r}: expected {self.describe()}")
+        return value
+
+    def parse(self, text: str, where: str) -> Any:
+        """A command-line value (text) as this setting's type, checked."""
+        value: Any = text
+        try:
+            if self.kind == "int":
+                value = int(text)
+            elif self.kind == "float":
+                value = float(text)
+        except ValueError:
+            raise ConfigError(f"{where} {text!r}: expected {self.describe()}") from None
+        try:
+            return self.check(value, where)
+        except ConfigError:
+            raise ConfigError(f"{where} {text}: expected {self.describe()}") from None
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+_SECONDS = Spec("float", 0, above=True)  # a positive duration
+_RETENTION = {
+    "max_age_s": _SECONDS,
+    "max_bytes": Spec("int", 1),
+}
+
+# Every section and key a TOML file may hold.  A new setting is one line here
+# (plus, for [node], its NodeConfig field); "table"/"tables" specs name the
+# entry below that checks their sub-tables.
+SCHEMA: dict[str, dict[str, Spec]] = {
+    "node": {
+        "towers": Spec("strs"),
+        "bind": Spec("str"),
+        "advertise": Spec("str"),
+        "beacon_interval": Spec("float", 0.001, 3600),
+        "beacon_timeout": Spec("float", 0.002, 86_400),
+        "hwm": Spec("int", 1, 2**31 - 1),
+        "batches": Spec("bool"),
+    },
+    "tower": {
+        "bind": Spec("str"),
+        "beacon_in_port": Spec("int", 0, 65535),
+        "beacon_out_port": Spec("int", 0, 65535),
+        "metrics": Spec("str"),
+    },
+    "store": {
+        "db": Spec("str"),
+        "sync": Spec("bool"),
+        "linger_ms": Spec("float", 0, 1000),
+        "metrics": Spec("str"),
+        "retention": Spec("table", table="retention"),
+    },
+    "gateway": {
+        "listen": Spec("str"),
+        "db": Spec("str"),
+        "sync": Spec("bool"),
+        "metrics": Spec("str"),
+        "allow_clients": Spec("strs"),
+        "retention": Spec("table", table="retention"),
+        # The Tank port's limits (dafka.tank.limits.GatewayLimits checks them again).
+        "max_connections": Spec("int", 1, 2**31 - 1),
+        "max_request_bytes": Spec("int", 1),
+        "max_buffered_bytes": Spec("int", 1),
+        "min_request_rate": Spec("int", 0),
+        "request_timeout": _SECONDS,
+        "max_answer_bytes": Spec("int", 1),
+        "max_output_bytes": Spec("int", 1),
+        "max_partitions_per_topic": Spec("int", 1, 0xFFFE),
+    },
+    "security": {
+        "key": Spec("str"),
+        "allow": Spec("str"),
+        "tower_keys": Spec("strs"),
+        "reload_interval": _SECONDS,
+    },
+    # Sub-tables (not sections of their own).
+    "retention": {**_RETENTION, "topics": Spec("tables", table="retention.topic")},
+    "retention.topic": dict(_RETENTION),
+}
+SECTIONS = ("node", "tower", "store", "gateway", "security")
+
+
+def _unknown(what: str, name: str, valid: list[str], show: str = "{}") -> ConfigError:
+    """``what``: "FILE: unknown section" or "FILE [store]: unknown key"; ``show`` formats names."""
+    near = difflib.get_close_matches(name, valid, n=1)
+    if near:
+        hint = f"did you mean {show.format(near[0])}?"
+    else:
+        hint = "valid: " + ", ".join(show.format(v) for v in sorted(valid))
+    return ConfigError(f"{what} {show.format(name)} ({hint})")
+
+
+def check_table(data: dict[str, Any], schema: str, where: str) -> dict[str, Any]:
+    """Check a table against ``SCHEMA[schema]``; the checked copy (numbers as floats where asked).
+
+    ``where`` names the table in errors, e.g. ``"dafka.toml [store]"``.
+    """
+    specs = SCHEMA[schema]
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        spec = specs.get(key)
+        if spec is None:
+            raise _unknown(f"{where}: unknown key", key, list(specs), "'{}'")
+        here = f"{where} {key}"
+        value = spec.check(value, here)
+        if spec.kind == "table":
+            value = check_table(value, spec.table, f"{where[:-1]}.{key}]" if where.endswith("]") else here)
+        elif spec.kind == "tables":
+            value = {
+                name: check_table(
+                    Spec("table").check(sub, f"{here}.{name}"),
+                    spec.table,
+                    f"{where[:-1]}.{key}.{name}]" if where.endswith("]") else f"{here}.{name}",
+                )
+                for name, sub in value.items()
+            }
+        out[key] = value
+    return out
+
+
+def check_settings(data: dict[str, Any], source: str = "config") -> dict[str, Any]:
+    """Check a whole TOML document: known sections only, each checked (:func:`check_table`)."""
+    out: dict[str, Any] = {}
+    for name, value in data.items():
+        if name not in SECTIONS:
+            owner = [s for s in SECTIONS if name in SCHEMA[s]]
+            if owner and not isinstance(value, dict):
+                raise ConfigError(f"{source}: {name!r} belongs in a section: write it under [{owner[0]}]")
+            raise _unknown(f"{source}: unknown section", name, list(SECTIONS), "[{}]")
+        out[name] = check_table(Spec("table").check(value, f"{source} [{name}]"), name, f"{source} [{name}]")
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +289,22 @@ class NodeConfig:
     # nodes; see dafka.audience).  False: always one record a message.
     batches: bool = True
 
+    def __post_init__(self) -> None:
+        # The same checks as a [node] table: a config built in code is refused as early.
+        specs = SCHEMA["node"]
+        for f in fields(self):
+            spec = specs.get(f.name)
+            if spec is not None and spec.kind in ("int", "float", "bool", "str"):
+                value = getattr(self, f.name)
+                checked = spec.check(value, f"[node] {f.name}")
+                if checked is not value and checked != value:
+                    object.__setattr__(self, f.name, checked)
+        if self.beacon_timeout <= self.beacon_interval:
+            raise ConfigError(
+                f"[node] beacon_timeout = {self.beacon_timeout:g} must be more than"
+                f" beacon_interval = {self.beacon_interval:g} (peers would be dropped between beacons)"
+            )
+
     def with_towers(self, towers: str | list[str] | None) -> NodeConfig:
         return self if not towers else replace(self, towers=parse_towers(towers))
 
@@ -99,30 +321,16 @@ class Settings:
         return dict(self.sections.get(name, {}))
 
 
-_NODE_KEYS = {"towers", "bind", "advertise", "beacon_interval", "beacon_timeout", "hwm", "batches"}
-
-
-def node_config_from(data: dict[str, Any], base: NodeConfig | None = None) -> NodeConfig:
+def node_config_from(data: dict[str, Any], base: NodeConfig | None = None, where: str = "[node]") -> NodeConfig:
+    """A NodeConfig from a ``[node]`` table (checked against ``SCHEMA["node"]``)."""
     cfg = base or NodeConfig()
-    unknown = set(data) - _NODE_KEYS
-    if unknown:
-        raise ConfigError(f"unknown [node] keys: {', '.join(sorted(unknown))}")
-    kwargs: dict[str, Any] = {}
-    if "towers" in data:
-        kwargs["towers"] = parse_towers(data["towers"])
-    for key in ("bind", "advertise"):
-        if key in data:
-            kwargs[key] = str(data[key])
-    for key in ("beacon_interval", "beacon_timeout"):
-        if key in data:
-            kwargs[key] = float(data[key])
-    if "hwm" in data:
-        kwargs["hwm"] = int(data["hwm"])
-    if "batches" in data:
-        if not isinstance(data["batches"], bool):
-            raise ConfigError(f"[node] batches must be true or false, not {data['batches']!r}")
-        kwargs["batches"] = data["batches"]
-    return replace(cfg, **kwargs)
+    kwargs = check_table(data, "node", where)
+    if "towers" in kwargs:
+        kwargs["towers"] = parse_towers(kwargs["towers"])
+    try:
+        return replace(cfg, **kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{where[: -len('[node]')]}{exc}") from None
 
 
 def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
@@ -137,7 +345,8 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
             raise ConfigError(f"cannot read config {path}: {exc}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config {path} is not valid TOML: {exc}") from exc
-    node = node_config_from(data.get("node", {}))
+        data = check_settings(data, str(path))
+    node = node_config_from(data.get("node", {}), where=f"{path} [node]" if path else "[node]")
     env_towers = os.environ.get("DAFKA_TOWERS")
     if env_towers:
         node = node.with_towers(env_towers)

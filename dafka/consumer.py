@@ -33,7 +33,7 @@ import zmq
 from dafka import fastio, wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import ClosedError, CommitError
-from dafka.gaps import PartitionTracker
+from dafka.gaps import LIVE_SETTLE_MIN, LiveEdge, PartitionTracker
 from dafka.groups import GroupState, Key, PendingCommits, PositionsQuery
 from dafka.node import DRAIN, read_subscriptions
 from dafka.reader import PartitionReader
@@ -59,10 +59,12 @@ POSITIONS_GRACE = 0.1  # seconds to wait for more stores after the first POSITIO
 class Consumer(PartitionReader):
     """Consume ``topics`` from the mesh.
 
-    ``offset_reset="latest"`` (default) starts each partition at the first
-    record (or after the first HEAD) seen; ``"earliest"`` starts every
-    partition at offset 0, asking stores and producers for heads (GET-HEADS)
-    and fetching what exists.
+    ``offset_reset="latest"`` (default) delivers everything published after
+    the consumer subscribed: a partition that existed then starts at the
+    first record (or after the first HEAD) seen, a partition first seen later
+    (a new producer) from offset 0 (see :class:`dafka.gaps.LiveEdge`);
+    ``"earliest"`` starts every partition at offset 0, asking stores and
+    producers for heads (GET-HEADS) and fetching what exists.
 
     ``start={(topic, partition): offset}`` starts the listed partitions at
     those offsets (the others follow ``offset_reset``).
@@ -107,6 +109,13 @@ class Consumer(PartitionReader):
         super().__init__(config)
         self.offset_reset = offset_reset
         self.earliest = offset_reset == "earliest"
+        # "latest": which partitions existed when a topic was subscribed.
+        self._live: LiveEdge | None = None
+        self._live_told: set[str] = set()  # topics whose settling was logged as over
+        if not self.earliest:
+            self._live = LiveEdge(max(2 * self.config.beacon_interval, LIVE_SETTLE_MIN))
+            if not self.config.towers:
+                self._live.on_tower(time.monotonic())  # peers come another way: settle from now
         self.max_queued = max_queued
         self._tracker_options = {
             "max_held": max_held,
@@ -134,6 +143,9 @@ class Consumer(PartitionReader):
         self._commit_done: dict[int, threading.Event] = {}
         self._release_on: dict[int, list[Key]] = {}
         self._queries: dict[int, tuple[PositionsQuery, list[Key]]] = {}
+        # Set once any store showed itself (STORE-HELLO, its CONSUMER-HELLO
+        # subscription, a POSITIONS or COMMITTED answer): commit() says so when none did.
+        self._store_seen = threading.Event()
         self._next_request = 1
         # RECORD header prefix (before the sequence) of partitions other members
         # deliver: their records are dropped without decoding.
@@ -258,7 +270,8 @@ class Consumer(PartitionReader):
             return
         if self._group is not None and self.running:
             try:
-                self.commit(min(timeout, 2.0))
+                if self._positions_to_commit():  # nothing polled: no store to wait for
+                    self.commit(min(timeout, 2.0))
             except CommitError as exc:
                 log.warning("consumer %s: final commit failed: %s", self.address, exc)
             left = threading.Event()
@@ -284,20 +297,34 @@ class Consumer(PartitionReader):
 
         Returns the committed positions ({} when nothing was polled since the
         partitions were taken).  Raises :class:`CommitError` when no store
-        confirmed within ``timeout`` seconds, ValueError without a group.
+        confirmed within ``timeout`` seconds, or, with nothing to commit, when
+        no store showed itself on the mesh within ``timeout`` (a group's
+        positions live in the stores: without one nothing is kept);
+        ValueError without a group.
         """
         if self._group is None:
             raise ValueError("commit() needs a consumer group (group=...)")
         if self._closed or not self.running:
             raise ClosedError("consumer is closed")
+        started = time.monotonic()
         positions = self._positions_to_commit()
         if not positions:
+            if not self._store_seen.wait(timeout):
+                raise CommitError(self._no_store(timeout))
             return {}
         done = threading.Event()
         self.call_soon(lambda: self._send_commit(positions, done))
         if not done.wait(timeout):
+            if not self._store_seen.is_set():
+                raise CommitError(self._no_store(time.monotonic() - started))
             raise CommitError(f"no store confirmed the commit of group {self.group!r} within {timeout}s")
         return positions
+
+    def _no_store(self, waited: float) -> str:
+        return (
+            f"cannot commit the positions of group {self.group!r}: no store on the mesh"
+            f" (none seen in {waited:.3g}s; a group's positions are kept by the stores: start `dafka store`)"
+        )
 
     # ---------------------------------------------------------------- I/O thread
 
@@ -307,19 +334,21 @@ class Consumer(PartitionReader):
         if not topic or len(topic.encode()) > wire.MAX_STRING or "\x00" in topic:
             raise ValueError("topic must be 1..255 bytes without NUL")
         self.topics.append(topic)
+        if self._live is not None:
+            self._live.subscribe(topic, time.monotonic())
         self.subscribe(wire.P_RECORD + topic.encode())
         self.subscribe(wire.P_HEAD + topic.encode())
         if self._group is not None:
             self._group.add_topic(topic)
-        if self._wants_heads() and self.running:
+        if self._asks_heads(topic) and self.running:
             self.send(wire.GetHeads(topic, self.address))
 
     def sockets(self) -> list[tuple[zmq.Socket, object]]:
         return [(self.publisher, self._read_subscriptions)]
 
     def on_start(self) -> None:
-        if self._wants_heads():
-            for topic in self.topics:
+        for topic in self.topics:
+            if self._asks_heads(topic):
                 self.send(wire.GetHeads(topic, self.address))
 
     def new_tracker(self, subject: str, partition: str) -> PartitionTracker:
@@ -330,6 +359,8 @@ class Consumer(PartitionReader):
             first = self._starts.get(key)
         if first is None and self.earliest:
             first = 0
+        if first is None and self._live is not None:
+            first = self._latest_start(key)
         return PartitionTracker(subject, partition, first, **self._tracker_options)
 
     def wants(self, subject: str) -> bool:
@@ -343,6 +374,8 @@ class Consumer(PartitionReader):
             return False
         key = (subject, partition)
         if group.add_partition(key):
+            if self._live is not None:
+                self._latest_start(key)  # first seen now: existing, or new since we subscribed
             self._rebalance(time.monotonic())
         if key in group.owned:
             return False
@@ -359,6 +392,41 @@ class Consumer(PartitionReader):
     def _wants_heads(self) -> bool:
         """Whether to ask for heads: to fetch from a position rather than the live edge."""
         return self.earliest or bool(self._starts) or self._group is not None
+
+    def _asks_heads(self, topic: str) -> bool:
+        """Whether to send GET-HEADS for ``topic`` now: always when heads are
+        wanted, and while "latest" learns which partitions exist (settling)."""
+        if self._wants_heads():
+            return True
+        live = self._live
+        return live is not None and live.settling(topic, time.monotonic())
+
+    def _latest_start(self, key: Key) -> int | None:
+        """Offset reset "latest": None (live edge) for a partition that existed
+        when its topic was subscribed, 0 for one created since."""
+        live = self._live
+        assert live is not None
+        reached = self.tower_watch.reached_at
+        if reached is not None:
+            live.on_tower(reached)
+        return live.start(key, time.monotonic())
+
+    def _check_settled(self, now: float) -> None:
+        """Log once per topic when "latest" has learnt which partitions exist."""
+        live = self._live
+        if live is None or len(self._live_told) == len(self.topics):
+            return
+        reached = self.tower_watch.reached_at
+        if reached is not None:
+            live.on_tower(reached)
+        for topic in self.topics:
+            if topic not in self._live_told and not live.settling(topic, now):
+                self._live_told.add(topic)
+                log.info(
+                    "consumer %s: subscribed to %s; partitions that appear from now on are read from their start",
+                    self.address[:8],
+                    topic,
+                )
 
     def emit(self, tracker: PartitionTracker, records: list[tuple[int, bytes]]) -> None:
         append = self._queue.append
@@ -401,6 +469,7 @@ class Consumer(PartitionReader):
 
     def on_other(self, msg: wire.Message) -> None:
         if isinstance(msg, wire.StoreHello) and msg.topic == self.address and not self.untrusted():
+            self._store_seen.set()
             self._hello(msg.address)
         elif self._group is not None:
             self._on_group_message(msg)
@@ -416,6 +485,7 @@ class Consumer(PartitionReader):
                 continue
             if prefix[:1] == wire.P_CONSUMER_HELLO and len(prefix) > 1:
                 # A store wants our CONSUMER-HELLO.
+                self._store_seen.set()
                 try:
                     self._hello(prefix[1:].decode())
                 except UnicodeDecodeError:
@@ -427,11 +497,11 @@ class Consumer(PartitionReader):
                 # A peer listens to group heartbeats: tell it about us now.
                 if self._group.group.encode().startswith(prefix[1:]):
                     self._group_heartbeat(time.monotonic(), check=False)
-            elif prefix[:1] == wire.P_GET_HEADS and self._wants_heads():
+            elif prefix[:1] == wire.P_GET_HEADS:
                 # A new store or producer listens for GET-HEADS: ask it now,
                 # the GET-HEADS sent before it connected was lost.
                 for topic in self.topics:
-                    if topic.encode().startswith(prefix[1:]):
+                    if topic.encode().startswith(prefix[1:]) and self._asks_heads(topic):
                         self.send(wire.GetHeads(topic, self.address))
             elif prefix[:1] == wire.P_FETCH:
                 self.retry_missing_now()
@@ -454,6 +524,8 @@ class Consumer(PartitionReader):
         self.check_missing(now)
         if self._queries:
             self._finish_queries(now)
+        if self._live is not None:
+            self._check_settled(now)
 
     # ---------------------------------------------------------------- I/O thread: groups
 
@@ -468,9 +540,11 @@ class Consumer(PartitionReader):
                 self._rebalance(now)
         elif isinstance(msg, wire.Committed):
             if msg.topic == self.address and not self.untrusted():
+                self._store_seen.set()
                 self._on_committed(msg.commit_id)
         elif isinstance(msg, wire.Positions):
             if msg.topic == self.address and msg.group == group.group and not self.untrusted():
+                self._store_seen.set()
                 entry = self._queries.get(msg.request_id)
                 if entry is not None:
                     entry[0].on_answer(msg.positions, now)

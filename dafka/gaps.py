@@ -216,3 +216,75 @@ class PartitionTracker:
         self.progress_next = self.next
         self.progress_at = now
         return skipped
+
+
+LIVE_SETTLE_MIN = 1.5  # seconds: a producer's HEAD (every second) arrives within it
+
+
+class LiveEdge:
+    """Where an offset-reset "latest" reader starts a partition it sees for the first time.
+
+    "Latest" means everything published after the reader subscribed.  A
+    partition that existed then starts at its live edge (the first record or
+    HEAD seen, as the reference does); a partition first seen later was
+    created after the subscription (every producer run is a new partition),
+    so it is read from offset 0, and what it published before the reader
+    heard of it is FETCHed.
+
+    Which partitions existed is learnt while *settling*: from the moment a
+    topic is subscribed (and a tower reached) for ``settle`` seconds.  In that
+    window the reader hears every live peer (they beacon back at once when a
+    new node appears), connects to them and asks for heads (GET-HEADS: stores
+    answer for every partition they hold, producers for theirs), and hears
+    the producers' HEADs, sent every second.  Anything seen in the window
+    counts as existing; anything first seen after it is new.  The window is
+    the only approximation: a producer that starts within it is taken for an
+    existing one.  Until a tower is reached nothing can be seen, so the
+    window does not end.
+
+    The shell passes times in; nothing here reads a clock.
+    """
+
+    __slots__ = ("settle", "tower_at", "_subscribed", "_existing")
+
+    def __init__(self, settle: float) -> None:
+        self.settle = settle
+        self.tower_at: float | None = None
+        self._subscribed: dict[str, float] = {}  # topic -> when subscribed
+        self._existing: set[tuple[str, str]] = set()  # (topic, partition) seen while settling
+
+    def subscribe(self, topic: str, now: float) -> None:
+        """``topic`` is subscribed (again: no effect)."""
+        self._subscribed.setdefault(topic, now)
+
+    def on_tower(self, now: float) -> None:
+        """A tower answered (a node without towers calls it at start)."""
+        if self.tower_at is None:
+            self.tower_at = now
+
+    def settled_at(self, topic: str) -> float | None:
+        """When ``topic``'s window ends (None: not yet known, no tower reached)."""
+        since = self._subscribed.get(topic)
+        if since is None or self.tower_at is None:
+            return None
+        return max(since, self.tower_at) + self.settle
+
+    def settling(self, topic: str, now: float) -> bool:
+        """Whether what is seen of ``topic`` now existed when it was subscribed."""
+        end = self.settled_at(topic)
+        return end is None or now < end
+
+    def start(self, key: tuple[str, str], now: float) -> int | None:
+        """First offset of partition ``key`` = (topic, partition): None for the
+        live edge (it existed when subscribed), 0 for a new partition.
+
+        Call it when the partition is first seen; a partition seen while
+        settling is remembered, so a later call (a group member taking the
+        partition over) answers the same.
+        """
+        if key in self._existing:
+            return None
+        if self.settling(key[0], now):
+            self._existing.add(key)
+            return None
+        return 0

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import struct
 import threading
 import time
 import uuid
@@ -39,7 +40,7 @@ from dafka import fastio, reach, security, wire
 from dafka.audience import BatchAudience
 from dafka.config import NodeConfig, default_node_config, loopback_trap
 from dafka.errors import ConfigError, ProtocolError
-from dafka.peers import Connect, PeerAction, PeerTable, TowerWatch
+from dafka.peers import Connect, PeerAction, PeerTable, TowerWatch, refused_hint
 
 DRAIN = 4096  # messages read from a socket before looking at the others again
 TICK = 0.05  # seconds between calls of on_tick
@@ -58,6 +59,7 @@ STORE_ONLY = (
 RECORD_IDS = (wire.P_RECORD, wire.P_DIRECT_RECORD)  # subscriptions that get a batch twin
 # How records go out: a header prefix and the fastio function that sends records with it.
 Route = tuple[bytes, Callable[..., int]]
+_MONITOR_EVENT = struct.Struct("=HI")  # a socket monitor's first frame: event, value
 RETRY_REFUSED = 1.0  # seconds before connecting again where a secure handshake was refused
 # Monitor events read besides refused handshakes: who completed a handshake with
 # our publisher (peers reach us), and which peers our data SUB reaches (dafka.reach).
@@ -273,6 +275,17 @@ class Node:
         self.every(TICK, self.on_tick)
         self.every(cfg.beacon_interval, self._check_towers)
         self.every(cfg.beacon_interval, self._check_reach)
+        # A plain node at a secure tower: the handshake fails (mechanism mismatch)
+        # and ZeroMQ gives the connection up.  Watched, to say so and retry.
+        self._tower_monitors: list[tuple[zmq.Socket, zmq.Socket]] = []
+        if sec is None and cfg.towers:
+            for sock in (self.beacon_sub, self.beacon_pub):
+                monitor = sock.get_monitor_socket(
+                    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+                    f"inproc://dafka-tower-handshakes-{new_address()}",
+                )
+                self._tower_monitors.append((sock, monitor))
+        self._tower_refused: set[tuple[zmq.Socket, str]] = set()  # to connect again
         if sec is not None:
             self._check_own_role()
             self._allow_version = self.guard.version  # type: ignore[union-attr]
@@ -382,6 +395,8 @@ class Node:
             readers[self.suspect_sub] = self._read_suspect
         for refusals in self._refusals:
             readers[refusals.monitor] = refusals.read
+        for sock, monitor in self._tower_monitors:
+            readers[monitor] = lambda s=sock, m=monitor: self._read_tower_handshakes(s, m)
         for sock in readers:
             poller.register(sock, zmq.POLLIN)
         for sock, reader in self.sockets():
@@ -450,6 +465,10 @@ class Node:
     def _close_sockets(self) -> None:
         for refusals in self._refusals:
             refusals.close()  # stop the monitors while their sockets are open
+        for sock, monitor in self._tower_monitors:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            monitor.close(0)
         for sock in (self.sub, self.beacon_pub, self.beacon_sub, self._wake_rx):
             sock.close(0)
         # Other threads wake the loop (stop, call_soon) at any time, also while
@@ -617,14 +636,40 @@ class Node:
             )
 
     def _check_towers(self, now: float) -> None:
+        if self._tower_refused:
+            # ZeroMQ gave the refused connections up: try again (the tower may be plain by now).
+            for sock, endpoint in self._tower_refused:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.disconnect(endpoint)
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.connect(endpoint)
+            self._tower_refused.clear()
         if self.config.towers and self.tower_watch.warning_due(now):
             self.log.warning(
-                "%s %s has reached no tower after %.0fs; trying %s (is a tower running there?)",
+                "%s %s has reached no tower after %.0fs; trying %s (%s)",
                 self.kind,
                 self.address[:8],
                 now - self.tower_watch.started,
                 ", ".join(f"{t.beacon_in} / {t.beacon_out}" for t in self.config.towers),
+                self.tower_watch.hint(),
             )
+
+    def _read_tower_handshakes(self, sock: zmq.Socket, monitor: zmq.Socket) -> None:
+        """A plain node's handshake with a tower failed: a secure tower (say so once)."""
+        for _ in range(100):
+            try:
+                frames = monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) < 2 or len(frames[0]) < 6:
+                continue
+            endpoint = frames[1].decode(errors="replace")
+            self._tower_refused.add((sock, endpoint))
+            event, value = _MONITOR_EVENT.unpack_from(frames[0])
+            if value != zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                self.log.debug("handshake with the tower at %s failed (event %d, %#x)", endpoint, event, value)
+            elif self.tower_watch.on_refused(endpoint, time.monotonic()):
+                self.log.warning("%s %s: %s", self.kind, self.address[:8], refused_hint([endpoint]))
 
     def _allowed_peer(self, address: str, key: bytes) -> bool:
         """Secure mode: connect only to allow-listed keys, and keep an address's key."""

@@ -79,6 +79,8 @@ class TowerWatch:
     A tower is reached when its welcome or any beacon arrives.  Until then a
     warning is due ``grace`` seconds after start and every ``repeat`` seconds
     after that (a node with an unreachable tower must not wait in silence).
+    A tower that refused our handshake (:meth:`on_refused`: a secure tower,
+    and we are a plain node) is named as such in :meth:`hint`.
     """
 
     def __init__(self, started: float, grace: float, repeat: float = 30.0) -> None:
@@ -87,6 +89,19 @@ class TowerWatch:
         self.repeat = repeat
         self.reached_at: float | None = None
         self._warned_at: float | None = None
+        self.refused: dict[str, float] = {}  # tower endpoint -> when it last refused our handshake
+
+    def on_refused(self, endpoint: str, now: float) -> bool:
+        """A tower at ``endpoint`` refused our handshake; True the first time (say so at once)."""
+        first = endpoint not in self.refused
+        self.refused[endpoint] = now
+        return first
+
+    def hint(self) -> str:
+        """Why no tower may have been reached, for the warning."""
+        if self.refused:
+            return refused_hint(sorted(self.refused))
+        return "is a tower running there?"
 
     @property
     def reached(self) -> bool:
@@ -104,3 +119,12 @@ class TowerWatch:
             return False
         self._warned_at = now
         return True
+
+
+def refused_hint(endpoints: list[str]) -> str:
+    """What a plain node says when towers refused its handshake."""
+    return (
+        f"the tower at {', '.join(endpoints)} refused the handshake: it is a secure (CURVE) tower and this"
+        " node is plain; give the node a key, the allow-list and the tower's key (--key, --allow, --tower-key"
+        " or [security])"
+    )

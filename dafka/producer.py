@@ -32,6 +32,17 @@ from dafka.node import Node, Route, read_subscriptions
 from dafka.resume import POLICIES, PROBATION, STRICT, Resume
 from dafka.unacked import UnackedWindow
 
+_ONLY_BYTES = frozenset((bytes,))
+
+
+def check_content(content: object) -> None:
+    """Raise TypeError unless ``content`` is bytes-like (bytes, bytearray, memoryview, ...)."""
+    try:
+        memoryview(content)  # type: ignore[arg-type]
+    except TypeError:
+        hint = " (encode it first, e.g. text.encode())" if isinstance(content, str) else ""
+        raise TypeError(f"a record must be bytes-like, not {type(content).__name__}{hint}") from None
+
 log = logging.getLogger("dafka.producer")
 
 # A send waits for room in a full subscriber queue (see Producer._send_run);
@@ -280,8 +291,11 @@ class Producer(Node):
         ``offset`` makes resends idempotent: an offset below ``next_offset``
         was already published and is not sent again; it must never be above.
         ``timeout`` overrides ``publish_timeout`` for waiting on a full buffer.
-        Raises :class:`ResumeError` if the producer could not resume its partition.
+        Raises :class:`ResumeError` if the producer could not resume its partition,
+        TypeError if ``content`` is not bytes-like (a str must be encoded first).
         """
+        if content.__class__ is not bytes:
+            check_content(content)
         if self._resume_error is not None:
             raise self._resume_error
         lock = self._lock
@@ -309,6 +323,8 @@ class Producer(Node):
 
         ACKs are cumulative, so the last receipt resolving means all did.
         Cheaper per record than :meth:`publish`: one lock hold per chunk.
+        A record that is not bytes-like raises TypeError before its chunk of
+        up to 1024 records is published (the chunks before it are).
         """
         last = -1
         it = iter(contents)
@@ -320,6 +336,10 @@ class Producer(Node):
         return Receipt(self, last) if last >= 0 else None
 
     def _publish_chunk(self, batch: list[bytes], timeout: float | None) -> int:
+        if not _ONLY_BYTES.issuperset(map(type, batch)):  # one C-level pass
+            for content in batch:
+                if content.__class__ is not bytes:
+                    check_content(content)  # nothing of the chunk is published
         if self._resume_error is not None:
             raise self._resume_error
         lock = self._lock

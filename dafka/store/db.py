@@ -122,6 +122,7 @@ from dafka.store.layout import (
     unpack_partition_key,
     value_payload_size,
 )
+from dafka.store.lockfile import WriterLock
 
 __all__ = [
     "DEFAULT_MAP_SIZE",
@@ -439,7 +440,15 @@ class RecordDB:
         self._positions_db: Any = None  # opened when it exists (see the layout)
         #: Records skipped by :meth:`append` because their offset was <= head.
         self.duplicates = 0
-        self._open()
+        self._writer_lock: WriterLock | None = None
+        if not readonly:
+            os.makedirs(self.path, exist_ok=True)
+            self._writer_lock = WriterLock(self.path)  # one writer per database
+        try:
+            self._open()
+        except BaseException:
+            self._release_writer_lock()
+            raise
 
     # ------------------------------------------------------------------ open/close
 
@@ -546,6 +555,12 @@ class RecordDB:
                     env.sync(True)
             finally:
                 env.close()
+                self._release_writer_lock()
+
+    def _release_writer_lock(self) -> None:
+        lock, self._writer_lock = self._writer_lock, None
+        if lock is not None:
+            lock.release()
 
     def __enter__(self) -> RecordDB:
         return self

@@ -378,7 +378,7 @@ class Gateway(Store):
                 sock.close()
                 continue
             if len(self._conns) >= self.limits.max_connections:
-                sock.close()
+                # Counted and logged before the close that the client sees.
                 self.connections_refused += 1
                 if self.connections_refused <= 20 or self.connections_refused % 1000 == 0:
                     log.warning(
@@ -386,6 +386,7 @@ class Gateway(Store):
                         "%d refused so far",
                         peer[0], len(self._conns), self.connections_refused,
                     )
+                sock.close()
                 continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
