@@ -529,9 +529,10 @@ class Producer(Node):
         fresh = {a: (w, r) for a, (w, r, t) in list(self.store_status.items()) if now - t <= recent}
         failing = [reason for writing, reason in fresh.values() if not writing]
         if failing:
+            # The store is there (it says so) and says why it does not ACK.
             others = len(fresh) - len(failing)
             tail = f"; {others} other store(s) write but did not acknowledge" if others else ""
-            return "; ".join(failing) + tail
+            return "; ".join(f"a store is up but not acknowledging: {r}" for r in failing) + tail
         if fresh:
             return (
                 f"{len(fresh)} store(s) on the mesh receive this partition and write, but did not"
