@@ -382,6 +382,7 @@ class Store(PartitionReader):
             key = (seg[0], seg[1])
             if key in counts:
                 counts[key] += seg[4] - seg[3] + 1
+        self.on_refused(rejected)
         for key, why in rejected.items():
             self._refused[key] = (why, now)
             self._status_keys.add(key)
@@ -464,6 +465,10 @@ class Store(PartitionReader):
 
     def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
         """Hook: a batch is durable; ``heads`` are the new heads it made."""
+
+    def on_refused(self, rejected: dict[tuple[str, str], str]) -> None:
+        """Hook: the database refused these partitions' records in the last commit
+        (called before :meth:`on_commit` of that commit; nothing of them was written)."""
 
     def on_producer_head(self, tracker: PartitionTracker, sequence: int) -> None:
         # An ACK goes out once per commit, and is lost if the producer was not

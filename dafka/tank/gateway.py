@@ -257,6 +257,27 @@ class Gateway(Store):
                 self._set_reading(conn, True)
                 self._process(conn)  # the frames that were left waiting
 
+    def on_refused(self, rejected: dict[tuple[str, str], str]) -> None:
+        """Owned partitions refused by the database: nothing of them is published or
+        answered as written; their produces fail (the connection closes, the client
+        retries) and the partition continues at its committed head."""
+        owned = [key for key in rejected if key in self._owned]
+        if not owned:
+            return
+        refused = set(owned)
+        n = self._publishing
+        done = self._to_publish[:n]
+        later = self._to_publish[n:]
+        self._publishing = sum(1 for r in done if r[0] not in refused)
+        self._to_publish = [r for r in done if r[0] not in refused] + [r for r in later if r[0] not in refused]
+        # Records of them queued since continue what was refused: they go too.
+        self._batch = [r for r in self._batch if (r[0], r[1]) not in refused]
+        for key in owned:
+            self._next_offset[key] = self._heads.get(key, -1) + 1
+        for p in [p for p in self._pending if refused & p.needs.keys()]:
+            self._pending.remove(p)
+            self._close(p.conn, f"produce refused by the store: {rejected[next(iter(refused & p.needs.keys()))]}")
+
     def _publish(self, records: list[tuple[tuple[str, str], int, bytes]]) -> None:
         """Committed records of owned partitions go out on the mesh, then their HEAD."""
         headers = self._record_headers
