@@ -8,7 +8,6 @@ two holes.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
