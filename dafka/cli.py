@@ -36,6 +36,7 @@ from dafka.config import (
     is_loopback,
     load_settings,
     parse_listen,
+    parse_max_record_bytes,
     parse_port,
     parse_towers,
 )
@@ -76,6 +77,8 @@ def node_config(args: argparse.Namespace, settings: Settings) -> NodeConfig:
         cfg = cfg.with_towers(",".join(args.tower))
     if getattr(args, "advertise", None) is not None:
         cfg = replace(cfg, advertise=args.advertise)
+    if getattr(args, "max_record_bytes", None) is not None:
+        cfg = replace(cfg, max_record_bytes=parse_max_record_bytes(args.max_record_bytes))
     if getattr(args, "bind", None):
         cfg = replace(cfg, bind=args.bind)
     elif cfg.bind in ("*", "0.0.0.0") and all(is_loopback(t.host) for t in cfg.towers):
@@ -708,6 +711,12 @@ def _add_node_flags(p: argparse.ArgumentParser) -> None:
         help="interface the node binds (default: 127.0.0.1 when every tower is on loopback, else all)",
     )
     p.add_argument("--advertise", help="host to announce in beacons (default: as the tower sees us)")
+    p.add_argument(
+        "--max-record-bytes",
+        type=int,
+        metavar="N",
+        help="largest record accepted, published or read ([node] max_record_bytes; default 1048576)",
+    )
     _add_security_flags(p)
 
 

@@ -19,6 +19,7 @@ from dafka.security import SecurityConfig, security_from
 
 DEFAULT_BEACON_IN_PORT = 5556  # tower XSUB: node beacons in
 DEFAULT_BEACON_OUT_PORT = 5557  # tower XPUB: tower beacons out
+DEFAULT_MAX_RECORD_BYTES = 1 << 20  # [node] max_record_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +83,9 @@ class NodeConfig:
     # Plain mesh: records go out in batches to readers that all take them (dafka
     # nodes; see dafka.audience).  False: always one record a message.
     batches: bool = True
+    # Largest record content accepted, as Kafka's message.max.bytes: Producer.publish
+    # and the Tank gateway's produce refuse bigger ones.
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 
     def with_towers(self, towers: str | list[str] | None) -> NodeConfig:
         return self if not towers else replace(self, towers=parse_towers(towers))
@@ -99,7 +103,7 @@ class Settings:
         return dict(self.sections.get(name, {}))
 
 
-_NODE_KEYS = {"towers", "bind", "advertise", "beacon_interval", "beacon_timeout", "hwm", "batches"}
+_NODE_KEYS = {"towers", "bind", "advertise", "beacon_interval", "beacon_timeout", "hwm", "batches", "max_record_bytes"}
 
 
 def node_config_from(data: dict[str, Any], base: NodeConfig | None = None) -> NodeConfig:
@@ -122,7 +126,16 @@ def node_config_from(data: dict[str, Any], base: NodeConfig | None = None) -> No
         if not isinstance(data["batches"], bool):
             raise ConfigError(f"[node] batches must be true or false, not {data['batches']!r}")
         kwargs["batches"] = data["batches"]
+    if "max_record_bytes" in data:
+        kwargs["max_record_bytes"] = parse_max_record_bytes(data["max_record_bytes"])
     return replace(cfg, **kwargs)
+
+
+def parse_max_record_bytes(value: Any) -> int:
+    """A ``max_record_bytes`` setting: a whole number of bytes from 1 to 2 GiB."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 31:
+        raise ConfigError(f"[node] max_record_bytes must be a whole number of bytes from 1 to {1 << 31}, not {value!r}")
+    return value
 
 
 def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:

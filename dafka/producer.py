@@ -26,7 +26,14 @@ import zmq
 
 from dafka import fastio, wire
 from dafka.config import NodeConfig, default_node_config
-from dafka.errors import BufferFullError, ClosedError, ProtocolError, PublishError, ResumeError
+from dafka.errors import (
+    BufferFullError,
+    ClosedError,
+    ProtocolError,
+    PublishError,
+    RecordTooLargeError,
+    ResumeError,
+)
 from dafka.fairlock import FairLock
 from dafka.node import Node, Route, read_subscriptions
 from dafka.resume import POLICIES, PROBATION, STRICT, Resume
@@ -284,6 +291,8 @@ class Producer(Node):
         """
         if self._resume_error is not None:
             raise self._resume_error
+        if len(content) > self.config.max_record_bytes:
+            raise self._too_large(len(content))
         lock = self._lock
         if lock.waiters:
             lock.let_waiters_in()
@@ -309,6 +318,8 @@ class Producer(Node):
 
         ACKs are cumulative, so the last receipt resolving means all did.
         Cheaper per record than :meth:`publish`: one lock hold per chunk.
+        A record over ``max_record_bytes`` raises :class:`RecordTooLargeError`
+        before its chunk (up to 1024 records) is published; earlier chunks were.
         """
         last = -1
         it = iter(contents)
@@ -319,9 +330,18 @@ class Producer(Node):
             last = self._publish_chunk(batch, timeout)
         return Receipt(self, last) if last >= 0 else None
 
+    def _too_large(self, size: int) -> RecordTooLargeError:
+        return RecordTooLargeError(
+            f"record of {size} bytes is larger than max_record_bytes={self.config.max_record_bytes}"
+            " ([node] max_record_bytes); nothing of it was published"
+        )
+
     def _publish_chunk(self, batch: list[bytes], timeout: float | None) -> int:
         if self._resume_error is not None:
             raise self._resume_error
+        biggest = max(map(len, batch))
+        if biggest > self.config.max_record_bytes:
+            raise self._too_large(biggest)  # the whole chunk: nothing of it was published
         lock = self._lock
         if lock.waiters:
             lock.let_waiters_in()

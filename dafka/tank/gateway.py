@@ -163,6 +163,7 @@ class Gateway(Store):
         # Tank has no authentication: when set, only these IP networks may connect.
         self.allow_clients = allow_clients
         self.clients_refused = 0
+        self.records_too_large = 0  # Tank produces refused for a record over max_record_bytes
         try:
             self._setup(rdb, listen, max_frame, stall_timeout, compress)
             super().__init__(rdb, config, towers=towers, retention=retention, **store_options)
@@ -604,6 +605,19 @@ class Gateway(Store):
                     res.error = ProduceError.SYSTEM
                 else:
                     records = decode_bundle(p.bundle)
+                    biggest = max((len(r[3]) for r in records), default=0)
+                    if biggest > self.config.max_record_bytes:
+                        # Tank has no "too large" code: a system error, nothing written.
+                        res.error = ProduceError.SYSTEM
+                        self.records_too_large += 1
+                        log.warning(
+                            "Tank produce to %s/%d refused: a record of %d bytes, max_record_bytes=%d",
+                            t.name,
+                            p.partition,
+                            biggest,
+                            self.config.max_record_bytes,
+                        )
+                        continue
                     first = p.first_seq if with_seq else (records[0][0] if records else None)
                     plan.append((res, part, records, first))
         needs: dict[tuple[str, str], int] = {}
