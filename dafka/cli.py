@@ -37,6 +37,7 @@ from dafka.config import (
     load_settings,
     loopback_trap,
     parse_listen,
+    parse_max_record_bytes,
     parse_port,
     parse_towers,
 )
@@ -77,6 +78,8 @@ def node_config(args: argparse.Namespace, settings: Settings) -> NodeConfig:
         cfg = cfg.with_towers(",".join(args.tower))
     if getattr(args, "advertise", None) is not None:
         cfg = replace(cfg, advertise=args.advertise)
+    if getattr(args, "max_record_bytes", None) is not None:
+        cfg = replace(cfg, max_record_bytes=parse_max_record_bytes(args.max_record_bytes))
     if getattr(args, "bind", None):
         cfg = replace(cfg, bind=args.bind)
     elif cfg.bind in ("*", "0.0.0.0") and all(is_loopback(t.host) for t in cfg.towers):
@@ -734,6 +737,12 @@ def _add_node_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--advertise",
         help="host to announce in beacons (default: the interface bound; bound to all, as the tower sees us)",
+    )
+    p.add_argument(
+        "--max-record-bytes",
+        type=int,
+        metavar="N",
+        help="largest record accepted, published or read ([node] max_record_bytes; default 1048576)",
     )
     _add_security_flags(p)
 

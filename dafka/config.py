@@ -27,6 +27,7 @@ from dafka.security import SecurityConfig, security_from
 
 DEFAULT_BEACON_IN_PORT = 5556  # tower XSUB: node beacons in
 DEFAULT_BEACON_OUT_PORT = 5557  # tower XPUB: tower beacons out
+DEFAULT_MAX_RECORD_BYTES = 1 << 20  # [node] max_record_bytes
 
 @dataclass(frozen=True, slots=True)
 class Spec:
@@ -132,6 +133,7 @@ SCHEMA: dict[str, dict[str, Spec]] = {
         "beacon_timeout": Spec("float", 0.002, 86_400),
         "hwm": Spec("int", 1, 2**31 - 1),
         "batches": Spec("bool"),
+        "max_record_bytes": Spec("int", 1, 1 << 31),
     },
     "tower": {
         "bind": Spec("str"),
@@ -288,6 +290,9 @@ class NodeConfig:
     # Plain mesh: records go out in batches to readers that all take them (dafka
     # nodes; see dafka.audience).  False: always one record a message.
     batches: bool = True
+    # Largest record content accepted, as Kafka's message.max.bytes: Producer.publish
+    # and the Tank gateway's produce refuse bigger ones.
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 
     def __post_init__(self) -> None:
         # The same checks as a [node] table: a config built in code is refused as early.
@@ -331,6 +336,13 @@ def node_config_from(data: dict[str, Any], base: NodeConfig | None = None, where
         return replace(cfg, **kwargs)
     except ConfigError as exc:
         raise ConfigError(f"{where[: -len('[node]')]}{exc}") from None
+
+
+def parse_max_record_bytes(value: Any) -> int:
+    """A ``max_record_bytes`` setting: a whole number of bytes from 1 to 2 GiB."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 31:
+        raise ConfigError(f"[node] max_record_bytes must be a whole number of bytes from 1 to {1 << 31}, not {value!r}")
+    return value
 
 
 def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:

@@ -16,6 +16,11 @@ class ProtocolError(DafkaError, ValueError):
     """
 
 
+class RecordTooLargeError(DafkaError, ValueError):
+    """A record is larger than the node's ``max_record_bytes`` (as Kafka's
+    ``message.max.bytes``): refused at publish; readers drop such records."""
+
+
 class PublishError(DafkaError):
     """A record was not acknowledged by a store (timeout, closed producer, ...)."""
 

@@ -80,6 +80,8 @@ COUNTERS: list[tuple[str, Getter, str]] = [
     ("dafka_pace_timeouts", "pace_timeouts", "Times a stuck subscriber made the producer drop for a hold"),
     ("dafka_records_delivered", "delivered", "Records delivered in order to the application"),
     ("dafka_records_skipped", "skipped", "Offsets skipped because nobody had them"),
+    ("dafka_tank_records_too_large", "records_too_large", "Tank produces refused: a record over max_record_bytes"),
+    ("dafka_records_refused", "records_refused", "Records the store's database refused (their partition is read again)"),
     ("dafka_beacons_relayed", "beacons", "Node beacons relayed to the mesh"),
     ("dafka_malformed_input", lambda n: n.bad_input.count, "Malformed messages dropped"),
     ("dafka_loop_turns", "loop_turns", "Wake-ups of the node's I/O loop (input, timers or work)"),

@@ -26,7 +26,14 @@ import zmq
 
 from dafka import fastio, wire
 from dafka.config import NodeConfig, default_node_config
-from dafka.errors import BufferFullError, ClosedError, ProtocolError, PublishError, ResumeError
+from dafka.errors import (
+    BufferFullError,
+    ClosedError,
+    ProtocolError,
+    PublishError,
+    RecordTooLargeError,
+    ResumeError,
+)
 from dafka.fairlock import FairLock
 from dafka.node import Node, Route, read_subscriptions
 from dafka.resume import POLICIES, PROBATION, STRICT, Resume
@@ -298,6 +305,8 @@ class Producer(Node):
             check_content(content)
         if self._resume_error is not None:
             raise self._resume_error
+        if len(content) > self.config.max_record_bytes:
+            raise self._too_large(len(content))
         lock = self._lock
         if lock.waiters:
             lock.let_waiters_in()
@@ -325,6 +334,8 @@ class Producer(Node):
         Cheaper per record than :meth:`publish`: one lock hold per chunk.
         A record that is not bytes-like raises TypeError before its chunk of
         up to 1024 records is published (the chunks before it are).
+        A record over ``max_record_bytes`` raises :class:`RecordTooLargeError`
+        before its chunk (up to 1024 records) is published; earlier chunks were.
         """
         last = -1
         it = iter(contents)
@@ -335,6 +346,12 @@ class Producer(Node):
             last = self._publish_chunk(batch, timeout)
         return Receipt(self, last) if last >= 0 else None
 
+    def _too_large(self, size: int) -> RecordTooLargeError:
+        return RecordTooLargeError(
+            f"record of {size} bytes is larger than max_record_bytes={self.config.max_record_bytes}"
+            " ([node] max_record_bytes); nothing of it was published"
+        )
+
     def _publish_chunk(self, batch: list[bytes], timeout: float | None) -> int:
         if not _ONLY_BYTES.issuperset(map(type, batch)):  # one C-level pass
             for content in batch:
@@ -342,6 +359,9 @@ class Producer(Node):
                     check_content(content)  # nothing of the chunk is published
         if self._resume_error is not None:
             raise self._resume_error
+        biggest = max(map(len, batch))
+        if biggest > self.config.max_record_bytes:
+            raise self._too_large(biggest)  # the whole chunk: nothing of it was published
         lock = self._lock
         if lock.waiters:
             lock.let_waiters_in()
@@ -549,9 +569,10 @@ class Producer(Node):
         fresh = {a: (w, r) for a, (w, r, t) in list(self.store_status.items()) if now - t <= recent}
         failing = [reason for writing, reason in fresh.values() if not writing]
         if failing:
+            # The store is there (it says so) and says why it does not ACK.
             others = len(fresh) - len(failing)
             tail = f"; {others} other store(s) write but did not acknowledge" if others else ""
-            return "; ".join(failing) + tail
+            return "; ".join(f"a store is up but not acknowledging: {r}" for r in failing) + tail
         if fresh:
             return (
                 f"{len(fresh)} store(s) on the mesh receive this partition and write, but did not"

@@ -217,17 +217,17 @@ class FlakyDB(RecordDB):
         self.hold = threading.Event()  # cleared: commits wait (a slow disk)
         self.hold.set()
 
-    def append(self, batch):  # type: ignore[no-untyped-def]
+    def append(self, batch, **kw):  # type: ignore[no-untyped-def]
         self.hold.wait(30)
         if self.failure is not None:
             raise self.failure
-        return super().append(batch)
+        return super().append(batch, **kw)
 
-    def append_pairs(self, batch, pairs, segs, gate=None):  # type: ignore[no-untyped-def]
+    def append_pairs(self, batch, pairs, segs, gate=None, **kw):  # type: ignore[no-untyped-def]
         self.hold.wait(30)
         if self.failure is not None:
             raise self.failure
-        return super().append_pairs(batch, pairs, segs, gate)
+        return super().append_pairs(batch, pairs, segs, gate, **kw)
 
 
 @pytest.mark.parametrize(

@@ -28,8 +28,12 @@ order.
     head (highest offset ever stored; it stays when retention removes every
     record, so the store never re-fetches them), ``first`` the oldest offset
     still stored (``last + 1`` when none is left), ``count`` the number of
-    stored records (always ``last - first + 1``: offsets are contiguous) and
-    ``bytes`` their payload total (content plus Tank key, headers excluded).
+    stored records and ``bytes`` their payload total (content plus Tank key,
+    headers excluded).  ``count`` is ``last - first + 1`` unless the
+    partition has holes: offsets the store gave up because nobody could
+    supply them (see ``skips`` in :meth:`RecordDB.append`).  A hole is
+    recorded by the head moving past it with no record stored; readers asking
+    for an offset in a hole get the next offset held, as after retention.
 
 ``pids``
     ``pid:u32`` -> the partition key above (reverse map; pids are allocated in
@@ -96,6 +100,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import islice, repeat
 from operator import itemgetter
 from typing import Any, NamedTuple, TypeVar
@@ -329,14 +334,19 @@ def _pack_contents(pid: int, nxt: int, contents: Sequence[bytes], ts: Any) -> _P
 
 
 def _pack_records(
-    pid: int, nxt: int, recs: Sequence[Sequence[Any]], tp: tuple[str, str]
+    pid: int,
+    nxt: int,
+    recs: Sequence[Sequence[Any]],
+    tp: tuple[str, str],
+    skipped: Callable[[int, int], bool] | None = None,
 ) -> _Packed:
     """Pack one partition's records (tuples), which must continue at offset ``nxt``.
 
     The general case: duplicates, gaps, keys, producer timestamps.
 
     A record below ``nxt`` is a duplicate (skipped and counted); above it, a
-    gap (ValueError, which rejects the whole batch).
+    gap: allowed where ``skipped(first, last)`` says the missing offsets were
+    given up (a hole), else ValueError (which refuses the partition's records).
     """
     pack_key = RECORD_KEY.pack
     pack_hdr = VALUE_HEADER.pack
@@ -354,10 +364,12 @@ def _pack_records(
             if off < nxt:
                 dups += 1
                 continue
-            raise ValueError(
-                f"gap in {tp[0]!r}/{tp[1]!r}: offset {off} after head {nxt - 1} "
-                "(offsets must be contiguous)"
-            )
+            if skipped is None or not skipped(nxt, off - 1):
+                raise ValueError(
+                    f"gap in {tp[0]!r}/{tp[1]!r}: offset {off} after head {nxt - 1} "
+                    "(offsets must be contiguous unless skipped)"
+                )
+            nxt = off  # a hole: the offsets before were given up
         content = rec[3]
         if len(rec) > 5 and (rec[5] is not None or (len(rec) > 6 and rec[6])):
             key = rec[5]
@@ -382,6 +394,29 @@ def _pack_records(
     return keys, values, nxt, nbytes, dups
 
 
+Skip = tuple[str, str, int, int]  # (topic, partition, first, last): offsets given up
+
+
+def _skip_checker(skips: Sequence[Skip]) -> Callable[[tuple[str, str], int, int], bool]:
+    """``covered(tp, lo, hi)``: whether ``skips`` give up every offset ``lo..hi`` of ``tp``."""
+    ranges: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    for topic, partition, first, last in skips:
+        ranges.setdefault((topic, partition), []).append((first, last))
+    for spans in ranges.values():
+        spans.sort()
+
+    def covered(tp: tuple[str, str], lo: int, hi: int) -> bool:
+        need = lo
+        for first, last in ranges.get(tp, ()):
+            if first <= need <= last:
+                need = last + 1
+                if need > hi:
+                    return True
+        return need > hi
+
+    return covered
+
+
 # One unit of an append: (topic, partition), partition key, first offset, then
 # either record tuples and None, or contents and their ts_ms (int or one each).
 _Unit = tuple[tuple[str, str], bytes, int, Sequence[Any], Any]
@@ -390,7 +425,7 @@ _Unit = tuple[tuple[str, str], bytes, int, Sequence[Any], Any]
 class _PartState:
     """A partition's info while an append transaction changes it."""
 
-    __slots__ = ("pkey", "pid", "first", "last", "count", "nbytes", "changed")
+    __slots__ = ("pkey", "pid", "first", "last", "count", "nbytes", "changed", "new")
 
     def __init__(self, pkey: bytes, pid: int, first: int, last: int, count: int, nbytes: int):
         self.pkey = pkey
@@ -400,6 +435,7 @@ class _PartState:
         self.count = count
         self.nbytes = nbytes
         self.changed = False
+        self.new = False  # created by this transaction
 
     def pack(self) -> bytes:
         return PARTITION_INFO.pack(self.pid, self.first, self.last, self.count, self.nbytes)
@@ -720,7 +756,13 @@ class RecordDB:
 
     # ------------------------------------------------------------------ append
 
-    def append(self, batch: Sequence[Sequence[Any]]) -> dict[tuple[str, str], int]:
+    def append(
+        self,
+        batch: Sequence[Sequence[Any]],
+        *,
+        skips: Sequence[Skip] = (),
+        rejected: dict[tuple[str, str], str] | None = None,
+    ) -> dict[tuple[str, str], int]:
         """Persist ``batch`` in one committed (and, with ``sync``, fsync'ed) transaction.
 
         ``batch`` holds :class:`StoreRecord` or plain tuples
@@ -729,15 +771,23 @@ class RecordDB:
         partition at consecutive offsets (they are then packed with C-level
         passes, no per-record Python statements); a common ``ts_ms`` helps.  Per partition, in batch order, each record must be
         at ``head + 1``; a record at or below the head is a duplicate and
-        skipped (counted in :attr:`duplicates`); a record beyond ``head + 1``
-        is a gap and raises ValueError, rejecting the WHOLE batch (nothing
-        committed): the caller must fetch the missing records first.  A
-        partition's very first record may be at any offset.
+        skipped (counted in :attr:`duplicates`).  A record beyond ``head + 1``
+        is a gap: allowed when ``skips`` (``(topic, partition, first, last)``
+        ranges of offsets given up: nobody could supply them) cover every
+        missing offset -- the partition then has a hole, its head moves past
+        it -- else the partition is refused.  A partition's very first record
+        may be at any offset.
 
-        Returns the head of every partition in the batch (also of those whose
-        records were all duplicates).  Raises :class:`StorageFullError` when
-        the batch does not fit (nothing of it is committed then), ValueError
-        or TypeError for malformed records.
+        Refusals (a gap, a malformed record) are per partition: with a
+        ``rejected`` dict, each refused partition is put in it with the
+        reason, none of its records is written, and the other partitions
+        commit.  Without it, any refusal raises (ValueError or TypeError) and
+        nothing is committed.
+
+        Returns the head of every partition in the batch that was not refused
+        (also of those whose records were all duplicates).  Raises
+        :class:`StorageFullError` when the batch does not fit (nothing of it
+        is committed then).
         """
         n = len(batch)
         if not n:
@@ -765,10 +815,14 @@ class RecordDB:
                 units.append((tp, pkey(tp[0], tp[1]), recs[0][2], recs, None))
             else:
                 units.append((tp, pkey(tp[0], tp[1]), run[0], run[1], run[2]))
-        return self._append_units(units)
+        return self._append_units(units, skips, rejected)
 
     def append_runs(
-        self, runs: Sequence[tuple[str, str, int, Sequence[bytes], int | Sequence[int]]]
+        self,
+        runs: Sequence[tuple[str, str, int, Sequence[bytes], int | Sequence[int]]],
+        *,
+        skips: Sequence[Skip] = (),
+        rejected: dict[tuple[str, str], str] | None = None,
     ) -> dict[tuple[str, str], int]:
         """The fastest append: runs of consecutive plain records, all in one transaction.
 
@@ -777,8 +831,8 @@ class RecordDB:
         key, stamped ``ts_ms`` (one int for all, or a sequence of one each).
         Same rules and result as :meth:`append` (the part of a run at or
         below the head is skipped as duplicates, a run starting beyond
-        ``head + 1`` is a gap); several runs of one partition are applied in
-        order.
+        ``head + 1`` is a gap, allowed only where ``skips`` cover it);
+        several runs of one partition are applied in order.
         """
         units = []
         for topic, partition, first_offset, contents, ts_ms in runs:
@@ -794,7 +848,7 @@ class RecordDB:
                 )
         if not units:
             return {}
-        return self._append_units(units)
+        return self._append_units(units, skips, rejected)
 
     def append_pairs(
         self,
@@ -802,6 +856,9 @@ class RecordDB:
         pairs: list[tuple[bytes, bytes]],
         segs: Sequence[tuple[str, str, int, int, int, int]],
         gate: AbstractContextManager[Any] | None = None,
+        *,
+        skips: Sequence[Skip] = (),
+        rejected: dict[tuple[str, str], str] | None = None,
     ) -> dict[tuple[str, str], int]:
         """:meth:`append` of ``batch`` and of ready record pairs, in one transaction.
 
@@ -810,9 +867,10 @@ class RecordDB:
         :func:`dafka.fastio.drain_pairs`; ``segs`` describes them: one
         ``(topic, partition, pid, first, last, content_bytes)`` per run of
         consecutive offsets, in order.  ``batch`` is applied first.  Each run
-        must continue its partition exactly (``first == head + 1``) with the
-        partition's ``pid``, else ValueError rejects everything.  ``pairs``
-        may be reordered (sorted by key).
+        must continue its partition (``first == head + 1``, or beyond it over
+        offsets ``skips`` give up) with the partition's ``pid``, else the
+        partition is refused (see :meth:`append` for ``skips`` and
+        ``rejected``).  ``pairs`` may be reordered (sorted by key).
 
         ``gate`` (a lock) is held while the pairs are put: py-lmdb releases
         the GIL around every single put, so a thread of the caller that runs
@@ -821,60 +879,49 @@ class RecordDB:
         work and so waits, GIL released, while the puts run.
         """
         if not pairs:
-            return self.append(batch) if batch else {}
+            return self.append(batch, skips=skips, rejected=rejected) if batch else {}
         units: list[_Unit] = []
         if batch:
             for tp, recs in _group(batch).items():
                 units.append((tp, self._pkey(tp[0], tp[1]), recs[0][2], recs, None))
-        with self._write_lock:
-            heads, dups = self._write(lambda txn: self._append_txn(txn, units, pairs, segs, gate))
-            self.duplicates += dups
-        return heads
+        return self._append_units(units, skips, rejected, pairs, segs, gate)
 
-    def _append_units(self, units: list[_Unit]) -> dict[tuple[str, str], int]:
-        with self._write_lock:
-            heads, dups = self._write(lambda txn: self._append_txn(txn, units))
-            self.duplicates += dups
-        return heads
-
-    def _append_pair_runs(
+    def _append_units(
         self,
-        txn: lmdb.Transaction,
-        states: dict[tuple[str, str], _PartState],
-        segs: Sequence[tuple[str, str, int, int, int, int]],
-    ) -> None:
-        """Account runs of ready pairs in the partitions' states (checks included)."""
-        dbs = self._dbs
-        assert dbs is not None
-        for topic, partition, pid, first, last, nbytes in segs:
-            tp = (topic, partition)
-            st = states.get(tp)
-            if st is None:
-                pkey = self._pkey(topic, partition)
-                raw = txn.get(pkey, db=dbs.partitions)
-                if raw is None:
-                    raise ValueError(f"ready records of {topic!r}/{partition!r}, which is not stored")
-                st = _PartState(pkey, *PARTITION_INFO.unpack(raw))
-                states[tp] = st
-            if pid != st.pid or first != st.last + 1 or last < first:
-                raise ValueError(
-                    f"ready records {first}..{last} (pid {pid}) of {topic!r}/{partition!r} do not "
-                    f"continue head {st.last} (pid {st.pid})"
-                )
-            if st.count == 0:
-                st.first = first
-            st.count += last - first + 1
-            st.last = last
-            st.nbytes += nbytes
-            st.changed = True
+        units: list[_Unit],
+        skips: Sequence[Skip],
+        rejected: dict[tuple[str, str], str] | None,
+        pairs: list[tuple[bytes, bytes]] | None = None,
+        segs: Sequence[tuple[str, str, int, int, int, int]] = (),
+        gate: AbstractContextManager[Any] | None = None,
+    ) -> dict[tuple[str, str], int]:
+        covered = _skip_checker(skips) if skips else None
+        refusals: dict[tuple[str, str], Exception] = {}
+
+        def body(txn: lmdb.Transaction) -> tuple[dict[tuple[str, str], int], int]:
+            refusals.clear()  # a retry after the map grew starts over
+            heads, dups = self._append_txn(txn, units, pairs, segs, gate, covered, refusals)
+            if refusals and rejected is None:
+                raise next(iter(refusals.values()))
+            return heads, dups
+
+        with self._write_lock:
+            heads, dups = self._write(body)
+            self.duplicates += dups
+        if rejected is not None:
+            for tp, exc in refusals.items():
+                rejected[tp] = str(exc)
+        return heads
 
     def _append_txn(
         self,
         txn: lmdb.Transaction,
         units: list[_Unit],
-        pairs: list[tuple[bytes, bytes]] | None = None,
-        segs: Sequence[tuple[str, str, int, int, int, int]] = (),
-        gate: AbstractContextManager[Any] | None = None,
+        pairs: list[tuple[bytes, bytes]] | None,
+        segs: Sequence[tuple[str, str, int, int, int, int]],
+        gate: AbstractContextManager[Any] | None,
+        covered: Callable[[tuple[str, str], int, int], bool] | None,
+        refusals: dict[tuple[str, str], Exception],
     ) -> tuple[dict[tuple[str, str], int], int]:
         dbs = self._dbs
         assert dbs is not None
@@ -883,8 +930,20 @@ class RecordDB:
         puts: dict[int, tuple[list[bytes], list[bytes]]] = {}
         dups = 0
         next_pid: int | None = None
-        try:
-            for tp, pkey, start, recs, ts_ms in units:
+
+        def refuse(tp: tuple[str, str], exc: Exception) -> None:
+            """Take back everything of ``tp`` this transaction did (its other partitions stay)."""
+            refusals[tp] = exc
+            st = states.pop(tp, None)
+            if st is not None:
+                puts.pop(st.pid, None)
+                if st.new:
+                    txn.delete(U32.pack(st.pid), db=dbs.pids)
+
+        for tp, pkey, start, recs, ts_ms in units:
+            if tp in refusals:
+                continue
+            try:
                 st = states.get(tp)
                 if st is None:
                     raw = txn.get(pkey, db=parts_db)
@@ -896,6 +955,7 @@ class RecordDB:
                         if next_pid is None:
                             next_pid = self._next_pid(txn, dbs)
                         st = _PartState(pkey, next_pid, start, start - 1, 0, 0)
+                        st.new = True
                         next_pid += 1
                         txn.put(U32.pack(st.pid), pkey, db=dbs.pids)
                     else:
@@ -903,13 +963,16 @@ class RecordDB:
                     states[tp] = st
                 nxt = st.last + 1
                 if ts_ms is None:
-                    keys, values, new_nxt, nbytes, d = _pack_records(st.pid, nxt, recs, tp)
+                    skipped = None if covered is None else partial(covered, tp)
+                    keys, values, new_nxt, nbytes, d = _pack_records(st.pid, nxt, recs, tp, skipped)
                 else:
                     if start > nxt:
-                        raise ValueError(
-                            f"gap in {tp[0]!r}/{tp[1]!r}: offset {start} after head {nxt - 1} "
-                            "(offsets must be contiguous)"
-                        )
+                        if covered is None or not covered(tp, nxt, start - 1):
+                            raise ValueError(
+                                f"gap in {tp[0]!r}/{tp[1]!r}: offset {start} after head {nxt - 1} "
+                                "(offsets must be contiguous unless skipped)"
+                            )
+                        nxt = start  # a hole: the offsets before were given up
                     d = nxt - start  # leading records at or below the head
                     if d > 0:
                         d = min(d, len(recs))
@@ -917,27 +980,39 @@ class RecordDB:
                         if not isinstance(ts_ms, int):
                             ts_ms = ts_ms[d:]
                     keys, values, new_nxt, nbytes, _ = _pack_contents(st.pid, nxt, recs, ts_ms)
-                dups += d
-                if not keys:
-                    continue
-                if st.count == 0:
-                    st.first = nxt  # new, or emptied by retention
-                st.last = new_nxt - 1
-                st.count += len(keys)
-                st.nbytes += nbytes
-                st.changed = True
-                got = puts.get(st.pid)
-                if got is None:
-                    puts[st.pid] = (keys, values)
-                else:
-                    got[0].extend(keys)
-                    got[1].extend(values)
-        except struct.error as exc:
-            raise ValueError(f"bad record field: {exc}") from exc
+            except (ValueError, TypeError, struct.error) as exc:
+                refuse(tp, exc if not isinstance(exc, struct.error) else ValueError(f"bad record field: {exc}"))
+                continue
+            dups += d
+            if not keys:
+                continue
+            if st.count == 0:
+                st.first = RECORD_KEY.unpack(keys[0])[1]  # new, emptied by retention, or after a hole
+            st.last = new_nxt - 1
+            st.count += len(keys)
+            st.nbytes += nbytes
+            st.changed = True
+            got = puts.get(st.pid)
+            if got is None:
+                puts[st.pid] = (keys, values)
+            else:
+                got[0].extend(keys)
+                got[1].extend(values)
         if pairs:
-            self._append_pair_runs(txn, states, segs)
             if len(pairs) != sum(seg[4] - seg[3] + 1 for seg in segs):
                 raise ValueError(f"{len(pairs)} ready records, runs describe another number")
+            self._append_pair_runs(txn, states, segs, covered, refusals, refuse)
+            if any((seg[0], seg[1]) in refusals for seg in segs):
+                # Leave out the refused partitions' pairs (segs describe them in order).
+                kept: list[tuple[bytes, bytes]] = []
+                i = 0
+                for seg in segs:
+                    n = seg[4] - seg[3] + 1
+                    if (seg[0], seg[1]) not in refusals:
+                        kept.extend(pairs[i : i + n])
+                    i += n
+                pairs = kept
+                segs = [seg for seg in segs if (seg[0], seg[1]) not in refusals]
         for st in states.values():
             if st.changed:
                 txn.put(st.pkey, st.pack(), db=parts_db)
@@ -977,6 +1052,51 @@ class RecordDB:
                     "(database inconsistent)"
                 )
         return {tp: st.last for tp, st in states.items()}, dups
+
+    def _append_pair_runs(
+        self,
+        txn: lmdb.Transaction,
+        states: dict[tuple[str, str], _PartState],
+        segs: Sequence[tuple[str, str, int, int, int, int]],
+        covered: Callable[[tuple[str, str], int, int], bool] | None,
+        refusals: dict[tuple[str, str], Exception],
+        refuse: Callable[[tuple[str, str], Exception], None],
+    ) -> None:
+        """Account runs of ready pairs in the partitions' states (checks included)."""
+        dbs = self._dbs
+        assert dbs is not None
+        for topic, partition, pid, first, last, nbytes in segs:
+            tp = (topic, partition)
+            if tp in refusals:
+                continue
+            st = states.get(tp)
+            if st is None:
+                pkey = self._pkey(topic, partition)
+                raw = txn.get(pkey, db=dbs.partitions)
+                if raw is None:
+                    refuse(tp, ValueError(f"ready records of {topic!r}/{partition!r}, which is not stored"))
+                    continue
+                st = _PartState(pkey, *PARTITION_INFO.unpack(raw))
+                states[tp] = st
+            if (
+                pid != st.pid
+                or last < first
+                or (first != st.last + 1 and (first <= st.last or covered is None or not covered(tp, st.last + 1, first - 1)))
+            ):
+                refuse(
+                    tp,
+                    ValueError(
+                        f"ready records {first}..{last} (pid {pid}) of {topic!r}/{partition!r} do not "
+                        f"continue head {st.last} (pid {st.pid})"
+                    ),
+                )
+                continue
+            if st.count == 0:
+                st.first = first
+            st.count += last - first + 1
+            st.last = last
+            st.nbytes += nbytes
+            st.changed = True
 
     @staticmethod
     def _next_pid(txn: lmdb.Transaction, dbs: _Dbs) -> int:
@@ -1081,7 +1201,9 @@ class RecordDB:
 
         ``start = max(offset, first)`` and ``values`` are the raw stored
         values of offsets ``start, start + 1, ...`` (at most ``count``,
-        contiguous); decode them with :func:`dafka.store.layout.unpack_value`
+        contiguous; in a partition with holes, ``start`` is the first offset
+        held at or after the one asked for, as after retention, and the
+        values stop at the next hole); decode them with :func:`dafka.store.layout.unpack_value`
         or :func:`~dafka.store.layout.value_content`.  Unknown partitions and
         offsets past the head give ``(offset, [])``-like empty answers.
         """
@@ -1090,7 +1212,7 @@ class RecordDB:
             raw = txn.get(pkey, db=dbs.partitions)
             if raw is None:
                 return offset, []
-            pid, first, last, _count, _bytes = PARTITION_INFO.unpack(raw)
+            pid, first, last, stored, _bytes = PARTITION_INFO.unpack(raw)
             start = offset if offset > first else first
             n = last - start + 1
             if count < n:
@@ -1098,6 +1220,8 @@ class RecordDB:
             if n <= 0:
                 return start, []
             cur = txn.cursor(db=dbs.records)
+            if stored != last - first + 1:
+                return self._fetch_holed(cur, pid, start, last, n)
             if not cur.set_key(RECORD_KEY.pack(pid, start)):
                 raise StorageError(
                     f"{self.path}: {topic!r}/{partition!r} offset {start} missing "
@@ -1105,6 +1229,29 @@ class RecordDB:
                 )
             # Offsets in [first, last] are contiguous: take n values, no key checks.
             return start, list(islice(cur.iternext(keys=False), n))
+
+    @staticmethod
+    def _fetch_holed(cur: Any, pid: int, start: int, last: int, n: int) -> tuple[int, list[bytes]]:
+        """:meth:`fetch_raw` in a partition with holes: from the first offset held
+        at or after ``start``, up to ``n`` values, stopping at the next hole."""
+        if not cur.set_range(RECORD_KEY.pack(pid, start)):
+            return last + 1, []
+        unpack = RECORD_KEY.unpack
+        values: list[bytes] = []
+        expect = -1
+        for key, value in cur.iternext():
+            kpid, off = unpack(key)
+            if kpid != pid:
+                break
+            if expect < 0:
+                start = expect = off
+            elif off != expect:
+                break  # a hole: the next call starts past it
+            values.append(value)
+            expect += 1
+            if len(values) >= n:
+                break
+        return (start, values) if values else (last + 1, [])
 
     def fetch(self, topic: str, partition: str, offset: int, count: int) -> tuple[int, list[bytes]]:
         """Like :meth:`fetch_raw` but only the contents (what a Dafka consumer gets):
@@ -1192,9 +1339,10 @@ class RecordDB:
             """Delete the record under the cursor, the front of partition ``st``."""
             nonlocal deleted, freed, budget
             size = value_payload_size(value)
-            cur.delete()
-            st[2] += 1
+            cur.delete()  # the cursor moves to the next record
             st[4] -= 1
+            # The next stored offset: first + 1, or past a hole.
+            st[2] = RECORD_KEY.unpack(cur.key())[1] if st[4] else st[3] + 1
             st[5] -= size
             st[6] = True
             deleted += 1

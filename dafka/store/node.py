@@ -68,6 +68,12 @@ RETENTION_BUDGET = 0.2  # seconds of deletions per retention round
 HEADS_INTERVAL = 30.0  # stores re-announce the heads they hold (replication)
 STATUS_INTERVAL = 1.0  # STORE-STATUS to the producers whose records came in
 ERROR_LOG_INTERVAL = 30.0  # a lasting write failure is logged again this often
+REFUSED_LOG_INTERVAL = 5.0  # refused partitions are logged at most this often
+REFUSED_STATUS_FOR = 10.0  # seconds a refused partition's producer is told "not writing"
+SKIP_AFTER = 10.0  # seconds before offsets nobody has are given up
+
+# What the writer commits at once: tuples, ready pairs, their runs, skips.
+_Work = tuple[list[Any], list[tuple[bytes, bytes]], list[Any], list[tuple[str, str, int, int]]]
 
 
 @dataclass(slots=True)
@@ -106,6 +112,7 @@ class Store(PartitionReader):
         retry_interval: float = 0.5,
         address: str | None = None,
         linger: float = LINGER,
+        skip_after: float = SKIP_AFTER,
     ) -> None:
         config = (config or default_node_config()).with_towers(towers)
         super().__init__(config, address=address)
@@ -119,6 +126,9 @@ class Store(PartitionReader):
         self.retention = retention or RetentionPolicy()
         self.retention_interval = retention_interval
         self.retry_interval = retry_interval
+        # Seconds a hole nobody fills (while later records are held) is waited for
+        # before its offsets are given up and recorded as a hole.
+        self.skip_after = skip_after
         self._heads: dict[tuple[str, str], int] = {}
         self._pids: dict[tuple[str, str], int] = {}
         for info in self.db.partitions():
@@ -129,6 +139,8 @@ class Store(PartitionReader):
         # (topic, partition, pid, first, last, bytes); committed after _batch.
         self._pairs: list[tuple[bytes, bytes]] = []
         self._segs: list[tuple[str, str, int, int, int, int]] = []
+        # Offsets given up (nobody had them), committed with the records after them.
+        self._skips: list[tuple[str, str, int, int]] = []
         # Held by the writer while it puts ready pairs, by the I/O thread while it
         # drains: see RecordDB.append_pairs (py-lmdb gives up the GIL at every put,
         # and every put then waits for a thread running Python).  The pure drain
@@ -149,7 +161,7 @@ class Store(PartitionReader):
         self._error_logged_at = 0.0
         # Writer thread hand-off.
         self._writer_cond = threading.Condition()
-        self._to_write: tuple[list[Any], list[tuple[bytes, bytes]], list[Any]] | None = None
+        self._to_write: _Work | None = None
         self._writer_busy = False
         self._writer_stop = False
         self._writer = threading.Thread(target=self._write_loop, name="dafka-store-writer", daemon=True)
@@ -158,6 +170,11 @@ class Store(PartitionReader):
         self.acks_sent = 0
         self.records_served = 0
         self.fetches_received = 0
+        self.skipped = 0  # offsets given up: holes in stored partitions
+        self.records_refused = 0  # records the database refused (their partition's trouble)
+        self._refused: dict[tuple[str, str], tuple[str, float]] = {}  # partition -> (why, when)
+        self._refused_logged_at = float("-inf")
+        self._refused_unlogged = 0
         # Observed once per commit, read by the metrics collector.
         self.commit_sizes = Histogram(SIZE_BUCKETS)
         self.commit_seconds = Histogram(SECONDS_BUCKETS)
@@ -228,24 +245,29 @@ class Store(PartitionReader):
                 self._enforce_retention()
                 next_retention = time.monotonic() + self.retention_interval
 
-    def _commit(self, work: tuple[list[Any], list[tuple[bytes, bytes]], list[Any]]) -> None:
-        batch, pairs, segs = work
+    def _commit(self, work: _Work) -> None:
+        batch, pairs, segs, skips = work
+        # A partition the database refuses (its records cannot go in as they
+        # are) is left out alone: the others commit and are acknowledged.
+        rejected: dict[tuple[str, str], str] = {}
         try:
             t0 = time.perf_counter()
             if pairs:
-                heads = self.db.append_pairs(batch, pairs, segs, self._put_gate)
+                heads = self.db.append_pairs(batch, pairs, segs, self._put_gate, skips=skips, rejected=rejected)
             else:
-                heads = self.db.append(batch)
+                heads = self.db.append(batch, skips=skips, rejected=rejected)
             self.commit_seconds.observe(time.perf_counter() - t0)
             error = None
         except StorageError as exc:
             heads, error = {}, exc
+            rejected.clear()
         except Exception as exc:  # a bug: keep the batch, report loudly
             log.exception("store commit failed")
             heads, error = {}, StorageError(str(exc))
+            rejected.clear()
         with self._writer_cond:
             self._to_write = None
-        self.call_soon(lambda: self._on_committed(work, heads, error))
+        self.call_soon(lambda: self._on_committed(work, heads, error, rejected))
 
     def _enforce_retention(self) -> None:
         """Delete what the policy no longer keeps, in bounded steps.
@@ -283,8 +305,8 @@ class Store(PartitionReader):
         ):
             return
         # Group commit: everything queued while the last commit ran goes in one transaction.
-        work = (self._batch, self._pairs, self._segs)
-        self._batch, self._pairs, self._segs = [], [], []
+        work = (self._batch, self._pairs, self._segs, self._skips)
+        self._batch, self._pairs, self._segs, self._skips = [], [], [], []
         self._writer_busy = True
         with self._writer_cond:
             self._to_write = work
@@ -292,12 +314,13 @@ class Store(PartitionReader):
 
     def _on_committed(
         self,
-        work: tuple[list[Any], list[tuple[bytes, bytes]], list[Any]],
+        work: _Work,
         heads: dict[tuple[str, str], int],
         error: StorageError | None,
+        rejected: dict[tuple[str, str], str] | None = None,
     ) -> None:
         self._writer_busy = False
-        batch, pairs, segs = work
+        batch, pairs, segs, skips = work
         if error is not None:
             now = time.monotonic()
             if self.storage_error is None or now - self._error_logged_at >= ERROR_LOG_INTERVAL:
@@ -312,14 +335,19 @@ class Store(PartitionReader):
             self._batch = batch + self._batch
             self._pairs = pairs + self._pairs
             self._segs = segs + self._segs
+            self._skips = skips + self._skips
             self.pause_data(True)
             self._send_status(now)  # producers learn why at once
             return
         if self.storage_error is not None:
             log.info("store writes again; acknowledgements resume")
             self.storage_error = None
-        self.stored += len(batch) + len(pairs)
+        refused = self._on_refused(work, rejected) if rejected else 0
+        self.stored += len(batch) + len(pairs) - refused
         self._status_keys.update(heads)
+        if self._refused:
+            for key in heads:
+                self._refused.pop(key, None)  # taken again
         for key, head in heads.items():
             self._heads[key] = head
             if self.ready_pairs and key not in self._pids:
@@ -338,6 +366,66 @@ class Store(PartitionReader):
         if self.pending_records() < MAX_BATCH // 2:
             self.pause_data(False)
         self._flush_batch()
+
+    def _on_refused(self, work: _Work, rejected: dict[tuple[str, str], str]) -> int:
+        """Partitions the database refused in a commit: drop, count and log their
+        records, and read them afresh from the committed head (a new tracker
+        FETCHes what is missing).  Returns how many records were refused."""
+        batch, _pairs, segs, _skips = work
+        now = time.monotonic()
+        counts = dict.fromkeys(rejected, 0)
+        for rec in batch:
+            key = (rec[0], rec[1])
+            if key in counts:
+                counts[key] += 1
+        for seg in segs:
+            key = (seg[0], seg[1])
+            if key in counts:
+                counts[key] += seg[4] - seg[3] + 1
+        self.on_refused(rejected)
+        for key, why in rejected.items():
+            self._refused[key] = (why, now)
+            self._status_keys.add(key)
+            self._forget(key)
+        n = sum(counts.values())
+        self.records_refused += n
+        self._refused_unlogged += n
+        if now - self._refused_logged_at >= REFUSED_LOG_INTERVAL:
+            self._refused_logged_at = now
+            (topic, partition), why = next(iter(rejected.items()))
+            log.error(
+                "store refused %d record(s) of %d partition(s), e.g. %s/%s: %s"
+                " (other partitions are unaffected; the refused ones are read again from their head)",
+                self._refused_unlogged,
+                len(rejected),
+                topic,
+                partition,
+                why,
+            )
+            self._refused_unlogged = 0
+        self._send_status(now)  # their producers learn why at once
+        return n
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        """Drop a partition's reading state: its next record starts a new tracker."""
+        tracker = self._trackers.pop(key, None)
+        if tracker is None:
+            return
+        for prefix in [p for p, t in self._by_prefix.items() if t is tracker]:
+            del self._by_prefix[prefix]
+        self._missing.discard(tracker)
+        # Records of it queued since the refused batch continue what was refused.
+        self._batch = [r for r in self._batch if (r[0], r[1]) != key]
+        if any((s[0], s[1]) == key for s in self._segs):
+            kept, segs, i = [], [], 0
+            for seg in self._segs:
+                n = seg[4] - seg[3] + 1
+                if (seg[0], seg[1]) != key:
+                    kept.extend(self._pairs[i : i + n])
+                    segs.append(seg)
+                i += n
+            self._pairs, self._segs = kept, segs
+        self._skips = [s for s in self._skips if (s[0], s[1]) != key]
 
     def _learn_pid(self, key: tuple[str, str]) -> None:
         """A partition was stored for the first time: its records can now go as ready pairs."""
@@ -360,11 +448,27 @@ class Store(PartitionReader):
             writing, reason = 0, wire.reason_text(f"store {self.address[:8]} cannot write: {error}")
         else:
             writing, reason = 1, ""
+        refused = self._refused
+        if refused:
+            for key, (_why, when) in list(refused.items()):
+                if now - when > REFUSED_STATUS_FOR:
+                    del refused[key]
+                else:
+                    keys.add(key)
         for topic, partition in keys:
-            self.send(wire.StoreStatus(partition, self.address, topic, writing, reason))
+            got = refused.get((topic, partition)) if refused else None
+            if got is not None and writing:
+                why = wire.reason_text(f"store {self.address[:8]} refused records of this partition: {got[0]}")
+                self.send(wire.StoreStatus(partition, self.address, topic, 0, why))
+            else:
+                self.send(wire.StoreStatus(partition, self.address, topic, writing, reason))
 
     def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
         """Hook: a batch is durable; ``heads`` are the new heads it made."""
+
+    def on_refused(self, rejected: dict[tuple[str, str], str]) -> None:
+        """Hook: the database refused these partitions' records in the last commit
+        (called before :meth:`on_commit` of that commit; nothing of them was written)."""
 
     def on_producer_head(self, tracker: PartitionTracker, sequence: int) -> None:
         # An ACK goes out once per commit, and is lost if the producer was not
@@ -404,9 +508,9 @@ class Store(PartitionReader):
             partition,
             0 if head is None else head + 1,
             retry_interval=self.retry_interval,
-            # A new partition may begin after what other stores retained;
-            # a stored one must stay contiguous, so it never skips.
-            skip_after=10.0 if head is None else float("inf"),
+            # A new partition may begin after what other stores retained; a
+            # stored one may get a hole (recorded as a skip, see on_skipped).
+            skip_after=self.skip_after,
         )
         if self.ready_pairs:
             tracker.pid = self._pids.get((subject, partition))
@@ -585,7 +689,7 @@ class Store(PartitionReader):
                 continue
             if start > job.offset == job.asked:
                 log.warning(
-                    "FETCH %s/%s from %d: offsets below %d were removed by retention",
+                    "FETCH %s/%s from %d: offsets below %d were removed by retention or skipped (a hole)",
                     job.topic,
                     job.partition,
                     job.offset,
@@ -653,13 +757,17 @@ class Store(PartitionReader):
 
     def on_skipped(self, tracker: PartitionTracker, first: int, last: int) -> None:
         log.warning(
-            "store: offsets %d..%d of %s/%s are nowhere to be had; starting at %d",
+            "store: offsets %d..%d of %s/%s are nowhere to be had; starting at %d"
+            " (recorded as a hole: readers asking for them get what follows)",
             first,
             last,
             tracker.subject,
             tracker.address,
             last + 1,
         )
+        # The records after the hole (emitted next) commit with this skip.
+        self.skipped += last - first + 1
+        self._skips.append((tracker.subject, tracker.address, first, last))
 
     def on_shutdown(self) -> None:
         # Commit what was received; ACKs for it go out if the socket still can.

@@ -173,6 +173,7 @@ class Gateway(Store):
         self.clients_refused = 0
         self.limits = limits or GatewayLimits()
         self.connections_refused = 0  # over max_connections
+        self.records_too_large = 0  # Tank produces refused for a record over max_record_bytes
         try:
             self._setup(rdb, listen, compress)
             super().__init__(rdb, config, towers=towers, retention=retention, **store_options)
@@ -267,6 +268,27 @@ class Gateway(Store):
                     continue  # on_tick resumes it
                 self._set_reading(conn, True)
                 self._process(conn)  # the frames that were left waiting
+
+    def on_refused(self, rejected: dict[tuple[str, str], str]) -> None:
+        """Owned partitions refused by the database: nothing of them is published or
+        answered as written; their produces fail (the connection closes, the client
+        retries) and the partition continues at its committed head."""
+        owned = [key for key in rejected if key in self._owned]
+        if not owned:
+            return
+        refused = set(owned)
+        n = self._publishing
+        done = self._to_publish[:n]
+        later = self._to_publish[n:]
+        self._publishing = sum(1 for r in done if r[0] not in refused)
+        self._to_publish = [r for r in done if r[0] not in refused] + [r for r in later if r[0] not in refused]
+        # Records of them queued since continue what was refused: they go too.
+        self._batch = [r for r in self._batch if (r[0], r[1]) not in refused]
+        for key in owned:
+            self._next_offset[key] = self._heads.get(key, -1) + 1
+        for p in [p for p in self._pending if refused & p.needs.keys()]:
+            self._pending.remove(p)
+            self._close(p.conn, f"produce refused by the store: {rejected[next(iter(refused & p.needs.keys()))]}")
 
     def _publish(self, records: list[tuple[tuple[str, str], int, bytes]]) -> None:
         """Committed records of owned partitions go out on the mesh, then their HEAD."""
@@ -691,6 +713,19 @@ class Gateway(Store):
                     res.error = ProduceError.SYSTEM
                 else:
                     records = decode_bundle(p.bundle)
+                    biggest = max((len(r[3]) for r in records), default=0)
+                    if biggest > self.config.max_record_bytes:
+                        # Tank has no "too large" code: a system error, nothing written.
+                        res.error = ProduceError.SYSTEM
+                        self.records_too_large += 1
+                        log.warning(
+                            "Tank produce to %s/%d refused: a record of %d bytes, max_record_bytes=%d",
+                            t.name,
+                            p.partition,
+                            biggest,
+                            self.config.max_record_bytes,
+                        )
+                        continue
                     first = p.first_seq if with_seq else (records[0][0] if records else None)
                     plan.append((res, part, records, first))
         needs: dict[tuple[str, str], int] = {}

@@ -1,0 +1,147 @@
+"""A store over real sockets: holes nobody can fill, and one partition's trouble.
+
+Offsets nobody has are given up and recorded as a hole (never a writer
+failure); a partition the database refuses never stops the other partitions'
+acknowledgements.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from dafka import wire
+from dafka.config import NodeConfig
+from dafka.consumer import Consumer
+from dafka.producer import Producer
+from dafka.store.node import Store
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def acked(peer: Any) -> int:
+    """The highest offset ACKed to ``peer`` so far (-1: none)."""
+    return max((a.sequence for a in peer.messages(wire.Ack)), default=-1)
+
+
+def wait_acked(peer: Any, topic: str, upto: int, timeout: float = 20, also: Any = None) -> None:
+    """Wait for the ACK of ``upto``; a HEAD now and then brings a lost ACK again.
+    ``also``: another raw peer, kept beaconing meanwhile (or the store drops it)."""
+    last = [0.0]
+
+    def done(p: Any) -> bool:
+        if also is not None:
+            also.pump(0.001)
+        if acked(p) >= upto:
+            return True
+        if time.monotonic() - last[0] > 0.5:
+            last[0] = time.monotonic()
+            p.send(wire.Head(topic, p.address, topic, upto))
+        return False
+
+    peer.wait_for(done, timeout=timeout)
+    assert acked(peer) == upto
+
+
+def test_two_holes_in_one_partition_never_stop_the_store(cfg: NodeConfig, tmp_path: Path, raw_peer) -> None:
+    """Offset 10 first, later 20 (0..9 and 11..19 nowhere to be had), a healthy partition beside it."""
+    bad = raw_peer([])
+    good = raw_peer([])
+    with Store(tmp_path / "db", cfg, skip_after=0.5, retry_interval=0.1) as store:
+        for peer in (bad, good):
+            peer.sub.setsockopt(zmq.SUBSCRIBE, wire.P_ACK + peer.address.encode())
+        for peer in (bad, good):
+            peer.wait_for(lambda p: len(p.peers) >= 1 and p.subscribed(b"M"))
+        sent = 0
+
+        def good_flows(upto: int) -> None:
+            """Healthy partition: publish up to ``upto`` and see it acknowledged."""
+            nonlocal sent
+            while sent <= upto:
+                good.send(wire.Record("g", good.address, "g", sent, b"g%d" % sent))
+                sent += 1
+            wait_acked(good, "g", upto, also=bad)
+
+        good_flows(4)
+        bad.send(wire.Record("h", bad.address, "h", 10, b"h10"))  # 0..9: nobody has them
+        wait_acked(bad, "h", 10, also=good)
+        good_flows(9)
+        bad.send(wire.Record("h", bad.address, "h", 20, b"h20"))  # 11..19: nobody has them
+        wait_acked(bad, "h", 20, also=good)
+        good_flows(14)
+        for seq in range(21, 26):
+            bad.send(wire.Record("h", bad.address, "h", seq, b"h%d" % seq))
+        wait_acked(bad, "h", 25, also=good)
+        good_flows(19)
+        assert store.storage_error is None and store.skipped == 19
+        got = [(r.offset, r.content) for r in store.db.read("h", bad.address, 0, 100)]
+        assert got == [(10, b"h10")] + [(i, b"h%d" % i) for i in range(20, 26)]
+        info = store.db.info("h", bad.address)
+        assert (info.first, info.last, info.count) == (10, 25, 7)
+        # A reader is told as after retention: it gets what follows the hole.
+        with Consumer("h", cfg, offset_reset="earliest", skip_after=0.5, retry_interval=0.1) as consumer:
+            records: list[Any] = []
+            deadline = time.monotonic() + 30
+            while len(records) < 7 and time.monotonic() < deadline:
+                records += consumer.poll_batch(100, 0.2)
+            assert [(r.offset, r.content) for r in records] == got
+    # Reopened, the holes are still recorded and the partition continues.
+    with Store(tmp_path / "db", cfg, skip_after=0.5, retry_interval=0.1) as store:
+        bad.received.clear()
+        bad.subscriptions.clear()
+        bad.wait_for(lambda p: p.subscribed(b"M"))
+        bad.send(wire.Record("h", bad.address, "h", 26, b"h26"))
+        wait_acked(bad, "h", 26)
+        assert store.db.info("h", bad.address).count == 8
+
+
+def test_a_refused_partition_never_stops_the_others_acks(cfg: NodeConfig, tmp_path: Path, caplog: Any) -> None:
+    """The database refuses one partition's records (here: they name the wrong LMDB
+    partition id, as a bug would): only that partition is dropped, logged and counted;
+    the other keeps being acknowledged, and the refused one is read again from its head."""
+    caplog.set_level(logging.WARNING, logger="dafka.producer")
+    with Store(tmp_path / "db", cfg, retry_interval=0.1) as store:
+        with Producer("a", cfg) as pa, Producer("b", cfg) as pb:
+            pa.publish_many([b"a%d" % i for i in range(10)])
+            pb.publish_many([b"b%d" % i for i in range(10)])
+            assert pa.flush(30) and pb.flush(30)
+            key_a = ("a", pa.address)
+            wait_until(lambda: key_a in store._trackers and store._trackers[key_a].pid is not None)
+
+            def corrupt() -> None:
+                store._trackers[key_a].pid = store._trackers[key_a].pid + 1000
+
+            store.call_soon(corrupt)
+            wait_until(lambda: store._trackers[key_a].pid >= 1000)
+            pa.publish_many([b"a%d" % i for i in range(10, 20)])
+            wait_until(lambda: store.records_refused > 0, timeout=20)
+            # Its producer is told why (STORE-STATUS, writing 0) and says so.
+            wait_until(lambda: "refused records of this partition" in caplog.text, timeout=10)
+            # The other partition is acknowledged meanwhile.
+            pb.publish_many([b"b%d" % i for i in range(10, 20)])
+            assert pb.flush(20)
+            # The refused partition recovers: a new tracker fetches from its head.
+            assert pa.flush(30)
+            assert store.storage_error is None
+            got = [r.content for r in store.db.read("a", pa.address, 0, 100)]
+            assert got == [b"a%d" % i for i in range(20)]
+
+
+def test_a_producer_names_the_reason_a_store_does_not_acknowledge(cfg: NodeConfig, raw_peer) -> None:
+    """STORE-STATUS writing=0: the diagnosis says a store is up but not acknowledging, and why."""
+    store = raw_peer([])
+    with Producer("d", cfg) as p:
+        store.wait_for(lambda q: len(q.peers) >= 1 and q.subscribed(b"Y" + p.address.encode()))
+
+        def told(q: Any) -> bool:
+            q.send(wire.StoreStatus(p.address, q.address, "d", 0, "store 12345678 cannot write: disk full"))
+            return "not acknowledging" in p.diagnose()
+
+        store.wait_for(told)
+        assert p.diagnose() == "a store is up but not acknowledging: store 12345678 cannot write: disk full"
