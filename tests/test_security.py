@@ -439,7 +439,6 @@ def test_status_probe_joins_once_its_key_is_added(pki: Pki, secure_tower: Tower)
 
 def test_tower_relays_a_beacon_only_with_the_key_it_came_with(pki: Pki, secure_tower: Tower) -> None:
     from dafka import wire
-    from dafka.node import new_address
 
     def client(sock_type: int, name: str, endpoint: str) -> zmq.Socket:
         cert = security.read_certificate(pki.secret(name))
@@ -455,7 +454,7 @@ def test_tower_relays_a_beacon_only_with_the_key_it_came_with(pki: Pki, secure_t
     rogue = client(zmq.PUB, "rogue", t.beacon_in)
     store_key = security.read_certificate(pki.keys / "store.key").public
     rogue_key = security.read_certificate(pki.keys / "rogue.key").public
-    lie, truth = new_address(), new_address()
+    lie, truth = security.bound_address(store_key), security.bound_address(rogue_key)
     seen: set[bytes] = set()
     try:
         deadline = time.monotonic() + 10
