@@ -770,7 +770,7 @@ def test_an_identity_not_bound_to_the_key_is_refused_clearly(pki: Pki, secure_to
 
     identity = tmp_path / "old.json"
     identity.write_text(json.dumps({"address": new_address(), "topic": "t", "acked": 4, "next": 5}))
-    with pytest.raises(ConfigError, match="not bound to this node's key"):
+    with pytest.raises(ConfigError, match=r"identity file .*old.json: address .* is not bound to this node.s key"):
         Producer("t", node_cfg(pki, secure_tower, "producer"), identity=identity)
 
 
