@@ -691,6 +691,9 @@ def test_a_consumer_key_cannot_write_into_a_producers_partition(
                 producer.publish_many(b"real%d" % i for i in range(5, 10))
                 assert producer.flush(20)
                 assert store.heads()[key] == 9
+                # Nothing the forger sent was taken into the fast path of its channel.
+                channels = getattr(store, "_channels", {})  # (none before the binding)
+                assert not channels or [c.prefixes for c in channels.values() if c.address == forger.address] == [{}]
         got = read_from_start(node_cfg(pki, secure_tower, "consumer"), "t", 10)
         assert [(r.offset, r.content) for r in got] == [(i, b"real%d" % i) for i in range(10)]
         assert store.not_owner > 0
@@ -800,3 +803,36 @@ def test_stores_replicate_and_gateways_publish_their_own_partitions_securely(
             assert [r.content for r in got] == [b"v%d" % i for i in range(5)]
             wait_until(lambda: any(t == "tank" for t, _ in first.heads()), 20)
             assert getattr(first, "not_owner", 0) == 0
+
+
+def test_nodes_drop_unbound_beacons_even_from_a_tower_that_relays_them(
+    pki: Pki, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A tower of an older version relays beacons whatever their address: the nodes check too.
+    import dafka.tower
+    from dafka import wire
+
+    monkeypatch.setattr(dafka.tower, "check_bound", lambda address, key: None, raising=False)
+    with Tower("127.0.0.1", 0, 0, pki.config("tower")) as lenient:
+        cfg = node_cfg(pki, lenient, "producer")
+        with Producer("t", cfg, acks=False) as producer:
+            wait_until(lambda: producer.tower_watch.reached, 10)
+            cert = security.read_certificate(pki.secret("forger"))
+            squatter = zmq.Context.instance().socket(zmq.PUB)
+            squatter.setsockopt(zmq.LINGER, 0)
+            security.make_client(squatter, security.OwnKeys(cert.public, cert.secret or b"", cert.role))
+            security.connect(squatter, f"tcp://127.0.0.1:{lenient.in_port}", pki.tower_key)
+            try:
+                beacon = security.secure_node_beacon(wire.node_beacon(producer.address, "", 4000), cert.public)
+                stranger = security.secure_node_beacon(wire.node_beacon(new_address(), "", 4001), cert.public)
+                before = producer.bad_input.count
+                deadline = time.monotonic() + 10
+                while producer.bad_input.count < before + 4 and time.monotonic() < deadline:
+                    squatter.send_multipart(beacon)
+                    squatter.send_multipart(stranger)
+                    time.sleep(0.05)
+                assert lenient.beacons > 0  # relayed...
+                assert producer.bad_input.count >= before + 4  # ...and dropped by the producer
+                assert producer.duplicates_seen == 0 and len(producer.peers) == 0
+            finally:
+                squatter.close(0)
