@@ -31,6 +31,7 @@ import collections
 import contextlib
 import logging
 import math
+import selectors
 import threading
 import time
 import uuid
@@ -154,6 +155,12 @@ class Node:
         self._channels: dict[str, Channel] = {}
         self._channel_socks: dict[zmq.Socket, Channel] = {}
         self._subscriptions: collections.Counter[bytes] = collections.Counter()
+        # Channels are watched through OS selectors on their ZMQ_FDs, not in the
+        # ZeroMQ poller, whose every wait costs about a microsecond per socket:
+        # a loop turn costs what is ready, not the number of peers.
+        self._channel_selector: selectors.BaseSelector | None = None
+        self._monitor_selector: selectors.BaseSelector | None = None
+        self._busy: set[Channel] = set()  # channels that may hold unread messages
         self._refused_peers: set[str] = set()
         self._refusals: list[security.RefusalLog] = []
         self.peers = PeerTable(self.address, self.config.beacon_timeout)
@@ -196,6 +203,8 @@ class Node:
             # Data comes in on one channel per peer (see Channel): a SUB cannot
             # tell which connection a message came from, but it can tell which
             # socket.  self.sub stays unconnected.
+            self._channel_selector = selectors.DefaultSelector()
+            self._monitor_selector = selectors.DefaultSelector()
             for sock in (self.beacon_pub, self.beacon_sub):
                 sock.setsockopt(zmq.LINGER, 0)
                 security.make_client(sock, self.keys)
@@ -369,6 +378,9 @@ class Node:
             readers[refusals.monitor] = refusals.read
         for sock in readers:
             poller.register(sock, zmq.POLLIN)
+        if self._channel_selector is not None and self._monitor_selector is not None:
+            self.watch(self._channel_selector, self._read_channels)
+            self.watch(self._monitor_selector, self._read_channel_monitors)
         for sock, reader in self.sockets():
             self.watch(sock, reader)
         try:
@@ -399,7 +411,7 @@ class Node:
                     self._watch_data()
                 else:
                     wait = min(wait, self._linger_until - now)
-            if self.has_work():
+            if self.has_work() or (self._busy and not self.data_paused and not self._linger_until):
                 wait = 0.0  # more work waits: only look for input, never sleep
             self.before_wait()
             try:
@@ -420,6 +432,11 @@ class Node:
                     reader()
                 except Exception:
                     # A bug must not kill the node; bad input is handled inside readers.
+                    self.log.exception("%s failed handling input", self.kind)
+            if self._busy:
+                try:
+                    self._read_busy()
+                except Exception:
                     self.log.exception("%s failed handling input", self.kind)
             if self.has_work():
                 try:
@@ -444,6 +461,9 @@ class Node:
             self._wake_tx.close(0)
         for address in list(self._channels):
             self._close_channel(address)
+        for selector in (self._channel_selector, self._monitor_selector):
+            if selector is not None:
+                selector.close()
         self.close_publisher()
 
     def close_publisher(self) -> None:
@@ -557,31 +577,73 @@ class Node:
         )
         self._channels[address] = channel
         self._channel_socks[sock] = channel
-        self.watch(sock, lambda: self._read_channel(channel), self._data_events())
-        self.watch(channel.refusals.monitor, channel.refusals.read)
+        assert self._channel_selector is not None and self._monitor_selector is not None
+        self._channel_selector.register(sock.get(zmq.FD), selectors.EVENT_READ, channel)
+        self._monitor_selector.register(channel.refusals.monitor.get(zmq.FD), selectors.EVENT_READ, channel)
         security.connect(sock, endpoint, key)
+        self._busy.add(channel)
 
     def _close_channel(self, address: str) -> None:
         channel = self._channels.pop(address, None)
         if channel is None:
             return
         self._channel_socks.pop(channel.sock, None)
+        self._busy.discard(channel)
+        watched = [(self._channel_selector, channel.sock)]
         if channel.refusals is not None:
-            if self._readers:
-                self.unwatch(channel.refusals.monitor)
+            watched.append((self._monitor_selector, channel.refusals.monitor))
+        for selector, sock in watched:
+            if selector is not None:
+                try:
+                    selector.unregister(sock.get(zmq.FD))
+                except (KeyError, ValueError, zmq.ZMQError):
+                    pass  # never registered, or the selector is closed
+        if channel.refusals is not None:
             channel.refusals.close()
-        if self._readers:
-            self.unwatch(channel.sock)
         channel.sock.close(0)
+
+    def _read_channels(self) -> None:
+        """Secure mode: the selector says channels' ZMQ_FDs fired: read them."""
+        assert self._channel_selector is not None
+        for key, _ in self._channel_selector.select(0):
+            self._busy.add(key.data)
+        self._read_busy()
+
+    def _read_busy(self) -> None:
+        """Read every channel that may hold messages; keep those still holding some.
+
+        A ZMQ_FD fires only when the socket's state changed, so a channel stays
+        here until ZMQ_EVENTS says it is empty (a read stops after DRAIN messages).
+        """
+        if self.data_paused or self._linger_until:
+            return  # they wait; read when reading resumes
+        busy, channels = self._busy, self._channels
+        for channel in list(busy):
+            if channels.get(channel.address) is not channel:
+                busy.discard(channel)  # closed meanwhile
+                continue
+            self._read_channel(channel)
+            if self.data_paused or self._linger_until:
+                return  # a reader paused: the rest wait (still busy)
+            if channels.get(channel.address) is channel and not channel.sock.get(zmq.EVENTS) & zmq.POLLIN:
+                busy.discard(channel)
+
+    def _read_channel_monitors(self) -> None:
+        """Secure mode: refused handshakes on channels (their monitors' ZMQ_FDs fired)."""
+        assert self._monitor_selector is not None
+        for key, _ in self._monitor_selector.select(0):
+            channel = key.data
+            if channel.refusals is not None and self._channels.get(channel.address) is channel:
+                channel.refusals.read()
+                channel.refusals.monitor.get(zmq.EVENTS)  # re-arms the ZMQ_FD
 
     def read_all_data(self) -> None:
         """Read what waits on the data SUB, or in secure mode on every channel (I/O thread only)."""
         if self.keys is None:
             self._read_data()
             return
-        for channel in list(self._channels.values()):
-            if channel.address in self._channels:
-                self._read_channel(channel)
+        self._busy.update(self._channels.values())
+        self._read_busy()
 
     def data_waiting(self) -> bool:
         """Whether records wait unread on the data SUB (every channel's, in secure mode)."""
@@ -833,8 +895,8 @@ class Node:
     def _watch_data(self) -> None:
         events = self._data_events()
         self._poller.modify(self.sub, events)
-        for sock in self._channel_socks:
-            self._poller.modify(sock, events)
+        if self._channel_selector is not None:
+            self._poller.modify(self._channel_selector, events)
 
     def watch(self, sock: object, reader: Callable[[], None], events: int = zmq.POLLIN) -> None:
         """Poll another socket (ZeroMQ or plain, e.g. a TCP client) from now on (I/O thread only)."""

@@ -197,6 +197,10 @@ class Guard:
     def __init__(self, allow: str) -> None:
         self.allow = allow
         self.ctx = zmq.Context()
+        # Secure nodes read each peer on a socket of its own (and watch it for
+        # refused handshakes): lift ZeroMQ's default cap of 1023 sockets a context
+        # (it must be set before the first socket).
+        self.ctx.set(zmq.MAX_SOCKETS, self.ctx.get(zmq.SOCKET_LIMIT))
         self.auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("dafka.auth"))
         self.auth.start()
         self.auth.configure_curve_callback("*", self)
