@@ -836,3 +836,27 @@ def test_nodes_drop_unbound_beacons_even_from_a_tower_that_relays_them(
                 assert producer.duplicates_seen == 0 and len(producer.peers) == 0
             finally:
                 squatter.close(0)
+
+
+def test_a_paused_secure_consumer_resumes_every_channel(pki: Pki, secure_tower: Tower) -> None:
+    # Each peer is read on a channel of its own: pausing (a full queue) and resuming
+    # must take up every channel again, with nothing lost or reordered.
+    n = 5000
+    cfg = node_cfg(pki, secure_tower, "consumer")
+    with Consumer("t", cfg, offset_reset="earliest", max_queued=300) as consumer:
+        prod_cfg = node_cfg(pki, secure_tower, "producer")
+        with Producer("t", prod_cfg, acks=False, capacity=n + 10) as a, Producer("t", prod_cfg, acks=False, capacity=n + 10) as b:
+            wait_until(lambda: a.address in consumer.peers and b.address in consumer.peers, 15)
+            for p in (a, b):
+                p.publish_many(b"%s-%d" % (p.address[:4].encode(), i) for i in range(n))
+            got: dict[str, list[bytes]] = {a.address: [], b.address: []}
+            paused = False
+            deadline = time.monotonic() + 60
+            while sum(map(len, got.values())) < 2 * n and time.monotonic() < deadline:
+                paused = paused or consumer.data_paused
+                for r in consumer.poll_batch(100, 0.2):
+                    got[r.partition].append(r.content)
+                time.sleep(0.002)  # a slow application
+            for p in (a, b):
+                assert got[p.address] == [b"%s-%d" % (p.address[:4].encode(), i) for i in range(n)]
+            assert paused
