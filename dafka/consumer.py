@@ -26,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import repeat, starmap
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import zmq
 
@@ -436,14 +436,12 @@ class Consumer(PartitionReader):
         # Waiting pollers are woken after the drain or at the end of the loop turn, not per call.
         self.delivered += len(records)
 
-    def _read_data(self) -> None:
+    def read_data(self, sock: zmq.Socket, prefixes: dict[bytes, Any] | None) -> None:
         # The hot path: a batch of messages, frame-exact; the next records of
         # known partitions are queued inside drain_records, the rest come back
         # through track / on_message in arrival order.
         queue = self._queue
-        fast = fastio.drain_records(
-            self.sub, DRAIN, self._by_prefix, queue, ConsumerRecord, 0, self.track, self.on_message
-        )
+        fast = fastio.drain_records(sock, DRAIN, prefixes, queue, ConsumerRecord, 0, self.track, self.on_message)
         if self._missing:
             self.fetch_missing()
         self.delivered += fast
@@ -520,7 +518,7 @@ class Consumer(PartitionReader):
     def on_tick(self, now: float) -> None:
         if self.data_paused and len(self._queue) < self.max_queued // 2:
             self.pause_data(False)
-            self._read_data()
+            self.read_all_data()
         self.check_missing(now)
         if self._queries:
             self._finish_queries(now)
@@ -669,7 +667,7 @@ class Consumer(PartitionReader):
             *prefixes(wire.RECORD, subject, partition, subject),
             *prefixes(wire.DIRECT_RECORD, self.address, partition, subject),
         ):
-            self._by_prefix.pop(prefix, None)
+            self.forget_prefix(prefix)
         self._missing.discard(tracker)
 
     def _positions_to_commit(self) -> dict[Key, int]:

@@ -16,16 +16,22 @@ this module only moves bytes and time.
 In secure mode (``config.security``, see :mod:`dafka.security`) every socket
 speaks CURVE: the publisher is a server checked by ZAP against the allow-list,
 the others are clients that connect only to allow-listed keys; beacons carry
-the node's public key; ACK, DIRECT-HEAD and STORE-HELLO are read from two more
-SUBs (``trusted_sub`` connected to store-role peers, ``suspect_sub`` to the
-rest) so that only stores are believed.
+the node's public key, and the node's address is bound to that key
+(:func:`dafka.security.bound_address`).  Data is read from one SUB per peer (a
+:class:`Channel`), connected with the peer's key as the CURVE server key, so
+every message is known to come from that key: what only stores may say (ACK,
+DIRECT-HEAD, STORE-HELLO...) is believed only from store-role keys, and a
+RECORD, HEAD or DIRECT-RECORD of partition P only from P's owner (the key P is
+bound to) or a store or gateway key (see :meth:`Node.may_write`).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
+import selectors
 import struct
 import threading
 import time
@@ -44,8 +50,6 @@ from dafka.peers import Connect, PeerAction, PeerTable, TowerWatch, refused_hint
 
 DRAIN = 4096  # messages read from a socket before looking at the others again
 TICK = 0.05  # seconds between calls of on_tick
-# What only a store may say: ACK, DIRECT-HEAD, STORE-HELLO (honoured in secure
-# mode only when they arrive from a store-role key, on the trusted SUB).
 # What only stores may say: ACK, DIRECT-HEAD, STORE-HELLO, and the dafka-only
 # STORE-STATUS and consumer-group answers (COMMITTED, POSITIONS).
 STORE_ONLY = (
@@ -56,6 +60,9 @@ STORE_ONLY = (
     wire.P_COMMITTED,
     wire.P_POSITIONS,
 )
+_STORE_ONLY_IDS = frozenset(p[0] for p in STORE_ONLY)
+# Secure mode: what is believed from a partition's owner or a store only.
+_OWNED_IDS = frozenset((wire.RECORD, wire.HEAD, wire.DIRECT_RECORD))
 RECORD_IDS = (wire.P_RECORD, wire.P_DIRECT_RECORD)  # subscriptions that get a batch twin
 # How records go out: a header prefix and the fastio function that sends records with it.
 Route = tuple[bytes, Callable[..., int]]
@@ -85,6 +92,27 @@ def new_address() -> str:
     return uuid.uuid4().hex.upper()
 
 
+class Channel:
+    """Secure mode: the data SUB connected to one peer's publisher, and nothing else.
+
+    It is a CURVE client with the peer's public key as the server key, so what
+    arrives on it was sent by the holder of ``key``.  ``prefixes`` are the
+    record header prefixes this peer was found entitled to send (see
+    :meth:`Node.may_write`): the per-record fast path looks them up here, so
+    the check costs nothing per record, once per (peer, partition).
+    """
+
+    __slots__ = ("address", "key", "endpoint", "sock", "refusals", "prefixes")
+
+    def __init__(self, address: str, key: bytes, endpoint: str, sock: zmq.Socket) -> None:
+        self.address = address
+        self.key = key
+        self.endpoint = endpoint
+        self.sock = sock
+        self.refusals: security.RefusalLog | None = None
+        self.prefixes: dict[bytes, Any] = {}
+
+
 class ErrorLog:
     """Counts bad input and logs it without flooding the log."""
 
@@ -107,15 +135,15 @@ class Node:
 
     def __init__(self, config: NodeConfig | None = None, *, address: str | None = None) -> None:
         self.config = config or default_node_config()
-        self.address = address or new_address()
         self.log = logging.getLogger(f"dafka.{self.kind}")
+        # Secure mode (a [security] config): CURVE on every mesh socket.
+        sec = self.config.security
+        self.keys = security.own_keys(sec) if sec else None
+        self.address = self._own_address(address)
         self.bad_input = ErrorLog(self.log)
         fastio.warn_if_pure(self.log)
         self.ctx = zmq.Context.instance()
-        # Secure mode (a [security] config): CURVE on every mesh socket.
-        sec = self.config.security
         self.guard = security.guard_for(sec) if sec else None
-        self.keys = security.own_keys(sec) if sec else None
         if self.guard is not None:
             self.ctx = self.guard.ctx  # the context whose ZAP handler checks the allow-list
         self.secure = self.keys is not None
@@ -125,15 +153,23 @@ class Node:
         # batch twins, counted by the audience); C readers get one record a message.
         self.batches = self.secure
         self.audience = BatchAudience(enabled=self.config.batches)
-        self.from_store = False  # set while a message from a store-role peer is handled
+        self.from_store = False  # secure: set while a message from a store-role peer is handled
+        self.sender: Channel | None = None  # secure: the peer whose message is being handled
         self.forged = 0  # store-only messages (ACK, STORE-HELLO) from peers without a store key
+        self.not_owner = 0  # secure: RECORDs, HEADs, DIRECT-RECORDs from a key not entitled to them
         self._peer_keys: dict[str, bytes] = {}  # secure: peer address -> its public key
-        # Secure: peer address -> (trusted_sub or suspect_sub, endpoint) it is connected on.
-        self._gated: dict[str, tuple[zmq.Socket, str]] = {}
+        # Secure: peer address -> its data channel, and the SUBs' subscriptions (a multiset, as ZeroMQ's).
+        self._channels: dict[str, Channel] = {}
+        self._channel_socks: dict[zmq.Socket, Channel] = {}
+        self._subscriptions: collections.Counter[bytes] = collections.Counter()
+        # Channels are watched through OS selectors on their ZMQ_FDs, not in the
+        # ZeroMQ poller, whose every wait costs about a microsecond per socket:
+        # a loop turn costs what is ready, not the number of peers.
+        self._channel_selector: selectors.BaseSelector | None = None
+        self._monitor_selector: selectors.BaseSelector | None = None
+        self._busy: set[Channel] = set()  # channels that may hold unread messages
         self._refused_peers: set[str] = set()
         self._refusals: list[security.RefusalLog] = []
-        self.trusted_sub: zmq.Socket | None = None
-        self.suspect_sub: zmq.Socket | None = None
         self.peers = PeerTable(self.address, self.config.beacon_timeout)
         self._commands: deque[Callable[[], None]] = deque()
         self._stop = threading.Event()
@@ -194,15 +230,12 @@ class Node:
         # How the tower sees us (dafka towers only; see dafka.reach).
         self.beacon_sub.setsockopt(zmq.SUBSCRIBE, reach.reflection_topic(self.address))
         if self.keys is not None:
-            # What only stores may say (ACK, DIRECT-HEAD, STORE-HELLO) is not
-            # subscribed on the data SUB but on two more SUBs: trusted_sub,
-            # connected to the store-role peers, and suspect_sub, connected to
-            # all others (what arrives there is forged).  A client socket cannot
+            # Data comes in on one channel per peer (see Channel): a SUB cannot
             # tell which connection a message came from, but it can tell which
-            # socket.
-            self.trusted_sub = self.ctx.socket(zmq.SUB)
-            self.suspect_sub = self.ctx.socket(zmq.SUB)
-            for sock in (self.sub, self.trusted_sub, self.suspect_sub, self.beacon_pub, self.beacon_sub):
+            # socket.  self.sub stays unconnected.
+            self._channel_selector = selectors.DefaultSelector()
+            self._monitor_selector = selectors.DefaultSelector()
+            for sock in (self.beacon_pub, self.beacon_sub):
                 sock.setsockopt(zmq.LINGER, 0)
                 security.make_client(sock, self.keys)
         for i, tower in enumerate(cfg.towers):
@@ -230,9 +263,6 @@ class Node:
             for sock, what in (
                 (self.beacon_sub, "beacons"),
                 (self.beacon_pub, "beacons out"),
-                (self.sub, "data"),
-                (self.trusted_sub, "data from stores"),
-                (self.suspect_sub, "data from others"),
             ):
                 self._refusals.append(
                     security.RefusalLog(
@@ -240,8 +270,6 @@ class Node:
                         f"{self.kind} {what}",
                         self.log,
                         lambda endpoint, s=sock: self._retry_later(s, endpoint),
-                        events=OUTBOUND_EVENTS if sock is self.sub else 0,
-                        on_event=self.links.on_event if sock is self.sub else None,
                     )
                 )
             self._retries = security.Retries(RETRY_REFUSED)
@@ -275,6 +303,8 @@ class Node:
         self.every(TICK, self.on_tick)
         self.every(cfg.beacon_interval, self._check_towers)
         self.every(cfg.beacon_interval, self._check_reach)
+        if self.keys is not None:
+            self.every(cfg.beacon_interval, self._sweep_channel_monitors)
         # A plain node at a secure tower: the handshake fails (mechanism mismatch)
         # and ZeroMQ gives the connection up.  Watched, to say so and retry.
         self._tower_monitors: list[tuple[zmq.Socket, zmq.Socket]] = []
@@ -292,6 +322,20 @@ class Node:
             self._known_keys = set(self.guard.roles)  # type: ignore[union-attr]
             self.every(sec.reload_interval, self._check_allow_list)
             self.every(RETRY_REFUSED / 4, self._retry_refused)
+
+    def _own_address(self, address: str | None) -> str:
+        """This node's address: given or new; in secure mode bound to our key."""
+        if self.keys is None:
+            return address or new_address()
+        if address is None:
+            return security.bound_address(self.keys.public)
+        if not security.address_bound(address, self.keys.public):
+            raise ConfigError(
+                f"address {address} is not bound to this node's key ({self.config.security.key}):"  # type: ignore[union-attr]
+                " on a secure mesh a node's address is made from its public key, so towers and"
+                " peers refuse any other (an identity from a plain mesh, or from another key?)"
+            )
+        return address
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -390,15 +434,15 @@ class Node:
             self.beacon_sub: self._read_beacons,
             self._wake_rx: self._read_wake,
         }
-        if self.trusted_sub is not None and self.suspect_sub is not None:
-            readers[self.trusted_sub] = self._read_trusted
-            readers[self.suspect_sub] = self._read_suspect
         for refusals in self._refusals:
             readers[refusals.monitor] = refusals.read
         for sock, monitor in self._tower_monitors:
             readers[monitor] = lambda s=sock, m=monitor: self._read_tower_handshakes(s, m)
         for sock in readers:
             poller.register(sock, zmq.POLLIN)
+        if self._channel_selector is not None and self._monitor_selector is not None:
+            self.watch(self._channel_selector, self._read_channels)
+            self.watch(self._monitor_selector, self._read_channel_monitors)
         for sock, reader in self.sockets():
             self.watch(sock, reader)
         try:
@@ -429,7 +473,7 @@ class Node:
                     self._watch_data()
                 else:
                     wait = min(wait, self._linger_until - now)
-            if self.has_work():
+            if self.has_work() or (self._busy and not self.data_paused and not self._linger_until):
                 wait = 0.0  # more work waits: only look for input, never sleep
             self.before_wait()
             try:
@@ -450,6 +494,11 @@ class Node:
                     reader()
                 except Exception:
                     # A bug must not kill the node; bad input is handled inside readers.
+                    self.log.exception("%s failed handling input", self.kind)
+            if self._busy:
+                try:
+                    self._read_busy()
+                except Exception:
                     self.log.exception("%s failed handling input", self.kind)
             if self.has_work():
                 try:
@@ -476,9 +525,11 @@ class Node:
         # libzmq (an assertion), so the wake socket closes under their lock.
         with self._wake_lock:
             self._wake_tx.close(0)
-        for sock in (self.trusted_sub, self.suspect_sub):
-            if sock is not None:
-                sock.close(0)
+        for address in list(self._channels):
+            self._close_channel(address)
+        for selector in (self._channel_selector, self._monitor_selector):
+            if selector is not None:
+                selector.close()
         self.close_publisher()
 
     def close_publisher(self) -> None:
@@ -504,36 +555,183 @@ class Node:
         for frames in fastio.recv_messages(self.sub, DRAIN):
             on_data(frames)
 
-    def _read_trusted(self) -> None:
-        """Secure mode: messages from store-role peers (ACK, DIRECT-HEAD, STORE-HELLO)."""
-        assert self.trusted_sub is not None
-        for frames in fastio.recv_messages(self.trusted_sub, DRAIN):
-            if len(frames) != 1:
-                self.bad_input("message from a store", "expected one frame")
+    # ---------------------------------------------------------------- secure channels
+
+    def _read_channel(self, channel: Channel) -> None:
+        """Secure mode: read what one peer sent, knowing it came from its key."""
+        guard = self.guard
+        assert guard is not None
+        self.sender = channel
+        self.from_store = guard.role(channel.key) in security.STORING_ROLES
+        try:
+            self.read_data(channel.sock, channel.prefixes)
+        finally:
+            self.sender = None
+            self.from_store = False
+
+    def read_data(self, sock: zmq.Socket, prefixes: dict[bytes, Any] | None) -> None:
+        """Read the messages waiting on a data socket (a channel's, in secure mode).
+
+        ``prefixes``: the record header prefixes believed from this socket (see
+        :class:`Channel`); readers of records (:class:`~dafka.reader.PartitionReader`)
+        use them, this default ignores them.
+        """
+        on_data = self.on_data
+        screen = self.sender is not None
+        for frames in fastio.recv_messages(sock, DRAIN):
+            if screen and not self.screen(frames):
                 continue
-            self.from_store = True
+            on_data(frames)
+
+    def screen(self, frames: list[bytes]) -> bool:
+        """Secure mode: whether a message from :attr:`sender` may be handled at all.
+
+        Store-only messages from a key without a store role are forged: counted,
+        logged at a low rate, dropped.
+        """
+        first = frames[0]
+        if self.from_store or not first or first[0] not in _STORE_ONLY_IDS:
+            return True
+        self.forged += 1
+        if self.forged <= 20 or self.forged % 1000 == 0:
             try:
-                self.on_trusted(frames)
-            finally:
-                self.from_store = False
+                what = type(wire.decode(frames)).__name__
+            except ProtocolError:
+                what = "malformed message"
+            self.log.warning("ignored a forged %s from a peer without a store key; %d so far", what, self.forged)
+        return False
 
-    def on_trusted(self, frames: list[bytes]) -> None:
-        """A one-frame message from a store-role peer (``from_store`` is set)."""
-        self.on_data(frames)
+    def may_write(self, kind: int, partition: str) -> bool:
+        """Secure mode: whether :attr:`sender` may send RECORDs / HEADs / DIRECT-RECORDs of ``partition``.
 
-    def _read_suspect(self) -> None:
-        """Secure mode: store-only messages sent by peers without a store key."""
-        assert self.suspect_sub is not None
-        for frames in fastio.recv_messages(self.suspect_sub, DRAIN):
-            self.forged += 1
-            if self.forged <= 20 or self.forged % 1000 == 0:
+        Only the partition's owner (the key its address is bound to) or a store
+        or gateway key (trusted with every partition's data, as with ACKs) may.
+        Called once per (peer, partition) and message kind: what passes joins the
+        channel's prefixes.  Outside secure mode (no sender) everything may.
+        """
+        sender = self.sender
+        if sender is None or kind not in _OWNED_IDS or self.from_store:
+            return True
+        if security.address_bound(partition, sender.key):
+            return True
+        self.not_owner += 1
+        if self.not_owner <= 20 or self.not_owner % 1000 == 0:
+            self.log.warning(
+                "ignored a %s of partition %s from peer %s: its key owns no such partition and is no"
+                " store's; %d so far",
+                wire.COMMAND_NAMES.get(kind, "message"),
+                partition,
+                sender.address,
+                self.not_owner,
+            )
+        return False
+
+    def _open_channel(self, address: str, endpoint: str) -> None:
+        """Secure mode: a SUB of our own for this peer, with every subscription, connected with its key."""
+        self._close_channel(address)
+        key = self._peer_keys[address]
+        sock = self.ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.RCVHWM, self.config.hwm)
+        sock.setsockopt(zmq.LINGER, 0)
+        security.make_client(sock, self.keys)  # type: ignore[arg-type]
+        for prefix, count in self._subscriptions.items():
+            for _ in range(count):
+                sock.setsockopt(zmq.SUBSCRIBE, prefix)
+        channel = Channel(address, key, endpoint, sock)
+        channel.refusals = security.RefusalLog(
+            sock,
+            f"{self.kind} data from {address[:8]}",
+            self.log,
+            lambda ep: self._retry_later(sock, ep),
+            events=OUTBOUND_EVENTS,  # whom we reach (dafka.reach), as the plain data SUB's monitor
+            on_event=self.links.on_event,
+        )
+        self._channels[address] = channel
+        self._channel_socks[sock] = channel
+        assert self._channel_selector is not None and self._monitor_selector is not None
+        self._channel_selector.register(sock.get(zmq.FD), selectors.EVENT_READ, channel)
+        self._monitor_selector.register(channel.refusals.monitor.get(zmq.FD), selectors.EVENT_READ, channel)
+        security.connect(sock, endpoint, key)
+        self._busy.add(channel)
+
+    def _close_channel(self, address: str) -> None:
+        channel = self._channels.pop(address, None)
+        if channel is None:
+            return
+        self._channel_socks.pop(channel.sock, None)
+        self._busy.discard(channel)
+        watched = [(self._channel_selector, channel.sock)]
+        if channel.refusals is not None:
+            watched.append((self._monitor_selector, channel.refusals.monitor))
+        for selector, sock in watched:
+            if selector is not None:
                 try:
-                    what = type(wire.decode(frames)).__name__
-                except ProtocolError:
-                    what = "malformed message"
-                self.log.warning(
-                    "ignored a forged %s from a peer without a store key; %d so far", what, self.forged
-                )
+                    selector.unregister(sock.get(zmq.FD))
+                except (KeyError, ValueError, zmq.ZMQError):
+                    pass  # never registered, or the selector is closed
+        if channel.refusals is not None:
+            channel.refusals.close()
+        channel.sock.close(0)
+
+    def _read_channels(self) -> None:
+        """Secure mode: the selector says channels' ZMQ_FDs fired: read them."""
+        assert self._channel_selector is not None
+        for key, _ in self._channel_selector.select(0):
+            self._busy.add(key.data)
+        self._read_busy()
+
+    def _read_busy(self) -> None:
+        """Read every channel that may hold messages; keep those still holding some.
+
+        A ZMQ_FD fires only when the socket's state changed, so a channel stays
+        here until ZMQ_EVENTS says it is empty (a read stops after DRAIN messages).
+        """
+        if self.data_paused or self._linger_until:
+            return  # they wait; read when reading resumes
+        busy, channels = self._busy, self._channels
+        for channel in list(busy):
+            if channels.get(channel.address) is not channel:
+                busy.discard(channel)  # closed meanwhile
+                continue
+            self._read_channel(channel)
+            if self.data_paused or self._linger_until:
+                return  # a reader paused: the rest wait (still busy)
+            if channels.get(channel.address) is channel and not channel.sock.get(zmq.EVENTS) & zmq.POLLIN:
+                busy.discard(channel)
+
+    def _read_channel_monitors(self) -> None:
+        """Secure mode: refused handshakes on channels (their monitors' ZMQ_FDs fired)."""
+        assert self._monitor_selector is not None
+        for key, _ in self._monitor_selector.select(0):
+            channel = key.data
+            if channel.refusals is not None and self._channels.get(channel.address) is channel:
+                channel.refusals.read()
+                channel.refusals.monitor.get(zmq.EVENTS)  # re-arms the ZMQ_FD
+
+    def _sweep_channel_monitors(self, now: float) -> None:
+        """Timer (secure): read every channel's monitor.
+
+        A ZMQ_FD is edge-triggered and can miss an event that arrived while
+        the monitor was being set up (a channel's first handshake was seen to
+        stay unread): one receive per peer a beacon interval catches it.
+        """
+        for channel in list(self._channels.values()):
+            if channel.refusals is not None:
+                channel.refusals.read()
+
+    def read_all_data(self) -> None:
+        """Read what waits on the data SUB, or in secure mode on every channel (I/O thread only)."""
+        if self.keys is None:
+            self._read_data()
+            return
+        self._busy.update(self._channels.values())
+        self._read_busy()
+
+    def data_waiting(self) -> bool:
+        """Whether records wait unread on the data SUB (every channel's, in secure mode)."""
+        if self.keys is None:
+            return bool(self.sub.get(zmq.EVENTS) & zmq.POLLIN)
+        return any(c.sock.get(zmq.EVENTS) & zmq.POLLIN for c in self._channels.values())
 
     def untrusted(self) -> bool:
         """Secure mode: True when the store-only message being handled did not
@@ -574,6 +772,9 @@ class Node:
                 if self.guard is not None:
                     frames, key = security.split_key(frames, 3, "tower beacon")
                 address, endpoint = wire.decode_tower_beacon(frames)
+                if self.guard is not None and not security.address_bound(address, key):
+                    # A tower that does not check (ours does): an address squatted by another key.
+                    raise ProtocolError(f"peer address {address[:40]!r} is not bound to its key")
             except ProtocolError as exc:
                 self.bad_input("tower beacon", exc)
                 continue
@@ -692,24 +893,7 @@ class Node:
         if self.keys is None:
             self.sub.connect(action.endpoint)
             return
-        security.connect(self.sub, action.endpoint, self._peer_keys[action.address])
-        self._gate(action.address, action.endpoint)
-
-    def _gate(self, address: str, endpoint: str) -> None:
-        """Connect the trusted or the suspect SUB to a peer, by its key's role."""
-        storing = self.peer_role(address) in security.STORING_ROLES
-        sock = self.trusted_sub if storing else self.suspect_sub
-        assert sock is not None
-        security.connect(sock, endpoint, self._peer_keys[address])
-        self._gated[address] = (sock, endpoint)
-
-    def _ungate(self, address: str) -> None:
-        gated = self._gated.pop(address, None)
-        if gated is not None:
-            try:
-                gated[0].disconnect(gated[1])
-            except zmq.ZMQError:
-                pass
+        self._open_channel(action.address, action.endpoint)
 
     def _check_allow_list(self, now: float) -> None:
         """Secure mode: apply allow-list changes (timer).
@@ -734,12 +918,9 @@ class Node:
                     self.log.warning("cutting off peer %s: its key was removed from the allow-list", address)
                 for action in self.peers.forget(address):
                     self._apply_peer_action(action)
-            elif address in self._gated:
-                trusted = self._gated[address][0] is self.trusted_sub
-                if (role in security.STORING_ROLES) != trusted:  # the key got another role
-                    endpoint = self._gated[address][1]
-                    self._ungate(address)
-                    self._gate(address, endpoint)
+        for channel in self._channels.values():
+            # A key may have another role now: what it was believed for is checked again.
+            channel.prefixes.clear()
         if removed:
             self.rebind_publisher()
 
@@ -773,10 +954,9 @@ class Node:
         for sock, endpoint in self._retries.take_due(now):
             key = self._tower_keys.get((sock, endpoint))
             if key is None:
-                for address, (gated, gated_endpoint) in self._gated.items():
-                    if gated_endpoint == endpoint and sock in (self.sub, gated):
-                        key = self._peer_keys.get(address)
-                        break
+                channel = self._channel_socks.get(sock)
+                if channel is not None and channel.endpoint == endpoint:
+                    key = channel.key
             if key is None:
                 continue  # the peer is gone meanwhile
             security.reconnect(sock, endpoint, key, self.log)
@@ -812,13 +992,16 @@ class Node:
             self._send_beacon(time.monotonic())
             self.on_peer(action.endpoint, action.address)
         else:
-            try:
-                self.sub.disconnect(action.endpoint)
-            except zmq.ZMQError:
-                pass
             self.links.forget(action.endpoint)
-            if action.address in self._gated and self._gated[action.address][1] == action.endpoint:
-                self._ungate(action.address)
+            channel = self._channels.get(action.address)
+            if channel is not None:
+                if channel.endpoint == action.endpoint:
+                    self._close_channel(action.address)
+            else:
+                try:
+                    self.sub.disconnect(action.endpoint)
+                except zmq.ZMQError:
+                    pass
             self.log.debug("dropped silent peer %s", action.address)
 
     def _expire_peers(self, now: float) -> None:
@@ -847,9 +1030,14 @@ class Node:
         self._linger_until = time.monotonic() + seconds
         self._watch_data()
 
+    def _data_events(self) -> int:
+        return 0 if self.data_paused or self._linger_until else zmq.POLLIN
+
     def _watch_data(self) -> None:
-        reading = not self.data_paused and not self._linger_until
-        self._poller.modify(self.sub, zmq.POLLIN if reading else 0)
+        events = self._data_events()
+        self._poller.modify(self.sub, events)
+        if self._channel_selector is not None:
+            self._poller.modify(self._channel_selector, events)
 
     def watch(self, sock: object, reader: Callable[[], None], events: int = zmq.POLLIN) -> None:
         """Poll another socket (ZeroMQ or plain, e.g. a TCP client) from now on (I/O thread only)."""
@@ -890,18 +1078,28 @@ class Node:
         every reader of ours takes batches.
         """
         if prefix[:1] in RECORD_IDS:
-            self.sub.setsockopt(zmq.SUBSCRIBE, wire.BATCH_CAPABLE + prefix)
-        if self.trusted_sub is not None and self.suspect_sub is not None and prefix[:1] in STORE_ONLY:
-            self.trusted_sub.setsockopt(zmq.SUBSCRIBE, prefix)
-            self.suspect_sub.setsockopt(zmq.SUBSCRIBE, prefix)
-            return
-        self.sub.setsockopt(zmq.SUBSCRIBE, prefix)
+            self._set_subscription(zmq.SUBSCRIBE, wire.BATCH_CAPABLE + prefix)
+        self._set_subscription(zmq.SUBSCRIBE, prefix)
 
     def unsubscribe(self, prefix: bytes) -> None:
-        if self.trusted_sub is not None and self.suspect_sub is not None and prefix[:1] in STORE_ONLY:
-            self.trusted_sub.setsockopt(zmq.UNSUBSCRIBE, prefix)
-            self.suspect_sub.setsockopt(zmq.UNSUBSCRIBE, prefix)
-            return
-        self.sub.setsockopt(zmq.UNSUBSCRIBE, prefix)
+        self._set_subscription(zmq.UNSUBSCRIBE, prefix)
         if prefix[:1] in RECORD_IDS:  # the twin last
-            self.sub.setsockopt(zmq.UNSUBSCRIBE, wire.BATCH_CAPABLE + prefix)
+            self._set_subscription(zmq.UNSUBSCRIBE, wire.BATCH_CAPABLE + prefix)
+
+    def _set_subscription(self, option: int, prefix: bytes) -> None:
+        """(Un)subscribe the data SUB, or in secure mode every channel (and remember it for new ones)."""
+        if self.keys is None:
+            self.sub.setsockopt(option, prefix)
+            return
+        subscriptions = self._subscriptions
+        if option == zmq.SUBSCRIBE:
+            subscriptions[prefix] += 1
+        elif subscriptions[prefix] > 0:
+            subscriptions[prefix] -= 1
+            if not subscriptions[prefix]:
+                del subscriptions[prefix]
+        else:
+            subscriptions.pop(prefix, None)
+            return  # never subscribed: nothing to take back
+        for sock in self._channel_socks:
+            sock.setsockopt(option, prefix)

@@ -29,6 +29,7 @@ from dafka.config import NodeConfig, default_node_config
 from dafka.errors import (
     BufferFullError,
     ClosedError,
+    ConfigError,
     ProtocolError,
     PublishError,
     RecordTooLargeError,
@@ -188,7 +189,17 @@ class Producer(Node):
         # what CURVE encrypts) instead of losing a burst's tail (see _send_run).
         # On the wire it is a PUB: C reference subscribers see no difference.
         self.publisher_type = zmq.XPUB
-        super().__init__(config, address=saved["address"] if saved else None)
+        try:
+            super().__init__(config, address=saved["address"] if saved else None)
+        except ConfigError as exc:
+            if saved is None:
+                raise
+            # A secure mesh binds addresses to keys: an identity from a plain mesh,
+            # from before the binding, or made with another key cannot continue here.
+            raise ConfigError(
+                f"identity file {self._identity_path}: {exc}; start a new identity file"
+                " (the old partition stays readable from the stores)"
+            ) from None
         self.pace_limit = max(0.0, pace_limit)
         self._paced = self.pace_limit > 0
         self._lossy_until = 0.0

@@ -71,6 +71,15 @@ class PartitionReader(Node):
 
     # ---------------------------------------------------------------- trackers
 
+    def _read_data(self) -> None:
+        self.read_data(self.sub, self._by_prefix)
+
+    def forget_prefix(self, prefix: bytes) -> None:
+        """A record header prefix no longer names a tracker (nor, in secure mode, on any channel)."""
+        self._by_prefix.pop(prefix, None)
+        for channel in self._channels.values():
+            channel.prefixes.pop(prefix, None)
+
     def tracker(self, subject: str, partition: str) -> PartitionTracker:
         key = (subject, partition)
         tracker = self._trackers.get(key)
@@ -153,11 +162,10 @@ class PartitionReader(Node):
             self.bad_input("message", exc)
             return None
 
-    def on_trusted(self, frames: list[bytes]) -> None:
-        self.on_message(frames)
-
     def on_message(self, frames: list[bytes]) -> None:
         """Anything that is not a known partition's next record (the slow path)."""
+        if self.sender is not None and not self.screen(frames):
+            return  # secure mode: a store-only message from a key without a store role
         msg = self.decode_frames(frames)
         if msg is None:
             return
@@ -171,7 +179,13 @@ class PartitionReader(Node):
                 return  # our own partition: we write it, nobody else fills it in
             if isinstance(msg, wire.DirectHead) and self.untrusted():
                 return  # secure mode: only a store's DIRECT-HEAD is believed
+            sender = self.sender
+            if sender is not None and not self.may_write(frames[0][0], msg.address):
+                return  # secure mode: neither the partition's owner nor a store
             tracker = self.tracker(msg.subject, msg.address)
+            if sender is not None and not isinstance(msg, wire.Head | wire.DirectHead):
+                # This peer's next records of the partition take the fast path.
+                sender.prefixes[bytes(frames[0][:-8])] = tracker
             if isinstance(msg, wire.Record | wire.DirectRecord):
                 self.track(tracker, msg.sequence, msg.content)
                 return

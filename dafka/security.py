@@ -15,6 +15,8 @@ key: towers' keys come from the configuration, peers' keys from the beacons
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
 import logging
 import os
@@ -195,6 +197,10 @@ class Guard:
     def __init__(self, allow: str) -> None:
         self.allow = allow
         self.ctx = zmq.Context()
+        # Secure nodes read each peer on a socket of its own (and watch it for
+        # refused handshakes): lift ZeroMQ's default cap of 1023 sockets a context
+        # (it must be set before the first socket).
+        self.ctx.set(zmq.MAX_SOCKETS, self.ctx.get(zmq.SOCKET_LIMIT))
         self.auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("dafka.auth"))
         self.auth.start()
         self.auth.configure_curve_callback("*", self)
@@ -404,6 +410,35 @@ class RefusalLog:
         except zmq.ZMQError:
             pass  # the socket is already closed
         self.monitor.close(0)
+
+
+# ---------------------------------------------------------------- key-bound addresses
+# In secure mode a node's address is bound to its public key: the first 16 hex
+# characters are a random nonce, the last 16 a hash of the key and the nonce.
+# Anyone who knows the key can check the binding (towers before relaying a
+# beacon, nodes before believing a RECORD or HEAD), nobody can make an address
+# bound to another key, and one key may own many addresses (producers sharing
+# a key file, one partition each).  It is still 32 uppercase hex characters.
+
+_ADDRESS_DOMAIN = b"dafka key-bound address v1\x00"
+_NONCE = 16  # hex characters of the nonce; the rest of the 32 are the tag
+
+
+def _address_tag(key: bytes, nonce: str) -> str:
+    return hashlib.sha256(_ADDRESS_DOMAIN + key + nonce.encode()).hexdigest()[: 32 - _NONCE].upper()
+
+
+def bound_address(key: bytes) -> str:
+    """A new node address bound to the Z85 public ``key``."""
+    nonce = os.urandom(_NONCE // 2).hex().upper()
+    return nonce + _address_tag(key, nonce)
+
+
+def address_bound(address: str, key: bytes) -> bool:
+    """Whether ``address`` was made by :func:`bound_address` for ``key``."""
+    if len(address) != 32:
+        return False
+    return hmac.compare_digest(address[_NONCE:].encode(), _address_tag(key, address[:_NONCE]).encode())
 
 
 # ---------------------------------------------------------------- secure beacons

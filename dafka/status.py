@@ -250,11 +250,12 @@ class StatusProbe:
 
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        self.address = new_address()
         self.ctx = zmq.Context.instance()
         sec = config.security
         self.guard = security.guard_for(sec) if sec else None
         self.keys = security.own_keys(sec) if sec else None
+        # On a secure mesh an address is bound to the key (towers relay no other).
+        self.address = security.bound_address(self.keys.public) if self.keys else new_address()
         if self.guard is not None:
             self.ctx = self.guard.ctx  # the context whose ZAP handler checks the allow-list
             self.guard.refresh()

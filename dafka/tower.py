@@ -11,7 +11,9 @@ needs a network interface besides loopback.
 In secure mode (a :class:`~dafka.security.SecurityConfig`) both sockets are
 CURVE servers checked against the allow-list; a node beacon carries the
 node's public key as a 5th frame and is relayed (with the key as a 4th frame)
-only when that key is the one the node authenticated with (ZAP User-Id).
+only when that key is the one the node authenticated with (ZAP User-Id) and
+the node's address is bound to that key (:func:`dafka.security.address_bound`):
+nobody can beacon, and so squat, an address that belongs to another key.
 
 Dafka only: a node that subscribed its REFLECTION gets, after each of its
 beacons, how this tower sees it (the peer address, the endpoint relayed) and
@@ -36,6 +38,12 @@ from dafka.node import ErrorLog
 
 log = logging.getLogger("dafka.tower")
 PROBE_TIMEOUT = 2.0  # seconds a TCP connection to an announced endpoint may take
+
+
+def check_bound(address: str, key: bytes) -> None:
+    """Secure mode: ProtocolError unless the beacon's address is bound to its key."""
+    if not security.address_bound(address, key):
+        raise ProtocolError(f"beacon address {address[:40]!r} is not bound to the key it came with")
 
 
 class Tower:
@@ -175,6 +183,8 @@ class Tower:
                     if key != first.get("User-Id").encode():
                         raise ProtocolError("beacon names another key than the one it came with")
                 address, host, port = wire.decode_node_beacon(frames)
+                if key:
+                    check_bound(address, key)
             except ProtocolError as exc:
                 self.bad_input("node beacon", exc)
                 continue

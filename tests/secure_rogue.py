@@ -66,3 +66,62 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+class Forger(Node):
+    """A node with a valid (e.g. consumer-role) key that writes into other nodes' partitions.
+
+    On every HEAD of a partition beyond what it forged, it publishes ``count``
+    forged records at the partition's next offsets (``records``: as RECORDs plus
+    a HEAD; ``direct``: as DIRECT-RECORDs to every peer it knows), and it
+    answers every FETCH with forged DIRECT-RECORDs.  Used in-process by
+    tests/test_security.py.
+    """
+
+    kind = "forger"
+    CONTENT = b"FORGED"
+
+    def __init__(self, config: NodeConfig, *, records: bool = True, direct: bool = True, count: int = 5) -> None:
+        super().__init__(config)
+        self.records, self.direct, self.count = records, direct, count
+        self.known: set[str] = set()
+        self.forged_up_to: dict[tuple[str, str], int] = {}
+        self.forged_sent = 0
+        self.subscribe(wire.P_HEAD)
+        if direct:
+            self.subscribe(wire.P_FETCH)
+
+    def __enter__(self) -> Forger:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def on_peer(self, endpoint: str, address: str) -> None:
+        self.known.add(address)
+
+    def _send(self, msg: wire.Message) -> None:
+        self.publisher.send_multipart(wire.encode(msg))
+
+    def on_data(self, frames: list[bytes]) -> None:
+        try:
+            msg = wire.decode(frames)
+        except Exception:
+            return
+        if isinstance(msg, wire.Head) and msg.sequence > self.forged_up_to.get((msg.subject, msg.address), -1):
+            first, last = msg.sequence + 1, msg.sequence + self.count
+            self.forged_up_to[(msg.subject, msg.address)] = last
+            for seq in range(first, last + 1):
+                if self.records:
+                    self._send(wire.Record(msg.subject, msg.address, msg.subject, seq, self.CONTENT))
+                if self.direct:
+                    for peer in self.known:
+                        self._send(wire.DirectRecord(peer, msg.address, msg.subject, seq, self.CONTENT))
+                self.forged_sent += 1
+            if self.records:
+                self._send(wire.Head(msg.subject, msg.address, msg.subject, last))
+        elif isinstance(msg, wire.Fetch) and msg.topic != self.address:
+            for seq in range(msg.sequence, msg.sequence + min(msg.count, 100)):
+                self._send(wire.DirectRecord(msg.address, msg.topic, msg.subject, seq, self.CONTENT))
+            self.forged_sent += 1

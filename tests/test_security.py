@@ -19,9 +19,13 @@ import zmq
 from dafka import security
 from dafka.config import NodeConfig, TowerAddress
 from dafka.consumer import Consumer
+from dafka.errors import ConfigError
+from dafka.node import new_address
 from dafka.producer import Producer
+from dafka.store.node import Store
 from dafka.tower import Tower
 from tests.conftest import ROOT, dafka_cmd, subprocess_env, wait_until
+from tests.secure_rogue import Forger
 
 ROLES = {
     "tower": "tower",
@@ -30,6 +34,8 @@ ROLES = {
     "consumer": "consumer",
     "rogue": "producer",  # a valid key, but no store
     "removed": "consumer",
+    "forger": "consumer",  # a valid key that writes into others' partitions
+    "gateway": "gateway",
 }
 
 
@@ -439,7 +445,6 @@ def test_status_probe_joins_once_its_key_is_added(pki: Pki, secure_tower: Tower)
 
 def test_tower_relays_a_beacon_only_with_the_key_it_came_with(pki: Pki, secure_tower: Tower) -> None:
     from dafka import wire
-    from dafka.node import new_address
 
     def client(sock_type: int, name: str, endpoint: str) -> zmq.Socket:
         cert = security.read_certificate(pki.secret(name))
@@ -455,7 +460,7 @@ def test_tower_relays_a_beacon_only_with_the_key_it_came_with(pki: Pki, secure_t
     rogue = client(zmq.PUB, "rogue", t.beacon_in)
     store_key = security.read_certificate(pki.keys / "store.key").public
     rogue_key = security.read_certificate(pki.keys / "rogue.key").public
-    lie, truth = new_address(), new_address()
+    lie, truth = security.bound_address(store_key), security.bound_address(rogue_key)
     seen: set[bytes] = set()
     try:
         deadline = time.monotonic() + 10
@@ -640,3 +645,218 @@ def test_a_stuck_subscriber_does_not_stall_a_secure_producer(pki: Pki, secure_to
                 assert got == n
     finally:
         stuck.close(0)
+
+
+# ---------------------------------------------------------------- partition ownership
+
+
+def read_from_start(cfg: NodeConfig, topic: str, n: int, timeout: float = 20.0) -> list[Any]:
+    """What a consumer from the earliest offsets gets (n records, plus anything extra soon after)."""
+    with Consumer(topic, cfg, offset_reset="earliest") as consumer:
+        got: list[Any] = []
+        deadline = time.monotonic() + timeout
+        while len(got) < n and time.monotonic() < deadline:
+            got += consumer.poll_batch(1000, 0.1)
+        got += consumer.poll_batch(100, 0.3)
+    return got
+
+
+def test_addresses_are_bound_to_keys(pki: Pki) -> None:
+    producer, other = (security.read_certificate(f).public for f in (pki.keys / "producer.key", pki.keys / "rogue.key"))
+    address = security.bound_address(producer)
+    assert len(address) == 32 and address == address.upper() and int(address, 16) >= 0
+    assert security.address_bound(address, producer)
+    assert not security.address_bound(address, other)
+    assert security.bound_address(producer) != address  # one key, many addresses (a nonce each)
+    assert not security.address_bound(new_address(), producer)
+    assert not security.address_bound(address[:-1] + "\u00e9", producer)  # no exception on odd text
+    assert not security.address_bound("", producer)
+
+
+def test_a_consumer_key_cannot_write_into_a_producers_partition(
+    pki: Pki, secure_tower: Tower, tmp_path: Path
+) -> None:
+    # The issue's attack: a consumer-role key watches HEADs and publishes RECORDs (and a
+    # HEAD, and FETCH answers) at the producer's next offsets.
+    with Store(tmp_path / "db", node_cfg(pki, secure_tower, "store")) as store:
+        with Forger(node_cfg(pki, secure_tower, "forger")) as forger:
+            with Producer("t", node_cfg(pki, secure_tower, "producer"), head_interval=0.2) as producer:
+                wait_until(lambda: producer.address in forger.known and len(store.peers) == 2, 15)
+                producer.publish_many(b"real%d" % i for i in range(5))
+                assert producer.flush(20)
+                key = ("t", producer.address)
+                wait_until(lambda: forger.forged_sent >= 5, 15)
+                # Either the store refused them, or (before partitions were bound to keys) took them.
+                wait_until(lambda: getattr(store, "not_owner", 0) > 0 or store.heads().get(key, -1) >= 9, 15)
+                producer.publish_many(b"real%d" % i for i in range(5, 10))
+                assert producer.flush(20)
+                assert store.heads()[key] == 9
+                # Nothing the forger sent was taken into the fast path of its channel.
+                channels = getattr(store, "_channels", {})  # (none before the binding)
+                assert not channels or [c.prefixes for c in channels.values() if c.address == forger.address] == [{}]
+        got = read_from_start(node_cfg(pki, secure_tower, "consumer"), "t", 10)
+        assert [(r.offset, r.content) for r in got] == [(i, b"real%d" % i) for i in range(10)]
+        assert store.not_owner > 0
+
+
+def test_direct_records_only_from_the_owner_or_a_store(pki: Pki, secure_tower: Tower) -> None:
+    # Forged FETCH answers and unsolicited DIRECT-RECORDs at a consumer's next offsets.
+    prod_cfg = node_cfg(pki, secure_tower, "producer")
+    with Producer("t", prod_cfg, acks=False, head_interval=0.2) as producer:
+        with Consumer("t", node_cfg(pki, secure_tower, "consumer"), offset_reset="earliest") as consumer:
+            with Forger(node_cfg(pki, secure_tower, "forger"), records=False) as forger:
+                wait_until(lambda: consumer.address in forger.known and forger.address in consumer.peers, 15)
+                wait_until(lambda: producer.address in consumer.peers, 15)
+                producer.publish_many(b"real%d" % i for i in range(5))
+                got: list[Any] = []
+                wait_until(lambda: got.extend(consumer.poll_batch(100, 0.1)) or len(got) >= 5, 15)
+                wait_until(lambda: forger.forged_sent >= 5, 15)
+                # Either the consumer refused them, or (before the binding) delivered them.
+                wait_until(lambda: getattr(consumer, "not_owner", 0) > 0 or got.extend(consumer.poll_batch(100, 0.1)) or len(got) > 5, 15)
+                producer.publish_many(b"real%d" % i for i in range(5, 10))
+                wait_until(lambda: got.extend(consumer.poll_batch(100, 0.1)) or len(got) >= 10, 15)
+                got += consumer.poll_batch(100, 0.3)
+                assert [(r.offset, r.content) for r in got] == [(i, b"real%d" % i) for i in range(10)]
+                assert consumer.not_owner > 0
+                # A newcomer fetches 0..9 from the producer's ring (the owner's DIRECT-RECORDs);
+                # the forger answers its FETCHes too, in vain.
+                late = read_from_start(node_cfg(pki, secure_tower, "consumer"), "t", 10)
+                assert [(r.offset, r.content) for r in late] == [(i, b"real%d" % i) for i in range(10)]
+
+
+def test_a_key_cannot_squat_a_producers_identity(pki: Pki, secure_tower: Tower, tmp_path: Path) -> None:
+    import threading
+
+    from dafka import wire
+
+    identity = tmp_path / "id.json"
+    cfg = node_cfg(pki, secure_tower, "producer")
+    with Store(tmp_path / "db", node_cfg(pki, secure_tower, "store")):
+        with Producer("t", cfg, identity=identity) as first:
+            address = first.address
+            first.publish_many(b"r%d" % i for i in range(3))
+            assert first.flush(20)
+        # A consumer-role key beacons the producer's address, as a live twin would.
+        cert = security.read_certificate(pki.secret("forger"))
+        squatter = zmq.Context.instance().socket(zmq.PUB)
+        squatter.setsockopt(zmq.LINGER, 0)
+        security.make_client(squatter, security.OwnKeys(cert.public, cert.secret or b"", cert.role))
+        security.connect(squatter, f"tcp://127.0.0.1:{secure_tower.in_port}", pki.tower_key)
+        beacon = security.secure_node_beacon(wire.node_beacon(address, "", 4000), cert.public)
+        stop = threading.Event()
+
+        def pump() -> None:
+            deadline = time.monotonic() + 30
+            while not stop.is_set() and time.monotonic() < deadline:
+                squatter.send_multipart(beacon)
+                stop.wait(0.05)
+
+        pumping = threading.Thread(target=pump, daemon=True)
+        pumping.start()
+        try:
+            wait_until(lambda: secure_tower.bad_input.count > 0 or secure_tower.beacons > 0, 10)
+            with Producer("t", cfg, identity=identity, resume_timeout=5.0) as again:
+                assert again.address == address
+                assert again.publish(b"r3").offset == 3
+                assert again.flush(20)
+                assert again.duplicates_seen == 0
+        finally:
+            stop.set()
+            pumping.join(5)
+            squatter.close(0)
+    assert secure_tower.bad_input.count > 0
+
+
+def test_an_identity_not_bound_to_the_key_is_refused_clearly(pki: Pki, secure_tower: Tower, tmp_path: Path) -> None:
+    # An identity file from a plain mesh (or from before addresses were bound to keys).
+    import json
+
+    identity = tmp_path / "old.json"
+    identity.write_text(json.dumps({"address": new_address(), "topic": "t", "acked": 4, "next": 5}))
+    with pytest.raises(ConfigError, match=r"identity file .*old.json: address .* is not bound to this node.s key"):
+        Producer("t", node_cfg(pki, secure_tower, "producer"), identity=identity)
+
+
+def test_stores_replicate_and_gateways_publish_their_own_partitions_securely(
+    pki: Pki, secure_tower: Tower, tmp_path: Path
+) -> None:
+    from dafka.tank.client import TankClient
+    from dafka.tank.gateway import Gateway
+
+    with Store(tmp_path / "a", node_cfg(pki, secure_tower, "store")) as first:
+        with Producer("t", node_cfg(pki, secure_tower, "producer")) as producer:
+            producer.publish_many(b"r%d" % i for i in range(20))
+            assert producer.flush(20)
+            partition = producer.address
+        # A second store, started after the producer left, gets the partition from the first
+        # (a store's HEADs and DIRECT-RECORDs of a partition it does not own are believed).
+        with Store(tmp_path / "b", node_cfg(pki, secure_tower, "store")) as second:
+            wait_until(lambda: second.heads().get(("t", partition)) == 19, 20)
+            assert getattr(second, "not_owner", 0) == 0
+        # A gateway's own partition (its address is not bound to its key) is read on the mesh.
+        gw_cfg = node_cfg(pki, secure_tower, "gateway")
+        with Gateway(str(tmp_path / "gw"), gw_cfg, listen=("127.0.0.1", 0)) as gw:
+            with TankClient("127.0.0.1", gw.tank_port) as client:
+                client.create_topic("tank", 1)
+                assert client.produce("tank", 0, [(None, b"v%d" % i, 0) for i in range(5)]) == 0
+            got = read_from_start(node_cfg(pki, secure_tower, "consumer"), "tank", 5)
+            assert [r.content for r in got] == [b"v%d" % i for i in range(5)]
+            wait_until(lambda: any(t == "tank" for t, _ in first.heads()), 20)
+            assert getattr(first, "not_owner", 0) == 0
+
+
+def test_nodes_drop_unbound_beacons_even_from_a_tower_that_relays_them(
+    pki: Pki, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A tower of an older version relays beacons whatever their address: the nodes check too.
+    import dafka.tower
+    from dafka import wire
+
+    monkeypatch.setattr(dafka.tower, "check_bound", lambda address, key: None, raising=False)
+    with Tower("127.0.0.1", 0, 0, pki.config("tower")) as lenient:
+        cfg = node_cfg(pki, lenient, "producer")
+        with Producer("t", cfg, acks=False) as producer:
+            wait_until(lambda: producer.tower_watch.reached, 10)
+            cert = security.read_certificate(pki.secret("forger"))
+            squatter = zmq.Context.instance().socket(zmq.PUB)
+            squatter.setsockopt(zmq.LINGER, 0)
+            security.make_client(squatter, security.OwnKeys(cert.public, cert.secret or b"", cert.role))
+            security.connect(squatter, f"tcp://127.0.0.1:{lenient.in_port}", pki.tower_key)
+            try:
+                beacon = security.secure_node_beacon(wire.node_beacon(producer.address, "", 4000), cert.public)
+                stranger = security.secure_node_beacon(wire.node_beacon(new_address(), "", 4001), cert.public)
+                before = producer.bad_input.count
+                deadline = time.monotonic() + 10
+                while producer.bad_input.count < before + 4 and time.monotonic() < deadline:
+                    squatter.send_multipart(beacon)
+                    squatter.send_multipart(stranger)
+                    time.sleep(0.05)
+                assert lenient.beacons > 0  # relayed...
+                assert producer.bad_input.count >= before + 4  # ...and dropped by the producer
+                assert producer.duplicates_seen == 0 and len(producer.peers) == 0
+            finally:
+                squatter.close(0)
+
+
+def test_a_paused_secure_consumer_resumes_every_channel(pki: Pki, secure_tower: Tower) -> None:
+    # Each peer is read on a channel of its own: pausing (a full queue) and resuming
+    # must take up every channel again, with nothing lost or reordered.
+    n = 5000
+    cfg = node_cfg(pki, secure_tower, "consumer")
+    with Consumer("t", cfg, offset_reset="earliest", max_queued=300) as consumer:
+        prod_cfg = node_cfg(pki, secure_tower, "producer")
+        with Producer("t", prod_cfg, acks=False, capacity=n + 10) as a, Producer("t", prod_cfg, acks=False, capacity=n + 10) as b:
+            wait_until(lambda: a.address in consumer.peers and b.address in consumer.peers, 15)
+            for p in (a, b):
+                p.publish_many(b"%s-%d" % (p.address[:4].encode(), i) for i in range(n))
+            got: dict[str, list[bytes]] = {a.address: [], b.address: []}
+            paused = False
+            deadline = time.monotonic() + 60
+            while sum(map(len, got.values())) < 2 * n and time.monotonic() < deadline:
+                paused = paused or consumer.data_paused
+                for r in consumer.poll_batch(100, 0.2):
+                    got[r.partition].append(r.content)
+                time.sleep(0.002)  # a slow application
+            for p in (a, b):
+                assert got[p.address] == [b"%s-%d" % (p.address[:4].encode(), i) for i in range(n)]
+            assert paused

@@ -533,7 +533,7 @@ class Store(PartitionReader):
             (subject, partition, pid, first, first + len(records) - 1, sum(len(c) for _, c in records))
         )
 
-    def _read_data(self) -> None:
+    def read_data(self, sock: zmq.Socket, prefixes: dict[bytes, Any] | None) -> None:
         # The hot path: the next records of known partitions join the batch
         # inside drain_records (frame-exact); the rest go through track /
         # on_message in arrival order.
@@ -541,16 +541,14 @@ class Store(PartitionReader):
         if self.ready_pairs:
             with self._put_gate:
                 read = fastio.drain_pairs(
-                    self.sub, DRAIN, self._by_prefix, self._pairs, self._segs, ts, self.track, self.on_message
+                    sock, DRAIN, prefixes, self._pairs, self._segs, ts, self.track, self.on_message
                 )
         else:
-            read = fastio.drain_records(
-                self.sub, DRAIN, self._by_prefix, self._batch, None, ts, self.track, self.on_message
-            )
+            read = fastio.drain_records(sock, DRAIN, prefixes, self._batch, None, ts, self.track, self.on_message)
         self.data_reads += 1
         # A trickle: few records read and nothing left waiting (``read`` counts
         # only the fast path's records, so a full read of others is no trickle).
-        if self.linger and read < LINGER_BELOW and not self.sub.get(zmq.EVENTS) & zmq.POLLIN:
+        if self.linger and read < LINGER_BELOW and not self.data_waiting():
             self.linger_data(self.linger)
         if self._missing:
             self.fetch_missing()
@@ -588,7 +586,7 @@ class Store(PartitionReader):
         """
         if self.data_paused:
             return
-        if self.sub.get(zmq.EVENTS) & zmq.POLLIN and now - self._heads_wanted[0][2] < 1.0:
+        if self.data_waiting() and now - self._heads_wanted[0][2] < 1.0:
             return
         wanted, self._heads_wanted = self._heads_wanted, []
         for requester, subjects, _ in wanted:
