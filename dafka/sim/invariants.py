@@ -32,7 +32,10 @@ disks free, time passed):
     producer's partition (a store stopped acknowledging healthy partitions).
 ``unfilled-gap``
     a store lacks a record that is still to be had from a producer or
-    another store (a gap that can be filled was not filled).
+    another store (a gap that can be filled was not filled).  For producers
+    without ACKs (rings) a store's recorded hole whose records another store
+    holds is counted as an observation instead (holes are not repaired from
+    peers; consumers still get the records).
 ``consumer-missing``
     a consumer has not delivered such a record.
 """
@@ -89,6 +92,8 @@ class Checker:
     deferred: list[tuple[str, str, list[tuple[int, bytes]]]] = field(default_factory=list)
     # per consumer incarnation: partition -> last delivered offset
     delivered: dict[tuple[str, int], dict[str, int]] = field(default_factory=dict)
+    # Findings that are not violations (see final): kind -> count
+    observations: dict[str, int] = field(default_factory=dict)
 
     def fail(self, kind: str, detail: str) -> None:
         w = self.world
@@ -218,7 +223,10 @@ class Checker:
             available = {off: c for off, c in enumerate_window(p)}
             for name in held:
                 available.update(held[name][p.address])
-            if not p.ring and p.ready and p.window.last >= 0:
+            # Only what this incarnation published: a resumed producer starts
+            # after the stores' heads, which count records they received but
+            # never committed (lost with the old incarnation: nothing to ACK).
+            if not p.ring and p.ready and p.window.last >= p.start_offset:
                 for host in w.stores:
                     self.checks += 1
                     sent = self.acks_sent.get((host.name, p.address), -1)
@@ -231,7 +239,15 @@ class Checker:
             for host in w.stores:
                 self.checks += 1
                 missing = sorted(set(available) - set(held[host.name][p.address]))
-                if missing:
+                if missing and p.ring:
+                    # acks=False: two stores may skip different ranges while the
+                    # ring evicts, and a recorded hole is never repaired from a
+                    # peer that holds the records. Consumers still get them
+                    # (consumer-missing below); reported, not a violation.
+                    self.observations["ring-hole-held-elsewhere"] = (
+                        self.observations.get("ring-hole-held-elsewhere", 0) + len(missing)
+                    )
+                elif missing:
                     self.fail(
                         "unfilled-gap",
                         f"store {host.name} lacks {len(missing)} records of {p.address} to be had "

@@ -46,6 +46,7 @@ def summary(r: RunResult) -> str:
         f"{who}: {verdict}; {r.steps} steps, {r.sim_seconds:.1f}s simulated in {r.wall_seconds:.2f}s; "
         f"faults {faults}; {r.checks} invariant checks; published {r.published}, "
         f"acknowledged {r.acked}, delivered {r.delivered}"
+        + "".join(f"; observed {k}={v}" for k, v in r.observations.items())
     )
 
 

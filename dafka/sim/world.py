@@ -120,6 +120,7 @@ class RunResult:
     acked: int
     delivered: int
     wall_seconds: float = 0.0
+    observations: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -606,4 +607,5 @@ class World:
             acked=len(self.checker.acked),
             delivered=self.delivered,
             wall_seconds=time.perf_counter() - started,
+            observations=dict(self.checker.observations),
         )
