@@ -29,7 +29,6 @@ from dafka.store import layout
 
 from .test_wire import messages
 
-
 # ---------------------------------------------------------------- wire
 
 

@@ -38,6 +38,8 @@ disks free, time passed):
     peers; consumers still get the records).
 ``consumer-missing``
     a consumer has not delivered such a record.
+``diverged``
+    two stores hold different records at one offset of a partition with ACKs.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ SAFETY = (
     "writer-failed",
     "exception",
 )
-LIVENESS = ("not-acknowledging", "unfilled-gap", "consumer-missing")
+LIVENESS = ("not-acknowledging", "unfilled-gap", "consumer-missing", "diverged")
 
 
 @dataclass(slots=True)
@@ -265,6 +267,19 @@ class Checker:
                         f"consumer {c.name} delivered {p.address} up to {got}, "
                         f"{len(missing)} more to be had ({fmt_ranges(sorted(missing))})",
                     )
+        for p_addr in w.partition_names:
+            if w.host(w.partition_names[p_addr]).ring:
+                continue
+            views = [held[n][p_addr] for n in held]
+            for off, content in views[0].items():
+                others = [v[off] for v in views[1:] if off in v and v[off] != content]
+                if others:
+                    self.checks += 1
+                    self.fail(
+                        "diverged",
+                        f"stores hold different records at {p_addr}@{off}: {content[:30]!r} / {others[0][:30]!r}",
+                    )
+                    break
         for off_key, content in self.acked.items():
             self.checks += 1
             partition, off = off_key

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import time
 
 from dafka.sim.schedule import Step, dumps, generate, loads
