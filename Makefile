@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup java netns run test lint bench bench-all pipeline clean
+.PHONY: setup java netns run test lint bench bench-all pipeline sim chaos clean
 
 # The install also compiles the I/O extension in place (setup.py, Cython from
 # the build requirements); a failed compile leaves the pure-Python twin.
@@ -53,6 +53,18 @@ bench-all: setup
 	$(BIN)/dafka bench replay --records 1000000 --runs 3
 	$(BIN)/dafka bench tank --records 1000000 --runs 3
 	$(BIN)/dafka bench spark --records 1000000 --runs 3
+
+# Deterministic fault simulation (dafka.sim): SEEDS seeded schedules from FIRST;
+# a failing seed prints its replay command (SHRINK=1 also shrinks it).
+SEEDS ?= 200
+FIRST ?= 0
+sim: setup
+	$(BIN)/python -m dafka.sim --seeds $(SEEDS) --first $(FIRST) --keep-going $(if $(SHRINK),--shrink)
+
+# Chaos soak with real processes on loopback for MINUTES (not part of `make test`).
+MINUTES ?= 5
+chaos: setup
+	$(BIN)/python -m dafka.sim.chaos --minutes $(MINUTES)
 
 # The edge-to-analytics example: devices -> mesh -> Spark -> mesh -> console.
 pipeline: setup

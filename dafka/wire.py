@@ -459,7 +459,12 @@ class _Reader:
         if end > len(buf):
             raise ProtocolError("truncated string")
         self.pos = end
-        return _text(buf[pos + 1 : end])
+        raw = buf[pos + 1 : end]
+        if 0 in raw:
+            # Strings are addresses and subjects, which answers use as ZeroMQ
+            # topics: one with a NUL would make the node's own reply fail.
+            raise ProtocolError("string contains NUL")
+        return _text(raw)
 
     def u8(self) -> int:
         pos = self.pos
@@ -488,7 +493,10 @@ class _Reader:
         if pos + n > len(self.buf):
             raise ProtocolError("truncated longstr")
         self.pos = pos + n
-        return _text(self.buf[pos : pos + n])
+        raw = self.buf[pos : pos + n]
+        if 0 in raw:
+            raise ProtocolError("string contains NUL")
+        return _text(raw)
 
     def end(self) -> None:
         if self.pos != len(self.buf):

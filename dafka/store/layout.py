@@ -91,6 +91,8 @@ def pack_partition_key(topic: str, partition: str) -> bytes:
 
 def unpack_partition_key(key: bytes) -> tuple[str, str]:
     """Inverse of :func:`pack_partition_key`; raises ValueError on malformed keys."""
+    if len(key) < 2 or len(key) < key[0] + 2:
+        raise ValueError(f"malformed partition key {key!r}")
     tlen = key[0]
     t_end = 1 + tlen
     plen = key[t_end]

@@ -1,0 +1,101 @@
+"""Running seeds: ``python -m dafka.sim`` / ``dafka-sim`` / ``make sim SEEDS=N``.
+
+Prints one line per run (seed, steps, simulated seconds, faults injected by
+kind, invariants checked, records published / acknowledged / delivered) and,
+for a failing seed, the violation and the command that replays it; with
+``--shrink`` also the shrunk schedule and the command that replays that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+from dafka.sim.schedule import Step, dumps, generate, loads
+from dafka.sim.shrink import shrink
+from dafka.sim.world import HEAL_SECONDS, RunResult, World
+
+DEFAULT_STEPS = 120
+
+
+def run_schedule(schedule: list[Step], seed: int | None = None, heal_seconds: float = HEAL_SECONDS) -> RunResult:
+    """Run one schedule in a fresh world (temporary LMDB directories, removed after)."""
+    return World(heal_seconds=heal_seconds).run(schedule, seed)
+
+
+def run_seed(seed: int, steps: int = DEFAULT_STEPS) -> RunResult:
+    return run_schedule(generate(seed, steps), seed)
+
+
+def shrink_failure(schedule: list[Step], kind: str, *, max_runs: int = 400, max_seconds: float = 300.0) -> tuple[list[Step], int]:
+    """Shrink ``schedule`` keeping a violation of ``kind``."""
+
+    def fails(candidate: list[Step]) -> bool:
+        return any(v.kind == kind for v in run_schedule(candidate).violations)
+
+    return shrink(schedule, fails, max_runs=max_runs, max_seconds=max_seconds)
+
+
+def summary(r: RunResult) -> str:
+    faults = " ".join(f"{k}={v}" for k, v in r.faults.items()) or "none"
+    who = f"seed {r.seed}" if r.seed is not None else "replay"
+    verdict = "ok" if r.ok else f"FAIL ({len(r.violations)} violations)"
+    return (
+        f"{who}: {verdict}; {r.steps} steps, {r.sim_seconds:.1f}s simulated in {r.wall_seconds:.2f}s; "
+        f"faults {faults}; {r.checks} invariant checks; published {r.published}, "
+        f"acknowledged {r.acked}, delivered {r.delivered}"
+        + "".join(f"; observed {k}={v}" for k, v in r.observations.items())
+    )
+
+
+def replay_command(seed: int | None, steps: int, schedule: list[Step] | None = None) -> str:
+    if schedule is not None:
+        return f"python -m dafka.sim --replay '{dumps(schedule)}'"
+    return f"python -m dafka.sim --seed {seed} --steps {steps}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dafka.sim", description="Deterministic fault simulation of the mesh")
+    ap.add_argument("--seeds", type=int, default=20, help="how many seeds to run (from --first)")
+    ap.add_argument("--first", type=int, default=0, help="first seed of the range")
+    ap.add_argument("--seed", type=int, help="run this one seed")
+    ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="steps per schedule")
+    ap.add_argument("--replay", help="run this schedule (the text a failing run printed)")
+    ap.add_argument("--shrink", action="store_true", help="shrink a failing schedule")
+    ap.add_argument("--keep-going", action="store_true", help="run every seed even after a failure")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log the nodes' warnings")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.verbose else logging.CRITICAL, format="%(name)s: %(message)s")
+
+    if args.replay:
+        schedule = loads(args.replay)
+        r = run_schedule(schedule)
+        print(summary(r))
+        for v in r.violations:
+            print(f"  {v}")
+        return 0 if r.ok else 1
+
+    seeds = [args.seed] if args.seed is not None else list(range(args.first, args.first + args.seeds))
+    failed = 0
+    started = time.perf_counter()
+    for seed in seeds:
+        schedule = generate(seed, args.steps)
+        r = run_schedule(schedule, seed)
+        print(summary(r), flush=True)
+        if r.ok:
+            continue
+        failed += 1
+        for v in r.violations[:5]:
+            print(f"  {v}")
+        print(f"  replay: {replay_command(seed, args.steps)}")
+        if args.shrink:
+            small, runs = shrink_failure(schedule, r.violations[0].kind)
+            print(f"  shrunk to {len(small)} steps in {runs} runs: {dumps(small)}")
+            print(f"  replay shrunk: {replay_command(None, 0, small)}")
+        if not args.keep_going:
+            break
+    elapsed = time.perf_counter() - started
+    ran = seeds.index(seed) + 1 if seeds else 0
+    print(f"{ran} seeds in {elapsed:.1f}s ({ran / elapsed * 60:.0f} seeds/minute), {failed} failed")
+    return 1 if failed else 0
