@@ -25,6 +25,10 @@ FORMAT_VERSION = 1
 FLAG_KEY = 0x01
 #: Value flag: ``ts_ms`` was supplied by the producer (Tank), not stamped by the store.
 FLAG_PRODUCER_TS = 0x02
+#: Value flag (with FLAG_KEY): the key slot holds a Kafka record's key and headers
+#: as the record carries them (``zigzag(keyLength) key headerCount headers...``).
+#: Readers that know only FLAG_KEY skip the slot and still get the content.
+FLAG_KAFKA = 0x04
 
 MAX_NAME = 255  # topic, partition and key lengths are one byte
 # LMDB's key size limit (MDB_MAXKEYSIZE, 511): with both names at 255 bytes a
