@@ -579,7 +579,8 @@ class KafkaServer:
 
 def _fetch_part(index: int, code: int, hwm: int, start: int, records: bytes | None) -> Any:
     return N(partition_index=index, error_code=code, high_watermark=hwm, last_stable_offset=hwm,
-             log_start_offset=start, aborted_transactions=None, preferred_read_replica=-1, records=records)
+             log_start_offset=start, aborted_transactions=None, preferred_read_replica=-1,
+             records=b"" if records is None else records)  # librdkafka refuses a null record set
 
 
 _HANDLERS = {
