@@ -494,6 +494,100 @@ def bench_tank(args: argparse.Namespace) -> dict[str, list[float]]:
     return {"tank publish": publish, "tank fetch": fetch}
 
 
+def _kafka_gateway_process(cfg: NodeConfig, db: str, sync: bool, port: Any, done: Any) -> None:
+    from dafka.kafka.gateway import KafkaGateway
+
+    gateway = KafkaGateway(db, cfg, listen=("127.0.0.1", 0), kafka_listen=("127.0.0.1", 0), sync=sync)
+    port.put(gateway.kafka_port)
+    done.wait(900)
+    gateway.close()
+
+
+def _kafka_produce(port: int, topic: str, n: int, size: int) -> float:
+    """confluent-kafka (librdkafka) producing ``n`` records, acks=all: records/s acknowledged."""
+    from confluent_kafka import Producer as KProducer
+
+    p = KProducer({
+        "bootstrap.servers": f"127.0.0.1:{port}", "acks": "all", "linger.ms": 5,
+        "batch.size": 1 << 20, "queue.buffering.max.messages": 2_000_000,
+        "queue.buffering.max.kbytes": 1 << 21, "enable.idempotence": False,
+    })
+    payload = b"x" * size
+    failed = [0]
+
+    def cb(err: Any, _msg: Any) -> None:
+        if err is not None:
+            failed[0] += 1
+
+    p.produce(topic, payload, partition=0, on_delivery=cb)  # creates the topic
+    p.flush(30)
+    produce = p.produce
+    t0 = time.perf_counter()
+    for _ in range(n):
+        while True:
+            try:
+                produce(topic, payload, partition=0, on_delivery=cb)
+                break
+            except BufferError:
+                p.poll(0.01)
+    left = p.flush(300)
+    elapsed = time.perf_counter() - t0
+    if left or failed[0]:
+        raise RuntimeError(f"{left} records undelivered, {failed[0]} failed")
+    return n / elapsed
+
+
+def _kafka_consume(port: int, topic: str, n: int) -> float:
+    """confluent-kafka consuming ``n`` records from offset 1 of partition 0: records/s."""
+    from confluent_kafka import Consumer as KConsumer
+    from confluent_kafka import TopicPartition
+
+    c = KConsumer({
+        "bootstrap.servers": f"127.0.0.1:{port}", "group.id": "bench", "enable.auto.commit": False,
+        "fetch.max.bytes": 16 << 20, "max.partition.fetch.bytes": 8 << 20,
+    })
+    c.assign([TopicPartition(topic, 0, 1)])
+    got = 0
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + 600
+    while got < n and time.monotonic() < deadline:
+        msgs = c.consume(10_000, 1.0)
+        got += sum(1 for m in msgs if not m.error())
+    elapsed = time.perf_counter() - t0
+    c.close()
+    if got < n:
+        raise RuntimeError(f"consumed {got} of {n}")
+    return n / elapsed
+
+
+def bench_kafka(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Through a Kafka gateway process: confluent-kafka produce (acks=all) and consume."""
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    produce, consume = [], []
+    for run in range(args.runs):
+        tower, cfg = _mesh()
+        with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
+            port, done = ctx.Queue(), ctx.Event()
+            gateway = ctx.Process(target=_kafka_gateway_process, args=(cfg, db, not args.no_sync, port, done))
+            gateway.start()
+            try:
+                kafka_port = port.get(timeout=60)
+                topic = f"bench-kafka-{run}"
+                rate = _kafka_produce(kafka_port, topic, args.records, args.size)
+                produce.append(rate)
+                print(f"run {run}: kafka produce {rate:,.0f} records/s acknowledged", flush=True)
+                rate = _kafka_consume(kafka_port, topic, args.records)
+                consume.append(rate)
+                print(f"run {run}: kafka consume {rate:,.0f} records/s", flush=True)
+            finally:
+                done.set()
+                gateway.join(60)
+                tower.close()
+    return {"kafka produce": produce, "kafka consume": consume}
+
+
 def _percentiles(samples: list[float]) -> str:
     """p50/p99/p99.9/max of latencies in seconds, as milliseconds."""
     if not samples:
@@ -854,6 +948,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "store": bench_store,
     "replay": bench_replay,
     "tank": bench_tank,
+    "kafka": bench_kafka,
     "embedded": bench_embedded,
     "spark": _spark_bench,
     "latency": bench_latency,
