@@ -29,16 +29,18 @@ import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import itemgetter
 from typing import Any
 
 import zmq
 
 from dafka.errors import ProtocolError
 from dafka.kafka.codec import DEFAULT_MAX_FRAME, FrameReader, decode_request
-from dafka.kafka.records import Record, make_ext
+from dafka.kafka.records import Batch, make_ext, store_pairs
 from dafka.kafka.serving import KafkaServer, ParkedFetch
 from dafka.node import new_address
-from dafka.store.layout import FLAG_KAFKA
+from dafka.store.layout import FLAG_KAFKA, FLAG_KEY, VALUE_HEADER
 from dafka.store.node import MAX_BATCH
 from dafka.tank.gateway import Gateway
 from dafka.tank.mapping import TankPartition, valid_topic_name
@@ -51,6 +53,8 @@ MAX_OUTPUT = 64 << 20
 DEFAULT_MAX_INFLIGHT = 256
 DEFAULT_MAX_CONNECTIONS = 1024
 TICK_INTERVAL = 0.1
+_VALUE = itemgetter(2)  # a decoded record's value
+_OFFSET = itemgetter(2)  # a record tuple's offset
 
 
 @dataclass(eq=False, slots=True)
@@ -113,6 +117,7 @@ class KafkaGateway(Gateway):
             self._kpending: list[tuple[_Slot, dict[tuple[str, str], int]]] = []
             self._kparked: list[tuple[_Slot, ParkedFetch]] = []
             self._kthrottled: list[_Conn] = []
+            self._kpids: dict[tuple[str, str], int] = {}  # owned partitions stored: their pid
             self.kafka_refused = 0
             extra = {} if kafka_fetch_cap is None else {"fetch_cap": kafka_fetch_cap}
             self.kafka = KafkaServer(
@@ -155,26 +160,99 @@ class KafkaGateway(Gateway):
         log.info("created topic %s with %d gateway partitions (Kafka)", name, partitions)
         return True
 
-    def append(self, part: TankPartition, records: list[Record]) -> tuple[int, int]:
-        """Queue records of an owned partition: ``(first, last)`` offsets given."""
+    def append(self, part: TankPartition, batch: Batch) -> tuple[int, int]:
+        """Queue a batch's records in an owned partition: ``(first, last)`` offsets given.
+
+        A partition already stored gets its records as ready LMDB pairs, built
+        in one compiled pass (:func:`~dafka.kafka.records.store_pairs`), which
+        the writer puts without another per-record step; the first records of
+        a partition go as record tuples (its partition id comes with their
+        commit).  A record without a timestamp (Kafka's -1, or any negative
+        one) is stamped with the gateway's clock: the store keeps unsigned
+        milliseconds.
+        """
         key = (part.topic, part.address)
         topic, address = key
-        n = first = self._next_offset.get(key, 0)
-        batch = self._batch.append
-        publish = self._to_publish.append
-        for r in records:
-            value = r.value
-            if r.headers == b"\x00":
-                if r.key is None:
-                    batch((topic, address, n, value, r.timestamp))
+        records = batch.records
+        if batch.min_ts < 0:
+            now = int(time.time() * 1000)
+            records = [r if r[0] >= 0 else r._replace(timestamp=now) for r in records]
+        first = self._next_offset.get(key, 0)
+        last = first + len(records) - 1
+        pid = self._kpids.get(key)
+        if pid is None and key in self._heads:
+            info = self.db.info(topic, address)
+            if info is not None:
+                pid = self._kpids[key] = info.pid
+        if pid is not None:
+            pairs, nbytes = store_pairs(records, pid, first)
+            self._pairs.extend(pairs)
+            self._segs.append((topic, address, pid, first, last, nbytes))
+        else:
+            add = self._batch.append
+            n = first
+            for ts, k, value, headers in records:
+                if headers == b"\x00":
+                    if k is None:
+                        add((topic, address, n, value, ts))
+                    else:
+                        add((topic, address, n, value, ts, k, True))
                 else:
-                    batch((topic, address, n, value, r.timestamp, r.key, True))
+                    add((topic, address, n, value, ts, make_ext(k, headers), True, FLAG_KAFKA))
+                n += 1
+        self._to_publish.extend(zip(repeat(key), range(first, last + 1), map(_VALUE, records), strict=False))
+        self._next_offset[key] = last + 1
+        return first, last
+
+    def _flush_batch(self, retry: bool = False) -> None:
+        if self._pairs and self._batch and not self._writer_busy:
+            self._untangle()
+        super()._flush_batch(retry)
+
+    def _untangle(self) -> None:
+        """Turn back into record tuples the ready pairs of any partition that also
+        has record tuples queued (a Tank produce to the same partition).
+
+        The writer applies the tuples of a commit before its pairs, so a tuple
+        queued after pairs of its partition would otherwise be written first,
+        out of order.
+        """
+        pending = {(s[0], s[1]) for s in self._segs}
+        mixed = {(r[0], r[1]) for r in self._batch if (r[0], r[1]) in pending}
+        if not mixed:
+            return
+        pairs, segs = self._pairs, self._segs
+        self._pairs, self._segs = [], []
+        moved: dict[tuple[str, str], list[tuple[Any, ...]]] = {k: [] for k in mixed}
+        i = 0
+        for seg in segs:
+            topic, address, _pid, first, last, _nbytes = seg
+            n = last - first + 1
+            if (topic, address) in mixed:
+                out = moved[(topic, address)]
+                for j, (_k, v) in enumerate(pairs[i : i + n]):
+                    ts, flags = VALUE_HEADER.unpack_from(v)
+                    if flags & FLAG_KEY:
+                        slot = v[10 : 10 + v[9]]
+                        out.append((topic, address, first + j, v[10 + v[9] :], ts, slot, True, flags & FLAG_KAFKA))
+                    else:
+                        out.append((topic, address, first + j, v[9:], ts))
             else:
-                batch((topic, address, n, value, r.timestamp, make_ext(r.key, r.headers), True, FLAG_KAFKA))
-            publish((key, n, value))
-            n += 1
-        self._next_offset[key] = n
-        return first, n - 1
+                self._pairs.extend(pairs[i : i + n])
+                self._segs.append(seg)
+            i += n
+        rest = []
+        for r in self._batch:
+            k = (r[0], r[1])
+            if k in moved:
+                moved[k].append(r)
+            else:
+                rest.append(r)
+        for recs in moved.values():
+            recs.sort(key=_OFFSET)
+            rest.extend(recs)
+        self._batch = rest
+        log.debug("Kafka records of %d partitions re-queued behind Tank records", len(mixed))
 
     # ---------------------------------------------------------------- store hooks
 
@@ -202,7 +280,7 @@ class KafkaGateway(Gateway):
                 self._drain(conn)
         if self._kparked and heads:
             self._retry_parked(set(heads), timed_out=False)
-        if self._kthrottled and len(self._batch) < MAX_BATCH // 2:
+        if self._kthrottled and self.pending_records() < MAX_BATCH // 2:
             throttled, self._kthrottled = self._kthrottled, []
             for conn in throttled:
                 self._set_kreading(conn)
@@ -368,7 +446,7 @@ class KafkaGateway(Gateway):
         else:
             conn.stalled_since = None
         conn.last_buffered = buffered
-        if len(self._batch) >= MAX_BATCH and conn.reading:
+        if self.pending_records() >= MAX_BATCH and conn.reading:
             conn.reading = False  # the writer is behind: stop taking produces
             self._kthrottled.append(conn)
             self._kupdate(conn)

@@ -24,14 +24,18 @@ oversized input, and decompression is bounded (:data:`MAX_DECOMPRESSED`).
 from __future__ import annotations
 
 import io
+import logging
+import os
 import struct
 import zlib
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import snappy
 from crc32c import crc32c
 
 from dafka.errors import ProtocolError
+from dafka.kafka import _pure
 
 try:  # optional codecs: produce batches using them are refused without the package
     import lz4.frame as _lz4f
@@ -75,14 +79,13 @@ _I32 = struct.Struct(">i")
 _XERIAL = b"\x82SNAPPY\x00"
 
 
-@dataclass(slots=True)
-class Record:
+class Record(NamedTuple):
     """One record as a producer sent it."""
 
     timestamp: int
     key: bytes | None
     value: bytes
-    headers: bytes  # the record's header section as sent (count varint + headers)
+    headers: bytes  # the record's header section as sent (b"\x00": none)
 
 
 @dataclass(slots=True)
@@ -96,6 +99,10 @@ class Batch:
     attributes: int
     magic: int = 2
     records: list[Record] = field(default_factory=list)
+    #: The largest key slot the store needs for a record (see :func:`make_ext`).
+    max_slot: int = 0
+    #: The smallest record timestamp (Kafka's "no timestamp" is -1).
+    min_ts: int = 0
 
     @property
     def transactional(self) -> bool:
@@ -106,50 +113,38 @@ class Batch:
         return bool(self.attributes & ATTR_CONTROL)
 
 
-# ---------------------------------------------------------------- varints
+# ---------------------------------------------------------------- implementation
+
+def _load() -> tuple[object, str]:
+    """The compiled per-record loops when built, else the pure twin (DAFKA_NO_EXTENSIONS=1 forces it)."""
+    if os.environ.get("DAFKA_NO_EXTENSIONS", "").strip() not in ("", "0"):
+        return _pure, "DAFKA_NO_EXTENSIONS is set"
+    try:
+        from dafka.kafka import _compiled  # type: ignore[attr-defined]
+    except ImportError as exc:
+        return _pure, f"the compiled record codec is not built ({exc})"
+    if not all(hasattr(_compiled, f) for f in ("decode_records", "encode_batch", "store_pairs")):
+        return _pure, "the compiled record codec is out of date; rebuild it"
+    return _compiled, "compiled record codec loaded"
 
 
-def zigzag(n: int) -> bytes:
-    """The zigzag varint of ``n`` (Kafka's signed varint / varlong)."""
-    v = (n << 1) ^ (n >> 63)
-    if v < 0x80:
-        return _SMALL[v]
-    out = bytearray()
-    while v >= 0x80:
-        out.append((v & 0x7F) | 0x80)
-        v >>= 7
-    out.append(v)
-    return bytes(out)
-
-
-_SMALL = tuple(bytes((i,)) for i in range(128))
-# Zigzag varints of 0..16383, the offset deltas and lengths of most records.
-_ZZ = tuple(zigzag(i) for i in range(1 << 13))
+_impl, REASON = _load()
+IMPLEMENTATION: str = _impl.IMPLEMENTATION  # type: ignore[attr-defined]
+if IMPLEMENTATION != "compiled":
+    logging.getLogger("dafka.kafka").debug("Kafka record codec: pure Python (%s)", REASON)
+_decode_records = _impl.decode_records  # type: ignore[attr-defined]
+#: One uncompressed v2 batch of stored values at offsets ``base_offset, ...``
+#: (see :func:`dafka.kafka._pure.encode_batch`).
+encode_batch = _impl.encode_batch  # type: ignore[attr-defined]
+#: The store's LMDB pairs of decoded records (see :func:`dafka.kafka._pure.store_pairs`).
+store_pairs = _impl.store_pairs  # type: ignore[attr-defined]
+zigzag = _pure.zigzag
+_varint = _pure.varint
+_ZZ = _pure._ZZ
 
 
 def _zz(n: int) -> bytes:
     return _ZZ[n] if 0 <= n < 8192 else zigzag(n)
-
-
-def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
-    """A zigzag varint at ``pos``: ``(value, next pos)``; at most 10 bytes."""
-    if pos >= end:
-        raise ProtocolError("record truncated inside a varint")
-    b = buf[pos]
-    if b < 0x80:
-        return (b >> 1) ^ -(b & 1), pos + 1
-    v = b & 0x7F
-    shift = 7
-    pos += 1
-    while True:
-        if pos >= end or shift > 63:
-            raise ProtocolError("malformed varint in a record")
-        b = buf[pos]
-        pos += 1
-        v |= (b & 0x7F) << shift
-        if b < 0x80:
-            return (v >> 1) ^ -(v & 1), pos
-        shift += 7
 
 
 # ---------------------------------------------------------------- decode
@@ -203,62 +198,11 @@ def _decode_v2(buf: bytes, pos: int, stop: int, budget: list[int]) -> Batch:
     if count > (end - start) // 7 + 1:
         raise ProtocolError(f"record count {count} does not fit the batch")
     batch = Batch(base_offset, pid, pepoch, base_seq, attrs)
-    records = batch.records
-    append = records.append
-    log_append = bool(attrs & ATTR_LOG_APPEND_TIME)
-    p = start
-    for _ in range(count):
-        rlen, p = _varint(body, p, end)
-        rend = p + rlen
-        if rlen < 6 or rend > end:
-            raise ProtocolError("record length overruns its batch")
-        p += 1  # record attributes (unused)
-        tsd, p = _varint(body, p, rend)
-        _od, p = _varint(body, p, rend)
-        klen, p = _varint(body, p, rend)
-        if klen < 0:
-            key = None
-        else:
-            if p + klen > rend:
-                raise ProtocolError("record key overruns its record")
-            key = body[p : p + klen]
-            p += klen
-        vlen, p = _varint(body, p, rend)
-        if vlen < 0:
-            value = b""
-        else:
-            if p + vlen > rend:
-                raise ProtocolError("record value overruns its record")
-            value = body[p : p + vlen]
-            p += vlen
-        headers = body[p:rend] if p < rend else b"\x00"
-        if headers != b"\x00":
-            _check_headers(headers)
-        append(Record(max_ts if log_append else base_ts + tsd, key, value, headers))
-        p = rend
-    if p != end:
-        raise ProtocolError(f"{end - p} stray bytes after the records of a batch")
+    fixed = max_ts if attrs & ATTR_LOG_APPEND_TIME else None
+    batch.records, batch.max_slot, batch.min_ts = _decode_records(
+        body, start, end, count, base_ts, fixed, Record
+    )
     return batch
-
-
-def _check_headers(section: bytes) -> None:
-    """The header section must parse exactly (count, then key/value pairs)."""
-    end = len(section)
-    n, p = _varint(section, 0, end)
-    if n < 0:
-        raise ProtocolError("negative header count")
-    for _ in range(n):
-        klen, p = _varint(section, p, end)
-        if klen < 0 or p + klen > end:
-            raise ProtocolError("header key overruns its record")
-        p += klen
-        vlen, p = _varint(section, p, end)
-        if vlen > 0:
-            p += vlen
-        if p > end:
-            raise ProtocolError("header value overruns its record")
-    if p != end:
-        raise ProtocolError("stray bytes after a record's headers")
 
 
 def parse_headers(section: bytes) -> list[tuple[str, bytes | None]]:
@@ -312,8 +256,8 @@ def _decode_legacy(buf: bytes, pos: int, stop: int, budget: list[int], depth: in
             inner = _decompress(codec, value, budget)
             out.extend(_decode_legacy(inner, 0, len(inner), budget, depth + 1))
         else:
-            b = Batch(-1, -1, -1, -1, 0, magic)
-            b.records.append(Record(ts, key, value, b"\x00"))
+            b = Batch(-1, -1, -1, -1, 0, magic, [Record(ts, key, value, b"\x00")],
+                      len(key) if key else 0, ts)
             out.append(b)
         pos = mend
     return out
@@ -403,57 +347,6 @@ def split_ext(ext: bytes) -> tuple[bytes, bytes]:
 
 
 # ---------------------------------------------------------------- encode
-
-_TS_FLAGS = struct.Struct(">QB")
-_FLAG_KEY = 0x01
-_FLAG_KAFKA = 0x04
-
-
-def encode_batch(base_offset: int, values: list[bytes]) -> bytes:
-    """One uncompressed v2 batch of stored values (``ts:u64 flags:u8 [klen key] content``)
-    at offsets ``base_offset, base_offset + 1, ...``."""
-    n = len(values)
-    if not n:
-        return b""
-    zz = _ZZ
-    parts: list[bytes] = []
-    app = parts.append
-    base_ts = _TS_FLAGS.unpack_from(values[0])[0]
-    max_ts = base_ts
-    last_hdr = b""
-    ts_part = b"\x00"
-    for i, v in enumerate(values):
-        hdr = v[:9]
-        if hdr != last_hdr:
-            ts, flags = _TS_FLAGS.unpack_from(v)
-            if ts > max_ts:
-                max_ts = ts
-            ts_part = b"\x00" + zigzag(ts - base_ts)  # record attributes, timestamp delta
-            last_hdr = hdr
-        flags = v[8]
-        od = zz[i] if i < 8192 else zigzag(i)
-        if not flags & _FLAG_KEY:
-            content = v[9:]
-            vl = len(content)
-            body = (ts_part, od, b"\x01", zz[vl] if vl < 8192 else zigzag(vl), content, b"\x00")
-        else:
-            kl = v[9]
-            content = v[10 + kl :]
-            vl = len(content)
-            vlb = zz[vl] if vl < 8192 else zigzag(vl)
-            if flags & _FLAG_KAFKA:
-                kpart, hpart = split_ext(v[10 : 10 + kl])
-                body = (ts_part, od, kpart, vlb, content, hpart)
-            else:
-                body = (ts_part, od, zz[kl], v[10 : 10 + kl], vlb, content, b"\x00")
-        size = sum(map(len, body))
-        app(zz[size] if size < 8192 else zigzag(size))
-        parts.extend(body)
-    records = b"".join(parts)
-    tail = struct.pack(">hiqqqhii", 0, n - 1, base_ts, max_ts, -1, -1, -1, n) + records
-    crc = crc32c(tail)
-    return struct.pack(">qiibI", base_offset, len(tail) + 9, -1, 2, crc) + tail
-
 
 def batch_record_count(batch: bytes) -> int:
     """How many records an encoded batch holds (its header's count)."""

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 from dafka.errors import ProtocolError
 from dafka.kafka.codec import API_VERSIONS, Err, N, api_keys, encode_response
 from dafka.kafka.groups import Answer, Coordinator
-from dafka.kafka.records import Batch, Record, decode_batches, encode_batch, make_ext
+from dafka.kafka.records import Batch, decode_batches, encode_batch
 from dafka.store.layout import MAX_NAME
 from dafka.tank.mapping import PARTITIONS_TOPIC, PartitionMap, TankPartition, valid_topic_name
 
@@ -59,7 +59,7 @@ class Backend(Protocol):
     def first(self, topic: str, address: str) -> int | None: ...
     def fetch_raw(self, topic: str, address: str, offset: int, count: int) -> tuple[int, list[bytes]]: ...
     def create_topic(self, name: str, partitions: int) -> bool: ...
-    def append(self, part: TankPartition, records: list[Record]) -> tuple[int, int]: ...
+    def append(self, part: TankPartition, batch: Batch) -> tuple[int, int]: ...
     def storage_failed(self) -> bool: ...
     def positions(self, group: str) -> dict[tuple[str, str], int]: ...
     def put_positions(self, group: str, positions: dict[tuple[str, str], int]) -> None: ...
@@ -277,12 +277,8 @@ class KafkaServer:
         for b in batches:
             if b.transactional or b.control:
                 return Err.INVALID_REQUEST, -1
-            for r in b.records:
-                if r.headers == b"\x00":
-                    if r.key is not None and len(r.key) > MAX_NAME:
-                        return Err.INVALID_RECORD, -1
-                elif len(make_ext(r.key, r.headers)) > MAX_NAME:
-                    return Err.INVALID_RECORD, -1
+            if b.max_slot > MAX_NAME:  # a key (with its headers) the store's key slot cannot hold
+                return Err.INVALID_RECORD, -1
         for b in batches:
             if not b.records:
                 continue
@@ -292,7 +288,7 @@ class KafkaServer:
                     return Err.OUT_OF_ORDER_SEQUENCE_NUMBER, -1
                 base = dup if base < 0 else base
                 continue
-            first, last = self.backend.append(part, b.records)
+            first, last = self.backend.append(part, b)
             if b.producer_id >= 0 and b.base_sequence >= 0:
                 self._remember(b, key, first)
             if base < 0:
@@ -457,7 +453,11 @@ class KafkaServer:
                 break
             keep += 1
         del values[keep:]
-        return encode_batch(first, values)
+        try:
+            return encode_batch(first, values)
+        except ValueError as exc:  # a stored value that does not parse
+            log.error("cannot serve %s from offset %d to a Kafka fetch: %s", part.topic, first, exc)
+            return None
 
     # ---------------------------------------------------------------- groups
 

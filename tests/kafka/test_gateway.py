@@ -397,3 +397,74 @@ def test_a_fetch_answer_is_bounded_by_max_bytes(kgw: KafkaGateway) -> None:
     assert p.error_code == 0 and p.high_watermark == 500
     assert 1000 < len(p.records) <= 10_000 + 200
     assert len(answer) < 12_000
+
+
+def test_a_record_without_timestamp_is_stamped_and_the_store_keeps_writing(kgw: KafkaGateway) -> None:
+    kgw.create_topic("nots", 1)
+    address = kgw.pmap.get("nots", 0).address
+    b = DefaultRecordBatchBuilder(2, 0, False, -1, -1, -1, 1 << 20)
+    b.append(0, -1, None, b"no timestamp", [])  # Kafka's NO_TIMESTAMP
+    b.append(1, -5, b"k", b"negative", [])
+    before = int(time.time() * 1000)
+    with socket.create_connection((HOST, kgw.kafka_port)) as s:
+        r = produce_raw(s, 1, "nots", bytes(b.build()))
+        assert (r.error_code, r.base_offset) == (0, 0)
+        r = produce_raw(s, 2, "nots", client_batch_of([b"after"]))
+        assert (r.error_code, r.base_offset) == (0, 2)
+    assert kgw.storage_error is None
+    _, values = kgw.db.fetch_raw("nots", address, 0, 10)
+    assert [int.from_bytes(v[:8], "big") >= before for v in values] == [True, True, True]
+
+
+def client_batch_of(values: list[bytes]) -> bytes:
+    b = DefaultRecordBatchBuilder(2, 0, False, -1, -1, -1, 1 << 20)
+    for i, v in enumerate(values):
+        b.append(i, int(time.time() * 1000), None, v, [])
+    return bytes(b.build())
+
+
+def test_kafka_and_tank_producing_to_one_partition_in_one_commit_stay_in_order(kgw: KafkaGateway) -> None:
+    import threading
+
+    kgw.create_topic("mix", 1)
+    address = kgw.pmap.get("mix", 0).address
+    with socket.create_connection((HOST, kgw.kafka_port)) as s:
+        assert produce_raw(s, 1, "mix", client_batch_of([b"k0"])).base_offset == 0  # now stored: pairs next
+        held = threading.Event()
+
+        def hold() -> None:
+            kgw._writer_busy = True  # as if a commit were running: records wait for the next one
+            held.set()
+
+        kgw.call_soon(hold)
+        assert held.wait(10)
+        req = ProduceRequest[7](
+            transactional_id=None, acks=-1, timeout_ms=5000,
+            topic_data=[ProduceRequest.TopicProduceData(name="mix", partition_data=[
+                ProduceRequest.TopicProduceData.PartitionProduceData(index=0, records=client_batch_of([b"k1", b"k2", b"k3"]))])],
+        )
+        s.sendall(frame(0, 7, 2, bytes(req.encode(version=7))))
+        wait_until(lambda: kgw.pending_records() == 3)
+        errors: list[Any] = []
+
+        def tank() -> None:
+            try:
+                with TankClient(HOST, kgw.tank_port) as t:
+                    t.produce("mix", 0, [b"t4", b"t5"])
+            except Exception as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=tank)
+        thread.start()
+        wait_until(lambda: kgw.pending_records() == 5)
+
+        def release() -> None:
+            kgw._writer_busy = False
+            kgw._flush_batch()
+
+        kgw.call_soon(release)
+        answer = ProduceResponse.decode(read_frame(s)[4:], version=7).responses[0].partition_responses[0]
+        thread.join(20)
+    assert (answer.error_code, answer.base_offset) == (0, 1)
+    assert errors == [] and kgw.storage_error is None
+    assert kgw.db.fetch("mix", address, 0, 10)[1] == [b"k0", b"k1", b"k2", b"k3", b"t4", b"t5"]
