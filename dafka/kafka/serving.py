@@ -28,12 +28,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import accumulate
+from operator import add
 from typing import Any, Protocol
 
 from dafka.errors import ProtocolError
-from dafka.kafka.codec import API_VERSIONS, Err, N, api_keys, encode_response
+from dafka.kafka.codec import API_VERSIONS, Err, N, api_keys, encode_fetch_response, encode_response
 from dafka.kafka.groups import Answer, Coordinator
 from dafka.kafka.records import Batch, decode_batches, encode_batch
 from dafka.store.layout import MAX_NAME
@@ -409,30 +412,30 @@ class KafkaServer:
                 part = parts[p.partition] if parts and 0 <= p.partition < len(parts) else None
                 if part is None:
                     faulted = True
-                    out.append(_fetch_part(p.partition, Err.UNKNOWN_TOPIC_OR_PARTITION, -1, -1, None))
+                    out.append((p.partition, Err.UNKNOWN_TOPIC_OR_PARTITION, -1, -1, b""))
                     continue
                 start, hwm = self._bounds(part)
                 off = p.fetch_offset
                 if off < start or off > hwm:
                     faulted = True
-                    out.append(_fetch_part(p.partition, Err.OFFSET_OUT_OF_RANGE, hwm, start, None))
+                    out.append((p.partition, Err.OFFSET_OUT_OF_RANGE, hwm, start, b""))
                     continue
-                records = None
+                records = b""  # an empty record set, never null: librdkafka refuses null
                 if off < hwm and (budget > 0 or size == 0):
                     limit = max(1, min(p.partition_max_bytes, self.partition_cap, budget))
-                    records = self._read(part, off, hwm, limit)
-                    if records is None:
+                    read = self._read(part, off, hwm, limit)
+                    if read is None:
                         faulted = True
-                        out.append(_fetch_part(p.partition, Err.KAFKA_STORAGE_ERROR, hwm, start, None))
+                        out.append((p.partition, Err.KAFKA_STORAGE_ERROR, hwm, start, b""))
                         continue
+                    records = read
                     size += len(records)
                     budget -= len(records)
                 elif off >= hwm:
                     waiting.append((part.topic, part.address))
-                out.append(_fetch_part(p.partition, 0, hwm, start, records))
-            topics.append(N(topic=t.topic, partitions=out))
-        data = encode_response(corr, 1, v, throttle_time_ms=0, error_code=0, session_id=0, responses=topics)
-        return data, size, waiting, faulted
+                out.append((p.partition, 0, hwm, start, records))
+            topics.append((t.topic, out))
+        return encode_fetch_response(corr, v, topics), size, waiting, faulted
 
     def _read(self, part: TankPartition, off: int, hwm: int, limit: int) -> bytes | None:
         """One batch of whole records from ``off``, at most ``limit`` bytes of values
@@ -445,14 +448,10 @@ class KafkaServer:
             return None
         if not values:
             return b""
-        total = 61
-        keep = 0
-        for v in values:
-            total += len(v) + 8  # a record costs about its stored size plus a few varints
-            if total > limit and keep:
-                break
-            keep += 1
-        del values[keep:]
+        # A record costs about its stored size plus a few varints: keep what fits.
+        costs = list(map(add, accumulate(map(len, values)), range(8, 8 * len(values) + 1, 8)))
+        if costs[-1] + 61 > limit:
+            del values[max(1, bisect_right(costs, limit - 61)) :]
         try:
             return encode_batch(first, values)
         except ValueError as exc:  # a stored value that does not parse
@@ -575,12 +574,6 @@ class KafkaServer:
                 out.append(N(partition_index=i, committed_offset=off, committed_leader_epoch=-1, metadata="", error_code=0))
             topics.append(N(name=name, partitions=out))
         return self._reply(corr, 9, v, throttle_time_ms=0, topics=topics, error_code=0)
-
-
-def _fetch_part(index: int, code: int, hwm: int, start: int, records: bytes | None) -> Any:
-    return N(partition_index=index, error_code=code, high_watermark=hwm, last_stable_offset=hwm,
-             log_start_offset=start, aborted_transactions=None, preferred_read_replica=-1,
-             records=b"" if records is None else records)  # librdkafka refuses a null record set
 
 
 _HANDLERS = {

@@ -198,3 +198,19 @@ def test_store_pairs_agree_on_out_of_range_input(recs: list, pid: int) -> None:
     if pid < 0:
         return  # an unsigned argument in the compiled twin: OverflowError, never passed by the gateway
     both("store_pairs", [Record(*r) for r in recs], pid, 7)
+
+
+@pytest.mark.parametrize("version", range(12))
+def test_the_fetch_envelope_is_what_the_generic_encoder_writes(version: int) -> None:
+    from dafka.kafka.codec import N, encode_fetch_response, encode_response
+
+    batch = client_batch([(1000, b"k", b"v", [("h", b"1")])])
+    topics = [("a", [(0, 0, 10, 2, batch), (3, 1, 10, 0, b"")]), ("b.é", [(1, 3, -1, -1, b"")]), ("c", [])]
+    generic = encode_response(
+        7, 1, version, throttle_time_ms=0, error_code=0, session_id=0,
+        responses=[N(topic=name, partitions=[
+            N(partition_index=i, error_code=c, high_watermark=h, last_stable_offset=h, log_start_offset=s,
+              aborted_transactions=None, preferred_read_replica=-1, records=r)
+            for i, c, h, s, r in parts]) for name, parts in topics],
+    )
+    assert encode_fetch_response(7, version, topics) == generic
