@@ -35,6 +35,7 @@ from typing import Any
 
 import zmq
 
+from dafka import wire
 from dafka.errors import ProtocolError
 from dafka.kafka.codec import DEFAULT_MAX_FRAME, FrameReader, decode_request
 from dafka.kafka.records import Batch, make_ext, store_pairs
@@ -118,6 +119,7 @@ class KafkaGateway(Gateway):
             self._kparked: list[tuple[_Slot, ParkedFetch]] = []
             self._kthrottled: list[_Conn] = []
             self._kpids: dict[tuple[str, str], int] = {}  # owned partitions stored: their pid
+            self._kcommit_id = 0
             self.kafka_refused = 0
             extra = {} if kafka_fetch_cap is None else {"fetch_cap": kafka_fetch_cap}
             self.kafka = KafkaServer(
@@ -149,6 +151,12 @@ class KafkaGateway(Gateway):
 
     def put_positions(self, group: str, positions: dict[tuple[str, str], int]) -> None:
         self.db.put_positions(group, positions)
+
+    def broadcast_positions(self, group: str, positions: dict[tuple[str, str], int]) -> None:
+        """Send a group's committed positions to every store (a COMMIT, as Dafka members send)."""
+        self._kcommit_id += 1
+        entries = tuple((t, p, o) for (t, p), o in sorted(positions.items()))
+        self.send(wire.Commit(group, self.address, self._kcommit_id, entries))
 
     def create_topic(self, name: str, partitions: int) -> bool:
         if not valid_topic_name(name) or self.pmap.partitions(name) is not None or self.db.partitions(name):

@@ -66,6 +66,7 @@ class Backend(Protocol):
     def storage_failed(self) -> bool: ...
     def positions(self, group: str) -> dict[tuple[str, str], int]: ...
     def put_positions(self, group: str, positions: dict[tuple[str, str], int]) -> None: ...
+    def broadcast_positions(self, group: str, positions: dict[tuple[str, str], int]) -> None: ...
 
 
 @dataclass(slots=True)
@@ -546,6 +547,12 @@ class KafkaServer:
                     for p in t.partitions:
                         if p.error_code == Err.NONE:
                             p.error_code = Err.KAFKA_STORAGE_ERROR if not isinstance(exc, ValueError) else Err.INVALID_REQUEST
+            else:
+                # As a Dafka member's COMMIT does: every store of the mesh records them too.
+                try:
+                    self.backend.broadcast_positions(req.group_id, positions)
+                except Exception as exc:  # the local commit stands; other stores miss this one
+                    log.warning("cannot send the commit of group %s to the mesh: %s", req.group_id, exc)
         return self._reply(corr, 8, v, throttle_time_ms=0, topics=topics)
 
     def _offset_fetch(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:

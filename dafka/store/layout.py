@@ -156,6 +156,34 @@ def unpack_value(value: bytes) -> tuple[int, int, bytes | None, bytes]:
     return ts_ms, flags, None, bytes(value[9:])
 
 
+def without_kafka_extras(value: bytes) -> bytes:
+    """A stored value whose key slot holds a Kafka key and headers (FLAG_KAFKA) as one
+    that holds the key alone, or no key for a null one: what a reader of keys sees.
+
+    Other values come back unchanged; a slot that does not parse stays the key.
+    """
+    flags = value[8] if len(value) > 9 else 0
+    if not flags & FLAG_KAFKA or not flags & FLAG_KEY:
+        return value
+    end = min(10 + value[9], len(value))
+    # zigzag(keyLength) as a varint, then the key (then the headers, dropped here).
+    zz = shift = 0
+    p = 10
+    while p < end and shift <= 63:
+        b = value[p]
+        zz |= (b & 0x7F) << shift
+        p += 1
+        if b < 0x80:
+            klen = (zz >> 1) ^ -(zz & 1)
+            if klen < 0:
+                return value[:8] + bytes((flags & ~(FLAG_KAFKA | FLAG_KEY),)) + value[end:]
+            if p + klen <= end:
+                return value[:8] + bytes((flags & ~FLAG_KAFKA, klen)) + value[p : p + klen] + value[end:]
+            break
+        shift += 7
+    return value[:8] + bytes((flags & ~FLAG_KAFKA,)) + value[9:]
+
+
 def value_content(value: bytes) -> bytes:
     """Only the content of a stored value (what a plain Dafka consumer gets); ValueError if too short."""
     size = len(value)

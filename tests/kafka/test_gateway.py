@@ -160,6 +160,21 @@ def test_commit_and_resume_and_dafka_group_sees_the_same_positions(kgw: KafkaGat
     assert [m.offset() for m in rest] == list(range(40, 100))
 
 
+def test_a_kafka_commit_reaches_the_other_stores_of_the_mesh(kgw: KafkaGateway, cfg: NodeConfig, tmp_path: Path) -> None:
+    from dafka.store.node import Store
+
+    ck_produce(kgw, "bc", [(None, b"r%d" % i, None) for i in range(10)])
+    address = kgw.pmap.get("bc", 0).address
+    with Store(tmp_path / "other", cfg) as other:
+        # The other store hears the gateway (its beacons) before the commit goes out.
+        wait_until(lambda: other.heads().get(("bc", address)) == 9, 20)
+        c = CKConsumer({"bootstrap.servers": bs(kgw), "group.id": "wide", "enable.auto.commit": False})
+        c.commit(offsets=[TopicPartition("bc", 0, 6)], asynchronous=False)
+        c.close()
+        assert kgw.db.positions("wide") == {("bc", address): 6}
+        wait_until(lambda: other.db.positions("wide") == {("bc", address): 6}, 20)
+
+
 def test_kafka_reads_commits_a_dafka_group_made(kgw: KafkaGateway, cfg: NodeConfig) -> None:
     ck_produce(kgw, "dg", [(None, b"r%d" % i, None) for i in range(10)])
     kgw.db.put_positions("dgroup", {("dg", kgw.pmap.get("dg", 0).address): 7})
@@ -191,6 +206,16 @@ def test_dafka_producer_records_read_by_kafka_and_kafka_cannot_write_them(kgw: K
     p.produce("mesh", b"x", partition=0, on_delivery=lambda err, msg: errors.append(err))
     p.flush(20)
     assert errors and errors[0] is not None and errors[0].code() == KafkaError.POLICY_VIOLATION
+
+
+def test_tank_sees_the_key_of_a_kafka_record_with_headers_not_its_headers(kgw: KafkaGateway) -> None:
+    ck_produce(kgw, "hk", [(b"key", b"v0", [("h", b"1")]), (None, b"v1", [("only", b"header")]), (b"plain", b"v2", None)])
+    with TankClient(HOST, kgw.tank_port) as t:
+        r = t.consume("hk", 0, 0, 1 << 20)
+    assert [(s, None if k is None else bytes(k), bytes(v)) for s, _ts, k, v in r.messages] == [
+        (1, b"key", b"v0"), (2, None, b"v1"), (3, b"plain", b"v2")]
+    got = ck_consume(kgw, ["hk"], 3)  # Kafka still gets the headers back
+    assert [(m.key(), m.headers()) for m in got] == [(b"key", [("h", b"1")]), (None, [("only", b"header")]), (b"plain", None)]
 
 
 def test_kafka_records_read_by_a_dafka_consumer_and_over_tank(kgw: KafkaGateway, cfg: NodeConfig) -> None:

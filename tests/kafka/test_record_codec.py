@@ -214,3 +214,12 @@ def test_the_fetch_envelope_is_what_the_generic_encoder_writes(version: int) -> 
             for i, c, h, s, r in parts]) for name, parts in topics],
     )
     assert encode_fetch_response(7, version, topics) == generic
+
+
+@given(st.binary(max_size=40))
+def test_a_tank_view_of_any_kafka_slot_never_raises(slot: bytes) -> None:
+    from dafka.store.layout import without_kafka_extras
+
+    v = VALUE_HEADER.pack(1, FLAG_KEY | FLAG_KAFKA) + bytes((min(len(slot), 255),)) + slot + b"content"
+    out = without_kafka_extras(v)
+    assert out.endswith(b"content") and not out[8] & FLAG_KAFKA
