@@ -534,12 +534,18 @@ class KafkaGateway(Gateway):
                 self._kclose(conn, f"send failed: {exc}")
                 return
             if n == len(data):
+                self._kread_ahead()
                 return
             conn.out.append(memoryview(data)[n:])
             conn.out_size += len(data) - n
         if conn.out_size > MAX_OUTPUT:
             conn.reading = False  # a client that does not read its answers
         self._kupdate(conn)
+
+    def _kread_ahead(self) -> None:
+        """An answer went out whole: encode what its consumer will ask for next meanwhile."""
+        if self.kafka.ahead_wanted:
+            self.kafka.read_ahead()
 
     def _kflush(self, conn: _Conn) -> None:
         out = conn.out
@@ -562,6 +568,7 @@ class KafkaGateway(Gateway):
             return
         self._kupdate(conn)
         if not out:
+            self._kread_ahead()
             self._drain(conn)
 
     def _kclose(self, conn: _Conn, why: str | None, bad: bool = False) -> None:

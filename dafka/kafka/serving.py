@@ -38,7 +38,7 @@ from typing import Any, Protocol
 from dafka.errors import ProtocolError
 from dafka.kafka.codec import API_VERSIONS, Err, N, api_keys, encode_fetch_response, encode_response
 from dafka.kafka.groups import Answer, Coordinator
-from dafka.kafka.records import Batch, decode_batches, encode_batch
+from dafka.kafka.records import Batch, batch_record_count, decode_batches, encode_batch
 from dafka.store.layout import MAX_NAME
 from dafka.tank.mapping import PARTITIONS_TOPIC, PartitionMap, TankPartition, valid_topic_name
 
@@ -51,6 +51,8 @@ DEFAULT_FETCH_CAP = 16 << 20  # bytes of records in one Fetch answer, whatever t
 DEFAULT_PARTITION_CAP = 8 << 20  # ... and in one partition of it
 MAX_FETCH_RECORDS = 65_536  # records read for one partition of one answer
 MAX_CREATE_PARTITIONS = 10_000
+AHEAD_BYTES = 64 << 20  # batches encoded ahead of the fetches that will want them, in all
+MAX_AHEAD_PARTITIONS = 1024
 
 
 class Backend(Protocol):
@@ -124,6 +126,11 @@ class KafkaServer:
         self.partition_cap = partition_cap
         self.coordinator = Coordinator()
         self._producers: OrderedDict[int, _ProducerState] = OrderedDict()
+        # Read ahead: the next batch of partitions being read, encoded before it is asked for.
+        self._ahead: dict[tuple[str, str], tuple[int, int, bytes]] = {}  # key -> (offset, limit, batch)
+        self._ahead_bytes = 0
+        self._wanted: dict[tuple[str, str], tuple[TankPartition, int, int]] = {}
+        self.ahead_hits = 0  # fetches answered from a batch encoded ahead
         # Producer ids unique across restarts: the start time in ms, shifted, plus a counter.
         self._next_pid = itertools.count((int(time.time() * 1000) & ((1 << 41) - 1)) << 20)
         #: Answers of group requests that waited, for the shell to send.
@@ -440,7 +447,54 @@ class KafkaServer:
 
     def _read(self, part: TankPartition, off: int, hwm: int, limit: int) -> bytes | None:
         """One batch of whole records from ``off``, at most ``limit`` bytes of values
-        (but at least one record, as KIP-74 wants)."""
+        (but at least one record, as KIP-74 wants).
+
+        A consumer reading a backlog asks next for where this answer ends, with
+        the same limit: that batch is encoded ahead (:meth:`read_ahead`, called
+        by the shell once the answer is sent), so it is ready when the request
+        comes, and the gateway encodes while the client decodes.
+        """
+        key = (part.topic, part.address)
+        ahead = self._ahead.pop(key, None)
+        if ahead is not None:
+            self._ahead_bytes -= len(ahead[2])
+            if ahead[0] == off and ahead[1] == limit:
+                self.ahead_hits += 1
+                data = ahead[2]
+                self._want_ahead(part, off + batch_record_count(data), hwm, limit)
+                return data
+        data = self._encode_read(part, off, hwm, limit)
+        if data:
+            self._want_ahead(part, off + batch_record_count(data), hwm, limit)
+        return data
+
+    def _want_ahead(self, part: TankPartition, nxt: int, hwm: int, limit: int) -> None:
+        if nxt < hwm and len(self._wanted) < MAX_AHEAD_PARTITIONS:
+            self._wanted[(part.topic, part.address)] = (part, nxt, limit)
+
+    @property
+    def ahead_wanted(self) -> bool:
+        """Whether :meth:`read_ahead` has work."""
+        return bool(self._wanted)
+
+    def read_ahead(self) -> None:
+        """Encode the batches consumers will ask for next (at most AHEAD_BYTES held)."""
+        wanted, self._wanted = self._wanted, {}
+        for key, (part, off, limit) in wanted.items():
+            if self._ahead_bytes + limit > AHEAD_BYTES:
+                break
+            hwm = self._bounds(part)[1]
+            if off >= hwm:
+                continue
+            data = self._encode_read(part, off, hwm, limit)
+            if data:
+                old = self._ahead.pop(key, None)
+                if old is not None:
+                    self._ahead_bytes -= len(old[2])
+                self._ahead[key] = (off, limit, data)
+                self._ahead_bytes += len(data)
+
+    def _encode_read(self, part: TankPartition, off: int, hwm: int, limit: int) -> bytes | None:
         count = min(MAX_FETCH_RECORDS, hwm - off, max(1, limit // 16))
         try:
             first, values = self.backend.fetch_raw(part.topic, part.address, off, count)

@@ -457,3 +457,29 @@ def test_kafka_and_tank_producing_to_one_partition_in_one_commit_stay_in_order(k
     assert (answer.error_code, answer.base_offset) == (0, 1)
     assert errors == [] and kgw.storage_error is None
     assert kgw.db.fetch("mix", address, 0, 10)[1] == [b"k0", b"k1", b"k2", b"k3", b"t4", b"t5"]
+
+
+def test_a_backlog_read_in_small_fetches_is_served_from_batches_encoded_ahead(kgw: KafkaGateway) -> None:
+    from kafka import TopicPartition as TP
+
+    from dafka.kafka.serving import AHEAD_BYTES
+
+    ck_produce(kgw, "ahead", [(None, b"r%05d" % i, None) for i in range(3000)])
+    c = KafkaConsumer(bootstrap_servers=bs(kgw), auto_offset_reset="earliest", group_id=None,
+                      max_partition_fetch_bytes=2048, enable_auto_commit=False)
+    c.assign([TP("ahead", 0)])
+    got: list[int] = []
+    deadline = time.monotonic() + 30
+    seeked = False
+    while (not seeked or len(got) < 2000) and time.monotonic() < deadline:
+        for records in c.poll(200).values():
+            got += [int(r.value[1:]) for r in records]
+        if len(got) >= 1000 and not seeked:  # jump back: what was encoded ahead is not what is asked
+            c.seek(TP("ahead", 0), 2500)
+            seeked = True
+            got = got[:1000]
+            ck_produce(kgw, "ahead", [(None, b"r%05d" % i, None) for i in range(3000, 3500)])
+    c.close()
+    assert got == list(range(1000)) + list(range(2500, 3500))
+    assert kgw.kafka.ahead_hits > 10
+    assert kgw.kafka._ahead_bytes <= AHEAD_BYTES
