@@ -545,7 +545,7 @@ class KafkaGateway(Gateway):
     def _kread_ahead(self) -> None:
         """An answer went out whole: encode what its consumer will ask for next meanwhile."""
         if self.kafka.ahead_wanted:
-            self.kafka.read_ahead()
+            self.kafka.read_ahead(time.monotonic())
 
     def _kflush(self, conn: _Conn) -> None:
         out = conn.out

@@ -53,6 +53,7 @@ MAX_FETCH_RECORDS = 65_536  # records read for one partition of one answer
 MAX_CREATE_PARTITIONS = 10_000
 AHEAD_BYTES = 64 << 20  # batches encoded ahead of the fetches that will want them, in all
 MAX_AHEAD_PARTITIONS = 1024
+AHEAD_SECONDS = 5.0  # a batch encoded ahead and not asked for within this is dropped
 
 
 class Backend(Protocol):
@@ -127,10 +128,12 @@ class KafkaServer:
         self.coordinator = Coordinator()
         self._producers: OrderedDict[int, _ProducerState] = OrderedDict()
         # Read ahead: the next batch of partitions being read, encoded before it is asked for.
-        self._ahead: dict[tuple[str, str], tuple[int, int, bytes]] = {}  # key -> (offset, limit, batch)
+        # key -> (offset, limit, batch, when encoded)
+        self._ahead: dict[tuple[str, str], tuple[int, int, bytes, float]] = {}
         self._ahead_bytes = 0
         self._wanted: dict[tuple[str, str], tuple[TankPartition, int, int]] = {}
         self.ahead_hits = 0  # fetches answered from a batch encoded ahead
+        self.ahead_seconds = AHEAD_SECONDS
         # Producer ids unique across restarts: the start time in ms, shifted, plus a counter.
         self._next_pid = itertools.count((int(time.time() * 1000) & ((1 << 41) - 1)) << 20)
         #: Answers of group requests that waited, for the shell to send.
@@ -477,8 +480,9 @@ class KafkaServer:
         """Whether :meth:`read_ahead` has work."""
         return bool(self._wanted)
 
-    def read_ahead(self) -> None:
-        """Encode the batches consumers will ask for next (at most AHEAD_BYTES held)."""
+    def read_ahead(self, now: float) -> None:
+        """Encode the batches consumers will ask for next (at most AHEAD_BYTES held,
+        each for AHEAD_SECONDS unless asked for)."""
         wanted, self._wanted = self._wanted, {}
         for key, (part, off, limit) in wanted.items():
             if self._ahead_bytes + limit > AHEAD_BYTES:
@@ -491,7 +495,7 @@ class KafkaServer:
                 old = self._ahead.pop(key, None)
                 if old is not None:
                     self._ahead_bytes -= len(old[2])
-                self._ahead[key] = (off, limit, data)
+                self._ahead[key] = (off, limit, data, now)
                 self._ahead_bytes += len(data)
 
     def _encode_read(self, part: TankPartition, off: int, hwm: int, limit: int) -> bytes | None:
@@ -573,6 +577,9 @@ class KafkaServer:
 
     def tick(self, now: float) -> None:
         self.released.extend(self.coordinator.tick(now))
+        if self._ahead:
+            for key in [k for k, a in self._ahead.items() if now - a[3] > self.ahead_seconds]:
+                self._ahead_bytes -= len(self._ahead.pop(key)[2])
 
     # ---------------------------------------------------------------- offsets
 

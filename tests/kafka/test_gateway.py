@@ -464,6 +464,7 @@ def test_a_backlog_read_in_small_fetches_is_served_from_batches_encoded_ahead(kg
 
     from dafka.kafka.serving import AHEAD_BYTES
 
+    kgw.kafka.ahead_seconds = 1.0
     ck_produce(kgw, "ahead", [(None, b"r%05d" % i, None) for i in range(3000)])
     c = KafkaConsumer(bootstrap_servers=bs(kgw), auto_offset_reset="earliest", group_id=None,
                       max_partition_fetch_bytes=2048, enable_auto_commit=False)
@@ -483,3 +484,12 @@ def test_a_backlog_read_in_small_fetches_is_served_from_batches_encoded_ahead(kg
     assert got == list(range(1000)) + list(range(2500, 3500))
     assert kgw.kafka.ahead_hits > 10
     assert kgw.kafka._ahead_bytes <= AHEAD_BYTES
+    # A reader that stops half way: what was encoded for it goes after ahead_seconds.
+    c = KafkaConsumer(bootstrap_servers=bs(kgw), group_id=None, max_partition_fetch_bytes=2048,
+                      enable_auto_commit=False)
+    c.assign([TP("ahead", 0)])
+    c.seek(TP("ahead", 0), 0)
+    wait_until(lambda: bool(c.poll(100)), 10)
+    c.close()
+    wait_until(lambda: kgw.kafka._ahead_bytes > 0, 10)
+    wait_until(lambda: kgw.kafka._ahead_bytes == 0, 10)
