@@ -53,6 +53,7 @@ MAX_FETCH_RECORDS = 65_536  # records read for one partition of one answer
 MAX_CREATE_PARTITIONS = 10_000
 AHEAD_BYTES = 64 << 20  # batches encoded ahead of the fetches that will want them, in all
 MAX_AHEAD_PARTITIONS = 1024
+COLD_READ_BYTES = 1 << 20  # at most this much in an answer not encoded ahead (Kafka's default max.partition.fetch.bytes)
 AHEAD_SECONDS = 5.0  # a batch encoded ahead and not asked for within this is dropped
 
 
@@ -466,7 +467,9 @@ class KafkaServer:
                 data = ahead[2]
                 self._want_ahead(part, off + batch_record_count(data), hwm, limit)
                 return data
-        data = self._encode_read(part, off, hwm, limit)
+        # Not asked for ahead: a short first answer comes back sooner, and the
+        # full-size next one is encoded while it travels.
+        data = self._encode_read(part, off, hwm, min(limit, COLD_READ_BYTES))
         if data:
             self._want_ahead(part, off + batch_record_count(data), hwm, limit)
         return data
