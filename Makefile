@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 
 # The install also compiles the I/O extension in place (setup.py, Cython from
 # the build requirements); a failed compile leaves the pure-Python twin.
-$(STAMP): pyproject.toml setup.py dafka/fastio/_compiled.pyx dafka/fastio/zmq_api.h
+$(STAMP): pyproject.toml setup.py dafka/fastio/_compiled.pyx dafka/fastio/zmq_api.h dafka/kafka/_compiled.pyx
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test,spark]'
@@ -39,7 +39,7 @@ lint: setup
 # mesh, store and wire tests again on the pure-Python twin.
 test: setup lint
 	DAFKA_REQUIRE_EXTENSIONS=1 $(BIN)/pytest
-	DAFKA_NO_EXTENSIONS=1 $(BIN)/pytest tests/test_mesh.py tests/test_batches.py tests/test_store_node.py tests/test_wire.py tests/test_fastio.py
+	DAFKA_NO_EXTENSIONS=1 $(BIN)/pytest tests/test_mesh.py tests/test_batches.py tests/test_store_node.py tests/test_wire.py tests/test_fastio.py tests/kafka/test_records.py
 
 bench: setup
 	$(BIN)/dafka bench live --records 1000000 --runs 3

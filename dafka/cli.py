@@ -494,20 +494,39 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
             f"the Tank port would listen on {listen[0]}, and the Tank protocol has no authentication: "
             "pass --allow-clients NET[,NET...] (e.g. 10.0.0.0/8), listen on 127.0.0.1, or pass --insecure"
         )
+    kafka_text = args.kafka_listen or section.get("kafka_listen")
+    kafka_listen = parse_listen(kafka_text, 9092) if kafka_text else None
+    if kafka_listen is not None and not is_loopback(kafka_listen[0]) and clients is None and not args.insecure:
+        raise ConfigError(
+            f"the Kafka port would listen on {kafka_listen[0]} without authentication: "
+            "pass --allow-clients NET[,NET...], listen on 127.0.0.1, or pass --insecure"
+        )
     signals = StopSignals()
     try:
-        gateway = Gateway(
-            db, cfg, listen=listen, sync=sync, retention=policy, allow_clients=clients, limits=limits
-        )
+        if kafka_listen is not None:
+            from dafka.kafka.gateway import KafkaGateway
+
+            advertise = args.kafka_advertise or section.get("kafka_advertise")
+            gateway = KafkaGateway(
+                db, cfg, listen=listen, sync=sync, retention=policy, allow_clients=clients, limits=limits,
+                kafka_listen=kafka_listen,
+                kafka_advertise=parse_listen(advertise, 9092, minimum_port=1) if advertise else None,
+            )
+        else:
+            gateway = Gateway(
+                db, cfg, listen=listen, sync=sync, retention=policy, allow_clients=clients, limits=limits
+            )
     except lmdb.Error as exc:
         raise open_error(db, exc) from None
     except OSError as exc:
         if exc.filename is not None:  # a file of the database, not the socket
             raise
         raise DafkaError(f"cannot listen on {listen[0]}:{listen[1]}: {exc.strerror or exc}") from None
+    kafka_port = getattr(gateway, "kafka_port", None)
+    kafka_note = f", Kafka on {kafka_listen[0]}:{kafka_port}" if kafka_listen is not None else ""
     with gateway:
         print(
-            f"gateway up: Tank on {listen[0]}:{gateway.tank_port}, store {gateway.address} db {db}"
+            f"gateway up: Tank on {listen[0]}:{gateway.tank_port}{kafka_note}, store {gateway.address} db {db}"
             f" (sync={'on' if sync else 'OFF'})",
             flush=True,
         )
@@ -856,9 +875,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retention-bytes", type=count_arg, help="default retention: bytes to keep per topic")
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
 
-    p = sub.add_parser("gateway", help="run a Tank-protocol gateway (also a full store)")
+    p = sub.add_parser("gateway", help="run a Tank-protocol (and optionally Kafka-protocol) gateway (also a full store)")
     _add_node_flags(p)
     p.add_argument("--listen", type=listen_arg, help="Tank address HOST:PORT (default 127.0.0.1:11011; port 0: any free port)")
+    p.add_argument(
+        "--kafka-listen", metavar="HOST:PORT",
+        help="also speak Kafka here (or [gateway] kafka_listen; port 0: any free port)",
+    )
+    p.add_argument(
+        "--kafka-advertise", metavar="HOST:PORT",
+        help="the address Kafka clients are told to connect to (default: the Kafka listen address)",
+    )
     p.add_argument(
         "--insecure", action="store_true", help="allow binding or listening beyond loopback without security"
     )

@@ -154,6 +154,8 @@ SCHEMA: dict[str, dict[str, Spec]] = {
         "sync": Spec("bool"),
         "metrics": Spec("str"),
         "allow_clients": Spec("strs"),
+        "kafka_listen": Spec("str"),
+        "kafka_advertise": Spec("str"),
         "retention": Spec("table", table="retention"),
         # The Tank port's limits (dafka.tank.limits.GatewayLimits checks them again).
         "max_connections": Spec("int", 1, 2**31 - 1),

@@ -374,6 +374,8 @@ def _pack_records(
         if len(rec) > 5 and (rec[5] is not None or (len(rec) > 6 and rec[6])):
             key = rec[5]
             flags = FLAG_PRODUCER_TS if len(rec) > 6 and rec[6] else 0
+            if len(rec) > 7:
+                flags |= rec[7]  # e.g. FLAG_KAFKA: the key slot holds a Kafka key and headers
             if key is None:
                 value = pack_hdr(rec[4], flags) + content
             else:

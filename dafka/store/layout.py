@@ -25,6 +25,10 @@ FORMAT_VERSION = 1
 FLAG_KEY = 0x01
 #: Value flag: ``ts_ms`` was supplied by the producer (Tank), not stamped by the store.
 FLAG_PRODUCER_TS = 0x02
+#: Value flag (with FLAG_KEY): the key slot holds a Kafka record's key and headers
+#: as the record carries them (``zigzag(keyLength) key headerCount headers...``).
+#: Readers that know only FLAG_KEY skip the slot and still get the content.
+FLAG_KAFKA = 0x04
 
 MAX_NAME = 255  # topic, partition and key lengths are one byte
 # LMDB's key size limit (MDB_MAXKEYSIZE, 511): with both names at 255 bytes a
@@ -152,6 +156,34 @@ def unpack_value(value: bytes) -> tuple[int, int, bytes | None, bytes]:
         klen = value[9]
         return ts_ms, flags, bytes(value[10 : 10 + klen]), bytes(value[10 + klen :])
     return ts_ms, flags, None, bytes(value[9:])
+
+
+def without_kafka_extras(value: bytes) -> bytes:
+    """A stored value whose key slot holds a Kafka key and headers (FLAG_KAFKA) as one
+    that holds the key alone, or no key for a null one: what a reader of keys sees.
+
+    Other values come back unchanged; a slot that does not parse stays the key.
+    """
+    flags = value[8] if len(value) > 9 else 0
+    if not flags & FLAG_KAFKA or not flags & FLAG_KEY:
+        return value
+    end = min(10 + value[9], len(value))
+    # zigzag(keyLength) as a varint, then the key (then the headers, dropped here).
+    zz = shift = 0
+    p = 10
+    while p < end and shift <= 63:
+        b = value[p]
+        zz |= (b & 0x7F) << shift
+        p += 1
+        if b < 0x80:
+            klen = (zz >> 1) ^ -(zz & 1)
+            if klen < 0:
+                return value[:8] + bytes((flags & ~(FLAG_KAFKA | FLAG_KEY),)) + value[end:]
+            if p + klen <= end:
+                return value[:8] + bytes((flags & ~FLAG_KAFKA, klen)) + value[p : p + klen] + value[end:]
+            break
+        shift += 7
+    return value[:8] + bytes((flags & ~FLAG_KAFKA,)) + value[9:]
 
 
 def value_content(value: bytes) -> bytes:

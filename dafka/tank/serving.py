@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import snappy
 
-from dafka.store.layout import FLAG_KEY
+from dafka.store.layout import FLAG_KAFKA, FLAG_KEY, without_kafka_extras
 from dafka.tank.bundle import BUNDLE_COUNT_SHIFT, CODEC_SNAPPY, MAX_INLINE_COUNT
 from dafka.tank.codec import UINT64_MAX, encode_varint
 
@@ -102,6 +102,8 @@ def stored_bundle(values: list[bytes], compress: bool = True) -> bytes:
             app(same_short[n] if n < 128 else byte[_SAME_TS] + encode_varint(n))
             app(v[9:])
             continue
+        if v[8] & FLAG_KAFKA:
+            v = without_kafka_extras(v)  # a Kafka record: Tank sees its key, not its headers
         ts = v[:8]
         if v[8] & FLAG_KEY:
             kl = v[9]

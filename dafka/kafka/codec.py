@@ -1,0 +1,339 @@
+"""Kafka wire glue, sans-IO: frames, request headers, and the message codec.
+
+Message bodies are encoded and decoded by kafka-python's protocol module
+(``kafka.protocol``), which is generated from Kafka's own JSON message
+schemas and covers every version of every API we serve, down to version 0
+(see the README for why it was chosen over ``kio``).  This module only adds
+what a server needs around it: size-prefixed frames read with bounds, request
+headers, the table of versions we serve, and error codes.
+
+A frame is ``size:i32 payload``; a request payload starts with the header
+``api_key:i16 api_version:i16 correlation_id:i32 client_id:nullable string``
+(plus tagged fields for flexible versions); every response we send has the
+v0 header, ``correlation_id:i32``, since all versions served are
+non-flexible except ApiVersions v3, whose response header is v0 anyway.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from types import SimpleNamespace
+from typing import Any, NamedTuple
+
+from kafka.protocol.admin import CreateTopicsRequest, CreateTopicsResponse
+from kafka.protocol.consumer import (
+    FetchRequest,
+    FetchResponse,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    JoinGroupRequest,
+    JoinGroupResponse,
+    LeaveGroupRequest,
+    LeaveGroupResponse,
+    ListOffsetsRequest,
+    ListOffsetsResponse,
+    OffsetCommitRequest,
+    OffsetCommitResponse,
+    OffsetFetchRequest,
+    OffsetFetchResponse,
+    SyncGroupRequest,
+    SyncGroupResponse,
+)
+from kafka.protocol.metadata import (
+    ApiVersionsRequest,
+    ApiVersionsResponse,
+    FindCoordinatorRequest,
+    FindCoordinatorResponse,
+    MetadataRequest,
+    MetadataResponse,
+)
+from kafka.protocol.producer import (
+    InitProducerIdRequest,
+    InitProducerIdResponse,
+    ProduceRequest,
+    ProduceResponse,
+)
+
+from dafka.errors import ProtocolError
+
+__all__ = [
+    "API",
+    "DEFAULT_MAX_FRAME",
+    "ApiSpec",
+    "Err",
+    "FrameReader",
+    "RequestHeader",
+    "decode_request",
+    "encode_fetch_response",
+    "encode_response",
+    "N",
+]
+
+#: Nested response items: any object with the right attributes encodes.
+N = SimpleNamespace
+
+#: Requests larger than this close the connection (Kafka's socket.request.max.bytes).
+DEFAULT_MAX_FRAME = 100 << 20
+
+_I32 = struct.Struct(">i")
+_HEADER = struct.Struct(">hhi")
+
+
+class Err:
+    """Kafka error codes used by the gateway."""
+
+    NONE = 0
+    OFFSET_OUT_OF_RANGE = 1
+    CORRUPT_MESSAGE = 2
+    UNKNOWN_TOPIC_OR_PARTITION = 3
+    LEADER_NOT_AVAILABLE = 5
+    NOT_LEADER_OR_FOLLOWER = 6
+    REQUEST_TIMED_OUT = 7
+    MESSAGE_TOO_LARGE = 10
+    COORDINATOR_NOT_AVAILABLE = 15
+    NOT_COORDINATOR = 16
+    INVALID_TOPIC_EXCEPTION = 17
+    INVALID_REQUIRED_ACKS = 21
+    ILLEGAL_GENERATION = 22
+    INCONSISTENT_GROUP_PROTOCOL = 23
+    INVALID_GROUP_ID = 24
+    UNKNOWN_MEMBER_ID = 25
+    INVALID_SESSION_TIMEOUT = 26
+    REBALANCE_IN_PROGRESS = 27
+    TOPIC_AUTHORIZATION_FAILED = 29
+    UNSUPPORTED_VERSION = 35
+    TOPIC_ALREADY_EXISTS = 36
+    INVALID_PARTITIONS = 37
+    INVALID_REQUEST = 42
+    POLICY_VIOLATION = 44
+    OUT_OF_ORDER_SEQUENCE_NUMBER = 45
+    DUPLICATE_SEQUENCE_NUMBER = 46
+    INVALID_PRODUCER_EPOCH = 47
+    KAFKA_STORAGE_ERROR = 56
+    UNKNOWN_PRODUCER_ID = 59
+    MEMBER_ID_REQUIRED = 79
+    INVALID_RECORD = 87
+
+
+class ApiSpec(NamedTuple):
+    key: int
+    min_version: int
+    max_version: int
+    request: Any
+    response: Any
+
+
+#: What the gateway serves: every version non-flexible (ApiVersions v3 aside).
+API: dict[int, ApiSpec] = {
+    s.key: s
+    for s in (
+        ApiSpec(0, 0, 8, ProduceRequest, ProduceResponse),
+        ApiSpec(1, 4, 11, FetchRequest, FetchResponse),
+        ApiSpec(2, 0, 5, ListOffsetsRequest, ListOffsetsResponse),
+        ApiSpec(3, 0, 8, MetadataRequest, MetadataResponse),
+        ApiSpec(8, 2, 7, OffsetCommitRequest, OffsetCommitResponse),
+        ApiSpec(9, 1, 5, OffsetFetchRequest, OffsetFetchResponse),
+        ApiSpec(10, 0, 2, FindCoordinatorRequest, FindCoordinatorResponse),
+        ApiSpec(11, 0, 5, JoinGroupRequest, JoinGroupResponse),
+        ApiSpec(12, 0, 3, HeartbeatRequest, HeartbeatResponse),
+        ApiSpec(13, 0, 3, LeaveGroupRequest, LeaveGroupResponse),
+        ApiSpec(14, 0, 3, SyncGroupRequest, SyncGroupResponse),
+        ApiSpec(18, 0, 3, ApiVersionsRequest, ApiVersionsResponse),
+        ApiSpec(19, 0, 4, CreateTopicsRequest, CreateTopicsResponse),
+        ApiSpec(22, 0, 1, InitProducerIdRequest, InitProducerIdResponse),
+    )
+}
+API_VERSIONS = 18
+PRODUCE = 0
+
+
+class RequestHeader(NamedTuple):
+    api_key: int
+    version: int
+    correlation_id: int
+    client_id: str | None
+
+
+class FrameReader:
+    """Size-prefixed frames from a byte stream, with the size checked first.
+
+    ``feed()`` raises ProtocolError as soon as a frame announces more than
+    ``max_frame`` bytes (or a negative size), before its body is buffered.
+    """
+
+    __slots__ = ("_buf", "_pos", "max_frame")
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self._buf = bytearray()
+        self._pos = 0
+        self.max_frame = max_frame
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf) - self._pos
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+        self._check()
+
+    def _check(self) -> None:
+        if len(self._buf) - self._pos >= 4:
+            size = _I32.unpack_from(self._buf, self._pos)[0]
+            if size < 0 or size > self.max_frame:
+                raise ProtocolError(f"frame of {size} bytes (at most {self.max_frame})")
+
+    def next_frame(self) -> bytes | None:
+        buf, pos = self._buf, self._pos
+        if len(buf) - pos < 4:
+            return None
+        size = _I32.unpack_from(buf, pos)[0]
+        stop = pos + 4 + size
+        if stop > len(buf):
+            return None
+        frame = bytes(buf[pos + 4 : stop])
+        if stop == len(buf):
+            buf.clear()
+            self._pos = 0
+        elif stop >= 1 << 16 and stop * 2 >= len(buf):
+            del buf[:stop]
+            self._pos = 0
+        else:
+            self._pos = stop
+        self._check()
+        return frame
+
+
+def parse_header(frame: bytes) -> tuple[RequestHeader, int]:
+    """The request header and where the body starts (non-flexible header v1)."""
+    if len(frame) < 10:
+        raise ProtocolError(f"request of {len(frame)} bytes is shorter than a header")
+    api_key, version, corr = _HEADER.unpack_from(frame)
+    n = struct.unpack_from(">h", frame, 8)[0]
+    pos = 10
+    client_id = None
+    if n >= 0:
+        if pos + n > len(frame):
+            raise ProtocolError("client_id overruns the request")
+        client_id = frame[pos : pos + n].decode("utf-8", "replace")
+        pos += n
+    return RequestHeader(api_key, version, corr, client_id), pos
+
+
+def _skip_tags(frame: bytes, pos: int) -> int:
+    """Skip a tagged-field section (flexible header v2)."""
+
+    def uvarint(p: int) -> tuple[int, int]:
+        v = shift = 0
+        while True:
+            if p >= len(frame) or shift > 28:
+                raise ProtocolError("malformed tagged fields")
+            b = frame[p]
+            p += 1
+            v |= (b & 0x7F) << shift
+            if b < 0x80:
+                return v, p
+            shift += 7
+
+    count, pos = uvarint(pos)
+    if count > 64:
+        raise ProtocolError("too many tagged fields")
+    for _ in range(count):
+        _tag, pos = uvarint(pos)
+        size, pos = uvarint(pos)
+        pos += size
+    if pos > len(frame):
+        raise ProtocolError("tagged fields overrun the request")
+    return pos
+
+
+def decode_request(frame: bytes) -> tuple[RequestHeader, Any]:
+    """``(header, body)``; body is None for an API or version we do not serve.
+
+    Raises ProtocolError for a malformed request (the connection closes).
+    """
+    header, pos = parse_header(frame)
+    spec = API.get(header.api_key)
+    if spec is None or not spec.min_version <= header.version <= spec.max_version:
+        return header, None
+    cls = spec.request
+    if cls.flexible_version_q(header.version):
+        pos = _skip_tags(frame, pos)
+    try:
+        data = io.BytesIO(frame)
+        data.seek(pos)
+        body = cls.decode(data, version=header.version)
+        if data.tell() != len(frame):
+            raise ProtocolError(f"{len(frame) - data.tell()} stray bytes after the request")
+    except ProtocolError:
+        raise
+    except Exception as exc:  # the generated decoders raise many kinds
+        raise ProtocolError(f"malformed {cls.__name__} v{header.version}: {exc!r}") from exc
+    return header, body
+
+
+def encode_response(correlation_id: int, api_key: int, version: int, **fields: Any) -> bytes:
+    """A whole response frame: size, v0 header, body of ``version``."""
+    cls = API[api_key].response
+    body = cls[version](**fields).encode(version=version)
+    return _I32.pack(len(body) + 4) + _I32.pack(correlation_id) + bytes(body)
+
+
+_FETCH_HEAD = {v: struct.Struct(">i" + ("i" if v >= 1 else "") + ("hi" if v >= 7 else "")) for v in range(12)}
+_FETCH_PART = {
+    v: struct.Struct(">ihq" + ("q" if v >= 4 else "") + ("q" if v >= 5 else "") + ("i" if v >= 4 else "")
+                     + ("i" if v >= 11 else "") + "i")
+    for v in range(12)
+}
+_I16 = struct.Struct(">h")
+
+
+def encode_fetch_response(
+    correlation_id: int, version: int, topics: list[tuple[str, list[tuple[int, int, int, int, bytes]]]]
+) -> bytes:
+    """A whole Fetch response frame (versions 0-11, the non-flexible ones), written here.
+
+    ``topics`` is ``[(name, [(partition, error code, high watermark, log
+    start offset, record set)])]``.  Each record set is copied once, into the
+    frame; the generic encoder would copy it several times (Fetch answers
+    carry megabytes).  No aborted transactions, last stable offset = high
+    watermark, no preferred read replica: what the gateway answers.
+    """
+    if not 0 <= version <= 11:
+        raise ValueError(f"Fetch v{version} is not written here")
+    head = _FETCH_HEAD[version]
+    fields = (correlation_id, 0, 0, 0)[: 1 + (version >= 1) + 2 * (version >= 7)]
+    parts: list[bytes] = [b"", head.pack(*fields), _I32.pack(len(topics))]
+    app = parts.append
+    pack = _FETCH_PART[version].pack
+    for name, partitions in topics:
+        raw = name.encode()
+        app(_I16.pack(len(raw)))
+        app(raw)
+        app(_I32.pack(len(partitions)))
+        for index, code, hwm, start, records in partitions:
+            fields = [index, code, hwm]
+            if version >= 4:
+                fields.append(hwm)  # last stable offset: no transactions
+            if version >= 5:
+                fields.append(start)
+            if version >= 4:
+                fields.append(-1)  # aborted transactions: null
+            if version >= 11:
+                fields.append(-1)  # preferred read replica: none
+            fields.append(len(records))
+            app(pack(*fields))
+            app(records)
+    parts[0] = _I32.pack(sum(map(len, parts)))
+    return b"".join(parts)
+
+
+def api_versions_error(correlation_id: int) -> bytes:
+    """Error 35 in the v0 body format with the versions served (KIP-511)."""
+    return encode_response(
+        correlation_id, API_VERSIONS, 0, error_code=Err.UNSUPPORTED_VERSION, api_keys=api_keys()
+    )
+
+
+def api_keys() -> list[SimpleNamespace]:
+    return [N(api_key=s.key, min_version=s.min_version, max_version=s.max_version) for s in API.values()]

@@ -1,0 +1,592 @@
+"""The Kafka listener of the gateway: sockets, slots and the store, around :class:`KafkaServer`.
+
+:class:`KafkaGateway` is the Tank :class:`~dafka.tank.gateway.Gateway` (a
+full store on the mesh) with a second TCP listener that speaks Kafka.  Both
+protocols share the partition map (a Kafka partition index is the Tank
+partition id), the owned partitions, the write path and the publishing of
+produced records on the mesh.
+
+Everything runs in the store's I/O thread.  Per connection:
+
+* frames are read with their size checked before the body is buffered
+  (``max_frame``); a frame over it, a malformed request or an API version not
+  served closes that connection only (ApiVersions aside, which answers error
+  35 as Kafka does);
+* answers go out in request order (Kafka clients pipeline): each request
+  takes a slot, filled now, after the commit of its records (produce), when
+  data arrives or ``max_wait`` passes (fetch), or when its group's rebalance
+  moves (join, sync).  At most ``max_inflight`` slots and ``MAX_OUTPUT``
+  unsent bytes per connection: past either, the connection is not read;
+* a client that stalls half way through a frame for ``request_timeout`` (the Tank port's limit)
+  seconds is closed (slow loris), and at most ``max_connections`` are open.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import repeat
+from operator import itemgetter
+from typing import Any
+
+import zmq
+
+from dafka import wire
+from dafka.errors import ProtocolError
+from dafka.kafka.codec import DEFAULT_MAX_FRAME, FrameReader, decode_request
+from dafka.kafka.records import Batch, make_ext, store_pairs
+from dafka.kafka.serving import KafkaServer, ParkedFetch
+from dafka.node import new_address
+from dafka.store.layout import FLAG_KAFKA, FLAG_KEY, VALUE_HEADER
+from dafka.store.node import MAX_BATCH
+from dafka.tank.gateway import Gateway
+from dafka.tank.mapping import TankPartition, valid_topic_name
+
+log = logging.getLogger("dafka.kafka")
+
+DEFAULT_KAFKA_PORT = 9092
+RECV_SIZE = 256 << 10
+MAX_OUTPUT = 64 << 20
+DEFAULT_MAX_INFLIGHT = 256
+DEFAULT_MAX_CONNECTIONS = 1024
+TICK_INTERVAL = 0.1
+_VALUE = itemgetter(2)  # a decoded record's value
+_OFFSET = itemgetter(2)  # a record tuple's offset
+
+
+@dataclass(eq=False, slots=True)
+class _Conn:
+    sock: socket.socket
+    name: str
+    frames: FrameReader
+    slots: deque[_Slot] = field(default_factory=deque)
+    out: deque[Any] = field(default_factory=deque)
+    out_size: int = 0
+    closed: bool = False
+    reading: bool = True
+    stalled_since: float | None = None
+    last_buffered: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class _Slot:
+    """One request's place in its connection's answer order (also the coordinator's token)."""
+
+    conn: _Conn
+    correlation_id: int
+    api_key: int
+    version: int
+    data: bytes | None = None
+    held: bool = False  # a produce answer waiting for its records' commit
+
+
+class KafkaGateway(Gateway):
+    """The Tank gateway plus a Kafka listener on ``kafka_listen`` (port 0: ephemeral)."""
+
+    def __init__(
+        self,
+        db: Any,
+        config: Any = None,
+        *,
+        kafka_listen: tuple[str, int] = ("127.0.0.1", DEFAULT_KAFKA_PORT),
+        kafka_advertise: tuple[str, int] | None = None,
+        kafka_max_frame: int = DEFAULT_MAX_FRAME,
+        kafka_max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        kafka_max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        kafka_auto_create: bool = True,
+        kafka_default_partitions: int = 1,
+        kafka_fetch_cap: int | None = None,
+        **gateway_options: Any,
+    ) -> None:
+        self.kafka_listener = socket.create_server(kafka_listen, backlog=256)
+        try:
+            self.kafka_listener.setblocking(False)
+            self.kafka_port = self.kafka_listener.getsockname()[1]
+            host = kafka_listen[0]
+            if kafka_advertise is None:
+                if host in ("", "0.0.0.0", "::"):
+                    host = socket.gethostname()
+                kafka_advertise = (host, self.kafka_port)
+            self.kafka_max_frame = kafka_max_frame
+            self.kafka_max_connections = kafka_max_connections
+            self.kafka_max_inflight = kafka_max_inflight
+            self._kconns: dict[socket.socket, _Conn] = {}
+            self._kpending: list[tuple[_Slot, dict[tuple[str, str], int]]] = []
+            self._kparked: list[tuple[_Slot, ParkedFetch]] = []
+            self._kthrottled: list[_Conn] = []
+            self._kpids: dict[tuple[str, str], int] = {}  # owned partitions stored: their pid
+            self._kcommit_id = 0
+            self.kafka_refused = 0
+            extra = {} if kafka_fetch_cap is None else {"fetch_cap": kafka_fetch_cap}
+            self.kafka = KafkaServer(
+                self, kafka_advertise, auto_create=kafka_auto_create,
+                default_partitions=kafka_default_partitions, **extra,
+            )
+            super().__init__(db, config, **gateway_options)
+        except BaseException:
+            self.kafka_listener.close()
+            raise
+        log.info("Kafka listener on %s:%d (advertised as %s:%d)", kafka_listen[0], self.kafka_port, *kafka_advertise)
+
+    # ---------------------------------------------------------------- Backend for KafkaServer
+
+    def head(self, topic: str, address: str) -> int | None:
+        return self._heads.get((topic, address))
+
+    def first(self, topic: str, address: str) -> int | None:
+        return self.db.first(topic, address)
+
+    def fetch_raw(self, topic: str, address: str, offset: int, count: int) -> tuple[int, list[bytes]]:
+        return self.db.fetch_raw(topic, address, offset, count)
+
+    def storage_failed(self) -> bool:
+        return self.storage_error is not None
+
+    def positions(self, group: str) -> dict[tuple[str, str], int]:
+        return self.db.positions(group)
+
+    def put_positions(self, group: str, positions: dict[tuple[str, str], int]) -> None:
+        self.db.put_positions(group, positions)
+
+    def broadcast_positions(self, group: str, positions: dict[tuple[str, str], int]) -> None:
+        """Send a group's committed positions to every store (a COMMIT, as Dafka members send)."""
+        self._kcommit_id += 1
+        entries = tuple((t, p, o) for (t, p), o in sorted(positions.items()))
+        self.send(wire.Commit(group, self.address, self._kcommit_id, entries))
+
+    def create_topic(self, name: str, partitions: int) -> bool:
+        if not valid_topic_name(name) or self.pmap.partitions(name) is not None or self.db.partitions(name):
+            return False
+        self.pmap.create_topic(name, partitions, new_address)
+        for part in self.pmap.partitions(name) or ():
+            self._owned[(part.topic, part.address)] = part
+        self._save_map()
+        log.info("created topic %s with %d gateway partitions (Kafka)", name, partitions)
+        return True
+
+    def append(self, part: TankPartition, batch: Batch) -> tuple[int, int]:
+        """Queue a batch's records in an owned partition: ``(first, last)`` offsets given.
+
+        A partition already stored gets its records as ready LMDB pairs, built
+        in one compiled pass (:func:`~dafka.kafka.records.store_pairs`), which
+        the writer puts without another per-record step; the first records of
+        a partition go as record tuples (its partition id comes with their
+        commit).  A record without a timestamp (Kafka's -1, or any negative
+        one) is stamped with the gateway's clock: the store keeps unsigned
+        milliseconds.
+        """
+        key = (part.topic, part.address)
+        topic, address = key
+        records = batch.records
+        if batch.min_ts < 0:
+            now = int(time.time() * 1000)
+            records = [r if r[0] >= 0 else r._replace(timestamp=now) for r in records]
+        first = self._next_offset.get(key, 0)
+        last = first + len(records) - 1
+        pid = self._kpids.get(key)
+        if pid is None and key in self._heads:
+            info = self.db.info(topic, address)
+            if info is not None:
+                pid = self._kpids[key] = info.pid
+        if pid is not None:
+            pairs, nbytes = store_pairs(records, pid, first)
+            self._pairs.extend(pairs)
+            self._segs.append((topic, address, pid, first, last, nbytes))
+        else:
+            add = self._batch.append
+            n = first
+            for ts, k, value, headers in records:
+                if headers == b"\x00":
+                    if k is None:
+                        add((topic, address, n, value, ts))
+                    else:
+                        add((topic, address, n, value, ts, k, True))
+                else:
+                    add((topic, address, n, value, ts, make_ext(k, headers), True, FLAG_KAFKA))
+                n += 1
+        self._to_publish.extend(zip(repeat(key), range(first, last + 1), map(_VALUE, records), strict=False))
+        self._next_offset[key] = last + 1
+        return first, last
+
+    def _flush_batch(self, retry: bool = False) -> None:
+        if self._pairs and self._batch and not self._writer_busy:
+            self._untangle()
+        super()._flush_batch(retry)
+
+    def _untangle(self) -> None:
+        """Turn back into record tuples the ready pairs of any partition that also
+        has record tuples queued (a Tank produce to the same partition).
+
+        The writer applies the tuples of a commit before its pairs, so a tuple
+        queued after pairs of its partition would otherwise be written first,
+        out of order.
+        """
+        pending = {(s[0], s[1]) for s in self._segs}
+        mixed = {(r[0], r[1]) for r in self._batch if (r[0], r[1]) in pending}
+        if not mixed:
+            return
+        pairs, segs = self._pairs, self._segs
+        self._pairs, self._segs = [], []
+        moved: dict[tuple[str, str], list[tuple[Any, ...]]] = {k: [] for k in mixed}
+        i = 0
+        for seg in segs:
+            topic, address, _pid, first, last, _nbytes = seg
+            n = last - first + 1
+            if (topic, address) in mixed:
+                out = moved[(topic, address)]
+                for j, (_k, v) in enumerate(pairs[i : i + n]):
+                    ts, flags = VALUE_HEADER.unpack_from(v)
+                    if flags & FLAG_KEY:
+                        slot = v[10 : 10 + v[9]]
+                        out.append((topic, address, first + j, v[10 + v[9] :], ts, slot, True, flags & FLAG_KAFKA))
+                    else:
+                        out.append((topic, address, first + j, v[9:], ts))
+            else:
+                self._pairs.extend(pairs[i : i + n])
+                self._segs.append(seg)
+            i += n
+        rest = []
+        for r in self._batch:
+            k = (r[0], r[1])
+            if k in moved:
+                moved[k].append(r)
+            else:
+                rest.append(r)
+        for recs in moved.values():
+            recs.sort(key=_OFFSET)
+            rest.extend(recs)
+        self._batch = rest
+        log.debug("Kafka records of %d partitions re-queued behind Tank records", len(mixed))
+
+    # ---------------------------------------------------------------- store hooks
+
+    def on_start(self) -> None:
+        super().on_start()
+        self.every(TICK_INTERVAL, self._kafka_tick)
+
+    def sockets(self) -> list[tuple[Any, Any]]:
+        return [*super().sockets(), (self.kafka_listener, self._kafka_accept)]
+
+    def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
+        super().on_commit(heads)
+        committed = self._heads
+        if self._kpending:
+            still = []
+            touched = set()
+            for slot, needs in self._kpending:
+                if any(committed.get(k, -1) < off for k, off in needs.items()):
+                    still.append((slot, needs))
+                else:
+                    slot.held = False
+                    touched.add(slot.conn)
+            self._kpending = still
+            for conn in touched:
+                self._drain(conn)
+        if self._kparked and heads:
+            self._retry_parked(set(heads), timed_out=False)
+        if self._kthrottled and self.pending_records() < MAX_BATCH // 2:
+            throttled, self._kthrottled = self._kthrottled, []
+            for conn in throttled:
+                self._set_kreading(conn)
+                self._kprocess(conn)
+
+    def on_shutdown(self) -> None:
+        super().on_shutdown()
+        for conn in list(self._kconns.values()):
+            self._kflush(conn)
+            self._kclose(conn, None)
+        self.unwatch(self.kafka_listener)
+        self.kafka_listener.close()
+
+    def close(self, timeout: float = 10.0) -> None:
+        super().close(timeout)
+        self.kafka_listener.close()
+
+    # ---------------------------------------------------------------- time
+
+    def _kafka_tick(self, now: float) -> None:
+        mono = time.monotonic()
+        for conn in list(self._kconns.values()):
+            since = conn.stalled_since
+            if since is not None and mono - since > self.limits.request_timeout:
+                self._kclose(conn, f"stalled half way through a frame for {mono - since:.0f}s", True)
+        if self._kparked:
+            self._retry_parked(None, timed_out=True, now=mono)
+        self.kafka.tick(mono)
+        self._send_released()
+
+    def _retry_parked(self, keys: set[tuple[str, str]] | None, timed_out: bool, now: float = 0.0) -> None:
+        still = []
+        touched = set()
+        for slot, parked in self._kparked:
+            if slot.conn.closed:
+                continue
+            if keys is not None and not keys.intersection(parked.keys):
+                still.append((slot, parked))
+                continue
+            expired = timed_out and parked.deadline <= now
+            if timed_out and not expired:
+                still.append((slot, parked))
+                continue
+            data = self.kafka.retry_fetch(parked, expired)
+            if data is None:
+                still.append((slot, parked))
+                continue
+            slot.data = data
+            touched.add(slot.conn)
+        self._kparked = still
+        for conn in touched:
+            self._drain(conn)
+
+    def _send_released(self) -> None:
+        released = self.kafka.released
+        if not released:
+            return
+        self.kafka.released = []
+        touched = set()
+        for answer in released:
+            slot = answer.token
+            if isinstance(slot, _Slot) and not slot.conn.closed and slot.data is None:
+                slot.data = self.kafka.encode_answer(answer)
+                touched.add(slot.conn)
+        for conn in touched:
+            self._drain(conn)
+
+    # ---------------------------------------------------------------- connections
+
+    def _kafka_accept(self) -> None:
+        for _ in range(64):
+            try:
+                sock, peer = self.kafka_listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                log.error("cannot accept a Kafka connection: %s", exc)
+                return
+            if self.allow_clients is not None and not self._kafka_allowed(peer[0]):
+                sock.close()
+                continue
+            if len(self._kconns) >= self.kafka_max_connections:
+                self.kafka_refused += 1
+                if self.kafka_refused <= 20 or self.kafka_refused % 1000 == 0:
+                    log.warning("refused a Kafka client from %s: %d connections open", peer[0], len(self._kconns))
+                sock.close()
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock, f"{peer[0]}:{peer[1]}", FrameReader(self.kafka_max_frame))
+            self._kconns[sock] = conn
+            self.watch(sock, lambda c=conn: self._kready(c))
+            log.debug("Kafka client %s connected", conn.name)
+
+    def _kafka_allowed(self, host: str) -> bool:
+        try:
+            ip: Any = ipaddress.ip_address(host.split("%")[0])
+        except ValueError:
+            ip = None
+        if ip is not None and getattr(ip, "ipv4_mapped", None):
+            ip = ip.ipv4_mapped
+        if ip is not None and any(ip in net for net in self.allow_clients or ()):
+            return True
+        self.kafka_refused += 1
+        if self.kafka_refused <= 20 or self.kafka_refused % 1000 == 0:
+            log.warning("refused a Kafka client from %s: not in --allow-clients", host)
+        return False
+
+    @property
+    def kafka_connections(self) -> int:
+        return len(self._kconns)
+
+    def _kready(self, conn: _Conn) -> None:
+        if conn.out:
+            self._kflush(conn)
+        if conn.reading and not conn.closed:
+            self._kread(conn)
+
+    def _kread(self, conn: _Conn) -> None:
+        eof = False
+        got = False
+        for _ in range(16):
+            try:
+                data = conn.sock.recv(RECV_SIZE)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                self._kclose(conn, f"receive failed: {exc}")
+                return
+            if not data:
+                eof = True
+                break
+            got = True
+            try:
+                conn.frames.feed(data)  # checks the next frame's size at once
+            except ProtocolError as exc:
+                self._kclose(conn, f"bad input: {exc}", True)
+                return
+            if len(data) < RECV_SIZE:
+                break
+        if got:
+            self._kprocess(conn)
+        if eof and not conn.closed:
+            self._kclose(conn, None)
+
+    def _kprocess(self, conn: _Conn) -> None:
+        frames = conn.frames
+        try:
+            while conn.reading and not conn.closed:
+                frame = frames.next_frame()
+                if frame is None:
+                    break
+                self._kframe(conn, frame)
+        except ProtocolError as exc:
+            self._kclose(conn, f"bad input: {exc}", True)
+            return
+        if conn.closed:
+            return
+        buffered = frames.buffered
+        if buffered and conn.reading:
+            if conn.stalled_since is None or buffered != conn.last_buffered:
+                conn.stalled_since = time.monotonic()
+        else:
+            conn.stalled_since = None
+        conn.last_buffered = buffered
+        if self.pending_records() >= MAX_BATCH and conn.reading:
+            conn.reading = False  # the writer is behind: stop taking produces
+            self._kthrottled.append(conn)
+            self._kupdate(conn)
+        self._flush_batch()
+
+    def _kframe(self, conn: _Conn, frame: bytes) -> None:
+        header, req = decode_request(frame)
+        slot = _Slot(conn, header.correlation_id, header.api_key, header.version)
+        try:
+            outcome = self.kafka.handle(
+                slot, header.api_key, header.version, header.correlation_id, header.client_id, req,
+                time.monotonic(),
+            )
+        except ProtocolError:
+            raise
+        except Exception as exc:  # a request our encoder or logic cannot take: this connection only
+            log.exception("Kafka request %d v%d from %s failed", header.api_key, header.version, conn.name)
+            raise ProtocolError(f"request {header.api_key} v{header.version} failed: {exc!r}") from exc
+        if outcome.data is None and outcome.park is None and outcome.needs is not None:
+            return  # acks 0: no answer, nothing waits
+        if outcome.data is None and outcome.park is None and header.api_key == 0:
+            return  # acks 0 with nothing queued
+        conn.slots.append(slot)
+        if outcome.park is not None:
+            self._kparked.append((slot, outcome.park))
+        elif outcome.needs:
+            slot.data = outcome.data
+            slot.held = True
+            self._kpending.append((slot, outcome.needs))
+            self._flush_batch()
+        elif outcome.data is not None:
+            slot.data = outcome.data
+        self._send_released()
+        self._drain(conn)
+        if len(conn.slots) >= self.kafka_max_inflight and conn.reading:
+            conn.reading = False
+            self._kupdate(conn)
+
+    def _drain(self, conn: _Conn) -> None:
+        """Send the answers at the front of the connection's order that are ready."""
+        if conn.closed:
+            return
+        slots = conn.slots
+        while slots and slots[0].data is not None and not slots[0].held:
+            self._kwrite(conn, slots.popleft().data)  # type: ignore[arg-type]
+            if conn.closed:
+                return
+        if (
+            not conn.reading
+            and len(slots) < self.kafka_max_inflight // 2
+            and conn.out_size <= MAX_OUTPUT
+            and conn not in self._kthrottled
+        ):
+            self._set_kreading(conn)
+            self._kprocess(conn)
+
+    def _set_kreading(self, conn: _Conn) -> None:
+        if conn.closed:
+            return
+        conn.reading = True
+        self._kupdate(conn)
+
+    def _kupdate(self, conn: _Conn) -> None:
+        events = (zmq.POLLIN if conn.reading else 0) | (zmq.POLLOUT if conn.out else 0)
+        self.watch_events(conn.sock, events)
+
+    def _kwrite(self, conn: _Conn, data: bytes) -> None:
+        if conn.out:
+            conn.out.append(data)
+            conn.out_size += len(data)
+        else:
+            try:
+                n = conn.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError as exc:
+                self._kclose(conn, f"send failed: {exc}")
+                return
+            if n == len(data):
+                self._kread_ahead()
+                return
+            conn.out.append(memoryview(data)[n:])
+            conn.out_size += len(data) - n
+        if conn.out_size > MAX_OUTPUT:
+            conn.reading = False  # a client that does not read its answers
+        self._kupdate(conn)
+
+    def _kread_ahead(self) -> None:
+        """An answer went out whole: encode what its consumer will ask for next meanwhile."""
+        if self.kafka.ahead_wanted:
+            self.kafka.read_ahead(time.monotonic())
+
+    def _kflush(self, conn: _Conn) -> None:
+        out = conn.out
+        while out and not conn.closed:
+            head = out[0]
+            try:
+                n = conn.sock.send(head)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                self._kclose(conn, f"send failed: {exc}")
+                return
+            conn.out_size -= n
+            if n == len(head):
+                out.popleft()
+            else:
+                out[0] = memoryview(head)[n:]
+                break
+        if conn.closed:
+            return
+        self._kupdate(conn)
+        if not out:
+            self._kread_ahead()
+            self._drain(conn)
+
+    def _kclose(self, conn: _Conn, why: str | None, bad: bool = False) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        self._kconns.pop(conn.sock, None)
+        self._kparked = [(s, p) for s, p in self._kparked if s.conn is not conn]
+        self._kpending = [(s, n) for s, n in self._kpending if s.conn is not conn]
+        self.kafka.coordinator.forget_token(conn)
+        self.unwatch(conn.sock)
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+        if bad:
+            self.bad_input(f"Kafka request from {conn.name}", f"{why}; connection closed")
+        elif why:
+            log.info("Kafka client %s: %s; connection closed", conn.name, why)
+        else:
+            log.debug("Kafka client %s disconnected", conn.name)

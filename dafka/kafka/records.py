@@ -1,0 +1,353 @@
+"""Kafka record batches (magic v2), sans-IO: decode what producers send, encode what fetches get.
+
+Layout (facts from the Kafka documentation, "Message format")::
+
+    baseOffset:i64 batchLength:i32 partitionLeaderEpoch:i32 magic:i8 crc:u32
+    attributes:i16 lastOffsetDelta:i32 baseTimestamp:i64 maxTimestamp:i64
+    producerId:i64 producerEpoch:i16 baseSequence:i32 recordCount:i32 records...
+
+``crc`` is CRC-32C of everything from ``attributes`` to the end.  Attribute
+bits 0-2 are the codec (0 none, 1 gzip, 2 snappy, 3 lz4, 4 zstd), bit 3 the
+timestamp type, bit 4 transactional, bit 5 control.  A record is::
+
+    length:varint attributes:i8 timestampDelta:varlong offsetDelta:varint
+    keyLength:varint key valueLength:varint value headerCount:varint
+    (headerKeyLength:varint headerKey headerValueLength:varint headerValue)*
+
+Varints are zigzag-encoded (signed).  Older message sets (magic 0 and 1) are
+decoded too, for clients that still send them.
+
+Every decoder raises :class:`~dafka.errors.ProtocolError` on malformed or
+oversized input, and decompression is bounded (:data:`MAX_DECOMPRESSED`).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import snappy
+from crc32c import crc32c
+
+from dafka.errors import ProtocolError
+from dafka.kafka import _pure
+
+try:  # optional codecs: produce batches using them are refused without the package
+    import lz4.frame as _lz4f
+except ImportError:  # pragma: no cover - lz4 is a dependency of the kafka extra
+    _lz4f = None
+try:
+    import zstandard as _zstd
+except ImportError:  # pragma: no cover
+    _zstd = None
+
+__all__ = [
+    "CODEC_GZIP",
+    "CODEC_LZ4",
+    "CODEC_NONE",
+    "CODEC_SNAPPY",
+    "CODEC_ZSTD",
+    "MAX_DECOMPRESSED",
+    "Batch",
+    "Record",
+    "decode_batches",
+    "encode_batch",
+    "split_ext",
+    "zigzag",
+]
+
+CODEC_NONE, CODEC_GZIP, CODEC_SNAPPY, CODEC_LZ4, CODEC_ZSTD = 0, 1, 2, 3, 4
+ATTR_CODEC = 0x07
+ATTR_LOG_APPEND_TIME = 0x08
+ATTR_TRANSACTIONAL = 0x10
+ATTR_CONTROL = 0x20
+
+#: A compressed batch may not inflate past this many bytes.
+MAX_DECOMPRESSED = 64 << 20
+
+BATCH_HEADER = struct.Struct(">qiibIhiqqqhii")  # 61 bytes
+BATCH_HEADER_SIZE = BATCH_HEADER.size
+_CRC_START = 21  # attributes start here
+_LEGACY_HEADER = struct.Struct(">qiIbb")  # offset, size, crc, magic, attributes
+_I64 = struct.Struct(">q")
+_I32 = struct.Struct(">i")
+_XERIAL = b"\x82SNAPPY\x00"
+
+
+class Record(NamedTuple):
+    """One record as a producer sent it."""
+
+    timestamp: int
+    key: bytes | None
+    value: bytes
+    headers: bytes  # the record's header section as sent (b"\x00": none)
+
+
+@dataclass(slots=True)
+class Batch:
+    """One decoded batch: producer identity for idempotence, and its records."""
+
+    base_offset: int
+    producer_id: int
+    producer_epoch: int
+    base_sequence: int
+    attributes: int
+    magic: int = 2
+    records: list[Record] = field(default_factory=list)
+    #: The largest key slot the store needs for a record (see :func:`make_ext`).
+    max_slot: int = 0
+    #: The smallest record timestamp (Kafka's "no timestamp" is -1).
+    min_ts: int = 0
+
+    @property
+    def transactional(self) -> bool:
+        return bool(self.attributes & ATTR_TRANSACTIONAL)
+
+    @property
+    def control(self) -> bool:
+        return bool(self.attributes & ATTR_CONTROL)
+
+
+# ---------------------------------------------------------------- implementation
+
+def _load() -> tuple[object, str]:
+    """The compiled per-record loops when built, else the pure twin (DAFKA_NO_EXTENSIONS=1 forces it)."""
+    if os.environ.get("DAFKA_NO_EXTENSIONS", "").strip() not in ("", "0"):
+        return _pure, "DAFKA_NO_EXTENSIONS is set"
+    try:
+        from dafka.kafka import _compiled  # type: ignore[attr-defined]
+    except ImportError as exc:
+        return _pure, f"the compiled record codec is not built ({exc})"
+    if not all(hasattr(_compiled, f) for f in ("decode_records", "encode_batch", "store_pairs")):
+        return _pure, "the compiled record codec is out of date; rebuild it"
+    return _compiled, "compiled record codec loaded"
+
+
+_impl, REASON = _load()
+IMPLEMENTATION: str = _impl.IMPLEMENTATION  # type: ignore[attr-defined]
+if IMPLEMENTATION != "compiled":
+    logging.getLogger("dafka.kafka").debug("Kafka record codec: pure Python (%s)", REASON)
+_decode_records = _impl.decode_records  # type: ignore[attr-defined]
+#: One uncompressed v2 batch of stored values at offsets ``base_offset, ...``
+#: (see :func:`dafka.kafka._pure.encode_batch`).
+encode_batch = _impl.encode_batch  # type: ignore[attr-defined]
+#: The store's LMDB pairs of decoded records (see :func:`dafka.kafka._pure.store_pairs`).
+store_pairs = _impl.store_pairs  # type: ignore[attr-defined]
+zigzag = _pure.zigzag
+_varint = _pure.varint
+_ZZ = _pure._ZZ
+
+
+def _zz(n: int) -> bytes:
+    return _ZZ[n] if 0 <= n < 8192 else zigzag(n)
+
+
+# ---------------------------------------------------------------- decode
+
+
+def decode_batches(data: bytes | None, limit: int = MAX_DECOMPRESSED) -> list[Batch]:
+    """Every batch in a produce request's ``records`` (v2 batches or a legacy message set)."""
+    if not data:
+        return []
+    buf = bytes(data)
+    end = len(buf)
+    out: list[Batch] = []
+    pos = 0
+    budget = [limit]
+    while pos < end:
+        if end - pos < 17:
+            raise ProtocolError("truncated record batch header")
+        length = _I32.unpack_from(buf, pos + 8)[0]
+        magic = buf[pos + 16]
+        stop = pos + 12 + length
+        if length < 0 or stop > end:
+            raise ProtocolError(f"record batch of {length} bytes overruns the request")
+        if magic == 2:
+            out.append(_decode_v2(buf, pos, stop, budget))
+        elif magic in (0, 1):
+            out.extend(_decode_legacy(buf, pos, stop, budget))
+        else:
+            raise ProtocolError(f"unknown record batch magic {magic}")
+        pos = stop
+    return out
+
+
+def _decode_v2(buf: bytes, pos: int, stop: int, budget: list[int]) -> Batch:
+    if stop - pos < BATCH_HEADER_SIZE:
+        raise ProtocolError("record batch shorter than its header")
+    (base_offset, _len, _epoch, _magic, crc, attrs, _last_delta, base_ts, max_ts, pid, pepoch, base_seq, count) = (
+        BATCH_HEADER.unpack_from(buf, pos)
+    )
+    if crc32c(memoryview(buf)[pos + _CRC_START : stop]) != crc:
+        raise ProtocolError("record batch CRC-32C mismatch")
+    codec = attrs & ATTR_CODEC
+    body_start = pos + BATCH_HEADER_SIZE
+    if count < 0:
+        raise ProtocolError(f"negative record count {count}")
+    if codec == CODEC_NONE:
+        body, start, end = buf, body_start, stop
+    else:
+        body = _decompress(codec, buf[body_start:stop], budget)
+        start, end = 0, len(body)
+    # Every record takes at least 7 bytes: a count beyond that is a lie.
+    if count > (end - start) // 7 + 1:
+        raise ProtocolError(f"record count {count} does not fit the batch")
+    batch = Batch(base_offset, pid, pepoch, base_seq, attrs)
+    fixed = max_ts if attrs & ATTR_LOG_APPEND_TIME else None
+    batch.records, batch.max_slot, batch.min_ts = _decode_records(
+        body, start, end, count, base_ts, fixed, Record
+    )
+    return batch
+
+
+def parse_headers(section: bytes) -> list[tuple[str, bytes | None]]:
+    """A record's header section as ``(key, value)`` pairs (for tests and tools)."""
+    end = len(section)
+    n, p = _varint(section, 0, end)
+    out = []
+    for _ in range(n):
+        klen, p = _varint(section, p, end)
+        key = section[p : p + klen].decode("utf-8", "replace")
+        p += klen
+        vlen, p = _varint(section, p, end)
+        if vlen < 0:
+            out.append((key, None))
+        else:
+            out.append((key, section[p : p + vlen]))
+            p += vlen
+    return out
+
+
+def _decode_legacy(buf: bytes, pos: int, stop: int, budget: list[int], depth: int = 0) -> list[Batch]:
+    """A magic 0/1 message set: each message is its own one-record batch."""
+    out: list[Batch] = []
+    while pos < stop:
+        if stop - pos < _LEGACY_HEADER.size:
+            raise ProtocolError("truncated legacy message")
+        _off, size, crc, magic, attrs = _LEGACY_HEADER.unpack_from(buf, pos)
+        mend = pos + 12 + size
+        if size < 6 or mend > stop or magic not in (0, 1):
+            raise ProtocolError("malformed legacy message")
+        if zlib.crc32(memoryview(buf)[pos + 16 : mend]) != crc:
+            raise ProtocolError("legacy message CRC mismatch")
+        p = pos + 18
+        ts = 0
+        if magic == 1:
+            ts = _I64.unpack_from(buf, p)[0]
+            p += 8
+        klen = _I32.unpack_from(buf, p)[0]
+        p += 4
+        key = None if klen < 0 else buf[p : p + klen]
+        p += max(klen, 0)
+        vlen = _I32.unpack_from(buf, p)[0]
+        p += 4
+        value = b"" if vlen < 0 else buf[p : p + vlen]
+        if p + max(vlen, 0) != mend:
+            raise ProtocolError("legacy message fields overrun it")
+        codec = attrs & ATTR_CODEC
+        if codec:
+            if depth:
+                raise ProtocolError("nested compressed legacy message")
+            inner = _decompress(codec, value, budget)
+            out.extend(_decode_legacy(inner, 0, len(inner), budget, depth + 1))
+        else:
+            b = Batch(-1, -1, -1, -1, 0, magic, [Record(ts, key, value, b"\x00")],
+                      len(key) if key else 0, ts)
+            out.append(b)
+        pos = mend
+    return out
+
+
+def _decompress(codec: int, data: bytes, budget: list[int]) -> bytes:
+    """Inflate ``data``, never past the remaining ``budget`` bytes of this request."""
+    limit = budget[0]
+    try:
+        if codec == CODEC_GZIP:
+            d = zlib.decompressobj(47)
+            out = d.decompress(data, limit + 1)
+        elif codec == CODEC_SNAPPY:
+            out = _snappy(data, limit)
+        elif codec == CODEC_LZ4:
+            if _lz4f is None:
+                raise ProtocolError("lz4 batches need the lz4 package")
+            out = _lz4f.LZ4FrameDecompressor().decompress(data, max_length=limit + 1)
+        elif codec == CODEC_ZSTD:
+            if _zstd is None:
+                raise ProtocolError("zstd batches need the zstandard package")
+            with _zstd.ZstdDecompressor().stream_reader(io.BytesIO(data)) as r:
+                out = r.read(limit + 1)
+        else:
+            raise ProtocolError(f"unknown compression codec {codec}")
+    except ProtocolError:
+        raise
+    except Exception as exc:  # every codec has its own error types
+        raise ProtocolError(f"cannot decompress a batch (codec {codec}): {exc}") from exc
+    if len(out) > limit:
+        raise ProtocolError(f"a batch inflates past {limit} bytes")
+    budget[0] = limit - len(out)
+    return bytes(out)
+
+
+def _snappy(data: bytes, limit: int) -> bytes:
+    if data.startswith(_XERIAL):  # the Java client's framing: 16-byte header, then blocks
+        out = bytearray()
+        p, end = 16, len(data)
+        while p < end:
+            if end - p < 4:
+                raise ProtocolError("truncated xerial snappy block")
+            n = _I32.unpack_from(data, p)[0]
+            p += 4
+            if n < 0 or p + n > end:
+                raise ProtocolError("xerial snappy block overruns the batch")
+            out += _snappy(data[p : p + n], limit - len(out))
+            p += n
+        return bytes(out)
+    # Raw snappy starts with the uncompressed length: check it before inflating.
+    size, p, shift = 0, 0, 0
+    while True:
+        if p >= len(data) or shift > 28:
+            raise ProtocolError("malformed snappy length")
+        b = data[p]
+        size |= (b & 0x7F) << shift
+        p += 1
+        if b < 0x80:
+            break
+        shift += 7
+    if size > limit:
+        raise ProtocolError(f"a batch inflates past {limit} bytes")
+    return snappy.uncompress(data)
+
+
+# ---------------------------------------------------------------- stored extras
+
+# A record with headers keeps its key and headers in the stored value's key
+# slot (at most 255 bytes), flagged FLAG_KAFKA, in the record's own form:
+#   zigzag(keyLength) key headerSection
+# so a fetch copies them back, and readers that know only FLAG_KEY skip them.
+
+
+def make_ext(key: bytes | None, headers: bytes) -> bytes:
+    """The stored extras of a record with headers: its key and header section as sent."""
+    if key is None:
+        return b"\x01" + headers
+    return _zz(len(key)) + key + headers
+
+
+def split_ext(ext: bytes) -> tuple[bytes, bytes]:
+    """``(key part, header part)`` of stored extras, each already in record form."""
+    klen, p = _varint(ext, 0, len(ext))
+    if klen > 0:
+        p += klen
+    return ext[:p], ext[p:]
+
+
+# ---------------------------------------------------------------- encode
+
+def batch_record_count(batch: bytes) -> int:
+    """How many records an encoded batch holds (its header's count)."""
+    return BATCH_HEADER.unpack_from(batch)[12]

@@ -1,0 +1,665 @@
+"""Answers to Kafka requests, sans-IO: mapping a Kafka broker onto the gateway's store.
+
+The gateway is the one broker of the cluster a Kafka client sees (node 0),
+the leader of every partition and the coordinator of every group.
+
+* A Kafka topic is a Dafka topic; Kafka partition ``i`` is the partition the
+  gateway's :class:`~dafka.tank.mapping.PartitionMap` gives id ``i`` (the ids
+  Tank clients see).  Kafka offset = Dafka offset; the log start offset is
+  the first stored offset and the high watermark the committed head + 1.
+* Produce goes to partitions the gateway owns; a partition of a mesh
+  producer is refused with POLICY_VIOLATION (its writer is a producer the
+  client cannot reach).  The answer waits until the records are committed to
+  LMDB (for acks 1 and -1 alike: the gateway is the only replica, so the
+  two mean the same); acks 0 gets no answer.
+* Idempotent producers: the last :data:`IDEMPOTENT_WINDOW` batches of each
+  (producer id, partition) are remembered; a batch sent again gets the offset
+  it was stored at, and is not stored twice.  A gap in the sequence is
+  OUT_OF_ORDER_SEQUENCE_NUMBER.  (The window lives in memory: a gateway
+  restart forgets it, as an unclean Kafka leader change would.)
+
+:class:`KafkaServer` takes decoded requests and returns :class:`Outcome`
+objects; the shell (:mod:`dafka.kafka.gateway`) owns sockets, clocks and the
+database.  Everything it needs from the store is the :class:`Backend`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from bisect import bisect_right
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from itertools import accumulate
+from operator import add
+from typing import Any, Protocol
+
+from dafka.errors import ProtocolError
+from dafka.kafka.codec import API_VERSIONS, Err, N, api_keys, encode_fetch_response, encode_response
+from dafka.kafka.groups import Answer, Coordinator
+from dafka.kafka.records import Batch, batch_record_count, decode_batches, encode_batch
+from dafka.store.layout import MAX_NAME
+from dafka.tank.mapping import PARTITIONS_TOPIC, PartitionMap, TankPartition, valid_topic_name
+
+log = logging.getLogger("dafka.kafka")
+
+NODE_ID = 0
+IDEMPOTENT_WINDOW = 5  # batches remembered per producer and partition (Kafka's in-flight max)
+MAX_PRODUCERS = 100_000  # producer-id states kept (least recently used ones go)
+DEFAULT_FETCH_CAP = 16 << 20  # bytes of records in one Fetch answer, whatever the client asks
+DEFAULT_PARTITION_CAP = 8 << 20  # ... and in one partition of it
+MAX_FETCH_RECORDS = 65_536  # records read for one partition of one answer
+MAX_CREATE_PARTITIONS = 10_000
+AHEAD_BYTES = 64 << 20  # batches encoded ahead of the fetches that will want them, in all
+MAX_AHEAD_PARTITIONS = 1024
+COLD_READ_BYTES = 1 << 20  # at most this much in an answer not encoded ahead (Kafka's default max.partition.fetch.bytes)
+AHEAD_SECONDS = 5.0  # a batch encoded ahead and not asked for within this is dropped
+
+
+class Backend(Protocol):
+    """What the server needs from the store (the gateway implements it)."""
+
+    pmap: PartitionMap
+
+    def head(self, topic: str, address: str) -> int | None: ...
+    def first(self, topic: str, address: str) -> int | None: ...
+    def fetch_raw(self, topic: str, address: str, offset: int, count: int) -> tuple[int, list[bytes]]: ...
+    def create_topic(self, name: str, partitions: int) -> bool: ...
+    def append(self, part: TankPartition, batch: Batch) -> tuple[int, int]: ...
+    def storage_failed(self) -> bool: ...
+    def positions(self, group: str) -> dict[tuple[str, str], int]: ...
+    def put_positions(self, group: str, positions: dict[tuple[str, str], int]) -> None: ...
+    def broadcast_positions(self, group: str, positions: dict[tuple[str, str], int]) -> None: ...
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What to do with a request's answer.
+
+    ``data`` is the encoded answer, sent at once unless ``needs`` (committed
+    head each partition must reach first) or ``park`` (a fetch to retry) is
+    set; ``data`` None with neither: no answer (acks 0), or one that comes
+    later from the group coordinator.
+    """
+
+    data: bytes | None = None
+    needs: dict[tuple[str, str], int] | None = None
+    park: ParkedFetch | None = None
+
+
+@dataclass(slots=True)
+class ParkedFetch:
+    correlation_id: int
+    version: int
+    request: Any
+    deadline: float  # monotonic seconds
+    keys: list[tuple[str, str]]
+    min_bytes: int
+
+
+@dataclass(slots=True)
+class _ProducerState:
+    epoch: int
+    # partition key -> recent batches (base sequence, last sequence, base offset)
+    batches: dict[tuple[str, str], list[tuple[int, int, int]]] = field(default_factory=dict)
+
+
+class KafkaServer:
+    """The gateway's Kafka brain: one per gateway, fed by the shell."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        advertise: tuple[str, int],
+        *,
+        cluster_id: str = "dafka",
+        auto_create: bool = True,
+        default_partitions: int = 1,
+        fetch_cap: int = DEFAULT_FETCH_CAP,
+        partition_cap: int = DEFAULT_PARTITION_CAP,
+    ) -> None:
+        self.backend = backend
+        self.advertise = advertise
+        self.cluster_id = cluster_id
+        self.auto_create = auto_create
+        self.default_partitions = default_partitions
+        self.fetch_cap = fetch_cap
+        self.partition_cap = partition_cap
+        self.coordinator = Coordinator()
+        self._producers: OrderedDict[int, _ProducerState] = OrderedDict()
+        # Read ahead: the next batch of partitions being read, encoded before it is asked for.
+        # key -> (offset, limit, batch, when encoded)
+        self._ahead: dict[tuple[str, str], tuple[int, int, bytes, float]] = {}
+        self._ahead_bytes = 0
+        self._wanted: dict[tuple[str, str], tuple[TankPartition, int, int]] = {}
+        self.ahead_hits = 0  # fetches answered from a batch encoded ahead
+        self.ahead_seconds = AHEAD_SECONDS
+        # Producer ids unique across restarts: the start time in ms, shifted, plus a counter.
+        self._next_pid = itertools.count((int(time.time() * 1000) & ((1 << 41) - 1)) << 20)
+        #: Answers of group requests that waited, for the shell to send.
+        self.released: list[Answer] = []
+
+    # ---------------------------------------------------------------- dispatch
+
+    def handle(self, token: Any, api_key: int, version: int, corr: int, client_id: str | None,
+               req: Any, now: float) -> Outcome:
+        """Answer one decoded request (``req`` None: a version not served)."""
+        if req is None:
+            if api_key == API_VERSIONS:
+                return Outcome(encode_response(corr, API_VERSIONS, 0, error_code=Err.UNSUPPORTED_VERSION, api_keys=api_keys()))
+            raise ProtocolError(f"API {api_key} v{version} is not served")
+        handler = _HANDLERS[api_key]
+        return handler(self, token, version, corr, client_id, req, now)
+
+    def _reply(self, corr: int, api_key: int, version: int, **fields: Any) -> Outcome:
+        return Outcome(encode_response(corr, api_key, version, **fields))
+
+    # ---------------------------------------------------------------- ApiVersions
+
+    def _api_versions(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
+        return self._reply(corr, 18, v, error_code=0, api_keys=api_keys(), throttle_time_ms=0)
+
+    # ---------------------------------------------------------------- Metadata
+
+    def _partitions_of(self, topic: str) -> list[TankPartition] | None:
+        return self.backend.pmap.partitions(topic)
+
+    def _metadata(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
+        pmap = self.backend.pmap
+        if req.topics is None or (v == 0 and not req.topics):
+            names = [t for t in pmap.topics() if t != PARTITIONS_TOPIC]
+        else:
+            names = [t.name for t in req.topics]
+        allow = self.auto_create and (v < 4 or req.allow_auto_topic_creation)
+        topics = []
+        for name in names:
+            parts = pmap.partitions(name)
+            if parts is None and allow and valid_topic_name(name) and len(name) <= 249:
+                self.backend.create_topic(name, self.default_partitions)
+                parts = pmap.partitions(name)
+            if parts is None:
+                code = Err.UNKNOWN_TOPIC_OR_PARTITION if valid_topic_name(name) else Err.INVALID_TOPIC_EXCEPTION
+                topics.append(N(error_code=code, name=name, is_internal=False, partitions=[], authorized_operations=None))
+                continue
+            topics.append(
+                N(
+                    error_code=0, name=name, is_internal=False, authorized_operations=None,
+                    partitions=[
+                        N(error_code=0, partition_index=p.pid, leader_id=NODE_ID, leader_epoch=-1,
+                          replica_nodes=[NODE_ID], isr_nodes=[NODE_ID], offline_replicas=[])
+                        for p in parts
+                    ],
+                )
+            )
+        host, port = self.advertise
+        return self._reply(
+            corr, 3, v, throttle_time_ms=0,
+            brokers=[N(node_id=NODE_ID, host=host, port=port, rack=None)],
+            cluster_id=self.cluster_id, controller_id=NODE_ID, topics=topics,
+            authorized_operations=None,
+        )
+
+    # ---------------------------------------------------------------- CreateTopics
+
+    def _create_topics(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
+        out = []
+        for t in req.topics:
+            n = t.num_partitions if t.num_partitions > 0 else (len(t.assignments) or self.default_partitions)
+            if not valid_topic_name(t.name) or len(t.name) > 249:
+                code, msg = Err.INVALID_TOPIC_EXCEPTION, "invalid topic name"
+            elif not 0 < n <= MAX_CREATE_PARTITIONS:
+                code, msg = Err.INVALID_PARTITIONS, f"1..{MAX_CREATE_PARTITIONS} partitions"
+            elif self.backend.pmap.partitions(t.name) is not None:
+                code, msg = Err.TOPIC_ALREADY_EXISTS, f"topic {t.name} exists"
+            elif v >= 1 and req.validate_only:
+                code, msg = Err.NONE, None
+            else:
+                ok = self.backend.create_topic(t.name, n)
+                code, msg = (Err.NONE, None) if ok else (Err.TOPIC_ALREADY_EXISTS, f"topic {t.name} exists")
+            out.append(N(name=t.name, error_code=code, error_message=msg))
+        return self._reply(corr, 19, v, throttle_time_ms=0, topics=out)
+
+    # ---------------------------------------------------------------- InitProducerId
+
+    def _init_producer_id(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
+        if req.transactional_id is not None:
+            # Transactions are not supported.
+            return self._reply(corr, 22, v, throttle_time_ms=0, error_code=Err.INVALID_REQUEST, producer_id=-1, producer_epoch=-1)
+        pid = next(self._next_pid)
+        return self._reply(corr, 22, v, throttle_time_ms=0, error_code=0, producer_id=pid, producer_epoch=0)
+
+    # ---------------------------------------------------------------- Produce
+
+    def _produce(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
+        if req.acks not in (0, 1, -1):
+            return self._produce_all_failed(corr, v, req, Err.INVALID_REQUIRED_ACKS)
+        if v >= 3 and req.transactional_id is not None:
+            return self._produce_all_failed(corr, v, req, Err.INVALID_REQUEST)
+        pmap = self.backend.pmap
+        # Decode everything first: a malformed batch closes the connection
+        # before anything of the request is written.
+        plan = []
+        for t in req.topic_data:
+            parts = None if t.name == PARTITIONS_TOPIC else pmap.partitions(t.name)
+            for p in t.partition_data:
+                part = parts[p.index] if parts is not None and 0 <= p.index < len(parts) else None
+                batches = decode_batches(p.records) if part is not None and part.owned else []
+                plan.append((t.name, p.index, part, batches))
+        needs: dict[tuple[str, str], int] = {}
+        results: dict[str, list[Any]] = {}
+        for name, index, part, batches in plan:
+            code, base = self._produce_partition(part, batches, needs)
+            results.setdefault(name, []).append(
+                N(index=index, error_code=code, base_offset=base, log_append_time_ms=-1,
+                  log_start_offset=-1, record_errors=[], error_message=None)
+            )
+        if req.acks == 0:
+            return Outcome(needs=needs or None)
+        data = encode_response(
+            corr, 0, v, throttle_time_ms=0,
+            responses=[N(name=n, partition_responses=ps) for n, ps in results.items()],
+        )
+        return Outcome(data, needs or None)
+
+    def _produce_all_failed(self, corr: int, v: int, req: Any, code: int) -> Outcome:
+        if req.acks == 0:
+            return Outcome()
+        return self._reply(
+            corr, 0, v, throttle_time_ms=0,
+            responses=[
+                N(name=t.name, partition_responses=[
+                    N(index=p.index, error_code=code, base_offset=-1, log_append_time_ms=-1,
+                      log_start_offset=-1, record_errors=[], error_message=None)
+                    for p in t.partition_data
+                ])
+                for t in req.topic_data
+            ],
+        )
+
+    def _produce_partition(
+        self, part: TankPartition | None, batches: list[Batch], needs: dict[tuple[str, str], int]
+    ) -> tuple[int, int]:
+        """``(error code, base offset)`` of one partition's produce; queues its records."""
+        if part is None:
+            return Err.UNKNOWN_TOPIC_OR_PARTITION, -1
+        if not part.owned:
+            return Err.POLICY_VIOLATION, -1  # a mesh producer writes it
+        if self.backend.storage_failed():
+            return Err.KAFKA_STORAGE_ERROR, -1
+        key = (part.topic, part.address)
+        base = -1
+        for b in batches:
+            if b.transactional or b.control:
+                return Err.INVALID_REQUEST, -1
+            if b.max_slot > MAX_NAME:  # a key (with its headers) the store's key slot cannot hold
+                return Err.INVALID_RECORD, -1
+        for b in batches:
+            if not b.records:
+                continue
+            dup = self._check_sequence(b, key)
+            if dup is not None:
+                if dup < 0:
+                    return Err.OUT_OF_ORDER_SEQUENCE_NUMBER, -1
+                base = dup if base < 0 else base
+                continue
+            first, last = self.backend.append(part, b)
+            if b.producer_id >= 0 and b.base_sequence >= 0:
+                self._remember(b, key, first)
+            if base < 0:
+                base = first
+            needs[key] = last
+        if base < 0:
+            head = self.backend.head(*key)
+            base = 0 if head is None else head + 1
+        return Err.NONE, base
+
+    def _check_sequence(self, b: Batch, key: tuple[str, str]) -> int | None:
+        """None: a new batch to store; >= 0: a duplicate stored at that offset; -1: out of order."""
+        if b.producer_id < 0 or b.base_sequence < 0:
+            return None
+        state = self._producers.get(b.producer_id)
+        if state is None:
+            return None if b.base_sequence == 0 else None  # unknown (e.g. after a restart): accept
+        self._producers.move_to_end(b.producer_id)
+        recent = state.batches.get(key)
+        if not recent:
+            return None
+        last_seq = b.base_sequence + len(b.records) - 1
+        for seq, last, offset in recent:
+            if seq == b.base_sequence and last == last_seq:
+                return offset
+        expected = (recent[-1][1] + 1) & 0x7FFFFFFF
+        if b.base_sequence != expected:
+            return -1
+        return None
+
+    def _remember(self, b: Batch, key: tuple[str, str], offset: int) -> None:
+        state = self._producers.get(b.producer_id)
+        if state is None or state.epoch != b.producer_epoch:
+            state = self._producers[b.producer_id] = _ProducerState(b.producer_epoch)
+            if len(self._producers) > MAX_PRODUCERS:
+                self._producers.popitem(last=False)
+        recent = state.batches.setdefault(key, [])
+        recent.append((b.base_sequence, b.base_sequence + len(b.records) - 1, offset))
+        del recent[:-IDEMPOTENT_WINDOW]
+
+    # ---------------------------------------------------------------- ListOffsets
+
+    def _bounds(self, part: TankPartition) -> tuple[int, int]:
+        """``(log start offset, high watermark)``."""
+        head = self.backend.head(part.topic, part.address)
+        if head is None:
+            return 0, 0
+        first = self.backend.first(part.topic, part.address)
+        return (head + 1 if first is None else first), head + 1
+
+    def _list_offsets(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
+        topics = []
+        for t in req.topics:
+            parts = self._partitions_of(t.name)
+            out = []
+            for p in t.partitions:
+                part = parts[p.partition_index] if parts and 0 <= p.partition_index < len(parts) else None
+                if part is None:
+                    out.append(N(partition_index=p.partition_index, error_code=Err.UNKNOWN_TOPIC_OR_PARTITION,
+                                 old_style_offsets=[], timestamp=-1, offset=-1, leader_epoch=-1))
+                    continue
+                start, hwm = self._bounds(part)
+                ts = -1
+                if p.timestamp == -2:
+                    offset = start
+                elif p.timestamp in (-1, -3):  # latest; -3: max timestamp (approximated by the end)
+                    offset = hwm
+                else:
+                    offset, ts = self._offset_for_time(part, start, hwm, p.timestamp)
+                out.append(N(partition_index=p.partition_index, error_code=0,
+                             old_style_offsets=[offset], timestamp=ts, offset=offset, leader_epoch=-1))
+            topics.append(N(name=t.name, partitions=out))
+        return self._reply(corr, 2, v, throttle_time_ms=0, topics=topics)
+
+    def _offset_for_time(self, part: TankPartition, start: int, hwm: int, ts: int) -> tuple[int, int]:
+        """First offset whose timestamp is >= ts (binary search: timestamps mostly grow)."""
+        lo, hi = start, hwm
+        while lo < hi:
+            mid = (lo + hi) // 2
+            _, values = self.backend.fetch_raw(part.topic, part.address, mid, 1)
+            if not values:
+                break
+            if int.from_bytes(values[0][:8], "big") < ts:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo >= hwm:
+            return -1, -1
+        _, values = self.backend.fetch_raw(part.topic, part.address, lo, 1)
+        return lo, (int.from_bytes(values[0][:8], "big") if values else -1)
+
+    # ---------------------------------------------------------------- Fetch
+
+    def _fetch(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
+        data, size, waiting, faulted = self.fetch_answer(corr, v, req)
+        if faulted or size >= max(1, req.min_bytes) or not waiting or req.max_wait_ms <= 0:
+            return Outcome(data)
+        return Outcome(park=ParkedFetch(corr, v, req, now + min(req.max_wait_ms, 300_000) / 1000.0, waiting, req.min_bytes))
+
+    def retry_fetch(self, parked: ParkedFetch, timed_out: bool) -> bytes | None:
+        """The answer of a parked fetch, or None while it should wait on."""
+        data, size, _, faulted = self.fetch_answer(parked.correlation_id, parked.version, parked.request)
+        if size < max(1, parked.min_bytes) and not timed_out and not faulted:
+            return None
+        return data
+
+    def fetch_answer(self, corr: int, v: int, req: Any) -> tuple[bytes, int, list[tuple[str, str]], bool]:
+        """The answer as things are now, its record bytes, the partitions at their end, any fault."""
+        budget = min(req.max_bytes if v >= 3 else self.fetch_cap, self.fetch_cap)
+        size = 0
+        waiting: list[tuple[str, str]] = []
+        faulted = False
+        topics = []
+        for t in req.topics:
+            parts = self._partitions_of(t.topic)
+            out = []
+            for p in t.partitions:
+                part = parts[p.partition] if parts and 0 <= p.partition < len(parts) else None
+                if part is None:
+                    faulted = True
+                    out.append((p.partition, Err.UNKNOWN_TOPIC_OR_PARTITION, -1, -1, b""))
+                    continue
+                start, hwm = self._bounds(part)
+                off = p.fetch_offset
+                if off < start or off > hwm:
+                    faulted = True
+                    out.append((p.partition, Err.OFFSET_OUT_OF_RANGE, hwm, start, b""))
+                    continue
+                records = b""  # an empty record set, never null: librdkafka refuses null
+                if off < hwm and (budget > 0 or size == 0):
+                    limit = max(1, min(p.partition_max_bytes, self.partition_cap, budget))
+                    read = self._read(part, off, hwm, limit)
+                    if read is None:
+                        faulted = True
+                        out.append((p.partition, Err.KAFKA_STORAGE_ERROR, hwm, start, b""))
+                        continue
+                    records = read
+                    size += len(records)
+                    budget -= len(records)
+                elif off >= hwm:
+                    waiting.append((part.topic, part.address))
+                out.append((p.partition, 0, hwm, start, records))
+            topics.append((t.topic, out))
+        return encode_fetch_response(corr, v, topics), size, waiting, faulted
+
+    def _read(self, part: TankPartition, off: int, hwm: int, limit: int) -> bytes | None:
+        """One batch of whole records from ``off``, at most ``limit`` bytes of values
+        (but at least one record, as KIP-74 wants).
+
+        A consumer reading a backlog asks next for where this answer ends, with
+        the same limit: that batch is encoded ahead (:meth:`read_ahead`, called
+        by the shell once the answer is sent), so it is ready when the request
+        comes, and the gateway encodes while the client decodes.
+        """
+        key = (part.topic, part.address)
+        ahead = self._ahead.pop(key, None)
+        if ahead is not None:
+            self._ahead_bytes -= len(ahead[2])
+            if ahead[0] == off and ahead[1] == limit:
+                self.ahead_hits += 1
+                data = ahead[2]
+                self._want_ahead(part, off + batch_record_count(data), hwm, limit)
+                return data
+        # Not asked for ahead: a short first answer comes back sooner, and the
+        # full-size next one is encoded while it travels.
+        data = self._encode_read(part, off, hwm, min(limit, COLD_READ_BYTES))
+        if data:
+            self._want_ahead(part, off + batch_record_count(data), hwm, limit)
+        return data
+
+    def _want_ahead(self, part: TankPartition, nxt: int, hwm: int, limit: int) -> None:
+        if nxt < hwm and len(self._wanted) < MAX_AHEAD_PARTITIONS:
+            self._wanted[(part.topic, part.address)] = (part, nxt, limit)
+
+    @property
+    def ahead_wanted(self) -> bool:
+        """Whether :meth:`read_ahead` has work."""
+        return bool(self._wanted)
+
+    def read_ahead(self, now: float) -> None:
+        """Encode the batches consumers will ask for next (at most AHEAD_BYTES held,
+        each for AHEAD_SECONDS unless asked for)."""
+        wanted, self._wanted = self._wanted, {}
+        for key, (part, off, limit) in wanted.items():
+            if self._ahead_bytes + limit > AHEAD_BYTES:
+                break
+            hwm = self._bounds(part)[1]
+            if off >= hwm:
+                continue
+            data = self._encode_read(part, off, hwm, limit)
+            if data:
+                old = self._ahead.pop(key, None)
+                if old is not None:
+                    self._ahead_bytes -= len(old[2])
+                self._ahead[key] = (off, limit, data, now)
+                self._ahead_bytes += len(data)
+
+    def _encode_read(self, part: TankPartition, off: int, hwm: int, limit: int) -> bytes | None:
+        count = min(MAX_FETCH_RECORDS, hwm - off, max(1, limit // 16))
+        try:
+            first, values = self.backend.fetch_raw(part.topic, part.address, off, count)
+        except Exception as exc:  # StorageError and LMDB errors
+            log.error("cannot read %s for a Kafka fetch: %s", part.topic, exc)
+            return None
+        if not values:
+            return b""
+        # A record costs about its stored size plus a few varints: keep what fits.
+        costs = list(map(add, accumulate(map(len, values)), range(8, 8 * len(values) + 1, 8)))
+        if costs[-1] + 61 > limit:
+            del values[max(1, bisect_right(costs, limit - 61)) :]
+        try:
+            return encode_batch(first, values)
+        except ValueError as exc:  # a stored value that does not parse
+            log.error("cannot serve %s from offset %d to a Kafka fetch: %s", part.topic, first, exc)
+            return None
+
+    # ---------------------------------------------------------------- groups
+
+    def _find_coordinator(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
+        host, port = self.advertise
+        if v >= 1 and req.key_type != 0:
+            return self._reply(corr, 10, v, throttle_time_ms=0, error_code=Err.COORDINATOR_NOT_AVAILABLE,
+                               error_message="transactions are not supported", node_id=-1, host="", port=-1)
+        return self._reply(corr, 10, v, throttle_time_ms=0, error_code=0, error_message=None,
+                           node_id=NODE_ID, host=host, port=port)
+
+    def _join_group(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
+        session = req.session_timeout_ms / 1000.0
+        rebalance = (req.rebalance_timeout_ms if v >= 1 else req.session_timeout_ms) / 1000.0
+        answers = self.coordinator.join(
+            token, now, req.group_id, req.member_id, cid or "", req.protocol_type,
+            [(p.name, bytes(p.metadata)) for p in req.protocols], session, rebalance,
+        )
+        return self._release(token, answers)
+
+    def _sync_group(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
+        answers = self.coordinator.sync(
+            token, now, req.group_id, req.member_id, req.generation_id,
+            [(a.member_id, bytes(a.assignment)) for a in req.assignments],
+        )
+        return self._release(token, answers)
+
+    def _release(self, token: Any, answers: list[Answer]) -> Outcome:
+        """Answers for this request come back as its outcome; the others wait for the shell."""
+        mine = None
+        for a in answers:
+            if a.token is token:
+                mine = a
+            else:
+                self.released.append(a)
+        return Outcome(self.encode_answer(mine)) if mine is not None else Outcome()
+
+    def encode_answer(self, a: Answer) -> bytes:
+        """The encoded response of a group request (the token knows its request)."""
+        corr, api_key, v = a.token.correlation_id, a.token.api_key, a.token.version
+        fields = dict(a.fields)
+        if api_key == 11:
+            fields["members"] = [N(member_id=m, group_instance_id=None, metadata=md) for m, md in fields["members"]]
+            if v < 7:
+                fields.pop("protocol_type", None)
+        return encode_response(corr, api_key, v, throttle_time_ms=0, **fields)
+
+    def _heartbeat(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
+        code = self.coordinator.heartbeat(now, req.group_id, req.member_id, req.generation_id)
+        return self._reply(corr, 12, v, throttle_time_ms=0, error_code=code)
+
+    def _leave_group(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
+        ids = [m.member_id for m in req.members] if v >= 3 else [req.member_id]
+        codes, answers = self.coordinator.leave(now, req.group_id, ids)
+        self.released.extend(answers)
+        members = [N(member_id=m, group_instance_id=None, error_code=c) for m, c in zip(ids, codes, strict=True)]
+        top = codes[0] if v < 3 else Err.NONE
+        return self._reply(corr, 13, v, throttle_time_ms=0, error_code=top, members=members)
+
+    def tick(self, now: float) -> None:
+        self.released.extend(self.coordinator.tick(now))
+        if self._ahead:
+            for key in [k for k, a in self._ahead.items() if now - a[3] > self.ahead_seconds]:
+                self._ahead_bytes -= len(self._ahead.pop(key)[2])
+
+    # ---------------------------------------------------------------- offsets
+
+    def _offset_commit(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
+        check = self.coordinator.check_member(req.group_id, req.member_id, req.generation_id_or_member_epoch)
+        positions: dict[tuple[str, str], int] = {}
+        topics = []
+        for t in req.topics:
+            parts = self._partitions_of(t.name)
+            out = []
+            for p in t.partitions:
+                part = parts[p.partition_index] if parts and 0 <= p.partition_index < len(parts) else None
+                code = check
+                if code == Err.NONE and part is None:
+                    code = Err.UNKNOWN_TOPIC_OR_PARTITION
+                elif code == Err.NONE and p.committed_offset >= 0:
+                    positions[(part.topic, part.address)] = p.committed_offset  # type: ignore[union-attr]
+                out.append(N(partition_index=p.partition_index, error_code=code))
+            topics.append(N(name=t.name, partitions=out))
+        if positions:
+            try:
+                self.backend.put_positions(req.group_id, positions)
+            except Exception as exc:  # ValueError (names too long), storage errors
+                log.error("cannot commit offsets of group %s: %s", req.group_id, exc)
+                for t in topics:
+                    for p in t.partitions:
+                        if p.error_code == Err.NONE:
+                            p.error_code = Err.KAFKA_STORAGE_ERROR if not isinstance(exc, ValueError) else Err.INVALID_REQUEST
+            else:
+                # As a Dafka member's COMMIT does: every store of the mesh records them too.
+                try:
+                    self.backend.broadcast_positions(req.group_id, positions)
+                except Exception as exc:  # the local commit stands; other stores miss this one
+                    log.warning("cannot send the commit of group %s to the mesh: %s", req.group_id, exc)
+        return self._reply(corr, 8, v, throttle_time_ms=0, topics=topics)
+
+    def _offset_fetch(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
+        try:
+            held = self.backend.positions(req.group_id)
+        except Exception as exc:
+            log.error("cannot read offsets of group %s: %s", req.group_id, exc)
+            held = {}
+        pmap = self.backend.pmap
+        if req.topics is None:  # every partition the group has a position for
+            wanted: dict[str, list[int]] = {}
+            for (topic, address) in held:
+                part = pmap.lookup(topic, address)
+                if part is not None:
+                    wanted.setdefault(topic, []).append(part.pid)
+            asked = list(wanted.items())
+        else:
+            asked = [(t.name, list(t.partition_indexes)) for t in req.topics]
+        topics = []
+        for name, indexes in asked:
+            parts = self._partitions_of(name)
+            out = []
+            for i in indexes:
+                part = parts[i] if parts and 0 <= i < len(parts) else None
+                off = held.get((part.topic, part.address), -1) if part is not None else -1
+                out.append(N(partition_index=i, committed_offset=off, committed_leader_epoch=-1, metadata="", error_code=0))
+            topics.append(N(name=name, partitions=out))
+        return self._reply(corr, 9, v, throttle_time_ms=0, topics=topics, error_code=0)
+
+
+_HANDLERS = {
+    0: KafkaServer._produce,
+    1: KafkaServer._fetch,
+    2: KafkaServer._list_offsets,
+    3: KafkaServer._metadata,
+    8: KafkaServer._offset_commit,
+    9: KafkaServer._offset_fetch,
+    10: KafkaServer._find_coordinator,
+    11: KafkaServer._join_group,
+    12: KafkaServer._heartbeat,
+    13: KafkaServer._leave_group,
+    14: KafkaServer._sync_group,
+    18: KafkaServer._api_versions,
+    19: KafkaServer._create_topics,
+    22: KafkaServer._init_producer_id,
+}

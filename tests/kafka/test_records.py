@@ -1,0 +1,123 @@
+"""Record batches v2 and legacy message sets, sans-IO, against a real client's encoder."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from kafka.record.default_records import DefaultRecordBatchBuilder
+from kafka.record.legacy_records import LegacyRecordBatchBuilder
+
+from dafka.errors import ProtocolError
+from dafka.kafka.records import (
+    CODEC_GZIP,
+    CODEC_LZ4,
+    CODEC_NONE,
+    CODEC_SNAPPY,
+    CODEC_ZSTD,
+    decode_batches,
+    encode_batch,
+    make_ext,
+    parse_headers,
+)
+from dafka.store.layout import FLAG_KAFKA, FLAG_KEY, VALUE_HEADER
+
+
+def client_batch(records, codec=CODEC_NONE, pid=-1, seq=-1) -> bytes:
+    """A batch as kafka-python's producer builds it."""
+    b = DefaultRecordBatchBuilder(2, codec, False, pid, 0 if pid >= 0 else -1, seq, 1 << 24)
+    for i, (ts, key, value, headers) in enumerate(records):
+        b.append(i, ts, key, value, headers)
+    return bytes(b.build())
+
+
+RECS = [
+    (1000, None, b"plain", []),
+    (1001, b"k1", b"keyed", []),
+    (1002, b"k2", b"with headers", [("a", b"1"), ("b", None)]),
+    (1002, None, b"", [("only", b"header")]),
+]
+
+
+@pytest.mark.parametrize("codec", [CODEC_NONE, CODEC_GZIP, CODEC_SNAPPY, CODEC_LZ4, CODEC_ZSTD])
+def test_decodes_what_a_client_sends_in_every_codec(codec: int) -> None:
+    data = client_batch(RECS * 50, codec, pid=7, seq=3)
+    [batch] = decode_batches(data)
+    assert (batch.producer_id, batch.base_sequence) == (7, 3)
+    got = [(r.timestamp, r.key, r.value, parse_headers(r.headers)) for r in batch.records]
+    assert got == [(ts, k, v, h) for ts, k, v, h in RECS * 50]
+
+
+def test_legacy_message_sets_decode() -> None:
+    for magic in (0, 1):
+        b = LegacyRecordBatchBuilder(magic, 0, 1 << 20)
+        b.append(0, 5000, b"k", b"v0")
+        b.append(1, 5001, None, b"v1")
+        got = [(r.key, r.value) for bt in decode_batches(bytes(b.build())) for r in bt.records]
+        assert got == [(b"k", b"v0"), (None, b"v1")]
+
+
+def stored(ts: int, key: bytes | None, value: bytes, headers: list) -> bytes:
+    """A stored value as the gateway writes it for this record."""
+    if headers:
+        enc = client_batch([(ts, key, value, headers)])
+        rec = decode_batches(enc)[0].records[0]
+        ext = make_ext(key, rec.headers)
+        return VALUE_HEADER.pack(ts, FLAG_KEY | FLAG_KAFKA | 2) + bytes((len(ext),)) + ext + value
+    if key is not None:
+        return VALUE_HEADER.pack(ts, FLAG_KEY | 2) + bytes((len(key),)) + key + value
+    return VALUE_HEADER.pack(ts, 0) + value
+
+
+def test_encode_round_trips_keys_headers_and_timestamps() -> None:
+    values = [stored(*r) for r in RECS]
+    data = encode_batch(40, values)
+    [batch] = decode_batches(data)  # checks the CRC too
+    assert batch.base_offset == 40
+    assert [(r.timestamp, r.key, r.value, parse_headers(r.headers)) for r in batch.records] == RECS
+
+
+def test_crc_mismatch_and_truncation_are_protocol_errors() -> None:
+    data = bytearray(client_batch(RECS))
+    data[-1] ^= 0xFF
+    with pytest.raises(ProtocolError, match="CRC"):
+        decode_batches(bytes(data))
+    with pytest.raises(ProtocolError):
+        decode_batches(client_batch(RECS)[:-3])
+
+
+def test_a_compression_bomb_is_bounded() -> None:
+    data = client_batch([(0, None, bytes(1 << 20), [])] * 8, CODEC_GZIP)
+    assert len(data) < 100_000
+    with pytest.raises(ProtocolError, match="inflates"):
+        decode_batches(data, limit=1 << 20)
+
+
+def test_a_lying_record_count_is_refused_before_looping() -> None:
+    data = bytearray(client_batch(RECS))
+    struct.pack_into(">i", data, 57, 1 << 30)
+    from crc32c import crc32c
+
+    struct.pack_into(">I", data, 17, crc32c(bytes(data[21:])))
+    with pytest.raises(ProtocolError, match="count"):
+        decode_batches(bytes(data))
+
+
+@given(st.binary(max_size=300))
+def test_random_bytes_only_ever_raise_protocol_error(data: bytes) -> None:
+    try:
+        decode_batches(data)
+    except ProtocolError:
+        pass
+
+
+@given(st.integers(0, 200), st.binary(max_size=40))
+def test_mutated_client_batches_only_ever_raise_protocol_error(pos: int, junk: bytes) -> None:
+    base = client_batch(RECS, CODEC_NONE)
+    data = base[:pos] + junk + base[pos + len(junk):]
+    try:
+        decode_batches(data)
+    except ProtocolError:
+        pass
