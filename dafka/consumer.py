@@ -26,28 +26,70 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import repeat, starmap
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import zmq
 
-from dafka import fastio, wire
+from dafka import fastio, values, wire
 from dafka.config import NodeConfig, default_node_config
-from dafka.errors import ClosedError, CommitError
+from dafka.errors import ClosedError, CommitError, DeserializationError
 from dafka.gaps import PartitionTracker
 from dafka.groups import GroupState, Key, PendingCommits, PositionsQuery
 from dafka.node import DRAIN, read_subscriptions
 from dafka.reader import PartitionReader
+from dafka.values import Deserializer
 
 log = logging.getLogger("dafka.consumer")
 
 
 class ConsumerRecord(NamedTuple):
-    """One delivered record."""
+    """One delivered record: where it comes from and its content (bytes).
+
+    ``value`` is the content as the consumer's ``deserializer`` decodes it
+    (the content itself by default).
+    """
 
     topic: str
     partition: str  # the producer's address
     offset: int
     content: bytes
+
+    @property
+    def value(self) -> Any:
+        """The deserialized content: here the bytes themselves (no deserializer)."""
+        return self[3]
+
+
+def record_type(deserializer: str | Deserializer | None) -> type[ConsumerRecord]:
+    """The record class a consumer delivers: ConsumerRecord itself for plain bytes.
+
+    Otherwise a subclass (same fields, no per-record cost on receipt) whose
+    ``value`` decodes the content on each access, raising
+    :class:`DeserializationError` (naming topic, partition and offset) for
+    content it cannot decode.
+    """
+    decode = values.deserializer(deserializer)
+    if decode is None:
+        return ConsumerRecord
+
+    class DecodedRecord(ConsumerRecord):
+        __slots__ = ()
+
+        @property
+        def value(self) -> Any:
+            """The content decoded by the consumer's deserializer (on each access)."""
+            try:
+                return decode(self[3])
+            except Exception as exc:
+                raise DeserializationError(
+                    f"record {self[2]} of {self[0]}/{self[1]} cannot be deserialized: {exc}",
+                    self[0],
+                    self[1],
+                    self[2],
+                ) from exc
+
+    DecodedRecord.__name__ = DecodedRecord.__qualname__ = "ConsumerRecord"
+    return DecodedRecord
 
 
 _new_record = tuple.__new__
@@ -74,6 +116,11 @@ class Consumer(PartitionReader):
     no committed position, ``start`` then ``offset_reset`` apply.
     ``on_assign(partitions)`` is called (in the I/O thread) whenever the set of
     partitions this member delivers changes.
+
+    ``deserializer`` ("bytes", the default, "msgpack", "json" or a callable
+    taking bytes) decodes each record's ``value`` from its ``content`` when
+    ``value`` is read; a record it cannot decode raises
+    :class:`~dafka.errors.DeserializationError` there, and is not lost.
     """
 
     kind = "consumer"
@@ -93,7 +140,9 @@ class Consumer(PartitionReader):
         group: str | None = None,
         auto_commit_interval: float | None = None,
         on_assign: Callable[[frozenset[Key]], None] | None = None,
+        deserializer: str | Deserializer | None = None,
     ) -> None:
+        self._record_type = record_type(deserializer)
         if offset_reset not in ("latest", "earliest"):
             raise ValueError("offset_reset must be 'latest' or 'earliest'")
         starts = {(str(t), str(p)): int(o) for (t, p), o in (start or {}).items()}
@@ -363,8 +412,9 @@ class Consumer(PartitionReader):
     def emit(self, tracker: PartitionTracker, records: list[tuple[int, bytes]]) -> None:
         append = self._queue.append
         subject, partition = tracker.subject, tracker.address
+        rtype = self._record_type
         for seq, content in records:
-            append(_new_record(ConsumerRecord, (subject, partition, seq, content)))
+            append(_new_record(rtype, (subject, partition, seq, content)))
         # Waiting pollers are woken after the drain or at the end of the loop turn, not per call.
         self.delivered += len(records)
 
@@ -374,7 +424,7 @@ class Consumer(PartitionReader):
         # through track / on_message in arrival order.
         queue = self._queue
         fast = fastio.drain_records(
-            self.sub, DRAIN, self._by_prefix, queue, ConsumerRecord, 0, self.track, self.on_message
+            self.sub, DRAIN, self._by_prefix, queue, self._record_type, 0, self.track, self.on_message
         )
         if self._missing:
             self.fetch_missing()

@@ -21,10 +21,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import zmq
 
-from dafka import fastio, wire
+from dafka import fastio, values, wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import BufferFullError, ClosedError, ProtocolError, PublishError, ResumeError
 from dafka.fairlock import FairLock
@@ -135,6 +136,11 @@ class Producer(Node):
         ``"start_anyway"`` continues after the offsets the identity file
         saved (records a store holds beyond them may then be overwritten).
         Another process with the same identity is always refused.
+    serializer:
+        How ``publish`` turns values into record contents: ``"bytes"``
+        (default: contents are bytes already), ``"msgpack"``, ``"json"`` or a
+        callable returning bytes.  A value it cannot serialize raises
+        :class:`~dafka.errors.SerializationError` from ``publish``.
     """
 
     kind = "producer"
@@ -153,7 +159,9 @@ class Producer(Node):
         resume_timeout: float = 5.0,
         resume: str = STRICT,
         pace_limit: float = PACE_LIMIT,
+        serializer: str | values.Serializer | None = None,
     ) -> None:
+        self._serialize = values.serializer(serializer)
         if not topic or len(topic.encode()) > wire.MAX_STRING or "\x00" in topic:
             raise ValueError("topic must be 1..255 bytes without NUL")
         if resume not in POLICIES:
@@ -269,7 +277,7 @@ class Producer(Node):
 
     def publish(
         self,
-        content: bytes,
+        content: Any,
         callback: Callable[[Receipt], None] | None = None,
         *,
         offset: int | None = None,
@@ -281,7 +289,10 @@ class Producer(Node):
         was already published and is not sent again; it must never be above.
         ``timeout`` overrides ``publish_timeout`` for waiting on a full buffer.
         Raises :class:`ResumeError` if the producer could not resume its partition.
+        ``content`` is bytes, or a value for the producer's ``serializer``.
         """
+        if self._serialize is not None:
+            content = values.encode(self._serialize, content)
         if self._resume_error is not None:
             raise self._resume_error
         lock = self._lock
@@ -304,14 +315,19 @@ class Producer(Node):
             self._add_callback(receipt, callback)
         return receipt
 
-    def publish_many(self, contents: Iterable[bytes], *, timeout: float | None = -1.0) -> Receipt | None:
+    def publish_many(self, contents: Iterable[Any], *, timeout: float | None = -1.0) -> Receipt | None:
         """Publish several records; return the receipt of the last one (None if empty).
 
         ACKs are cumulative, so the last receipt resolving means all did.
         Cheaper per record than :meth:`publish`: one lock hold per chunk.
+        With a ``serializer``, values are serialized a chunk at a time: one
+        that cannot be raises before its chunk is published.
         """
         last = -1
         it = iter(contents)
+        serialize = self._serialize
+        if serialize is not None:
+            it = (values.encode(serialize, value) for value in it)
         while True:
             batch = list(islice(it, 1024))  # chunks taken at C level
             if not batch:
