@@ -26,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import repeat, starmap
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import zmq
 
@@ -93,6 +93,13 @@ def record_type(deserializer: str | Deserializer | None) -> type[ConsumerRecord]
 
 
 _new_record = tuple.__new__
+
+
+class Sleeper(Protocol):
+    """What waits in ``poll`` for records: released once some are queued (a lock, or
+    :mod:`dafka.aio`'s waker of a coroutine)."""
+
+    def release(self) -> None: ...
 
 COMMIT_MEMORY = 60.0  # seconds an unconfirmed commit is remembered
 POSITIONS_GRACE = 0.1  # seconds to wait for more stores after the first POSITIONS
@@ -167,7 +174,7 @@ class Consumer(PartitionReader):
         # Locks of application threads waiting in poll, each held until released
         # by the I/O thread (before_wait) or close(): a handoff in which the I/O
         # thread never waits for a lock an application thread may hold.
-        self._sleepers: list[threading.Lock] = []
+        self._sleepers: list[Sleeper] = []
         self._closed = False
         self.delivered = 0
         self.skipped = 0
