@@ -34,6 +34,7 @@ import asyncio
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Generator, Iterable
 from typing import Any, Literal
 
@@ -399,6 +400,8 @@ class Consumer:
         self._sync: _consumer.Consumer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streak = 0
+        # Records ``async for`` took from the node (no group) and did not hand out yet.
+        self._buffer: deque[ConsumerRecord] = deque()
 
     async def start(self) -> Consumer:
         """Start the node."""
@@ -424,20 +427,31 @@ class Consumer:
         return self
 
     async def __anext__(self) -> ConsumerRecord:
+        buffer = self._buffer
+        if buffer:
+            return buffer.popleft()
+        sync = self.node
         try:
-            record = self.node.poll(0)
-        except ClosedError:
-            raise StopAsyncIteration from None
-        if record is not None:
-            # Records queued back to back are delivered without a wait; now and
-            # then let the loop's other tasks run.
-            self._streak += 1
-            if self._streak >= YIELD_EVERY:
+            if sync._group is None:
+                # Taken from the node's queue YIELD_EVERY at a time (one call),
+                # handed out from here; the loop's other tasks run in between.
+                batch = sync.poll_batch(YIELD_EVERY, 0)
+                if batch:
+                    buffer.extend(batch)
+                    await asyncio.sleep(0)
+                    if buffer:
+                        return buffer.popleft()
+            else:
+                # A group member marks a record polled only when the caller takes
+                # it (commits must not run ahead of it): one at a time.
+                record = sync.poll(0)
+                if record is not None:
+                    self._streak += 1
+                    if self._streak >= YIELD_EVERY:
+                        self._streak = 0
+                        await asyncio.sleep(0)
+                    return record
                 self._streak = 0
-                await asyncio.sleep(0)
-            return record
-        self._streak = 0
-        try:
             record = await self.poll(None)
         except ClosedError:
             raise StopAsyncIteration from None
@@ -449,6 +463,8 @@ class Consumer:
 
         Raises :class:`~dafka.errors.ClosedError` once the consumer is closed.
         """
+        if self._buffer:
+            return self._buffer.popleft()
         sync = self.node
         record = sync.poll(0)
         if record is not None:
@@ -485,7 +501,13 @@ class Consumer:
         first = await self.poll(timeout)
         if first is None:
             return []
-        return [first, *self.node.poll_batch(max_records - 1, 0)] if max_records > 1 else [first]
+        batch = [first]
+        buffer = self._buffer
+        while buffer and len(batch) < max_records:
+            batch.append(buffer.popleft())
+        if len(batch) < max_records:
+            batch += self.node.poll_batch(max_records - len(batch), 0)
+        return batch
 
     async def commit(self, timeout: float = 5.0) -> dict[Key, int]:
         """Commit the group's positions (what was polled); see :meth:`dafka.consumer.Consumer.commit`."""
