@@ -367,12 +367,14 @@ class _Waker:
         self.future: asyncio.Future[None] = loop.create_future()
 
     def release(self) -> None:
+        """Wake the waiting coroutine (thread-safe: called by the consumer's I/O thread)."""
         try:
             self._loop.call_soon_threadsafe(self.wake)
         except RuntimeError:  # the loop is closed
             pass
 
     def wake(self) -> None:
+        """On the loop: resolve the future (once)."""
         if not self.future.done():
             self.future.set_result(None)
 

@@ -31,14 +31,17 @@ class TowerAddress:
 
     @property
     def beacon_in(self) -> str:
+        """The endpoint nodes send their beacons to."""
         return f"tcp://{self.host}:{self.in_port}"
 
     @property
     def beacon_out(self) -> str:
+        """The endpoint nodes read the tower's beacons from."""
         return f"tcp://{self.host}:{self.out_port}"
 
     @classmethod
     def parse(cls, text: str) -> TowerAddress:
+        """``HOST[:IN_PORT[:OUT_PORT]]`` (``tcp://`` allowed) as a TowerAddress; ConfigError if malformed."""
         spec = text.strip()
         if spec.startswith("tcp://"):
             spec = spec[len("tcp://") :]
@@ -61,6 +64,7 @@ class TowerAddress:
 
 
 def parse_towers(value: str | list[str] | tuple[str, ...]) -> tuple[TowerAddress, ...]:
+    """Comma-separated (or listed) tower addresses; ConfigError when none."""
     items = value.split(",") if isinstance(value, str) else list(value)
     towers = tuple(TowerAddress.parse(item) for item in items if item.strip())
     if not towers:
@@ -84,6 +88,7 @@ class NodeConfig:
     batches: bool = True
 
     def with_towers(self, towers: str | list[str] | None) -> NodeConfig:
+        """This config with ``towers`` instead of its own (unchanged when ``towers`` is empty)."""
         return self if not towers else replace(self, towers=parse_towers(towers))
 
 
@@ -96,6 +101,7 @@ class Settings:
     node_keys: frozenset[str] = frozenset()  # the keys the [node] table gave (bind given or not)
 
     def section(self, name: str) -> dict[str, Any]:
+        """A copy of the TOML table ``name`` (empty if absent)."""
         return dict(self.sections.get(name, {}))
 
 
@@ -103,6 +109,7 @@ _NODE_KEYS = {"towers", "bind", "advertise", "beacon_interval", "beacon_timeout"
 
 
 def node_config_from(data: dict[str, Any], base: NodeConfig | None = None) -> NodeConfig:
+    """A NodeConfig from a ``[node]`` table over ``base``; ConfigError for unknown keys or bad values."""
     cfg = base or NodeConfig()
     unknown = set(data) - _NODE_KEYS
     if unknown:

@@ -68,9 +68,10 @@ def record_type(deserializer: str | Deserializer | None) -> type[ConsumerRecord]
     :class:`DeserializationError` (naming topic, partition and offset) for
     content it cannot decode.
     """
-    decode = values.deserializer(deserializer)
-    if decode is None:
+    found = values.deserializer(deserializer)
+    if found is None:
         return ConsumerRecord
+    decode: Deserializer = found
 
     class DecodedRecord(ConsumerRecord):
         __slots__ = ()
@@ -164,7 +165,7 @@ class Consumer(PartitionReader):
         self.offset_reset = offset_reset
         self.earliest = offset_reset == "earliest"
         self.max_queued = max_queued
-        self._tracker_options = {
+        self._tracker_options: dict[str, Any] = {
             "max_held": max_held,
             "retry_interval": retry_interval,
             "skip_after": skip_after,
@@ -370,7 +371,7 @@ class Consumer(PartitionReader):
         if self._wants_heads() and self.running:
             self.send(wire.GetHeads(topic, self.address))
 
-    def sockets(self) -> list[tuple[zmq.Socket, object]]:
+    def sockets(self) -> list[tuple[zmq.Socket[Any], Callable[[], None]]]:
         return [(self.publisher, self._read_subscriptions)]
 
     def on_start(self) -> None:

@@ -70,12 +70,15 @@ class Receipt:
         return f"<Receipt offset={self.offset} {state}>"
 
     def acked(self) -> bool:
+        """Whether a store acknowledged the record (without acks: at once)."""
         return self._producer._acked_upto() >= self.offset
 
     def failed(self) -> bool:
+        """Whether the record failed (a :class:`PublishError`): it will never be acknowledged."""
         return self._producer._failure_for(self.offset) is not None
 
     def done(self) -> bool:
+        """Whether the record was acknowledged or failed."""
         return self.acked() or self.failed()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -273,6 +276,7 @@ class Producer(Node):
 
     @property
     def unacked(self) -> int:
+        """How many published records wait for an acknowledgement."""
         return len(self.window)
 
     def publish(
@@ -871,11 +875,11 @@ class Producer(Node):
             log.error("producer %s of %s: %s", self.address, self.topic, self._resume_error)
         super().on_duplicate_address(endpoint)
 
-    def _load_identity(self) -> dict[str, object] | None:
+    def _load_identity(self) -> dict[str, Any] | None:
         path = self._identity_path
         assert path is not None
         try:
-            data = json.loads(path.read_text())
+            data: dict[str, Any] = json.loads(path.read_text())
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:
