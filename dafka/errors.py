@@ -49,10 +49,11 @@ class ConfigError(DafkaError):
     """A configuration value is missing or invalid."""
 
 
-class SerializationError(DafkaError, TypeError):
+class SerializationError(DafkaError, TypeError, ValueError):
     """A value the producer's serializer cannot turn into bytes (raised by ``publish``).
 
-    A TypeError (the value's type is not serializable) and a :class:`DafkaError`.
+    Both a TypeError (a type the format has no form for) and a ValueError (a
+    value out of its range, such as NaN in JSON), so either ``except`` catches it.
     """
 
 

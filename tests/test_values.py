@@ -47,7 +47,7 @@ def test_encode_errors_are_serialization_errors() -> None:
     assert pack is not None
     with pytest.raises(SerializationError, match="set") as info:
         values.encode(pack, {1, 2})
-    assert isinstance(info.value, TypeError)
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)
     with pytest.raises(SerializationError):
         values.encode(pack, 1 << 70)  # beyond msgpack's integers
     with pytest.raises(SerializationError, match="NaN|nan|Out of range"):
