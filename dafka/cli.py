@@ -351,7 +351,11 @@ def _encoded_lines(lines: Iterable[bytes], fmt: str, bad: list[int]) -> Iterator
 
 
 def _json_line(content: bytes) -> bytes | None:
-    """``consume --format json``: a record's content (msgpack, else JSON) as one JSON line; None if neither."""
+    """``consume --format json``: a record's content (msgpack, else JSON) as one JSON line; None if neither.
+
+    Hostile content (nesting deeper than the decoders or the encoder take)
+    counts as neither: it is reported, never a crash.
+    """
     import msgpack
 
     try:
@@ -359,12 +363,17 @@ def _json_line(content: bytes) -> bytes | None:
     except Exception:
         try:
             value = json.loads(content)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     try:
         text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except RecursionError:
+        return None
     except (TypeError, ValueError):
-        text = json.dumps(_jsonable(value), ensure_ascii=False, separators=(",", ":"))
+        try:
+            text = json.dumps(_jsonable(value), ensure_ascii=False, separators=(",", ":"))
+        except (RecursionError, TypeError, ValueError):
+            return None
     return text.encode()
 
 

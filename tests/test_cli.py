@@ -415,3 +415,14 @@ def test_produce_msgpack_consume_json(tower_proc: str) -> None:
     assert _json_line(msgpack.packb({"b": b"\xff\x00ok", 1: float("nan")})) == b'{"b":"\\\\xff\\u0000ok","1":"nan"}'
     assert _json_line(b'{"plain": "json"}') == b'{"plain":"json"}'
     assert _json_line(b"\xc1 neither") is None
+    # Hostile nesting: msgpack refuses it, JSON would recurse: reported as neither, no crash.
+    assert _json_line(b"\x91" * 100_000 + b"\x01") is None
+    assert _json_line(b"[" * 100_000 + b"]" * 100_000) is None
+    _json_line(msgpack.packb(nested(900)))  # deep, within msgpack's limit: whatever it gives, no exception
+
+
+def nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value

@@ -75,6 +75,11 @@ def test_decoded_record_value_and_error_names_the_record() -> None:
     assert (err.topic, err.partition, err.offset) == ("t", "p" * 32, 8)
     assert "8" in str(err) and "t/" + "p" * 32 in str(err)
     assert bad.content == b"\xc1"  # the bytes stay readable
+    # Hostile nesting: an error naming the record, not a RecursionError escaping.
+    for fmt, content in (("msgpack", b"\x91" * 100_000 + b"\x01"), ("json", b"[" * 100_000)):
+        deep = tuple.__new__(record_type(fmt), ("t", "p", 9, content))
+        with pytest.raises(DeserializationError, match="record 9 of t/p"):
+            _ = deep.value
 
 
 def test_msgpack_end_to_end_bad_record_is_not_dropped(cfg: NodeConfig, tmp_path: Path) -> None:

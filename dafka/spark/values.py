@@ -68,13 +68,13 @@ def decode_batch(batch: pa.RecordBatch, fmt: str, data_type: pa.DataType, names:
                 bad.append(i)
     try:
         data = pa.array(decoded, type=data_type)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError, RecursionError):
         # Some rows do not fit the schema: those get null, the others their values.
         rows = []
         for i, value in enumerate(decoded):
             try:
                 rows.append(pa.array([value], type=data_type))
-            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError, RecursionError):
                 rows.append(pa.nulls(1, type=data_type))
                 bad.append(i)
         data = pa.concat_arrays(rows) if rows else pa.nulls(0, type=data_type)
