@@ -404,6 +404,7 @@ class Consumer:
         self._streak = 0
         # Records ``async for`` took from the node (no group) and did not hand out yet.
         self._buffer: deque[ConsumerRecord] = deque()
+        self._take = self._buffer.popleft
 
     async def start(self) -> Consumer:
         """Start the node."""
@@ -429,9 +430,11 @@ class Consumer:
         return self
 
     async def __anext__(self) -> ConsumerRecord:
+        try:
+            return self._take()  # the common case: one C call
+        except IndexError:
+            pass
         buffer = self._buffer
-        if buffer:
-            return buffer.popleft()
         sync = self.node
         try:
             if sync._group is None:
