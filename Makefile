@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup java netns run test lint bench bench-all pipeline sim chaos clean
+.PHONY: setup java netns run test lint typecheck bench bench-all pipeline sim chaos clean
 
 # The install also compiles the I/O extension in place (setup.py, Cython from
 # the build requirements); a failed compile leaves the pure-Python twin.
@@ -35,9 +35,14 @@ run: setup
 lint: setup
 	$(BIN)/ruff check dafka tests examples
 
+# The public Python API type-checks strictly (settings in pyproject's [tool.mypy]).
+MYPY_STRICT := dafka/producer.py dafka/consumer.py dafka/aio.py dafka/config.py dafka/tank/client.py
+typecheck: setup
+	$(BIN)/mypy --strict $(MYPY_STRICT)
+
 # The whole suite with the compiled extension (asserted active), then the
 # mesh, store and wire tests again on the pure-Python twin.
-test: setup lint
+test: setup lint typecheck
 	DAFKA_REQUIRE_EXTENSIONS=1 $(BIN)/pytest
 	DAFKA_NO_EXTENSIONS=1 $(BIN)/pytest tests/test_mesh.py tests/test_batches.py tests/test_store_node.py tests/test_wire.py tests/test_fastio.py tests/kafka/test_records.py
 
@@ -71,4 +76,4 @@ pipeline: setup
 	$(BIN)/python examples/edge_pipeline.py --devices 4 --seconds 60
 
 clean:
-	rm -rf $(VENV) var .pytest_cache .ruff_cache .hypothesis build dafka/fastio/_compiled.c dafka/fastio/*.so
+	rm -rf $(VENV) var .pytest_cache .ruff_cache .mypy_cache .hypothesis build dafka/fastio/_compiled.c dafka/fastio/*.so

@@ -1107,6 +1107,123 @@ def bench_embedded(args: argparse.Namespace) -> dict[str, list[float]]:
     return series
 
 
+def _aio_rates(cfg: NodeConfig, topic: str, read_topic: str, args: argparse.Namespace) -> dict[str, float]:
+    """Records/s of the threaded and the asyncio producer (acknowledged) and consumer, one record a call."""
+    import asyncio
+
+    from dafka import aio
+    from dafka.consumer import Consumer
+    from dafka.producer import Producer
+
+    n, payload = args.records, b"x" * args.size
+    rates: dict[str, float] = {}
+
+    def settle(node: Any) -> None:
+        deadline = time.monotonic() + 30
+        while len(node.peers) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # subscriptions both ways
+
+    with Producer(f"{topic}-sync", cfg, capacity=max(n, 1)) as producer:
+        settle(producer)
+        gc.collect()
+        t0 = time.perf_counter()
+        publish = producer.publish
+        for _ in range(n):
+            publish(payload)
+        ok = producer.flush(300)
+        rates["produce sync"] = n / (time.perf_counter() - t0) if ok else 0.0
+
+    with Consumer(read_topic, cfg, offset_reset="earliest") as consumer:
+        got, t0 = 0, 0.0
+        end = time.monotonic() + 300
+        for _ in consumer:
+            if got == 0:
+                t0 = time.perf_counter()  # from the first record: excludes discovery
+            got += 1
+            if got >= n or time.monotonic() > end:
+                break
+        rates["consume sync"] = (got - 1) / (time.perf_counter() - t0) if got == n else 0.0
+
+    async def run_async() -> None:
+        async with aio.Producer(f"{topic}-aio", cfg, capacity=max(n, 1)) as producer:
+            await asyncio.to_thread(settle, producer.node)
+            gc.collect()
+            t0 = time.perf_counter()
+            publish = producer.publish_nowait
+            for i in range(n):
+                publish(payload)
+                if not i & 1023:
+                    await asyncio.sleep(0)  # a task among others: let the loop turn
+            ok = await producer.flush(300)
+            rates["produce aio"] = n / (time.perf_counter() - t0) if ok else 0.0
+        async with aio.Consumer(read_topic, cfg, offset_reset="earliest") as consumer:
+            got, t0 = 0, 0.0
+            end = time.monotonic() + 300
+            async for _ in consumer:
+                if got == 0:
+                    t0 = time.perf_counter()
+                got += 1
+                if got >= n or time.monotonic() > end:
+                    break
+            rates["consume aio"] = (got - 1) / (time.perf_counter() - t0) if got == n else 0.0
+
+    asyncio.run(run_async())
+    return rates
+
+
+def bench_aio(args: argparse.Namespace) -> dict[str, list[float]]:
+    """dafka.aio beside the threaded API: one record a call, in this process.
+
+    The tower and a store run in their own processes.  Producers publish one
+    record a call (``publish`` / ``publish_nowait``) until all are acknowledged;
+    consumers read a partition the store holds (``for`` / ``async for``).
+    """
+    import tempfile
+
+    from dafka.store.db import RecordDB
+
+    ctx = mp.get_context("spawn")
+    series: dict[str, list[float]] = {}
+    for run in range(args.runs):
+        ports, tower_done = ctx.Queue(), ctx.Event()
+        tower = ctx.Process(target=_tower_process, args=(ports, tower_done))
+        tower.start()
+        in_port, out_port = ports.get(timeout=60)
+        cfg = NodeConfig(
+            towers=(TowerAddress("127.0.0.1", in_port, out_port),), bind="127.0.0.1", beacon_interval=0.2
+        )
+        with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
+            read_topic = f"bench-aio-read-{run}"
+            with RecordDB(db, sync=False) as records:
+                now = int(time.time() * 1000)
+                payload = b"x" * args.size
+                for start in range(0, args.records, 10_000):
+                    stop = min(start + 10_000, args.records)
+                    records.append([(read_topic, "B" * 32, i, payload, now) for i in range(start, stop)])
+            ready, done = ctx.Event(), ctx.Event()
+            store = ctx.Process(target=_store_process, args=(cfg, db, not args.no_sync, ready, done))
+            store.start()
+            ready.wait(60)
+            try:
+                rates = _aio_rates(cfg, f"bench-aio-{run}", read_topic, args)
+            finally:
+                done.set()
+                store.join(60)
+                tower_done.set()
+                tower.join(30)
+        for name, rate in rates.items():
+            series.setdefault(name, []).append(rate)
+        figures = ", ".join(f"{k} {v:,.0f}/s" for k, v in rates.items())
+        print(f"run {run}: {figures}", flush=True)
+    for what in ("produce", "consume"):
+        sync, asy = series.get(f"{what} sync", []), series.get(f"{what} aio", [])
+        if sync and asy and statistics.median(sync) > 0:
+            ratio = statistics.median(asy) / statistics.median(sync)
+            print(f"{what}: aio/sync ratio {ratio:.2f} (goal >= 0.5)", flush=True)
+    return series
+
+
 def _spark_bench(args: argparse.Namespace) -> dict[str, list[float]]:
     from dafka.spark_bench import bench_spark  # pyspark is an extra: imported only here
 
@@ -1123,6 +1240,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "kafka": bench_kafka,
     "kafka-group": bench_kafka_group,
     "embedded": bench_embedded,
+    "aio": bench_aio,
     "spark": _spark_bench,
     "latency": bench_latency,
     "group": lambda args: bench_group(args),

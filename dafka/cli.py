@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import errno
 import ipaddress
+import json
 import logging
 import multiprocessing
 import os
@@ -25,7 +26,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -298,17 +299,27 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
         # A bar for a file (its size is known); stdin is often a live stream.
         size = os.path.getsize(args.file) if args.file else None
         show = None if args.file else False
+        bad: list[int] = []
         with progress.bar(size, f"publishing {args.topic}", bytes_=True, show=show) as bar:
-            producer.publish_many(progress.read_lines(source, bar))
+            lines = progress.read_lines(source, bar)
+            if args.format != "bytes":
+                lines = _encoded_lines(lines, args.format, bad)
+            producer.publish_many(lines)
         count = producer.next_offset - start
+        if bad:
+            print(
+                f"error: {len(bad)} input lines are not JSON and were not published"
+                f" (lines {', '.join(map(str, bad[:10]))}{', ...' if len(bad) > 10 else ''})",
+                file=sys.stderr,
+            )
         if args.no_ack:
             time.sleep(args.linger)  # answer late FETCHes from the kept records
             producer.close(0)
             print(f"published {count} records (no acknowledgement requested)", file=sys.stderr)
-            return 0
+            return EXIT_FAILURE if bad else 0
         if producer.close(args.timeout):
             print(f"published {count} records, all acknowledged", file=sys.stderr)
-            return 0
+            return EXIT_FAILURE if bad else 0
         unacked = producer.next_offset - 1 - max(producer.acked_offset, start - 1)
         print(
             f"error: {unacked} of {count} records were not acknowledged by a store "
@@ -320,6 +331,69 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
         if args.file:
             source.close()
         producer.close(0)
+
+
+def _encoded_lines(lines: Iterable[bytes], fmt: str, bad: list[int]) -> Iterator[bytes]:
+    """``produce --format``: each JSON input line as ``fmt`` (blank lines skipped; others
+    that are not JSON are reported once each and their line numbers added to ``bad``)."""
+    from dafka import values
+
+    encode = values.serializer(fmt)
+    assert encode is not None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except ValueError as exc:
+            bad.append(number)
+            if len(bad) <= 20:
+                print(f"error: line {number} is not JSON ({exc}); not published", file=sys.stderr)
+            continue
+        yield encode(value)
+
+
+def _json_line(content: bytes) -> bytes | None:
+    """``consume --format json``: a record's content (msgpack, else JSON) as one JSON line; None if neither.
+
+    Hostile content (nesting deeper than the decoders or the encoder take)
+    counts as neither: it is reported, never a crash.
+    """
+    import msgpack
+
+    try:
+        value = msgpack.unpackb(content, raw=False, strict_map_key=False)
+    except Exception:
+        try:
+            value = json.loads(content)
+        except (ValueError, RecursionError):
+            return None
+    try:
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except RecursionError:
+        return None
+    except (TypeError, ValueError):
+        try:
+            text = json.dumps(_jsonable(value), ensure_ascii=False, separators=(",", ":"))
+        except (RecursionError, TypeError, ValueError):
+            return None
+    return text.encode()
+
+
+def _jsonable(value: Any) -> Any:
+    """msgpack values JSON has no form for: bytes as text (undecodable bytes escaped),
+    map keys as strings, NaN and extension types by their repr."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "backslashreplace")
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else str(_jsonable(k)): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return repr(value)
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return repr(value)
 
 
 # ---------------------------------------------------------------- consume
@@ -357,6 +431,7 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
     next_commit = time.monotonic() + (commit_every or 0)
     commit_failure = ""  # the last commit error shown (each new one is shown once)
     interrupted = False
+    undecodable = 0
     try:
         while not stop.is_set() and (args.count is None or seen < args.count):
             now = time.monotonic()
@@ -395,9 +470,23 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
                 continue
             seen += 1
             bar.update()
+            content = record.content
+            if args.format == "json":
+                line = _json_line(content)
+                if line is None:
+                    undecodable += 1
+                    if undecodable <= 20 or undecodable % 1000 == 0:
+                        print(
+                            f"error: record {record.offset} of {record.topic}/{record.partition} is"
+                            f" neither msgpack nor JSON; skipped ({undecodable} so far)",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                    continue
+                content = line
             if args.verbose:
                 out.write(f"{record.topic} {record.partition} {record.offset} ".encode())
-            out.write(record.content + b"\n")
+            out.write(content + b"\n")
             if args.count is not None or seen % 1000 == 0:
                 out.flush()
     except KeyboardInterrupt:
@@ -841,6 +930,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", type=count_arg, default=1_000_000, help="max unacknowledged records")
     p.add_argument("--wait-peers", type=seconds_arg, default=2.0, help="--no-ack: seconds to wait for a peer")
     p.add_argument("--linger", type=seconds_arg, default=1.0, help="--no-ack: seconds to serve FETCHes after the last record")
+    p.add_argument(
+        "--format",
+        choices=("bytes", "msgpack", "json"),
+        default="bytes",
+        help="bytes: each line as it is (default); msgpack / json: each line is JSON, published in that encoding",
+    )
 
     p = sub.add_parser("consume", help="print records, one per line")
     p.add_argument("topic", nargs="+", type=topic_arg)
@@ -849,6 +944,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--count", type=count_arg, help="exit after this many records")
     p.add_argument("--timeout", type=positive_seconds_arg, help="give up after this many seconds (default: never)")
     p.add_argument("-v", "--verbose", action="store_true", help="prefix topic, partition and offset")
+    p.add_argument(
+        "--format",
+        choices=("bytes", "json"),
+        default="bytes",
+        help="bytes: contents as they are (default); json: decode msgpack (or JSON) records, print JSON lines",
+    )
     p.add_argument(
         "--start",
         action="append",

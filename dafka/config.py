@@ -241,14 +241,17 @@ class TowerAddress:
 
     @property
     def beacon_in(self) -> str:
+        """The endpoint nodes send their beacons to."""
         return f"tcp://{self.host}:{self.in_port}"
 
     @property
     def beacon_out(self) -> str:
+        """The endpoint nodes read the tower's beacons from."""
         return f"tcp://{self.host}:{self.out_port}"
 
     @classmethod
     def parse(cls, text: str) -> TowerAddress:
+        """``HOST[:IN_PORT[:OUT_PORT]]`` (``tcp://`` allowed) as a TowerAddress; ConfigError if malformed."""
         spec = text.strip()
         if spec.startswith("tcp://"):
             spec = spec[len("tcp://") :]
@@ -271,6 +274,7 @@ class TowerAddress:
 
 
 def parse_towers(value: str | list[str] | tuple[str, ...]) -> tuple[TowerAddress, ...]:
+    """Comma-separated (or listed) tower addresses; ConfigError when none."""
     items = value.split(",") if isinstance(value, str) else list(value)
     towers = tuple(TowerAddress.parse(item) for item in items if item.strip())
     if not towers:
@@ -313,6 +317,7 @@ class NodeConfig:
             )
 
     def with_towers(self, towers: str | list[str] | None) -> NodeConfig:
+        """This config with ``towers`` instead of its own (unchanged when ``towers`` is empty)."""
         return self if not towers else replace(self, towers=parse_towers(towers))
 
 
@@ -325,6 +330,7 @@ class Settings:
     node_keys: frozenset[str] = frozenset()  # the keys the [node] table gave (bind given or not)
 
     def section(self, name: str) -> dict[str, Any]:
+        """A copy of the TOML table ``name`` (empty if absent)."""
         return dict(self.sections.get(name, {}))
 
 

@@ -26,31 +26,81 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import repeat, starmap
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import zmq
 
-from dafka import fastio, wire
+from dafka import fastio, values, wire
 from dafka.config import NodeConfig, default_node_config
-from dafka.errors import ClosedError, CommitError
+from dafka.errors import ClosedError, CommitError, DeserializationError
 from dafka.gaps import LIVE_SETTLE_MIN, LiveEdge, PartitionTracker
 from dafka.groups import GroupState, Key, PendingCommits, PositionsQuery
 from dafka.node import DRAIN, read_subscriptions
 from dafka.reader import PartitionReader
+from dafka.values import Deserializer
 
 log = logging.getLogger("dafka.consumer")
 
 
 class ConsumerRecord(NamedTuple):
-    """One delivered record."""
+    """One delivered record: where it comes from and its content (bytes).
+
+    ``value`` is the content as the consumer's ``deserializer`` decodes it
+    (the content itself by default).
+    """
 
     topic: str
     partition: str  # the producer's address
     offset: int
     content: bytes
 
+    @property
+    def value(self) -> Any:
+        """The deserialized content: here the bytes themselves (no deserializer)."""
+        return self[3]
+
+
+def record_type(deserializer: str | Deserializer | None) -> type[ConsumerRecord]:
+    """The record class a consumer delivers: ConsumerRecord itself for plain bytes.
+
+    Otherwise a subclass (same fields, no per-record cost on receipt) whose
+    ``value`` decodes the content on each access, raising
+    :class:`DeserializationError` (naming topic, partition and offset) for
+    content it cannot decode.
+    """
+    found = values.deserializer(deserializer)
+    if found is None:
+        return ConsumerRecord
+    decode: Deserializer = found
+
+    class DecodedRecord(ConsumerRecord):
+        __slots__ = ()
+
+        @property
+        def value(self) -> Any:
+            """The content decoded by the consumer's deserializer (on each access)."""
+            try:
+                return decode(self[3])
+            except Exception as exc:
+                raise DeserializationError(
+                    f"record {self[2]} of {self[0]}/{self[1]} cannot be deserialized: {exc}",
+                    self[0],
+                    self[1],
+                    self[2],
+                ) from exc
+
+    DecodedRecord.__name__ = DecodedRecord.__qualname__ = "ConsumerRecord"
+    return DecodedRecord
+
 
 _new_record = tuple.__new__
+
+
+class Sleeper(Protocol):
+    """What waits in ``poll`` for records: released once some are queued (a lock, or
+    :mod:`dafka.aio`'s waker of a coroutine)."""
+
+    def release(self) -> None: ...
 
 COMMIT_MEMORY = 60.0  # seconds an unconfirmed commit is remembered
 POSITIONS_GRACE = 0.1  # seconds to wait for more stores after the first POSITIONS
@@ -76,6 +126,11 @@ class Consumer(PartitionReader):
     no committed position, ``start`` then ``offset_reset`` apply.
     ``on_assign(partitions)`` is called (in the I/O thread) whenever the set of
     partitions this member delivers changes.
+
+    ``deserializer`` ("bytes", the default, "msgpack", "json" or a callable
+    taking bytes) decodes each record's ``value`` from its ``content`` when
+    ``value`` is read; a record it cannot decode raises
+    :class:`~dafka.errors.DeserializationError` there, and is not lost.
     """
 
     kind = "consumer"
@@ -95,7 +150,9 @@ class Consumer(PartitionReader):
         group: str | None = None,
         auto_commit_interval: float | None = None,
         on_assign: Callable[[frozenset[Key]], None] | None = None,
+        deserializer: str | Deserializer | None = None,
     ) -> None:
+        self._record_type = record_type(deserializer)
         if offset_reset not in ("latest", "earliest"):
             raise ValueError("offset_reset must be 'latest' or 'earliest'")
         starts = {(str(t), str(p)): int(o) for (t, p), o in (start or {}).items()}
@@ -117,7 +174,7 @@ class Consumer(PartitionReader):
             if not self.config.towers:
                 self._live.on_tower(time.monotonic())  # peers come another way: settle from now
         self.max_queued = max_queued
-        self._tracker_options = {
+        self._tracker_options: dict[str, Any] = {
             "max_held": max_held,
             "retry_interval": retry_interval,
             "skip_after": skip_after,
@@ -127,7 +184,7 @@ class Consumer(PartitionReader):
         # Locks of application threads waiting in poll, each held until released
         # by the I/O thread (before_wait) or close(): a handoff in which the I/O
         # thread never waits for a lock an application thread may hold.
-        self._sleepers: list[threading.Lock] = []
+        self._sleepers: list[Sleeper] = []
         self._closed = False
         self.delivered = 0
         self.skipped = 0
@@ -343,7 +400,7 @@ class Consumer(PartitionReader):
         if self._asks_heads(topic) and self.running:
             self.send(wire.GetHeads(topic, self.address))
 
-    def sockets(self) -> list[tuple[zmq.Socket, object]]:
+    def sockets(self) -> list[tuple[zmq.Socket[Any], Callable[[], None]]]:
         return [(self.publisher, self._read_subscriptions)]
 
     def on_start(self) -> None:
@@ -431,17 +488,20 @@ class Consumer(PartitionReader):
     def emit(self, tracker: PartitionTracker, records: list[tuple[int, bytes]]) -> None:
         append = self._queue.append
         subject, partition = tracker.subject, tracker.address
+        rtype = self._record_type
         for seq, content in records:
-            append(_new_record(ConsumerRecord, (subject, partition, seq, content)))
+            append(_new_record(rtype, (subject, partition, seq, content)))
         # Waiting pollers are woken after the drain or at the end of the loop turn, not per call.
         self.delivered += len(records)
 
-    def read_data(self, sock: zmq.Socket, prefixes: dict[bytes, Any] | None) -> None:
+    def read_data(self, sock: zmq.Socket[Any], prefixes: dict[bytes, Any] | None) -> None:
         # The hot path: a batch of messages, frame-exact; the next records of
         # known partitions are queued inside drain_records, the rest come back
         # through track / on_message in arrival order.
         queue = self._queue
-        fast = fastio.drain_records(sock, DRAIN, prefixes, queue, ConsumerRecord, 0, self.track, self.on_message)
+        fast = fastio.drain_records(
+            sock, DRAIN, prefixes, queue, self._record_type, 0, self.track, self.on_message
+        )
         if self._missing:
             self.fetch_missing()
         self.delivered += fast

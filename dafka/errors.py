@@ -52,3 +52,26 @@ class ClosedError(DafkaError):
 
 class ConfigError(DafkaError):
     """A configuration value is missing or invalid."""
+
+
+class SerializationError(DafkaError, TypeError, ValueError):
+    """A value the producer's serializer cannot turn into bytes (raised by ``publish``).
+
+    Both a TypeError (a type the format has no form for) and a ValueError (a
+    value out of its range, such as NaN in JSON), so either ``except`` catches it.
+    """
+
+
+class DeserializationError(DafkaError, ValueError):
+    """A record whose content the consumer's deserializer cannot decode.
+
+    Raised by ``record.value``; the record stays readable as bytes
+    (``record.content``) and the consumer goes on with the next records.
+    ``topic``, ``partition`` and ``offset`` name the record.
+    """
+
+    def __init__(self, message: str, topic: str, partition: str, offset: int) -> None:
+        super().__init__(message)
+        self.topic = topic
+        self.partition = partition
+        self.offset = offset

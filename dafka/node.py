@@ -171,7 +171,7 @@ class Node:
         self._refused_peers: set[str] = set()
         self._refusals: list[security.RefusalLog] = []
         self.peers = PeerTable(self.address, self.config.beacon_timeout)
-        self._commands: deque[Callable[[], None]] = deque()
+        self._commands: deque[Callable[[], object]] = deque()
         self._stop = threading.Event()
         self._started = threading.Event()
         self._thread: threading.Thread | None = None
@@ -375,7 +375,7 @@ class Node:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def call_soon(self, fn: Callable[[], None]) -> None:
+    def call_soon(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` in the I/O thread (thread-safe)."""
         self._commands.append(fn)
         self._wake()

@@ -21,10 +21,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import zmq
 
-from dafka import fastio, wire
+from dafka import fastio, values, wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import (
     BufferFullError,
@@ -88,12 +89,15 @@ class Receipt:
         return f"<Receipt offset={self.offset} {state}>"
 
     def acked(self) -> bool:
+        """Whether a store acknowledged the record (without acks: at once)."""
         return self._producer._acked_upto() >= self.offset
 
     def failed(self) -> bool:
+        """Whether the record failed (a :class:`PublishError`): it will never be acknowledged."""
         return self._producer._failure_for(self.offset) is not None
 
     def done(self) -> bool:
+        """Whether the record was acknowledged or failed."""
         return self.acked() or self.failed()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -154,6 +158,11 @@ class Producer(Node):
         ``"start_anyway"`` continues after the offsets the identity file
         saved (records a store holds beyond them may then be overwritten).
         Another process with the same identity is always refused.
+    serializer:
+        How ``publish`` turns values into record contents: ``"bytes"``
+        (default: contents are bytes already), ``"msgpack"``, ``"json"`` or a
+        callable returning bytes.  A value it cannot serialize raises
+        :class:`~dafka.errors.SerializationError` from ``publish``.
     """
 
     kind = "producer"
@@ -172,7 +181,9 @@ class Producer(Node):
         resume_timeout: float = 5.0,
         resume: str = STRICT,
         pace_limit: float = PACE_LIMIT,
+        serializer: str | values.Serializer | None = None,
     ) -> None:
+        self._serialize = values.serializer(serializer)
         if not topic or len(topic.encode()) > wire.MAX_STRING or "\x00" in topic:
             raise ValueError("topic must be 1..255 bytes without NUL")
         if resume not in POLICIES:
@@ -294,11 +305,12 @@ class Producer(Node):
 
     @property
     def unacked(self) -> int:
+        """How many published records wait for an acknowledgement."""
         return len(self.window)
 
     def publish(
         self,
-        content: bytes,
+        content: Any,
         callback: Callable[[Receipt], None] | None = None,
         *,
         offset: int | None = None,
@@ -311,7 +323,10 @@ class Producer(Node):
         ``timeout`` overrides ``publish_timeout`` for waiting on a full buffer.
         Raises :class:`ResumeError` if the producer could not resume its partition,
         TypeError if ``content`` is not bytes-like (a str must be encoded first).
+        ``content`` is bytes, or a value for the producer's ``serializer``.
         """
+        if self._serialize is not None:
+            content = values.encode(self._serialize, content)
         if content.__class__ is not bytes:
             check_content(content)
         if self._resume_error is not None:
@@ -338,7 +353,7 @@ class Producer(Node):
             self._add_callback(receipt, callback)
         return receipt
 
-    def publish_many(self, contents: Iterable[bytes], *, timeout: float | None = -1.0) -> Receipt | None:
+    def publish_many(self, contents: Iterable[Any], *, timeout: float | None = -1.0) -> Receipt | None:
         """Publish several records; return the receipt of the last one (None if empty).
 
         ACKs are cumulative, so the last receipt resolving means all did.
@@ -347,9 +362,14 @@ class Producer(Node):
         up to 1024 records is published (the chunks before it are).
         A record over ``max_record_bytes`` raises :class:`RecordTooLargeError`
         before its chunk (up to 1024 records) is published; earlier chunks were.
+        With a ``serializer``, values are serialized a chunk at a time: one
+        that cannot be raises before its chunk is published.
         """
         last = -1
         it = iter(contents)
+        serialize = self._serialize
+        if serialize is not None:
+            it = (values.encode(serialize, value) for value in it)
         while True:
             batch = list(islice(it, 1024))  # chunks taken at C level
             if not batch:
@@ -907,11 +927,11 @@ class Producer(Node):
             log.error("producer %s of %s: %s", self.address, self.topic, self._resume_error)
         super().on_duplicate_address(endpoint)
 
-    def _load_identity(self) -> dict[str, object] | None:
+    def _load_identity(self) -> dict[str, Any] | None:
         path = self._identity_path
         assert path is not None
         try:
-            data = json.loads(path.read_text())
+            data: dict[str, Any] = json.loads(path.read_text())
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:

@@ -374,3 +374,55 @@ def _children(pid: int) -> list[str]:
             return f.read().split()
     except OSError:
         return []
+
+
+def test_produce_msgpack_consume_json(tower_proc: str) -> None:
+    import json
+
+    import msgpack
+
+    consumer = subprocess.Popen(
+        dafka_cmd(
+            "consume", "readings", "--tower", tower_proc, "--from-beginning", "--count", "3",
+            "--timeout", "60", "--format", "json",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=subprocess_env(),
+    )
+    producer = subprocess.run(
+        dafka_cmd(
+            "produce", "readings", "--tower", tower_proc, "--no-ack", "--wait-peers", "10", "--linger", "3",
+            "--format", "msgpack",
+        ),
+        input=b'{"device": "d1", "temp": 21.5}\nnot json\n\n[1, "x", null]\n{"nested": {"k": [true]}}\n',
+        capture_output=True,
+        env=subprocess_env(),
+        timeout=60,
+    )
+    # The line that is not JSON is named and not published; the exit status says so.
+    assert producer.returncode == 1, producer.stderr
+    assert b"line 2 is not JSON" in producer.stderr and b"published 3 records" in producer.stderr
+    out, err = consumer.communicate(timeout=60)
+    assert consumer.returncode == 0, err
+    assert [json.loads(line) for line in out.splitlines()] == [
+        {"device": "d1", "temp": 21.5},
+        [1, "x", None],
+        {"nested": {"k": [True]}},
+    ]
+    from dafka.cli import _json_line
+
+    assert _json_line(msgpack.packb({"b": b"\xff\x00ok", 1: float("nan")})) == b'{"b":"\\\\xff\\u0000ok","1":"nan"}'
+    assert _json_line(b'{"plain": "json"}') == b'{"plain":"json"}'
+    assert _json_line(b"\xc1 neither") is None
+    # Hostile nesting: msgpack refuses it, JSON would recurse: reported as neither, no crash.
+    assert _json_line(b"\x91" * 100_000 + b"\x01") is None
+    assert _json_line(b"[" * 100_000 + b"]" * 100_000) is None
+    _json_line(msgpack.packb(nested(900)))  # deep, within msgpack's limit: whatever it gives, no exception
+
+
+def nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value

@@ -23,6 +23,12 @@ Reading
     ranges are split so one big Dafka partition still uses every core.
 ``timeout``
     Seconds to wait for a gateway answer (default 10).
+``valueFormat``
+    ``bytes`` (default) | ``msgpack`` | ``json``: with a value schema, a
+    ``data`` struct column decoded from ``value`` (see :mod:`dafka.spark.values`).
+``valueSchema``
+    The fields of ``data`` as DDL (``"device STRING, temp DOUBLE"``); or pass
+    ``.schema(...)`` with a ``data STRUCT<...>`` column instead.
 
 Writing (through a gateway)
 ---------------------------
@@ -93,6 +99,8 @@ class ReadOptions:
     max_offsets_per_trigger: int | None
     fail_on_data_loss: bool
     max_records_per_partition: int
+    value_format: str = "bytes"
+    value_schema: str | None = None
 
 
 @dataclass(frozen=True)
@@ -229,7 +237,31 @@ def parse_read_options(options: Mapping[str, str], *, streaming: bool) -> ReadOp
         max_records_per_partition=_int(
             opts, "maxRecordsPerPartition", DEFAULT_MAX_RECORDS_PER_PARTITION
         ),  # type: ignore[arg-type]
+        value_format=_value_format(opts.get("valueformat")),
+        value_schema=_value_schema(opts.get("valueschema")),
     )
+
+
+def _value_format(text: str | None) -> str:
+    fmt = (text or "bytes").strip().lower()
+    if fmt not in ("bytes", "msgpack", "json"):
+        raise ConfigError(f"option 'valueFormat' must be bytes, msgpack or json, got {text!r}")
+    return fmt
+
+
+def _value_schema(text: str | None) -> str | None:
+    if text is None:
+        return None
+    ddl = text.strip()
+    # Spark parses it inside STRUCT<...>: brackets must balance, and nothing may close it early.
+    depth = 0
+    for ch in ddl:
+        depth += {"<": 1, ">": -1}.get(ch, 0)
+        if depth < 0:
+            break
+    if not ddl or depth != 0 or ";" in ddl:
+        raise ConfigError(f"option 'valueSchema' must be DDL fields like 'device STRING, temp DOUBLE', got {text!r}")
+    return ddl
 
 
 def parse_write_options(options: Mapping[str, str]) -> WriteOptions:

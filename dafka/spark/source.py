@@ -77,12 +77,39 @@ SCHEMA = StructType(
 )
 
 
-def _check_schema(schema: StructType) -> None:
-    if schema != SCHEMA:
-        raise ConfigError(
-            f"the dafka source has a fixed schema ({SCHEMA.simpleString()}); "
-            "do not pass another one with .schema()"
-        )
+_SCHEMA_DDL = (
+    "key BINARY, value BINARY, topic STRING, `partition` STRING, `offset` BIGINT,"
+    " `timestamp` TIMESTAMP, timestampType INT"
+)
+
+
+def _check_schema(schema: StructType, opts: ReadOptions) -> StructType | None:
+    """The schema to shape batches to, None for the source's own (read as they come).
+
+    Any of the source's columns (same name and type) may be asked for, plus a
+    ``data`` struct when ``valueFormat`` is msgpack or json.
+    """
+    if schema == SCHEMA:
+        return None
+    known = {f.name: f.dataType for f in SCHEMA.fields}
+    for f in schema.fields:
+        if f.name == "data" and opts.value_format != "bytes" and isinstance(f.dataType, StructType):
+            continue
+        if known.get(f.name) != f.dataType:
+            extra = "" if opts.value_format != "bytes" else " (a data STRUCT column needs valueFormat msgpack or json)"
+            raise ConfigError(
+                f"the dafka source has the columns {SCHEMA.simpleString()}, plus data STRUCT<...> with"
+                f" valueFormat msgpack or json; column {f.name} {f.dataType.simpleString()} is not one{extra}"
+            )
+    return schema
+
+
+def _shaped(batches: Iterator[Any], opts: ReadOptions, schema: StructType | None) -> Iterator[Any]:
+    if schema is None:
+        return batches
+    from dafka.spark.values import decode_batches
+
+    return decode_batches(batches, opts.value_format, schema)
 
 
 def _by_partition(parts: Sequence[PartitionState]) -> dict[tuple[str, str], PartitionState]:
@@ -92,8 +119,9 @@ def _by_partition(parts: Sequence[PartitionState]) -> dict[tuple[str, str], Part
 class DafkaBatchReader(DataSourceReader):
     """``spark.read.format("dafka")``: offsets ``startingOffsets`` to ``endingOffsets``."""
 
-    def __init__(self, opts: ReadOptions) -> None:
+    def __init__(self, opts: ReadOptions, schema: StructType | None = None) -> None:
         self.opts = opts
+        self.schema = schema  # None: the source's own columns as they are
 
     def partitions(self) -> Sequence[InputPartition]:
         opts = self.opts
@@ -106,7 +134,8 @@ class DafkaBatchReader(DataSourceReader):
         return [InputPartition(r) for r in ranges]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
-        return read_range(self.opts.transport, partition.value, self.opts.fail_on_data_loss)
+        batches = read_range(self.opts.transport, partition.value, self.opts.fail_on_data_loss)
+        return _shaped(batches, self.opts, self.schema)
 
 
 class DafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -118,8 +147,9 @@ class DafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     PySpark the limit applies from the last offset this reader returned.
     """
 
-    def __init__(self, opts: ReadOptions) -> None:
+    def __init__(self, opts: ReadOptions, schema: StructType | None = None) -> None:
         self.opts = opts
+        self.schema = schema  # None: the source's own columns as they are
         self._target: Offsets | None = None  # availableNow: read no further than this
         self._last: Offsets | None = None  # for PySpark < 4.2, which gives no start
 
@@ -170,7 +200,8 @@ class DafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return [InputPartition(r) for r in ranges]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
-        return read_range(self.opts.transport, partition.value, self.opts.fail_on_data_loss)
+        batches = read_range(self.opts.transport, partition.value, self.opts.fail_on_data_loss)
+        return _shaped(batches, self.opts, self.schema)
 
     def commit(self, end: dict) -> None:
         """Nothing to release: Dafka keeps no consumer positions for Spark."""
@@ -183,16 +214,29 @@ class DafkaDataSource(DataSource):
     def name(cls) -> str:
         return "dafka"
 
-    def schema(self) -> StructType:
-        return SCHEMA
+    def schema(self) -> StructType | str:
+        """The source's columns; with ``valueFormat`` and ``valueSchema``, a ``data`` struct too (DDL)."""
+        opts = {str(k).lower(): str(v) for k, v in self.options.items()}
+        fmt = opts.get("valueformat", "bytes").strip().lower()
+        ddl = opts.get("valueschema")
+        if fmt != "bytes" and ddl is None:
+            raise ConfigError(
+                f"valueFormat {fmt} needs the schema of the values: .option('valueSchema',"
+                " 'device STRING, temp DOUBLE') or .schema(...) with a data STRUCT<...> column"
+            )
+        if ddl is None:
+            return SCHEMA
+        if fmt == "bytes":
+            raise ConfigError("option 'valueSchema' needs valueFormat msgpack or json")
+        return f"{_SCHEMA_DDL}, `data` STRUCT<{ddl.strip()}>"
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        _check_schema(schema)
-        return DafkaBatchReader(parse_read_options(self.options, streaming=False))
+        opts = parse_read_options(self.options, streaming=False)
+        return DafkaBatchReader(opts, _check_schema(schema, opts))
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        _check_schema(schema)
-        return DafkaStreamReader(parse_read_options(self.options, streaming=True))
+        opts = parse_read_options(self.options, streaming=True)
+        return DafkaStreamReader(opts, _check_schema(schema, opts))
 
     def writer(self, schema: StructType, overwrite: bool) -> Any:
         from dafka.spark.sink import DafkaBatchWriter, check_input_schema

@@ -236,6 +236,7 @@ class TankClient:
 
     @property
     def closed(self) -> bool:
+        """Whether the connection is closed."""
         return self._sock is None
 
     def close(self) -> None:
@@ -293,7 +294,7 @@ class TankClient:
             self._abandoned.discard(req_id)
             log.debug("dropping late response to abandoned request %d", req_id)
         elif req_id in self._inflight:
-            self._arrived[req_id] = (msg_id, payload)  # type: ignore[index]
+            self._arrived[req_id] = (msg_id, payload)
         else:
             log.warning("dropping response 0x%02x for unknown request id %s", msg_id, req_id)
 
@@ -538,16 +539,19 @@ class TankClient:
         return dict(zip(keys, resp.partitions, strict=True))
 
     def discover_topics(self) -> list[TopicInfo]:
+        """The topics the server holds, with their partition counts."""
         resp = self.request(DiscoverTopicsRequest(self.next_request_id()))
         assert isinstance(resp, DiscoverTopicsResponse)
         return resp.topics
 
     def discover_topology(self) -> DiscoverTopologyResponse:
+        """The server's cluster topology (one node for a dafka gateway)."""
         resp = self.request(DiscoverTopologyRequest(self.next_request_id()))
         assert isinstance(resp, DiscoverTopologyResponse)
         return resp
 
     def status(self) -> StatusResponse:
+        """The server's status counters."""
         resp = self.request(StatusRequest(self.next_request_id()))
         assert isinstance(resp, StatusResponse)
         return resp
