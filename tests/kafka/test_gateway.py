@@ -25,6 +25,7 @@ from dafka.kafka.codec import Err
 from dafka.kafka.gateway import KafkaGateway
 from dafka.producer import Producer
 from dafka.tank.client import TankClient
+from dafka.tank.limits import GatewayLimits
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -354,7 +355,7 @@ def test_bad_frames_close_only_their_connection(make_kgw: Any) -> None:
 
 
 def test_connection_cap_and_slow_loris(make_kgw: Any) -> None:
-    gw = make_kgw(kafka_max_connections=2, stall_timeout=0.5)
+    gw = make_kgw(kafka_max_connections=2, limits=GatewayLimits(request_timeout=0.5))
     a = socket.create_connection((HOST, gw.kafka_port))
     b = socket.create_connection((HOST, gw.kafka_port))
     wait_until(lambda: gw.kafka_connections == 2)
