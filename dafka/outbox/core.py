@@ -207,7 +207,7 @@ class OutboxCore:
         assert self.max_age is not None
         upto = self.window.acked
         groups = list(self._groups)
-        for k, (first, at) in enumerate(groups):
+        for k, (_first, at) in enumerate(groups):
             if now - at <= self.max_age:
                 break
             nxt = groups[k + 1][0] if k + 1 < len(groups) else self.window.next
