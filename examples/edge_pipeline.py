@@ -95,7 +95,9 @@ def offline_then_reboot(ctx: Any, cfg: Any, data: Path, seconds: float, stop: An
 
     outbox = str(data / "device-edge-outbox")
     offline = NodeConfig(towers=(TowerAddress("127.0.0.1", 9, 9),), bind="127.0.0.1")  # nothing listens there
-    first = ctx.Process(target=edge_device, args=("device-edge", offline, outbox, seconds, stop), daemon=True)
+    # Its own stop event: killing a process that waits on a shared multiprocessing
+    # Event would leave that Event's lock broken for everybody else.
+    first = ctx.Process(target=edge_device, args=("device-edge", offline, outbox, seconds, ctx.Event()), daemon=True)
     first.start()
     stop.wait(seconds / 3)
     first.kill()  # a power cut: nothing is flushed or closed
