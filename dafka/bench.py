@@ -42,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--secure", action="store_true", help="live, store, replay: CURVE mesh with temporary keys; zmq, ceiling: CURVE on the bare pair")
     p.add_argument(
+        "--outbox-sync", choices=["each", "batch"], default="each",
+        help="outbox, latency --outbox: each (publish waits for the fsync) or batch",
+    )
+    p.add_argument("--outbox", action="store_true", help="latency: the producer publishes through an edge outbox")
+    p.add_argument(
         "--no-batches", action="store_true",
         help="live, store, replay, latency (plain mesh): one record a message, as to C readers",
     )
@@ -158,10 +163,13 @@ def _store_process(
         stats.put([(h.bounds, h.counts, h.sum, h.count) for h in hists])
 
 
-def _acked_producer(cfg: NodeConfig, topic: str, n: int, size: int, result: Any) -> None:
+def _acked_producer(
+    cfg: NodeConfig, topic: str, n: int, size: int, result: Any, outbox: str | None = None, sync: str = "each"
+) -> None:
     from dafka.producer import Producer
 
-    producer = Producer(topic, cfg, capacity=max(n, 1))
+    extra: dict[str, Any] = {"outbox": outbox, "outbox_sync": sync} if outbox else {}
+    producer = Producer(topic, cfg, capacity=max(n, 1), **extra)
     deadline = time.monotonic() + 30
     while len(producer.peers) == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -760,6 +768,47 @@ def bench_kafka_group(args: argparse.Namespace) -> dict[str, list[float]]:
     return {"kafka group failover seconds": times}
 
 
+def bench_outbox(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Records/s published into an fsync'd edge outbox and drained to a store, beside ``bench store``.
+
+    Each run measures the plain acknowledged producer (``bench store``) and
+    then the same through an outbox (``--outbox-sync``), in the same sitting.
+    """
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    plain: list[float] = []
+    boxed: list[float] = []
+    for run in range(args.runs):
+        for label, rates in (("store", plain), ("outbox", boxed)):
+            tower, cfg = _mesh(False, not args.no_batches)
+            with tempfile.TemporaryDirectory(prefix="dafka-bench-") as tmp:
+                ready, done, result = ctx.Event(), ctx.Event(), ctx.Queue()
+                store = ctx.Process(
+                    target=_store_process, args=(_role(cfg, "store"), f"{tmp}/db", not args.no_sync, ready, done)
+                )
+                store.start()
+                ready.wait(60)
+                outbox = f"{tmp}/outbox" if label == "outbox" else None
+                prod = ctx.Process(
+                    target=_acked_producer,
+                    args=(cfg, f"bench-{label}-{run}", args.records, args.size, result, outbox, args.outbox_sync),
+                )
+                prod.start()
+                rate = result.get(timeout=900)
+                prod.join(30)
+                done.set()
+                store.join(60)
+            tower.close()
+            if rate:
+                rates.append(rate)
+                print(f"run {run}: {label}: {rate:,.0f} records/s acknowledged", flush=True)
+    if plain and boxed:
+        ratio = statistics.median(boxed) / statistics.median(plain)
+        print(f"outbox ({args.outbox_sync}) / store: {ratio:.2f}x")
+    return {"store": plain, "outbox": boxed}
+
+
 def _percentiles(samples: list[float]) -> str:
     """p50/p99/p99.9/max of latencies in seconds, as milliseconds."""
     if not samples:
@@ -786,7 +835,16 @@ def _bucket_quantile(bounds: tuple[float, ...], counts: list[int], q: float) -> 
 
 
 def _paced_producer(
-    cfg: NodeConfig, topic: str, rate: int, seconds: float, size: int, go: Any, result: Any, acks: bool = True
+    cfg: NodeConfig,
+    topic: str,
+    rate: int,
+    seconds: float,
+    size: int,
+    go: Any,
+    result: Any,
+    acks: bool = True,
+    outbox: str | None = None,
+    sync: str = "each",
 ) -> None:
     """Publish ``rate`` records/s stamped with their send time; collect publish->ACK latencies."""
     import struct
@@ -794,7 +852,8 @@ def _paced_producer(
     from dafka.producer import Producer
 
     n = int(rate * seconds)
-    producer = Producer(topic, cfg, capacity=max(n, 1), acks=acks)
+    extra: dict[str, Any] = {"outbox": outbox, "outbox_sync": sync} if outbox else {}
+    producer = Producer(topic, cfg, capacity=max(n, 1), acks=acks, **extra)
     stamp = struct.Struct(">q")
     pad = b"x" * max(0, size - stamp.size)
     sent = [0] * n
@@ -905,7 +964,10 @@ def bench_latency(args: argparse.Namespace) -> dict[str, list[float]]:
             consumer = Consumer(topic, cfg)
             prod = ctx.Process(
                 target=_paced_producer,
-                args=(cfg, topic, args.rate, args.seconds, args.size, go, result, with_store),
+                args=(
+                    cfg, topic, args.rate, args.seconds, args.size, go, result, with_store,
+                    f"{db}/outbox" if args.outbox else None, args.outbox_sync,
+                ),
             )
             prod.start()
             try:
@@ -957,6 +1019,8 @@ def bench_latency(args: argparse.Namespace) -> dict[str, list[float]]:
         delivery += run_delivery
         ack += run_ack
     sync = "no store" if args.no_store else "fsync off" if args.no_sync else "fsync on"
+    if args.outbox:
+        sync += f", outbox {args.outbox_sync}"
     print(f"latency at {args.rate:,} records/s of {args.size} bytes, {args.runs} runs ({sync}):")
     print(f"  producer -> consumer delivery: {_percentiles(delivery)}")
     if not args.no_store:
@@ -1243,6 +1307,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "aio": bench_aio,
     "spark": _spark_bench,
     "latency": bench_latency,
+    "outbox": bench_outbox,
     "group": lambda args: bench_group(args),
 }
 

@@ -286,6 +286,7 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
         publish_timeout=args.timeout,
         resume="start_anyway" if args.start_anyway else "strict",
         resume_timeout=args.resume_timeout,
+        **outbox_options(args),
     )
     try:
         if args.no_ack:
@@ -323,7 +324,8 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
         unacked = producer.next_offset - 1 - max(producer.acked_offset, start - 1)
         print(
             f"error: {unacked} of {count} records were not acknowledged by a store "
-            f"within {args.timeout}s: {producer.diagnose()}",
+            f"within {args.timeout}s: {producer.diagnose()}"
+            + (f" (they stay in the outbox {args.outbox} and go out when it is used again)" if args.outbox else ""),
             file=sys.stderr,
         )
         return 1
@@ -394,6 +396,42 @@ def _jsonable(value: Any) -> Any:
     if value is None or isinstance(value, str | int | float | bool):
         return value
     return repr(value)
+
+
+def outbox_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``dafka produce --outbox DIR ...`` as Producer keyword arguments."""
+    if not args.outbox:
+        return {}
+    if args.no_ack:
+        raise DafkaError("--outbox needs acknowledgements: it keeps records until a store has them")
+    return {
+        "outbox": writable_dir(args.outbox, "outbox directory"),
+        "outbox_max_bytes": args.outbox_max_bytes,
+        "outbox_max_age": args.outbox_max_age,
+        "outbox_sync": args.outbox_sync,
+        "outbox_policy": args.outbox_policy,
+    }
+
+
+@command("outbox")
+def cmd_outbox(args: argparse.Namespace, settings: Settings) -> int:
+    import json
+
+    from dafka.outbox import describe
+
+    info = describe(args.dir, show=args.show)
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    age = "-" if info["oldest_age"] is None else f"{info['oldest_age']:.1f}s"
+    print(f"outbox {info['path']}")
+    print(f"  topic      {info['topic'] or '(unused)'}")
+    print(f"  partition  {info['partition'] or '(unused)'}")
+    print(f"  offsets    {info['first']}..{info['next'] - 1} unacknowledged (next {info['next']})")
+    print(f"  records    {info['records']}  bytes {info['bytes']}  oldest {age}")
+    for r in info["shown"]:
+        print(f"  {r['offset']:>10}  {r['content']}")
+    return 0
 
 
 # ---------------------------------------------------------------- consume
@@ -671,6 +709,7 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
             as_json=args.json,
             interval=args.interval,
             out=sys.stdout,
+            outboxes=args.outbox,
         )
     except KeyboardInterrupt:
         return 0
@@ -928,6 +967,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume-timeout", type=seconds_arg, default=5.0, help="--identity: seconds to wait for the stores' head"
     )
     p.add_argument("--capacity", type=count_arg, default=1_000_000, help="max unacknowledged records")
+    p.add_argument("--outbox", metavar="DIR", help="keep records in this local outbox until a store acknowledges them")
+    p.add_argument("--outbox-max-bytes", type=count_arg, help="--outbox: most bytes kept")
+    p.add_argument("--outbox-max-age", type=positive_seconds_arg, help="--outbox: oldest record kept, seconds")
+    p.add_argument(
+        "--outbox-sync", choices=["each", "batch"], default="each",
+        help="--outbox: each (publish waits for the fsync) or batch (durable within the next group commit)",
+    )
+    p.add_argument(
+        "--outbox-policy", choices=["block", "drop_oldest"], default="block",
+        help="--outbox: at a limit, block (then fail) or evict the oldest unacknowledged records",
+    )
     p.add_argument("--wait-peers", type=seconds_arg, default=2.0, help="--no-ack: seconds to wait for a peer")
     p.add_argument("--linger", type=seconds_arg, default=1.0, help="--no-ack: seconds to serve FETCHes after the last record")
     p.add_argument(
@@ -1014,6 +1064,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", action="store_true", help="keep refreshing the view (Ctrl-C ends)")
     p.add_argument("--interval", type=positive_seconds_arg, default=1.0, help="--watch: seconds between views")
     p.add_argument("--json", action="store_true", help="print JSON (one object per view)")
+    p.add_argument("--outbox", metavar="DIR", action="append", help="also show this local edge outbox (repeatable)")
+
+    p = sub.add_parser("outbox", help="show what a producer's edge outbox holds (read-only)")
+    p.add_argument("dir", help="the outbox directory")
+    p.add_argument("--show", type=int, default=0, help="also print the first N records")
+    p.add_argument("--json", action="store_true", help="print JSON")
 
     p = sub.add_parser(
         "doctor",

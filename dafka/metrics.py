@@ -85,6 +85,7 @@ COUNTERS: list[tuple[str, Getter, str]] = [
     ("dafka_beacons_relayed", "beacons", "Node beacons relayed to the mesh"),
     ("dafka_malformed_input", lambda n: n.bad_input.count, "Malformed messages dropped"),
     ("dafka_loop_turns", "loop_turns", "Wake-ups of the node's I/O loop (input, timers or work)"),
+    ("dafka_outbox_evicted", lambda n: n._outbox.evicted, "Records evicted from the edge outbox unacknowledged (drop_oldest)"),
 ]
 
 GAUGES: list[tuple[str, Getter, str]] = [
@@ -115,6 +116,13 @@ GAUGES: list[tuple[str, Getter, str]] = [
         "dafka_producer_batching",
         lambda n: int(n.batching),
         "1 while live records go out in batches (every reader takes them), 0: one a message",
+    ),
+    ("dafka_outbox_records", lambda n: n._outbox.records, "Records in the producer's edge outbox (unacknowledged)"),
+    ("dafka_outbox_bytes", lambda n: n._outbox.bytes, "Bytes in the producer's edge outbox"),
+    (
+        "dafka_outbox_oldest_age_seconds",
+        lambda n: n._outbox.oldest_age(),
+        "Age of the oldest record in the producer's edge outbox",
     ),
     ("dafka_consumer_queued", lambda n: len(n._queue), "Records delivered, not yet polled"),
     ("dafka_tank_connections", lambda n: len(n._conns), "Open Tank client connections"),

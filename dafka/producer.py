@@ -90,7 +90,10 @@ class Receipt:
 
     def acked(self) -> bool:
         """Whether a store acknowledged the record (without acks: at once)."""
-        return self._producer._acked_upto() >= self.offset
+        producer = self._producer
+        return producer._acked_upto() >= self.offset and (
+            producer._outbox is None or producer._outbox.failure_for(self.offset) is None
+        )
 
     def failed(self) -> bool:
         """Whether the record failed (a :class:`PublishError`): it will never be acknowledged."""
@@ -163,6 +166,21 @@ class Producer(Node):
         (default: contents are bytes already), ``"msgpack"``, ``"json"`` or a
         callable returning bytes.  A value it cannot serialize raises
         :class:`~dafka.errors.SerializationError` from ``publish``.
+    outbox:
+        Directory of an edge outbox (see :mod:`dafka.outbox`): every record
+        is committed there (fsync'ed) before it goes on the wire and stays
+        until a store acknowledged it, so records survive a crash or reboot
+        while no store is reachable.  Reopened, the outbox continues its
+        partition at once (no store needs to answer) and sends again what is
+        unacknowledged.  It also serves as the identity when ``identity`` is
+        not given.  ``outbox_sync``: ``"each"`` (``publish`` returns once the
+        record is durable) or ``"batch"`` (durable within the next group
+        commit, a few ms).  ``outbox_max_bytes`` / ``outbox_max_age`` bound
+        what it keeps; at a limit ``outbox_policy="block"`` makes ``publish``
+        wait up to ``publish_timeout`` then raise BufferFullError, and
+        ``"drop_oldest"`` evicts the oldest unacknowledged records (counted).
+        ``outbox_max_map_size`` caps the LMDB file (a full disk or cap raises
+        OutboxFullError at ``publish``).
     """
 
     kind = "producer"
@@ -182,6 +200,12 @@ class Producer(Node):
         resume: str = STRICT,
         pace_limit: float = PACE_LIMIT,
         serializer: str | values.Serializer | None = None,
+        outbox: str | os.PathLike[str] | None = None,
+        outbox_max_bytes: int | None = None,
+        outbox_max_age: float | None = None,
+        outbox_sync: str = "each",
+        outbox_policy: str = "block",
+        outbox_max_map_size: int | None = None,
     ) -> None:
         self._serialize = values.serializer(serializer)
         if not topic or len(topic.encode()) > wire.MAX_STRING or "\x00" in topic:
@@ -195,6 +219,30 @@ class Producer(Node):
         self.head_interval = head_interval
         self._identity_path = Path(identity) if identity else None
         saved = self._load_identity() if self._identity_path else None
+        self._outbox = None
+        if outbox is not None:
+            if not acks:
+                raise ValueError("an outbox needs acks: records leave it when a store acknowledges them")
+            from dafka.outbox import Outbox
+
+            self._outbox = Outbox(
+                outbox,
+                topic,
+                max_bytes=outbox_max_bytes,
+                max_age=outbox_max_age,
+                policy=outbox_policy,
+                sync=outbox_sync,
+                max_map_size=outbox_max_map_size,
+            )
+            kept = self._outbox.saved_identity()
+            if kept is not None:
+                if saved is not None and saved["address"] != kept["address"]:
+                    self._outbox.db.close()
+                    raise ValueError(
+                        f"outbox {outbox} belongs to partition {kept['address']}, identity file"
+                        f" {identity} to {saved['address']}"
+                    )
+                saved = kept  # the outbox knows every offset it assigned: no store needs to answer
         # An XPUB that refuses (NODROP) rather than drops when a subscriber's
         # queue is full, so a publisher can pace itself to its readers (and to
         # what CURVE encrypts) instead of losing a burst's tail (see _send_run).
@@ -227,7 +275,9 @@ class Producer(Node):
         self._resume_error: ResumeError | None = None
         self._resumed_at: float | None = None  # when a resume from an identity file ended
         self.bad_acks = 0  # ACKs beyond what was published (protocol violations)
-        if saved:
+        if saved and self._outbox is not None and self._outbox.authoritative:
+            self._resumed_at = time.monotonic()  # (a twin noticed soon after still stops us)
+        elif saved:
             next_offset = int(saved["acked"]) + 1
             # Always ask the stores how far they got: the file may be behind them.
             self._resume_state = Resume(
@@ -276,6 +326,8 @@ class Producer(Node):
         if self._resume_state is not None:
             self.subscribe(wire.P_DIRECT_HEAD + self.address.encode())
         self.every(head_interval, self._send_head)
+        if self._outbox is not None:
+            self._outbox.attach(self, resuming=self._resume_state is not None)
         self.start()
         if self._resume_state is not None:
             self._resume()
@@ -453,6 +505,8 @@ class Producer(Node):
                 self._fail(PublishError(f"not acknowledged by a store within {timeout}s"))
             self._cond.notify_all()
         self.stop()
+        if self._outbox is not None:
+            self._outbox.close()  # what is unacknowledged stays in it for the next start
         self._save_identity(force=True)
         self._run_callbacks()
         return ok
@@ -463,6 +517,8 @@ class Producer(Node):
         return self.window.next - 1 if not self.acks else self.window.acked
 
     def _failure_for(self, offset: int) -> PublishError | None:
+        if self._outbox is not None and (evicted := self._outbox.failure_for(offset)) is not None:
+            return evicted
         if self._failure is not None and offset >= self._failed_from and offset > self._acked_upto():
             return self._failure
         return None
@@ -478,6 +534,8 @@ class Producer(Node):
                 if remaining is not None and remaining <= 0:
                     return False
                 self._cond.wait(remaining)
+            if self._outbox is not None and (evicted := self._outbox.failure_for(offset)) is not None:
+                raise evicted
             return True
 
     def _wait_for_room(self, timeout: float | None) -> None:
@@ -539,17 +597,9 @@ class Producer(Node):
         elif isinstance(msg, wire.GetHeads):
             # In secure mode only stores' DIRECT-HEADs are believed: the HEAD
             # every head_interval tells consumers the same.
-            if (
-                msg.topic == self.topic
-                and self.window.next > 0
-                and self._resume_state is None
-                and not self.secure
-            ):
-                self._send_locked(
-                    wire.encode(
-                        wire.DirectHead(msg.address, self.address, self.topic, self.window.next - 1)
-                    )
-                )
+            last = self.window.next - 1 if self._outbox is None else self._outbox.last_sendable
+            if msg.topic == self.topic and last >= 0 and self._resume_state is None and not self.secure:
+                self._send_locked(wire.encode(wire.DirectHead(msg.address, self.address, self.topic, last)))
         elif isinstance(msg, wire.DirectHead):
             resume = self._resume_state
             if resume is not None and msg.address == self.address and msg.subject == self.topic and not self.untrusted():
@@ -565,6 +615,8 @@ class Producer(Node):
             newly = 0 if beyond else self.window.ack(seq)
             if newly:
                 self._cond.notify_all()
+                if self._outbox is not None:
+                    self._outbox.on_acked()
         if beyond:
             # A store claims offsets we never published: its copy of the partition
             # is not ours (another process with this identity?). Acknowledge nothing.
@@ -650,7 +702,8 @@ class Producer(Node):
             # The requester's subscriptions may not be read yet: its answer's form depends on them.
             self._read_subscriptions_locked()
             route = self.route(header)
-            runs = self.window.runs(fetch.sequence, fetch.count)  # the publisher may push meanwhile
+            count = fetch.count if self._outbox is None else self._outbox.sendable(fetch.sequence, fetch.count)
+            runs = self.window.runs(fetch.sequence, count)  # the publisher may push meanwhile
         for first, contents in runs:
             # Runs hold up to unacked.CHUNK records: the lock is released between them.
             with self._lock:
@@ -792,7 +845,7 @@ class Producer(Node):
                     pass
 
     def _send_head(self, now: float) -> None:
-        last = self.window.next - 1
+        last = self.window.next - 1 if self._outbox is None else self._outbox.last_sendable
         if last >= 0 and self._resume_state is None and self._resume_error is None:
             self._send_locked(wire.encode(wire.Head(self.topic, self.address, self.topic, last)))
 
@@ -850,6 +903,8 @@ class Producer(Node):
 
     def on_tick(self, now: float) -> None:
         self._tick_paced(now)
+        if self._outbox is not None:
+            self._outbox.on_tick(now)
         if self._callbacks:
             self._run_callbacks()
         if self._identity_path is not None and self.window.acked != self._last_saved:
@@ -891,6 +946,8 @@ class Producer(Node):
                 self.window = UnackedWindow(self.window.capacity, next_offset, ring=not self.acks)
             self._resume_state = None
             self._resumed_at = time.monotonic()
+        if self._outbox is not None:
+            self._outbox.resumed(self.window)
         if state.head is not None and next_offset < state.saved_next:
             log.warning(
                 "producer %s: offsets %d..%d of %s were published before the restart but no store"

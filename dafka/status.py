@@ -477,20 +477,60 @@ class StatusProbe:
                 self.view.on_subscription(prefix)
 
 
+def outbox_rows(paths: list[str]) -> list[dict[str, Any]]:
+    """What each local edge outbox holds (``dafka status --outbox``); errors as rows."""
+    from dafka.errors import DafkaError
+    from dafka.outbox import describe
+
+    rows = []
+    for path in paths:
+        try:
+            rows.append(describe(path))
+        except DafkaError as exc:
+            rows.append({"path": path, "error": str(exc)})
+    return rows
+
+
+def render_outboxes(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["", f"OUTBOXES ({len(rows)})", f"  {'path':<30} {'partition':<34} {'records':>9} {'bytes':>11} {'oldest':>8}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"  {r['path']:<30} error: {r['error']}")
+            continue
+        age = "-" if r["oldest_age"] is None else f"{r['oldest_age']:.1f}s"
+        lines.append(f"  {r['path']:<30} {r['partition'] or '(unused)':<34} {r['records']:>9} {r['bytes']:>11} {age:>8}")
+    return lines
+
+
 def run_status(
-    config: NodeConfig, *, wait: float, watch: bool, as_json: bool, interval: float, out: Any
+    config: NodeConfig,
+    *,
+    wait: float,
+    watch: bool,
+    as_json: bool,
+    interval: float,
+    out: Any,
+    outboxes: list[str] | None = None,
 ) -> int:
-    """The ``dafka status`` command: one snapshot after ``wait`` seconds, or a live view."""
+    """The ``dafka status`` command: one snapshot after ``wait`` seconds, or a live view.
+
+    ``outboxes``: local edge outbox directories to show as well (read-only).
+    """
     tty = out.isatty() and not as_json
     with StatusProbe(config) as probe:
         snap = probe.run(wait)
         while True:
+            if outboxes:
+                snap["outboxes"] = outbox_rows(outboxes)
             if as_json:
                 out.write(json.dumps(snap) + "\n")
             else:
                 if watch and tty:
                     out.write("\x1b[H\x1b[2J")  # home + clear: redraw in place
-                out.write(render_text(snap) + "\n")
+                text = render_text(snap)
+                if outboxes:
+                    text += "\n".join(render_outboxes(snap["outboxes"]))
+                out.write(text + "\n")
                 if watch and not tty:
                     out.write("\n")
             out.flush()

@@ -177,3 +177,26 @@ class UnackedWindow:
         """Records held for ``[seq, seq + count)``, in ascending order."""
         for first, contents in self.runs(seq, count):
             yield from enumerate(contents, first)
+
+    def truncate(self, next_offset: int) -> None:
+        """Take back offsets ``>= next_offset`` (``acked < next_offset <= next``), never sent.
+
+        For an outbox whose commit failed: the records it could not keep are
+        forgotten and their offsets are assigned again by the next publish.
+        """
+        if not self.acked < next_offset <= self.next:
+            raise ValueError(f"cannot truncate to {next_offset}: window holds {self.acked + 1}..{self.next - 1}")
+        chunks, firsts = self._chunks, self._firsts
+        while chunks and firsts[-1] >= next_offset:
+            chunk = chunks.pop()
+            firsts.pop()
+            self.bytes -= sum(map(len, chunk[self._skip if not chunks else 0 :]))
+            if not chunks:
+                self._skip = 0
+        if chunks:
+            tail = chunks[-1]
+            keep = next_offset - firsts[-1]
+            if keep < len(tail):
+                self.bytes -= sum(map(len, tail[keep:]))
+                del tail[keep:]
+        self.next = next_offset

@@ -8,6 +8,9 @@ What runs (all on 127.0.0.1, data in a temporary directory unless --data):
 * simulated edge devices, each its own process with an embedded Producer,
   publishing one reading every 100 ms as msgpack: device id, event time,
   temperature, humidity;
+* ``device-edge``, a device with an edge outbox: it starts with the mesh out
+  of reach, loses power (SIGKILL) a third into the run, boots with the mesh
+  back and sends what its outbox kept: every reading it took reaches Spark;
 * a Spark Structured Streaming job that reads the readings from the mesh
   (format "dafka" through the gateway, decoded into a ``data`` column by the
   source: valueFormat msgpack with a valueSchema), averages them per device over
@@ -62,6 +65,50 @@ def device(name: str, cfg: Any, seconds: float, stop: Any) -> None:
             producer.publish(reading)
             stop.wait(0.1)
         producer.flush(10)
+
+
+def edge_device(name: str, cfg: Any, outbox: str, seconds: float, stop: Any, result: Any = None) -> None:
+    """A device with an edge outbox: its readings survive a reboot while the mesh is out of reach."""
+    from dafka.producer import Producer
+
+    rng = random.Random(name)
+    deadline = time.monotonic() + seconds
+    with Producer(READINGS, cfg, outbox=outbox, outbox_sync="batch", serializer="msgpack") as producer:
+        while time.monotonic() < deadline and not stop.is_set():
+            reading = {
+                "device": name,
+                "ts": int(time.time() * 1000),
+                "temperature": round(22.0 + rng.gauss(0.0, 0.5), 2),
+                "humidity": round(rng.uniform(30.0, 60.0), 1),
+            }
+            producer.publish(reading)
+            stop.wait(0.1)
+        ok = producer.flush(30)
+        if result is not None:
+            result.put((producer.address, producer.next_offset, ok))
+
+
+def offline_then_reboot(ctx: Any, cfg: Any, data: Path, seconds: float, stop: Any) -> tuple[Any, Any]:
+    """``device-edge``: offline for a third of the run (no tower reachable), then it loses
+    power (SIGKILL) and boots with the mesh back; returns its process and result queue."""
+    from dafka.config import NodeConfig, TowerAddress
+
+    outbox = str(data / "device-edge-outbox")
+    offline = NodeConfig(towers=(TowerAddress("127.0.0.1", 9, 9),), bind="127.0.0.1")  # nothing listens there
+    # Its own stop event: killing a process that waits on a shared multiprocessing
+    # Event would leave that Event's lock broken for everybody else.
+    first = ctx.Process(target=edge_device, args=("device-edge", offline, outbox, seconds, ctx.Event()), daemon=True)
+    first.start()
+    stop.wait(seconds / 3)
+    first.kill()  # a power cut: nothing is flushed or closed
+    first.join(10)
+    print("device-edge rebooted after a power cut while offline", flush=True)
+    result = ctx.Queue()
+    second = ctx.Process(
+        target=edge_device, args=("device-edge", cfg, outbox, seconds * 2 / 3, stop, result), daemon=True
+    )
+    second.start()
+    return second, result
 
 
 def start_stream(spark: Any, gateway: str, checkpoints: Path, parquet: str | None) -> list[Any]:
@@ -220,8 +267,18 @@ def run(args: argparse.Namespace, data: Path) -> int:
                 spark = spark_session()
                 queries = start_stream(spark, address, data / "checkpoints", args.parquet)
                 print(f"streaming job running; devices publish for {args.seconds:.0f}s", flush=True)
+                edge, edge_result = offline_then_reboot(ctx, cfg, data, args.seconds, stop)
+                devices.append(edge)
                 for p in devices:
                     p.join(args.seconds + 30)
+                partition, published, acked = edge_result.get(timeout=30)
+                info = gateway.db.info(READINGS, partition)
+                stored = 0 if info is None else info.count
+                print(
+                    f"device-edge: {published} readings published across the reboot, all acknowledged: {acked},"
+                    f" {stored} held by the gateway Spark reads from",
+                    flush=True,
+                )
                 # The windows the watermark closed come out over the next
                 # micro-batches (the last windows stay open: event time only
                 # moves with new readings).
