@@ -441,7 +441,10 @@ class Consumer(PartitionReader):
         # known partitions are queued inside drain_records, the rest come back
         # through track / on_message in arrival order.
         queue = self._queue
-        fast = fastio.drain_records(sock, DRAIN, prefixes, queue, ConsumerRecord, 0, self.track, self.on_message)
+        fast = fastio.drain_records(
+            sock, DRAIN, prefixes, queue, ConsumerRecord, 0, self.track, self.on_message,
+            self.max_record_bytes, self.too_large,
+        )
         if self._missing:
             self.fetch_missing()
         self.delivered += fast
