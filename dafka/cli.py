@@ -889,7 +889,8 @@ def _add_node_flags(p: argparse.ArgumentParser) -> None:
         "--max-record-bytes",
         type=int,
         metavar="N",
-        help="largest record accepted, published or read ([node] max_record_bytes; default 1048576)",
+        help="largest record content (bytes): publish and Tank produces refuse a bigger one, consumers, stores and"
+        " gateways drop and count it ([node] max_record_bytes; default 1048576)",
     )
     _add_security_flags(p)
 

@@ -297,7 +297,8 @@ class NodeConfig:
     # nodes; see dafka.audience).  False: always one record a message.
     batches: bool = True
     # Largest record content accepted, as Kafka's message.max.bytes: Producer.publish
-    # and the Tank gateway's produce refuse bigger ones.
+    # and the Tank gateway's produce refuse bigger ones; consumers, stores and
+    # gateways drop (and count) bigger ones read from the mesh.
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 
     def __post_init__(self) -> None:

@@ -500,7 +500,8 @@ class Consumer(PartitionReader):
         # through track / on_message in arrival order.
         queue = self._queue
         fast = fastio.drain_records(
-            sock, DRAIN, prefixes, queue, self._record_type, 0, self.track, self.on_message
+            sock, DRAIN, prefixes, queue, self._record_type, 0, self.track, self.on_message,
+            self.max_record_bytes, self.too_large,
         )
         if self._missing:
             self.fetch_missing()

@@ -15,7 +15,15 @@ order with no gap and no duplicate, and when to FETCH what is missing:
   for once the current one is half delivered (pipelined);
 * if the missing records never come while later ones are held (a store's
   retention removed them), after ``skip_after`` seconds the tracker skips
-  forward to the first held record and reports the skipped range.
+  forward to the first held record and reports the skipped range;
+* a record over the reader's size limit is never delivered: at ``next`` it
+  is skipped at once (every copy of a record has its size, so fetching it
+  again cannot help); ahead of ``next`` it only says the offset exists, and
+  is skipped when the FETCH of what precedes it brings it again;
+* after the reader's connection to a peer was cut (ZeroMQ refused a frame
+  over its size limit: the record in it was never seen), a partition
+  stalled for ``skip_after`` skips only its next offset, not up to the
+  first held record: the other missing records are then FETCHed again.
 
 Times are passed in by the caller; nothing here reads a clock.
 """
@@ -47,6 +55,7 @@ class PartitionTracker:
         "fetches",
         "skipped",
         "pid",
+        "cut",
     )
 
     def __init__(
@@ -80,6 +89,9 @@ class PartitionTracker:
         # The store's LMDB partition id once the partition is stored (records
         # then go to LMDB as ready key/value pairs, see fastio.drain_pairs).
         self.pid: int | None = None
+        # The reader's connection to a peer was cut while records were missing
+        # (see skip_if_stalled): a stall then skips one offset.
+        self.cut = False
 
     @property
     def missing(self) -> bool:
@@ -121,6 +133,36 @@ class PartitionTracker:
         # they are furthest from next and will be fetched again.
         if len(held) < self.max_held:
             held[seq] = content
+        return True
+
+    def drop_too_large(self, seq: int, out: list[tuple[int, bytes]]) -> bool:
+        """Record ``seq`` arrived over the size limit: it is never delivered.
+
+        At ``next`` (or as the first record seen, offset reset "latest") it
+        is skipped now and the held records after it are appended to ``out``;
+        returns True then.  Ahead of ``next`` it only makes ``known`` reach it
+        (what precedes it is FETCHed, and the answer brings it again at
+        ``next``); an older one is a duplicate.  See :attr:`missing` after.
+        """
+        nxt = self.next
+        if nxt is None:
+            nxt = seq
+        if seq > self.known:
+            self.known = seq
+        if seq != nxt:
+            self.next = nxt
+            return False
+        nxt += 1
+        held = self.held
+        if held:
+            pop = held.pop
+            while True:
+                c = pop(nxt, None)
+                if c is None:
+                    break
+                out.append((nxt, c))
+                nxt += 1
+        self.next = nxt
         return True
 
     def on_head(self, seq: int) -> bool:
@@ -201,12 +243,30 @@ class PartitionTracker:
         Only when later records are held and ``next`` has not moved for
         ``skip_after`` seconds of FETCH retries.  Returns the skipped range
         ``(first, last)`` and appends the now deliverable records to ``out``.
+        After a cut connection (:attr:`cut`) only ``next`` is skipped, held
+        records or not, as long as it is known to exist.
         """
         nxt = self.next
-        if not self.held or nxt is None or nxt != self.progress_next:
+        if nxt is None or nxt != self.progress_next or not (self.held or (self.cut and self.known >= nxt)):
             return None
         if now - self.progress_at < self.skip_after:
             return None
+        if self.cut:
+            self.cut = False
+            self.skipped += 1
+            first = nxt
+            nxt += 1
+            pop = self.held.pop
+            while True:
+                c = pop(nxt, None)
+                if c is None:
+                    break
+                out.append((nxt, c))
+                nxt += 1
+            self.next = self.progress_next = nxt
+            self.progress_at = now
+            self.fetch_upto = -1  # the rest of the hole is asked for again at once
+            return first, first
         first_held = min(self.held)
         skipped = (nxt, first_held - 1)
         self.skipped += first_held - nxt

@@ -81,6 +81,16 @@ COUNTERS: list[tuple[str, Getter, str]] = [
     ("dafka_records_delivered", "delivered", "Records delivered in order to the application"),
     ("dafka_records_skipped", "skipped", "Offsets skipped because nobody had them"),
     ("dafka_tank_records_too_large", "records_too_large", "Tank produces refused: a record over max_record_bytes"),
+    (
+        "dafka_records_too_large",
+        "records_dropped_too_large",
+        "Records read from the mesh and dropped: content over max_record_bytes (a hole for this node)",
+    ),
+    (
+        "dafka_connections_cut",
+        "connections_cut",
+        "Peer connections ZeroMQ cut for a frame over max_record_bytes + framing (connected again)",
+    ),
     ("dafka_records_refused", "records_refused", "Records the store's database refused (their partition is read again)"),
     ("dafka_beacons_relayed", "beacons", "Node beacons relayed to the mesh"),
     ("dafka_malformed_input", lambda n: n.bad_input.count, "Malformed messages dropped"),

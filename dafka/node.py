@@ -44,7 +44,7 @@ import zmq
 
 from dafka import fastio, reach, security, wire
 from dafka.audience import BatchAudience
-from dafka.config import NodeConfig, default_node_config, loopback_trap
+from dafka.config import DEFAULT_MAX_RECORD_BYTES, NodeConfig, default_node_config, loopback_trap
 from dafka.errors import ConfigError, ProtocolError
 from dafka.peers import Connect, PeerAction, PeerTable, TowerWatch, refused_hint
 
@@ -73,6 +73,18 @@ RETRY_REFUSED = 1.0  # seconds before connecting again where a secure handshake 
 INBOUND_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 OUTBOUND_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
 REACH_GRACE = 5  # beacon intervals with peers and none reaching us before a warning
+# The largest frame a data SUB assembles (ZMQ_MAXMSGSIZE, per frame): a record of
+# max_record_bytes alone in a batch (8 bytes of framing), a full batch (128
+# records, 16 KiB: far less), and control messages (COMMIT, POSITIONS...) as
+# large as with the default limit, with room to spare.  A bigger frame makes
+# ZeroMQ cut the connection (see reach.CutWatch): the node connects again.
+FRAME_SLACK = 64 * 1024
+CUT_GRACE = 0.25  # seconds: a DISCONNECTED with no CONNECT_RETRIED after it was a cut
+
+
+def frame_limit(max_record_bytes: int) -> int:
+    """ZMQ_MAXMSGSIZE of the data SUBs of a node with this ``max_record_bytes``."""
+    return max(max_record_bytes, DEFAULT_MAX_RECORD_BYTES) + FRAME_SLACK
 
 
 def read_subscriptions(sock: zmq.Socket, limit: int = DRAIN) -> Iterator[tuple[bool, bytes]]:
@@ -220,6 +232,11 @@ class Node:
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.RCVHWM, cfg.hwm)
         self.sub.setsockopt(zmq.LINGER, 0)
+        # A peer's frame over this is never assembled: ZeroMQ cuts the connection.
+        self.frame_limit = frame_limit(cfg.max_record_bytes)
+        self.sub.setsockopt(zmq.MAXMSGSIZE, self.frame_limit)
+        self.cuts = reach.CutWatch(CUT_GRACE)
+        self.connections_cut = 0  # data connections ZeroMQ cut (an oversize frame), made again
 
         self.beacon_pub = self.ctx.socket(zmq.PUB)
         self.beacon_pub.setsockopt(zmq.LINGER, 0)
@@ -280,7 +297,7 @@ class Node:
                     f"{self.kind} data",
                     self.log,
                     events=OUTBOUND_EVENTS,
-                    on_event=self.links.on_event,
+                    on_event=lambda event, endpoint: self._on_data_event(self.sub, event, endpoint),
                     refusals=False,
                 )
             )
@@ -303,6 +320,7 @@ class Node:
         self.every(TICK, self.on_tick)
         self.every(cfg.beacon_interval, self._check_towers)
         self.every(cfg.beacon_interval, self._check_reach)
+        self.every(CUT_GRACE, self._check_cuts)
         if self.keys is not None:
             self.every(cfg.beacon_interval, self._sweep_channel_monitors)
         # A plain node at a secure tower: the handshake fails (mechanism mismatch)
@@ -633,6 +651,7 @@ class Node:
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.RCVHWM, self.config.hwm)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.frame_limit)
         security.make_client(sock, self.keys)  # type: ignore[arg-type]
         for prefix, count in self._subscriptions.items():
             for _ in range(count):
@@ -644,7 +663,7 @@ class Node:
             self.log,
             lambda ep: self._retry_later(sock, ep),
             events=OUTBOUND_EVENTS,  # whom we reach (dafka.reach), as the plain data SUB's monitor
-            on_event=self.links.on_event,
+            on_event=lambda event, ep: self._on_data_event(sock, event, ep),
         )
         self._channels[address] = channel
         self._channel_socks[sock] = channel
@@ -659,6 +678,7 @@ class Node:
         if channel is None:
             return
         self._channel_socks.pop(channel.sock, None)
+        self.cuts.forget((channel.sock, channel.endpoint))
         self._busy.discard(channel)
         watched = [(self._channel_selector, channel.sock)]
         if channel.refusals is not None:
@@ -698,6 +718,58 @@ class Node:
                 return  # a reader paused: the rest wait (still busy)
             if channels.get(channel.address) is channel and not channel.sock.get(zmq.EVENTS) & zmq.POLLIN:
                 busy.discard(channel)
+
+    def _on_data_event(self, sock: zmq.Socket, event: int, endpoint: str) -> None:
+        """A monitor event of a data SUB (the plain one, or a channel)."""
+        self.links.on_event(event, endpoint)
+        self.cuts.on_event((sock, endpoint), event, time.monotonic())
+
+    def _check_cuts(self, now: float) -> None:
+        """Timer: connect again to peers whose connection ZeroMQ cut (a frame over
+        :attr:`frame_limit`); ZeroMQ itself never would."""
+        if not self.cuts.pending:
+            return
+        # Read the monitors first: a CONNECT_RETRIED may wait unread there.
+        if self.keys is None:
+            for refusals in self._refusals:
+                if refusals.sock is self.sub:
+                    refusals.read()
+        else:
+            for channel in list(self._channels.values()):
+                if channel.refusals is not None:
+                    channel.refusals.read()
+        for sock, endpoint in self.cuts.cut(now):  # type: ignore[misc]
+            channel = self._channel_socks.get(sock)
+            if channel is not None:
+                if channel.endpoint != endpoint or self._channels.get(channel.address) is not channel:
+                    continue
+                security.reconnect(sock, endpoint, channel.key, self.log)
+                who = channel.address
+            elif sock is self.sub and endpoint in self.peers.endpoints():
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.disconnect(endpoint)  # may be given up already
+                try:
+                    sock.connect(endpoint)
+                except zmq.ZMQError as exc:
+                    self.log.debug("could not reconnect to %s: %s", endpoint, exc)
+                who = endpoint
+            else:
+                continue  # the peer is gone meanwhile
+            self.connections_cut += 1
+            n = self.connections_cut
+            if n <= 20 or n % 1000 == 0:
+                self.log.warning(
+                    "%s: the connection to peer %s was cut: it sent a frame over %d bytes (max_record_bytes"
+                    " + framing; a record over the limit, never read); connected again; %d cut so far",
+                    self.kind,
+                    who,
+                    self.frame_limit,
+                    n,
+                )
+            self.on_cut()
+
+    def on_cut(self) -> None:
+        """A data connection was cut and made again: what was in flight on it is lost."""
 
     def _read_channel_monitors(self) -> None:
         """Secure mode: refused handshakes on channels (their monitors' ZMQ_FDs fired)."""
@@ -998,6 +1070,7 @@ class Node:
                 if channel.endpoint == action.endpoint:
                     self._close_channel(action.address)
             else:
+                self.cuts.forget((self.sub, action.endpoint))
                 try:
                     self.sub.disconnect(action.endpoint)
                 except zmq.ZMQError:

@@ -232,6 +232,56 @@ class Links:
         return [e for e in endpoints if e not in self.up]
 
 
+class CutWatch:
+    """Connections ZeroMQ cut for good (a frame over ZMQ_MAXMSGSIZE), from monitor events; sans-IO.
+
+    libzmq 4.3.5 (measured, plain and CURVE): a peer that sends a frame over
+    the receiving socket's ZMQ_MAXMSGSIZE is a protocol error; the monitor
+    shows EVENT_DISCONNECTED and nothing after it, and ZeroMQ never connects
+    to that endpoint again.  A connection lost otherwise (the peer went away)
+    shows EVENT_DISCONNECTED then at once EVENT_CONNECT_RETRIED: ZeroMQ
+    reconnects by itself.  So an established connection (its handshake
+    succeeded) whose DISCONNECTED no CONNECT_RETRIED follows within ``grace``
+    seconds was cut, and the owner must connect again itself.  Keys are what
+    the owner likes (a socket and an endpoint); bounded by the connections it
+    makes (it calls :meth:`forget` when it disconnects).
+    """
+
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self._up: set[object] = set()
+        self._down: dict[object, float] = {}  # disconnected at, no retry seen yet
+
+    def on_event(self, key: object, event: int, now: float) -> None:
+        import zmq
+
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._up.add(key)
+            self._down.pop(key, None)
+        elif event == zmq.EVENT_DISCONNECTED:
+            if key in self._up:
+                self._up.discard(key)
+                self._down[key] = now
+        elif event == zmq.EVENT_CONNECT_RETRIED:
+            self._down.pop(key, None)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a disconnection waits to be told apart (see :meth:`cut`)."""
+        return bool(self._down)
+
+    def cut(self, now: float) -> list[object]:
+        """The connections found cut since the last call (each reported once)."""
+        due = [key for key, at in self._down.items() if now - at >= self.grace]
+        for key in due:
+            del self._down[key]
+        return due
+
+    def forget(self, key: object) -> None:
+        self._up.discard(key)
+        self._down.pop(key, None)
+
+
 class ReachWatch:
     """Whether peers reach a node, and why they may not (sans-IO).
 

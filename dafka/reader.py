@@ -10,6 +10,11 @@ where in-order records go (:meth:`emit`) and how a new partition starts
 The per-record fast path (a known partition's next record) runs inside
 :func:`dafka.fastio.drain_records`, frame-exact, a batch per call; each
 subclass's ``_read_data`` only says what item a record becomes.
+
+A record whose content is longer than the node's ``max_record_bytes`` is
+dropped and counted (:attr:`PartitionReader.records_dropped_too_large`), never
+delivered nor stored: a hole in its partition (see
+:meth:`~dafka.gaps.PartitionTracker.drop_too_large`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class PartitionReader(Node):
         self._missing: set[PartitionTracker] = set()
         self._out: list[tuple[int, bytes]] = []
         self.fetches_sent = 0
+        self.max_record_bytes = self.config.max_record_bytes
+        self.records_dropped_too_large = 0  # records over max_record_bytes from the mesh
 
     # ---------------------------------------------------------------- hooks
 
@@ -65,6 +72,9 @@ class PartitionReader(Node):
 
     def on_other(self, msg: wire.Message) -> None:
         """A valid message that is neither a record nor a head."""
+
+    def on_too_large_skipped(self, tracker: PartitionTracker, seq: int) -> None:
+        """Offset ``seq`` was skipped: its record is over ``max_record_bytes``."""
 
     def on_producer_head(self, tracker: PartitionTracker, sequence: int) -> None:
         """The partition's producer says its last offset is ``sequence`` (a HEAD)."""
@@ -103,6 +113,39 @@ class PartitionReader(Node):
             out.clear()
         if missing:
             self._missing.add(tracker)  # fetch_missing asks at the end of this drain
+
+    def too_large(self, tracker: PartitionTracker, seq: int, size: int) -> None:
+        """A record over ``max_record_bytes``: dropped, counted, logged at a low rate; a hole."""
+        self.records_dropped_too_large += 1
+        n = self.records_dropped_too_large
+        if n <= 20 or n % 1000 == 0:
+            self.log.warning(
+                "%s %s: dropped record %d of %s/%s: %d bytes is more than max_record_bytes=%d"
+                " (it is skipped: a hole for this node); %d dropped so far",
+                self.kind,
+                self.address[:8],
+                seq,
+                tracker.subject,
+                tracker.address,
+                size,
+                self.max_record_bytes,
+                n,
+            )
+        out = self._out
+        if tracker.drop_too_large(seq, out):
+            self.on_too_large_skipped(tracker, seq)
+        if out:
+            self.emit(tracker, out)
+            out.clear()
+        if tracker.missing:
+            self._missing.add(tracker)  # fetch_missing asks at the end of this drain
+
+    def on_cut(self) -> None:
+        """A peer's connection was cut for a frame over the size limit: a record
+        was lost unseen.  Partitions missing records now skip one offset at a
+        time when they stall (see :attr:`~dafka.gaps.PartitionTracker.cut`)."""
+        for tracker in self._missing:
+            tracker.cut = True
 
     def maybe_fetch(self, tracker: PartitionTracker, now: float) -> None:
         request = tracker.fetch_request(now)
@@ -186,12 +229,19 @@ class PartitionReader(Node):
             if sender is not None and not isinstance(msg, wire.Head | wire.DirectHead):
                 # This peer's next records of the partition take the fast path.
                 sender.prefixes[bytes(frames[0][:-8])] = tracker
+            limit = self.max_record_bytes
             if isinstance(msg, wire.Record | wire.DirectRecord):
-                self.track(tracker, msg.sequence, msg.content)
+                if len(msg.content) > limit:
+                    self.too_large(tracker, msg.sequence, len(msg.content))
+                else:
+                    self.track(tracker, msg.sequence, msg.content)
                 return
             if isinstance(msg, wire.RecordBatch | wire.DirectRecordBatch):
                 for i, content in enumerate(msg.contents):
-                    self.track(tracker, msg.sequence + i, content)
+                    if len(content) > limit:
+                        self.too_large(tracker, msg.sequence + i, len(content))
+                    else:
+                        self.track(tracker, msg.sequence + i, content)
                 return
             if tracker.on_head(msg.sequence):
                 self._missing.add(tracker)  # fetch_missing asks at the end of this drain

@@ -282,7 +282,21 @@ def _messages(events: list[tuple[str, str, int, bytes]]) -> list[list[bytes]]:
     return out
 
 
-def _run_drain(impl: Any, pair: Pair, messages: list[list[bytes]], record_type: type | None, units: int) -> Any:
+def _on_too_large(calls: list[Any], out: list[Any]) -> Any:
+    """What the nodes do with a record over max_size: counted (here: noted), the tracker skips it."""
+
+    def on_too_large(tracker: PartitionTracker, seq: int, size: int) -> None:
+        calls.append(("too large", tracker.address, seq, size))
+        delivered: list[tuple[int, bytes]] = []
+        tracker.drop_too_large(seq, delivered)
+        out.extend(("slow", tracker.address, s, c) for s, c in delivered)
+
+    return on_too_large
+
+
+def _run_drain(
+    impl: Any, pair: Pair, messages: list[list[bytes]], record_type: type | None, units: int, max_size: int | None = None
+) -> Any:
     trackers = {p: PartitionTracker(TOPIC, p, 0) for p in PARTITIONS}
     by_prefix = {prefix: tracker for p, tracker in trackers.items() for prefix in _prefixes(p)}
     calls: list[Any] = []
@@ -304,7 +318,9 @@ def _run_drain(impl: Any, pair: Pair, messages: list[list[bytes]], record_type: 
         # Every message is read (none left over for the next example).
         if queued + len(calls) >= units or not pair.rx.poll(1000):
             break
-        queued += impl.drain_records(pair.rx, 7, by_prefix, out, record_type, 1234, on_record, on_message)
+        queued += impl.drain_records(
+            pair.rx, 7, by_prefix, out, record_type, 1234, on_record, on_message, max_size, _on_too_large(calls, out)
+        )
     state = {p: (t.next, t.known, sorted(t.held.items())) for p, t in trackers.items()}
     return queued, out, calls, state
 
@@ -328,7 +344,7 @@ def test_drain_records_same_batches(pair: Pair, record_type: type | None, events
             assert call[1] in messages
 
 
-def _run_drain_pairs(impl: Any, pair: Pair, messages: list[list[bytes]], units: int) -> Any:
+def _run_drain_pairs(impl: Any, pair: Pair, messages: list[list[bytes]], units: int, max_size: int | None = None) -> Any:
     # A stored partition (pid known, the largest pid) and a new one (no pid yet).
     trackers = {p: PartitionTracker(TOPIC, p, 0) for p in PARTITIONS}
     trackers[PARTITIONS[0]].pid = 0xFFFFFFFF
@@ -351,7 +367,9 @@ def _run_drain_pairs(impl: Any, pair: Pair, messages: list[list[bytes]], units: 
     for _ in range(len(messages) + 2):
         if queued + len(calls) >= units or not pair.rx.poll(1000):
             break
-        queued += impl.drain_pairs(pair.rx, 7, by_prefix, out, segs, 1234, on_record, on_message)
+        queued += impl.drain_pairs(
+            pair.rx, 7, by_prefix, out, segs, 1234, on_record, on_message, max_size, _on_too_large(calls, out)
+        )
     state = {p: (t.next, t.known, sorted(t.held.items())) for p, t in trackers.items()}
     return queued, out, segs, calls, state
 
@@ -368,6 +386,58 @@ def test_drain_pairs_same_pairs(pair: Pair, events: list[Any]) -> None:
     assert queued + len(calls) == units
     pairs = [item for item in out if item[0] != "slow"]
     assert len(pairs) == queued == sum(last - first + 1 for _, _, _, first, last, _ in segs)
+
+
+@needs_compiled
+@pytest.mark.parametrize("record_type", [None, ConsumerRecord], ids=["store", "consumer"])
+@fast
+@given(events=st.lists(event, max_size=60), max_size=st.integers(0, 8))
+def test_drain_records_drops_what_is_too_large_alike(
+    pair: Pair, record_type: type | None, events: list[Any], max_size: int
+) -> None:
+    """A record over max_size (alone or inside a batch) is never queued nor given to
+    on_record: on_too_large gets it, in arrival order, in both implementations."""
+    messages, units = _messages(events), _units(events)
+    pure = _run_drain(_pure, pair, messages, record_type, units, max_size)
+    compiled = _run_drain(_compiled, pair, messages, record_type, units, max_size)
+    assert pure == compiled
+    queued, out, calls, _ = compiled
+    assert queued + len(calls) == units
+    assert all(len(item[3]) <= max_size for item in out)
+    assert all(len(c[3]) <= max_size for c in calls if c[0] == "record")
+    expected = sum(
+        len(c) > max_size
+        for kind, partition, _, content in events
+        if partition in PARTITIONS
+        for c in (content if kind in ("batch", "dbatch") else (content,) if kind in ("rec", "direct") else ())
+    )
+    assert sum(c[0] == "too large" for c in calls) == expected
+
+
+@needs_compiled
+@fast
+@given(events=st.lists(event, max_size=60), max_size=st.integers(0, 8))
+def test_drain_pairs_drops_what_is_too_large_alike(pair: Pair, events: list[Any], max_size: int) -> None:
+    messages, units = _messages(events), _units(events)
+    pure = _run_drain_pairs(_pure, pair, messages, units, max_size)
+    compiled = _run_drain_pairs(_compiled, pair, messages, units, max_size)
+    assert pure == compiled
+    queued, out, segs, calls, _ = compiled
+    assert queued + len(calls) == units
+    # Queued pairs are (key, ts:8 flags:1 content); slow deliveries (..., content).
+    assert all((len(item[3]) if item[0] == "slow" else len(item[1]) - 9) <= max_size for item in out)
+    assert sum(c[0] == "too large" for c in calls) == sum(
+        len(c) > max_size
+        for kind, partition, _, content in events
+        if partition in PARTITIONS
+        for c in (content if kind in ("batch", "dbatch") else (content,) if kind in ("rec", "direct") else ())
+    )
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_drain_refuses_a_negative_max_size(impl: Any, pair: Pair) -> None:
+    with pytest.raises(ValueError, match="max_size"):
+        impl.drain_records(pair.rx, 1, {}, [], None, 0, None, None, -1)
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["records", "batch"])

@@ -1,20 +1,29 @@
 """The record size limit ([node] max_record_bytes, 1 MiB by default): the
-setting, the refusal at publish and at the Tank gateway's produce.  (Readers
-of the mesh do not drop oversize records yet.)"""
+setting, the refusal at publish and at the Tank gateway's produce, and the
+readers of the mesh (consumers, stores, gateways) that drop, count and skip a
+bigger record, and assemble no frame far bigger than it."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
+import zmq
 
+from dafka import wire
 from dafka.config import DEFAULT_MAX_RECORD_BYTES, NodeConfig, node_config_from
+from dafka.consumer import Consumer
 from dafka.errors import ConfigError, DafkaError, RecordTooLargeError
+from dafka.metrics import registry_for
 from dafka.producer import Producer
+from dafka.store.node import Store
 from dafka.tank.client import TankClient
 from dafka.tank.gateway import Gateway
 from dafka.tank.messages import ProduceError
+from tests.conftest import start_store_process
 
 pytestmark = pytest.mark.timeout(120)
 LIMIT = 64 * 1024
@@ -47,3 +56,201 @@ def test_the_gateway_refuses_an_oversize_tank_record(cfg: NodeConfig, tmp_path: 
             assert codes[("t", 0)] == ProduceError.SYSTEM and gw.records_too_large == 1
             assert c.produce("t", 0, [b"fine"]) == 0
             assert [bytes(v) for _s, _t, _k, v in c.consume("t", 0, 0, 1 << 20).messages] == [b"fine"]
+
+
+# ---------------------------------------------------------------- readers of the mesh
+
+BIG = b"x" * (LIMIT + 1)
+
+
+def _answer_fetches(peer: Any, records: dict[int, bytes], batch: bool, answered: list[Any]) -> None:
+    """Play the producer: answer each FETCH not answered yet with DIRECT-RECORDs from ``records``."""
+    for fetch in peer.messages(wire.Fetch)[len(answered) :]:
+        answered.append(fetch)
+        for seq in range(fetch.sequence, fetch.sequence + fetch.count):
+            if seq in records:
+                if batch:
+                    peer.send(wire.DirectRecordBatch(fetch.address, peer.address, fetch.subject, seq, (records[seq],)))
+                else:
+                    peer.send(wire.DirectRecord(fetch.address, peer.address, fetch.subject, seq, records[seq]))
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["record", "batch"])
+@pytest.mark.parametrize("kind", ["consumer", "store"])
+def test_a_reader_drops_a_record_over_its_limit(cfg: NodeConfig, tmp_path: Path, raw_peer: Any, kind: str, batch: bool) -> None:
+    """A raw producer sends records 0, 1, then 3 (over the reader's limit; inside a
+    version-2 batch with record 4 for ``batch``), answers the FETCHes (record 3 again
+    as an oversize DIRECT-RECORD, in a batch for ``batch``), then sends 5.  The reader
+    drops 3 each time, counts it, skips it (no FETCH loop: it is never asked for
+    after its answer) and delivers or stores everything else; skip_after is long, so
+    no stall-skip can explain it."""
+    topic = "big"
+    peer = raw_peer([])
+    small = replace(cfg, max_record_bytes=LIMIT)
+    records = {0: b"r0", 1: b"r1", 2: b"r2", 3: BIG, 4: b"r4", 5: b"r5"}
+    reader: Any
+    if kind == "consumer":
+        reader = Consumer(topic, small, offset_reset="earliest", retry_interval=0.1, skip_after=60)
+    else:
+        reader = Store(tmp_path / "db", small, retry_interval=0.1, skip_after=60)
+    with reader:
+        peer.sub.setsockopt(zmq.SUBSCRIBE, wire.P_FETCH + peer.address.encode())
+        peer.sub.setsockopt(zmq.SUBSCRIBE, wire.P_ACK + peer.address.encode())
+        peer.wait_for(lambda p: len(p.peers) >= 1 and p.subscribed(b"M" + (topic.encode() if kind == "consumer" else b"")))
+        peer.pump(0.3)  # the reader's SUB connects to us
+        for seq in (0, 1):
+            peer.send(wire.Record(topic, peer.address, topic, seq, records[seq]))
+        if batch:
+            peer.send(wire.RecordBatch(topic, peer.address, topic, 3, (BIG, records[4])))
+        else:
+            peer.send(wire.Record(topic, peer.address, topic, 3, BIG))
+            peer.send(wire.Record(topic, peer.address, topic, 4, records[4]))
+        answered: list[Any] = []
+        got: list[tuple[int, bytes]] = []
+
+        def progress(p: Any) -> bool:
+            _answer_fetches(p, records, batch, answered)
+            if kind == "consumer":
+                got.extend((r.offset, r.content) for r in reader.poll_batch(100, 0))
+                return len(got) >= 4
+            info = reader.db.info(topic, p.address)
+            return info is not None and info.last >= 4
+
+        peer.wait_for(progress, timeout=20)
+        peer.send(wire.Record(topic, peer.address, topic, 5, records[5]))
+
+        def done(p: Any) -> bool:
+            _answer_fetches(p, records, batch, answered)
+            if kind == "consumer":
+                got.extend((r.offset, r.content) for r in reader.poll_batch(100, 0))
+                return len(got) >= 5
+            info = reader.db.info(topic, p.address)
+            return info is not None and info.last >= 5
+
+        peer.wait_for(done, timeout=20)
+        if kind == "store":
+            got = [(r.offset, r.content) for r in reader.db.read(topic, peer.address, 0, 10)]
+            info = reader.db.info(topic, peer.address)
+            assert (info.first, info.last, info.count) == (0, 5, 5)  # a hole at 3
+        assert got == [(0, b"r0"), (1, b"r1"), (2, b"r2"), (4, b"r4"), (5, b"r5")]
+        assert reader.records_dropped_too_large >= 2  # live, then the FETCH answer
+        # No FETCH loop: after a while nothing asks for offset 3 again.
+        asked = len(peer.messages(wire.Fetch))
+        peer.pump(1.5)
+        _answer_fetches(peer, records, batch, answered)
+        assert len(peer.messages(wire.Fetch)) == asked
+        assert sum(f.sequence <= 3 < f.sequence + f.count for f in answered) <= 2
+        assert reader.records_dropped_too_large <= 3
+        assert reader.running
+        assert registry_for(reader).get_sample_value("dafka_records_too_large_total") == reader.records_dropped_too_large
+
+
+def test_a_larger_limit_takes_what_a_smaller_one_drops(cfg: NodeConfig, raw_peer: Any) -> None:
+    """Two consumers, 64 KiB and 1 MiB: the same record is dropped by one, delivered by the other."""
+    topic = "sizes"
+    peer = raw_peer([])
+    with (
+        Consumer(topic, replace(cfg, max_record_bytes=LIMIT), offset_reset="earliest", retry_interval=0.1) as small,
+        Consumer(topic, cfg, offset_reset="earliest", retry_interval=0.1) as large,
+    ):
+        peer.wait_for(lambda p: len(p.peers) >= 2 and sum(s[:2] == b"\x01M" for s in p.subscriptions) >= 2)
+        peer.pump(0.3)
+        for seq, content in enumerate((b"a", BIG, b"c")):
+            peer.send(wire.Record(topic, peer.address, topic, seq, content))
+        got: dict[str, list[Any]] = {"small": [], "large": []}
+
+        def both(p: Any) -> bool:
+            got["small"] += small.poll_batch(10, 0)
+            got["large"] += large.poll_batch(10, 0)
+            return len(got["small"]) >= 2 and len(got["large"]) >= 3
+
+        peer.wait_for(both, timeout=20)
+        assert [(r.offset, len(r.content)) for r in got["small"]] == [(0, 1), (2, 1)]
+        assert [(r.offset, len(r.content)) for r in got["large"]] == [(0, 1), (1, LIMIT + 1), (2, 1)]
+        assert (small.records_dropped_too_large, large.records_dropped_too_large) == (1, 0)
+
+
+# ---------------------------------------------------------------- frames over the frame limit
+
+HUGE = 4 << 20  # over frame_limit(1 MiB): ZeroMQ refuses the frame and cuts the connection
+
+
+def test_a_frame_over_the_limit_cuts_the_connection_which_is_made_again(cfg: NodeConfig, raw_peer: Any) -> None:
+    """Record 1 is 4 MiB (the consumer's limit is the default 1 MiB): ZeroMQ never
+    assembles it and cuts the connection; the consumer connects again (counted), and
+    the records after it arrive.  Record 2 is sent only in FETCH answers, behind
+    record 1, so every answer is cut with it: the stalled partition skips offset 1
+    alone and fetches 2 again, rather than skipping 1..2 up to the held record 3."""
+    topic = "huge"
+    peer = raw_peer([])
+    records = {0: b"r0", 1: b"y" * HUGE, 2: b"r2", 3: b"r3"}
+    with Consumer(topic, cfg, offset_reset="earliest", retry_interval=0.1, skip_after=2.0) as consumer:
+        peer.sub.setsockopt(zmq.SUBSCRIBE, wire.P_FETCH + peer.address.encode())
+        peer.wait_for(lambda p: len(p.peers) >= 1 and p.subscribed(b"M" + topic.encode()))
+        peer.pump(0.3)
+        got: list[Any] = []
+        peer.send(wire.Record(topic, peer.address, topic, 0, records[0]))
+        peer.wait_for(lambda p: got.extend(consumer.poll_batch(10, 0)) or got)
+        subscribed = len(peer.subscriptions)
+        peer.send(wire.Record(topic, peer.address, topic, 1, records[1]))
+        peer.wait_for(lambda p: getattr(consumer, "connections_cut", 0) >= 1, timeout=10)
+        assert consumer.frame_limit < HUGE
+        # Connected again: the consumer subscribes anew on the new connection.
+        peer.wait_for(lambda p: len(p.subscriptions) > subscribed, timeout=10)
+        peer.pump(0.2)
+        peer.send(wire.Record(topic, peer.address, topic, 3, records[3]))
+        answered: list[Any] = []
+
+        def done(p: Any) -> bool:
+            _answer_fetches(p, records, False, answered)
+            got.extend(consumer.poll_batch(10, 0))
+            return len(got) >= 3
+
+        peer.wait_for(done, timeout=30)
+        assert [(r.offset, r.content) for r in got] == [(0, b"r0"), (2, b"r2"), (3, b"r3")]
+        assert consumer.skipped == 1 and consumer.connections_cut >= 2
+        assert consumer.records_dropped_too_large == 0  # never read: cut before it was assembled
+        assert consumer.running
+
+
+def _vm_hwm_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+def test_a_store_never_assembles_a_huge_record(cfg: NodeConfig, tmp_path: Path, raw_peer: Any) -> None:
+    """A `dafka store` process (default limit) and a raw producer sending a 64 MiB record:
+    the store's peak memory does not grow by the record's size, and it goes on storing
+    and acknowledging the records after it (offset 1 becomes a hole)."""
+    proc = start_store_process(cfg, tmp_path / "db")
+    topic = "huge"
+    peer = raw_peer([])
+    big = b"z" * (64 << 20)
+    records = {0: b"r0", 1: big, 2: b"r2", 3: b"r3"}
+    peer.sub.setsockopt(zmq.SUBSCRIBE, wire.P_ACK + peer.address.encode())
+    peer.sub.setsockopt(zmq.SUBSCRIBE, wire.P_FETCH + peer.address.encode())
+    peer.wait_for(lambda p: len(p.peers) >= 1 and p.subscribed(b"M"), timeout=20)
+    peer.pump(0.3)
+    peer.send(wire.Record(topic, peer.address, topic, 0, records[0]))
+    peer.wait_for(lambda p: any(a.sequence >= 0 for a in p.messages(wire.Ack)), timeout=20)
+    before = _vm_hwm_kib(proc.pid)
+    peer.send(wire.Record(topic, peer.address, topic, 1, big))
+    answered: list[Any] = []
+    last_head = [0.0]
+
+    def acked(p: Any) -> bool:
+        _answer_fetches(p, records, False, answered)
+        if time.monotonic() - last_head[0] > 0.5:  # more records and HEADs until the hole is skipped
+            last_head[0] = time.monotonic()
+            for seq in (2, 3):
+                p.send(wire.Record(topic, p.address, topic, seq, records[seq]))
+            p.send(wire.Head(topic, p.address, topic, 3))
+        return any(a.sequence >= 3 for a in p.messages(wire.Ack))
+
+    peer.wait_for(acked, timeout=60)
+    grown = _vm_hwm_kib(proc.pid) - before
+    assert grown < 16 << 10, f"the store's peak memory grew by {grown} KiB"
+    assert proc.poll() is None

@@ -92,6 +92,69 @@ def test_skip_forward_when_hole_cannot_be_filled() -> None:
     assert t.skipped == 5 and t.next == 7
 
 
+def test_a_record_too_large_at_next_is_skipped_at_once() -> None:
+    t = PartitionTracker("s", "p", 0)
+    assert deliver(t, 0) == [0]
+    assert deliver(t, 2) == [] and deliver(t, 3) == []  # 1 missing, 2 and 3 held
+    out: list[tuple[int, bytes]] = []
+    assert t.drop_too_large(1, out) is True
+    assert [s for s, _ in out] == [2, 3] and t.next == 4 and not t.missing
+    out.clear()
+    assert t.drop_too_large(1, out) is False and out == [] and t.next == 4  # a duplicate
+    assert t.skipped == 0  # counted by the reader as too large, not as "nobody had them"
+
+
+def test_a_record_too_large_ahead_of_next_waits_for_its_fetch() -> None:
+    t = PartitionTracker("s", "p", 0)
+    out: list[tuple[int, bytes]] = []
+    assert t.drop_too_large(3, out) is False and out == []
+    assert t.missing and t.fetch_request(0.0) == (0, 4)  # 0..3: the answer brings 3 again at next
+    for seq in range(3):
+        deliver(t, seq)
+    assert t.drop_too_large(3, out) is True and t.next == 4 and not t.missing
+    assert PartitionTracker("s", "p", None).drop_too_large(7, out) is True  # "latest": starts after it
+
+
+def test_after_a_cut_a_stall_skips_one_offset() -> None:
+    t = PartitionTracker("s", "p", 0, retry_interval=0.5, skip_after=2.0)
+    deliver(t, 0)
+    deliver(t, 3)  # 1 (cut, never seen) and 2 missing
+    assert t.fetch_request(0.0) == (1, 2)
+    t.cut = True
+    out: list[tuple[int, bytes]] = []
+    assert t.skip_if_stalled(1.0, out) is None
+    assert t.skip_if_stalled(2.5, out) == (1, 1) and out == [] and t.next == 2 and not t.cut
+    assert t.fetch_request(2.5) == (2, 1)  # the rest of the hole is asked for at once
+    assert deliver(t, 2) == [2, 3]
+    # Nothing held: a HEAD alone says the unseen record exists; it is skipped too.
+    t = PartitionTracker("s", "p", 0, skip_after=2.0)
+    deliver(t, 0)
+    assert t.on_head(1)
+    t.fetch_request(0.0)
+    assert t.skip_if_stalled(3.0, out) is None  # no cut: nothing held, nothing to skip to
+    t.cut = True
+    assert t.skip_if_stalled(3.0, out) == (1, 1) and t.next == 2 and not t.missing
+
+
+def test_cut_watch_tells_a_cut_from_a_peer_gone() -> None:
+    import zmq
+
+    from dafka.reach import CutWatch
+
+    w = CutWatch(0.25)
+    for key in ("a", "b", "c"):
+        w.on_event(key, zmq.EVENT_HANDSHAKE_SUCCEEDED, 0.0)
+    w.on_event("a", zmq.EVENT_DISCONNECTED, 1.0)  # cut: nothing after it
+    w.on_event("b", zmq.EVENT_DISCONNECTED, 1.0)  # peer gone: ZeroMQ retries
+    w.on_event("b", zmq.EVENT_CONNECT_RETRIED, 1.0)
+    w.on_event("d", zmq.EVENT_DISCONNECTED, 1.0)  # never established (a refused handshake)
+    assert w.pending and w.cut(1.1) == []
+    assert w.cut(1.3) == ["a"] and w.cut(5.0) == [] and not w.pending
+    w.on_event("c", zmq.EVENT_DISCONNECTED, 2.0)
+    w.forget("c")
+    assert w.cut(9.0) == []
+
+
 @settings(max_examples=200)
 @given(st.permutations(list(range(30))), st.integers(0, 29))
 def test_any_arrival_order_delivers_in_order_without_duplicates(order: list[int], dup: int) -> None:

@@ -257,9 +257,21 @@ cdef class _Cursor:
         return 0
 
 
-def drain_records(sock, int limit, dict by_prefix, out, record_type, ts, on_record, on_message):
+cdef size_t _max_size(object max_size) except? 0:
+    """A ``max_size`` argument in C: None is no limit."""
+    if max_size is None:
+        return <size_t>-1
+    if max_size < 0:
+        raise ValueError("max_size must not be negative")
+    return <size_t>max_size
+
+
+def drain_records(sock, int limit, dict by_prefix, out, record_type, ts, on_record, on_message,
+                  max_size=None, on_too_large=None):
     """See :func:`dafka.fastio._pure.drain_records`."""
     cdef void *s = _handle(sock)
+    cdef size_t limit_size = _max_size(max_size)
+    cdef bint check
     cdef dafka_zmq_msg_t head, body
     cdef int queued = 0
     cdef Py_ssize_t i = 0
@@ -336,9 +348,19 @@ def drain_records(sock, int limit, dict by_prefix, out, record_type, ts, on_reco
                     on_message([_bytes_of(&head), _bytes_of(&body)])
                     continue
                 i += count - 1  # a batch counts as its records against limit
+                # Only a body this long can hold a record over the limit.
+                check = bsize - 8 > limit_size
                 pos = 4
                 for j in range(count):
                     n = <size_t>_be32(bdata + pos)
+                    if check and n > limit_size:
+                        pos += 4 + n
+                        cur.flush()
+                        key = None
+                        cur.fast = False  # after a callback: the rest of this batch takes the slow path
+                        on_too_large(tracker, seq, n)
+                        seq += 1
+                        continue
                     content = PyBytes_FromStringAndSize(<const char *>(bdata + pos + 4), n)
                     pos += 4 + n
                     if cur.fast and seq == cur.next:
@@ -351,6 +373,11 @@ def drain_records(sock, int limit, dict by_prefix, out, record_type, ts, on_reco
                         cur.fast = False  # after a callback: the rest of this batch takes the slow path
                         on_record(tracker, seq, content)
                     seq += 1
+                continue
+            if z_msg_size(&body) > limit_size:
+                cur.flush()
+                key = None
+                on_too_large(tracker, seq, z_msg_size(&body))
                 continue
             content = _bytes_of(&body)
             if cur.fast and seq == cur.next:
@@ -631,9 +658,12 @@ cdef object _pair(unsigned int pid, uint64_t seq, uint64_t ts, const unsigned ch
     return item
 
 
-def drain_pairs(sock, int limit, dict by_prefix, list out, list segs, ts, on_record, on_message):
+def drain_pairs(sock, int limit, dict by_prefix, list out, list segs, ts, on_record, on_message,
+                max_size=None, on_too_large=None):
     """See :func:`dafka.fastio._pure.drain_pairs`."""
     cdef void *s = _handle(sock)
+    cdef size_t limit_size = _max_size(max_size)
+    cdef bint check
     cdef dafka_zmq_msg_t head, body
     cdef int queued = 0
     cdef Py_ssize_t i = 0
@@ -701,11 +731,17 @@ def drain_pairs(sock, int limit, dict by_prefix, list out, list segs, ts, on_rec
                     on_message([_bytes_of(&head), _bytes_of(&body)])
                     continue
                 i += count - 1
+                check = bsize - 8 > limit_size  # see drain_records
                 pos = 4
                 for j in range(count):
                     n = <size_t>_be32(bdata + pos)
                     pos += 4
-                    if cur.fast and seq == cur.next:
+                    if check and n > limit_size:
+                        cur.flush(segs)
+                        key = None
+                        cur.fast = False
+                        on_too_large(tracker, seq, n)
+                    elif cur.fast and seq == cur.next:
                         cur.next = seq + 1
                         item = _pair(cur.pid, seq, ts64, bdata + pos, n)
                         cur.nbytes += n
@@ -719,9 +755,13 @@ def drain_pairs(sock, int limit, dict by_prefix, list out, list segs, ts, on_rec
                     pos += n
                     seq += 1
                 continue
-            if cur.fast and seq == cur.next:
+            bsize = z_msg_size(&body)
+            if bsize > limit_size:
+                cur.flush(segs)
+                key = None
+                on_too_large(tracker, seq, bsize)
+            elif cur.fast and seq == cur.next:
                 cur.next = seq + 1
-                bsize = z_msg_size(&body)
                 item = _pair(cur.pid, seq, ts64, <const unsigned char *>z_msg_data(&body), bsize)
                 cur.nbytes += bsize
                 out.append(item)

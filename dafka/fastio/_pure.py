@@ -30,6 +30,7 @@ _new_tuple = tuple.__new__
 _backend_send = zmq.backend.Socket.send
 
 IMPLEMENTATION = "pure"
+_NO_LIMIT = 1 << 64  # max_size None: every record is taken
 
 
 def _rest(recv: Callable[..., Any], first: list[bytes]) -> list[bytes]:
@@ -65,6 +66,8 @@ def drain_records(
     ts: int,
     on_record: Callable[[Any, int, bytes], None],
     on_message: Callable[[list[bytes]], None],
+    max_size: int | None = None,
+    on_too_large: Callable[[Any, int, int], None] | None = None,
 ) -> int:
     """Read up to ``limit`` messages from ``sock`` without blocking; the number of records queued.
 
@@ -82,11 +85,16 @@ def drain_records(
     partitions go to ``on_record(tracker, seq, content)``; every other
     message, malformed ones included, to ``on_message(frames)``, all in
     arrival order.
+
+    A known partition's record whose content is longer than ``max_size``
+    (None: no limit) is neither queued nor given to ``on_record``:
+    ``on_too_large(tracker, seq, size)`` is called instead, in arrival order.
     """
     recv = sock.recv
     lookup = by_prefix.get
     append = out.append
     queued = 0
+    max_size = _max_size(max_size)
     # The run being read (as the compiled cursor): consecutive records with
     # one header prefix; the tracker's next is kept in ``nxt`` and written
     # back before any callback, at a prefix change and at the end.
@@ -152,8 +160,17 @@ def drain_records(
                     on_message([header, content])
                     continue
                 extra += len(contents) - 1
+                # One comparison a message: only a body this long can hold a record over max_size.
+                check = len(content) - 8 > max_size
                 for content in contents:
-                    if fast and seq == nxt:
+                    if check and len(content) > max_size:
+                        if nxt != start:
+                            _advance(tracker, nxt)
+                            start = nxt
+                        pfx = None
+                        fast = False  # after a callback: the rest of this batch takes the slow path
+                        on_too_large(tracker, seq, len(content))  # type: ignore[misc]
+                    elif fast and seq == nxt:
                         nxt += 1
                         if record_type is None:
                             append((subject, address, seq, content, ts))
@@ -169,7 +186,13 @@ def drain_records(
                         on_record(tracker, seq, content)
                     seq += 1
                 continue
-            if fast and seq == nxt:
+            if len(content) > max_size:
+                if nxt != start:
+                    _advance(tracker, nxt)
+                    start = nxt
+                pfx = None
+                on_too_large(tracker, seq, len(content))  # type: ignore[misc]
+            elif fast and seq == nxt:
                 nxt += 1
                 if record_type is None:
                     append((subject, address, seq, content, ts))
@@ -186,6 +209,15 @@ def drain_records(
         if nxt != start:
             _advance(tracker, nxt)
     return queued
+
+
+def _max_size(max_size: int | None) -> int:
+    """A ``max_size`` argument: None is no limit."""
+    if max_size is None:
+        return _NO_LIMIT
+    if max_size < 0:
+        raise ValueError("max_size must not be negative")
+    return max_size
 
 
 def _is_batch(prefix: bytes) -> bool:
@@ -314,6 +346,8 @@ def drain_pairs(
     ts: int,
     on_record: Callable[[Any, int, bytes], None],
     on_message: Callable[[list[bytes]], None],
+    max_size: int | None = None,
+    on_too_large: Callable[[Any, int, int], None] | None = None,
 ) -> int:
     """As :func:`drain_records`, for a store: records go out as ready LMDB ``(key, value)`` pairs.
 
@@ -322,9 +356,10 @@ def drain_pairs(
     content)`` in ``out``, and each run of consecutive records with one
     header prefix adds ``(subject, address, pid, first, last, content_bytes)``
     to ``segs`` when it ends.  Records of partitions without a pid, and
-    records out of order, go to ``on_record``; other messages to
-    ``on_message``.
+    records out of order, go to ``on_record``; records longer than
+    ``max_size`` to ``on_too_large``; other messages to ``on_message``.
     """
+    max_size = _max_size(max_size)
     recv = sock.recv
     lookup = by_prefix.get
     append = out.append
@@ -399,8 +434,14 @@ def drain_pairs(
                     on_message([header, content])
                     continue
                 extra += len(contents) - 1
+                check = len(content) - 8 > max_size  # see drain_records
                 for content in contents:
-                    if fast and seq == nxt:
+                    if check and len(content) > max_size:
+                        close()
+                        pfx = None
+                        fast = False
+                        on_too_large(tracker, seq, len(content))  # type: ignore[misc]
+                    elif fast and seq == nxt:
                         nxt += 1
                         append((pid_bytes + _pack(seq), hdr + content))
                         nbytes += len(content)
@@ -412,7 +453,11 @@ def drain_pairs(
                         on_record(tracker, seq, content)
                     seq += 1
                 continue
-            if fast and seq == nxt:
+            if len(content) > max_size:
+                close()
+                pfx = None
+                on_too_large(tracker, seq, len(content))  # type: ignore[misc]
+            elif fast and seq == nxt:
                 nxt += 1
                 # The key is pid:u32 + the header's own big-endian sequence.
                 append((pid_bytes + tail, hdr + content))

@@ -541,10 +541,14 @@ class Store(PartitionReader):
         if self.ready_pairs:
             with self._put_gate:
                 read = fastio.drain_pairs(
-                    sock, DRAIN, prefixes, self._pairs, self._segs, ts, self.track, self.on_message
+                    sock, DRAIN, prefixes, self._pairs, self._segs, ts, self.track, self.on_message,
+                    self.max_record_bytes, self.too_large,
                 )
         else:
-            read = fastio.drain_records(sock, DRAIN, prefixes, self._batch, None, ts, self.track, self.on_message)
+            read = fastio.drain_records(
+                sock, DRAIN, prefixes, self._batch, None, ts, self.track, self.on_message,
+                self.max_record_bytes, self.too_large,
+            )
         self.data_reads += 1
         # A trickle: few records read and nothing left waiting (``read`` counts
         # only the fast path's records, so a full read of others is no trickle).
@@ -766,6 +770,16 @@ class Store(PartitionReader):
         # The records after the hole (emitted next) commit with this skip.
         self.skipped += last - first + 1
         self._skips.append((tracker.subject, tracker.address, first, last))
+
+    def on_too_large_skipped(self, tracker: PartitionTracker, seq: int) -> None:
+        # A hole as any other (counted and logged as a record too large, not here):
+        # readers asking for the offset get what follows it.  It commits with the
+        # records after it; consecutive ones are one hole.
+        skips, subject, partition = self._skips, tracker.subject, tracker.address
+        if skips and skips[-1][:2] == (subject, partition) and skips[-1][3] == seq - 1:
+            skips[-1] = (subject, partition, skips[-1][2], seq)
+        else:
+            skips.append((subject, partition, seq, seq))
 
     def on_shutdown(self) -> None:
         # Commit what was received; ACKs for it go out if the socket still can.
