@@ -111,6 +111,14 @@ cdef inline int64_t _be64(const unsigned char *p) noexcept nogil:
     return <int64_t>v
 
 
+cdef inline int64_t _kafka_ts(const unsigned char *v) noexcept nogil:
+    # A stored timestamp as Kafka's: a negative one (a u64 past 2^63 that a
+    # Tank client sent) becomes 0, so every delta and base + delta fit int64
+    # (a client refuses a batch whose record timestamps overflow).
+    cdef int64_t ts = <int64_t>_be64(v)
+    return ts if ts >= 0 else 0
+
+
 # ---------------------------------------------------------------- decode
 
 cdef int _check_headers(const unsigned char *buf, Py_ssize_t p, Py_ssize_t end) except -1:
@@ -300,7 +308,7 @@ def encode_batch(int64_t base_offset, list values):
             raise TypeError("stored values must be bytes")
         v = <const unsigned char *>PyBytes_AS_STRING(item)
         _parts(v, PyBytes_GET_SIZE(item), &pt)
-        ts = _be64(v)
+        ts = _kafka_ts(v)
         if i == 0:
             base_ts = max_ts = ts
         elif ts > max_ts:
@@ -329,7 +337,7 @@ def encode_batch(int64_t base_offset, list values):
         item = <object>PyList_GET_ITEM(values, i)
         v = <const unsigned char *>PyBytes_AS_STRING(item)
         _parts(v, PyBytes_GET_SIZE(item), &pt)
-        d = <int64_t>(<uint64_t>_be64(v) - <uint64_t>base_ts)
+        d = <int64_t>(<uint64_t>_kafka_ts(v) - <uint64_t>base_ts)
         vl = pt.size - pt.cstart
         body = 1 + _zzsize(d) + _zzsize(i) + _key_size(&pt) + _zzsize(vl) + vl + _head_size(&pt)
         o = _putzz(o, body)

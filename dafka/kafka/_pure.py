@@ -204,7 +204,9 @@ def encode_batch(base_offset: int, values: list[bytes]) -> bytes:
     unpack_ts = _TS.unpack_from
     if len(values[0]) < 9:
         raise ValueError("stored value shorter than its header")
-    base_ts = max_ts = unpack_ts(values[0])[0]
+    # Negative stored timestamps (a u64 past 2^63 from a Tank client) as 0, as the
+    # compiled twin does: every delta and base + delta then fit int64.
+    base_ts = max_ts = max(unpack_ts(values[0])[0], 0)
     last_ts = b""
     ts_part = b"\x00\x00"
     for i, v in enumerate(values):
@@ -213,7 +215,7 @@ def encode_batch(base_offset: int, values: list[bytes]) -> bytes:
             raise ValueError("stored value shorter than its header")
         tsb = v[:8]
         if tsb != last_ts:
-            ts = unpack_ts(v)[0]
+            ts = max(unpack_ts(v)[0], 0)
             if ts > max_ts:
                 max_ts = ts
             d = ts - base_ts
