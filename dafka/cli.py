@@ -665,7 +665,7 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_tank(args: argparse.Namespace, settings: Settings) -> int:
     from dafka.tank import cli as tank_cli
 
-    return tank_cli.run(args)
+    return tank_cli.run(args, settings.section("gateway").get("listen"))
 
 
 @command("topics")
