@@ -176,7 +176,7 @@ def shell_lines(body: str) -> list[str]:
     for raw in body.splitlines():
         line = pending + raw.strip()
         if line.endswith("\\"):
-            pending = line[:-1] + " "
+            pending = line[:-1].rstrip() + " "
             continue
         pending = ""
         if line and not line.startswith("#"):
