@@ -5,14 +5,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup java netns run test lint typecheck bench bench-all pipeline sim chaos clean
+.PHONY: setup java netns run test lint typecheck docs bench bench-all pipeline sim chaos clean
 
 # The install also compiles the I/O extension in place (setup.py, Cython from
 # the build requirements); a failed compile leaves the pure-Python twin.
 $(STAMP): pyproject.toml setup.py dafka/fastio/_compiled.pyx dafka/fastio/zmq_api.h dafka/kafka/_compiled.pyx
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test,spark]'
+	$(BIN)/pip install -q -e '.[test,spark,docs]'
 	touch $(STAMP)
 
 # Java is only needed by the Spark connector's tests and pipelines.
@@ -40,16 +40,21 @@ MYPY_STRICT := dafka/producer.py dafka/consumer.py dafka/aio.py dafka/config.py 
 typecheck: setup
 	$(BIN)/mypy --strict $(MYPY_STRICT)
 
+# The documentation site (docs/, mkdocs.yml) into site/; strict: a broken link
+# or a docstring mkdocstrings cannot render fails the build.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
 # The whole suite with the compiled extension (asserted active), then the
 # mesh, store and wire tests again on the pure-Python twin.
-test: setup lint typecheck
+test: setup lint typecheck docs
 	DAFKA_REQUIRE_EXTENSIONS=1 $(BIN)/pytest
 	DAFKA_NO_EXTENSIONS=1 $(BIN)/pytest tests/test_mesh.py tests/test_batches.py tests/test_store_node.py tests/test_wire.py tests/test_fastio.py tests/kafka/test_records.py
 
 bench: setup
 	$(BIN)/dafka bench live --records 1000000 --runs 3
 
-# Every row of the README's performance table, one after the other.
+# Every row of the performance table (docs/reference/performance.md), one after the other.
 bench-all: setup
 	$(BIN)/dafka bench zmq --records 300000 --runs 3
 	$(BIN)/dafka bench live --records 300000 --runs 3
@@ -76,4 +81,4 @@ pipeline: setup
 	$(BIN)/python examples/edge_pipeline.py --devices 4 --seconds 60
 
 clean:
-	rm -rf $(VENV) var .pytest_cache .ruff_cache .mypy_cache .hypothesis build dafka/fastio/_compiled.c dafka/fastio/*.so
+	rm -rf $(VENV) var site .pytest_cache .ruff_cache .mypy_cache .hypothesis build dafka/fastio/_compiled.c dafka/fastio/*.so

@@ -2,7 +2,7 @@
 
 Each benchmark runs the nodes in separate processes (spawned, never forked:
 a forked ZeroMQ context is unusable), repeats the measurement and reports the
-median.  Figures go in the README's performance table.
+median.  Figures go in docs/reference/performance.md.
 """
 
 from __future__ import annotations

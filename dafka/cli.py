@@ -665,7 +665,7 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_tank(args: argparse.Namespace, settings: Settings) -> int:
     from dafka.tank import cli as tank_cli
 
-    return tank_cli.run(args)
+    return tank_cli.run(args, settings.section("gateway").get("listen"))
 
 
 @command("topics")
@@ -723,11 +723,14 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     from dafka.services import Services
 
     if settings.node.security is not None:
-        raise ConfigError("`dafka up` runs a plain mesh; start tower, store and gateway one by one for a secure one")
-    bind = service_bind(args, args.bind, False, "services of `dafka up`")
+        raise ConfigError(
+            "`dafka up` makes its own keys: drop [security] from the config and run `dafka up --secure`, "
+            "or start tower, store and gateway one by one"
+        )
+    bind = service_bind(args, args.bind or "127.0.0.1", args.secure, "services of `dafka up`")
     writable_dir(args.data, "data directory")
     signals = StopSignals()
-    with Services(settings, data_dir=args.data, bind=bind) as services:
+    with Services(settings, data_dir=args.data, bind=bind, secure=args.secure) as services:
         for line in services.describe():
             print(line, flush=True)
         return signals.wait()
@@ -1083,6 +1086,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default="var", help="data directory (default ./var)")
     p.add_argument("--bind", type=host_arg, help="interface to bind (default 127.0.0.1)")
     p.add_argument("--insecure", action="store_true", help="allow binding beyond loopback (plain mode)")
+    p.add_argument(
+        "--secure",
+        action="store_true",
+        help="a CURVE-secured mesh: keys made once under DATA/keys, allow-list DATA/allow, "
+        "client configs DATA/producer.toml and DATA/consumer.toml",
+    )
 
     p = sub.add_parser("keys", help="make and list CURVE key pairs for a secure mesh")
     ksub = p.add_subparsers(dest="keys_command", required=True, metavar="new|list")

@@ -7,8 +7,8 @@ turns those attributes into metric families when Prometheus scrapes, and
 :func:`serve` exposes one object's metrics on its own HTTP port with its own
 ``CollectorRegistry`` (several nodes may live in one process).
 
-Metric names (all prefixed ``dafka_``) are listed in the README's
-Observability section.
+Metric names (all prefixed ``dafka_``) are listed in
+docs/tutorials/operations.md (Metrics).
 """
 
 from __future__ import annotations

@@ -426,3 +426,47 @@ def nested(depth: int) -> list:
     for _ in range(depth):
         value = [value]
     return value
+
+
+def test_up_secure_makes_keys_and_client_configs_that_work(tmp_path) -> None:
+    in_port, out_port, tank_port = free_port(), free_port(), free_port()
+    ports = tmp_path / "ports.toml"
+    ports.write_text(
+        f'[tower]\nbeacon_in_port = {in_port}\nbeacon_out_port = {out_port}\n'
+        f'[gateway]\nlisten = "127.0.0.1:{tank_port}"\n'
+    )
+    env = dict(subprocess_env(), DAFKA_CONFIG=str(ports))
+    data = tmp_path / "var"
+
+    def up() -> subprocess.Popen:
+        proc = subprocess.Popen(
+            dafka_cmd("up", "--secure", "--data", str(data)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=env,
+        )
+        assert "(secure)" in proc.stdout.readline()
+        return proc
+
+    def stop(proc: subprocess.Popen) -> None:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130
+
+    proc = up()
+    try:
+        secret = (data / "keys" / "app.key_secret").read_text()
+        producer, consumer = str(data / "producer.toml"), str(data / "consumer.toml")
+        out = subprocess.run(dafka_cmd("--config", producer, "produce", "sec"), input="a\nb\n", capture_output=True,
+                             text=True, env=env, timeout=60)
+        assert out.returncode == 0, out.stderr
+        read = ["consume", "sec", "--from-beginning", "--count", "2", "--timeout", "20"]
+        out = subprocess.run(dafka_cmd("--config", consumer, *read), capture_output=True, text=True, env=env, timeout=60)
+        assert out.returncode == 0 and out.stdout.split() == ["a", "b"], out.stderr
+        # A plain node (no key) gets nothing from the secure mesh.
+        plain = dict(env, DAFKA_TOWERS=f"127.0.0.1:{in_port}:{out_port}")
+        plain.pop("DAFKA_CONFIG")
+        out = subprocess.run(dafka_cmd(*read[:-1], "3"), capture_output=True, text=True, env=plain, timeout=60)
+        assert out.returncode == 1 and out.stdout == "" and "refused the handshake" in out.stderr
+    finally:
+        stop(proc)
+    # A restart keeps the keys, so configured clients stay allowed.
+    stop(up())
+    assert (data / "keys" / "app.key_secret").read_text() == secret

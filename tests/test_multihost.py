@@ -1,4 +1,4 @@
-"""The README's "Across hosts" walkthrough, run as written on three hosts.
+"""The "Across hosts" walkthrough (docs/tutorials/across-hosts.md), run as written on three hosts.
 
 Three network namespaces (hosts 1-3, 10.0.0.5-7/24) hang on a bridge that
 lives in a fourth namespace, so nothing of the machine's own network changes
@@ -6,7 +6,7 @@ and every address exists only inside namespaces this test creates and
 deletes (always, also on failure).  The hosts share one filesystem: the
 walkthrough's "copy allow/ and each key to its host" is a no-op here.
 
-The commands are parsed from the README's ``<!-- walkthrough: NAME -->``
+The commands are parsed from the page's ``<!-- walkthrough: NAME -->``
 blocks: ``# host N`` switches host, ``export K=V`` sets a variable on that
 host, a line ending in ``&`` is a service (started, ready once it prints its
 first line, stopped at the end), any other line must exit 0.  The output of
@@ -34,6 +34,7 @@ from tests.conftest import ROOT
 HOSTS = {1: "10.0.0.5", 2: "10.0.0.6", 3: "10.0.0.7"}
 PREFIX = 24
 STEP_TIMEOUT = 60.0
+WALKTHROUGH = ROOT / "docs" / "tutorials" / "across-hosts.md"
 
 
 @dataclass
@@ -51,7 +52,7 @@ class Walkthrough:
 
 
 def walkthroughs(readme: str) -> dict[str, list[tuple[int, str]]]:
-    """``name -> [(host, line)]`` of every walkthrough block in the README."""
+    """``name -> [(host, line)]`` of every walkthrough block of a page."""
     out = {}
     for m in re.finditer(r"<!-- walkthrough: (\w+) -->\s*```sh\n(.*?)```", readme, re.S):
         host = 0
@@ -137,7 +138,7 @@ def dafka_bin() -> Path:
 
 
 def run_walkthrough(name: str, hosts: Hosts, workdir: Path, bin_dir: Path) -> None:
-    lines = walkthroughs((ROOT / "README.md").read_text())[name]
+    lines = walkthroughs(WALKTHROUGH.read_text())[name]
     base = dict(os.environ)
     for key in ("DAFKA_TOWERS", "DAFKA_CONFIG"):
         base.pop(key, None)
@@ -196,8 +197,8 @@ def run_walkthrough(name: str, hosts: Hosts, workdir: Path, bin_dir: Path) -> No
     assert consumed, f"walkthrough {name} consumed nothing"
 
 
-def test_the_readme_has_both_walkthroughs_on_three_hosts() -> None:
-    found = walkthroughs((ROOT / "README.md").read_text())
+def test_the_page_has_both_walkthroughs_on_three_hosts() -> None:
+    found = walkthroughs(WALKTHROUGH.read_text())
     assert set(found) == {"plain", "secure"}
     for lines in found.values():
         assert {host for host, _ in lines} == set(HOSTS)
@@ -208,7 +209,7 @@ def test_the_readme_has_both_walkthroughs_on_three_hosts() -> None:
 
 
 @pytest.mark.parametrize("name", ["plain", "secure"])
-def test_readme_walkthrough_on_three_hosts(name: str, hosts: Hosts, dafka_bin: Path, tmp_path: Path) -> None:
+def test_walkthrough_on_three_hosts(name: str, hosts: Hosts, dafka_bin: Path, tmp_path: Path) -> None:
     shutil.copytree(ROOT / "towers", tmp_path / "towers")
     run_walkthrough(name, hosts, tmp_path, dafka_bin)
 

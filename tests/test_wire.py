@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -227,3 +229,11 @@ def test_group_messages_bytes() -> None:
         wire.decode([member[0][:-1]])
     with pytest.raises(ProtocolError):
         wire.decode([b"Jbilling\x00\x01\x01a\x02" + bytes(8)])  # unknown flags
+
+
+def test_the_wire_page_names_every_command() -> None:
+    from tests.conftest import ROOT
+
+    page = (ROOT / "docs" / "reference" / "wire.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| `(\w)` \| ([A-Z-]+)", page, re.M))
+    assert rows == {chr(cid): name for cid, name in wire.COMMAND_NAMES.items()}

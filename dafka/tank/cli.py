@@ -6,7 +6,9 @@
     dafka tank topics | partitions TOPIC | status
 
 ``consume`` reads every partition of the topic (in partition order) unless
-``-p`` names one.  Errors print one ``error:`` line: exit 1 for what the
+``-p`` names one.  Without ``--broker`` the client talks to the gateway of the
+configuration (``[gateway] listen``, a wildcard host read as 127.0.0.1), else
+to 127.0.0.1:11011.  Errors print one ``error:`` line: exit 1 for what the
 broker said or an unreachable broker, 2 for bad arguments.
 """
 
@@ -102,7 +104,9 @@ def _intermixed(base: type[argparse.ArgumentParser]) -> type[argparse.ArgumentPa
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("tank", help="Tank client: talk to a dafka gateway (or a Tank broker)")
     p.add_argument(
-        "--broker", default=DEFAULT_BROKER, type=broker_arg, help=f"HOST[:PORT] (default {DEFAULT_BROKER})"
+        "--broker",
+        type=broker_arg,
+        help=f"HOST[:PORT] (default: the config's [gateway] listen, else {DEFAULT_BROKER})",
     )
     p.add_argument("--timeout", type=_arg(_timeout), default=10.0, help="seconds per request")
     tank = p.add_subparsers(
@@ -134,8 +138,18 @@ def add_parser(sub: Any) -> None:
     tank.add_parser("status", help="the broker's status")
 
 
-def run(args: argparse.Namespace) -> int:
-    host, port = args.broker if isinstance(args.broker, tuple) else broker_arg(args.broker)
+def default_broker(gateway_listen: str | None) -> tuple[str, int]:
+    """The broker when ``--broker`` is not given: the configured gateway's Tank port, else the default."""
+    if not gateway_listen:
+        return broker_arg(DEFAULT_BROKER)
+    host, port = parse_listen(gateway_listen, DEFAULT_PORT)
+    return ("127.0.0.1" if host in ("*", "0.0.0.0", "") else host), port
+
+
+def run(args: argparse.Namespace, gateway_listen: str | None = None) -> int:
+    """Run one ``dafka tank`` action; ``gateway_listen`` is the config's ``[gateway] listen``."""
+    broker = args.broker if args.broker is not None else default_broker(gateway_listen)
+    host, port = broker if isinstance(broker, tuple) else broker_arg(broker)
     try:
         with TankClient(host, port, timeout=args.timeout) as client:
             return _ACTIONS[args.tank_command](client, args)

@@ -101,3 +101,12 @@ def test_gateway_process_with_a_port_alone_exits_with_the_address_error(tmp_path
         capture_output=True, text=True, env=subprocess_env(), timeout=60,
     )
     assert out.returncode == 2 and "expected HOST:PORT" in out.stderr and "authentication" not in out.stderr
+
+
+def test_without_broker_it_talks_to_the_configured_gateway(gw: Gateway, tmp_path: Path) -> None:
+    config = tmp_path / "dafka.toml"
+    config.write_text(f'[gateway]\nlisten = "*:{gw.tank_port}"\n')  # a wildcard host: this machine
+    env = dict(subprocess_env(), DAFKA_CONFIG=str(config))
+    out = subprocess.run(dafka_cmd("tank", "create", "cfg", "1"), capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "cfg" in tank(gw, "topics").stdout
