@@ -30,7 +30,7 @@ from typing import Literal, NamedTuple
 
 import zmq
 
-from dafka import fastio, wire
+from dafka import beacon, fastio, wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import ClosedError, CommitError
 from dafka.gaps import PartitionTracker
@@ -307,12 +307,17 @@ class Consumer(PartitionReader):
         if not topic or len(topic.encode()) > wire.MAX_STRING or "\x00" in topic:
             raise ValueError("topic must be 1..255 bytes without NUL")
         self.topics.append(topic)
+        self.refresh_interest()
         self.subscribe(wire.P_RECORD + topic.encode())
         self.subscribe(wire.P_HEAD + topic.encode())
         if self._group is not None:
             self._group.add_topic(topic)
         if self._wants_heads() and self.running:
             self.send(wire.GetHeads(topic, self.address))
+
+    def interest(self) -> beacon.Interest:
+        """Stores, the producers of our topics and our group's members."""
+        return beacon.Interest.consumer(getattr(self, "topics", ()), getattr(self, "group", None))
 
     def sockets(self) -> list[tuple[zmq.Socket, object]]:
         return [(self.publisher, self._read_subscriptions)]

@@ -35,7 +35,7 @@ from typing import Any
 
 import zmq
 
-from dafka import fastio, security, wire
+from dafka import beacon, fastio, security, wire
 from dafka.audience import BatchAudience
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import ProtocolError
@@ -162,7 +162,11 @@ class Node:
         self.beacon_sub = self.ctx.socket(zmq.SUB)
         self.beacon_sub.setsockopt(zmq.LINGER, 0)
         self.beacon_sub.setsockopt(zmq.SUBSCRIBE, wire.WELCOME)
-        self.beacon_sub.setsockopt(zmq.SUBSCRIBE, wire.BEACON)
+        # Interest beacons (dafka.beacon): which beacons we subscribe, which we send.
+        self._beacon_subs: set[bytes] = set()
+        self._interest_beacons: list[list[bytes]] = []
+        self._beacon_wanted = False
+        self.census = beacon.TowerCensus(len(cfg.towers), time.monotonic(), 1.5 * cfg.beacon_interval)
         if self.keys is not None:
             # What only stores may say (ACK, DIRECT-HEAD, STORE-HELLO) is not
             # subscribed on the data SUB but on two more SUBs: trusted_sub,
@@ -214,6 +218,8 @@ class Node:
                 self._tower_keys[(self.beacon_pub, tower.beacon_in)] = sec.tower_key(i)  # type: ignore[union-attr]
                 self._tower_keys[(self.beacon_sub, tower.beacon_out)] = sec.tower_key(i)  # type: ignore[union-attr]
 
+        self.refresh_interest()
+
         # Unique per instance: a restart with the same address may bind before the old one is reaped.
         wake_endpoint = f"inproc://dafka-wake-{self.address}-{new_address()}"
         self._wake_rx = self.ctx.socket(zmq.PAIR)
@@ -226,6 +232,8 @@ class Node:
         self.every(min(1.0, cfg.beacon_timeout / 4), self._expire_peers)
         self.every(TICK, self.on_tick)
         self.every(cfg.beacon_interval, self._check_towers)
+        self.every(min(0.1, cfg.beacon_interval), self._beacon_if_wanted)
+        self.every(min(0.5, cfg.beacon_interval), self._check_census)
         if sec is not None:
             self._check_own_role()
             self._allow_version = self.guard.version  # type: ignore[union-attr]
@@ -481,10 +489,47 @@ class Node:
 
     # ---------------------------------------------------------------- beacons
 
+    def interest(self) -> beacon.Interest:
+        """What this node is and which peers it needs (see :mod:`dafka.beacon`)."""
+        return beacon.EVERYTHING
+
+    def refresh_interest(self) -> None:
+        """Apply :meth:`interest` to the beacons and the beacon SUB (I/O thread, or before start)."""
+        interest = self.interest()
+        self.peers.interest = interest
+        plain = self._beacon
+        self._interest_beacons = [[head, *plain[1:]] for head in interest.heads()]
+        wanted = interest.subscriptions() | (self._beacon_subs & {wire.BEACON})
+        for prefix in self._beacon_subs - wanted:
+            self.beacon_sub.setsockopt(zmq.UNSUBSCRIBE, prefix)
+        for prefix in wanted - self._beacon_subs:
+            self.beacon_sub.setsockopt(zmq.SUBSCRIBE, prefix)
+        self._beacon_subs = wanted
+
+    def _check_census(self, now: float) -> None:
+        """Subscribe plain ``B`` beacons while not every tower is a dafka tower."""
+        plain = self.census.needs_plain(now)
+        if plain and wire.BEACON not in self._beacon_subs:
+            self.beacon_sub.setsockopt(zmq.SUBSCRIBE, wire.BEACON)
+            self._beacon_subs.add(wire.BEACON)
+            self.log.info("%s %s: a tower relays no interest beacons; meeting every peer", self.kind, self.address[:8])
+        elif not plain and wire.BEACON in self._beacon_subs:
+            self.beacon_sub.setsockopt(zmq.UNSUBSCRIBE, wire.BEACON)
+            self._beacon_subs.discard(wire.BEACON)
+
+    def _beacon_if_wanted(self, now: float) -> None:
+        if self._beacon_wanted:
+            self._beacon_wanted = False
+            self._send_beacon(now)
+
     def _send_beacon(self, now: float) -> None:
         if self.beacon_held:
             return
         try:
+            # Interest beacons first: a dafka tower then knows this address is no C node.
+            for frames in self._interest_beacons:
+                self.beacon_pub.send_multipart(frames, zmq.NOBLOCK)
+            # Filtered away by the PUB while no C node or probe subscribes B.
             self.beacon_pub.send_multipart(self._beacon, zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # no tower connected yet; the next interval retries
@@ -501,10 +546,14 @@ class Node:
                 # A tower (re)appeared: tell it about us right away.
                 self._send_beacon(time.monotonic())
                 continue
+            tower_id = beacon.parse_hello(frames)
+            if tower_id is not None:
+                self.census.on_hello(tower_id, time.monotonic())
+                continue
             try:
                 if self.guard is not None:
                     frames, key = security.split_key(frames, 3, "tower beacon")
-                address, endpoint = wire.decode_tower_beacon(frames)
+                kind, interest_key, address, endpoint = beacon.decode_tower_beacon(frames)
             except ProtocolError as exc:
                 self.bad_input("tower beacon", exc)
                 continue
@@ -514,7 +563,7 @@ class Node:
                 continue
             if self.guard is not None and not self._allowed_peer(address, key):
                 continue
-            actions = self.peers.on_beacon(address, endpoint, time.monotonic())
+            actions = self.peers.on_beacon(address, endpoint, time.monotonic(), kind, interest_key)
             for action in actions:
                 self._apply_peer_action(action)
 
@@ -684,8 +733,9 @@ class Node:
                 self.bad_input("peer endpoint", exc)
                 return
             self.log.debug("connected to peer %s at %s", action.address, action.endpoint)
-            # Tell the newcomer about us at once so it connects back quickly.
-            self._send_beacon(time.monotonic())
+            # Tell the newcomer about us soon (within 0.1 s, once for many
+            # newcomers) so it connects back quickly.
+            self._beacon_wanted = True
             self.on_peer(action.endpoint, action.address)
         else:
             try:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import zmq
 
-from dafka import fastio, wire
+from dafka import beacon, fastio, wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import BufferFullError, ClosedError, ProtocolError, PublishError, ResumeError
 from dafka.fairlock import FairLock
@@ -171,6 +171,8 @@ class Producer(Node):
         # On the wire it is a PUB: C reference subscribers see no difference.
         self.publisher_type = zmq.XPUB
         super().__init__(config, address=saved["address"] if saved else None)
+        if self._identity_path is not None:
+            self.every(self.config.beacon_interval, self._check_twin_watch)
         self.pace_limit = max(0.0, pace_limit)
         self._paced = self.pace_limit > 0
         self._lossy_until = 0.0
@@ -815,6 +817,23 @@ class Producer(Node):
             state.head,
         )
         self._save_identity(force=True)
+
+    def interest(self) -> beacon.Interest:
+        """Stores and the consumers of our topic; while an identity may have a
+        live twin (resuming, and on probation after), the producers of our
+        topic too, to hear beacons with our address."""
+        return beacon.Interest.producer(self.topic, watch_peers=self._watching_twins())
+
+    def _watching_twins(self) -> bool:
+        if getattr(self, "_identity_path", None) is None:
+            return False
+        resumed = getattr(self, "_resumed_at", None)
+        return resumed is None or time.monotonic() - resumed < PROBATION * self.config.beacon_interval
+
+    def _check_twin_watch(self, now: float) -> None:
+        """Timer: stop hearing other producers' beacons once probation is over."""
+        if self.peers.interest.watch_peers and not self._watching_twins():
+            self.refresh_interest()
 
     def on_duplicate_address(self, endpoint: str) -> None:
         state = self._resume_state

@@ -19,10 +19,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 
 import zmq
 
-from dafka import security, wire
+from dafka import beacon, security, wire
 from dafka.errors import ProtocolError
 from dafka.node import ErrorLog
 
@@ -67,6 +68,11 @@ class Tower:
         self._bound = [sock.getsockopt_string(zmq.LAST_ENDPOINT) for sock in (self.xsub, self.xpub)]
         self.bad_input = ErrorLog(log)
         self.beacons = 0
+        # Interest beacons (dafka.beacon): relayed by their own prefix; a B beacon of a
+        # node that sends none (a C node) also as X U; a hello so nodes know we do this.
+        self.relay = beacon.RelayBook()
+        self.tower_id = uuid.uuid4().hex.upper()
+        self._hello = beacon.tower_hello(self.tower_id)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         log.info(
@@ -119,12 +125,16 @@ class Tower:
         for monitor in monitors:
             poller.register(monitor, zmq.POLLIN)
         check_at = 0.0
+        hello_at = 0.0
         try:
             while not self._stop.is_set():
+                if time.monotonic() >= hello_at:
+                    hello_at = time.monotonic() + beacon.HELLO_INTERVAL
+                    self.xpub.send_multipart(self._hello)
                 if self.guard is not None and time.monotonic() >= check_at:
                     check_at = time.monotonic() + self.security.reload_interval  # type: ignore[union-attr]
                     self._check_allow_list()
-                for sock, _ in poller.poll(200):
+                for sock, _ in poller.poll(min(200, max(0, int((hello_at - time.monotonic()) * 1000) + 1))):
                     try:
                         if sock is self.xsub:
                             self._relay_beacons()
@@ -154,7 +164,7 @@ class Tower:
                     frames, key = security.split_key(frames, 4, "node beacon")
                     if key != first.get("User-Id").encode():
                         raise ProtocolError("beacon names another key than the one it came with")
-                address, host, port = wire.decode_node_beacon(frames)
+                head, address, host, port = beacon.decode_node_beacon(frames)
             except ProtocolError as exc:
                 self.bad_input("node beacon", exc)
                 continue
@@ -165,8 +175,9 @@ class Tower:
                     host = "127.0.0.1"  # inproc/ipc peers have no address
             if ":" in host and not host.startswith("["):
                 host = f"[{host}]"  # IPv6 literal
-            beacon = wire.tower_beacon(address, f"tcp://{host}:{port}")
-            self.xpub.send_multipart(beacon + [key] if key else beacon)
+            out = self.relay.on_beacon(head, address, f"tcp://{host}:{port}", time.monotonic())
+            for relayed in out:
+                self.xpub.send_multipart(relayed + [key] if key else relayed)
             self.beacons += 1
 
     def _check_allow_list(self) -> None:
