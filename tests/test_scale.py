@@ -237,3 +237,71 @@ def test_earliest_consumer_discovers_100_partitions_from_the_store(cfg: NodeConf
                 if record is not None:
                     seen.add(record.partition)
         assert seen == set(partitions)
+
+
+class _CLikeTower:
+    """What the C tower does: relay node beacons (any first frame) as 3-frame tower
+    beacons, forward subscriptions except W; no hello, no X U copies."""
+
+    def __init__(self) -> None:
+        import threading
+
+        ctx = zmq.Context.instance()
+        self.xsub = ctx.socket(zmq.XSUB)
+        self.xpub = ctx.socket(zmq.XPUB)
+        self.xpub.setsockopt(zmq.XPUB_WELCOME_MSG, wire.WELCOME)
+        for sock in (self.xsub, self.xpub):
+            sock.setsockopt(zmq.LINGER, 0)
+        self.in_port = self.xsub.bind_to_random_port("tcp://127.0.0.1")
+        self.out_port = self.xpub.bind_to_random_port("tcp://127.0.0.1")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.xsub, zmq.POLLIN)
+        poller.register(self.xpub, zmq.POLLIN)
+        while not self._stop.is_set():
+            for sock, _ in poller.poll(50):
+                if sock is self.xsub:
+                    frames = self.xsub.recv_multipart()
+                    if len(frames) >= 4:
+                        endpoint = b"tcp://127.0.0.1:" + frames[3]
+                        self.xpub.send_multipart([frames[0], frames[1], endpoint])
+                else:
+                    sub = self.xpub.recv()
+                    if sub[1:2] != b"W":
+                        self.xsub.send(sub)
+        self.xsub.close(0)
+        self.xpub.close(0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def test_behind_a_c_tower_nodes_meet_c_nodes_and_each_other(cfg: NodeConfig) -> None:
+    from dataclasses import replace
+
+    from dafka.config import TowerAddress
+    from tests.conftest import RawPeer
+
+    c_tower = _CLikeTower()
+    c_cfg = replace(cfg, towers=(TowerAddress("127.0.0.1", c_tower.in_port, c_tower.out_port),))
+    peer = RawPeer(c_cfg, [wire.P_RECORD + b"t"])
+    try:
+        with Producer("t", c_cfg, acks=False) as producer, Consumer("t", c_cfg, offset_reset="earliest") as consumer:
+            # No hello from this tower: the producer falls back to B and meets the C node too.
+            peer.wait_for(lambda p: p.subscribed(wire.P_FETCH + producer.address.encode()))
+            wait_until(lambda: producer.address in consumer.peers)
+            producer.publish(b"x")
+            record = None
+            deadline = time.monotonic() + 10
+            while record is None and time.monotonic() < deadline:
+                record = consumer.poll(0.2)
+            assert record is not None and record.content == b"x"
+            assert wire.BEACON in producer._beacon_subs
+    finally:
+        peer.close()
+        c_tower.close()
