@@ -898,9 +898,13 @@ def _scale_producers(cfg: NodeConfig, topic: str, n: int, seconds: float, go: An
     report (published, acked, ACK latencies)."""
     import logging
 
+    import zmq
+
     from dafka.producer import Producer
 
     logging.getLogger("dafka").setLevel(logging.ERROR)
+    # A producer holds about 6 ZeroMQ sockets; a context allows 1,023 by default.
+    zmq.Context.instance().set(zmq.MAX_SOCKETS, 8 * n + 64)
     producers = [Producer(topic, cfg, capacity=1000) for _ in range(n)]
     latencies: list[float] = []
     clock = time.perf_counter
@@ -958,8 +962,22 @@ def bench_scale(args: argparse.Namespace) -> int:
         for host in hosts:
             host.start()
         live = Consumer(topic, cfg)
-        for _ in hosts:
-            result.get(timeout=600)
+        started = 0
+        while started < len(hosts):
+            try:
+                result.get(timeout=1.0)
+                started += 1
+            except Exception:
+                if any(h.exitcode is not None for h in hosts) or time.monotonic() - t_start > 600:
+                    print("scale: a producer process failed to start", file=sys.stderr)
+                    live.close()
+                    for h in hosts:
+                        h.kill()
+                    done.set()
+                    store.join(30)
+                    tower_done.set()
+                    tower.join(30)
+                    return 1
         # Let the mesh settle: everyone beaconed and connected (a few beacon intervals).
         time.sleep(max(3.0, 4 * cfg.beacon_interval))
         print(f"scale: {n} producers in {procs} processes up in {time.monotonic() - t_start:.1f}s", flush=True)

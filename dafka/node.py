@@ -230,10 +230,8 @@ class Node:
 
         self.every(cfg.beacon_interval, self._send_beacon)
         self.every(min(1.0, cfg.beacon_timeout / 4), self._expire_peers)
-        self.every(TICK, self.on_tick)
+        self.every(TICK, self._tick)
         self.every(cfg.beacon_interval, self._check_towers)
-        self.every(min(0.1, cfg.beacon_interval), self._beacon_if_wanted)
-        self.every(min(0.5, cfg.beacon_interval), self._check_census)
         if sec is not None:
             self._check_own_role()
             self._allow_version = self.guard.version  # type: ignore[union-attr]
@@ -517,10 +515,11 @@ class Node:
             self.beacon_sub.setsockopt(zmq.UNSUBSCRIBE, wire.BEACON)
             self._beacon_subs.discard(wire.BEACON)
 
-    def _beacon_if_wanted(self, now: float) -> None:
-        if self._beacon_wanted:
+    def _tick(self, now: float) -> None:
+        if self._beacon_wanted:  # new peers since the last tick: one beacon for them all
             self._beacon_wanted = False
             self._send_beacon(now)
+        self.on_tick(now)
 
     def _send_beacon(self, now: float) -> None:
         if self.beacon_held:
@@ -587,6 +586,7 @@ class Node:
             )
 
     def _check_towers(self, now: float) -> None:
+        self._check_census(now)
         if self.config.towers and self.tower_watch.warning_due(now):
             self.log.warning(
                 "%s %s has reached no tower after %.0fs; trying %s (is a tower running there?)",
@@ -733,7 +733,7 @@ class Node:
                 self.bad_input("peer endpoint", exc)
                 return
             self.log.debug("connected to peer %s at %s", action.address, action.endpoint)
-            # Tell the newcomer about us soon (within 0.1 s, once for many
+            # Tell the newcomer about us soon (at the next tick, once for many
             # newcomers) so it connects back quickly.
             self._beacon_wanted = True
             self.on_peer(action.endpoint, action.address)
