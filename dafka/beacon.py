@@ -56,7 +56,8 @@ KEYED = frozenset((PRODUCER, CONSUMER, GROUP))
 END = b"\x00"
 MAX_HEAD = 2 + wire.MAX_STRING + 1
 HELLO_INTERVAL = 1.0  # seconds between a tower's hellos
-TOWER_MEMORY = 5.0  # a tower not heard of for this long is no longer counted as a dafka tower
+TOWER_MEMORY = 10.0  # a tower not heard of for this long is no longer counted as a dafka tower
+CENSUS_GRACE = 5.0  # seconds after start (and after the first welcome) before B is subscribed
 
 
 def head(kind: bytes, key: bytes = b"") -> bytes:
@@ -195,15 +196,26 @@ class TowerCensus:
     """Whether every tower a node is given is a dafka tower (sans-IO).
 
     A node counts the distinct towers whose hello it heard in the last
-    ``memory`` seconds; while they are fewer than its configured towers (after
-    a ``grace`` from start), it needs the plain ``B`` beacons too.
+    ``memory`` seconds; while they are fewer than its configured towers, it
+    needs the plain ``B`` beacons too -- but only once some tower welcomed it
+    and ``grace`` seconds passed since then and since start.  Subscribing
+    ``B`` on a large mesh means meeting every peer, so a node that is merely
+    slow to read its hellos must not do it: the grace is several hellos long.
     """
 
-    def __init__(self, expected: int, started: float, grace: float, memory: float = TOWER_MEMORY) -> None:
+    def __init__(self, expected: int, started: float, grace: float = CENSUS_GRACE, memory: float = TOWER_MEMORY) -> None:
         self.expected = expected
+        self.grace = grace
         self.grace_until = started + grace
         self.memory = memory
+        self.welcomed = False
         self._heard: dict[str, float] = {}
+
+    def on_welcome(self, now: float) -> None:
+        """A tower welcomed us (the first welcome starts the grace anew)."""
+        if not self.welcomed:
+            self.welcomed = True
+            self.grace_until = max(self.grace_until, now + self.grace)
 
     def on_hello(self, tower_id: str, now: float) -> None:
         if tower_id in self._heard or len(self._heard) < 64:  # bounded: a node has few towers
@@ -214,7 +226,7 @@ class TowerCensus:
         for tower_id, heard in list(self._heard.items()):
             if now - heard > self.memory:
                 del self._heard[tower_id]
-        return now >= self.grace_until and len(self._heard) < self.expected
+        return self.welcomed and now >= self.grace_until and len(self._heard) < self.expected
 
 
 class RelayBook:

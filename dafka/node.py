@@ -166,7 +166,7 @@ class Node:
         self._beacon_subs: set[bytes] = set()
         self._interest_beacons: list[list[bytes]] = []
         self._beacon_wanted = False
-        self.census = beacon.TowerCensus(len(cfg.towers), time.monotonic(), 1.5 * cfg.beacon_interval)
+        self.census = beacon.TowerCensus(len(cfg.towers), time.monotonic())
         if self.keys is not None:
             # What only stores may say (ACK, DIRECT-HEAD, STORE-HELLO) is not
             # subscribed on the data SUB but on two more SUBs: trusted_sub,
@@ -543,6 +543,7 @@ class Node:
             self.tower_watch.on_heard(time.monotonic())
             if frames == [wire.WELCOME]:
                 # A tower (re)appeared: tell it about us right away.
+                self.census.on_welcome(time.monotonic())
                 self._send_beacon(time.monotonic())
                 continue
             tower_id = beacon.parse_hello(frames)

@@ -90,13 +90,15 @@ def test_relay_book_copies_c_beacons_only() -> None:
 
 def test_tower_census() -> None:
     census = TowerCensus(expected=2, started=0.0, grace=1.0, memory=5.0)
-    assert not census.needs_plain(0.5)  # grace: the towers' hellos may still come
-    assert census.needs_plain(1.5)
-    census.on_hello("T1", 1.6)
-    census.on_hello("T2", 1.7)
-    assert not census.needs_plain(2.0)
-    census.on_hello("T1", 6.0)
-    assert census.needs_plain(7.0)  # T2 silent for 5 s: maybe a C tower replaced it
+    assert not census.needs_plain(3.0)  # no tower welcomed us: B would not help
+    census.on_welcome(3.0)
+    assert not census.needs_plain(3.5)  # grace: the towers' hellos may still come
+    assert census.needs_plain(4.5)
+    census.on_hello("T1", 4.6)
+    census.on_hello("T2", 4.7)
+    assert not census.needs_plain(5.0)
+    census.on_hello("T1", 9.0)
+    assert census.needs_plain(10.0)  # T2 silent for 5 s: maybe a C tower replaced it
     for i in range(100):
         census.on_hello(f"X{i}", 7.0)
     assert len(census._heard) <= 64
