@@ -230,17 +230,19 @@ class TowerCensus:
 
 
 class RelayBook:
-    """A tower's memory of which addresses sent interest beacons (sans-IO).
+    """A tower's memory of which addresses sent interest beacons, from where (sans-IO).
 
-    A ``B`` beacon from such an address is relayed to ``B`` subscribers only;
-    from any other address (a C node) it is relayed as ``X U`` too, so dafka
-    nodes that subscribe no ``B`` still meet C nodes.
+    A ``B`` beacon from such an address and endpoint is relayed to ``B``
+    subscribers only; from any other address (a C node), or from another
+    endpoint than the interest beacons' (a second process with the same
+    identity), it is relayed as ``X U`` too, so dafka nodes that subscribe no
+    ``B`` still meet C nodes and notice twins.
     """
 
     def __init__(self, memory: float = 10.0, limit: int = 1_000_000) -> None:
         self.memory = memory
         self.limit = limit
-        self._typed: dict[str, float] = {}
+        self._typed: dict[str, tuple[str, float]] = {}  # address -> (endpoint, last interest beacon)
         self._pruned_at = 0.0
 
     def __len__(self) -> int:
@@ -250,13 +252,13 @@ class RelayBook:
         """The tower beacons to publish for one node beacon (``head`` as received)."""
         if now - self._pruned_at > self.memory:
             self._pruned_at = now
-            self._typed = {a: t for a, t in self._typed.items() if now - t <= self.memory}
+            self._typed = {a: e for a, e in self._typed.items() if now - e[1] <= self.memory}
         plain = wire.tower_beacon(address, endpoint)
         if head != wire.BEACON:
             if address in self._typed or len(self._typed) < self.limit:
-                self._typed[address] = now
+                self._typed[address] = (endpoint, now)
             return [[head, *plain[1:]]]
         seen = self._typed.get(address)
-        if seen is not None and now - seen <= self.memory:
+        if seen is not None and seen[0] == endpoint and now - seen[1] <= self.memory:
             return [plain]
         return [plain, [PREFIX + UNKNOWN, *plain[1:]]]

@@ -230,6 +230,7 @@ class Node:
 
         self.every(cfg.beacon_interval, self._send_beacon)
         self.every(min(1.0, cfg.beacon_timeout / 4), self._expire_peers)
+        self._tick_timer = len(self._timers)
         self.every(TICK, self._tick)
         self.every(cfg.beacon_interval, self._check_towers)
         if sec is not None:
@@ -520,6 +521,15 @@ class Node:
             self._beacon_wanted = False
             self._send_beacon(now)
         self.on_tick(now)
+        interval = self.tick_interval()
+        timer = self._timers[self._tick_timer]
+        if timer[0] != interval:
+            self._timers[self._tick_timer] = (interval, timer[1], timer[2])
+
+    def tick_interval(self) -> float:
+        """Seconds to the next :meth:`on_tick` (an idle node may tick less often:
+        on a mesh of a thousand devices the ticks are most of a node's cost)."""
+        return TICK
 
     def _send_beacon(self, now: float) -> None:
         if self.beacon_held:

@@ -45,6 +45,7 @@ PACE_LIMIT = 1.0
 PACE_STEP = 0.002
 LOSSY_HOLD = 2.0
 MAX_LOSSY_HOLD = 32.0
+IDLE_TICK = 0.25  # seconds between ticks of a producer with nothing pending (see tick_interval)
 SUBSCRIPTION_CHECK = 0.001  # seconds between checks for new subscriptions while batching
 _SEND_BATCHES = fastio.send_batches
 _monotonic = time.monotonic
@@ -756,6 +757,21 @@ class Producer(Node):
         with self._lock:
             self._closed = True
             self.publisher.close()
+
+    def tick_interval(self) -> float:
+        """Slow ticks while nothing waits for one: every record acked, no
+        callback due, no lossy hold to end, no identity to save.  A publish
+        checks the XPUB's subscriptions itself while batching, so a reader
+        that subscribes meanwhile is seen in time."""
+        if (
+            self._paced == (self.pace_limit > 0)
+            and not self._callbacks
+            and not len(self.window)
+            and self._resume_state is None
+            and (self._identity_path is None or self.window.acked == self._last_saved)
+        ):
+            return IDLE_TICK
+        return super().tick_interval()
 
     def on_tick(self, now: float) -> None:
         self._tick_paced(now)

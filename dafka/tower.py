@@ -73,6 +73,9 @@ class Tower:
         self.relay = beacon.RelayBook()
         self.tower_id = uuid.uuid4().hex.upper()
         self._hello = beacon.tower_hello(self.tower_id)
+        # Every interest beacon reaches us, wanted by a node or not: the relay
+        # book must know every dafka address to tell C nodes' B beacons apart.
+        self.xsub.send(b"\x01" + beacon.PREFIX)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         log.info(
