@@ -310,3 +310,59 @@ def test_behind_a_c_tower_nodes_meet_c_nodes_and_each_other(cfg: NodeConfig) -> 
     finally:
         peer.close()
         c_tower.close()
+
+
+# ---------------------------------------------------------------- many partitions stay readable
+
+
+def test_topics_and_status_summarise_many_partitions(tmp_path: Path) -> None:
+    import subprocess
+
+    from dafka.status import render_text
+    from dafka.store.db import RecordDB
+    from tests.conftest import dafka_cmd, subprocess_env
+
+    parts = [f"{i:032X}" for i in range(30)]
+    with RecordDB(tmp_path / "db") as db:
+        db.append([("many", p, 0, b"x" * (i + 1), 0) for i, p in enumerate(parts)])
+        db.append([("many", parts[-1], 1, b"y", 0)])
+
+    def topics(*extra: str) -> list[str]:
+        out = subprocess.run(
+            dafka_cmd("topics", "--db", str(tmp_path / "db"), *extra),
+            capture_output=True, text=True, env=subprocess_env(), timeout=60, check=True,
+        )
+        return out.stdout.splitlines()
+
+    short = topics()
+    assert len(short) == 1 + 20 + 1 and "... 10 more partitions" in short[-1] and "--all" in short[-1]
+    assert parts[-1] in short[1]  # the largest first
+    assert len(topics("--all")) == 1 + 30
+
+    snap = {
+        "towers": [],
+        "nodes": [
+            {"address": p, "kind": "producer", "endpoint": "tcp://h:1", "alive": True, "last_beacon_age": 0.1}
+            for p in parts
+        ]
+        + [{"address": "S" * 32, "kind": "store", "endpoint": "tcp://h:2", "alive": True, "last_beacon_age": 0.1}],
+        "partitions": [
+            {
+                "topic": "many",
+                "partition": p,
+                "producer_head": 0,
+                "producer_alive": i != 5,
+                "stores": [{"address": "S" * 32, "head": 0 if i != 7 else -1, "lag": 0 if i != 7 else 1}],
+            }
+            for i, p in enumerate(parts)
+        ],
+    }
+    text = render_text(snap)
+    assert "NODES (31: 30 producer, 1 store)" in text and "S" * 32 in text
+    assert "... 11 more producers" in text and "... 10 more partitions" in text
+    assert "PARTITIONS (30, 1 without a live producer)" in text
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("PARTITIONS"))
+    assert parts[7] in lines[header + 2]  # the lagging one first
+    full = render_text(snap, None)
+    assert all(full.count(p) == 2 for p in parts) and "more" not in full
