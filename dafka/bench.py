@@ -934,6 +934,29 @@ def _scale_producers(cfg: NodeConfig, topic: str, n: int, seconds: float, go: An
     result.put(("done", published, len(latencies), acked_all, latencies))
 
 
+def _catchup_store(cfg: NodeConfig, topic: str, n: int, expected: int, result: Any) -> None:
+    """A fresh store: seconds until it holds ``expected`` records of ``n`` partitions (copied
+    from the other store: the producers are gone by then)."""
+    import logging
+    import tempfile
+
+    from dafka.store.node import Store
+
+    logging.getLogger("dafka").setLevel(logging.ERROR)
+    with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
+        t0 = time.monotonic()
+        store = Store(db, cfg, sync=False)
+        parts: list[Any] = []
+        while time.monotonic() - t0 < 120:
+            parts = store.db.partitions(topic)
+            if len(parts) >= n and sum(p.count for p in parts) >= expected:
+                break
+            time.sleep(0.1)
+        elapsed = time.monotonic() - t0
+        store.close()
+        result.put((elapsed, len(parts), sum(p.count for p in parts)))
+
+
 def bench_scale(args: argparse.Namespace) -> int:
     """A mesh of ``--nodes`` producers of one topic (1 record/s each, spread over
     ``--procs`` processes), a store and a consumer: connections, CPU and ACK latency."""
@@ -978,8 +1001,12 @@ def bench_scale(args: argparse.Namespace) -> int:
                     tower_done.set()
                     tower.join(30)
                     return 1
-        # Let the mesh settle: everyone beaconed and connected (a few beacon intervals).
-        time.sleep(max(3.0, 4 * cfg.beacon_interval))
+        # Let the mesh settle: everyone beaconed and connected (the consumer meets every
+        # producer and the store), then a few beacon intervals more.
+        settle = time.monotonic()
+        while len(live.peers) < n + 1 and time.monotonic() - settle < 120:
+            time.sleep(0.2)
+        time.sleep(max(2.0, 2 * cfg.beacon_interval))
         print(f"scale: {n} producers in {procs} processes up in {time.monotonic() - t_start:.1f}s", flush=True)
         pids = [p.pid for p in (*hosts, store)] + [__import__("os").getpid()]
         mesh_nodes = n + 2  # producers, the store, the consumer
@@ -1011,6 +1038,12 @@ def bench_scale(args: argparse.Namespace) -> int:
                 seen.add(record.partition)
         discovery = time.monotonic() - t1
         fresh.close()
+        # A fresh store catches up every partition from the first one.
+        ctx_result = ctx.Queue()
+        catchup = ctx.Process(target=_catchup_store, args=(cfg, topic, n, published, ctx_result))
+        catchup.start()
+        caught_up, caught_parts, caught_records = ctx_result.get(timeout=300)
+        catchup.join(30)
         done.set()
         store.join(60)
     for host in hosts:
@@ -1025,10 +1058,11 @@ def bench_scale(args: argparse.Namespace) -> int:
         f"store CPU {store_cpu:.1%}; tower CPU {tower_cpu:.1%}; "
         f"{published} published, all acked: {acked}, ACK p99 {p99:.1f} ms; "
         f"live consumer got {received}; fresh earliest consumer saw {len(seen)}/{n} partitions "
-        f"in {discovery:.2f}s",
+        f"in {discovery:.2f}s; a fresh store held {caught_records}/{published} records of "
+        f"{caught_parts}/{n} partitions after {caught_up:.2f}s",
         flush=True,
     )
-    if not acked or len(seen) < n:
+    if not acked or len(seen) < n or caught_records < published:
         status = 1
     return status
 
