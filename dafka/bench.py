@@ -1025,7 +1025,10 @@ def bench_scale(args: argparse.Namespace) -> int:
         published = sum(f[1] for f in finished)
         acked = all(f[3] for f in finished)
         latencies = sorted(x for f in finished for x in f[4])
-        p99 = latencies[int(0.99 * (len(latencies) - 1))] * 1000 if latencies else float("nan")
+        def pct(q: float) -> float:
+            return latencies[int(q * (len(latencies) - 1))] * 1000 if latencies else float("nan")
+
+        p99 = pct(0.99)
         producers_cpu = sum(cpu[h.pid] for h in hosts) / elapsed
         # A fresh earliest consumer: how long until it has records of every partition.
         t1 = time.monotonic()
@@ -1056,7 +1059,8 @@ def bench_scale(args: argparse.Namespace) -> int:
         f"scale: N={n}: {sockets} TCP sockets ({sockets / mesh_nodes:.1f} per node); "
         f"producers' CPU {producers_cpu:.1%} ({producers_cpu / n:.3%} per producer); "
         f"store CPU {store_cpu:.1%}; tower CPU {tower_cpu:.1%}; "
-        f"{published} published, all acked: {acked}, ACK p99 {p99:.1f} ms; "
+        f"{published} published, all acked: {acked}, ACK p50 {pct(0.5):.1f} p90 {pct(0.9):.1f} "
+        f"p99 {p99:.1f} max {pct(1.0):.1f} ms; "
         f"live consumer got {received}; fresh earliest consumer saw {len(seen)}/{n} partitions "
         f"in {discovery:.2f}s; a fresh store held {caught_records}/{published} records of "
         f"{caught_parts}/{n} partitions after {caught_up:.2f}s",

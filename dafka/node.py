@@ -43,6 +43,7 @@ from dafka.peers import Connect, PeerAction, PeerTable, TowerWatch
 
 DRAIN = 4096  # messages read from a socket before looking at the others again
 TICK = 0.05  # seconds between calls of on_tick
+TIMER_SLACK = 0.001  # a timer due this soon runs with the ones due now
 # What only a store may say: ACK, DIRECT-HEAD, STORE-HELLO (honoured in secure
 # mode only when they arrive from a store-role key, on the trusted SUB).
 # What only stores may say: ACK, DIRECT-HEAD, STORE-HELLO, and the dafka-only
@@ -360,7 +361,10 @@ class Node:
             wait = 1.0
             for i, (interval, last, fn) in enumerate(timers):
                 due = last + interval
-                if due <= now:
+                # Timers due within a millisecond run together (and stay in step
+                # after, as their last run is the same ``now``): one wake-up a
+                # second for a node's 1 s timers instead of one each.
+                if due <= now + TIMER_SLACK:
                     timers[i] = (interval, now, fn)
                     try:
                         fn(now)
