@@ -928,6 +928,7 @@ def _scale_producers(cfg: NodeConfig, topic: str, n: int, seconds: float, go: An
             time.sleep(delay)
         producers[k % n].publish(b"x" * PAYLOAD, stamp(clock()))
         published += 1
+    result.put(("published", published))
     acked_all = all(p.flush(30) for p in producers)
     for p in producers:
         p.close(0)
@@ -1015,9 +1016,11 @@ def bench_scale(args: argparse.Namespace) -> int:
         go.set()
         time.sleep(min(args.seconds, 5.0) / 2)
         sockets = _tcp_sockets(pids)
-        finished = [result.get(timeout=args.seconds + 120) for _ in hosts]
+        for _ in hosts:  # CPU over the publishing window (not the flush after it)
+            result.get(timeout=args.seconds + 120)
         elapsed = time.monotonic() - t0
         cpu = {pid: _proc_cpu(pid) - c for pid, c in cpu0.items()}
+        finished = [result.get(timeout=120) for _ in hosts]
         received = 0
         while live.poll(0.0) is not None:
             received += 1

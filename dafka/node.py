@@ -751,6 +751,9 @@ class Node:
             # Tell the newcomer about us soon (at the next tick, once for many
             # newcomers) so it connects back quickly.
             self._beacon_wanted = True
+            interval, last, fn = self._timers[self._tick_timer]
+            if interval > TICK:  # an idle node's slow tick: the next one within TICK
+                self._timers[self._tick_timer] = (TICK, last, fn)
             self.on_peer(action.endpoint, action.address)
         else:
             try:
