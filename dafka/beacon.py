@@ -22,7 +22,8 @@ never receive any of it, C towers relay it as they relay ``B``):
   then the node address, the host (may be empty) and the port, as in ``B``;
 * tower -> nodes, 3 frames: the same first frame, address, ``tcp://host:port``;
 * ``X U``, address, ``tcp://host:port`` (3 frames): a dafka tower's copy of a
-  ``B`` beacon from an address that sent no interest beacon lately (a C node);
+  ``B`` beacon from an address that sent no interest beacon lately (a C node),
+  or sent it from another endpoint (a second process with that identity);
 * ``X T`` + tower id (one frame, 32 hex): a dafka tower's hello, every second.
 
 A node subscribes its beacon SUB to ``W``, ``X T``, ``X U``, ``X S``, ``X A``
