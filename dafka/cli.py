@@ -668,6 +668,9 @@ def cmd_tank(args: argparse.Namespace, settings: Settings) -> int:
     return tank_cli.run(args, settings.section("gateway").get("listen"))
 
 
+TOPIC_ROWS = 20  # partitions of a topic listed by `dafka topics` without --all
+
+
 @command("topics")
 def cmd_topics(args: argparse.Namespace, settings: Settings) -> int:
     import lmdb
@@ -689,8 +692,21 @@ def cmd_topics(args: argparse.Namespace, settings: Settings) -> int:
     except lmdb.Error as exc:
         raise DafkaError(f"cannot read the database in {db}: {exc}") from None
     print(f"{'topic':<24} {'partition':<34} {'first':>12} {'last':>12} {'records':>12} {'bytes':>14}")
+    by_topic: dict[str, list[Any]] = {}
     for r in rows:
-        print(f"{r.topic:<24} {r.partition:<34} {r.first:>12} {r.last:>12} {r.count:>12} {r.bytes:>14}")
+        by_topic.setdefault(r.topic, []).append(r)
+    for topic, parts in by_topic.items():
+        shown = parts
+        if not args.all and len(parts) > TOPIC_ROWS:
+            shown = sorted(parts, key=lambda r: r.count, reverse=True)[:TOPIC_ROWS]
+        for r in shown:
+            print(f"{r.topic:<24} {r.partition:<34} {r.first:>12} {r.last:>12} {r.count:>12} {r.bytes:>14}")
+        if len(shown) < len(parts):
+            rest = [r for r in parts if r not in shown]
+            print(
+                f"{topic:<24} {f'... {len(rest)} more partitions':<34} {'':>12} {'':>12}"
+                f" {sum(r.count for r in rest):>12} {sum(r.bytes for r in rest):>14}  (--all lists them)"
+            )
     return 0
 
 
@@ -710,6 +726,7 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
             interval=args.interval,
             out=sys.stdout,
             outboxes=args.outbox,
+            show_all=args.all,
         )
     except KeyboardInterrupt:
         return 0
@@ -1061,6 +1078,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("topics", help="list topics and partitions of a store's database")
     p.add_argument("--db", help="LMDB directory of a store (read-only)")
     p.add_argument("topic", nargs="?", help="only this topic")
+    p.add_argument("--all", action="store_true", help=f"every partition (default: the {TOPIC_ROWS} largest of each topic)")
 
     p = sub.add_parser("status", help="join the mesh read-only and show nodes, heads and lag")
     _add_node_flags(p)
@@ -1068,6 +1086,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", action="store_true", help="keep refreshing the view (Ctrl-C ends)")
     p.add_argument("--interval", type=positive_seconds_arg, default=1.0, help="--watch: seconds between views")
     p.add_argument("--json", action="store_true", help="print JSON (one object per view)")
+    p.add_argument("--all", action="store_true", help="every node and partition (default: a summary beyond 20)")
     p.add_argument("--outbox", metavar="DIR", action="append", help="also show this local edge outbox (repeatable)")
 
     p = sub.add_parser("outbox", help="show what a producer's edge outbox holds (read-only)")

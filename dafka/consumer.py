@@ -30,7 +30,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 import zmq
 
-from dafka import fastio, values, wire
+from dafka import beacon, fastio, values, wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import ClosedError, CommitError, DeserializationError
 from dafka.gaps import LIVE_SETTLE_MIN, LiveEdge, PartitionTracker
@@ -393,12 +393,17 @@ class Consumer(PartitionReader):
         self.topics.append(topic)
         if self._live is not None:
             self._live.subscribe(topic, time.monotonic())
+        self.refresh_interest()
         self.subscribe(wire.P_RECORD + topic.encode())
         self.subscribe(wire.P_HEAD + topic.encode())
         if self._group is not None:
             self._group.add_topic(topic)
         if self._asks_heads(topic) and self.running:
             self.send(wire.GetHeads(topic, self.address))
+
+    def interest(self) -> beacon.Interest:
+        """Stores, the producers of our topics and our group's members."""
+        return beacon.Interest.consumer(getattr(self, "topics", ()), getattr(self, "group", None))
 
     def sockets(self) -> list[tuple[zmq.Socket[Any], Callable[[], None]]]:
         return [(self.publisher, self._read_subscriptions)]

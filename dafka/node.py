@@ -42,7 +42,7 @@ from typing import Any
 
 import zmq
 
-from dafka import fastio, reach, security, wire
+from dafka import beacon, fastio, reach, security, wire
 from dafka.audience import BatchAudience
 from dafka.config import DEFAULT_MAX_RECORD_BYTES, NodeConfig, default_node_config, loopback_trap
 from dafka.errors import ConfigError, ProtocolError
@@ -50,6 +50,7 @@ from dafka.peers import Connect, PeerAction, PeerTable, TowerWatch, refused_hint
 
 DRAIN = 4096  # messages read from a socket before looking at the others again
 TICK = 0.05  # seconds between calls of on_tick
+TIMER_SLACK = 0.001  # a timer due this soon runs with the ones due now
 # What only stores may say: ACK, DIRECT-HEAD, STORE-HELLO, and the dafka-only
 # STORE-STATUS and consumer-group answers (COMMITTED, POSITIONS).
 STORE_ONLY = (
@@ -243,9 +244,13 @@ class Node:
         self.beacon_sub = self.ctx.socket(zmq.SUB)
         self.beacon_sub.setsockopt(zmq.LINGER, 0)
         self.beacon_sub.setsockopt(zmq.SUBSCRIBE, wire.WELCOME)
-        self.beacon_sub.setsockopt(zmq.SUBSCRIBE, wire.BEACON)
         # How the tower sees us (dafka towers only; see dafka.reach).
         self.beacon_sub.setsockopt(zmq.SUBSCRIBE, reach.reflection_topic(self.address))
+        # Interest beacons (dafka.beacon): which beacons we subscribe, which we send.
+        self._beacon_subs: set[bytes] = set()
+        self._interest_beacons: list[list[bytes]] = []
+        self._beacon_wanted = False
+        self.census = beacon.TowerCensus(len(cfg.towers), time.monotonic())
         if self.keys is not None:
             # Data comes in on one channel per peer (see Channel): a SUB cannot
             # tell which connection a message came from, but it can tell which
@@ -307,6 +312,8 @@ class Node:
                 self._tower_keys[(self.beacon_pub, tower.beacon_in)] = sec.tower_key(i)  # type: ignore[union-attr]
                 self._tower_keys[(self.beacon_sub, tower.beacon_out)] = sec.tower_key(i)  # type: ignore[union-attr]
 
+        self.refresh_interest()
+
         # Unique per instance: a restart with the same address may bind before the old one is reaped.
         wake_endpoint = f"inproc://dafka-wake-{self.address}-{new_address()}"
         self._wake_rx = self.ctx.socket(zmq.PAIR)
@@ -317,7 +324,8 @@ class Node:
 
         self.every(cfg.beacon_interval, self._send_beacon)
         self.every(min(1.0, cfg.beacon_timeout / 4), self._expire_peers)
-        self.every(TICK, self.on_tick)
+        self._tick_timer = len(self._timers)
+        self.every(TICK, self._tick)
         self.every(cfg.beacon_interval, self._check_towers)
         self.every(cfg.beacon_interval, self._check_reach)
         self.every(CUT_GRACE, self._check_cuts)
@@ -477,7 +485,10 @@ class Node:
             wait = 1.0
             for i, (interval, last, fn) in enumerate(timers):
                 due = last + interval
-                if due <= now:
+                # Timers due within a millisecond run together (and stay in step
+                # after, as their last run is the same ``now``): one wake-up a
+                # second for a node's 1 s timers instead of one each.
+                if due <= now + TIMER_SLACK:
                     timers[i] = (interval, now, fn)
                     try:
                         fn(now)
@@ -817,10 +828,57 @@ class Node:
 
     # ---------------------------------------------------------------- beacons
 
+    def interest(self) -> beacon.Interest:
+        """What this node is and which peers it needs (see :mod:`dafka.beacon`)."""
+        return beacon.EVERYTHING
+
+    def refresh_interest(self) -> None:
+        """Apply :meth:`interest` to the beacons and the beacon SUB (I/O thread, or before start)."""
+        interest = self.interest()
+        self.peers.interest = interest
+        plain = self._beacon
+        self._interest_beacons = [[head, *plain[1:]] for head in interest.heads()]
+        wanted = interest.subscriptions() | (self._beacon_subs & {wire.BEACON})
+        for prefix in self._beacon_subs - wanted:
+            self.beacon_sub.setsockopt(zmq.UNSUBSCRIBE, prefix)
+        for prefix in wanted - self._beacon_subs:
+            self.beacon_sub.setsockopt(zmq.SUBSCRIBE, prefix)
+        self._beacon_subs = wanted
+
+    def _check_census(self, now: float) -> None:
+        """Subscribe plain ``B`` beacons while not every tower is a dafka tower."""
+        plain = self.census.needs_plain(now)
+        if plain and wire.BEACON not in self._beacon_subs:
+            self.beacon_sub.setsockopt(zmq.SUBSCRIBE, wire.BEACON)
+            self._beacon_subs.add(wire.BEACON)
+            self.log.info("%s %s: a tower relays no interest beacons; meeting every peer", self.kind, self.address[:8])
+        elif not plain and wire.BEACON in self._beacon_subs:
+            self.beacon_sub.setsockopt(zmq.UNSUBSCRIBE, wire.BEACON)
+            self._beacon_subs.discard(wire.BEACON)
+
+    def _tick(self, now: float) -> None:
+        if self._beacon_wanted:  # new peers since the last tick: one beacon for them all
+            self._beacon_wanted = False
+            self._send_beacon(now)
+        self.on_tick(now)
+        interval = self.tick_interval()
+        timer = self._timers[self._tick_timer]
+        if timer[0] != interval:
+            self._timers[self._tick_timer] = (interval, timer[1], timer[2])
+
+    def tick_interval(self) -> float:
+        """Seconds to the next :meth:`on_tick` (an idle node may tick less often:
+        on a mesh of a thousand devices the ticks are most of a node's cost)."""
+        return TICK
+
     def _send_beacon(self, now: float) -> None:
         if self.beacon_held:
             return
         try:
+            # Interest beacons first: a dafka tower then knows this address is no C node.
+            for frames in self._interest_beacons:
+                self.beacon_pub.send_multipart(frames, zmq.NOBLOCK)
+            # Filtered away by the PUB while no C node or probe subscribes B.
             self.beacon_pub.send_multipart(self._beacon, zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # no tower connected yet; the next interval retries
@@ -838,12 +896,17 @@ class Node:
                 continue
             if frames == [wire.WELCOME]:
                 # A tower (re)appeared: tell it about us right away.
+                self.census.on_welcome(time.monotonic())
                 self._send_beacon(time.monotonic())
+                continue
+            tower_id = beacon.parse_hello(frames)
+            if tower_id is not None:
+                self.census.on_hello(tower_id, time.monotonic())
                 continue
             try:
                 if self.guard is not None:
                     frames, key = security.split_key(frames, 3, "tower beacon")
-                address, endpoint = wire.decode_tower_beacon(frames)
+                kind, interest_key, address, endpoint = beacon.decode_tower_beacon(frames)
                 if self.guard is not None and not security.address_bound(address, key):
                     # A tower that does not check (ours does): an address squatted by another key.
                     raise ProtocolError(f"peer address {address[:40]!r} is not bound to its key")
@@ -856,7 +919,7 @@ class Node:
                 continue
             if self.guard is not None and not self._allowed_peer(address, key):
                 continue
-            actions = self.peers.on_beacon(address, endpoint, time.monotonic())
+            actions = self.peers.on_beacon(address, endpoint, time.monotonic(), kind, interest_key)
             for action in actions:
                 self._apply_peer_action(action)
 
@@ -917,6 +980,7 @@ class Node:
                 with contextlib.suppress(zmq.ZMQError):
                     sock.connect(endpoint)
             self._tower_refused.clear()
+        self._check_census(now)
         if self.config.towers and self.tower_watch.warning_due(now):
             self.log.warning(
                 "%s %s has reached no tower after %.0fs; trying %s (%s)",
@@ -1060,8 +1124,12 @@ class Node:
                 self.bad_input("peer endpoint", exc)
                 return
             self.log.debug("connected to peer %s at %s", action.address, action.endpoint)
-            # Tell the newcomer about us at once so it connects back quickly.
-            self._send_beacon(time.monotonic())
+            # Tell the newcomer about us soon (at the next tick, once for many
+            # newcomers) so it connects back quickly.
+            self._beacon_wanted = True
+            interval, last, fn = self._timers[self._tick_timer]
+            if interval > TICK:  # an idle node's slow tick: the next one within TICK
+                self._timers[self._tick_timer] = (TICK, last, fn)
             self.on_peer(action.endpoint, action.address)
         else:
             self.links.forget(action.endpoint)

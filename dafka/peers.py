@@ -4,11 +4,20 @@ A node learns peers from tower beacons ``(address, endpoint)``.  The first
 beacon of a peer means "connect your data SUB to its endpoint"; a peer whose
 beacons stop for ``timeout`` seconds is dropped ("disconnect").  Times are
 passed in by the caller, so the table can be driven deterministically.
+
+A beacon may say what the peer is (an interest beacon, :mod:`dafka.beacon`);
+the table then connects only when the node's own :class:`Interest` wants that
+peer.  A plain ``B`` beacon says nothing: that peer (a C node) is connected as
+in the reference, unless the same address sent an interest beacon lately.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from dafka.beacon import EVERYTHING, UNKNOWN, Interest
+
+MAX_TYPED = 1_000_000  # addresses remembered as dafka nodes (bounds what beacons can make us hold)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,10 +38,15 @@ PeerAction = Connect | Disconnect
 class PeerTable:
     """Known peers keyed by node address, each with its endpoint and expiry time."""
 
-    def __init__(self, own_address: str, timeout: float) -> None:
+    def __init__(self, own_address: str, timeout: float, interest: Interest = EVERYTHING) -> None:
         self.own_address = own_address
         self.timeout = timeout
+        self.interest = interest
         self._peers: dict[str, tuple[str, float]] = {}  # address -> (endpoint, expires)
+        # Addresses that sent interest beacons lately -> expiry: their plain B
+        # beacons (heard while subscribed to B) do not make them C nodes.
+        self._typed: dict[str, float] = {}
+        self.ignored = 0  # beacons of peers this node does not need
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -47,11 +61,24 @@ class PeerTable:
         """(address, endpoint) of every known peer (a copy)."""
         return [(address, endpoint) for address, (endpoint, _) in list(self._peers.items())]
 
-    def on_beacon(self, address: str, endpoint: str, now: float) -> list[PeerAction]:
-        """A tower relayed a beacon; return what to do with the data SUB."""
+    def on_beacon(
+        self, address: str, endpoint: str, now: float, kind: bytes | None = None, key: bytes = b""
+    ) -> list[PeerAction]:
+        """A tower relayed a beacon (``kind``/``key`` of an interest beacon, None
+        for a plain ``B``); return what to do with the data SUB."""
         if address == self.own_address:
             return []
         known = self._peers.get(address)
+        if kind is not None and kind != UNKNOWN:
+            if address in self._typed or len(self._typed) < MAX_TYPED:
+                self._typed[address] = now + self.timeout
+        elif address in self._typed:
+            if self._typed[address] > now:
+                return []  # its interest beacons decide
+            del self._typed[address]
+        if known is None and not self.interest.wants(kind, key):
+            self.ignored += 1
+            return []
         self._peers[address] = (endpoint, now + self.timeout)
         if known is None:
             return [Connect(endpoint, address)]
@@ -68,6 +95,8 @@ class PeerTable:
     def expire(self, now: float) -> list[PeerAction]:
         """Drop peers whose last beacon is older than the timeout."""
         dead = [(a, e) for a, (e, expires) in self._peers.items() if expires <= now]
+        if self._typed:
+            self._typed = {a: t for a, t in self._typed.items() if t > now}
         for address, _ in dead:
             del self._peers[address]
         return [Disconnect(endpoint, address) for address, endpoint in dead]

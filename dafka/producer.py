@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from dafka import fastio, values, wire
+from dafka import beacon, fastio, values, wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import (
     BufferFullError,
@@ -65,6 +65,7 @@ PACE_LIMIT = 1.0
 PACE_STEP = 0.002
 LOSSY_HOLD = 2.0
 MAX_LOSSY_HOLD = 32.0
+IDLE_TICK = 1.0  # seconds between ticks of a producer with nothing pending (see tick_interval)
 SUBSCRIPTION_CHECK = 0.001  # seconds between checks for new subscriptions while batching
 _SEND_BATCHES = fastio.send_batches
 _monotonic = time.monotonic
@@ -259,6 +260,8 @@ class Producer(Node):
                 f"identity file {self._identity_path}: {exc}; start a new identity file"
                 " (the old partition stays readable from the stores)"
             ) from None
+        if self._identity_path is not None:
+            self.every(self.config.beacon_interval, self._check_twin_watch)
         self.pace_limit = max(0.0, pace_limit)
         self._paced = self.pace_limit > 0
         self._lossy_until = 0.0
@@ -901,6 +904,21 @@ class Producer(Node):
             self._closed = True
             self.publisher.close()
 
+    def tick_interval(self) -> float:
+        """Slow ticks while nothing waits for one: every record acked, no
+        callback due, no lossy hold to end, no identity to save.  A publish
+        checks the XPUB's subscriptions itself while batching, so a reader
+        that subscribes meanwhile is seen in time."""
+        if (
+            self._paced == (self.pace_limit > 0)
+            and not self._callbacks
+            and not len(self.window)
+            and self._resume_state is None
+            and (self._identity_path is None or self.window.acked == self._last_saved)
+        ):
+            return IDLE_TICK
+        return super().tick_interval()
+
     def on_tick(self, now: float) -> None:
         self._tick_paced(now)
         if self._outbox is not None:
@@ -965,6 +983,23 @@ class Producer(Node):
             state.head,
         )
         self._save_identity(force=True)
+
+    def interest(self) -> beacon.Interest:
+        """Stores and the consumers of our topic; while an identity may have a
+        live twin (resuming, and on probation after), the producers of our
+        topic too, to hear beacons with our address."""
+        return beacon.Interest.producer(self.topic, watch_peers=self._watching_twins())
+
+    def _watching_twins(self) -> bool:
+        if getattr(self, "_identity_path", None) is None:
+            return False
+        resumed = getattr(self, "_resumed_at", None)
+        return resumed is None or time.monotonic() - resumed < PROBATION * self.config.beacon_interval
+
+    def _check_twin_watch(self, now: float) -> None:
+        """Timer: stop hearing other producers' beacons once probation is over."""
+        if self.peers.interest.watch_peers and not self._watching_twins():
+            self.refresh_interest()
 
     def on_duplicate_address(self, endpoint: str) -> None:
         state = self._resume_state

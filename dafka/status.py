@@ -216,21 +216,45 @@ class MeshView:
         }
 
 
-def render_text(snap: dict[str, Any]) -> str:
-    """The human-readable status tables."""
+SUMMARY_ROWS = 20  # rows of producers and of partitions shown without --all
+
+
+def render_text(snap: dict[str, Any], limit: int | None = SUMMARY_ROWS) -> str:
+    """The human-readable status tables; beyond ``limit`` producers or partitions
+    (None: no limit), a summary: stores, consumers and lagging partitions first."""
     lines = ["TOWERS"]
     for t in snap["towers"]:
         lines.append(f"  {t['endpoint']:<40} {'reached' if t['reached'] else 'NOT REACHED'}")
     lines.append("")
-    lines.append(f"NODES ({len(snap['nodes'])})")
+    nodes = snap["nodes"]
+    kinds: dict[str, int] = {}
+    for n in nodes:
+        kinds[n["kind"] or "?"] = kinds.get(n["kind"] or "?", 0) + 1
+    shown_nodes = nodes
+    if limit is not None and len(nodes) > limit:
+        others = [n for n in nodes if n["kind"] != "producer"]
+        shown_nodes = others + [n for n in nodes if n["kind"] == "producer"][: max(0, limit - len(others))]
+    lines.append(f"NODES ({len(nodes)}: " + ", ".join(f"{c} {k}" for k, c in sorted(kinds.items())) + ")")
     lines.append(f"  {'address':<34} {'kind':<9} {'endpoint':<28} {'beacon':>8}")
-    for n in snap["nodes"]:
+    for n in shown_nodes:
         age = f"{n['last_beacon_age']:.1f}s" if n["alive"] else "gone"
         lines.append(f"  {n['address']:<34} {n['kind'] or '?':<9} {n['endpoint']:<28} {age:>8}")
+    if len(shown_nodes) < len(nodes):
+        lines.append(f"  ... {len(nodes) - len(shown_nodes)} more producers (--all lists them)")
     lines.append("")
-    lines.append(f"PARTITIONS ({len(snap['partitions'])})")
+    partitions = snap["partitions"]
+    shown = partitions
+    if limit is not None and len(partitions) > limit:
+        # Lagging partitions first (what needs a look), then those with a live producer.
+        def rank(p: dict[str, Any]) -> tuple[bool, bool]:
+            lagging = any(s["lag"] for s in p["stores"]) or not p["stores"]
+            return (not lagging, not p["producer_alive"])
+
+        shown = sorted(partitions, key=rank)[:limit]
+    retired = sum(1 for p in partitions if not p["producer_alive"])
+    lines.append(f"PARTITIONS ({len(partitions)}, {retired} without a live producer)")
     lines.append(f"  {'topic':<20} {'partition':<34} {'producer':>10}  stores (head/lag)")
-    for p in snap["partitions"]:
+    for p in shown:
         head = "-" if p["producer_head"] is None else str(p["producer_head"])
         if p["producer_head"] is not None and not p["producer_alive"]:
             head += "*"
@@ -238,7 +262,9 @@ def render_text(snap: dict[str, Any]) -> str:
             "  ".join(f"{s['address'][:8]}:{s['head']}/{s['lag']}" for s in p["stores"]) or "(none)"
         )
         lines.append(f"  {p['topic']:<20} {p['partition']:<34} {head:>10}  {stores}")
-    if any(p["producer_head"] is not None and not p["producer_alive"] for p in snap["partitions"]):
+    if len(shown) < len(partitions):
+        lines.append(f"  ... {len(partitions) - len(shown)} more partitions (--all lists them)")
+    if any(p["producer_head"] is not None and not p["producer_alive"] for p in shown):
         lines.append("  (* producer no longer beaconing)")
     return "\n".join(lines)
 
@@ -511,6 +537,7 @@ def run_status(
     interval: float,
     out: Any,
     outboxes: list[str] | None = None,
+    show_all: bool = False,
 ) -> int:
     """The ``dafka status`` command: one snapshot after ``wait`` seconds, or a live view.
 
@@ -527,7 +554,7 @@ def run_status(
             else:
                 if watch and tty:
                     out.write("\x1b[H\x1b[2J")  # home + clear: redraw in place
-                text = render_text(snap)
+                text = render_text(snap, None if show_all else SUMMARY_ROWS)
                 if outboxes:
                     text += "\n".join(render_outboxes(snap["outboxes"]))
                 out.write(text + "\n")

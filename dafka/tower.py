@@ -29,10 +29,11 @@ import os
 import socket
 import threading
 import time
+import uuid
 
 import zmq
 
-from dafka import reach, security, wire
+from dafka import beacon, reach, security, wire
 from dafka.errors import ProtocolError
 from dafka.node import ErrorLog
 
@@ -89,6 +90,14 @@ class Tower:
         # a raw connection as a refused handshake, so secure towers do not probe).
         self.probes = reach.ProbePlan()
         self._probing: dict[int, tuple[socket.socket, tuple[str, int], float]] = {}  # fd -> (sock, key, deadline)
+        # Interest beacons (dafka.beacon): relayed by their own prefix; a B beacon of a
+        # node that sends none (a C node) also as X U; a hello so nodes know we do this.
+        self.relay = beacon.RelayBook()
+        self.tower_id = uuid.uuid4().hex.upper()
+        self._hello = beacon.tower_hello(self.tower_id)
+        # Every interest beacon reaches us, wanted by a node or not: the relay
+        # book must know every dafka address to tell C nodes' B beacons apart.
+        self.xsub.send(b"\x01" + beacon.PREFIX)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         log.info(
@@ -142,13 +151,18 @@ class Tower:
             poller.register(monitor, zmq.POLLIN)
         check_at = 0.0
         self._poller = poller
+        hello_at = 0.0
         try:
             while not self._stop.is_set():
+                if time.monotonic() >= hello_at:
+                    hello_at = time.monotonic() + beacon.HELLO_INTERVAL
+                    self.xpub.send_multipart(self._hello)
                 if self.guard is not None and time.monotonic() >= check_at:
                     check_at = time.monotonic() + self.security.reload_interval  # type: ignore[union-attr]
                     self._check_allow_list()
                 self._expire_probes(time.monotonic())
-                for sock, _ in poller.poll(100 if self._probing else 200):
+                wait = min(200, max(0, int((hello_at - time.monotonic()) * 1000) + 1))
+                for sock, _ in poller.poll(min(wait, 100) if self._probing else wait):
                     try:
                         if sock is self.xsub:
                             self._relay_beacons()
@@ -182,7 +196,7 @@ class Tower:
                     frames, key = security.split_key(frames, 4, "node beacon")
                     if key != first.get("User-Id").encode():
                         raise ProtocolError("beacon names another key than the one it came with")
-                address, host, port = wire.decode_node_beacon(frames)
+                head, address, host, port = beacon.decode_node_beacon(frames)
                 if key:
                     check_bound(address, key)
             except ProtocolError as exc:
@@ -197,8 +211,8 @@ class Tower:
             if ":" in host and not host.startswith("["):
                 host = f"[{host}]"  # IPv6 literal
             endpoint = f"tcp://{host}:{port}"
-            beacon = wire.tower_beacon(address, endpoint)
-            self.xpub.send_multipart(beacon + [key] if key else beacon)
+            for relayed in self.relay.on_beacon(head, address, endpoint, time.monotonic()):
+                self.xpub.send_multipart(relayed + [key] if key else relayed)
             self.beacons += 1
             if self.probes.wants(address):
                 self._reflect(address, seen, endpoint)

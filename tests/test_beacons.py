@@ -215,6 +215,7 @@ def test_the_tower_names_an_announced_endpoint_nobody_listens_on(tower: Tower, c
     node = Node(replace(cfg, advertise="127.0.0.1"))
     node._beacon = wire.node_beacon(node.address, "127.0.0.1", port)  # a node announcing the wrong port
     node.port = port
+    node.refresh_interest()  # the interest beacons copy the plain one's host and port
     node.start()
     try:
         r = wait_until(lambda: node.reach.reflection if node.reach.reflection and node.reach.reflection.probe else None)

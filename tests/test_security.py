@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import zmq
 
+from dafka import beacon as dafka_beacon
 from dafka import security
 from dafka.config import NodeConfig, TowerAddress
 from dafka.consumer import Consumer
@@ -494,7 +495,7 @@ def test_keys_command_and_up_stays_plain(tmp_path: Path) -> None:
     conf = tmp_path / "c.toml"
     conf.write_text(f'[security]\nkey = "{tmp_path}/s1.key_secret"\nallow = "{tmp_path}"\n')
     up = subprocess.run(dafka_cmd("--config", str(conf), "up", "--data", str(tmp_path / "var")), env=env, capture_output=True, timeout=30)
-    assert up.returncode == 2 and b"plain mesh" in up.stderr
+    assert up.returncode == 2 and b"makes its own keys" in up.stderr and b"dafka up --secure" in up.stderr
 
 
 def test_status_shows_a_secure_mesh_only_with_an_allowed_key(
@@ -742,7 +743,9 @@ def test_a_key_cannot_squat_a_producers_identity(pki: Pki, secure_tower: Tower, 
         squatter.setsockopt(zmq.LINGER, 0)
         security.make_client(squatter, security.OwnKeys(cert.public, cert.secret or b"", cert.role))
         security.connect(squatter, f"tcp://127.0.0.1:{secure_tower.in_port}", pki.tower_key)
-        beacon = security.secure_node_beacon(wire.node_beacon(address, "", 4000), cert.public)
+        # As a producer of "t" says it (an interest beacon: what dafka towers and nodes read).
+        plain = wire.node_beacon(address, "", 4000)
+        beacon = security.secure_node_beacon([dafka_beacon.Interest.producer("t").heads()[0], *plain[1:]], cert.public)
         stop = threading.Event()
 
         def pump() -> None:
@@ -823,8 +826,12 @@ def test_nodes_drop_unbound_beacons_even_from_a_tower_that_relays_them(
             security.make_client(squatter, security.OwnKeys(cert.public, cert.secret or b"", cert.role))
             security.connect(squatter, f"tcp://127.0.0.1:{lenient.in_port}", pki.tower_key)
             try:
-                beacon = security.secure_node_beacon(wire.node_beacon(producer.address, "", 4000), cert.public)
-                stranger = security.secure_node_beacon(wire.node_beacon(new_address(), "", 4001), cert.public)
+                # Interest beacons of a consumer of "t": the ones the producer subscribes.
+                head = dafka_beacon.Interest.consumer(["t"]).heads()[0]
+                beacon = security.secure_node_beacon(
+                    [head, *wire.node_beacon(producer.address, "", 4000)[1:]], cert.public
+                )
+                stranger = security.secure_node_beacon([head, *wire.node_beacon(new_address(), "", 4001)[1:]], cert.public)
                 before = producer.bad_input.count
                 deadline = time.monotonic() + 10
                 while producer.bad_input.count < before + 4 and time.monotonic() < deadline:

@@ -38,7 +38,7 @@ from typing import Any
 
 import zmq
 
-from dafka import fastio, wire
+from dafka import beacon, fastio, wire
 from dafka.config import NodeConfig, default_node_config
 from dafka.errors import ConfigError, ProtocolError
 from dafka.gaps import PartitionTracker
@@ -96,6 +96,11 @@ class Store(PartitionReader):
     retention_budget = RETENTION_BUDGET  # seconds; an attribute so tests can drive whole rounds
 
     kind = "store"
+
+    def interest(self) -> beacon.Interest:
+        """Everyone: a store hears every producer and consumer, and the other stores."""
+        return beacon.Interest(beacon.STORE)
+
     # Records of stored partitions are queued as ready LMDB pairs (fastio.drain_pairs).
     # Off where other code queues records of the same partitions (the Tank gateway).
     ready_pairs = True

@@ -1,0 +1,265 @@
+"""Interest beacons: who a node is, so that nodes meet only the peers they need.
+
+The reference mesh connects every node to every other one, and its tower
+relays every beacon to every node: both cost N^2.  Dafka nodes add, beside the
+standard ``B`` beacon, *interest beacons* whose first frame says what the node
+is and for which topic; towers relay them by ZeroMQ prefix subscription, so a
+node receives only the beacons of the peers it may talk to, and connects only
+to the peers that can send it something or need something from it.
+
+Bytes (everything here is dafka-only; C nodes subscribe ``W`` and ``B`` and
+never receive any of it, C towers relay it as they relay ``B``):
+
+* interest beacon, node -> tower, 4 frames, shaped as a node beacon whose first
+  frame is ``X`` + kind + key instead of ``B``::
+
+      X P <topic> NUL   a producer of <topic>
+      X C <topic> NUL   a consumer of <topic> (one beacon per topic; X C NUL: none yet)
+      X G <group> NUL   a member of consumer group <group>
+      X S               a store (or a gateway): everyone talks to stores
+      X A               any other dafka node: connected like a C node
+
+  then the node address, the host (may be empty) and the port, as in ``B``;
+* tower -> nodes, 3 frames: the same first frame, address, ``tcp://host:port``;
+* ``X U``, address, ``tcp://host:port`` (3 frames): a dafka tower's copy of a
+  ``B`` beacon from an address that sent no interest beacon lately (a C node),
+  or sent it from another endpoint (a second process with that identity);
+* ``X T`` + tower id (one frame, 32 hex): a dafka tower's hello, every second.
+
+A node subscribes its beacon SUB to ``W``, ``X T``, ``X U``, ``X S``, ``X A``
+and to the kinds/topics it needs (a store to all of ``X``).  It subscribes
+``B`` too (and then meets every peer as today) while fewer dafka towers greet
+it than it has towers configured: behind a C tower it cannot see C nodes
+otherwise.  Its ``B`` beacon still goes out on every interval; the beacon PUB
+filters it away while no one (no C node, no status probe) subscribes ``B``.
+
+Everything here is sans-IO: frames and times in, decisions out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from dafka import wire
+from dafka.errors import ProtocolError
+
+PREFIX = b"X"
+PRODUCER = b"P"
+CONSUMER = b"C"
+GROUP = b"G"
+STORE = b"S"
+ANY = b"A"
+UNKNOWN = b"U"  # relayed by a tower for a node that sent no interest beacon
+HELLO = PREFIX + b"T"
+KINDS = frozenset((PRODUCER, CONSUMER, GROUP, STORE, ANY, UNKNOWN))
+KEYED = frozenset((PRODUCER, CONSUMER, GROUP))
+END = b"\x00"
+MAX_HEAD = 2 + wire.MAX_STRING + 1
+HELLO_INTERVAL = 1.0  # seconds between a tower's hellos
+TOWER_MEMORY = 10.0  # a tower not heard of for this long is no longer counted as a dafka tower
+CENSUS_GRACE = 5.0  # seconds after start (and after the first welcome) before B is subscribed
+
+
+def head(kind: bytes, key: bytes = b"") -> bytes:
+    """The first frame of an interest beacon (``X`` + kind + key + NUL for keyed kinds)."""
+    return PREFIX + kind + (key + END if kind in KEYED else b"")
+
+
+def parse_head(frame: bytes) -> tuple[bytes, bytes]:
+    """(kind, key) of an interest beacon's first frame; ProtocolError if malformed."""
+    frame = bytes(frame)
+    if len(frame) < 2 or len(frame) > MAX_HEAD or frame[:1] != PREFIX:
+        raise ProtocolError("interest beacon head must be X + kind (+ key NUL)")
+    kind = frame[1:2]
+    if kind not in KINDS:
+        raise ProtocolError(f"unknown interest beacon kind {kind!r}")
+    if kind in KEYED:
+        key = frame[2:]
+        if not key.endswith(END) or END in key[:-1]:
+            raise ProtocolError("interest beacon key must end with its only NUL")
+        return kind, key[:-1]
+    if len(frame) != 2:
+        raise ProtocolError("interest beacon kind takes no key")
+    return kind, b""
+
+
+def tower_hello(tower_id: str) -> list[bytes]:
+    """A dafka tower's hello (one frame)."""
+    return [HELLO + tower_id.encode()]
+
+
+def parse_hello(frames: Sequence[bytes]) -> str | None:
+    """The tower id of a hello, or None when these frames are not one."""
+    if len(frames) != 1:
+        return None
+    frame = bytes(frames[0])
+    if not frame.startswith(HELLO) or not 0 < len(frame) - 2 <= 64:
+        return None
+    try:
+        return frame[2:].decode("ascii")
+    except UnicodeDecodeError:
+        return None
+
+
+def decode_node_beacon(frames: Sequence[bytes]) -> tuple[bytes, str, str, int]:
+    """(head, address, host, port) of a ``B`` or interest node beacon (head ``B`` or ``X...``)."""
+    if not frames:
+        raise ProtocolError("empty node beacon")
+    first = bytes(frames[0])
+    if first != wire.BEACON:
+        parse_head(first)
+    address, host, port = wire.decode_node_beacon([wire.BEACON, *frames[1:]])
+    return first, address, host, port
+
+
+def decode_tower_beacon(frames: Sequence[bytes]) -> tuple[bytes | None, bytes, str, str]:
+    """(kind, key, address, endpoint) of a tower beacon; kind None for a plain ``B``."""
+    if not frames:
+        raise ProtocolError("empty tower beacon")
+    first = bytes(frames[0])
+    if first == wire.BEACON:
+        address, endpoint = wire.decode_tower_beacon(frames)
+        return None, b"", address, endpoint
+    kind, key = parse_head(first)
+    address, endpoint = wire.decode_tower_beacon([wire.BEACON, *frames[1:]])
+    return kind, key, address, endpoint
+
+
+@dataclass(frozen=True, slots=True)
+class Interest:
+    """What a node is and which peers it needs.
+
+    ``kind`` is PRODUCER (of ``topics``, one), CONSUMER (of ``topics``, in
+    ``group`` if any), STORE, or ANY (any other node: wants everyone, and
+    everyone connects to it).
+    """
+
+    kind: bytes
+    topics: frozenset[bytes] = field(default_factory=frozenset)
+    group: bytes | None = None
+    watch_peers: bool = False  # hear beacons of own kind and topic (a resuming producer's twin check)
+
+    @classmethod
+    def producer(cls, topic: str, watch_peers: bool = False) -> Interest:
+        return cls(PRODUCER, frozenset((topic.encode(),)), watch_peers=watch_peers)
+
+    @classmethod
+    def consumer(cls, topics: Iterable[str], group: str | None = None) -> Interest:
+        return cls(CONSUMER, frozenset(t.encode() for t in topics), group.encode() if group else None)
+
+    @property
+    def everything(self) -> bool:
+        """Whether this node talks to every peer (stores and unclassified nodes)."""
+        return self.kind in (STORE, ANY)
+
+    def heads(self) -> list[bytes]:
+        """First frames of the interest beacons this node sends."""
+        if self.kind == PRODUCER:
+            return [head(PRODUCER, t) for t in sorted(self.topics)]
+        if self.kind == CONSUMER:
+            heads = [head(CONSUMER, t) for t in sorted(self.topics)] or [head(CONSUMER)]
+            if self.group is not None:
+                heads.append(head(GROUP, self.group))
+            return heads
+        return [head(self.kind)]
+
+    def subscriptions(self) -> set[bytes]:
+        """Beacon SUB prefixes: the beacons of every peer this node may want."""
+        if self.everything:
+            return {PREFIX}
+        subs = {HELLO, PREFIX + UNKNOWN, PREFIX + STORE, PREFIX + ANY}
+        other = CONSUMER if self.kind == PRODUCER else PRODUCER
+        subs.update(head(other, t) for t in self.topics)
+        if self.group is not None:
+            subs.add(head(GROUP, self.group))
+        if self.watch_peers:
+            subs.update(head(self.kind, t) for t in self.topics)
+        return subs
+
+    def wants(self, kind: bytes | None, key: bytes) -> bool:
+        """Whether to connect to a peer that beacons ``kind``/``key`` (None: a plain ``B``)."""
+        if kind is None or kind in (UNKNOWN, STORE, ANY) or self.everything:
+            return True
+        if self.kind == PRODUCER:
+            return kind == CONSUMER and key in self.topics
+        if self.kind == CONSUMER:
+            if kind == PRODUCER:
+                return key in self.topics
+            return kind == GROUP and key == self.group
+        return False
+
+
+EVERYTHING = Interest(ANY)
+
+
+class TowerCensus:
+    """Whether every tower a node is given is a dafka tower (sans-IO).
+
+    A node counts the distinct towers whose hello it heard in the last
+    ``memory`` seconds; while they are fewer than its configured towers, it
+    needs the plain ``B`` beacons too -- but only once some tower welcomed it
+    and ``grace`` seconds passed since then and since start.  Subscribing
+    ``B`` on a large mesh means meeting every peer, so a node that is merely
+    slow to read its hellos must not do it: the grace is several hellos long.
+    """
+
+    def __init__(self, expected: int, started: float, grace: float = CENSUS_GRACE, memory: float = TOWER_MEMORY) -> None:
+        self.expected = expected
+        self.grace = grace
+        self.grace_until = started + grace
+        self.memory = memory
+        self.welcomed = False
+        self._heard: dict[str, float] = {}
+
+    def on_welcome(self, now: float) -> None:
+        """A tower welcomed us (the first welcome starts the grace anew)."""
+        if not self.welcomed:
+            self.welcomed = True
+            self.grace_until = max(self.grace_until, now + self.grace)
+
+    def on_hello(self, tower_id: str, now: float) -> None:
+        if tower_id in self._heard or len(self._heard) < 64:  # bounded: a node has few towers
+            self._heard[tower_id] = now
+
+    def needs_plain(self, now: float) -> bool:
+        """Whether to subscribe ``B`` (some tower is not a dafka tower, or is silent)."""
+        for tower_id, heard in list(self._heard.items()):
+            if now - heard > self.memory:
+                del self._heard[tower_id]
+        return self.welcomed and now >= self.grace_until and len(self._heard) < self.expected
+
+
+class RelayBook:
+    """A tower's memory of which addresses sent interest beacons, from where (sans-IO).
+
+    A ``B`` beacon from such an address and endpoint is relayed to ``B``
+    subscribers only; from any other address (a C node), or from another
+    endpoint than the interest beacons' (a second process with the same
+    identity), it is relayed as ``X U`` too, so dafka nodes that subscribe no
+    ``B`` still meet C nodes and notice twins.
+    """
+
+    def __init__(self, memory: float = 10.0, limit: int = 1_000_000) -> None:
+        self.memory = memory
+        self.limit = limit
+        self._typed: dict[str, tuple[str, float]] = {}  # address -> (endpoint, last interest beacon)
+        self._pruned_at = 0.0
+
+    def __len__(self) -> int:
+        return len(self._typed)
+
+    def on_beacon(self, head: bytes, address: str, endpoint: str, now: float) -> list[list[bytes]]:
+        """The tower beacons to publish for one node beacon (``head`` as received)."""
+        if now - self._pruned_at > self.memory:
+            self._pruned_at = now
+            self._typed = {a: e for a, e in self._typed.items() if now - e[1] <= self.memory}
+        plain = wire.tower_beacon(address, endpoint)
+        if head != wire.BEACON:
+            if address in self._typed or len(self._typed) < self.limit:
+                self._typed[address] = (endpoint, now)
+            return [[head, *plain[1:]]]
+        seen = self._typed.get(address)
+        if seen is not None and seen[0] == endpoint and now - seen[1] <= self.memory:
+            return [plain]
+        return [plain, [PREFIX + UNKNOWN, *plain[1:]]]

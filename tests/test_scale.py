@@ -1,0 +1,368 @@
+"""Interest beacons (dafka.beacon): who connects to whom, and the tower relaying by subscription."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from dafka import beacon, wire
+from dafka.beacon import CONSUMER, GROUP, PRODUCER, STORE, UNKNOWN, Interest, RelayBook, TowerCensus
+from dafka.config import NodeConfig
+from dafka.consumer import Consumer
+from dafka.errors import ProtocolError
+from dafka.node import new_address
+from dafka.peers import Connect, PeerTable
+from dafka.producer import Producer
+from dafka.store.node import Store
+from dafka.tower import Tower
+from tests.conftest import wait_until
+
+# ---------------------------------------------------------------- sans-IO
+
+
+def test_interest_rules() -> None:
+    producer = Interest.producer("t")
+    assert producer.wants(STORE, b"") and producer.wants(CONSUMER, b"t")
+    assert not producer.wants(PRODUCER, b"t")  # nobody connects to its own kind
+    assert not producer.wants(CONSUMER, b"other")
+    assert producer.wants(None, b"") and producer.wants(UNKNOWN, b"")  # C nodes: as today
+    consumer = Interest.consumer(["t", "u"], "g")
+    assert consumer.wants(PRODUCER, b"u") and consumer.wants(STORE, b"") and consumer.wants(GROUP, b"g")
+    assert not consumer.wants(CONSUMER, b"t") and not consumer.wants(PRODUCER, b"v")
+    assert not consumer.wants(GROUP, b"h")
+    store = Interest(STORE)
+    assert all(store.wants(k, b"t") for k in (PRODUCER, CONSUMER, STORE, GROUP, None))
+    # Each node subscribes exactly the beacons it may want (prefix + NUL: no topic prefix leak).
+    assert producer.subscriptions() == {b"XT", b"XU", b"XS", b"XA", b"XCt\x00"}
+    assert consumer.subscriptions() == {b"XT", b"XU", b"XS", b"XA", b"XPt\x00", b"XPu\x00", b"XGg\x00"}
+    assert store.subscriptions() == {b"X"}
+    assert consumer.heads() == [b"XCt\x00", b"XCu\x00", b"XGg\x00"]
+    assert Interest.consumer([]).heads() == [b"XC\x00"]
+    assert b"XPt\x00" in Interest.producer("t", watch_peers=True).subscriptions()
+
+
+def test_peer_table_connects_by_interest() -> None:
+    table = PeerTable("ME", 4.0, Interest.producer("t"))
+    assert table.on_beacon("P2", "tcp://h:2", 0.0, PRODUCER, b"t") == []
+    assert table.on_beacon("C1", "tcp://h:3", 0.0, CONSUMER, b"other") == []
+    assert table.on_beacon("C2", "tcp://h:4", 0.0, CONSUMER, b"t") == [Connect("tcp://h:4", "C2")]
+    assert table.on_beacon("S1", "tcp://h:5", 0.0, STORE, b"") == [Connect("tcp://h:5", "S1")]
+    # A C node reveals no kind: connected as today (plain B, or the tower's X U copy).
+    assert table.on_beacon("CN", "tcp://h:6", 0.0) == [Connect("tcp://h:6", "CN")]
+    assert table.on_beacon("CU", "tcp://h:7", 0.0, UNKNOWN, b"") == [Connect("tcp://h:7", "CU")]
+    # The plain B beacon of a dafka producer (heard behind a C tower) does not make it a C node...
+    assert table.on_beacon("P2", "tcp://h:2", 1.0) == []
+    # ...until its interest beacons stop for a whole timeout.
+    table.expire(6.0)
+    assert table.on_beacon("P2", "tcp://h:2", 6.0) == [Connect("tcp://h:2", "P2")]
+    assert table.ignored == 2  # P2 and C1 at first
+
+
+def test_heads_parse_and_refuse_junk() -> None:
+    assert beacon.parse_head(beacon.head(PRODUCER, b"topic")) == (PRODUCER, b"topic")
+    assert beacon.parse_head(b"XS") == (STORE, b"")
+    for junk in (b"X", b"XPtopic", b"XPa\x00b\x00", b"XZ", b"XSx", b"Y", b"XP" + b"t" * 300 + b"\x00"):
+        with pytest.raises(ProtocolError):
+            beacon.parse_head(junk)
+    with pytest.raises(ProtocolError):
+        beacon.decode_node_beacon([b"XPt\x00", b"A" * 32, b"", b"notaport"])
+    assert beacon.decode_tower_beacon([b"XCt\x00", b"A" * 32, b"tcp://h:1"]) == (CONSUMER, b"t", "A" * 32, "tcp://h:1")
+    assert beacon.decode_tower_beacon([b"B", b"A" * 32, b"tcp://h:1"]) == (None, b"", "A" * 32, "tcp://h:1")
+    assert beacon.parse_hello([b"XT" + b"F" * 32]) == "F" * 32
+    assert beacon.parse_hello([b"XT"]) is None and beacon.parse_hello([b"XT1", b"x"]) is None
+
+
+def test_relay_book_copies_c_beacons_only() -> None:
+    book = RelayBook(memory=10.0)
+    c_node = book.on_beacon(b"B", "C" * 32, "tcp://h:1", 0.0)
+    assert c_node == [[b"B", b"C" * 32, b"tcp://h:1"], [b"XU", b"C" * 32, b"tcp://h:1"]]
+    assert book.on_beacon(b"XPt\x00", "D" * 32, "tcp://h:2", 0.0) == [[b"XPt\x00", b"D" * 32, b"tcp://h:2"]]
+    assert book.on_beacon(b"B", "D" * 32, "tcp://h:2", 1.0) == [[b"B", b"D" * 32, b"tcp://h:2"]]
+    # The same address from elsewhere: a twin (or a C node reusing it) is copied as X U.
+    assert book.on_beacon(b"B", "D" * 32, "tcp://h:9", 1.0)[1] == [b"XU", b"D" * 32, b"tcp://h:9"]
+    assert len(book.on_beacon(b"B", "D" * 32, "tcp://h:2", 30.0)) == 2  # forgotten: a C node now
+    bounded = RelayBook(limit=2)
+    for i in range(5):
+        bounded.on_beacon(b"XS", f"{i:032d}", "tcp://h:1", 0.0)
+    assert len(bounded) == 2  # a flood of addresses cannot grow the book
+
+
+def test_tower_census() -> None:
+    census = TowerCensus(expected=2, started=0.0, grace=1.0, memory=5.0)
+    assert not census.needs_plain(3.0)  # no tower welcomed us: B would not help
+    census.on_welcome(3.0)
+    assert not census.needs_plain(3.5)  # grace: the towers' hellos may still come
+    assert census.needs_plain(4.5)
+    census.on_hello("T1", 4.6)
+    census.on_hello("T2", 4.7)
+    assert not census.needs_plain(5.0)
+    census.on_hello("T1", 9.0)
+    assert census.needs_plain(10.0)  # T2 silent for 5 s: maybe a C tower replaced it
+    for i in range(100):
+        census.on_hello(f"X{i}", 7.0)
+    assert len(census._heard) <= 64
+
+
+# ---------------------------------------------------------------- real sockets
+
+
+def test_producers_do_not_meet_and_consumer_gets_records(cfg: NodeConfig, tmp_path: Path) -> None:
+    with (
+        Store(str(tmp_path / "db"), cfg) as store,
+        Producer("t", cfg) as p1,
+        Producer("t", cfg) as p2,
+        Producer("other", cfg) as p3,
+        Consumer("t", cfg, offset_reset="earliest") as consumer,
+    ):
+        wait_until(lambda: consumer.address in p1.peers and consumer.address in p2.peers)
+        wait_until(lambda: store.address in p1.peers and {p1.address, p2.address} <= set(consumer.peers._peers))
+        p1.publish(b"one")
+        p2.publish(b"two")
+        got = set()
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            record = consumer.poll(0.2)
+            if record is not None:
+                got.add(record.content)
+        assert got == {b"one", b"two"}
+        assert p1.flush(10) and p2.flush(10)
+        # Stores meet everyone; producers never meet producers; the consumer skips "other".
+        assert {p1.address, p2.address, p3.address, consumer.address} <= set(store.peers._peers)
+        assert p2.address not in p1.peers and p1.address not in p2.peers
+        assert p3.address not in consumer.peers and consumer.address not in p3.peers
+        assert len(p1.peers) == 2  # the store and the consumer
+        # A fresh earliest consumer reads both partitions from the store.
+        with Consumer("t", cfg, offset_reset="earliest") as fresh:
+            seen = set()
+            deadline = time.monotonic() + 10
+            while len(seen) < 2 and time.monotonic() < deadline:
+                record = fresh.poll(0.2)
+                if record is not None:
+                    seen.add(record.partition)
+            assert seen == {p1.address, p2.address}
+
+
+def test_c_like_peer_is_connected_both_ways(cfg: NodeConfig, raw_peer) -> None:
+    # A C node: beacons only B, subscribes only B; reads records of "t".
+    peer = raw_peer([wire.P_RECORD + b"t"])
+    with Producer("t", cfg, acks=False) as producer:
+        # The producer connects to it (subscribes its FETCH prefix on the peer's XPUB)...
+        peer.wait_for(lambda p: p.subscribed(wire.P_FETCH + producer.address.encode()))
+        assert peer.address in producer.peers
+        # ...and it connects to the producer (it heard the producer's B beacon).
+        peer.wait_for(lambda p: any(e.endswith(f":{producer.port}") for e in p.peers))
+        deadline = time.monotonic() + 10
+        while not peer.messages(wire.Record) and time.monotonic() < deadline:
+            producer.publish(b"hello")
+            peer.pump(0.1)
+        assert [m.content for m in peer.messages(wire.Record)][:1] == [b"hello"]
+
+
+def _beacon_sub(tower: Tower, *prefixes: bytes) -> zmq.Socket:
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    for prefix in prefixes:
+        sub.setsockopt(zmq.SUBSCRIBE, prefix)
+    sub.connect(f"tcp://127.0.0.1:{tower.out_port}")
+    return sub
+
+
+def _heard(sub: zmq.Socket, seconds: float) -> list[list[bytes]]:
+    out = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if sub.poll(50):
+            out.append(sub.recv_multipart())
+    return out
+
+
+def test_tower_relays_by_subscription(tower: Tower, cfg: NodeConfig, tmp_path: Path) -> None:
+    only_a = _beacon_sub(tower, b"XPa\x00")
+    plain = _beacon_sub(tower, b"B")
+    unknown = _beacon_sub(tower, b"XU")
+    try:
+        with Producer("a", cfg) as pa, Producer("b", cfg) as pb, Store(str(tmp_path / "db"), cfg) as store:
+            heard_a = _heard(only_a, 1.0)
+            heard_plain = _heard(plain, 0.2)
+            assert heard_a and {m[0] for m in heard_a} == {b"XPa\x00"}
+            assert {m[1].decode() for m in heard_a} == {pa.address}
+            # A plain B subscriber (a C node, dafka status) still hears every node.
+            assert {pa.address, pb.address, store.address} <= {m[1].decode() for m in heard_plain}
+            assert {m[0] for m in heard_plain} == {b"B"}
+            # Not a single X U: every one of these nodes said what it is.
+            xu = _heard(unknown, 0.5)
+            assert not {m[1].decode() for m in xu} & {pa.address, pb.address, store.address}
+    finally:
+        only_a.close(0)
+        plain.close(0)
+        unknown.close(0)
+
+
+def test_hostile_interest_beacons_leave_the_tower_serving(tower: Tower, cfg: NodeConfig) -> None:
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.connect(f"tcp://127.0.0.1:{tower.in_port}")
+    sub = _beacon_sub(tower, b"X")
+    try:
+        wait_until(lambda: sub.poll(50) and sub.recv_multipart()[0].startswith(b"XT"), timeout=5)
+        for junk in ([b"XPt", b"A" * 32, b"", b"1"], [b"XQ", b"A" * 32, b"", b"1"], [b"X" * 1000, b"A", b"", b"1"]):
+            pub.send_multipart(junk)
+        good = new_address()
+        deadline = time.monotonic() + 5
+        heard: list[list[bytes]] = []
+        while time.monotonic() < deadline and not any(m[1:2] == [good.encode()] for m in heard):
+            pub.send_multipart([b"XS", good.encode(), b"127.0.0.1", b"1234"])
+            heard += _heard(sub, 0.1)
+        assert [b"XS", good.encode(), b"tcp://127.0.0.1:1234"] in heard
+        assert tower.bad_input.count >= 3
+    finally:
+        pub.close(0)
+        sub.close(0)
+
+
+def test_earliest_consumer_discovers_100_partitions_from_the_store(cfg: NodeConfig, tmp_path: Path, raw_peer) -> None:
+    n = 100
+    with Store(str(tmp_path / "db"), cfg):
+        # One raw peer plays 100 producers (partitions) that beacon only B; the store meets it
+        # through the tower's X U copy.
+        peer = raw_peer([wire.P_ACK])
+        peer.wait_for(lambda p: p.subscribed(wire.P_RECORD))
+        partitions = [new_address() for _ in range(n)]
+        for address in partitions:
+            peer.send(wire.Record("many", address, "many", 0, address.encode()))
+        peer.wait_for(lambda p: len(p.messages(wire.Ack)) >= n)
+        started = time.monotonic()
+        seen: set[str] = set()
+        with Consumer("many", cfg, offset_reset="earliest") as consumer:
+            while len(seen) < n and time.monotonic() - started < 5.0:
+                record = consumer.poll(0.1)
+                if record is not None:
+                    seen.add(record.partition)
+        assert seen == set(partitions)
+
+
+class _CLikeTower:
+    """What the C tower does: relay node beacons (any first frame) as 3-frame tower
+    beacons, forward subscriptions except W; no hello, no X U copies."""
+
+    def __init__(self) -> None:
+        import threading
+
+        ctx = zmq.Context.instance()
+        self.xsub = ctx.socket(zmq.XSUB)
+        self.xpub = ctx.socket(zmq.XPUB)
+        self.xpub.setsockopt(zmq.XPUB_WELCOME_MSG, wire.WELCOME)
+        for sock in (self.xsub, self.xpub):
+            sock.setsockopt(zmq.LINGER, 0)
+        self.in_port = self.xsub.bind_to_random_port("tcp://127.0.0.1")
+        self.out_port = self.xpub.bind_to_random_port("tcp://127.0.0.1")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.xsub, zmq.POLLIN)
+        poller.register(self.xpub, zmq.POLLIN)
+        while not self._stop.is_set():
+            for sock, _ in poller.poll(50):
+                if sock is self.xsub:
+                    frames = self.xsub.recv_multipart()
+                    if len(frames) >= 4:
+                        endpoint = b"tcp://127.0.0.1:" + frames[3]
+                        self.xpub.send_multipart([frames[0], frames[1], endpoint])
+                else:
+                    sub = self.xpub.recv()
+                    if sub[1:2] != b"W":
+                        self.xsub.send(sub)
+        self.xsub.close(0)
+        self.xpub.close(0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def test_behind_a_c_tower_nodes_meet_c_nodes_and_each_other(cfg: NodeConfig) -> None:
+    from dataclasses import replace
+
+    from dafka.config import TowerAddress
+    from tests.conftest import RawPeer
+
+    c_tower = _CLikeTower()
+    c_cfg = replace(cfg, towers=(TowerAddress("127.0.0.1", c_tower.in_port, c_tower.out_port),))
+    peer = RawPeer(c_cfg, [wire.P_RECORD + b"t"])
+    try:
+        with Producer("t", c_cfg, acks=False) as producer, Consumer("t", c_cfg, offset_reset="earliest") as consumer:
+            # No hello from this tower: the producer falls back to B and meets the C node too.
+            peer.wait_for(lambda p: p.subscribed(wire.P_FETCH + producer.address.encode()))
+            wait_until(lambda: producer.address in consumer.peers)
+            producer.publish(b"x")
+            record = None
+            deadline = time.monotonic() + 10
+            while record is None and time.monotonic() < deadline:
+                record = consumer.poll(0.2)
+            assert record is not None and record.content == b"x"
+            assert wire.BEACON in producer._beacon_subs
+    finally:
+        peer.close()
+        c_tower.close()
+
+
+# ---------------------------------------------------------------- many partitions stay readable
+
+
+def test_topics_and_status_summarise_many_partitions(tmp_path: Path) -> None:
+    import subprocess
+
+    from dafka.status import render_text
+    from dafka.store.db import RecordDB
+    from tests.conftest import dafka_cmd, subprocess_env
+
+    parts = [f"{i:032X}" for i in range(30)]
+    with RecordDB(tmp_path / "db") as db:
+        db.append([("many", p, 0, b"x" * (i + 1), 0) for i, p in enumerate(parts)])
+        db.append([("many", parts[-1], 1, b"y", 0)])
+
+    def topics(*extra: str) -> list[str]:
+        out = subprocess.run(
+            dafka_cmd("topics", "--db", str(tmp_path / "db"), *extra),
+            capture_output=True, text=True, env=subprocess_env(), timeout=60, check=True,
+        )
+        return out.stdout.splitlines()
+
+    short = topics()
+    assert len(short) == 1 + 20 + 1 and "... 10 more partitions" in short[-1] and "--all" in short[-1]
+    assert parts[-1] in short[1]  # the largest first
+    assert len(topics("--all")) == 1 + 30
+
+    snap = {
+        "towers": [],
+        "nodes": [
+            {"address": p, "kind": "producer", "endpoint": "tcp://h:1", "alive": True, "last_beacon_age": 0.1}
+            for p in parts
+        ]
+        + [{"address": "S" * 32, "kind": "store", "endpoint": "tcp://h:2", "alive": True, "last_beacon_age": 0.1}],
+        "partitions": [
+            {
+                "topic": "many",
+                "partition": p,
+                "producer_head": 0,
+                "producer_alive": i != 5,
+                "stores": [{"address": "S" * 32, "head": 0 if i != 7 else -1, "lag": 0 if i != 7 else 1}],
+            }
+            for i, p in enumerate(parts)
+        ],
+    }
+    text = render_text(snap)
+    assert "NODES (31: 30 producer, 1 store)" in text and "S" * 32 in text
+    assert "... 11 more producers" in text and "... 10 more partitions" in text
+    assert "PARTITIONS (30, 1 without a live producer)" in text
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("PARTITIONS"))
+    assert parts[7] in lines[header + 2]  # the lagging one first
+    full = render_text(snap, None)
+    assert all(full.count(p) == 2 for p in parts) and "more" not in full
