@@ -16,7 +16,9 @@ from kafka.protocol.producer import ProduceRequest
 from kafka.record.default_records import DefaultRecordBatchBuilder
 
 from dafka.config import NodeConfig
+from dafka.kafka.codec import Err
 from dafka.kafka.gateway import KafkaGateway
+from dafka.kafka.groups import Coordinator
 from tests.kafka.test_gateway import HOST, closed, frame, produce_raw
 
 pytestmark = pytest.mark.timeout(120)
@@ -56,3 +58,31 @@ def test_one_produce_request_cannot_inflate_past_its_budget_over_many_partition_
     with socket.create_connection((HOST, kgw.kafka_port)) as s:
         r: Any = produce_raw(s, 2, "bomb", bomb)
     assert (r.error_code, r.base_offset) == (0, 0)
+
+
+def test_the_coordinator_holds_a_bounded_amount_over_all_groups() -> None:
+    """Member metadata was bounded per join (1 MiB) and members per group (1,000) and groups
+    (10,000), but not in total: one client joining group after group with 1 MiB of metadata
+    each (answered at once, kept for the session, 300 s at most, or for ever with heartbeats)
+    made the gateway hold up to 10 GiB, and more with many members."""
+    c = Coordinator()
+    c.max_held = 4 << 20
+    meta = [("range", bytes((1 << 20) - 16))]
+    codes = []
+    members = {}
+    for i in range(10):
+        a = c.join(f"t{i}", 0.0, f"g{i}", "", "evil", "consumer", meta, 300.0, 300.0)[0].fields
+        codes.append(a["error_code"])
+        if a["error_code"] == 0:
+            members[f"g{i}"] = a["member_id"]
+    assert codes.count(Err.NONE) == 3 and codes[3:] == [Err.COORDINATOR_NOT_AVAILABLE] * 7
+    assert c.held <= c.max_held and len(c.groups) == 3
+    # A leader's assignments count too.
+    g, m = next(iter(members.items()))
+    assert c.sync("s", 0.1, g, m, 1, [(m, bytes(2 << 20))])[0].fields["error_code"] == Err.COORDINATOR_NOT_AVAILABLE
+    assert c.sync("s", 0.1, g, m, 1, [(m, b"p0")])[0].fields["assignment"] == b"p0"
+    # What members leave (or time out) is given back.
+    c.leave(0.2, g, [m])
+    assert c.join("t", 0.3, "again", "", "ok", "consumer", meta, 10.0, 10.0)[0].fields["error_code"] == Err.NONE
+    c.tick(400.0)
+    assert c.held == 0
