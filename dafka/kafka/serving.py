@@ -135,6 +135,8 @@ class KafkaServer:
         self.fetch_cap = fetch_cap
         self.partition_cap = partition_cap
         self.max_inflated = MAX_REQUEST_INFLATED
+        #: CreateTopics above this many partitions is refused (the gateway sets its Tank limit).
+        self.max_partitions = MAX_CREATE_PARTITIONS
         self.coordinator = Coordinator()
         self._producers: OrderedDict[int, _ProducerState] = OrderedDict()
         # Read ahead: the next batch of partitions being read, encoded before it is asked for.
@@ -217,8 +219,8 @@ class KafkaServer:
             n = t.num_partitions if t.num_partitions > 0 else (len(t.assignments) or self.default_partitions)
             if not valid_topic_name(t.name) or len(t.name) > 249:
                 code, msg = Err.INVALID_TOPIC_EXCEPTION, "invalid topic name"
-            elif not 0 < n <= MAX_CREATE_PARTITIONS:
-                code, msg = Err.INVALID_PARTITIONS, f"1..{MAX_CREATE_PARTITIONS} partitions"
+            elif not 0 < n <= self.max_partitions:
+                code, msg = Err.INVALID_PARTITIONS, f"1..{self.max_partitions} partitions"
             elif self.backend.pmap.partitions(t.name) is not None:
                 code, msg = Err.TOPIC_ALREADY_EXISTS, f"topic {t.name} exists"
             elif v >= 1 and req.validate_only:

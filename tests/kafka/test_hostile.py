@@ -86,3 +86,29 @@ def test_the_coordinator_holds_a_bounded_amount_over_all_groups() -> None:
     assert c.join("t", 0.3, "again", "", "ok", "consumer", meta, 10.0, 10.0)[0].fields["error_code"] == Err.NONE
     c.tick(400.0)
     assert c.held == 0
+
+
+def test_kafka_create_topics_keeps_the_gateways_partition_limit(cfg: NodeConfig, tmp_path: Path) -> None:
+    """The Tank port refuses a topic over max_partitions_per_topic; Kafka's CreateTopics took
+    up to 10,000 partitions whatever the operator set."""
+    from kafka.protocol.admin import CreateTopicsRequest, CreateTopicsResponse
+
+    from dafka.tank.limits import GatewayLimits
+    from tests.kafka.test_gateway import read_frame
+
+    gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0),
+                      limits=GatewayLimits(max_partitions_per_topic=8))
+    try:
+        def create(name: str, n: int) -> int:
+            t = CreateTopicsRequest[0].CreatableTopic(
+                name=name, num_partitions=n, replication_factor=-1, assignments=[], configs=[])
+            req = CreateTopicsRequest[0](topics=[t], timeout_ms=5000)
+            with socket.create_connection((HOST, gw.kafka_port)) as s:
+                s.sendall(frame(19, 0, 1, bytes(req.encode(version=0))))
+                return CreateTopicsResponse.decode(read_frame(s)[4:], version=0).topics[0].error_code
+
+        assert create("wide", 9000) == Err.INVALID_PARTITIONS
+        assert gw.pmap.partitions("wide") is None
+        assert create("fits", 8) == Err.NONE and len(gw.pmap.partitions("fits") or ()) == 8
+    finally:
+        gw.close()
