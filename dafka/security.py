@@ -20,6 +20,8 @@ import hmac
 import itertools
 import logging
 import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,13 +94,31 @@ def new_keys(name: str, role: str, directory: str | os.PathLike[str]) -> tuple[P
     public, secret = out / f"{name}.key", out / f"{name}.key_secret"
     if public.exists() or secret.exists():
         raise ConfigError(f"{public} or {secret} already exists")
-    zmq.auth.create_certificates(out, name, metadata={"role": f'"{role}"'})
-    # pyzmq writes metadata into the secret certificate only; the public one
-    # (the one that goes into allow-lists) must carry the role as well.
-    text = public.read_text(encoding="utf-8")
-    public.write_text(text.replace("metadata\n", f'metadata\n    role = "{role}"\n', 1), encoding="utf-8")
-    os.chmod(secret, 0o600)
+    # Made in a private directory (0700) and moved into place once 0600: the
+    # secret is never readable by others, not even for a moment.
+    work = Path(tempfile.mkdtemp(prefix=".new-key-", dir=out))
+    try:
+        zmq.auth.create_certificates(work, name, metadata={"role": f'"{role}"'})
+        os.chmod(work / secret.name, 0o600)
+        # pyzmq writes metadata into the secret certificate only; the public one
+        # (the one that goes into allow-lists) must carry the role as well.
+        text = (work / public.name).read_text(encoding="utf-8")
+        (work / public.name).write_text(
+            text.replace("metadata\n", f'metadata\n    role = "{role}"\n', 1), encoding="utf-8"
+        )
+        os.replace(work / secret.name, secret)
+        os.replace(work / public.name, public)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return public, secret
+
+
+def private_secret(path: str | os.PathLike[str]) -> None:
+    """Make a secret certificate readable by its owner only (0600), saying so if it was not."""
+    mode = os.stat(path).st_mode & 0o777
+    if mode & 0o077:
+        log.warning("%s was readable by others (mode %o): made 0600", path, mode)
+        os.chmod(path, 0o600)
 
 
 def list_certificates(directory: str | os.PathLike[str]) -> list[Certificate]:

@@ -106,6 +106,7 @@ def secure_mesh(data_dir: Path, tower: TowerAddress) -> dict[str, SecurityConfig
             security.new_keys(name, role, keys)
         elif security.read_certificate(public).role != role:
             raise ConfigError(f"{public} is not a {role} key; move it away to have a new one made")
+        security.private_secret(secret)
     allow.mkdir(parents=True, exist_ok=True)
     for name, _ in SECURE_KEYS:
         shutil.copyfile(keys / f"{name}.key", allow / f"{name}.key")

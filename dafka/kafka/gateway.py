@@ -127,6 +127,8 @@ class KafkaGateway(Gateway):
                 default_partitions=kafka_default_partitions, **extra,
             )
             super().__init__(db, config, **gateway_options)
+            # The Tank port's limit holds for Kafka's CreateTopics too.
+            self.kafka.max_partitions = min(self.kafka.max_partitions, self.limits.max_partitions_per_topic)
         except BaseException:
             self.kafka_listener.close()
             raise

@@ -40,6 +40,9 @@ MAX_MEMBERS = 1000
 MAX_GROUPS = 10_000
 #: Member metadata and assignments larger than this are refused.
 MAX_METADATA = 1 << 20
+#: Bytes of member metadata, protocol names, ids and assignments held over every group:
+#: a join past it is refused (COORDINATOR_NOT_AVAILABLE), so many groups cannot add up.
+MAX_HELD = 256 << 20
 
 EMPTY, PREPARING, COMPLETING, STABLE = "Empty", "PreparingRebalance", "CompletingRebalance", "Stable"
 
@@ -84,6 +87,9 @@ class Coordinator:
     def __init__(self) -> None:
         self.groups: dict[str, Group] = {}
         self._ids = itertools.count(1)
+        self.max_held = MAX_HELD
+        #: Bytes members hold now (see :data:`MAX_HELD`).
+        self.held = 0
 
     # ---------------------------------------------------------------- requests
 
@@ -126,6 +132,15 @@ class Coordinator:
         member = group.members.get(member_id) if member_id else None
         if member_id and member is None:
             return fail(Err.UNKNOWN_MEMBER_ID)
+        cost = _cost(protocols) + (len(client_id) * 2 + 40) * 2 + 64
+        if self.held + cost - (_held(member) if member is not None else 0) > self.max_held:
+            log.warning(
+                "group %s: join refused, members of all groups hold %d bytes (at most %d)",
+                group_id, self.held, self.max_held,
+            )
+            if not group.members:
+                del self.groups[group_id]
+            return fail(Err.COORDINATOR_NOT_AVAILABLE)
         if member is None:
             if len(group.members) >= MAX_MEMBERS:
                 return fail(Err.COORDINATOR_NOT_AVAILABLE)
@@ -134,9 +149,12 @@ class Coordinator:
                 member_id, client_id, session_timeout, rebalance_timeout, protocol_type, protocols, now
             )
             group.members[member_id] = member
+            self.held += _held(member)
             log.info("group %s: member %s joins", group_id, member_id)
         else:
+            self.held -= _held(member)
             member.protocols = protocols
+            self.held += _held(member)
             member.session_timeout = session_timeout
             member.rebalance_timeout = rebalance_timeout
             member.last_seen = now
@@ -175,8 +193,18 @@ class Coordinator:
         out: list[Answer] = []
         if member_id == group.leader:
             given = dict(assignments)
+            more = sum(len(given.get(m.member_id, b"")) - len(m.assignment) for m in group.members.values())
+            if self.held + more > self.max_held:
+                log.warning(
+                    "group %s: assignments refused, members of all groups hold %d bytes (at most %d)",
+                    group_id, self.held, self.max_held,
+                )
+                member.sync_token = None
+                return answer(Err.COORDINATOR_NOT_AVAILABLE)
             for m in group.members.values():
+                self.held -= len(m.assignment)
                 m.assignment = given.get(m.member_id, b"")
+                self.held += len(m.assignment)
             group.state = STABLE
             log.info(
                 "group %s: generation %d stable, %d members, protocol %s",
@@ -253,7 +281,7 @@ class Coordinator:
                 for mid, m in list(group.members.items()):
                     if m.join_token is None:
                         log.info("group %s: member %s did not rejoin in time", group.group_id, mid)
-                        del group.members[mid]
+                        self.held -= _held(group.members.pop(mid))
                 out.extend(self._maybe_complete(group, now))
         return out
 
@@ -273,6 +301,7 @@ class Coordinator:
 
     def _remove(self, group: Group, member_id: str, now: float) -> list[Answer]:
         member = group.members.pop(member_id)
+        self.held -= _held(member)
         out: list[Answer] = []
         if member.sync_token is not None:
             out.append(Answer(member.sync_token, _sync_fields(Err.REBALANCE_IN_PROGRESS, group, b"")))
@@ -330,6 +359,15 @@ class Coordinator:
     def _forget_empty(self) -> None:
         for gid in [g for g, grp in self.groups.items() if not grp.members]:
             del self.groups[gid]
+
+
+def _cost(protocols: list[tuple[str, bytes]]) -> int:
+    return sum(len(n) + len(m) for n, m in protocols)
+
+
+def _held(member: Member) -> int:
+    """Bytes a member holds, about (strings counted twice for their Python overhead)."""
+    return _cost(member.protocols) + len(member.assignment) + (len(member.member_id) + len(member.client_id)) * 2 + 64
 
 
 def _join_fields(

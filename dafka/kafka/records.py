@@ -150,15 +150,31 @@ def _zz(n: int) -> bytes:
 # ---------------------------------------------------------------- decode
 
 
-def decode_batches(data: bytes | None, limit: int = MAX_DECOMPRESSED) -> list[Batch]:
-    """Every batch in a produce request's ``records`` (v2 batches or a legacy message set)."""
+def decode_batches(
+    data: bytes | None, limit: int = MAX_DECOMPRESSED, shared: list[int] | None = None
+) -> list[Batch]:
+    """Every batch in a produce request's ``records`` (v2 batches or a legacy message set).
+
+    Decompression inflates at most ``limit`` bytes, and at most ``shared[0]``
+    when given: the budget of the whole request, which this call spends (one
+    request may name many partitions, or one partition many times, each with
+    a compression bomb of its own).
+    """
     if not data:
         return []
-    buf = bytes(data)
+    given = limit if shared is None else min(limit, shared[0])
+    budget = [given]
+    try:
+        return _decode_all(bytes(data), budget)
+    finally:
+        if shared is not None:
+            shared[0] -= given - budget[0]
+
+
+def _decode_all(buf: bytes, budget: list[int]) -> list[Batch]:
     end = len(buf)
     out: list[Batch] = []
     pos = 0
-    budget = [limit]
     while pos < end:
         if end - pos < 17:
             raise ProtocolError("truncated record batch header")

@@ -38,7 +38,13 @@ from typing import Any, Protocol
 from dafka.errors import ProtocolError
 from dafka.kafka.codec import API_VERSIONS, Err, N, api_keys, encode_fetch_response, encode_response
 from dafka.kafka.groups import Answer, Coordinator
-from dafka.kafka.records import Batch, batch_record_count, decode_batches, encode_batch
+from dafka.kafka.records import (
+    MAX_DECOMPRESSED,
+    Batch,
+    batch_record_count,
+    decode_batches,
+    encode_batch,
+)
 from dafka.store.layout import MAX_NAME
 from dafka.tank.mapping import PARTITIONS_TOPIC, PartitionMap, TankPartition, valid_topic_name
 
@@ -55,6 +61,8 @@ AHEAD_BYTES = 64 << 20  # batches encoded ahead of the fetches that will want th
 MAX_AHEAD_PARTITIONS = 1024
 COLD_READ_BYTES = 1 << 20  # at most this much in an answer not encoded ahead (Kafka's default max.partition.fetch.bytes)
 AHEAD_SECONDS = 5.0  # a batch encoded ahead and not asked for within this is dropped
+#: Bytes the compressed batches of one produce request may inflate to, over all its partitions.
+MAX_REQUEST_INFLATED = 4 * MAX_DECOMPRESSED
 
 
 class Backend(Protocol):
@@ -126,6 +134,9 @@ class KafkaServer:
         self.default_partitions = default_partitions
         self.fetch_cap = fetch_cap
         self.partition_cap = partition_cap
+        self.max_inflated = MAX_REQUEST_INFLATED
+        #: CreateTopics above this many partitions is refused (the gateway sets its Tank limit).
+        self.max_partitions = MAX_CREATE_PARTITIONS
         self.coordinator = Coordinator()
         self._producers: OrderedDict[int, _ProducerState] = OrderedDict()
         # Read ahead: the next batch of partitions being read, encoded before it is asked for.
@@ -208,8 +219,8 @@ class KafkaServer:
             n = t.num_partitions if t.num_partitions > 0 else (len(t.assignments) or self.default_partitions)
             if not valid_topic_name(t.name) or len(t.name) > 249:
                 code, msg = Err.INVALID_TOPIC_EXCEPTION, "invalid topic name"
-            elif not 0 < n <= MAX_CREATE_PARTITIONS:
-                code, msg = Err.INVALID_PARTITIONS, f"1..{MAX_CREATE_PARTITIONS} partitions"
+            elif not 0 < n <= self.max_partitions:
+                code, msg = Err.INVALID_PARTITIONS, f"1..{self.max_partitions} partitions"
             elif self.backend.pmap.partitions(t.name) is not None:
                 code, msg = Err.TOPIC_ALREADY_EXISTS, f"topic {t.name} exists"
             elif v >= 1 and req.validate_only:
@@ -239,12 +250,14 @@ class KafkaServer:
         pmap = self.backend.pmap
         # Decode everything first: a malformed batch closes the connection
         # before anything of the request is written.
+        # Every partition's batches are held at once: their decompression shares one budget.
         plan = []
+        inflate = [self.max_inflated]
         for t in req.topic_data:
             parts = None if t.name == PARTITIONS_TOPIC else pmap.partitions(t.name)
             for p in t.partition_data:
                 part = parts[p.index] if parts is not None and 0 <= p.index < len(parts) else None
-                batches = decode_batches(p.records) if part is not None and part.owned else []
+                batches = decode_batches(p.records, shared=inflate) if part is not None and part.owned else []
                 plan.append((t.name, p.index, part, batches))
         needs: dict[tuple[str, str], int] = {}
         results: dict[str, list[Any]] = {}

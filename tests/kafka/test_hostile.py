@@ -1,0 +1,114 @@
+"""Hostile Kafka clients: what one connection can make the gateway hold.
+
+Real TCP on 127.0.0.1, a real gateway with LMDB; the requests are written by
+hand, as an attacker would, not by a well-behaved client library.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kafka.protocol.producer import ProduceRequest
+from kafka.record.default_records import DefaultRecordBatchBuilder
+
+from dafka.config import NodeConfig
+from dafka.kafka.codec import Err
+from dafka.kafka.gateway import KafkaGateway
+from dafka.kafka.groups import Coordinator
+from tests.kafka.test_gateway import HOST, closed, frame, produce_raw
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def kgw(cfg: NodeConfig, tmp_path: Path) -> Iterator[KafkaGateway]:
+    gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0))
+    yield gw
+    gw.close()
+
+
+def gzip_batch(value: bytes) -> bytes:
+    b = DefaultRecordBatchBuilder(2, 1, False, -1, -1, -1, len(value) + 1024)
+    b.append(0, 1000, None, value, [])
+    return bytes(b.build())
+
+
+def test_one_produce_request_cannot_inflate_past_its_budget_over_many_partition_entries(kgw: KafkaGateway) -> None:
+    """Each partition entry of a produce request had a decompression budget of its own (64 MiB),
+    and all of them are decoded before anything is written: one small request naming the same
+    partition many times, each with a gzip bomb, made the gateway hold all of them at once."""
+    kgw.create_topic("bomb", 1)
+    kgw.kafka.max_inflated = 8 << 20
+    bomb = gzip_batch(bytes(3 << 20))
+    assert len(bomb) < 64 << 10
+    req = ProduceRequest[7](
+        transactional_id=None, acks=-1, timeout_ms=5000,
+        topic_data=[ProduceRequest.TopicProduceData(name="bomb", partition_data=[
+            ProduceRequest.TopicProduceData.PartitionProduceData(index=0, records=bomb) for _ in range(4)])],
+    )
+    with socket.create_connection((HOST, kgw.kafka_port)) as s:
+        s.sendall(frame(0, 7, 1, bytes(req.encode(version=7))))
+        assert closed(s), "a request inflating 12 MiB over a budget of 8 MiB was taken"
+    assert kgw.head("bomb", kgw.pmap.get("bomb", 0).address) is None
+    # Within the budget, the same batch is taken; the gateway still serves.
+    with socket.create_connection((HOST, kgw.kafka_port)) as s:
+        r: Any = produce_raw(s, 2, "bomb", bomb)
+    assert (r.error_code, r.base_offset) == (0, 0)
+
+
+def test_the_coordinator_holds_a_bounded_amount_over_all_groups() -> None:
+    """Member metadata was bounded per join (1 MiB) and members per group (1,000) and groups
+    (10,000), but not in total: one client joining group after group with 1 MiB of metadata
+    each (answered at once, kept for the session, 300 s at most, or for ever with heartbeats)
+    made the gateway hold up to 10 GiB, and more with many members."""
+    c = Coordinator()
+    c.max_held = 4 << 20
+    meta = [("range", bytes((1 << 20) - 16))]
+    codes = []
+    members = {}
+    for i in range(10):
+        a = c.join(f"t{i}", 0.0, f"g{i}", "", "evil", "consumer", meta, 300.0, 300.0)[0].fields
+        codes.append(a["error_code"])
+        if a["error_code"] == 0:
+            members[f"g{i}"] = a["member_id"]
+    assert codes.count(Err.NONE) == 3 and codes[3:] == [Err.COORDINATOR_NOT_AVAILABLE] * 7
+    assert c.held <= c.max_held and len(c.groups) == 3
+    # A leader's assignments count too.
+    g, m = next(iter(members.items()))
+    assert c.sync("s", 0.1, g, m, 1, [(m, bytes(2 << 20))])[0].fields["error_code"] == Err.COORDINATOR_NOT_AVAILABLE
+    assert c.sync("s", 0.1, g, m, 1, [(m, b"p0")])[0].fields["assignment"] == b"p0"
+    # What members leave (or time out) is given back.
+    c.leave(0.2, g, [m])
+    assert c.join("t", 0.3, "again", "", "ok", "consumer", meta, 10.0, 10.0)[0].fields["error_code"] == Err.NONE
+    c.tick(400.0)
+    assert c.held == 0
+
+
+def test_kafka_create_topics_keeps_the_gateways_partition_limit(cfg: NodeConfig, tmp_path: Path) -> None:
+    """The Tank port refuses a topic over max_partitions_per_topic; Kafka's CreateTopics took
+    up to 10,000 partitions whatever the operator set."""
+    from kafka.protocol.admin import CreateTopicsRequest, CreateTopicsResponse
+
+    from dafka.tank.limits import GatewayLimits
+    from tests.kafka.test_gateway import read_frame
+
+    gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0),
+                      limits=GatewayLimits(max_partitions_per_topic=8))
+    try:
+        def create(name: str, n: int) -> int:
+            t = CreateTopicsRequest[0].CreatableTopic(
+                name=name, num_partitions=n, replication_factor=-1, assignments=[], configs=[])
+            req = CreateTopicsRequest[0](topics=[t], timeout_ms=5000)
+            with socket.create_connection((HOST, gw.kafka_port)) as s:
+                s.sendall(frame(19, 0, 1, bytes(req.encode(version=0))))
+                return CreateTopicsResponse.decode(read_frame(s)[4:], version=0).topics[0].error_code
+
+        assert create("wide", 9000) == Err.INVALID_PARTITIONS
+        assert gw.pmap.partitions("wide") is None
+        assert create("fits", 8) == Err.NONE and len(gw.pmap.partitions("fits") or ()) == 8
+    finally:
+        gw.close()
