@@ -945,6 +945,7 @@ def _add_gateway_limit_flags(p: argparse.ArgumentParser) -> None:
         ("max_answer_bytes", count_arg, "record bytes in one consume answer"),
         ("max_output_bytes", count_arg, "unsent answer bytes of one connection"),
         ("max_partitions_per_topic", count_arg, "partitions a Tank CreateTopic may ask for"),
+        ("max_owned_partitions", count_arg, "partitions of all topics the gateway created (Tank and Kafka), together"),
     ):
         p.add_argument(
             "--" + name.replace("_", "-"), type=kind, help=f"{what} (or [gateway] {name}; default {getattr(d, name)})"

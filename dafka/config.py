@@ -166,6 +166,7 @@ SCHEMA: dict[str, dict[str, Spec]] = {
         "max_answer_bytes": Spec("int", 1),
         "max_output_bytes": Spec("int", 1),
         "max_partitions_per_topic": Spec("int", 1, 0xFFFE),
+        "max_owned_partitions": Spec("int", 1, 2**31 - 1),
     },
     "security": {
         "key": Spec("str"),

@@ -40,7 +40,6 @@ from dafka.errors import ProtocolError
 from dafka.kafka.codec import DEFAULT_MAX_FRAME, FrameReader, decode_request
 from dafka.kafka.records import Batch, make_ext, store_pairs
 from dafka.kafka.serving import KafkaServer, ParkedFetch
-from dafka.node import new_address
 from dafka.store.layout import FLAG_KAFKA, FLAG_KEY, VALUE_HEADER
 from dafka.store.node import MAX_BATCH
 from dafka.tank.gateway import Gateway
@@ -163,10 +162,8 @@ class KafkaGateway(Gateway):
     def create_topic(self, name: str, partitions: int) -> bool:
         if not valid_topic_name(name) or self.pmap.partitions(name) is not None or self.db.partitions(name):
             return False
-        self.pmap.create_topic(name, partitions, new_address)
-        for part in self.pmap.partitions(name) or ():
-            self._owned[(part.topic, part.address)] = part
-        self._save_map()
+        if not self.create_owned_topic(name, partitions, "Kafka"):
+            return False
         log.info("created topic %s with %d gateway partitions (Kafka)", name, partitions)
         return True
 

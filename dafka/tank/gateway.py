@@ -173,6 +173,7 @@ class Gateway(Store):
         self.clients_refused = 0
         self.limits = limits or GatewayLimits()
         self.connections_refused = 0  # over max_connections
+        self.topics_refused = 0  # creations over max_owned_partitions
         self.records_too_large = 0  # Tank produces refused for a record over max_record_bytes
         try:
             self._setup(rdb, listen, compress)
@@ -756,6 +757,25 @@ class Gateway(Store):
 
     # ---------------------------------------------------------------- create topic
 
+    def create_owned_topic(self, topic: str, partitions: int, how: str = "Tank") -> bool:
+        """Create a topic of ``partitions`` gateway-owned partitions (Tank or Kafka);
+        False, logged, when that would pass ``max_owned_partitions``."""
+        if len(self._owned) + partitions > self.limits.max_owned_partitions:
+            self.topics_refused += 1
+            if self.topics_refused <= 20 or self.topics_refused % 1000 == 0:
+                log.warning(
+                    "%s topic %s refused: %d more partitions would pass the gateway's %d"
+                    " (max_owned_partitions); %d refused so far",
+                    how, topic, partitions, self.limits.max_owned_partitions, self.topics_refused,
+                )
+            return False
+        self.pmap.create_topic(topic, partitions, new_address)
+        for part in self.pmap.partitions(topic) or ():
+            self._owned[(part.topic, part.address)] = part
+        self._save_map()
+        self._wake_parked((_VIRTUAL_KEY,))
+        return True
+
     def _create_topic(self, req: CreateTopicRequest) -> CreateTopicResponse:
         def answer(code: int) -> CreateTopicResponse:
             return CreateTopicResponse(req.req_id, req.topic, code)
@@ -773,11 +793,8 @@ class Gateway(Store):
                 return answer(CreateTopicError.INVALID_CONFIG)
         if self.pmap.partitions(req.topic) is not None or self.db.partitions(req.topic):
             return answer(CreateTopicError.EXISTS)
-        self.pmap.create_topic(req.topic, req.partitions, new_address)
-        for part in self.pmap.partitions(req.topic) or ():
-            self._owned[(part.topic, part.address)] = part
-        self._save_map()
-        self._wake_parked((_VIRTUAL_KEY,))
+        if not self.create_owned_topic(req.topic, req.partitions):
+            return answer(CreateTopicError.INVALID)
         if req.config.strip():
             log.info("topic %s: Tank topic configuration ignored (%r)", req.topic, req.config)
         log.info("created topic %s with %d gateway partitions", req.topic, req.partitions)

@@ -22,6 +22,10 @@ can make the gateway hold or wait for:
   4 MiB per partition); ``max_output_bytes``: unsent answer bytes of one
   connection, past which its requests wait and its answers shrink.
 * ``max_partitions_per_topic``: CreateTopic above it is refused (error 10).
+* ``max_owned_partitions``: partitions of topics the gateway created (Tank
+  CreateTopic, Kafka CreateTopics and auto-creation), all topics together; a
+  creation past it is refused.  Each costs a HEAD every announce interval and
+  a line of the partition map, so the count of topics must be bounded too.
 
 Every limit is a key of the ``[gateway]`` TOML table; ``dafka gateway`` also
 takes each as a flag (``--max-connections`` ...).
@@ -51,6 +55,7 @@ class GatewayLimits:
     max_answer_bytes: int = 16 << 20
     max_output_bytes: int = 32 << 20
     max_partitions_per_topic: int = 1024
+    max_owned_partitions: int = 65536
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -112,3 +112,27 @@ def test_kafka_create_topics_keeps_the_gateways_partition_limit(cfg: NodeConfig,
         assert create("fits", 8) == Err.NONE and len(gw.pmap.partitions("fits") or ()) == 8
     finally:
         gw.close()
+
+
+def test_auto_created_topics_stop_at_the_gateways_partition_limit(cfg: NodeConfig, tmp_path: Path) -> None:
+    """Metadata auto-creates one topic per unknown name: a client naming thousands of
+    topics made as many, each a line of the partition map rewritten whole."""
+    from kafka.protocol.metadata import MetadataRequest
+
+    from dafka.tank.limits import GatewayLimits
+
+    gw = KafkaGateway(
+        tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0), limits=GatewayLimits(max_owned_partitions=20)
+    )
+    try:
+        names = [f"auto{i}" for i in range(50)]
+        req = MetadataRequest[4](topics=names, allow_auto_topic_creation=True)
+        with socket.create_connection((HOST, gw.kafka_port)) as s:
+            s.sendall(frame(3, 4, 1, bytes(req.encode(version=4))))
+            s.settimeout(10)
+            size = int.from_bytes(s.recv(4, socket.MSG_WAITALL), "big")
+            assert size > 0
+        created = [n for n in names if gw.pmap.partitions(n) is not None]
+        assert len(created) == 20 and gw.topics_refused == 30
+    finally:
+        gw.close()

@@ -346,6 +346,24 @@ def test_create_topic_partitions_are_capped(make: Any, caplog: Any) -> None:
     assert create(small, "eight", 8) == CreateTopicError.OK
 
 
+def test_topics_created_over_all_are_capped(make: Any, caplog: Any) -> None:
+    """Many small topics (each within max_partitions_per_topic) cost a HEAD each every announce
+    interval and a line of the map: the gateway's own partitions are bounded over all topics."""
+    gw = make(max_owned_partitions=40)
+    w, kept = witness(gw)  # its topic holds one owned partition
+    try:
+        with caplog.at_level(logging.WARNING, logger="dafka.gateway"):
+            results = [create(gw, f"t{i}", 8) for i in range(6)]
+        assert results[:4] == [CreateTopicError.OK] * 4  # 1 + 4 x 8 = 33 of 40
+        assert results[4:] == [CreateTopicError.INVALID] * 2
+        assert "max_owned_partitions" in caplog.text and gw.topics_refused == 2
+        assert gw.pmap.partitions("t4") is None
+        assert create(gw, "last", 7) == CreateTopicError.OK  # what is left still fits
+        assert served(gw, kept, w)
+    finally:
+        w.close()
+
+
 # ---------------------------------------------------------------- configuration and rules
 
 
