@@ -923,15 +923,16 @@ class Producer(Node):
             reached = self.tower_watch.reached_at
             if reached is not None:
                 state.on_tower(reached)
+            if self.beacon_held and state.may_beacon(now):
+                # Before the done check: a producer without stores is done as soon
+                # as it may beacon, and must not stay silent for good.
+                self.beacon_held = False
+                self.call_soon(lambda: self._send_beacon(time.monotonic()))
             if state.done(now):
                 break
-            if state.may_beacon(now):
-                if self.beacon_held:
-                    self.beacon_held = False
-                    self.call_soon(lambda: self._send_beacon(time.monotonic()))
-                if now - asked_at >= 0.2:
-                    asked_at = now
-                    self._send_locked(get_heads)
+            if state.may_beacon(now) and now - asked_at >= 0.2:
+                asked_at = now
+                self._send_locked(get_heads)
             time.sleep(0.02)
         next_offset, error = state.decide()
         if error is not None:

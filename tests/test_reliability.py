@@ -352,3 +352,16 @@ def test_resume_refuses_while_the_store_cannot_write_and_says_why(cfg: NodeConfi
             assert third.flush(30)
             got = [r.content for r in db.read("failing", third.address, 0, 100)]
     assert got == [b"old-%d" % i for i in range(resumed)] + [b"new"]
+
+
+def test_resumed_producer_without_acks_beacons_and_is_read(cfg: NodeConfig, tmp_path: Path) -> None:
+    # Without stores to wait for, the resume was done as soon as the producer
+    # could beacon, and its held beacon was never let go: nobody connected to it.
+    identity = tmp_path / "id.json"
+    identity.write_text(json.dumps({"address": "D" * 32, "topic": "silent", "acked": -1, "next": 0}))
+    with Store(tmp_path / "db", cfg) as store:
+        with Producer("silent", cfg, identity=identity, acks=False, resume_timeout=5.0) as producer:
+            assert not producer.beacon_held
+            producer.publish(b"heard")
+            wait_until(lambda: store.db.head("silent", "D" * 32) is not None, timeout=20)
+            assert [r.content for r in store.db.read("silent", "D" * 32, 0, 10)] == [b"heard"]
