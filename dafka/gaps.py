@@ -15,7 +15,10 @@ order with no gap and no duplicate, and when to FETCH what is missing:
   for once the current one is half delivered (pipelined);
 * if the missing records never come while later ones are held (a store's
   retention removed them), after ``skip_after`` seconds the tracker skips
-  forward to the first held record and reports the skipped range.
+  forward to the first held record and reports the skipped range; never
+  before it asked for the hole once more after the first later record came
+  (the records before it may be one FETCH away) and gave the answer
+  ``retry_interval`` to come.
 
 Times are passed in by the caller; nothing here reads a clock.
 """
@@ -47,6 +50,7 @@ class PartitionTracker:
         "fetches",
         "skipped",
         "pid",
+        "held_at",
     )
 
     def __init__(
@@ -80,6 +84,7 @@ class PartitionTracker:
         # The store's LMDB partition id once the partition is stored (records
         # then go to LMDB as ready key/value pairs, see fastio.drain_pairs).
         self.pid: int | None = None
+        self.held_at: float | None = None  # when records ahead of a hole were first seen held
 
     @property
     def missing(self) -> bool:
@@ -148,6 +153,12 @@ class PartitionTracker:
         nxt = self.next
         if nxt is None or self.known < nxt:
             return None
+        if self.held:
+            if self.held_at is None:
+                self.held_at = now
+                self.retry_asap = True  # ask for the hole before it at once
+        else:
+            self.held_at = None
         if self.fetch_upto >= nxt:
             ahead = self.fetch_upto
             if self.known > ahead and ahead - nxt < FETCH_CHUNK // 2 and not self.held:
@@ -203,9 +214,21 @@ class PartitionTracker:
         ``(first, last)`` and appends the now deliverable records to ``out``.
         """
         nxt = self.next
-        if not self.held or nxt is None or nxt != self.progress_next:
+        if not self.held:
+            self.held_at = None
+            return None
+        if self.held_at is None:
+            self.held_at = now
+            self.retry_asap = True
+        if nxt is None or nxt != self.progress_next:
             return None
         if now - self.progress_at < self.skip_after:
+            return None
+        # Waiting with nothing held proves little (a HEAD may have announced
+        # offsets that were never published, such as a producer's restart hole,
+        # and the records after it may just have come): ask for the hole once
+        # more since later records are held, and let the answer come.
+        if self.sent_at < self.held_at or now - self.sent_at < self.retry_interval:
             return None
         first_held = min(self.held)
         skipped = (nxt, first_held - 1)
@@ -215,6 +238,7 @@ class PartitionTracker:
         self.on_record(first_held, content, out)
         self.progress_next = self.next
         self.progress_at = now
+        self.held_at = now if self.held else None
         return skipped
 
 

@@ -640,7 +640,7 @@ class Producer(Node):
         elif isinstance(msg, wire.GetHeads):
             # In secure mode only stores' DIRECT-HEADs are believed: the HEAD
             # every head_interval tells consumers the same.
-            last = self.window.next - 1 if self._outbox is None else self._outbox.last_sendable
+            last = self._announced()
             if msg.topic == self.topic and last >= 0 and self._resume_state is None and not self.secure:
                 self._send_locked(wire.encode(wire.DirectHead(msg.address, self.address, self.topic, last)))
         elif isinstance(msg, wire.DirectHead):
@@ -895,8 +895,19 @@ class Producer(Node):
                 except zmq.Again:
                     pass
 
-    def _send_head(self, now: float) -> None:
+    def _announced(self) -> int:
+        """The last offset HEADs and DIRECT-HEADs announce (-1: none yet).
+
+        After a resume that skipped a hole, until this run published, the
+        offset before the hole (acknowledged, or a store's head): a head at
+        the hole's end would make readers wait for offsets nobody publishes.
+        """
         last = self.window.next - 1 if self._outbox is None else self._outbox.last_sendable
+        hole = self._hole
+        return hole[0] - 1 if hole is not None and last <= hole[1] else last
+
+    def _send_head(self, now: float) -> None:
+        last = self._announced()
         if last >= 0 and self._resume_state is None and self._resume_error is None:
             self._send_locked(wire.encode(wire.Head(self.topic, self.address, self.topic, last)))
 

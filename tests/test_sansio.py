@@ -412,3 +412,21 @@ def test_resume_with_a_reservation_still_refuses_a_twin() -> None:
     r.on_duplicate("tcp://127.0.0.1:40000")
     assert r.done(0.01)
     assert "another live producer" in (r.decide()[1] or "") and r.hole is None
+
+
+def test_a_long_wait_with_nothing_held_asks_once_more_before_skipping() -> None:
+    # A HEAD announced 0..9, nobody had them (nothing held) for 20 s; then
+    # record 15 comes: 10..14 may be one FETCH away (a restarted producer's
+    # records after its hole). Ask once more, then skip only what did not come.
+    t = PartitionTracker("s", "p", 0, retry_interval=0.5, skip_after=10.0)
+    t.on_head(9)
+    assert t.fetch_request(0.0) == (0, 10)
+    out: list[tuple[int, bytes]] = []
+    deliver(t, 15)
+    assert t.skip_if_stalled(20.0, out) is None  # not asked since 15 came
+    assert t.fetch_request(20.0) == (0, 15)  # at once, for the hole before 15
+    assert t.skip_if_stalled(20.3, out) is None  # the answer may still come
+    for seq in range(10, 15):
+        deliver(t, seq)
+    assert t.skip_if_stalled(20.5, out) == (0, 9)
+    assert [s for s, _ in out] == [10, 11, 12, 13, 14, 15]

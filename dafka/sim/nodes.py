@@ -317,8 +317,8 @@ class SimProducer:
                 return out
             return []
         if isinstance(msg, wire.GetHeads):
-            if msg.topic == self.topic and self.window.next > 0 and self.ready:
-                return [wire.encode(wire.DirectHead(msg.address, self.address, self.topic, self.window.last))]
+            if msg.topic == self.topic and self.ready and self._announced() >= 0:
+                return [wire.encode(wire.DirectHead(msg.address, self.address, self.topic, self._announced()))]
             return []
         if isinstance(msg, wire.DirectHead):
             if self.resume is not None and msg.address == self.address and msg.subject == self.topic:
@@ -349,14 +349,19 @@ class SimProducer:
             return out
         if now - self.head_at >= self.HEAD_INTERVAL:
             self.head_at = now
-            if self.window.last >= 0:
-                out.append(wire.encode(wire.Head(self.topic, self.address, self.topic, self.window.last)))
+            if self._announced() >= 0:
+                out.append(wire.encode(wire.Head(self.topic, self.address, self.topic, self._announced())))
         if self.reserved - self.window.next < self.RESERVE_BLOCK // 2:
             self._reserve(self.window.next + self.RESERVE_BLOCK)  # the I/O thread's renewal
         if now - self.saved_at >= self.SAVE_INTERVAL:
             self.saved_at = now
             self.saved = (self.window.acked, self.window.next, self.reserved)
         return out
+
+    def _announced(self) -> int:
+        """The head HEADs announce (Producer._announced): before the hole until this run publishes."""
+        hole = self.hole
+        return hole[0] - 1 if hole is not None and self.window.last <= hole[1] else self.window.last
 
     def _reserve(self, upto: int) -> None:
         """Reserve offsets below ``upto``: durable (in ``saved``) before any is used."""

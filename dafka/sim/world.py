@@ -47,7 +47,7 @@ log = logging.getLogger("dafka.sim")
 
 TICK = 0.05
 STEP_TIME = 0.01  # seconds every step but ``wait`` lets pass
-HEAL_SECONDS = 40.0
+HEAL_SECONDS = 60.0
 MAP_SIZE = 1 << 20  # a store's initial LMDB map (it grows by doubling unless the disk is "full")
 TOPIC = "sim"
 
@@ -432,7 +432,7 @@ class World:
             if t is not None:
                 candidates.append(t)
             candidates += [at for at, _ in self.restarts]
-            candidates += [h.commit_at for h in self.stores if h.commit_at is not None]
+            candidates += [h.commit_at for h in self.stores if h.commit_at is not None and not h.stopped_until]
             candidates += [h.stopped_until for h in self.stores if h.stopped_until]
             self.now = self.clock.now = max(self.now, min(candidates))
             now = self.now
