@@ -652,6 +652,12 @@ class Producer(Node):
                 self._on_store_status(msg)
 
     def _on_ack(self, seq: int) -> None:
+        resume = self._resume_state
+        if resume is not None:
+            # Still resuming (the window is a placeholder): a store's ACK says
+            # what its DIRECT-HEAD would, that it holds the partition up to seq.
+            resume.on_head(seq, time.monotonic())
+            return
         with self._lock:
             last = self.window.last
             beyond = seq > last

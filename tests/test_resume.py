@@ -14,11 +14,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from dafka import wire
 from dafka.config import NodeConfig
 from dafka.producer import Producer
 from dafka.store.db import RecordDB
@@ -217,3 +219,33 @@ def test_reservation_is_saved_before_use_and_exact_after_close(cfg: NodeConfig, 
         assert saved["reserved"] >= producer.next_offset > first
     saved = json.loads(identity.read_text())
     assert saved["reserved"] == saved["next"] == first + 5  # a clean close: no hole next time
+
+
+def test_an_ack_while_resuming_counts_as_a_store_head(cfg: NodeConfig, tmp_path: Path, raw_peer) -> None:
+    # A store's pending ACK reaches a resuming producer before its GET-HEADS
+    # answer: it was logged as "ACK beyond the last published offset" (the
+    # placeholder window) and ignored. It says what the store holds.
+    address = "E" * 32
+    identity = tmp_path / "id.json"
+    identity.write_text(json.dumps({"address": address, "topic": TOPIC, "acked": 5, "next": 6, "reserved": 6}))
+    peer = raw_peer([])
+    stop = threading.Event()
+
+    def ack_while_resuming() -> None:
+        while not stop.is_set():
+            peer.pump(0.02)
+            if peer.subscribed(wire.P_ACK + address.encode()):
+                peer.send(wire.Ack(address, TOPIC, 1000))
+
+    sender = threading.Thread(target=ack_while_resuming, daemon=True)
+    sender.start()
+    try:
+        with Producer(TOPIC, cfg, identity=identity, resume_timeout=5.0) as producer:
+            stop.set()
+            sender.join(5)
+            assert producer.next_offset == 1001
+            assert producer.bad_acks == 0
+            producer.close(0)
+    finally:
+        stop.set()
+        sender.join(5)
