@@ -734,7 +734,7 @@ class Consumer(PartitionReader):
             *prefixes(wire.DIRECT_RECORD, self.address, partition, subject),
         ):
             self.forget_prefix(prefix)
-        self._missing.discard(tracker)
+        self._missing.pop(tracker, None)
 
     def _positions_to_commit(self) -> dict[Key, int]:
         owned = self._owned_now

@@ -15,7 +15,10 @@ order with no gap and no duplicate, and when to FETCH what is missing:
   for once the current one is half delivered (pipelined);
 * if the missing records never come while later ones are held (a store's
   retention removed them), after ``skip_after`` seconds the tracker skips
-  forward to the first held record and reports the skipped range;
+  forward to the first held record and reports the skipped range; never
+  before it asked for the hole once more after the first later record came
+  (the records before it may be one FETCH away) and gave the answer
+  ``retry_interval`` to come;
 * a record over the reader's size limit is never delivered: at ``next`` it
   is skipped at once (every copy of a record has its size, so fetching it
   again cannot help); ahead of ``next`` it only says the offset exists, and
@@ -56,6 +59,7 @@ class PartitionTracker:
         "skipped",
         "pid",
         "cut",
+        "held_at",
     )
 
     def __init__(
@@ -92,6 +96,7 @@ class PartitionTracker:
         # The reader's connection to a peer was cut while records were missing
         # (see skip_if_stalled): a stall then skips one offset.
         self.cut = False
+        self.held_at: float | None = None  # when records ahead of a hole were first seen held
 
     @property
     def missing(self) -> bool:
@@ -190,6 +195,12 @@ class PartitionTracker:
         nxt = self.next
         if nxt is None or self.known < nxt:
             return None
+        if self.held:
+            if self.held_at is None:
+                self.held_at = now
+                self.retry_asap = True  # ask for the hole before it at once
+        else:
+            self.held_at = None
         if self.fetch_upto >= nxt:
             ahead = self.fetch_upto
             if self.known > ahead and ahead - nxt < FETCH_CHUNK // 2 and not self.held:
@@ -247,7 +258,15 @@ class PartitionTracker:
         records or not, as long as it is known to exist.
         """
         nxt = self.next
-        if nxt is None or nxt != self.progress_next or not (self.held or (self.cut and self.known >= nxt)):
+        cut_case = self.cut and nxt is not None and self.known >= nxt
+        if not self.held:
+            self.held_at = None
+            if not cut_case:
+                return None
+        elif self.held_at is None:
+            self.held_at = now
+            self.retry_asap = True
+        if nxt is None or nxt != self.progress_next:
             return None
         if now - self.progress_at < self.skip_after:
             return None
@@ -266,7 +285,14 @@ class PartitionTracker:
             self.next = self.progress_next = nxt
             self.progress_at = now
             self.fetch_upto = -1  # the rest of the hole is asked for again at once
+            self.held_at = now if self.held else None
             return first, first
+        # Waiting with nothing held proves little (a HEAD may have announced
+        # offsets that were never published, such as a producer's restart hole,
+        # and the records after it may just have come): ask for the hole once
+        # more since later records are held, and let the answer come.
+        if self.sent_at < self.held_at or now - self.sent_at < self.retry_interval:
+            return None
         first_held = min(self.held)
         skipped = (nxt, first_held - 1)
         self.skipped += first_held - nxt
@@ -275,6 +301,7 @@ class PartitionTracker:
         self.on_record(first_held, content, out)
         self.progress_next = self.next
         self.progress_at = now
+        self.held_at = now if self.held else None
         return skipped
 
 

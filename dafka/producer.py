@@ -67,6 +67,17 @@ LOSSY_HOLD = 2.0
 MAX_LOSSY_HOLD = 32.0
 IDLE_TICK = 1.0  # seconds between ticks of a producer with nothing pending (see tick_interval)
 SUBSCRIPTION_CHECK = 0.001  # seconds between checks for new subscriptions while batching
+# Offset reservations in the identity file (see dafka.resume): offsets are
+# reserved a block at a time, made durable before the first of them is used.
+# A block lasts about RESERVE_SECONDS at the recent publish rate (at least
+# RESERVE_MIN offsets) and is renewed by the I/O thread once half of it is
+# used; a publisher that outruns it renews it itself (one fsync) with a block
+# twice as large.  After a crash the unused rest is a hole in the partition.
+RESERVE_MIN = 10_000
+RESERVE_MAX = 1 << 30
+RESERVE_SECONDS = 10.0
+RESERVE_RATE_INTERVAL = 1.0  # seconds between measurements of the publish rate
+NO_RESERVATION = 1 << 62  # the bound of producers without reservations: never reached
 _SEND_BATCHES = fastio.send_batches
 _monotonic = time.monotonic
 
@@ -147,7 +158,13 @@ class Producer(Node):
         of its partition and continues right after it (see
         :mod:`dafka.resume`); this takes at least 2.5 beacon intervals.
     resume_timeout:
-        Seconds the resume may take.
+        Seconds the resume may take.  The identity file also reserves, ahead
+        of use, the offsets the producer may assign (a block at a time), so a
+        restart continues after everything a crashed run may have assigned
+        even if a store holding its last records does not answer; the
+        reserved offsets it never used stay a hole in the partition (readers
+        wait ``skip_after`` for them, then skip them).  A clean ``close``
+        saves the exact end: the next run continues without a hole.
     pace_limit:
         Seconds a publish waits for room when a live subscriber's queue (the
         high-water mark) is full, instead of dropping what it cannot take:
@@ -160,7 +177,9 @@ class Producer(Node):
         What to do when no store answers within ``resume_timeout``:
         ``"strict"`` (default) makes ``publish`` raise :class:`ResumeError`;
         ``"start_anyway"`` continues after the offsets the identity file
-        saved (records a store holds beyond them may then be overwritten).
+        reserved (overwriting nothing; an identity file from before
+        reservations only knows what it saved, and records a store holds
+        beyond that may then be overwritten).
         Another process with the same identity is always refused.
     serializer:
         How ``publish`` turns values into record contents: ``"bytes"``
@@ -274,6 +293,18 @@ class Producer(Node):
         self.pace_timeouts = 0  # times a full subscriber made the producer stop waiting
         self.publisher.setsockopt(zmq.XPUB_NODROP, 1 if self._paced else 0)
         next_offset = 0
+        # Offsets below _reserved may be assigned: the identity file holds a
+        # bound at least this high (see dafka.resume).  An outbox is the
+        # authority of its partition instead, and without an identity file
+        # there is nothing to continue.
+        self._reserving = self._identity_path is not None and self._outbox is None
+        self._reserved = 0 if self._reserving else NO_RESERVATION
+        self._reserve_block = RESERVE_MIN
+        self._reserve_failures = 0
+        self._rate_at = 0.0
+        self._rate_next = 0
+        self._identity_lock = threading.Lock()  # one writer of the identity file at a time
+        self._hole: tuple[int, int] | None = None  # offsets the resume skipped (see _on_fetch)
         self._resume_state: Resume | None = None
         self._resume_error: ResumeError | None = None
         self._resumed_at: float | None = None  # when a resume from an identity file ended
@@ -291,6 +322,7 @@ class Producer(Node):
                 self.config.beacon_interval,
                 resume,
                 need_store=acks,
+                reserved=None if saved.get("reserved") is None else int(saved["reserved"]),
             )
             # Silent until we know no other process beacons this address.
             self.beacon_held = True
@@ -315,7 +347,10 @@ class Producer(Node):
             # A new identity goes to disk before anything is published: a crash
             # before the first ACK still restarts as the same partition, and a
             # twin started at once finds the address it must not reuse.
-            self._save_identity(force=True)
+            if self._reserving:
+                self._extend_reservation(RESERVE_MIN)
+            else:
+                self._save_identity(force=True)
 
         # How live records go out: (header prefix, send function), as batches
         # while every reader takes them (see _tick_paced and dafka.audience).
@@ -399,6 +434,8 @@ class Producer(Node):
                 receipt = Receipt(self, offset)  # already published: not sent again
             elif not self._live_waiting and not self._closed and (window.ring or len(window) < window.capacity):
                 # The common case without _push_locked's loop: room for one record.
+                if window.next >= self._reserved:
+                    self._reserve_locked(1)
                 seq = window.push(content)
                 self._send_run(self._live, seq, (content,), 0, 1)
                 receipt = Receipt(self, seq)
@@ -474,6 +511,8 @@ class Producer(Node):
                 self._wait_for_room(wait)
                 continue
             stop = min(n, done + room)
+            if window.next + (stop - done) > self._reserved:
+                self._reserve_locked(stop - done)
             first = window.push_many(batch, done, stop)
             self._send_run(self._live, first, batch, done, stop)
             done = stop
@@ -510,6 +549,10 @@ class Producer(Node):
         self.stop()
         if self._outbox is not None:
             self._outbox.close()  # what is unacknowledged stays in it for the next start
+        if self._reserving:
+            with self._identity_lock:
+                # Nothing more is published: the exact end is the bound (no hole next time).
+                self._reserved = min(self._reserved, self.window.next)
         self._save_identity(force=True)
         self._run_callbacks()
         return ok
@@ -600,7 +643,7 @@ class Producer(Node):
         elif isinstance(msg, wire.GetHeads):
             # In secure mode only stores' DIRECT-HEADs are believed: the HEAD
             # every head_interval tells consumers the same.
-            last = self.window.next - 1 if self._outbox is None else self._outbox.last_sendable
+            last = self._announced()
             if msg.topic == self.topic and last >= 0 and self._resume_state is None and not self.secure:
                 self._send_locked(wire.encode(wire.DirectHead(msg.address, self.address, self.topic, last)))
         elif isinstance(msg, wire.DirectHead):
@@ -612,6 +655,12 @@ class Producer(Node):
                 self._on_store_status(msg)
 
     def _on_ack(self, seq: int) -> None:
+        resume = self._resume_state
+        if resume is not None:
+            # Still resuming (the window is a placeholder): a store's ACK says
+            # what its DIRECT-HEAD would, that it holds the partition up to seq.
+            resume.on_head(seq, time.monotonic())
+            return
         with self._lock:
             last = self.window.last
             beyond = seq > last
@@ -705,8 +754,16 @@ class Producer(Node):
             # The requester's subscriptions may not be read yet: its answer's form depends on them.
             self._read_subscriptions_locked()
             route = self.route(header)
-            count = fetch.count if self._outbox is None else self._outbox.sendable(fetch.sequence, fetch.count)
-            runs = self.window.runs(fetch.sequence, count)  # the publisher may push meanwhile
+            seq, count = fetch.sequence, fetch.count
+            hole = self._hole
+            if hole is not None and hole[0] <= seq <= hole[1] and seq + count <= hole[1] + 1:
+                # Reserved offsets a crashed run left unused: nobody publishes them
+                # now.  As a store answers for a hole, send what follows (one
+                # record): the reader holds it, and skips the hole after its
+                # skip_after unless a store that was away still has some.
+                seq, count = hole[1] + 1, 1
+            count = count if self._outbox is None else self._outbox.sendable(seq, count)
+            runs = self.window.runs(seq, count)  # the publisher may push meanwhile
         for first, contents in runs:
             # Runs hold up to unacked.CHUNK records: the lock is released between them.
             with self._lock:
@@ -847,8 +904,19 @@ class Producer(Node):
                 except zmq.Again:
                     pass
 
-    def _send_head(self, now: float) -> None:
+    def _announced(self) -> int:
+        """The last offset HEADs and DIRECT-HEADs announce (-1: none yet).
+
+        After a resume that skipped a hole, until this run published, the
+        offset before the hole (acknowledged, or a store's head): a head at
+        the hole's end would make readers wait for offsets nobody publishes.
+        """
         last = self.window.next - 1 if self._outbox is None else self._outbox.last_sendable
+        hole = self._hole
+        return hole[0] - 1 if hole is not None and last <= hole[1] else last
+
+    def _send_head(self, now: float) -> None:
+        last = self._announced()
         if last >= 0 and self._resume_state is None and self._resume_error is None:
             self._send_locked(wire.encode(wire.Head(self.topic, self.address, self.topic, last)))
 
@@ -925,6 +993,8 @@ class Producer(Node):
             self._outbox.on_tick(now)
         if self._callbacks:
             self._run_callbacks()
+        if self._reserving:
+            self._renew_reservation(now)
         if self._identity_path is not None and self.window.acked != self._last_saved:
             self._save_identity()
 
@@ -941,15 +1011,16 @@ class Producer(Node):
             reached = self.tower_watch.reached_at
             if reached is not None:
                 state.on_tower(reached)
+            if self.beacon_held and state.may_beacon(now):
+                # Before the done check: a producer without stores is done as soon
+                # as it may beacon, and must not stay silent for good.
+                self.beacon_held = False
+                self.call_soon(lambda: self._send_beacon(time.monotonic()))
             if state.done(now):
                 break
-            if state.may_beacon(now):
-                if self.beacon_held:
-                    self.beacon_held = False
-                    self.call_soon(lambda: self._send_beacon(time.monotonic()))
-                if now - asked_at >= 0.2:
-                    asked_at = now
-                    self._send_locked(get_heads)
+            if state.may_beacon(now) and now - asked_at >= 0.2:
+                asked_at = now
+                self._send_locked(get_heads)
             time.sleep(0.02)
         next_offset, error = state.decide()
         if error is not None:
@@ -964,9 +1035,23 @@ class Producer(Node):
                 self.window = UnackedWindow(self.window.capacity, next_offset, ring=not self.acks)
             self._resume_state = None
             self._resumed_at = time.monotonic()
+            if self._reserving:
+                self._reserved = next_offset  # nothing more until it is reserved anew
         if self._outbox is not None:
             self._outbox.resumed(self.window)
-        if state.head is not None and next_offset < state.saved_next:
+        hole = state.hole if state.reserved is not None else None
+        self._hole = hole
+        if hole is not None:
+            log.warning(
+                "producer %s: offsets %d..%d of %s were reserved by a run that did not close"
+                " cleanly; a store that did not answer may hold some of them, so they are never"
+                " assigned again (readers skip what nobody has after their skip_after)",
+                self.address,
+                hole[0],
+                hole[1],
+                self.topic,
+            )
+        elif state.head is not None and next_offset < state.saved_next:
             log.warning(
                 "producer %s: offsets %d..%d of %s were published before the restart but no store"
                 " has them; they are assigned again",
@@ -982,7 +1067,10 @@ class Producer(Node):
             next_offset,
             state.head,
         )
-        self._save_identity(force=True)
+        if self._reserving:
+            self._extend_reservation(next_offset + self._reserve_block)
+        else:
+            self._save_identity(force=True)
 
     def interest(self) -> beacon.Interest:
         """Stores and the consumers of our topic; while an identity may have a
@@ -1028,8 +1116,21 @@ class Producer(Node):
             return None
         except (OSError, ValueError) as exc:
             raise ValueError(f"identity file {path} is unreadable: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"identity file {path} is not a producer identity: a JSON object was expected,"
+                f" not {type(data).__name__}"
+            )
         if data.get("topic") != self.topic:
             raise ValueError(f"identity file {path} belongs to topic {data.get('topic')!r}")
+        if not isinstance(data.get("address"), str):
+            raise ValueError(f"identity file {path} has no valid address: {data.get('address')!r}")
+        for key, optional in (("acked", False), ("next", False), ("reserved", True)):
+            value = data.get(key)
+            if value is None and optional:
+                continue
+            if type(value) is not int or value < -1 or value >= NO_RESERVATION:
+                raise ValueError(f"identity file {path}: {key!r} must be an offset, not {value!r}")
         return data
 
     def _save_identity(self, force: bool = False) -> None:
@@ -1043,18 +1144,93 @@ class Producer(Node):
             return
         self._last_saved = acked
         self._saved_at = now
-        data = {
+        with self._identity_lock:
+            try:
+                self._write_identity(self._reserved if self._reserving else None)
+            except OSError:
+                log.exception("cannot save producer identity to %s", path)
+
+    def _write_identity(self, reserved: int | None) -> None:
+        """Write the identity file durably (identity lock held): temp file, fsync, rename, fsync dir."""
+        path = self._identity_path
+        assert path is not None
+        data: dict[str, Any] = {
             "address": self.address,
             "topic": self.topic,
-            "acked": acked,
+            "acked": self.window.acked,
             "next": self.window.next,
         }
+        if reserved is not None:
+            data["reserved"] = reserved
         tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("w") as f:
+            json.dump(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
         try:
-            with tmp.open("w") as f:
-                json.dump(data, f)
-                f.flush()
-                os.fsync(f.fileno())
-            tmp.replace(path)
+            fd = os.open(path.parent, os.O_RDONLY)
         except OSError:
-            log.exception("cannot save producer identity to %s", path)
+            return  # (a platform without directory fsync)
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    # ---------------------------------------------------------------- reservation
+
+    def _extend_reservation(self, upto: int) -> OSError | None:
+        """Make ``upto`` the durable bound of assignable offsets; the error if it cannot be saved."""
+        if self._resume_state is not None or self._resume_error is not None:
+            return OSError("not resumed")  # the file may belong to a live twin
+        with self._identity_lock:
+            if upto <= self._reserved:
+                return None
+            try:
+                self._write_identity(upto)
+            except OSError as exc:
+                self._reserve_failures += 1
+                if self._reserve_failures <= 20 or self._reserve_failures % 1000 == 0:
+                    log.error(
+                        "producer %s: cannot reserve offsets up to %d in identity file %s: %s"
+                        " (publish fails once the reserved ones are used)",
+                        self.address[:8],
+                        upto,
+                        self._identity_path,
+                        exc,
+                    )
+                return exc
+            self._reserved = upto
+            self._last_saved = self.window.acked
+            self._saved_at = time.monotonic()
+        return None
+
+    def _reserve_locked(self, n: int) -> None:
+        """A publish of ``n`` records outran the reservation (lock held): reserve now or raise."""
+        if self._resume_error is not None:
+            raise self._resume_error
+        # Renewed here rather than by the I/O thread: the block was too small for this rate.
+        self._reserve_block = min(self._reserve_block * 2, RESERVE_MAX)
+        error = self._extend_reservation(self.window.next + n + self._reserve_block)
+        if error is not None:
+            raise PublishError(
+                f"cannot reserve offsets in identity file {self._identity_path}: {error};"
+                " nothing of it was published"
+            )
+
+    def _renew_reservation(self, now: float) -> None:
+        """I/O thread: size the block by the publish rate; renew it once half is used."""
+        if self._resume_state is not None or self._resume_error is not None or self._closed:
+            return
+        nxt = self.window.next
+        if now - self._rate_at >= RESERVE_RATE_INTERVAL:
+            if self._rate_at:
+                rate = (nxt - self._rate_next) / (now - self._rate_at)
+                block = int(rate * RESERVE_SECONDS)
+                # Grow at once with the rate; shrink slowly (holes stay small at low rates).
+                self._reserve_block = max(RESERVE_MIN, min(RESERVE_MAX, max(block, self._reserve_block // 2)))
+            self._rate_at, self._rate_next = now, nxt
+        if self._reserved - nxt < self._reserve_block // 2:
+            self._extend_reservation(nxt + self._reserve_block)

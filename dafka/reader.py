@@ -43,7 +43,9 @@ class PartitionReader(Node):
         # Header prefix (everything before the sequence) of a known partition's
         # RECORD and DIRECT-RECORD -> its tracker: one dict lookup per record.
         self._by_prefix: dict[bytes, PartitionTracker] = {}
-        self._missing: set[PartitionTracker] = set()
+        # Trackers with records missing, in the order they went missing (a dict:
+        # FETCHes then go out in an order that does not depend on memory addresses).
+        self._missing: dict[PartitionTracker, None] = {}
         self._out: list[tuple[int, bytes]] = []
         self.fetches_sent = 0
         self.max_record_bytes = self.config.max_record_bytes
@@ -112,7 +114,7 @@ class PartitionReader(Node):
             self.emit(tracker, out)
             out.clear()
         if missing:
-            self._missing.add(tracker)  # fetch_missing asks at the end of this drain
+            self._missing[tracker] = None  # fetch_missing asks at the end of this drain
 
     def too_large(self, tracker: PartitionTracker, seq: int, size: int) -> None:
         """A record over ``max_record_bytes``: dropped, counted, logged at a low rate; a hole."""
@@ -186,7 +188,7 @@ class PartitionReader(Node):
                     out.clear()
             self.maybe_fetch(tracker, now)
         for tracker in done:
-            self._missing.discard(tracker)
+            self._missing.pop(tracker, None)
 
     # ---------------------------------------------------------------- messages
 
@@ -244,7 +246,7 @@ class PartitionReader(Node):
                         self.track(tracker, msg.sequence + i, content)
                 return
             if tracker.on_head(msg.sequence):
-                self._missing.add(tracker)  # fetch_missing asks at the end of this drain
+                self._missing[tracker] = None  # fetch_missing asks at the end of this drain
             if isinstance(msg, wire.Head):
                 self.on_producer_head(tracker, msg.sequence)
         else:

@@ -14,6 +14,21 @@ a new offset the restarted producer therefore always
    store answers DIRECT-HEAD) and continues after the highest head any store
    answered within a short grace period after the first answer.
 
+Heads alone are not enough: a store that does not answer (stopped, paused on a
+full disk, cut off) may hold, and have acknowledged, offsets beyond every head
+that did answer.  So the identity file also holds a *reservation* (``reserved``):
+an exclusive upper bound on the offsets the producer may assign, made durable
+before any offset at or beyond the old bound is used (see
+:class:`dafka.producer.Producer`).  A producer resumed from such a file
+continues at ``max(store heads + 1, reserved)``: no offset a previous
+incarnation may have assigned is ever assigned again, whoever answers.  The
+offsets between the previous incarnation's real end and ``reserved`` are never
+published: a hole, which readers wait for (a stopped store may still hold part
+of it) and then skip as a recorded hole.  A producer that closed cleanly saved
+its exact end as the bound, so it resumes without a hole.  The policies stay as
+they were: ``strict`` still wants a store's answer (which also tells that the
+stores are there and writing), and ``start_anyway`` now overwrites nothing.
+
 :class:`Resume` holds that decision; the producer feeds it events with their
 times and asks it what to do.  No sockets, no clocks.
 """
@@ -41,7 +56,8 @@ class Resume:
     in which another process's beacons with our address must show up;
     ``policy`` says what to do when no store answers in time (``strict`` or
     ``start_anyway``); ``need_store`` is False for producers without stores
-    (``acks=False``), which do not wait for heads.
+    (``acks=False``), which do not wait for heads.  ``reserved`` is the
+    identity file's reservation (None: a file from before reservations).
     """
 
     saved_acked: int
@@ -51,6 +67,7 @@ class Resume:
     beacon_interval: float
     policy: str = STRICT
     need_store: bool = True
+    reserved: int | None = None  # exclusive bound on offsets any earlier incarnation assigned
     tower_at: float | None = None  # when a tower was first heard
     first_head_at: float | None = None
     head: int | None = None  # highest head a store answered
@@ -95,19 +112,36 @@ class Resume:
             return True
         if not self.may_beacon(now):
             return False
-        if not self.need_store:
-            return True
-        return self.first_head_at is not None and now >= self.first_head_at + HEAD_GRACE
+        if self.first_head_at is not None:
+            return now >= self.first_head_at + HEAD_GRACE
+        return not self.need_store
+
+    @property
+    def hole(self) -> tuple[int, int] | None:
+        """Offsets the decision skips (``(first, last)``), or None.
+
+        From just after the highest store head (or what was acknowledged) up
+        to the reservation: a previous incarnation may have published some
+        of them, which only a store that did not answer can hold.
+        """
+        nxt, error = self.decide()
+        if error is not None:
+            return None
+        known = max(self.saved_acked, -1 if self.head is None else self.head)
+        return (known + 1, nxt - 1) if nxt > known + 1 else None
 
     def decide(self) -> tuple[int, str | None]:
         """``(next offset, error)``: the offset to continue at, or why not to publish.
 
-        With a store head the producer continues right after it (or after
-        what it had acknowledged, if that is higher): the offsets between
-        the head and the saved ``next`` were never acknowledged, and skipping
-        them would leave a hole no store can ever fill.  Without any head,
-        ``start_anyway`` continues after the highest offset the file says it
-        ever used, which overwrites nothing the file knew of.
+        With a reservation, at ``max(reserved, highest head + 1, acked + 1)``:
+        nothing an earlier incarnation assigned is assigned again (a store
+        that did not answer may hold acknowledged records beyond every head
+        that did); without any head only as the policy allows.  Without one (a
+        file from before reservations): with a store head right after it (or
+        after what it had acknowledged, if that is higher), the offsets
+        between the head and the saved ``next`` being reassigned; without
+        any head ``start_anyway`` continues after the highest offset the
+        file says it ever used, which overwrites nothing the file knew of.
         """
         safe = max(self.saved_acked + 1, self.saved_next)
         if self.duplicate is not None:
@@ -115,6 +149,11 @@ class Resume:
                 f"another live producer uses this identity (beacons from {self.duplicate});"
                 " two processes must not publish into one partition"
             )
+        if self.reserved is not None and (
+            self.head is not None or not self.need_store or self.policy == START_ANYWAY
+        ):
+            head = -1 if self.head is None else self.head
+            return max(safe, self.reserved, head + 1), None
         if self.head is not None:
             return max(self.saved_acked + 1, self.head + 1), None
         if not self.need_store or self.policy == START_ANYWAY:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -402,3 +404,92 @@ def test_window_matches_dict_model(ops: list[tuple[str, object]], ring: bool, ca
                 assert [(first + i, c) for first, cs in runs for i, c in enumerate(cs)] == want
     finally:
         unacked.CHUNK = old_chunk
+
+
+# ---------------------------------------------------------------- resume with a reservation
+
+
+def _resume(acked: int, nxt: int, reserved: int | None, **kw: Any) -> Resume:
+    r = Resume(acked, nxt, started=0.0, timeout=3.0, beacon_interval=0.2, reserved=reserved, **kw)
+    r.on_tower(0.0)
+    return r
+
+
+def test_resume_never_reuses_offsets_a_silent_store_may_hold() -> None:
+    # Defect A: a stopped store acknowledged up to 1506; the answering store is
+    # at 1350, the file (saved every 0.5 s) says next 1400. The reservation
+    # (1400 + a block) bounds whatever the crashed run assigned.
+    r = _resume(1340, 1400, 11_400)
+    r.on_head(1350, 0.6)
+    assert not r.done(0.8) and r.done(0.91)
+    assert r.decide() == (11_400, None)
+    assert r.hole == (1351, 11_399)
+    # Without a reservation (a file from before them) the old rule reassigns 1351..
+    old = _resume(1340, 1400, None)
+    old.on_head(1350, 0.6)
+    assert old.decide() == (1351, None)
+
+
+def test_resume_takes_a_store_head_beyond_the_reservation() -> None:
+    # A head above the reservation (a restored backup of the file): never below a head.
+    r = _resume(10, 12, 100)
+    r.on_head(500, 0.6)
+    assert r.decide() == (501, None) and r.hole is None
+
+
+def test_resume_after_a_clean_close_has_no_hole() -> None:
+    # close() saves the exact end as the reservation.
+    r = _resume(41, 45, 45)
+    r.on_head(41, 0.6)
+    assert r.decide() == (45, None)
+    assert r.hole == (42, 44)  # published, never acknowledged: nobody may have them
+    clean = _resume(44, 45, 45)
+    clean.on_head(44, 0.6)
+    assert clean.decide() == (45, None) and clean.hole is None
+
+
+def test_resume_with_a_reservation_keeps_the_policies() -> None:
+    # strict still wants a store's answer; start_anyway now overwrites nothing.
+    r = _resume(10, 12, 10_012)
+    assert not r.done(2.99) and r.done(3.0)
+    assert "no store answered" in (r.decide()[1] or "") and r.hole is None
+    silent = Resume(10, 12, started=0.0, timeout=1.0, beacon_interval=0.2, reserved=10_012)
+    assert silent.done(1.0) and "no tower answered" in (silent.decide()[1] or "")
+    anyway = Resume(
+        10, 12, started=0.0, timeout=1.0, beacon_interval=0.2, reserved=10_012, policy=START_ANYWAY
+    )
+    assert anyway.decide() == (10_012, None) and anyway.hole == (11, 10_011)
+
+
+def test_resume_without_acks_continues_after_the_reservation() -> None:
+    # Defect B: acks=False producers never asked stores; the 0.5 s-old file
+    # made them assign again what they had published just before a crash.
+    r = _resume(-1, 300, 10_300, need_store=False)
+    assert r.done(0.51) and r.decide() == (10_300, None)
+    legacy = _resume(-1, 300, None, need_store=False)
+    assert legacy.done(0.51) and legacy.decide() == (300, None)
+
+
+def test_resume_with_a_reservation_still_refuses_a_twin() -> None:
+    r = _resume(5, 6, 10_006)
+    r.on_duplicate("tcp://127.0.0.1:40000")
+    assert r.done(0.01)
+    assert "another live producer" in (r.decide()[1] or "") and r.hole is None
+
+
+def test_a_long_wait_with_nothing_held_asks_once_more_before_skipping() -> None:
+    # A HEAD announced 0..9, nobody had them (nothing held) for 20 s; then
+    # record 15 comes: 10..14 may be one FETCH away (a restarted producer's
+    # records after its hole). Ask once more, then skip only what did not come.
+    t = PartitionTracker("s", "p", 0, retry_interval=0.5, skip_after=10.0)
+    t.on_head(9)
+    assert t.fetch_request(0.0) == (0, 10)
+    out: list[tuple[int, bytes]] = []
+    deliver(t, 15)
+    assert t.skip_if_stalled(20.0, out) is None  # not asked since 15 came
+    assert t.fetch_request(20.0) == (0, 15)  # at once, for the hole before 15
+    assert t.skip_if_stalled(20.3, out) is None  # the answer may still come
+    for seq in range(10, 15):
+        deliver(t, seq)
+    assert t.skip_if_stalled(20.5, out) == (0, 9)
+    assert [s for s, _ in out] == [10, 11, 12, 13, 14, 15]

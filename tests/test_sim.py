@@ -11,9 +11,12 @@ is merged; the other tests check the simulator itself.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
+from dafka.resume import Resume
+from dafka.sim import nodes as sim_nodes
 from dafka.sim import runner
 from dafka.sim.schedule import Step, dumps, generate, loads
 from dafka.sim.shrink import shrink
@@ -125,3 +128,46 @@ def test_shrinker_finds_a_minimal_schedule() -> None:
     assert len(small) == 2 and fails(small)
     assert all(s.b == 1 for s in small)  # counts made as small as they go
     assert runs < 200
+
+
+# A producer is killed while store s0, stopped (SIGSTOP), holds its highest
+# head and s1, cut off meanwhile, lags far behind; it restarts from its
+# identity file (saved every 0.5 s) while s0 is still stopped.  Resuming after
+# the head s1 answers (or the file) reassigns offsets s0 acknowledged.
+STOPPED_STORE_SCHEDULE = [
+    Step("publish", 0, 20, 1),
+    Step("wait", 300, 0, 2),
+    Step("isolate", 1, 1500, 3),  # s1 gets nothing more
+    *[Step("publish", 0, 20, 10 + i) if i % 2 == 0 else Step("wait", 150, 0, 10 + i) for i in range(12)],
+    Step("publish", 0, 5, 30),
+    Step("wait", 20, 0, 31),
+    Step("stop", 0, 5000, 32),  # s0 holds the highest head and answers nothing
+    Step("crash", 4, 1500, 33),  # p0, killed and restarted 1.5 s later
+    Step("wait", 6000, 0, 34),
+    Step("publish", 0, 20, 35),
+    Step("publish", 0, 20, 36),
+    Step("wait", 11000, 0, 37),
+]
+
+
+def test_restart_while_a_store_is_stopped_reassigns_nothing() -> None:
+    r = runner.run_schedule(STOPPED_STORE_SCHEDULE, heal_seconds=20.0)
+    assert r.ok, _report(r)
+    assert r.faults.get("stop-s") == 1 and r.faults.get("kill-p") == 1
+
+
+def test_simulator_finds_offsets_reassigned_without_the_reservation(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The resume as it was: heads and the saved offsets only.
+    class Unreserved(Resume):
+        def __init__(self, *args: Any, reserved: int | None = None, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(sim_nodes, "Resume", Unreserved)
+    r = runner.run_schedule(STOPPED_STORE_SCHEDULE, heal_seconds=20.0)
+    kinds = {v.kind for v in r.violations}
+    assert {"offset-reassigned", "acked-reassigned"} <= kinds, _report(r)
+
+
+def test_stop_steps_are_text_and_generated() -> None:
+    assert loads("stop:1:2000:5") == [Step("stop", 1, 2000, 5)]
+    assert any(s.kind == "stop" for s in generate(7, 200))

@@ -15,6 +15,14 @@ Safety (checked after every step, and at the moments named):
 ``corrupt``
     a delivered or stored record is not what its producer published at that
     offset.
+``acked-reassigned``
+    a producer's window advances on an ACK over an offset that an earlier
+    incarnation had seen acknowledged with other contents (acked means
+    durable: one offset, one record, for good).
+``offset-reassigned``
+    a restarted producer publishes at an offset an earlier incarnation of it
+    had published (a store that did not answer its resume may hold it; a
+    producer without ACKs would see its new record dropped as a duplicate).
 ``acked-record-skipped``
     a consumer skips forward over an offset some store had acknowledged.
 ``writer-failed``
@@ -59,6 +67,8 @@ SAFETY = (
     "duplicate",
     "reorder",
     "corrupt",
+    "acked-reassigned",
+    "offset-reassigned",
     "acked-record-skipped",
     "writer-failed",
     "exception",
@@ -104,8 +114,16 @@ class Checker:
     # ------------------------------------------------------------ events
 
     def on_publish(self, partition: str, first: int, contents: list[bytes]) -> None:
+        reported = False
         for i, c in enumerate(contents):
-            self.published.setdefault((partition, first + i), set()).add(c)
+            was = self.published.setdefault((partition, first + i), set())
+            if was and c not in was and not reported:
+                reported = True  # once per publish
+                self.fail(
+                    "offset-reassigned",
+                    f"{partition}@{first + i} published again as {c[:30]!r}, was {min(was)[:30]!r}",
+                )
+            was.add(c)
 
     def on_store_ack(self, host: StoreHost, topic: str, partition: str, seq: int) -> None:
         self.checks += 1
@@ -118,8 +136,17 @@ class Checker:
 
     def on_producer_ack(self, host: StoreHost | None, topic: str, partition: str, expected: list[tuple[int, bytes]]) -> None:
         """A producer's window advances over ``expected`` on ``host``'s ACK."""
+        reported = False
         for off, content in expected:
-            self.acked[(partition, off)] = content
+            was = self.acked.setdefault((partition, off), content)
+            if was != content:
+                if not reported:  # once per ACK
+                    reported = True
+                    self.fail(
+                        "acked-reassigned",
+                        f"{partition}@{off} acknowledged as {content[:30]!r}, earlier as {was[:30]!r}",
+                    )
+                self.acked[(partition, off)] = content
         if host is None:
             return  # not from a store (a hostile ACK is not simulated)
         if host.store is None:

@@ -206,6 +206,7 @@ class SimProducer:
     HEAD_INTERVAL = 1.0
     SAVE_INTERVAL = 0.5
     RESUME_TIMEOUT = 5.0
+    RESERVE_BLOCK = 16  # offsets reserved at a time (the producer's RESERVE_MIN, scaled down)
 
     def __init__(
         self,
@@ -216,7 +217,7 @@ class SimProducer:
         capacity: int,
         incarnation: int,
         now: float,
-        saved: tuple[int, int] | None = None,
+        saved: tuple[int, int, int] | None = None,
         address: str | None = None,
     ) -> None:
         self.name = name
@@ -230,7 +231,11 @@ class SimProducer:
         self.resume_error: str | None = None
         self.head_at = now
         self.saved_at = now
-        self.saved = saved or (-1, 0)  # the identity file: (acked, next)
+        # The identity file: (acked, next, reserved); written at once when the
+        # reservation grows (the producer fsyncs it before using the offsets).
+        self.saved = saved or (-1, 0, self.RESERVE_BLOCK)
+        self.reserved = self.saved[2]
+        self.hole: tuple[int, int] | None = None  # offsets the resume skipped
         self.bad_acks = 0
         self.start_offset = 0
         self.get_heads_at = -1.0
@@ -243,6 +248,7 @@ class SimProducer:
                 beacon_interval=1.0,
                 policy=STRICT,
                 need_store=not ring,
+                reserved=saved[2],
             )
             self.resume.on_tower(now)  # the simulated mesh always has a tower
         own = self.address.encode()
@@ -263,6 +269,8 @@ class SimProducer:
         room = len(contents) if self.ring else min(len(contents), self.capacity - len(self.window))
         if room <= 0:
             return self.window.next, []
+        if self.window.next + room > self.reserved:
+            self._reserve(self.window.next + room + self.RESERVE_BLOCK)  # the publisher's own renewal
         first = self.window.push_many(contents[:room])
         if lost:
             return first, []
@@ -298,15 +306,19 @@ class SimProducer:
         if isinstance(msg, wire.Fetch):
             if msg.topic == self.address and msg.subject == self.topic and self.ready:
                 out = []
-                for first, contents in self.window.runs(msg.sequence, msg.count):
+                seq, count = msg.sequence, msg.count
+                hole = self.hole
+                if hole is not None and hole[0] <= seq <= hole[1] and seq + count <= hole[1] + 1:
+                    seq, count = hole[1] + 1, 1  # what follows the hole (Producer._on_fetch)
+                for first, contents in self.window.runs(seq, count):
                     out += self._records(
                         wire.DirectRecord, wire.DirectRecordBatch, msg.address, first, list(contents), rng
                     )
                 return out
             return []
         if isinstance(msg, wire.GetHeads):
-            if msg.topic == self.topic and self.window.next > 0 and self.ready:
-                return [wire.encode(wire.DirectHead(msg.address, self.address, self.topic, self.window.last))]
+            if msg.topic == self.topic and self.ready and self._announced() >= 0:
+                return [wire.encode(wire.DirectHead(msg.address, self.address, self.topic, self._announced()))]
             return []
         if isinstance(msg, wire.DirectHead):
             if self.resume is not None and msg.address == self.address and msg.subject == self.topic:
@@ -320,13 +332,15 @@ class SimProducer:
         if resume is not None:
             if resume.done(now):
                 next_offset, error = resume.decide()
+                self.hole = resume.hole
                 self.resume = None
                 if error is not None:
                     self.resume_error = error
                     return out
                 self.window = UnackedWindow(self.capacity, next_offset, ring=self.ring)
                 self.start_offset = next_offset
-                self.saved = (self.window.acked, self.window.next)
+                self.reserved = next_offset
+                self._reserve(next_offset + self.RESERVE_BLOCK)
             elif resume.may_beacon(now) and now - self.get_heads_at >= 0.2:
                 self.get_heads_at = now
                 out.append(wire.encode(wire.GetHeads(self.topic, self.address)))
@@ -335,9 +349,21 @@ class SimProducer:
             return out
         if now - self.head_at >= self.HEAD_INTERVAL:
             self.head_at = now
-            if self.window.last >= 0:
-                out.append(wire.encode(wire.Head(self.topic, self.address, self.topic, self.window.last)))
+            if self._announced() >= 0:
+                out.append(wire.encode(wire.Head(self.topic, self.address, self.topic, self._announced())))
+        if self.reserved - self.window.next < self.RESERVE_BLOCK // 2:
+            self._reserve(self.window.next + self.RESERVE_BLOCK)  # the I/O thread's renewal
         if now - self.saved_at >= self.SAVE_INTERVAL:
             self.saved_at = now
-            self.saved = (self.window.acked, self.window.next)
+            self.saved = (self.window.acked, self.window.next, self.reserved)
         return out
+
+    def _announced(self) -> int:
+        """The head HEADs announce (Producer._announced): before the hole until this run publishes."""
+        hole = self.hole
+        return hole[0] - 1 if hole is not None and self.window.last <= hole[1] else self.window.last
+
+    def _reserve(self, upto: int) -> None:
+        """Reserve offsets below ``upto``: durable (in ``saved``) before any is used."""
+        self.reserved = max(self.reserved, upto)
+        self.saved = (self.window.acked, self.window.next, self.reserved)

@@ -20,6 +20,9 @@ Kinds (``a``, ``b`` are the step's two numbers):
 ``crash n ms``    node n is killed (kill -9: what was not committed is lost)
                   and restarted ms later
 ``disk s ms``     store s's disk is full (its LMDB map cannot grow) for ms
+``stop s ms``     store s is stopped (SIGSTOP) for ms: it reads, commits and
+                  answers nothing meanwhile; what is sent to it waits (socket
+                  buffers) and is read when it continues
 ``hostile k x``   a hostile node sends malformed or hostile message kind k
 """
 
@@ -30,7 +33,7 @@ from typing import NamedTuple
 
 from dafka.sim.network import NET_MODES
 
-KINDS = ("publish", "lose", "wait", "net", "isolate", "crash", "disk", "hostile")
+KINDS = ("publish", "lose", "wait", "net", "isolate", "crash", "disk", "hostile", "stop")
 MODES = tuple(NET_MODES)
 HOSTILE_KINDS = 8
 
@@ -71,6 +74,7 @@ _WEIGHTS = (
     ("crash", 9),
     ("disk", 4),
     ("hostile", 12),
+    ("stop", 5),
 )
 
 
@@ -98,6 +102,8 @@ def generate(seed: int, steps: int = 120, top: Topology = TOPOLOGY) -> list[Step
             out.append(Step(kind, rng.randrange(node_count(top)), rng.choice((50, 500, 1500, 3000)), s))
         elif kind == "disk":
             out.append(Step(kind, rng.randrange(top.stores), rng.choice((500, 3000, 8000)), s))
+        elif kind == "stop":
+            out.append(Step(kind, rng.randrange(top.stores), rng.choice((500, 2000, 5000)), s))
         else:
             out.append(Step(kind, rng.randrange(HOSTILE_KINDS), rng.getrandbits(16), s))
     return out

@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import zmq
+
 from dafka import consumer as consumer_module
 from dafka import node as node_module
 from dafka import reader as reader_module
@@ -45,7 +47,7 @@ log = logging.getLogger("dafka.sim")
 
 TICK = 0.05
 STEP_TIME = 0.01  # seconds every step but ``wait`` lets pass
-HEAL_SECONDS = 40.0
+HEAL_SECONDS = 60.0
 MAP_SIZE = 1 << 20  # a store's initial LMDB map (it grows by doubling unless the disk is "full")
 TOPIC = "sim"
 
@@ -89,6 +91,8 @@ class StoreHost:
     incarnation: int = 0
     disk_full_until: float = 0.0
     commit_at: float | None = None
+    stopped_until: float = 0.0  # SIGSTOPped: reads, commits and timers wait until then
+    waiting: list[list[bytes]] = field(default_factory=list)  # sent to it while stopped
 
 
 @dataclass
@@ -105,7 +109,7 @@ class ProducerHost:
     address: str
     node: SimProducer | None = None
     incarnation: int = 0
-    saved: tuple[int, int] | None = None  # the identity file
+    saved: tuple[int, int, int] | None = None  # the identity file: (acked, next, reserved)
 
 
 @dataclass
@@ -224,6 +228,8 @@ class World:
         self.net.detach(h.name)
         h.store = None
         h.commit_at = None
+        h.stopped_until = 0.0
+        h.waiting.clear()
         store.sim_close_sockets()
         store.close(0.5)
 
@@ -290,7 +296,7 @@ class World:
     def crash(self, name: str, downtime: float) -> None:
         h = self.host(name)
         if isinstance(h, StoreHost):
-            if h.store is None or any(o.store is None for o in self.stores):
+            if h.store is None or any(self.store_down(o) for o in self.stores):
                 return  # one store down at a time: records acknowledged by one store stay readable
             self.kill_store(h)
         elif isinstance(h, ConsumerHost):
@@ -315,6 +321,28 @@ class World:
         elif h.node is None:
             self.start_producer(h)
 
+    def store_down(self, h: StoreHost) -> bool:
+        """Whether a store is dead or stopped."""
+        return h.store is None or h.stopped_until > self.now
+
+    def stop_store(self, h: StoreHost, seconds: float) -> None:
+        """SIGSTOP: nothing of the store runs until ``seconds`` passed (SIGCONT)."""
+        if h.store is None or any(self.store_down(o) for o in self.stores):
+            return  # one store down at a time (as for crashes)
+        h.stopped_until = self.now + seconds
+        self.net.count("stop-s")
+
+    def continue_store(self, h: StoreHost) -> None:
+        """SIGCONT: the store reads what waited in its socket buffers."""
+        h.stopped_until = 0.0
+        store = h.store
+        waiting, h.waiting = h.waiting, []
+        if store is not None:
+            for frames in waiting:
+                with contextlib.suppress(zmq.Again):  # a full buffer drops, as TCP would stall
+                    store.sim_feed(frames)
+        self.dirty.add(h.name)
+
     # ------------------------------------------------------------ message flow
 
     def _deliver_to(self, name: str) -> Any:
@@ -332,6 +360,9 @@ class World:
             node = h.store if isinstance(h, StoreHost) else h.node
             if node is None:
                 return
+            if isinstance(h, StoreHost) and h.stopped_until:
+                h.waiting.append(frames)
+                return
             node.sim_feed(frames)
             self.dirty.add(name)
 
@@ -339,10 +370,10 @@ class World:
 
     def _on_ack(self, producer: SimProducer, sender: str, expected: list[tuple[int, bytes]]) -> None:
         if producer.ring:
-            # acks=False: a restarted ring producer continues after its identity
-            # file without asking the stores, so it may publish offsets again
-            # that the stores already hold (their ACK then covers the old
-            # contents); nobody waits for these ACKs.
+            # acks=False: nobody waits for these ACKs, and a ring may evict
+            # records before any store had them (a store's recorded hole is
+            # then covered by its ACK). Offsets are never reassigned either
+            # way (the checker's offset-reassigned).
             return
         host = self.store_host_by_address(sender)
         self.checker.on_producer_ack(host, self.topic, producer.address, expected)
@@ -351,7 +382,7 @@ class World:
         """Let a store or consumer do what its loop would after input, then send what it sent."""
         h = self.host(name)
         node = h.store if isinstance(h, StoreHost) else h.node
-        if node is None:
+        if node is None or (isinstance(h, StoreHost) and h.stopped_until):
             return
         if not node.data_paused and node.sim_pending_input():
             self._guard(f"{name} read", node._read_data)
@@ -401,7 +432,8 @@ class World:
             if t is not None:
                 candidates.append(t)
             candidates += [at for at, _ in self.restarts]
-            candidates += [h.commit_at for h in self.stores if h.commit_at is not None]
+            candidates += [h.commit_at for h in self.stores if h.commit_at is not None and not h.stopped_until]
+            candidates += [h.stopped_until for h in self.stores if h.stopped_until]
             self.now = self.clock.now = max(self.now, min(candidates))
             now = self.now
             for _ in range(100_000):
@@ -419,7 +451,9 @@ class World:
                 for _, name in sorted(due):
                     self.restart(name)
             for h in self.stores:
-                if h.commit_at is not None and h.commit_at <= now:
+                if h.stopped_until and h.stopped_until <= now:
+                    self.continue_store(h)
+                if h.commit_at is not None and h.commit_at <= now and not h.stopped_until:
                     self.commit(h)
                 if h.store is not None and h.disk_full_until and h.disk_full_until <= now:
                     h.disk_full_until = 0.0
@@ -435,7 +469,7 @@ class World:
 
     def tick(self, now: float) -> None:
         for h in self.stores:
-            if h.store is not None:
+            if h.store is not None and not h.stopped_until:
                 self._guard(f"{h.name} timers", h.store.sim_timers, now)
                 self.dirty.add(h.name)
         for c in self.consumers:
@@ -498,6 +532,8 @@ class World:
             self.net.count("disk-full")
         elif kind == "hostile":
             self.hostile(a, b)
+        elif kind == "stop":
+            self.stop_store(self.stores[a % len(self.stores)], b / 1000)
         self.advance(wait)
 
     def hostile(self, kind: int, x: int) -> None:
@@ -569,6 +605,8 @@ class World:
             h.disk_full_until = 0.0
             if h.store is not None:
                 h.store.db.max_map_size = None
+            if h.stopped_until:
+                self.continue_store(h)
         for _, name in sorted(self.restarts):
             self.restart(name)
         self.restarts.clear()

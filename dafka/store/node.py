@@ -418,7 +418,7 @@ class Store(PartitionReader):
             return
         for prefix in [p for p, t in self._by_prefix.items() if t is tracker]:
             del self._by_prefix[prefix]
-        self._missing.discard(tracker)
+        self._missing.pop(tracker, None)
         # Records of it queued since the refused batch continue what was refused.
         self._batch = [r for r in self._batch if (r[0], r[1]) != key]
         if any((s[0], s[1]) == key for s in self._segs):
