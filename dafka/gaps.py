@@ -198,7 +198,6 @@ class PartitionTracker:
         if self.held:
             if self.held_at is None:
                 self.held_at = now
-                self.retry_asap = True  # ask for the hole before it at once
         else:
             self.held_at = None
         if self.fetch_upto >= nxt:
@@ -265,7 +264,6 @@ class PartitionTracker:
                 return None
         elif self.held_at is None:
             self.held_at = now
-            self.retry_asap = True
         if nxt is None or nxt != self.progress_next:
             return None
         if now - self.progress_at < self.skip_after:
@@ -291,7 +289,10 @@ class PartitionTracker:
         # offsets that were never published, such as a producer's restart hole,
         # and the records after it may just have come): ask for the hole once
         # more since later records are held, and let the answer come.
-        if self.sent_at < self.held_at or now - self.sent_at < self.retry_interval:
+        if self.sent_at < self.held_at:
+            self.retry_asap = True
+            return None
+        if now - self.sent_at < self.retry_interval:
             return None
         first_held = min(self.held)
         skipped = (nxt, first_held - 1)
