@@ -140,7 +140,7 @@ class PartitionReader(Node):
             self.emit(tracker, out)
             out.clear()
         if tracker.missing:
-            self._missing.add(tracker)  # fetch_missing asks at the end of this drain
+            self._missing[tracker] = None  # fetch_missing asks at the end of this drain
 
     def on_cut(self) -> None:
         """A peer's connection was cut for a frame over the size limit: a record
