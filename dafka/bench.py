@@ -8,12 +8,13 @@ median.  Figures go in docs/reference/performance.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import multiprocessing as mp
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from itertools import repeat
 from pathlib import Path
@@ -1114,31 +1115,22 @@ def _embedded_consume(cfg: NodeConfig, topic: str, args: argparse.Namespace, bus
     return _with_busy_thread(busy, run)
 
 
-def bench_embedded(args: argparse.Namespace) -> dict[str, list[float]]:
-    """An app with one busy pure-Python thread embeds a Producer, then a Consumer.
-
-    The store and the tower run in their own processes; the producer and the
-    consumer run in this one, beside the busy thread or alone.  Reports
-    records/s for both with and without the busy thread, and the ratio.
-    """
+@contextlib.contextmanager
+def _mesh_with_stored_topic(topic: str, args: argparse.Namespace) -> Iterator[NodeConfig]:
+    """A tower and a store process whose database already holds ``args.records``
+    records of ``topic`` (one partition): the config of a node on that mesh."""
     import tempfile
 
-    from dafka import fastio
     from dafka.store.db import RecordDB
 
-    print(f"I/O implementation: {fastio.IMPLEMENTATION} ({fastio.REASON})", flush=True)
     ctx = mp.get_context("spawn")
-    series: dict[str, list[float]] = {}
-    for run in range(args.runs):
-        ports, tower_done = ctx.Queue(), ctx.Event()
-        tower = ctx.Process(target=_tower_process, args=(ports, tower_done))
-        tower.start()
+    ports, tower_done = ctx.Queue(), ctx.Event()
+    tower = ctx.Process(target=_tower_process, args=(ports, tower_done))
+    tower.start()
+    try:
         in_port, out_port = ports.get(timeout=60)
-        cfg = NodeConfig(
-            towers=(TowerAddress("127.0.0.1", in_port, out_port),), bind="127.0.0.1", beacon_interval=0.2
-        )
+        cfg = NodeConfig(towers=(TowerAddress("127.0.0.1", in_port, out_port),), bind="127.0.0.1", beacon_interval=0.2)
         with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
-            topic = f"bench-embedded-read-{run}"
             with RecordDB(db, sync=False) as records:
                 now = int(time.time() * 1000)
                 payload = b"x" * args.size
@@ -1150,21 +1142,40 @@ def bench_embedded(args: argparse.Namespace) -> dict[str, list[float]]:
             store.start()
             ready.wait(60)
             try:
-                for busy in (False, True):
-                    label = "busy" if busy else "alone"
-                    rate = _embedded_publish(cfg, f"bench-embedded-{run}-{label}", args, busy)
-                    series.setdefault(f"produce {label}", []).append(rate)
-                    print(f"run {run}: produce, {label}: {rate:,.0f} records/s acknowledged", flush=True)
-                for busy in (False, True):
-                    label = "busy" if busy else "alone"
-                    rate = _embedded_consume(cfg, topic, args, busy)
-                    series.setdefault(f"consume {label}", []).append(rate)
-                    print(f"run {run}: consume, {label}: {rate:,.0f} records/s", flush=True)
+                yield cfg
             finally:
                 done.set()
                 store.join(60)
-                tower_done.set()
-                tower.join(30)
+    finally:
+        tower_done.set()
+        tower.join(30)
+
+
+def bench_embedded(args: argparse.Namespace) -> dict[str, list[float]]:
+    """An app with one busy pure-Python thread embeds a Producer, then a Consumer.
+
+    The store and the tower run in their own processes; the producer and the
+    consumer run in this one, beside the busy thread or alone.  Reports
+    records/s for both with and without the busy thread, and the ratio.
+    """
+
+    from dafka import fastio
+
+    print(f"I/O implementation: {fastio.IMPLEMENTATION} ({fastio.REASON})", flush=True)
+    series: dict[str, list[float]] = {}
+    for run in range(args.runs):
+        topic = f"bench-embedded-read-{run}"
+        with _mesh_with_stored_topic(topic, args) as cfg:
+            for busy in (False, True):
+                label = "busy" if busy else "alone"
+                rate = _embedded_publish(cfg, f"bench-embedded-{run}-{label}", args, busy)
+                series.setdefault(f"produce {label}", []).append(rate)
+                print(f"run {run}: produce, {label}: {rate:,.0f} records/s acknowledged", flush=True)
+            for busy in (False, True):
+                label = "busy" if busy else "alone"
+                rate = _embedded_consume(cfg, topic, args, busy)
+                series.setdefault(f"consume {label}", []).append(rate)
+                print(f"run {run}: consume, {label}: {rate:,.0f} records/s", flush=True)
     for what in ("produce", "consume"):
         alone, busy = series.get(f"{what} alone", []), series.get(f"{what} busy", [])
         if alone and busy and statistics.median(alone) > 0:
@@ -1245,39 +1256,13 @@ def bench_aio(args: argparse.Namespace) -> dict[str, list[float]]:
     record a call (``publish`` / ``publish_nowait``) until all are acknowledged;
     consumers read a partition the store holds (``for`` / ``async for``).
     """
-    import tempfile
 
-    from dafka.store.db import RecordDB
 
-    ctx = mp.get_context("spawn")
     series: dict[str, list[float]] = {}
     for run in range(args.runs):
-        ports, tower_done = ctx.Queue(), ctx.Event()
-        tower = ctx.Process(target=_tower_process, args=(ports, tower_done))
-        tower.start()
-        in_port, out_port = ports.get(timeout=60)
-        cfg = NodeConfig(
-            towers=(TowerAddress("127.0.0.1", in_port, out_port),), bind="127.0.0.1", beacon_interval=0.2
-        )
-        with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
-            read_topic = f"bench-aio-read-{run}"
-            with RecordDB(db, sync=False) as records:
-                now = int(time.time() * 1000)
-                payload = b"x" * args.size
-                for start in range(0, args.records, 10_000):
-                    stop = min(start + 10_000, args.records)
-                    records.append([(read_topic, "B" * 32, i, payload, now) for i in range(start, stop)])
-            ready, done = ctx.Event(), ctx.Event()
-            store = ctx.Process(target=_store_process, args=(cfg, db, not args.no_sync, ready, done))
-            store.start()
-            ready.wait(60)
-            try:
-                rates = _aio_rates(cfg, f"bench-aio-{run}", read_topic, args)
-            finally:
-                done.set()
-                store.join(60)
-                tower_done.set()
-                tower.join(30)
+        read_topic = f"bench-aio-read-{run}"
+        with _mesh_with_stored_topic(read_topic, args) as cfg:
+            rates = _aio_rates(cfg, f"bench-aio-{run}", read_topic, args)
         for name, rate in rates.items():
             series.setdefault(name, []).append(rate)
         figures = ", ".join(f"{k} {v:,.0f}/s" for k, v in rates.items())
