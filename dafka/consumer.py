@@ -573,7 +573,9 @@ class Consumer(PartitionReader):
     def on_skipped(self, tracker: PartitionTracker, first: int, last: int) -> None:
         self.skipped += last - first + 1
         log.warning(
-            "consumer %s: offsets %d..%d of %s/%s are gone (retention?); skipping ahead",
+            "consumer %s: offsets %d..%d of %s/%s are nowhere to be had (removed by retention,"
+            " a hole a store recorded, or never published: a producer restarted after a crash);"
+            " skipping ahead",
             self.address,
             first,
             last,
