@@ -932,7 +932,7 @@ class Node:
             return
         if reflection.address != self.address:
             return  # another node's address with ours as a prefix
-        warning = self.reach.on_reflection(reflection)
+        warning = self.reach.on_reflection(reflection, time.monotonic())
         if warning:
             self.log.warning("%s %s: %s", self.kind, self.address[:8], warning)
 

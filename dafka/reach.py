@@ -299,9 +299,14 @@ class ReachWatch:
         self.peers_since: float | None = None
         self._warned_at: float | None = None
         self._reported_probe = ""
+        self._probe_warned_at: float | None = None
 
-    def on_reflection(self, reflection: Reflection) -> str | None:
-        """Keep it; a warning to log when the tower's probe newly failed."""
+    def on_reflection(self, reflection: Reflection, now: float) -> str | None:
+        """Keep it; a warning to log when the tower's probe newly failed.
+
+        At most one every ``repeat`` seconds: a tower that changes its probe
+        text at every beacon (broken or hostile) must not flood the log.
+        """
         self.reflection = reflection
         probe = reflection.probe
         if probe == self._reported_probe:
@@ -309,6 +314,9 @@ class ReachWatch:
         self._reported_probe = probe
         if not probe or probe == PROBE_OK or probe.startswith("not checked"):
             return None
+        if self._probe_warned_at is not None and now < self._probe_warned_at + self.repeat:
+            return None
+        self._probe_warned_at = now
         host, port = _host_port(reflection.endpoint)
         return (
             f"the tower could not connect to this node's announced endpoint {reflection.endpoint}"

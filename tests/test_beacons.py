@@ -244,6 +244,20 @@ def test_the_tower_probes_only_the_address_a_beacon_came_from() -> None:
     assert len(small.wanting) == 3 and len(small.results) == 3
 
 
+def test_a_tower_changing_its_probe_text_cannot_flood_the_log() -> None:
+    watch = reach.ReachWatch(started=0.0, grace=5.0, repeat=60.0)
+
+    def reflect(probe: str, now: float) -> str | None:
+        return watch.on_reflection(reach.Reflection("A" * 32, "10.0.0.6", "tcp://10.0.0.6:4000", probe), now)
+
+    assert reflect("connection refused", 1.0) is not None
+    # A new failure text at every beacon: one warning a minute, not one a beacon.
+    assert [reflect(f"refused #{i}", 1.0 + i) for i in range(1, 50)] == [None] * 49
+    assert reflect(reach.PROBE_OK, 55.0) is None
+    assert reflect("timed out", 62.0) is not None
+    assert reflect("timed out", 200.0) is None  # the same text is said once
+
+
 def test_hostile_reflections_are_dropped(cfg: NodeConfig, tower: Tower) -> None:
     node = Node(cfg)
     node.start()
