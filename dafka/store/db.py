@@ -1115,7 +1115,7 @@ class RecordDB:
                     i += n
                 pairs = kept
                 segs = [seg for seg in segs if (seg[0], seg[1]) not in refusals]
-        hole_entries = []
+        hole_entries: list[tuple[bytes, bytes]] = []
         for st in states.values():
             if st.changed:
                 txn.put(st.pkey, st.pack(), db=parts_db)
@@ -1421,8 +1421,9 @@ class RecordDB:
                 return out
             for key, value in txn.cursor(db=hdb).iternext():
                 pid, first = RECORD_KEY.unpack(key)
-                name = names.get(pid, False)
-                if name is False:
+                if pid in names:
+                    name = names[pid]
+                else:
                     raw = txn.get(U32.pack(pid), db=dbs.pids)
                     name = names[pid] = None if raw is None else unpack_partition_key(bytes(raw))
                 if name is None:
@@ -1478,7 +1479,9 @@ class RecordDB:
         written = given_up = 0
         for tp, offsets in by_tp.items():
             pkey = pkeys.get(tp)
-            raw = None if pkey is None else txn.get(pkey, db=dbs.partitions)
+            if pkey is None:
+                continue
+            raw = txn.get(pkey, db=dbs.partitions)
             if raw is None:
                 continue
             pid, first, last, count, nbytes = PARTITION_INFO.unpack(raw)
@@ -1640,7 +1643,7 @@ class RecordDB:
                         # Holes below the new first are forgotten, as the records before them.
                         floor = pack_key(st[1], st[2])
                         if hcur.set_range(pack_key(st[1], 0)):
-                            while hcur.key() < floor and hcur.delete():
+                            while bytes(hcur.key()) < floor and hcur.delete():
                                 pass
         if deleted:
             log.debug("retention removed %d records (%d bytes) from %s", deleted, freed, self.path)

@@ -20,6 +20,11 @@ fewer if fewer are stored, from the first retained offset when the asked one
 was removed by retention.  Large answers are served in slices so one FETCH
 cannot starve the rest.
 
+Holes: offsets nobody supplied within ``skip_after`` are given up and recorded
+in LMDB; the store asks for them again later (:class:`dafka.store.holes.HoleRepair`
+decides which and when, backing off) and writes records that arrive for them
+(:meth:`RecordDB.fill_holes`: never over a stored record).
+
 Consumer groups: every COMMIT (``C``) seen is written to the ``positions``
 table (one small synced transaction, in the I/O thread) and then confirmed
 with COMMITTED; GET-POSITIONS (``P``) is answered with every position of the
