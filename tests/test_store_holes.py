@@ -8,6 +8,7 @@ acknowledgements.
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,9 @@ from dafka import wire
 from dafka.config import NodeConfig
 from dafka.consumer import Consumer
 from dafka.producer import Producer
+from dafka.store.db import Hole, RecordDB
 from dafka.store.node import Store
-from tests.conftest import wait_until
+from tests.conftest import start_store_process, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -99,6 +101,45 @@ def test_two_holes_in_one_partition_never_stop_the_store(cfg: NodeConfig, tmp_pa
         bad.send(wire.Record("h", bad.address, "h", 26, b"h26"))
         wait_acked(bad, "h", 26)
         assert store.db.info("h", bad.address).count == 8
+
+
+def test_a_hole_is_filled_once_the_store_holding_it_resumes(cfg: NodeConfig, tmp_path: Path, raw_peer) -> None:
+    """Store A gives 5..9 up while store B, which holds them, is SIGSTOPped (a
+    process on 127.0.0.1); once B resumes, A FETCHes its recorded hole and fills it."""
+    prod = raw_peer([])  # the producer: it answers no FETCH
+    b_proc = start_store_process(cfg, tmp_path / "b")
+    b_db = RecordDB(tmp_path / "b", readonly=True)
+    try:
+
+        def stored(db: RecordDB) -> list[int]:
+            return [r.offset for r in db.read("h", prod.address, 0, 100)]
+
+        def publish(first: int, n: int) -> None:
+            for seq in range(first, first + n):
+                prod.send(wire.Record("h", prod.address, "h", seq, b"h%d" % seq))
+
+        with Store(tmp_path / "a", cfg, skip_after=0.5, retry_interval=0.1) as a:
+            prod.wait_for(lambda p: len(p.peers) >= 2 and sum(s == b"\x01M" for s in p.subscriptions) >= 2, 20)
+            publish(0, 5)
+            prod.wait_for(lambda p: stored(a.db) == stored(b_db) == list(range(5)), 20)
+        publish(5, 5)  # only B is up
+        prod.wait_for(lambda p: stored(b_db) == list(range(10)), 20)
+        b_proc.send_signal(signal.SIGSTOP)
+        with Store(tmp_path / "a", cfg, skip_after=0.5, retry_interval=0.1) as a:
+            prod.wait_for(lambda p: sum(s == b"\x01M" for s in p.subscriptions) >= 3, 20)
+            publish(10, 5)
+            prod.wait_for(lambda p: a.db.holes() == [Hole("h", prod.address, 5, 9)], 20)
+            assert stored(a.db) == [0, 1, 2, 3, 4, 10, 11, 12, 13, 14] and a.skipped == 5
+            b_proc.send_signal(signal.SIGCONT)
+            prod.wait_for(lambda p: stored(a.db) == list(range(15)), 30)
+            got = [r.content for r in a.db.read("h", prod.address, 0, 100)]
+            assert got == [b"h%d" % i for i in range(15)]
+            info = a.db.info("h", prod.address)
+            assert (info.first, info.last, info.count) == (0, 14, 15)
+            assert a.db.holes() == [] and a.holes_filled == 5
+    finally:
+        b_proc.send_signal(signal.SIGCONT)
+        b_db.close()
 
 
 def test_a_refused_partition_never_stops_the_others_acks(cfg: NodeConfig, tmp_path: Path, caplog: Any) -> None:

@@ -42,8 +42,9 @@ disks free, time passed):
     a store lacks a record that is still to be had from a producer or
     another store (a gap that can be filled was not filled).  For producers
     without ACKs (rings) a store's recorded hole whose records another store
-    holds is counted as an observation instead (holes are not repaired from
-    peers; consumers still get the records).
+    holds is counted as an observation instead (stores repair their holes
+    from peers with a backoff that may not have come round yet; consumers
+    still get the records).
 ``consumer-missing``
     a consumer has not delivered such a record.
 ``diverged``
@@ -270,8 +271,8 @@ class Checker:
                 missing = sorted(set(available) - set(held[host.name][p.address]))
                 if missing and p.ring:
                     # acks=False: two stores may skip different ranges while the
-                    # ring evicts, and a recorded hole is never repaired from a
-                    # peer that holds the records. Consumers still get them
+                    # ring evicts, and the repair of a recorded hole from a peer
+                    # that holds the records backs off. Consumers still get them
                     # (consumer-missing below); reported, not a violation.
                     self.observations["ring-hole-held-elsewhere"] = (
                         self.observations.get("ring-hole-held-elsewhere", 0) + len(missing)

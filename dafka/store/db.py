@@ -34,6 +34,8 @@ order.
     supply them (see ``skips`` in :meth:`RecordDB.append`).  A hole is
     recorded by the head moving past it with no record stored; readers asking
     for an offset in a hole get the next offset held, as after retention.
+    The store fills its holes later when a peer brings the records (see
+    ``holes`` and :meth:`RecordDB.fill_holes`); ``count`` then grows.
 
 ``pids``
     ``pid:u32`` -> the partition key above (reverse map; pids are allocated in
@@ -61,6 +63,19 @@ order.
     many commits were made.  Stores written before this table existed open
     unchanged: the table is created by the first commit, and read as empty
     until then.
+
+``holes`` -- the holes a store recorded and may still fill (optional)
+    key:   ``pid:u32  first:u64`` (like a record key)
+
+    value: ``last:u64``
+
+    One entry per range of offsets given up (``skips``) that no record
+    holds, written in the transaction that moves the head past it.  Filling
+    an offset (:meth:`RecordDB.fill_holes`) writes its record and shrinks or
+    splits the entry; retention deletes the entries below a partition's
+    ``first``.  Created by the first hole; a writable open of a store with
+    holes and no table (written before the table existed) builds it once
+    from the record keys.
 
 Durability and concurrency
 ==========================
@@ -131,6 +146,7 @@ from dafka.store.lockfile import WriterLock
 
 __all__ = [
     "DEFAULT_MAP_SIZE",
+    "Hole",
     "PartitionInfo",
     "ReadRecord",
     "RecordDB",
@@ -183,6 +199,15 @@ class StoreRecord(NamedTuple):
     ts_ms: int
     key: bytes | None = None
     ts_from_producer: bool = False
+
+
+class Hole(NamedTuple):
+    """A recorded hole: offsets ``first..last`` of a partition that no record holds."""
+
+    topic: str
+    partition: str
+    first: int
+    last: int
 
 
 class ReadRecord(NamedTuple):
@@ -272,6 +297,7 @@ class _Dbs(NamedTuple):
 
 _DB_NAMES = tuple(name.encode() for name in _Dbs._fields)
 POSITIONS_DB = b"positions"
+HOLES_DB = b"holes"
 
 
 def _group(batch: Sequence[Sequence[Any]]) -> dict[tuple[str, str], list[Sequence[Any]]]:
@@ -339,6 +365,7 @@ def _pack_records(
     recs: Sequence[Sequence[Any]],
     tp: tuple[str, str],
     skipped: Callable[[int, int], bool] | None = None,
+    holes: list[tuple[int, int]] | None = None,
 ) -> _Packed:
     """Pack one partition's records (tuples), which must continue at offset ``nxt``.
 
@@ -346,7 +373,8 @@ def _pack_records(
 
     A record below ``nxt`` is a duplicate (skipped and counted); above it, a
     gap: allowed where ``skipped(first, last)`` says the missing offsets were
-    given up (a hole), else ValueError (which refuses the partition's records).
+    given up (a hole, appended to ``holes``), else ValueError (which refuses
+    the partition's records).
     """
     pack_key = RECORD_KEY.pack
     pack_hdr = VALUE_HEADER.pack
@@ -369,6 +397,8 @@ def _pack_records(
                     f"gap in {tp[0]!r}/{tp[1]!r}: offset {off} after head {nxt - 1} "
                     "(offsets must be contiguous unless skipped)"
                 )
+            if holes is not None:
+                holes.append((nxt, off - 1))
             nxt = off  # a hole: the offsets before were given up
         content = rec[3]
         if len(rec) > 5 and (rec[5] is not None or (len(rec) > 6 and rec[6])):
@@ -427,7 +457,7 @@ _Unit = tuple[tuple[str, str], bytes, int, Sequence[Any], Any]
 class _PartState:
     """A partition's info while an append transaction changes it."""
 
-    __slots__ = ("pkey", "pid", "first", "last", "count", "nbytes", "changed", "new")
+    __slots__ = ("pkey", "pid", "first", "last", "count", "nbytes", "changed", "new", "holes")
 
     def __init__(self, pkey: bytes, pid: int, first: int, last: int, count: int, nbytes: int):
         self.pkey = pkey
@@ -438,6 +468,7 @@ class _PartState:
         self.nbytes = nbytes
         self.changed = False
         self.new = False  # created by this transaction
+        self.holes: list[tuple[int, int]] = []  # (first, last) recorded by this transaction
 
     def pack(self) -> bytes:
         return PARTITION_INFO.pack(self.pid, self.first, self.last, self.count, self.nbytes)
@@ -476,6 +507,8 @@ class RecordDB:
         self._env: lmdb.Environment | None = None
         self._dbs: _Dbs | None = None
         self._positions_db: Any = None  # opened when it exists (see the layout)
+        self._holes_db: Any = None  # likewise
+        self._new_holes_db: Any = None  # created by the write transaction in progress
         #: Records skipped by :meth:`append` because their offset was <= head.
         self.duplicates = 0
         self._writer_lock: WriterLock | None = None
@@ -487,6 +520,12 @@ class RecordDB:
         except BaseException:
             self._release_writer_lock()
             raise
+        if not readonly and self._holes_db is None:
+            try:
+                self._build_holes()
+            except BaseException:
+                self.close()
+                raise
 
     # ------------------------------------------------------------------ open/close
 
@@ -509,6 +548,7 @@ class RecordDB:
                 self._env = env
                 self._dbs = self._open_dbs_readonly(env)
                 self._positions_db = self._open_positions(env)
+                self._holes_db = self._open_optional(env, HOLES_DB)
             except BaseException:
                 self._env = None
                 env.close()
@@ -538,6 +578,7 @@ class RecordDB:
                     raise  # named DBs exist but something is off: do not touch it
                 self._dbs = self._write(self._create_dbs)
             self._positions_db = self._open_positions(env)
+            self._holes_db = self._open_optional(env, HOLES_DB)
         except BaseException:
             self._env = None
             env.close()
@@ -555,10 +596,65 @@ class RecordDB:
     @staticmethod
     def _open_positions(env: lmdb.Environment) -> Any:
         """The ``positions`` table if a commit created it, else None (nothing is written)."""
+        return RecordDB._open_optional(env, POSITIONS_DB)
+
+    @staticmethod
+    def _open_optional(env: lmdb.Environment, name: bytes) -> Any:
+        """An optional table if a write created it, else None (nothing is written)."""
         try:
-            return env.open_db(POSITIONS_DB, create=False)
+            return env.open_db(name, create=False)
         except lmdb.NotFoundError:
             return None
+
+    def _holes_table(self, txn: lmdb.Transaction) -> Any:
+        """The ``holes`` table, created in write transaction ``txn`` if need be
+        (its handle is kept once the transaction committed, see :meth:`_write`)."""
+        db = self._holes_db
+        if db is None:
+            db = self._new_holes_db
+            if db is None:
+                db = self._new_holes_db = self._live_env().open_db(HOLES_DB, txn=txn, create=True)
+        return db
+
+    def _build_holes(self) -> None:
+        """Record the holes of a store written before the ``holes`` table existed.
+
+        Only partitions whose count says they have holes are scanned (their
+        record keys, once); a store without holes is not written to.
+        """
+        with self._read_txn() as (txn, dbs):
+            holed = [
+                PARTITION_INFO.unpack(raw)
+                for raw in txn.cursor(db=dbs.partitions).iternext(keys=False)
+            ]
+        holed = [info for info in holed if info[3] and info[3] != info[2] - info[1] + 1]
+        if not holed:
+            return
+
+        def body(txn: lmdb.Transaction) -> int:
+            dbs = self._dbs
+            assert dbs is not None
+            hdb = self._holes_table(txn)
+            cur = txn.cursor(db=dbs.records)
+            found = 0
+            for pid, first, last, _count, _nbytes in holed:
+                expect = first
+                if cur.set_range(RECORD_KEY.pack(pid, first)):
+                    for key in cur.iternext(values=False):
+                        kpid, off = RECORD_KEY.unpack(key)
+                        if kpid != pid or off > last:
+                            break
+                        if off > expect:
+                            txn.put(RECORD_KEY.pack(pid, expect), U64.pack(off - 1), db=hdb)
+                            found += 1
+                        expect = off + 1
+                if expect <= last:
+                    txn.put(RECORD_KEY.pack(pid, expect), U64.pack(last), db=hdb)
+                    found += 1
+            return found
+
+        found = self._write(body)
+        log.info("record database %s: recorded %d holes found in its records", self.path, found)
 
     def _create_dbs(self, txn: lmdb.Transaction) -> _Dbs:
         env = self._env
@@ -665,6 +761,7 @@ class RecordDB:
             raise StorageError(f"record database {self.path} was opened read-only")
         with self._write_lock:
             while True:
+                self._new_holes_db = None
                 txn = self._live_env().begin(write=True)
                 try:
                     result = body(txn)
@@ -699,6 +796,8 @@ class RecordDB:
                     raise StorageFullError(
                         f"commit to {self.path} failed (disk full or I/O error): {exc}"
                     ) from exc
+                if self._new_holes_db is not None:
+                    self._holes_db, self._new_holes_db = self._new_holes_db, None
                 return result
 
     def _abort_write(self, txn: lmdb.Transaction) -> None:
@@ -966,7 +1065,7 @@ class RecordDB:
                 nxt = st.last + 1
                 if ts_ms is None:
                     skipped = None if covered is None else partial(covered, tp)
-                    keys, values, new_nxt, nbytes, d = _pack_records(st.pid, nxt, recs, tp, skipped)
+                    keys, values, new_nxt, nbytes, d = _pack_records(st.pid, nxt, recs, tp, skipped, st.holes)
                 else:
                     if start > nxt:
                         if covered is None or not covered(tp, nxt, start - 1):
@@ -974,6 +1073,7 @@ class RecordDB:
                                 f"gap in {tp[0]!r}/{tp[1]!r}: offset {start} after head {nxt - 1} "
                                 "(offsets must be contiguous unless skipped)"
                             )
+                        st.holes.append((nxt, start - 1))
                         nxt = start  # a hole: the offsets before were given up
                     d = nxt - start  # leading records at or below the head
                     if d > 0:
@@ -1015,9 +1115,16 @@ class RecordDB:
                     i += n
                 pairs = kept
                 segs = [seg for seg in segs if (seg[0], seg[1]) not in refusals]
+        hole_entries: list[tuple[bytes, bytes]] = []
         for st in states.values():
             if st.changed:
                 txn.put(st.pkey, st.pack(), db=parts_db)
+            if st.holes:
+                hole_entries.extend((RECORD_KEY.pack(st.pid, lo), U64.pack(hi)) for lo, hi in st.holes)
+        if hole_entries:
+            hdb = self._holes_table(txn)
+            for key, value in hole_entries:
+                txn.put(key, value, db=hdb)
         if puts:
             cur = txn.cursor(db=dbs.records)
             tail = cur.key() if cur.last() else b""
@@ -1093,6 +1200,8 @@ class RecordDB:
                     ),
                 )
                 continue
+            if first != st.last + 1:
+                st.holes.append((st.last + 1, first - 1))
             if st.count == 0:
                 st.first = first
             st.count += last - first + 1
@@ -1297,6 +1406,134 @@ class RecordDB:
             remaining -= len(values)
             nxt = off
 
+    # ------------------------------------------------------------------ holes
+
+    def holes(self, limit: int | None = None) -> list[Hole]:
+        """The recorded holes (see the ``holes`` table), at most ``limit``, in
+        partition-id then offset order: ``(topic, partition, first, last)``."""
+        out: list[Hole] = []
+        if limit is not None and limit <= 0:
+            return out
+        names: dict[int, tuple[str, str] | None] = {}
+        with self._read_txn() as (txn, dbs):
+            hdb = self._holes_db
+            if hdb is None:
+                return out
+            for key, value in txn.cursor(db=hdb).iternext():
+                pid, first = RECORD_KEY.unpack(key)
+                if pid in names:
+                    name = names[pid]
+                else:
+                    raw = txn.get(U32.pack(pid), db=dbs.pids)
+                    name = names[pid] = None if raw is None else unpack_partition_key(bytes(raw))
+                if name is None:
+                    continue  # not a stored partition: nothing to fill
+                out.append(Hole(name[0], name[1], first, U64.unpack(value)[0]))
+                if limit is not None and len(out) >= limit:
+                    break
+        return out
+
+    def fill_holes(self, records: Sequence[tuple[str, str, int, bytes | None, int]]) -> tuple[int, int]:
+        """Write records into recorded holes, in one committed transaction.
+
+        ``records`` are ``(topic, partition, offset, content, ts_ms)``
+        (plain records, no Tank key).  Only an offset inside a recorded hole
+        of a stored partition is written (the hole shrinks or splits; the
+        partition's ``count`` and ``bytes`` grow, and its ``first`` moves
+        down if the hole was below it); anything else -- a stored offset, one
+        past the head, a partition never stored -- is ignored, so a record is
+        never overwritten and a call is idempotent.  A ``None`` content gives
+        the offset up for good: it leaves the hole without a record (a record
+        that can never be stored, such as one over the size limit).
+        Several records at one offset: the last one counts.
+
+        Returns ``(written, given_up)``.  Raises :class:`StorageFullError`
+        when the records do not fit (nothing is committed then).
+        """
+        by_tp: dict[tuple[str, str], dict[int, tuple[bytes | None, int]]] = {}
+        for topic, partition, offset, content, ts_ms in records:
+            if isinstance(offset, int) and offset >= 0:
+                by_tp.setdefault((topic, partition), {})[offset] = (content, ts_ms)
+        if not by_tp or self._holes_db is None:
+            return 0, 0
+        pkeys = {}
+        for tp in by_tp:
+            try:
+                pkeys[tp] = self._pkey(*tp)
+            except ValueError:
+                continue  # a name no partition can have
+        return self._write(partial(self._fill_txn, by_tp, pkeys))
+
+    def _fill_txn(
+        self,
+        by_tp: dict[tuple[str, str], dict[int, tuple[bytes | None, int]]],
+        pkeys: dict[tuple[str, str], bytes],
+        txn: lmdb.Transaction,
+    ) -> tuple[int, int]:
+        dbs = self._dbs
+        hdb = self._holes_db
+        assert dbs is not None and hdb is not None
+        hcur = txn.cursor(db=hdb)
+        rcur = txn.cursor(db=dbs.records)
+        pack_key = RECORD_KEY.pack
+        written = given_up = 0
+        for tp, offsets in by_tp.items():
+            pkey = pkeys.get(tp)
+            if pkey is None:
+                continue
+            raw = txn.get(pkey, db=dbs.partitions)
+            if raw is None:
+                continue
+            pid, first, last, count, nbytes = PARTITION_INFO.unpack(raw)
+            changed = False
+            for off in sorted(offsets):
+                if off > last:
+                    break
+                hole = self._hole_at(hcur, pid, off)
+                if hole is None:
+                    continue
+                content, ts_ms = offsets[off]
+                if content is not None:
+                    if not isinstance(content, bytes | bytearray | memoryview):
+                        continue
+                    if rcur.put(pack_key(pid, off), VALUE_HEADER.pack(ts_ms, 0) + content, overwrite=False):
+                        count += 1
+                        nbytes += len(content)
+                        if off < first:
+                            first = off
+                        written += 1
+                        changed = True
+                    else:  # never overwritten; the entry was wrong
+                        log.error("%s: offset %d of pid %d is stored and was recorded as a hole", self.path, off, pid)
+                else:
+                    given_up += 1
+                # The cursor is on the hole's entry: replace it by what is left of it.
+                hfirst, hlast = hole
+                hcur.delete()
+                if hfirst < off:
+                    txn.put(pack_key(pid, hfirst), U64.pack(off - 1), db=hdb)
+                if off < hlast:
+                    txn.put(pack_key(pid, off + 1), U64.pack(hlast), db=hdb)
+            if changed:
+                txn.put(pkey, PARTITION_INFO.pack(pid, first, last, count, nbytes), db=dbs.partitions)
+        return written, given_up
+
+    @staticmethod
+    def _hole_at(hcur: Any, pid: int, offset: int) -> tuple[int, int] | None:
+        """``(first, last)`` of the recorded hole holding ``offset`` (the cursor then
+        on its entry), or None."""
+        key = RECORD_KEY.pack(pid, offset)
+        if hcur.set_range(key):
+            if hcur.key() != key and not hcur.prev():
+                return None
+        elif not hcur.last():
+            return None
+        kpid, first = RECORD_KEY.unpack(hcur.key())
+        if kpid != pid or offset < first:
+            return None
+        last = U64.unpack(hcur.value())[0]
+        return (first, last) if offset <= last else None
+
     # ------------------------------------------------------------------ retention
 
     def enforce_retention(
@@ -1396,10 +1633,18 @@ class RecordDB:
                         heapq.heappush(heap, (unpack_hdr(cur.value())[0], st[2], i))
                 if more:
                     break
+        hdb = self._holes_db
+        hcur = None if hdb is None else txn.cursor(db=hdb)
         for states in by_topic.values():
             for st in states:
                 if st[6]:
                     txn.put(st[0], PARTITION_INFO.pack(*st[1:6]), db=dbs.partitions)
+                    if hcur is not None:
+                        # Holes below the new first are forgotten, as the records before them.
+                        floor = pack_key(st[1], st[2])
+                        if hcur.set_range(pack_key(st[1], 0)):
+                            while bytes(hcur.key()) < floor and hcur.delete():
+                                pass
         if deleted:
             log.debug("retention removed %d records (%d bytes) from %s", deleted, freed, self.path)
         return RetentionResult(deleted, freed, more)

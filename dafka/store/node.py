@@ -20,6 +20,11 @@ fewer if fewer are stored, from the first retained offset when the asked one
 was removed by retention.  Large answers are served in slices so one FETCH
 cannot starve the rest.
 
+Holes: offsets nobody supplied within ``skip_after`` are given up and recorded
+in LMDB; the store asks for them again later (:class:`dafka.store.holes.HoleRepair`
+decides which and when, backing off) and writes records that arrive for them
+(:meth:`RecordDB.fill_holes`: never over a stored record).
+
 Consumer groups: every COMMIT (``C``) seen is written to the ``positions``
 table (one small synced transaction, in the I/O thread) and then confirmed
 with COMMITTED; GET-POSITIONS (``P``) is answered with every position of the
@@ -46,6 +51,7 @@ from dafka.metrics import SECONDS_BUCKETS, SIZE_BUCKETS, Histogram
 from dafka.node import DRAIN, read_subscriptions
 from dafka.reader import NOBLOCK, PartitionReader
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
+from dafka.store.holes import HoleRepair
 from dafka.store.layout import RECORD_KEY, VALUE_HEADER
 
 log = logging.getLogger("dafka.store")
@@ -72,8 +78,10 @@ REFUSED_LOG_INTERVAL = 5.0  # refused partitions are logged at most this often
 REFUSED_STATUS_FOR = 10.0  # seconds a refused partition's producer is told "not writing"
 SKIP_AFTER = 10.0  # seconds before offsets nobody has are given up
 
-# What the writer commits at once: tuples, ready pairs, their runs, skips.
-_Work = tuple[list[Any], list[tuple[bytes, bytes]], list[Any], list[tuple[str, str, int, int]]]
+# What the writer commits at once: tuples, ready pairs, their runs, skips, and
+# records for recorded holes (content None: an offset given up for good).
+_Fill = tuple[str, str, int, bytes | None, int]
+_Work = tuple[list[Any], list[tuple[bytes, bytes]], list[Any], list[tuple[str, str, int, int]], list[_Fill]]
 
 
 @dataclass(slots=True)
@@ -146,6 +154,10 @@ class Store(PartitionReader):
         self._segs: list[tuple[str, str, int, int, int, int]] = []
         # Offsets given up (nobody had them), committed with the records after them.
         self._skips: list[tuple[str, str, int, int]] = []
+        # Recorded holes are asked for again (see dafka.store.holes); records that
+        # arrive for them wait here, one per offset, for the next commit.
+        self.repair = HoleRepair(interval=max(retry_interval, 0.01))
+        self._fills: dict[tuple[str, str, int], tuple[bytes | None, int]] = {}
         # Held by the writer while it puts ready pairs, by the I/O thread while it
         # drains: see RecordDB.append_pairs (py-lmdb gives up the GIL at every put,
         # and every put then waits for a thread running Python).  The pure drain
@@ -176,6 +188,8 @@ class Store(PartitionReader):
         self.records_served = 0
         self.fetches_received = 0
         self.skipped = 0  # offsets given up: holes in stored partitions
+        self.holes_filled = 0  # records written into recorded holes
+        self.hole_fetches = 0  # FETCHes sent for recorded holes
         self.records_refused = 0  # records the database refused (their partition's trouble)
         self._refused: dict[tuple[str, str], tuple[str, float]] = {}  # partition -> (why, when)
         self._refused_logged_at = float("-inf")
@@ -201,6 +215,7 @@ class Store(PartitionReader):
         self.every(STATS_INTERVAL, self._log_stats)
         self.every(HEADS_INTERVAL, self._announce_heads)
         self.every(STATUS_INTERVAL, self._send_status)
+        self._sync_holes()
         self._writer.start()
         self.start()
 
@@ -223,7 +238,7 @@ class Store(PartitionReader):
 
     def pending_records(self) -> int:
         """Records received and not yet handed to the writer."""
-        return len(self._batch) + len(self._pairs)
+        return len(self._batch) + len(self._pairs) + len(self._fills)
 
     def heads(self) -> dict[tuple[str, str], int]:
         """Committed head per (topic, partition)."""
@@ -251,12 +266,17 @@ class Store(PartitionReader):
                 next_retention = time.monotonic() + self.retention_interval
 
     def _commit(self, work: _Work) -> None:
-        batch, pairs, segs, skips = work
+        batch, pairs, segs, skips, fills = work
         # A partition the database refuses (its records cannot go in as they
         # are) is left out alone: the others commit and are acknowledged.
         rejected: dict[tuple[str, str], str] = {}
+        filled = (0, 0)
         try:
             t0 = time.perf_counter()
+            if fills:
+                # First, in a transaction of its own: a retry after a failure
+                # writes what is still a hole, nothing twice.
+                filled = self.db.fill_holes(fills)
             if pairs:
                 heads = self.db.append_pairs(batch, pairs, segs, self._put_gate, skips=skips, rejected=rejected)
             else:
@@ -272,7 +292,7 @@ class Store(PartitionReader):
             rejected.clear()
         with self._writer_cond:
             self._to_write = None
-        self.call_soon(lambda: self._on_committed(work, heads, error, rejected))
+        self.call_soon(lambda: self._on_committed(work, heads, error, rejected, filled))
 
     def _enforce_retention(self) -> None:
         """Delete what the policy no longer keeps, in bounded steps.
@@ -295,6 +315,8 @@ class Store(PartitionReader):
                 break
         if deleted:
             log.info("retention removed %d records (%d bytes)", deleted, freed)
+            if self.repair:
+                self.call_soon(self._sync_holes)  # holes below the new firsts are gone
 
     # ---------------------------------------------------------------- I/O thread: writing
 
@@ -304,13 +326,17 @@ class Store(PartitionReader):
         After a failed commit only a ``retry`` writes again.
         """
         if (
-            not (self._batch or self._pairs)
+            not (self._batch or self._pairs or self._fills)
             or self._writer_busy
             or (self.storage_error is not None and not retry)
         ):
             return
         # Group commit: everything queued while the last commit ran goes in one transaction.
-        work = (self._batch, self._pairs, self._segs, self._skips)
+        fills: list[_Fill] = []
+        if self._fills:
+            fills = [(t, p, off, c, ts) for (t, p, off), (c, ts) in self._fills.items()]
+            self._fills = {}
+        work = (self._batch, self._pairs, self._segs, self._skips, fills)
         self._batch, self._pairs, self._segs, self._skips = [], [], [], []
         self._writer_busy = True
         with self._writer_cond:
@@ -323,9 +349,10 @@ class Store(PartitionReader):
         heads: dict[tuple[str, str], int],
         error: StorageError | None,
         rejected: dict[tuple[str, str], str] | None = None,
+        filled: tuple[int, int] = (0, 0),
     ) -> None:
         self._writer_busy = False
-        batch, pairs, segs, skips = work
+        batch, pairs, segs, skips, fills = work
         if error is not None:
             now = time.monotonic()
             if self.storage_error is None or now - self._error_logged_at >= ERROR_LOG_INTERVAL:
@@ -341,6 +368,8 @@ class Store(PartitionReader):
             self._pairs = pairs + self._pairs
             self._segs = segs + self._segs
             self._skips = skips + self._skips
+            for topic, partition, off, content, ts in fills:
+                self._fills.setdefault((topic, partition, off), (content, ts))
             self.pause_data(True)
             self._send_status(now)  # producers learn why at once
             return
@@ -348,7 +377,9 @@ class Store(PartitionReader):
             log.info("store writes again; acknowledgements resume")
             self.storage_error = None
         refused = self._on_refused(work, rejected) if rejected else 0
-        self.stored += len(batch) + len(pairs) - refused
+        self.stored += len(batch) + len(pairs) - refused + filled[0]
+        if fills or skips:
+            self._on_holes_changed(filled)
         self._status_keys.update(heads)
         if self._refused:
             for key in heads:
@@ -376,7 +407,7 @@ class Store(PartitionReader):
         """Partitions the database refused in a commit: drop, count and log their
         records, and read them afresh from the committed head (a new tracker
         FETCHes what is missing).  Returns how many records were refused."""
-        batch, _pairs, segs, _skips = work
+        batch, _pairs, segs, _skips, _fills = work
         now = time.monotonic()
         counts = dict.fromkeys(rejected, 0)
         for rec in batch:
@@ -650,11 +681,12 @@ class Store(PartitionReader):
         job_key = (fetch.address, fetch.subject, fetch.topic)
         job = self._job_of.get(job_key)
         start, end = fetch.sequence, fetch.sequence + fetch.count
-        if job is not None and start <= job.offset + job.remaining:
+        if job is not None and start <= job.offset + job.remaining and end >= job.offset:
             # A retry, or the next pipelined range, of an answer in progress:
             # one job covers both, so retries never multiply the records sent.
             # Starting earlier than where the job is means the requester lost
-            # what was sent since: resend from there.
+            # what was sent since: resend from there.  (A range ending below
+            # the job, such as a recorded hole asked for, gets a job of its own.)
             stop = max(job.offset + job.remaining, end)
             if start < job.offset:
                 job.offset = job.asked = start
@@ -760,6 +792,8 @@ class Store(PartitionReader):
             self._flush_batch(retry=True)
         self._ts = int(time.time() * 1000)
         self.check_missing(now)
+        if self.repair:
+            self._ask_holes(now)
         self._flush_batch()
 
     def on_skipped(self, tracker: PartitionTracker, first: int, last: int) -> None:
@@ -776,6 +810,57 @@ class Store(PartitionReader):
         self.skipped += last - first + 1
         self._skips.append((tracker.subject, tracker.address, first, last))
 
+    # ---------------------------------------------------------------- I/O thread: holes
+
+    def _sync_holes(self) -> None:
+        """Track the holes the database holds now (after a commit or retention changed them)."""
+        try:
+            holes = self.db.holes(limit=self.repair.max_holes)
+        except StorageError as exc:
+            log.error("cannot read the recorded holes: %s", exc)
+            return
+        self.repair.sync(holes, time.monotonic())
+
+    def _on_holes_changed(self, filled: tuple[int, int]) -> None:
+        written, given_up = filled
+        if written or given_up:
+            self.holes_filled += written
+            log.info(
+                "store: %d records written into recorded holes%s",
+                written,
+                f", {given_up} offsets given up for good (over max_record_bytes)" if given_up else "",
+            )
+        self._sync_holes()
+
+    def _ask_holes(self, now: float) -> None:
+        """FETCH the recorded holes that are due (a few at a time, backing off)."""
+        if self.storage_error is not None or len(self._fills) >= MAX_BATCH // 2:
+            return
+        for topic, partition, offset, count in self.repair.due(now):
+            self.send(wire.Fetch(partition, self.address, topic, offset, count))
+            self.hole_fetches += 1
+
+    def track(self, tracker: PartitionTracker, seq: int, content: bytes) -> None:
+        # Only records outside the fast path come here; one below the
+        # partition's next offset is either a duplicate or fills a recorded hole.
+        nxt = tracker.next
+        if nxt is not None and seq < nxt and self.repair and self.repair.covers((tracker.subject, tracker.address), seq):
+            self._fills[(tracker.subject, tracker.address, seq)] = (content, self._ts)
+            return
+        super().track(tracker, seq, content)
+
+    def too_large(self, tracker: PartitionTracker, seq: int, size: int) -> None:
+        nxt = tracker.next
+        if nxt is not None and seq < nxt and self.repair and self.repair.covers((tracker.subject, tracker.address), seq):
+            # Every copy of the record has its size: the offset stays a hole for good.
+            self._fills[(tracker.subject, tracker.address, seq)] = (None, 0)
+        super().too_large(tracker, seq, size)
+
+    def retry_missing_now(self) -> None:
+        super().retry_missing_now()
+        if self.repair:
+            self.repair.peer_joined(time.monotonic())  # it may hold what the holes lack
+
     def on_too_large_skipped(self, tracker: PartitionTracker, seq: int) -> None:
         # A hole as any other (counted and logged as a record too large, not here):
         # readers asking for the offset get what follows it.  It commits with the
@@ -789,7 +874,7 @@ class Store(PartitionReader):
     def on_shutdown(self) -> None:
         # Commit what was received; ACKs for it go out if the socket still can.
         deadline = time.monotonic() + 5.0
-        while (self._batch or self._pairs or self._writer_busy) and time.monotonic() < deadline:
+        while (self._batch or self._pairs or self._fills or self._writer_busy) and time.monotonic() < deadline:
             if self.storage_error is not None:
                 break
             self._flush_batch()

@@ -1,0 +1,149 @@
+"""Which recorded holes a store asks its peers for, and when (sans-IO).
+
+A store gives offsets up (records a hole, see :mod:`dafka.store.db`) when
+nobody supplied them for ``skip_after`` seconds; the peer holding them may
+just have been stopped or cut off.  :class:`HoleRepair` decides how the
+store asks for them again:
+
+* it tracks at most ``max_holes`` holes (the database may hold more; the
+  shell loads the first ``max_holes`` again whenever the set changes);
+* each round (at most one per ``interval``) asks for at most ``per_round``
+  due holes, each FETCH for at most ``max_ask`` offsets from the hole's
+  start (what arrives fills it; the rest is asked for next);
+* a hole asked for is due again after its wait, which starts at
+  ``interval`` and doubles, up to ``max_wait``, while answers bring nothing;
+  a hole that shrank (records came) waits ``interval`` again;
+* a peer that joins (it may hold the records) makes every hole due at once,
+  though never sooner than ``interval`` after the hole was last asked for.
+
+The shell feeds it the holes the database holds (:meth:`HoleRepair.sync`,
+after every commit that changed them), asks whether an arriving record's
+offset is in a tracked hole (:meth:`HoleRepair.covers`) and sends the
+FETCHes :meth:`HoleRepair.due` returns.  Times are passed in; nothing here
+reads a clock or touches a socket.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+INTERVAL = 0.5  # seconds: a hole's first wait, and the least time between rounds
+MAX_WAIT = 120.0  # seconds: the longest wait of a hole whose answers bring nothing
+PER_ROUND = 4  # holes asked for per round
+MAX_ASK = 10_000  # offsets asked for per FETCH
+MAX_HOLES = 1024  # holes tracked at once
+
+Key = tuple[str, str]  # (topic, partition)
+
+
+@dataclass(slots=True)
+class _Hole:
+    first: int
+    last: int
+    wait: float  # the wait after the next ask
+    due_at: float  # when it may be asked for next
+    asked_at: float  # when it was last asked for (-inf: never)
+
+
+class HoleRepair:
+    """The holes a store is filling, and the FETCHes that fill them (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        interval: float = INTERVAL,
+        max_wait: float = MAX_WAIT,
+        per_round: int = PER_ROUND,
+        max_ask: int = MAX_ASK,
+        max_holes: int = MAX_HOLES,
+    ) -> None:
+        if interval <= 0 or max_wait < interval or per_round < 1 or max_ask < 1 or max_holes < 1:
+            raise ValueError("HoleRepair needs interval > 0, max_wait >= interval and positive limits")
+        self.interval = interval
+        self.max_wait = max_wait
+        self.per_round = per_round
+        self.max_ask = max_ask
+        self.max_holes = max_holes
+        self._holes: dict[Key, list[_Hole]] = {}  # per partition, sorted by first
+        self._firsts: dict[Key, list[int]] = {}  # the holes' firsts, for bisect
+        self._round_at = float("-inf")  # the next round may start then
+        self.asks = 0  # FETCHes returned by due(), in total
+
+    def __len__(self) -> int:
+        return sum(len(h) for h in self._holes.values())
+
+    def __bool__(self) -> bool:
+        return bool(self._holes)
+
+    def holes(self) -> list[tuple[str, str, int, int]]:
+        """The tracked holes, ``(topic, partition, first, last)``."""
+        return [(k[0], k[1], h.first, h.last) for k, hs in self._holes.items() for h in hs]
+
+    def sync(self, holes: Iterable[tuple[str, str, int, int]], now: float) -> None:
+        """The holes the database holds now (the first ``max_holes`` are tracked).
+
+        A hole unchanged since the last sync keeps its wait; one that shrank
+        or split (records came) waits ``interval`` after its last ask; a new
+        one is first asked for ``interval`` from now.
+        """
+        old = self._holes
+        new: dict[Key, list[_Hole]] = {}
+        n = 0
+        for topic, partition, first, last in holes:
+            if n >= self.max_holes:
+                break
+            if last < first:
+                continue
+            n += 1
+            key = (topic, partition)
+            hole = None
+            for prev in old.get(key, ()):
+                if prev.first <= last and first <= prev.last:  # overlaps: what is left of it
+                    if prev.first == first and prev.last == last:
+                        hole = prev
+                    else:
+                        asked = prev.asked_at
+                        hole = _Hole(first, last, self.interval, max(now, asked + self.interval), asked)
+                    break
+            if hole is None:
+                hole = _Hole(first, last, self.interval, now + self.interval, float("-inf"))
+            new.setdefault(key, []).append(hole)
+        for hs in new.values():
+            hs.sort(key=lambda h: h.first)
+        self._holes = new
+        self._firsts = {k: [h.first for h in hs] for k, hs in new.items()}
+
+    def covers(self, key: Key, offset: int) -> bool:
+        """Whether ``offset`` of partition ``key`` is in a tracked hole."""
+        firsts = self._firsts.get(key)
+        if firsts is None:
+            return False
+        i = bisect.bisect_right(firsts, offset) - 1
+        return i >= 0 and offset <= self._holes[key][i].last
+
+    def peer_joined(self, now: float) -> None:
+        """A peer that may hold the records joined: every hole is due again soon, its wait reset."""
+        for hs in self._holes.values():
+            for h in hs:
+                h.wait = self.interval
+                h.due_at = min(h.due_at, max(now, h.asked_at + self.interval))
+
+    def due(self, now: float) -> list[tuple[str, str, int, int]]:
+        """FETCHes to send now: ``(topic, partition, offset, count)``, at most ``per_round``."""
+        if now < self._round_at or not self._holes:
+            return []
+        ready = [(h.due_at, k, h) for k, hs in self._holes.items() for h in hs if h.due_at <= now]
+        if not ready:
+            return []
+        ready.sort(key=lambda item: item[0])  # longest due first (a stable sort: fair between equals)
+        out = []
+        for _, key, h in ready[: self.per_round]:
+            out.append((key[0], key[1], h.first, min(h.last - h.first + 1, self.max_ask)))
+            h.asked_at = now
+            h.due_at = now + h.wait
+            h.wait = min(h.wait * 2, self.max_wait)
+        self._round_at = now + self.interval
+        self.asks += len(out)
+        return out

@@ -1,0 +1,231 @@
+"""Refilling recorded holes: the sans-IO HoleRepair, then the real Store on real LMDB.
+
+The store part runs the shipped Store code driven deterministically (the
+simulator's SimStore: in-process ZeroMQ sockets, simulated time, the writer
+called in line), so every FETCH it sends can be counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dafka import wire
+from dafka.sim.nodes import SimStore
+from dafka.sim.world import SimClock, simulated_time
+from dafka.store.db import Hole, RecordDB
+from dafka.store.holes import HoleRepair
+
+P = "0123456789ABCDEF0123456789ABCDEF"
+PEER = "FEDCBA9876543210FEDCBA9876543210"
+KEY = ("t", P)
+
+
+# ---------------------------------------------------------------- HoleRepair alone
+
+
+def test_a_new_hole_is_asked_for_after_one_interval_then_backs_off() -> None:
+    r = HoleRepair(interval=1.0, max_wait=8.0)
+    r.sync([("t", P, 5, 9)], now=0.0)
+    assert r.due(0.5) == []
+    assert r.due(1.0) == [("t", P, 5, 5)]
+    # Answers bring nothing: 1, 2, 4 seconds apart, then every 8 (asked at 1, 2, 4, 8, 16, ... 40).
+    asked = [1.0]
+    t = 1.0
+    while t < 40:
+        t += 0.25
+        if r.due(t):
+            asked.append(t)
+    assert [b - a for a, b in zip(asked, asked[1:], strict=False)] == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0]
+
+
+def test_progress_resets_the_wait_and_asks_for_what_is_left() -> None:
+    r = HoleRepair(interval=1.0, max_wait=64.0, max_ask=3)
+    r.sync([("t", P, 5, 9)], now=0.0)
+    for t in (1.0, 2.0, 4.0):
+        assert r.due(t) == [("t", P, 5, 3)]  # max_ask offsets from the start
+    # 5..7 came: what is left is asked for one interval after the last ask.
+    r.sync([("t", P, 8, 9)], now=4.2)
+    assert r.due(4.9) == []
+    assert r.due(5.0) == [("t", P, 8, 2)]
+    assert r.due(6.0) == [("t", P, 8, 2)]  # the wait started over
+
+
+def test_covers_exactly_the_tracked_holes() -> None:
+    r = HoleRepair()
+    r.sync([("t", P, 5, 9), ("t", P, 15, 15), ("u", P, 0, 3)], now=0.0)
+    assert [o for o in range(20) if r.covers(KEY, o)] == [5, 6, 7, 8, 9, 15]
+    assert r.covers(("u", P), 0) and not r.covers(("u", P), 4)
+    assert not r.covers(("t", PEER), 5)
+    r.sync([], now=1.0)
+    assert not r and not r.covers(KEY, 5)
+
+
+def test_rounds_are_bounded_and_fair() -> None:
+    """Many holes: at most per_round FETCHes per interval, the longest due first."""
+    r = HoleRepair(interval=1.0, per_round=4, max_wait=1000.0)
+    r.sync([("t", P, 10 * i, 10 * i + 1) for i in range(10)], now=0.0)
+    first = r.due(1.0)
+    assert len(first) == 4
+    assert r.due(1.5) == []  # not before the next round
+    second, third = r.due(2.0), r.due(3.0)
+    assert len(second) == 4 and len(third) == 4
+    # Holes never asked for go first: all ten were asked for within three rounds.
+    assert {a[2] for a in first + second + third} == {10 * i for i in range(10)}
+
+
+def test_at_most_max_holes_are_tracked() -> None:
+    r = HoleRepair(max_holes=3)
+    r.sync([("t", P, 10 * i, 10 * i) for i in range(1000)], now=0.0)
+    assert len(r) == 3 and r.holes() == [("t", P, 0, 0), ("t", P, 10, 10), ("t", P, 20, 20)]
+
+
+def test_a_peer_joining_makes_holes_due_but_never_in_a_tight_loop() -> None:
+    r = HoleRepair(interval=1.0, max_wait=100.0)
+    r.sync([("t", P, 5, 9)], now=0.0)
+    t, asked = 1.0, 0
+    while t < 60:  # backed off to 32 s
+        asked += len(r.due(t))
+        t += 1.0
+    assert asked == 6
+    # A peer joins many times a second: one ask per interval at most.
+    asked = 0
+    for i in range(1000):
+        now = 60.0 + i * 0.01
+        r.peer_joined(now)
+        asked += len(r.due(now))
+    assert 9 <= asked <= 11
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError):
+        HoleRepair(interval=0)
+    with pytest.raises(ValueError):
+        HoleRepair(per_round=0)
+
+
+# ---------------------------------------------------------------- the store, deterministically
+
+
+@contextlib.contextmanager
+def sim_store(path: Path) -> Iterator[tuple[SimStore, SimClock]]:
+    clock = SimClock()
+    clock.now = 1000.0
+    with simulated_time(clock):
+        store = SimStore(RecordDB(path, sync=False), "A" * 32, clock.now)
+        try:
+            yield store, clock
+        finally:
+            store.sim_close_sockets()
+            store.db.close()
+
+
+def run(store: SimStore, clock: SimClock, seconds: float = 0.0, frames: list[list[bytes]] = ()) -> list[Any]:
+    """Feed ``frames``, let ``seconds`` pass tick by tick, commit; what the store sent."""
+    sent: list[Any] = []
+
+    def turn() -> None:
+        if store.sim_pending_input():
+            store._read_data()
+        store.sim_run_commands()
+        while store.has_work():
+            store.do_work()
+        if store._to_write is not None:
+            store._commit(store._to_write)
+            store.sim_run_commands()
+        sent.extend(wire.decode(f) for f in store.sim_outbox())
+
+    for f in frames:
+        store.sim_feed(f)
+    turn()
+    end = clock.now + seconds
+    while clock.now < end:
+        clock.now += 0.05
+        store.sim_timers(clock.now)
+        turn()
+    return sent
+
+
+def records(first: int, n: int, tag: bytes = b"r") -> list[list[bytes]]:
+    return [wire.encode(wire.Record("t", P, "t", o, tag + b"%d" % o)) for o in range(first, first + n)]
+
+
+def answers(store: SimStore, first: int, n: int, tag: bytes = b"r") -> list[list[bytes]]:
+    return [wire.encode(wire.DirectRecord(store.address, P, "t", o, tag + b"%d" % o)) for o in range(first, first + n)]
+
+
+def hole_fetches(sent: list[Any]) -> list[tuple[int, int]]:
+    return [(m.sequence, m.count) for m in sent if isinstance(m, wire.Fetch)]
+
+
+def recorded_hole(store: SimStore, clock: SimClock) -> None:
+    """0..4 stored, 5..9 given up (nobody answered for skip_after), 10..14 stored."""
+    run(store, clock, 0.1, records(0, 5))
+    run(store, clock, store.skip_after + 2, records(10, 5))
+    assert store.db.holes() == [Hole("t", P, 5, 9)]
+    assert [r.offset for r in store.db.read("t", P, 0, 100)] == [0, 1, 2, 3, 4, *range(10, 15)]
+
+
+def test_a_store_asks_for_its_hole_and_fills_it(tmp_path: Path) -> None:
+    with sim_store(tmp_path / "db") as (store, clock):
+        recorded_hole(store, clock)
+        sent = run(store, clock, 1.0)
+        assert (5, 5) in hole_fetches(sent)
+        run(store, clock, 0.1, answers(store, 5, 5))
+        got = [(r.offset, r.content) for r in store.db.read("t", P, 0, 100)]
+        assert got == [(o, b"r%d" % o) for o in range(15)]
+        info = store.db.info("t", P)
+        assert info.count == 15 and info.last == 14
+        assert store.db.holes() == [] and not store.repair
+        assert store.holes_filled == 5 and store.heads() == {KEY: 14}
+        # Nothing more is asked for.
+        assert hole_fetches(run(store, clock, 30.0)) == []
+    # The filled partition reads as one without holes after a restart too.
+    with RecordDB(tmp_path / "db") as db:
+        assert db.fetch("t", P, 0, 100)[1] == [b"r%d" % o for o in range(15)]
+
+
+def test_the_hole_survives_a_restart_and_records_not_asked_for_fill_it_too(tmp_path: Path) -> None:
+    with sim_store(tmp_path / "db") as (store, clock):
+        recorded_hole(store, clock)
+    with sim_store(tmp_path / "db") as (store, clock):
+        assert store.repair.holes() == [("t", P, 5, 9)]
+        # A producer's RECORDs (not a FETCH answer) for offsets in the hole: as welcome.
+        run(store, clock, 0.1, records(6, 2))
+        assert store.db.holes() == [Hole("t", P, 5, 5), Hole("t", P, 8, 9)]
+        assert store.db.info("t", P).count == 12
+
+
+def test_a_peer_cannot_overwrite_nor_make_the_store_fetch_in_a_loop(tmp_path: Path) -> None:
+    with sim_store(tmp_path / "db") as (store, clock):
+        recorded_hole(store, clock)
+        before = list(store.db.read("t", P, 0, 100))
+        # Answers for stored offsets, past the head, over the size limit in the hole.
+        evil = answers(store, 0, 5, b"EVIL") + answers(store, 10, 5, b"EVIL")
+        big = wire.encode(wire.DirectRecord(store.address, P, "t", 7, b"x" * (store.max_record_bytes + 1)))
+        run(store, clock, 0.2, [*evil, big])
+        after = list(store.db.read("t", P, 0, 100))
+        assert after == before
+        # The record over the limit is never written; its offset is given up for good.
+        assert store.db.holes() == [Hole("t", P, 5, 6), Hole("t", P, 8, 9)]
+        # Nobody answers: over ten minutes a handful of FETCHes per hole, not a loop.
+        sent = run(store, clock, 600.0)
+        fetches = hole_fetches(sent)
+        assert 4 <= len(fetches) <= 2 * 12, fetches
+        assert set(fetches) == {(5, 2), (8, 2)}
+
+
+def test_a_hole_below_the_retention_floor_is_forgotten(tmp_path: Path) -> None:
+    from dafka.store.db import Retention, RetentionPolicy
+
+    with sim_store(tmp_path / "db") as (store, clock):
+        recorded_hole(store, clock)
+        store.retention = RetentionPolicy(Retention(max_age_ms=0))
+        store._enforce_retention()
+        store.sim_run_commands()
+        assert store.db.holes() == [] and not store.repair
+        assert hole_fetches(run(store, clock, 30.0)) == []
