@@ -39,7 +39,7 @@ from dafka import wire
 from dafka.errors import ProtocolError
 from dafka.kafka.codec import DEFAULT_MAX_FRAME, FrameReader, decode_request
 from dafka.kafka.records import Batch, make_ext, store_pairs
-from dafka.kafka.serving import KafkaServer, ParkedFetch
+from dafka.kafka.serving import Data, KafkaServer, ParkedFetch
 from dafka.store.layout import FLAG_KAFKA, FLAG_KEY, VALUE_HEADER
 from dafka.store.node import MAX_BATCH
 from dafka.tank.gateway import Gateway
@@ -53,6 +53,7 @@ MAX_OUTPUT = 64 << 20
 DEFAULT_MAX_INFLIGHT = 256
 DEFAULT_MAX_CONNECTIONS = 1024
 TICK_INTERVAL = 0.1
+MAX_IOV = 512  # buffers given to one sendmsg (the system allows 1024)
 _VALUE = itemgetter(2)  # a decoded record's value
 _OFFSET = itemgetter(2)  # a record tuple's offset
 
@@ -79,7 +80,7 @@ class _Slot:
     correlation_id: int
     api_key: int
     version: int
-    data: bytes | None = None
+    data: Data | None = None
     held: bool = False  # a produce answer waiting for its records' commit
 
 
@@ -520,23 +521,31 @@ class KafkaGateway(Gateway):
         events = (zmq.POLLIN if conn.reading else 0) | (zmq.POLLOUT if conn.out else 0)
         self.watch_events(conn.sock, events)
 
-    def _kwrite(self, conn: _Conn, data: bytes) -> None:
+    def _kwrite(self, conn: _Conn, data: Data) -> None:
+        """Send an answer (one byte string, or several back to back), queueing what does not go."""
+        parts = data if isinstance(data, list) else [data]
+        size = sum(map(len, parts))
         if conn.out:
-            conn.out.append(data)
-            conn.out_size += len(data)
+            conn.out.extend(parts)
+            conn.out_size += size
         else:
             try:
-                n = conn.sock.send(data)
+                n = conn.sock.send(parts[0]) if len(parts) == 1 else conn.sock.sendmsg(parts[:MAX_IOV])
             except (BlockingIOError, InterruptedError):
                 n = 0
             except OSError as exc:
                 self._kclose(conn, f"send failed: {exc}")
                 return
-            if n == len(data):
+            if n == size:
                 self._kread_ahead()
                 return
-            conn.out.append(memoryview(data)[n:])
-            conn.out_size += len(data) - n
+            conn.out_size += size - n
+            for part in parts:
+                if n >= len(part):
+                    n -= len(part)
+                    continue
+                conn.out.append(memoryview(part)[n:] if n else part)
+                n = 0
         if conn.out_size > MAX_OUTPUT:
             conn.reading = False  # a client that does not read its answers
         self._kupdate(conn)

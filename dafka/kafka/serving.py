@@ -28,15 +28,12 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from itertools import accumulate
-from operator import add
 from typing import Any, Protocol
 
 from dafka.errors import ProtocolError
-from dafka.kafka.codec import API_VERSIONS, Err, N, api_keys, encode_fetch_response, encode_response
+from dafka.kafka.codec import API_VERSIONS, Err, N, api_keys, encode_fetch_parts, encode_response
 from dafka.kafka.groups import Answer, Coordinator
 from dafka.kafka.records import (
     MAX_DECOMPRESSED,
@@ -63,6 +60,8 @@ COLD_READ_BYTES = 1 << 20  # at most this much in an answer not encoded ahead (K
 AHEAD_SECONDS = 5.0  # a batch encoded ahead and not asked for within this is dropped
 #: Bytes the compressed batches of one produce request may inflate to, over all its partitions.
 MAX_REQUEST_INFLATED = 4 * MAX_DECOMPRESSED
+#: An encoded answer: one byte string, or several to send back to back (a fetch's).
+Data = bytes | list[bytes]
 
 
 class Backend(Protocol):
@@ -88,10 +87,11 @@ class Outcome:
     ``data`` is the encoded answer, sent at once unless ``needs`` (committed
     head each partition must reach first) or ``park`` (a fetch to retry) is
     set; ``data`` None with neither: no answer (acks 0), or one that comes
-    later from the group coordinator.
+    later from the group coordinator.  A fetch's answer is a list of byte
+    strings to send back to back (its record sets are not copied into one).
     """
 
-    data: bytes | None = None
+    data: Data | None = None
     needs: dict[tuple[str, str], int] | None = None
     park: ParkedFetch | None = None
 
@@ -416,15 +416,16 @@ class KafkaServer:
             return Outcome(data)
         return Outcome(park=ParkedFetch(corr, v, req, now + min(req.max_wait_ms, 300_000) / 1000.0, waiting, req.min_bytes))
 
-    def retry_fetch(self, parked: ParkedFetch, timed_out: bool) -> bytes | None:
+    def retry_fetch(self, parked: ParkedFetch, timed_out: bool) -> list[bytes] | None:
         """The answer of a parked fetch, or None while it should wait on."""
         data, size, _, faulted = self.fetch_answer(parked.correlation_id, parked.version, parked.request)
         if size < max(1, parked.min_bytes) and not timed_out and not faulted:
             return None
         return data
 
-    def fetch_answer(self, corr: int, v: int, req: Any) -> tuple[bytes, int, list[tuple[str, str]], bool]:
-        """The answer as things are now, its record bytes, the partitions at their end, any fault."""
+    def fetch_answer(self, corr: int, v: int, req: Any) -> tuple[list[bytes], int, list[tuple[str, str]], bool]:
+        """The answer as things are now (its parts, :func:`~dafka.kafka.codec.encode_fetch_parts`),
+        its record bytes, the partitions at their end, any fault."""
         budget = min(req.max_bytes if v >= 3 else self.fetch_cap, self.fetch_cap)
         size = 0
         waiting: list[tuple[str, str]] = []
@@ -460,7 +461,7 @@ class KafkaServer:
                     waiting.append((part.topic, part.address))
                 out.append((p.partition, 0, hwm, start, records))
             topics.append((t.topic, out))
-        return encode_fetch_response(corr, v, topics), size, waiting, faulted
+        return encode_fetch_parts(corr, v, topics), size, waiting, faulted
 
     def _read(self, part: TankPartition, off: int, hwm: int, limit: int) -> bytes | None:
         """One batch of whole records from ``off``, at most ``limit`` bytes of values
@@ -523,12 +524,9 @@ class KafkaServer:
             return None
         if not values:
             return b""
-        # A record costs about its stored size plus a few varints: keep what fits.
-        costs = list(map(add, accumulate(map(len, values)), range(8, 8 * len(values) + 1, 8)))
-        if costs[-1] + 61 > limit:
-            del values[max(1, bisect_right(costs, limit - 61)) :]
         try:
-            return encode_batch(first, values)
+            # A record costs about its stored size plus a few varints: the encoder keeps what fits.
+            return encode_batch(first, values, limit)
         except ValueError as exc:  # a stored value that does not parse
             log.error("cannot serve %s from offset %d to a Kafka fetch: %s", part.topic, first, exc)
             return None
