@@ -66,6 +66,8 @@ class _Conn:
     slots: deque[_Slot] = field(default_factory=deque)
     out: deque[Any] = field(default_factory=deque)
     out_size: int = 0
+    queued: int = 0  # answer bytes held: ready in slots, or unsent in out
+    over: bool = False  # not read: the gateway holds too many answer bytes, some of them ours
     closed: bool = False
     reading: bool = True
     stalled_since: float | None = None
@@ -118,6 +120,10 @@ class KafkaGateway(Gateway):
             self._kpending: list[tuple[_Slot, dict[tuple[str, str], int]]] = []
             self._kparked: list[tuple[_Slot, ParkedFetch]] = []
             self._kthrottled: list[_Conn] = []
+            self._kqueued = 0  # answer bytes held over every connection (their ``queued``)
+            self.kafka_queued_peak = 0  # the most it has been
+            self._kover: dict[_Conn, None] = {}  # connections with ``over`` set, in order
+            self._kresuming = False
             self._kpids: dict[tuple[str, str], int] = {}  # owned partitions stored: their pid
             self._kcommit_id = 0
             self.kafka_refused = 0
@@ -147,6 +153,11 @@ class KafkaGateway(Gateway):
 
     def storage_failed(self) -> bool:
         return self.storage_error is not None
+
+    def output_room(self, token: Any) -> int:
+        """Answer bytes the gateway may still hold, over all connections and on the token's."""
+        conn = token.conn
+        return max(0, min(self.limits.kafka_max_output_bytes - self._kqueued, MAX_OUTPUT - conn.queued))
 
     def positions(self, group: str) -> dict[tuple[str, str], int]:
         return self.db.positions(group)
@@ -332,11 +343,11 @@ class KafkaGateway(Gateway):
             if timed_out and not expired:
                 still.append((slot, parked))
                 continue
-            data = self.kafka.retry_fetch(parked, expired)
+            data = self.kafka.retry_fetch(parked, expired, self.output_room(slot))
             if data is None:
                 still.append((slot, parked))
                 continue
-            slot.data = data
+            self._kfill(slot, data)
             touched.add(slot.conn)
         self._kparked = still
         for conn in touched:
@@ -351,7 +362,7 @@ class KafkaGateway(Gateway):
         for answer in released:
             slot = answer.token
             if isinstance(slot, _Slot) and not slot.conn.closed and slot.data is None:
-                slot.data = self.kafka.encode_answer(answer)
+                self._kfill(slot, self.kafka.encode_answer(answer))
                 touched.add(slot.conn)
         for conn in touched:
             self._drain(conn)
@@ -401,6 +412,11 @@ class KafkaGateway(Gateway):
     def kafka_connections(self) -> int:
         return len(self._kconns)
 
+    @property
+    def kafka_queued_bytes(self) -> int:
+        """Answer bytes held for Kafka clients (ready, or unsent), over all connections."""
+        return self._kqueued
+
     def _kready(self, conn: _Conn) -> None:
         if conn.out:
             self._kflush(conn)
@@ -436,8 +452,12 @@ class KafkaGateway(Gateway):
 
     def _kprocess(self, conn: _Conn) -> None:
         frames = conn.frames
+        budget = self.limits.kafka_max_output_bytes
         try:
             while conn.reading and not conn.closed:
+                if conn.queued and self._kqueued >= budget:
+                    self._kpause_over(conn)  # back pressure: until answers drain
+                    break
                 frame = frames.next_frame()
                 if frame is None:
                     break
@@ -481,12 +501,12 @@ class KafkaGateway(Gateway):
         if outcome.park is not None:
             self._kparked.append((slot, outcome.park))
         elif outcome.needs:
-            slot.data = outcome.data
+            self._kfill(slot, outcome.data)
             slot.held = True
             self._kpending.append((slot, outcome.needs))
             self._flush_batch()
         elif outcome.data is not None:
-            slot.data = outcome.data
+            self._kfill(slot, outcome.data)
         self._send_released()
         self._drain(conn)
         if len(conn.slots) >= self.kafka_max_inflight and conn.reading:
@@ -502,14 +522,59 @@ class KafkaGateway(Gateway):
             self._kwrite(conn, slots.popleft().data)  # type: ignore[arg-type]
             if conn.closed:
                 return
+        self._kresume(conn)
+
+    def _kresume(self, conn: _Conn) -> None:
+        """Read a connection again once nothing holds it back."""
         if (
             not conn.reading
-            and len(slots) < self.kafka_max_inflight // 2
+            and not conn.closed
+            and not conn.over
+            and len(conn.slots) < self.kafka_max_inflight // 2
             and conn.out_size <= MAX_OUTPUT
             and conn not in self._kthrottled
         ):
             self._set_kreading(conn)
             self._kprocess(conn)
+
+    def _kfill(self, slot: _Slot, data: Data) -> None:
+        """A slot's answer is ready: its bytes count as held until sent."""
+        slot.data = data
+        size = len(data) if isinstance(data, bytes) else sum(map(len, data))
+        slot.conn.queued += size
+        self._kqueued += size
+        if self._kqueued > self.kafka_queued_peak:
+            self.kafka_queued_peak = self._kqueued
+
+    def _kpause_over(self, conn: _Conn) -> None:
+        if not conn.over:
+            conn.over = True
+            self._kover[conn] = None
+        if conn.reading:
+            conn.reading = False
+            self._kupdate(conn)
+
+    def _ksent(self, conn: _Conn, n: int) -> None:
+        """``n`` answer bytes of ``conn`` went out: connections waiting on the budget may go on."""
+        conn.queued -= n
+        self._kqueued -= n
+        if not self._kover or self._kresuming:
+            return
+        self._kresuming = True
+        try:
+            if conn.over and not conn.queued:
+                # Nothing of its own held any more: it may ask again (its answers shrink).
+                conn.over = False
+                self._kover.pop(conn, None)
+                self._kresume(conn)
+            budget = self.limits.kafka_max_output_bytes
+            while self._kover and self._kqueued < budget:
+                nxt = next(iter(self._kover))
+                del self._kover[nxt]
+                nxt.over = False
+                self._kresume(nxt)
+        finally:
+            self._kresuming = False
 
     def _set_kreading(self, conn: _Conn) -> None:
         if conn.closed:
@@ -537,15 +602,19 @@ class KafkaGateway(Gateway):
                 self._kclose(conn, f"send failed: {exc}")
                 return
             if n == size:
+                self._ksent(conn, n)
                 self._kread_ahead()
                 return
             conn.out_size += size - n
+            sent = n
             for part in parts:
                 if n >= len(part):
                     n -= len(part)
                     continue
                 conn.out.append(memoryview(part)[n:] if n else part)
                 n = 0
+            if sent:
+                self._ksent(conn, sent)
         if conn.out_size > MAX_OUTPUT:
             conn.reading = False  # a client that does not read its answers
         self._kupdate(conn)
@@ -557,6 +626,7 @@ class KafkaGateway(Gateway):
 
     def _kflush(self, conn: _Conn) -> None:
         out = conn.out
+        sent = 0
         while out and not conn.closed:
             head = out[0]
             try:
@@ -567,6 +637,7 @@ class KafkaGateway(Gateway):
                 self._kclose(conn, f"send failed: {exc}")
                 return
             conn.out_size -= n
+            sent += n
             if n == len(head):
                 out.popleft()
             else:
@@ -574,6 +645,10 @@ class KafkaGateway(Gateway):
                 break
         if conn.closed:
             return
+        if sent:
+            self._ksent(conn, sent)
+            if conn.closed:
+                return
         self._kupdate(conn)
         if not out:
             self._kread_ahead()
@@ -584,6 +659,9 @@ class KafkaGateway(Gateway):
             return
         conn.closed = True
         self._kconns.pop(conn.sock, None)
+        conn.over = False
+        self._kover.pop(conn, None)
+        self._ksent(conn, conn.queued)  # what it held is dropped
         self._kparked = [(s, p) for s, p in self._kparked if s.conn is not conn]
         self._kpending = [(s, n) for s, n in self._kpending if s.conn is not conn]
         self.kafka.coordinator.forget_token(conn)

@@ -75,6 +75,7 @@ class Backend(Protocol):
     def create_topic(self, name: str, partitions: int) -> bool: ...
     def append(self, part: TankPartition, batch: Batch) -> tuple[int, int]: ...
     def storage_failed(self) -> bool: ...
+    def output_room(self, token: Any) -> int: ...
     def positions(self, group: str) -> dict[tuple[str, str], int]: ...
     def put_positions(self, group: str, positions: dict[tuple[str, str], int]) -> None: ...
     def broadcast_positions(self, group: str, positions: dict[tuple[str, str], int]) -> None: ...
@@ -411,22 +412,31 @@ class KafkaServer:
     # ---------------------------------------------------------------- Fetch
 
     def _fetch(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
-        data, size, waiting, faulted = self.fetch_answer(corr, v, req)
+        data, size, waiting, faulted = self.fetch_answer(corr, v, req, self.backend.output_room(token))
         if faulted or size >= max(1, req.min_bytes) or not waiting or req.max_wait_ms <= 0:
             return Outcome(data)
         return Outcome(park=ParkedFetch(corr, v, req, now + min(req.max_wait_ms, 300_000) / 1000.0, waiting, req.min_bytes))
 
-    def retry_fetch(self, parked: ParkedFetch, timed_out: bool) -> list[bytes] | None:
-        """The answer of a parked fetch, or None while it should wait on."""
-        data, size, _, faulted = self.fetch_answer(parked.correlation_id, parked.version, parked.request)
+    def retry_fetch(self, parked: ParkedFetch, timed_out: bool, room: int | None = None) -> list[bytes] | None:
+        """The answer of a parked fetch, or None while it should wait on (``room``: as for
+        :meth:`fetch_answer`)."""
+        data, size, _, faulted = self.fetch_answer(parked.correlation_id, parked.version, parked.request, room)
         if size < max(1, parked.min_bytes) and not timed_out and not faulted:
             return None
         return data
 
-    def fetch_answer(self, corr: int, v: int, req: Any) -> tuple[list[bytes], int, list[tuple[str, str]], bool]:
+    def fetch_answer(
+        self, corr: int, v: int, req: Any, room: int | None = None
+    ) -> tuple[list[bytes], int, list[tuple[str, str]], bool]:
         """The answer as things are now (its parts, :func:`~dafka.kafka.codec.encode_fetch_parts`),
-        its record bytes, the partitions at their end, any fault."""
+        its record bytes, the partitions at their end, any fault.
+
+        ``room``: answer bytes the gateway may still hold (its output budget);
+        the answer carries no more records than that, but one record at least.
+        """
         budget = min(req.max_bytes if v >= 3 else self.fetch_cap, self.fetch_cap)
+        if room is not None and room < budget:
+            budget = room
         size = 0
         waiting: list[tuple[str, str]] = []
         faulted = False

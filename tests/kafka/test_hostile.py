@@ -7,6 +7,8 @@ hand, as an attacker would, not by a well-behaved client library.
 from __future__ import annotations
 
 import socket
+import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -135,4 +137,84 @@ def test_auto_created_topics_stop_at_the_gateways_partition_limit(cfg: NodeConfi
         created = [n for n in names if gw.pmap.partitions(n) is not None]
         assert len(created) == 20 and gw.topics_refused == 30
     finally:
+        gw.close()
+
+
+def fetch_frame(corr: int, topic: str, offset: int = 0, max_bytes: int = 1 << 20) -> bytes:
+    from kafka.protocol.consumer import FetchRequest
+
+    req = FetchRequest[11](
+        replica_id=-1, max_wait_ms=0, min_bytes=1, max_bytes=max_bytes, isolation_level=0, session_id=0,
+        session_epoch=-1, forgotten_topics_data=[], rack_id="",
+        topics=[FetchRequest.FetchTopic(topic=topic, partitions=[FetchRequest.FetchTopic.FetchPartition(
+            partition=0, current_leader_epoch=-1, fetch_offset=offset, log_start_offset=-1,
+            partition_max_bytes=max_bytes)])],
+    )
+    return frame(1, 11, corr, bytes(req.encode(version=11)))
+
+
+def test_clients_that_never_read_cannot_make_the_gateway_hold_more_than_its_output_budget(
+    cfg: NodeConfig, tmp_path: Path
+) -> None:
+    """Each connection's unsent answers were bounded (64 MiB), their sum was not: N connections
+    pipelining big fetches and never reading made the gateway hold about N x 64 MiB."""
+    from confluent_kafka import Consumer as CKConsumer
+    from confluent_kafka import TopicPartition
+    from kafka.protocol.consumer import FetchResponse
+
+    from dafka.tank.limits import GatewayLimits
+    from tests.conftest import wait_until
+    from tests.kafka.test_gateway import client_batch_of, read_frame
+
+    budget = 4 << 20
+    gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0),
+                      limits=GatewayLimits(kafka_max_output_bytes=budget))
+    hogs: list[socket.socket] = []
+    try:
+        gw.create_topic("hog", 1)
+        gw.create_topic("small", 1)
+        with socket.create_connection((HOST, gw.kafka_port)) as s:
+            for i in range(8):  # 8 MiB of 1 KiB records
+                r: Any = produce_raw(s, i, "hog", client_batch_of([bytes(1024)] * 1024))
+                assert r.error_code == 0
+            assert produce_raw(s, 99, "small", client_batch_of([b"r%d" % i for i in range(20)])).error_code == 0
+        conns, fetches = 8, 24
+        for _ in range(conns):
+            h = socket.socket()
+            h.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the kernel holds little for it
+            h.connect((HOST, gw.kafka_port))
+            h.sendall(b"".join(fetch_frame(c, "hog") for c in range(fetches)))  # 1 MiB answers, never read
+            hogs.append(h)
+        # Every hog's requests are taken, or it is held back: the gateway holds what the budget allows.
+        wait_until(lambda: gw.kafka_queued_bytes >= budget, timeout=30)
+        wait_until(lambda: all(c.frames.buffered == 0 or not c.reading for c in gw._kconns.values()), timeout=30)
+        # A well-behaved client is still served (its answers shrink while the budget is spent).
+        c = CKConsumer({"bootstrap.servers": f"{HOST}:{gw.kafka_port}", "group.id": "good",
+                        "enable.auto.commit": False})
+        try:
+            c.assign([TopicPartition("small", 0, 0)])
+            got: list[bytes] = []
+            deadline = time.monotonic() + 30
+            while len(got) < 20 and time.monotonic() < deadline:
+                m = c.poll(0.5)
+                if m is not None and not m.error():
+                    got.append(m.value())
+        finally:
+            c.close()
+        assert got == [b"r%d" % i for i in range(20)]
+        peak = gw.kafka_queued_peak
+        assert peak <= budget + (256 << 10), f"held {peak} bytes of answers over a budget of {budget}"
+        # Nothing was dropped or reordered: a hog that reads at last gets every answer, in order.
+        h = hogs.pop()
+        corrs = []
+        for _ in range(fetches):
+            answer = read_frame(h, 30)
+            corrs.append(struct.unpack(">i", answer[:4])[0])
+            p = FetchResponse.decode(answer[4:], version=11).responses[0].partitions[0]
+            assert p.error_code == 0 and len(p.records) > 0
+        assert corrs == list(range(fetches))
+        h.close()
+    finally:
+        for h in hogs:
+            h.close()
         gw.close()
