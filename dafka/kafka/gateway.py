@@ -135,6 +135,7 @@ class KafkaGateway(Gateway):
             super().__init__(db, config, **gateway_options)
             # The Tank port's limit holds for Kafka's CreateTopics too.
             self.kafka.max_partitions = min(self.kafka.max_partitions, self.limits.max_partitions_per_topic)
+            self.kafka.max_records = self.limits.kafka_max_produce_records
         except BaseException:
             self.kafka_listener.close()
             raise

@@ -38,6 +38,7 @@ from dafka.kafka.groups import Answer, Coordinator
 from dafka.kafka.records import (
     MAX_DECOMPRESSED,
     Batch,
+    TooManyRecords,
     batch_record_count,
     decode_batches,
     encode_batch,
@@ -60,6 +61,8 @@ COLD_READ_BYTES = 1 << 20  # at most this much in an answer not encoded ahead (K
 AHEAD_SECONDS = 5.0  # a batch encoded ahead and not asked for within this is dropped
 #: Bytes the compressed batches of one produce request may inflate to, over all its partitions.
 MAX_REQUEST_INFLATED = 4 * MAX_DECOMPRESSED
+#: Records one produce request may carry, over all its partitions (the gateway sets its limit).
+MAX_REQUEST_RECORDS = 500_000
 #: An encoded answer: one byte string, or several to send back to back (a fetch's).
 Data = bytes | list[bytes]
 
@@ -136,6 +139,7 @@ class KafkaServer:
         self.fetch_cap = fetch_cap
         self.partition_cap = partition_cap
         self.max_inflated = MAX_REQUEST_INFLATED
+        self.max_records = MAX_REQUEST_RECORDS
         #: CreateTopics above this many partitions is refused (the gateway sets its Tank limit).
         self.max_partitions = MAX_CREATE_PARTITIONS
         self.coordinator = Coordinator()
@@ -251,19 +255,31 @@ class KafkaServer:
         pmap = self.backend.pmap
         # Decode everything first: a malformed batch closes the connection
         # before anything of the request is written.
-        # Every partition's batches are held at once: their decompression shares one budget.
-        plan = []
+        # Every partition's batches are held at once: their decompression shares one budget,
+        # and so does their count of records (checked from batch headers before decoding:
+        # a request of millions of tiny records would be millions of objects).
+        plan: list[tuple[str, int, TankPartition | None, list[Batch] | None]] = []
         inflate = [self.max_inflated]
+        count = [self.max_records]
         for t in req.topic_data:
             parts = None if t.name == PARTITIONS_TOPIC else pmap.partitions(t.name)
             for p in t.partition_data:
                 part = parts[p.index] if parts is not None and 0 <= p.index < len(parts) else None
-                batches = decode_batches(p.records, shared=inflate) if part is not None and part.owned else []
+                batches: list[Batch] | None = []
+                if part is not None and part.owned:
+                    try:
+                        batches = decode_batches(p.records, shared=inflate, records=count)
+                    except TooManyRecords as exc:
+                        log.warning("Kafka produce to %s[%d] refused: %s", t.name, p.index, exc)
+                        batches = None
                 plan.append((t.name, p.index, part, batches))
         needs: dict[tuple[str, str], int] = {}
         results: dict[str, list[Any]] = {}
         for name, index, part, batches in plan:
-            code, base = self._produce_partition(part, batches, needs)
+            if batches is None:
+                code, base = Err.MESSAGE_TOO_LARGE, -1
+            else:
+                code, base = self._produce_partition(part, batches, needs)
             results.setdefault(name, []).append(
                 N(index=index, error_code=code, base_offset=base, log_append_time_ms=-1,
                   log_start_offset=-1, record_errors=[], error_message=None)

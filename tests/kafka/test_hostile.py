@@ -218,3 +218,72 @@ def test_clients_that_never_read_cannot_make_the_gateway_hold_more_than_its_outp
         for h in hogs:
             h.close()
         gw.close()
+
+
+def tiny_records_batch(n: int) -> bytes:
+    """One uncompressed v2 batch of ``n`` 10-byte records, written directly (kafka-python's
+    builder takes a few µs a record)."""
+    import struct as st
+
+    from crc32c import crc32c
+
+    body = bytearray()
+    for i in range(n):
+        v, out = i << 1, bytearray()  # the offset delta, a zigzag varint
+        while v >= 0x80:
+            out.append((v & 0x7F) | 0x80)
+            v >>= 7
+        out.append(v)
+        # attributes, timestamp delta 0, offset delta, null key, value of 10, no headers
+        rec = b"\x00\x00" + bytes(out) + b"\x01" + b"\x14" + b"0123456789" + b"\x00"
+        body += bytes([len(rec) << 1]) + rec
+    tail = st.pack(">hiqqqhii", 0, n - 1, 1000, 1000, -1, -1, -1, n) + bytes(body)
+    return st.pack(">qiib", 0, len(tail) + 9, -1, 2) + st.pack(">I", crc32c(tail)) + tail
+
+
+def test_a_huge_produce_of_tiny_records_is_refused_before_it_becomes_millions_of_objects(
+    cfg: NodeConfig, tmp_path: Path
+) -> None:
+    """A produce request was decoded whole before anything was checked: 20 MiB of 10-byte
+    records became over a million record objects (about 10x the request in memory)."""
+    import tracemalloc
+
+    from kafka.protocol.producer import ProduceResponse
+
+    from dafka.tank.limits import GatewayLimits
+    from tests.kafka.test_gateway import client_batch_of, read_frame
+
+    cap = 50_000
+    gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0),
+                      limits=GatewayLimits(kafka_max_produce_records=cap))
+    try:
+        gw.create_topic("tiny", 2)
+        big = tiny_records_batch(1_200_000)  # ~20 MiB
+        small = tiny_records_batch(cap // 2)
+        req = ProduceRequest[7](
+            transactional_id=None, acks=-1, timeout_ms=5000,
+            topic_data=[ProduceRequest.TopicProduceData(name="tiny", partition_data=[
+                ProduceRequest.TopicProduceData.PartitionProduceData(index=0, records=small),
+                ProduceRequest.TopicProduceData.PartitionProduceData(index=1, records=big)])],
+        )
+        data = frame(0, 7, 1, bytes(req.encode(version=7)))
+        tracemalloc.start()
+        try:
+            with socket.create_connection((HOST, gw.kafka_port)) as s:
+                s.sendall(data)
+                answer = read_frame(s, 60)
+                peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        parts = ProduceResponse.decode(answer[4:], version=7).responses[0].partition_responses
+        assert [(p.index, p.error_code) for p in parts] == [(0, Err.NONE), (1, Err.MESSAGE_TOO_LARGE)]
+        # The request arrives, is framed and decoded once (~3 copies); the records within the
+        # cap, ~400 bytes each at most; nothing for the refused ones.
+        bound = 3 * len(data) + cap * 400
+        assert peak < bound, f"peak {peak >> 20} MiB over {bound >> 20} MiB"
+        # The gateway still serves: within the cap a produce is taken.
+        with socket.create_connection((HOST, gw.kafka_port)) as s:
+            r: Any = produce_raw(s, 2, "tiny", client_batch_of([b"after"]))
+        assert r.error_code == 0
+    finally:
+        gw.close()
