@@ -136,6 +136,7 @@ class KafkaGateway(Gateway):
             # The Tank port's limit holds for Kafka's CreateTopics too.
             self.kafka.max_partitions = min(self.kafka.max_partitions, self.limits.max_partitions_per_topic)
             self.kafka.max_records = self.limits.kafka_max_produce_records
+            self.kafka.coordinator.max_rebalance_timeout = self.limits.kafka_max_rebalance_timeout
         except BaseException:
             self.kafka_listener.close()
             raise

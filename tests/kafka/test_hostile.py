@@ -287,3 +287,22 @@ def test_a_huge_produce_of_tiny_records_is_refused_before_it_becomes_millions_of
         assert r.error_code == 0
     finally:
         gw.close()
+
+
+def test_the_kafka_limits_come_from_the_gateway_table_and_flags(cfg: NodeConfig, tmp_path: Path) -> None:
+    from dafka.cli import build_parser
+    from dafka.tank.limits import GatewayLimits
+
+    args = build_parser().parse_args(
+        ["gateway", "--db", "x", "--kafka-max-rebalance-timeout", "60", "--kafka-max-produce-records", "1000"]
+    )
+    limits = GatewayLimits.from_settings({"kafka_max_rebalance_timeout": 90, "kafka_max_output_bytes": 1 << 20}, args)
+    assert (limits.kafka_max_rebalance_timeout, limits.kafka_max_produce_records, limits.kafka_max_output_bytes) == (
+        60.0, 1000, 1 << 20)
+    assert GatewayLimits.from_settings({"kafka_max_rebalance_timeout": 90}).kafka_max_rebalance_timeout == 90.0
+    gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0), limits=limits)
+    try:
+        assert gw.kafka.coordinator.max_rebalance_timeout == 60.0
+        assert gw.kafka.max_records == 1000
+    finally:
+        gw.close()
