@@ -6,7 +6,9 @@ protocols share the partition map (a Kafka partition index is the Tank
 partition id), the owned partitions, the write path and the publishing of
 produced records on the mesh.
 
-Everything runs in the store's I/O thread.  Per connection:
+Everything runs in the store's I/O thread.  Accepting, the allow-list and
+non-blocking sends are the shell both listeners share
+(:mod:`dafka.gateway.connections`).  Per connection:
 
 * frames are read with their size checked before the body is buffered
   (``max_frame``); a frame over it, a malformed request or an API version not
@@ -17,13 +19,15 @@ Everything runs in the store's I/O thread.  Per connection:
   data arrives or ``max_wait`` passes (fetch), or when its group's rebalance
   moves (join, sync).  At most ``max_inflight`` slots and ``MAX_OUTPUT``
   unsent bytes per connection: past either, the connection is not read;
+  over all connections, answer bytes held (ready or unsent) past the limit
+  ``kafka_max_output_bytes`` stop reading the connections that hold some,
+  and fetch answers shrink to what still fits (one record at least);
 * a client that stalls half way through a frame for ``request_timeout`` (the Tank port's limit)
   seconds is closed (slow loris), and at most ``max_connections`` are open.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 import time
@@ -33,10 +37,19 @@ from itertools import repeat
 from operator import itemgetter
 from typing import Any
 
-import zmq
-
 from dafka import wire
 from dafka.errors import ProtocolError
+from dafka.gateway.connections import (
+    Connection,
+    Refusals,
+    accepted,
+    client_allowed,
+    close_quietly,
+    events,
+    flush,
+    prepare,
+    send,
+)
 from dafka.kafka.codec import DEFAULT_MAX_FRAME, FrameReader, decode_request
 from dafka.kafka.records import Batch, make_ext, store_pairs
 from dafka.kafka.serving import Data, KafkaServer, ParkedFetch
@@ -53,24 +66,16 @@ MAX_OUTPUT = 64 << 20
 DEFAULT_MAX_INFLIGHT = 256
 DEFAULT_MAX_CONNECTIONS = 1024
 TICK_INTERVAL = 0.1
-MAX_IOV = 512  # buffers given to one sendmsg (the system allows 1024)
 _VALUE = itemgetter(2)  # a decoded record's value
 _OFFSET = itemgetter(2)  # a record tuple's offset
 
 
-@dataclass(eq=False, slots=True)
-class _Conn:
-    sock: socket.socket
-    name: str
+@dataclass(eq=False, slots=True, kw_only=True)
+class _Conn(Connection):
     frames: FrameReader
     slots: deque[_Slot] = field(default_factory=deque)
-    out: deque[Any] = field(default_factory=deque)
-    out_size: int = 0
     queued: int = 0  # answer bytes held: ready in slots, or unsent in out
     over: bool = False  # not read: the gateway holds too many answer bytes, some of them ours
-    closed: bool = False
-    reading: bool = True
-    stalled_since: float | None = None
     last_buffered: int = 0
 
 
@@ -126,7 +131,7 @@ class KafkaGateway(Gateway):
             self._kresuming = False
             self._kpids: dict[tuple[str, str], int] = {}  # owned partitions stored: their pid
             self._kcommit_id = 0
-            self.kafka_refused = 0
+            self._krefusals = Refusals(log)
             extra = {} if kafka_fetch_cap is None else {"fetch_cap": kafka_fetch_cap}
             self.kafka = KafkaServer(
                 self, kafka_advertise, auto_create=kafka_auto_create,
@@ -372,43 +377,26 @@ class KafkaGateway(Gateway):
     # ---------------------------------------------------------------- connections
 
     def _kafka_accept(self) -> None:
-        for _ in range(64):
-            try:
-                sock, peer = self.kafka_listener.accept()
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                log.error("cannot accept a Kafka connection: %s", exc)
-                return
-            if self.allow_clients is not None and not self._kafka_allowed(peer[0]):
+        refusals = self._krefusals
+        for sock, peer in accepted(self.kafka_listener, "Kafka", log):
+            if self.allow_clients is not None and not client_allowed(peer[0], self.allow_clients):
+                refusals.note("refused a Kafka client from %s: not in --allow-clients", peer[0])
                 sock.close()
                 continue
             if len(self._kconns) >= self.kafka_max_connections:
-                self.kafka_refused += 1
-                if self.kafka_refused <= 20 or self.kafka_refused % 1000 == 0:
-                    log.warning("refused a Kafka client from %s: %d connections open", peer[0], len(self._kconns))
+                refusals.note("refused a Kafka client from %s: %d connections open", peer[0], len(self._kconns))
                 sock.close()
                 continue
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, f"{peer[0]}:{peer[1]}", FrameReader(self.kafka_max_frame))
+            prepare(sock)
+            conn = _Conn(sock, f"{peer[0]}:{peer[1]}", frames=FrameReader(self.kafka_max_frame))
             self._kconns[sock] = conn
             self.watch(sock, lambda c=conn: self._kready(c))
             log.debug("Kafka client %s connected", conn.name)
 
-    def _kafka_allowed(self, host: str) -> bool:
-        try:
-            ip: Any = ipaddress.ip_address(host.split("%")[0])
-        except ValueError:
-            ip = None
-        if ip is not None and getattr(ip, "ipv4_mapped", None):
-            ip = ip.ipv4_mapped
-        if ip is not None and any(ip in net for net in self.allow_clients or ()):
-            return True
-        self.kafka_refused += 1
-        if self.kafka_refused <= 20 or self.kafka_refused % 1000 == 0:
-            log.warning("refused a Kafka client from %s: not in --allow-clients", host)
-        return False
+    @property
+    def kafka_refused(self) -> int:
+        """Kafka clients refused (not allowed, or over the connection cap)."""
+        return self._krefusals.count
 
     @property
     def kafka_connections(self) -> int:
@@ -585,38 +573,22 @@ class KafkaGateway(Gateway):
         self._kupdate(conn)
 
     def _kupdate(self, conn: _Conn) -> None:
-        events = (zmq.POLLIN if conn.reading else 0) | (zmq.POLLOUT if conn.out else 0)
-        self.watch_events(conn.sock, events)
+        self.watch_events(conn.sock, events(conn))
 
     def _kwrite(self, conn: _Conn, data: Data) -> None:
         """Send an answer (one byte string, or several back to back), queueing what does not go."""
-        parts = data if isinstance(data, list) else [data]
-        size = sum(map(len, parts))
-        if conn.out:
-            conn.out.extend(parts)
-            conn.out_size += size
-        else:
-            try:
-                n = conn.sock.send(parts[0]) if len(parts) == 1 else conn.sock.sendmsg(parts[:MAX_IOV])
-            except (BlockingIOError, InterruptedError):
-                n = 0
-            except OSError as exc:
-                self._kclose(conn, f"send failed: {exc}")
+        try:
+            n = send(conn, data)
+        except OSError as exc:
+            self._kclose(conn, f"send failed: {exc}")
+            return
+        if n:
+            self._ksent(conn, n)
+            if conn.closed:
                 return
-            if n == size:
-                self._ksent(conn, n)
-                self._kread_ahead()
-                return
-            conn.out_size += size - n
-            sent = n
-            for part in parts:
-                if n >= len(part):
-                    n -= len(part)
-                    continue
-                conn.out.append(memoryview(part)[n:] if n else part)
-                n = 0
-            if sent:
-                self._ksent(conn, sent)
+        if not conn.out:
+            self._kread_ahead()
+            return
         if conn.out_size > MAX_OUTPUT:
             conn.reading = False  # a client that does not read its answers
         self._kupdate(conn)
@@ -627,32 +599,17 @@ class KafkaGateway(Gateway):
             self.kafka.read_ahead(time.monotonic())
 
     def _kflush(self, conn: _Conn) -> None:
-        out = conn.out
-        sent = 0
-        while out and not conn.closed:
-            head = out[0]
-            try:
-                n = conn.sock.send(head)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError as exc:
-                self._kclose(conn, f"send failed: {exc}")
-                return
-            conn.out_size -= n
-            sent += n
-            if n == len(head):
-                out.popleft()
-            else:
-                out[0] = memoryview(head)[n:]
-                break
-        if conn.closed:
+        try:
+            sent = flush(conn)
+        except OSError as exc:
+            self._kclose(conn, f"send failed: {exc}")
             return
         if sent:
             self._ksent(conn, sent)
             if conn.closed:
                 return
         self._kupdate(conn)
-        if not out:
+        if not conn.out:
             self._kread_ahead()
             self._drain(conn)
 
@@ -668,10 +625,7 @@ class KafkaGateway(Gateway):
         self._kpending = [(s, n) for s, n in self._kpending if s.conn is not conn]
         self.kafka.coordinator.forget_token(conn)
         self.unwatch(conn.sock)
-        try:
-            conn.sock.close()
-        except OSError:
-            pass
+        close_quietly(conn.sock)
         if bad:
             self.bad_input(f"Kafka request from {conn.name}", f"{why}; connection closed")
         elif why:
