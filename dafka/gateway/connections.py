@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -27,7 +28,8 @@ ACCEPT_BATCH = 64
 
 @dataclass(eq=False, slots=True)
 class Connection:
-    """One client: its socket and its unsent answers (``out``, ``out_size`` bytes)."""
+    """One client: its socket and its unsent answers (``out``, ``out_size`` bytes,
+    none of them taken by the socket since ``out_since``, monotonic seconds)."""
 
     sock: socket.socket
     name: str
@@ -36,6 +38,7 @@ class Connection:
     closed: bool = False
     reading: bool = True
     stalled_since: float | None = None  # half a frame buffered, no progress since
+    out_since: float | None = None  # answers unsent, none of them taken since
 
 
 class Refusals:
@@ -108,6 +111,7 @@ def send(conn: Connection, data: bytes | list[bytes]) -> int:
         n = 0
     if n == size:
         return n
+    conn.out_since = time.monotonic()
     conn.out_size += size - n
     left = n
     for part in parts:
@@ -120,7 +124,10 @@ def send(conn: Connection, data: bytes | list[bytes]) -> int:
 
 
 def flush(conn: Connection) -> int:
-    """Send queued answers while the socket takes them: the bytes sent (OSError: as :func:`send`)."""
+    """Send queued answers while the socket takes them: the bytes sent (OSError: as :func:`send`).
+
+    ``out_since`` moves when some go, and is None once none wait.
+    """
     out = conn.out
     sock = conn.sock
     sent = 0
@@ -137,7 +144,17 @@ def flush(conn: Connection) -> int:
         else:
             out[0] = memoryview(head)[n:]
             break
+    if not out:
+        conn.out_since = None
+    elif sent:
+        conn.out_since = time.monotonic()
     return sent
+
+
+def unread_for(conn: Connection, now: float) -> float:
+    """Seconds the socket has taken none of the connection's waiting answers (0: none wait)."""
+    since = conn.out_since
+    return now - since if since is not None and conn.out else 0.0
 
 
 def close_quietly(sock: socket.socket) -> None:

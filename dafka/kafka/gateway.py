@@ -23,7 +23,8 @@ non-blocking sends are the shell both listeners share
   ``kafka_max_output_bytes`` stop reading the connections that hold some,
   and fetch answers shrink to what still fits (one record at least);
 * a client that stalls half way through a frame for ``request_timeout`` (the Tank port's limit)
-  seconds is closed (slow loris), and at most ``max_connections`` are open.
+  seconds is closed (slow loris), as is one that takes none of its answers for as long;
+  at most ``max_connections`` are open.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from dafka.gateway.connections import (
     flush,
     prepare,
     send,
+    unread_for,
 )
 from dafka.kafka.codec import DEFAULT_MAX_FRAME, FrameReader, decode_request
 from dafka.kafka.records import Batch, make_ext, store_pairs
@@ -328,10 +330,14 @@ class KafkaGateway(Gateway):
 
     def _kafka_tick(self, now: float) -> None:
         mono = time.monotonic()
+        timeout = self.limits.request_timeout
         for conn in list(self._kconns.values()):
             since = conn.stalled_since
-            if since is not None and mono - since > self.limits.request_timeout:
+            if since is not None and mono - since > timeout:
                 self._kclose(conn, f"stalled half way through a frame for {mono - since:.0f}s", True)
+            elif unread_for(conn, mono) > timeout:
+                # Its answers would hold the gateway's output budget for as long as it stays.
+                self._kclose(conn, f"did not read its answers ({conn.out_size} bytes unsent) for {timeout:g}s", True)
         if self._kparked:
             self._retry_parked(None, timed_out=True, now=mono)
         self.kafka.tick(mono)

@@ -59,6 +59,7 @@ from dafka.gateway.connections import (
     flush,
     prepare,
     send,
+    unread_for,
 )
 from dafka.node import new_address
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
@@ -128,7 +129,6 @@ class _Conn(Connection):
     frames: FrameBuffer
     frame_since: float | None = None  # when the frame in flight began (while we read it)
     reserved: int = 0  # bytes of the in-flight budget its frame in flight holds
-    out_since: float | None = None  # answers unsent, none of them taken since
     parked_entries: int = 0  # partition entries of its parked fetches
     deferred: bool = False  # a parked fetch woke while its answers were not taken
 
@@ -335,7 +335,7 @@ class Gateway(Store):
                     f" in {now - conn.frame_since:.0f}s, under min_request_rate {limits.min_request_rate} bytes/s",
                     True,
                 )
-            elif conn.out_since is not None and now - conn.out_since > timeout:
+            elif unread_for(conn, now) > timeout:
                 self._close(conn, f"did not read its answers ({conn.out_size} bytes unsent) for {timeout:g}s", True)
         if self._budget_waiting:
             self._resume_budget_waiting()
@@ -552,7 +552,6 @@ class Gateway(Store):
     def _write(self, conn: _Conn, data: bytes) -> None:
         if conn.closed:
             return
-        waiting = bool(conn.out)
         try:
             send(conn, data)
         except OSError as exc:
@@ -560,8 +559,6 @@ class Gateway(Store):
             return
         if not conn.out:
             return
-        if not waiting:
-            conn.out_since = time.monotonic()
         if conn.out_size > self.limits.max_output_bytes:
             conn.reading = False  # a client that does not read its answers
         self._update_events(conn)
@@ -570,13 +567,11 @@ class Gateway(Store):
         out = conn.out
         if not conn.closed:
             try:
-                if flush(conn):
-                    conn.out_since = time.monotonic()
+                flush(conn)
             except OSError as exc:
                 self._close(conn, f"send failed: {exc}")
                 return
         if not out:
-            conn.out_since = None
             if conn.deferred and not conn.closed:
                 conn.deferred = False
                 for parked in [p for p in self._parked_all if p.conn is conn]:

@@ -17,7 +17,7 @@ can make the gateway hold or wait for:
   or, once it has been in flight that long, fewer than ``min_request_rate``
   bytes a second on average since it began, closes the connection
   (slow-loris senders).  An unsent answer that the client does not read for
-  ``request_timeout`` seconds closes it too.
+  ``request_timeout`` seconds closes it too (on the Kafka port as well).
 * ``max_answer_bytes``: record bytes in one consume answer (on top of the
   4 MiB per partition); ``max_output_bytes``: unsent answer bytes of one
   connection, past which its requests wait and its answers shrink.

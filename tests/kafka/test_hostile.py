@@ -306,3 +306,35 @@ def test_the_kafka_limits_come_from_the_gateway_table_and_flags(cfg: NodeConfig,
         assert gw.kafka.max_records == 1000
     finally:
         gw.close()
+
+
+def test_a_client_that_leaves_its_answers_unread_is_closed_after_the_timeout(cfg: NodeConfig, tmp_path: Path) -> None:
+    """Answers a client never read were held for as long as it stayed connected: a few such
+    clients kept the gateway's output budget spent, every other client's fetches shrunk to one
+    record, for ever.  As on the Tank port, answers untaken for request_timeout close it."""
+    from dafka.tank.limits import GatewayLimits
+    from tests.conftest import wait_until
+    from tests.kafka.test_gateway import client_batch_of
+
+    gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0),
+                      limits=GatewayLimits(request_timeout=0.5))
+    try:
+        gw.create_topic("hog", 1)
+        with socket.create_connection((HOST, gw.kafka_port)) as s:
+            for i in range(4):
+                assert produce_raw(s, i, "hog", client_batch_of([bytes(1024)] * 1024)).error_code == 0
+        h = socket.socket()
+        h.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        h.connect((HOST, gw.kafka_port))
+        try:
+            h.sendall(b"".join(fetch_frame(c, "hog") for c in range(8)))
+            wait_until(lambda: gw.kafka_queued_bytes > 0)
+            wait_until(lambda: gw.kafka_connections == 0, timeout=15)
+            assert gw.kafka_queued_bytes == 0
+        finally:
+            h.close()
+        # A client that reads is served as before.
+        with socket.create_connection((HOST, gw.kafka_port)) as s:
+            assert produce_raw(s, 9, "hog", client_batch_of([b"x"])).error_code == 0
+    finally:
+        gw.close()
