@@ -126,6 +126,10 @@ def _load() -> tuple[object, str]:
         return _pure, f"the compiled record codec is not built ({exc})"
     if not all(hasattr(_compiled, f) for f in ("decode_records", "encode_batch", "store_pairs")):
         return _pure, "the compiled record codec is out of date; rebuild it"
+    try:
+        _compiled.encode_batch(0, [bytes(9)], 100)  # a build from before encode_batch took a limit
+    except TypeError:
+        return _pure, "the compiled record codec is out of date; rebuild it"
     return _compiled, "compiled record codec loaded"
 
 
