@@ -946,6 +946,9 @@ def _add_gateway_limit_flags(p: argparse.ArgumentParser) -> None:
         ("max_output_bytes", count_arg, "unsent answer bytes of one connection"),
         ("max_partitions_per_topic", count_arg, "partitions a Tank CreateTopic may ask for"),
         ("max_owned_partitions", count_arg, "partitions of all topics the gateway created (Tank and Kafka), together"),
+        ("kafka_max_output_bytes", count_arg, "Kafka answer bytes held over all connections"),
+        ("kafka_max_produce_records", count_arg, "records in one Kafka produce request"),
+        ("kafka_max_rebalance_timeout", positive_seconds_arg, "seconds a Kafka group's rebalance may wait"),
     ):
         p.add_argument(
             "--" + name.replace("_", "-"), type=kind, help=f"{what} (or [gateway] {name}; default {getattr(d, name)})"

@@ -167,6 +167,9 @@ SCHEMA: dict[str, dict[str, Spec]] = {
         "max_output_bytes": Spec("int", 1),
         "max_partitions_per_topic": Spec("int", 1, 0xFFFE),
         "max_owned_partitions": Spec("int", 1, 2**31 - 1),
+        "kafka_max_output_bytes": Spec("int", 1),
+        "kafka_max_produce_records": Spec("int", 1),
+        "kafka_max_rebalance_timeout": _SECONDS,
     },
     "security": {
         "key": Spec("str"),

@@ -292,20 +292,29 @@ cdef inline Py_ssize_t _head_size(_Parts *pt) noexcept nogil:
     return 1 if pt.hend == pt.hstart else pt.hend - pt.hstart
 
 
-def encode_batch(int64_t base_offset, list values):
+def encode_batch(int64_t base_offset, list values, limit=None):
     """See :func:`dafka.kafka._pure.encode_batch`."""
     cdef Py_ssize_t n = PyList_GET_SIZE(values)
     if n == 0:
         return b""
     cdef Py_ssize_t i, body, total = 61, vl
     cdef int64_t base_ts = 0, max_ts = 0, ts, d
+    cdef int64_t room = 0, cost = 0
+    cdef bint capped = limit is not None
     cdef const unsigned char *v
     cdef object item
     cdef _Parts pt
+    if capped:
+        room = <int64_t>limit - 61
     for i in range(n):
         item = <object>PyList_GET_ITEM(values, i)
         if not PyBytes_CheckExact(item):
             raise TypeError("stored values must be bytes")
+        if capped:
+            cost += PyBytes_GET_SIZE(item) + 8
+            if cost > room and i > 0:
+                n = i  # the records before this one fill the limit
+                break
         v = <const unsigned char *>PyBytes_AS_STRING(item)
         _parts(v, PyBytes_GET_SIZE(item), &pt)
         ts = _kafka_ts(v)

@@ -187,9 +187,14 @@ _HEAD = struct.Struct(">qiibI")
 _TS = struct.Struct(">q")
 
 
-def encode_batch(base_offset: int, values: list[bytes]) -> bytes:
+def encode_batch(base_offset: int, values: list[bytes], limit: int | None = None) -> bytes:
     """One uncompressed v2 batch of stored values (``ts:u64 flags:u8 [klen key] content``)
     at offsets ``base_offset, base_offset + 1, ...``.
+
+    With ``limit``, only the first values that fit are encoded (at least
+    one): those whose sizes plus 8 bytes each, plus the batch's 61-byte
+    header, come to at most ``limit`` (a record costs about its stored size
+    plus a few varints); the values past them are not looked at.
 
     Timestamps are read as signed 64-bit (Kafka's type); a value shorter than
     its header or whose key overruns it raises ValueError.
@@ -197,6 +202,17 @@ def encode_batch(base_offset: int, values: list[bytes]) -> bytes:
     n = len(values)
     if not n:
         return b""
+    if limit is not None:
+        room = limit - 61
+        cost = 0
+        for i, v in enumerate(values):
+            if type(v) is not bytes:
+                raise TypeError("stored values must be bytes")
+            cost += len(v) + 8
+            if cost > room and i > 0:
+                values = values[:i]
+                n = i
+                break
     zz = _ZZ
     parts: list[bytes] = []
     app = parts.append

@@ -288,6 +288,10 @@ _FETCH_PART = {
 _I16 = struct.Struct(">h")
 
 
+#: A record set this big goes out as its own buffer (:func:`encode_fetch_parts`), not copied.
+SCATTER_MIN = 64 << 10
+
+
 def encode_fetch_response(
     correlation_id: int, version: int, topics: list[tuple[str, list[tuple[int, int, int, int, bytes]]]]
 ) -> bytes:
@@ -299,13 +303,28 @@ def encode_fetch_response(
     carry megabytes).  No aborted transactions, last stable offset = high
     watermark, no preferred read replica: what the gateway answers.
     """
+    return b"".join(encode_fetch_parts(correlation_id, version, topics))
+
+
+def encode_fetch_parts(
+    correlation_id: int, version: int, topics: list[tuple[str, list[tuple[int, int, int, int, bytes]]]]
+) -> list[bytes]:
+    """:func:`encode_fetch_response` as byte strings that make the frame back to back.
+
+    Record sets of at least :data:`SCATTER_MIN` bytes are items of their own,
+    not copied (the gateway hands the list to one scatter send); everything
+    between them is joined, so the list holds at most two items per such
+    record set, plus one.
+    """
     if not 0 <= version <= 11:
         raise ValueError(f"Fetch v{version} is not written here")
     head = _FETCH_HEAD[version]
     fields = (correlation_id, 0, 0, 0)[: 1 + (version >= 1) + 2 * (version >= 7)]
-    parts: list[bytes] = [b"", head.pack(*fields), _I32.pack(len(topics))]
-    app = parts.append
+    out: list[bytes] = []
+    run: list[bytes] = [head.pack(*fields), _I32.pack(len(topics))]
+    app = run.append
     pack = _FETCH_PART[version].pack
+    total = 0
     for name, partitions in topics:
         raw = name.encode()
         app(_I16.pack(len(raw)))
@@ -323,9 +342,20 @@ def encode_fetch_response(
                 fields.append(-1)  # preferred read replica: none
             fields.append(len(records))
             app(pack(*fields))
-            app(records)
-    parts[0] = _I32.pack(sum(map(len, parts)))
-    return b"".join(parts)
+            if len(records) >= SCATTER_MIN:
+                joined = b"".join(run)
+                out.append(joined)
+                out.append(records)
+                total += len(joined) + len(records)
+                run.clear()
+            else:
+                app(records)
+    joined = b"".join(run)
+    total += len(joined)
+    if joined:
+        out.append(joined)
+    out[0] = _I32.pack(total) + out[0]
+    return out
 
 
 def api_versions_error(correlation_id: int) -> bytes:

@@ -6,7 +6,9 @@ protocols share the partition map (a Kafka partition index is the Tank
 partition id), the owned partitions, the write path and the publishing of
 produced records on the mesh.
 
-Everything runs in the store's I/O thread.  Per connection:
+Everything runs in the store's I/O thread.  Accepting, the allow-list and
+non-blocking sends are the shell both listeners share
+(:mod:`dafka.gateway.connections`).  Per connection:
 
 * frames are read with their size checked before the body is buffered
   (``max_frame``); a frame over it, a malformed request or an API version not
@@ -17,13 +19,16 @@ Everything runs in the store's I/O thread.  Per connection:
   data arrives or ``max_wait`` passes (fetch), or when its group's rebalance
   moves (join, sync).  At most ``max_inflight`` slots and ``MAX_OUTPUT``
   unsent bytes per connection: past either, the connection is not read;
+  over all connections, answer bytes held (ready or unsent) past the limit
+  ``kafka_max_output_bytes`` stop reading the connections that hold some,
+  and fetch answers shrink to what still fits (one record at least);
 * a client that stalls half way through a frame for ``request_timeout`` (the Tank port's limit)
-  seconds is closed (slow loris), and at most ``max_connections`` are open.
+  seconds is closed (slow loris), as is one that takes none of its answers for as long;
+  at most ``max_connections`` are open.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 import time
@@ -33,13 +38,23 @@ from itertools import repeat
 from operator import itemgetter
 from typing import Any
 
-import zmq
-
 from dafka import wire
 from dafka.errors import ProtocolError
+from dafka.gateway.connections import (
+    Connection,
+    Refusals,
+    accepted,
+    client_allowed,
+    close_quietly,
+    events,
+    flush,
+    prepare,
+    send,
+    unread_for,
+)
 from dafka.kafka.codec import DEFAULT_MAX_FRAME, FrameReader, decode_request
 from dafka.kafka.records import Batch, make_ext, store_pairs
-from dafka.kafka.serving import KafkaServer, ParkedFetch
+from dafka.kafka.serving import Data, KafkaServer, ParkedFetch
 from dafka.store.layout import FLAG_KAFKA, FLAG_KEY, VALUE_HEADER
 from dafka.store.node import MAX_BATCH
 from dafka.tank.gateway import Gateway
@@ -57,17 +72,12 @@ _VALUE = itemgetter(2)  # a decoded record's value
 _OFFSET = itemgetter(2)  # a record tuple's offset
 
 
-@dataclass(eq=False, slots=True)
-class _Conn:
-    sock: socket.socket
-    name: str
+@dataclass(eq=False, slots=True, kw_only=True)
+class _Conn(Connection):
     frames: FrameReader
     slots: deque[_Slot] = field(default_factory=deque)
-    out: deque[Any] = field(default_factory=deque)
-    out_size: int = 0
-    closed: bool = False
-    reading: bool = True
-    stalled_since: float | None = None
+    queued: int = 0  # answer bytes held: ready in slots, or unsent in out
+    over: bool = False  # not read: the gateway holds too many answer bytes, some of them ours
     last_buffered: int = 0
 
 
@@ -79,7 +89,7 @@ class _Slot:
     correlation_id: int
     api_key: int
     version: int
-    data: bytes | None = None
+    data: Data | None = None
     held: bool = False  # a produce answer waiting for its records' commit
 
 
@@ -117,9 +127,13 @@ class KafkaGateway(Gateway):
             self._kpending: list[tuple[_Slot, dict[tuple[str, str], int]]] = []
             self._kparked: list[tuple[_Slot, ParkedFetch]] = []
             self._kthrottled: list[_Conn] = []
+            self._kqueued = 0  # answer bytes held over every connection (their ``queued``)
+            self.kafka_queued_peak = 0  # the most it has been
+            self._kover: dict[_Conn, None] = {}  # connections with ``over`` set, in order
+            self._kresuming = False
             self._kpids: dict[tuple[str, str], int] = {}  # owned partitions stored: their pid
             self._kcommit_id = 0
-            self.kafka_refused = 0
+            self._krefusals = Refusals(log)
             extra = {} if kafka_fetch_cap is None else {"fetch_cap": kafka_fetch_cap}
             self.kafka = KafkaServer(
                 self, kafka_advertise, auto_create=kafka_auto_create,
@@ -128,6 +142,8 @@ class KafkaGateway(Gateway):
             super().__init__(db, config, **gateway_options)
             # The Tank port's limit holds for Kafka's CreateTopics too.
             self.kafka.max_partitions = min(self.kafka.max_partitions, self.limits.max_partitions_per_topic)
+            self.kafka.max_records = self.limits.kafka_max_produce_records
+            self.kafka.coordinator.max_rebalance_timeout = self.limits.kafka_max_rebalance_timeout
         except BaseException:
             self.kafka_listener.close()
             raise
@@ -146,6 +162,11 @@ class KafkaGateway(Gateway):
 
     def storage_failed(self) -> bool:
         return self.storage_error is not None
+
+    def output_room(self, token: Any) -> int:
+        """Answer bytes the gateway may still hold, over all connections and on the token's."""
+        conn = token.conn
+        return max(0, min(self.limits.kafka_max_output_bytes - self._kqueued, MAX_OUTPUT - conn.queued))
 
     def positions(self, group: str) -> dict[tuple[str, str], int]:
         return self.db.positions(group)
@@ -309,10 +330,14 @@ class KafkaGateway(Gateway):
 
     def _kafka_tick(self, now: float) -> None:
         mono = time.monotonic()
+        timeout = self.limits.request_timeout
         for conn in list(self._kconns.values()):
             since = conn.stalled_since
-            if since is not None and mono - since > self.limits.request_timeout:
+            if since is not None and mono - since > timeout:
                 self._kclose(conn, f"stalled half way through a frame for {mono - since:.0f}s", True)
+            elif unread_for(conn, mono) > timeout:
+                # Its answers would hold the gateway's output budget for as long as it stays.
+                self._kclose(conn, f"did not read its answers ({conn.out_size} bytes unsent) for {timeout:g}s", True)
         if self._kparked:
             self._retry_parked(None, timed_out=True, now=mono)
         self.kafka.tick(mono)
@@ -331,11 +356,11 @@ class KafkaGateway(Gateway):
             if timed_out and not expired:
                 still.append((slot, parked))
                 continue
-            data = self.kafka.retry_fetch(parked, expired)
+            data = self.kafka.retry_fetch(parked, expired, self.output_room(slot))
             if data is None:
                 still.append((slot, parked))
                 continue
-            slot.data = data
+            self._kfill(slot, data)
             touched.add(slot.conn)
         self._kparked = still
         for conn in touched:
@@ -350,7 +375,7 @@ class KafkaGateway(Gateway):
         for answer in released:
             slot = answer.token
             if isinstance(slot, _Slot) and not slot.conn.closed and slot.data is None:
-                slot.data = self.kafka.encode_answer(answer)
+                self._kfill(slot, self.kafka.encode_answer(answer))
                 touched.add(slot.conn)
         for conn in touched:
             self._drain(conn)
@@ -358,47 +383,35 @@ class KafkaGateway(Gateway):
     # ---------------------------------------------------------------- connections
 
     def _kafka_accept(self) -> None:
-        for _ in range(64):
-            try:
-                sock, peer = self.kafka_listener.accept()
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                log.error("cannot accept a Kafka connection: %s", exc)
-                return
-            if self.allow_clients is not None and not self._kafka_allowed(peer[0]):
+        refusals = self._krefusals
+        for sock, peer in accepted(self.kafka_listener, "Kafka", log):
+            if self.allow_clients is not None and not client_allowed(peer[0], self.allow_clients):
+                refusals.note("refused a Kafka client from %s: not in --allow-clients", peer[0])
                 sock.close()
                 continue
             if len(self._kconns) >= self.kafka_max_connections:
-                self.kafka_refused += 1
-                if self.kafka_refused <= 20 or self.kafka_refused % 1000 == 0:
-                    log.warning("refused a Kafka client from %s: %d connections open", peer[0], len(self._kconns))
+                refusals.note("refused a Kafka client from %s: %d connections open", peer[0], len(self._kconns))
                 sock.close()
                 continue
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, f"{peer[0]}:{peer[1]}", FrameReader(self.kafka_max_frame))
+            prepare(sock)
+            conn = _Conn(sock, f"{peer[0]}:{peer[1]}", frames=FrameReader(self.kafka_max_frame))
             self._kconns[sock] = conn
             self.watch(sock, lambda c=conn: self._kready(c))
             log.debug("Kafka client %s connected", conn.name)
 
-    def _kafka_allowed(self, host: str) -> bool:
-        try:
-            ip: Any = ipaddress.ip_address(host.split("%")[0])
-        except ValueError:
-            ip = None
-        if ip is not None and getattr(ip, "ipv4_mapped", None):
-            ip = ip.ipv4_mapped
-        if ip is not None and any(ip in net for net in self.allow_clients or ()):
-            return True
-        self.kafka_refused += 1
-        if self.kafka_refused <= 20 or self.kafka_refused % 1000 == 0:
-            log.warning("refused a Kafka client from %s: not in --allow-clients", host)
-        return False
+    @property
+    def kafka_refused(self) -> int:
+        """Kafka clients refused (not allowed, or over the connection cap)."""
+        return self._krefusals.count
 
     @property
     def kafka_connections(self) -> int:
         return len(self._kconns)
+
+    @property
+    def kafka_queued_bytes(self) -> int:
+        """Answer bytes held for Kafka clients (ready, or unsent), over all connections."""
+        return self._kqueued
 
     def _kready(self, conn: _Conn) -> None:
         if conn.out:
@@ -435,8 +448,12 @@ class KafkaGateway(Gateway):
 
     def _kprocess(self, conn: _Conn) -> None:
         frames = conn.frames
+        budget = self.limits.kafka_max_output_bytes
         try:
             while conn.reading and not conn.closed:
+                if conn.queued and self._kqueued >= budget:
+                    self._kpause_over(conn)  # back pressure: until answers drain
+                    break
                 frame = frames.next_frame()
                 if frame is None:
                     break
@@ -480,12 +497,12 @@ class KafkaGateway(Gateway):
         if outcome.park is not None:
             self._kparked.append((slot, outcome.park))
         elif outcome.needs:
-            slot.data = outcome.data
+            self._kfill(slot, outcome.data)
             slot.held = True
             self._kpending.append((slot, outcome.needs))
             self._flush_batch()
         elif outcome.data is not None:
-            slot.data = outcome.data
+            self._kfill(slot, outcome.data)
         self._send_released()
         self._drain(conn)
         if len(conn.slots) >= self.kafka_max_inflight and conn.reading:
@@ -501,14 +518,59 @@ class KafkaGateway(Gateway):
             self._kwrite(conn, slots.popleft().data)  # type: ignore[arg-type]
             if conn.closed:
                 return
+        self._kresume(conn)
+
+    def _kresume(self, conn: _Conn) -> None:
+        """Read a connection again once nothing holds it back."""
         if (
             not conn.reading
-            and len(slots) < self.kafka_max_inflight // 2
+            and not conn.closed
+            and not conn.over
+            and len(conn.slots) < self.kafka_max_inflight // 2
             and conn.out_size <= MAX_OUTPUT
             and conn not in self._kthrottled
         ):
             self._set_kreading(conn)
             self._kprocess(conn)
+
+    def _kfill(self, slot: _Slot, data: Data) -> None:
+        """A slot's answer is ready: its bytes count as held until sent."""
+        slot.data = data
+        size = len(data) if isinstance(data, bytes) else sum(map(len, data))
+        slot.conn.queued += size
+        self._kqueued += size
+        if self._kqueued > self.kafka_queued_peak:
+            self.kafka_queued_peak = self._kqueued
+
+    def _kpause_over(self, conn: _Conn) -> None:
+        if not conn.over:
+            conn.over = True
+            self._kover[conn] = None
+        if conn.reading:
+            conn.reading = False
+            self._kupdate(conn)
+
+    def _ksent(self, conn: _Conn, n: int) -> None:
+        """``n`` answer bytes of ``conn`` went out: connections waiting on the budget may go on."""
+        conn.queued -= n
+        self._kqueued -= n
+        if not self._kover or self._kresuming:
+            return
+        self._kresuming = True
+        try:
+            if conn.over and not conn.queued:
+                # Nothing of its own held any more: it may ask again (its answers shrink).
+                conn.over = False
+                self._kover.pop(conn, None)
+                self._kresume(conn)
+            budget = self.limits.kafka_max_output_bytes
+            while self._kover and self._kqueued < budget:
+                nxt = next(iter(self._kover))
+                del self._kover[nxt]
+                nxt.over = False
+                self._kresume(nxt)
+        finally:
+            self._kresuming = False
 
     def _set_kreading(self, conn: _Conn) -> None:
         if conn.closed:
@@ -517,26 +579,22 @@ class KafkaGateway(Gateway):
         self._kupdate(conn)
 
     def _kupdate(self, conn: _Conn) -> None:
-        events = (zmq.POLLIN if conn.reading else 0) | (zmq.POLLOUT if conn.out else 0)
-        self.watch_events(conn.sock, events)
+        self.watch_events(conn.sock, events(conn))
 
-    def _kwrite(self, conn: _Conn, data: bytes) -> None:
-        if conn.out:
-            conn.out.append(data)
-            conn.out_size += len(data)
-        else:
-            try:
-                n = conn.sock.send(data)
-            except (BlockingIOError, InterruptedError):
-                n = 0
-            except OSError as exc:
-                self._kclose(conn, f"send failed: {exc}")
+    def _kwrite(self, conn: _Conn, data: Data) -> None:
+        """Send an answer (one byte string, or several back to back), queueing what does not go."""
+        try:
+            n = send(conn, data)
+        except OSError as exc:
+            self._kclose(conn, f"send failed: {exc}")
+            return
+        if n:
+            self._ksent(conn, n)
+            if conn.closed:
                 return
-            if n == len(data):
-                self._kread_ahead()
-                return
-            conn.out.append(memoryview(data)[n:])
-            conn.out_size += len(data) - n
+        if not conn.out:
+            self._kread_ahead()
+            return
         if conn.out_size > MAX_OUTPUT:
             conn.reading = False  # a client that does not read its answers
         self._kupdate(conn)
@@ -547,26 +605,17 @@ class KafkaGateway(Gateway):
             self.kafka.read_ahead(time.monotonic())
 
     def _kflush(self, conn: _Conn) -> None:
-        out = conn.out
-        while out and not conn.closed:
-            head = out[0]
-            try:
-                n = conn.sock.send(head)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError as exc:
-                self._kclose(conn, f"send failed: {exc}")
-                return
-            conn.out_size -= n
-            if n == len(head):
-                out.popleft()
-            else:
-                out[0] = memoryview(head)[n:]
-                break
-        if conn.closed:
+        try:
+            sent = flush(conn)
+        except OSError as exc:
+            self._kclose(conn, f"send failed: {exc}")
             return
+        if sent:
+            self._ksent(conn, sent)
+            if conn.closed:
+                return
         self._kupdate(conn)
-        if not out:
+        if not conn.out:
             self._kread_ahead()
             self._drain(conn)
 
@@ -575,14 +624,14 @@ class KafkaGateway(Gateway):
             return
         conn.closed = True
         self._kconns.pop(conn.sock, None)
+        conn.over = False
+        self._kover.pop(conn, None)
+        self._ksent(conn, conn.queued)  # what it held is dropped
         self._kparked = [(s, p) for s, p in self._kparked if s.conn is not conn]
         self._kpending = [(s, n) for s, n in self._kpending if s.conn is not conn]
         self.kafka.coordinator.forget_token(conn)
         self.unwatch(conn.sock)
-        try:
-            conn.sock.close()
-        except OSError:
-            pass
+        close_quietly(conn.sock)
         if bad:
             self.bad_input(f"Kafka request from {conn.name}", f"{why}; connection closed")
         elif why:

@@ -35,6 +35,10 @@ log = logging.getLogger("dafka.kafka")
 #: Bounds a client cannot move (Kafka's group.min/max.session.timeout.ms).
 MIN_SESSION_TIMEOUT = 0.1
 MAX_SESSION_TIMEOUT = 300.0
+#: A JoinGroup's rebalance timeout is cut to this (seconds; the gateway sets its limit): one
+#: member asking for 2^31-1 ms would hold its group's rebalances for ~24 days.  Five minutes is
+#: Kafka's default max.poll.interval.ms, which clients send as their rebalance timeout.
+MAX_REBALANCE_TIMEOUT = 300.0
 #: At most this many members per group and groups per gateway.
 MAX_MEMBERS = 1000
 MAX_GROUPS = 10_000
@@ -88,6 +92,7 @@ class Coordinator:
         self.groups: dict[str, Group] = {}
         self._ids = itertools.count(1)
         self.max_held = MAX_HELD
+        self.max_rebalance_timeout = MAX_REBALANCE_TIMEOUT
         #: Bytes members hold now (see :data:`MAX_HELD`).
         self.held = 0
 
@@ -112,6 +117,7 @@ class Coordinator:
 
         if not group_id:
             return fail(Err.INVALID_GROUP_ID)
+        rebalance_timeout = min(max(rebalance_timeout, 0.0), self.max_rebalance_timeout)
         if not MIN_SESSION_TIMEOUT <= session_timeout <= MAX_SESSION_TIMEOUT:
             return fail(Err.INVALID_SESSION_TIMEOUT)
         if not protocols or sum(len(m) for _, m in protocols) > MAX_METADATA:

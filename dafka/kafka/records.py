@@ -55,6 +55,7 @@ __all__ = [
     "MAX_DECOMPRESSED",
     "Batch",
     "Record",
+    "TooManyRecords",
     "decode_batches",
     "encode_batch",
     "split_ext",
@@ -125,6 +126,10 @@ def _load() -> tuple[object, str]:
         return _pure, f"the compiled record codec is not built ({exc})"
     if not all(hasattr(_compiled, f) for f in ("decode_records", "encode_batch", "store_pairs")):
         return _pure, "the compiled record codec is out of date; rebuild it"
+    try:
+        _compiled.encode_batch(0, [bytes(9)], 100)  # a build from before encode_batch took a limit
+    except TypeError:
+        return _pure, "the compiled record codec is out of date; rebuild it"
     return _compiled, "compiled record codec loaded"
 
 
@@ -150,8 +155,17 @@ def _zz(n: int) -> bytes:
 # ---------------------------------------------------------------- decode
 
 
+class TooManyRecords(Exception):
+    """A produce request carries more records than its budget (see :func:`decode_batches`).
+
+    Not a :class:`ProtocolError`: the request is well formed, the partition
+    is refused (MESSAGE_TOO_LARGE) and the connection stays open.
+    """
+
+
 def decode_batches(
-    data: bytes | None, limit: int = MAX_DECOMPRESSED, shared: list[int] | None = None
+    data: bytes | None, limit: int = MAX_DECOMPRESSED, shared: list[int] | None = None,
+    records: list[int] | None = None,
 ) -> list[Batch]:
     """Every batch in a produce request's ``records`` (v2 batches or a legacy message set).
 
@@ -159,19 +173,40 @@ def decode_batches(
     when given: the budget of the whole request, which this call spends (one
     request may name many partitions, or one partition many times, each with
     a compression bomb of its own).
+
+    ``records``: ``[how many records]`` the request may still carry, spent by
+    this call.  A v2 batch's count is checked against it from its header,
+    before the batch is decompressed or decoded (legacy messages count one by
+    one); past it, :class:`TooManyRecords` is raised, and the budget spent by
+    this call is given back (nothing of it is kept).
     """
     if not data:
         return []
     given = limit if shared is None else min(limit, shared[0])
     budget = [given]
+    count = records if records is not None else [-1]
+    before = count[0]
     try:
-        return _decode_all(bytes(data), budget)
+        return _decode_all(bytes(data), budget, count)
+    except TooManyRecords:
+        count[0] = before
+        raise
     finally:
         if shared is not None:
             shared[0] -= given - budget[0]
 
 
-def _decode_all(buf: bytes, budget: list[int]) -> list[Batch]:
+def _spend(count: list[int], n: int) -> None:
+    """Take ``n`` records from a request's record budget (``[-1]``: none)."""
+    left = count[0]
+    if left < 0:
+        return
+    if n > left:
+        raise TooManyRecords(f"{n} more records than the {left} a produce request may still carry")
+    count[0] = left - n
+
+
+def _decode_all(buf: bytes, budget: list[int], count: list[int]) -> list[Batch]:
     end = len(buf)
     out: list[Batch] = []
     pos = 0
@@ -184,16 +219,16 @@ def _decode_all(buf: bytes, budget: list[int]) -> list[Batch]:
         if length < 0 or stop > end:
             raise ProtocolError(f"record batch of {length} bytes overruns the request")
         if magic == 2:
-            out.append(_decode_v2(buf, pos, stop, budget))
+            out.append(_decode_v2(buf, pos, stop, budget, count))
         elif magic in (0, 1):
-            out.extend(_decode_legacy(buf, pos, stop, budget))
+            out.extend(_decode_legacy(buf, pos, stop, budget, count))
         else:
             raise ProtocolError(f"unknown record batch magic {magic}")
         pos = stop
     return out
 
 
-def _decode_v2(buf: bytes, pos: int, stop: int, budget: list[int]) -> Batch:
+def _decode_v2(buf: bytes, pos: int, stop: int, budget: list[int], records: list[int]) -> Batch:
     if stop - pos < BATCH_HEADER_SIZE:
         raise ProtocolError("record batch shorter than its header")
     (base_offset, _len, _epoch, _magic, crc, attrs, _last_delta, base_ts, max_ts, pid, pepoch, base_seq, count) = (
@@ -205,6 +240,7 @@ def _decode_v2(buf: bytes, pos: int, stop: int, budget: list[int]) -> Batch:
     body_start = pos + BATCH_HEADER_SIZE
     if count < 0:
         raise ProtocolError(f"negative record count {count}")
+    _spend(records, count)  # before anything is inflated or decoded
     if codec == CODEC_NONE:
         body, start, end = buf, body_start, stop
     else:
@@ -239,7 +275,9 @@ def parse_headers(section: bytes) -> list[tuple[str, bytes | None]]:
     return out
 
 
-def _decode_legacy(buf: bytes, pos: int, stop: int, budget: list[int], depth: int = 0) -> list[Batch]:
+def _decode_legacy(
+    buf: bytes, pos: int, stop: int, budget: list[int], records: list[int], depth: int = 0
+) -> list[Batch]:
     """A magic 0/1 message set: each message is its own one-record batch."""
     out: list[Batch] = []
     while pos < stop:
@@ -270,8 +308,9 @@ def _decode_legacy(buf: bytes, pos: int, stop: int, budget: list[int], depth: in
             if depth:
                 raise ProtocolError("nested compressed legacy message")
             inner = _decompress(codec, value, budget)
-            out.extend(_decode_legacy(inner, 0, len(inner), budget, depth + 1))
+            out.extend(_decode_legacy(inner, 0, len(inner), budget, records, depth + 1))
         else:
+            _spend(records, 1)
             b = Batch(-1, -1, -1, -1, 0, magic, [Record(ts, key, value, b"\x00")],
                       len(key) if key else 0, ts)
             out.append(b)

@@ -28,19 +28,17 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from itertools import accumulate
-from operator import add
 from typing import Any, Protocol
 
 from dafka.errors import ProtocolError
-from dafka.kafka.codec import API_VERSIONS, Err, N, api_keys, encode_fetch_response, encode_response
+from dafka.kafka.codec import API_VERSIONS, Err, N, api_keys, encode_fetch_parts, encode_response
 from dafka.kafka.groups import Answer, Coordinator
 from dafka.kafka.records import (
     MAX_DECOMPRESSED,
     Batch,
+    TooManyRecords,
     batch_record_count,
     decode_batches,
     encode_batch,
@@ -63,6 +61,10 @@ COLD_READ_BYTES = 1 << 20  # at most this much in an answer not encoded ahead (K
 AHEAD_SECONDS = 5.0  # a batch encoded ahead and not asked for within this is dropped
 #: Bytes the compressed batches of one produce request may inflate to, over all its partitions.
 MAX_REQUEST_INFLATED = 4 * MAX_DECOMPRESSED
+#: Records one produce request may carry, over all its partitions (the gateway sets its limit).
+MAX_REQUEST_RECORDS = 500_000
+#: An encoded answer: one byte string, or several to send back to back (a fetch's).
+Data = bytes | list[bytes]
 
 
 class Backend(Protocol):
@@ -76,6 +78,7 @@ class Backend(Protocol):
     def create_topic(self, name: str, partitions: int) -> bool: ...
     def append(self, part: TankPartition, batch: Batch) -> tuple[int, int]: ...
     def storage_failed(self) -> bool: ...
+    def output_room(self, token: Any) -> int: ...
     def positions(self, group: str) -> dict[tuple[str, str], int]: ...
     def put_positions(self, group: str, positions: dict[tuple[str, str], int]) -> None: ...
     def broadcast_positions(self, group: str, positions: dict[tuple[str, str], int]) -> None: ...
@@ -88,10 +91,11 @@ class Outcome:
     ``data`` is the encoded answer, sent at once unless ``needs`` (committed
     head each partition must reach first) or ``park`` (a fetch to retry) is
     set; ``data`` None with neither: no answer (acks 0), or one that comes
-    later from the group coordinator.
+    later from the group coordinator.  A fetch's answer is a list of byte
+    strings to send back to back (its record sets are not copied into one).
     """
 
-    data: bytes | None = None
+    data: Data | None = None
     needs: dict[tuple[str, str], int] | None = None
     park: ParkedFetch | None = None
 
@@ -135,6 +139,7 @@ class KafkaServer:
         self.fetch_cap = fetch_cap
         self.partition_cap = partition_cap
         self.max_inflated = MAX_REQUEST_INFLATED
+        self.max_records = MAX_REQUEST_RECORDS
         #: CreateTopics above this many partitions is refused (the gateway sets its Tank limit).
         self.max_partitions = MAX_CREATE_PARTITIONS
         self.coordinator = Coordinator()
@@ -250,19 +255,31 @@ class KafkaServer:
         pmap = self.backend.pmap
         # Decode everything first: a malformed batch closes the connection
         # before anything of the request is written.
-        # Every partition's batches are held at once: their decompression shares one budget.
-        plan = []
+        # Every partition's batches are held at once: their decompression shares one budget,
+        # and so does their count of records (checked from batch headers before decoding:
+        # a request of millions of tiny records would be millions of objects).
+        plan: list[tuple[str, int, TankPartition | None, list[Batch] | None]] = []
         inflate = [self.max_inflated]
+        count = [self.max_records]
         for t in req.topic_data:
             parts = None if t.name == PARTITIONS_TOPIC else pmap.partitions(t.name)
             for p in t.partition_data:
                 part = parts[p.index] if parts is not None and 0 <= p.index < len(parts) else None
-                batches = decode_batches(p.records, shared=inflate) if part is not None and part.owned else []
+                batches: list[Batch] | None = []
+                if part is not None and part.owned:
+                    try:
+                        batches = decode_batches(p.records, shared=inflate, records=count)
+                    except TooManyRecords as exc:
+                        log.warning("Kafka produce to %s[%d] refused: %s", t.name, p.index, exc)
+                        batches = None
                 plan.append((t.name, p.index, part, batches))
         needs: dict[tuple[str, str], int] = {}
         results: dict[str, list[Any]] = {}
         for name, index, part, batches in plan:
-            code, base = self._produce_partition(part, batches, needs)
+            if batches is None:
+                code, base = Err.MESSAGE_TOO_LARGE, -1
+            else:
+                code, base = self._produce_partition(part, batches, needs)
             results.setdefault(name, []).append(
                 N(index=index, error_code=code, base_offset=base, log_append_time_ms=-1,
                   log_start_offset=-1, record_errors=[], error_message=None)
@@ -411,21 +428,31 @@ class KafkaServer:
     # ---------------------------------------------------------------- Fetch
 
     def _fetch(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
-        data, size, waiting, faulted = self.fetch_answer(corr, v, req)
+        data, size, waiting, faulted = self.fetch_answer(corr, v, req, self.backend.output_room(token))
         if faulted or size >= max(1, req.min_bytes) or not waiting or req.max_wait_ms <= 0:
             return Outcome(data)
         return Outcome(park=ParkedFetch(corr, v, req, now + min(req.max_wait_ms, 300_000) / 1000.0, waiting, req.min_bytes))
 
-    def retry_fetch(self, parked: ParkedFetch, timed_out: bool) -> bytes | None:
-        """The answer of a parked fetch, or None while it should wait on."""
-        data, size, _, faulted = self.fetch_answer(parked.correlation_id, parked.version, parked.request)
+    def retry_fetch(self, parked: ParkedFetch, timed_out: bool, room: int | None = None) -> list[bytes] | None:
+        """The answer of a parked fetch, or None while it should wait on (``room``: as for
+        :meth:`fetch_answer`)."""
+        data, size, _, faulted = self.fetch_answer(parked.correlation_id, parked.version, parked.request, room)
         if size < max(1, parked.min_bytes) and not timed_out and not faulted:
             return None
         return data
 
-    def fetch_answer(self, corr: int, v: int, req: Any) -> tuple[bytes, int, list[tuple[str, str]], bool]:
-        """The answer as things are now, its record bytes, the partitions at their end, any fault."""
+    def fetch_answer(
+        self, corr: int, v: int, req: Any, room: int | None = None
+    ) -> tuple[list[bytes], int, list[tuple[str, str]], bool]:
+        """The answer as things are now (its parts, :func:`~dafka.kafka.codec.encode_fetch_parts`),
+        its record bytes, the partitions at their end, any fault.
+
+        ``room``: answer bytes the gateway may still hold (its output budget);
+        the answer carries no more records than that, but one record at least.
+        """
         budget = min(req.max_bytes if v >= 3 else self.fetch_cap, self.fetch_cap)
+        if room is not None and room < budget:
+            budget = room
         size = 0
         waiting: list[tuple[str, str]] = []
         faulted = False
@@ -460,7 +487,7 @@ class KafkaServer:
                     waiting.append((part.topic, part.address))
                 out.append((p.partition, 0, hwm, start, records))
             topics.append((t.topic, out))
-        return encode_fetch_response(corr, v, topics), size, waiting, faulted
+        return encode_fetch_parts(corr, v, topics), size, waiting, faulted
 
     def _read(self, part: TankPartition, off: int, hwm: int, limit: int) -> bytes | None:
         """One batch of whole records from ``off``, at most ``limit`` bytes of values
@@ -523,12 +550,9 @@ class KafkaServer:
             return None
         if not values:
             return b""
-        # A record costs about its stored size plus a few varints: keep what fits.
-        costs = list(map(add, accumulate(map(len, values)), range(8, 8 * len(values) + 1, 8)))
-        if costs[-1] + 61 > limit:
-            del values[max(1, bisect_right(costs, limit - 61)) :]
         try:
-            return encode_batch(first, values)
+            # A record costs about its stored size plus a few varints: the encoder keeps what fits.
+            return encode_batch(first, values, limit)
         except ValueError as exc:  # a stored value that does not parse
             log.error("cannot serve %s from offset %d to a Kafka fetch: %s", part.topic, first, exc)
             return None

@@ -36,22 +36,31 @@ make the gateway hold (connections, request bytes, answer bytes, partitions).
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import socket
 import time
 from bisect import bisect_left, bisect_right
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
-
-import zmq
 
 from dafka import wire
 from dafka.config import NodeConfig
 from dafka.errors import ProtocolError
+from dafka.gateway.connections import (
+    Connection,
+    Refusals,
+    accepted,
+    client_allowed,
+    close_quietly,
+    events,
+    flush,
+    prepare,
+    send,
+    unread_for,
+)
 from dafka.node import new_address
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.node import MAX_BATCH, Store
@@ -115,19 +124,11 @@ _VIRTUAL_KEY = (PARTITIONS_TOPIC, "")
 _MAP_RECORD_FLAGS = b"\x01"  # stored-value flags of a __dafka_partitions record: keyed
 
 
-@dataclass(eq=False, slots=True)
-class _Conn:
-    sock: socket.socket
-    name: str
+@dataclass(eq=False, slots=True, kw_only=True)
+class _Conn(Connection):
     frames: FrameBuffer
-    out: deque[Any] = field(default_factory=deque)
-    out_size: int = 0
-    closed: bool = False
-    reading: bool = True
-    stalled_since: float | None = None  # half a frame buffered, no progress since
     frame_since: float | None = None  # when the frame in flight began (while we read it)
     reserved: int = 0  # bytes of the in-flight budget its frame in flight holds
-    out_since: float | None = None  # answers unsent, none of them taken since
     parked_entries: int = 0  # partition entries of its parked fetches
     deferred: bool = False  # a parked fetch woke while its answers were not taken
 
@@ -170,9 +171,9 @@ class Gateway(Store):
         rdb = db if isinstance(db, RecordDB) else RecordDB(db, sync=sync)
         # Tank has no authentication: when set, only these IP networks may connect.
         self.allow_clients = allow_clients
-        self.clients_refused = 0
+        self._refused_clients = Refusals(log)  # not in allow_clients
         self.limits = limits or GatewayLimits()
-        self.connections_refused = 0  # over max_connections
+        self._refused_connections = Refusals(log)  # over max_connections
         self.topics_refused = 0  # creations over max_owned_partitions
         self.records_too_large = 0  # Tank produces refused for a record over max_record_bytes
         try:
@@ -334,7 +335,7 @@ class Gateway(Store):
                     f" in {now - conn.frame_since:.0f}s, under min_request_rate {limits.min_request_rate} bytes/s",
                     True,
                 )
-            elif conn.out_since is not None and now - conn.out_since > timeout:
+            elif unread_for(conn, now) > timeout:
                 self._close(conn, f"did not read its answers ({conn.out_size} bytes unsent) for {timeout:g}s", True)
         if self._budget_waiting:
             self._resume_budget_waiting()
@@ -389,49 +390,37 @@ class Gateway(Store):
     # ---------------------------------------------------------------- connections
 
     def _accept(self) -> None:
-        for _ in range(64):
-            try:
-                sock, peer = self.listener.accept()
-            except BlockingIOError:
-                return
-            except OSError as exc:  # out of file descriptors, ...
-                log.error("cannot accept a Tank connection: %s", exc)
-                return
-            if self.allow_clients is not None and not self._client_allowed(peer[0]):
+        for sock, peer in accepted(self.listener, "Tank", log):
+            if self.allow_clients is not None and not client_allowed(peer[0], self.allow_clients):
+                self._refused_clients.note("refused a Tank client from %s: not in --allow-clients", peer[0])
                 sock.close()
                 continue
             if len(self._conns) >= self.limits.max_connections:
                 # Counted and logged before the close that the client sees.
-                self.connections_refused += 1
-                if self.connections_refused <= 20 or self.connections_refused % 1000 == 0:
-                    log.warning(
-                        "refused a Tank client from %s: %d connections open, the limit (max_connections); "
-                        "%d refused so far",
-                        peer[0], len(self._conns), self.connections_refused,
-                    )
+                refused = self._refused_connections
+                refused.note(
+                    "refused a Tank client from %s: %d connections open, the limit (max_connections); "
+                    "%d refused so far",
+                    peer[0], len(self._conns), refused.count + 1,
+                )
                 sock.close()
                 continue
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, f"{peer[0]}:{peer[1]}", FrameBuffer(self.limits.max_request_bytes))
+            prepare(sock)
+            conn = _Conn(sock, f"{peer[0]}:{peer[1]}", frames=FrameBuffer(self.limits.max_request_bytes))
             self._conns[sock] = conn
             self.watch(sock, lambda c=conn: self._on_ready(c))
             log.debug("Tank client %s connected", conn.name)
             self._write(conn, _PING)  # the greeting some clients wait for
 
-    def _client_allowed(self, host: str) -> bool:
-        try:
-            ip = ipaddress.ip_address(host.split("%")[0])
-        except ValueError:
-            ip = None
-        if ip is not None and getattr(ip, "ipv4_mapped", None):
-            ip = ip.ipv4_mapped  # type: ignore[union-attr]
-        if ip is not None and any(ip in net for net in self.allow_clients or ()):
-            return True
-        self.clients_refused += 1
-        if self.clients_refused <= 20 or self.clients_refused % 1000 == 0:
-            log.warning("refused a Tank client from %s: not in --allow-clients", host)
-        return False
+    @property
+    def clients_refused(self) -> int:
+        """Clients refused for not being in ``allow_clients``."""
+        return self._refused_clients.count
+
+    @property
+    def connections_refused(self) -> int:
+        """Clients refused over ``max_connections``."""
+        return self._refused_connections.count
 
     def _on_ready(self, conn: _Conn) -> None:
         if conn.out:
@@ -558,52 +547,31 @@ class Gateway(Store):
         self._update_events(conn)
 
     def _update_events(self, conn: _Conn) -> None:
-        events = (zmq.POLLIN if conn.reading else 0) | (zmq.POLLOUT if conn.out else 0)
-        self.watch_events(conn.sock, events)
+        self.watch_events(conn.sock, events(conn))
 
     def _write(self, conn: _Conn, data: bytes) -> None:
         if conn.closed:
             return
-        if conn.out:
-            conn.out.append(data)
-            conn.out_size += len(data)
-        else:
-            try:
-                n = conn.sock.send(data)
-            except (BlockingIOError, InterruptedError):
-                n = 0
-            except OSError as exc:
-                self._close(conn, f"send failed: {exc}")
-                return
-            if n == len(data):
-                return
-            conn.out.append(memoryview(data)[n:])
-            conn.out_size += len(data) - n
-            conn.out_since = time.monotonic()
+        try:
+            send(conn, data)
+        except OSError as exc:
+            self._close(conn, f"send failed: {exc}")
+            return
+        if not conn.out:
+            return
         if conn.out_size > self.limits.max_output_bytes:
             conn.reading = False  # a client that does not read its answers
         self._update_events(conn)
 
     def _flush_out(self, conn: _Conn) -> None:
         out = conn.out
-        while out and not conn.closed:
-            head = out[0]
+        if not conn.closed:
             try:
-                n = conn.sock.send(head)
-            except (BlockingIOError, InterruptedError):
-                break
+                flush(conn)
             except OSError as exc:
                 self._close(conn, f"send failed: {exc}")
                 return
-            conn.out_size -= n
-            conn.out_since = time.monotonic() if n else conn.out_since
-            if n == len(head):
-                out.popleft()
-            else:
-                out[0] = memoryview(head)[n:]
-                break
         if not out:
-            conn.out_since = None
             if conn.deferred and not conn.closed:
                 conn.deferred = False
                 for parked in [p for p in self._parked_all if p.conn is conn]:
@@ -631,10 +599,7 @@ class Gateway(Store):
             for parked in [p for p in self._parked_all if p.conn is conn]:
                 self._unpark(parked)
         self.unwatch(conn.sock)
-        try:
-            conn.sock.close()
-        except OSError:
-            pass
+        close_quietly(conn.sock)
         if bad:
             self.bad_input(f"Tank request from {conn.name}", f"{why}; connection closed")
         elif why:

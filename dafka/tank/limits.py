@@ -17,7 +17,7 @@ can make the gateway hold or wait for:
   or, once it has been in flight that long, fewer than ``min_request_rate``
   bytes a second on average since it began, closes the connection
   (slow-loris senders).  An unsent answer that the client does not read for
-  ``request_timeout`` seconds closes it too.
+  ``request_timeout`` seconds closes it too (on the Kafka port as well).
 * ``max_answer_bytes``: record bytes in one consume answer (on top of the
   4 MiB per partition); ``max_output_bytes``: unsent answer bytes of one
   connection, past which its requests wait and its answers shrink.
@@ -26,6 +26,19 @@ can make the gateway hold or wait for:
   CreateTopic, Kafka CreateTopics and auto-creation), all topics together; a
   creation past it is refused.  Each costs a HEAD every announce interval and
   a line of the partition map, so the count of topics must be bounded too.
+
+The Kafka port shares ``request_timeout`` and the partition limits, and has
+its own (``kafka_`` keys):
+
+* ``kafka_max_output_bytes``: answer bytes held for Kafka clients, over all
+  connections: unsent, or ready behind an answer that is not.  Past it, a
+  connection with answers of its own held is not read until they drain, and
+  fetch answers shrink to what still fits (one record at least).
+* ``kafka_max_produce_records``: records one produce request may carry, all
+  its partitions together (counted from the batch headers before anything is
+  decoded); a partition past it is answered MESSAGE_TOO_LARGE.
+* ``kafka_max_rebalance_timeout``: seconds a JoinGroup's rebalance timeout
+  may hold a group's rebalance; longer ones are cut to it.
 
 Every limit is a key of the ``[gateway]`` TOML table; ``dafka gateway`` also
 takes each as a flag (``--max-connections`` ...).
@@ -39,13 +52,15 @@ from typing import Any
 
 from dafka.errors import ConfigError
 
+#: The limits given in seconds (floats; an integer in TOML is taken too).
+_SECONDS = ("request_timeout", "kafka_max_rebalance_timeout")
 #: A request frame at most this large needs no reservation of the in-flight budget.
 SMALL_REQUEST = 64 << 10
 
 
 @dataclass(frozen=True, slots=True)
 class GatewayLimits:
-    """Limits of the gateway's Tank port (see the module doc); defaults documented in README."""
+    """Limits of the gateway's Tank and Kafka ports (see the module doc); defaults documented in README."""
 
     max_connections: int = 256
     max_request_bytes: int = 64 << 20
@@ -56,6 +71,9 @@ class GatewayLimits:
     max_output_bytes: int = 32 << 20
     max_partitions_per_topic: int = 1024
     max_owned_partitions: int = 65536
+    kafka_max_output_bytes: int = 256 << 20
+    kafka_max_produce_records: int = 500_000
+    kafka_max_rebalance_timeout: float = 300.0  # seconds
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -90,7 +108,7 @@ class GatewayLimits:
         for name in cls.keys():
             if name in section:
                 value = section[name]
-                if name == "request_timeout" and isinstance(value, int) and not isinstance(value, bool):
+                if name in _SECONDS and isinstance(value, int) and not isinstance(value, bool):
                     value = float(value)
                 given[name] = value
             flag = getattr(args, name, None) if args is not None else None

@@ -72,3 +72,23 @@ def test_a_member_that_does_not_rejoin_is_dropped_at_the_rebalance_timeout() -> 
     assert join(c, "b", 1.0) == {}
     answers = {x.token: x.fields for x in c.tick(6.5)}  # rebalance timeout 5 s: a dropped
     assert answers["b"]["error_code"] == 0 and answers["b"]["leader"] == answers["b"]["member_id"]
+
+
+def test_a_huge_rebalance_timeout_is_cut_to_the_coordinators_cap() -> None:
+    """A JoinGroup's rebalance timeout was taken as given: 2^31-1 ms held the group's next
+    rebalance for ~24 days, every other member waiting on a member that never rejoins."""
+    c = Coordinator()
+    c.max_rebalance_timeout = 60.0
+    [a] = c.join("a", 0.0, "g", "", "a", "consumer", P, 10.0, (2**31 - 1) / 1000.0)
+    ma = a.fields["member_id"]
+    c.sync("sa", 0.0, "g", ma, 1, [(ma, b"x")])
+    assert c.join("b", 1.0, "g", "", "b", "consumer", P, 10.0, 5.0) == []  # a rebalance starts
+    for t in range(2, 61, 3):  # a heartbeats (told to rejoin) but never rejoins
+        assert c.heartbeat(float(t), "g", ma, 1) == Err.REBALANCE_IN_PROGRESS
+        assert c.tick(t + 0.5) == []
+    answers = {x.token: x.fields for x in c.tick(62.0)}  # 1 s + the 60 s cap: a is dropped
+    assert answers["b"]["error_code"] == 0 and answers["b"]["leader"] == answers["b"]["member_id"]
+
+
+def test_the_rebalance_cap_defaults_to_five_minutes() -> None:
+    assert Coordinator().max_rebalance_timeout == 300.0

@@ -7,6 +7,8 @@ hand, as an attacker would, not by a well-behaved client library.
 from __future__ import annotations
 
 import socket
+import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -134,5 +136,205 @@ def test_auto_created_topics_stop_at_the_gateways_partition_limit(cfg: NodeConfi
             assert size > 0
         created = [n for n in names if gw.pmap.partitions(n) is not None]
         assert len(created) == 20 and gw.topics_refused == 30
+    finally:
+        gw.close()
+
+
+def fetch_frame(corr: int, topic: str, offset: int = 0, max_bytes: int = 1 << 20) -> bytes:
+    from kafka.protocol.consumer import FetchRequest
+
+    req = FetchRequest[11](
+        replica_id=-1, max_wait_ms=0, min_bytes=1, max_bytes=max_bytes, isolation_level=0, session_id=0,
+        session_epoch=-1, forgotten_topics_data=[], rack_id="",
+        topics=[FetchRequest.FetchTopic(topic=topic, partitions=[FetchRequest.FetchTopic.FetchPartition(
+            partition=0, current_leader_epoch=-1, fetch_offset=offset, log_start_offset=-1,
+            partition_max_bytes=max_bytes)])],
+    )
+    return frame(1, 11, corr, bytes(req.encode(version=11)))
+
+
+def test_clients_that_never_read_cannot_make_the_gateway_hold_more_than_its_output_budget(
+    cfg: NodeConfig, tmp_path: Path
+) -> None:
+    """Each connection's unsent answers were bounded (64 MiB), their sum was not: N connections
+    pipelining big fetches and never reading made the gateway hold about N x 64 MiB."""
+    from confluent_kafka import Consumer as CKConsumer
+    from confluent_kafka import TopicPartition
+    from kafka.protocol.consumer import FetchResponse
+
+    from dafka.tank.limits import GatewayLimits
+    from tests.conftest import wait_until
+    from tests.kafka.test_gateway import client_batch_of, read_frame
+
+    budget = 4 << 20
+    gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0),
+                      limits=GatewayLimits(kafka_max_output_bytes=budget))
+    hogs: list[socket.socket] = []
+    try:
+        gw.create_topic("hog", 1)
+        gw.create_topic("small", 1)
+        with socket.create_connection((HOST, gw.kafka_port)) as s:
+            for i in range(8):  # 8 MiB of 1 KiB records
+                r: Any = produce_raw(s, i, "hog", client_batch_of([bytes(1024)] * 1024))
+                assert r.error_code == 0
+            assert produce_raw(s, 99, "small", client_batch_of([b"r%d" % i for i in range(20)])).error_code == 0
+        conns, fetches = 8, 24
+        for _ in range(conns):
+            h = socket.socket()
+            h.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the kernel holds little for it
+            h.connect((HOST, gw.kafka_port))
+            h.sendall(b"".join(fetch_frame(c, "hog") for c in range(fetches)))  # 1 MiB answers, never read
+            hogs.append(h)
+        # Every hog's requests are taken, or it is held back: the gateway holds what the budget allows.
+        wait_until(lambda: gw.kafka_queued_bytes >= budget, timeout=30)
+        wait_until(lambda: all(c.frames.buffered == 0 or not c.reading for c in gw._kconns.values()), timeout=30)
+        # A well-behaved client is still served (its answers shrink while the budget is spent).
+        c = CKConsumer({"bootstrap.servers": f"{HOST}:{gw.kafka_port}", "group.id": "good",
+                        "enable.auto.commit": False})
+        try:
+            c.assign([TopicPartition("small", 0, 0)])
+            got: list[bytes] = []
+            deadline = time.monotonic() + 30
+            while len(got) < 20 and time.monotonic() < deadline:
+                m = c.poll(0.5)
+                if m is not None and not m.error():
+                    got.append(m.value())
+        finally:
+            c.close()
+        assert got == [b"r%d" % i for i in range(20)]
+        peak = gw.kafka_queued_peak
+        assert peak <= budget + (256 << 10), f"held {peak} bytes of answers over a budget of {budget}"
+        # Nothing was dropped or reordered: a hog that reads at last gets every answer, in order.
+        h = hogs.pop()
+        corrs = []
+        for _ in range(fetches):
+            answer = read_frame(h, 30)
+            corrs.append(struct.unpack(">i", answer[:4])[0])
+            p = FetchResponse.decode(answer[4:], version=11).responses[0].partitions[0]
+            assert p.error_code == 0 and len(p.records) > 0
+        assert corrs == list(range(fetches))
+        h.close()
+    finally:
+        for h in hogs:
+            h.close()
+        gw.close()
+
+
+def tiny_records_batch(n: int) -> bytes:
+    """One uncompressed v2 batch of ``n`` 10-byte records, written directly (kafka-python's
+    builder takes a few µs a record)."""
+    import struct as st
+
+    from crc32c import crc32c
+
+    body = bytearray()
+    for i in range(n):
+        v, out = i << 1, bytearray()  # the offset delta, a zigzag varint
+        while v >= 0x80:
+            out.append((v & 0x7F) | 0x80)
+            v >>= 7
+        out.append(v)
+        # attributes, timestamp delta 0, offset delta, null key, value of 10, no headers
+        rec = b"\x00\x00" + bytes(out) + b"\x01" + b"\x14" + b"0123456789" + b"\x00"
+        body += bytes([len(rec) << 1]) + rec
+    tail = st.pack(">hiqqqhii", 0, n - 1, 1000, 1000, -1, -1, -1, n) + bytes(body)
+    return st.pack(">qiib", 0, len(tail) + 9, -1, 2) + st.pack(">I", crc32c(tail)) + tail
+
+
+def test_a_huge_produce_of_tiny_records_is_refused_before_it_becomes_millions_of_objects(
+    cfg: NodeConfig, tmp_path: Path
+) -> None:
+    """A produce request was decoded whole before anything was checked: 20 MiB of 10-byte
+    records became over a million record objects (about 10x the request in memory)."""
+    import tracemalloc
+
+    from kafka.protocol.producer import ProduceResponse
+
+    from dafka.tank.limits import GatewayLimits
+    from tests.kafka.test_gateway import client_batch_of, read_frame
+
+    cap = 50_000
+    gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0),
+                      limits=GatewayLimits(kafka_max_produce_records=cap))
+    try:
+        gw.create_topic("tiny", 2)
+        big = tiny_records_batch(1_200_000)  # ~20 MiB
+        small = tiny_records_batch(cap // 2)
+        req = ProduceRequest[7](
+            transactional_id=None, acks=-1, timeout_ms=5000,
+            topic_data=[ProduceRequest.TopicProduceData(name="tiny", partition_data=[
+                ProduceRequest.TopicProduceData.PartitionProduceData(index=0, records=small),
+                ProduceRequest.TopicProduceData.PartitionProduceData(index=1, records=big)])],
+        )
+        data = frame(0, 7, 1, bytes(req.encode(version=7)))
+        tracemalloc.start()
+        try:
+            with socket.create_connection((HOST, gw.kafka_port)) as s:
+                s.sendall(data)
+                answer = read_frame(s, 60)
+                peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        parts = ProduceResponse.decode(answer[4:], version=7).responses[0].partition_responses
+        assert [(p.index, p.error_code) for p in parts] == [(0, Err.NONE), (1, Err.MESSAGE_TOO_LARGE)]
+        # The request arrives, is framed and decoded once (~3 copies); the records within the
+        # cap, ~400 bytes each at most; nothing for the refused ones.
+        bound = 3 * len(data) + cap * 400
+        assert peak < bound, f"peak {peak >> 20} MiB over {bound >> 20} MiB"
+        # The gateway still serves: within the cap a produce is taken.
+        with socket.create_connection((HOST, gw.kafka_port)) as s:
+            r: Any = produce_raw(s, 2, "tiny", client_batch_of([b"after"]))
+        assert r.error_code == 0
+    finally:
+        gw.close()
+
+
+def test_the_kafka_limits_come_from_the_gateway_table_and_flags(cfg: NodeConfig, tmp_path: Path) -> None:
+    from dafka.cli import build_parser
+    from dafka.tank.limits import GatewayLimits
+
+    args = build_parser().parse_args(
+        ["gateway", "--db", "x", "--kafka-max-rebalance-timeout", "60", "--kafka-max-produce-records", "1000"]
+    )
+    limits = GatewayLimits.from_settings({"kafka_max_rebalance_timeout": 90, "kafka_max_output_bytes": 1 << 20}, args)
+    assert (limits.kafka_max_rebalance_timeout, limits.kafka_max_produce_records, limits.kafka_max_output_bytes) == (
+        60.0, 1000, 1 << 20)
+    assert GatewayLimits.from_settings({"kafka_max_rebalance_timeout": 90}).kafka_max_rebalance_timeout == 90.0
+    gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0), limits=limits)
+    try:
+        assert gw.kafka.coordinator.max_rebalance_timeout == 60.0
+        assert gw.kafka.max_records == 1000
+    finally:
+        gw.close()
+
+
+def test_a_client_that_leaves_its_answers_unread_is_closed_after_the_timeout(cfg: NodeConfig, tmp_path: Path) -> None:
+    """Answers a client never read were held for as long as it stayed connected: a few such
+    clients kept the gateway's output budget spent, every other client's fetches shrunk to one
+    record, for ever.  As on the Tank port, answers untaken for request_timeout close it."""
+    from dafka.tank.limits import GatewayLimits
+    from tests.conftest import wait_until
+    from tests.kafka.test_gateway import client_batch_of
+
+    gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0),
+                      limits=GatewayLimits(request_timeout=0.5))
+    try:
+        gw.create_topic("hog", 1)
+        with socket.create_connection((HOST, gw.kafka_port)) as s:
+            for i in range(4):
+                assert produce_raw(s, i, "hog", client_batch_of([bytes(1024)] * 1024)).error_code == 0
+        h = socket.socket()
+        h.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        h.connect((HOST, gw.kafka_port))
+        try:
+            h.sendall(b"".join(fetch_frame(c, "hog") for c in range(8)))
+            wait_until(lambda: gw.kafka_queued_bytes > 0)
+            wait_until(lambda: gw.kafka_connections == 0, timeout=15)
+            assert gw.kafka_queued_bytes == 0
+        finally:
+            h.close()
+        # A client that reads is served as before.
+        with socket.create_connection((HOST, gw.kafka_port)) as s:
+            assert produce_raw(s, 9, "hog", client_batch_of([b"x"])).error_code == 0
     finally:
         gw.close()

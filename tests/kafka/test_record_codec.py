@@ -149,6 +149,31 @@ def test_encode_batch_agrees_and_round_trips(values: list[bytes], base: int) -> 
         assert v.endswith(r.value)
 
 
+@settings(max_examples=200)
+@given(st.lists(stored, max_size=40), st.integers(-100, 4000))
+def test_encode_batch_with_a_limit_keeps_the_values_that_fit(values: list[bytes], limit: int) -> None:
+    """At least one value, then those whose sizes + 8 each, + the 61-byte header, fit the limit."""
+    data = both("encode_batch", 3, values, limit)
+    if not values:
+        assert data == b""
+        return
+    keep, cost = 1, len(values[0]) + 8
+    for v in values[1:]:
+        cost += len(v) + 8
+        if cost + 61 > limit:
+            break
+        keep += 1
+    assert data == _pure.encode_batch(3, values[:keep])
+
+
+def test_encode_batch_with_a_limit_does_not_look_past_it() -> None:
+    good = VALUE_HEADER.pack(1, 0) + b"v" * 100
+    bad = b"short"  # would raise if encoded
+    data = both("encode_batch", 0, [good, good, bad], 61 + 2 * (len(good) + 8))
+    assert len(decode_batches(data)[0].records) == 2  # type: ignore[arg-type]
+    both("encode_batch", 0, [good, good, bad], 61 + 3 * (len(good) + 8))  # the same ValueError
+
+
 @given(st.lists(st.binary(max_size=30), max_size=6))
 def test_encode_batch_agrees_on_malformed_stored_values(values: list[bytes]) -> None:
     both("encode_batch", 5, values)
@@ -215,6 +240,21 @@ def test_the_fetch_envelope_is_what_the_generic_encoder_writes(version: int) -> 
             for i, c, h, s, r in parts]) for name, parts in topics],
     )
     assert encode_fetch_response(7, version, topics) == generic
+
+
+@pytest.mark.parametrize("version", [0, 4, 11])
+@pytest.mark.parametrize("big", [(0,), (1,), (0, 1), (0, 2), (2,)])
+def test_fetch_parts_join_to_the_frame_and_leave_big_record_sets_uncopied(version: int, big: tuple) -> None:
+    from dafka.kafka.codec import SCATTER_MIN, encode_fetch_parts, encode_fetch_response
+
+    values = [VALUE_HEADER.pack(1000 + i, 0) + os.urandom(200) for i in range(SCATTER_MIN // 200 + 10)]
+    small = client_batch([(1000, b"k", b"v", [])])
+    sets = [_pure.encode_batch(10 * i, values) if i in big else small for i in range(3)]
+    topics = [("a", [(0, 0, 10, 2, sets[0]), (1, 0, 10, 0, sets[1])]), ("b", [(2, 0, 5, 0, sets[2])])]
+    parts = encode_fetch_parts(9, version, topics)
+    assert b"".join(parts) == encode_fetch_response(9, version, topics)
+    assert sum(1 for p in parts if any(p is sets[i] for i in big)) == len(big)
+    assert len(parts) <= 2 * len(big) + 1
 
 
 @given(st.binary(max_size=40))

@@ -17,6 +17,7 @@ from dafka.kafka.records import (
     CODEC_NONE,
     CODEC_SNAPPY,
     CODEC_ZSTD,
+    TooManyRecords,
     decode_batches,
     encode_batch,
     make_ext,
@@ -69,6 +70,34 @@ def stored(ts: int, key: bytes | None, value: bytes, headers: list) -> bytes:
     if key is not None:
         return VALUE_HEADER.pack(ts, FLAG_KEY | 2) + bytes((len(key),)) + key + value
     return VALUE_HEADER.pack(ts, 0) + value
+
+
+@pytest.mark.parametrize("codec", [CODEC_NONE, CODEC_GZIP])
+def test_a_record_budget_is_spent_per_request_and_checked_before_decoding(codec: int) -> None:
+    data = client_batch([(1000, None, b"v", [])] * 30, codec)
+    budget = [70]
+    assert len(decode_batches(data, records=budget)[0].records) == 30
+    assert len(decode_batches(data, records=budget)[0].records) == 30
+    assert budget == [10]
+    with pytest.raises(TooManyRecords):
+        decode_batches(data + data, records=[45])
+    budget = [45]
+    with pytest.raises(TooManyRecords):  # the second batch does not fit: the first is given back
+        decode_batches(data + data, records=budget)
+    assert budget == [45]
+    # A lying header count is still a protocol error, not a refusal of size.
+    with pytest.raises(ProtocolError):
+        decode_batches(data[:-3], records=[100])
+
+
+def test_legacy_messages_count_one_by_one() -> None:
+    b = LegacyRecordBatchBuilder(1, 0, 1 << 20)
+    for i in range(10):
+        b.append(i, 5000, None, b"v%d" % i)
+    data = bytes(b.build())
+    assert len(decode_batches(data, records=[10])) == 10
+    with pytest.raises(TooManyRecords):
+        decode_batches(data, records=[9])
 
 
 def test_encode_round_trips_keys_headers_and_timestamps() -> None:

@@ -1,0 +1,1 @@
+"""What the Tank and Kafka gateways share (:mod:`dafka.gateway.connections`)."""
