@@ -20,7 +20,7 @@ from itertools import repeat
 from pathlib import Path
 from typing import Any
 
-from dafka import progress
+from dafka.cli import progress
 from dafka.config import NodeConfig, TowerAddress
 
 PAYLOAD = 100
@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _mesh(secure: bool = False, batches: bool = True) -> tuple[Any, NodeConfig]:
-    from dafka.tower import Tower
+    from dafka.nodes.tower import Tower
 
     sec = _temporary_keys() if secure else None
     tower = Tower("127.0.0.1", 0, 0, _as(sec, "tower"))
@@ -77,7 +77,7 @@ def _temporary_keys() -> Any:
     import shutil
     import tempfile
 
-    from dafka import security
+    from dafka.nodes import security
 
     root = Path(tempfile.mkdtemp(prefix="dafka-bench-keys-"))
     atexit.register(shutil.rmtree, root, True)
@@ -100,7 +100,7 @@ def _role(cfg: NodeConfig, role: str) -> NodeConfig:
 
 
 def _live_producer(cfg: NodeConfig, topic: str, n: int, size: int, start: Any, done: Any) -> None:
-    from dafka.producer import Producer
+    from dafka.nodes.producer import Producer
 
     producer = Producer(topic, cfg, acks=False, capacity=max(n, 1))
     start.wait(30)
@@ -115,7 +115,7 @@ def bench_live(args: argparse.Namespace) -> list[float]:
     rates = []
     for run in range(args.runs):
         tower, cfg = _mesh(args.secure, not args.no_batches)
-        from dafka.consumer import Consumer
+        from dafka.nodes.consumer import Consumer
 
         topic = f"bench-live-{run}"
         consumer = Consumer(topic, _role(cfg, "consumer"), offset_reset="earliest")
@@ -169,7 +169,7 @@ def _store_process(
 def _acked_producer(
     cfg: NodeConfig, topic: str, n: int, size: int, result: Any, outbox: str | None = None, sync: str = "each"
 ) -> None:
-    from dafka.producer import Producer
+    from dafka.nodes.producer import Producer
 
     extra: dict[str, Any] = {"outbox": outbox, "outbox_sync": sync} if outbox else {}
     producer = Producer(topic, cfg, capacity=max(n, 1), **extra)
@@ -215,7 +215,7 @@ def bench_replay(args: argparse.Namespace) -> list[float]:
     """Records/s an earliest consumer reads back from one store process."""
     import tempfile
 
-    from dafka.consumer import Consumer
+    from dafka.nodes.consumer import Consumer
     from dafka.store.db import RecordDB
 
     ctx = mp.get_context("spawn")
@@ -322,7 +322,7 @@ def bench_zmq(args: argparse.Namespace) -> list[float]:
     """The ceiling: bare pyzmq PUB -> SUB of 2-frame messages, no protocol work."""
     import zmq
 
-    from dafka import wire
+    from dafka.core import wire
 
     rates = []
     header = wire.record_prefix(wire.RECORD, "bench", "A" * 32, "bench")
@@ -343,10 +343,11 @@ def bench_zmq(args: argparse.Namespace) -> list[float]:
 def _ceiling_receiver(port: int, n: int, ready: Any, result: Any, curve: tuple[bytes, bytes, bytes] | None) -> None:
     import zmq
 
-    from dafka import fastio, wire
-    from dafka.consumer import ConsumerRecord
-    from dafka.gaps import PartitionTracker
-    from dafka.node import DRAIN
+    from dafka import fastio
+    from dafka.core import wire
+    from dafka.core.gaps import PartitionTracker
+    from dafka.nodes.consumer import ConsumerRecord
+    from dafka.nodes.node import DRAIN
 
     sub = _bare_sub(port, curve)
     tracker = PartitionTracker("bench", "A" * 32, 0)
@@ -381,8 +382,8 @@ def bench_ceiling(args: argparse.Namespace) -> list[float]:
     """
     import zmq
 
-    from dafka import fastio, wire
-
+    from dafka import fastio
+    from dafka.core import wire
     print(f"I/O implementation: {fastio.IMPLEMENTATION} ({fastio.REASON})", flush=True)
     rates = []
     prefix = wire.record_prefix(wire.RECORD, "bench", "A" * 32, "bench")
@@ -852,7 +853,7 @@ def _paced_producer(
     """Publish ``rate`` records/s stamped with their send time; collect publish->ACK latencies."""
     import struct
 
-    from dafka.producer import Producer
+    from dafka.nodes.producer import Producer
 
     n = int(rate * seconds)
     extra: dict[str, Any] = {"outbox": outbox, "outbox_sync": sync} if outbox else {}
@@ -944,7 +945,7 @@ def bench_latency(args: argparse.Namespace) -> dict[str, list[float]]:
     import struct
     import tempfile
 
-    from dafka.consumer import Consumer
+    from dafka.nodes.consumer import Consumer
 
     ctx = mp.get_context("spawn")
     unpack = struct.Struct(">q").unpack_from
@@ -1033,7 +1034,7 @@ def bench_latency(args: argparse.Namespace) -> dict[str, list[float]]:
 
 
 def _tower_process(ports: Any, done: Any) -> None:
-    from dafka.tower import Tower
+    from dafka.nodes.tower import Tower
 
     tower = Tower("127.0.0.1", 0, 0)
     tower.start()
@@ -1067,7 +1068,7 @@ def _with_busy_thread(busy: bool, fn: Callable[[], float]) -> float:
 
 def _embedded_publish(cfg: NodeConfig, topic: str, args: argparse.Namespace, busy: bool) -> float:
     """Records/s an embedded Producer gets acknowledged by the store, for ``--seconds``."""
-    from dafka.producer import Producer
+    from dafka.nodes.producer import Producer
 
     producer = Producer(topic, cfg, capacity=max(args.records, 1))
     deadline = time.monotonic() + 30
@@ -1095,7 +1096,7 @@ def _embedded_publish(cfg: NodeConfig, topic: str, args: argparse.Namespace, bus
 
 def _embedded_consume(cfg: NodeConfig, topic: str, args: argparse.Namespace, busy: bool) -> float:
     """Records/s an embedded earliest Consumer reads from the store, for ``--seconds``."""
-    from dafka.consumer import Consumer
+    from dafka.nodes.consumer import Consumer
 
     def run() -> float:
         consumer = Consumer(topic, cfg, offset_reset="earliest")
@@ -1189,8 +1190,8 @@ def _aio_rates(cfg: NodeConfig, topic: str, read_topic: str, args: argparse.Name
     import asyncio
 
     from dafka import aio
-    from dafka.consumer import Consumer
-    from dafka.producer import Producer
+    from dafka.nodes.consumer import Consumer
+    from dafka.nodes.producer import Producer
 
     n, payload = args.records, b"x" * args.size
     rates: dict[str, float] = {}
@@ -1332,7 +1333,7 @@ def _scale_producers(cfg: NodeConfig, topic: str, n: int, seconds: float, go: An
 
     import zmq
 
-    from dafka.producer import Producer
+    from dafka.nodes.producer import Producer
 
     logging.getLogger("dafka").setLevel(logging.ERROR)
     # A producer holds about 6 ZeroMQ sockets; a context allows 1,023 by default.
@@ -1395,7 +1396,7 @@ def bench_scale(args: argparse.Namespace) -> int:
     ``--procs`` processes), a store and a consumer: connections, CPU and ACK latency."""
     import tempfile
 
-    from dafka.consumer import Consumer
+    from dafka.nodes.consumer import Consumer
 
     n, procs = args.nodes, max(1, min(args.procs, args.nodes))
     ctx = mp.get_context("spawn")
@@ -1533,7 +1534,7 @@ def _group_producers(cfg: NodeConfig, topic: str, per: int, size: int, started: 
     """Six producers (threads of one process): a burst of ``per`` records each, then a steady trickle."""
     import threading
 
-    from dafka.producer import Producer
+    from dafka.nodes.producer import Producer
 
     producers = [Producer(topic, cfg, capacity=per + 1_000_000) for _ in range(GROUP_PARTITIONS)]
     deadline = time.monotonic() + 30
@@ -1575,7 +1576,7 @@ def _group_member(cfg: NodeConfig, topic: str, index: int, events: Any, stop: An
         with lock:
             events.send(event)
 
-    from dafka.consumer import Consumer
+    from dafka.nodes.consumer import Consumer
 
     if os.environ.get("DAFKA_BENCH_LOG"):
         logging.basicConfig(

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dafka.errors import ConfigError
-from dafka.security import SecurityConfig, security_from
+from dafka.nodes.security import SecurityConfig, security_from
 
 DEFAULT_BEACON_IN_PORT = 5556  # tower XSUB: node beacons in
 DEFAULT_BEACON_OUT_PORT = 5557  # tower XPUB: tower beacons out

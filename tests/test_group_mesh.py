@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from dafka import wire
 from dafka.config import NodeConfig
-from dafka.consumer import Consumer
+from dafka.core import wire
 from dafka.errors import CommitError
-from dafka.producer import Producer
+from dafka.nodes.consumer import Consumer
+from dafka.nodes.producer import Producer
 from dafka.store.node import Store
 from tests.conftest import dafka_cmd, subprocess_env, tower_flag, wait_until
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import zmq
 
+from dafka.core.wire import BATCH_BYTES, BATCH_RECORDS, BATCH_VERSION, pack_batch, unpack_batch
 from dafka.errors import ProtocolError
 from dafka.store.layout import value_content
-from dafka.wire import BATCH_BYTES, BATCH_RECORDS, BATCH_VERSION, pack_batch, unpack_batch
 
 NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's enum flags are slower
 SNDMORE = int(zmq.SNDMORE)

@@ -35,7 +35,7 @@ from typing import Any
 
 import zmq
 
-from dafka import wire
+from dafka.core import wire
 from dafka.errors import ProtocolError
 from dafka.kafka.codec import DEFAULT_MAX_FRAME, FrameReader, decode_request
 from dafka.kafka.records import Batch, make_ext, store_pairs

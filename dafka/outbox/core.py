@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dafka.unacked import UnackedWindow
+from dafka.core.unacked import UnackedWindow
 
 BLOCK = "block"
 DROP_OLDEST = "drop_oldest"

@@ -49,10 +49,10 @@ from typing import Any
 
 import zmq
 
-from dafka import wire
 from dafka.config import NodeConfig
+from dafka.core import wire
 from dafka.errors import ProtocolError
-from dafka.node import new_address
+from dafka.nodes.node import new_address
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.node import MAX_BATCH, Store
 from dafka.tank.bundle import decode_bundle

@@ -20,10 +20,10 @@ from kafka.protocol.producer import ProduceRequest, ProduceResponse
 from kafka.record.default_records import DefaultRecordBatchBuilder
 
 from dafka.config import NodeConfig
-from dafka.consumer import Consumer
 from dafka.kafka.codec import Err
 from dafka.kafka.gateway import KafkaGateway
-from dafka.producer import Producer
+from dafka.nodes.consumer import Consumer
+from dafka.nodes.producer import Producer
 from dafka.tank.client import TankClient
 from dafka.tank.limits import GatewayLimits
 from tests.conftest import wait_until

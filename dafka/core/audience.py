@@ -21,7 +21,7 @@ it drops, and fetches as single records like any other gap).
 
 from __future__ import annotations
 
-from dafka import wire
+from dafka.core import wire
 
 
 class BatchAudience:

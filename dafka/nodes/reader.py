@@ -23,10 +23,10 @@ import time
 
 import zmq
 
-from dafka import wire
+from dafka.core import wire
+from dafka.core.gaps import PartitionTracker
 from dafka.errors import ProtocolError
-from dafka.gaps import PartitionTracker
-from dafka.node import Node
+from dafka.nodes.node import Node
 
 NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's enum flags are slower
 _RECORDS = wire.Record | wire.DirectRecord | wire.RecordBatch | wire.DirectRecordBatch

@@ -33,9 +33,10 @@ import uuid
 
 import zmq
 
-from dafka import beacon, reach, security, wire
+from dafka.core import beacon, reach, wire
 from dafka.errors import ProtocolError
-from dafka.node import ErrorLog
+from dafka.nodes import security
+from dafka.nodes.node import ErrorLog
 
 log = logging.getLogger("dafka.tower")
 PROBE_TIMEOUT = 2.0  # seconds a TCP connection to an announced endpoint may take

@@ -42,11 +42,13 @@ from typing import Any
 
 import zmq
 
-from dafka import beacon, fastio, reach, security, wire
-from dafka.audience import BatchAudience
+from dafka import fastio
 from dafka.config import DEFAULT_MAX_RECORD_BYTES, NodeConfig, default_node_config, loopback_trap
+from dafka.core import beacon, reach, wire
+from dafka.core.audience import BatchAudience
+from dafka.core.peers import Connect, PeerAction, PeerTable, TowerWatch, refused_hint
 from dafka.errors import ConfigError, ProtocolError
-from dafka.peers import Connect, PeerAction, PeerTable, TowerWatch, refused_hint
+from dafka.nodes import security
 
 DRAIN = 4096  # messages read from a socket before looking at the others again
 TICK = 0.05  # seconds between calls of on_tick
@@ -377,7 +379,7 @@ class Node:
 
     def serve_metrics(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Expose this node's Prometheus metrics on ``http://host:port/metrics``; the port."""
-        from dafka import metrics
+        from dafka.nodes import metrics
 
         if self.metrics_server is None:
             self.metrics_server = metrics.serve(self, host, port)

@@ -30,13 +30,14 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 import zmq
 
-from dafka import beacon, fastio, values, wire
+from dafka import fastio, values
 from dafka.config import NodeConfig, default_node_config
+from dafka.core import beacon, wire
+from dafka.core.gaps import LIVE_SETTLE_MIN, LiveEdge, PartitionTracker
+from dafka.core.groups import GroupState, Key, PendingCommits, PositionsQuery
 from dafka.errors import ClosedError, CommitError, DeserializationError
-from dafka.gaps import LIVE_SETTLE_MIN, LiveEdge, PartitionTracker
-from dafka.groups import GroupState, Key, PendingCommits, PositionsQuery
-from dafka.node import DRAIN, read_subscriptions
-from dafka.reader import PartitionReader
+from dafka.nodes.node import DRAIN, read_subscriptions
+from dafka.nodes.reader import PartitionReader
 from dafka.values import Deserializer
 
 log = logging.getLogger("dafka.consumer")

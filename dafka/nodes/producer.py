@@ -25,8 +25,11 @@ from typing import Any
 
 import zmq
 
-from dafka import beacon, fastio, values, wire
+from dafka import fastio, values
 from dafka.config import NodeConfig, default_node_config
+from dafka.core import beacon, wire
+from dafka.core.resume import POLICIES, PROBATION, STRICT, Resume
+from dafka.core.unacked import UnackedWindow
 from dafka.errors import (
     BufferFullError,
     ClosedError,
@@ -36,10 +39,8 @@ from dafka.errors import (
     RecordTooLargeError,
     ResumeError,
 )
-from dafka.fairlock import FairLock
-from dafka.node import Node, Route, read_subscriptions
-from dafka.resume import POLICIES, PROBATION, STRICT, Resume
-from dafka.unacked import UnackedWindow
+from dafka.nodes.fairlock import FairLock
+from dafka.nodes.node import Node, Route, read_subscriptions
 
 _ONLY_BYTES = frozenset((bytes,))
 

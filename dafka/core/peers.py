@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dafka.beacon import EVERYTHING, UNKNOWN, Interest
+from dafka.core.beacon import EVERYTHING, UNKNOWN, Interest
 
 MAX_TYPED = 1_000_000  # addresses remembered as dafka nodes (bounds what beacons can make us hold)
 

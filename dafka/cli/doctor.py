@@ -19,9 +19,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from dafka import reach
 from dafka.config import NodeConfig
-from dafka.node import Node
+from dafka.core import reach
+from dafka.nodes.node import Node
 
 
 class DoctorNode(Node):
