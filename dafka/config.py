@@ -295,7 +295,7 @@ class NodeConfig:
     hwm: int = 100_000  # ZeroMQ high-water marks of the data sockets, in messages
     security: SecurityConfig | None = None  # None: plain mode (as the C reference)
     # Plain mesh: records go out in batches to readers that all take them (dafka
-    # nodes; see dafka.audience).  False: always one record a message.
+    # nodes; see dafka.core.audience).  False: always one record a message.
     batches: bool = True
     # Largest record content accepted, as Kafka's message.max.bytes: Producer.publish
     # and the Tank gateway's produce refuse bigger ones; consumers, stores and

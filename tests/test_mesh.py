@@ -156,7 +156,7 @@ def test_prefix_topics_stay_apart(cfg: NodeConfig) -> None:
         # No wait for subscriptions: records published before they arrive are
         # fetched after the producers' HEADs (the consumer is "earliest").
         # The consumer of "hello" meets the producer of "hello" only: interest beacons
-        # end with NUL, so "hello" does not match "hello2" (dafka.beacon).
+        # end with NUL, so "hello" does not match "hello2" (dafka.core.beacon).
         wait_until(lambda: p1.address in consumer.peers and consumer.address in p1.peers)
         for i in range(5):
             p2.publish(b"wrong %d" % i)

@@ -4,7 +4,7 @@ Real processes on 127.0.0.1: `dafka store` processes (one SIGSTOPped while it
 holds the highest head), producers killed with SIGKILL and restarted from their
 identity file.  "Acked means durable": an offset acknowledged to one
 incarnation must never carry other contents in a later one.  The
-reservation in the identity file (see dafka.resume) is what makes it hold.
+reservation in the identity file (see dafka.core.resume) is what makes it hold.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Interest beacons (dafka.beacon): who connects to whom, and the tower relaying by subscription."""
+"""Interest beacons (dafka.core.beacon): who connects to whom, and the tower relaying by subscription."""
 
 from __future__ import annotations
 

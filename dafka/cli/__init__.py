@@ -1206,6 +1206,3 @@ def main(argv: list[str] | None = None) -> int:
             return _error(f"{exc.filename}: {exc.strerror or exc}", EXIT_FAILURE)
         return _error(exc.strerror or exc, EXIT_FAILURE)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -226,7 +226,7 @@ def _is_batch(prefix: bytes) -> bool:
 
 
 def _batch_contents(body: bytes, first: int) -> tuple[bytes, ...] | None:
-    """A batch's contents (:func:`dafka.wire.unpack_batch`), or None if it is malformed."""
+    """A batch's contents (:func:`dafka.core.wire.unpack_batch`), or None if it is malformed."""
     try:
         return unpack_batch(body, first)
     except ProtocolError:

@@ -15,7 +15,7 @@ Start positions (``start=``) and consumer groups (``group=``) hook in where a
 partition is first seen (:meth:`Consumer.new_tracker`, :meth:`Consumer.owns`),
 never on the per-record path.  A group member exchanges MEMBER heartbeats,
 COMMIT / COMMITTED and GET-POSITIONS / POSITIONS with the mesh; the decisions
-are taken by :class:`dafka.groups.GroupState` and friends.
+are taken by :class:`dafka.core.groups.GroupState` and friends.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class Consumer(PartitionReader):
     ``offset_reset="latest"`` (default) delivers everything published after
     the consumer subscribed: a partition that existed then starts at the
     first record (or after the first HEAD) seen, a partition first seen later
-    (a new producer) from offset 0 (see :class:`dafka.gaps.LiveEdge`);
+    (a new producer) from offset 0 (see :class:`dafka.core.gaps.LiveEdge`);
     ``"earliest"`` starts every partition at offset 0, asking stores and
     producers for heads (GET-HEADS) and fetching what exists.
 

@@ -68,7 +68,7 @@ LOSSY_HOLD = 2.0
 MAX_LOSSY_HOLD = 32.0
 IDLE_TICK = 1.0  # seconds between ticks of a producer with nothing pending (see tick_interval)
 SUBSCRIPTION_CHECK = 0.001  # seconds between checks for new subscriptions while batching
-# Offset reservations in the identity file (see dafka.resume): offsets are
+# Offset reservations in the identity file (see dafka.core.resume): offsets are
 # reserved a block at a time, made durable before the first of them is used.
 # A block lasts about RESERVE_SECONDS at the recent publish rate (at least
 # RESERVE_MIN offsets) and is renewed by the I/O thread once half of it is
@@ -157,7 +157,7 @@ class Producer(Node):
         started from an existing identity file first checks that no other
         live process uses that identity, then asks the stores for the head
         of its partition and continues right after it (see
-        :mod:`dafka.resume`); this takes at least 2.5 beacon intervals.
+        :mod:`dafka.core.resume`); this takes at least 2.5 beacon intervals.
     resume_timeout:
         Seconds the resume may take.  The identity file also reserves, ahead
         of use, the offsets the producer may assign (a block at a time), so a
@@ -295,7 +295,7 @@ class Producer(Node):
         self.publisher.setsockopt(zmq.XPUB_NODROP, 1 if self._paced else 0)
         next_offset = 0
         # Offsets below _reserved may be assigned: the identity file holds a
-        # bound at least this high (see dafka.resume).  An outbox is the
+        # bound at least this high (see dafka.core.resume).  An outbox is the
         # authority of its partition instead, and without an identity file
         # there is nothing to continue.
         self._reserving = self._identity_path is not None and self._outbox is None
@@ -354,7 +354,7 @@ class Producer(Node):
                 self._save_identity(force=True)
 
         # How live records go out: (header prefix, send function), as batches
-        # while every reader takes them (see _tick_paced and dafka.audience).
+        # while every reader takes them (see _tick_paced and dafka.core.audience).
         self._record_header = wire.record_prefix(wire.RECORD, topic, self.address, topic)
         self._live = self.route(self._record_header)
         self._subscriptions_due = 0.0  # see _check_subscriptions
@@ -391,7 +391,7 @@ class Producer(Node):
 
     @property
     def batching(self) -> bool:
-        """Whether live records go out in batches (every reader takes them; see dafka.audience)."""
+        """Whether live records go out in batches (every reader takes them; see dafka.core.audience)."""
         return self._live[1] is _SEND_BATCHES
 
     @property

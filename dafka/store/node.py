@@ -83,7 +83,7 @@ class FetchJob:
 
     key: tuple[str, str, str]  # (requester, subject, partition): one job each
     prefix: bytes  # DIRECT-RECORD header up to the sequence, for the requester
-    batched: bool  # the prefix is a batch's: the requester takes batches (see dafka.audience)
+    batched: bool  # the prefix is a batch's: the requester takes batches (see dafka.core.audience)
     topic: str
     partition: str
     offset: int  # next offset to send
