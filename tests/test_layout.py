@@ -68,6 +68,7 @@ def test_public_import_paths_are_the_node_classes() -> None:
             assert getattr(shim, name) is not None
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # kafka-python reads its schemas the old way
 def test_every_module_imports() -> None:
     # Catches an import of a moved module by its old path (the Spark connector needs pyspark).
     failed = []
