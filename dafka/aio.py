@@ -38,13 +38,13 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterable
 from typing import Any, Literal
 
-from dafka import consumer as _consumer
-from dafka import producer as _producer
 from dafka import values
 from dafka.config import NodeConfig
-from dafka.consumer import ConsumerRecord
+from dafka.core.groups import Key
 from dafka.errors import BufferFullError, ClosedError, PublishError
-from dafka.groups import Key
+from dafka.nodes import consumer as _consumer
+from dafka.nodes import producer as _producer
+from dafka.nodes.consumer import ConsumerRecord
 
 __all__ = ["Consumer", "ConsumerRecord", "Producer", "Receipt"]
 

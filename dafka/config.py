@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dafka.errors import ConfigError
-from dafka.security import SecurityConfig, security_from
+from dafka.nodes.security import SecurityConfig, security_from
 
 DEFAULT_BEACON_IN_PORT = 5556  # tower XSUB: node beacons in
 DEFAULT_BEACON_OUT_PORT = 5557  # tower XPUB: tower beacons out
@@ -298,7 +298,7 @@ class NodeConfig:
     hwm: int = 100_000  # ZeroMQ high-water marks of the data sockets, in messages
     security: SecurityConfig | None = None  # None: plain mode (as the C reference)
     # Plain mesh: records go out in batches to readers that all take them (dafka
-    # nodes; see dafka.audience).  False: always one record a message.
+    # nodes; see dafka.core.audience).  False: always one record a message.
     batches: bool = True
     # Largest record content accepted, as Kafka's message.max.bytes: Producer.publish
     # and the Tank gateway's produce refuse bigger ones; consumers, stores and

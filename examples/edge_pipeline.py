@@ -245,8 +245,8 @@ def stop_devices(devices: list[Any], stop: Any, timeout: float = 15.0) -> None:
 
 def run(args: argparse.Namespace, data: Path) -> int:
     from dafka.config import NodeConfig, TowerAddress
+    from dafka.nodes.tower import Tower
     from dafka.tank.gateway import Gateway
-    from dafka.tower import Tower
 
     ctx = mp.get_context("spawn")
     stop = ctx.Event()

@@ -14,10 +14,10 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, settings
 
-from dafka import wire
 from dafka.config import NodeConfig, TowerAddress
-from dafka.node import new_address
-from dafka.tower import Tower
+from dafka.core import wire
+from dafka.nodes.node import new_address
+from dafka.nodes.tower import Tower
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,7 +14,7 @@ import sys
 import time
 
 from dafka.config import NodeConfig, TowerAddress
-from dafka.producer import Producer
+from dafka.nodes.producer import Producer
 
 
 def main() -> int:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import sys
 import time
 
-from dafka import security, wire
 from dafka.config import NodeConfig, TowerAddress
-from dafka.node import Node
+from dafka.core import wire
+from dafka.nodes import security
+from dafka.nodes.node import Node
 
 FAKE_PARTITION = "F" * 32
 

@@ -181,7 +181,7 @@ def test_idle_consumer_costs_no_wakeups(cfg: NodeConfig, tmp_path: Path) -> None
     alone is 2); a consumer polling every 10 ms would turn it ~100 times.  Its
     thread's CPU stays near zero.  Then one record wakes it at once.
     """
-    from dafka.producer import Producer
+    from dafka.nodes.producer import Producer
 
     async def scenario() -> tuple[int, float, float]:
         async with aio.Consumer("quiet", cfg) as consumer:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dafka import wire
-from dafka.audience import BatchAudience
+from dafka.core import wire
+from dafka.core.audience import BatchAudience
 
 TWIN = wire.BATCH_CAPABLE
 HELLO = wire.record_prefix(wire.RECORD, "hello", "P" * 32, "hello")

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from dafka import wire
 from dafka.config import ConfigError, NodeConfig, node_config_from
-from dafka.consumer import Consumer
-from dafka.producer import Producer
+from dafka.core import wire
+from dafka.nodes.consumer import Consumer
+from dafka.nodes.producer import Producer
 from dafka.store.node import Store
 from tests.conftest import wait_until
 

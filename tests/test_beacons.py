@@ -19,14 +19,14 @@ from typing import Any
 import pytest
 import zmq
 
-from dafka import reach, wire
 from dafka.config import NodeConfig, TowerAddress, loopback_trap
-from dafka.consumer import Consumer
+from dafka.core import reach, wire
 from dafka.errors import ConfigError
-from dafka.node import Node
-from dafka.producer import Producer
+from dafka.nodes.consumer import Consumer
+from dafka.nodes.node import Node
+from dafka.nodes.producer import Producer
+from dafka.nodes.tower import Tower
 from dafka.store.node import Store
-from dafka.tower import Tower
 from tests.conftest import dafka_cmd, subprocess_env, wait_until
 
 
@@ -347,7 +347,7 @@ def test_the_producer_says_when_it_reached_every_node_and_none_is_a_store(cfg: N
 
 
 def test_doctor_names_what_cannot_be_reached(tower: Tower, cfg: NodeConfig) -> None:
-    from dafka import doctor
+    from dafka.cli import doctor
 
     peer = Node(cfg)
     peer.start()

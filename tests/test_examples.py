@@ -90,7 +90,7 @@ sys.path.insert(0, {str(ROOT / "examples")!r})
 from edge_pipeline import start_devices, stop_devices
 from dafka.config import NodeConfig, TowerAddress
 from dafka.store.node import Store
-from dafka.tower import Tower
+from dafka.nodes.tower import Tower
 
 if __name__ == "__main__":
     ctx = mp.get_context("spawn")

@@ -19,10 +19,11 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dafka import fastio, wire
-from dafka.consumer import ConsumerRecord
+from dafka import fastio
+from dafka.core import wire
+from dafka.core.gaps import PartitionTracker
 from dafka.fastio import _pure
-from dafka.gaps import PartitionTracker
+from dafka.nodes.consumer import ConsumerRecord
 from dafka.store.layout import RECORD_KEY, pack_value
 
 try:

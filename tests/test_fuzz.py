@@ -22,8 +22,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dafka import wire
 from dafka.config import load_settings, node_config_from
+from dafka.core import wire
 from dafka.errors import ConfigError, ProtocolError
 from dafka.store import layout
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from dafka import wire
 from dafka.config import NodeConfig
-from dafka.consumer import Consumer
+from dafka.core import wire
 from dafka.errors import CommitError
-from dafka.producer import Producer
+from dafka.nodes.consumer import Consumer
+from dafka.nodes.producer import Producer
 from dafka.store.node import Store
 from tests.conftest import dafka_cmd, subprocess_env, tower_flag, wait_until
 
@@ -309,7 +309,7 @@ def test_plain_consumer_subscribes_as_before_and_members_shrug_off_junk(cfg: Nod
     peer = raw_peer([wire.P_MEMBER + b"g"])
     with Consumer("t", cfg) as plain:
         own = plain.address.encode()
-        # The reference's subscriptions, and the batch twins of the record ones (dafka.audience).
+        # The reference's subscriptions, and the batch twins of the record ones (dafka.core.audience).
         old = {b"D" + own, b"E" + own, b"L" + own, b"Mt", b"Ht", wire.BATCH_CAPABLE + b"D" + own, wire.BATCH_CAPABLE + b"Mt"}
         peer.wait_for(lambda p: old <= {s[1:] for s in p.subscriptions if s[:1] == b"\x01"})
         peer.pump(0.3)

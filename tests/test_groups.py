@@ -7,7 +7,7 @@ import tempfile
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dafka.groups import GroupState, PendingCommits, PositionsQuery, assign
+from dafka.core.groups import GroupState, PendingCommits, PositionsQuery, assign
 from dafka.store.db import RecordDB
 
 PARTS = [("t", f"P{i}") for i in range(6)]

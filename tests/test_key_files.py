@@ -6,9 +6,9 @@ import os
 import stat
 from pathlib import Path
 
-from dafka import security
+from dafka.cli.services import secure_mesh
 from dafka.config import TowerAddress
-from dafka.services import secure_mesh
+from dafka.nodes import security
 
 
 def mode(path: Path) -> int:

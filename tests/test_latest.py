@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from dafka.config import NodeConfig
-from dafka.consumer import Consumer
-from dafka.gaps import LiveEdge
-from dafka.producer import Producer
+from dafka.core.gaps import LiveEdge
+from dafka.nodes.consumer import Consumer
+from dafka.nodes.producer import Producer
 from dafka.store.node import Store
 from tests.conftest import (
     dafka_cmd,

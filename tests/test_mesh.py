@@ -13,12 +13,12 @@ import time
 import pytest
 import zmq
 
-from dafka import wire
 from dafka.config import NodeConfig, TowerAddress
-from dafka.consumer import Consumer
+from dafka.core import wire
 from dafka.errors import BufferFullError, PublishError
-from dafka.producer import Producer
-from dafka.tower import Tower
+from dafka.nodes.consumer import Consumer
+from dafka.nodes.producer import Producer
+from dafka.nodes.tower import Tower
 from tests.conftest import misframed_stream, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -156,7 +156,7 @@ def test_prefix_topics_stay_apart(cfg: NodeConfig) -> None:
         # No wait for subscriptions: records published before they arrive are
         # fetched after the producers' HEADs (the consumer is "earliest").
         # The consumer of "hello" meets the producer of "hello" only: interest beacons
-        # end with NUL, so "hello" does not match "hello2" (dafka.beacon).
+        # end with NUL, so "hello" does not match "hello2" (dafka.core.beacon).
         wait_until(lambda: p1.address in consumer.peers and consumer.address in p1.peers)
         for i in range(5):
             p2.publish(b"wrong %d" % i)
@@ -388,7 +388,7 @@ def test_nodes_started_before_their_tower(cfg: NodeConfig) -> None:
 def test_catch_up_over_several_fetch_ranges(cfg: NodeConfig, raw_peer, monkeypatch) -> None:
     # Small FETCH ranges so that one catch-up needs three: the records of each
     # range take the fast path, and the follow-up FETCH comes from the timer.
-    monkeypatch.setattr("dafka.gaps.FETCH_CHUNK", 100)
+    monkeypatch.setattr("dafka.core.gaps.FETCH_CHUNK", 100)
     producer = raw_peer([wire.P_FETCH])
     with Consumer("hello", cfg, offset_reset="earliest") as consumer:
         as_consumer(producer, consumer)
@@ -502,7 +502,7 @@ def test_a_stuck_subscriber_costs_a_paced_producer_less_and_less(cfg: NodeConfig
     from dataclasses import replace
     from itertools import repeat
 
-    from dafka import producer as producer_module
+    from dafka.nodes import producer as producer_module
 
     stuck = small_queue_sub(wire.P_RECORD + b"stuck")  # as a consumer of the topic does
     payload = b"x" * 10_000

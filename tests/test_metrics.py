@@ -9,10 +9,10 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from dafka.config import NodeConfig
-from dafka.consumer import Consumer
-from dafka.metrics import Histogram
-from dafka.producer import Producer
-from dafka.tower import Tower
+from dafka.nodes.consumer import Consumer
+from dafka.nodes.metrics import Histogram
+from dafka.nodes.producer import Producer
+from dafka.nodes.tower import Tower
 from tests.conftest import dafka_cmd, subprocess_env, tower_flag, wait_until
 
 
@@ -77,7 +77,7 @@ def test_store_process_metrics_move_with_records(cfg: NodeConfig, tmp_path: Path
 
 
 def test_embedded_nodes_each_serve_their_own_registry(cfg: NodeConfig, tower: Tower) -> None:
-    from dafka import metrics
+    from dafka.nodes import metrics
 
     consumer = Consumer("metrics-e", cfg)
     producer = Producer("metrics-e", cfg, acks=False)

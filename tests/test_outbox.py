@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from dafka.core.unacked import UnackedWindow
 from dafka.errors import BufferFullError, PublishError
+from dafka.nodes.producer import Producer
 from dafka.outbox import OutboxFullError, describe
 from dafka.outbox.core import BLOCK, DROP_OLDEST, RECORD_OVERHEAD, SYNC_BATCH, SYNC_EACH, OutboxCore
 from dafka.outbox.db import OutboxDB, OutboxError
-from dafka.producer import Producer
 from dafka.store.db import RecordDB
-from dafka.unacked import UnackedWindow
 from tests.conftest import (
     ROOT,
     dafka_cmd,
@@ -370,7 +370,7 @@ def test_cli_outbox_shows_what_a_stopped_outbox_holds(tmp_path: Path, cfg) -> No
 def test_metrics_show_the_outbox(tmp_path: Path, cfg) -> None:  # type: ignore[no-untyped-def]
     from prometheus_client import generate_latest
 
-    from dafka.metrics import registry_for
+    from dafka.nodes.metrics import registry_for
 
     with Producer("readings", cfg, outbox=tmp_path / "ob") as p:
         p.publish_many([b"abc"] * 4)
@@ -387,7 +387,7 @@ def test_an_outbox_producer_checks_records_as_publish_does(tmp_path: Path) -> No
     """Serializer, type and size checks hold through the outbox's publish too (nothing published)."""
     from dafka.config import NodeConfig
     from dafka.errors import RecordTooLargeError
-    from dafka.producer import Producer
+    from dafka.nodes.producer import Producer
 
     cfg = NodeConfig(towers=(), max_record_bytes=1000)
     p = Producer("t", cfg, outbox=str(tmp_path / "box"), serializer="json", acks=True)

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import zmq
 
-from dafka import wire
 from dafka.config import DEFAULT_MAX_RECORD_BYTES, NodeConfig, node_config_from
-from dafka.consumer import Consumer
+from dafka.core import wire
 from dafka.errors import ConfigError, DafkaError, RecordTooLargeError
-from dafka.metrics import registry_for
-from dafka.producer import Producer
+from dafka.nodes.consumer import Consumer
+from dafka.nodes.metrics import registry_for
+from dafka.nodes.producer import Producer
 from dafka.store.node import Store
 from dafka.tank.client import TankClient
 from dafka.tank.gateway import Gateway

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from dafka import wire
 from dafka.config import NodeConfig
-from dafka.consumer import Consumer
+from dafka.core import wire
 from dafka.errors import ResumeError
-from dafka.producer import Producer
+from dafka.nodes.consumer import Consumer
+from dafka.nodes.producer import Producer
 from dafka.store.db import RecordDB, StorageFullError
 from dafka.store.node import Store
 from tests.conftest import (
@@ -46,7 +46,7 @@ PRODUCER = textwrap.dedent(
     """
     import sys, time
     from dafka.config import NodeConfig, TowerAddress
-    from dafka.producer import Producer
+    from dafka.nodes.producer import Producer
 
     host, pin, pout, identity, prefix, count, pause = sys.argv[1:8]
     cfg = NodeConfig(towers=(TowerAddress(host, int(pin), int(pout)),), bind="127.0.0.1",

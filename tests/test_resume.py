@@ -4,7 +4,7 @@ Real processes on 127.0.0.1: `dafka store` processes (one SIGSTOPped while it
 holds the highest head), producers killed with SIGKILL and restarted from their
 identity file.  "Acked means durable": an offset acknowledged to one
 incarnation must never carry other contents in a later one.  The
-reservation in the identity file (see dafka.resume) is what makes it hold.
+reservation in the identity file (see dafka.core.resume) is what makes it hold.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from dafka import wire
 from dafka.config import NodeConfig
-from dafka.producer import Producer
+from dafka.core import wire
+from dafka.nodes.producer import Producer
 from dafka.store.db import RecordDB
 from tests.conftest import spawned, start_store_process, subprocess_env, wait_until
 
@@ -38,7 +38,7 @@ PRODUCER = textwrap.dedent(
     """
     import sys, time
     from dafka.config import NodeConfig, TowerAddress
-    from dafka.producer import Producer
+    from dafka.nodes.producer import Producer
 
     host, pin, pout, identity, prefix, acks = sys.argv[1:7]
     acks = acks == "1"

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dafka.gaps import FETCH_CHUNK, PartitionTracker
-from dafka.peers import Connect, Disconnect, PeerTable, TowerWatch
-from dafka.resume import START_ANYWAY, Resume
-from dafka.unacked import UnackedWindow
+from dafka.core.gaps import FETCH_CHUNK, PartitionTracker
+from dafka.core.peers import Connect, Disconnect, PeerTable, TowerWatch
+from dafka.core.resume import START_ANYWAY, Resume
+from dafka.core.unacked import UnackedWindow
 
 
 def deliver(t: PartitionTracker, seq: int) -> list[int]:
@@ -141,7 +141,7 @@ def test_after_a_cut_a_stall_skips_one_offset() -> None:
 def test_cut_watch_tells_a_cut_from_a_peer_gone() -> None:
     import zmq
 
-    from dafka.reach import CutWatch
+    from dafka.core.reach import CutWatch
 
     w = CutWatch(0.25)
     for key in ("a", "b", "c"):
@@ -370,7 +370,7 @@ _window_ops = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(ops=_window_ops, ring=st.booleans(), capacity=st.integers(1, 25), start=st.integers(0, 5))
 def test_window_matches_dict_model(ops: list[tuple[str, object]], ring: bool, capacity: int, start: int) -> None:
-    import dafka.unacked as unacked
+    import dafka.core.unacked as unacked
 
     old_chunk = unacked.CHUNK
     unacked.CHUNK = 3  # many chunk boundaries in small examples

@@ -1,4 +1,4 @@
-"""Interest beacons (dafka.beacon): who connects to whom, and the tower relaying by subscription."""
+"""Interest beacons (dafka.core.beacon): who connects to whom, and the tower relaying by subscription."""
 
 from __future__ import annotations
 
@@ -8,16 +8,25 @@ from pathlib import Path
 import pytest
 import zmq
 
-from dafka import beacon, wire
-from dafka.beacon import CONSUMER, GROUP, PRODUCER, STORE, UNKNOWN, Interest, RelayBook, TowerCensus
 from dafka.config import NodeConfig
-from dafka.consumer import Consumer
+from dafka.core import beacon, wire
+from dafka.core.beacon import (
+    CONSUMER,
+    GROUP,
+    PRODUCER,
+    STORE,
+    UNKNOWN,
+    Interest,
+    RelayBook,
+    TowerCensus,
+)
+from dafka.core.peers import Connect, PeerTable
 from dafka.errors import ProtocolError
-from dafka.node import new_address
-from dafka.peers import Connect, PeerTable
-from dafka.producer import Producer
+from dafka.nodes.consumer import Consumer
+from dafka.nodes.node import new_address
+from dafka.nodes.producer import Producer
+from dafka.nodes.tower import Tower
 from dafka.store.node import Store
-from dafka.tower import Tower
 from tests.conftest import wait_until
 
 # ---------------------------------------------------------------- sans-IO
@@ -318,7 +327,7 @@ def test_behind_a_c_tower_nodes_meet_c_nodes_and_each_other(cfg: NodeConfig) -> 
 def test_topics_and_status_summarise_many_partitions(tmp_path: Path) -> None:
     import subprocess
 
-    from dafka.status import render_text
+    from dafka.cli.status import render_text
     from dafka.store.db import RecordDB
     from tests.conftest import dafka_cmd, subprocess_env
 

@@ -16,15 +16,15 @@ from typing import Any
 import pytest
 import zmq
 
-from dafka import beacon as dafka_beacon
-from dafka import security
 from dafka.config import NodeConfig, TowerAddress
-from dafka.consumer import Consumer
+from dafka.core import beacon as dafka_beacon
 from dafka.errors import ConfigError
-from dafka.node import new_address
-from dafka.producer import Producer
+from dafka.nodes import security
+from dafka.nodes.consumer import Consumer
+from dafka.nodes.node import new_address
+from dafka.nodes.producer import Producer
+from dafka.nodes.tower import Tower
 from dafka.store.node import Store
-from dafka.tower import Tower
 from tests.conftest import ROOT, dafka_cmd, subprocess_env, wait_until
 from tests.secure_rogue import Forger
 
@@ -427,7 +427,7 @@ def test_added_key_joins_without_restart(pki: Pki, secure_tower: Tower) -> None:
 def test_status_probe_joins_once_its_key_is_added(pki: Pki, secure_tower: Tower) -> None:
     # ZeroMQ gives a refused handshake up for good: a watching status probe
     # connects again, so adding its key lets it in without a restart.
-    from dafka.status import StatusProbe
+    from dafka.cli.status import StatusProbe
 
     with Producer("t", node_cfg(pki, secure_tower, "producer"), acks=False) as producer:
         with StatusProbe(node_cfg(pki, secure_tower, "intruder")) as probe:
@@ -445,7 +445,7 @@ def test_status_probe_joins_once_its_key_is_added(pki: Pki, secure_tower: Tower)
 
 
 def test_tower_relays_a_beacon_only_with_the_key_it_came_with(pki: Pki, secure_tower: Tower) -> None:
-    from dafka import wire
+    from dafka.core import wire
 
     def client(sock_type: int, name: str, endpoint: str) -> zmq.Socket:
         cert = security.read_certificate(pki.secret(name))
@@ -583,7 +583,7 @@ def test_secure_producer_paces_a_burst_instead_of_dropping_it(pki: Pki, secure_t
 def test_a_secure_producer_sends_records_in_batches(pki: Pki, secure_tower: Tower) -> None:
     # CURVE encrypts per frame: on a secure mesh a burst goes out as a few
     # batch messages (RECORD version 2), which consumers take as records.
-    from dafka import wire
+    from dafka.core import wire
 
     cert = security.read_certificate(pki.secret("consumer"))
     listener = zmq.Context.instance().socket(zmq.SUB)
@@ -728,7 +728,7 @@ def test_direct_records_only_from_the_owner_or_a_store(pki: Pki, secure_tower: T
 def test_a_key_cannot_squat_a_producers_identity(pki: Pki, secure_tower: Tower, tmp_path: Path) -> None:
     import threading
 
-    from dafka import wire
+    from dafka.core import wire
 
     identity = tmp_path / "id.json"
     cfg = node_cfg(pki, secure_tower, "producer")
@@ -812,10 +812,10 @@ def test_nodes_drop_unbound_beacons_even_from_a_tower_that_relays_them(
     pki: Pki, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A tower of an older version relays beacons whatever their address: the nodes check too.
-    import dafka.tower
-    from dafka import wire
+    import dafka.nodes.tower
+    from dafka.core import wire
 
-    monkeypatch.setattr(dafka.tower, "check_bound", lambda address, key: None, raising=False)
+    monkeypatch.setattr(dafka.nodes.tower, "check_bound", lambda address, key: None, raising=False)
     with Tower("127.0.0.1", 0, 0, pki.config("tower")) as lenient:
         cfg = node_cfg(pki, lenient, "producer")
         with Producer("t", cfg, acks=False) as producer:

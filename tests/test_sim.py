@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from dafka.resume import Resume
+from dafka.core.resume import Resume
 from dafka.sim import nodes as sim_nodes
 from dafka.sim import runner
 from dafka.sim.schedule import Step, dumps, generate, loads

@@ -9,10 +9,10 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from dafka import wire
+from dafka.cli.status import MeshView, render_text
 from dafka.config import NodeConfig
-from dafka.consumer import Consumer
-from dafka.status import MeshView, render_text
+from dafka.core import wire
+from dafka.nodes.consumer import Consumer
 from tests.conftest import dafka_cmd, subprocess_env, tower_flag, wait_until
 
 OWN = "0" * 32
@@ -77,7 +77,7 @@ def test_view_ignores_other_topics_prefix_and_foreign_subscriptions() -> None:
 PRODUCER = textwrap.dedent(
     """
     import sys, time
-    from dafka.producer import Producer
+    from dafka.nodes.producer import Producer
     p = Producer("status-t", towers=sys.argv[1])
     deadline = time.monotonic() + 20
     while len(p.peers) == 0 and time.monotonic() < deadline:
@@ -173,7 +173,7 @@ def test_status_of_c_like_nodes_that_only_answer_get_heads(cfg: NodeConfig, raw_
     """Nodes that behave as the C reference: no HEAD re-announcement, heads only on GET-HEADS."""
     import threading
 
-    from dafka.status import StatusProbe
+    from dafka.cli.status import StatusProbe
 
     producer = raw_peer([])  # a C producer: HEADs of its own partition
     store = raw_peer([wire.P_GET_HEADS])  # a C store's reader: answers GET-HEADS

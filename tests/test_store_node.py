@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import zmq
 
-from dafka import wire
 from dafka.config import NodeConfig
-from dafka.consumer import Consumer
-from dafka.producer import Producer
+from dafka.core import wire
+from dafka.nodes.consumer import Consumer
+from dafka.nodes.producer import Producer
 from dafka.store.db import RecordDB, Retention, RetentionPolicy
 from dafka.store.node import Store
 from tests.conftest import (

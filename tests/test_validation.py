@@ -9,7 +9,7 @@ import pytest
 
 from dafka.config import SCHEMA, NodeConfig, load_settings, node_config_from
 from dafka.errors import ConfigError
-from dafka.producer import Producer
+from dafka.nodes.producer import Producer
 from dafka.store.db import RecordDB
 from dafka.store.lockfile import DatabaseInUseError
 from tests.conftest import (
@@ -145,7 +145,7 @@ def test_publish_refuses_what_is_not_bytes_like(cfg: NodeConfig) -> None:
 
 
 def test_bytes_like_records_are_delivered(cfg: NodeConfig, tmp_path: Path) -> None:
-    from dafka.consumer import Consumer
+    from dafka.nodes.consumer import Consumer
     from dafka.store.node import Store
 
     with Store(tmp_path / "db", cfg), Consumer("t", cfg, offset_reset="earliest") as consumer:

@@ -10,9 +10,9 @@ import pytest
 
 from dafka import values
 from dafka.config import NodeConfig
-from dafka.consumer import Consumer, ConsumerRecord, record_type
 from dafka.errors import DeserializationError, SerializationError
-from dafka.producer import Producer
+from dafka.nodes.consumer import Consumer, ConsumerRecord, record_type
+from dafka.nodes.producer import Producer
 from dafka.store.node import Store
 from tests.conftest import wait_until
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from dafka.config import NodeConfig
-from dafka.consumer import Consumer
 from dafka.errors import CommitError
+from dafka.nodes.consumer import Consumer
 from dafka.store.node import Store
 from tests.conftest import dafka_cmd, subprocess_env, tower_flag, wait_until
 
@@ -52,9 +52,9 @@ def test_consume_group_without_store_prints_why(cfg: NodeConfig, tmp_path: Path)
 def test_plain_node_at_a_secure_tower_says_the_tower_refused_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    from dafka import security
     from dafka.config import TowerAddress
-    from dafka.tower import Tower
+    from dafka.nodes import security
+    from dafka.nodes.tower import Tower
 
     security.new_keys("tower", "tower", tmp_path / "keys")
     allow = tmp_path / "allow"
@@ -86,7 +86,7 @@ def test_plain_node_at_a_secure_tower_says_the_tower_refused_it(tmp_path: Path, 
 def _tower_on(in_port: int, out_port: int):
     import zmq
 
-    from dafka.tower import Tower
+    from dafka.nodes.tower import Tower
 
     try:
         return Tower("127.0.0.1", in_port, out_port)
@@ -95,7 +95,7 @@ def _tower_on(in_port: int, out_port: int):
 
 
 def test_tower_watch_names_a_refusing_tower() -> None:
-    from dafka.peers import TowerWatch
+    from dafka.core.peers import TowerWatch
 
     watch = TowerWatch(0.0, grace=1.0)
     assert watch.hint() == "is a tower running there?"

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dafka import wire
+from dafka.core import wire
 from dafka.errors import ProtocolError
 
 UUID_A = "0123456789ABCDEF0123456789ABCDEF"

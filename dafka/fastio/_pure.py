@@ -14,9 +14,9 @@ from typing import Any
 
 import zmq
 
+from dafka.core.wire import BATCH_BYTES, BATCH_RECORDS, BATCH_VERSION, pack_batch, unpack_batch
 from dafka.errors import ProtocolError
 from dafka.store.layout import value_content
-from dafka.wire import BATCH_BYTES, BATCH_RECORDS, BATCH_VERSION, pack_batch, unpack_batch
 
 NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's enum flags are slower
 SNDMORE = int(zmq.SNDMORE)
@@ -226,7 +226,7 @@ def _is_batch(prefix: bytes) -> bool:
 
 
 def _batch_contents(body: bytes, first: int) -> tuple[bytes, ...] | None:
-    """A batch's contents (:func:`dafka.wire.unpack_batch`), or None if it is malformed."""
+    """A batch's contents (:func:`dafka.core.wire.unpack_batch`), or None if it is malformed."""
     try:
         return unpack_batch(body, first)
     except ProtocolError:

@@ -38,7 +38,7 @@ from itertools import repeat
 from operator import itemgetter
 from typing import Any
 
-from dafka import wire
+from dafka.core import wire
 from dafka.errors import ProtocolError
 from dafka.gateway.connections import (
     Connection,

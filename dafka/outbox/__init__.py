@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import lmdb
 
+from dafka.core.unacked import UnackedWindow
 from dafka.errors import BufferFullError, ClosedError, PublishError
 from dafka.outbox.core import (
     BLOCK,
@@ -55,10 +56,9 @@ from dafka.outbox.core import (
     OutboxCore,
 )
 from dafka.outbox.db import OutboxDB, OutboxError, OutboxFullError, OutboxImage
-from dafka.unacked import UnackedWindow
 
 if TYPE_CHECKING:
-    from dafka.producer import Producer, Receipt
+    from dafka.nodes.producer import Producer, Receipt
 
 __all__ = [
     "BLOCK",
@@ -264,7 +264,7 @@ class Outbox:
         timeout: float | None = -1.0,
     ) -> Receipt:
         """:meth:`Producer.publish` through the outbox (see the module's sync modes)."""
-        from dafka.producer import Receipt
+        from dafka.nodes.producer import Receipt
 
         producer = self._producer
         assert producer is not None
@@ -280,7 +280,7 @@ class Outbox:
 
     def publish_many(self, contents: Iterable[bytes], *, timeout: float | None = -1.0) -> Receipt | None:
         """:meth:`Producer.publish_many` through the outbox; waits for the disk once, at the end."""
-        from dafka.producer import Receipt
+        from dafka.nodes.producer import Receipt
 
         producer = self._producer
         assert producer is not None
@@ -304,7 +304,7 @@ class Outbox:
         # The checks of Producer.publish, which this replaces: values through the
         # serializer, bytes-like contents, max_record_bytes (nothing published).
         from dafka import values
-        from dafka.producer import check_content
+        from dafka.nodes.producer import check_content
 
         if producer._serialize is not None:
             batch = [values.encode(producer._serialize, content) for content in batch]

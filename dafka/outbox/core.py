@@ -2,7 +2,7 @@
 
 An outbox keeps every record a producer published until a store acknowledged
 it, on local disk (see :mod:`dafka.outbox.db`).  :class:`OutboxCore` holds the
-bookkeeping; it owns the producer's :class:`~dafka.unacked.UnackedWindow`, so
+bookkeeping; it owns the producer's :class:`~dafka.core.unacked.UnackedWindow`, so
 the in-memory window and the outbox cannot diverge: every offset the window
 holds is either *pending* (published, not yet committed to disk, never sent)
 or *durable* (committed; only durable records go on the wire, so no store can
@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dafka.unacked import UnackedWindow
+from dafka.core.unacked import UnackedWindow
 
 BLOCK = "block"
 DROP_OLDEST = "drop_oldest"

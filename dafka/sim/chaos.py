@@ -58,7 +58,7 @@ def _free_port() -> int:
 def run_producer(args: argparse.Namespace) -> int:
     """Publish numbered records until SIGTERM; log what was published and acknowledged."""
     from dafka.errors import BufferFullError, PublishError, ResumeError
-    from dafka.producer import Producer
+    from dafka.nodes.producer import Producer
 
     d = Path(args.dir)
     stop = False
@@ -288,7 +288,7 @@ class Soak:
                 subprocess.run(["umount", str(self.tmpfs)], capture_output=True)
 
     def read_back(self) -> int:
-        from dafka.consumer import Consumer
+        from dafka.nodes.consumer import Consumer
 
         expected: dict[str, dict[int, str]] = {}  # partition -> offset -> content (acknowledged)
         for i in range(PRODUCERS):

@@ -1,7 +1,7 @@
 """The simulated mesh: ZeroMQ-style prefix subscriptions over a seeded, faulty wire.
 
 Every message a simulated node sends is a list of real wire frames (encoded
-by :mod:`dafka.wire` or by the node's own code).  The network hands a copy to
+by :mod:`dafka.core.wire` or by the node's own code).  The network hands a copy to
 every other live node with a subscription that is a prefix of the first frame
 (ZeroMQ SUB semantics, a node never hears itself), each copy after its own
 delay.  Faults are decided per copy by the :class:`random.Random` the world

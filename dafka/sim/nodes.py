@@ -28,15 +28,15 @@ from typing import Any
 
 import zmq
 
-from dafka import wire
 from dafka.config import NodeConfig
-from dafka.consumer import Consumer
+from dafka.core import wire
+from dafka.core.resume import STRICT, Resume
+from dafka.core.unacked import UnackedWindow
 from dafka.errors import ProtocolError
-from dafka.node import new_address
-from dafka.resume import STRICT, Resume
+from dafka.nodes.consumer import Consumer
+from dafka.nodes.node import new_address
 from dafka.store.db import RecordDB
 from dafka.store.node import Store
-from dafka.unacked import UnackedWindow
 
 log = logging.getLogger("dafka.sim")
 

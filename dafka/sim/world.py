@@ -31,11 +31,11 @@ from typing import Any
 
 import zmq
 
-from dafka import consumer as consumer_module
-from dafka import node as node_module
-from dafka import reader as reader_module
-from dafka import wire
+from dafka.core import wire
 from dafka.errors import ProtocolError
+from dafka.nodes import consumer as consumer_module
+from dafka.nodes import node as node_module
+from dafka.nodes import reader as reader_module
 from dafka.sim.invariants import Checker, Violation
 from dafka.sim.network import Endpoint, Network
 from dafka.sim.nodes import SimConsumer, SimProducer, SimStore, content_for

@@ -43,13 +43,14 @@ from typing import Any
 
 import zmq
 
-from dafka import beacon, fastio, wire
+from dafka import fastio
 from dafka.config import NodeConfig, default_node_config
+from dafka.core import beacon, wire
+from dafka.core.gaps import PartitionTracker
 from dafka.errors import ConfigError, ProtocolError
-from dafka.gaps import PartitionTracker
-from dafka.metrics import SECONDS_BUCKETS, SIZE_BUCKETS, Histogram
-from dafka.node import DRAIN, read_subscriptions
-from dafka.reader import NOBLOCK, PartitionReader
+from dafka.nodes.metrics import SECONDS_BUCKETS, SIZE_BUCKETS, Histogram
+from dafka.nodes.node import DRAIN, read_subscriptions
+from dafka.nodes.reader import NOBLOCK, PartitionReader
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.holes import HoleRepair
 from dafka.store.layout import RECORD_KEY, VALUE_HEADER
@@ -90,7 +91,7 @@ class FetchJob:
 
     key: tuple[str, str, str]  # (requester, subject, partition): one job each
     prefix: bytes  # DIRECT-RECORD header up to the sequence, for the requester
-    batched: bool  # the prefix is a batch's: the requester takes batches (see dafka.audience)
+    batched: bool  # the prefix is a batch's: the requester takes batches (see dafka.core.audience)
     topic: str
     partition: str
     offset: int  # next offset to send

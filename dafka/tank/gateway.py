@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
-from dafka import wire
 from dafka.config import NodeConfig
+from dafka.core import wire
 from dafka.errors import ProtocolError
 from dafka.gateway.connections import (
     Connection,
@@ -61,7 +61,7 @@ from dafka.gateway.connections import (
     send,
     unread_for,
 )
-from dafka.node import new_address
+from dafka.nodes.node import new_address
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.node import MAX_BATCH, Store
 from dafka.tank.bundle import decode_bundle

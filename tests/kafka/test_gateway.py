@@ -20,10 +20,10 @@ from kafka.protocol.producer import ProduceRequest, ProduceResponse
 from kafka.record.default_records import DefaultRecordBatchBuilder
 
 from dafka.config import NodeConfig
-from dafka.consumer import Consumer
 from dafka.kafka.codec import Err
 from dafka.kafka.gateway import KafkaGateway
-from dafka.producer import Producer
+from dafka.nodes.consumer import Consumer
+from dafka.nodes.producer import Producer
 from dafka.tank.client import TankClient
 from dafka.tank.limits import GatewayLimits
 from tests.conftest import wait_until
@@ -187,7 +187,7 @@ def test_a_group_of_three_over_six_partitions_takes_over_a_killed_members_partit
     """The issue's target: a SIGKILLed member's partitions are consumed again by the
     others within the session timeout plus 2 s (the benchmark `dafka bench kafka-group`
     runs the same scenario through a gateway process, with a 6 s session timeout)."""
-    from dafka.bench import kafka_failover
+    from dafka.bench.kafka import kafka_failover
 
     session = 3.0
     took = kafka_failover(bs(kgw), session_ms=int(session * 1000), heartbeat_ms=300, timeout=60)

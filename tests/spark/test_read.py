@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from dafka.config import NodeConfig
-from dafka.producer import Producer
+from dafka.nodes.producer import Producer
 from dafka.store.db import RecordDB, Retention, RetentionPolicy
 from dafka.store.node import Store
 from dafka.tank.client import TankClient

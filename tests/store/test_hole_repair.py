@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from dafka import wire
+from dafka.core import wire
 from dafka.sim.nodes import SimStore
 from dafka.sim.world import SimClock, simulated_time
 from dafka.store.db import Hole, RecordDB

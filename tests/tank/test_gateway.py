@@ -24,10 +24,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dafka import wire
 from dafka.config import NodeConfig
-from dafka.consumer import Consumer
-from dafka.producer import Producer
+from dafka.core import wire
+from dafka.nodes.consumer import Consumer
+from dafka.nodes.producer import Producer
 from dafka.store.db import RecordDB
 from dafka.tank.bundle import CODEC_NONE, CODEC_SNAPPY, Record, encode_bundle
 from dafka.tank.client import TankClient, TankError, UnknownTopicError

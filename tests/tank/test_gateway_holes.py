@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dafka import wire
 from dafka.config import NodeConfig
+from dafka.core import wire
 from dafka.tank.client import TankClient, TankError
 from dafka.tank.gateway import Gateway
 from tests.conftest import wait_until

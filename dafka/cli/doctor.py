@@ -6,7 +6,7 @@ advertise, security) and reports, one line each:
 * the towers: reached or not (and why);
 * where this node listens and what it beacons;
 * how the tower sees it and whether the tower could connect to the endpoint
-  it announces (a dafka tower's REFLECTION, see :mod:`dafka.reach`; a C tower
+  it announces (a dafka tower's REFLECTION, see :mod:`dafka.core.reach`; a C tower
   sends none, and that is said);
 * whether the peers on the mesh connected to it (handshakes on its
   publisher), and whether it connected to each of them, naming the address
@@ -19,9 +19,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from dafka import reach
 from dafka.config import NodeConfig
-from dafka.node import Node
+from dafka.core import reach
+from dafka.nodes.node import Node
 
 
 class DoctorNode(Node):

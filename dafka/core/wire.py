@@ -86,7 +86,7 @@ P_GET_POSITIONS = b"P"
 P_POSITIONS = b"Q"
 P_MEMBER = b"J"
 # A reader that takes batches subscribes, beside each record subscription, the
-# same prefix behind this byte (its batch twin; see dafka.audience).  No message
+# same prefix behind this byte (its batch twin; see dafka.core.audience).  No message
 # starts with it, and a C node's XPUB ignores a subscription of an unknown id.
 BATCH_CAPABLE = b"\x02"
 

@@ -37,10 +37,11 @@ from typing import Any
 
 import zmq
 
-from dafka import security, wire
 from dafka.config import NodeConfig
+from dafka.core import wire
 from dafka.errors import ProtocolError
-from dafka.node import RETRY_REFUSED, new_address, read_subscriptions
+from dafka.nodes import security
+from dafka.nodes.node import RETRY_REFUSED, new_address, read_subscriptions
 
 log = logging.getLogger("dafka.status")
 

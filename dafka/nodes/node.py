@@ -13,11 +13,11 @@ documents as shared, and calls the subclass hooks.  Protocol decisions live in
 the sans-IO objects (``PeerTable``, ``PartitionTracker``, ``UnackedWindow``);
 this module only moves bytes and time.
 
-In secure mode (``config.security``, see :mod:`dafka.security`) every socket
+In secure mode (``config.security``, see :mod:`dafka.nodes.security`) every socket
 speaks CURVE: the publisher is a server checked by ZAP against the allow-list,
 the others are clients that connect only to allow-listed keys; beacons carry
 the node's public key, and the node's address is bound to that key
-(:func:`dafka.security.bound_address`).  Data is read from one SUB per peer (a
+(:func:`dafka.nodes.security.bound_address`).  Data is read from one SUB per peer (a
 :class:`Channel`), connected with the peer's key as the CURVE server key, so
 every message is known to come from that key: what only stores may say (ACK,
 DIRECT-HEAD, STORE-HELLO...) is believed only from store-role keys, and a
@@ -42,11 +42,13 @@ from typing import Any
 
 import zmq
 
-from dafka import beacon, fastio, reach, security, wire
-from dafka.audience import BatchAudience
+from dafka import fastio
 from dafka.config import DEFAULT_MAX_RECORD_BYTES, NodeConfig, default_node_config, loopback_trap
+from dafka.core import beacon, reach, wire
+from dafka.core.audience import BatchAudience
+from dafka.core.peers import Connect, PeerAction, PeerTable, TowerWatch, refused_hint
 from dafka.errors import ConfigError, ProtocolError
-from dafka.peers import Connect, PeerAction, PeerTable, TowerWatch, refused_hint
+from dafka.nodes import security
 
 DRAIN = 4096  # messages read from a socket before looking at the others again
 TICK = 0.05  # seconds between calls of on_tick
@@ -70,7 +72,7 @@ Route = tuple[bytes, Callable[..., int]]
 _MONITOR_EVENT = struct.Struct("=HI")  # a socket monitor's first frame: event, value
 RETRY_REFUSED = 1.0  # seconds before connecting again where a secure handshake was refused
 # Monitor events read besides refused handshakes: who completed a handshake with
-# our publisher (peers reach us), and which peers our data SUB reaches (dafka.reach).
+# our publisher (peers reach us), and which peers our data SUB reaches (dafka.core.reach).
 INBOUND_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 OUTBOUND_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
 REACH_GRACE = 5  # beacon intervals with peers and none reaching us before a warning
@@ -244,9 +246,9 @@ class Node:
         self.beacon_sub = self.ctx.socket(zmq.SUB)
         self.beacon_sub.setsockopt(zmq.LINGER, 0)
         self.beacon_sub.setsockopt(zmq.SUBSCRIBE, wire.WELCOME)
-        # How the tower sees us (dafka towers only; see dafka.reach).
+        # How the tower sees us (dafka towers only; see dafka.core.reach).
         self.beacon_sub.setsockopt(zmq.SUBSCRIBE, reach.reflection_topic(self.address))
-        # Interest beacons (dafka.beacon): which beacons we subscribe, which we send.
+        # Interest beacons (dafka.core.beacon): which beacons we subscribe, which we send.
         self._beacon_subs: set[bytes] = set()
         self._interest_beacons: list[list[bytes]] = []
         self._beacon_wanted = False
@@ -270,7 +272,7 @@ class Node:
             self.beacon_pub.connect(tower.beacon_in)
             self.beacon_sub.connect(tower.beacon_out)
         # The host we name: the interface we are bound to, else (bound to all) the
-        # tower fills in the address it sees, as for C nodes (see dafka.reach).
+        # tower fills in the address it sees, as for C nodes (see dafka.core.reach).
         self.beacon_host = reach.beacon_host(cfg.advertise, self._bound)
         self._beacon = wire.node_beacon(self.address, self.beacon_host, self.port)
         self.reach = reach.ReachWatch(time.monotonic(), REACH_GRACE * cfg.beacon_interval)
@@ -377,7 +379,7 @@ class Node:
 
     def serve_metrics(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Expose this node's Prometheus metrics on ``http://host:port/metrics``; the port."""
-        from dafka import metrics
+        from dafka.nodes import metrics
 
         if self.metrics_server is None:
             self.metrics_server = metrics.serve(self, host, port)
@@ -602,7 +604,7 @@ class Node:
         """Read the messages waiting on a data socket (a channel's, in secure mode).
 
         ``prefixes``: the record header prefixes believed from this socket (see
-        :class:`Channel`); readers of records (:class:`~dafka.reader.PartitionReader`)
+        :class:`Channel`); readers of records (:class:`~dafka.nodes.reader.PartitionReader`)
         use them, this default ignores them.
         """
         on_data = self.on_data
@@ -673,7 +675,7 @@ class Node:
             f"{self.kind} data from {address[:8]}",
             self.log,
             lambda ep: self._retry_later(sock, ep),
-            events=OUTBOUND_EVENTS,  # whom we reach (dafka.reach), as the plain data SUB's monitor
+            events=OUTBOUND_EVENTS,  # whom we reach (dafka.core.reach), as the plain data SUB's monitor
             on_event=lambda event, ep: self._on_data_event(sock, event, ep),
         )
         self._channels[address] = channel
@@ -829,7 +831,7 @@ class Node:
     # ---------------------------------------------------------------- beacons
 
     def interest(self) -> beacon.Interest:
-        """What this node is and which peers it needs (see :mod:`dafka.beacon`)."""
+        """What this node is and which peers it needs (see :mod:`dafka.core.beacon`)."""
         return beacon.EVERYTHING
 
     def refresh_interest(self) -> None:
@@ -1215,7 +1217,7 @@ class Node:
     def subscribe(self, prefix: bytes) -> None:
         """Subscribe the data SUB (I/O thread only).
 
-        Record prefixes get their batch twin first (see :mod:`dafka.audience`):
+        Record prefixes get their batch twin first (see :mod:`dafka.core.audience`):
         every reader of ours takes batches.
         """
         if prefix[:1] in RECORD_IDS:

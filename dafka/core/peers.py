@@ -5,7 +5,7 @@ beacon of a peer means "connect your data SUB to its endpoint"; a peer whose
 beacons stop for ``timeout`` seconds is dropped ("disconnect").  Times are
 passed in by the caller, so the table can be driven deterministically.
 
-A beacon may say what the peer is (an interest beacon, :mod:`dafka.beacon`);
+A beacon may say what the peer is (an interest beacon, :mod:`dafka.core.beacon`);
 the table then connects only when the node's own :class:`Interest` wants that
 peer.  A plain ``B`` beacon says nothing: that peer (a C node) is connected as
 in the reference, unless the same address sent an interest beacon lately.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dafka.beacon import EVERYTHING, UNKNOWN, Interest
+from dafka.core.beacon import EVERYTHING, UNKNOWN, Interest
 
 MAX_TYPED = 1_000_000  # addresses remembered as dafka nodes (bounds what beacons can make us hold)
 

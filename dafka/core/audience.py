@@ -1,9 +1,9 @@
 """Which subscribers of a publisher take record batches: a sans-IO counter.
 
-Batches (RECORD / DIRECT-RECORD version 2, :class:`dafka.wire.RecordBatch`)
+Batches (RECORD / DIRECT-RECORD version 2, :class:`dafka.core.wire.RecordBatch`)
 are this implementation's; the C reference drops them.  A dafka reader says
 it takes them by subscribing, beside each record subscription (``M...``,
-``D...``), the same prefix behind :data:`dafka.wire.BATCH_CAPABLE` (its
+``D...``), the same prefix behind :data:`dafka.core.wire.BATCH_CAPABLE` (its
 "batch twin"; no message starts with that byte, so the twin never matches
 anything).  A publisher XPUB with ``XPUB_VERBOSER`` passes every subscribe
 and unsubscribe of every peer on to the application, including those of a
@@ -21,7 +21,7 @@ it drops, and fetches as single records like any other gap).
 
 from __future__ import annotations
 
-from dafka import wire
+from dafka.core import wire
 
 
 class BatchAudience:
@@ -52,7 +52,7 @@ class BatchAudience:
     def takes_batches(self, header: bytes) -> bool:
         """Whether every subscriber that a message starting with ``header`` reaches takes batches.
 
-        ``header`` is the single-record header prefix (:func:`dafka.wire.record_prefix`):
+        ``header`` is the single-record header prefix (:func:`dafka.core.wire.record_prefix`):
         a subscription that reaches single records but not batches has no twin.
         True when nobody subscribes at all: nobody can be harmed.
         """

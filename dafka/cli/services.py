@@ -19,11 +19,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dafka import security
 from dafka.config import Settings, TowerAddress, parse_listen
 from dafka.errors import ConfigError, DafkaError
-from dafka.security import SecurityConfig
-from dafka.tower import Tower
+from dafka.nodes import security
+from dafka.nodes.security import SecurityConfig
+from dafka.nodes.tower import Tower
 
 log = logging.getLogger("dafka.services")
 

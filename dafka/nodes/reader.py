@@ -14,7 +14,7 @@ subclass's ``_read_data`` only says what item a record becomes.
 A record whose content is longer than the node's ``max_record_bytes`` is
 dropped and counted (:attr:`PartitionReader.records_dropped_too_large`), never
 delivered nor stored: a hole in its partition (see
-:meth:`~dafka.gaps.PartitionTracker.drop_too_large`).
+:meth:`~dafka.core.gaps.PartitionTracker.drop_too_large`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import time
 
 import zmq
 
-from dafka import wire
+from dafka.core import wire
+from dafka.core.gaps import PartitionTracker
 from dafka.errors import ProtocolError
-from dafka.gaps import PartitionTracker
-from dafka.node import Node
+from dafka.nodes.node import Node
 
 NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's enum flags are slower
 _RECORDS = wire.Record | wire.DirectRecord | wire.RecordBatch | wire.DirectRecordBatch
@@ -145,7 +145,7 @@ class PartitionReader(Node):
     def on_cut(self) -> None:
         """A peer's connection was cut for a frame over the size limit: a record
         was lost unseen.  Partitions missing records now skip one offset at a
-        time when they stall (see :attr:`~dafka.gaps.PartitionTracker.cut`)."""
+        time when they stall (see :attr:`~dafka.core.gaps.PartitionTracker.cut`)."""
         for tracker in self._missing:
             tracker.cut = True
 

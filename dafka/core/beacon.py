@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from dafka import wire
+from dafka.core import wire
 from dafka.errors import ProtocolError
 
 PREFIX = b"X"

@@ -8,17 +8,17 @@ their beacons), except the ``W`` welcome subscriptions.  New subscribers get a
 one-frame ``W`` welcome message.  Unlike the reference tower, nothing here
 needs a network interface besides loopback.
 
-In secure mode (a :class:`~dafka.security.SecurityConfig`) both sockets are
+In secure mode (a :class:`~dafka.nodes.security.SecurityConfig`) both sockets are
 CURVE servers checked against the allow-list; a node beacon carries the
 node's public key as a 5th frame and is relayed (with the key as a 4th frame)
 only when that key is the one the node authenticated with (ZAP User-Id) and
-the node's address is bound to that key (:func:`dafka.security.address_bound`):
+the node's address is bound to that key (:func:`dafka.nodes.security.address_bound`):
 nobody can beacon, and so squat, an address that belongs to another key.
 
 Dafka only: a node that subscribed its REFLECTION gets, after each of its
 beacons, how this tower sees it (the peer address, the endpoint relayed) and
 whether the tower could open a TCP connection to that endpoint (plain mode;
-see :mod:`dafka.reach`).  C nodes never ask, and never get one.
+see :mod:`dafka.core.reach`).  C nodes never ask, and never get one.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ import uuid
 
 import zmq
 
-from dafka import beacon, reach, security, wire
+from dafka.core import beacon, reach, wire
 from dafka.errors import ProtocolError
-from dafka.node import ErrorLog
+from dafka.nodes import security
+from dafka.nodes.node import ErrorLog
 
 log = logging.getLogger("dafka.tower")
 PROBE_TIMEOUT = 2.0  # seconds a TCP connection to an announced endpoint may take
@@ -90,7 +91,7 @@ class Tower:
         # a raw connection as a refused handshake, so secure towers do not probe).
         self.probes = reach.ProbePlan()
         self._probing: dict[int, tuple[socket.socket, tuple[str, int], float]] = {}  # fd -> (sock, key, deadline)
-        # Interest beacons (dafka.beacon): relayed by their own prefix; a B beacon of a
+        # Interest beacons (dafka.core.beacon): relayed by their own prefix; a B beacon of a
         # node that sends none (a C node) also as X U; a hello so nodes know we do this.
         self.relay = beacon.RelayBook()
         self.tower_id = uuid.uuid4().hex.upper()

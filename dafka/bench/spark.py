@@ -34,7 +34,7 @@ _FILL_CHUNK = 20_000
 
 def _fill(path: str, records: int, size: int, partitions: int) -> list[str]:
     """``records`` records of ``size`` bytes over ``partitions`` producer addresses."""
-    from dafka.node import new_address
+    from dafka.nodes.node import new_address
     from dafka.store.db import RecordDB
 
     payload = b"x" * size
@@ -139,7 +139,7 @@ class _transport:
             return {**base, "path": self.db}
         if self.name != "gateway":
             raise ValueError(f"unknown transport {self.name!r}: path, gateway or both")
-        from dafka.tower import Tower
+        from dafka.nodes.tower import Tower
 
         tower = Tower("127.0.0.1", 0, 0)
         tower.start()

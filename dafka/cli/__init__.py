@@ -43,7 +43,7 @@ from dafka.config import (
     parse_towers,
 )
 from dafka.errors import ConfigError, DafkaError, ResumeError
-from dafka.security import SecurityConfig, security_from
+from dafka.nodes.security import SecurityConfig, security_from
 
 log = logging.getLogger("dafka.cli")
 
@@ -205,7 +205,7 @@ def unreached_towers(towers: tuple[TowerAddress, ...], timeout: float = 1.0) -> 
 
 @command("tower")
 def cmd_tower(args: argparse.Namespace, settings: Settings) -> int:
-    from dafka.tower import Tower
+    from dafka.nodes.tower import Tower
 
     section = settings.section("tower")
     sec = security_config(args, settings)
@@ -229,7 +229,7 @@ def serve_metrics(args: argparse.Namespace, section: dict[str, Any], service: An
     listen = getattr(args, "metrics", None) or section.get("metrics")
     if not listen:
         return None
-    from dafka import metrics
+    from dafka.nodes import metrics
 
     host, port = parse_listen(listen, 9100)
     try:
@@ -248,8 +248,8 @@ def serve_metrics(args: argparse.Namespace, section: dict[str, Any], service: An
 @command("doctor")
 def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
     """The I/O implementation; with a tower named, whether a node started here reaches the mesh and is reached."""
-    from dafka import doctor, fastio
-
+    from dafka import fastio
+    from dafka.cli import doctor
     print(fastio.describe(), flush=True)
     if not (args.tower or os.environ.get("DAFKA_TOWERS") or "towers" in settings.node_keys):
         print("mesh not checked: name a tower (--tower HOST, $DAFKA_TOWERS or [node] towers)")
@@ -265,7 +265,7 @@ def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
 
 @command("produce")
 def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
-    from dafka.producer import Producer
+    from dafka.nodes.producer import Producer
 
     cfg = node_config(args, settings)
     if args.identity:
@@ -295,7 +295,7 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
             while len(producer.peers) == 0 and time.monotonic() < deadline:
                 time.sleep(0.05)
         start = producer.next_offset
-        from dafka import progress
+        from dafka.cli import progress
 
         # A bar for a file (its size is known); stdin is often a live stream.
         size = os.path.getsize(args.file) if args.file else None
@@ -439,7 +439,7 @@ def cmd_outbox(args: argparse.Namespace, settings: Settings) -> int:
 
 @command("consume")
 def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
-    from dafka.consumer import Consumer
+    from dafka.nodes.consumer import Consumer
 
     cfg = node_config(args, settings)
     start = parse_starts(args.start or [], args.topic)
@@ -460,7 +460,7 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
     unreached: list[str] = []
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    from dafka import progress
+    from dafka.cli import progress
 
     # Records printed to the same terminal would tear the bar: only with stdout redirected.
     show = args.count is not None and progress.enabled() and not progress.enabled(sys.stdout)
@@ -715,7 +715,7 @@ def cmd_topics(args: argparse.Namespace, settings: Settings) -> int:
 
 @command("status")
 def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
-    from dafka.status import run_status
+    from dafka.cli.status import run_status
 
     try:
         return run_status(
@@ -737,7 +737,7 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
 
 @command("up")
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
-    from dafka.services import Services
+    from dafka.cli.services import Services
 
     if settings.node.security is not None:
         raise ConfigError(
@@ -779,7 +779,7 @@ def parse_networks(value: str | list[str]) -> list[Any]:
 
 @command("keys")
 def cmd_keys(args: argparse.Namespace, settings: Settings) -> int:
-    from dafka import security
+    from dafka.nodes import security
 
     if args.keys_command == "new":
         public, secret = security.new_keys(args.name, args.role, args.dir)
@@ -1209,6 +1209,3 @@ def main(argv: list[str] | None = None) -> int:
             return _error(f"{exc.filename}: {exc.strerror or exc}", EXIT_FAILURE)
         return _error(exc.strerror or exc, EXIT_FAILURE)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

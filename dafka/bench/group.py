@@ -1,0 +1,211 @@
+"""``dafka bench group``: a consumer group's throughput and takeover time."""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from itertools import repeat
+from typing import Any
+
+from dafka.bench.common import _mesh, _store_process
+from dafka.config import NodeConfig
+
+GROUP_PARTITIONS = 6
+
+
+GROUP_MEMBERS = 3
+
+
+def _group_producers(cfg: NodeConfig, topic: str, per: int, size: int, started: Any, done: Any) -> None:
+    """Six producers (threads of one process): a burst of ``per`` records each, then a steady trickle."""
+    import threading
+
+    from dafka.nodes.producer import Producer
+
+    producers = [Producer(topic, cfg, capacity=per + 1_000_000) for _ in range(GROUP_PARTITIONS)]
+    deadline = time.monotonic() + 30
+    while not all(len(p.peers) >= GROUP_MEMBERS + 1 for p in producers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    payload = b"x" * size
+    started.set()
+
+    def run(producer: Any) -> None:
+        producer.publish_many(repeat(payload, per))
+        while not done.is_set():  # records keep flowing while a member is killed
+            producer.publish_many(repeat(payload, 20))
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in producers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for p in producers:
+        p.close(0)
+
+
+def _group_member(cfg: NodeConfig, topic: str, index: int, events: Any, stop: Any) -> None:
+    """A group member: reports assignments, delivered counts and the first record of each new partition.
+
+    ``events`` is this member's own pipe: the member that is killed could
+    otherwise die holding a queue shared with the others (its write lock),
+    and their reports would never arrive.
+    """
+    import logging
+    import os
+    import threading
+
+    lock = threading.Lock()  # on_assign runs in the consumer's I/O thread
+
+    def report(*event: Any) -> None:
+        with lock:
+            events.send(event)
+
+    from dafka.nodes.consumer import Consumer
+
+    if os.environ.get("DAFKA_BENCH_LOG"):
+        logging.basicConfig(
+            filename=f"{os.environ['DAFKA_BENCH_LOG']}.{index}.{os.getpid()}",
+            level=logging.INFO,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+    fresh: set[tuple[str, str]] = set()
+    known: set[tuple[str, str]] = set()
+
+    def on_assign(parts: frozenset[tuple[str, str]]) -> None:
+        fresh.update(parts - known)
+        known.clear()
+        known.update(parts)
+        report("assign", index, len(parts), time.time())
+
+    consumer = Consumer(
+        topic, cfg, group="bench", offset_reset="earliest", auto_commit_interval=0.2, on_assign=on_assign
+    )
+    count = 0
+    reported = 0.0
+    while not stop.is_set():
+        batch = consumer.poll_batch(20_000, 0.05)
+        count += len(batch)
+        if fresh:
+            for r in batch:
+                key = (r.topic, r.partition)
+                if key in fresh:
+                    fresh.discard(key)
+                    report("resumed", index, r.partition, time.time())
+        if time.monotonic() - reported >= 0.05:
+            report("count", index, count, time.time())
+            reported = time.monotonic()
+    consumer.close()
+
+
+def _group_event(events: list[Any], wait: float, owned: list[int], counts: list[int], resumed: list[Any]) -> None:
+    """Take the member reports that come within ``wait`` (from ``events``, their pipes) into the tallies."""
+    from multiprocessing.connection import wait as ready
+
+    if not events:
+        time.sleep(wait)
+        return
+    for conn in ready(events, timeout=wait):
+        try:
+            event = conn.recv()
+        except (EOFError, OSError):
+            events.remove(conn)  # the member exited
+            continue
+        if event[0] == "assign":
+            owned[event[1]] = event[2]
+        elif event[0] == "count":
+            counts[event[1]] = event[2]
+        else:
+            resumed.append((event[1], event[3]))
+
+
+def bench_group(args: argparse.Namespace) -> dict[str, list[float]]:
+    """3 group members on 6 partitions: records/s delivered, and the time from
+    a member's kill -9 to its partitions delivering again at another member."""
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    rates: list[float] = []
+    takeovers: list[float] = []
+    per = max(1, args.records // GROUP_PARTITIONS)
+    for run in range(args.runs):
+        tower, cfg = _mesh()
+        cfg = NodeConfig(cfg.towers, bind=cfg.bind, beacon_interval=0.2, beacon_timeout=1.0)
+        topic = f"bench-group-{run}"
+        with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
+            ready, done, stop = ctx.Event(), ctx.Event(), ctx.Event()
+            pipes = [ctx.Pipe(duplex=False) for _ in range(GROUP_MEMBERS)]
+            events = [reader for reader, _ in pipes]
+            store = ctx.Process(target=_store_process, args=(cfg, db, not args.no_sync, ready, done))
+            store.start()
+            ready.wait(60)
+            members = [
+                ctx.Process(target=_group_member, args=(cfg, topic, i, pipes[i][1], stop))
+                for i in range(GROUP_MEMBERS)
+            ]
+            for m in members:
+                m.start()
+            started = ctx.Event()
+            prod = ctx.Process(target=_group_producers, args=(cfg, topic, per, args.size, started, done))
+            prod.start()
+            owned = [0] * GROUP_MEMBERS
+            counts = [0] * GROUP_MEMBERS
+            resumed: list[tuple[int, float]] = []
+            tallies = (owned, counts, resumed)
+
+            deadline = time.monotonic() + 120
+            while not started.is_set() and time.monotonic() < deadline:
+                _group_event(events, 0.05, *tallies)
+            t0 = time.time()
+            deadline = time.monotonic() + 600
+            while sum(counts) < per * GROUP_PARTITIONS and time.monotonic() < deadline:
+                _group_event(events, 0.05, *tallies)
+            elapsed = time.time() - t0
+            total = sum(counts)
+            balanced = sorted(owned)
+            # Kill the member with the most partitions once all is delivered.
+            victim = max(range(GROUP_MEMBERS), key=lambda i: owned[i])
+            lost = owned[victim]
+            members[victim].kill()
+            killed = time.time()
+            # Its pipe may hold half a report now: read the others only.
+            events = [reader for i, (reader, _) in enumerate(pipes) if i != victim]
+            resumed.clear()
+            deadline = time.monotonic() + 60
+            while len([t for i, t in resumed if i != victim and t > killed]) < lost and time.monotonic() < deadline:
+                _group_event(events, 0.05, *tallies)
+            back = [t for i, t in resumed if i != victim and t > killed]
+            stop.set()  # members commit and leave while the store still runs
+            for p in members:
+                p.join(30)
+            done.set()
+            for p in (*members, prod, store):
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
+            for conn in (c for pair in pipes for c in pair):
+                conn.close()
+        tower.close()
+        if total >= per * GROUP_PARTITIONS:
+            rate = total / elapsed
+            rates.append(rate)
+            print(f"run {run}: {rate:,.0f} records/s over the group (partitions per member {balanced})", flush=True)
+        else:
+            print(f"run {run}: only {total} of {per * GROUP_PARTITIONS} records delivered", file=sys.stderr)
+        if lost and len(back) >= lost:
+            takeover = max(back) - killed
+            takeovers.append(takeover)
+            print(
+                f"run {run}: killed member's {lost} partitions delivering again after {takeover:.2f}s "
+                f"(beacon timeout {cfg.beacon_timeout}s, goal < {3 * cfg.beacon_timeout:.1f}s)",
+                flush=True,
+            )
+        else:
+            print(f"run {run}: the killed member's partitions did not resume within 60s", file=sys.stderr)
+    if takeovers:
+        print(f"group takeover: median {statistics.median(takeovers):.2f}s over {len(takeovers)} runs")
+    return {"group": rates}

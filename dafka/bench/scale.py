@@ -1,0 +1,238 @@
+"""``dafka bench scale``: many producers in one mesh: CPU, sockets and a store catching up."""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dafka.bench.common import PAYLOAD, _store_process, _tower_process
+from dafka.config import NodeConfig, TowerAddress
+
+# ---------------------------------------------------------------- scale
+
+
+def _proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) a process used so far, from /proc (Linux)."""
+    import os
+
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _tcp_sockets(pids: list[int]) -> int:
+    """Established TCP sockets owned by these processes (both ends of a
+    loopback connection count when both ends are ours), from /proc (Linux)."""
+    import os
+
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) > 9 and f[3] == "01" and f[9] in inodes:  # 01: ESTABLISHED
+                count += 1
+    return count
+
+
+def _scale_producers(cfg: NodeConfig, topic: str, n: int, seconds: float, go: Any, result: Any) -> None:
+    """Host ``n`` producers; each publishes one record a second for ``seconds``;
+    report (published, acked, ACK latencies)."""
+    import logging
+
+    import zmq
+
+    from dafka.nodes.producer import Producer
+
+    logging.getLogger("dafka").setLevel(logging.ERROR)
+    # A producer holds about 6 ZeroMQ sockets; a context allows 1,023 by default.
+    zmq.Context.instance().set(zmq.MAX_SOCKETS, 8 * n + 64)
+    producers = [Producer(topic, cfg, capacity=1000) for _ in range(n)]
+    latencies: list[float] = []
+    clock = time.perf_counter
+
+    def stamp(sent: float) -> Callable[[Any], None]:
+        def on_ack(receipt: Any) -> None:
+            if receipt.acked():
+                latencies.append(clock() - sent)
+
+        return on_ack
+
+    result.put(("ready", n))
+    go.wait(600)
+    published = 0
+    t0 = clock()
+    rounds = max(1, int(seconds))
+    spacing = 1.0 / n
+    for k in range(rounds * n):  # producer k % n publishes at t0 + k / n: 1 record/s each
+        delay = t0 + k * spacing - clock()
+        if delay > 0:
+            time.sleep(delay)
+        producers[k % n].publish(b"x" * PAYLOAD, stamp(clock()))
+        published += 1
+    result.put(("published", published))
+    acked_all = all(p.flush(30) for p in producers)
+    for p in producers:
+        p.close(0)
+    result.put(("done", published, len(latencies), acked_all, latencies))
+
+
+def _catchup_store(cfg: NodeConfig, topic: str, n: int, expected: int, result: Any) -> None:
+    """A fresh store: seconds until it holds ``expected`` records of ``n`` partitions (copied
+    from the other store: the producers are gone by then)."""
+    import logging
+    import tempfile
+
+    from dafka.store.node import Store
+
+    logging.getLogger("dafka").setLevel(logging.ERROR)
+    with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
+        t0 = time.monotonic()
+        store = Store(db, cfg, sync=False)
+        parts: list[Any] = []
+        while time.monotonic() - t0 < 120:
+            parts = store.db.partitions(topic)
+            if len(parts) >= n and sum(p.count for p in parts) >= expected:
+                break
+            time.sleep(0.1)
+        elapsed = time.monotonic() - t0
+        store.close()
+        result.put((elapsed, len(parts), sum(p.count for p in parts)))
+
+
+def bench_scale(args: argparse.Namespace) -> int:
+    """A mesh of ``--nodes`` producers of one topic (1 record/s each, spread over
+    ``--procs`` processes), a store and a consumer: connections, CPU and ACK latency."""
+    import tempfile
+
+    from dafka.nodes.consumer import Consumer
+
+    n, procs = args.nodes, max(1, min(args.procs, args.nodes))
+    ctx = mp.get_context("spawn")
+    ports, tower_done = ctx.Queue(), ctx.Event()
+    tower = ctx.Process(target=_tower_process, args=(ports, tower_done))
+    tower.start()
+    in_port, out_port = ports.get(timeout=60)
+    cfg = NodeConfig(towers=(TowerAddress("127.0.0.1", in_port, out_port),), bind="127.0.0.1")
+    topic = f"bench-scale-{int(time.time())}"
+    status = 0
+    with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
+        ready, done = ctx.Event(), ctx.Event()
+        store = ctx.Process(target=_store_process, args=(cfg, db, not args.no_sync, ready, done))
+        store.start()
+        ready.wait(60)
+        go, result = ctx.Event(), ctx.Queue()
+        shares = [n // procs + (i < n % procs) for i in range(procs)]
+        hosts = [ctx.Process(target=_scale_producers, args=(cfg, topic, k, args.seconds, go, result)) for k in shares]
+        t_start = time.monotonic()
+        for host in hosts:
+            host.start()
+        live = Consumer(topic, cfg)
+        started = 0
+        while started < len(hosts):
+            try:
+                result.get(timeout=1.0)
+                started += 1
+            except Exception:
+                if any(h.exitcode is not None for h in hosts) or time.monotonic() - t_start > 600:
+                    print("scale: a producer process failed to start", file=sys.stderr)
+                    live.close()
+                    for h in hosts:
+                        h.kill()
+                    done.set()
+                    store.join(30)
+                    tower_done.set()
+                    tower.join(30)
+                    return 1
+        # Let the mesh settle: everyone beaconed and connected (the consumer meets every
+        # producer and the store), then a few beacon intervals more.
+        settle = time.monotonic()
+        while len(live.peers) < n + 1 and time.monotonic() - settle < 120:
+            time.sleep(0.2)
+        time.sleep(max(2.0, 2 * cfg.beacon_interval))
+        print(f"scale: {n} producers in {procs} processes up in {time.monotonic() - t_start:.1f}s", flush=True)
+        pids = [p.pid for p in (*hosts, store)] + [__import__("os").getpid()]
+        mesh_nodes = n + 2  # producers, the store, the consumer
+        cpu0 = {p.pid: _proc_cpu(p.pid) for p in (*hosts, store, tower)}
+        t0 = time.monotonic()
+        go.set()
+        time.sleep(min(args.seconds, 5.0) / 2)
+        sockets = _tcp_sockets(pids)
+        for _ in hosts:  # CPU over the publishing window (not the flush after it)
+            result.get(timeout=args.seconds + 120)
+        elapsed = time.monotonic() - t0
+        cpu = {pid: _proc_cpu(pid) - c for pid, c in cpu0.items()}
+        finished = [result.get(timeout=120) for _ in hosts]
+        received = 0
+        while live.poll(0.0) is not None:
+            received += 1
+        live.close()
+        published = sum(f[1] for f in finished)
+        acked = all(f[3] for f in finished)
+        latencies = sorted(x for f in finished for x in f[4])
+        def pct(q: float) -> float:
+            return latencies[int(q * (len(latencies) - 1))] * 1000 if latencies else float("nan")
+
+        p99 = pct(0.99)
+        producers_cpu = sum(cpu[h.pid] for h in hosts) / elapsed
+        # A fresh earliest consumer: how long until it has records of every partition.
+        t1 = time.monotonic()
+        fresh = Consumer(topic, cfg, offset_reset="earliest")
+        seen: set[str] = set()
+        deadline = t1 + 120
+        while len(seen) < n and time.monotonic() < deadline:
+            record = fresh.poll(0.5)
+            if record is not None:
+                seen.add(record.partition)
+        discovery = time.monotonic() - t1
+        fresh.close()
+        # A fresh store catches up every partition from the first one.
+        ctx_result = ctx.Queue()
+        catchup = ctx.Process(target=_catchup_store, args=(cfg, topic, n, published, ctx_result))
+        catchup.start()
+        caught_up, caught_parts, caught_records = ctx_result.get(timeout=300)
+        catchup.join(30)
+        done.set()
+        store.join(60)
+    for host in hosts:
+        host.join(30)
+    tower_done.set()
+    tower.join(30)
+    tower_cpu = cpu[tower.pid] / elapsed
+    store_cpu = cpu[store.pid] / elapsed
+    print(
+        f"scale: N={n}: {sockets} TCP sockets ({sockets / mesh_nodes:.1f} per node); "
+        f"producers' CPU {producers_cpu:.1%} ({producers_cpu / n:.3%} per producer); "
+        f"store CPU {store_cpu:.1%}; tower CPU {tower_cpu:.1%}; "
+        f"{published} published, all acked: {acked}, ACK p50 {pct(0.5):.1f} p90 {pct(0.9):.1f} "
+        f"p99 {p99:.1f} max {pct(1.0):.1f} ms; "
+        f"live consumer got {received}; fresh earliest consumer saw {len(seen)}/{n} partitions "
+        f"in {discovery:.2f}s; a fresh store held {caught_records}/{published} records of "
+        f"{caught_parts}/{n} partitions after {caught_up:.2f}s",
+        flush=True,
+    )
+    if not acked or len(seen) < n or caught_records < published:
+        status = 1
+    return status

@@ -1,0 +1,117 @@
+"""``dafka bench tank``: publish and fetch through the Tank gateway (records/s)."""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import time
+from typing import Any
+
+from dafka.bench.common import _mesh
+from dafka.config import NodeConfig
+
+
+def _gateway_process(cfg: NodeConfig, db: str, sync: bool, port: Any, done: Any) -> None:
+    from dafka.tank.gateway import Gateway
+
+    gateway = Gateway(db, cfg, listen=("127.0.0.1", 0), sync=sync)
+    port.put(gateway.tank_port)
+    done.wait(900)
+    gateway.close()
+
+
+def _tank_bundles(size: int, per_bundle: int, distinct: int = 8) -> list[bytes]:
+    """Bundles as the C++ client builds them (snappy above 512 messages), of random bytes."""
+    import os
+
+    from dafka.tank.bundle import encode_bundle
+
+    now = int(time.time() * 1000)
+    return [
+        encode_bundle([(None, now, None, os.urandom(size)) for _ in range(per_bundle)])
+        for _ in range(distinct)
+    ]
+
+
+def _tank_publish(port: int, topic: str, n: int, size: int, per_bundle: int, window: int) -> float:
+    """Records/s acknowledged: ``window`` produce requests of one bundle each in flight."""
+    from dafka.tank.client import TankClient
+    from dafka.tank.messages import ProducePartition, ProduceRequest, ProduceResponse, ProduceTopic
+
+    bundles = _tank_bundles(size, per_bundle)
+    requests = n // per_bundle
+    with TankClient("127.0.0.1", port, timeout=120) as client:
+        client.create_topic(topic, 1)
+        inflight: list[int] = []
+        t0 = time.perf_counter()
+        for i in range(requests):
+            part = ProducePartition(0, bundles[i % len(bundles)])
+            inflight.append(client.send(ProduceRequest(client.next_request_id(), [ProduceTopic(topic, [part])])))
+            if len(inflight) >= window:
+                resp = client.wait(inflight.pop(0))
+                assert isinstance(resp, ProduceResponse) and resp.topics[0].partitions[0].error == 0, resp
+        for req_id in inflight:
+            resp = client.wait(req_id)
+            assert isinstance(resp, ProduceResponse) and resp.topics[0].partitions[0].error == 0, resp
+        return requests * per_bundle / (time.perf_counter() - t0)
+
+
+def _tank_fetch(port: int, topic: str, n: int, fetch_size: int) -> float:
+    """Records/s of one client fetching ``n`` records from seq 1, decoding every message.
+
+    Like a pipelining Tank client, it asks for the next range (found from the
+    bundle headers alone) before decoding the answer in hand, so the gateway
+    encodes while the client decodes.
+    """
+    from dafka.tank.bundle import decode_chunk, parse_bundle_header, split_chunk
+    from dafka.tank.client import TankClient
+    from dafka.tank.messages import ConsumePartition, ConsumeRequest, ConsumeResponse, ConsumeTopic
+
+    def ask(client: TankClient, seq: int) -> int:
+        part = ConsumePartition(0, seq, fetch_size)
+        return client.send(ConsumeRequest(client.next_request_id(), [ConsumeTopic(topic, [part])]))
+
+    with TankClient("127.0.0.1", port, timeout=120) as client:
+        got = 0
+        t0 = time.perf_counter()
+        pending = ask(client, 1)
+        while got < n:
+            resp = client.wait(pending)
+            assert isinstance(resp, ConsumeResponse)
+            res = resp.topics[0].partitions[0]
+            if not res.chunk or res.base_seq is None:
+                raise RuntimeError(f"fetch returned nothing (flags {res.flags})")
+            spans, _ = split_chunk(res.chunk)
+            count = sum(parse_bundle_header(res.chunk, a, b).count for a, b in spans)
+            if got + count < n:
+                pending = ask(client, res.base_seq + count)
+            got += len(decode_chunk(res.chunk, res.base_seq).records)
+        return got / (time.perf_counter() - t0)
+
+
+def bench_tank(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Through a gateway process: publish (bundles of 1000, acknowledged) and fetch."""
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    publish, fetch = [], []
+    for run in range(args.runs):
+        tower, cfg = _mesh()
+        with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
+            port, done = ctx.Queue(), ctx.Event()
+            gateway = ctx.Process(target=_gateway_process, args=(cfg, db, not args.no_sync, port, done))
+            gateway.start()
+            try:
+                tank_port = port.get(timeout=60)
+                topic = f"bench-tank-{run}"
+                rate = _tank_publish(tank_port, topic, args.records, args.size, 1000, 8)
+                publish.append(rate)
+                print(f"run {run}: publish {rate:,.0f} records/s acknowledged", flush=True)
+                rate = _tank_fetch(tank_port, topic, args.records // 1000 * 1000, 8 << 20)
+                fetch.append(rate)
+                print(f"run {run}: fetch {rate:,.0f} records/s", flush=True)
+            finally:
+                done.set()
+                gateway.join(60)
+                tower.close()
+    return {"tank publish": publish, "tank fetch": fetch}
