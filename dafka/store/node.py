@@ -69,6 +69,7 @@ def linger_setting(section: dict[str, Any]) -> float:
 
 
 MAX_BATCH = 200_000  # records waiting for the writer before reading pauses
+MAX_TOO_LARGE_HOLES = 10_000  # offsets dropped over the size limit, remembered until their hole commits
 SERVE_SLICE = 2_000  # DIRECT-RECORDs sent per FETCH job per loop turn
 STATS_INTERVAL = 10.0
 RETENTION_BUDGET = 0.2  # seconds of deletions per retention round
@@ -159,6 +160,9 @@ class Store(PartitionReader):
         # arrive for them wait here, one per offset, for the next commit.
         self.repair = HoleRepair(interval=max(retry_interval, 0.01))
         self._fills: dict[tuple[str, str, int], tuple[bytes | None, int]] = {}
+        # Offsets dropped over max_record_bytes whose hole is not yet committed
+        # (given up for good once it is, see _sync_holes).
+        self._too_large_holes: dict[tuple[str, str, int], None] = {}
         # Held by the writer while it puts ready pairs, by the I/O thread while it
         # drains: see RecordDB.append_pairs (py-lmdb gives up the GIL at every put,
         # and every put then waits for a thread running Python).  The pure drain
@@ -821,6 +825,14 @@ class Store(PartitionReader):
             log.error("cannot read the recorded holes: %s", exc)
             return
         self.repair.sync(holes, time.monotonic())
+        pending = self._too_large_holes
+        if pending:
+            # A hole this store made by dropping a record over its limit is given
+            # up for good at once: every copy has that size, asking for it is futile.
+            for key in list(pending):
+                if self.repair.covers(key[:2], key[2]):
+                    self._fills[key] = (None, 0)
+                    del pending[key]
 
     def _on_holes_changed(self, filled: tuple[int, int]) -> None:
         written, given_up = filled
@@ -867,6 +879,10 @@ class Store(PartitionReader):
         # readers asking for the offset get what follows it.  It commits with the
         # records after it; consecutive ones are one hole.
         skips, subject, partition = self._skips, tracker.subject, tracker.address
+        pending = self._too_large_holes
+        pending[(subject, partition, seq)] = None
+        if len(pending) > MAX_TOO_LARGE_HOLES:
+            del pending[next(iter(pending))]  # bounded: the oldest is asked for (and given up) as any hole
         if skips and skips[-1][:2] == (subject, partition) and skips[-1][3] == seq - 1:
             skips[-1] = (subject, partition, skips[-1][2], seq)
         else:
