@@ -366,3 +366,21 @@ def test_topics_and_status_summarise_many_partitions(tmp_path: Path) -> None:
     assert parts[7] in lines[header + 2]  # the lagging one first
     full = render_text(snap, None)
     assert all(full.count(p) == 2 for p in parts) and "more" not in full
+
+
+def test_an_idle_producer_wakes_about_once_a_second(cfg: NodeConfig, tmp_path: Path) -> None:
+    """A fleet's cost is mostly its idle nodes' wake-ups: an idle producer beside a
+    store runs its timers together, once a second, and no check every 250 ms."""
+    with Store(str(tmp_path / "db"), cfg, sync=False) as store, Producer("idle", cfg) as producer:
+        assert producer.publish(b"x").wait(10)
+        wait_until(lambda: len(producer.peers) >= 1 and len(store.peers) >= 1, timeout=10)
+        time.sleep(1.5)  # settled: the store's beacon and ACK repeats only
+        timers0 = {fn.__name__: last for _, last, fn in producer._timers}
+        turns0, t0 = producer.loop_turns, time.monotonic()
+        time.sleep(4.0)
+        rate = (producer.loop_turns - turns0) / (time.monotonic() - t0)
+        ran = {fn.__name__ for _, last, fn in producer._timers if last != timers0[fn.__name__]}
+    # Each second: the timers (one turn), the store's beacon, the tower's hello,
+    # the store's ACK of the HEAD. A 250 ms cut check made it 7-8.
+    assert "_check_cuts" not in ran
+    assert rate < 6.0, rate
