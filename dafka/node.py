@@ -411,8 +411,20 @@ class Node:
         self._wake()
 
     def every(self, interval: float, fn: Callable[[float], None]) -> None:
-        """Call ``fn(now)`` in the I/O thread every ``interval`` seconds."""
-        self._timers.append((interval, time.monotonic(), fn))
+        """Call ``fn(now)`` in the I/O thread every ``interval`` seconds.
+
+        In step with the node's timers of the same interval (the first call may
+        come sooner than ``interval``): they run in one wake-up, not one each.
+        """
+        self._timers.append((interval, self._in_step(interval, time.monotonic()), fn))
+
+    def _in_step(self, interval: float, now: float) -> float:
+        """The last run to give a timer of ``interval`` so that it runs with the
+        node's others of that interval (``now`` if there are none)."""
+        for other, last, _ in self._timers:
+            if other == interval and last <= now:
+                return last + interval * math.floor((now - last) / interval)
+        return now
 
     def _wake(self) -> None:
         with self._wake_lock:
@@ -888,7 +900,9 @@ class Node:
         interval = self.tick_interval()
         timer = self._timers[self._tick_timer]
         if timer[0] != interval:
-            self._timers[self._tick_timer] = (interval, timer[1], timer[2])
+            # A slow tick runs with the other timers of its interval (one wake-up).
+            last = self._in_step(interval, now) if interval > TICK else timer[1]
+            self._timers[self._tick_timer] = (interval, last, timer[2])
 
     def tick_interval(self) -> float:
         """Seconds to the next :meth:`on_tick` (an idle node may tick less often:
