@@ -400,7 +400,7 @@ def test_ack_repeats_back_off_until_the_producer_subscribes_again() -> None:
     r.sent("P", 6, 0.5)
     # Unchanged: after 1 s, then 2 s, 4 s ... at most MAX_GAP apart.
     times = [t / 10 for t in range(5, 2000, 5) if r.due("P", 6, t / 10)]
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     assert times[0] == 1.5 and gaps[:4] == [2.0, 4.0, 8.0, MAX_GAP] and max(gaps) == MAX_GAP
     r.forget("P")  # the producer subscribed again: its next HEAD is answered
     assert r.due("P", 6, 200.0)
