@@ -420,3 +420,45 @@ def test_an_idle_producer_gets_fewer_and_fewer_repeated_acks(cfg: NodeConfig, tm
         assert repeats <= 3, repeats  # after 1, 2 (and 4) s
         # A record published now is acknowledged at once as before.
         assert producer.publish(b"y").wait(5)
+
+
+
+_FULL_MONITOR = """
+import logging, socket, time
+import zmq
+from dafka.node import OUTBOUND_EVENTS
+from dafka.security import RefusalLog
+
+ports = []
+for _ in range(200):  # ports nobody listens on: every attempt is refused and retried
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        ports.append(s.getsockname()[1])
+ctx = zmq.Context()
+sub = ctx.socket(zmq.SUB)
+sub.setsockopt(zmq.LINGER, 0)
+refusals = RefusalLog(sub, "test", logging.getLogger("test"), events=OUTBOUND_EVENTS, refusals=False)
+for port in ports:
+    sub.connect(f"tcp://127.0.0.1:{port}")
+time.sleep(1.5)  # ~200 endpoints x 10 retries a second, never read: over 1,000 events
+refusals.close()
+sub.close(0)
+ctx.term()
+print("closed")
+"""
+
+
+def test_closing_a_node_with_a_full_monitor_queue_does_not_hang() -> None:
+    """Hundreds of gone peers queue a thousand reconnect events within a second
+    after a node's loop stopped reading: stopping the monitor then blocked for
+    good, holding the GIL (so in a child process, with a deadline)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    try:
+        out = subprocess.run([sys.executable, "-c", _FULL_MONITOR], env=env, capture_output=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("closing the monitor hung")
+    assert out.returncode == 0 and b"closed" in out.stdout, out.stderr
