@@ -1726,12 +1726,12 @@ def bench_group(args: argparse.Namespace) -> dict[str, list[float]]:
     return {"group": rates}
 
 
-def _group_settled(owned: list[int], resumed: set[tuple[int, str]], members: list[int], total: int) -> bool:
-    """Whether ``members`` own every partition between them and each delivered a
-    record of every partition it was newly given (``resumed``)."""
-    if sum(owned[i] for i in members) != total:
+def _group_settled(owned: list[int], pending: list[int], members: list[int], total: int) -> bool:
+    """Whether ``members`` own every partition between them, each some, and each
+    delivered a record of every partition it was newly given (``pending`` of them not yet)."""
+    if sum(owned[i] for i in members) != total or not all(owned[i] for i in members):
         return False
-    return all(len({p for m, p in resumed if m == i}) >= owned[i] for i in members)
+    return not any(pending[i] for i in members)
 
 
 def bench_group_partitions(args: argparse.Namespace) -> int:
@@ -1769,8 +1769,7 @@ def bench_group_partitions(args: argparse.Namespace) -> int:
         print(f"group: {n} producers publishing (1 record/s each)", flush=True)
         pipes = [ctx.Pipe(duplex=False) for _ in range(3)]
         owned = [0, 0, 0]
-        counts = [0, 0, 0]
-        resumed: set[tuple[int, str]] = set()
+        pending = [0, 0, 0]  # newly given partitions without a record yet
         events = [pipes[0][0], pipes[1][0]]
 
         def member(i: int) -> Any:
@@ -1781,24 +1780,22 @@ def bench_group_partitions(args: argparse.Namespace) -> int:
         def settle(live: list[int], limit: float) -> float | None:
             t0 = time.monotonic()
             while time.monotonic() - t0 < limit:
-                _group_event_parts(events, 0.1, owned, counts, resumed)
-                if _group_settled(owned, resumed, live, n):
+                _group_event_parts(events, 0.1, owned, pending)
+                if _group_settled(owned, pending, live, n):
                     return time.monotonic() - t0
             return None
 
         members = [member(0), member(1)]
         phases.append(("2 members start", settle([0, 1], 120)))
         print(f"group: owned {owned[:2]}", flush=True)
-        resumed.clear()
         events.append(pipes[2][0])
         members.append(member(2))
         phases.append(("a 3rd member joins", settle([0, 1, 2], 120)))
         print(f"group: owned {owned}", flush=True)
         victim = max(range(3), key=lambda i: owned[i])
-        resumed.clear()
         members[victim].kill()
         events = [pipes[i][0] for i in range(3) if i != victim]
-        owned[victim] = 0
+        owned[victim] = pending[victim] = 0
         live = [i for i in range(3) if i != victim]
         phases.append((f"a member with {max(owned)} partitions is killed", settle(live, 120)))
         print(f"group: owned {owned}", flush=True)
@@ -1848,7 +1845,7 @@ def _group_member_parts(cfg: NodeConfig, topic: str, index: int, events: Any, st
             fresh.update(names - known)
             known.clear()
             known.update(names)
-            events.send(("assign", index, len(parts)))
+            events.send(("state", index, len(parts), len(fresh)))
 
     consumer = Consumer(topic, cfg, group="bench", offset_reset="latest", on_assign=on_assign)
     while not stop.is_set():
@@ -1860,11 +1857,11 @@ def _group_member_parts(cfg: NodeConfig, topic: str, index: int, events: Any, st
                     fresh.discard(r.partition)
                     seen.append(r.partition)
             if seen:
-                events.send(("resumed", index, seen))
+                events.send(("state", index, len(known), len(fresh)))
     consumer.close()
 
 
-def _group_event_parts(events: list[Any], wait: float, owned: list[int], counts: list[int], resumed: set[Any]) -> None:
+def _group_event_parts(events: list[Any], wait: float, owned: list[int], pending: list[int]) -> None:
     """Take the reports of :func:`_group_member_parts` into the tallies."""
     from multiprocessing.connection import wait as ready
 
@@ -1877,10 +1874,7 @@ def _group_event_parts(events: list[Any], wait: float, owned: list[int], counts:
         except (EOFError, OSError):
             events.remove(conn)
             continue
-        if event[0] == "assign":
-            owned[event[1]] = event[2]
-        elif event[0] == "resumed":
-            resumed.update((event[1], p) for p in event[2])
+        owned[event[1]], pending[event[1]] = event[2], event[3]
 
 
 def main(args: argparse.Namespace) -> int:
