@@ -1783,6 +1783,7 @@ def bench_group_partitions(args: argparse.Namespace) -> int:
                 _group_event_parts(events, 0.1, owned, pending)
                 if _group_settled(owned, pending, live, n):
                     return time.monotonic() - t0
+            print(f"group: not settled: owned {owned}, without a record yet {pending}", flush=True)
             return None
 
         members = [member(0), member(1)]
