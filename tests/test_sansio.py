@@ -157,6 +157,25 @@ def test_cut_watch_tells_a_cut_from_a_peer_gone() -> None:
     assert w.cut(9.0) == []
 
 
+def test_cut_watch_due_only_while_a_disconnection_is_pending() -> None:
+    """An idle node schedules no cut check: due() is None until a DISCONNECTED."""
+    import zmq
+
+    from dafka.core.reach import CutWatch
+
+    w = CutWatch(0.25)
+    assert w.due() is None
+    w.on_event("a", zmq.EVENT_HANDSHAKE_SUCCEEDED, 0.0)
+    w.on_event("b", zmq.EVENT_HANDSHAKE_SUCCEEDED, 0.0)
+    assert w.due() is None
+    w.on_event("b", zmq.EVENT_DISCONNECTED, 2.0)
+    w.on_event("a", zmq.EVENT_DISCONNECTED, 1.0)
+    assert w.due() == 1.25  # the earliest
+    assert w.cut(1.25) == ["a"] and w.due() == 2.25
+    w.on_event("b", zmq.EVENT_CONNECT_RETRIED, 2.1)
+    assert w.due() is None
+
+
 @settings(max_examples=200)
 @given(st.permutations(list(range(30))), st.integers(0, 29))
 def test_any_arrival_order_delivers_in_order_without_duplicates(order: list[int], dup: int) -> None:

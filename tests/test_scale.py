@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -375,3 +376,98 @@ def test_topics_and_status_summarise_many_partitions(tmp_path: Path) -> None:
     assert parts[7] in lines[header + 2]  # the lagging one first
     full = render_text(snap, None)
     assert all(full.count(p) == 2 for p in parts) and "more" not in full
+
+
+def test_an_idle_producer_wakes_about_once_a_second(cfg: NodeConfig, tmp_path: Path) -> None:
+    """A fleet's cost is mostly its idle nodes' wake-ups: an idle producer beside a
+    store runs its timers together, once a second, and no check every 250 ms."""
+    cfg = dataclasses.replace(cfg, beacon_interval=1.0, beacon_timeout=5.0)  # the default
+    with Store(str(tmp_path / "db"), cfg, sync=False) as store, Producer("idle", cfg) as producer:
+        assert producer.publish(b"x").wait(10)
+        wait_until(lambda: len(producer.peers) >= 1 and len(store.peers) >= 1, timeout=10)
+        time.sleep(1.5)  # settled: the store's beacon and ACK repeats only
+        timers0 = {fn.__name__: last for _, last, fn in producer._timers}
+        turns0, t0 = producer.loop_turns, time.monotonic()
+        time.sleep(4.0)
+        rate = (producer.loop_turns - turns0) / (time.monotonic() - t0)
+        ran = {fn.__name__ for _, last, fn in producer._timers if last != timers0[fn.__name__]}
+    # Each second: the timers (one turn, the HEAD's too), the store's beacon, the
+    # tower's hello, now and then a repeated ACK. It was 7-8: a cut check every
+    # 250 ms, the HEAD timer a few ms out of step with the others, an ACK a second.
+    assert "_check_cuts" not in ran
+    assert rate < 4.5, (rate, producer._timers)
+
+
+def test_ack_repeats_back_off_until_the_producer_subscribes_again() -> None:
+    from dafka.store.acks import MAX_GAP, AckRepeats
+
+    r = AckRepeats()
+    assert r.due("P", 5, 0.0)  # never sent: answer
+    r.sent("P", 5, 0.0)
+    assert not r.due("P", 5, 0.5)  # it has it, most likely
+    assert r.due("P", 6, 0.5)  # a new head always goes
+    r.sent("P", 6, 0.5)
+    # Unchanged: after 1 s, then 2 s, 4 s ... at most MAX_GAP apart.
+    times = [t / 10 for t in range(5, 2000, 5) if r.due("P", 6, t / 10)]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert times[0] == 1.5 and gaps[:4] == [2.0, 4.0, 8.0, MAX_GAP] and max(gaps) == MAX_GAP
+    r.forget("P")  # the producer subscribed again: its next HEAD is answered
+    assert r.due("P", 6, 200.0)
+    r.forget("never seen")  # a hostile subscription adds nothing
+    assert len(r) == 0
+
+
+def test_an_idle_producer_gets_fewer_and_fewer_repeated_acks(cfg: NodeConfig, tmp_path: Path) -> None:
+    """Each HEAD of an idle producer (one a second) got its ACK again: on a fleet,
+    most of the store's output and a wake-up a second for every producer."""
+    with Store(str(tmp_path / "db"), cfg, sync=False) as store, Producer("idle", cfg) as producer:
+        assert producer.publish(b"x").wait(10)
+        time.sleep(0.5)
+        sent0 = store.acks_sent
+        time.sleep(6.0)  # six HEADs
+        repeats = store.acks_sent - sent0
+        assert repeats <= 3, repeats  # after 1, 2 (and 4) s
+        # A record published now is acknowledged at once as before.
+        assert producer.publish(b"y").wait(5)
+
+
+
+_FULL_MONITOR = """
+import logging, socket, time
+import zmq
+from dafka.nodes.node import OUTBOUND_EVENTS
+from dafka.nodes.security import RefusalLog
+
+ports = []
+for _ in range(200):  # ports nobody listens on: every attempt is refused and retried
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        ports.append(s.getsockname()[1])
+ctx = zmq.Context()
+sub = ctx.socket(zmq.SUB)
+sub.setsockopt(zmq.LINGER, 0)
+refusals = RefusalLog(sub, "test", logging.getLogger("test"), events=OUTBOUND_EVENTS, refusals=False)
+for port in ports:
+    sub.connect(f"tcp://127.0.0.1:{port}")
+time.sleep(1.5)  # ~200 endpoints x 10 retries a second, never read: over 1,000 events
+refusals.close()
+sub.close(0)
+ctx.term()
+print("closed")
+"""
+
+
+def test_closing_a_node_with_a_full_monitor_queue_does_not_hang() -> None:
+    """Hundreds of gone peers queue a thousand reconnect events within a second
+    after a node's loop stopped reading: stopping the monitor then blocked for
+    good, holding the GIL (so in a child process, with a deadline)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    try:
+        out = subprocess.run([sys.executable, "-c", _FULL_MONITOR], env=env, capture_output=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("closing the monitor hung")
+    assert out.returncode == 0 and b"closed" in out.stdout, out.stderr

@@ -23,7 +23,7 @@ from dafka.bench.aio import bench_aio
 from dafka.bench.ceiling import bench_ceiling
 from dafka.bench.common import PAYLOAD
 from dafka.bench.embedded import bench_embedded
-from dafka.bench.group import bench_group
+from dafka.bench.group import bench_group, bench_group_partitions
 from dafka.bench.kafka import bench_kafka, bench_kafka_group
 from dafka.bench.latency import bench_latency
 from dafka.bench.live import bench_live
@@ -53,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--secure", action="store_true", help="live, store, replay: CURVE mesh with temporary keys; zmq, ceiling: CURVE on the bare pair")
     p.add_argument("--nodes", type=int, default=100, help="scale: producers in the mesh")
     p.add_argument("--procs", type=int, default=4, help="scale: processes hosting the producers")
+    p.add_argument(
+        "--partitions", type=int, default=0,
+        help="group: a group over this many partitions (one producer each, 1 record/s): rebalance times",
+    )
     p.add_argument(
         "--outbox-sync", choices=["each", "batch"], default="each",
         help="outbox, latency --outbox: each (publish waits for the fsync) or batch",
@@ -85,7 +89,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "spark": _spark_bench,
     "latency": bench_latency,
     "outbox": bench_outbox,
-    "group": lambda args: bench_group(args),
+    "group": lambda args: bench_group_partitions(args) if args.partitions else bench_group(args),
 }
 
 

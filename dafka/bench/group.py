@@ -10,8 +10,9 @@ import time
 from itertools import repeat
 from typing import Any
 
-from dafka.bench.common import _mesh, _store_process
-from dafka.config import NodeConfig
+from dafka.bench.common import _mesh, _store_process, _tower_process
+from dafka.bench.scale import _scale_producers
+from dafka.config import NodeConfig, TowerAddress
 
 GROUP_PARTITIONS = 6
 
@@ -209,3 +210,155 @@ def bench_group(args: argparse.Namespace) -> dict[str, list[float]]:
     if takeovers:
         print(f"group takeover: median {statistics.median(takeovers):.2f}s over {len(takeovers)} runs")
     return {"group": rates}
+
+
+def _group_settled(owned: list[int], pending: list[int], members: list[int], total: int) -> bool:
+    """Whether ``members`` own every partition between them, each some, and each
+    delivered a record of every partition it was newly given (``pending`` of them not yet)."""
+    if sum(owned[i] for i in members) != total or not all(owned[i] for i in members):
+        return False
+    return not any(pending[i] for i in members)
+
+
+def bench_group_partitions(args: argparse.Namespace) -> int:
+    """A group over ``--partitions`` partitions (that many producers, 1 record/s
+    each): seconds until 2 members own every partition and records flow, then
+    after a third joins, then after one is killed (kill -9)."""
+    import tempfile
+
+    n = args.partitions
+    ctx = mp.get_context("spawn")
+    ports, tower_done = ctx.Queue(), ctx.Event()
+    tower = ctx.Process(target=_tower_process, args=(ports, tower_done))
+    tower.start()
+    in_port, out_port = ports.get(timeout=60)
+    cfg = NodeConfig(towers=(TowerAddress("127.0.0.1", in_port, out_port),), bind="127.0.0.1")
+    topic = f"bench-group-{n}-{int(time.time())}"
+    procs = max(1, min(args.procs, n))
+    phases: list[tuple[str, float | None]] = []
+    members: list[Any] = []
+    hosts: list[Any] = []
+    with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
+        ready, done, stop = ctx.Event(), ctx.Event(), ctx.Event()
+        store = ctx.Process(target=_store_process, args=(cfg, db, not args.no_sync, ready, done))
+        store.start()
+        ready.wait(60)
+        go, result = ctx.Event(), ctx.Queue()
+        shares = [n // procs + (i < n % procs) for i in range(procs)]
+        seconds = 180.0  # publishing 1 record/s each for as long as the phases may take
+        hosts = [ctx.Process(target=_scale_producers, args=(cfg, topic, k, seconds, go, result)) for k in shares]
+        for host in hosts:
+            host.start()
+        for _ in hosts:
+            result.get(timeout=600)
+        go.set()
+        print(f"group: {n} producers publishing (1 record/s each)", flush=True)
+        pipes = [ctx.Pipe(duplex=False) for _ in range(3)]
+        owned = [0, 0, 0]
+        pending = [0, 0, 0]  # newly given partitions without a record yet
+        events = [pipes[0][0], pipes[1][0]]
+
+        def member(i: int) -> Any:
+            m = ctx.Process(target=_group_member_parts, args=(cfg, topic, i, pipes[i][1], stop))
+            m.start()
+            return m
+
+        def settle(live: list[int], limit: float) -> float | None:
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < limit:
+                _group_event_parts(events, 0.1, owned, pending)
+                if _group_settled(owned, pending, live, n):
+                    return time.monotonic() - t0
+            print(f"group: not settled: owned {owned}, without a record yet {pending}", flush=True)
+            return None
+
+        members = [member(0), member(1)]
+        phases.append(("2 members start", settle([0, 1], 120)))
+        print(f"group: owned {owned[:2]}", flush=True)
+        events.append(pipes[2][0])
+        members.append(member(2))
+        phases.append(("a 3rd member joins", settle([0, 1, 2], 120)))
+        print(f"group: owned {owned}", flush=True)
+        victim = max(range(3), key=lambda i: owned[i])
+        members[victim].kill()
+        events = [pipes[i][0] for i in range(3) if i != victim]
+        owned[victim] = pending[victim] = 0
+        live = [i for i in range(3) if i != victim]
+        phases.append((f"a member with {max(owned)} partitions is killed", settle(live, 120)))
+        print(f"group: owned {owned}", flush=True)
+        stop.set()
+        for m in members:
+            m.join(30)
+            if m.is_alive():
+                m.kill()
+        for host in hosts:
+            host.kill()
+        done.set()
+        store.join(60)
+    tower_done.set()
+    tower.join(30)
+    status = 0
+    for what, took in phases:
+        if took is None:
+            print(f"group over {n} partitions: {what}: not settled within 120s", flush=True)
+            status = 1
+        else:
+            print(
+                f"group over {n} partitions: {what}: every partition owned and delivering after {took:.2f}s"
+                f" (beacon timeout {cfg.beacon_timeout}s)",
+                flush=True,
+            )
+    return status
+
+
+def _group_member_parts(cfg: NodeConfig, topic: str, index: int, events: Any, stop: Any) -> None:
+    """A group member over many partitions: reports its assignment size and each
+    newly assigned partition's first record (as a partition name)."""
+    import logging
+    import threading
+
+    from dafka.nodes.consumer import Consumer
+
+    logging.getLogger("dafka").setLevel(logging.ERROR)
+    lock = threading.Lock()
+    fresh: set[str] = set()
+    known: set[str] = set()
+
+    def on_assign(parts: frozenset[tuple[str, str]]) -> None:
+        names = {p for _, p in parts}
+        with lock:
+            # Still ours and not seen yet, and the new ones.
+            fresh.intersection_update(names)
+            fresh.update(names - known)
+            known.clear()
+            known.update(names)
+            events.send(("state", index, len(parts), len(fresh)))
+
+    consumer = Consumer(topic, cfg, group="bench", offset_reset="latest", on_assign=on_assign)
+    while not stop.is_set():
+        batch = consumer.poll_batch(20_000, 0.1)
+        seen = []
+        with lock:
+            for r in batch:
+                if r.partition in fresh:
+                    fresh.discard(r.partition)
+                    seen.append(r.partition)
+            if seen:
+                events.send(("state", index, len(known), len(fresh)))
+    consumer.close()
+
+
+def _group_event_parts(events: list[Any], wait: float, owned: list[int], pending: list[int]) -> None:
+    """Take the reports of :func:`_group_member_parts` into the tallies."""
+    from multiprocessing.connection import wait as ready
+
+    if not events:
+        time.sleep(wait)
+        return
+    for conn in ready(events, timeout=wait):
+        try:
+            event = conn.recv()
+        except (EOFError, OSError):
+            events.remove(conn)
+            continue
+        owned[event[1]], pending[event[1]] = event[2], event[3]

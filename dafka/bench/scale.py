@@ -67,8 +67,9 @@ def _scale_producers(cfg: NodeConfig, topic: str, n: int, seconds: float, go: An
     from dafka.nodes.producer import Producer
 
     logging.getLogger("dafka").setLevel(logging.ERROR)
-    # A producer holds about 6 ZeroMQ sockets; a context allows 1,023 by default.
-    zmq.Context.instance().set(zmq.MAX_SOCKETS, 8 * n + 64)
+    # A producer holds about 10 ZeroMQ sockets (monitors' internal ends count
+    # too); a context allows 1,023 by default.
+    zmq.Context.instance().set(zmq.MAX_SOCKETS, 16 * n + 64)
     producers = [Producer(topic, cfg, capacity=1000) for _ in range(n)]
     latencies: list[float] = []
     clock = time.perf_counter

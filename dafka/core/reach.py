@@ -270,6 +270,11 @@ class CutWatch:
         """Whether a disconnection waits to be told apart (see :meth:`cut`)."""
         return bool(self._down)
 
+    def due(self) -> float | None:
+        """When the earliest pending disconnection can be told apart (None: none
+        pending): the owner checks then, and not at all while nothing is pending."""
+        return min(self._down.values()) + self.grace if self._down else None
+
     def cut(self, now: float) -> list[object]:
         """The connections found cut since the last call (each reported once)."""
         due = [key for key, at in self._down.items() if now - at >= self.grace]

@@ -83,6 +83,7 @@ REACH_GRACE = 5  # beacon intervals with peers and none reaching us before a war
 # ZeroMQ cut the connection (see reach.CutWatch): the node connects again.
 FRAME_SLACK = 64 * 1024
 CUT_GRACE = 0.25  # seconds: a DISCONNECTED with no CONNECT_RETRIED after it was a cut
+CUT_IDLE = 3600.0  # seconds between cut checks while no disconnection is pending
 
 
 def frame_limit(max_record_bytes: int) -> int:
@@ -330,7 +331,10 @@ class Node:
         self.every(TICK, self._tick)
         self.every(cfg.beacon_interval, self._check_towers)
         self.every(cfg.beacon_interval, self._check_reach)
-        self.every(CUT_GRACE, self._check_cuts)
+        # Only while a disconnection waits to be told apart (see _schedule_cuts):
+        # idle, a node wakes once a second for all its timers, not 4 times.
+        self._cut_timer = len(self._timers)
+        self.every(CUT_IDLE, self._check_cuts)
         if self.keys is not None:
             self.every(cfg.beacon_interval, self._sweep_channel_monitors)
         # A plain node at a secure tower: the handshake fails (mechanism mismatch)
@@ -409,8 +413,20 @@ class Node:
         self._wake()
 
     def every(self, interval: float, fn: Callable[[float], None]) -> None:
-        """Call ``fn(now)`` in the I/O thread every ``interval`` seconds."""
-        self._timers.append((interval, time.monotonic(), fn))
+        """Call ``fn(now)`` in the I/O thread every ``interval`` seconds.
+
+        In step with the node's timers of the same interval (the first call may
+        come sooner than ``interval``): they run in one wake-up, not one each.
+        """
+        self._timers.append((interval, self._in_step(interval, time.monotonic()), fn))
+
+    def _in_step(self, interval: float, now: float) -> float:
+        """The last run to give a timer of ``interval`` so that it runs with the
+        node's others of that interval (``now`` if there are none)."""
+        for other, last, _ in self._timers:
+            if other == interval and last <= now:
+                return last + interval * math.floor((now - last) / interval)
+        return now
 
     def _wake(self) -> None:
         with self._wake_lock:
@@ -496,7 +512,8 @@ class Node:
                         fn(now)
                     except Exception:
                         self.log.exception("%s timer failed", self.kind)
-                    due = now + interval
+                    interval, last, fn = timers[i]  # (a timer may reschedule itself)
+                    due = last + interval
                 wait = min(wait, due - now)
             if self._linger_until:
                 if now >= self._linger_until:
@@ -736,10 +753,29 @@ class Node:
         """A monitor event of a data SUB (the plain one, or a channel)."""
         self.links.on_event(event, endpoint)
         self.cuts.on_event((sock, endpoint), event, time.monotonic())
+        self._schedule_cuts()
+
+    def _schedule_cuts(self) -> None:
+        """Run :meth:`_check_cuts` when the earliest pending disconnection is due
+        (and not at all while none is pending)."""
+        due = self.cuts.due()
+        interval, last, fn = self._timers[self._cut_timer]
+        if due is None:
+            if interval != CUT_IDLE:
+                self._timers[self._cut_timer] = (CUT_IDLE, last, fn)
+        elif due + TIMER_SLACK < last + interval:
+            # (past the slack: run early, the check would find nothing due yet)
+            self._timers[self._cut_timer] = (due + TIMER_SLACK - last, last, fn)
 
     def _check_cuts(self, now: float) -> None:
         """Timer: connect again to peers whose connection ZeroMQ cut (a frame over
         :attr:`frame_limit`); ZeroMQ itself never would."""
+        try:
+            self._cut_check(now)
+        finally:
+            self._schedule_cuts()
+
+    def _cut_check(self, now: float) -> None:
         if not self.cuts.pending:
             return
         # Read the monitors first: a CONNECT_RETRIED may wait unread there.
@@ -866,7 +902,9 @@ class Node:
         interval = self.tick_interval()
         timer = self._timers[self._tick_timer]
         if timer[0] != interval:
-            self._timers[self._tick_timer] = (interval, timer[1], timer[2])
+            # A slow tick runs with the other timers of its interval (one wake-up).
+            last = self._in_step(interval, now) if interval > TICK else timer[1]
+            self._timers[self._tick_timer] = (interval, last, timer[2])
 
     def tick_interval(self) -> float:
         """Seconds to the next :meth:`on_tick` (an idle node may tick less often:

@@ -425,6 +425,15 @@ class RefusalLog:
                 self.on_refused(endpoint)
 
     def close(self) -> None:
+        # libzmq's monitor stop sends a last event and blocks while the monitor's
+        # queue (1,000 events) is full: a node with hundreds of peers that went
+        # away queues that many reconnect attempts within a second once its loop
+        # stopped reading.  Empty it first (bounded), then stop it.
+        for _ in range(100_000):
+            try:
+                self.monitor.recv(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                break
         try:
             self.sock.disable_monitor()
         except zmq.ZMQError:

@@ -51,6 +51,7 @@ from dafka.errors import ConfigError, ProtocolError
 from dafka.nodes.metrics import SECONDS_BUCKETS, SIZE_BUCKETS, Histogram
 from dafka.nodes.node import DRAIN, read_subscriptions
 from dafka.nodes.reader import NOBLOCK, PartitionReader
+from dafka.store.acks import AckRepeats
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.holes import HoleRepair
 from dafka.store.layout import RECORD_KEY, VALUE_HEADER
@@ -176,6 +177,7 @@ class Store(PartitionReader):
         self.storage_error: StorageError | None = None
         self._retry_at = 0.0
         self._unsent_acks: dict[tuple[str, str], int] = {}
+        self._ack_repeats = AckRepeats()  # whether a HEAD gets its unchanged ACK again
         # GET-HEADS / CONSUMER-HELLO answers wait until the input queued before
         # them is read (see _answer_heads): (requester, subjects, when asked).
         self._heads_wanted: list[tuple[str, tuple[str, ...], float]] = []
@@ -449,6 +451,7 @@ class Store(PartitionReader):
 
     def _forget(self, key: tuple[str, str]) -> None:
         """Drop a partition's reading state: its next record starts a new tracker."""
+        self._ack_repeats.forget(key[1])
         tracker = self._trackers.pop(key, None)
         if tracker is None:
             return
@@ -521,18 +524,23 @@ class Store(PartitionReader):
         head = self._heads.get(key, -1)
         if head >= 0 and self.storage_error is None:
             # A pending ACK may be higher (records a peer store sent us): keep it.
-            self._unsent_acks[key] = max(self._unsent_acks.get(key, -1), min(head, sequence))
+            ack = max(self._unsent_acks.get(key, -1), min(head, sequence))
+            if not self._ack_repeats.due(tracker.address, ack, time.monotonic()):
+                return  # it has this ACK already, most likely (see dafka.store.acks)
+            self._unsent_acks[key] = ack
             self._send_acks()
 
     def _send_acks(self) -> None:
         send = self.publisher.send
         sent = []
+        repeats, now = self._ack_repeats, time.monotonic()
         for (topic, partition), head in self._unsent_acks.items():
             try:
                 send(wire.encode(wire.Ack(partition, topic, head))[0], NOBLOCK)
             except zmq.Again:
                 break  # a full reader: the rest go out on the next tick
             sent.append((topic, partition))
+            repeats.sent(partition, head, now)
             self.acks_sent += 1
         for key in sent:
             del self._unsent_acks[key]
@@ -774,6 +782,9 @@ class Store(PartitionReader):
                 self.send(wire.StoreHello(consumer, self.address))
             elif prefix[:1] == wire.P_FETCH:
                 self.retry_missing_now()
+            elif prefix[:1] == wire.P_ACK and len(prefix) > 1:
+                # A producer (re)connected: an ACK sent before may have missed it.
+                self._ack_repeats.forget(prefix[1:].decode(errors="replace"))
             elif prefix == wire.P_HEAD:
                 # Another store (it takes every HEAD) connected: tell it what we
                 # hold, so it can fetch partitions whose producers are gone.
