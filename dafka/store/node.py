@@ -70,6 +70,8 @@ def linger_setting(section: dict[str, Any]) -> float:
 
 
 MAX_BATCH = 200_000  # records waiting for the writer before reading pauses
+MAX_FETCH_JOBS = 10_000  # FETCH answers in progress at once, all requesters
+MAX_JOBS_PER_REQUESTER = 8  # of one requester for one partition (a reader needs one or two)
 MAX_TOO_LARGE_HOLES = 10_000  # offsets dropped over the size limit, remembered until their hole commits
 SERVE_SLICE = 2_000  # DIRECT-RECORDs sent per FETCH job per loop turn
 STATS_INTERVAL = 10.0
@@ -173,6 +175,9 @@ class Store(PartitionReader):
         self._ts = 0  # receive time (ms) of the records being read
         self._jobs: deque[FetchJob] = deque()
         self._job_of: dict[tuple[str, str, str], FetchJob] = {}  # (requester, subject, partition)
+        self._job_counts: dict[tuple[str, str, str], int] = {}  # jobs in self._jobs per key
+        self.fetches_refused = 0  # FETCHes over MAX_JOBS_PER_REQUESTER or MAX_FETCH_JOBS
+        self._stats_refused = 0
         self._blocked = False  # a FETCH reader's queue was full
         self.storage_error: StorageError | None = None
         self._retry_at = 0.0
@@ -705,6 +710,14 @@ class Store(PartitionReader):
                 job.offset = job.asked = start
             job.remaining = stop - job.offset
             return
+        # Bounded: distinct ranges each get a job, so a broken or hostile peer
+        # could otherwise queue one per FETCH it sends.  A refused FETCH is asked
+        # again by a reader that needs it.
+        n = self._job_counts.get(job_key, 0)
+        if n >= MAX_JOBS_PER_REQUESTER or len(self._jobs) >= MAX_FETCH_JOBS:
+            self.fetches_refused += 1
+            return
+        self._job_counts[job_key] = n + 1
         prefix = wire.record_prefix(wire.DIRECT_RECORD, fetch.address, fetch.topic, fetch.subject)
         self._read_subscriptions()  # the requester's may not be read yet: the answer's form depends on them
         batched = self.batches_for(prefix)
@@ -766,6 +779,11 @@ class Store(PartitionReader):
     def _job_done(self, job: FetchJob) -> None:
         if self._job_of.get(job.key) is job:
             del self._job_of[job.key]
+        n = self._job_counts.get(job.key, 1) - 1
+        if n > 0:
+            self._job_counts[job.key] = n
+        else:
+            self._job_counts.pop(job.key, None)
 
     def _read_subscriptions(self) -> None:
         for subscribe, prefix in read_subscriptions(self.publisher):
@@ -925,3 +943,13 @@ class Store(PartitionReader):
                 served / elapsed,
                 len(self._heads),
             )
+        if self.fetches_refused != self._stats_refused:
+            log.warning(
+                "store %s: %d FETCHes refused so far: more than %d answers in progress for one"
+                " requester and partition, or %d in all (a reader asks again)",
+                self.address[:8],
+                self.fetches_refused,
+                MAX_JOBS_PER_REQUESTER,
+                MAX_FETCH_JOBS,
+            )
+            self._stats_refused = self.fetches_refused
