@@ -312,29 +312,3 @@ def test_linger_setting_is_checked() -> None:
         with pytest.raises(ConfigError):
             linger_setting({"linger_ms": bad})
 
-
-def test_a_peer_cannot_queue_a_fetch_answer_per_fetch_it_sends(cfg: NodeConfig, tmp_path: Path, raw_peer) -> None:
-    """Distinct ranges each get an answer in progress: bounded per requester and partition."""
-    from dafka.store.node import MAX_JOBS_PER_REQUESTER
-
-    with Store(tmp_path / "db", cfg) as store:
-        with Producer("t", cfg) as p:
-            p.publish_many(b"r%d" % i for i in range(10_000))
-            assert p.flush(30)
-        peer = raw_peer([wire.P_DIRECT_RECORD])
-        peer.wait_for(lambda q: len(q.peers) >= 1 and len(store.peers) >= 1)
-        peer.wait_for(lambda q: q.subscribed(b"F"))
-        partition = next(iter(store.heads()))[1]
-        # The peer reads nothing meanwhile: its answers block, and jobs would pile up.
-        n = 4000
-        for off in range(0, 2 * n, 2):
-            peer.send(wire.Fetch(partition, peer.address, "t", off, 1))
-        wait_until(lambda: store.fetches_received >= n, timeout=30)
-        most = max(store._job_counts.values(), default=0)
-        assert most <= MAX_JOBS_PER_REQUESTER and len(store._jobs) <= MAX_JOBS_PER_REQUESTER
-        assert store.fetches_refused > 0
-        # Still served: a FETCH once the answers in progress are done.
-        peer.pump(1.0)
-        wait_until(lambda: not store._jobs, timeout=30)
-        peer.send(wire.Fetch(partition, peer.address, "t", 9_999, 1))
-        peer.wait_for(lambda q: any(m.sequence == 9_999 for m in q.messages(wire.DirectRecord)))
