@@ -148,6 +148,16 @@ def _tower_process(ports: Any, done: Any) -> None:
     tower.close()
 
 
+def _spawn_tower(ctx: Any) -> tuple[Any, Any, NodeConfig]:
+    """A tower in a process of its own: ``(process, done event, node config)``;
+    set ``done`` and join the process to stop it."""
+    ports, done = ctx.Queue(), ctx.Event()
+    tower = ctx.Process(target=_tower_process, args=(ports, done))
+    tower.start()
+    in_port, out_port = ports.get(timeout=60)
+    return tower, done, NodeConfig(towers=(TowerAddress("127.0.0.1", in_port, out_port),), bind="127.0.0.1")
+
+
 @contextlib.contextmanager
 def _mesh_with_stored_topic(topic: str, args: argparse.Namespace) -> Iterator[NodeConfig]:
     """A tower and a store process whose database already holds ``args.records``

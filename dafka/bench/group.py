@@ -7,12 +7,13 @@ import multiprocessing as mp
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from itertools import repeat
 from typing import Any
 
-from dafka.bench.common import _mesh, _store_process, _tower_process
+from dafka.bench.common import _mesh, _spawn_tower, _store_process
 from dafka.bench.scale import _scale_producers
-from dafka.config import NodeConfig, TowerAddress
+from dafka.config import NodeConfig
 
 GROUP_PARTITIONS = 6
 
@@ -103,8 +104,9 @@ def _group_member(cfg: NodeConfig, topic: str, index: int, events: Any, stop: An
     consumer.close()
 
 
-def _group_event(events: list[Any], wait: float, owned: list[int], counts: list[int], resumed: list[Any]) -> None:
-    """Take the member reports that come within ``wait`` (from ``events``, their pipes) into the tallies."""
+def _reports(events: list[Any], wait: float) -> Iterator[Any]:
+    """The member reports that come within ``wait`` from ``events`` (their pipes);
+    a pipe whose member exited is dropped from ``events``."""
     from multiprocessing.connection import wait as ready
 
     if not events:
@@ -112,10 +114,14 @@ def _group_event(events: list[Any], wait: float, owned: list[int], counts: list[
         return
     for conn in ready(events, timeout=wait):
         try:
-            event = conn.recv()
+            yield conn.recv()
         except (EOFError, OSError):
-            events.remove(conn)  # the member exited
-            continue
+            events.remove(conn)
+
+
+def _group_event(events: list[Any], wait: float, owned: list[int], counts: list[int], resumed: list[Any]) -> None:
+    """Take the member reports that come within ``wait`` (from ``events``, their pipes) into the tallies."""
+    for event in _reports(events, wait):
         if event[0] == "assign":
             owned[event[1]] = event[2]
         elif event[0] == "count":
@@ -228,11 +234,7 @@ def bench_group_partitions(args: argparse.Namespace) -> int:
 
     n = args.partitions
     ctx = mp.get_context("spawn")
-    ports, tower_done = ctx.Queue(), ctx.Event()
-    tower = ctx.Process(target=_tower_process, args=(ports, tower_done))
-    tower.start()
-    in_port, out_port = ports.get(timeout=60)
-    cfg = NodeConfig(towers=(TowerAddress("127.0.0.1", in_port, out_port),), bind="127.0.0.1")
+    tower, tower_done, cfg = _spawn_tower(ctx)
     topic = f"bench-group-{n}-{int(time.time())}"
     procs = max(1, min(args.procs, n))
     phases: list[tuple[str, float | None]] = []
@@ -350,15 +352,5 @@ def _group_member_parts(cfg: NodeConfig, topic: str, index: int, events: Any, st
 
 def _group_event_parts(events: list[Any], wait: float, owned: list[int], pending: list[int]) -> None:
     """Take the reports of :func:`_group_member_parts` into the tallies."""
-    from multiprocessing.connection import wait as ready
-
-    if not events:
-        time.sleep(wait)
-        return
-    for conn in ready(events, timeout=wait):
-        try:
-            event = conn.recv()
-        except (EOFError, OSError):
-            events.remove(conn)
-            continue
+    for event in _reports(events, wait):
         owned[event[1]], pending[event[1]] = event[2], event[3]

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dafka.bench.common import PAYLOAD, _store_process, _tower_process
-from dafka.config import NodeConfig, TowerAddress
+from dafka.bench.common import PAYLOAD, _spawn_tower, _store_process
+from dafka.config import NodeConfig
 
 # ---------------------------------------------------------------- scale
 
@@ -132,11 +132,7 @@ def bench_scale(args: argparse.Namespace) -> int:
 
     n, procs = args.nodes, max(1, min(args.procs, args.nodes))
     ctx = mp.get_context("spawn")
-    ports, tower_done = ctx.Queue(), ctx.Event()
-    tower = ctx.Process(target=_tower_process, args=(ports, tower_done))
-    tower.start()
-    in_port, out_port = ports.get(timeout=60)
-    cfg = NodeConfig(towers=(TowerAddress("127.0.0.1", in_port, out_port),), bind="127.0.0.1")
+    tower, tower_done, cfg = _spawn_tower(ctx)
     topic = f"bench-scale-{int(time.time())}"
     status = 0
     with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
@@ -181,11 +177,20 @@ def bench_scale(args: argparse.Namespace) -> int:
         go.set()
         time.sleep(min(args.seconds, 5.0) / 2)
         sockets = _tcp_sockets(pids)
-        for _ in hosts:  # CPU over the publishing window (not the flush after it)
-            result.get(timeout=args.seconds + 120)
+        # CPU over the publishing window (not the flush after it).  One host's
+        # "done" may come before another's "published": sort them by kind.
+        finished: list[Any] = []
+        waiting = len(hosts)
+        while waiting:
+            msg = result.get(timeout=args.seconds + 120)
+            if msg[0] == "published":
+                waiting -= 1
+            else:
+                finished.append(msg)
         elapsed = time.monotonic() - t0
         cpu = {pid: _proc_cpu(pid) - c for pid, c in cpu0.items()}
-        finished = [result.get(timeout=120) for _ in hosts]
+        while len(finished) < len(hosts):
+            finished.append(result.get(timeout=120))
         received = 0
         while live.poll(0.0) is not None:
             received += 1
