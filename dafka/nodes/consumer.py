@@ -36,6 +36,7 @@ from dafka.core import beacon, wire
 from dafka.core.gaps import LIVE_SETTLE_MIN, LiveEdge, PartitionTracker
 from dafka.core.groups import GroupState, Key, PendingCommits, PositionsQuery
 from dafka.errors import ClosedError, CommitError, DeserializationError
+from dafka.nodes.loop import NodeLoop
 from dafka.nodes.node import DRAIN, read_subscriptions
 from dafka.nodes.reader import PartitionReader
 from dafka.values import Deserializer
@@ -132,6 +133,9 @@ class Consumer(PartitionReader):
     taking bytes) decodes each record's ``value`` from its ``content`` when
     ``value`` is read; a record it cannot decode raises
     :class:`~dafka.errors.DeserializationError` there, and is not lost.
+
+    ``loop``: a :class:`~dafka.nodes.loop.NodeLoop` to run this consumer's I/O
+    in, shared with other nodes (one thread for all); None: its own thread.
     """
 
     kind = "consumer"
@@ -152,6 +156,7 @@ class Consumer(PartitionReader):
         auto_commit_interval: float | None = None,
         on_assign: Callable[[frozenset[Key]], None] | None = None,
         deserializer: str | Deserializer | None = None,
+        loop: NodeLoop | None = None,
     ) -> None:
         self._record_type = record_type(deserializer)
         if offset_reset not in ("latest", "earliest"):
@@ -164,7 +169,7 @@ class Consumer(PartitionReader):
         if auto_commit_interval is not None and (group is None or auto_commit_interval <= 0):
             raise ValueError("auto_commit_interval needs a group and must be > 0")
         config = (config or default_node_config()).with_towers(towers)
-        super().__init__(config)
+        super().__init__(config, loop=loop)
         self.offset_reset = offset_reset
         self.earliest = offset_reset == "earliest"
         # "latest": which partitions existed when a topic was subscribed.

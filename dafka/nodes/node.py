@@ -9,7 +9,9 @@ A node has
   beacon advertises.
 
 The loop runs in one thread, owns every socket except the ones a subclass
-documents as shared, and calls the subclass hooks.  Protocol decisions live in
+documents as shared, and calls the subclass hooks.  That thread is the node's
+own, or one a :class:`~dafka.nodes.loop.NodeLoop` shares among many nodes of a
+process (many producers of one app: one thread, not one each).  Protocol decisions live in
 the sans-IO objects (``PeerTable``, ``PartitionTracker``, ``UnackedWindow``);
 this module only moves bytes and time.
 
@@ -38,7 +40,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -49,6 +51,9 @@ from dafka.core.audience import BatchAudience
 from dafka.core.peers import Connect, PeerAction, PeerTable, TowerWatch, refused_hint
 from dafka.errors import ConfigError, ProtocolError
 from dafka.nodes import security
+
+if TYPE_CHECKING:
+    from dafka.nodes.loop import NodeLoop
 
 DRAIN = 4096  # messages read from a socket before looking at the others again
 TICK = 0.05  # seconds between calls of on_tick
@@ -149,8 +154,17 @@ class Node:
     kind = "node"
     publisher_type = zmq.PUB
 
-    def __init__(self, config: NodeConfig | None = None, *, address: str | None = None) -> None:
+    def __init__(
+        self,
+        config: NodeConfig | None = None,
+        *,
+        address: str | None = None,
+        loop: NodeLoop | None = None,
+    ) -> None:
         self.config = config or default_node_config()
+        # None: the node runs its own I/O thread; else the shared loop runs it.
+        self._loop = loop
+        self._ended = threading.Event()  # a shared loop has closed the node
         self.log = logging.getLogger(f"dafka.{self.kind}")
         # Secure mode (a [security] config): CURVE on every mesh socket.
         sec = self.config.security
@@ -198,6 +212,7 @@ class Node:
         self.loop_turns = 0  # wake-ups of the I/O loop (input, timers or work)
         self.metrics_server: Any = None  # see serve_metrics
         self._readers: dict[object, Callable[[], None]] = {}
+        self._poller: Any = None  # a zmq.Poller, or a shared loop's stand-in for one
 
         cfg = self.config
         self.publisher = self.ctx.socket(self.publisher_type)
@@ -317,13 +332,18 @@ class Node:
 
         self.refresh_interest()
 
-        # Unique per instance: a restart with the same address may bind before the old one is reaped.
-        wake_endpoint = f"inproc://dafka-wake-{self.address}-{new_address()}"
-        self._wake_rx = self.ctx.socket(zmq.PAIR)
-        self._wake_rx.bind(wake_endpoint)
-        self._wake_tx = self.ctx.socket(zmq.PAIR)
-        self._wake_tx.setsockopt(zmq.LINGER, 0)
-        self._wake_tx.connect(wake_endpoint)
+        # Other threads wake the I/O thread through a PAIR of sockets; a shared
+        # NodeLoop has one wake-up of its own for all its nodes.
+        self._wake_rx: zmq.Socket | None = None
+        self._wake_tx: zmq.Socket | None = None
+        if self._loop is None:
+            # Unique per instance: a restart with the same address may bind before the old one is reaped.
+            wake_endpoint = f"inproc://dafka-wake-{self.address}-{new_address()}"
+            self._wake_rx = self.ctx.socket(zmq.PAIR)
+            self._wake_rx.bind(wake_endpoint)
+            self._wake_tx = self.ctx.socket(zmq.PAIR)
+            self._wake_tx.setsockopt(zmq.LINGER, 0)
+            self._wake_tx.connect(wake_endpoint)
 
         self.every(cfg.beacon_interval, self._send_beacon)
         self.every(min(1.0, cfg.beacon_timeout / 4), self._expire_peers)
@@ -372,7 +392,13 @@ class Node:
     # ---------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        """Start the I/O thread (idempotent)."""
+        """Start the I/O thread, or join the shared loop (idempotent)."""
+        if self._loop is not None:
+            if not self._started.is_set() and not self._stop.is_set():
+                self._loop.attach(self)
+                if not self._started.wait(5.0):
+                    self.log.error("%s: the shared loop did not take the node within 5s", self.kind)
+            return
         if self._thread is not None:
             return
         self._thread = threading.Thread(
@@ -394,6 +420,15 @@ class Node:
         if self.metrics_server is not None:
             self.metrics_server.close()
             self.metrics_server = None
+        if self._loop is not None:
+            self._stop.set()
+            if not self._started.is_set():
+                self._close_sockets()
+            elif not self._loop.detach(self, timeout):
+                self.log.error(
+                    "%s: the shared loop did not close the node within %.1fs", self.kind, timeout
+                )
+            return
         if self._thread is None:
             self._close_sockets()
             return
@@ -405,6 +440,8 @@ class Node:
 
     @property
     def running(self) -> bool:
+        if self._loop is not None:
+            return self._started.is_set() and not self._ended.is_set()
         return self._thread is not None and self._thread.is_alive()
 
     def call_soon(self, fn: Callable[[], object]) -> None:
@@ -429,6 +466,10 @@ class Node:
         return now
 
     def _wake(self) -> None:
+        if self._wake_tx is None:
+            assert self._loop is not None
+            self._loop.wake(self)
+            return
         with self._wake_lock:
             if self._wake_tx.closed:
                 return
@@ -472,56 +513,15 @@ class Node:
     # ---------------------------------------------------------------- loop
 
     def _run(self) -> None:
+        """The node's own I/O thread (a node without a shared :class:`~dafka.nodes.loop.NodeLoop`)."""
         poller = self._poller = zmq.Poller()
-        readers = self._readers = {
-            self.sub: self._read_data,
-            self.beacon_sub: self._read_beacons,
-            self._wake_rx: self._read_wake,
-        }
-        for refusals in self._refusals:
-            readers[refusals.monitor] = refusals.read
-        for sock, monitor in self._tower_monitors:
-            readers[monitor] = lambda s=sock, m=monitor: self._read_tower_handshakes(s, m)
-        for sock in readers:
-            poller.register(sock, zmq.POLLIN)
-        if self._channel_selector is not None and self._monitor_selector is not None:
-            self.watch(self._channel_selector, self._read_channels)
-            self.watch(self._monitor_selector, self._read_channel_monitors)
-        for sock, reader in self.sockets():
-            self.watch(sock, reader)
-        try:
-            self.on_start()
-            self._send_beacon(time.monotonic())
-        except Exception:
-            self.log.exception("%s failed to start", self.kind)
-        self._started.set()
-        timers = self._timers
+        self._loop_begin()
+        readers = self._readers
         stop = self._stop
         while not stop.is_set():
             self.loop_turns += 1
-            now = time.monotonic()
-            wait = 1.0
-            for i, (interval, last, fn) in enumerate(timers):
-                due = last + interval
-                # Timers due within a millisecond run together (and stay in step
-                # after, as their last run is the same ``now``): one wake-up a
-                # second for a node's 1 s timers instead of one each.
-                if due <= now + TIMER_SLACK:
-                    timers[i] = (interval, now, fn)
-                    try:
-                        fn(now)
-                    except Exception:
-                        self.log.exception("%s timer failed", self.kind)
-                    interval, last, fn = timers[i]  # (a timer may reschedule itself)
-                    due = last + interval
-                wait = min(wait, due - now)
-            if self._linger_until:
-                if now >= self._linger_until:
-                    self._linger_until = 0.0
-                    self._watch_data()
-                else:
-                    wait = min(wait, self._linger_until - now)
-            if self.has_work() or (self._busy and not self.data_paused and not self._linger_until):
+            wait = self._loop_timers(time.monotonic())
+            if self._loop_spins():
                 wait = 0.0  # more work waits: only look for input, never sleep
             self.before_wait()
             try:
@@ -543,16 +543,86 @@ class Node:
                 except Exception:
                     # A bug must not kill the node; bad input is handled inside readers.
                     self.log.exception("%s failed handling input", self.kind)
-            if self._busy:
+            self._loop_after()
+        self._loop_end()
+
+    # The steps of a loop turn: the node's own thread (_run) and a shared
+    # NodeLoop both drive a node through these, in the I/O thread only.
+
+    def _loop_begin(self) -> None:
+        """Register the sockets with ``self._poller``, run on_start, send the first beacon."""
+        poller = self._poller
+        readers = self._readers = {
+            self.sub: self._read_data,
+            self.beacon_sub: self._read_beacons,
+        }
+        if self._wake_rx is not None:
+            readers[self._wake_rx] = self._read_wake
+        for refusals in self._refusals:
+            readers[refusals.monitor] = refusals.read
+        for sock, monitor in self._tower_monitors:
+            readers[monitor] = lambda s=sock, m=monitor: self._read_tower_handshakes(s, m)
+        for sock in readers:
+            poller.register(sock, zmq.POLLIN)
+        if self._channel_selector is not None and self._monitor_selector is not None:
+            self.watch(self._channel_selector, self._read_channels)
+            self.watch(self._monitor_selector, self._read_channel_monitors)
+        for sock, reader in self.sockets():
+            self.watch(sock, reader)
+        try:
+            self.on_start()
+            self._send_beacon(time.monotonic())
+        except Exception:
+            self.log.exception("%s failed to start", self.kind)
+        self._started.set()
+
+    def _loop_timers(self, now: float) -> float:
+        """Run the timers that are due; seconds until the next one (at most 1)."""
+        timers = self._timers
+        wait = 1.0
+        for i, (interval, last, fn) in enumerate(timers):
+            due = last + interval
+            # Timers due within a millisecond run together (and stay in step
+            # after, as their last run is the same ``now``): one wake-up a
+            # second for a node's 1 s timers instead of one each.
+            if due <= now + TIMER_SLACK:
+                timers[i] = (interval, now, fn)
                 try:
-                    self._read_busy()
+                    fn(now)
                 except Exception:
-                    self.log.exception("%s failed handling input", self.kind)
-            if self.has_work():
-                try:
-                    self.do_work()
-                except Exception:
-                    self.log.exception("%s failed doing work", self.kind)
+                    self.log.exception("%s timer failed", self.kind)
+                interval, last, fn = timers[i]  # (a timer may reschedule itself)
+                due = last + interval
+            wait = min(wait, due - now)
+        if self._linger_until:
+            if now >= self._linger_until:
+                self._linger_until = 0.0
+                self._watch_data()
+            else:
+                wait = min(wait, self._linger_until - now)
+        return wait
+
+    def _loop_spins(self) -> bool:
+        """Whether work waits that needs no input: the loop then must not sleep."""
+        return self.has_work() or bool(
+            self._busy and not self.data_paused and not self._linger_until
+        )
+
+    def _loop_after(self) -> None:
+        """After the input of a turn: channels still holding messages, background work."""
+        if self._busy:
+            try:
+                self._read_busy()
+            except Exception:
+                self.log.exception("%s failed handling input", self.kind)
+        if self.has_work():
+            try:
+                self.do_work()
+            except Exception:
+                self.log.exception("%s failed doing work", self.kind)
+
+    def _loop_end(self) -> None:
+        """After the last turn: on_shutdown, then close every socket."""
         try:
             self.on_shutdown()
         except Exception:
@@ -566,13 +636,15 @@ class Node:
             with contextlib.suppress(zmq.ZMQError):
                 sock.disable_monitor()
             monitor.close(0)
-        for sock in (self.sub, self.beacon_pub, self.beacon_sub, self._wake_rx):
+        for sock in (self.sub, self.beacon_pub, self.beacon_sub):
             sock.close(0)
-        # Other threads wake the loop (stop, call_soon) at any time, also while
-        # it shuts down: a socket closed during another thread's send crashes
-        # libzmq (an assertion), so the wake socket closes under their lock.
-        with self._wake_lock:
-            self._wake_tx.close(0)
+        if self._wake_rx is not None and self._wake_tx is not None:
+            self._wake_rx.close(0)
+            # Other threads wake the loop (stop, call_soon) at any time, also while
+            # it shuts down: a socket closed during another thread's send crashes
+            # libzmq (an assertion), so the wake socket closes under their lock.
+            with self._wake_lock:
+                self._wake_tx.close(0)
         for address in list(self._channels):
             self._close_channel(address)
         for selector in (self._channel_selector, self._monitor_selector):
@@ -585,11 +657,16 @@ class Node:
 
     def _read_wake(self) -> None:
         rx = self._wake_rx
+        assert rx is not None
         try:
             while True:
                 rx.recv(zmq.NOBLOCK)
         except zmq.Again:
             pass
+        self._run_commands()
+
+    def _run_commands(self) -> None:
+        """Run what other threads asked for (call_soon), in the I/O thread."""
         commands = self._commands
         while commands:
             fn = commands.popleft()
@@ -924,12 +1001,8 @@ class Node:
             pass  # no tower connected yet; the next interval retries
 
     def _read_beacons(self) -> None:
-        sock = self.beacon_sub
-        for _ in range(DRAIN):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        # (compiled where available: no exception at the end of each read)
+        for frames in fastio.recv_messages(self.beacon_sub, DRAIN):
             self.tower_watch.on_heard(time.monotonic())
             if frames[0][:1] == reach.REFLECTION:
                 self._on_reflection(frames)

@@ -40,6 +40,7 @@ from dafka.errors import (
     ResumeError,
 )
 from dafka.nodes.fairlock import FairLock
+from dafka.nodes.loop import NodeLoop
 from dafka.nodes.node import Node, Route, read_subscriptions
 
 _ONLY_BYTES = frozenset((bytes,))
@@ -202,6 +203,10 @@ class Producer(Node):
         ``"drop_oldest"`` evicts the oldest unacknowledged records (counted).
         ``outbox_max_map_size`` caps the LMDB file (a full disk or cap raises
         OutboxFullError at ``publish``).
+    loop:
+        A :class:`~dafka.nodes.loop.NodeLoop` to run this producer's I/O in,
+        shared with the other nodes given it (one thread for all; callbacks
+        then run in that thread). None (default): the producer's own thread.
     """
 
     kind = "producer"
@@ -227,6 +232,7 @@ class Producer(Node):
         outbox_sync: str = "each",
         outbox_policy: str = "block",
         outbox_max_map_size: int | None = None,
+        loop: NodeLoop | None = None,
     ) -> None:
         self._serialize = values.serializer(serializer)
         if not topic or len(topic.encode()) > wire.MAX_STRING or "\x00" in topic:
@@ -270,7 +276,7 @@ class Producer(Node):
         # On the wire it is a PUB: C reference subscribers see no difference.
         self.publisher_type = zmq.XPUB
         try:
-            super().__init__(config, address=saved["address"] if saved else None)
+            super().__init__(config, address=saved["address"] if saved else None, loop=loop)
         except ConfigError as exc:
             if saved is None:
                 raise

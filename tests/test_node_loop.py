@@ -1,0 +1,139 @@
+"""Many nodes on one shared I/O thread (dafka.nodes.loop.NodeLoop), with a real
+store process, tower and sockets."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dafka.config import NodeConfig
+from dafka.core import reach
+from dafka.nodes.consumer import Consumer
+from dafka.nodes.loop import NodeLoop
+from dafka.nodes.producer import Producer
+from dafka.store.node import Store
+from tests.conftest import start_store_process, wait_until
+
+
+def _node_threads() -> list[str]:
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith(("dafka-producer", "dafka-consumer"))
+    ]
+
+
+def test_producers_and_a_consumer_share_one_thread(cfg: NodeConfig, tmp_path: Path) -> None:
+    start_store_process(cfg, tmp_path / "db")
+    with NodeLoop() as loop:
+        consumer = Consumer("shared", cfg, offset_reset="earliest", loop=loop)
+        producers = [Producer("shared", cfg, loop=loop) for _ in range(20)]
+        assert _node_threads() == []  # no thread of their own
+        assert loop.nodes == 21
+        for i in range(50):
+            for p in producers:
+                p.publish(b"%d" % i)
+        assert all(p.flush(30) for p in producers)  # the store's ACKs reached every one
+        got: dict[str, list[bytes]] = {}
+
+        def take() -> bool:
+            for r in consumer.poll_batch(1000, 0.1):
+                got.setdefault(r.partition, []).append(r.content)
+            return sum(map(len, got.values())) >= 1000
+
+        wait_until(take, 30)
+        assert sorted(got) == sorted(p.address for p in producers)
+        assert all(
+            v == [b"%d" % i for i in range(50)] for v in got.values()
+        )  # each partition in order
+        for p in producers:
+            assert p.close(5)
+        consumer.close()
+        assert loop.nodes == 0
+        assert not any(p.running for p in producers)
+
+
+def test_a_failing_node_and_a_leaving_node_leave_the_others_served(
+    cfg: NodeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    start_store_process(cfg, tmp_path / "db")
+    with NodeLoop() as loop:
+        broken, leaving, kept = (Producer("shared", cfg, loop=loop) for _ in range(3))
+
+        def boom(frames: list[bytes]) -> None:
+            raise RuntimeError("a bug in one node's reader")
+
+        broken.on_data = boom  # type: ignore[method-assign]
+        with caplog.at_level(logging.ERROR, logger="dafka.producer"):
+            broken.publish(b"never acked")
+            assert not broken.flush(2)  # its ACK reached a reader that fails...
+        assert "failed handling input" in caplog.text
+        leaving.publish(b"a")
+        assert leaving.close(20)
+        assert not leaving.running
+        for i in range(100):
+            kept.publish(b"%d" % i)
+        assert kept.flush(20)  # ...and the loop went on for the others
+        assert kept.running and loop.nodes == 2
+
+
+def test_commands_before_the_loop_took_a_node_and_closing_the_loop(cfg: NodeConfig) -> None:
+    loop = NodeLoop()
+    ran = threading.Event()
+    producer = Producer("shared", cfg, loop=loop)
+    producer.call_soon(ran.set)
+    assert ran.wait(5)
+    assert producer.running
+    consumer = Consumer("shared", cfg, loop=loop)
+    assert loop.nodes == 2
+    loop.close()  # closes the nodes still on it, without waiting for ACKs
+    assert not producer.running and not consumer.running
+    with pytest.raises(RuntimeError):
+        Producer("shared", cfg, loop=loop)
+    producer.close(0)  # closing a node the loop already closed is harmless
+    consumer.close()
+
+
+def test_an_idle_producer_on_a_loop_wakes_as_seldom_as_alone(
+    cfg: NodeConfig, tmp_path: Path
+) -> None:
+    # As test_scale's idle test, on a shared loop: its look at the sockets after
+    # each turn must not make a node spin (every turn a node gets counts).
+    cfg = dataclasses.replace(cfg, beacon_interval=1.0, beacon_timeout=5.0)  # the default
+    with (
+        Store(str(tmp_path / "db"), cfg, sync=False) as store,
+        NodeLoop() as loop,
+        Producer("idle", cfg, loop=loop) as producer,
+    ):
+        assert producer.publish(b"x").wait(10)
+        wait_until(lambda: len(producer.peers) >= 1 and len(store.peers) >= 1, timeout=10)
+        time.sleep(1.5)  # settled: the store's beacon and ACK repeats only
+        turns0, loop0, t0 = producer.loop_turns, loop.turns, time.monotonic()
+        time.sleep(4.0)
+        elapsed = time.monotonic() - t0
+        rate, loop_rate = (producer.loop_turns - turns0) / elapsed, (loop.turns - loop0) / elapsed
+    assert rate < 4.5, rate
+    assert loop_rate < 6, loop_rate
+
+
+def test_the_tower_says_an_unchanged_reflection_again_only_after_a_while() -> None:
+    plan = reach.ProbePlan(repeat=30.0)
+    told = ("127.0.0.1", "tcp://127.0.0.1:4000", "ok")
+    assert plan.should_reflect("A", told, 0.0)
+    assert not any(plan.should_reflect("A", told, t) for t in range(1, 30))
+    assert plan.should_reflect(
+        "A", ("127.0.0.1", "tcp://127.0.0.1:4000", "refused"), 5.0
+    )  # changed
+    assert plan.should_reflect("A", told, 6.0)
+    assert plan.should_reflect("A", told, 36.5)  # repeated
+    plan.on_subscription(True, "A")  # (re)subscribed: told at once
+    assert plan.should_reflect("A", told, 37.0)
+    small = reach.ProbePlan(max_nodes=10)
+    for i in range(1000):
+        small.should_reflect(f"N{i}", told, 0.0)
+    assert len(small.reflected) == 10  # bounded whatever a hostile mesh announces
