@@ -136,11 +136,17 @@ class ProbePlan:
     told "not checked", so no beacon can make the tower connect to a third
     machine.  Each endpoint at most once per ``ttl`` seconds, at most
     ``max_in_flight`` at a time; at most ``max_nodes`` addresses and
-    ``max_results`` results are remembered (the oldest go first).
+    ``max_results`` results are remembered (the oldest go first).  A node is
+    told again only when what it is told changed, or after ``repeat`` seconds.
     """
 
     def __init__(
-        self, ttl: float = 30.0, max_in_flight: int = 16, max_nodes: int = 4096, max_results: int = 4096
+        self,
+        ttl: float = 30.0,
+        max_in_flight: int = 16,
+        max_nodes: int = 4096,
+        max_results: int = 4096,
+        repeat: float = 30.0,
     ) -> None:
         self.ttl = ttl
         self.max_in_flight = max_in_flight
@@ -149,8 +155,25 @@ class ProbePlan:
         self.wanting: OrderedDict[str, None] = OrderedDict()
         self.results: OrderedDict[tuple[str, int], tuple[str, float]] = OrderedDict()  # -> (result, when)
         self.in_flight: set[tuple[str, int]] = set()
+        # address -> (what it was last told, when): an unchanged reflection is
+        # said again only every ``repeat`` seconds, not at every beacon (a
+        # thousand nodes would otherwise get a thousand reflections a second).
+        self.repeat = repeat
+        self.reflected: OrderedDict[str, tuple[tuple[str, str, str], float]] = OrderedDict()
+
+    def should_reflect(self, address: str, told: tuple[str, str, str], now: float) -> bool:
+        """Whether to send ``address`` its reflection ``told`` (seen, endpoint, probe) now."""
+        last = self.reflected.get(address)
+        if last is not None and last[0] == told and now < last[1] + self.repeat:
+            return False
+        self.reflected[address] = (told, now)
+        self.reflected.move_to_end(address)
+        while len(self.reflected) > self.max_nodes:
+            self.reflected.popitem(last=False)
+        return True
 
     def on_subscription(self, subscribe: bool, address: str) -> None:
+        self.reflected.pop(address, None)  # (re)subscribed: told at its next beacon
         if subscribe:
             self.wanting[address] = None
             self.wanting.move_to_end(address)

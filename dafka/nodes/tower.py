@@ -226,6 +226,8 @@ class Tower:
             probe, start = self.probes.on_beacon(seen, endpoint, time.monotonic())
             if start is not None:
                 self._start_probe(start)
+        if not self.probes.should_reflect(address, (seen, endpoint, probe), time.monotonic()):
+            return
         self.xpub.send_multipart(reach.encode_reflection(reach.Reflection(address, seen, endpoint, probe)))
         self.reflections += 1
 
