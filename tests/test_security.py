@@ -870,3 +870,67 @@ def test_a_paused_secure_consumer_resumes_every_channel(pki: Pki, secure_tower: 
             for p in (a, b):
                 assert got[p.address] == [b"%s-%d" % (p.address[:4].encode(), i) for i in range(n)]
             assert paused
+
+
+def test_a_channel_whose_input_was_seen_elsewhere_is_still_read(pki: Pki, secure_tower: Tower) -> None:
+    # A channel's ZMQ_FD fires once per change of state: whoever asks ZMQ_EVENTS
+    # (as data_waiting does, for a store's linger or its GET-HEADS answers) takes
+    # that wake-up.  Its input must still be read: the selector never fires again.
+    import select
+
+    from dafka.nodes.node import Node
+
+    class Recorder(Node):
+        kind = "consumer"
+
+        def on_data(self, frames: list[bytes]) -> None:
+            got.append(frames)
+
+    got: list[list[bytes]] = []
+    node = Recorder(node_cfg(pki, secure_tower, "consumer"))  # its loop is driven here
+    peer_ctx = zmq.Context()
+    peer = peer_ctx.socket(zmq.XPUB)  # a CURVE server with a producer's key (no ZAP here)
+    peer.setsockopt(zmq.LINGER, 0)
+    cert = security.read_certificate(pki.secret("producer"))
+    security.make_server(peer, security.OwnKeys(cert.public, cert.secret or b"", cert.role))
+    port = peer.bind_to_random_port("tcp://127.0.0.1")
+    address = security.bound_address(cert.public)
+
+    def turn() -> None:
+        """One turn of the node's loop, as far as channels go."""
+        assert node._channel_selector is not None
+        if node._channel_selector.select(0):
+            node._read_channels()
+        if node._busy:
+            node._read_busy()
+
+    try:
+        node.subscribe(b"Z")
+        node._peer_keys[address] = cert.public
+        node._open_channel(address, f"tcp://127.0.0.1:{port}")
+        channel = node._channels[address]
+        deadline = time.monotonic() + 10
+        while not peer.poll(10) and time.monotonic() < deadline:
+            turn()  # the handshake, then the subscription goes out
+        assert peer.recv() == b"\x01Z"
+        for _ in range(5):
+            turn()
+        assert not node._busy  # read, and idle
+        peer.send(b"Z1")
+        assert select.select([channel.sock.get(zmq.FD)], [], [], 5)[0]  # its wake-up is pending
+        assert node.data_waiting()  # ...and taken by a check made elsewhere
+        deadline = time.monotonic() + 2
+        while not got and time.monotonic() < deadline:
+            turn()
+            time.sleep(0.01)
+        assert got == [[b"Z1"]]
+        peer.send(b"Z2")
+        deadline = time.monotonic() + 5
+        while len(got) < 2 and time.monotonic() < deadline:
+            turn()
+            time.sleep(0.01)
+        assert got == [[b"Z1"], [b"Z2"]]
+    finally:
+        node.stop()
+        peer.close(0)
+        peer_ctx.term()

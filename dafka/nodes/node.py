@@ -812,6 +812,8 @@ class Node:
 
         A ZMQ_FD fires only when the socket's state changed, so a channel stays
         here until ZMQ_EVENTS says it is empty (a read stops after DRAIN messages).
+        Whatever else asks a channel's ZMQ_EVENTS must put the channel here
+        too when it holds input (see :meth:`data_waiting`).
         """
         if self.data_paused or self._linger_until:
             return  # they wait; read when reading resumes
@@ -926,10 +928,21 @@ class Node:
         self._read_busy()
 
     def data_waiting(self) -> bool:
-        """Whether records wait unread on the data SUB (every channel's, in secure mode)."""
+        """Whether records wait unread on the data SUB (every channel's, in secure mode).
+
+        Secure mode: asking a channel's ZMQ_EVENTS takes the wake-up its ZMQ_FD
+        held for the selector (ZeroMQ processes the pending commands), and the
+        FD fires again only once the channel was read empty.  So a channel found
+        holding input joins the busy ones (read at the end of this loop turn, or
+        when reading resumes): left out, it was never read again.
+        """
         if self.keys is None:
             return bool(self.sub.get(zmq.EVENTS) & zmq.POLLIN)
-        return any(c.sock.get(zmq.EVENTS) & zmq.POLLIN for c in self._channels.values())
+        for channel in self._channels.values():
+            if channel.sock.get(zmq.EVENTS) & zmq.POLLIN:
+                self._busy.add(channel)
+                return True
+        return False
 
     def untrusted(self) -> bool:
         """Secure mode: True when the store-only message being handled did not
