@@ -812,8 +812,8 @@ class Node:
 
         A ZMQ_FD fires only when the socket's state changed, so a channel stays
         here until ZMQ_EVENTS says it is empty (a read stops after DRAIN messages).
-        Whatever else asks a channel's ZMQ_EVENTS must put the channel here
-        too when it holds input (see :meth:`data_waiting`).
+        Whatever else makes ZeroMQ process a channel's commands (ZMQ_EVENTS,
+        connect, disconnect) must put the channel here too (see :meth:`data_waiting`).
         """
         if self.data_paused or self._linger_until:
             return  # they wait; read when reading resumes
@@ -872,6 +872,7 @@ class Node:
                 if channel.endpoint != endpoint or self._channels.get(channel.address) is not channel:
                     continue
                 security.reconnect(sock, endpoint, channel.key, self.log)
+                self._busy.add(channel)  # the reconnect took any wake-up its ZMQ_FD held
                 who = channel.address
             elif sock is self.sub and endpoint in self.peers.endpoints():
                 with contextlib.suppress(zmq.ZMQError):
@@ -1215,6 +1216,7 @@ class Node:
         """Timer: connect again where a handshake was refused, if still wanted."""
         for sock, endpoint in self._retries.take_due(now):
             key = self._tower_keys.get((sock, endpoint))
+            channel: Channel | None = None
             if key is None:
                 channel = self._channel_socks.get(sock)
                 if channel is not None and channel.endpoint == endpoint:
@@ -1222,6 +1224,8 @@ class Node:
             if key is None:
                 continue  # the peer is gone meanwhile
             security.reconnect(sock, endpoint, key, self.log)
+            if channel is not None:
+                self._busy.add(channel)  # the reconnect took any wake-up its ZMQ_FD held
 
     def publisher_lock(self) -> Any:
         """What must be held to use the publisher outside the I/O thread."""
