@@ -54,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=100, help="scale: producers in the mesh")
     p.add_argument("--procs", type=int, default=4, help="scale: processes hosting the producers")
     p.add_argument(
+        "--shared-loop", action="store_true",
+        help="scale, group --partitions: the producers of a process share one I/O thread (NodeLoop)",
+    )
+    p.add_argument(
         "--partitions", type=int, default=0,
         help="group: a group over this many partitions (one producer each, 1 record/s): rebalance times",
     )

@@ -248,7 +248,10 @@ def bench_group_partitions(args: argparse.Namespace) -> int:
         go, result = ctx.Event(), ctx.Queue()
         shares = [n // procs + (i < n % procs) for i in range(procs)]
         seconds = 180.0  # publishing 1 record/s each for as long as the phases may take
-        hosts = [ctx.Process(target=_scale_producers, args=(cfg, topic, k, seconds, go, result)) for k in shares]
+        hosts = [
+            ctx.Process(target=_scale_producers, args=(cfg, topic, k, seconds, go, result, getattr(args, "shared_loop", False)))
+            for k in shares
+        ]
         for host in hosts:
             host.start()
         for _ in hosts:

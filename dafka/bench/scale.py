@@ -57,20 +57,24 @@ def _tcp_sockets(pids: list[int]) -> int:
     return count
 
 
-def _scale_producers(cfg: NodeConfig, topic: str, n: int, seconds: float, go: Any, result: Any) -> None:
-    """Host ``n`` producers; each publishes one record a second for ``seconds``;
-    report (published, acked, ACK latencies)."""
+def _scale_producers(
+    cfg: NodeConfig, topic: str, n: int, seconds: float, go: Any, result: Any, shared_loop: bool = False
+) -> None:
+    """Host ``n`` producers (on one shared I/O thread with ``shared_loop``); each
+    publishes one record a second for ``seconds``; report (published, acked, ACK latencies)."""
     import logging
 
     import zmq
 
+    from dafka.nodes.loop import NodeLoop
     from dafka.nodes.producer import Producer
 
     logging.getLogger("dafka").setLevel(logging.ERROR)
     # A producer holds about 10 ZeroMQ sockets (monitors' internal ends count
     # too); a context allows 1,023 by default.
     zmq.Context.instance().set(zmq.MAX_SOCKETS, 16 * n + 64)
-    producers = [Producer(topic, cfg, capacity=1000) for _ in range(n)]
+    loop = NodeLoop() if shared_loop else None
+    producers = [Producer(topic, cfg, capacity=1000, loop=loop) for _ in range(n)]
     latencies: list[float] = []
     clock = time.perf_counter
 
@@ -97,6 +101,8 @@ def _scale_producers(cfg: NodeConfig, topic: str, n: int, seconds: float, go: An
     acked_all = all(p.flush(30) for p in producers)
     for p in producers:
         p.close(0)
+    if loop is not None:
+        loop.close()
     result.put(("done", published, len(latencies), acked_all, latencies))
 
 
@@ -142,7 +148,10 @@ def bench_scale(args: argparse.Namespace) -> int:
         ready.wait(60)
         go, result = ctx.Event(), ctx.Queue()
         shares = [n // procs + (i < n % procs) for i in range(procs)]
-        hosts = [ctx.Process(target=_scale_producers, args=(cfg, topic, k, args.seconds, go, result)) for k in shares]
+        hosts = [
+            ctx.Process(target=_scale_producers, args=(cfg, topic, k, args.seconds, go, result, getattr(args, "shared_loop", False)))
+            for k in shares
+        ]
         t_start = time.monotonic()
         for host in hosts:
             host.start()
@@ -169,7 +178,11 @@ def bench_scale(args: argparse.Namespace) -> int:
         while len(live.peers) < n + 1 and time.monotonic() - settle < 120:
             time.sleep(0.2)
         time.sleep(max(2.0, 2 * cfg.beacon_interval))
-        print(f"scale: {n} producers in {procs} processes up in {time.monotonic() - t_start:.1f}s", flush=True)
+        print(
+            f"scale: {n} producers in {procs} processes"
+            f"{' (one shared I/O thread each)' if getattr(args, 'shared_loop', False) else ''} up in {time.monotonic() - t_start:.1f}s",
+            flush=True,
+        )
         pids = [p.pid for p in (*hosts, store)] + [__import__("os").getpid()]
         mesh_nodes = n + 2  # producers, the store, the consumer
         cpu0 = {p.pid: _proc_cpu(p.pid) for p in (*hosts, store, tower)}
