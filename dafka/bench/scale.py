@@ -185,7 +185,8 @@ def bench_scale(args: argparse.Namespace) -> int:
         )
         pids = [p.pid for p in (*hosts, store)] + [__import__("os").getpid()]
         mesh_nodes = n + 2  # producers, the store, the consumer
-        cpu0 = {p.pid: _proc_cpu(p.pid) for p in (*hosts, store, tower)}
+        me = __import__("os").getpid()  # this process: the live consumer (its I/O thread) and the tally
+        cpu0 = {pid: _proc_cpu(pid) for pid in [p.pid for p in (*hosts, store, tower)] + [me]}
         t0 = time.monotonic()
         go.set()
         time.sleep(min(args.seconds, 5.0) / 2)
@@ -241,10 +242,12 @@ def bench_scale(args: argparse.Namespace) -> int:
     tower.join(30)
     tower_cpu = cpu[tower.pid] / elapsed
     store_cpu = cpu[store.pid] / elapsed
+    consumer_cpu = cpu[me] / elapsed
     print(
         f"scale: N={n}: {sockets} TCP sockets ({sockets / mesh_nodes:.1f} per node); "
         f"producers' CPU {producers_cpu:.1%} ({producers_cpu / n:.3%} per producer); "
-        f"store CPU {store_cpu:.1%}; tower CPU {tower_cpu:.1%}; "
+        f"store CPU {store_cpu:.1%}; tower CPU {tower_cpu:.1%}; consumer CPU {consumer_cpu:.1%}; "
+        f"the mesh {producers_cpu + store_cpu + tower_cpu + consumer_cpu:.1%}; "
         f"{published} published, all acked: {acked}, ACK p50 {pct(0.5):.1f} p90 {pct(0.9):.1f} "
         f"p99 {p99:.1f} max {pct(1.0):.1f} ms; "
         f"live consumer got {received}; fresh earliest consumer saw {len(seen)}/{n} partitions "
