@@ -476,3 +476,26 @@ def test_closing_a_node_with_a_full_monitor_queue_does_not_hang() -> None:
     except subprocess.TimeoutExpired:
         pytest.fail("closing the monitor hung")
     assert out.returncode == 0 and b"closed" in out.stdout, out.stderr
+
+
+def test_a_busy_node_reads_waiting_hellos_before_taking_its_tower_for_a_c_one(cfg: NodeConfig) -> None:
+    """A node's census decides "some tower is no dafka tower" when it heard too few
+    hellos; a node too busy to have read the ones waiting for it must read them
+    first, not subscribe B and meet every peer of the mesh (seen at 1,000 nodes)."""
+    with Producer("census", cfg) as producer:
+        outcome: list[object] = []
+
+        def in_io_thread() -> None:
+            census = producer.census
+            census._heard.clear()  # as if no hello had been read for a while...
+            census.welcomed, census.grace_until = True, 0.0
+            if not producer.beacon_sub.poll(5000):  # ...while one waits unread (one a second)
+                outcome.append("no hello came")
+                return
+            assert census.needs_plain(time.monotonic())  # what it concluded before reading
+            producer._check_census(time.monotonic())
+            outcome.append(wire.BEACON in producer._beacon_subs)
+
+        producer.call_soon(in_io_thread)
+        wait_until(lambda: outcome, 10)
+    assert outcome == [False]

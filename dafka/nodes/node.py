@@ -978,6 +978,17 @@ class Node:
         """Subscribe plain ``B`` beacons while not every tower is a dafka tower."""
         plain = self.census.needs_plain(now)
         if plain and wire.BEACON not in self._beacon_subs:
+            # A busy I/O thread (hundreds of nodes on a loop, a starved process)
+            # may not have read the hellos waiting for it yet: read them before
+            # taking a tower for a C one.  Taken by mistake, every node of a
+            # 1,000-node mesh met every other (20,000 descriptors in a process
+            # of 250 producers, its loop busy connecting, its memory growing).
+            for _ in range(8):
+                if not self.beacon_sub.get(zmq.EVENTS) & zmq.POLLIN:
+                    break
+                self._read_beacons()
+            plain = self.census.needs_plain(time.monotonic())
+        if plain and wire.BEACON not in self._beacon_subs:
             self.beacon_sub.setsockopt(zmq.SUBSCRIBE, wire.BEACON)
             self._beacon_subs.add(wire.BEACON)
             self.log.info("%s %s: a tower relays no interest beacons; meeting every peer", self.kind, self.address[:8])
