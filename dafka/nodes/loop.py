@@ -45,6 +45,7 @@ log = logging.getLogger("dafka.loop")
 
 MAX_WAIT = 1.0  # seconds: the loop looks at its timers at least this often
 TIMER_SLACK = 0.001  # as Node: a timer due this soon runs now
+SLOW_PER_TURN = 16  # beacon and monitor sockets read in one turn at most (see _run)
 
 
 _EVENTS = int(zmq.EVENTS)
@@ -55,7 +56,7 @@ _POLLOUT = int(zmq.POLLOUT)
 class _Watch:
     """One socket of one node that the loop waits on."""
 
-    __slots__ = ("events", "fd", "hot", "key", "node", "sock", "zmq")
+    __slots__ = ("events", "fd", "hot", "key", "node", "slow", "sock", "zmq")
 
     def __init__(self, node: Node, sock: Any, events: int) -> None:
         self.node = node
@@ -67,6 +68,8 @@ class _Watch:
         # subscribed, connected or sent on: looked at after each of its turns.
         monitors = {r.monitor for r in node._refusals} | {m for _, m in node._tower_monitors}
         self.hot = self.zmq and sock not in monitors
+        # Beacons and monitors wait behind data when many are ready at once (see _run).
+        self.slow = sock is node.beacon_sub or sock in monitors
         if self.zmq:
             self.fd: int = sock.getsockopt(zmq.FD)
         else:
@@ -288,17 +291,30 @@ class NodeLoop:
                 self._ready.extend(w for w in self._watches.values() if w.zmq)
             touched: dict[Node, None] = {}
             timed: set[Node] = set()  # nodes whose timers were due: all their sockets get a look
+            slow: list[_Watch] = []
             for key, _ in events:
                 watch: _Watch | None = key.data
                 if watch is None:
                     self._read_wake(touched)
+                elif watch.slow:
+                    slow.append(watch)
                 elif self._watches.get(watch.fd) is watch:
                     self._dispatch(watch, touched)
             if self._ready:
                 ready, self._ready = self._ready, []
                 for watch in ready:
+                    if watch.slow:
+                        slow.append(watch)
+                    elif self._watches.get(watch.fd) is watch:
+                        self._dispatch(watch, touched)
+            if slow:
+                # A tower's hello reaches every node of the loop at once: read at
+                # most SLOW_PER_TURN beacon sockets a turn, so that data (ACKs,
+                # FETCHes) that comes meanwhile waits for a few of them, not all.
+                for watch in slow[:SLOW_PER_TURN]:
                     if self._watches.get(watch.fd) is watch:
                         self._dispatch(watch, touched)
+                self._ready.extend(slow[SLOW_PER_TURN:])
             for node in self._spinning:
                 touched[node] = None
             now = time.monotonic()
