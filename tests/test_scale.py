@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from dafka.config import NodeConfig
+from dafka.config import NodeConfig, TowerAddress
 from dafka.core import beacon, wire
 from dafka.core.beacon import (
     CONSUMER,
@@ -478,24 +478,36 @@ def test_closing_a_node_with_a_full_monitor_queue_does_not_hang() -> None:
     assert out.returncode == 0 and b"closed" in out.stdout, out.stderr
 
 
-def test_a_busy_node_reads_waiting_hellos_before_taking_its_tower_for_a_c_one(cfg: NodeConfig) -> None:
+def test_a_busy_node_reads_waiting_hellos_before_taking_its_tower_for_a_c_one() -> None:
     """A node's census decides "some tower is no dafka tower" when it heard too few
     hellos; a node too busy to have read the ones waiting for it must read them
     first, not subscribe B and meet every peer of the mesh (seen at 1,000 nodes)."""
-    with Producer("census", cfg) as producer:
-        outcome: list[object] = []
+    ctx = zmq.Context.instance()
+    # A tower of our own, to say exactly one hello when the node is looking away.
+    beacons_out, beacons_in = ctx.socket(zmq.XPUB), ctx.socket(zmq.XSUB)
+    try:
+        out_port = beacons_out.bind_to_random_port("tcp://127.0.0.1")
+        in_port = beacons_in.bind_to_random_port("tcp://127.0.0.1")
+        cfg = NodeConfig(towers=(TowerAddress("127.0.0.1", in_port, out_port),), bind="127.0.0.1")
+        with Producer("census", cfg) as producer:
+            # The node subscribed the hellos at this tower (its other subscriptions too).
+            wait_until(lambda: beacons_out.poll(100) and beacons_out.recv() == b"\x01" + beacon.HELLO, 10)
+            outcome: list[object] = []
 
-        def in_io_thread() -> None:
-            census = producer.census
-            census._heard.clear()  # as if no hello had been read for a while...
-            census.welcomed, census.grace_until = True, 0.0
-            if not producer.beacon_sub.poll(5000):  # ...while one waits unread (one a second)
-                outcome.append("no hello came")
-                return
-            assert census.needs_plain(time.monotonic())  # what it concluded before reading
-            producer._check_census(time.monotonic())
-            outcome.append(wire.BEACON in producer._beacon_subs)
+            def in_io_thread() -> None:
+                census = producer.census
+                census.welcomed, census.grace_until = True, 0.0  # no hello heard, the grace over...
+                beacons_out.send_multipart(beacon.tower_hello("T1"))  # ...while one waits unread
+                if not producer.beacon_sub.poll(5000):
+                    outcome.append("the hello did not come")
+                    return
+                assert census.needs_plain(time.monotonic())  # what it concluded before reading
+                producer._check_census(time.monotonic())
+                outcome.append(wire.BEACON in producer._beacon_subs)
 
-        producer.call_soon(in_io_thread)
-        wait_until(lambda: outcome, 10)
-    assert outcome == [False]
+            producer.call_soon(in_io_thread)
+            wait_until(lambda: outcome, 10)
+        assert outcome == [False]
+    finally:
+        beacons_out.close(0)
+        beacons_in.close(0)
