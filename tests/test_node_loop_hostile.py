@@ -1,0 +1,94 @@
+"""NodeLoop under hostile use: edges ZeroMQ takes away, nodes closed from
+several threads, from their own callbacks and by the loop itself, nodes that
+fail, and many nodes made and closed on one loop.  Real sockets, tower and
+stores (see test_node_loop.py for the basic cases)."""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from dafka.config import NodeConfig
+from dafka.core import wire
+from dafka.nodes.consumer import Consumer
+from dafka.nodes.loop import NodeLoop
+from tests.conftest import wait_until
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _recv_until(sock: zmq.Socket, predicate: Any, timeout: float) -> bool:
+    """Read ``sock`` until a message satisfies ``predicate`` (False after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sock.poll(50) and predicate(sock.recv_multipart()):
+            return True
+    return False
+
+
+def _hello_to(store: str) -> Any:
+    def match(frames: list[bytes]) -> bool:
+        try:
+            msg = wire.decode(frames)
+        except Exception:
+            return False
+        return isinstance(msg, wire.ConsumerHello) and msg.topic == store
+
+    return match
+
+
+# ---------------------------------------------------------------- edges
+
+
+def test_input_whose_edge_the_nodes_own_send_took_is_read(cfg: NodeConfig) -> None:
+    # A consumer's XPUB is watched through its edge-triggered ZMQ_FD and also
+    # sent on.  A send makes ZeroMQ process the socket's commands: a subscription
+    # that came in just before is then queued with no edge left to wake the
+    # loop.  Only the loop's look at the node's sockets after its turn finds it
+    # (the node's timers would too, later: here they never come).
+    ctx = zmq.Context.instance()
+    with NodeLoop() as loop:
+        consumer = Consumer("edge", cfg, loop=loop)
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        try:
+            sub.setsockopt(zmq.SUBSCRIBE, wire.P_CONSUMER_HELLO + b"store-a")
+            sub.connect(f"tcp://127.0.0.1:{consumer.port}")
+            # A store's subscription is answered with a CONSUMER-HELLO: connected, read as usual.
+            assert _recv_until(sub, _hello_to("store-a"), 10)
+
+            consumer._loop_timers = lambda now: 3600.0  # type: ignore[method-assign]
+            wait_until(lambda: loop._due.get(consumer, 0.0) > time.monotonic() + 60, 5)
+
+            entered, sent = threading.Event(), threading.Event()
+
+            def take_the_edge() -> None:  # in the loop's thread, as one of the node's turns
+                fd = consumer.publisher.getsockopt(zmq.FD)
+                t0 = time.monotonic()
+                entered.set()
+                deadline = t0 + 5
+                # The subscription below arrived (ZMQ_FD readable, looked at without
+                # ZeroMQ), and a send is not throttled (ZeroMQ skips the commands of a
+                # send within ~1 ms of the last look):
+                while time.monotonic() < deadline and not (
+                    select.select([fd], [], [], 0.01)[0] and time.monotonic() > t0 + 0.005
+                ):
+                    pass
+                consumer.send(wire.GetHeads("edge", consumer.address))
+                sent.set()
+
+            consumer.call_soon(take_the_edge)
+            assert entered.wait(5)
+            sub.setsockopt(zmq.SUBSCRIBE, wire.P_CONSUMER_HELLO + b"store-b")
+            assert sent.wait(10)
+            assert _recv_until(sub, _hello_to("store-b"), 3)  # the subscription was read
+        finally:
+            sub.close(0)
+        consumer.close()
