@@ -9,6 +9,7 @@ import os
 import select
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -17,6 +18,7 @@ from dafka.config import NodeConfig
 from dafka.core import wire
 from dafka.nodes.consumer import Consumer
 from dafka.nodes.loop import NodeLoop
+from dafka.nodes.producer import Producer
 from tests.conftest import wait_until
 
 
@@ -92,3 +94,41 @@ def test_input_whose_edge_the_nodes_own_send_took_is_read(cfg: NodeConfig) -> No
         finally:
             sub.close(0)
         consumer.close()
+
+
+# ---------------------------------------------------------------- closing
+
+
+def test_a_wake_after_the_loop_closed_writes_to_no_other_file(cfg: NodeConfig, tmp_path: Path) -> None:
+    # The loop's wake-up pipe is closed with the loop; its descriptor numbers are
+    # then given to the next files opened.  A node still woken (call_soon, a
+    # paused consumer's poll) must not write its wake-up byte into one of them.
+    loop = NodeLoop()
+    producer = Producer("closed", cfg, loop=loop)
+    consumer = Consumer("closed", cfg, loop=loop)
+    old = loop._wake_w
+    loop.close()
+    victims: list[tuple[int, Path]] = []
+    try:
+        for i in range(64):
+            path = tmp_path / f"victim{i}"
+            victims.append((os.open(path, os.O_WRONLY | os.O_CREAT), path))
+            if victims[-1][0] == old:
+                break
+        assert victims[-1][0] == old  # the pipe's write end's number, now a file's
+        producer.call_soon(lambda: None)
+        consumer.subscribe_topic("more")
+    finally:
+        for fd, _ in victims:
+            os.close(fd)
+    assert all(path.read_bytes() == b"" for _, path in victims)
+    producer.close(0)
+    consumer.close()
+
+
+# ---------------------------------------------------------------- failing nodes
+
+
+class _BrokenProducer(Producer):
+    def has_work(self) -> bool:
+        raise RuntimeError("a bug in a subclass's hook")

@@ -121,6 +121,9 @@ class NodeLoop:
         os.set_blocking(self._wake_w, False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._wake_pending = False
+        # Held to write a wake-up and to close the pipe: once closed, its numbers
+        # may be another file's, which a late wake-up would write into.
+        self._wake_lock = threading.Lock()
         self._woken: deque[Node] = deque()  # nodes with commands (call_soon) to run
         self._calls: deque[Callable[[], None]] = deque()  # attach, detach, close
         self._nodes: dict[Node, dict[object, _Watch]] = {}  # node -> its watched sockets
@@ -162,9 +165,10 @@ class NodeLoop:
             log.error("node loop: the thread did not stop within %.1fs", timeout)
             return
         self._selector.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-        self._closed.set()
+        with self._wake_lock:
+            self._closed.set()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
 
     # ---------------------------------------------------------------- called by nodes
 
@@ -197,11 +201,14 @@ class NodeLoop:
     def _signal(self) -> None:
         if self._wake_pending:
             return  # the loop has not read the last byte yet: it will see the queues
-        self._wake_pending = True
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # full (a wake-up is pending anyway) or closed
+        with self._wake_lock:
+            if self._closed.is_set():
+                return
+            self._wake_pending = True
+            try:
+                os.write(self._wake_w, b"x")
+            except (BlockingIOError, OSError):
+                pass  # full: a wake-up is pending anyway
 
     # ---------------------------------------------------------------- loop thread
 
