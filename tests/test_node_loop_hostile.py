@@ -5,6 +5,7 @@ stores (see test_node_loop.py for the basic cases)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import threading
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import zmq
 
 from dafka.config import NodeConfig
@@ -19,6 +21,7 @@ from dafka.core import wire
 from dafka.nodes.consumer import Consumer
 from dafka.nodes.loop import NodeLoop
 from dafka.nodes.producer import Producer
+from dafka.store.node import Store
 from tests.conftest import wait_until
 
 
@@ -132,3 +135,24 @@ def test_a_wake_after_the_loop_closed_writes_to_no_other_file(cfg: NodeConfig, t
 class _BrokenProducer(Producer):
     def has_work(self) -> bool:
         raise RuntimeError("a bug in a subclass's hook")
+
+
+def test_a_node_failing_in_its_loop_step_leaves_the_others_served(
+    cfg: NodeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with Store(str(tmp_path / "db"), cfg, sync=False), NodeLoop() as loop:
+        kept = Producer("fail", cfg, loop=loop)
+
+        def bad_timer(now: float) -> None:
+            raise RuntimeError("a bug in a timer")
+
+        kept.call_soon(lambda: kept.every(0.01, bad_timer))
+        with caplog.at_level(logging.ERROR):
+            broken = _BrokenProducer("fail", cfg, loop=loop)
+            for i in range(50):
+                kept.publish(b"%d" % i)
+            assert kept.flush(20)  # timers failing every 10 ms, a node failing every turn
+        assert "timer failed" in caplog.text
+        assert loop._thread.is_alive()
+        broken.close(0)
+        assert kept.close(5)

@@ -334,7 +334,11 @@ class NodeLoop:
                     timed.add(node)
             for node in touched:
                 if node in self._nodes:
-                    self._after(node, now, node in timed)
+                    try:
+                        self._after(node, now, node in timed)
+                    except Exception:
+                        # A bug of one node (a hook of a subclass) must not stop the others.
+                        node.log.exception("%s failed in its loop turn", node.kind)
 
     def _read_wake(self, touched: dict[Node, None]) -> None:
         self._wake_pending = False  # before reading the queues: a later wake() writes again
