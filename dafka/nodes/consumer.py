@@ -331,7 +331,14 @@ class Consumer(PartitionReader):
         """
         if self._closed:
             return
-        if self._group is not None and self.running:
+        if self._group is not None and self.running and self._in_io_thread():
+            # From a callback (on_assign): the commit's confirmation and the
+            # goodbye would wait for this very thread, so they are only sent.
+            positions = self._positions_to_commit()
+            if positions:
+                self._send_commit(positions, None)
+            self._leave(threading.Event())
+        elif self._group is not None and self.running:
             try:
                 if self._positions_to_commit():  # nothing polled: no store to wait for
                     self.commit(min(timeout, 2.0))

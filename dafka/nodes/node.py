@@ -438,6 +438,13 @@ class Node:
         if self._thread.is_alive():
             self.log.error("%s I/O thread did not stop within %.1fs", self.kind, timeout)
 
+    def _in_io_thread(self) -> bool:
+        """Whether the caller is the thread that runs this node (its own, or its
+        shared loop's): there, waiting for what that thread delivers waits in vain."""
+        if self._loop is not None:
+            return self._loop._in_loop()
+        return threading.current_thread() is self._thread
+
     @property
     def running(self) -> bool:
         if self._loop is not None:
