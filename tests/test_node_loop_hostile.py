@@ -20,7 +20,7 @@ from dafka.config import NodeConfig
 from dafka.core import wire
 from dafka.nodes.consumer import Consumer
 from dafka.nodes.loop import NodeLoop
-from dafka.nodes.producer import Producer
+from dafka.nodes.producer import Producer, Receipt
 from dafka.store.node import Store
 from tests.conftest import wait_until
 
@@ -127,6 +127,64 @@ def test_a_wake_after_the_loop_closed_writes_to_no_other_file(cfg: NodeConfig, t
     assert all(path.read_bytes() == b"" for _, path in victims)
     producer.close(0)
     consumer.close()
+
+
+def test_a_producer_closed_from_its_own_callback(cfg: NodeConfig, tmp_path: Path) -> None:
+    # Callbacks run in the loop's thread, inside the node's reader.
+    with Store(str(tmp_path / "db"), cfg, sync=False), NodeLoop() as loop:
+        producer = Producer("self", cfg, loop=loop)
+        other = Producer("self", cfg, loop=loop)
+        assert producer.publish(b"warm").wait(20)
+        closed: list[tuple[bool, float]] = []
+
+        def close_me(receipt: Receipt) -> None:
+            t0 = time.monotonic()
+            closed.append((producer.close(2), time.monotonic() - t0))
+
+        producer.publish(b"first").add_done_callback(close_me)
+        for i in range(200):
+            producer.publish(b"%d" % i)
+        wait_until(lambda: closed, 20)
+        wait_until(lambda: not producer.running, 5)
+        assert closed[0][1] < 3
+        assert loop.nodes == 1
+        assert other.publish(b"still served").wait(10)
+
+
+def test_a_group_member_closed_from_its_on_assign(
+    cfg: NodeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A revocation comes with a peer's MEMBER message: on_assign runs inside the
+    # consumer's reader of its data SUB, in the loop's thread.  Closing there
+    # must not close the SUB under that reader.
+    with Store(str(tmp_path / "db"), cfg, sync=False):
+        producers = [Producer("grp", cfg) for _ in range(4)]
+        try:
+            assert all(p.publish(b"x").wait(20) for p in producers)
+            with NodeLoop() as loop:
+                sizes: list[int] = []
+                closed: list[float] = []
+
+                def on_assign(owned: frozenset[Any]) -> None:
+                    sizes.append(len(owned))
+                    if len(sizes) > 1 and len(owned) < max(sizes) and not closed:
+                        t0 = time.monotonic()
+                        first.close()
+                        closed.append(time.monotonic() - t0)
+
+                first = Consumer("grp", cfg, group="g", offset_reset="earliest", loop=loop, on_assign=on_assign)
+                wait_until(lambda: first.poll(0.05) is None and len(first.assignment()) == 4, 15)
+                with caplog.at_level(logging.ERROR):
+                    second = Consumer("grp", cfg, group="g", offset_reset="earliest", loop=loop)
+                    wait_until(lambda: closed, 15)
+                    wait_until(lambda: second.poll(0.05) is None and len(second.assignment()) == 4, 15)
+                assert "failed handling input" not in caplog.text
+                assert not first.running and loop.nodes == 1
+                assert closed[0] < 0.5  # nothing waited for the loop's own thread
+                second.close()
+        finally:
+            for p in producers:
+                p.close(1)
 
 
 # ---------------------------------------------------------------- failing nodes

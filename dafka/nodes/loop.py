@@ -182,12 +182,17 @@ class NodeLoop:
             self._call(lambda: self._attach(node))
 
     def detach(self, node: Node, timeout: float) -> bool:
-        """Stop running ``node`` and close its sockets; whether that was done within ``timeout``."""
-        if self._in_loop() or not self._thread.is_alive():
+        """Stop running ``node`` and close its sockets; whether that was done within ``timeout``.
+
+        From the loop's own thread (a callback, maybe inside one of the node's
+        readers, which goes on reading its socket after the callback) the
+        sockets close right after this turn, as a node's own thread ends its
+        turn first."""
+        if not self._thread.is_alive():
             self._detach(node)
             return True
         self._call(lambda: self._detach(node))
-        return node._ended.wait(timeout)
+        return self._in_loop() or node._ended.wait(timeout)
 
     def wake(self, node: Node) -> None:
         """``node`` has commands for its I/O thread (from any thread)."""
@@ -390,6 +395,8 @@ class NodeLoop:
     def _after(self, node: Node, now: float, every: bool = False) -> None:
         """The rest of a node's turn: work, timers, a look at its sockets (``every``
         one, or the ones other calls may have taken an edge from), its next due time."""
+        if node._stop.is_set():
+            return  # stopped in this turn: detached in the next
         node.loop_turns += 1
         node._loop_after()
         if node not in self._nodes:
