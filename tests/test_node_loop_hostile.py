@@ -18,6 +18,7 @@ import zmq
 
 from dafka.config import NodeConfig
 from dafka.core import wire
+from dafka.errors import ClosedError, PublishError
 from dafka.nodes.consumer import Consumer
 from dafka.nodes.loop import NodeLoop
 from dafka.nodes.producer import Producer, Receipt
@@ -126,6 +127,51 @@ def test_a_wake_after_the_loop_closed_writes_to_no_other_file(cfg: NodeConfig, t
             os.close(fd)
     assert all(path.read_bytes() == b"" for _, path in victims)
     producer.close(0)
+    consumer.close()
+
+
+def test_closing_the_loop_releases_whoever_waits_on_its_nodes(cfg: NodeConfig) -> None:
+    # NodeLoop.close() closes the nodes still on it: threads waiting on them
+    # (a poll without timeout, a flush, a receipt, a publish held for room)
+    # must return, and nothing unacknowledged may pass for acknowledged.
+    loop = NodeLoop()
+    producer = Producer("busy", cfg, loop=loop)  # no store: nothing is ever acknowledged
+    full = Producer("busy", cfg, loop=loop, capacity=1, publish_timeout=None)
+    consumer = Consumer("quiet", cfg, loop=loop)
+    receipt = producer.publish(b"never acknowledged")
+    full.publish(b"fills the window")
+    outcome: dict[str, object] = {}
+
+    def run(name: str, fn: Any) -> threading.Thread:
+        def target() -> None:
+            try:
+                outcome[name] = fn()
+            except Exception as exc:
+                outcome[name] = exc
+
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        return thread
+
+    threads = [
+        run("poll", lambda: consumer.poll(None)),
+        run("flush", producer.flush),
+        run("wait", receipt.wait),
+        run("publish", lambda: full.publish(b"waits for room")),
+    ]
+    wait_until(lambda: consumer._sleepers, 5)
+    time.sleep(0.2)  # (for the other waits to begin: they block, there is nothing to see)
+    loop.close()
+    for thread in threads:
+        thread.join(5)
+    assert not any(t.is_alive() for t in threads), outcome
+    assert isinstance(outcome["poll"], ClosedError)
+    assert outcome["flush"] is False
+    assert isinstance(outcome["wait"], PublishError)
+    assert isinstance(outcome["publish"], (ClosedError, PublishError))
+    assert receipt.done()
+    assert producer.close(0) is False  # it was not acknowledged
+    full.close(0)
     consumer.close()
 
 

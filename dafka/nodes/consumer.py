@@ -351,6 +351,9 @@ class Consumer(PartitionReader):
         self._release_sleepers()
         self.stop(timeout)
 
+    def _close_with_loop(self) -> None:
+        self.close()
+
     def positions(self) -> dict[tuple[str, str], int]:
         """Next offset to deliver per (topic, partition) known so far."""
         return {k: t.next for k, t in list(self._trackers.items()) if t.next is not None}

@@ -159,7 +159,14 @@ class NodeLoop:
             return
         if self._in_loop():
             raise RuntimeError("a NodeLoop cannot be closed from its own thread")
-        self._call(self._shut)
+        # Each as by its own close(), the loop running meanwhile: what is not
+        # acknowledged fails and whoever waits on the node returns.
+        for node in self._nodes.copy():
+            try:
+                node._close_with_loop()
+            except Exception:
+                log.exception("node loop: closing a %s failed", node.kind)
+        self._call(self._shut)  # (and any attached meanwhile)
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.error("node loop: the thread did not stop within %.1fs", timeout)

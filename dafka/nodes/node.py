@@ -438,6 +438,10 @@ class Node:
         if self._thread.is_alive():
             self.log.error("%s I/O thread did not stop within %.1fs", self.kind, timeout)
 
+    def _close_with_loop(self) -> None:
+        """Close as the application would, waiting for no peer (NodeLoop.close)."""
+        self.stop()
+
     def _in_io_thread(self) -> bool:
         """Whether the caller is the thread that runs this node (its own, or its
         shared loop's): there, waiting for what that thread delivers waits in vain."""

@@ -566,6 +566,9 @@ class Producer(Node):
         self._run_callbacks()
         return ok
 
+    def _close_with_loop(self) -> None:
+        self.close(0)
+
     # ---------------------------------------------------------------- receipts
 
     def _acked_upto(self) -> int:
