@@ -175,6 +175,52 @@ def test_closing_the_loop_releases_whoever_waits_on_its_nodes(cfg: NodeConfig) -
     consumer.close()
 
 
+def test_closing_nodes_from_several_threads_while_they_publish(
+    cfg: NodeConfig, tmp_path: Path
+) -> None:
+    with Store(str(tmp_path / "db"), cfg, sync=False), NodeLoop() as loop:
+        producers = [Producer("many", cfg, loop=loop) for _ in range(12)]
+        assert all(p.publish(b"first").wait(20) for p in producers)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def publish(p: Producer) -> None:
+            for i in range(100_000):
+                if stop.is_set():
+                    return
+                try:
+                    p.publish(b"%d" % i)
+                except (ClosedError, PublishError):
+                    return
+                except BaseException as exc:  # anything else is a bug
+                    errors.append(exc)
+                    return
+
+        publishers = [threading.Thread(target=publish, args=(p,), daemon=True) for p in producers]
+        for t in publishers:
+            t.start()
+        wait_until(lambda: all(p.window.next > 50 for p in producers), 10)
+        closers = [
+            threading.Thread(target=p.close, args=(1.0,), daemon=True) for p in producers
+        ]
+        t0 = time.monotonic()
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join(15)
+        stop.set()
+        for t in publishers:
+            t.join(5)
+        assert not any(t.is_alive() for t in closers + publishers)
+        assert time.monotonic() - t0 < 15
+        assert not errors, errors
+        assert loop.nodes == 0 and not any(p.running for p in producers)
+        assert not loop._watches  # every socket unregistered
+        late = Producer("many", cfg, loop=loop)  # the loop still serves
+        assert late.publish(b"late").wait(20)
+        assert late.close(5)
+
+
 def test_a_producer_closed_from_its_own_callback(cfg: NodeConfig, tmp_path: Path) -> None:
     # Callbacks run in the loop's thread, inside the node's reader.
     with Store(str(tmp_path / "db"), cfg, sync=False), NodeLoop() as loop:
@@ -260,3 +306,72 @@ def test_a_node_failing_in_its_loop_step_leaves_the_others_served(
         assert loop._thread.is_alive()
         broken.close(0)
         assert kept.close(5)
+
+
+# ---------------------------------------------------------------- many nodes
+
+
+def test_nodes_made_and_closed_again_and_again_on_one_loop(cfg: NodeConfig) -> None:
+    # Descriptors of closed nodes' sockets are given to the next ones: no stale
+    # registration may survive, nor any descriptor leak; a long-lived pair on
+    # the loop keeps talking throughout.
+    with NodeLoop() as loop:
+        consumer = Consumer("churn", cfg, offset_reset="earliest", loop=loop)
+        producer = Producer("churn", cfg, loop=loop, acks=False)
+        producer.publish(b"0")
+        assert consumer.poll(10) is not None
+        base_watches = len(loop._watches)
+        for _ in range(3):  # (ZeroMQ's own threads and descriptors, once)
+            Producer("churn", cfg, loop=loop, acks=False).close(0)
+        wait_until(lambda: len(loop._watches) == base_watches, 5)
+        fds0 = _open_fds()
+        t0 = time.monotonic()
+        delivered = 1
+        for cycle in range(150):
+            if time.monotonic() - t0 > 30:
+                break
+            batch = [
+                Producer("churn", cfg, loop=loop, acks=False) if i % 2 else Consumer("churn", cfg, loop=loop)
+                for i in range(2)
+            ]
+            producer.publish(b"%d" % (cycle + 1))
+            for node in batch:
+                node.close(0) if isinstance(node, Producer) else node.close()
+            record = consumer.poll(5)
+            assert record is not None and record.content == b"%d" % (cycle + 1), (cycle, record)
+            delivered += 1
+        assert delivered > 50
+        assert loop.nodes == 2
+        assert len(loop._watches) == base_watches
+        assert len(loop._selector.get_map()) == base_watches + 1  # and the wake-up pipe
+        wait_until(lambda: _open_fds() <= fds0 + 4, 10)  # sockets close in ZeroMQ's reaper
+        producer.close(0)
+        consumer.close()
+    assert not loop._watches
+
+
+def test_a_consumer_group_on_one_loop(cfg: NodeConfig, tmp_path: Path) -> None:
+    with Store(str(tmp_path / "db"), cfg, sync=False), NodeLoop() as loop:
+        producers = [Producer("gl", cfg, loop=loop) for _ in range(4)]
+        for p in producers:
+            for i in range(20):
+                p.publish(b"%d" % i)
+        assert all(p.flush(20) for p in producers)
+        members = [
+            Consumer("gl", cfg, group="g", offset_reset="earliest", loop=loop) for _ in range(2)
+        ]
+        got: dict[tuple[str, int], int] = {}
+
+        def settled() -> bool:
+            for m in members:
+                for r in m.poll_batch(1000, 0.02):
+                    got[(r.partition, r.offset)] = got.get((r.partition, r.offset), 0) + 1
+            owned = [m.assignment() for m in members]
+            return len(got) == 80 and all(owned) and not (owned[0] & owned[1])
+
+        wait_until(settled, 30)
+        assert len(got) == 80
+        for m in members:
+            m.close()
+        assert all(p.close(5) for p in producers)
+        assert loop.nodes == 0
