@@ -375,3 +375,19 @@ def test_a_consumer_group_on_one_loop(cfg: NodeConfig, tmp_path: Path) -> None:
             m.close()
         assert all(p.close(5) for p in producers)
         assert loop.nodes == 0
+
+
+def test_a_producer_of_its_own_thread_closed_from_its_callback(
+    cfg: NodeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # As on a loop: the callback runs in the thread that close() would join.
+    with Store(str(tmp_path / "db"), cfg, sync=False):
+        producer = Producer("self", cfg)
+        assert producer.publish(b"warm").wait(20)
+        closed: list[bool] = []
+        with caplog.at_level(logging.ERROR):
+            producer.publish(b"last").add_done_callback(lambda r: closed.append(producer.close(2)))
+            wait_until(lambda: closed, 20)
+            wait_until(lambda: not producer.running, 5)  # its thread ended, sockets closed
+        assert closed == [True]
+        assert "callback failed" not in caplog.text

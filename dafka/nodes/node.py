@@ -434,6 +434,8 @@ class Node:
             return
         self._stop.set()
         self._wake()
+        if threading.current_thread() is self._thread:
+            return  # a callback: the thread closes the sockets after this turn
         self._thread.join(timeout)
         if self._thread.is_alive():
             self.log.error("%s I/O thread did not stop within %.1fs", self.kind, timeout)
