@@ -71,8 +71,9 @@ def test_a_failing_node_and_a_leaving_node_leave_the_others_served(
         broken.on_data = boom  # type: ignore[method-assign]
         with caplog.at_level(logging.ERROR, logger="dafka.producer"):
             broken.publish(b"never acked")
-            assert not broken.flush(2)  # its ACK reached a reader that fails...
-        assert "failed handling input" in caplog.text
+            # Its ACK reaches a reader that fails...
+            wait_until(lambda: "failed handling input" in caplog.text, 20)
+            assert not broken.flush(0.5)
         leaving.publish(b"a")
         assert leaving.close(20)
         assert not leaving.running
