@@ -67,6 +67,9 @@ def test_store_status_layout() -> None:
     with pytest.raises(ProtocolError):
         wire.encode(wire.StoreStatus(UUID_A, UUID_B, "hello", 2, ""))
     assert len(wire.reason_text("\u00e9" * 200).encode()) == 254  # whole characters only
+    # A reason with a NUL (an error message from anywhere) is sent without it: decoders refuse NULs.
+    said = wire.StoreStatus(UUID_A, UUID_B, "hello", 0, wire.reason_text("disk\x00 full"))
+    assert wire.decode(wire.encode(said)) == said._replace(reason="disk full")
 
 
 def test_record_layout_and_prefix() -> None:

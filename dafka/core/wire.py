@@ -323,8 +323,9 @@ _IDS: dict[type, int] = {
 
 
 def reason_text(text: str) -> str:
-    """``text`` cut to what a string field holds (255 bytes, whole UTF-8 characters)."""
-    return text.encode()[:MAX_STRING].decode(errors="ignore")
+    """``text`` as a string field may hold it: without NUL (which a decoder refuses
+    in any string), cut to 255 bytes of whole UTF-8 characters."""
+    return text.replace("\x00", "").encode()[:MAX_STRING].decode(errors="ignore")
 
 
 def command_id(msg: Message) -> int:
