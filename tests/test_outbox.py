@@ -190,6 +190,7 @@ def test_db_map_full_is_an_error_and_keeps_what_was_committed(tmp_path: Path) ->
 def test_db_refuses_another_partitions_outbox(tmp_path: Path, cfg) -> None:  # type: ignore[no-untyped-def]
     with Producer("t", cfg, outbox=tmp_path / "ob") as p:
         p.publish(b"a")
+        p.close(0)  # no store here: the record stays in the outbox
     with pytest.raises(OutboxError):
         Producer("other-topic", cfg, outbox=tmp_path / "ob")
 
