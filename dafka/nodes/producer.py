@@ -371,7 +371,6 @@ class Producer(Node):
         self.subscribe(wire.P_STORE_STATUS + self.address.encode())
         if self._resume_state is not None:
             self.subscribe(wire.P_DIRECT_HEAD + self.address.encode())
-        self._head_seen = -1  # the last offset _send_head saw published (see there)
         self.every(head_interval, self._send_head)
         if self._outbox is not None:
             self._outbox.attach(self, resuming=self._resume_state is not None)
@@ -929,13 +928,6 @@ class Producer(Node):
 
     def _send_head(self, now: float) -> None:
         last = self._announced()
-        if last != self._head_seen and self._outbox is None:
-            # Records went out since the last look: each names its offset, so a
-            # HEAD says nothing new until publishing pauses (one a head_interval
-            # later).  A thousand producers of one record a second made the
-            # store and every consumer read a thousand HEADs a second more.
-            self._head_seen = last
-            return
         if last >= 0 and self._resume_state is None and self._resume_error is None:
             self._send_locked(wire.encode(wire.Head(self.topic, self.address, self.topic, last)))
 
