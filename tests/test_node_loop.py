@@ -138,3 +138,22 @@ def test_the_tower_says_an_unchanged_reflection_again_only_after_a_while() -> No
     for i in range(1000):
         small.should_reflect(f"N{i}", told, 0.0)
     assert len(small.reflected) == 10  # bounded whatever a hostile mesh announces
+
+
+def test_a_node_that_read_input_earlier_in_the_turn_still_runs_its_commands(cfg: NodeConfig) -> None:
+    # Within one turn a node's data may be read before the loop's wake-up pipe:
+    # its commands (call_soon, a consumer's wake) must still run in that turn,
+    # or they wait for the node's next wake-up, which may never come.
+    with NodeLoop() as loop, Producer("cmds", cfg, loop=loop) as producer:
+        ran = threading.Event()
+        outcome: list[bool] = []
+
+        def in_the_loop() -> None:
+            producer._commands.append(ran.set)
+            loop._woken.append(producer)
+            loop._read_wake({producer: None})  # the producer already had its input read this turn
+            outcome.append(ran.is_set())
+
+        producer.call_soon(in_the_loop)
+        wait_until(lambda: outcome, 5)
+    assert outcome == [True]

@@ -310,30 +310,33 @@ class NodeLoop:
                 self._ready.extend(w for w in self._watches.values() if w.zmq)
             touched: dict[Node, None] = {}
             timed: set[Node] = set()  # nodes whose timers were due: all their sockets get a look
-            slow: list[_Watch] = []
+            # Deferred and swept sockets come back here, often twice: a dict keeps
+            # each once, so what waits stays bounded by the sockets there are.
+            slow: dict[_Watch, None] = {}
             for key, _ in events:
                 watch: _Watch | None = key.data
                 if watch is None:
                     self._read_wake(touched)
                 elif watch.slow:
-                    slow.append(watch)
+                    slow[watch] = None
                 elif self._watches.get(watch.fd) is watch:
                     self._dispatch(watch, touched)
             if self._ready:
-                ready, self._ready = self._ready, []
+                ready, self._ready = dict.fromkeys(self._ready), []
                 for watch in ready:
                     if watch.slow:
-                        slow.append(watch)
+                        slow[watch] = None
                     elif self._watches.get(watch.fd) is watch:
                         self._dispatch(watch, touched)
             if slow:
                 # A tower's hello reaches every node of the loop at once: read at
                 # most SLOW_PER_TURN beacon sockets a turn, so that data (ACKs,
                 # FETCHes) that comes meanwhile waits for a few of them, not all.
-                for watch in slow[:SLOW_PER_TURN]:
+                waiting = list(slow)
+                for watch in waiting[:SLOW_PER_TURN]:
                     if self._watches.get(watch.fd) is watch:
                         self._dispatch(watch, touched)
-                self._ready.extend(slow[SLOW_PER_TURN:])
+                self._ready.extend(waiting[SLOW_PER_TURN:])
             for node in self._spinning:
                 touched[node] = None
             now = time.monotonic()
@@ -369,7 +372,7 @@ class NodeLoop:
         woken = self._woken
         while woken:
             node = woken.popleft()
-            if node in self._nodes and node not in touched:
+            if node in self._nodes:  # (a node woken twice finds its queue empty the second time)
                 touched[node] = None
                 node._run_commands()
 
