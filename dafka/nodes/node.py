@@ -89,6 +89,9 @@ REACH_GRACE = 5  # beacon intervals with peers and none reaching us before a war
 FRAME_SLACK = 64 * 1024
 CUT_GRACE = 0.25  # seconds: a DISCONNECTED with no CONNECT_RETRIED after it was a cut
 CUT_IDLE = 3600.0  # seconds between cut checks while no disconnection is pending
+# Bytes of messages read early before a disconnection (see Node._hold_one) that
+# may wait while reading is paused; beyond it one is dropped (fetched again).
+HELD_MAX_BYTES = 8 * 1024 * 1024
 
 
 def frame_limit(max_record_bytes: int) -> int:
@@ -198,6 +201,11 @@ class Node:
         self._channel_selector: selectors.BaseSelector | None = None
         self._monitor_selector: selectors.BaseSelector | None = None
         self._busy: set[Channel] = set()  # channels that may hold unread messages
+        # Messages read just before a disconnection (see _hold_one): (channel or
+        # None for the plain data SUB, frames), handled before what follows them.
+        self._held: deque[tuple[Channel | None, list[bytes]]] = deque()
+        self._held_bytes = 0
+        self.held_dropped = 0
         self._refused_peers: set[str] = set()
         self._refusals: list[security.RefusalLog] = []
         self.peers = PeerTable(self.address, self.config.beacon_timeout)
@@ -618,11 +626,16 @@ class Node:
     def _loop_spins(self) -> bool:
         """Whether work waits that needs no input: the loop then must not sleep."""
         return self.has_work() or bool(
-            self._busy and not self.data_paused and not self._linger_until
+            (self._busy or self._held) and not self.data_paused and not self._linger_until
         )
 
     def _loop_after(self) -> None:
         """After the input of a turn: channels still holding messages, background work."""
+        if self._held and self.keys is None and not self.data_paused and not self._linger_until:
+            try:
+                self._read_data()  # handles what was held first
+            except Exception:
+                self.log.exception("%s failed handling input", self.kind)
         if self._busy:
             try:
                 self._read_busy()
@@ -689,9 +702,86 @@ class Node:
                 self.log.exception("%s command failed", self.kind)
 
     def _read_data(self) -> None:
+        if self._held:
+            self._handle_held(None)
         on_data = self.on_data
         for frames in fastio.recv_messages(self.sub, DRAIN):
             on_data(frames)
+
+    # ---------------------------------------------------------------- disconnections
+
+    def _hold_one(self, sock: zmq.Socket, channel: Channel | None) -> None:
+        """Read one whole message from a data SUB about to be disconnected from an endpoint.
+
+        libzmq (4.3) aborts the process (``Assertion failed: !_more (src/fq.cpp:80)``)
+        when a SUB is disconnected from the endpoint whose multipart message it has
+        begun to read: ZMQ_EVENTS and poll read a message's first frame ahead,
+        the disconnection drops the rest, and the next receive finds it gone.
+        Reading one whole message first (the one begun, if any) leaves the
+        socket between messages.  It is handled before anything read after it.
+        """
+        try:
+            got = fastio.recv_messages(sock, 1)
+        except zmq.ZMQError as exc:
+            self.log.debug("could not read before disconnecting: %s", exc)
+            return
+        if not got:
+            return
+        frames = got[0]
+        size = sum(map(len, frames))
+        if self._held_bytes + size > HELD_MAX_BYTES:
+            # Reading is paused and peers keep leaving: bounded; the stores
+            # and producers have it, and gaps are fetched again.
+            self.held_dropped += 1
+            if self.held_dropped <= 20 or self.held_dropped % 1000 == 0:
+                self.log.warning(
+                    "%s: dropped a message read before a disconnection while reading is paused"
+                    " (%d bytes wait already); %d so far",
+                    self.kind,
+                    self._held_bytes,
+                    self.held_dropped,
+                )
+            return
+        self._held.append((channel, frames))
+        self._held_bytes += size
+        if channel is not None:
+            self._busy.add(channel)  # read (and the held message handled) at the end of the turn
+
+    def _disconnect_data(self, sock: zmq.Socket, endpoint: str) -> None:
+        """Disconnect the plain data SUB from ``endpoint`` (see :meth:`_hold_one`)."""
+        self._hold_one(sock, None)
+        try:
+            sock.disconnect(endpoint)
+        except zmq.ZMQError:
+            pass  # given up by ZeroMQ already
+
+    def _before_tower_disconnect(self, sock: zmq.Socket) -> None:
+        """Read the beacons waiting before the beacon SUB leaves a tower (see :meth:`_hold_one`)."""
+        if sock is self.beacon_sub:
+            try:
+                self._read_beacons()  # whole messages: the socket is left between two
+            except Exception:
+                self.log.exception("%s failed handling beacons", self.kind)
+
+    def _handle_held(self, channel: Channel | None) -> None:
+        """Handle the held messages of ``channel`` (None: of the plain data SUB), oldest first."""
+        held = self._held
+        keep: list[tuple[Channel | None, list[bytes]]] = []
+        while held:
+            item = held.popleft()
+            if item[0] is not channel:
+                keep.append(item)
+                continue
+            frames = item[1]
+            self._held_bytes -= sum(map(len, frames))
+            self.on_held(frames)
+        held.extend(keep)
+
+    def on_held(self, frames: list[bytes]) -> None:
+        """A message read before a disconnection (see :meth:`_hold_one`), handled as if read now."""
+        if self.sender is not None and not self.screen(frames):
+            return
+        self.on_data(frames)
 
     # ---------------------------------------------------------------- secure channels
 
@@ -702,6 +792,8 @@ class Node:
         self.sender = channel
         self.from_store = guard.role(channel.key) in security.STORING_ROLES
         try:
+            if self._held:
+                self._handle_held(channel)
             self.read_data(channel.sock, channel.prefixes)
         finally:
             self.sender = None
@@ -884,12 +976,12 @@ class Node:
             if channel is not None:
                 if channel.endpoint != endpoint or self._channels.get(channel.address) is not channel:
                     continue
+                self._hold_one(sock, channel)
                 security.reconnect(sock, endpoint, channel.key, self.log)
                 self._busy.add(channel)  # the reconnect took any wake-up its ZMQ_FD held
                 who = channel.address
             elif sock is self.sub and endpoint in self.peers.endpoints():
-                with contextlib.suppress(zmq.ZMQError):
-                    sock.disconnect(endpoint)  # may be given up already
+                self._disconnect_data(sock, endpoint)
                 try:
                     sock.connect(endpoint)
                 except zmq.ZMQError as exc:
@@ -1126,6 +1218,7 @@ class Node:
         if self._tower_refused:
             # ZeroMQ gave the refused connections up: try again (the tower may be plain by now).
             for sock, endpoint in self._tower_refused:
+                self._before_tower_disconnect(sock)
                 with contextlib.suppress(zmq.ZMQError):
                     sock.disconnect(endpoint)
                 with contextlib.suppress(zmq.ZMQError):
@@ -1247,6 +1340,10 @@ class Node:
                     key = channel.key
             if key is None:
                 continue  # the peer is gone meanwhile
+            if channel is not None:
+                self._hold_one(sock, channel)
+            else:
+                self._before_tower_disconnect(sock)
             security.reconnect(sock, endpoint, key, self.log)
             if channel is not None:
                 self._busy.add(channel)  # the reconnect took any wake-up its ZMQ_FD held
@@ -1293,10 +1390,7 @@ class Node:
                     self._close_channel(action.address)
             else:
                 self.cuts.forget((self.sub, action.endpoint))
-                try:
-                    self.sub.disconnect(action.endpoint)
-                except zmq.ZMQError:
-                    pass
+                self._disconnect_data(self.sub, action.endpoint)
             self.log.debug("dropped silent peer %s", action.address)
 
     def _expire_peers(self, now: float) -> None:

@@ -84,7 +84,12 @@ class PartitionReader(Node):
     # ---------------------------------------------------------------- trackers
 
     def _read_data(self) -> None:
+        if self._held:
+            self._handle_held(None)
         self.read_data(self.sub, self._by_prefix)
+
+    def on_held(self, frames: list[bytes]) -> None:
+        self.on_message(frames)  # the slow path handles every kind of message
 
     def forget_prefix(self, prefix: bytes) -> None:
         """A record header prefix no longer names a tracker (nor, in secure mode, on any channel)."""
