@@ -116,9 +116,15 @@ class RawPeer:
     producer byte by byte (including malformed bytes).
     """
 
-    def __init__(self, cfg: NodeConfig, subscriptions: list[bytes], xpub: bool = True) -> None:
+    def __init__(
+        self, cfg: NodeConfig, subscriptions: list[bytes], xpub: bool = True, hears_fetches: bool = True
+    ) -> None:
         self.ctx = zmq.Context.instance()
         self.address = new_address()
+        if hears_fetches:
+            # As every producer: a store gives a live producer's holes up only
+            # after FETCHes it could hear (see PartitionTracker.unheard).
+            subscriptions = [*subscriptions, wire.P_FETCH + self.address.encode()]
         self.pub = self.ctx.socket(zmq.XPUB if xpub else zmq.PUB)
         if xpub:
             self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
@@ -212,8 +218,8 @@ class RawPeer:
 def raw_peer(cfg: NodeConfig) -> Any:
     peers: list[RawPeer] = []
 
-    def make(subscriptions: list[bytes], xpub: bool = True) -> RawPeer:
-        peer = RawPeer(cfg, subscriptions, xpub)
+    def make(subscriptions: list[bytes], xpub: bool = True, hears_fetches: bool = True) -> RawPeer:
+        peer = RawPeer(cfg, subscriptions, xpub, hears_fetches)
         peers.append(peer)
         return peer
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -367,3 +368,30 @@ def test_doctor_names_what_cannot_be_reached(tower: Tower, cfg: NodeConfig) -> N
         assert "FAIL not reachable from any peer: 1 peer(s) on the mesh, none connected to address 127.0.0.2" in text
     finally:
         peer.stop()
+
+
+def test_a_node_expires_no_peer_while_it_hears_no_tower() -> None:
+    # At 1,000 partitions a starved store read no beacon for seconds and then
+    # dropped every producer at once (each drop a connection torn down and
+    # made again a beacon later, which kept it busier still).
+    cfg = NodeConfig(
+        towers=(TowerAddress("127.0.0.1", 1, 2),), bind="127.0.0.1", beacon_interval=0.1, beacon_timeout=0.5
+    )
+    node = Node(cfg)  # its loop is driven here
+    try:
+        now = time.monotonic()
+        node.peers.on_beacon("A" * 32, "tcp://127.0.0.1:9", now - 100.0)
+        node.tower_watch.on_heard(now - 100.0)  # the towers fell silent long ago
+        node._expire_peers(now)
+        assert "A" * 32 in node.peers  # kept: its silence proves nothing
+        node.tower_watch.on_heard(time.monotonic())  # heard again; A's beacon not yet
+        node._expire_peers(time.monotonic())
+        assert "A" * 32 in node.peers  # a whole timeout to show up
+        deadline = time.monotonic() + 5
+        while "A" * 32 in node.peers and time.monotonic() < deadline:
+            time.sleep(0.05)
+            node.tower_watch.on_heard(time.monotonic())  # the towers keep talking; A does not
+            node._expire_peers(time.monotonic())
+        assert "A" * 32 not in node.peers
+    finally:
+        node.stop()

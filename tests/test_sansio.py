@@ -94,6 +94,24 @@ def test_skip_forward_when_hole_cannot_be_filled() -> None:
     assert t.skipped == 5 and t.next == 7
 
 
+def test_a_hole_is_not_given_up_while_its_producer_cannot_hear_the_fetches() -> None:
+    # A store ACKs past a hole it gave up, which releases the producer's copy:
+    # while the producer is alive but not subscribed to its FETCHes here, the
+    # time to give up does not run.
+    t = PartitionTracker("s", "p", 0, retry_interval=0.5, skip_after=2.0)
+    deliver(t, 5)
+    assert t.fetch_request(0.0) == (0, 5)
+    out: list[tuple[int, bytes]] = []
+    for now in (1.0, 2.0, 3.0, 4.0):
+        t.unheard(now)
+        assert t.skip_if_stalled(now, out) is None
+        t.fetch_request(now)  # retries still go out (another store may have it)
+    assert t.fetches > 1
+    assert t.skip_if_stalled(5.5, out) is None  # heard for 1.5 s only
+    assert t.skip_if_stalled(6.5, out) == (0, 4)  # 2.5 s of FETCHes it could hear
+    assert [s for s, _ in out] == [5]
+
+
 def test_a_record_too_large_at_next_is_skipped_at_once() -> None:
     t = PartitionTracker("s", "p", 0)
     assert deliver(t, 0) == [0]
@@ -233,6 +251,23 @@ def test_peer_table_connects_once_and_expires() -> None:
     assert t.expire(5.9) == []
     assert t.expire(6.0) == [Disconnect("tcp://a:2", "A")]
     assert len(t) == 0
+
+
+def test_peers_are_not_expired_for_a_silence_of_the_towers() -> None:
+    # A starved node (or a lagging tower) hears nobody for a while: that says
+    # nothing of the peers, and none may drop the moment beacons flow again.
+    watch = TowerWatch(started=0.0, grace=5.0)
+    assert watch.quiet(0.0, 2.5)  # never heard
+    watch.on_heard(1.0)
+    assert not watch.quiet(3.5, 2.5) and watch.quiet(3.6, 2.5)
+    t = PeerTable("ME", timeout=4.0)
+    t.on_beacon("A", "tcp://a:1", 1.0)
+    t.on_beacon("B", "tcp://b:1", 1.0)
+    t.postpone(30.0)  # quiet from 3.6 s to 30 s
+    assert t.expire(33.9) == []
+    t.on_beacon("A", "tcp://a:1", 31.0)  # A beacons again; B is gone
+    assert t.expire(34.0) == [Disconnect("tcp://b:1", "B")]
+    assert t.expire(35.0) == [Disconnect("tcp://a:1", "A")]
 
 
 def test_catch_up_is_pipelined_half_way_through_a_range() -> None:

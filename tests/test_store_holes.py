@@ -103,6 +103,28 @@ def test_two_holes_in_one_partition_never_stop_the_store(cfg: NodeConfig, tmp_pa
         assert store.db.info("h", bad.address).count == 8
 
 
+def test_a_live_producer_that_cannot_hear_the_fetches_keeps_its_holes_open(
+    cfg: NodeConfig, tmp_path: Path, raw_peer
+) -> None:
+    """A store ACKs past a hole it gave up, which releases the producer's copy.
+    So while the partition's producer beacons but is not subscribed to its
+    FETCHes here (it has not met the store yet, or dropped it under load), its
+    hole waits; once it hears them and does not answer, the hole is given up."""
+    deaf = raw_peer([], hears_fetches=False)
+    with Store(tmp_path / "db", cfg, skip_after=0.5, retry_interval=0.1) as store:
+        deaf.sub.setsockopt(zmq.SUBSCRIBE, wire.P_ACK + deaf.address.encode())
+        deaf.wait_for(lambda p: len(p.peers) >= 1 and p.subscribed(b"M"))
+        deaf.send(wire.Record("h", deaf.address, "h", 5, b"h5"))  # 0..4 missing
+        deaf.wait_for(lambda p: store.fetches_sent > 3, 5)  # asking, unheard
+        end = time.monotonic() + 3.0  # six times skip_after
+        while time.monotonic() < end:
+            deaf.pump(0.05)
+            assert acked(deaf) == -1 and store.skipped == 0
+        deaf.sub.setsockopt(zmq.SUBSCRIBE, wire.P_FETCH + deaf.address.encode())  # hears now, has nothing
+        wait_acked(deaf, "h", 5)
+        assert store.skipped == 5
+
+
 def test_a_hole_is_filled_once_the_store_holding_it_resumes(cfg: NodeConfig, tmp_path: Path, raw_peer) -> None:
     """Store A gives 5..9 up while store B, which holds them, is SIGSTOPped (a
     process on 127.0.0.1); once B resumes, A FETCHes its recorded hole and fills it."""

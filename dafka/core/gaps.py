@@ -60,6 +60,7 @@ class PartitionTracker:
         "pid",
         "cut",
         "held_at",
+        "unheard_at",
     )
 
     def __init__(
@@ -97,6 +98,9 @@ class PartitionTracker:
         # (see skip_if_stalled): a stall then skips one offset.
         self.cut = False
         self.held_at: float | None = None  # when records ahead of a hole were first seen held
+        # Last time the partition's producer was alive but could not hear our
+        # FETCHes (see unheard): the time to give a hole up counts from then.
+        self.unheard_at = float("-inf")
 
     @property
     def missing(self) -> bool:
@@ -240,6 +244,16 @@ class PartitionTracker:
         self.fetches += 1
         return nxt, count
 
+    def unheard(self, now: float) -> None:
+        """The partition's producer is alive but does not hear our FETCHes (yet).
+
+        It may still hold what the hole lacks: a hole is given up only after
+        ``skip_after`` seconds of FETCHes it could hear.  Given up while it held
+        them, its records would be acknowledged without being stored (a store
+        ACKs past a hole it gave up).
+        """
+        self.unheard_at = now
+
     def retry_now(self) -> None:
         """Let the next :meth:`fetch_request` re-send at once (a new peer joined)."""
         # Not by moving progress_at: that would also make a hole look stalled
@@ -266,7 +280,7 @@ class PartitionTracker:
             self.held_at = now
         if nxt is None or nxt != self.progress_next:
             return None
-        if now - self.progress_at < self.skip_after:
+        if now - max(self.progress_at, self.unheard_at) < self.skip_after:
             return None
         if self.cut:
             self.cut = False

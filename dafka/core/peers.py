@@ -92,6 +92,16 @@ class PeerTable:
         known = self._peers.pop(address, None)
         return [] if known is None else [Disconnect(known[0], address)]
 
+    def postpone(self, now: float) -> None:
+        """Nothing was heard lately (see :meth:`TowerWatch.quiet`): give every
+        peer a whole timeout from ``now``, so none is dropped the moment
+        beacons flow again, before its own had time to arrive."""
+        floor = now + self.timeout
+        peers = self._peers
+        for address, (endpoint, expires) in peers.items():
+            if expires < floor:
+                peers[address] = (endpoint, floor)  # (a value replaced: no resize while iterating)
+
     def expire(self, now: float) -> list[PeerAction]:
         """Drop peers whose last beacon is older than the timeout."""
         dead = [(a, e) for a, (e, expires) in self._peers.items() if expires <= now]
@@ -117,6 +127,7 @@ class TowerWatch:
         self.grace = grace
         self.repeat = repeat
         self.reached_at: float | None = None
+        self.heard_at: float | None = None  # the last beacon (or hello) of any tower
         self._warned_at: float | None = None
         self.refused: dict[str, float] = {}  # tower endpoint -> when it last refused our handshake
 
@@ -137,8 +148,17 @@ class TowerWatch:
         return self.reached_at is not None
 
     def on_heard(self, now: float) -> None:
+        self.heard_at = now
         if self.reached_at is None:
             self.reached_at = now
+
+    def quiet(self, now: float, limit: float) -> bool:
+        """Whether no tower was heard for ``limit`` seconds (or ever).
+
+        Then a peer's silence proves nothing: the tower may lag, or this node
+        had no time to read it.  Peers are expired only while towers are heard.
+        """
+        return self.heard_at is None or now - self.heard_at > limit
 
     def warning_due(self, now: float) -> bool:
         """True when a "no tower reached" warning should be logged now."""

@@ -355,6 +355,9 @@ class Node:
 
         self.every(cfg.beacon_interval, self._send_beacon)
         self.every(min(1.0, cfg.beacon_timeout / 4), self._expire_peers)
+        # No tower heard for this long: expiry waits (a dafka tower says hello
+        # every second; behind a C tower a node hears its own beacon come back).
+        self._quiet_limit = max(cfg.beacon_timeout / 2, 2.5 * beacon.HELLO_INTERVAL, 2.5 * cfg.beacon_interval)
         self._tick_timer = len(self._timers)
         self.every(TICK, self._tick)
         self.every(cfg.beacon_interval, self._check_towers)
@@ -1088,10 +1091,7 @@ class Node:
             # taking a tower for a C one.  Taken by mistake, every node of a
             # 1,000-node mesh met every other (20,000 descriptors in a process
             # of 250 producers, its loop busy connecting, its memory growing).
-            for _ in range(8):
-                if not self.beacon_sub.get(zmq.EVENTS) & zmq.POLLIN:
-                    break
-                self._read_beacons()
+            self._read_waiting_beacons()
             plain = self.census.needs_plain(time.monotonic())
         if plain and wire.BEACON not in self._beacon_subs:
             self.beacon_sub.setsockopt(zmq.SUBSCRIBE, wire.BEACON)
@@ -1393,7 +1393,25 @@ class Node:
                 self._disconnect_data(self.sub, action.endpoint)
             self.log.debug("dropped silent peer %s", action.address)
 
+    def _read_waiting_beacons(self) -> None:
+        """Read the beacons waiting on the beacon SUB now (at most 8 reads of DRAIN)."""
+        for _ in range(8):
+            if not self.beacon_sub.get(zmq.EVENTS) & zmq.POLLIN:
+                break
+            self._read_beacons()
+
     def _expire_peers(self, now: float) -> None:
+        # Silence is judged on what the towers relayed, not on what we found
+        # time to read: a busy or starved I/O thread (or a lagging tower)
+        # expired whole meshes at once at 1,000 partitions, each drop tearing
+        # a connection down and making it again a beacon later, which kept
+        # every node busier still.  So read what waits first, and expire
+        # nobody while no tower was heard at all lately.
+        self._read_waiting_beacons()
+        now = time.monotonic()
+        if self.config.towers and self.tower_watch.quiet(now, self._quiet_limit):
+            self.peers.postpone(now)
+            return
         for action in self.peers.expire(now):
             self._apply_peer_action(action)
             if action.address not in self.peers:

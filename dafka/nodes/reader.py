@@ -170,6 +170,11 @@ class PartitionReader(Node):
         for tracker in self._missing:
             self.maybe_fetch(tracker, now)
 
+    def owner_hears(self, partition: str) -> bool:
+        """Whether a partition's producer could answer our FETCHes, if alive (see
+        :meth:`PartitionTracker.unheard`): readers that do not know say yes."""
+        return True
+
     def retry_missing_now(self) -> None:
         """Someone new answers FETCHes: retry every missing range at once."""
         for tracker in self._missing:
@@ -185,6 +190,8 @@ class PartitionReader(Node):
             if not tracker.missing:
                 done.append(tracker)
                 continue
+            if not self.owner_hears(tracker.address):
+                tracker.unheard(now)
             skipped = tracker.skip_if_stalled(now, out)
             if skipped is not None:
                 self.on_skipped(tracker, *skipped)

@@ -82,6 +82,7 @@ ERROR_LOG_INTERVAL = 30.0  # a lasting write failure is logged again this often
 REFUSED_LOG_INTERVAL = 5.0  # refused partitions are logged at most this often
 REFUSED_STATUS_FOR = 10.0  # seconds a refused partition's producer is told "not writing"
 SKIP_AFTER = 10.0  # seconds before offsets nobody has are given up
+MAX_HEARERS = 1_000_000  # producers remembered as subscribed to their FETCHes here
 
 # What the writer commits at once: tuples, ready pairs, their runs, skips, and
 # records for recorded holes (content None: an offset given up for good).
@@ -183,6 +184,9 @@ class Store(PartitionReader):
         self._retry_at = 0.0
         self._unsent_acks: dict[tuple[str, str], int] = {}
         self._ack_repeats = AckRepeats()  # whether a HEAD gets its unchanged ACK again
+        # Producers subscribed to their FETCHes on our publisher (see owner_hears):
+        # address -> subscriptions (a count: XPUB_VERBOSER passes each one).
+        self._fetch_hearers: dict[str, int] = {}
         # GET-HEADS / CONSUMER-HELLO answers wait until the input queued before
         # them is read (see _answer_heads): (requester, subjects, when asked).
         self._heads_wanted: list[tuple[str, tuple[str, ...], float]] = []
@@ -788,6 +792,8 @@ class Store(PartitionReader):
     def _read_subscriptions(self) -> None:
         for subscribe, prefix in read_subscriptions(self.publisher):
             self.on_subscription(subscribe, prefix)
+            if prefix[:1] == wire.P_FETCH and len(prefix) > 1:
+                self._count_hearer(subscribe, prefix[1:].decode(errors="replace"))
             if not subscribe:
                 continue
             if prefix[:1] == wire.P_STORE_HELLO and len(prefix) > 1:
@@ -807,6 +813,22 @@ class Store(PartitionReader):
                 # Another store (it takes every HEAD) connected: tell it what we
                 # hold, so it can fetch partitions whose producers are gone.
                 self._announce_heads(0.0)
+
+    def _count_hearer(self, subscribe: bool, producer: str) -> None:
+        hearers = self._fetch_hearers
+        n = hearers.get(producer, 0) + (1 if subscribe else -1)
+        if n > 0:
+            if producer in hearers or len(hearers) < MAX_HEARERS:
+                hearers[producer] = n
+        else:
+            hearers.pop(producer, None)
+
+    def owner_hears(self, partition: str) -> bool:
+        # A live producer not (yet) subscribed to its FETCHes here cannot answer
+        # them: its holes are not given up meanwhile (it may hold what they lack,
+        # and an ACK past a hole given up would release it).  A producer that is
+        # gone (no beacon: expired) or was never met leaves that to skip_after.
+        return partition in self._fetch_hearers or partition not in self.peers
 
     def _announce_heads(self, now: float) -> None:
         for (topic, partition), head in list(self._heads.items()):
