@@ -7,6 +7,9 @@ ahead, and every node asks them all the time (``data_waiting``, its poller, a
 shared loop), so a peer that goes silent right after sending was enough: the
 store of ``bench group --partitions 1000`` died this way.
 
+A busy reader, too, must not judge by what it has not read yet: a hole whose
+answer waits unread is not given up.
+
 The scenarios run in a child process: the abort kills the process, and here
 it must show as a failed test, not take pytest with it.
 """
@@ -145,6 +148,41 @@ def test_held_messages_wait_while_reading_is_paused_and_are_bounded() -> None:
             node._loop_after()
             assert got == [[b"Z1", b"x" * 6000]], [f[0] for f in got]
             assert node._held_bytes == 0 and not node._loop_spins()
+            node.stop()
+            print("DONE")
+            """
+        )
+    )
+
+
+@pytest.mark.timeout(90)
+def test_no_hole_is_given_up_while_its_answer_may_wait_unread() -> None:
+    # A busy reader's tick comes while the FETCH's answer waits in the socket:
+    # giving the hole up then (a store ACKs past it) would be for nothing.
+    check(
+        run(
+            """
+            from dafka.nodes import reader as reader_module
+            from dafka.nodes.consumer import Consumer
+            class Driven(Consumer):
+                def start(self):
+                    pass
+            node, pub, endpoint = peer_and_node(
+                lambda cfg: Driven("t", cfg, offset_reset="earliest", skip_after=0.2, retry_interval=0.05)
+            )
+            wait(lambda: pub.poll(10) and pub.recv()[:1] == b"\\x01")
+            partition = "B" * 32
+            pub.send_multipart(wire.encode(wire.Record("t", partition, "t", 3, b"r3")))
+            wait(node.data_waiting)
+            node._read_data()  # 0..2 missing
+            t0 = time.monotonic()
+            node.check_missing(t0)  # asks for them
+            pub.send_multipart(wire.encode(wire.DirectRecord(node.address, partition, "t", 0, b"r0")))
+            wait(node.data_waiting)  # the answer waits unread
+            node.check_missing(t0 + 1.0)  # stalled long enough, but the answer is there
+            assert node.skipped == 0, node.skipped
+            node.check_missing(t0 + 1.0 + reader_module.BEHIND_GRACE)  # bounded: behind for too long
+            assert node.skipped == 3, node.skipped
             node.stop()
             print("DONE")
             """

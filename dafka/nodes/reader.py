@@ -29,6 +29,7 @@ from dafka.errors import ProtocolError
 from dafka.nodes.node import Node
 
 NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's enum flags are slower
+BEHIND_GRACE = 10.0  # seconds a reader with data waiting at every tick holds its holes open
 _RECORDS = wire.Record | wire.DirectRecord | wire.RecordBatch | wire.DirectRecordBatch
 
 
@@ -48,6 +49,7 @@ class PartitionReader(Node):
         self._missing: dict[PartitionTracker, None] = {}
         self._out: list[tuple[int, bytes]] = []
         self.fetches_sent = 0
+        self._caught_up_at = time.monotonic()  # the last tick that found no data waiting
         self.max_record_bytes = self.config.max_record_bytes
         self.records_dropped_too_large = 0  # records over max_record_bytes from the mesh
 
@@ -183,16 +185,25 @@ class PartitionReader(Node):
     def check_missing(self, now: float) -> None:
         """Timer: re-send stalled FETCHes, skip holes nobody can fill."""
         if not self._missing:
+            self._caught_up_at = now
             return
         out = self._out
         done = []
+        # The answers may be waiting unread (a busy I/O thread): no hole is
+        # given up on this tick then, or its records would come just after.
+        # Bounded: a reader that never catches up still gives holes up.
+        behind = self.data_waiting()
+        if not behind:
+            self._caught_up_at = now
+        elif now - self._caught_up_at >= BEHIND_GRACE:
+            behind = False
         for tracker in self._missing:
             if not tracker.missing:
                 done.append(tracker)
                 continue
             if not self.owner_hears(tracker.address):
                 tracker.unheard(now)
-            skipped = tracker.skip_if_stalled(now, out)
+            skipped = None if behind else tracker.skip_if_stalled(now, out)
             if skipped is not None:
                 self.on_skipped(tracker, *skipped)
                 if out:
