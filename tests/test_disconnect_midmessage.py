@@ -179,9 +179,45 @@ def test_no_hole_is_given_up_while_its_answer_may_wait_unread() -> None:
             node.check_missing(t0)  # asks for them
             pub.send_multipart(wire.encode(wire.DirectRecord(node.address, partition, "t", 0, b"r0")))
             wait(node.data_waiting)  # the answer waits unread
-            node.check_missing(t0 + 1.0)  # stalled long enough, but the answer is there
+            for k in range(1, 5):  # ticks: stalled long enough, but the answer is there
+                node.check_missing(t0 + 0.25 * k)
             assert node.skipped == 0, node.skipped
-            node.check_missing(t0 + 1.0 + reader_module.BEHIND_GRACE)  # bounded: behind for too long
+            now = t0 + 1.0
+            while now < t0 + reader_module.BEHIND_GRACE + 1.0:  # bounded: behind for too long
+                now += 0.25
+                node.check_missing(now)
+            assert node.skipped == 3, node.skipped
+            node.stop()
+            print("DONE")
+            """
+        )
+    )
+
+
+@pytest.mark.timeout(90)
+def test_a_starved_reader_gives_no_hole_up_for_the_time_it_could_not_ask() -> None:
+    check(
+        run(
+            """
+            from dafka.nodes.consumer import Consumer
+            class Driven(Consumer):
+                def start(self):
+                    pass
+            node, pub, endpoint = peer_and_node(
+                lambda cfg: Driven("t", cfg, offset_reset="earliest", skip_after=2.0, retry_interval=0.05)
+            )
+            wait(lambda: pub.poll(10) and pub.recv()[:1] == b"\\x01")
+            pub.send_multipart(wire.encode(wire.Record("t", "B" * 32, "t", 3, b"r3")))
+            wait(node.data_waiting)
+            node._read_data()  # 0..2 missing
+            t0 = time.monotonic()
+            node.check_missing(t0)  # asks
+            node.check_missing(t0 + 30.0)  # the next check, 30 s later: the thread was starved
+            assert node.skipped == 0, node.skipped
+            now = t0 + 30.0
+            while now < t0 + 33.0:  # then ticks again, and nobody answers
+                now += 0.1
+                node.check_missing(now)
             assert node.skipped == 3, node.skipped
             node.stop()
             print("DONE")

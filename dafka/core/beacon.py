@@ -52,6 +52,12 @@ STORE = b"S"
 ANY = b"A"
 UNKNOWN = b"U"  # relayed by a tower for a node that sent no interest beacon
 HELLO = PREFIX + b"T"
+# High-water mark of beacon sockets (a tower's XPUB, a node's beacon SUB), in
+# messages.  ZeroMQ's default (1,000) is one second of a 1,000-node mesh's
+# beacons for a store: a store busy for two seconds lost beacons at the tower
+# and dropped live producers.  Ten seconds' worth, about 1.5 MB per stalled
+# subscriber of every beacon (one that subscribes few takes few).
+BEACON_HWM = 10_000
 KINDS = frozenset((PRODUCER, CONSUMER, GROUP, STORE, ANY, UNKNOWN))
 KEYED = frozenset((PRODUCER, CONSUMER, GROUP))
 END = b"\x00"

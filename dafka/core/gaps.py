@@ -245,7 +245,8 @@ class PartitionTracker:
         return nxt, count
 
     def unheard(self, now: float) -> None:
-        """The partition's producer is alive but does not hear our FETCHes (yet).
+        """Nobody could answer our FETCHes until ``now``: the partition's producer
+        is alive but does not hear them (yet), or this reader could not ask.
 
         It may still hold what the hole lacks: a hole is given up only after
         ``skip_after`` seconds of FETCHes it could hear.  Given up while it held

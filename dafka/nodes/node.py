@@ -269,6 +269,7 @@ class Node:
         self.beacon_pub.setsockopt(zmq.LINGER, 0)
         self.beacon_sub = self.ctx.socket(zmq.SUB)
         self.beacon_sub.setsockopt(zmq.LINGER, 0)
+        self.beacon_sub.setsockopt(zmq.RCVHWM, beacon.BEACON_HWM)
         self.beacon_sub.setsockopt(zmq.SUBSCRIBE, wire.WELCOME)
         # How the tower sees us (dafka towers only; see dafka.core.reach).
         self.beacon_sub.setsockopt(zmq.SUBSCRIBE, reach.reflection_topic(self.address))

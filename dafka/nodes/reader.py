@@ -29,6 +29,7 @@ from dafka.errors import ProtocolError
 from dafka.nodes.node import Node
 
 NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's enum flags are slower
+READER_STALL = 1.0  # seconds between two checks of the holes that say the I/O thread was starved
 BEHIND_GRACE = 10.0  # seconds a reader with data waiting at every tick holds its holes open
 _RECORDS = wire.Record | wire.DirectRecord | wire.RecordBatch | wire.DirectRecordBatch
 
@@ -50,6 +51,7 @@ class PartitionReader(Node):
         self._out: list[tuple[int, bytes]] = []
         self.fetches_sent = 0
         self._caught_up_at = time.monotonic()  # the last tick that found no data waiting
+        self._checked_at = time.monotonic()  # the last check_missing
         self.max_record_bytes = self.config.max_record_bytes
         self.records_dropped_too_large = 0  # records over max_record_bytes from the mesh
 
@@ -184,9 +186,15 @@ class PartitionReader(Node):
 
     def check_missing(self, now: float) -> None:
         """Timer: re-send stalled FETCHes, skip holes nobody can fill."""
+        gap, self._checked_at = now - self._checked_at, now
         if not self._missing:
             self._caught_up_at = now
             return
+        if gap > max(READER_STALL, 4 * self.tick_interval()):
+            # The I/O thread could not act for a while (starved): the time it
+            # could not ask for its holes does not count toward giving them up.
+            for tracker in self._missing:
+                tracker.unheard(now)
         out = self._out
         done = []
         # The answers may be waiting unread (a busy I/O thread): no hole is

@@ -817,6 +817,12 @@ class Store(PartitionReader):
     def _count_hearer(self, subscribe: bool, producer: str) -> None:
         hearers = self._fetch_hearers
         n = hearers.get(producer, 0) + (1 if subscribe else -1)
+        if subscribe and n == 1 and self._missing:
+            # It hears us from now on: its holes' time to be given up starts now.
+            now = time.monotonic()
+            for tracker in self._missing:
+                if tracker.address == producer:
+                    tracker.unheard(now)
         if n > 0:
             if producer in hearers or len(hearers) < MAX_HEARERS:
                 hearers[producer] = n
