@@ -208,3 +208,25 @@ def test_a_producer_names_the_reason_a_store_does_not_acknowledge(cfg: NodeConfi
 
         store.wait_for(told)
         assert p.diagnose() == "a store is up but not acknowledging: store 12345678 cannot write: disk full"
+
+
+def test_a_store_tells_a_partition_it_writes_once_in_a_while_not_every_second(
+    cfg: NodeConfig, tmp_path: Path, raw_peer
+) -> None:
+    # "writing" STORE-STATUS said each second what the ACKs say: a message a
+    # second per producer at the store and at each producer.
+    peer = raw_peer([])
+    with Store(tmp_path / "db", cfg, sync=False) as store:
+        for prefix in (wire.P_ACK, wire.P_STORE_STATUS):
+            peer.sub.setsockopt(zmq.SUBSCRIBE, prefix + peer.address.encode())
+        peer.wait_for(lambda p: len(p.peers) >= 1 and p.subscribed(b"M"))
+        t0 = time.monotonic()
+        seq = 0
+        while time.monotonic() - t0 < 3.0:  # a record every 100 ms for 3 s
+            peer.send(wire.Record("w", peer.address, "w", seq, b"r%d" % seq))
+            seq += 1
+            peer.pump(0.1)
+        wait_acked(peer, "w", seq - 1)
+        statuses = peer.messages(wire.StoreStatus)
+        assert all(s.writing for s in statuses) and store.storage_error is None
+        assert 1 <= len(statuses) <= 2, len(statuses)  # it was one a second

@@ -44,6 +44,7 @@ cdef extern from "zmq_api.h" nogil:
     int DAFKA_ZMQ_DONTWAIT
     int DAFKA_ZMQ_SNDMORE
     int DAFKA_ZMQ_TYPE
+    int DAFKA_ZMQ_EVENTS
 
 
 cdef dafka_msg_init_fn z_msg_init = NULL
@@ -101,6 +102,18 @@ def socket_type(sock):
     cdef size_t size = sizeof(int)
     cdef void *s = _handle(sock)
     if z_getsockopt(s, DAFKA_ZMQ_TYPE, &value, &size) != 0:
+        raise ZMQError(z_errno())
+    return value
+
+
+def events(sock):
+    """ZMQ_EVENTS of a pyzmq socket (POLLIN 1 | POLLOUT 2): a shared loop asks it
+    of every socket a node's turn may have touched, and pyzmq's ``get`` costs
+    several times more (it converts the answer to an enum)."""
+    cdef int value = 0
+    cdef size_t size = sizeof(int)
+    cdef void *s = _handle(sock)
+    if z_getsockopt(s, DAFKA_ZMQ_EVENTS, &value, &size) != 0:
         raise ZMQError(z_errno())
     return value
 

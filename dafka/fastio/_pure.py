@@ -42,6 +42,11 @@ def _rest(recv: Callable[..., Any], first: list[bytes]) -> list[bytes]:
             return first
 
 
+def events(sock: zmq.Socket) -> int:
+    """ZMQ_EVENTS of a socket (POLLIN 1 | POLLOUT 2)."""
+    return int(sock.getsockopt(zmq.EVENTS))
+
+
 def recv_messages(sock: zmq.Socket, limit: int) -> list[list[bytes]]:
     """Up to ``limit`` whole messages waiting on ``sock`` (never blocks), each a list of frames."""
     recv = sock.recv

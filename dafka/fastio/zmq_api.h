@@ -28,5 +28,6 @@ typedef int (*dafka_getsockopt_fn)(void *socket, int option, void *optval, size_
 #define DAFKA_ZMQ_DONTWAIT 1
 #define DAFKA_ZMQ_SNDMORE 2
 #define DAFKA_ZMQ_TYPE 16
+#define DAFKA_ZMQ_EVENTS 15
 
 #endif

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from dafka import fastio
+
 if TYPE_CHECKING:
     from dafka.nodes.node import Node
 
@@ -48,7 +50,7 @@ TIMER_SLACK = 0.001  # as Node: a timer due this soon runs now
 SLOW_PER_TURN = 16  # beacon and monitor sockets read in one turn at most (see _run)
 
 
-_EVENTS = int(zmq.EVENTS)
+_events = fastio.events  # ZMQ_EVENTS, compiled where available
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 
@@ -380,7 +382,7 @@ class NodeLoop:
         node = watch.node
         if watch.zmq:
             try:
-                if not watch.sock.get(_EVENTS) & watch.events:
+                if not _events(watch.sock) & watch.events:
                     return  # the edge said "may have changed"; nothing waits
             except zmq.ZMQError:
                 self._drop(watch)  # closed under us
@@ -397,7 +399,7 @@ class NodeLoop:
         if watch.zmq and not watch.hot and self._watches.get(watch.fd) is watch:
             # A monitor's reader stops after so many events: what it left will not fire again.
             try:
-                if watch.sock.get(_EVENTS) & watch.events:
+                if _events(watch.sock) & watch.events:
                     self._ready.append(watch)
             except zmq.ZMQError:
                 self._drop(watch)
@@ -423,7 +425,7 @@ class NodeLoop:
                 and self._watches.get(watch.fd) is watch
             ):
                 try:
-                    if watch.sock.get(_EVENTS) & watch.events:
+                    if _events(watch.sock) & watch.events:
                         self._ready.append(watch)
                 except zmq.ZMQError:
                     self._drop(watch)

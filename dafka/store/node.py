@@ -78,6 +78,11 @@ STATS_INTERVAL = 10.0
 RETENTION_BUDGET = 0.2  # seconds of deletions per retention round
 HEADS_INTERVAL = 30.0  # stores re-announce the heads they hold (replication)
 STATUS_INTERVAL = 1.0  # STORE-STATUS to the producers whose records came in
+# A partition that commits and is acknowledged is told "writing" at most this
+# often (a producer's diagnose() looks 5 s back): each second it was a message
+# per producer (1,000 a second for a store of 1,000 devices) that said what its
+# ACKs already say.  A failing or refusing store tells at once, every interval.
+WRITING_STATUS_EVERY = 4.0
 ERROR_LOG_INTERVAL = 30.0  # a lasting write failure is logged again this often
 REFUSED_LOG_INTERVAL = 5.0  # refused partitions are logged at most this often
 REFUSED_STATUS_FOR = 10.0  # seconds a refused partition's producer is told "not writing"
@@ -191,6 +196,7 @@ class Store(PartitionReader):
         # them is read (see _answer_heads): (requester, subjects, when asked).
         self._heads_wanted: list[tuple[str, tuple[str, ...], float]] = []
         self._status_keys: set[tuple[str, str]] = set()  # partitions committed since the last status
+        self._writing_told: dict[tuple[str, str], float] = {}  # partition -> when last told "writing"
         self._error_logged_at = 0.0
         # Writer thread hand-off.
         self._writer_cond = threading.Condition()
@@ -508,13 +514,24 @@ class Store(PartitionReader):
                     del refused[key]
                 else:
                     keys.add(key)
-        for topic, partition in keys:
-            got = refused.get((topic, partition)) if refused else None
+        told = self._writing_told
+        if len(told) > 2 * len(keys) + 1024:  # bounded: forget what is old enough to be told again
+            self._writing_told = told = {k: t for k, t in told.items() if now - t < WRITING_STATUS_EVERY}
+        for key in keys:
+            topic, partition = key
+            got = refused.get(key) if refused else None
             if got is not None and writing:
                 why = wire.reason_text(f"store {self.address[:8]} refused records of this partition: {got[0]}")
                 self.send(wire.StoreStatus(partition, self.address, topic, 0, why))
+                told.pop(key, None)
+            elif writing:
+                if now - told.get(key, -WRITING_STATUS_EVERY) < WRITING_STATUS_EVERY:
+                    continue  # told lately, and its ACKs say the same
+                told[key] = now
+                self.send(wire.StoreStatus(partition, self.address, topic, writing, reason))
             else:
                 self.send(wire.StoreStatus(partition, self.address, topic, writing, reason))
+                told.pop(key, None)
 
     def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
         """Hook: a batch is durable; ``heads`` are the new heads it made."""
