@@ -896,6 +896,14 @@ class Node:
         self._channel_socks.pop(channel.sock, None)
         self.cuts.forget((channel.sock, channel.endpoint))
         self._busy.discard(channel)
+        if self._held:
+            # Its messages read before a disconnection go with it: nothing would
+            # ever handle them (_read_channel is gone), and left behind they kept
+            # _loop_spins true for good (a loop that never sleeps again).
+            kept = [item for item in self._held if item[0] is not channel]
+            if len(kept) != len(self._held):
+                self._held_bytes = sum(sum(map(len, frames)) for _, frames in kept)
+                self._held = deque(kept)
         watched = [(self._channel_selector, channel.sock)]
         if channel.refusals is not None:
             watched.append((self._monitor_selector, channel.refusals.monitor))
