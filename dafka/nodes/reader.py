@@ -31,7 +31,17 @@ from dafka.nodes.node import Node
 NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's enum flags are slower
 READER_STALL = 1.0  # seconds between two checks of the holes that say the I/O thread was starved
 BEHIND_GRACE = 10.0  # seconds a reader with data waiting at every tick holds its holes open
+# A hole whose producer does not hear our FETCHes (see owner_hears) waits at
+# most this many times skip_after since its last progress: the producer may be
+# hostile, or reach no publisher of ours, and must not hold it open forever.
+UNHEARD_LIMIT = 10
 _RECORDS = wire.Record | wire.DirectRecord | wire.RecordBatch | wire.DirectRecordBatch
+
+
+def unheard_may_wait(tracker: PartitionTracker, now: float) -> bool:
+    """Whether a hole of a producer that does not hear our FETCHes may still wait
+    for it (bounded: see UNHEARD_LIMIT)."""
+    return now - tracker.progress_at < UNHEARD_LIMIT * tracker.skip_after
 
 
 class PartitionReader(Node):
@@ -209,7 +219,7 @@ class PartitionReader(Node):
             if not tracker.missing:
                 done.append(tracker)
                 continue
-            if not self.owner_hears(tracker.address):
+            if not self.owner_hears(tracker.address) and unheard_may_wait(tracker, now):
                 tracker.unheard(now)
             skipped = None if behind else tracker.skip_if_stalled(now, out)
             if skipped is not None:

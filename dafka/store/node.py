@@ -50,7 +50,7 @@ from dafka.core.gaps import PartitionTracker
 from dafka.errors import ConfigError, ProtocolError
 from dafka.nodes.metrics import SECONDS_BUCKETS, SIZE_BUCKETS, Histogram
 from dafka.nodes.node import DRAIN, read_subscriptions
-from dafka.nodes.reader import NOBLOCK, PartitionReader
+from dafka.nodes.reader import NOBLOCK, PartitionReader, unheard_may_wait
 from dafka.store.acks import AckRepeats
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.holes import HoleRepair
@@ -834,11 +834,13 @@ class Store(PartitionReader):
     def _count_hearer(self, subscribe: bool, producer: str) -> None:
         hearers = self._fetch_hearers
         n = hearers.get(producer, 0) + (1 if subscribe else -1)
-        if subscribe and n == 1 and self._missing:
+        if subscribe and n == 1 and self._missing and producer in self.peers:
             # It hears us from now on: its holes' time to be given up starts now.
+            # (Only a live producer's, whose holes waited for it: anyone may
+            # subscribe F<address>, and again and again.)
             now = time.monotonic()
             for tracker in self._missing:
-                if tracker.address == producer:
+                if tracker.address == producer and unheard_may_wait(tracker, now):
                     tracker.unheard(now)
         if n > 0:
             if producer in hearers or len(hearers) < MAX_HEARERS:
