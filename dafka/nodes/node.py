@@ -771,15 +771,18 @@ class Node:
         """Handle the held messages of ``channel`` (None: of the plain data SUB), oldest first."""
         held = self._held
         keep: list[tuple[Channel | None, list[bytes]]] = []
-        while held:
-            item = held.popleft()
-            if item[0] is not channel:
-                keep.append(item)
-                continue
-            frames = item[1]
-            self._held_bytes -= sum(map(len, frames))
-            self.on_held(frames)
-        held.extend(keep)
+        try:
+            while held:
+                item = held.popleft()
+                if item[0] is not channel:
+                    keep.append(item)
+                    continue
+                frames = item[1]
+                self._held_bytes -= sum(map(len, frames))
+                self.on_held(frames)
+        finally:
+            # (also when a handler raised: the others' wait, in their order)
+            held.extendleft(reversed(keep))
 
     def on_held(self, frames: list[bytes]) -> None:
         """A message read before a disconnection (see :meth:`_hold_one`), handled as if read now."""
