@@ -212,11 +212,41 @@ def test_a_starved_reader_gives_no_hole_up_for_the_time_it_could_not_ask() -> No
             node._read_data()  # 0..2 missing
             t0 = time.monotonic()
             node.check_missing(t0)  # asks
-            node.check_missing(t0 + 30.0)  # the next check, 30 s later: the thread was starved
+            node.check_missing(t0 + 15.0)  # the next check, 15 s later: the thread was starved
             assert node.skipped == 0, node.skipped
-            now = t0 + 30.0
-            while now < t0 + 33.0:  # then ticks again, and nobody answers
+            now = t0 + 15.0
+            while now < t0 + 18.0:  # then ticks again, and nobody answers
                 now += 0.1
+                node.check_missing(now)
+            assert node.skipped == 3, node.skipped
+            node.stop()
+            print("DONE")
+            """
+        )
+    )
+
+
+@pytest.mark.timeout(90)
+def test_a_reader_late_at_every_check_still_gives_a_hole_up() -> None:
+    check(
+        run(
+            """
+            from dafka.nodes import reader as reader_module
+            from dafka.nodes.consumer import Consumer
+            class Driven(Consumer):
+                def start(self):
+                    pass
+            node, pub, endpoint = peer_and_node(
+                lambda cfg: Driven("t", cfg, offset_reset="earliest", skip_after=1.0, retry_interval=0.05)
+            )
+            wait(lambda: pub.poll(10) and pub.recv()[:1] == b"\\x01")
+            pub.send_multipart(wire.encode(wire.Record("t", "B" * 32, "t", 3, b"r3")))
+            wait(node.data_waiting)
+            node._read_data()  # 0..2 missing, and nobody answers
+            now = time.monotonic()
+            limit = now + reader_module.UNHEARD_LIMIT * 1.0 + 5.0
+            while node.skipped == 0 and now < limit:
+                now += 1.5  # every check comes late
                 node.check_missing(now)
             assert node.skipped == 3, node.skipped
             node.stop()

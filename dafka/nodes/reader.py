@@ -203,8 +203,11 @@ class PartitionReader(Node):
         if gap > max(READER_STALL, 4 * self.tick_interval()):
             # The I/O thread could not act for a while (starved): the time it
             # could not ask for its holes does not count toward giving them up.
+            # Bounded as for a deaf producer: a reader late at every check
+            # still gives a hole up.
             for tracker in self._missing:
-                tracker.unheard(now)
+                if unheard_may_wait(tracker, now):
+                    tracker.unheard(now)
         out = self._out
         done = []
         # The answers may be waiting unread (a busy I/O thread): no hole is
