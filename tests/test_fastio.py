@@ -511,3 +511,43 @@ def test_send_batches_defaults_are_the_wire_limits(impl: Any, pair: Pair) -> Non
         assert impl.send_batches(pair.tx, prefix, 0, contents) == len(contents)
         assert [len(wire.decode(frames).contents) for frames in pair.recv_all()] == sizes
     assert wire.BATCH_RECORDS == 128
+
+
+@needs_compiled
+@fast
+@given(messages=st.lists(message, min_size=1, max_size=5))
+def test_send_frames_same_messages(pair: Pair, messages: list[list[bytes]]) -> None:
+    wires = []
+    for impl in (_pure, _compiled):
+        for frames in messages:
+            assert impl.send_frames(pair.tx, frames) is True
+        wires.append(pair.recv_all())
+    assert wires[0] == wires[1] == messages
+
+
+@needs_compiled
+def test_send_frames_says_when_the_socket_cannot_take_it(pair: Pair) -> None:
+    ctx = zmq.Context.instance()
+    lone = ctx.socket(zmq.PUSH)  # no peer: nothing can be sent now
+    try:
+        for impl in (_pure, _compiled):
+            assert impl.send_frames(lone, [b"a", b"b"]) is False
+            with pytest.raises(ValueError):
+                impl.send_frames(lone, [])
+    finally:
+        lone.close(0)
+
+
+@needs_compiled
+def test_events_as_pyzmq_says(pair: Pair) -> None:
+    for impl in (_pure, _compiled):
+        assert impl.events(pair.rx) == 0 and impl.events(pair.tx) == int(zmq.POLLOUT)
+    pair.tx.send(b"x")
+    assert pair.rx.poll(1000)
+    for impl in (_pure, _compiled):
+        assert impl.events(pair.rx) == int(pair.rx.get(zmq.EVENTS)) == int(zmq.POLLIN)
+    closed = zmq.Context.instance().socket(zmq.PULL)
+    closed.close(0)
+    for impl in (_pure, _compiled):
+        with pytest.raises(zmq.ZMQError):
+            impl.events(closed)

@@ -30,7 +30,7 @@ def _load() -> tuple[object, str]:
         from dafka.fastio import _compiled  # type: ignore[attr-defined]
     except ImportError as exc:
         return _pure, f"the compiled extension does not load ({exc})"
-    missing = [name for name in ("drain_records", "drain_pairs", "send_records", "send_batches", "send_values", "recv_messages", "events")
+    missing = [name for name in ("drain_records", "drain_pairs", "send_records", "send_batches", "send_values", "recv_messages", "events", "send_frames")
                if not hasattr(_compiled, name)]
     if missing:  # built from an older source: rebuild it
         return _pure, f"the compiled extension is out of date (no {', '.join(missing)}); rebuild it"
@@ -57,6 +57,7 @@ send_records = _impl.send_records  # type: ignore[attr-defined]
 send_batches = _impl.send_batches  # type: ignore[attr-defined]
 send_values = _impl.send_values  # type: ignore[attr-defined]
 events = _impl.events  # type: ignore[attr-defined]
+send_frames = _impl.send_frames  # type: ignore[attr-defined]
 
 _warned = False
 

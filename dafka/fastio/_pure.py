@@ -47,6 +47,17 @@ def events(sock: zmq.Socket) -> int:
     return int(sock.getsockopt(zmq.EVENTS))
 
 
+def send_frames(sock: zmq.Socket, frames: list[bytes]) -> bool:
+    """Send ``frames`` as one message without waiting: False when the socket cannot take it now."""
+    if not frames:
+        raise ValueError("a message has at least one frame")
+    try:
+        sock.send_multipart(frames, zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True
+
+
 def recv_messages(sock: zmq.Socket, limit: int) -> list[list[bytes]]:
     """Up to ``limit`` whole messages waiting on ``sock`` (never blocks), each a list of frames."""
     recv = sock.recv

@@ -1133,12 +1133,13 @@ class Node:
     def _send_beacon(self, now: float) -> None:
         if self.beacon_held:
             return
+        send, pub = fastio.send_frames, self.beacon_pub
         try:
             # Interest beacons first: a dafka tower then knows this address is no C node.
             for frames in self._interest_beacons:
-                self.beacon_pub.send_multipart(frames, zmq.NOBLOCK)
+                send(pub, frames)
             # Filtered away by the PUB while no C node or probe subscribes B.
-            self.beacon_pub.send_multipart(self._beacon, zmq.NOBLOCK)
+            send(pub, self._beacon)
         except zmq.ZMQError:
             pass  # no tower connected yet; the next interval retries
 

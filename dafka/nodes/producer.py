@@ -908,12 +908,9 @@ class Producer(Node):
     def _send_locked(self, frames: list[bytes]) -> None:
         with self._lock:
             if not self._closed:
-                try:
-                    # Never wait for a full queue (NODROP): HEADs and
-                    # DIRECT-HEADs are sent again anyway.
-                    self.publisher.send_multipart(frames, zmq.NOBLOCK)
-                except zmq.Again:
-                    pass
+                # Never wait for a full queue (NODROP): HEADs and
+                # DIRECT-HEADs are sent again anyway.
+                fastio.send_frames(self.publisher, frames)
 
     def _announced(self) -> int:
         """The last offset HEADs and DIRECT-HEADs announce (-1: none yet).

@@ -23,6 +23,7 @@ import time
 
 import zmq
 
+from dafka import fastio
 from dafka.core import wire
 from dafka.core.gaps import PartitionTracker
 from dafka.errors import ProtocolError
@@ -239,7 +240,7 @@ class PartitionReader(Node):
     def send(self, msg: wire.Message) -> None:
         """Publish ``msg``; a full reader queue drops it (every sender retries)."""
         try:
-            self.publisher.send_multipart(wire.encode(msg), zmq.NOBLOCK)
+            fastio.send_frames(self.publisher, wire.encode(msg))
         except zmq.ZMQError as exc:
             self.log.debug("could not send %s: %s", type(msg).__name__, exc)
 

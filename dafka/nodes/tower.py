@@ -35,6 +35,7 @@ import zmq
 
 from dafka.core import beacon, reach, wire
 from dafka.errors import ProtocolError
+from dafka.fastio import send_frames
 from dafka.nodes import security
 from dafka.nodes.node import ErrorLog
 
@@ -215,7 +216,7 @@ class Tower:
                 host = f"[{host}]"  # IPv6 literal
             endpoint = f"tcp://{host}:{port}"
             for relayed in self.relay.on_beacon(head, address, endpoint, time.monotonic()):
-                self.xpub.send_multipart(relayed + [key] if key else relayed)
+                send_frames(self.xpub, relayed + [key] if key else relayed)
             self.beacons += 1
             if self.probes.wants(address):
                 self._reflect(address, seen, endpoint)
@@ -230,7 +231,7 @@ class Tower:
                 self._start_probe(start)
         if not self.probes.should_reflect(address, (seen, endpoint, probe), time.monotonic()):
             return
-        self.xpub.send_multipart(reach.encode_reflection(reach.Reflection(address, seen, endpoint, probe)))
+        send_frames(self.xpub, reach.encode_reflection(reach.Reflection(address, seen, endpoint, probe)))
         self.reflections += 1
 
     def _start_probe(self, key: tuple[str, int]) -> None:
