@@ -157,3 +157,28 @@ def test_a_node_that_read_input_earlier_in_the_turn_still_runs_its_commands(cfg:
         producer.call_soon(in_the_loop)
         wait_until(lambda: outcome, 5)
     assert outcome == [True]
+
+
+def test_a_node_turn_looks_at_its_timers_only_when_one_is_due_or_changed() -> None:
+    # A shared loop runs a node's turn for every input; the timers are looked
+    # at only when the earliest is due, or when one was added or rescheduled.
+    from dafka.config import TowerAddress
+    from dafka.nodes.node import Node
+
+    node = Node(NodeConfig(towers=(TowerAddress("127.0.0.1", 1, 2),), bind="127.0.0.1"))
+    try:
+        now = time.monotonic()
+        node._loop_timers(now)  # a full look: every timer just ran or is ahead
+        due = node._timers_due
+        assert due > now
+        calls: list[float] = []
+        node._timers.append((0.0, now, calls.append))  # behind its back: not seen until due
+        node._loop_timers(now + 0.0001)
+        assert calls == []
+        node.every(0.01, calls.append)  # added: the next turn looks again
+        node._loop_timers(now + 0.02)
+        assert calls == [now + 0.02, now + 0.02]
+        node._loop_timers(due + 0.01)  # due: a full look
+        assert len(calls) > 2
+    finally:
+        node.stop()

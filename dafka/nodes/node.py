@@ -215,6 +215,11 @@ class Node:
         self._thread: threading.Thread | None = None
         self._wake_lock = threading.Lock()
         self._timers: list[tuple[float, float, Callable[[float], None]]] = []
+        # The earliest timer's due time, as the last full look found it (0: look
+        # again); _timer_changed invalidates it.  A loop turn then costs nothing
+        # for timers not due: a shared loop runs a node's turns for every input.
+        self._timers_due = 0.0
+        self._timers_gen = 0
         self.data_paused = False
         self._linger_until = 0.0  # data reading rests until then (see linger_data)
         self.loop_turns = 0  # wake-ups of the I/O loop (input, timers or work)
@@ -481,6 +486,12 @@ class Node:
         come sooner than ``interval``): they run in one wake-up, not one each.
         """
         self._timers.append((interval, self._in_step(interval, time.monotonic()), fn))
+        self._timer_changed()
+
+    def _timer_changed(self) -> None:
+        """A timer was added or rescheduled: the next loop turn looks at them all."""
+        self._timers_gen += 1
+        self._timers_due = 0.0
 
     def _in_step(self, interval: float, now: float) -> float:
         """The last run to give a timer of ``interval`` so that it runs with the
@@ -603,22 +614,30 @@ class Node:
 
     def _loop_timers(self, now: float) -> float:
         """Run the timers that are due; seconds until the next one (at most 1)."""
-        timers = self._timers
-        wait = 1.0
-        for i, (interval, last, fn) in enumerate(timers):
-            due = last + interval
-            # Timers due within a millisecond run together (and stay in step
-            # after, as their last run is the same ``now``): one wake-up a
-            # second for a node's 1 s timers instead of one each.
-            if due <= now + TIMER_SLACK:
-                timers[i] = (interval, now, fn)
-                try:
-                    fn(now)
-                except Exception:
-                    self.log.exception("%s timer failed", self.kind)
-                interval, last, fn = timers[i]  # (a timer may reschedule itself)
+        earliest = self._timers_due
+        if now + TIMER_SLACK < earliest:
+            wait = min(1.0, earliest - now)  # none due: as the last look found them
+        else:
+            timers = self._timers
+            gen = self._timers_gen
+            earliest = math.inf
+            for i, (interval, last, fn) in enumerate(timers):
                 due = last + interval
-            wait = min(wait, due - now)
+                # Timers due within a millisecond run together (and stay in step
+                # after, as their last run is the same ``now``): one wake-up a
+                # second for a node's 1 s timers instead of one each.
+                if due <= now + TIMER_SLACK:
+                    timers[i] = (interval, now, fn)
+                    try:
+                        fn(now)
+                    except Exception:
+                        self.log.exception("%s timer failed", self.kind)
+                    interval, last, fn = timers[i]  # (a timer may reschedule itself)
+                    due = last + interval
+                earliest = min(earliest, due)
+            # Kept only if no timer changed meanwhile (one may move another).
+            self._timers_due = earliest if gen == self._timers_gen else 0.0
+            wait = min(1.0, earliest - now)
         if self._linger_until:
             if now >= self._linger_until:
                 self._linger_until = 0.0
@@ -962,9 +981,11 @@ class Node:
         if due is None:
             if interval != CUT_IDLE:
                 self._timers[self._cut_timer] = (CUT_IDLE, last, fn)
+                self._timer_changed()
         elif due + TIMER_SLACK < last + interval:
             # (past the slack: run early, the check would find nothing due yet)
             self._timers[self._cut_timer] = (due + TIMER_SLACK - last, last, fn)
+            self._timer_changed()
 
     def _check_cuts(self, now: float) -> None:
         """Timer: connect again to peers whose connection ZeroMQ cut (a frame over
@@ -1124,6 +1145,7 @@ class Node:
             # A slow tick runs with the other timers of its interval (one wake-up).
             last = self._in_step(interval, now) if interval > TICK else timer[1]
             self._timers[self._tick_timer] = (interval, last, timer[2])
+            self._timer_changed()
 
     def tick_interval(self) -> float:
         """Seconds to the next :meth:`on_tick` (an idle node may tick less often:
@@ -1394,6 +1416,7 @@ class Node:
             interval, last, fn = self._timers[self._tick_timer]
             if interval > TICK:  # an idle node's slow tick: the next one within TICK
                 self._timers[self._tick_timer] = (TICK, last, fn)
+                self._timer_changed()
             self.on_peer(action.endpoint, action.address)
         else:
             self.links.forget(action.endpoint)
