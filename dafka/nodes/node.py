@@ -55,6 +55,7 @@ from dafka.nodes import security
 if TYPE_CHECKING:
     from dafka.nodes.loop import NodeLoop
 
+POLLIN = int(zmq.POLLIN)
 DRAIN = 4096  # messages read from a socket before looking at the others again
 TICK = 0.05  # seconds between calls of on_tick
 TIMER_SLACK = 0.001  # a timer due this soon runs with the ones due now
@@ -1079,7 +1080,7 @@ class Node:
         when reading resumes): left out, it was never read again.
         """
         if self.keys is None:
-            return bool(self.sub.get(zmq.EVENTS) & zmq.POLLIN)
+            return bool(fastio.events(self.sub) & POLLIN)
         for channel in self._channels.values():
             if channel.sock.get(zmq.EVENTS) & zmq.POLLIN:
                 self._busy.add(channel)
@@ -1432,7 +1433,7 @@ class Node:
     def _read_waiting_beacons(self) -> None:
         """Read the beacons waiting on the beacon SUB now (at most 8 reads of DRAIN)."""
         for _ in range(8):
-            if not self.beacon_sub.get(zmq.EVENTS) & zmq.POLLIN:
+            if not fastio.events(self.beacon_sub) & POLLIN:
                 break
             self._read_beacons()
 
