@@ -75,7 +75,10 @@ def test_store_hello_gets_consumer_hello_latest_and_earliest(cfg: NodeConfig, ra
     with Consumer("hello", cfg) as latest, Consumer(["hello", "world", "x"], cfg, offset_reset="earliest") as earliest:
         store.wait_for(lambda p: len(p.peers) >= 2)
         wait_until(lambda: len(latest.peers) >= 1 and len(earliest.peers) >= 1)
-        store.pump(0.5)
+        # STORE-HELLO goes out once: only after both consumers subscribed to theirs here.
+        store.wait_for(
+            lambda p: all(p.subscribed(wire.P_STORE_HELLO + c.address.encode()) for c in (latest, earliest))
+        )
         for consumer in (latest, earliest):
             store.send(wire.StoreHello(consumer.address, store.address))
 
