@@ -363,7 +363,7 @@ class Node:
         self.every(cfg.beacon_interval, self._send_beacon)
         self.every(min(1.0, cfg.beacon_timeout / 4), self._expire_peers)
         # No tower heard for this long: expiry waits (a dafka tower says hello
-        # every second; behind a C tower a node hears its own beacon come back).
+        # every HELLO_INTERVAL; behind a C tower a node hears its own beacon come back).
         self._quiet_limit = max(cfg.beacon_timeout / 2, 2.5 * beacon.HELLO_INTERVAL, 2.5 * cfg.beacon_interval)
         self._tick_timer = len(self._timers)
         self.every(TICK, self._tick)

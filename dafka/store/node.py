@@ -88,6 +88,7 @@ REFUSED_LOG_INTERVAL = 5.0  # refused partitions are logged at most this often
 REFUSED_STATUS_FOR = 10.0  # seconds a refused partition's producer is told "not writing"
 SKIP_AFTER = 10.0  # seconds before offsets nobody has are given up
 MAX_HEARERS = 1_000_000  # producers remembered as subscribed to their FETCHes here
+MAX_ADDRESS = 64  # characters of an address counted as a FETCH subscriber (ours are 32)
 
 # What the writer commits at once: tuples, ready pairs, their runs, skips, and
 # records for recorded holes (content None: an offset given up for good).
@@ -809,7 +810,8 @@ class Store(PartitionReader):
     def _read_subscriptions(self) -> None:
         for subscribe, prefix in read_subscriptions(self.publisher):
             self.on_subscription(subscribe, prefix)
-            if prefix[:1] == wire.P_FETCH and len(prefix) > 1:
+            if prefix[:1] == wire.P_FETCH and 1 < len(prefix) <= MAX_ADDRESS + 1:
+                # (bounded: a node address is 32 characters, a subscription any size)
                 self._count_hearer(subscribe, prefix[1:].decode(errors="replace"))
             if not subscribe:
                 continue
