@@ -45,6 +45,22 @@ def wait(condition, seconds=10.0):
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
 
+def driven_consumer(**options):
+    # A consumer of topic t whose loop is driven here, subscribed at the peer.
+    from dafka.nodes.consumer import Consumer
+    class Driven(Consumer):
+        def start(self):
+            pass
+    node, pub, endpoint = peer_and_node(lambda cfg: Driven("t", cfg, offset_reset="earliest", **options))
+    wait(lambda: pub.poll(10) and pub.recv()[:1] == b"\\x01")
+    return node, pub, endpoint
+
+def with_hole(node, pub):
+    # Record 3 of partition B...B read: offsets 0..2 missing.
+    pub.send_multipart(wire.encode(wire.Record("t", "B" * 32, "t", 3, b"r3")))
+    wait(node.data_waiting)
+    node._read_data()
+
 def prefetched(node, pub, frames):
     pub.send_multipart(frames)
     # ZMQ_EVENTS reads the first frame ahead (as every poll of the node does).
@@ -96,12 +112,7 @@ def test_a_consumer_keeps_a_record_read_ahead_from_a_dropped_peer() -> None:
     check(
         run(
             """
-            from dafka.nodes.consumer import Consumer
-            class Driven(Consumer):
-                def start(self):
-                    pass  # its loop is driven here
-            node, pub, endpoint = peer_and_node(lambda cfg: Driven("t", cfg, offset_reset="earliest"))
-            wait(lambda: pub.poll(10) and pub.recv()[:1] == b"\\x01")
+            node, pub, endpoint = driven_consumer()
             partition = "B" * 32
             record = wire.encode(wire.Record("t", partition, "t", 0, b"hello"))
             prefetched(node, pub, record)
@@ -163,18 +174,9 @@ def test_no_hole_is_given_up_while_its_answer_may_wait_unread() -> None:
         run(
             """
             from dafka.nodes import reader as reader_module
-            from dafka.nodes.consumer import Consumer
-            class Driven(Consumer):
-                def start(self):
-                    pass
-            node, pub, endpoint = peer_and_node(
-                lambda cfg: Driven("t", cfg, offset_reset="earliest", skip_after=0.2, retry_interval=0.05)
-            )
-            wait(lambda: pub.poll(10) and pub.recv()[:1] == b"\\x01")
+            node, pub, endpoint = driven_consumer(skip_after=0.2, retry_interval=0.05)
             partition = "B" * 32
-            pub.send_multipart(wire.encode(wire.Record("t", partition, "t", 3, b"r3")))
-            wait(node.data_waiting)
-            node._read_data()  # 0..2 missing
+            with_hole(node, pub)  # 0..2 missing
             t0 = time.monotonic()
             node.check_missing(t0)  # asks for them
             pub.send_multipart(wire.encode(wire.DirectRecord(node.address, partition, "t", 0, b"r0")))
@@ -199,17 +201,8 @@ def test_a_starved_reader_gives_no_hole_up_for_the_time_it_could_not_ask() -> No
     check(
         run(
             """
-            from dafka.nodes.consumer import Consumer
-            class Driven(Consumer):
-                def start(self):
-                    pass
-            node, pub, endpoint = peer_and_node(
-                lambda cfg: Driven("t", cfg, offset_reset="earliest", skip_after=2.0, retry_interval=0.05)
-            )
-            wait(lambda: pub.poll(10) and pub.recv()[:1] == b"\\x01")
-            pub.send_multipart(wire.encode(wire.Record("t", "B" * 32, "t", 3, b"r3")))
-            wait(node.data_waiting)
-            node._read_data()  # 0..2 missing
+            node, pub, endpoint = driven_consumer(skip_after=2.0, retry_interval=0.05)
+            with_hole(node, pub)  # 0..2 missing
             t0 = time.monotonic()
             node.check_missing(t0)  # asks
             node.check_missing(t0 + 15.0)  # the next check, 15 s later: the thread was starved
@@ -232,17 +225,8 @@ def test_a_reader_late_at_every_check_still_gives_a_hole_up() -> None:
         run(
             """
             from dafka.nodes import reader as reader_module
-            from dafka.nodes.consumer import Consumer
-            class Driven(Consumer):
-                def start(self):
-                    pass
-            node, pub, endpoint = peer_and_node(
-                lambda cfg: Driven("t", cfg, offset_reset="earliest", skip_after=1.0, retry_interval=0.05)
-            )
-            wait(lambda: pub.poll(10) and pub.recv()[:1] == b"\\x01")
-            pub.send_multipart(wire.encode(wire.Record("t", "B" * 32, "t", 3, b"r3")))
-            wait(node.data_waiting)
-            node._read_data()  # 0..2 missing, and nobody answers
+            node, pub, endpoint = driven_consumer(skip_after=1.0, retry_interval=0.05)
+            with_hole(node, pub)  # 0..2 missing, and nobody answers
             now = time.monotonic()
             limit = now + reader_module.UNHEARD_LIMIT * 1.0 + 5.0
             while node.skipped == 0 and now < limit:
