@@ -54,3 +54,24 @@ def test_subscribing_a_gone_producers_fetches_again_and_again_cannot_keep_its_ho
             toggler.sub.setsockopt(zmq.UNSUBSCRIBE, prefix)
             toggler.pump(0.05)
         assert store.skipped == 5
+
+
+def test_a_store_remembers_only_address_sized_fetch_subscriptions(cfg: NodeConfig, tmp_path: Path) -> None:
+    # A subscription may be any size: a peer subscribing F<a megabyte> over and
+    # over must not make the store keep those as FETCH hearers.
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    with Store(tmp_path / "db", cfg) as store:
+        try:
+            sub.connect(f"tcp://127.0.0.1:{store.port}")
+            for i in range(50):
+                sub.setsockopt(zmq.SUBSCRIBE, wire.P_FETCH + b"%04d" % i + b"X" * 100_000)
+            marker = new_address()
+            sub.setsockopt(zmq.SUBSCRIBE, wire.P_FETCH + marker.encode())  # read after the others
+            deadline = time.monotonic() + 10
+            while marker not in store._fetch_hearers and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert list(store._fetch_hearers) == [marker]
+        finally:
+            sub.close(0)
