@@ -46,10 +46,11 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # The whole suite with the compiled extension (asserted active), then the
-# mesh, store and wire tests again on the pure-Python twin.
+# mesh, store and wire tests again on the pure-Python twin (test_fastio's
+# differential tests already run both twins in the first pass).
 test: setup lint typecheck docs
 	DAFKA_REQUIRE_EXTENSIONS=1 $(BIN)/pytest
-	DAFKA_NO_EXTENSIONS=1 $(BIN)/pytest tests/test_mesh.py tests/test_batches.py tests/test_store_node.py tests/test_wire.py tests/test_fastio.py tests/kafka/test_records.py
+	DAFKA_NO_EXTENSIONS=1 $(BIN)/pytest tests/test_mesh.py tests/test_batches.py tests/test_store_node.py tests/test_wire.py tests/kafka/test_records.py
 
 bench: setup
 	$(BIN)/dafka bench live --records 1000000 --runs 3

@@ -74,7 +74,9 @@ def test_store_hello_gets_consumer_hello_latest_and_earliest(cfg: NodeConfig, ra
     store = raw_peer([wire.P_CONSUMER_HELLO])
     with Consumer("hello", cfg) as latest, Consumer(["hello", "world", "x"], cfg, offset_reset="earliest") as earliest:
         store.wait_for(lambda p: len(p.peers) >= 2)
-        wait_until(lambda: len(latest.peers) >= 1 and len(earliest.peers) >= 1)
+        # The raw peer beacons only while it pumps: wait through it, or the
+        # consumers may never hear it (or expire it) while the test waits.
+        store.wait_for(lambda p: len(latest.peers) >= 1 and len(earliest.peers) >= 1)
         # STORE-HELLO goes out once: only after both consumers subscribed to theirs here.
         store.wait_for(
             lambda p: all(p.subscribed(wire.P_STORE_HELLO + c.address.encode()) for c in (latest, earliest))
