@@ -312,3 +312,31 @@ def test_linger_setting_is_checked() -> None:
         with pytest.raises(ConfigError):
             linger_setting({"linger_ms": bad})
 
+
+
+def test_a_departed_producers_head_is_announced_by_the_store_that_holds_it(
+    cfg: NodeConfig, tmp_path: Path, raw_peer
+) -> None:
+    # A producer that closes without lingering may leave its last records (and
+    # their HEAD) unsent to a second store; the store that holds them says where
+    # the partition ends once the producer goes silent, not at the next
+    # re-announce HEADS_INTERVAL (30 s) later.
+    with Store(tmp_path / "db", cfg) as store:
+        replica = raw_peer([wire.P_HEAD])  # takes every HEAD, as a store does
+        replica.wait_for(lambda p: store.audience.readers(wire.P_HEAD + b"gone") >= 1)
+        producer = Producer("gone", cfg, head_interval=3600)  # it tells nobody its head itself
+        try:
+            wait_until(lambda: producer.audience.readers(producer._record_header) >= 1)  # the store hears it
+            producer.publish_many(b"r%d" % i for i in range(20))
+            assert producer.flush(10)
+        finally:
+            producer.close(0)
+        t0 = time.monotonic()
+
+        def tail_announced(p: Any) -> bool:
+            return any(
+                (h.address, h.sequence) == (producer.address, 19) for h in p.messages(wire.Head)
+            )
+
+        replica.wait_for(tail_announced, timeout=cfg.beacon_timeout + 8)
+        assert time.monotonic() - t0 < 15  # well before HEADS_INTERVAL

@@ -533,6 +533,9 @@ class Node:
     def on_peer(self, endpoint: str, address: str) -> None:
         """A new peer was connected."""
 
+    def on_peer_gone(self, address: str) -> None:
+        """A peer went silent (no beacon for ``beacon_timeout``) and was dropped."""
+
     def has_work(self) -> bool:
         """Whether :meth:`do_work` has something to do (the loop then spins)."""
         return False
@@ -1429,6 +1432,10 @@ class Node:
                 self.cuts.forget((self.sub, action.endpoint))
                 self._disconnect_data(self.sub, action.endpoint)
             self.log.debug("dropped silent peer %s", action.address)
+            try:
+                self.on_peer_gone(action.address)
+            except Exception:
+                self.log.exception("%s failed after dropping a peer", self.kind)
 
     def _read_waiting_beacons(self) -> None:
         """Read the beacons waiting on the beacon SUB now (at most 8 reads of DRAIN)."""

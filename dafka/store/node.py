@@ -156,8 +156,11 @@ class Store(PartitionReader):
         self.skip_after = skip_after
         self._heads: dict[tuple[str, str], int] = {}
         self._pids: dict[tuple[str, str], int] = {}
+        # Partition address -> the topics of its partitions held here (see on_peer_gone).
+        self._topics_of: dict[str, set[str]] = {}
         for info in self.db.partitions():
             self._heads[(info.topic, info.partition)] = info.last
+            self._topics_of.setdefault(info.partition, set()).add(info.topic)
             self._pids[(info.topic, info.partition)] = info.pid
         self._batch: list[tuple[Any, ...]] = []
         # Ready LMDB (key, value) pairs of stored partitions and their runs
@@ -408,6 +411,8 @@ class Store(PartitionReader):
             for key in heads:
                 self._refused.pop(key, None)  # taken again
         for key, head in heads.items():
+            if key not in self._heads:
+                self._topics_of.setdefault(key[1], set()).add(key[0])
             self._heads[key] = head
             if self.ready_pairs and key not in self._pids:
                 self._learn_pid(key)
@@ -856,6 +861,17 @@ class Store(PartitionReader):
         # and an ACK past a hole given up would release it).  A producer that is
         # gone (no beacon: expired) or was never met leaves that to skip_after.
         return partition in self._fetch_hearers or partition not in self.peers
+
+    def on_peer_gone(self, address: str) -> None:
+        # Its last records may have reached only us (a producer closed without
+        # lingering, its last HEAD unsent): say where its partitions end now,
+        # so other stores and readers fetch the tail within a beacon timeout,
+        # not at the next re-announce (HEADS_INTERVAL).  One HEAD a partition
+        # held here: a peer that goes silent can make us send no more.
+        for topic in self._topics_of.get(address, ()):
+            head = self._heads.get((topic, address))
+            if head is not None:
+                self.send(wire.Head(topic, address, topic, head))
 
     def _announce_heads(self, now: float) -> None:
         for (topic, partition), head in list(self._heads.items()):
