@@ -55,6 +55,7 @@ from dafka.store.acks import AckRepeats
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.holes import HoleRepair
 from dafka.store.layout import RECORD_KEY, VALUE_HEADER
+from dafka.store.linger import TrickleLinger
 
 log = logging.getLogger("dafka.store")
 LINGER = 0.001  # seconds a store rests from reading after a small read (see Store)
@@ -167,6 +168,7 @@ class Store(PartitionReader):
         # (topic, partition, pid, first, last, bytes); committed after _batch.
         self._pairs: list[tuple[bytes, bytes]] = []
         self._segs: list[tuple[str, str, int, int, int, int]] = []
+        self._trickle = TrickleLinger()  # the rest after a small read
         # Offsets given up (nobody had them), committed with the records after them.
         self._skips: list[tuple[str, str, int, int]] = []
         # Recorded holes are asked for again (see dafka.store.holes); records that
@@ -619,6 +621,7 @@ class Store(PartitionReader):
         # inside drain_records (frame-exact); the rest go through track /
         # on_message in arrival order.
         ts = self._ts = int(time.time() * 1000)
+        segs_before = len(self._segs)
         if self.ready_pairs:
             with self._put_gate:
                 read = fastio.drain_pairs(
@@ -634,7 +637,9 @@ class Store(PartitionReader):
         # A trickle: few records read and nothing left waiting (``read`` counts
         # only the fast path's records, so a full read of others is no trickle).
         if self.linger and read < LINGER_BELOW and not self.data_waiting():
-            self.linger_data(self.linger)
+            segs = self._segs
+            pids = [segs[i][2] for i in range(segs_before, len(segs))]
+            self.linger_data(self._trickle.rest(self.linger, pids, time.monotonic()))
         if self._missing:
             self.fetch_missing()
         if self.pending_records() >= MAX_BATCH:
