@@ -35,9 +35,12 @@ import zmq
 
 from dafka.core import beacon, reach, wire
 from dafka.errors import ProtocolError
+from dafka.fastio import events as zmq_events
 from dafka.fastio import send_frames
 from dafka.nodes import security
 from dafka.nodes.node import ErrorLog
+
+_POLLIN = int(zmq.POLLIN)
 
 log = logging.getLogger("dafka.tower")
 PROBE_TIMEOUT = 2.0  # seconds a TCP connection to an announced endpoint may take
@@ -187,6 +190,8 @@ class Tower:
 
     def _relay_beacons(self) -> None:
         for _ in range(1000):
+            if not zmq_events(self.xsub) & _POLLIN:
+                return  # (cheaper than ending on zmq.Again, once a wake-up)
             try:
                 first = self.xsub.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -290,6 +295,8 @@ class Tower:
 
     def _forward_subscriptions(self) -> None:
         for _ in range(1000):
+            if not zmq_events(self.xpub) & _POLLIN:
+                return
             try:
                 frame = self.xpub.recv(zmq.NOBLOCK)
             except zmq.Again:
