@@ -9,8 +9,9 @@ a record now and then.  There the store rests :data:`SLOW_LINGER` (5 ms)
 after a read whose every partition had been silent for :data:`SLOW_GAP`
 before it: their records then share a commit five at a time instead of one
 or two, for a few ms more ACK latency, at most 5% of the time between two
-records of theirs.  A read that brings records of a busy partition (a
-stream, even a slow 10 records a second) rests the configured linger.
+records of theirs.  A read that brings records of a busy partition (one
+that sent records within SLOW_GAP: a stream of more than 10 records a
+second) rests the configured linger.
 
 Times are passed in; nothing here reads a clock.
 """
