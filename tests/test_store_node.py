@@ -331,12 +331,11 @@ def test_a_departed_producers_head_is_announced_by_the_store_that_holds_it(
             assert producer.flush(10)
         finally:
             producer.close(0)
-        t0 = time.monotonic()
 
         def tail_announced(p: Any) -> bool:
             return any(
                 (h.address, h.sequence) == (producer.address, 19) for h in p.messages(wire.Head)
             )
 
+        # Within a beacon timeout and slack, well before HEADS_INTERVAL (30 s).
         replica.wait_for(tail_announced, timeout=cfg.beacon_timeout + 8)
-        assert time.monotonic() - t0 < 15  # well before HEADS_INTERVAL
