@@ -77,10 +77,11 @@ def test_store_hello_gets_consumer_hello_latest_and_earliest(cfg: NodeConfig, ra
         # The raw peer beacons only while it pumps: wait through it, or the
         # consumers may never hear it (or expire it) while the test waits.
         store.wait_for(lambda p: len(latest.peers) >= 1 and len(earliest.peers) >= 1)
-        # STORE-HELLO goes out once: only after both consumers subscribed to theirs here.
+        # STORE-HELLO goes out only after both consumers subscribed to theirs here.
         store.wait_for(
             lambda p: all(p.subscribed(wire.P_STORE_HELLO + c.address.encode()) for c in (latest, earliest))
         )
+
         def hellos(p):
             return {m.address: m for m in p.messages(wire.ConsumerHello) if m.topic == store.address}
 

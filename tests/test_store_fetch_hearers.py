@@ -12,6 +12,7 @@ from dafka.config import NodeConfig
 from dafka.core import wire
 from dafka.nodes.node import new_address
 from dafka.store.node import Store
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,9 +70,7 @@ def test_a_store_remembers_only_address_sized_fetch_subscriptions(cfg: NodeConfi
                 sub.setsockopt(zmq.SUBSCRIBE, wire.P_FETCH + b"%04d" % i + b"X" * 100_000)
             marker = new_address()
             sub.setsockopt(zmq.SUBSCRIBE, wire.P_FETCH + marker.encode())  # read after the others
-            deadline = time.monotonic() + 10
-            while marker not in store._fetch_hearers and time.monotonic() < deadline:
-                time.sleep(0.02)
+            wait_until(lambda: marker in store._fetch_hearers)
             assert list(store._fetch_hearers) == [marker]
         finally:
             sub.close(0)
