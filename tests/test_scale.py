@@ -100,6 +100,53 @@ def test_relay_book_copies_c_beacons_only() -> None:
     assert len(bounded) == 2  # a flood of addresses cannot grow the book
 
 
+def test_relay_batcher_sends_a_lone_beacon_at_once_and_batches_a_burst() -> None:
+    batcher = beacon.RelayBatcher(window=0.05, max_entries=3, max_pending=10)
+    one = [b"XPt\x00", b"A" * 32, b"tcp://h:1"]
+    assert batcher.add(one, 0.0) == [one]  # nothing of this head lately: no delay
+    assert batcher.due() is None
+    assert batcher.add([b"XPt\x00", b"B" * 32, b"tcp://h:2"], 0.01) == []
+    assert batcher.add([b"XSx", b"S" * 32, b"tcp://h:9"], 0.01)  # another head: its own window
+    assert batcher.add([b"B", b"C" * 32, b"tcp://h:3"], 0.01) == [[b"B", b"C" * 32, b"tcp://h:3"]]  # C format
+    assert batcher.add([b"XPt\x00", b"D" * 32, b"tcp://h:4"], 0.02) == []
+    assert batcher.due() == pytest.approx(0.05)
+    assert batcher.flush(0.04) == []
+    assert batcher.flush(0.05) == [[b"XPt\x00", b"B" * 32, b"tcp://h:2", b"D" * 32, b"tcp://h:4"]]
+    assert batcher.due() is None
+    # A full batch goes at once; secure mode carries a key per beacon (stride 3).
+    for i in range(2):
+        assert batcher.add([b"XPt\x00", b"%032d" % i, b"tcp://h:1", b"K" * 40], 0.06, stride=3) == []
+    full = batcher.add([b"XPt\x00", b"%032d" % 2, b"tcp://h:1", b"K" * 40], 0.07, stride=3)
+    assert len(full) == 1 and len(full[0]) == 1 + 3 * 3
+    # Hostile: beacons of ever new heads cannot pile up; past max_pending everything goes.
+    flood = beacon.RelayBatcher(window=10.0, max_pending=10)
+    sent = [m for i in range(100) for _ in range(2) for m in flood.add([b"XPt%d\x00" % i, b"A" * 32, b"e"], 1.0)]
+    assert flood._waiting <= 10 and len(flood._last) <= 200
+    assert sum(len(m) - 1 for m in sent) // 2 + flood._waiting == 200  # nothing lost
+
+
+def test_tower_relay_decodes_one_beacon_or_a_batch_and_skips_a_bad_entry() -> None:
+    a, b = b"A" * 32, b"B" * 32
+    assert beacon.decode_tower_relay([b"XPt\x00", a, b"tcp://h:1"]) == (
+        PRODUCER, b"t", [("A" * 32, "tcp://h:1", b"")], []
+    )
+    kind, key, entries, errors = beacon.decode_tower_relay([b"XPt\x00", a, b"tcp://h:1", b"", b"udp://x", b, b"tcp://h:2"])
+    assert (kind, key) == (PRODUCER, b"t") and [e[0] for e in entries] == ["A" * 32, "B" * 32] and len(errors) == 1
+    assert beacon.decode_tower_relay([b"B", a, b"tcp://h:1"])[2] == [("A" * 32, "tcp://h:1", b"")]
+    secure = beacon.decode_tower_relay([b"XS", a, b"tcp://h:1", b"K" * 40, b, b"tcp://h:2", b"short"], key_length=40)
+    assert secure[2] == [("A" * 32, "tcp://h:1", b"K" * 40)] and len(secure[3]) == 1
+    for junk in (
+        [b"B", a, b"tcp://h:1", b, b"tcp://h:2"],  # a C-format beacon is exactly 3 frames
+        [b"XPt\x00", a],  # half an entry
+        [b"XPt\x00"],
+        [b"XQ", a, b"tcp://h:1"],
+        [b"XPt\x00", *[a, b"tcp://h:1"] * (beacon.MAX_BATCH + 1)],  # longer than any tower sends
+        [],
+    ):
+        with pytest.raises(ProtocolError):
+            beacon.decode_tower_relay(junk)
+
+
 def test_tower_census() -> None:
     census = TowerCensus(expected=2, started=0.0, grace=1.0, memory=5.0)
     assert not census.needs_plain(3.0)  # no tower welcomed us: B would not help
@@ -233,6 +280,43 @@ def test_hostile_interest_beacons_leave_the_tower_serving(tower: Tower, cfg: Nod
             heard += _heard(sub, 0.1)
         assert [b"XS", good.encode(), b"tcp://127.0.0.1:1234"] in heard
         assert tower.bad_input.count >= 3
+    finally:
+        pub.close(0)
+        sub.close(0)
+
+
+def test_tower_batches_a_burst_of_beacons_and_a_store_meets_every_peer(tower: Tower, cfg: NodeConfig, tmp_path: Path) -> None:
+    n = 300
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.connect(f"tcp://127.0.0.1:{tower.in_port}")
+    sub = _beacon_sub(tower, b"XPburst\x00")
+    addresses = [new_address() for _ in range(n)]
+    try:
+        with Store(str(tmp_path / "db"), cfg) as store:
+            # Until the tower relays a probe, the PUB's connection or the SUB's may not be up.
+            def relayed() -> bool:
+                pub.send_multipart([b"XPburst\x00", new_address().encode(), b"127.0.0.1", b"9"])
+                return bool(_heard(sub, 0.1))
+
+            wait_until(relayed, 10)
+            time.sleep(0.1)  # (the window of the probe's head: the burst below starts a batch)
+            while sub.poll(0):
+                sub.recv_multipart()
+            for address in addresses:  # one burst: the beacons of 300 producers of one topic
+                pub.send_multipart([b"XPburst\x00", address.encode(), b"127.0.0.1", b"9"])
+            messages: list[list[bytes]] = []
+            heard: set[bytes] = set()
+            deadline = time.monotonic() + 10
+            while not set(a.encode() for a in addresses) <= heard and time.monotonic() < deadline:
+                messages += _heard(sub, 0.1)
+                heard = {f for m in messages for f in m[1::2]}
+            assert set(a.encode() for a in addresses) <= heard
+            assert all(m[0] == b"XPburst\x00" and len(m) % 2 == 1 for m in messages)
+            assert len(messages) < n / 4  # batched: a few messages, not one a beacon
+            assert max(len(m) for m in messages) <= 1 + 2 * beacon.MAX_BATCH
+            # The store takes every beacon of the batches as its own peer.
+            wait_until(lambda: set(addresses) <= set(store.peers._peers), 10)
     finally:
         pub.close(0)
         sub.close(0)

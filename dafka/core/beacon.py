@@ -21,6 +21,15 @@ never receive any of it, C towers relay it as they relay ``B``):
 
   then the node address, the host (may be empty) and the port, as in ``B``;
 * tower -> nodes, 3 frames: the same first frame, address, ``tcp://host:port``;
+* a *batch*: a dafka tower that relays many beacons of one first frame within
+  ``BATCH_WINDOW`` sends them as one message, the first frame once and then
+  each beacon's address and endpoint (and key, in secure mode)::
+
+      X P <topic> NUL, address1, endpoint1, address2, endpoint2, ...
+
+  (one beacon is the 3-frame form above; at most ``MAX_BATCH`` in one).  A
+  store hears every producer's beacon each second: a thousand messages a
+  second, each a wake-up of its I/O thread and of ZeroMQ's, become a few;
 * ``X U``, address, ``tcp://host:port`` (3 frames): a dafka tower's copy of a
   ``B`` beacon from an address that sent no interest beacon lately (a C node),
   or sent it from another endpoint (a second process with that identity);
@@ -66,6 +75,10 @@ MAX_HEAD = 2 + wire.MAX_STRING + 1
 # deliveries a second at 1 s, about a tenth of a 1,000-device mesh's producer
 # work); two seconds still puts two in a census grace and five in a tower's memory.
 HELLO_INTERVAL = 2.0
+# A tower relays the beacons of one first frame that come within this many
+# seconds of each other as one message of at most MAX_BATCH (see RelayBatcher).
+BATCH_WINDOW = 0.05
+MAX_BATCH = 128
 TOWER_MEMORY = 10.0  # a tower not heard of for this long is no longer counted as a dafka tower
 CENSUS_GRACE = 5.0  # seconds after start (and after the first welcome) before B is subscribed
 
@@ -120,6 +133,49 @@ def decode_node_beacon(frames: Sequence[bytes]) -> tuple[bytes, str, str, int]:
         parse_head(first)
     address, host, port = wire.decode_node_beacon([wire.BEACON, *frames[1:]])
     return first, address, host, port
+
+
+def decode_tower_relay(
+    frames: Sequence[bytes], key_length: int = 0
+) -> tuple[bytes | None, bytes, list[tuple[str, str, bytes]], list[str]]:
+    """``(kind, key, entries, errors)`` of a tower beacon or batch (kind None for a plain ``B``).
+
+    ``entries`` are ``(address, endpoint, public key)``; ``key_length`` > 0
+    (secure mode) means each carries a key of that length, else the key is
+    ``b""``.  An entry that is malformed is left out and said in ``errors``
+    (a broken entry costs its peer, not the batch); ProtocolError when the
+    message as a whole is not one (bad head, wrong frame count, too many).
+    """
+    if not frames:
+        raise ProtocolError("empty tower beacon")
+    first = bytes(frames[0])
+    stride = 3 if key_length else 2
+    count, rest = divmod(len(frames) - 1, stride)
+    if first == wire.BEACON:
+        kind: bytes | None = None
+        key = b""
+        if count != 1 or rest:
+            raise ProtocolError(f"tower beacon must be {stride + 1} frames starting with B")
+    else:
+        kind, key = parse_head(first)
+        if count < 1 or rest or count > MAX_BATCH:
+            raise ProtocolError(f"interest beacon batch must be 1 + {stride} x (1..{MAX_BATCH}) frames")
+    entries: list[tuple[str, str, bytes]] = []
+    errors: list[str] = []
+    for i in range(1, len(frames), stride):
+        try:
+            address, endpoint = wire.decode_tower_beacon([wire.BEACON, frames[i], frames[i + 1]])
+        except ProtocolError as exc:
+            errors.append(str(exc))
+            continue
+        public = b""
+        if key_length:
+            public = bytes(frames[i + 2])
+            if len(public) != key_length:
+                errors.append(f"secure tower beacon of {address[:40]!r} carries no public key")
+                continue
+        entries.append((address, endpoint, public))
+    return kind, key, entries, errors
 
 
 def decode_tower_beacon(frames: Sequence[bytes]) -> tuple[bytes | None, bytes, str, str]:
@@ -237,6 +293,68 @@ class TowerCensus:
             if now - heard > self.memory:
                 del self._heard[tower_id]
         return self.welcomed and now >= self.grace_until and len(self._heard) < self.expected
+
+
+class RelayBatcher:
+    """A tower's batching of interest beacons by first frame (sans-IO).
+
+    A beacon whose first frame was not relayed within the last ``window``
+    seconds goes out at once (a lone node is announced without delay); the
+    next ones of that frame wait for the window to end and go out together,
+    at most ``max_entries`` in a message.  Memory is bounded: at most
+    ``max_pending`` beacons wait (more flush everything at once), and heads
+    relayed more than ``window`` ago are forgotten at each flush.
+    """
+
+    def __init__(self, window: float = BATCH_WINDOW, max_entries: int = MAX_BATCH, max_pending: int = 20_000) -> None:
+        self.window = window
+        self.max_entries = max_entries
+        self.max_pending = max_pending
+        self._last: dict[bytes, float] = {}  # head -> when a message of it last went out
+        self._pending: dict[bytes, list[bytes]] = {}  # head -> the entries' frames waiting
+        self._counts: dict[bytes, int] = {}
+        self._waiting = 0
+
+    def add(self, frames: list[bytes], now: float, stride: int = 2) -> list[list[bytes]]:
+        """Take one relayed beacon (``head`` + ``stride`` frames); what to send now."""
+        head = frames[0]
+        if head[:1] != PREFIX:
+            return [frames]  # plain B (C nodes read exactly 3 frames): never batched
+        if head not in self._pending and now - self._last.get(head, -1e18) >= self.window:
+            self._last[head] = now
+            return [frames]
+        self._pending.setdefault(head, []).extend(frames[1 : 1 + stride])
+        count = self._counts.get(head, 0) + 1
+        self._counts[head] = count
+        self._waiting += 1
+        if count >= self.max_entries:
+            return [self._take(head, now)]
+        if self._waiting > self.max_pending:
+            return self.flush(now, everything=True)
+        return []
+
+    def _take(self, head: bytes, now: float) -> list[bytes]:
+        entries = self._pending.pop(head)
+        self._waiting -= self._counts.pop(head)
+        self._last[head] = now
+        return [head, *entries]
+
+    def due(self) -> float | None:
+        """When the next batch is due (None: nothing waits)."""
+        if not self._pending:
+            return None
+        return min(self._last.get(h, 0.0) for h in self._pending) + self.window
+
+    def flush(self, now: float, everything: bool = False) -> list[list[bytes]]:
+        """The batches due by ``now`` (all of them with ``everything``)."""
+        out = [
+            self._take(head, now)
+            for head in list(self._pending)
+            if everything or now - self._last.get(head, 0.0) >= self.window
+        ]
+        if len(self._last) > len(self._pending) + 64:
+            self._last = {h: t for h, t in self._last.items() if h in self._pending or now - t < self.window}
+        return out
 
 
 class RelayBook:

@@ -1191,25 +1191,31 @@ class Node:
             if tower_id is not None:
                 self.census.on_hello(tower_id, time.monotonic())
                 continue
+            secure = self.guard is not None
             try:
-                if self.guard is not None:
-                    frames, key = security.split_key(frames, 3, "tower beacon")
-                kind, interest_key, address, endpoint = beacon.decode_tower_beacon(frames)
-                if self.guard is not None and not security.address_bound(address, key):
-                    # A tower that does not check (ours does): an address squatted by another key.
-                    raise ProtocolError(f"peer address {address[:40]!r} is not bound to its key")
+                # One beacon, or a dafka tower's batch of many of one kind and key.
+                kind, interest_key, entries, errors = beacon.decode_tower_relay(
+                    frames, security.KEY_LENGTH if secure else 0
+                )
             except ProtocolError as exc:
                 self.bad_input("tower beacon", exc)
                 continue
-            if address == self.address and not self._is_own_endpoint(endpoint):
-                self.duplicates_seen += 1
-                self.on_duplicate_address(endpoint)
-                continue
-            if self.guard is not None and not self._allowed_peer(address, key):
-                continue
-            actions = self.peers.on_beacon(address, endpoint, time.monotonic(), kind, interest_key)
-            for action in actions:
-                self._apply_peer_action(action)
+            for error in errors:
+                self.bad_input("tower beacon", error)
+            now = time.monotonic()
+            for address, endpoint, key in entries:
+                if secure and not security.address_bound(address, key):
+                    # A tower that does not check (ours does): an address squatted by another key.
+                    self.bad_input("tower beacon", f"peer address {address[:40]!r} is not bound to its key")
+                    continue
+                if address == self.address and not self._is_own_endpoint(endpoint):
+                    self.duplicates_seen += 1
+                    self.on_duplicate_address(endpoint)
+                    continue
+                if secure and not self._allowed_peer(address, key):
+                    continue
+                for action in self.peers.on_beacon(address, endpoint, now, kind, interest_key):
+                    self._apply_peer_action(action)
 
     def _on_reflection(self, frames: list[bytes]) -> None:
         """How the tower sees us (dafka towers; C towers never send it)."""

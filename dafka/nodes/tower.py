@@ -100,6 +100,8 @@ class Tower:
         # Interest beacons (dafka.core.beacon): relayed by their own prefix; a B beacon of a
         # node that sends none (a C node) also as X U; a hello so nodes know we do this.
         self.relay = beacon.RelayBook()
+        self.batches = beacon.RelayBatcher()
+        self._stride = 3 if security_config is not None else 2  # a relayed beacon: address, endpoint (, key)
         self.tower_id = uuid.uuid4().hex.upper()
         self._hello = beacon.tower_hello(self.tower_id)
         # Every interest beacon reaches us, wanted by a node or not: the relay
@@ -169,6 +171,9 @@ class Tower:
                     self._check_allow_list()
                 self._expire_probes(time.monotonic())
                 wait = min(200, max(0, int((hello_at - time.monotonic()) * 1000) + 1))
+                batch_due = self.batches.due()
+                if batch_due is not None:
+                    wait = min(wait, max(0, int((batch_due - time.monotonic()) * 1000) + 1))
                 for sock, _ in poller.poll(min(wait, 100) if self._probing else wait):
                     try:
                         if sock is self.xsub:
@@ -183,6 +188,9 @@ class Tower:
                         if exc.errno == zmq.ETERM:
                             return
                         log.exception("tower socket error")
+                if batch_due is not None or self.batches.due() is not None:
+                    for batch in self.batches.flush(time.monotonic()):
+                        send_frames(self.xpub, batch)
         finally:
             for fd in list(self._probing):
                 self._probing.pop(fd)[0].close()
@@ -220,8 +228,10 @@ class Tower:
             if ":" in host and not host.startswith("["):
                 host = f"[{host}]"  # IPv6 literal
             endpoint = f"tcp://{host}:{port}"
-            for relayed in self.relay.on_beacon(head, address, endpoint, time.monotonic()):
-                send_frames(self.xpub, relayed + [key] if key else relayed)
+            now = time.monotonic()
+            for relayed in self.relay.on_beacon(head, address, endpoint, now):
+                for message in self.batches.add(relayed + [key] if key else relayed, now, self._stride):
+                    send_frames(self.xpub, message)
             self.beacons += 1
             if self.probes.wants(address):
                 self._reflect(address, seen, endpoint)
