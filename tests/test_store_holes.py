@@ -21,7 +21,7 @@ from dafka.core import wire
 from dafka.nodes.consumer import Consumer
 from dafka.nodes.producer import Producer
 from dafka.store.db import Hole, RecordDB
-from dafka.store.node import Store
+from dafka.store.node import STATUS_INTERVAL, WRITING_STATUS_EVERY, Store, status_phase
 from tests.conftest import start_store_process, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -210,6 +210,18 @@ def test_a_producer_names_the_reason_a_store_does_not_acknowledge(cfg: NodeConfi
 
         store.wait_for(told)
         assert p.diagnose() == "a store is up but not acknowledging: store 12345678 cannot write: disk full"
+
+
+def test_partitions_told_writing_in_one_second_are_told_again_in_different_seconds() -> None:
+    # 1,000 devices told "writing" in the same second were all told again in one
+    # turn every 4 s, stalling the store and every producer (ACK p99 spikes).
+    from dafka.nodes.node import new_address
+
+    phases = [status_phase(new_address()) for _ in range(1000)]
+    assert all(0 <= p < WRITING_STATUS_EVERY - STATUS_INTERVAL for p in phases)
+    seconds = [sum(1 for p in phases if k <= p < k + 1) for k in range(3)]
+    assert all(250 <= n <= 420 for n in seconds), seconds
+    assert status_phase("A" * 32) == status_phase("A" * 32)  # fixed by the address
 
 
 def test_a_store_tells_a_partition_it_writes_once_in_a_while_not_every_second(

@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
@@ -84,6 +85,15 @@ STATUS_INTERVAL = 1.0  # STORE-STATUS to the producers whose records came in
 # per producer (1,000 a second for a store of 1,000 devices) that said what its
 # ACKs already say.  A failing or refusing store tells at once, every interval.
 WRITING_STATUS_EVERY = 4.0
+
+
+def status_phase(partition: str) -> float:
+    """Seconds (0 to WRITING_STATUS_EVERY - STATUS_INTERVAL) a partition's repeated
+    "writing" status is moved ahead, fixed by its address.  Told in the same
+    second, a thousand devices' partitions were told again all in one turn every
+    4 s: the store, then every producer, stalled for 60-100 ms and those records'
+    ACKs with them.  Spread, each second tells a quarter of them."""
+    return (zlib.crc32(partition.encode()) % 1024) / 1024 * (WRITING_STATUS_EVERY - STATUS_INTERVAL)
 ERROR_LOG_INTERVAL = 30.0  # a lasting write failure is logged again this often
 REFUSED_LOG_INTERVAL = 5.0  # refused partitions are logged at most this often
 REFUSED_STATUS_FOR = 10.0  # seconds a refused partition's producer is told "not writing"
@@ -533,9 +543,11 @@ class Store(PartitionReader):
                 self.send(wire.StoreStatus(partition, self.address, topic, 0, why))
                 told.pop(key, None)
             elif writing:
-                if now - told.get(key, -WRITING_STATUS_EVERY) < WRITING_STATUS_EVERY:
+                last = told.get(key)
+                if last is not None and now - last < WRITING_STATUS_EVERY:
                     continue  # told lately, and its ACKs say the same
-                told[key] = now
+                # The first time (or told long ago), at once; the next time earlier by its phase.
+                told[key] = now if last is not None else now - status_phase(partition)
                 self.send(wire.StoreStatus(partition, self.address, topic, writing, reason))
             else:
                 self.send(wire.StoreStatus(partition, self.address, topic, writing, reason))
