@@ -487,6 +487,24 @@ def test_an_idle_producer_wakes_about_once_a_second(cfg: NodeConfig, tmp_path: P
     assert rate < 4.5, (rate, producer._timers)
 
 
+def test_a_producer_that_met_its_peers_reads_beacons_at_its_own_turns(cfg: NodeConfig, tmp_path: Path) -> None:
+    """The store's beacons and the towers' hellos woke a device producer three
+    times a second; once it met a peer it reads them at its timers' turn."""
+    cfg = dataclasses.replace(cfg, beacon_interval=1.0, beacon_timeout=5.0)  # the default
+    with Store(str(tmp_path / "db"), cfg, sync=False) as store, Producer("lazy", cfg) as producer:
+        assert producer.publish(b"x").wait(10)
+        wait_until(lambda: producer._lazy_beacons and len(store.peers) >= 1, timeout=10)
+        time.sleep(1.5)
+        turns0, t0 = producer.loop_turns, time.monotonic()
+        time.sleep(4.0)
+        rate = (producer.loop_turns - turns0) / (time.monotonic() - t0)
+        assert rate < 2.0, rate  # the timers' turn, now and then a repeated ACK
+        assert store.address in producer.peers  # renewed all along: never expired
+        # A consumer that comes later is met at the producer's next turn (a second).
+        with Consumer("lazy", cfg) as consumer:
+            wait_until(lambda: consumer.address in producer.peers, timeout=4.0)
+
+
 def test_ack_repeats_back_off_until_the_producer_subscribes_again() -> None:
     from dafka.store.acks import MAX_GAP, AckRepeats
 

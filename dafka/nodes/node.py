@@ -288,6 +288,7 @@ class Node:
         self._beacon_subs: set[bytes] = set()
         self._interest_beacons: list[list[bytes]] = []
         self._beacon_wanted = False
+        self._lazy_beacons = False  # the beacon SUB wakes the node (see lazy_beacons)
         self.census = beacon.TowerCensus(len(cfg.towers), time.monotonic())
         if self.keys is not None:
             # Data comes in on one channel per peer (see Channel): a SUB cannot
@@ -663,6 +664,8 @@ class Node:
 
     def _loop_after(self) -> None:
         """After the input of a turn: channels still holding messages, background work."""
+        if self._lazy_beacons:
+            self._read_waiting_beacons()  # (see lazy_beacons: they wait for any turn)
         if self._held and self.keys is None and not self.data_paused and not self._linger_until:
             try:
                 self._read_data()  # handles what was held first
@@ -1456,6 +1459,18 @@ class Node:
                 break
             self._read_beacons()
 
+    def lazy_beacons(self) -> bool:
+        """Whether the beacons this node hears may wait for its next turn (a
+        timer, other input) instead of waking it (hook; False: at once).  Its
+        peers are then met and renewed up to one timer turn (a second) late."""
+        return False
+
+    def _update_lazy_beacons(self) -> None:
+        lazy = self.lazy_beacons()
+        if lazy != self._lazy_beacons:
+            self._lazy_beacons = lazy
+            self.watch_events(self.beacon_sub, 0 if lazy else POLLIN)
+
     def _expire_peers(self, now: float) -> None:
         # Silence is judged on what the towers relayed, not on what we found
         # time to read: a busy or starved I/O thread (or a lagging tower)
@@ -1472,6 +1487,7 @@ class Node:
             self._apply_peer_action(action)
             if action.address not in self.peers:
                 self._peer_keys.pop(action.address, None)
+        self._update_lazy_beacons()
 
     def pause_data(self, paused: bool) -> None:
         """Stop (or restart) reading the data SUB (I/O thread only).

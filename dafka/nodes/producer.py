@@ -980,6 +980,15 @@ class Producer(Node):
             self._closed = True
             self.publisher.close()
 
+    def lazy_beacons(self) -> bool:
+        """Once it met a peer, a producer reads beacons at its next turn (an
+        ACK, a timer: within a second) instead of being woken by each.  The
+        store's, each consumer's and the towers' hellos woke a device producer
+        three times a second, most of its turns; a new consumer or store is
+        met up to a second later (the consumer reads its records meanwhile:
+        it connects to us at once).  Not while resuming (the twin check)."""
+        return len(self.peers) > 0 and self._resume_state is None and not self.peers.interest.watch_peers
+
     def tick_interval(self) -> float:
         """Slow ticks while nothing waits for one: no lossy hold to end, no
         identity to save, no resume, no failure to report, no outbox waiting;
