@@ -15,6 +15,12 @@ only when that key is the one the node authenticated with (ZAP User-Id) and
 the node's address is bound to that key (:func:`dafka.nodes.security.address_bound`):
 nobody can beacon, and so squat, an address that belongs to another key.
 
+Dafka only: interest beacons (``X...``, see :mod:`dafka.core.beacon`) are
+relayed by their own prefix, and those of one first frame that come within
+``BATCH_WINDOW`` of its last relay go out together as one batch message
+(:class:`~dafka.core.beacon.RelayBatcher`); ``B`` beacons go out one by one,
+as C nodes read them.
+
 Dafka only: a node that subscribed its REFLECTION gets, after each of its
 beacons, how this tower sees it (the peer address, the endpoint relayed) and
 whether the tower could open a TCP connection to that endpoint (plain mode;
