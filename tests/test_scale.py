@@ -24,6 +24,7 @@ from dafka.core.beacon import (
 from dafka.core.peers import Connect, PeerTable
 from dafka.errors import ProtocolError
 from dafka.nodes.consumer import Consumer
+from dafka.nodes.loop import NodeLoop
 from dafka.nodes.node import new_address
 from dafka.nodes.producer import Producer
 from dafka.nodes.tower import Tower
@@ -487,11 +488,18 @@ def test_an_idle_producer_wakes_about_once_a_second(cfg: NodeConfig, tmp_path: P
     assert rate < 4.5, (rate, producer._timers)
 
 
-def test_a_producer_that_met_its_peers_reads_beacons_at_its_own_turns(cfg: NodeConfig, tmp_path: Path) -> None:
+@pytest.mark.parametrize("shared_loop", [False, True])
+def test_a_producer_that_met_its_peers_reads_beacons_at_its_own_turns(
+    cfg: NodeConfig, tmp_path: Path, shared_loop: bool
+) -> None:
     """The store's beacons and the towers' hellos woke a device producer three
     times a second; once it met a peer it reads them at its timers' turn."""
     cfg = dataclasses.replace(cfg, beacon_interval=1.0, beacon_timeout=5.0)  # the default
-    with Store(str(tmp_path / "db"), cfg, sync=False) as store, Producer("lazy", cfg) as producer:
+    with (
+        NodeLoop() as loop,
+        Store(str(tmp_path / "db"), cfg, sync=False) as store,
+        Producer("lazy", cfg, loop=loop if shared_loop else None) as producer,
+    ):
         assert producer.publish(b"x").wait(10)
         wait_until(lambda: producer._lazy_beacons and len(store.peers) >= 1, timeout=10)
         time.sleep(1.5)
