@@ -124,6 +124,11 @@ def test_relay_batcher_sends_a_lone_beacon_at_once_and_batches_a_burst() -> None
     sent = [m for i in range(100) for _ in range(2) for m in flood.add([b"XPt%d\x00" % i, b"A" * 32, b"e"], 1.0)]
     assert flood._waiting <= 10 and len(flood._last) <= 200
     assert sum(len(m) - 1 for m in sent) // 2 + flood._waiting == 200  # nothing lost
+    # Heads sent at once are remembered for their window only, and never more than max_heads.
+    heads = beacon.RelayBatcher(window=10.0, max_heads=64)
+    for i in range(10_000):
+        assert heads.add([b"XPt%d\x00" % i, b"A" * 32, b"e"], i * 0.001) == [[b"XPt%d\x00" % i, b"A" * 32, b"e"]]
+    assert len(heads._last) <= 64
 
 
 def test_tower_relay_decodes_one_beacon_or_a_batch_and_skips_a_bad_entry() -> None:
@@ -295,10 +300,13 @@ def test_tower_batches_a_burst_of_beacons_and_a_store_meets_every_peer(tower: To
     addresses = [new_address() for _ in range(n)]
     try:
         with Store(str(tmp_path / "db"), cfg) as store:
-            # Until the tower relays a probe, the PUB's connection or the SUB's may not be up.
+            # Until the tower relays a probe to this SUB and to the store, the PUB's
+            # connection or a subscription may not be up (the burst is sent once).
+            probe = new_address()
+
             def relayed() -> bool:
-                pub.send_multipart([b"XPburst\x00", new_address().encode(), b"127.0.0.1", b"9"])
-                return bool(_heard(sub, 0.1))
+                pub.send_multipart([b"XPburst\x00", probe.encode(), b"127.0.0.1", b"9"])
+                return bool(_heard(sub, 0.1)) and probe in store.peers._peers
 
             wait_until(relayed, 10)
             time.sleep(0.1)  # (the window of the probe's head: the burst below starts a batch)

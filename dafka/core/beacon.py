@@ -306,10 +306,13 @@ class RelayBatcher:
     relayed more than ``window`` ago are forgotten at each flush.
     """
 
-    def __init__(self, window: float = BATCH_WINDOW, max_entries: int = MAX_BATCH, max_pending: int = 20_000) -> None:
+    def __init__(
+        self, window: float = BATCH_WINDOW, max_entries: int = MAX_BATCH, max_pending: int = 20_000, max_heads: int = 4096
+    ) -> None:
         self.window = window
         self.max_entries = max_entries
         self.max_pending = max_pending
+        self.max_heads = max_heads  # first frames remembered (a flood of new ones forgets the rest)
         self._last: dict[bytes, float] = {}  # head -> when a message of it last went out
         self._pending: dict[bytes, list[bytes]] = {}  # head -> the entries' frames waiting
         self._counts: dict[bytes, int] = {}
@@ -322,6 +325,8 @@ class RelayBatcher:
             return [frames]  # plain B (C nodes read exactly 3 frames): never batched
         if head not in self._pending and now - self._last.get(head, -1e18) >= self.window:
             self._last[head] = now
+            if len(self._last) > self.max_heads:
+                self._forget(now)
             return [frames]
         self._pending.setdefault(head, []).extend(frames[1 : 1 + stride])
         count = self._counts.get(head, 0) + 1
@@ -353,8 +358,15 @@ class RelayBatcher:
             if everything or now - self._last.get(head, 0.0) >= self.window
         ]
         if len(self._last) > len(self._pending) + 64:
-            self._last = {h: t for h, t in self._last.items() if h in self._pending or now - t < self.window}
+            self._forget(now)
         return out
+
+    def _forget(self, now: float) -> None:
+        """Drop the heads whose window is over; past ``max_heads``, all but those waiting
+        (their next beacon then goes out at once: no batching lost for good, nothing held)."""
+        self._last = {h: t for h, t in self._last.items() if h in self._pending or now - t < self.window}
+        if len(self._last) > self.max_heads // 2:
+            self._last = {h: t for h, t in self._last.items() if h in self._pending}
 
 
 class RelayBook:

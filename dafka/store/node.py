@@ -88,12 +88,28 @@ WRITING_STATUS_EVERY = 4.0
 
 
 def status_phase(partition: str) -> float:
-    """Seconds (0 to WRITING_STATUS_EVERY - STATUS_INTERVAL) a partition's repeated
-    "writing" status is moved ahead, fixed by its address.  Told in the same
-    second, a thousand devices' partitions were told again all in one turn every
-    4 s: the store, then every producer, stalled for 60-100 ms and those records'
-    ACKs with them.  Spread, each second tells a quarter of them."""
-    return (zlib.crc32(partition.encode()) % 1024) / 1024 * (WRITING_STATUS_EVERY - STATUS_INTERVAL)
+    """Seconds (0 to WRITING_STATUS_EVERY) by which a partition's "writing"
+    slots are moved, fixed by its address (see :func:`writing_status_due`)."""
+    return (zlib.crc32(partition.encode()) % 1024) / 1024 * WRITING_STATUS_EVERY
+
+
+def writing_status_due(partition: str, last: float | None, now: float) -> bool:
+    """Whether to tell a committing partition "writing" again at ``now`` (told at ``last``).
+
+    Once per slot of WRITING_STATUS_EVERY seconds, the slots of each partition
+    moved by its own phase.  Told "4 s after the last time", partitions told in
+    the same second (a fleet that started together) were told again all in one
+    turn every 4 s: the store, then every producer, stalled 60-100 ms, and those
+    records' ACKs with them.  Spreading only the first repeat did not last: a
+    timer runs up to a millisecond early, a 4 s span came out a hair short, and
+    groups slipped into each other's second.  Fixed slots do not drift.
+    """
+    if last is None:
+        return True
+    phase = status_phase(partition)
+    return (now + phase) // WRITING_STATUS_EVERY != (last + phase) // WRITING_STATUS_EVERY
+
+
 ERROR_LOG_INTERVAL = 30.0  # a lasting write failure is logged again this often
 REFUSED_LOG_INTERVAL = 5.0  # refused partitions are logged at most this often
 REFUSED_STATUS_FOR = 10.0  # seconds a refused partition's producer is told "not writing"
@@ -543,11 +559,9 @@ class Store(PartitionReader):
                 self.send(wire.StoreStatus(partition, self.address, topic, 0, why))
                 told.pop(key, None)
             elif writing:
-                last = told.get(key)
-                if last is not None and now - last < WRITING_STATUS_EVERY:
+                if not writing_status_due(partition, told.get(key), now):
                     continue  # told lately, and its ACKs say the same
-                # The first time (or told long ago), at once; the next time earlier by its phase.
-                told[key] = now if last is not None else now - status_phase(partition)
+                told[key] = now
                 self.send(wire.StoreStatus(partition, self.address, topic, writing, reason))
             else:
                 self.send(wire.StoreStatus(partition, self.address, topic, writing, reason))
