@@ -521,6 +521,31 @@ def test_a_producer_that_met_its_peers_reads_beacons_at_its_own_turns(
             wait_until(lambda: consumer.address in producer.peers, timeout=4.0)
 
 
+def test_a_producer_sends_no_head_while_its_records_say_it(cfg: NodeConfig, raw_peer) -> None:
+    """A HEAD a second beside each device's record of the second was a message a
+    second at every store and consumer; it goes once the records stop."""
+    peer = raw_peer([wire.P_HEAD + b"beat\x00", wire.P_RECORD + b"beat\x00"])
+    with Producer("beat", cfg, acks=False, head_interval=0.25) as producer:
+        peer.wait_for(lambda p: any(e.endswith(f":{producer.port}") for e in p.peers))
+        peer.wait_for(lambda p: p.subscribed(wire.P_FETCH + producer.address.encode()))
+        start = time.monotonic()
+        while not peer.messages(wire.Record) and time.monotonic() - start < 10:
+            producer.publish(b"warm-up")
+            peer.pump(0.1)
+        assert peer.messages(wire.Record), "the peer never got a record"
+        peer.pump(0.6)  # the HEAD of the warm-up goes within two intervals
+        peer.received.clear()
+        for _ in range(20):  # a record every 0.1 s for 2 s: every HEAD tick had records
+            producer.publish(b"beat")
+            peer.pump(0.1)
+        heads = peer.messages(wire.Head)
+        assert not heads, heads
+        last = producer.window.next - 1
+        stopped = time.monotonic()
+        peer.wait_for(lambda p: any(h.sequence == last for h in p.messages(wire.Head)), timeout=5)
+        assert time.monotonic() - stopped < 2 * 0.25 + 0.5  # within two intervals (and slack)
+
+
 def test_ack_repeats_back_off_until_the_producer_subscribes_again() -> None:
     from dafka.store.acks import MAX_GAP, AckRepeats
 

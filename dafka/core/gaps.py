@@ -321,7 +321,10 @@ class PartitionTracker:
         return skipped
 
 
-LIVE_SETTLE_MIN = 1.5  # seconds: a producer's HEAD (every second) arrives within it
+# Seconds: a producer's HEAD arrives within it.  A producer skips the HEAD of a
+# second in which records went out, so an idle partition may be silent for two
+# intervals after its last record (see Producer._send_head).
+LIVE_SETTLE_MIN = 2.5
 
 
 class LiveEdge:
