@@ -323,6 +323,9 @@ def test_nodes_made_and_closed_again_and_again_on_one_loop(cfg: NodeConfig) -> N
         producer = Producer("churn", cfg, loop=loop, acks=False)
         producer.publish(b"0")
         assert consumer.poll(10) is not None
+        # Once it met the consumer the producer reads beacons at its own turns,
+        # its beacon socket no longer watched: count from then on.
+        wait_until(lambda: producer._lazy_beacons, 5)
         base_watches = len(loop._watches)
         for _ in range(3):  # (ZeroMQ's own threads and descriptors, once)
             Producer("churn", cfg, loop=loop, acks=False).close(0)
