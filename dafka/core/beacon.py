@@ -178,19 +178,6 @@ def decode_tower_relay(
     return kind, key, entries, errors
 
 
-def decode_tower_beacon(frames: Sequence[bytes]) -> tuple[bytes | None, bytes, str, str]:
-    """(kind, key, address, endpoint) of a tower beacon; kind None for a plain ``B``."""
-    if not frames:
-        raise ProtocolError("empty tower beacon")
-    first = bytes(frames[0])
-    if first == wire.BEACON:
-        address, endpoint = wire.decode_tower_beacon(frames)
-        return None, b"", address, endpoint
-    kind, key = parse_head(first)
-    address, endpoint = wire.decode_tower_beacon([wire.BEACON, *frames[1:]])
-    return kind, key, address, endpoint
-
-
 @dataclass(frozen=True, slots=True)
 class Interest:
     """What a node is and which peers it needs.
