@@ -499,7 +499,12 @@ def test_producer_paces_a_burst_larger_than_the_queues(cfg: NodeConfig) -> None:
         return (b"%06d" % i).ljust(1000, b".")
 
     for pace_limit in (0.25, 0.0):
-        with Consumer("pace", small, offset_reset="earliest") as consumer:
+        # The lossy pass: a consumer that stops reading its socket at 1,000 queued
+        # records, so the burst (about 19 MB past it) overflows the queues and the
+        # kernel's buffers whatever the speed of either side (pure Python, a
+        # consumer loop could keep up and nothing was dropped: a CI failure).
+        max_queued = 200_000 if pace_limit else 1_000
+        with Consumer("pace", small, offset_reset="earliest", max_queued=max_queued) as consumer:
             with Producer("pace", small, acks=False, capacity=n + 100, pace_limit=pace_limit) as producer:
                 wait_until(lambda: producer.publish(b"start") and consumer.poll(0.2), 10)
                 base, fetches = producer.next_offset, consumer.fetches_sent
