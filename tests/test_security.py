@@ -480,6 +480,67 @@ def test_tower_relays_a_beacon_only_with_the_key_it_came_with(pki: Pki, secure_t
         rogue.close(0)
 
 
+def test_a_secure_tower_batches_a_burst_with_each_beacons_key_and_a_store_meets_every_peer(
+    pki: Pki, secure_tower: Tower, tmp_path: Path
+) -> None:
+    # 200 producers of one topic beacon at once, each address bound to the producer
+    # key: the tower relays them in a few batches, each entry with its key (stride 3).
+    n = 200
+
+    def client(sock_type: int, name: str, endpoint: str) -> zmq.Socket:
+        cert = security.read_certificate(pki.secret(name))
+        sock = zmq.Context.instance().socket(sock_type)
+        sock.setsockopt(zmq.LINGER, 0)
+        security.make_client(sock, security.OwnKeys(cert.public, cert.secret or b"", cert.role))
+        security.connect(sock, endpoint, pki.tower_key)
+        return sock
+
+    head = dafka_beacon.Interest.producer("burst").heads()[0]
+    key = security.read_certificate(pki.keys / "producer.key").public
+    t = TowerAddress("127.0.0.1", secure_tower.in_port, secure_tower.out_port)
+    listener = client(zmq.SUB, "consumer", t.beacon_out)
+    listener.setsockopt(zmq.SUBSCRIBE, head)
+    pub = client(zmq.PUB, "producer", t.beacon_in)
+    addresses = [security.bound_address(key) for _ in range(n)]
+
+    def heard(seconds: float) -> list[list[bytes]]:
+        out, end = [], time.monotonic() + seconds
+        while time.monotonic() < end:
+            if listener.poll(50):
+                out.append(listener.recv_multipart())
+        return out
+
+    try:
+        with Store(str(tmp_path / "db"), node_cfg(pki, secure_tower, "store")) as store:
+            probe = security.bound_address(key)
+
+            def relayed() -> bool:  # the CURVE connections and subscriptions are up
+                pub.send_multipart([head, probe.encode(), b"127.0.0.1", b"9", key])
+                return bool(heard(0.1)) and probe in store.peers._peers
+
+            wait_until(relayed, 15)
+            while listener.poll(0):
+                listener.recv_multipart()
+            for address in addresses:
+                pub.send_multipart([head, address.encode(), b"127.0.0.1", b"9", key])
+            messages: list[list[bytes]] = []
+            got: set[bytes] = set()
+            deadline = time.monotonic() + 10
+            while not {a.encode() for a in addresses} <= got and time.monotonic() < deadline:
+                messages += heard(0.1)
+                got = {f for m in messages for f in m[1::3]}
+            assert {a.encode() for a in addresses} <= got
+            assert all(m[0] == head and len(m) % 3 == 1 and set(m[3::3]) == {key} for m in messages)
+            assert len(messages) < n / 4  # batched
+            assert max(len(m) for m in messages) <= 1 + 3 * dafka_beacon.MAX_BATCH
+            # The store decodes every entry of the batches, key and all, as its own peer.
+            wait_until(lambda: set(addresses) <= set(store.peers._peers), 10)
+            assert secure_tower.bad_input.count == 0
+    finally:
+        listener.close(0)
+        pub.close(0)
+
+
 def test_keys_command_and_up_stays_plain(tmp_path: Path) -> None:
     env = subprocess_env()
     run = subprocess.run(dafka_cmd("keys", "new", "s1", "--role", "store", "--dir", str(tmp_path)), env=env, timeout=30)
