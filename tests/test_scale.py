@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -29,7 +31,7 @@ from dafka.nodes.node import new_address
 from dafka.nodes.producer import Producer
 from dafka.nodes.tower import Tower
 from dafka.store.node import Store
-from tests.conftest import wait_until
+from tests.conftest import subprocess_env, wait_until
 
 # ---------------------------------------------------------------- sans-IO
 
@@ -322,12 +324,93 @@ def test_tower_batches_a_burst_of_beacons_and_a_store_meets_every_peer(tower: To
             assert set(a.encode() for a in addresses) <= heard
             assert all(m[0] == b"XPburst\x00" and len(m) % 2 == 1 for m in messages)
             assert len(messages) < n / 4  # batched: a few messages, not one a beacon
-            assert max(len(m) for m in messages) <= 1 + 2 * beacon.MAX_BATCH
+            assert max(len(m) for m in messages) <= 1 + 2 * beacon.RELAY_BATCH
             # The store takes every beacon of the batches as its own peer.
             wait_until(lambda: set(addresses) <= set(store.peers._peers), 10)
     finally:
         pub.close(0)
         sub.close(0)
+
+
+_TOWER_PROCESS = """
+import sys, time
+from dafka.nodes.tower import Tower
+with Tower("127.0.0.1", 0, 0) as tower:
+    print(tower.in_port, tower.out_port, flush=True)
+    sys.stdin.read()  # until the test closes it (or dies)
+"""
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_subscribers_that_stop_reading_cost_the_tower_a_few_megabytes_each() -> None:
+    # Hostile: four SUBs subscribe to everything and never read, while a PUB
+    # floods 200,000 beacons of one topic.  The tower queues for each of them up
+    # to its high-water mark, which counts messages: with batches of 128 that
+    # was about 30 MB each (a few connections, and the tower is out of memory).
+    tower = subprocess.Popen(
+        [sys.executable, "-c", _TOWER_PROCESS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=subprocess_env()
+    )
+    ctx = zmq.Context.instance()
+    sockets: list[zmq.Socket] = []
+
+    def socket(kind: int) -> zmq.Socket:
+        sock = ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sockets.append(sock)
+        return sock
+
+    try:
+        assert tower.stdout is not None
+        in_port, out_port = map(int, tower.stdout.readline().split())
+        stalled = []
+        for _ in range(4):
+            sub = socket(zmq.SUB)
+            sub.setsockopt(zmq.RCVHWM, 1)
+            sub.setsockopt(zmq.RCVBUF, 4096)  # a small TCP window: the tower's queue fills
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(f"tcp://127.0.0.1:{out_port}")
+            stalled.append(sub)
+        healthy = socket(zmq.SUB)
+        healthy.setsockopt(zmq.SUBSCRIBE, b"XPend\x00")
+        healthy.connect(f"tcp://127.0.0.1:{out_port}")
+        pub = socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, 0)
+        pub.connect(f"tcp://127.0.0.1:{in_port}")
+        marker = [b"XPend\x00", new_address().encode(), b"127.0.0.1", b"9"]
+
+        def heard_by(subs: list[zmq.Socket]) -> bool:
+            pub.send_multipart(marker)
+            return all(sub.poll(100) and sub.recv_multipart() for sub in subs)
+
+        # Every subscription is up once each SUB got a marker; the stalled ones read no more.
+        wait_until(lambda: heard_by([*stalled, healthy]), 15)
+        before = _rss_mb(tower.pid)
+        addresses = [new_address().encode() for _ in range(1000)]
+        for i in range(200_000):
+            pub.send_multipart([b"XPflood\x00", addresses[i % 1000], b"127.0.0.1", b"9"])
+        # The tower relayed the whole flood once a marker sent after it comes through.
+        last = [b"XPend\x00", new_address().encode(), b"127.0.0.1", b"9"]
+
+        def flood_relayed() -> bool:
+            pub.send_multipart(last)
+            return healthy.poll(100) and last[1] in healthy.recv_multipart()
+
+        wait_until(flood_relayed, 60)
+        grown = _rss_mb(tower.pid) - before
+        assert grown < 40, f"the tower grew {grown:.0f} MB for 4 subscribers that stopped reading"
+        assert tower.poll() is None
+    finally:
+        for sock in sockets:
+            sock.close(0)
+        tower.kill()
+        tower.wait(10)
 
 
 def test_earliest_consumer_discovers_100_partitions_from_the_store(cfg: NodeConfig, tmp_path: Path, raw_peer) -> None:

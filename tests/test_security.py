@@ -532,7 +532,7 @@ def test_a_secure_tower_batches_a_burst_with_each_beacons_key_and_a_store_meets_
             assert {a.encode() for a in addresses} <= got
             assert all(m[0] == head and len(m) % 3 == 1 and set(m[3::3]) == {key} for m in messages)
             assert len(messages) < n / 4  # batched
-            assert max(len(m) for m in messages) <= 1 + 3 * dafka_beacon.MAX_BATCH
+            assert max(len(m) for m in messages) <= 1 + 3 * dafka_beacon.RELAY_BATCH
             # The store decodes every entry of the batches, key and all, as its own peer.
             wait_until(lambda: set(addresses) <= set(store.peers._peers), 10)
             assert secure_tower.bad_input.count == 0

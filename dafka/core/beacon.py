@@ -27,7 +27,8 @@ never receive any of it, C towers relay it as they relay ``B``):
 
       X P <topic> NUL, address1, endpoint1, address2, endpoint2, ...
 
-  (one beacon is the 3-frame form above; at most ``MAX_BATCH`` in one).  A
+  (one beacon is the 3-frame form above; a tower sends at most ``RELAY_BATCH``
+  in one, a node takes up to ``MAX_BATCH``).  A
   store hears every producer's beacon each second: a thousand messages a
   second, each a wake-up of its I/O thread and of ZeroMQ's, become a few;
 * ``X U``, address, ``tcp://host:port`` (3 frames): a dafka tower's copy of a
@@ -61,11 +62,11 @@ STORE = b"S"
 ANY = b"A"
 UNKNOWN = b"U"  # relayed by a tower for a node that sent no interest beacon
 HELLO = PREFIX + b"T"
-# High-water mark of beacon sockets (a tower's XPUB, a node's beacon SUB), in
-# messages.  ZeroMQ's default (1,000) is one second of a 1,000-node mesh's
-# beacons for a store: a store busy for two seconds lost beacons at the tower
-# and dropped live producers.  Ten seconds' worth, about 1.5 MB per stalled
-# subscriber of every beacon (one that subscribes few takes few).
+# High-water mark of a node's beacon SUB (and a tower's XSUB), in messages.
+# ZeroMQ's default (1,000) is one second of a 1,000-node mesh's beacons for a
+# store: a store busy for two seconds lost beacons at the tower and dropped
+# live producers.  Ten seconds' worth of single beacons; the tower's own queue
+# for each subscriber is TOWER_HWM, below.
 BEACON_HWM = 10_000
 KINDS = frozenset((PRODUCER, CONSUMER, GROUP, STORE, ANY, UNKNOWN))
 KEYED = frozenset((PRODUCER, CONSUMER, GROUP))
@@ -76,9 +77,16 @@ MAX_HEAD = 2 + wire.MAX_STRING + 1
 # work); two seconds still puts two in a census grace and five in a tower's memory.
 HELLO_INTERVAL = 2.0
 # A tower relays the beacons of one first frame that come within this many
-# seconds of each other as one message of at most MAX_BATCH (see RelayBatcher).
+# seconds of each other as one message of at most RELAY_BATCH (see RelayBatcher).
+# Nodes accept batches of up to MAX_BATCH (what towers of any version send).
 BATCH_WINDOW = 0.05
 MAX_BATCH = 128
+# Small enough that a subscriber who stops reading costs the tower little (the
+# high-water mark counts messages, whatever their size): TOWER_HWM batches of
+# 16 are about 5 MB, as 10,000 single beacons were.  A busy store still has its
+# own 10,000 (BEACON_HWM) and the kernel's buffers of slack before the tower's.
+RELAY_BATCH = 16
+TOWER_HWM = 2_000
 TOWER_MEMORY = 10.0  # a tower not heard of for this long is no longer counted as a dafka tower
 CENSUS_GRACE = 5.0  # seconds after start (and after the first welcome) before B is subscribed
 
@@ -294,7 +302,7 @@ class RelayBatcher:
     """
 
     def __init__(
-        self, window: float = BATCH_WINDOW, max_entries: int = MAX_BATCH, max_pending: int = 20_000, max_heads: int = 4096
+        self, window: float = BATCH_WINDOW, max_entries: int = RELAY_BATCH, max_pending: int = 20_000, max_heads: int = 4096
     ) -> None:
         self.window = window
         self.max_entries = max_entries

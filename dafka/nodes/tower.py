@@ -80,7 +80,7 @@ class Tower:
         self.xpub = self.ctx.socket(zmq.XPUB)
         self.xpub.setsockopt(zmq.LINGER, 0)
         self.xpub.setsockopt(zmq.XPUB_WELCOME_MSG, wire.WELCOME)
-        self.xpub.setsockopt(zmq.SNDHWM, beacon.BEACON_HWM)
+        self.xpub.setsockopt(zmq.SNDHWM, beacon.TOWER_HWM)  # per subscriber (see TOWER_HWM)
         self.xsub.setsockopt(zmq.RCVHWM, beacon.BEACON_HWM)
         self._refusals: list[security.RefusalLog] = []
         self._known_keys = set(self.guard.roles) if self.guard else set()
