@@ -265,9 +265,12 @@ def test_group_resumes_from_another_store_when_one_is_killed(cfg: NodeConfig, tm
         )
         for i in range(2)
     ]
+    producer = Producer("t", cfg)
     try:
-        producer = Producer("t", cfg)
-        wait_until(lambda: len(producer.peers) >= 2, timeout=30)
+        # Both stores read the records live.  One that subscribed late catches up from
+        # the other, and the kill below could leave it a hole (a full-suite failure).
+        header = producer._record_header
+        wait_until(lambda: len(producer.peers) >= 2 and producer.audience.readers(header) >= 2, timeout=30)
         publish(producer, 0, 100)
         first = members("first", "t", "--group", "g", "--from-beginning", "--count", "60", "--timeout", "60")
         assert first.proc.wait(90) == 0, first.err.read_text()
@@ -278,8 +281,8 @@ def test_group_resumes_from_another_store_when_one_is_killed(cfg: NodeConfig, tm
         second = members("second", "t", "--group", "g", "--count", "60", "--timeout", "60")
         assert second.proc.wait(90) == 0, second.err.read_text()
         assert second.records() == [(producer.address, i) for i in range(60, 120)]
-        producer.close(0)
     finally:
+        producer.close(0)
         for s in stores:
             if s.poll() is None:
                 s.send_signal(signal.SIGTERM)
