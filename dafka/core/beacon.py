@@ -83,8 +83,9 @@ BATCH_WINDOW = 0.05
 MAX_BATCH = 128
 # Small enough that a subscriber who stops reading costs the tower little (the
 # high-water mark counts messages, whatever their size): TOWER_HWM batches of
-# 16 are about 5 MB, as 10,000 single beacons were.  A busy store still has its
-# own 10,000 (BEACON_HWM) and the kernel's buffers of slack before the tower's.
+# 16 are about 4 MB (batches of 128 under a mark of 10,000 were about 140 MB).
+# A busy store still has its own 10,000 (BEACON_HWM) and the kernel's buffers
+# of slack before the tower's.
 RELAY_BATCH = 16
 TOWER_HWM = 2_000
 TOWER_MEMORY = 10.0  # a tower not heard of for this long is no longer counted as a dafka tower
