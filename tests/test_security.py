@@ -66,6 +66,16 @@ class Pki:
         ]  # fmt: skip
 
 
+def curve_client(pki: Pki, sock_type: int, name: str, endpoint: str) -> zmq.Socket:
+    """A CURVE client socket with ``name``'s keys, connected to the tower's ``endpoint``."""
+    cert = security.read_certificate(pki.secret(name))
+    sock = zmq.Context.instance().socket(sock_type)
+    sock.setsockopt(zmq.LINGER, 0)
+    security.make_client(sock, security.OwnKeys(cert.public, cert.secret or b"", cert.role))
+    security.connect(sock, endpoint, pki.tower_key)
+    return sock
+
+
 @pytest.fixture
 def pki(tmp_path: Path) -> Pki:
     return Pki(tmp_path)
@@ -447,18 +457,10 @@ def test_status_probe_joins_once_its_key_is_added(pki: Pki, secure_tower: Tower)
 def test_tower_relays_a_beacon_only_with_the_key_it_came_with(pki: Pki, secure_tower: Tower) -> None:
     from dafka.core import wire
 
-    def client(sock_type: int, name: str, endpoint: str) -> zmq.Socket:
-        cert = security.read_certificate(pki.secret(name))
-        sock = zmq.Context.instance().socket(sock_type)
-        sock.setsockopt(zmq.LINGER, 0)
-        security.make_client(sock, security.OwnKeys(cert.public, cert.secret or b"", cert.role))
-        security.connect(sock, endpoint, pki.tower_key)
-        return sock
-
     t = TowerAddress("127.0.0.1", secure_tower.in_port, secure_tower.out_port)
-    listener = client(zmq.SUB, "consumer", t.beacon_out)
+    listener = curve_client(pki, zmq.SUB, "consumer", t.beacon_out)
     listener.setsockopt(zmq.SUBSCRIBE, wire.BEACON)
-    rogue = client(zmq.PUB, "rogue", t.beacon_in)
+    rogue = curve_client(pki, zmq.PUB, "rogue", t.beacon_in)
     store_key = security.read_certificate(pki.keys / "store.key").public
     rogue_key = security.read_certificate(pki.keys / "rogue.key").public
     lie, truth = security.bound_address(store_key), security.bound_address(rogue_key)
@@ -487,20 +489,12 @@ def test_a_secure_tower_batches_a_burst_with_each_beacons_key_and_a_store_meets_
     # key: the tower relays them in a few batches, each entry with its key (stride 3).
     n = 200
 
-    def client(sock_type: int, name: str, endpoint: str) -> zmq.Socket:
-        cert = security.read_certificate(pki.secret(name))
-        sock = zmq.Context.instance().socket(sock_type)
-        sock.setsockopt(zmq.LINGER, 0)
-        security.make_client(sock, security.OwnKeys(cert.public, cert.secret or b"", cert.role))
-        security.connect(sock, endpoint, pki.tower_key)
-        return sock
-
     head = dafka_beacon.Interest.producer("burst").heads()[0]
     key = security.read_certificate(pki.keys / "producer.key").public
     t = TowerAddress("127.0.0.1", secure_tower.in_port, secure_tower.out_port)
-    listener = client(zmq.SUB, "consumer", t.beacon_out)
+    listener = curve_client(pki, zmq.SUB, "consumer", t.beacon_out)
     listener.setsockopt(zmq.SUBSCRIBE, head)
-    pub = client(zmq.PUB, "producer", t.beacon_in)
+    pub = curve_client(pki, zmq.PUB, "producer", t.beacon_in)
     addresses = [security.bound_address(key) for _ in range(n)]
 
     def heard(seconds: float) -> list[list[bytes]]:
