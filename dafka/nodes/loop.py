@@ -358,12 +358,16 @@ class NodeLoop:
                         node.log.exception("%s failed in its loop turn", node.kind)
 
     def _read_wake(self, touched: dict[Node, None]) -> None:
-        self._wake_pending = False  # before reading the queues: a later wake() writes again
         try:
             while os.read(self._wake_r, 4096):
                 pass
         except (BlockingIOError, OSError):
             pass
+        # After emptying the pipe, before reading the queues: a wake() from now on
+        # writes again.  Cleared before the pipe was read, a wake() in between left
+        # the flag set with its byte read here, and every later wake() was lost (a
+        # shared loop then slept in select with an attach or a detach queued).
+        self._wake_pending = False
         calls = self._calls
         while calls:
             fn = calls.popleft()
