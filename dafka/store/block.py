@@ -1,0 +1,640 @@
+"""Store format 2 blocks: one LMDB value holding a run of one partition's records (sans-IO).
+
+Work in progress (issue 36): nothing in the store writes or reads blocks yet;
+``docs/concepts/store.md`` ("Format 2") says what is built and what is not.
+
+A block is a fixed 52-byte header followed by the body, the records in one of
+three encodings (the *codec*)::
+
+    magic:2 = b"DB"  version:u8 = 2  codec:u8  compression:u8  flags:u8 = 0
+    reserved:u16 = 0
+    first_offset:u64  last_offset:u64  count:u32  body_size:u32
+    first_ts:i64  max_ts:i64  crc:u32
+
+Big-endian, like every key and value of the store.  ``crc`` is CRC-32C of the
+header's first 48 bytes followed by the body, so a torn or altered block is
+found without decoding it.  ``first_offset`` and ``last_offset`` are the
+partition offsets of the block's first and last record; ``count`` records are
+held, ``count == last_offset - first_offset + 1`` unless the block itself has
+holes (a sparse Tank bundle).  ``first_ts`` is the first record's timestamp,
+``max_ts`` the largest (retention by age removes a block when ``max_ts`` is past
+the cutoff).  ``body_size`` is the length of the body, the value's length minus
+the header.
+
+Codecs, each body stored as the client sent it wherever its encoding allows:
+
+``CODEC_TANK`` (2)
+    One Tank bundle, byte for byte as produced (tank_current.md, "Bundles").
+    ``compression`` is ``COMPRESSION_SNAPPY`` when the bundle's codec is snappy.
+``CODEC_KAFKA`` (3)
+    One Kafka record batch (magic 2) as produced, with ``baseOffset`` set to
+    ``first_offset`` (and ``partitionLeaderEpoch`` to -1): both lie outside the
+    batch's CRC, which stays valid.  ``compression`` is the batch's codec.
+``CODEC_DAFKA`` (1)
+    The store's own encoding, for records that arrive one at a time (Dafka
+    mesh records, C producers): per record ``length:varint`` (of the rest of
+    the record), ``ts_delta:zigzag varint`` (from ``first_ts``),
+    ``key_length:zigzag varint`` (-1: no key), key, then the content up to
+    the record's end.  ``compression`` is 0.
+
+Every block is validated before it is stored, without building a Python
+object per record: the header against the body, the CRC, the record count
+and framing (each record's lengths inside the block and the record count
+exact), offsets (Kafka offset deltas 0..count-1, sparse Tank seqs inside the
+header's range), timestamps (``first_ts``/``max_ts`` are computed, never
+taken from the client), each record's size against ``max_record_bytes``, and
+decompression against a byte budget checked before inflating.  A block that
+lies is refused with :class:`~dafka.errors.ProtocolError` and nothing of it
+is kept.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+
+import snappy
+from crc32c import crc32c
+
+from dafka.errors import ProtocolError
+
+__all__ = [
+    "CODEC_DAFKA",
+    "CODEC_KAFKA",
+    "CODEC_TANK",
+    "COMPRESSION_NONE",
+    "COMPRESSION_SNAPPY",
+    "HEADER",
+    "HEADER_SIZE",
+    "MAGIC",
+    "VERSION",
+    "BlockHeader",
+    "BlockRecord",
+    "block_key",
+    "dafka_block",
+    "decode_header",
+    "kafka_block",
+    "records",
+    "tank_block",
+    "unpack_block_key",
+    "validate",
+]
+
+MAGIC = b"DB"
+VERSION = 2
+CODEC_DAFKA = 1
+CODEC_TANK = 2
+CODEC_KAFKA = 3
+_CODECS = (CODEC_DAFKA, CODEC_TANK, CODEC_KAFKA)
+# Kafka's numbering (record batch attribute bits 0-2).
+COMPRESSION_NONE, COMPRESSION_GZIP, COMPRESSION_SNAPPY, COMPRESSION_LZ4, COMPRESSION_ZSTD = 0, 1, 2, 3, 4
+
+HEADER = struct.Struct(">2sBBBBHQQIIqqI")
+HEADER_SIZE = HEADER.size  # 52
+_CRC_AT = HEADER_SIZE - 4
+BLOCK_KEY = struct.Struct(">IQ")  # pid:u32 first_offset:u64, like a format-1 record key
+_U64_MAX = (1 << 64) - 1
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+_MAX_BODY = (1 << 32) - 1
+
+# Default bounds (the callers pass their node's settings).
+DEFAULT_MAX_RECORD_BYTES = 1 << 20
+DEFAULT_BUDGET = 64 << 20  # bytes a compressed block may inflate to
+
+
+class BlockHeader(NamedTuple):
+    """The fixed header of a block: what readers need without decoding records."""
+
+    codec: int
+    compression: int
+    first_offset: int
+    last_offset: int
+    record_count: int
+    body_size: int
+    first_ts: int
+    max_ts: int
+    crc: int
+
+
+class BlockRecord(NamedTuple):
+    """One record of a block, as :func:`records` yields it.
+
+    ``headers`` is a Kafka record's header section as sent (``count:varint``
+    then the headers), None for the other codecs.
+    """
+
+    offset: int
+    ts_ms: int
+    key: bytes | None
+    value: bytes
+    headers: bytes | None
+
+
+def block_key(pid: int, first_offset: int) -> bytes:
+    """The LMDB key of a block: ``pid:u32 first_offset:u64`` (numeric order)."""
+    return BLOCK_KEY.pack(pid, first_offset)
+
+
+def unpack_block_key(key: bytes) -> tuple[int, int]:
+    """``(pid, first_offset)`` of a block key."""
+    pid, first = BLOCK_KEY.unpack(key)
+    return pid, first
+
+
+# ---------------------------------------------------------------- header
+
+
+def _seal(codec: int, compression: int, first: int, last: int, count: int,
+          first_ts: int, max_ts: int, body: bytes) -> bytes:
+    if len(body) > _MAX_BODY:
+        raise ProtocolError(f"a block body of {len(body)} bytes is over 4 GiB")
+    if not 0 <= first <= last <= _U64_MAX:
+        raise ProtocolError(f"block offsets {first}..{last} out of range")
+    if not _I64_MIN <= first_ts <= _I64_MAX or not _I64_MIN <= max_ts <= _I64_MAX:
+        raise ProtocolError("a block timestamp is outside 64 bits")
+    head = HEADER.pack(MAGIC, VERSION, codec, compression, 0, 0, first, last, count, len(body),
+                       first_ts, max_ts, 0)[:_CRC_AT]
+    return head + struct.pack(">I", crc32c(body, crc32c(head))) + body
+
+
+def decode_header(value: bytes | memoryview) -> BlockHeader:
+    """The header of a stored block, checked for shape (magic, version, codec,
+    sizes, offsets) but not against the body: see :func:`validate`."""
+    if len(value) < HEADER_SIZE:
+        raise ProtocolError(f"a block of {len(value)} bytes is shorter than its header")
+    (magic, version, codec, compression, flags, reserved, first, last, count, body_size,
+     first_ts, max_ts, crc) = HEADER.unpack_from(value)
+    if magic != MAGIC:
+        raise ProtocolError(f"not a block (magic {bytes(magic)!r})")
+    if version != VERSION:
+        raise ProtocolError(f"block version {version}, this code reads {VERSION}")
+    if codec not in _CODECS:
+        raise ProtocolError(f"unknown block codec {codec}")
+    if flags or reserved:
+        raise ProtocolError("reserved block header bits are set")
+    if body_size != len(value) - HEADER_SIZE:
+        raise ProtocolError(f"block header says {body_size} body bytes, the block holds {len(value) - HEADER_SIZE}")
+    if count < 1 or last < first or last - first + 1 < count:
+        raise ProtocolError(f"block of {count} records cannot span offsets {first}..{last}")
+    if max_ts < first_ts:
+        raise ProtocolError("block max_ts is before its first_ts")
+    return BlockHeader(codec, compression, first, last, count, body_size, first_ts, max_ts, crc)
+
+
+def validate(value: bytes | memoryview, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+             budget: int = DEFAULT_BUDGET) -> BlockHeader:
+    """Check a whole stored block: header, CRC, and the body against the header.
+
+    Raises ProtocolError on any disagreement; returns the header.
+    """
+    hdr = decode_header(value)
+    mv = memoryview(value)
+    if crc32c(mv[HEADER_SIZE:], crc32c(mv[:_CRC_AT])) != hdr.crc:
+        raise ProtocolError("block CRC-32C mismatch")
+    body = bytes(mv[HEADER_SIZE:])
+    if hdr.codec == CODEC_TANK:
+        s = _scan_tank(body, max_record_bytes, budget)
+        span = hdr.record_count if s.first_seq is None else s.last_seq - s.first_seq + 1  # type: ignore[operator]
+        got = (COMPRESSION_SNAPPY if s.snappy else 0, s.record_count, span, s.first_ts, s.max_ts)
+    elif hdr.codec == CODEC_KAFKA:
+        k = _scan_kafka(body, max_record_bytes, budget)
+        if k.base_offset != hdr.first_offset:
+            raise ProtocolError("a Kafka block's baseOffset is not its first offset")
+        got = (k.compression, k.record_count, k.record_count, k.first_ts, k.max_ts)
+    else:
+        d = _scan_dafka(body, hdr.record_count, hdr.first_ts, max_record_bytes)
+        got = (COMPRESSION_NONE, hdr.record_count, hdr.record_count, hdr.first_ts, d)
+    want = (hdr.compression, hdr.record_count, hdr.last_offset - hdr.first_offset + 1, hdr.first_ts, hdr.max_ts)
+    if got != want:
+        raise ProtocolError(f"block header disagrees with its records: header {want}, records {got}")
+    return hdr
+
+
+# ---------------------------------------------------------------- varints
+
+
+def _uvarint(buf: bytes, pos: int, end: int, limit: int = 10) -> tuple[int, int]:
+    """An unsigned LEB128 varint of at most ``limit`` bytes."""
+    v = shift = 0
+    stop = pos + limit
+    while True:
+        if pos >= end or pos >= stop:
+            raise ProtocolError("malformed or truncated varint")
+        b = buf[pos]
+        pos += 1
+        v |= (b & 0x7F) << shift
+        if b < 0x80:
+            return v, pos
+        shift += 7
+
+
+def _zvarint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
+    v, pos = _uvarint(buf, pos, end)
+    if v >> 64:
+        raise ProtocolError("varint over 64 bits")
+    return (v >> 1) ^ -(v & 1), pos
+
+
+def _put_uvarint(n: int, out: bytearray) -> None:
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+
+
+def _zz(n: int) -> int:
+    return (n << 1) ^ (n >> 63)
+
+
+# ---------------------------------------------------------------- Tank bundles
+
+_TANK_CODEC = 0x03
+_TANK_COUNT_SHIFT = 2
+_TANK_SPARSE = 0x40
+_TANK_EXTRA = 0x80
+_MSG_KEY, _MSG_LAST_TS, _MSG_SEQ_NEXT = 0x01, 0x02, 0x04
+_SNAPPY_MAX_RATIO = 24  # a snappy block cannot expand more than ~21x
+_TS = struct.Struct("<Q")
+
+
+class _TankScan(NamedTuple):
+    snappy: bool
+    record_count: int
+    first_seq: int | None  # sparse bundles only
+    last_seq: int | None
+    first_ts: int
+    max_ts: int
+    msgset: bytes  # the message set, inflated
+    msgset_start: int
+
+
+def _scan_tank(bundle: bytes, max_record_bytes: int, budget: int) -> _TankScan:
+    """Walk a bundle's messages checking every length and the count; build nothing per message."""
+    end = len(bundle)
+    if not end:
+        raise ProtocolError("empty bundle")
+    flags = bundle[0]
+    if flags & _TANK_EXTRA:
+        raise ProtocolError("bundle flags bit 7 (extra flags) is set")
+    codec = flags & _TANK_CODEC
+    if codec > 1:
+        raise ProtocolError(f"unknown bundle codec {codec}")
+    count = (flags >> _TANK_COUNT_SHIFT) & 0x0F
+    pos = 1
+    if not count:
+        count, pos = _uvarint(bundle, pos, end, 5)
+        if not count:
+            raise ProtocolError("bundle with no messages")
+    sparse = bool(flags & _TANK_SPARSE)
+    first = last = None
+    if sparse:
+        if pos + 8 > end:
+            raise ProtocolError("truncated sparse bundle header")
+        first = _TS.unpack_from(bundle, pos)[0]
+        pos += 8
+        last = first
+        if count != 1:
+            gap, pos = _uvarint(bundle, pos, end, 5)
+            last = first + gap + 1
+        if last > _U64_MAX or last - first + 1 < count:
+            raise ProtocolError("sparse bundle's seq range cannot hold its messages")
+    msgset_start = pos
+    if codec:
+        data = bundle[pos:]
+        size, _ = _uvarint(data, 0, len(data), 5)
+        if size > budget or size > _SNAPPY_MAX_RATIO * len(data):
+            raise ProtocolError(f"a snappy bundle claims {size} bytes, over the budget of {budget}")
+        try:
+            buf = snappy.uncompress(data)
+        except Exception as exc:  # the backend's own error types
+            raise ProtocolError(f"snappy decompression failed: {exc}") from exc
+        pos, end = 0, len(buf)
+    else:
+        buf = bundle
+    if count * 2 > end - pos:
+        raise ProtocolError(f"message set too short for {count} messages")
+    unpack_ts = _TS.unpack_from
+    ts = first_ts = max_ts = -1
+    prev = (first - 1) if first is not None else 0
+    last_i = count - 1
+    for i in range(count):
+        if pos >= end:
+            raise ProtocolError("truncated message set")
+        f = buf[pos]
+        pos += 1
+        if f > 0x07:
+            raise ProtocolError(f"unknown message flags 0x{f:02x}")
+        if sparse:
+            if f & _MSG_SEQ_NEXT:
+                seq = prev + 1
+            elif i == 0:
+                seq = first
+            elif i == last_i:
+                seq = last
+            else:
+                gap, pos = _uvarint(buf, pos, end, 5)
+                seq = prev + 1 + gap
+            if (i == last_i and seq != last) or (i < last_i and seq >= last) or (i and seq <= prev):  # type: ignore[operator]
+                raise ProtocolError("sparse message seqs disagree with the bundle header")
+            prev = seq
+        if f & _MSG_LAST_TS:
+            if i == 0:
+                raise ProtocolError("the first message of a bundle has no timestamp")
+        else:
+            if pos + 8 > end:
+                raise ProtocolError("truncated message timestamp")
+            ts = unpack_ts(buf, pos)[0]
+            if ts > _I64_MAX:
+                raise ProtocolError("message timestamp outside 63 bits")
+            if i == 0:
+                first_ts = max_ts = ts
+            elif ts > max_ts:
+                max_ts = ts
+            pos += 8
+        klen = 0
+        if f & _MSG_KEY:
+            if pos >= end:
+                raise ProtocolError("truncated message key")
+            klen = buf[pos]
+            pos += 1 + klen
+        n = buf[pos] if pos < end else 0x80
+        if n < 0x80:
+            pos += 1
+        else:
+            n, pos = _uvarint(buf, pos, end, 5)
+        if n + klen > max_record_bytes:
+            raise ProtocolError(f"a message of {n + klen} bytes is over max_record_bytes {max_record_bytes}")
+        pos += n
+        if pos > end:
+            raise ProtocolError("a message runs past the bundle")
+    if pos != end:
+        raise ProtocolError(f"{end - pos} trailing bytes after the bundle's messages")
+    return _TankScan(bool(codec), count, first, last, first_ts, max_ts, buf, msgset_start)
+
+
+def tank_block(bundle: bytes, first_offset: int, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+               budget: int = DEFAULT_BUDGET) -> bytes:
+    """A block holding ``bundle`` as received, its first message at ``first_offset``.
+
+    A sparse bundle's messages keep their seq distances: the message with the
+    bundle's first seq is at ``first_offset``.  Raises ProtocolError when the
+    bundle is malformed or lies (count, lengths, seqs), a message is over
+    ``max_record_bytes``, or a snappy bundle would inflate past ``budget``.
+    """
+    s = _scan_tank(bundle, max_record_bytes, budget)
+    span = s.record_count if s.first_seq is None else s.last_seq - s.first_seq + 1  # type: ignore[operator]
+    return _seal(CODEC_TANK, COMPRESSION_SNAPPY if s.snappy else COMPRESSION_NONE, first_offset,
+                 first_offset + span - 1, s.record_count, s.first_ts, s.max_ts, bundle)
+
+
+# ---------------------------------------------------------------- Kafka record batches
+
+_KAFKA_HEADER = struct.Struct(">qiibIhiqqqhii")  # 61 bytes
+_KAFKA_CRC_START = 21
+_ATTR_CODEC, _ATTR_LOG_APPEND_TIME, _ATTR_CONTROL = 0x07, 0x08, 0x20
+
+
+class _KafkaScan(NamedTuple):
+    base_offset: int
+    compression: int
+    record_count: int
+    first_ts: int
+    max_ts: int
+    body: bytes  # the records, inflated
+    start: int  # where the first record begins in body
+    base_ts: int
+    log_append_time: bool
+
+
+def _inflate(codec: int, data: bytes, budget: int) -> bytes:
+    if codec == COMPRESSION_SNAPPY and not data.startswith(b"\x82SNAPPY\x00"):
+        size, _ = _uvarint(data, 0, len(data), 5)
+        if size > budget:
+            raise ProtocolError(f"a batch inflates past {budget} bytes")
+        try:
+            return bytes(snappy.uncompress(data))
+        except Exception as exc:
+            raise ProtocolError(f"snappy decompression failed: {exc}") from exc
+    if codec == COMPRESSION_GZIP:
+        try:
+            d = zlib.decompressobj(47)
+            out = d.decompress(data, budget + 1)
+        except zlib.error as exc:
+            raise ProtocolError(f"gzip decompression failed: {exc}") from exc
+        if len(out) > budget:
+            raise ProtocolError(f"a batch inflates past {budget} bytes")
+        return out
+    from dafka.kafka.records import _decompress  # the bounded decoders of lz4, zstd, xerial snappy
+
+    return _decompress(codec, data, [budget])
+
+
+def _scan_kafka(batch: bytes, max_record_bytes: int, budget: int) -> _KafkaScan:
+    end = len(batch)
+    if end < _KAFKA_HEADER.size:
+        raise ProtocolError("record batch shorter than its header")
+    (base, length, _epoch, magic, crc, attrs, last_delta, base_ts, max_ts_hdr, _pid, _pepoch, _bseq,
+     count) = _KAFKA_HEADER.unpack_from(batch)
+    if magic != 2:
+        raise ProtocolError(f"record batch magic {magic}: only magic 2 is kept as a block")
+    if length != end - 12:
+        raise ProtocolError(f"record batch length {length} disagrees with its {end - 12} bytes")
+    if crc32c(memoryview(batch)[_KAFKA_CRC_START:]) != crc:
+        raise ProtocolError("record batch CRC-32C mismatch")
+    if attrs & _ATTR_CONTROL:
+        raise ProtocolError("control batches are not stored")
+    if count < 1 or last_delta != count - 1:
+        raise ProtocolError(f"record count {count} disagrees with lastOffsetDelta {last_delta}")
+    codec = attrs & _ATTR_CODEC
+    if codec > COMPRESSION_ZSTD:
+        raise ProtocolError(f"unknown compression codec {codec}")
+    if codec:
+        buf = _inflate(codec, batch[_KAFKA_HEADER.size:], budget)
+        pos, bend = 0, len(buf)
+    else:
+        buf, pos, bend = batch, _KAFKA_HEADER.size, end
+    start = pos
+    if count > (bend - pos) // 7 + 1:  # a record takes at least 7 bytes
+        raise ProtocolError(f"record count {count} does not fit the batch")
+    first_ts = max_ts = None
+    for i in range(count):
+        rlen, pos = _zvarint(buf, pos, bend)
+        rend = pos + rlen
+        if rlen < 5 or rend > bend:
+            raise ProtocolError("a record's length runs outside the batch")
+        pos += 1  # attributes
+        tsd, pos = _zvarint(buf, pos, rend)
+        odelta, pos = _zvarint(buf, pos, rend)
+        if odelta != i:
+            raise ProtocolError(f"record {i} has offset delta {odelta}")
+        ts = base_ts + tsd
+        if first_ts is None:
+            first_ts = max_ts = ts
+        elif ts > max_ts:
+            max_ts = ts
+        klen, pos = _zvarint(buf, pos, rend)
+        if klen > 0:
+            pos += klen
+        vlen, pos = _zvarint(buf, pos, rend)
+        if vlen > 0:
+            pos += vlen
+        hstart = pos
+        hcount, pos = _zvarint(buf, pos, rend)
+        if hcount < 0 or hcount > rlen:
+            raise ProtocolError("a record's header count is out of range")
+        for _ in range(hcount):
+            hk, pos = _zvarint(buf, pos, rend)
+            if hk < 0:
+                raise ProtocolError("a header key has a negative length")
+            pos += hk
+            hv, pos = _zvarint(buf, pos, rend)
+            if hv > 0:
+                pos += hv
+        if pos != rend:
+            raise ProtocolError("a record's fields disagree with its length")
+        if max(klen, 0) + max(vlen, 0) + (rend - hstart) - 1 > max_record_bytes:
+            raise ProtocolError(f"a record is over max_record_bytes {max_record_bytes}")
+    if pos != bend:
+        raise ProtocolError(f"{bend - pos} trailing bytes after the batch's records")
+    if attrs & _ATTR_LOG_APPEND_TIME:
+        first_ts = max_ts = max_ts_hdr
+    assert first_ts is not None and max_ts is not None
+    return _KafkaScan(base, codec, count, first_ts, max_ts, buf, start, base_ts, bool(attrs & _ATTR_LOG_APPEND_TIME))
+
+
+def kafka_block(batch: bytes, first_offset: int, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+                budget: int = DEFAULT_BUDGET) -> bytes:
+    """A block holding one magic-2 record batch as produced, its first record at ``first_offset``.
+
+    The batch's ``baseOffset`` becomes ``first_offset`` and its
+    ``partitionLeaderEpoch`` -1 (neither is under the batch CRC).  Raises
+    ProtocolError when the batch is malformed or lies (length, CRC, count,
+    offset deltas, record framing), a record is over ``max_record_bytes``, or
+    it would inflate past ``budget``.  Control and transactional markers are
+    refused (the gateway does not do transactions).
+    """
+    k = _scan_kafka(batch, max_record_bytes, budget)
+    body = struct.pack(">qii", first_offset, len(batch) - 12, -1) + batch[16:]
+    return _seal(CODEC_KAFKA, k.compression, first_offset, first_offset + k.record_count - 1, k.record_count,
+                 k.first_ts, k.max_ts, body)
+
+
+# ---------------------------------------------------------------- the store's own codec
+
+
+def dafka_block(recs: Sequence[tuple[int, bytes | None, bytes]], first_offset: int, *,
+                max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> bytes:
+    """A block of ``(ts_ms, key or None, content)`` records at consecutive offsets from ``first_offset``."""
+    if not recs:
+        raise ProtocolError("a block holds at least one record")
+    first_ts = recs[0][0]
+    max_ts = first_ts
+    out = bytearray()
+    part = bytearray()
+    for ts, key, content in recs:
+        if len(content) + (len(key) if key is not None else 0) > max_record_bytes:
+            raise ProtocolError(f"a record is over max_record_bytes {max_record_bytes}")
+        if not _I64_MIN <= ts <= _I64_MAX:
+            raise ProtocolError("a record timestamp is outside 64 bits")
+        if ts > max_ts:
+            max_ts = ts
+        part.clear()
+        _put_uvarint(_zz(ts - first_ts), part)
+        if key is None:
+            part.append(1)  # zigzag(-1)
+        else:
+            _put_uvarint(_zz(len(key)), part)
+            part += key
+        _put_uvarint(len(part) + len(content), out)
+        out += part
+        out += content
+    return _seal(CODEC_DAFKA, COMPRESSION_NONE, first_offset, first_offset + len(recs) - 1, len(recs),
+                 first_ts, max_ts, bytes(out))
+
+
+def _scan_dafka(body: bytes, count: int, first_ts: int, max_record_bytes: int) -> int:
+    """Check the framing of a CODEC_DAFKA body of ``count`` records; returns the max timestamp."""
+    pos, end = 0, len(body)
+    if count > end // 3:  # a record takes at least 3 bytes
+        raise ProtocolError(f"block body too short for {count} records")
+    max_ts = first_ts
+    for i in range(count):
+        rlen, pos = _uvarint(body, pos, end)
+        rend = pos + rlen
+        if rend > end:
+            raise ProtocolError("a record runs past the block")
+        tsd, pos = _zvarint(body, pos, rend)
+        if i == 0 and tsd:
+            raise ProtocolError("the first record's timestamp is not the block's first_ts")
+        klen, pos = _zvarint(body, pos, rend)
+        if klen < -1 or pos + max(klen, 0) > rend:
+            raise ProtocolError("a record's key runs outside it")
+        if rend - pos > max_record_bytes:
+            raise ProtocolError(f"a record is over max_record_bytes {max_record_bytes}")
+        if first_ts + tsd > max_ts:
+            max_ts = first_ts + tsd
+        pos = rend
+    if pos != end:
+        raise ProtocolError(f"{end - pos} trailing bytes after the block's records")
+    return max_ts
+
+
+# ---------------------------------------------------------------- decoding records
+
+
+def records(value: bytes | memoryview, start: int = 0) -> Iterator[BlockRecord]:
+    """The records of a validated block at offsets >= ``start`` (per record: for tools, tests, slicing)."""
+    hdr = decode_header(value)
+    body = bytes(memoryview(value)[HEADER_SIZE:])
+    if hdr.codec == CODEC_TANK:
+        yield from _tank_records(body, hdr, start)
+    elif hdr.codec == CODEC_KAFKA:
+        yield from _kafka_records(body, hdr, start)
+    else:
+        pos = 0
+        for off in range(hdr.first_offset, hdr.last_offset + 1):
+            rlen, p = _uvarint(body, pos, len(body))
+            rend = p + rlen
+            if off < start:
+                pos = rend
+                continue
+            tsd, p = _zvarint(body, p, rend)
+            klen, p = _zvarint(body, p, rend)
+            key = None if klen < 0 else body[p:p + klen]
+            p += max(klen, 0)
+            yield BlockRecord(off, hdr.first_ts + tsd, key, body[p:rend], None)
+            pos = rend
+
+
+def _tank_records(body: bytes, hdr: BlockHeader, start: int) -> Iterator[BlockRecord]:
+    from dafka.tank.bundle import decode_bundle
+
+    msgs = decode_bundle(body, base_seq=0)
+    first_seq = msgs[0][0] or 0
+    for seq, ts, key, val in msgs:
+        off = hdr.first_offset + (seq or 0) - first_seq
+        if off >= start:
+            yield BlockRecord(off, ts, None if key is None else bytes(key), bytes(val), None)
+
+
+def _kafka_records(body: bytes, hdr: BlockHeader, start: int) -> Iterator[BlockRecord]:
+    k = _scan_kafka(body, 1 << 31, 1 << 31)
+    buf, pos = k.body, k.start
+    for i in range(k.record_count):
+        rlen, pos = _zvarint(buf, pos, len(buf))
+        rend = pos + rlen
+        p = pos + 1
+        tsd, p = _zvarint(buf, p, rend)
+        _od, p = _zvarint(buf, p, rend)
+        klen, p = _zvarint(buf, p, rend)
+        key = None if klen < 0 else buf[p:p + klen]
+        p += max(klen, 0)
+        vlen, p = _zvarint(buf, p, rend)
+        val = b"" if vlen < 0 else buf[p:p + vlen]
+        p += max(vlen, 0)
+        off = hdr.first_offset + i
+        if off >= start:
+            yield BlockRecord(off, k.max_ts if k.log_append_time else k.base_ts + tsd, key, val, buf[p:rend])
+        pos = rend
