@@ -1,7 +1,7 @@
 """Benchmarks: ``dafka bench WHICH``, one module per benchmark.
 
 This package parses the arguments (:func:`add_arguments`) and dispatches
-(:func:`main`) to the benchmark's module (``live``, ``store``, ``replay``,
+(:func:`main`) to the benchmark's module (``live``, ``store``, ``replay``, ``blocks``,
 ``zmq_baseline``, ``ceiling``, ``tank``, ``kafka``, ``outbox``, ``latency``,
 ``embedded``, ``aio``, ``scale``, ``group``, ``spark``); what they share is in
 :mod:`dafka.bench.common`.
@@ -20,6 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 from dafka.bench.aio import bench_aio
+from dafka.bench.blocks import add_arguments as _blocks_arguments
+from dafka.bench.blocks import bench_blocks
 from dafka.bench.ceiling import bench_ceiling
 from dafka.bench.common import PAYLOAD
 from dafka.bench.embedded import bench_embedded
@@ -70,6 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--no-batches", action="store_true",
         help="live, store, replay, latency (plain mesh): one record a message, as to C readers",
     )
+    _blocks_arguments(p)
 
 
 def _spark_bench(args: argparse.Namespace) -> dict[str, list[float]]:
@@ -89,6 +92,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "kafka-group": bench_kafka_group,
     "embedded": bench_embedded,
     "aio": bench_aio,
+    "blocks": bench_blocks,
     "scale": bench_scale,
     "spark": _spark_bench,
     "latency": bench_latency,
