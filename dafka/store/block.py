@@ -536,8 +536,8 @@ def dafka_block(recs: Sequence[tuple[int, bytes | None, bytes]], first_offset: i
     for ts, key, content in recs:
         if len(content) + (len(key) if key is not None else 0) > max_record_bytes:
             raise ProtocolError(f"a record is over max_record_bytes {max_record_bytes}")
-        if not _I64_MIN <= ts <= _I64_MAX:
-            raise ProtocolError("a record timestamp is outside 64 bits")
+        if not _I64_MIN <= ts - first_ts <= _I64_MAX:
+            raise ProtocolError("a record timestamp is more than 2^63 ms from the block's first")
         if ts > max_ts:
             max_ts = ts
         part.clear()

@@ -136,6 +136,14 @@ def test_dafka_block_record_over_max() -> None:
     assert B.validate(value, max_record_bytes=11)
 
 
+def test_dafka_block_timestamps_far_apart() -> None:
+    lo, hi = -(1 << 63), (1 << 63) - 1
+    with pytest.raises(ProtocolError, match="2\\^63"):
+        B.dafka_block([(lo, None, b"a"), (hi, None, b"b")], 0)
+    value = B.dafka_block([(lo, None, b"a"), (-1, None, b"b")], 0)
+    assert [r.ts_ms for r in B.records(value)] == [lo, -1]
+
+
 def test_dafka_block_round_trip() -> None:
     recs = [(TS, None, b"a"), (TS + 5, b"key", b"bb"), (TS - 3, b"", b""), (TS, None, b"x" * 300)]
     value = B.dafka_block(recs, 9)
