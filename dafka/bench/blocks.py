@@ -108,38 +108,32 @@ def _ingest_blocks(
     path: str, bundles: list[bytes], sync: bool, append: bool, window: int | None, commit_bytes: int,
     make: Callable[[bytes, int], bytes],
 ) -> float:
-    from dafka.store.block import BLOCK_KEY, decode_header
+    from dafka.store.blocktable import drop_front, put_block
 
     env = _open_env(path, sync)
     try:
         db = env.open_db(_DB)
         per_commit = max(1, commit_bytes // max(1, len(bundles[0])))
-        pack = BLOCK_KEY.pack
-        held: list[tuple[int, int]] = []  # (first offset, value bytes) of the blocks stored, oldest first
         total = 0
-        oldest = 0
         offset = 0
         t0 = time.perf_counter()
         for i in range(0, len(bundles), per_commit):
             with env.begin(write=True, db=db) as txn:
                 for bundle in bundles[i : i + per_commit]:
                     value = make(bundle, offset)
-                    if not txn.put(pack(PID, offset), value, append=append):
-                        raise RuntimeError("a block key already exists")
-                    held.append((offset, len(value)))
+                    offset = put_block(txn, db, PID, value, append=append).last_offset + 1
                     total += len(value)
-                    offset += decode_header(value).record_count
             if window is not None and total > window:
                 # Retention by block, in its own (synced) write transaction, as the store does.
                 with env.begin(write=True, db=db) as txn:
-                    cur = txn.cursor()
-                    cur.set_range(pack(PID, 0))
-                    while total > window and oldest < len(held) - 1:
-                        if bytes(cur.key()) != pack(PID, held[oldest][0]):
-                            raise RuntimeError("retention: the oldest block is not first")
-                        cur.delete()
-                        total -= held[oldest][1]
-                        oldest += 1
+                    def over(_hdr: Any, size: int) -> bool:
+                        nonlocal total
+                        if total <= window:
+                            return False
+                        total -= size
+                        return True
+
+                    drop_front(txn, db, PID, over, max_blocks=1 << 30)
         return time.perf_counter() - t0
     finally:
         env.close()
@@ -162,13 +156,13 @@ def _read_blocks(path: str, n: int, seeks: int, slice_: bool) -> float:
     """Seconds for ``seeks`` random offsets (or, seeks=0, a scan of every block)."""
     import lmdb
 
-    from dafka.store.block import BLOCK_KEY, decode_header, records
+    from dafka.store.block import decode_header, records
+    from dafka.store.blocktable import find
 
     env = lmdb.open(path, readonly=True, lock=True, max_dbs=8, map_size=0)
     try:
         db = env.open_db(_DB, create=False)
         rnd = random.Random(7)
-        pack = BLOCK_KEY.pack
         t0 = time.perf_counter()
         with env.begin(db=db, buffers=True) as txn:
             cur = txn.cursor()
@@ -181,16 +175,10 @@ def _read_blocks(path: str, n: int, seeks: int, slice_: bool) -> float:
                 return time.perf_counter() - t0
             for _ in range(seeks):
                 off = rnd.randrange(n)
-                key = pack(PID, off)
-                # One seek: the first block at or after the offset, else the last one; step back
-                # when that block starts after the offset.
-                if cur.set_range(key):
-                    if bytes(cur.key()) != key and not cur.prev():
-                        raise RuntimeError("no block")
-                elif not cur.last():
+                found = find(txn, db, PID, off)  # one seek, one step back
+                if found is None:
                     raise RuntimeError("no block")
-                value = cur.value()
-                hdr = decode_header(value)
+                hdr, value = found
                 if not hdr.first_offset <= off <= hdr.last_offset:
                     raise RuntimeError(f"offset {off} not in the block found ({hdr.first_offset}..{hdr.last_offset})")
                 if slice_ and next(records(value, off)).offset != off:
