@@ -122,13 +122,14 @@ class BlockRecord(NamedTuple):
     """One record of a block, as :func:`records` yields it.
 
     ``headers`` is a Kafka record's header section as sent (``count:varint``
-    then the headers), None for the other codecs.
+    then the headers), None for the other codecs; ``value`` is None for a
+    Kafka record with a null value (a tombstone).
     """
 
     offset: int
     ts_ms: int
     key: bytes | None
-    value: bytes
+    value: bytes | None
     headers: bytes | None
 
 
@@ -458,50 +459,101 @@ def _scan_kafka(batch: bytes, max_record_bytes: int, budget: int) -> _KafkaScan:
     start = pos
     if count > (bend - pos) // 7 + 1:  # a record takes at least 7 bytes
         raise ProtocolError(f"record count {count} does not fit the batch")
-    first_ts = max_ts = None
-    for i in range(count):
-        rlen, pos = _zvarint(buf, pos, bend)
-        rend = pos + rlen
-        if rlen < 5 or rend > bend:
-            raise ProtocolError("a record's length runs outside the batch")
-        pos += 1  # attributes
-        tsd, pos = _zvarint(buf, pos, rend)
-        odelta, pos = _zvarint(buf, pos, rend)
-        if odelta != i:
-            raise ProtocolError(f"record {i} has offset delta {odelta}")
-        ts = base_ts + tsd
-        if first_ts is None:
-            first_ts = max_ts = ts
-        elif ts > max_ts:
-            max_ts = ts
-        klen, pos = _zvarint(buf, pos, rend)
-        if klen > 0:
-            pos += klen
-        vlen, pos = _zvarint(buf, pos, rend)
-        if vlen > 0:
-            pos += vlen
-        hstart = pos
-        hcount, pos = _zvarint(buf, pos, rend)
-        if hcount < 0 or hcount > rlen:
-            raise ProtocolError("a record's header count is out of range")
-        for _ in range(hcount):
-            hk, pos = _zvarint(buf, pos, rend)
-            if hk < 0:
-                raise ProtocolError("a header key has a negative length")
-            pos += hk
-            hv, pos = _zvarint(buf, pos, rend)
-            if hv > 0:
-                pos += hv
-        if pos != rend:
-            raise ProtocolError("a record's fields disagree with its length")
-        if max(klen, 0) + max(vlen, 0) + (rend - hstart) - 1 > max_record_bytes:
-            raise ProtocolError(f"a record is over max_record_bytes {max_record_bytes}")
+    try:
+        first_ts, max_ts, pos = _walk_kafka(buf, pos, bend, count, base_ts, max_record_bytes)
+    except IndexError:
+        raise ProtocolError("a record runs past the batch") from None
     if pos != bend:
         raise ProtocolError(f"{bend - pos} trailing bytes after the batch's records")
     if attrs & _ATTR_LOG_APPEND_TIME:
         first_ts = max_ts = max_ts_hdr
-    assert first_ts is not None and max_ts is not None
     return _KafkaScan(base, codec, count, first_ts, max_ts, buf, start, base_ts, bool(attrs & _ATTR_LOG_APPEND_TIME))
+
+
+_ZZ1 = tuple((b >> 1) ^ -(b & 1) for b in range(128))  # one-byte zigzag varints
+
+
+def _walk_kafka(buf: bytes, pos: int, bend: int, count: int, base_ts: int,
+                max_record_bytes: int) -> tuple[int, int, int]:
+    """Check ``count`` records' framing from ``pos``; ``(first_ts, max_ts, end)``.
+
+    One-byte varints (nearly every field of a small record) are read inline;
+    a read past ``buf`` raises IndexError (the caller's ProtocolError), a read
+    past the record's end makes ``pos != rend`` below.
+    """
+    zz1 = _ZZ1
+    zv = _zvarint
+    first_ts = max_ts = base_ts
+    for i in range(count):
+        b = buf[pos]
+        if b < 0x80:
+            rlen = zz1[b]
+            pos += 1
+        else:
+            rlen, pos = zv(buf, pos, bend)
+        rend = pos + rlen
+        if rlen < 5 or rend > bend:
+            raise ProtocolError("a record's length runs outside the batch")
+        if buf[pos]:
+            # Record attributes are unused (Kafka's clients write 0); a non-zero byte is
+            # read as int8 by the Java client and as a varint by kafka-python: refuse it.
+            raise ProtocolError(f"record {i} has attributes 0x{buf[pos]:02x}")
+        b = buf[pos + 1]
+        if b < 0x80:
+            tsd = zz1[b]
+            pos += 2
+        else:
+            tsd, pos = zv(buf, pos + 1, rend)
+        b = buf[pos]
+        if b < 0x80:
+            odelta = zz1[b]
+            pos += 1
+        else:
+            odelta, pos = zv(buf, pos, rend)
+        if odelta != i:
+            raise ProtocolError(f"record {i} has offset delta {odelta}")
+        ts = base_ts + tsd
+        if not i:
+            first_ts = max_ts = ts
+        elif ts > max_ts:
+            max_ts = ts
+        b = buf[pos]
+        if b < 0x80:
+            klen = zz1[b]
+            pos += 1
+        else:
+            klen, pos = zv(buf, pos, rend)
+        if klen > 0:
+            pos += klen
+        b = buf[pos]
+        if b < 0x80:
+            vlen = zz1[b]
+            pos += 1
+        else:
+            vlen, pos = zv(buf, pos, rend)
+        if vlen > 0:
+            pos += vlen
+        hstart = pos
+        b = buf[pos]
+        if b == 0:
+            pos += 1
+        else:
+            hcount, pos = zv(buf, pos, rend)
+            if hcount < 0 or hcount > rlen:
+                raise ProtocolError("a record's header count is out of range")
+            for _ in range(hcount):
+                hk, pos = zv(buf, pos, rend)
+                if hk < 0:
+                    raise ProtocolError("a header key has a negative length")
+                pos += hk
+                hv, pos = zv(buf, pos, rend)
+                if hv > 0:
+                    pos += hv
+        if pos != rend:
+            raise ProtocolError("a record's fields disagree with its length")
+        if (klen if klen > 0 else 0) + (vlen if vlen > 0 else 0) + rend - hstart - 1 > max_record_bytes:
+            raise ProtocolError(f"a record is over max_record_bytes {max_record_bytes}")
+    return first_ts, max_ts, pos
 
 
 def kafka_block(batch: bytes, first_offset: int, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
@@ -632,7 +684,7 @@ def _kafka_records(body: bytes, hdr: BlockHeader, start: int) -> Iterator[BlockR
         key = None if klen < 0 else buf[p:p + klen]
         p += max(klen, 0)
         vlen, p = _zvarint(buf, p, rend)
-        val = b"" if vlen < 0 else buf[p:p + vlen]
+        val = None if vlen < 0 else buf[p:p + vlen]
         p += max(vlen, 0)
         off = hdr.first_offset + i
         if off >= start:

@@ -9,9 +9,11 @@ import snappy
 from crc32c import crc32c
 from hypothesis import given
 from hypothesis import strategies as st
+from kafka.errors import CorruptRecordError
 from kafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
 
 from dafka.errors import ProtocolError
+from dafka.kafka.records import decode_batches
 from dafka.store import block as B
 from dafka.tank.bundle import CODEC_NONE, CODEC_SNAPPY, decode_bundle, encode_bundle
 
@@ -224,6 +226,21 @@ def test_kafka_lying_batches_are_refused() -> None:
             B.kafka_block(case, 0)
 
 
+def test_kafka_null_value_and_attributes() -> None:
+    b = DefaultRecordBatchBuilder(magic=2, compression_type=0, is_transactional=False,
+                                  producer_id=-1, producer_epoch=-1, base_sequence=-1, batch_size=1 << 30)
+    b.append(0, TS, b"k", None, [])  # a tombstone
+    b.append(1, TS, None, b"", [])
+    batch = bytes(b.build())
+    assert [r.value for r in B.records(B.kafka_block(batch, 0))] == [None, b""]
+    # Record attributes are unused: kafka-python reads them as a varint, Java as int8.
+    bad = bytearray(batch)
+    assert bad[62] == 0  # the first record's attributes, after its one-byte length
+    bad[62] = 0x80
+    with pytest.raises(ProtocolError, match="attributes"):
+        B.kafka_block(_recrc_kafka(bad), 0)
+
+
 def test_kafka_offset_deltas_must_count_up() -> None:
     b = DefaultRecordBatchBuilder(magic=2, compression_type=0, is_transactional=False,
                                   producer_id=-1, producer_epoch=-1, base_sequence=-1, batch_size=1 << 30)
@@ -341,3 +358,39 @@ def test_fuzz_validate_garbage(data: bytes) -> None:
         except ProtocolError:
             continue
 
+
+
+@given(st.lists(st.tuples(st.none() | st.binary(max_size=200), st.binary(max_size=300),
+                          st.lists(st.tuples(st.text(max_size=5), st.binary(max_size=50)), max_size=3)),
+                min_size=1, max_size=20),
+       st.integers(0, 10_000), st.integers(0, 255))
+def test_fuzz_kafka_mutated_records_with_valid_crc(
+    recs: list[tuple[bytes | None, bytes, list[tuple[str, bytes]]]], pos: int, byte: int
+) -> None:
+    b = DefaultRecordBatchBuilder(magic=2, compression_type=0, is_transactional=False,
+                                  producer_id=-1, producer_epoch=-1, base_sequence=-1, batch_size=1 << 30)
+    for i, (key, value, headers) in enumerate(recs):
+        b.append(i, TS + i, key, value, headers)
+    good = bytes(b.build())
+    assert [r.value for r in B.records(B.kafka_block(good, 0))] == [v for _k, v, _h in recs]
+    batch = bytearray(good)
+    at = 61 + pos % (len(batch) - 61)  # somewhere in the records, then a valid CRC again
+    batch[at] = byte
+    try:
+        value = B.kafka_block(_recrc_kafka(batch), 0)
+    except ProtocolError:
+        return
+    # Accepted: the gateway's record decoder and kafka-python agree on every record.
+    ours = list(B.records(value))
+    assert len(ours) == len(recs)
+    (batch_,) = decode_batches(value[B.HEADER_SIZE:])
+    assert [(r.timestamp, r.key, r.value, r.headers) for r in batch_.records] == [
+        (r.ts_ms, r.key, b"" if r.value is None else r.value, r.headers) for r in ours]  # it reads null as b""
+    try:
+        theirs = list(DefaultRecordBatch(value[B.HEADER_SIZE:]))
+    except CorruptRecordError as exc:
+        # kafka-python decodes header keys as strict UTF-8; the store keeps them as bytes, as
+        # the gateway does today (librdkafka and the Java client take any bytes).
+        assert "UnicodeDecodeError" in str(exc)
+        return
+    assert [(r.offset, r.key, r.value) for r in theirs] == [(r.offset, r.key, r.value) for r in ours]
