@@ -681,3 +681,21 @@ def test_a_full_disk_says_disk_full_and_what_to_do(small_fs: Path) -> None:
         assert image.next == published + 1 and len(image.records) == published + 1
     finally:
         db.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pages_free", [0, 1, 2, 4])
+def test_a_new_outbox_on_a_full_disk_says_disk_full_never_a_sigbus(small_fs: Path, pages_free: int) -> None:
+    """LMDB writes lock.mdb through a mapping: on a full tmpfs that was a SIGBUS."""
+    with open(small_fs / "filler", "wb", buffering=0) as f, pytest.raises(OSError):
+        for _ in range(2000):  # until the filesystem is full
+            f.write(b"f" * 4096)
+    os.truncate(small_fs / "filler", max(0, (small_fs / "filler").stat().st_size // 4096 - pages_free) * 4096)
+    proc = subprocess.run(
+        [sys.executable, "-c", _OPEN_BOTH, str(small_fs / "ob")], env=subprocess_env(), capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode} (negative: killed by that signal) {proc.stderr[-2000:]}"
+    out = json.loads(proc.stdout)
+    assert out["producer"] == "opened" or (
+        out["producer"].startswith("OutboxFullError") and "disk full" in out["producer"]
+    ), out["producer"]

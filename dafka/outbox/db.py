@@ -77,6 +77,7 @@ IDENTITY_FILE = "outbox.id"
 # A write that failed with EIO is a full disk when less than this (plus what it
 # wrote) was free: LMDB reports a short write on a full disk as EIO.
 FULL_MARGIN = 1 << 20
+LOCK_FILE_BYTES = 8192  # LMDB's lock.mdb with its default 126 reader slots
 
 
 class OutboxError(DafkaError):
@@ -168,12 +169,16 @@ class OutboxDB:
                 map_size = min(map_size, max_map_size)
             try:
                 identity = self._prepare(data)
+                self._allocate_lock_file()
                 self.env = lmdb.open(
                     self.path, map_size=map_size, sync=True, metasync=True, writemap=False, max_dbs=2
                 )
             except _DAMAGE_ERRORS as exc:
                 self._release_lock()
                 raise self._damaged(identity, f"LMDB cannot read its {DATA_FILE}: {exc}") from exc
+            except (lmdb.Error, OSError) as exc:  # creating files on a full disk, for one
+                self._release_lock()
+                raise self._write_error(exc, 0) from exc
             except BaseException:
                 self._release_lock()
                 raise
@@ -331,6 +336,19 @@ class OutboxDB:
             " directory from a backup, or move it aside to start a new partition (a new address, from offset 0)."
         )
 
+    def _allocate_lock_file(self) -> None:
+        """Give LMDB's ``lock.mdb`` its disk blocks before LMDB maps and writes it.
+
+        LMDB writes its lock file through a shared mapping: on a full disk (a
+        full tmpfs, for one) the first write to a page without a block is a
+        SIGBUS.  Allocated here, a full disk is an ``ENOSPC`` instead.
+        """
+        fd = os.open(os.path.join(self.path, "lock.mdb"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, LOCK_FILE_BYTES)
+        finally:
+            os.close(fd)
+
     def _take_lock(self) -> int:
         """An exclusive ``flock`` on the directory itself (no file one could delete)."""
         fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
@@ -338,9 +356,11 @@ class OutboxDB:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             os.close(fd)
-            raise OutboxError(
-                f"outbox {self.path} is in use by another process: one producer per outbox"
-            ) from exc
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise OutboxError(
+                    f"outbox {self.path} is in use by another process: one producer per outbox"
+                ) from exc
+            raise OutboxError(f"outbox {self.path}: cannot lock its directory ({exc})") from exc
         return fd
 
     def _release_lock(self) -> None:
