@@ -548,6 +548,7 @@ def test_an_outbox_that_never_held_a_record_is_created_again(tmp_path: Path) -> 
     db = OutboxDB(tmp_path / "ob")
     assert db.load().address is None
     db.close()
+    assert [n for n in os.listdir(tmp_path / "ob") if n.startswith("data.mdb.damaged-")]  # kept aside
 
 
 # A producer on an outbox, publishing one record per line read, saying what happened.

@@ -54,6 +54,7 @@ import json
 import logging
 import os
 import struct
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -232,10 +233,12 @@ class OutboxDB:
             if identity.get("address") is not None:
                 raise self._damaged(identity, what)
             # Never claimed by a partition: it held no record (a crash while it was created).
+            # Created again; what was there is kept aside, not deleted.
             log.warning("outbox %s: %s, but it never held a record: created again", self.path, what)
-            for name in (DATA_FILE, "lock.mdb"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.path, name))
+            if exists:
+                os.replace(data, f"{data}.damaged-{int(time.time())}")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.path, "lock.mdb"))
         return identity
 
     def _begin_incarnation(self, identity: dict[str, Any]) -> None:
