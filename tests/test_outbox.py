@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dafka.core.unacked import UnackedWindow
 from dafka.errors import BufferFullError, PublishError
@@ -700,3 +702,39 @@ def test_a_new_outbox_on_a_full_disk_says_disk_full_never_a_sigbus(small_fs: Pat
     assert out["producer"] == "opened" or (
         out["producer"].startswith("OutboxFullError") and "disk full" in out["producer"]
     ), out["producer"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    last_pg=st.integers(2, 30),
+    written=st.integers(2, 31),
+    roots=st.tuples(st.integers(0, 40), st.integers(0, 40)),
+    pages=st.lists(st.tuples(st.sampled_from([0x01, 0x02, 0x04, 0x22, 0x00, 0xFFFF]), st.binary(min_size=0, max_size=64)), max_size=30),
+    seed=st.integers(0, 1 << 16),
+)
+def test_fuzz_the_data_file_check_reads_any_file_without_failing(
+    tmp_path: Path, last_pg: int, written: int, roots: tuple[int, int], pages: list[tuple[int, bytes]], seed: int
+) -> None:
+    """dafka.outbox.check decodes LMDB pages from a file that may be anything: a verdict, never an exception."""
+    import struct
+
+    from dafka.outbox import check
+
+    rnd = random.Random(seed)
+    body = bytearray(rnd.randbytes(written * 4096))
+    for base in (0, 4096):
+        struct.pack_into("<II", body, base + 16, check.MAGIC, 1)
+        struct.pack_into("<I", body, base + 16 + 24, 4096)
+        struct.pack_into("<Q", body, base + 16 + 24 + 40, roots[0])
+        struct.pack_into("<Q", body, base + 16 + 24 + 48 + 40, roots[1])
+        struct.pack_into("<QQ", body, base + 16 + 24 + 96, last_pg, base // 4096 + 1)
+    for n, (flags, tail) in enumerate(pages[: written - 2]):
+        at = (n + 2) * 4096
+        struct.pack_into("<HH", body, at + 10, flags, 16 + 2 * rnd.randint(0, 40))
+        body[at + 16 : at + 16 + len(tail)] = tail
+    path = tmp_path / f"data-{seed}.mdb"
+    path.write_bytes(bytes(body))
+    verdict = check.damage(path)
+    assert verdict is None or isinstance(verdict, str)
+    if written < last_pg + 1 and verdict is None:
+        assert all(2 <= r < written for r in roots)  # a root cut off or out of range is a verdict
