@@ -182,3 +182,36 @@ def test_a_node_turn_looks_at_its_timers_only_when_one_is_due_or_changed() -> No
         assert len(calls) > 2
     finally:
         node.stop()
+
+
+class _WokenWhileDraining(NodeLoop):
+    """A loop in which another thread signals (as ``wake()`` does) just as the loop empties its pipe."""
+
+    def __init__(self) -> None:
+        self.armed = threading.Event()
+        super().__init__("dafka-loop-test")
+
+    def _drain_wake(self) -> None:
+        if self.armed.is_set():
+            self.armed.clear()
+            other = threading.Thread(target=self._call, args=(lambda: None,))
+            other.start()
+            other.join(5)
+        super()._drain_wake()
+
+
+def test_a_wake_up_while_the_loop_empties_its_pipe_is_not_lost_for_later_ones() -> None:
+    """The flag must be cleared after the pipe is emptied: a wake-up that came in between left
+    the flag set with its byte read, and every later wake-up was lost (commit 9aaf322)."""
+    loop = _WokenWhileDraining()
+    try:
+        loop.armed.set()
+        first = threading.Event()
+        loop._call(first.set)  # the loop drains: meanwhile another thread signals
+        assert first.wait(5)
+        assert not loop.armed.is_set()
+        later = threading.Event()
+        loop._call(later.set)  # a wake-up after that must still get through
+        assert later.wait(3 * 1.0), "a wake-up was lost: the loop sleeps with a call queued"
+    finally:
+        loop.close(5)

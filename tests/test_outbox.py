@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -11,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dafka.core.unacked import UnackedWindow
 from dafka.errors import BufferFullError, PublishError
@@ -178,7 +181,7 @@ def test_db_map_full_is_an_error_and_keeps_what_was_committed(tmp_path: Path) ->
     db = OutboxDB(tmp_path / "ob", map_size=256 << 10, max_map_size=256 << 10)
     db.claim("t", "A" * 32, 0)
     db.commit([(0, [b"x" * 1000] * 10)], [1], 0, 0, 10)
-    with pytest.raises(OutboxFullError):
+    with pytest.raises(OutboxFullError, match="reached outbox_max_map_size .* stores acknowledge"):
         db.commit([(10, [b"y" * 1000] * 1000)], [2], 0, 0, 1010)
     image = db.load()
     assert image.next == 10 and len(image.records) == 10  # the last good commit, whole
@@ -402,3 +405,336 @@ def test_an_outbox_producer_checks_records_as_publish_does(tmp_path: Path) -> No
         assert p._outbox.core.window.next == 1  # the refused records took no offset
     finally:
         p.close(timeout=0.1)  # no store: the record stays in the outbox
+
+
+# ---------------------------------------------------------------- damage, exclusion, full disk (issue 35)
+
+# Opens an outbox both ways (read-only as `dafka outbox` does, and as a producer) in a
+# process of its own, so that a SIGBUS shows as a signal exit, and says how each went.
+_OPEN_BOTH = """
+import json, sys
+from dafka.config import NodeConfig
+from dafka.nodes.producer import Producer
+from dafka.outbox import describe
+out = {}
+for how in ("describe", "producer"):
+    try:
+        if how == "describe":
+            describe(sys.argv[1])
+        else:
+            p = Producer("readings", NodeConfig(towers=()), outbox=sys.argv[1])
+            out["address"] = p.address
+            p.close(0)
+        out[how] = "opened"
+    except Exception as exc:
+        out[how] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
+
+def _full_outbox(path: Path, n: int = 3000) -> str:
+    """An outbox holding ``n`` unacknowledged records (about 200 pages); its partition address."""
+    from dafka.config import NodeConfig
+
+    with Producer("readings", NodeConfig(towers=()), outbox=path) as p:
+        p.publish_many([b"rec-%05d-" % i + b"z" * 200 for i in range(n)])
+        address = p.address
+        p.close(0)
+    return address
+
+
+def _damage(data: Path, how: str) -> None:
+    size = data.stat().st_size
+    if how == "empty":
+        os.truncate(data, 0)
+    elif how == "half":
+        os.truncate(data, size // 2)
+    elif how == "few_bytes":
+        os.truncate(data, 40)
+    elif how == "garbage":
+        data.write_bytes(os.urandom(size))
+    elif how == "garbage_after_header":  # meta pages intact, every other page garbage
+        # (seeded: LMDB's own checks catch this garbage; garbage made to look like pages may not be)
+        with open(data, "r+b") as f:
+            f.seek(8192)
+            f.write(random.Random(35).randbytes(size - 8192))
+    elif how == "missing":
+        data.unlink()
+
+
+@pytest.mark.parametrize(
+    ("how", "says"),
+    [
+        ("empty", "data.mdb is empty"),
+        ("half", "data.mdb is truncated to"),
+        ("few_bytes", "data.mdb is truncated to 40 bytes"),
+        ("garbage", "no LMDB header"),
+        ("garbage_after_header", "LMDB cannot read"),
+        ("missing", "data.mdb is missing"),
+    ],
+)
+def test_a_damaged_outbox_is_refused_never_started_over_never_a_sigbus(tmp_path: Path, how: str, says: str) -> None:
+    outbox = tmp_path / "ob"
+    address = _full_outbox(outbox)
+    data = outbox / "data.mdb"
+    _damage(data, how)
+    before = data.stat().st_size if data.exists() else None
+    proc = subprocess.run(
+        [sys.executable, "-c", _OPEN_BOTH, str(outbox)], env=subprocess_env(), capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode} (negative: killed by that signal) {proc.stderr[-2000:]}"
+    out = json.loads(proc.stdout)
+    assert "address" not in out, f"opened as a new outbox with address {out.get('address')}"
+    for way in ("describe", "producer"):
+        assert out[way].startswith("OutboxDamagedError: "), out[way]
+        assert says in out[way] and address in out[way] and "move it aside" in out[way], out[way]
+    # Nothing was started over: the damage is still there as it was left.
+    assert (data.stat().st_size if data.exists() else None) == before
+    if how == "half":
+        cli = subprocess.run(dafka_cmd("outbox", str(outbox)), env=subprocess_env(), capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 1, f"exit {cli.returncode} {cli.stderr[-2000:]}"
+        assert "truncated" in cli.stderr
+
+
+def test_a_short_data_file_is_refused_only_when_it_lost_pages_in_use(tmp_path: Path) -> None:
+    """LMDB may end a file before its last page when that page is free: such a file opens."""
+    import struct
+
+    outbox = tmp_path / "ob"
+    _full_outbox(outbox)
+    data = outbox / "data.mdb"
+    with open(data, "r+b") as f:  # the newer meta page now spans 5 pages more than were written
+        head = f.read(8192)
+        txn0, txn1 = (struct.unpack_from("<Q", head, base + 16 + 128)[0] for base in (0, 4096))
+        base = 0 if txn0 > txn1 else 4096
+        last = struct.unpack_from("<Q", head, base + 16 + 120)[0]
+        assert data.stat().st_size == (last + 1) * 4096
+        f.seek(base + 16 + 120)
+        f.write(struct.pack("<Q", last + 5))
+    db = OutboxDB(outbox)
+    image = db.load()
+    assert image.next == 3000 and len(image.records) == 3000 and image.records[-1][2].startswith(b"rec-02999-")
+    db.commit([(3000, [b"more"])], [1], 0, 0, 3001)
+    db.close()
+    os.truncate(data, data.stat().st_size // 2)
+    proc = subprocess.run(  # (a process of its own: a SIGBUS must not take the tests down)
+        [sys.executable, "-c", _OPEN_BOTH, str(outbox)], env=subprocess_env(), capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode} (negative: killed by that signal) {proc.stderr[-2000:]}"
+    out = json.loads(proc.stdout)
+    assert out["producer"].startswith("OutboxDamagedError") and "cut off" in out["producer"], out
+
+
+def test_an_outbox_without_its_identity_file_gets_it_back_and_then_refuses_damage(tmp_path: Path) -> None:
+    outbox = tmp_path / "ob"
+    address = _full_outbox(outbox, 10)
+    ident = json.loads((outbox / "outbox.id").read_text())
+    assert ident["address"] == address and ident["topic"] == "readings"
+    (outbox / "outbox.id").unlink()  # as an outbox from before identity files
+    db = OutboxDB(outbox)
+    assert db.load().next == 10
+    db.close()
+    assert json.loads((outbox / "outbox.id").read_text()) == ident
+    os.truncate(outbox / "data.mdb", 0)
+    with pytest.raises(OutboxError, match="empty"):
+        OutboxDB(outbox)
+    (outbox / "outbox.id").unlink()  # both gone: still not taken for a new outbox
+    with pytest.raises(OutboxError, match="no outbox.id"):
+        OutboxDB(outbox)
+
+
+def test_an_outbox_that_never_held_a_record_is_created_again(tmp_path: Path) -> None:
+    """A crash while a new outbox was created (before any partition claimed it) leaves nothing to lose."""
+    OutboxDB(tmp_path / "ob").close()
+    os.truncate(tmp_path / "ob" / "data.mdb", 0)
+    db = OutboxDB(tmp_path / "ob")
+    assert db.load().address is None
+    db.close()
+    assert [n for n in os.listdir(tmp_path / "ob") if n.startswith("data.mdb.damaged-")]  # kept aside
+
+
+# A producer on an outbox, publishing one record per line read, saying what happened.
+_HOLDER = """
+import os, sys
+from dafka.config import NodeConfig
+from dafka.nodes.producer import Producer
+from dafka.outbox import db
+if sys.argv[2] == "no-flock":  # as on a filesystem where flock does nothing
+    db.OutboxDB._take_lock = lambda self: os.open(self.path, os.O_RDONLY)
+try:
+    p = Producer("readings", NodeConfig(towers=()), outbox=sys.argv[1])
+except Exception as exc:
+    print("refused", type(exc).__name__, exc, flush=True)
+    sys.exit(3)
+print("open", p.address, p.next_offset, flush=True)
+for line in sys.stdin:
+    try:
+        print("published", p.publish(line.strip().encode()).offset, flush=True)
+    except Exception as exc:
+        print("failed", type(exc).__name__, exc, flush=True)
+p.close(0)
+"""
+
+
+def _holder(outbox: Path, mode: str = "") -> subprocess.Popen:
+    return spawned(
+        subprocess.Popen(
+            [sys.executable, "-c", _HOLDER, str(outbox), mode],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=subprocess_env(),
+            text=True,
+        )
+    )
+
+
+def _say(proc: subprocess.Popen, line: str) -> str:
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+    return proc.stdout.readline().strip()
+
+
+def _opened(proc: subprocess.Popen) -> list[str]:
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    assert line.startswith("open "), f"{line} {proc.stderr.read() if proc.stderr else ''}"
+    return line.split()
+
+
+@pytest.mark.timeout(60)
+def test_deleting_lock_files_does_not_let_a_second_process_in(tmp_path: Path) -> None:
+    outbox = tmp_path / "ob"
+    first = _holder(outbox)
+    _, address, _ = _opened(first)
+    assert _say(first, "a") == "published 0"
+    for name in os.listdir(outbox):  # every lock file anyone could delete
+        if name.endswith(".lock") or name == "lock.mdb":
+            os.unlink(outbox / name)
+    second = _holder(outbox)
+    out, err = second.communicate(timeout=60)
+    assert second.returncode == 3, f"a second process opened it: {out} {err[-2000:]}"
+    assert "in use by another process" in out
+    assert _say(first, "b") == "published 1"  # the first one goes on
+    first.communicate("", timeout=60)
+    assert describe(outbox)["records"] == 2 and describe(outbox)["partition"] == address
+
+
+@pytest.mark.timeout(60)
+def test_two_incarnations_of_one_outbox_the_older_is_fenced_off(tmp_path: Path) -> None:
+    """Should exclusion fail (no flock), the process that opened the outbox first stops writing."""
+    outbox = tmp_path / "ob"
+    first = _holder(outbox)
+    _, address, _ = _opened(first)
+    for i in range(3):
+        assert _say(first, f"first-{i}") == f"published {i}"
+    second = _holder(outbox, "no-flock")
+    assert _opened(second)[1:] == [address, "3"]  # continues where the outbox says
+    fenced = _say(first, "first-3")
+    assert fenced.startswith("failed OutboxFencedError") and "opened by another process" in fenced, fenced
+    assert _say(first, "first-4").startswith("failed OutboxFencedError")  # and stays so
+    assert _say(second, "second-3") == "published 3"
+    first.communicate("", timeout=60)
+    second.communicate("", timeout=60)
+    db = OutboxDB(outbox, readonly=True)
+    try:
+        assert [c for _, _, c in db.load().records] == [b"first-0", b"first-1", b"first-2", b"second-3"]
+    finally:
+        db.close()
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A real 1 MiB filesystem (tmpfs; skipped where mounting is not permitted)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True, timeout=30)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs: {made.stderr.decode(errors='replace').strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_a_full_disk_says_disk_full_and_what_to_do(small_fs: Path) -> None:
+    from dafka.config import NodeConfig
+
+    filler = small_fs / "filler"
+    filler.write_bytes(b"f" * 300_000)
+    with Producer("readings", NodeConfig(towers=()), outbox=small_fs / "ob", publish_timeout=5) as p:
+        published = 0
+        with pytest.raises(OutboxFullError) as full:
+            for _ in range(2000):
+                p.publish(b"x" * 1000)
+                published += 1
+        text = str(full.value)
+        assert "disk full" in text and "Free space" in text, text
+        assert published > 100
+        filler.unlink()  # room again: publishing works again, at the next offset
+        assert p.publish(b"after").offset == published
+        p.close(0)
+    db = OutboxDB(small_fs / "ob", readonly=True)
+    try:
+        image = db.load()
+        assert image.next == published + 1 and len(image.records) == published + 1
+    finally:
+        db.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pages_free", [0, 1, 2, 4])
+def test_a_new_outbox_on_a_full_disk_says_disk_full_never_a_sigbus(small_fs: Path, pages_free: int) -> None:
+    """LMDB writes lock.mdb through a mapping: on a full tmpfs that was a SIGBUS."""
+    with open(small_fs / "filler", "wb", buffering=0) as f, pytest.raises(OSError):
+        for _ in range(2000):  # until the filesystem is full
+            f.write(b"f" * 4096)
+    os.truncate(small_fs / "filler", max(0, (small_fs / "filler").stat().st_size // 4096 - pages_free) * 4096)
+    proc = subprocess.run(
+        [sys.executable, "-c", _OPEN_BOTH, str(small_fs / "ob")], env=subprocess_env(), capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode} (negative: killed by that signal) {proc.stderr[-2000:]}"
+    out = json.loads(proc.stdout)
+    assert out["producer"] == "opened" or (
+        out["producer"].startswith("OutboxFullError") and "disk full" in out["producer"]
+    ), out["producer"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    last_pg=st.integers(2, 30),
+    written=st.integers(2, 31),
+    roots=st.tuples(st.integers(0, 40), st.integers(0, 40)),
+    pages=st.lists(st.tuples(st.sampled_from([0x01, 0x02, 0x04, 0x22, 0x00, 0xFFFF]), st.binary(min_size=0, max_size=64)), max_size=30),
+    seed=st.integers(0, 1 << 16),
+)
+def test_fuzz_the_data_file_check_reads_any_file_without_failing(
+    tmp_path: Path, last_pg: int, written: int, roots: tuple[int, int], pages: list[tuple[int, bytes]], seed: int
+) -> None:
+    """dafka.outbox.check decodes LMDB pages from a file that may be anything: a verdict, never an exception."""
+    import struct
+
+    from dafka.outbox import check
+
+    rnd = random.Random(seed)
+    body = bytearray(rnd.randbytes(written * 4096))
+    for base in (0, 4096):
+        struct.pack_into("<II", body, base + 16, check.MAGIC, 1)
+        struct.pack_into("<I", body, base + 16 + 24, 4096)
+        struct.pack_into("<Q", body, base + 16 + 24 + 40, roots[0])
+        struct.pack_into("<Q", body, base + 16 + 24 + 48 + 40, roots[1])
+        struct.pack_into("<QQ", body, base + 16 + 24 + 96, last_pg, base // 4096 + 1)
+    for n, (flags, tail) in enumerate(pages[: written - 2]):
+        at = (n + 2) * 4096
+        struct.pack_into("<HH", body, at + 10, flags, 16 + 2 * rnd.randint(0, 40))
+        body[at + 16 : at + 16 + len(tail)] = tail
+    path = tmp_path / f"data-{seed}.mdb"
+    path.write_bytes(bytes(body))
+    verdict = check.damage(path)
+    assert verdict is None or isinstance(verdict, str)
+    if written < last_pg + 1 and verdict is None:
+        assert all(2 <= r < written for r in roots)  # a root cut off or out of range is a verdict

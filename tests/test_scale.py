@@ -333,7 +333,7 @@ def test_tower_batches_a_burst_of_beacons_and_a_store_meets_every_peer(tower: To
 
 
 _TOWER_PROCESS = """
-import sys, time
+import sys
 from dafka.nodes.tower import Tower
 with Tower("127.0.0.1", 0, 0) as tower:
     print(tower.in_port, tower.out_port, flush=True)

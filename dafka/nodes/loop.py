@@ -357,12 +357,16 @@ class NodeLoop:
                         # A bug of one node (a hook of a subclass) must not stop the others.
                         node.log.exception("%s failed in its loop turn", node.kind)
 
-    def _read_wake(self, touched: dict[Node, None]) -> None:
+    def _drain_wake(self) -> None:
+        """Empty the wake-up pipe."""
         try:
             while os.read(self._wake_r, 4096):
                 pass
         except (BlockingIOError, OSError):
             pass
+
+    def _read_wake(self, touched: dict[Node, None]) -> None:
+        self._drain_wake()
         # After emptying the pipe, before reading the queues: a wake() from now on
         # writes again.  Cleared before the pipe was read, a wake() in between left
         # the flag set with its byte read here, and every later wake() was lost (a

@@ -55,7 +55,14 @@ from dafka.outbox.core import (
     SYNC_MODES,
     OutboxCore,
 )
-from dafka.outbox.db import OutboxDB, OutboxError, OutboxFullError, OutboxImage
+from dafka.outbox.db import (
+    OutboxDamagedError,
+    OutboxDB,
+    OutboxError,
+    OutboxFencedError,
+    OutboxFullError,
+    OutboxImage,
+)
 
 if TYPE_CHECKING:
     from dafka.nodes.producer import Producer, Receipt
@@ -68,7 +75,9 @@ __all__ = [
     "SYNC_EACH",
     "SYNC_MODES",
     "Outbox",
+    "OutboxDamagedError",
     "OutboxError",
+    "OutboxFencedError",
     "OutboxFullError",
     "describe",
 ]
@@ -119,6 +128,7 @@ class Outbox:
         self._last_commit = 0.0
         self._failures = 0
         self._evict_logged = 0
+        self._fenced: OutboxFencedError | None = None  # another process opened the outbox after us
 
     @property
     def address(self) -> str | None:
@@ -301,6 +311,8 @@ class Outbox:
         assert producer is not None and cond is not None
         if producer._resume_error is not None:
             raise producer._resume_error
+        if self._fenced is not None:
+            raise self._fenced
         # The checks of Producer.publish, which this replaces: values through the
         # serializer, bytes-like contents, max_record_bytes (nothing published).
         from dafka import values
@@ -320,6 +332,8 @@ class Outbox:
         nbytes = sum(map(len, batch))
         with cond:
             while True:
+                if self._fenced is not None:
+                    raise self._fenced
                 if producer._closed or self._stopping:
                     raise ClosedError("producer is closed")
                 core = self.core
@@ -358,6 +372,8 @@ class Outbox:
         core, cond = self.core, self._cond
         assert core is not None and cond is not None
         while core.durable < last:
+            if self._fenced is not None:
+                raise self._fenced
             if core.epoch != epoch:
                 raise OutboxFullError(f"outbox could not keep the record, nothing published: {core.error}", last)
             if self._thread is None or not self._thread.is_alive():
@@ -425,6 +441,18 @@ class Outbox:
             try:
                 shift = int((time.time() - time.monotonic()) * 1000)  # publish times go to disk as wall clock
                 self.db.commit(take.runs, [t + shift for t in take.ts_ms], old_floor, take.floor, take.next)
+            except OutboxFencedError as exc:
+                # Another process opened the outbox after us: it owns the partition now.
+                # Nothing of ours is written from here on; publishing fails; beacons stop.
+                log.error("%s", exc)
+                with cond:
+                    self._fenced = exc
+                    back = core.commit_failed(take, exc)
+                    if back >= 0:
+                        core.window.truncate(back)
+                    producer.beacon_held = True
+                    cond.notify_all()
+                return
             except Exception as exc:
                 self._failures += 1
                 if self._failures <= 20 or self._failures % 1000 == 0:
