@@ -312,6 +312,10 @@ class Node:
         # tower fills in the address it sees, as for C nodes (see dafka.core.reach).
         self.beacon_host = reach.beacon_host(cfg.advertise, self._bound)
         self._beacon = wire.node_beacon(self.address, self.beacon_host, self.port)
+        self._probe = beacon.probe(self._beacon, self.address)
+        self._probe_at = 0.0  # when to probe again after a welcome (0: no burst under way)
+        self._probe_step = beacon.PROBE_FIRST
+        self._echoed = False  # (set while reading beacons)
         self.reach = reach.ReachWatch(time.monotonic(), REACH_GRACE * cfg.beacon_interval)
         # Diagnostics: warn while no tower answers; notice another node with our address.
         self.tower_watch = TowerWatch(time.monotonic(), 3 * cfg.beacon_interval)
@@ -1140,14 +1144,22 @@ class Node:
             self._read_waiting_beacons()
             plain = self.census.needs_plain(time.monotonic())
         if plain and wire.BEACON not in self._beacon_subs:
-            self.beacon_sub.setsockopt(zmq.SUBSCRIBE, wire.BEACON)
-            self._beacon_subs.add(wire.BEACON)
-            self.log.info("%s %s: a tower relays no interest beacons; meeting every peer", self.kind, self.address[:8])
+            self._subscribe_plain()
         elif not plain and wire.BEACON in self._beacon_subs:
             self.beacon_sub.setsockopt(zmq.UNSUBSCRIBE, wire.BEACON)
             self._beacon_subs.discard(wire.BEACON)
 
+    def _subscribe_plain(self) -> None:
+        self.beacon_sub.setsockopt(zmq.SUBSCRIBE, wire.BEACON)
+        self._beacon_subs.add(wire.BEACON)
+        why = "relays what nodes send (a C tower)" if self.census.echoed(time.monotonic()) else "says no hello"
+        self.log.info("%s %s: a tower %s; meeting every peer", self.kind, self.address[:8], why)
+
     def _tick(self, now: float) -> None:
+        if self._probe_at and now >= self._probe_at:
+            self._probe_step *= 2
+            self._probe_at = now + self._probe_step if self._probe_step <= self.config.beacon_interval else 0.0
+            self._send_probe()
         if self._beacon_wanted:  # new peers since the last tick: one beacon for them all
             self._beacon_wanted = False
             self._send_beacon(now)
@@ -1177,18 +1189,46 @@ class Node:
             send(pub, self._beacon)
         except zmq.ZMQError:
             pass  # no tower connected yet; the next interval retries
+        self._send_probe()
+
+    def _send_probe(self) -> None:
+        """Our probe (see dafka.core.beacon): only a tower that forwards our reflection
+        subscription (a C tower) gets it, and relays it back to us alone."""
+        if self.keys is not None or self.beacon_held:
+            return  # (no C tower on a secure mesh)
+        try:
+            fastio.send_frames(self.beacon_pub, self._probe)
+        except zmq.ZMQError:
+            pass
 
     def _read_beacons(self) -> None:
+        try:
+            self._read_beacon_messages()
+        finally:
+            if self._echoed:
+                self._echoed = False
+                self.census.on_echo(time.monotonic())
+                self._probe_at = 0.0
+                if wire.BEACON not in self._beacon_subs:
+                    self._subscribe_plain()
+
+    def _read_beacon_messages(self) -> None:
         # (compiled where available: no exception at the end of each read)
         for frames in fastio.recv_messages(self.beacon_sub, DRAIN):
             self.tower_watch.on_heard(time.monotonic())
             if frames[0][:1] == reach.REFLECTION:
+                if beacon.is_echo(frames, self.address):
+                    self._echoed = True  # our probe, relayed: a tower that is no dafka tower
+                    continue
                 self._on_reflection(frames)
                 continue
             if frames == [wire.WELCOME]:
-                # A tower (re)appeared: tell it about us right away.
+                # A tower (re)appeared: tell it about us right away, and probe
+                # it a few times more while our subscriptions reach it.
                 self.census.on_welcome(time.monotonic())
                 self._send_beacon(time.monotonic())
+                self._probe_step = beacon.PROBE_FIRST
+                self._probe_at = time.monotonic() + self._probe_step
                 continue
             tower_id = beacon.parse_hello(frames)
             if tower_id is not None:
