@@ -88,6 +88,12 @@ REACH_GRACE = 5  # beacon intervals with peers and none reaching us before a war
 # large as with the default limit, with room to spare.  A bigger frame makes
 # ZeroMQ cut the connection (see reach.CutWatch): the node connects again.
 FRAME_SLACK = 64 * 1024
+# Data SUBs (see data_socket_options): first retry after 100 ms (ZeroMQ's
+# default), doubling up to 5 s; a TCP connect gives up after 5 s.
+RECONNECT_IVL_MS = 100
+RECONNECT_IVL_MAX_MS = 5_000
+CONNECT_TIMEOUT_MS = 5_000
+FAILED_LINKS_MAX = 10_000  # failed attempts waiting to be judged (more are dropped unjudged)
 CUT_GRACE = 0.25  # seconds: a DISCONNECTED with no CONNECT_RETRIED after it was a cut
 CUT_IDLE = 3600.0  # seconds between cut checks while no disconnection is pending
 # Bytes of messages read early before a disconnection (see Node._hold_one) that
@@ -141,6 +147,19 @@ class Channel:
         self.sock = sock
         self.refusals: security.RefusalLog | None = None
         self.prefixes: dict[bytes, Any] = {}
+
+
+def data_socket_options(sock: zmq.Socket) -> None:
+    """Reconnect backoff and a connect timeout on a data SUB (see dafka.core.peers.PeerLimits).
+
+    ZeroMQ retries a failed connection every 100 ms by default, forever; an
+    endpoint that never answers holds a descriptor until the kernel gives the
+    attempt up (minutes).  A peer that failed PeerLimits.max_failures times
+    without a handshake is dropped anyway; these bound what it costs meanwhile.
+    """
+    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+    sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
 
 
 class ErrorLog:
@@ -214,7 +233,8 @@ class Node:
         self.held_dropped = 0
         self._refused_peers: set[str] = set()
         self._refusals: list[security.RefusalLog] = []
-        self.peers = PeerTable(self.address, self.config.beacon_timeout)
+        self.peers = PeerTable(self.address, self.config.beacon_timeout)  # (its bounds: PeerLimits)
+        self._failed_links: list[str] = []  # endpoints whose connection attempt failed, to judge
         self._commands: deque[Callable[[], object]] = deque()
         self._stop = threading.Event()
         self._started = threading.Event()
@@ -273,6 +293,7 @@ class Node:
         # A peer's frame over this is never assembled: ZeroMQ cuts the connection.
         self.frame_limit = frame_limit(cfg.max_record_bytes)
         self.sub.setsockopt(zmq.MAXMSGSIZE, self.frame_limit)
+        data_socket_options(self.sub)
         self.cuts = reach.CutWatch(CUT_GRACE)
         self.connections_cut = 0  # data connections ZeroMQ cut (an oversize frame), made again
 
@@ -907,6 +928,7 @@ class Node:
         sock.setsockopt(zmq.RCVHWM, self.config.hwm)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.frame_limit)
+        data_socket_options(sock)
         security.make_client(sock, self.keys)  # type: ignore[arg-type]
         for prefix, count in self._subscriptions.items():
             for _ in range(count):
@@ -987,6 +1009,11 @@ class Node:
     def _on_data_event(self, sock: zmq.Socket, event: int, endpoint: str) -> None:
         """A monitor event of a data SUB (the plain one, or a channel)."""
         self.links.on_event(event, endpoint)
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.peers.on_verified(endpoint)
+        elif event == zmq.EVENT_CONNECT_RETRIED and len(self._failed_links) < FAILED_LINKS_MAX:
+            # Judged at the next tick (a channel's monitor is being read here: not closed now).
+            self._failed_links.append(endpoint)
         self.cuts.on_event((sock, endpoint), event, time.monotonic())
         self._schedule_cuts()
 
@@ -1155,7 +1182,19 @@ class Node:
         why = "relays what nodes send (a C tower)" if self.census.echoed(time.monotonic()) else "says no hello"
         self.log.info("%s %s: a tower %s; meeting every peer", self.kind, self.address[:8], why)
 
+    def _admit_peers(self, now: float) -> None:
+        """Drop unverified peers that keep failing; connect waiting ones as the bounds allow."""
+        failed, self._failed_links = self._failed_links, []
+        for endpoint in failed:
+            for action in self.peers.on_failed(endpoint, self.links.failing.get(endpoint, 0), now):
+                self._apply_peer_action(action)
+        if self.peers.waiting:
+            for action in self.peers.admit_waiting(now):
+                self._apply_peer_action(action)
+
     def _tick(self, now: float) -> None:
+        if self._failed_links or self.peers.waiting:
+            self._admit_peers(now)
         if self._probe_at and now >= self._probe_at:
             self._probe_step *= 2
             self._probe_at = now + self._probe_step if self._probe_step <= self.config.beacon_interval else 0.0
