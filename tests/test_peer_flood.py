@@ -17,6 +17,7 @@ import pytest
 from dafka.config import NodeConfig, TowerAddress
 from dafka.nodes.producer import Producer
 from tests.conftest import spawned, subprocess_env, wait_until
+from tests.rogue_tower import RogueTower
 
 ROOT = Path(__file__).resolve().parent.parent
 # Made-up producers, each at its own endpoint (ZeroMQ makes one connection per endpoint),
@@ -145,3 +146,45 @@ def test_a_tower_naming_thousands_of_fake_producers_gets_a_bounded_trickle_of_co
     finally:
         sinks.close()
 
+
+class LyingTower(RogueTower):
+    """A rogue tower that also tells every node a made-up reflection (how it sees it)."""
+
+    def _forward(self) -> None:
+        subscription = self.xpub.recv()
+        if subscription[:2] == b"\x01R":
+            address = subscription[2:]
+            self.xpub.send_multipart([b"R" + address, b"10.66.66.66", b"tcp://10.66.66.66:1", b"ok"])
+        if not (len(subscription) >= 2 and subscription[1:2] == b"W"):
+            self.xsub.send(subscription)
+
+
+def test_doctor_marks_what_the_tower_says_and_summarises_many_peers() -> None:
+    """Issue 35.13: a tower announcing 200 made-up peers and a made-up reflection."""
+    from dafka.cli import doctor
+
+    sinks = Sinks(200)
+    tower = LyingTower("flood", 200, sinks.ports).start()
+    try:
+        cfg = NodeConfig(
+            towers=(TowerAddress("127.0.0.1", tower.in_port, tower.out_port),),
+            bind="127.0.0.1",
+            beacon_interval=0.2,
+            beacon_timeout=2.0,
+        )
+        lines: list[str] = []
+        assert not doctor.check(cfg, 2.0, lines.append, [])
+        text = "\n".join(lines)
+        assert len(lines) < 25, text
+        said = [line for line in lines if "10.66.66.66" in line]
+        assert said and all("the tower's word" in line or "the tower says" in line or "as the tower announces" in line
+                            for line in said), text
+        assert not any(line.startswith("ok ") and "10.66.66.66" in line and "tower's word" not in line for line in lines)
+        assert any(line.startswith("info the tower announced 200 peer(s) (the tower's word") for line in lines), text
+        assert any(line.startswith("info 200 peers: 0 reached, 200 not; examples:") for line in lines), text
+        assert sum(line.startswith("FAIL cannot reach peer") for line in lines) == doctor.EXAMPLES
+        assert "FAIL cannot reach 200 of 200 peer(s) announced by the tower" in text
+        assert "relays what nodes send, as the C reference tower does" in text
+    finally:
+        tower.close()
+        sinks.close()
