@@ -13,6 +13,8 @@ from dataclasses import replace
 
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dafka.config import NodeConfig, TowerAddress
 from dafka.core import beacon, wire
@@ -168,3 +170,14 @@ def test_a_node_behind_our_tower_and_a_c_tower_meets_c_nodes_at_once() -> None:
         with Producer("t", cfg, acks=False) as producer:
             wait_until(lambda: wire.BEACON in producer._beacon_subs, timeout=1.5)
             assert producer.census.kind(time.monotonic()) == "c"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=40), max_size=5))
+def test_is_echo_takes_only_this_nodes_relayed_probe(frames: list[bytes]) -> None:
+    me = "A" * 32
+    assert beacon.is_echo(frames, me) == (
+        len(frames) == 3 and frames[0] == b"R" + me.encode() and frames[1] == me.encode()
+    )
+    # and an echo with any endpoint frame is one (the tower wrote it; nothing is read from it)
+    assert beacon.is_echo([b"R" + me.encode(), me.encode(), (frames or [b""])[0]], me)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from dafka.core.beacon import PRODUCER, Interest
 from dafka.core.peers import Connect, Disconnect, PeerLimits, PeerTable
 
@@ -151,3 +154,44 @@ def test_peers_sharing_an_endpoint_are_verified_by_its_one_handshake() -> None:
     for i in range(2, 50):
         assert connects(t.on_beacon(f"P{i:031d}", "tcp://10.0.0.1:9", 0.0, PRODUCER, b"t")) == 1
     assert len(t) == 50 and t.unverified == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["beacon", "verified", "failed", "admit", "expire", "forget"]),
+                  st.integers(0, 40), st.integers(0, 25)),
+        max_size=300,
+    )
+)
+def test_the_bounds_hold_whatever_the_events(events: list[tuple[str, int, int]]) -> None:
+    lim = PeerLimits(max_peers=12, max_unverified=5, connect_rate=3.0, connect_burst=4, max_failures=2,
+                     max_failures_alone=4, verify_within=1.0, bench=2.0, max_waiting=7)
+    t = PeerTable("ME", 2.0, Interest.consumer(["t"]), lim)
+    now = 0.0
+    connected: set[str] = set()
+    for op, i, n in events:
+        now += 0.1
+        endpoint = f"tcp://10.0.0.1:{1000 + i % 30}"  # some addresses share an endpoint
+        if op == "beacon":
+            actions = t.on_beacon(f"P{i:031d}", endpoint, now, PRODUCER, b"t")
+        elif op == "verified":
+            t.on_verified(endpoint)
+            actions = []
+        elif op == "failed":
+            actions = t.on_failed(endpoint, n, now)
+        elif op == "admit":
+            actions = t.admit_waiting(now)
+        elif op == "expire":
+            actions = t.expire(now + n * 0.2)
+        else:
+            actions = t.forget(f"P{i:031d}")
+        for a in actions:
+            if isinstance(a, Connect):
+                connected.add(a.address)
+            else:
+                connected.discard(a.address)
+        assert len(t) <= lim.max_peers and t.unverified <= lim.max_unverified and t.waiting <= lim.max_waiting
+        assert set(t._peers) == connected  # every peer held was connected, every one dropped disconnected
+        assert set(t._unverified) <= set(t._peers)
+        assert not set(t._waiting) & set(t._peers)  # a peer waits or is held, never both
