@@ -300,6 +300,11 @@ def test_tower_batches_a_burst_of_beacons_and_a_store_meets_every_peer(tower: To
     pub.connect(f"tcp://127.0.0.1:{tower.in_port}")
     sub = _beacon_sub(tower, b"XPburst\x00")
     addresses = [new_address() for _ in range(n)]
+    # The producers' endpoint: one ZeroMQ listener (a store drops peers it cannot reach
+    # when others wait, see PeerLimits; its one handshake here answers for all 300).
+    listener = zmq.Context.instance().socket(zmq.PUB)
+    listener.setsockopt(zmq.LINGER, 0)
+    port = str(listener.bind_to_random_port("tcp://127.0.0.1")).encode()
     try:
         with Store(str(tmp_path / "db"), cfg) as store:
             # Until the tower relays a probe to this SUB and to the store, the PUB's
@@ -307,14 +312,14 @@ def test_tower_batches_a_burst_of_beacons_and_a_store_meets_every_peer(tower: To
             probe = new_address()
 
             def relayed() -> bool:
-                pub.send_multipart([b"XPburst\x00", probe.encode(), b"127.0.0.1", b"9"])
+                pub.send_multipart([b"XPburst\x00", probe.encode(), b"127.0.0.1", port])
                 return bool(_heard(sub, 0.1)) and probe in store.peers._peers
 
             wait_until(relayed, 10)
             while sub.poll(0):
                 sub.recv_multipart()
             for address in addresses:  # one burst: the beacons of 300 producers of one topic
-                pub.send_multipart([b"XPburst\x00", address.encode(), b"127.0.0.1", b"9"])
+                pub.send_multipart([b"XPburst\x00", address.encode(), b"127.0.0.1", port])
             messages: list[list[bytes]] = []
             heard: set[bytes] = set()
             deadline = time.monotonic() + 10
@@ -330,6 +335,7 @@ def test_tower_batches_a_burst_of_beacons_and_a_store_meets_every_peer(tower: To
     finally:
         pub.close(0)
         sub.close(0)
+        listener.close(0)
 
 
 _TOWER_PROCESS = """

@@ -496,6 +496,13 @@ def test_a_secure_tower_batches_a_burst_with_each_beacons_key_and_a_store_meets_
     listener.setsockopt(zmq.SUBSCRIBE, head)
     pub = curve_client(pki, zmq.PUB, "producer", t.beacon_in)
     addresses = [security.bound_address(key) for _ in range(n)]
+    # The producers' endpoint: a CURVE server with the producer key (a store drops peers
+    # it cannot reach after a few failures, see PeerLimits).
+    cert = security.read_certificate(pki.secret("producer"))
+    server = zmq.Context.instance().socket(zmq.PUB)
+    server.setsockopt(zmq.LINGER, 0)
+    security.make_server(server, security.OwnKeys(cert.public, cert.secret or b"", cert.role))
+    port = str(server.bind_to_random_port("tcp://127.0.0.1")).encode()
 
     def heard(seconds: float) -> list[list[bytes]]:
         out, end = [], time.monotonic() + seconds
@@ -509,14 +516,14 @@ def test_a_secure_tower_batches_a_burst_with_each_beacons_key_and_a_store_meets_
             probe = security.bound_address(key)
 
             def relayed() -> bool:  # the CURVE connections and subscriptions are up
-                pub.send_multipart([head, probe.encode(), b"127.0.0.1", b"9", key])
+                pub.send_multipart([head, probe.encode(), b"127.0.0.1", port, key])
                 return bool(heard(0.1)) and probe in store.peers._peers
 
             wait_until(relayed, 15)
             while listener.poll(0):
                 listener.recv_multipart()
             for address in addresses:
-                pub.send_multipart([head, address.encode(), b"127.0.0.1", b"9", key])
+                pub.send_multipart([head, address.encode(), b"127.0.0.1", port, key])
             messages: list[list[bytes]] = []
             got: set[bytes] = set()
             deadline = time.monotonic() + 10
@@ -533,6 +540,7 @@ def test_a_secure_tower_batches_a_burst_with_each_beacons_key_and_a_store_meets_
     finally:
         listener.close(0)
         pub.close(0)
+        server.close(0)
 
 
 def test_keys_command_and_up_stays_plain(tmp_path: Path) -> None:

@@ -11,6 +11,12 @@ advertise, security) and reports, one line each:
 * whether the peers on the mesh connected to it (handshakes on its
   publisher), and whether it connected to each of them, naming the address
   and port of every failure.
+
+What the tower says (its kind, how it sees this node, whether it could connect,
+which peers are on the mesh) is marked as the tower's word: a hostile or wrong
+tower can say anything, and only the connections the doctor made or received
+itself are checked here.  Past ``SHOWN`` peers the lists are summarised: counts,
+and a few examples of each outcome.
 """
 
 from __future__ import annotations
@@ -23,6 +29,10 @@ from dafka.config import NodeConfig
 from dafka.core import reach
 from dafka.nodes.node import Node
 
+SHOWN = 10  # peers listed one a line; beyond it, counts and EXAMPLES of each outcome
+EXAMPLES = 3
+TOWER_SAYS = "(the tower's word, not checked here)"
+
 
 class DoctorNode(Node):
     """A node that only beacons and connects (it subscribes to nothing)."""
@@ -34,8 +44,14 @@ def _where(endpoint: str) -> str:
     try:
         host, port = reach.split_endpoint(endpoint)
     except ValueError:
-        return endpoint
-    return f"address {host} port {port}"
+        return _clip(endpoint)
+    return f"address {_clip(host)} port {port}"
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    """What a tower or a peer said, printable and short (it may say anything)."""
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def check(cfg: NodeConfig, wait: float, say: Callable[[str], None], unreached_towers: list[str]) -> bool:
@@ -66,6 +82,11 @@ def check(cfg: NodeConfig, wait: float, say: Callable[[str], None], unreached_to
             say(f"FAIL no tower answered within {waited:.1f}s")
             return False
         say(f"ok   tower reached ({', '.join(t.beacon_in for t in cfg.towers)})")
+        kind = node.census.kind(time.monotonic())
+        if kind == "c":
+            say("info a tower relays what nodes send, as the C reference tower does (this node's probe came back)")
+        elif kind == "dafka":
+            say(f"info the tower is a dafka tower: it said hello {TOWER_SAYS}")
         host = node.beacon_host
         say(
             f"info this node listens on {node._bound} and beacons "
@@ -75,15 +96,21 @@ def check(cfg: NodeConfig, wait: float, say: Callable[[str], None], unreached_to
         if r is None:
             say("info the tower did not say how it sees this node (a C tower or an older dafka tower): no tower-side check")
         else:
-            say(f"info the tower sees this host as {r.seen or '(unknown)'} and announces this node as {r.endpoint}")
+            say(
+                f"info the tower says it sees this host as {_clip(r.seen) or '(unknown)'} and announces this node"
+                f" as {_clip(r.endpoint)} {TOWER_SAYS}"
+            )
             if r.probe == reach.PROBE_OK:
-                say(f"ok   reachable from the tower's side: it connected to {_where(r.endpoint)}")
+                say(f"ok   reachable from the tower's side: the tower says it connected to {_where(r.endpoint)} {TOWER_SAYS}")
             elif not r.probe:
-                say(f"info the tower has not probed {r.endpoint} yet")
+                say(f"info the tower has not probed {_clip(r.endpoint)} yet")
             elif r.probe.startswith("not checked"):
-                say(f"info tower-side check {r.probe}")
+                say(f"info tower-side check {_clip(r.probe)}")
             else:
-                say(f"FAIL not reachable from the tower's side: {_where(r.endpoint)}: {r.probe}")
+                say(
+                    f"FAIL not reachable from the tower's side: {_where(r.endpoint)}: {_clip(r.probe)}"
+                    f" {TOWER_SAYS}"
+                )
                 ok = False
         peers = node.peers.items()
         announced = r.endpoint if r is not None else node._bound
@@ -93,29 +120,49 @@ def check(cfg: NodeConfig, wait: float, say: Callable[[str], None], unreached_to
                 " (start a node, or run `dafka doctor` on another host at the same time)"
             )
             return ok
+        waiting = node.peers.waiting
+        say(
+            f"info the tower announced {len(peers) + waiting} peer(s) {TOWER_SAYS}; this node tried"
+            f" {len(peers)}" + (f", {waiting} more wait (a node's connection limits)" if waiting else "")
+        )
         connected = node.inbound.handshakes
         if connected:
             say(f"ok   reachable from peers: {connected} connection(s) from the {len(peers)} peer(s) on the mesh")
         else:
             say(
                 f"FAIL not reachable from any peer: {len(peers)} peer(s) on the mesh, none connected to"
-                f" {_where(announced)} in {waited:.1f}s"
+                f" {_where(announced)}" + (" (as the tower announces it)" if r is not None else "") + f" in {waited:.1f}s"
             )
             for why in node.reach.reasons(node._bound, host, [e for _, e in peers]):
-                say(f"     {why}")
+                say(f"     {_clip(why, 200)}")
             ok = False
+        reached: list[str] = []
+        unreached: list[str] = []
         for address, endpoint in peers:
             role = node.peer_role(address)
-            who = f"{role} {address[:8]}" if role else f"node {address[:8]}"
+            who = f"{role} {_clip(address[:8])}" if role else f"node {_clip(address[:8])}"
             if endpoint in node.links.up:
-                say(f"ok   reaches peer {who} at {endpoint}")
+                reached.append(f"ok   reaches peer {who} at {_clip(endpoint)}")
             else:
                 fails = node.links.failing.get(endpoint, 0)
-                say(
+                unreached.append(
                     f"FAIL cannot reach peer {who} at {_where(endpoint)}"
                     + (f" ({fails} failed attempt(s))" if fails else " (no connection yet)")
                 )
-                ok = False
+        if unreached:
+            ok = False
+        if len(peers) <= SHOWN:
+            for line in reached + unreached:
+                say(line)
+            return ok
+        say(f"info {len(peers)} peers: {len(reached)} reached, {len(unreached)} not; examples:")
+        for line in reached[:EXAMPLES] + unreached[:EXAMPLES]:
+            say(line)
+        if unreached:
+            say(
+                f"FAIL cannot reach {len(unreached)} of {len(peers)} peer(s) announced by the tower"
+                " (made-up peers, or a firewall?)"
+            )
         return ok
     finally:
         node.stop()

@@ -34,13 +34,25 @@ never receive any of it, C towers relay it as they relay ``B``):
 * ``X U``, address, ``tcp://host:port`` (3 frames): a dafka tower's copy of a
   ``B`` beacon from an address that sent no interest beacon lately (a C node),
   or sent it from another endpoint (a second process with that identity);
-* ``X T`` + tower id (one frame, 32 hex): a dafka tower's hello, every second.
+* ``X T`` + tower id (one frame, 32 hex): a dafka tower's hello, every
+  ``HELLO_INTERVAL`` and at once when a new node subscribes (its reflection
+  topic, see :mod:`dafka.core.reach`; at most one extra hello per ``HELLO_ANSWER``);
+* the *probe*, node -> tower, 4 frames: ``R`` + node address (its reflection
+  topic), then address, host, port as in ``B``.  A dafka tower keeps
+  reflection subscriptions to itself, so the node's PUB never sends the probe
+  to it; a C tower forwards every subscription but ``W`` to the nodes' PUBs and
+  relays whatever they send, so it relays the probe back, to that node only, as
+  ``R`` + address, address, ``tcp://host:port`` (3 frames; a reflection has 4):
+  the *echo*, proof that this tower is no dafka tower.
 
 A node subscribes its beacon SUB to ``W``, ``X T``, ``X U``, ``X S``, ``X A``
 and to the kinds/topics it needs (a store to all of ``X``).  It subscribes
-``B`` too (and then meets every peer as today) while fewer dafka towers greet
-it than it has towers configured: behind a C tower it cannot see C nodes
-otherwise.  Its ``B`` beacon still goes out on every interval; the beacon PUB
+``B`` too (and then meets every peer as today) as soon as an echo comes back
+(behind a C tower it cannot see C nodes otherwise: it probes with each beacon
+and a few times just after a tower's welcome, so it knows within about a beacon
+interval), and, failing any echo, while fewer dafka towers greet it than it has
+towers configured once a grace has passed (a tower that neither echoes nor
+greets).  Its ``B`` beacon still goes out on every interval; the beacon PUB
 filters it away while no one (no C node, no status probe) subscribes ``B``.
 
 Everything here is sans-IO: frames and times in, decisions out.
@@ -76,6 +88,14 @@ MAX_HEAD = 2 + wire.MAX_STRING + 1
 # deliveries a second at 1 s, about a tenth of a 1,000-device mesh's producer
 # work); two seconds still puts two in a census grace and five in a tower's memory.
 HELLO_INTERVAL = 2.0
+# A tower answers new nodes with a hello at once, but at most once in this many
+# seconds (a thousand nodes joining, or a flood of subscriptions, cost a few hellos).
+HELLO_ANSWER = 0.1
+# After a tower's welcome a node probes again this long after, doubling, up to
+# a beacon interval (its reflection subscription may reach the tower's nodes'
+# PUBs, its own included, a little after the welcome).
+PROBE_FIRST = 0.02
+ECHO = b"R"  # (dafka.core.reach.REFLECTION) the probe's first byte
 # A tower relays the beacons of one first frame that come within this many
 # seconds of each other as one message of at most RELAY_BATCH (see RelayBatcher).
 # Nodes accept batches of up to MAX_BATCH (what towers of any version send).
@@ -131,6 +151,20 @@ def parse_hello(frames: Sequence[bytes]) -> str | None:
         return frame[2:].decode("ascii")
     except UnicodeDecodeError:
         return None
+
+
+def probe(node_beacon: Sequence[bytes], address: str) -> list[bytes]:
+    """The probe a node sends with its ``B`` beacon (see the module): its reflection topic first."""
+    return [ECHO + address.encode(), *node_beacon[1:4]]
+
+
+def is_echo(frames: Sequence[bytes], address: str) -> bool:
+    """Whether these tower frames are this node's probe relayed as a C tower relays a beacon."""
+    return (
+        len(frames) == 3
+        and bytes(frames[0]) == ECHO + address.encode()
+        and bytes(frames[1]) == address.encode()
+    )
 
 
 def decode_node_beacon(frames: Sequence[bytes]) -> tuple[bytes, str, str, int]:
@@ -257,12 +291,15 @@ EVERYTHING = Interest(ANY)
 class TowerCensus:
     """Whether every tower a node is given is a dafka tower (sans-IO).
 
-    A node counts the distinct towers whose hello it heard in the last
-    ``memory`` seconds; while they are fewer than its configured towers, it
-    needs the plain ``B`` beacons too -- but only once some tower welcomed it
-    and ``grace`` seconds passed since then and since start.  Subscribing
-    ``B`` on a large mesh means meeting every peer, so a node that is merely
-    slow to read its hellos must not do it: the grace is several hellos long.
+    An echo of the node's probe (:func:`is_echo`) in the last ``memory``
+    seconds proves a tower that is no dafka tower: the node needs the plain
+    ``B`` beacons at once.  Failing that, a node counts the distinct towers
+    whose hello it heard in the last ``memory`` seconds; while they are fewer
+    than its configured towers, it needs ``B`` too -- but only once some tower
+    welcomed it and ``grace`` seconds passed since then and since start (a
+    tower that neither echoes nor greets).  Subscribing ``B`` on a large mesh
+    means meeting every peer, so a node that is merely slow to read its hellos
+    must not do it: the grace is several hellos long.
     """
 
     def __init__(self, expected: int, started: float, grace: float = CENSUS_GRACE, memory: float = TOWER_MEMORY) -> None:
@@ -271,6 +308,7 @@ class TowerCensus:
         self.grace_until = started + grace
         self.memory = memory
         self.welcomed = False
+        self.echoed_at: float | None = None  # the last echo of our probe (a C tower relayed it)
         self._heard: dict[str, float] = {}
 
     def on_welcome(self, now: float) -> None:
@@ -283,12 +321,34 @@ class TowerCensus:
         if tower_id in self._heard or len(self._heard) < 64:  # bounded: a node has few towers
             self._heard[tower_id] = now
 
-    def needs_plain(self, now: float) -> bool:
-        """Whether to subscribe ``B`` (some tower is not a dafka tower, or is silent)."""
+    def on_echo(self, now: float) -> None:
+        """Our probe came back: some tower relays what nodes send, as the C tower."""
+        self.echoed_at = now
+
+    def echoed(self, now: float) -> bool:
+        """Whether an echo came within the last ``memory`` seconds."""
+        return self.echoed_at is not None and now - self.echoed_at <= self.memory
+
+    def greeted(self, now: float) -> int:
+        """How many dafka towers said hello within the last ``memory`` seconds."""
         for tower_id, heard in list(self._heard.items()):
             if now - heard > self.memory:
                 del self._heard[tower_id]
-        return self.welcomed and now >= self.grace_until and len(self._heard) < self.expected
+        return len(self._heard)
+
+    def kind(self, now: float) -> str:
+        """What the node knows of its towers: ``"c"`` (one relays as the C tower does),
+        ``"dafka"`` (as many dafka towers as configured greet it) or ``"unknown"``."""
+        if self.echoed(now):
+            return "c"
+        return "dafka" if self.expected and self.greeted(now) >= self.expected else "unknown"
+
+    def needs_plain(self, now: float) -> bool:
+        """Whether to subscribe ``B`` (some tower is not a dafka tower, or is silent)."""
+        greeted = self.greeted(now)
+        if self.echoed(now):
+            return True
+        return self.welcomed and now >= self.grace_until and greeted < self.expected
 
 
 class RelayBatcher:

@@ -383,11 +383,14 @@ class ReachWatch:
         if r is None:
             out.append("the tower did not say how it sees this node (a C tower or an older dafka tower)")
         else:
-            out.append(f"the tower sees it at {r.seen or '(unknown)'} and announces it as {r.endpoint}")
+            # (the tower's word: what it says is repeated as such, never as a fact checked here)
+            out.append(f"the tower says it sees it at {r.seen or '(unknown)'} and announces it as {r.endpoint}")
             if r.probe and r.probe != PROBE_OK:
-                out.append(f"the tower's own connection attempt: {r.probe}")
+                out.append(f"the tower says its own connection attempt got: {r.probe}")
             elif r.probe == PROBE_OK:
-                out.append("the tower could connect to it, so a firewall between the peers and it may block the port")
+                out.append(
+                    "the tower says it could connect to it, so a firewall between the peers and it may block the port"
+                )
         if port:
             out.append(f"peers must reach port {port} (an ephemeral port: open it in firewalls)")
         return out

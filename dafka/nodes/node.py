@@ -88,6 +88,12 @@ REACH_GRACE = 5  # beacon intervals with peers and none reaching us before a war
 # large as with the default limit, with room to spare.  A bigger frame makes
 # ZeroMQ cut the connection (see reach.CutWatch): the node connects again.
 FRAME_SLACK = 64 * 1024
+# Data SUBs (see data_socket_options): first retry after 100 ms (ZeroMQ's
+# default), doubling up to 5 s; a TCP connect gives up after 5 s.
+RECONNECT_IVL_MS = 100
+RECONNECT_IVL_MAX_MS = 5_000
+CONNECT_TIMEOUT_MS = 5_000
+FAILED_LINKS_MAX = 10_000  # failed attempts waiting to be judged (more are dropped unjudged)
 CUT_GRACE = 0.25  # seconds: a DISCONNECTED with no CONNECT_RETRIED after it was a cut
 CUT_IDLE = 3600.0  # seconds between cut checks while no disconnection is pending
 # Bytes of messages read early before a disconnection (see Node._hold_one) that
@@ -141,6 +147,19 @@ class Channel:
         self.sock = sock
         self.refusals: security.RefusalLog | None = None
         self.prefixes: dict[bytes, Any] = {}
+
+
+def data_socket_options(sock: zmq.Socket) -> None:
+    """Reconnect backoff and a connect timeout on a data SUB (see dafka.core.peers.PeerLimits).
+
+    ZeroMQ retries a failed connection every 100 ms by default, forever; an
+    endpoint that never answers holds a descriptor until the kernel gives the
+    attempt up (minutes).  A peer that failed PeerLimits.max_failures times
+    without a handshake is dropped anyway; these bound what it costs meanwhile.
+    """
+    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+    sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
 
 
 class ErrorLog:
@@ -214,7 +233,8 @@ class Node:
         self.held_dropped = 0
         self._refused_peers: set[str] = set()
         self._refusals: list[security.RefusalLog] = []
-        self.peers = PeerTable(self.address, self.config.beacon_timeout)
+        self.peers = PeerTable(self.address, self.config.beacon_timeout)  # (its bounds: PeerLimits)
+        self._failed_links: list[str] = []  # endpoints whose connection attempt failed, to judge
         self._commands: deque[Callable[[], object]] = deque()
         self._stop = threading.Event()
         self._started = threading.Event()
@@ -273,6 +293,7 @@ class Node:
         # A peer's frame over this is never assembled: ZeroMQ cuts the connection.
         self.frame_limit = frame_limit(cfg.max_record_bytes)
         self.sub.setsockopt(zmq.MAXMSGSIZE, self.frame_limit)
+        data_socket_options(self.sub)
         self.cuts = reach.CutWatch(CUT_GRACE)
         self.connections_cut = 0  # data connections ZeroMQ cut (an oversize frame), made again
 
@@ -312,6 +333,10 @@ class Node:
         # tower fills in the address it sees, as for C nodes (see dafka.core.reach).
         self.beacon_host = reach.beacon_host(cfg.advertise, self._bound)
         self._beacon = wire.node_beacon(self.address, self.beacon_host, self.port)
+        self._probe = beacon.probe(self._beacon, self.address)
+        self._probe_at = 0.0  # when to probe again after a welcome (0: no burst under way)
+        self._probe_step = beacon.PROBE_FIRST
+        self._echoed = False  # (set while reading beacons)
         self.reach = reach.ReachWatch(time.monotonic(), REACH_GRACE * cfg.beacon_interval)
         # Diagnostics: warn while no tower answers; notice another node with our address.
         self.tower_watch = TowerWatch(time.monotonic(), 3 * cfg.beacon_interval)
@@ -903,6 +928,7 @@ class Node:
         sock.setsockopt(zmq.RCVHWM, self.config.hwm)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.frame_limit)
+        data_socket_options(sock)
         security.make_client(sock, self.keys)  # type: ignore[arg-type]
         for prefix, count in self._subscriptions.items():
             for _ in range(count):
@@ -983,6 +1009,11 @@ class Node:
     def _on_data_event(self, sock: zmq.Socket, event: int, endpoint: str) -> None:
         """A monitor event of a data SUB (the plain one, or a channel)."""
         self.links.on_event(event, endpoint)
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.peers.on_verified(endpoint)
+        elif event == zmq.EVENT_CONNECT_RETRIED and len(self._failed_links) < FAILED_LINKS_MAX:
+            # Judged at the next tick (a channel's monitor is being read here: not closed now).
+            self._failed_links.append(endpoint)
         self.cuts.on_event((sock, endpoint), event, time.monotonic())
         self._schedule_cuts()
 
@@ -1140,14 +1171,34 @@ class Node:
             self._read_waiting_beacons()
             plain = self.census.needs_plain(time.monotonic())
         if plain and wire.BEACON not in self._beacon_subs:
-            self.beacon_sub.setsockopt(zmq.SUBSCRIBE, wire.BEACON)
-            self._beacon_subs.add(wire.BEACON)
-            self.log.info("%s %s: a tower relays no interest beacons; meeting every peer", self.kind, self.address[:8])
+            self._subscribe_plain()
         elif not plain and wire.BEACON in self._beacon_subs:
             self.beacon_sub.setsockopt(zmq.UNSUBSCRIBE, wire.BEACON)
             self._beacon_subs.discard(wire.BEACON)
 
+    def _subscribe_plain(self) -> None:
+        self.beacon_sub.setsockopt(zmq.SUBSCRIBE, wire.BEACON)
+        self._beacon_subs.add(wire.BEACON)
+        why = "relays what nodes send (a C tower)" if self.census.echoed(time.monotonic()) else "says no hello"
+        self.log.info("%s %s: a tower %s; meeting every peer", self.kind, self.address[:8], why)
+
+    def _admit_peers(self, now: float) -> None:
+        """Drop unverified peers that keep failing; connect waiting ones as the bounds allow."""
+        failed, self._failed_links = self._failed_links, []
+        for endpoint in failed:
+            for action in self.peers.on_failed(endpoint, self.links.failing.get(endpoint, 0), now):
+                self._apply_peer_action(action)
+        if self.peers.waiting:
+            for action in self.peers.admit_waiting(now):
+                self._apply_peer_action(action)
+
     def _tick(self, now: float) -> None:
+        if self._failed_links or self.peers.waiting:
+            self._admit_peers(now)
+        if self._probe_at and now >= self._probe_at:
+            self._probe_step *= 2
+            self._probe_at = now + self._probe_step if self._probe_step <= self.config.beacon_interval else 0.0
+            self._send_probe()
         if self._beacon_wanted:  # new peers since the last tick: one beacon for them all
             self._beacon_wanted = False
             self._send_beacon(now)
@@ -1177,18 +1228,46 @@ class Node:
             send(pub, self._beacon)
         except zmq.ZMQError:
             pass  # no tower connected yet; the next interval retries
+        self._send_probe()
+
+    def _send_probe(self) -> None:
+        """Our probe (see dafka.core.beacon): only a tower that forwards our reflection
+        subscription (a C tower) gets it, and relays it back to us alone."""
+        if self.keys is not None or self.beacon_held:
+            return  # (no C tower on a secure mesh)
+        try:
+            fastio.send_frames(self.beacon_pub, self._probe)
+        except zmq.ZMQError:
+            pass
 
     def _read_beacons(self) -> None:
+        try:
+            self._read_beacon_messages()
+        finally:
+            if self._echoed:
+                self._echoed = False
+                self.census.on_echo(time.monotonic())
+                self._probe_at = 0.0
+                if wire.BEACON not in self._beacon_subs:
+                    self._subscribe_plain()
+
+    def _read_beacon_messages(self) -> None:
         # (compiled where available: no exception at the end of each read)
         for frames in fastio.recv_messages(self.beacon_sub, DRAIN):
             self.tower_watch.on_heard(time.monotonic())
             if frames[0][:1] == reach.REFLECTION:
+                if beacon.is_echo(frames, self.address):
+                    self._echoed = True  # our probe, relayed: a tower that is no dafka tower
+                    continue
                 self._on_reflection(frames)
                 continue
             if frames == [wire.WELCOME]:
-                # A tower (re)appeared: tell it about us right away.
+                # A tower (re)appeared: tell it about us right away, and probe
+                # it a few times more while our subscriptions reach it.
                 self.census.on_welcome(time.monotonic())
                 self._send_beacon(time.monotonic())
+                self._probe_step = beacon.PROBE_FIRST
+                self._probe_at = time.monotonic() + self._probe_step
                 continue
             tower_id = beacon.parse_hello(frames)
             if tower_id is not None:

@@ -110,6 +110,8 @@ class Tower:
         self._stride = 3 if security_config is not None else 2  # a relayed beacon: address, endpoint (, key)
         self.tower_id = uuid.uuid4().hex.upper()
         self._hello = beacon.tower_hello(self.tower_id)
+        self._greet = False  # a node subscribed: say hello soon (see run)
+        self.hellos = 0
         # Every interest beacon reaches us, wanted by a node or not: the relay
         # book must know every dafka address to tell C nodes' B beacons apart.
         self.xsub.send(b"\x01" + beacon.PREFIX)
@@ -167,11 +169,18 @@ class Tower:
         check_at = 0.0
         self._poller = poller
         hello_at = 0.0
+        said_hello = -1e18
         try:
             while not self._stop.is_set():
+                if self._greet:
+                    # A new node: hello now, so it knows our kind at once (at most one per HELLO_ANSWER).
+                    self._greet = False
+                    hello_at = min(hello_at, said_hello + beacon.HELLO_ANSWER)
                 if time.monotonic() >= hello_at:
-                    hello_at = time.monotonic() + beacon.HELLO_INTERVAL
+                    said_hello = time.monotonic()
+                    hello_at = said_hello + beacon.HELLO_INTERVAL
                     self.xpub.send_multipart(self._hello)
+                    self.hellos += 1
                 if self.guard is not None and time.monotonic() >= check_at:
                     check_at = time.monotonic() + self.security.reload_interval  # type: ignore[union-attr]
                     self._check_allow_list()
@@ -213,6 +222,8 @@ class Tower:
             frames = [first.bytes]
             while self.xsub.getsockopt(zmq.RCVMORE):
                 frames.append(self.xsub.recv())
+            if frames[0][:1] == beacon.ECHO:
+                continue  # a node's probe (someone subscribed everything here): for C towers only
             key = b""
             try:
                 if self.guard is not None:
@@ -323,6 +334,7 @@ class Tower:
             wanted = reach.wanted_reflection(frame)
             if wanted is not None:
                 self.probes.on_subscription(*wanted)
+                self._greet = self._greet or wanted[0]  # every node subscribes its own: a new node
                 continue
             if not frame or frame[0] > 1:
                 self.bad_input("subscription", "not a (un)subscribe frame")
