@@ -288,24 +288,33 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
         resume_timeout=args.resume_timeout,
         **outbox_options(args),
     )
+    interrupt = _FirstInterrupt()
+    read = 0
+    start = producer.next_offset
     try:
         if args.no_ack:
             # Without stores nobody keeps the records: give consumers a moment to connect.
             deadline = time.monotonic() + args.wait_peers
-            while len(producer.peers) == 0 and time.monotonic() < deadline:
+            while len(producer.peers) == 0 and time.monotonic() < deadline and not interrupt.stop.is_set():
                 time.sleep(0.05)
         start = producer.next_offset
         from dafka.cli import progress
+        from dafka.cli.lines import read_batches
 
         # A bar for a file (its size is known); stdin is often a live stream.
         size = os.path.getsize(args.file) if args.file else None
         show = None if args.file else False
         bad: list[int] = []
         with progress.bar(size, f"publishing {args.topic}", bytes_=True, show=show) as bar:
-            lines = progress.read_lines(source, bar)
-            if args.format != "bytes":
-                lines = _encoded_lines(lines, args.format, bad)
-            producer.publish_many(lines)
+            # Lines go out as they arrive (`tail -f app.log | dafka produce logs`),
+            # a few ms apart at most; fast input still goes in batches.
+            for batch in read_batches(source.fileno(), interrupt.stop, time.monotonic, bar.update):
+                first = read + 1
+                read += len(batch)
+                if args.format != "bytes":
+                    batch = list(_encoded_lines(batch, args.format, bad, first))
+                if batch:
+                    producer.publish_many(batch)
         count = producer.next_offset - start
         if bad:
             print(
@@ -313,6 +322,8 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
                 f" (lines {', '.join(map(str, bad[:10]))}{', ...' if len(bad) > 10 else ''})",
                 file=sys.stderr,
             )
+        if interrupt.stop.is_set():
+            return _produce_interrupted(producer, args, read, count, start)
         if args.no_ack:
             time.sleep(args.linger)  # answer late FETCHes from the kept records
             producer.close(0)
@@ -329,20 +340,67 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
             file=sys.stderr,
         )
         return 1
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now
+        count = producer.next_offset - start
+        print(_interrupted_line(producer, args, read, count, start), file=sys.stderr)
+        return EXIT_INTERRUPTED
     finally:
+        interrupt.restore()
         if args.file:
             source.close()
         producer.close(0)
 
 
-def _encoded_lines(lines: Iterable[bytes], fmt: str, bad: list[int]) -> Iterator[bytes]:
+class _FirstInterrupt:
+    """The first Ctrl-C sets ``stop`` (the command ends cleanly); a second one raises KeyboardInterrupt."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self._before = signal.signal(signal.SIGINT, self._handler)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.stop.is_set():
+            raise KeyboardInterrupt
+        self.stop.set()
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGINT, self._before)
+
+
+def _interrupted_line(producer: Any, args: argparse.Namespace, read: int, count: int, start: int) -> str:
+    """``interrupted: N lines read, M published, K acknowledged`` (an error line if some are not)."""
+    head = f"interrupted: {read} lines read, {count} published"
+    if args.no_ack:
+        return f"{head} (no acknowledgement requested)"
+    acked = max(0, min(producer.acked_offset, producer.next_offset - 1) - (start - 1))
+    if acked >= count:
+        return f"{head}, {acked} acknowledged"
+    kept = f"; they stay in the outbox {args.outbox}" if args.outbox else ""
+    return f"error: {head}, {acked} acknowledged ({count - acked} not{kept})"
+
+
+def _produce_interrupted(producer: Any, args: argparse.Namespace, read: int, count: int, start: int) -> int:
+    """After a Ctrl-C: wait up to ``--timeout`` for what was published, then say what came of the lines."""
+    if not args.no_ack and producer.acked_offset < producer.next_offset - 1:
+        waiting = producer.next_offset - 1 - max(producer.acked_offset, start - 1)
+        print(
+            f"interrupted: waiting up to {args.timeout:g}s for {waiting} acknowledgements (Ctrl-C again to stop now)",
+            file=sys.stderr,
+            flush=True,
+        )
+        producer.flush(args.timeout)
+    print(_interrupted_line(producer, args, read, count, start), file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def _encoded_lines(lines: Iterable[bytes], fmt: str, bad: list[int], first: int = 1) -> Iterator[bytes]:
     """``produce --format``: each JSON input line as ``fmt`` (blank lines skipped; others
     that are not JSON are reported once each and their line numbers added to ``bad``)."""
     from dafka import values
 
     encode = values.serializer(fmt)
     assert encode is not None
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(lines, first):
         if not line.strip():
             continue
         try:
