@@ -441,6 +441,29 @@ def is_loopback(host: str) -> bool:
         return False  # "*", an interface name, a host name
 
 
+MAX_TOPIC_BYTES = 255  # the mesh's topic frames and Tank's str8
+
+
+def parse_topic(text: str) -> str:
+    """A topic name the mesh and the Tank port take: 1..255 bytes of UTF-8 without NUL.
+
+    (The Kafka port takes fewer: Kafka's own rule, see docs/reference/cli.md.)
+    """
+    size = len(text.encode("utf-8", "surrogateescape"))
+    if not text:
+        raise ConfigError("bad topic '': a topic name is 1 to 255 bytes")
+    if size > MAX_TOPIC_BYTES:
+        raise ConfigError(f"bad topic {shorten(text)}: {size} bytes, at most {MAX_TOPIC_BYTES}")
+    if "\x00" in text:
+        raise ConfigError(f"bad topic {shorten(text)}: it holds a NUL character")
+    return text
+
+
+def shorten(text: str, keep: int = 40) -> str:
+    """``text`` quoted, cut to its first ``keep`` characters when longer (bad input is not echoed whole)."""
+    return repr(text) if len(text) <= keep else f"{text[:keep]!r}... ({len(text)} characters)"
+
+
 def parse_port(text: str | int, *, minimum: int = 0, maximum: int = 65535) -> int:
     """A TCP port number in ``minimum..maximum`` (0 lets a server pick a free one)."""
     try:
