@@ -205,3 +205,34 @@ def test_bench_help_lists_benchmarks_each_with_its_own_options() -> None:
     assert "--nodes" in scale.stdout and "--transport" not in scale.stdout and "--records" not in scale.stdout
     wrong = run("bench", "live", "--nodes", "5")
     assert wrong.returncode == 2 and "--nodes" in error_line(wrong)
+
+
+def test_up_secure_on_the_data_folder_of_a_plain_mesh_says_to_start_fresh(tmp_path: Path) -> None:
+    import signal
+
+    from dafka.store.db import RecordDB
+
+    data = tmp_path / "var"
+    with RecordDB(str(data / "store")):
+        pass  # what `make run` (a plain `dafka up`) left
+    ports = tmp_path / "ports.toml"
+    ports.write_text(
+        f"[tower]\nbeacon_in_port = {free_port()}\nbeacon_out_port = {free_port()}\n"
+        f'[gateway]\nlisten = "127.0.0.1:{free_port()}"\n'
+    )
+    proc = subprocess.Popen(
+        dafka_cmd("up", "--secure", "--data", str(data)), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env=dict(subprocess_env(), DAFKA_CONFIG=str(ports)),
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # the others follow at once; Ctrl-C only sets a flag meanwhile
+        assert "(secure)" in first, first
+        proc.send_signal(signal.SIGINT)
+        rest = proc.stdout.read()  # to the end: the process exits
+        assert proc.wait(30) == 130
+    finally:
+        proc.kill()
+    lines = [first, *rest.splitlines()]
+    notes = [line for line in lines if line.startswith("note")]
+    assert notes and "holds the store of a plain mesh" in notes[0] and "fresh --data folder" in notes[0], lines
