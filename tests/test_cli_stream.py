@@ -81,6 +81,26 @@ def test_ctrl_c_without_a_store_says_none_were_acknowledged(cfg: NodeConfig) -> 
     assert b"interrupted: 2 lines read, 2 published, 0 acknowledged" in err, err
 
 
+def test_a_second_ctrl_c_stops_waiting_for_acknowledgements(cfg: NodeConfig) -> None:
+    with Consumer("logs", cfg, offset_reset="earliest") as consumer:
+        proc = producer_process(cfg, "--timeout", "60")
+        assert proc.stdin is not None and proc.stderr is not None
+        proc.stdin.write(b"a\n")
+        proc.stdin.flush()
+        assert next_content(consumer) == b"a"
+        proc.send_signal(signal.SIGINT)
+        for _ in range(50):  # bounded: the node's own log lines may come first
+            line = proc.stderr.readline()
+            if not line or b"waiting up to 60s for 1 acknowledgements" in line:
+                break
+        assert b"Ctrl-C again to stop now" in line, line
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 130
+        err = proc.stderr.read()
+    assert b"Traceback" not in err, err
+    assert b"error: interrupted: 1 lines read, 1 published, 0 acknowledged (1 not)" in err, err
+
+
 def test_line_batcher_sends_a_slow_line_after_linger_and_fills_batches_of_fast_ones() -> None:
     from dafka.cli.lines import LineBatcher
 

@@ -665,13 +665,18 @@ def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
     section = settings.section("store")
     linger = linger_setting(section)
     signals = StopSignals()
+    cfg = service_node_config(args, settings, "store")
     try:
-        store = Store(db, service_node_config(args, settings, "store"), sync=sync, retention=policy, linger=linger)
+        store = Store(db, cfg, sync=sync, retention=policy, linger=linger)
     except lmdb.Error as exc:
         raise open_error(db, exc) from None
     with store:
-        print(f"store up: {store.address} db {db} (sync={'on' if sync else 'OFF'})", flush=True)
+        print(
+            f"store up: {store.address} db {db} (sync={'on' if sync else 'OFF'}), tower {tower_names(cfg.towers)}",
+            flush=True,
+        )
         serve_metrics(args, section, store)
+        note_unreached_towers(cfg.towers)
         return signals.wait()
 
 
@@ -731,8 +736,8 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
             f" (sync={'on' if sync else 'OFF'}), tower {tower_names(cfg.towers)}",
             flush=True,
         )
-        note_unreached_towers(cfg.towers)
         serve_metrics(args, section, gateway)
+        note_unreached_towers(cfg.towers)
         return signals.wait()
 
 
