@@ -236,3 +236,15 @@ def test_up_secure_on_the_data_folder_of_a_plain_mesh_says_to_start_fresh(tmp_pa
     lines = [first, *rest.splitlines()]
     notes = [line for line in lines if line.startswith("note")]
     assert notes and "holds the store of a plain mesh" in notes[0] and "fresh --data folder" in notes[0], lines
+
+
+def test_topic_names_the_mesh_side_accepts() -> None:
+    from dafka.config import parse_topic
+    from dafka.errors import ConfigError
+
+    for name in ("has space", "a/b", "température", "__x", "t" * 255, "é" * 127):
+        assert parse_topic(name) == name  # the mesh and the Tank port take them (docs/reference/cli.md)
+    for name, words in (("", "1 to 255 bytes"), ("t" * 256, "256 bytes, at most 255"),
+                        ("é" * 128, "256 bytes, at most 255"), ("a\x00b", "NUL")):
+        with pytest.raises(ConfigError, match=words):
+            parse_topic(name)
