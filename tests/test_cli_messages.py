@@ -248,3 +248,16 @@ def test_topic_names_the_mesh_side_accepts() -> None:
                         ("é" * 128, "256 bytes, at most 255"), ("a\x00b", "NUL")):
         with pytest.raises(ConfigError, match=words):
             parse_topic(name)
+
+
+def test_options_that_belong_before_the_command_still_work_there() -> None:
+    from dafka.cli import build_parser, option_before_command
+
+    parser = build_parser()
+    for argv in (
+        ["--config", "c.toml", "--log-level", "debug", "consume", "x", "--tower", "h"],
+        ["--conf=c.toml", "--log", "debug", "topics"],  # argparse's unique prefixes
+        ["--version"],
+        ["consume", "x", "--tower", "h"],
+    ):
+        assert option_before_command(parser, argv) is None, argv

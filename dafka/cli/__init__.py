@@ -1080,7 +1080,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
     _add_security_flags(p, insecure=True)
 
-    p = sub.add_parser("produce", help="publish one record per input line")
+    p = sub.add_parser("produce", help="publish one record per input line, as lines arrive")
     p.add_argument("topic", type=topic_arg)
     _add_node_flags(p)
     p.add_argument("--file", help="read records from this file instead of stdin")
@@ -1294,8 +1294,9 @@ def option_before_command(parser: argparse.ArgumentParser, argv: list[str]) -> s
         if token == "--" or not token.startswith("-") or token == "-":
             return None  # the command (or an argument argparse will judge)
         name, eq, _ = token.partition("=")
-        if name in top:
-            i += 1 if eq or top[name].nargs == 0 else 2
+        known = [o for o in top if o.startswith(name)] if name.startswith("--") and name not in top else [name]
+        if len(known) == 1 and known[0] in top:  # argparse takes unique prefixes (--conf)
+            i += 1 if eq or top[known[0]].nargs == 0 else 2
             continue
         command = next((t for t in argv[i + 1 :] if t in commands), None)
         action = _options_of(commands[command]).get(name) if command else None
