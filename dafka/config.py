@@ -358,16 +358,58 @@ def parse_max_record_bytes(value: Any) -> int:
     return value
 
 
+_WIDE_BOMS = (
+    (b"\xff\xfe\x00\x00", "UTF-32 (little-endian, with a BOM)"),
+    (b"\x00\x00\xfe\xff", "UTF-32 (big-endian, with a BOM)"),
+    (b"\xff\xfe", "UTF-16 (little-endian, with a BOM)"),
+    (b"\xfe\xff", "UTF-16 (big-endian, with a BOM)"),
+)
+
+
+def config_text(raw: bytes, path: str) -> str:
+    """A config file's bytes as text: UTF-8, as TOML requires; a UTF-8 BOM is skipped.
+
+    Some Windows editors save "UTF-8 with BOM" (accepted, the BOM ignored) or
+    UTF-16 ("Unicode"): that, or any other encoding, is one error naming the
+    file and the encoding found.
+    """
+    for bom, name in _WIDE_BOMS:
+        if raw.startswith(bom):
+            raise ConfigError(f"config {path} is {name}, not UTF-8: save it as UTF-8")
+    head = raw[:64]
+    if len(head) >= 4 and b"\x00" in head:
+        # No BOM, but NUL bytes where ASCII text would be: UTF-16 or UTF-32.
+        zeros = [i % 4 for i, byte in enumerate(head) if byte == 0]
+        if len(zeros) * 4 >= len(head) * 3 - 4:
+            kind = "UTF-32"
+        elif all(i % 2 == 0 for i in zeros):
+            kind = "UTF-16 (big-endian)"
+        elif all(i % 2 == 1 for i in zeros):
+            kind = "UTF-16 (little-endian)"
+        else:
+            kind = "binary data with NUL bytes"
+        raise ConfigError(f"config {path} looks like {kind}, not UTF-8: save it as UTF-8")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(
+            f"config {path} is not UTF-8 (byte 0x{raw[exc.start]:02x} on line {line}; perhaps Latin-1 or"
+            " another legacy encoding): save it as UTF-8"
+        ) from None
+
+
 def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
     """Read the TOML file (if any) and apply ``$DAFKA_TOWERS``."""
     path = path or os.environ.get("DAFKA_CONFIG")
     data: dict[str, Any] = {}
     if path:
         try:
-            with Path(path).open("rb") as f:
-                data = tomllib.load(f)
+            raw = Path(path).read_bytes()
         except OSError as exc:
             raise ConfigError(f"cannot read config {path}: {exc}") from exc
+        try:
+            data = tomllib.loads(config_text(raw, str(path)))
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config {path} is not valid TOML: {exc}") from exc
         data = check_settings(data, str(path))
@@ -397,6 +439,29 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False  # "*", an interface name, a host name
+
+
+MAX_TOPIC_BYTES = 255  # the mesh's topic frames and Tank's str8
+
+
+def parse_topic(text: str) -> str:
+    """A topic name the mesh and the Tank port take: 1..255 bytes of UTF-8 without NUL.
+
+    (The Kafka port takes fewer: Kafka's own rule, see docs/reference/cli.md.)
+    """
+    size = len(text.encode("utf-8", "surrogateescape"))
+    if not text:
+        raise ConfigError("bad topic '': a topic name is 1 to 255 bytes")
+    if size > MAX_TOPIC_BYTES:
+        raise ConfigError(f"bad topic {shorten(text)}: {size} bytes, at most {MAX_TOPIC_BYTES}")
+    if "\x00" in text:
+        raise ConfigError(f"bad topic {shorten(text)}: it holds a NUL character")
+    return text
+
+
+def shorten(text: str, keep: int = 40) -> str:
+    """``text`` quoted, cut to its first ``keep`` characters when longer (bad input is not echoed whole)."""
+    return repr(text) if len(text) <= keep else f"{text[:keep]!r}... ({len(text)} characters)"
 
 
 def parse_port(text: str | int, *, minimum: int = 0, maximum: int = 65535) -> int:

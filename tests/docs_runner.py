@@ -28,6 +28,10 @@ mapped to those wherever a block names them.  The fences:
 - ``toml``: parsed and checked against :data:`dafka.config.SCHEMA`.
 - ``text``: sample output, not code.
 
+What a document leaves in its working directory must be ignored by the
+repository's ``.gitignore`` (``var/``): a reader runs the tutorials in the
+repository, and their keys, databases and outboxes must not land in a commit.
+
 Directives (HTML comments, invisible on the page):
 
 - ``<!-- docs-test: mesh -->`` anywhere in a file: ``dafka up --data var``
@@ -248,7 +252,32 @@ def run_doc(path: Path, tmp: Path) -> int:
             print(f"{where}: {block.lang} ran in {time.monotonic() - started:.1f} s", flush=True)
     finally:
         box.close()
+    left = unignored(box.cwd)
+    assert not left, (
+        f"{rel(path)} leaves {', '.join(left)} in the directory it runs in (the repository's, for a reader),"
+        " and git does not ignore it: keep a tutorial's state (keys, databases, outboxes) under var/"
+    )
     return 0
+
+
+def unignored(cwd: Path) -> list[str]:
+    """What a document left in ``cwd`` that the repository's .gitignore would not ignore there."""
+    names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in cwd.iterdir())
+    if not names:
+        return []
+    # A path inside a directory is ignored when the directory is: ask about one.
+    probes = {name + "x" if name.endswith("/") else name: name for name in names}
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "check-ignore", "--no-index", "--stdin"],
+            input="\n".join(probes) + "\n", capture_output=True, text=True, timeout=30,
+        )
+    except FileNotFoundError:
+        return []  # no git here: nothing to check against
+    if out.returncode not in (0, 1):
+        return []  # not a git checkout (an unpacked archive)
+    ignored = set(out.stdout.splitlines())
+    return [name for probe, name in probes.items() if probe not in ignored]
 
 
 if __name__ == "__main__":

@@ -220,7 +220,7 @@ def test_gateway_port_in_use_says_cannot_listen(tmp_path) -> None:
         port = busy.getsockname()[1]
         out = run("gateway", "--db", str(tmp_path / "gw"), "--listen", f"127.0.0.1:{port}", "--tower", "127.0.0.1:1:2")
     assert out.returncode == 1
-    assert f"cannot listen on 127.0.0.1:{port}" in error_line(out)
+    assert f"cannot listen for Tank clients on 127.0.0.1:{port}" in error_line(out)
 
 
 def test_tower_port_in_use_is_one_line(tower_proc: str) -> None:

@@ -37,42 +37,80 @@ from dafka.bench.tank import bench_tank
 from dafka.bench.zmq_baseline import bench_zmq
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def _options() -> dict[str, tuple[str, dict[str, Any]]]:
+    """Every benchmark option: its flag and argparse keywords (``help`` may be overridden per benchmark)."""
     from dafka.cli import count_arg, positive_seconds_arg
 
-    p.add_argument("which", choices=sorted(BENCHMARKS), help="what to measure")
-    p.add_argument("--records", type=count_arg, default=1_000_000, help="records per run")
-    p.add_argument("--runs", type=count_arg, default=3, help="runs (the median is reported)")
-    p.add_argument("--size", type=count_arg, default=PAYLOAD, help="payload bytes")
-    p.add_argument("--no-sync", action="store_true", help="store: do not fsync commits")
-    p.add_argument("--no-store", action="store_true", help="latency: no store process, delivery only")
-    p.add_argument("--transport", default="both", help="spark: path, gateway or both")
-    p.add_argument("--rate", type=count_arg, default=10_000, help="latency: records/s published")
-    p.add_argument(
-        "--seconds", type=positive_seconds_arg, default=3.0,
-        help="latency: seconds of publishing per run; embedded: seconds per measurement; scale: seconds measured",
-    )
-    p.add_argument("--secure", action="store_true", help="live, store, replay: CURVE mesh with temporary keys; zmq, ceiling: CURVE on the bare pair")
-    p.add_argument("--nodes", type=int, default=100, help="scale: producers in the mesh")
-    p.add_argument("--procs", type=int, default=4, help="scale: processes hosting the producers")
-    p.add_argument(
-        "--shared-loop", action="store_true",
-        help="scale, group --partitions: the producers of a process share one I/O thread (NodeLoop)",
-    )
-    p.add_argument(
-        "--partitions", type=int, default=0,
-        help="group: a group over this many partitions (one producer each, 1 record/s): rebalance times",
-    )
-    p.add_argument(
-        "--outbox-sync", choices=["each", "batch"], default="each",
-        help="outbox, latency --outbox: each (publish waits for the fsync) or batch",
-    )
-    p.add_argument("--outbox", action="store_true", help="latency: the producer publishes through an edge outbox")
-    p.add_argument(
-        "--no-batches", action="store_true",
-        help="live, store, replay, latency (plain mesh): one record a message, as to C readers",
-    )
-    _blocks_arguments(p)
+    return {
+        "records": ("--records", {"type": count_arg, "default": 1_000_000, "help": "records per run"}),
+        "runs": ("--runs", {"type": count_arg, "default": 3, "help": "runs (the median is reported)"}),
+        "size": ("--size", {"type": count_arg, "default": PAYLOAD, "help": "payload bytes"}),
+        "no_sync": ("--no-sync", {"action": "store_true", "help": "the store does not fsync its commits"}),
+        "no_store": ("--no-store", {"action": "store_true", "help": "no store process: delivery only"}),
+        "transport": ("--transport", {"choices": ["path", "gateway", "both"], "default": "both",
+                                      "help": "read the store's files (path), through the Tank gateway, or both"}),
+        "rate": ("--rate", {"type": count_arg, "default": 10_000, "help": "records/s published"}),
+        "seconds": ("--seconds", {"type": positive_seconds_arg, "default": 3.0, "help": "seconds measured"}),
+        "secure": ("--secure", {"action": "store_true", "help": "a CURVE mesh with temporary keys"}),
+        "nodes": ("--nodes", {"type": count_arg, "default": 100, "help": "producers in the mesh"}),
+        "procs": ("--procs", {"type": count_arg, "default": 4, "help": "processes hosting the producers"}),
+        "shared_loop": ("--shared-loop", {"action": "store_true",
+                                          "help": "the producers of a process share one I/O thread (NodeLoop)"}),
+        "partitions": ("--partitions", {"type": int, "default": 0,
+                                        "help": "a group over this many partitions (one producer each, 1 record/s):"
+                                                " rebalance times"}),
+        "outbox_sync": ("--outbox-sync", {"choices": ["each", "batch"], "default": "each",
+                                          "help": "each (publish waits for the fsync) or batch"}),
+        "outbox": ("--outbox", {"action": "store_true", "help": "the producer publishes through an edge outbox"}),
+        "no_batches": ("--no-batches", {"action": "store_true", "help": "one record a message, as to C readers"}),
+    }
+
+
+_COMMON = ("records", "runs", "size")
+# benchmark -> (what it measures, its options beyond _COMMON, help overrides)
+_BENCHMARKS: dict[str, tuple[str, tuple[str, ...], dict[str, str]]] = {
+    "zmq": ("the bare ZeroMQ PUB/SUB pair the mesh is measured against", ("secure",), {"secure": "CURVE on the bare pair"}),
+    "ceiling": ("a PUB/SUB pair doing a consumer's per-record work, without a node", ("secure",),
+                {"secure": "CURVE on the bare pair"}),
+    "live": ("producer -> consumer records/s", ("secure", "no_batches"), {}),
+    "store": ("records/s acknowledged by a store", ("secure", "no_batches", "no_sync"), {}),
+    "replay": ("a consumer reading stored records from the beginning", ("secure", "no_batches"), {}),
+    "tank": ("publish and fetch through the Tank gateway (records/s)", ("no_sync",), {}),
+    "kafka": ("a Kafka client through the Kafka gateway (records/s)", ("no_sync",), {}),
+    "kafka-group": ("Kafka consumer group failover through the gateway (seconds)", ("no_sync",), {}),
+    "embedded": ("publish and consume from an app thread, with and without a busy thread", ("seconds", "no_sync"), {"seconds": "seconds per measurement"}),
+    "aio": ("the asyncio producer and consumer beside the threaded ones", ("no_sync",), {}),
+    "scale": ("a mesh of many producers at 1 record/s", ("nodes", "procs", "seconds", "shared_loop", "no_sync"), {}),
+    "spark": ("rows/s of a Spark batch read of stored records", ("transport",), {}),
+    "latency": ("delivery and acknowledgement latency percentiles",
+                ("rate", "seconds", "no_store", "no_sync", "outbox", "outbox_sync", "no_batches"),
+                {"seconds": "seconds of publishing per run", "no_batches": "one record a message (plain mesh)"}),
+    "outbox": ("records/s through an edge outbox", ("outbox_sync", "no_sync", "no_batches"), {}),
+    "blocks": ("format-2 block layouts against today's one-entry-per-record store", (), {}),
+    "group": ("a consumer group: records/s and the kill-to-resume time",
+              ("partitions", "procs", "shared_loop", "no_sync"),
+              {"shared_loop": "--partitions: the producers of a process share one I/O thread"}),
+}
+_NOT_COMMON = {"scale": _COMMON, "latency": ("records",)}  # they count seconds, not records
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``dafka bench WHICH [options]``: one sub-command per benchmark, each with its own options."""
+    options = _options()
+    defaults = {dest: kw.get("default", False if kw.get("action") == "store_true" else None)
+                for dest, (_, kw) in options.items()}
+    sub = p.add_subparsers(dest="which", required=True, metavar="BENCHMARK")
+    for name in sorted(_BENCHMARKS):
+        what, own, helps = _BENCHMARKS[name]
+        q = sub.add_parser(name, help=what, description=f"dafka bench {name}: {what}")
+        used = (*(c for c in _COMMON if c not in _NOT_COMMON.get(name, ())), *own)
+        for dest in used:
+            flag, kw = options[dest]
+            q.add_argument(flag, **{**kw, "help": helps.get(dest, kw["help"])})
+        if name == "blocks":
+            _blocks_arguments(q)
+        # What a benchmark's code reads but it does not take: the defaults.
+        q.set_defaults(**{dest: value for dest, value in defaults.items() if dest not in used})
 
 
 def _spark_bench(args: argparse.Namespace) -> dict[str, list[float]]:
@@ -92,11 +130,11 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "kafka-group": bench_kafka_group,
     "embedded": bench_embedded,
     "aio": bench_aio,
-    "blocks": bench_blocks,
     "scale": bench_scale,
     "spark": _spark_bench,
     "latency": bench_latency,
     "outbox": bench_outbox,
+    "blocks": bench_blocks,
     "group": lambda args: bench_group_partitions(args) if args.partitions else bench_group(args),
 }
 

@@ -40,7 +40,9 @@ from dafka.config import (
     parse_listen,
     parse_max_record_bytes,
     parse_port,
+    parse_topic,
     parse_towers,
+    shorten,
 )
 from dafka.errors import ConfigError, DafkaError, ResumeError
 from dafka.nodes.security import SecurityConfig, security_from
@@ -212,6 +214,10 @@ def cmd_tower(args: argparse.Namespace, settings: Settings) -> int:
     bind = service_bind(args, args.bind or section.get("bind"), sec is not None, "tower")
     in_port = args.in_port if args.in_port is not None else parse_port(section.get("beacon_in_port", 5556))
     out_port = args.out_port if args.out_port is not None else parse_port(section.get("beacon_out_port", 5557))
+    if in_port == out_port and in_port != 0:
+        raise ConfigError(
+            f"--in-port and --out-port must differ (both {in_port}): beacons come in on one and go out on the other"
+        )
     signals = StopSignals()
     with Tower(bind, in_port, out_port, sec) as tower:
         mode = " (secure)" if sec else ""
@@ -288,24 +294,33 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
         resume_timeout=args.resume_timeout,
         **outbox_options(args),
     )
+    interrupt = _FirstInterrupt()
+    read = 0
+    start = producer.next_offset
     try:
         if args.no_ack:
             # Without stores nobody keeps the records: give consumers a moment to connect.
             deadline = time.monotonic() + args.wait_peers
-            while len(producer.peers) == 0 and time.monotonic() < deadline:
+            while len(producer.peers) == 0 and time.monotonic() < deadline and not interrupt.stop.is_set():
                 time.sleep(0.05)
         start = producer.next_offset
         from dafka.cli import progress
+        from dafka.cli.lines import read_batches
 
         # A bar for a file (its size is known); stdin is often a live stream.
         size = os.path.getsize(args.file) if args.file else None
         show = None if args.file else False
         bad: list[int] = []
         with progress.bar(size, f"publishing {args.topic}", bytes_=True, show=show) as bar:
-            lines = progress.read_lines(source, bar)
-            if args.format != "bytes":
-                lines = _encoded_lines(lines, args.format, bad)
-            producer.publish_many(lines)
+            # Lines go out as they arrive (`tail -f app.log | dafka produce logs`),
+            # a few ms apart at most; fast input still goes in batches.
+            for batch in read_batches(source.fileno(), interrupt.stop, time.monotonic, bar.update):
+                first = read + 1
+                read += len(batch)
+                if args.format != "bytes":
+                    batch = list(_encoded_lines(batch, args.format, bad, first))
+                if batch:
+                    producer.publish_many(batch)
         count = producer.next_offset - start
         if bad:
             print(
@@ -313,6 +328,8 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
                 f" (lines {', '.join(map(str, bad[:10]))}{', ...' if len(bad) > 10 else ''})",
                 file=sys.stderr,
             )
+        if interrupt.stop.is_set():
+            return _produce_interrupted(producer, args, read, count, start)
         if args.no_ack:
             time.sleep(args.linger)  # answer late FETCHes from the kept records
             producer.close(0)
@@ -329,20 +346,67 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
             file=sys.stderr,
         )
         return 1
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now
+        count = producer.next_offset - start
+        print(_interrupted_line(producer, args, read, count, start), file=sys.stderr)
+        return EXIT_INTERRUPTED
     finally:
+        interrupt.restore()
         if args.file:
             source.close()
         producer.close(0)
 
 
-def _encoded_lines(lines: Iterable[bytes], fmt: str, bad: list[int]) -> Iterator[bytes]:
+class _FirstInterrupt:
+    """The first Ctrl-C sets ``stop`` (the command ends cleanly); a second one raises KeyboardInterrupt."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self._before = signal.signal(signal.SIGINT, self._handler)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.stop.is_set():
+            raise KeyboardInterrupt
+        self.stop.set()
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGINT, self._before)
+
+
+def _interrupted_line(producer: Any, args: argparse.Namespace, read: int, count: int, start: int) -> str:
+    """``interrupted: N lines read, M published, K acknowledged`` (an error line if some are not)."""
+    head = f"interrupted: {read} lines read, {count} published"
+    if args.no_ack:
+        return f"{head} (no acknowledgement requested)"
+    acked = max(0, min(producer.acked_offset, producer.next_offset - 1) - (start - 1))
+    if acked >= count:
+        return f"{head}, {acked} acknowledged"
+    kept = f"; they stay in the outbox {args.outbox}" if args.outbox else ""
+    return f"error: {head}, {acked} acknowledged ({count - acked} not{kept})"
+
+
+def _produce_interrupted(producer: Any, args: argparse.Namespace, read: int, count: int, start: int) -> int:
+    """After a Ctrl-C: wait up to ``--timeout`` for what was published, then say what came of the lines."""
+    if not args.no_ack and producer.acked_offset < producer.next_offset - 1:
+        waiting = producer.next_offset - 1 - max(producer.acked_offset, start - 1)
+        print(
+            f"interrupted: waiting up to {args.timeout:g}s for {waiting} acknowledgements (Ctrl-C again to stop now)",
+            file=sys.stderr,
+            flush=True,
+        )
+        producer.flush(args.timeout)
+    print(_interrupted_line(producer, args, read, count, start), file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def _encoded_lines(lines: Iterable[bytes], fmt: str, bad: list[int], first: int = 1) -> Iterator[bytes]:
     """``produce --format``: each JSON input line as ``fmt`` (blank lines skipped; others
     that are not JSON are reported once each and their line numbers added to ``bad``)."""
     from dafka import values
 
     encode = values.serializer(fmt)
     assert encode is not None
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(lines, first):
         if not line.strip():
             continue
         try:
@@ -427,7 +491,10 @@ def cmd_outbox(args: argparse.Namespace, settings: Settings) -> int:
     print(f"outbox {info['path']}")
     print(f"  topic      {info['topic'] or '(unused)'}")
     print(f"  partition  {info['partition'] or '(unused)'}")
-    print(f"  offsets    {info['first']}..{info['next'] - 1} unacknowledged (next {info['next']})")
+    if info["records"]:
+        print(f"  offsets    {info['first']}..{info['next'] - 1} unacknowledged (next {info['next']})")
+    else:
+        print(f"  offsets    none unacknowledged (next {info['next']})")
     print(f"  records    {info['records']}  bytes {info['bytes']}  oldest {age}")
     for r in info["shown"]:
         print(f"  {r['offset']:>10}  {r['content']}")
@@ -537,6 +604,13 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
         if args.count is not None:
             print(f"error: interrupted after {seen} of {args.count} records", file=sys.stderr)
         return EXIT_INTERRUPTED
+    if args.count is None and seen == 0 and len(consumer.peers) == 0:
+        # Ended by --timeout or SIGTERM: a consumer that never reached the mesh failed, it did not "read nothing".
+        unreached = unreached_towers(cfg.towers)
+        if cfg.towers and len(unreached) == len(cfg.towers):
+            ended = "stopped" if stop.is_set() else f"got 0 records within {args.timeout:g}s"
+            print(f"error: {ended}: no tower reached at {', '.join(unreached)}", file=sys.stderr)
+            return EXIT_FAILURE
     if args.count is not None and seen < args.count:
         hint = f" (no tower reached at {tower_names(cfg.towers)})" if unreached and len(consumer.peers) == 0 else ""
         if stop.is_set():
@@ -591,13 +665,18 @@ def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
     section = settings.section("store")
     linger = linger_setting(section)
     signals = StopSignals()
+    cfg = service_node_config(args, settings, "store")
     try:
-        store = Store(db, service_node_config(args, settings, "store"), sync=sync, retention=policy, linger=linger)
+        store = Store(db, cfg, sync=sync, retention=policy, linger=linger)
     except lmdb.Error as exc:
         raise open_error(db, exc) from None
     with store:
-        print(f"store up: {store.address} db {db} (sync={'on' if sync else 'OFF'})", flush=True)
+        print(
+            f"store up: {store.address} db {db} (sync={'on' if sync else 'OFF'}), tower {tower_names(cfg.towers)}",
+            flush=True,
+        )
         serve_metrics(args, section, store)
+        note_unreached_towers(cfg.towers)
         return signals.wait()
 
 
@@ -648,17 +727,44 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
     except OSError as exc:
         if exc.filename is not None:  # a file of the database, not the socket
             raise
-        raise DafkaError(f"cannot listen on {listen[0]}:{listen[1]}: {exc.strerror or exc}") from None
+        raise listen_error(exc, listen, kafka_listen) from None
     kafka_port = getattr(gateway, "kafka_port", None)
     kafka_note = f", Kafka on {kafka_listen[0]}:{kafka_port}" if kafka_listen is not None else ""
     with gateway:
         print(
             f"gateway up: Tank on {listen[0]}:{gateway.tank_port}{kafka_note}, store {gateway.address} db {db}"
-            f" (sync={'on' if sync else 'OFF'})",
+            f" (sync={'on' if sync else 'OFF'}), tower {tower_names(cfg.towers)}",
             flush=True,
         )
         serve_metrics(args, section, gateway)
+        note_unreached_towers(cfg.towers)
         return signals.wait()
+
+
+def note_unreached_towers(towers: tuple[TowerAddress, ...]) -> None:
+    """A service just started: say so if no tower answers (it keeps trying)."""
+    unreached = unreached_towers(towers)
+    if towers and len(unreached) == len(towers):
+        print(f"note: no tower reached at {', '.join(unreached)}; still trying", file=sys.stderr, flush=True)
+
+
+_IN_USE_HINT = " (is another process using that port?)"
+
+
+def listen_error(exc: OSError, tank: tuple[str, int], kafka: tuple[str, int] | None) -> DafkaError:
+    """A gateway's failure to listen, naming the listener (Tank or Kafka) that failed when it can tell."""
+    text = str(exc)
+    reason = exc.strerror or text
+    hint = _IN_USE_HINT if exc.errno == errno.EADDRINUSE else ""
+    # socket.create_server names the address it failed to bind.
+    if kafka is not None and str(kafka) in text and str(tank) not in text:
+        return DafkaError(f"cannot listen for Kafka clients on {kafka[0]}:{kafka[1]} (--kafka-listen): {reason}{hint}")
+    if kafka is None or (str(tank) in text and str(kafka) not in text):
+        return DafkaError(f"cannot listen for Tank clients on {tank[0]}:{tank[1]} (--listen): {reason}{hint}")
+    return DafkaError(
+        f"cannot listen for Tank clients on {tank[0]}:{tank[1]} or for Kafka clients on {kafka[0]}:{kafka[1]}:"
+        f" {reason}{hint}"
+    )
 
 
 @command("tank")
@@ -689,8 +795,12 @@ def cmd_topics(args: argparse.Namespace, settings: Settings) -> int:
     try:
         with RecordDB(db, readonly=True) as records:
             rows = records.partitions(args.topic)
+            held = sorted({r.topic for r in records.partitions()}) if args.topic and not rows else []
     except lmdb.Error as exc:
         raise DafkaError(f"cannot read the database in {db}: {exc}") from None
+    if args.topic and not rows:
+        names = ", ".join(map(shorten, held[:10])) + (f", ... ({len(held)} in all)" if len(held) > 10 else "")
+        raise DafkaError(f"no topic {shorten(args.topic)} in {db} (" + (f"it holds {names})" if held else "it holds none)"))
     print(f"{'topic':<24} {'partition':<34} {'first':>12} {'last':>12} {'records':>12} {'bytes':>14}")
     by_topic: dict[str, list[Any]] = {}
     for r in rows:
@@ -858,12 +968,6 @@ def _towers(text: str) -> str:
     return text
 
 
-def _topic(text: str) -> str:
-    if not text or len(text.encode()) > 255 or "\x00" in text:
-        raise ValueError(f"bad topic {text!r}: 1..255 bytes without NUL")
-    return text
-
-
 def _number(kind: type, minimum: float, what: str) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         try:
@@ -880,7 +984,7 @@ def _number(kind: type, minimum: float, what: str) -> Callable[[str], Any]:
 host_arg = _checked(_host, "host")
 port_arg = _checked(lambda t: parse_port(t), "port")  # 0: any free port
 towers_arg = _checked(_towers, "tower")
-topic_arg = _checked(_topic, "topic")
+topic_arg = _checked(parse_topic, "topic")
 log_level_arg = _checked(_log_level, "log level")
 listen_arg = _checked(lambda t: parse_listen(t, 11011), "address")
 seconds_arg = _checked(_number(float, 0.0, "must be 0 or more seconds"), "seconds")
@@ -976,7 +1080,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
     _add_security_flags(p, insecure=True)
 
-    p = sub.add_parser("produce", help="publish one record per input line")
+    p = sub.add_parser("produce", help="publish one record per input line, as lines arrive")
     p.add_argument("topic", type=topic_arg)
     _add_node_flags(p)
     p.add_argument("--file", help="read records from this file instead of stdin")
@@ -1162,6 +1266,53 @@ _EXTRA_PARSERS: list[Callable[[Any], None]] = []
 _ADDRESS_ERRNOS = {errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.ENODEV, errno.EACCES, errno.EINVAL}
 
 
+def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _options_of(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """The options of a command and of its own sub-commands (``dafka bench live --records``)."""
+    options = dict(parser._option_string_actions)
+    for sub in _commands(parser).values():
+        options = {**_options_of(sub), **options}
+    return options
+
+
+def option_before_command(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """What is wrong when an option of a command comes before it (``dafka --tower H consume x``).
+
+    argparse would take the option's value for the command ("invalid choice").
+    """
+    commands = _commands(parser)
+    top = parser._option_string_actions
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--" or not token.startswith("-") or token == "-":
+            return None  # the command (or an argument argparse will judge)
+        name, eq, _ = token.partition("=")
+        known = [o for o in top if o.startswith(name)] if name.startswith("--") and name not in top else [name]
+        if len(known) == 1 and known[0] in top:  # argparse takes unique prefixes (--conf)
+            i += 1 if eq or top[known[0]].nargs == 0 else 2
+            continue
+        command = next((t for t in argv[i + 1 :] if t in commands), None)
+        action = _options_of(commands[command]).get(name) if command else None
+        if command is None or action is None:
+            where = f" of dafka {command}" if command else ""
+            return f"unknown option {_clip(name)}{where}: options of a command go after it"
+        value = "" if eq or action.nargs == 0 or i + 1 >= len(argv) else f" {_clip(argv[i + 1])}"
+        return f"{name} goes after the command: dafka {command} ... {_clip(token)}{value}"
+    return None
+
+
+def _clip(text: str) -> str:
+    """A word of the command line as typed, unless too long to echo."""
+    return text if len(text) <= 40 and text.isprintable() else shorten(text)
+
+
 def _error(message: object, code: int) -> int:
     print(f"error: {message}", file=sys.stderr, flush=True)
     return code
@@ -1173,6 +1324,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         parser = build_parser()
+        misplaced = option_before_command(parser, sys.argv[1:] if argv is None else argv)
+        if misplaced:
+            return _error(f"{misplaced} (see 'dafka --help')", EXIT_USAGE)
         args = parser.parse_args(argv)
         logging.basicConfig(
             level=getattr(logging, args.log_level),
@@ -1198,7 +1352,7 @@ def main(argv: list[str] | None = None) -> int:
         if exc.errno not in _ADDRESS_ERRNOS:
             raise
         hint = {
-            errno.EADDRINUSE: " (is another process using that port?)",
+            errno.EADDRINUSE: _IN_USE_HINT,
             errno.ENODEV: " (bind takes an interface name, an IP address of this machine or *)",
             errno.EADDRNOTAVAIL: " (that address is not one of this machine's)",
         }.get(exc.errno, "")

@@ -7,12 +7,9 @@ disabled and costs nothing but a check.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
 from tqdm import tqdm
-
-CHUNK = 1 << 16  # bytes read between bar updates (an update per line would cost more)
 
 
 def enabled(stream: IO[Any] | None = None) -> bool:
@@ -45,19 +42,3 @@ def bar(
         dynamic_ncols=True,
         mininterval=0.2,
     )
-
-
-def read_lines(source: Iterable[bytes], progress: tqdm) -> Iterator[bytes]:
-    """``source``'s lines without their line end, counting bytes read on ``progress``."""
-    if progress.disable:
-        for line in source:
-            yield line.rstrip(b"\r\n")
-        return
-    pending = 0
-    for line in source:
-        pending += len(line)
-        if pending >= CHUNK:
-            progress.update(pending)
-            pending = 0
-        yield line.rstrip(b"\r\n")
-    progress.update(pending)

@@ -8,7 +8,8 @@ pairs made once under ``DATA/keys`` (tower, store, gateway, a producer key
 ``app`` and a consumer key ``dash``), the allow-list ``DATA/allow`` (their
 public certificates), and two client configurations, ``DATA/producer.toml``
 and ``DATA/consumer.toml``, that any ``dafka`` command or embedded node can
-use (``dafka --config var/producer.toml produce TOPIC``).
+use (``dafka --config var/secure/producer.toml produce TOPIC`` after
+``dafka up --secure --data var/secure``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class Services:
         in_port = int(section.get("beacon_in_port", 5556))
         out_port = int(section.get("beacon_out_port", 5557))
         address = TowerAddress(self.bind if self.bind not in ("*", "0.0.0.0") else "127.0.0.1", in_port, out_port)
+        plain_before = self.secure and not (self.data_dir / "keys").exists() and any(
+            (self.data_dir / name / "data.mdb").exists() for name in ("store", "gateway")
+        )
         keys = secure_mesh(self.data_dir, address) if self.secure else {}
         tower = Tower(self.bind, in_port, out_port, keys.get("tower"))
         tower.start()
@@ -61,6 +65,11 @@ class Services:
                 f"clients    dafka --config {self.data_dir / 'producer.toml'} produce TOPIC  (producer key app)",
                 f"           dafka --config {self.data_dir / 'consumer.toml'} consume TOPIC  (consumer key dash)",
             ]
+        if plain_before:
+            self.notes.append(
+                f"note       {self.data_dir} holds the store of a plain mesh: its records are on this secure mesh"
+                " too; start on a fresh --data folder to keep them apart"
+            )
         for starter in _STARTERS:
             try:
                 role = starter.__name__.removeprefix("_start_")

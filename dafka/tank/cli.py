@@ -18,7 +18,7 @@ import argparse
 import sys
 from typing import Any
 
-from dafka.config import parse_listen
+from dafka.config import parse_listen, parse_topic
 from dafka.errors import ConfigError
 from dafka.tank.client import TankClient, TankConnectionError, TankError, UnknownTopicError
 from dafka.tank.codec import UINT64_MAX
@@ -76,6 +76,7 @@ def _timeout(text: str) -> float:
 
 broker_arg = _arg(lambda t: parse_listen(t, DEFAULT_PORT, minimum_port=1))
 partition_arg = _int_in(0, 65534)  # u16 ids; 0xffff marks an unknown topic
+topic_arg = _arg(parse_topic)  # Tank's str8: at most 255 bytes
 
 
 def _intermixed(base: type[argparse.ArgumentParser]) -> type[argparse.ArgumentParser]:
@@ -114,18 +115,18 @@ def add_parser(sub: Any) -> None:
     )
 
     q = tank.add_parser("create", help="create a topic with gateway-owned partitions")
-    q.add_argument("topic")
+    q.add_argument("topic", type=topic_arg)
     q.add_argument("partitions", type=_int_in(1, 65534), nargs="?", default=1)
 
     q = tank.add_parser("produce", help="publish messages (arguments, else stdin lines)")
-    q.add_argument("topic")
+    q.add_argument("topic", type=topic_arg)
     q.add_argument("messages", nargs="*")
     q.add_argument("-p", "--partition", type=partition_arg, default=0)
     q.add_argument("-k", "--key", help="key of every message")
     q.add_argument("--batch", type=_int_in(1, 1 << 30), default=1000, help="messages per produce request")
 
     q = tank.add_parser("consume", help="print messages, one per line")
-    q.add_argument("topic")
+    q.add_argument("topic", type=topic_arg)
     q.add_argument("-p", "--partition", type=partition_arg, help="only this partition (default: all, in order)")
     q.add_argument("--from", dest="start", type=_arg(_start), default="first", help="first, tail or a sequence number")
     q.add_argument("--count", type=_int_in(1, 1 << 62), help="stop after this many messages")
@@ -134,7 +135,7 @@ def add_parser(sub: Any) -> None:
 
     tank.add_parser("topics", help="list topics")
     q = tank.add_parser("partitions", help="first and last sequence number of each partition")
-    q.add_argument("topic")
+    q.add_argument("topic", type=topic_arg)
     tank.add_parser("status", help="the broker's status")
 
 
