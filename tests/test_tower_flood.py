@@ -1,0 +1,175 @@
+"""Hostile: a plain tower's beacon-out port flooded with random subscriptions.
+
+ZeroMQ's XPUB keeps every subscription a subscriber sends, about 50 bytes per
+byte of a random prefix, before the application reads any: 20 MB of them took
+a tower past 1 GB.  A plain tower reads them itself (dafka.nodes.tower_front)
+and bounds them; this test floods a real `dafka tower` process over raw TCP
+(ZMTP 3.0 and 3.1 subscriptions) and checks its peak memory and that a
+producer and a consumer still meet through it meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+
+from dafka.config import NodeConfig, TowerAddress
+from dafka.nodes.consumer import Consumer
+from dafka.nodes.producer import Producer
+from tests.conftest import dafka_cmd, spawned, subprocess_env, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+RSS_LIMIT_MB = 200
+FLOOD_BYTES = 30_000_000  # in all, over every connection
+FLOOD_SECONDS = 6.0
+SUBSCRIPTION = 64  # bytes of random prefix each
+
+_GREETING_TAIL = b"NULL".ljust(20, b"\0") + bytes(32)
+_READY_SUB = b"\x05READY\x0bSocket-Type\x00\x00\x00\x03SUB"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def zmtp_sub(port: int, minor: int, timeout: float = 5.0) -> socket.socket:
+    """A raw TCP connection that has done the ZMTP 3.<minor> NULL handshake as a SUB."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    sock.sendall(b"\xff" + bytes(7) + b"\x01\x7f" + bytes((3, minor)) + _GREETING_TAIL)
+    sock.sendall(b"\x04" + bytes((len(_READY_SUB),)) + _READY_SUB)
+    got = b""
+    # Greeting (64) and the server's READY: send nothing more before it came
+    # (libzmq refuses commands that arrive before its own handshake is done).
+    while len(got) < 64 + 2 + 26:
+        chunk = sock.recv(4096)
+        if not chunk:
+            raise ConnectionError("closed during the handshake")
+        got += chunk
+    return sock
+
+
+def subscriptions(minor: int, n: int) -> bytes:
+    """``n`` random subscriptions, as a libzmq SUB sends them to a ZMTP 3.<minor> peer."""
+    body = os.urandom(n * SUBSCRIPTION)
+    if minor >= 1:  # ZMTP 3.1: a SUBSCRIBE command
+        head = b"\x04" + bytes((SUBSCRIPTION + 10,)) + b"\x09SUBSCRIBE"
+    else:  # ZMTP 3.0: a message of 0x01 + the prefix
+        head = b"\x00" + bytes((SUBSCRIPTION + 1,)) + b"\x01"
+    return b"".join(head + body[i : i + SUBSCRIPTION] for i in range(0, len(body), SUBSCRIPTION))
+
+
+class Flood:
+    """Threads that send random subscriptions, reconnecting when cut, until a byte budget or deadline."""
+
+    def __init__(self, port: int, threads: int = 4) -> None:
+        self.port = port
+        self.sent = 0
+        self.cuts = 0
+        self.lock = threading.Lock()
+        self.deadline = time.monotonic() + FLOOD_SECONDS
+        self.threads = [threading.Thread(target=self.run, args=(i % 2,), daemon=True) for i in range(threads)]
+
+    def start(self) -> Flood:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(FLOOD_SECONDS + 10)
+
+    def run(self, minor: int) -> None:
+        for _ in range(10_000):  # connections; bounded by bytes and time too
+            if self.sent >= FLOOD_BYTES or time.monotonic() >= self.deadline:
+                return
+            try:
+                sock = zmtp_sub(self.port, minor)
+            except OSError:
+                time.sleep(0.01)
+                continue
+            try:
+                while self.sent < FLOOD_BYTES and time.monotonic() < self.deadline:
+                    chunk = subscriptions(minor, 4096)  # new ones each time: ZeroMQ keeps each once
+                    sock.sendall(chunk)
+                    with self.lock:
+                        self.sent += len(chunk)
+            except OSError:
+                with self.lock:
+                    self.cuts += 1
+            finally:
+                sock.close()
+
+
+def memory_mb(pid: int, field: str = "VmHWM") -> int:
+    """A process's peak (VmHWM) or current (VmRSS) resident memory."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) // 1024
+    raise AssertionError(f"no {field}")
+
+
+def settled(pid: int, timeout: float = 8.0) -> None:
+    """Wait until the process has read what the kernel still held for it (its memory stops growing)."""
+    last = -1
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        now = memory_mb(pid, "VmRSS")
+        if now == last:
+            return
+        last = now
+        time.sleep(0.5)
+
+
+@pytest.fixture
+def tower_proc() -> tuple[subprocess.Popen, NodeConfig]:
+    in_port, out_port = free_port(), free_port()
+    proc = spawned(
+        subprocess.Popen(
+            dafka_cmd("tower", "--bind", "127.0.0.1", "--in-port", str(in_port), "--out-port", str(out_port)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=subprocess_env(),
+        )
+    )
+    assert b"tower up" in proc.stdout.readline()  # type: ignore[union-attr]
+    cfg = NodeConfig(
+        towers=(TowerAddress("127.0.0.1", in_port, out_port),),
+        bind="127.0.0.1",
+        beacon_interval=0.2,
+        beacon_timeout=2.0,
+    )
+    return proc, cfg
+
+
+def test_subscription_flood_keeps_a_plain_tower_small_and_serving(tower_proc) -> None:
+    proc, cfg = tower_proc
+    flood = Flood(cfg.towers[0].out_port).start()
+    try:
+        # While the flood runs: a producer and a consumer still find each other and records flow.
+        with Consumer("flooded", cfg, offset_reset="earliest") as consumer, Producer(
+            "flooded", cfg, acks=False
+        ) as producer:
+            wait_until(lambda: producer.address in consumer.peers and consumer.address in producer.peers, 15)
+            producer.publish(b"through the flood")
+            record = None
+            deadline = time.monotonic() + 10
+            while record is None and time.monotonic() < deadline:
+                record = consumer.poll(0.2)
+            assert record is not None and record.content == b"through the flood"
+    finally:
+        flood.join()
+    assert proc.poll() is None, "the tower died"
+    assert flood.sent >= 5_000_000, f"the flood sent only {flood.sent} bytes"
+    assert flood.cuts >= 1, "no flooding connection was cut: the flood never reached a bound"
+    settled(proc.pid)
+    peak = memory_mb(proc.pid)
+    assert peak < RSS_LIMIT_MB, f"tower peaked at {peak} MB after {flood.sent / 1e6:.0f} MB of subscriptions"
