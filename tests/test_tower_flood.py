@@ -19,6 +19,7 @@ import time
 import pytest
 
 from dafka.config import NodeConfig, TowerAddress
+from dafka.core import beacon, wire
 from dafka.nodes.consumer import Consumer
 from dafka.nodes.producer import Producer
 from tests.conftest import dafka_cmd, spawned, subprocess_env, wait_until
@@ -173,3 +174,50 @@ def test_subscription_flood_keeps_a_plain_tower_small_and_serving(tower_proc) ->
     settled(proc.pid)
     peak = memory_mb(proc.pid)
     assert peak < RSS_LIMIT_MB, f"tower peaked at {peak} MB after {flood.sent / 1e6:.0f} MB of subscriptions"
+
+
+def test_many_connections_each_under_its_bound_stay_within_the_total(tower_proc) -> None:
+    """Twenty-four connections of 9,000 subscriptions each (under one connection's bound): those holding
+    the most are cut once all hold more than the total bound; a real subscriber keeps hearing."""
+    import zmq
+
+    proc, cfg = tower_proc
+    out_port = cfg.towers[0].out_port
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, wire.WELCOME)
+    sub.setsockopt(zmq.SUBSCRIBE, beacon.HELLO)  # the tower's hello, every 2 s
+    sub.connect(f"tcp://127.0.0.1:{out_port}")
+    floods: list[socket.socket] = []
+    try:
+        assert sub.poll(5000)
+        assert sub.recv_multipart() == [wire.WELCOME]
+        cut = 0
+        for i in range(24):
+            sock = zmtp_sub(out_port, i % 2)
+            floods.append(sock)
+            try:
+                sock.sendall(subscriptions(i % 2, 9_000))
+            except OSError:
+                cut += 1
+        settled(proc.pid)
+        assert proc.poll() is None
+        peak = memory_mb(proc.pid)
+        assert peak < RSS_LIMIT_MB, f"tower peaked at {peak} MB"
+        for sock in floods:  # cut ones read as closed (or reset)
+            sock.settimeout(0.01)
+            try:
+                if sock.recv(65536) == b"":
+                    cut += 1
+            except TimeoutError:
+                pass
+            except OSError:
+                cut += 1
+        assert cut >= 12, f"only {cut} of 24 connections cut"
+        while sub.poll(0):
+            sub.recv_multipart()
+        assert sub.poll(5000), "the real subscriber was cut too"
+    finally:
+        sub.close(0)
+        for sock in floods:
+            sock.close()

@@ -225,9 +225,10 @@ class Session:
             raise ProtocolError(f"a subscription of {size} bytes (at most {self.max_subscription})")
 
     def _on_ready(self, flags: int, body: bytes) -> None:
-        if not flags & COMMAND or not body or body[1 : 1 + body[0]] != b"READY":
-            if flags & COMMAND and body[1 : 1 + body[0]] == b"ERROR":
-                raise ProtocolError(f"peer says ERROR: {body[7:].decode('utf-8', 'replace')[:80]!r}")
+        name = body[1 : 1 + body[0]] if flags & COMMAND and body else b""
+        if name == b"ERROR":
+            raise ProtocolError(f"peer says ERROR: {body[7:].decode('utf-8', 'replace')[:80]!r}")
+        if name != b"READY":
             raise ProtocolError("expected READY")
         props = parse_properties(body[1 + body[0] :])
         peer_type = props.get(b"Socket-Type", b"")
