@@ -50,6 +50,12 @@ PUBLISHER_PEERS = frozenset((b"SUB", b"XSUB"))  # who may connect to an XPUB (as
 # Bounds of a publishing port (see SubscriptionBook and Session).
 MAX_SUBSCRIPTION = 1024  # bytes of one prefix; a longer one cuts its connection
 MAX_HANDSHAKE_FRAME = 8192  # bytes of a READY command (properties: Socket-Type, Identity, user metadata)
+# ZMQ_MAXMSGSIZE of the libzmq sockets that take nothing but subscriptions
+# (nodes' data publishers and beacon PUBs): a longer frame cuts its connection.
+# It holds any subscription nodes make (at most 258 bytes) and, in secure mode,
+# the CURVE handshake commands (INITIATE is about 300 bytes) and a CURVE
+# MESSAGE's 41 bytes around a subscription.
+SUBSCRIPTION_FRAME_MAX = MAX_SUBSCRIPTION
 # What one held subscription is taken to cost, besides its bytes: a Python
 # bytes object, its place in the connection's set and in the book's index.
 ENTRY_COST = 256

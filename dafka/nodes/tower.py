@@ -58,6 +58,9 @@ from dafka.nodes.tower_front import PlainXpub
 _POLLIN = int(zmq.POLLIN)
 
 log = logging.getLogger("dafka.tower")
+# The longest frame the beacons-in XSUB takes (ZMQ_MAXMSGSIZE): a beacon's are
+# at most a few hundred bytes; the CURVE handshake's about 300.
+BEACON_FRAME_MAX = 4096
 PROBE_TIMEOUT = 2.0  # seconds a TCP connection to an announced endpoint may take
 
 
@@ -98,6 +101,9 @@ class Tower:
         self.xsub = self.ctx.socket(zmq.XSUB)
         self.xsub.setsockopt(zmq.LINGER, 0)
         self.xsub.setsockopt(zmq.RCVHWM, beacon.BEACON_HWM)
+        # Beacon frames are short: a longer one cuts its connection before ZeroMQ
+        # assembles it (else BEACON_HWM messages of any size could wait here).
+        self.xsub.setsockopt(zmq.MAXMSGSIZE, BEACON_FRAME_MAX)
         # Beacons out: libzmq's XPUB in secure mode (CURVE), else our own (see tower_front).
         self.front: PlainXpub | None = None
         self.xpub: zmq.Socket | None = None

@@ -1,11 +1,13 @@
-"""Hostile: a plain tower's beacon-out port flooded with random subscriptions.
+"""Hostile: subscriptions flooding a plain tower's beacon-out port, and oversize ones on nodes' ports.
 
 ZeroMQ's XPUB keeps every subscription a subscriber sends, about 50 bytes per
 byte of a random prefix, before the application reads any: 20 MB of them took
 a tower past 1 GB.  A plain tower reads them itself (dafka.nodes.tower_front)
 and bounds them; this test floods a real `dafka tower` process over raw TCP
 (ZMTP 3.0 and 3.1 subscriptions) and checks its peak memory and that a
-producer and a consumer still meet through it meanwhile.
+producer and a consumer still meet through it meanwhile.  Nodes' publishers
+(libzmq XPUBs and PUBs) and the tower's beacons-in XSUB cut a connection whose
+frame is longer than they ever need (ZMQ_MAXMSGSIZE).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 import pytest
 
 from dafka.config import NodeConfig, TowerAddress
-from dafka.core import beacon, wire
+from dafka.core import beacon, wire, zmtp
 from dafka.nodes.consumer import Consumer
 from dafka.nodes.producer import Producer
 from tests.conftest import dafka_cmd, spawned, subprocess_env, wait_until
@@ -49,7 +51,7 @@ def zmtp_sub(port: int, minor: int, timeout: float = 5.0) -> socket.socket:
     got = b""
     # Greeting (64) and the server's READY: send nothing more before it came
     # (libzmq refuses commands that arrive before its own handshake is done).
-    while len(got) < 64 + 2 + 26:
+    while len(got) < 66 or len(got) < 66 + got[65]:
         chunk = sock.recv(4096)
         if not chunk:
             raise ConnectionError("closed during the handshake")
@@ -221,3 +223,57 @@ def test_many_connections_each_under_its_bound_stay_within_the_total(tower_proc)
         sub.close(0)
         for sock in floods:
             sock.close()
+
+
+def wait_closed(sock: socket.socket, timeout: float = 5.0) -> bool:
+    """Whether the other side closed ``sock`` (EOF or reset) within ``timeout``; reads what comes."""
+    sock.settimeout(0.05)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if sock.recv(65536) == b"":
+                return True
+        except TimeoutError:
+            continue
+        except OSError:
+            return True
+    return False
+
+
+def test_a_producers_data_port_cuts_an_oversize_subscription(cfg: NodeConfig) -> None:
+    with Consumer("bounded", cfg, offset_reset="earliest") as consumer, Producer("bounded", cfg, acks=False) as producer:
+        wait_until(lambda: producer.address in consumer.peers and consumer.address in producer.peers)
+        longest = b"M" + b"t" * 255 + b"\x00"  # as long as a node's subscriptions get (and a batch twin's)
+        kept = zmtp_sub(producer.port, 1)
+        kept.sendall(zmtp.command(b"SUBSCRIBE", longest))
+        cut = [zmtp_sub(producer.port, minor) for minor in (0, 1)]
+        oversize = os.urandom(2000)
+        cut[0].sendall(b"\x02" + (len(oversize) + 1).to_bytes(8, "big") + b"\x01" + oversize)
+        cut[1].sendall(b"\x06" + (len(oversize) + 10).to_bytes(8, "big") + b"\x09SUBSCRIBE" + oversize)
+        try:
+            assert all(wait_closed(sock) for sock in cut)
+            assert not wait_closed(kept, 0.3)
+            producer.publish(b"still serving")
+            record = None
+            deadline = time.monotonic() + 10
+            while record is None and time.monotonic() < deadline:
+                record = consumer.poll(0.2)
+            assert record is not None and record.content == b"still serving"
+        finally:
+            kept.close()
+            for sock in cut:
+                sock.close()
+
+
+def test_tower_beacons_in_cuts_an_oversize_frame(tower_proc) -> None:
+    """A 'beacon' of 100 MB is refused on its header, not assembled."""
+    _, cfg = tower_proc
+    sock = socket.create_connection(("127.0.0.1", cfg.towers[0].in_port), timeout=5)
+    try:
+        sock.sendall(b"\xff" + bytes(7) + b"\x01\x7f" + bytes((3, 1)) + _GREETING_TAIL)
+        ready = b"\x05READY\x0bSocket-Type\x00\x00\x00\x03PUB"
+        sock.sendall(b"\x04" + bytes((len(ready),)) + ready)
+        sock.sendall(b"\x02" + (100_000_000).to_bytes(8, "big") + b"B" * 65536)
+        assert wait_closed(sock)
+    finally:
+        sock.close()
