@@ -282,8 +282,9 @@ class SubscriptionBook(Generic[P]):
     (each prefix counted as its length + ``ENTRY_COST``); past either,
     :meth:`subscribe` raises SubscriptionLimit (cut the peer).  All peers hold
     at most ``total_bytes``; past it :meth:`subscribe` names the peers to cut,
-    those holding the most first, until the rest fit (the subscriber may be
-    one of them).
+    those holding the most first, until the rest hold 90% of it (the
+    subscriber may be one of them); the caller cuts them and closes them
+    here (:meth:`close`).
     """
 
     def __init__(
@@ -342,10 +343,10 @@ class SubscriptionBook(Generic[P]):
         return self._release(peer, prefix)
 
     def close(self, peer: P) -> list[bytes]:
-        """Forget ``peer``; the prefixes that lost their last holder."""
+        """Forget ``peer``; the prefixes that lost their last holder (in order, as libzmq's trie gives them)."""
         held = self._held.pop(peer, set())
         self.total -= self._cost.pop(peer, 0)
-        return [prefix for prefix in held if self._release(peer, prefix)]
+        return [prefix for prefix in sorted(held) if self._release(peer, prefix)]
 
     def match(self, topic: bytes) -> list[P]:
         """The peers holding a prefix of ``topic``, each once."""
@@ -390,7 +391,8 @@ class SubscriptionBook(Generic[P]):
     def _over_budget(self) -> list[P]:
         if self.total <= self.total_bytes:
             return []
-        over = self.total - self.total_bytes
+        # Down to 90%: the next cut is not due at the next subscription (each looks at every peer).
+        over = self.total - self.total_bytes * 9 // 10
         cut: list[P] = []
         for peer in sorted(self._cost, key=self._cost.__getitem__, reverse=True):
             cut.append(peer)

@@ -174,8 +174,12 @@ class PlainXpub:
                 sock.close()
                 self.cut(peer, f"more than {MAX_CONNECTIONS} connections")
                 continue
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as libzmq
+            try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as libzmq
+            except OSError:
+                sock.close()  # gone already
+                continue
             conn = _Conn(sock, peer, now + HANDSHAKE_TIMEOUT)
             self.conns[conn.fd] = conn
             self.selector.register(sock, selectors.EVENT_READ, conn)
