@@ -197,6 +197,35 @@ def test_pyzmq_sub_sockets_meet_the_front(front: FrontThread) -> None:
             s.close(0)
 
 
+def test_heartbeating_sub_and_xsub_peers(front: FrontThread) -> None:
+    """A SUB that pings (ZMQ_HEARTBEAT_IVL) is answered and stays; an XSUB's subscriptions count too."""
+    ctx = zmq.Context.instance()
+    sub, xsub = ctx.socket(zmq.SUB), ctx.socket(zmq.XSUB)
+    try:
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.HEARTBEAT_IVL, 50)
+        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 200)
+        sub.setsockopt(zmq.SUBSCRIBE, b"B")
+        sub.connect(f"tcp://127.0.0.1:{front.port}")
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        xsub.setsockopt(zmq.LINGER, 0)
+        xsub.connect(f"tcp://127.0.0.1:{front.port}")
+        xsub.send(b"\x01X")
+        wait_until(lambda: {b"\x01B", b"\x01X"} <= set(front.events))
+        time.sleep(0.6)  # three heartbeat timeouts
+        assert not monitor.poll(0), "the SUB dropped its connection: no PONG"
+        front.send([b"B", b"beat"])
+        assert sub.poll(2000) and sub.recv_multipart() == [b"B", b"beat"]
+        front.send([b"X", b"to the xsub"])
+        assert xsub.poll(2000) and xsub.recv_multipart() == [wire.WELCOME]
+        assert xsub.poll(2000) and xsub.recv_multipart() == [b"X", b"to the xsub"]
+        sub.disable_monitor()
+        monitor.close(0)
+    finally:
+        sub.close(0)
+        xsub.close(0)
+
+
 def test_secure_peer_and_wrong_socket_types_are_refused(front: FrontThread) -> None:
     for hello in (
         zmtp.SIGNATURE + b"\x03\x01" + b"CURVE".ljust(20, b"\0") + bytes(32),
