@@ -299,7 +299,7 @@ def test_book_bounds_and_eviction() -> None:
     first, cut = book.subscribe("c", b"C" * 500)
     assert first and cut == ["a"]  # the largest holder, until the rest fit
     assert book.close("a") == [b"B", b"X", b"Y"]
-    assert book.total == 500 + zmtp.ENTRY_COST and book.match(b"B") == []
+    assert book.total == 500 + zmtp.ENTRY_COST + zmtp.HOLDING_COST and book.match(b"B") == []
 
 
 prefixes = st.binary(max_size=4)
@@ -324,7 +324,30 @@ def test_book_matches_as_an_xpub(ops, topic: bytes) -> None:
             assert last == (had and not any(prefix in h for h in model.values()))
         reported[prefix] = 1
     assert sorted(book.match(topic)) == sorted(p for p, h in model.items() if any(topic.startswith(x) for x in h))
-    assert len(book) == len(set().union(*model.values())) if model else len(book) == 0
+    distinct = set().union(*model.values()) if model else set()
+    assert len(book) == len(distinct)
+    holdings = sum(len(h) for h in model.values())
+    assert book.total == sum(len(p) + zmtp.ENTRY_COST for p in distinct) + holdings * zmtp.HOLDING_COST
+    for peer in list(model):
+        book.close(peer)
+    assert book.total == 0 and len(book) == 0
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(st.integers(0, 5), st.binary(max_size=60)), max_size=60))
+def test_book_cuts_bring_the_total_under_its_bound(ops) -> None:
+    book: zmtp.SubscriptionBook[int] = zmtp.SubscriptionBook(peer_count=50, peer_bytes=10_000, total_bytes=3000)
+    for peer, prefix in ops:
+        try:
+            _, cut = book.subscribe(peer, prefix)
+        except zmtp.SubscriptionLimit:
+            book.close(peer)
+            continue
+        for other in cut:
+            book.close(other)
+        assert book.total <= 3000
+        if cut:
+            assert book.total <= 2700
 
 
 def valid_stream(minor: int, subs: list[tuple[bool, bytes]]) -> bytes:

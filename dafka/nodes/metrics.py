@@ -108,7 +108,7 @@ GAUGES: list[tuple[str, Getter, str]] = [
     (
         "dafka_subscription_bytes",
         lambda n: n.front.book.total,
-        "Plain tower: subscriptions held on the beacon-out port, in bytes as bounded (each counted as its length + 256)",
+        "Plain tower: subscriptions held on the beacon-out port, counted as bounded (see the security model)",
     ),
     (
         "dafka_partitions",
