@@ -100,6 +100,8 @@ def test_embedded_nodes_each_serve_their_own_registry(cfg: NodeConfig, tower: To
         assert "dafka_records_delivered_total" not in pm
         tm = scrape(tower_server.port)
         assert tm["dafka_beacons_relayed_total"] > 0
+        assert tm["dafka_subscribers_cut_total"] == 0
+        assert tm["dafka_subscription_bytes"] > 0  # the nodes' W, XT...
     finally:
         tower_server.close()
         producer.close(0)

@@ -93,6 +93,11 @@ COUNTERS: list[tuple[str, Getter, str]] = [
     ),
     ("dafka_records_refused", "records_refused", "Records the store's database refused (their partition is read again)"),
     ("dafka_beacons_relayed", "beacons", "Node beacons relayed to the mesh"),
+    (
+        "dafka_subscribers_cut",
+        lambda n: n.front.cut.count,
+        "Plain tower: beacon-out connections cut (subscriptions over their bounds, no handshake, too far behind)",
+    ),
     ("dafka_malformed_input", lambda n: n.bad_input.count, "Malformed messages dropped"),
     ("dafka_loop_turns", "loop_turns", "Wake-ups of the node's I/O loop (input, timers or work)"),
     ("dafka_outbox_evicted", lambda n: n._outbox.evicted, "Records evicted from the edge outbox unacknowledged (drop_oldest)"),
@@ -100,6 +105,11 @@ COUNTERS: list[tuple[str, Getter, str]] = [
 
 GAUGES: list[tuple[str, Getter, str]] = [
     ("dafka_peers", lambda n: len(n.peers), "Peers currently known through the towers"),
+    (
+        "dafka_subscription_bytes",
+        lambda n: n.front.book.total,
+        "Plain tower: subscriptions held on the beacon-out port, counted as bounded (see the security model)",
+    ),
     (
         "dafka_partitions",
         lambda n: len(n._heads) if hasattr(n, "_heads") else len(n._trackers),

@@ -46,7 +46,7 @@ import zmq
 
 from dafka import fastio
 from dafka.config import DEFAULT_MAX_RECORD_BYTES, NodeConfig, default_node_config, loopback_trap
-from dafka.core import beacon, reach, wire
+from dafka.core import beacon, reach, wire, zmtp
 from dafka.core.audience import BatchAudience
 from dafka.core.peers import Connect, PeerAction, PeerTable, TowerWatch, refused_hint
 from dafka.errors import ConfigError, ProtocolError
@@ -257,6 +257,8 @@ class Node:
         self.publisher = self.ctx.socket(self.publisher_type)
         self.publisher.setsockopt(zmq.SNDHWM, cfg.hwm)
         self.publisher.setsockopt(zmq.LINGER, 2000)
+        # Peers send it subscriptions only: one longer than this cuts its connection.
+        self.publisher.setsockopt(zmq.MAXMSGSIZE, zmtp.SUBSCRIPTION_FRAME_MAX)
         if self.publisher_type == zmq.XPUB:
             # Every subscribe and unsubscribe (a peer leaving too): the audience counts them.
             self.publisher.setsockopt(zmq.XPUB_VERBOSER, 1)
@@ -299,6 +301,7 @@ class Node:
 
         self.beacon_pub = self.ctx.socket(zmq.PUB)
         self.beacon_pub.setsockopt(zmq.LINGER, 0)
+        self.beacon_pub.setsockopt(zmq.MAXMSGSIZE, zmtp.SUBSCRIPTION_FRAME_MAX)  # towers forward subscriptions
         self.beacon_sub = self.ctx.socket(zmq.SUB)
         self.beacon_sub.setsockopt(zmq.LINGER, 0)
         self.beacon_sub.setsockopt(zmq.RCVHWM, beacon.BEACON_HWM)

@@ -21,6 +21,13 @@ relayed by their own prefix, and those of one first frame that come within
 (:class:`~dafka.core.beacon.RelayBatcher`); ``B`` beacons go out one by one,
 as C nodes read them.
 
+A plain tower's beacon-out port is not a libzmq XPUB but
+:class:`~dafka.nodes.tower_front.PlainXpub`, the same bytes on the wire with
+bounded subscriptions (libzmq's XPUB stores every one a subscriber sends);
+a secure tower keeps libzmq's (CURVE: allowed keys only).  Only subscriptions
+that can select a node beacon the tower does not already take (``B``, and the
+empty one) are forwarded to the XSUB, so none reaches nodes' beacon PUBs in vain.
+
 Dafka only: a node that subscribed its REFLECTION gets, after each of its
 beacons, how this tower sees it (the peer address, the endpoint relayed) and
 whether the tower could open a TCP connection to that endpoint (plain mode;
@@ -36,6 +43,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterable, Sequence
 
 import zmq
 
@@ -45,11 +53,26 @@ from dafka.fastio import events as zmq_events
 from dafka.fastio import send_frames
 from dafka.nodes import security
 from dafka.nodes.node import ErrorLog
+from dafka.nodes.tower_front import PlainXpub
 
 _POLLIN = int(zmq.POLLIN)
 
 log = logging.getLogger("dafka.tower")
+# The longest frame the beacons-in XSUB takes (ZMQ_MAXMSGSIZE): a beacon's are
+# at most a few hundred bytes; the CURVE handshake's about 300.
+BEACON_FRAME_MAX = 4096
 PROBE_TIMEOUT = 2.0  # seconds a TCP connection to an announced endpoint may take
+
+
+def forwarded(subscription: bytes) -> bool:
+    """Whether an (un)subscription frame from the beacon-out port goes on to the nodes' beacon PUBs.
+
+    Nodes send ``B`` beacons and interest beacons (``X...``), and the tower
+    subscribes all of ``X`` itself: only a prefix of ``B`` (``B`` or the empty
+    one) changes what they send.  Anything else would only be stored, by the
+    XSUB and by every node's beacon PUB (ZeroMQ keeps them all).
+    """
+    return len(subscription) <= 2 and subscription[:1] in (b"\x00", b"\x01") and wire.BEACON.startswith(subscription[1:])
 
 
 def check_bound(address: str, key: bytes) -> None:
@@ -77,11 +100,18 @@ class Tower:
         self.ctx = self.guard.ctx if self.guard else zmq.Context.instance()
         self.xsub = self.ctx.socket(zmq.XSUB)
         self.xsub.setsockopt(zmq.LINGER, 0)
-        self.xpub = self.ctx.socket(zmq.XPUB)
-        self.xpub.setsockopt(zmq.LINGER, 0)
-        self.xpub.setsockopt(zmq.XPUB_WELCOME_MSG, wire.WELCOME)
-        self.xpub.setsockopt(zmq.SNDHWM, beacon.TOWER_HWM)  # per subscriber (see TOWER_HWM)
         self.xsub.setsockopt(zmq.RCVHWM, beacon.BEACON_HWM)
+        # Beacon frames are short: a longer one cuts its connection before ZeroMQ
+        # assembles it (else BEACON_HWM messages of any size could wait here).
+        self.xsub.setsockopt(zmq.MAXMSGSIZE, BEACON_FRAME_MAX)
+        # Beacons out: libzmq's XPUB in secure mode (CURVE), else our own (see tower_front).
+        self.front: PlainXpub | None = None
+        self.xpub: zmq.Socket | None = None
+        if security_config is not None:
+            self.xpub = self.ctx.socket(zmq.XPUB)
+            self.xpub.setsockopt(zmq.LINGER, 0)
+            self.xpub.setsockopt(zmq.XPUB_WELCOME_MSG, wire.WELCOME)
+            self.xpub.setsockopt(zmq.SNDHWM, beacon.TOWER_HWM)  # per subscriber (see TOWER_HWM)
         self._refusals: list[security.RefusalLog] = []
         self._known_keys = set(self.guard.roles) if self.guard else set()
         if security_config is not None:
@@ -91,11 +121,20 @@ class Tower:
                 self._refusals.append(security.RefusalLog(sock, what, log))
         try:
             self.in_port = self._bind(self.xsub, bind, in_port)
-            self.out_port = self._bind(self.xpub, bind, out_port)
+            if self.xpub is not None:
+                self.out_port = self._bind(self.xpub, bind, out_port)
+            else:
+                self.front = PlainXpub(bind, out_port, wire.WELCOME)
+                self.out_port = self.front.port
         except zmq.ZMQError:
             self._close_sockets()
             raise
-        self._bound = [sock.getsockopt_string(zmq.LAST_ENDPOINT) for sock in (self.xsub, self.xpub)]
+        self._bound = [self.xsub.getsockopt_string(zmq.LAST_ENDPOINT)]
+        if self.xpub is not None:
+            self._bound.append(self.xpub.getsockopt_string(zmq.LAST_ENDPOINT))
+        self._publish: Callable[[Sequence[bytes]], object] = (
+            self.front.send if self.front is not None else lambda frames: send_frames(self.xpub, frames)
+        )
         self.bad_input = ErrorLog(log)
         self.beacons = 0
         self.reflections = 0
@@ -156,13 +195,17 @@ class Tower:
         for refusals in self._refusals:
             refusals.close()  # stop the monitors while their sockets are open
         self.xsub.close(0)
-        self.xpub.close(0)
+        if self.xpub is not None:
+            self.xpub.close(0)
+        if self.front is not None:
+            self.front.close()
 
     def run(self) -> None:
         """Serve until :meth:`close` (blocking; :meth:`start` runs it in a thread)."""
         poller = zmq.Poller()
         poller.register(self.xsub, zmq.POLLIN)
-        poller.register(self.xpub, zmq.POLLIN)
+        out: zmq.Socket | int = self.xpub if self.xpub is not None else self.front.fileno()  # type: ignore[union-attr]
+        poller.register(out, zmq.POLLIN)
         monitors = {refusals.monitor: refusals for refusals in self._refusals}
         for monitor in monitors:
             poller.register(monitor, zmq.POLLIN)
@@ -179,7 +222,7 @@ class Tower:
                 if time.monotonic() >= hello_at:
                     said_hello = time.monotonic()
                     hello_at = said_hello + beacon.HELLO_INTERVAL
-                    self.xpub.send_multipart(self._hello)
+                    self._publish(self._hello)
                     self.hellos += 1
                 if self.guard is not None and time.monotonic() >= check_at:
                     check_at = time.monotonic() + self.security.reload_interval  # type: ignore[union-attr]
@@ -193,7 +236,7 @@ class Tower:
                     try:
                         if sock is self.xsub:
                             self._relay_beacons()
-                        elif sock is self.xpub:
+                        elif sock is out or sock == out:
                             self._forward_subscriptions()
                         elif isinstance(sock, int):
                             self._probe_done(sock)
@@ -205,7 +248,9 @@ class Tower:
                         log.exception("tower socket error")
                 if batch_due is not None or self.batches.due() is not None:
                     for batch in self.batches.flush(time.monotonic()):
-                        send_frames(self.xpub, batch)
+                        self._publish(batch)
+                if self.front is not None:
+                    self.front.flush()  # one write per subscriber for the whole turn
         finally:
             for fd in list(self._probing):
                 self._probing.pop(fd)[0].close()
@@ -248,7 +293,7 @@ class Tower:
             now = time.monotonic()
             for relayed in self.relay.on_beacon(head, address, endpoint, now):
                 for message in self.batches.add(relayed + [key] if key else relayed, now, self._stride):
-                    send_frames(self.xpub, message)
+                    self._publish(message)
             self.beacons += 1
             if self.probes.wants(address):
                 self._reflect(address, seen, endpoint)
@@ -263,7 +308,7 @@ class Tower:
                 self._start_probe(start)
         if not self.probes.should_reflect(address, (seen, endpoint, probe), time.monotonic()):
             return
-        send_frames(self.xpub, reach.encode_reflection(reach.Reflection(address, seen, endpoint, probe)))
+        self._publish(reach.encode_reflection(reach.Reflection(address, seen, endpoint, probe)))
         self.reflections += 1
 
     def _start_probe(self, key: tuple[str, int]) -> None:
@@ -309,6 +354,7 @@ class Tower:
         if not removed:
             return
         for sock, endpoint in zip((self.xsub, self.xpub), self._bound, strict=True):
+            assert sock is not None
             sock.unbind(endpoint)
             for _ in range(200):  # the old listener closes asynchronously
                 try:
@@ -320,15 +366,24 @@ class Tower:
                 log.error("tower could not bind %s again", endpoint)
         log.info("tower: a key left the allow-list; connections re-authenticated")
 
-    def _forward_subscriptions(self) -> None:
+    def _subscription_frames(self) -> Iterable[bytes]:
+        """(Un)subscriptions that came on the beacon-out port (as an XPUB gives them)."""
+        if self.front is not None:
+            self.front.process()
+            yield from self.front.subscriptions()
+            return
+        assert self.xpub is not None
         for _ in range(1000):
             if not zmq_events(self.xpub) & _POLLIN:
                 return
             try:
-                frame = self.xpub.recv(zmq.NOBLOCK)
+                yield self.xpub.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            # Welcome and reflection subscriptions stay here; the rest reach the nodes' PUBs.
+
+    def _forward_subscriptions(self) -> None:
+        for frame in self._subscription_frames():
+            # Welcome and reflection subscriptions stay here; those that select B beacons reach the nodes' PUBs.
             if len(frame) >= 2 and frame[1:2] == wire.WELCOME:
                 continue
             wanted = reach.wanted_reflection(frame)
@@ -339,4 +394,5 @@ class Tower:
             if not frame or frame[0] > 1:
                 self.bad_input("subscription", "not a (un)subscribe frame")
                 continue
-            self.xsub.send(frame)
+            if forwarded(frame):
+                self.xsub.send(frame)
