@@ -58,7 +58,7 @@ from dafka.kafka.serving import Data, KafkaServer, ParkedFetch
 from dafka.store.layout import FLAG_KAFKA, FLAG_KEY, VALUE_HEADER
 from dafka.store.node import MAX_BATCH
 from dafka.tank.gateway import Gateway
-from dafka.tank.mapping import TankPartition, valid_topic_name
+from dafka.tank.mapping import TankPartition, shown, valid_topic_name
 
 log = logging.getLogger("dafka.kafka")
 
@@ -144,6 +144,10 @@ class KafkaGateway(Gateway):
             self.kafka.max_partitions = min(self.kafka.max_partitions, self.limits.max_partitions_per_topic)
             self.kafka.max_records = self.limits.kafka_max_produce_records
             self.kafka.coordinator.max_rebalance_timeout = self.limits.kafka_max_rebalance_timeout
+            self.kafka.max_metadata_bytes = self.limits.kafka_max_metadata_bytes
+            self.kafka.max_created = self.limits.kafka_max_created_topics
+            # As the Tank port and the mesh: a record the mesh would drop is refused here.
+            self.kafka.max_record_bytes = self.config.max_record_bytes
         except BaseException:
             self.kafka_listener.close()
             raise
@@ -185,7 +189,7 @@ class KafkaGateway(Gateway):
             return False
         if not self.create_owned_topic(name, partitions, "Kafka"):
             return False
-        log.info("created topic %s with %d gateway partitions (Kafka)", name, partitions)
+        log.info("created topic %s with %d gateway partitions (Kafka)", shown(name), partitions)
         return True
 
     def append(self, part: TankPartition, batch: Batch) -> tuple[int, int]:

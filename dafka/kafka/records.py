@@ -104,6 +104,8 @@ class Batch:
     max_slot: int = 0
     #: The smallest record timestamp (Kafka's "no timestamp" is -1).
     min_ts: int = 0
+    #: Bytes of the (inflated) records: no record's value is longer.
+    body_size: int = 0
 
     @property
     def transactional(self) -> bool:
@@ -249,7 +251,7 @@ def _decode_v2(buf: bytes, pos: int, stop: int, budget: list[int], records: list
     # Every record takes at least 7 bytes: a count beyond that is a lie.
     if count > (end - start) // 7 + 1:
         raise ProtocolError(f"record count {count} does not fit the batch")
-    batch = Batch(base_offset, pid, pepoch, base_seq, attrs)
+    batch = Batch(base_offset, pid, pepoch, base_seq, attrs, body_size=end - start)
     fixed = max_ts if attrs & ATTR_LOG_APPEND_TIME else None
     batch.records, batch.max_slot, batch.min_ts = _decode_records(
         body, start, end, count, base_ts, fixed, Record
@@ -312,7 +314,7 @@ def _decode_legacy(
         else:
             _spend(records, 1)
             b = Batch(-1, -1, -1, -1, 0, magic, [Record(ts, key, value, b"\x00")],
-                      len(key) if key else 0, ts)
+                      len(key) if key else 0, ts, len(value))
             out.append(b)
         pos = mend
     return out

@@ -35,6 +35,9 @@ MAX_NAME = 255  # topic, partition and key lengths are one byte
 # partition key would be 512 bytes, so topic + partition may total 509 bytes.
 MAX_PARTITION_KEY = 511
 MAX_U64 = (1 << 64) - 1
+#: The highest offset a partition may reach: its next offset (a Kafka high watermark) still
+#: fits a signed 64-bit integer.  Offsets past it from the mesh are refused where they arrive.
+MAX_OFFSET = (1 << 63) - 2
 
 VALUE_HEADER_SIZE = 9  # ts_ms:u64 + flags:u8
 RECORD_KEY_SIZE = 12  # pid:u32 + offset:u64
