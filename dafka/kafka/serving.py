@@ -17,12 +17,13 @@ the leader of every partition and the coordinator of every group.
   (producer id, epoch, partition) are remembered; a batch sent again gets the
   offset it was stored at, and is not stored twice.  A gap in the sequence
   is OUT_OF_ORDER_SEQUENCE_NUMBER; a higher epoch starts the sequences over
-  (from 0), a lower one is fenced (INVALID_PRODUCER_EPOCH).  Only ids this
-  gateway gave out are tracked, at most :data:`MAX_PRODUCERS` of them: a
-  batch of any other id (made up, given before a restart, or forgotten to
-  make room) is answered UNKNOWN_PRODUCER_ID, never stored unchecked, so
-  forgetting a producer never turns its retry into a duplicate: the client
-  asks for a new id.  (The state lives in memory: a restart forgets it.)
+  (from 0), a lower one is fenced (INVALID_PRODUCER_EPOCH).  Ids this
+  gateway gave (at most :data:`MAX_PRODUCERS`) and ids it did not give (a
+  producer from before a restart, or made up: taken from their first batch,
+  at most :data:`MAX_ADOPTED`) are kept apart, so made-up ids never push out
+  a given id's state.  A given id forgotten to make room is remembered
+  (:data:`MAX_FORGOTTEN`): its next batch is UNKNOWN_PRODUCER_ID, never
+  stored unchecked.  (The state lives in memory: a restart forgets it.)
 * Topic names: created on this port only when they follow Kafka's rules
   (``[a-zA-Z0-9._-]``, 1 to 249 characters, not ``.`` or ``..``, not
   ``__`` reserved); others are INVALID_TOPIC_EXCEPTION.  At most
@@ -75,6 +76,10 @@ log = logging.getLogger("dafka.kafka")
 NODE_ID = 0
 IDEMPOTENT_WINDOW = 5  # batches remembered per producer and partition (Kafka's in-flight max)
 MAX_PRODUCERS = 100_000  # producer-id states kept (least recently used ones go)
+#: Producer ids not given by this gateway (from before a restart) tracked, in a pool of their own.
+MAX_ADOPTED = 10_000
+#: Ids whose state was forgotten, remembered so that their batches are refused, not stored unchecked.
+MAX_FORGOTTEN = 100_000
 #: Topics one request may create (Metadata auto-creation or CreateTopics); the gateway sets its limit.
 MAX_CREATED_PER_REQUEST = 100
 #: Bytes of one Metadata answer, about (the gateway sets its limit).
@@ -192,6 +197,12 @@ class KafkaServer:
         self.coordinator = Coordinator()
         #: Producer ids this gateway gave out, least recently used first.
         self._producers: OrderedDict[int, _ProducerState] = OrderedDict()
+        #: Ids it did not give (a producer from before a restart, or made up), in a pool of their
+        #: own: they can never push out the state of an id this gateway gave.
+        self._adopted: OrderedDict[int, _ProducerState] = OrderedDict()
+        self.max_adopted = MAX_ADOPTED
+        #: Ids whose state was forgotten to make room (their batches cannot be checked).
+        self._forgotten: OrderedDict[int, None] = OrderedDict()
         self.producers_forgotten = 0
         self.records_too_large = 0
         self._limited = LogLimiter(log)
@@ -323,9 +334,7 @@ class KafkaServer:
             pid = secrets.randbits(63)
         self._producers[pid] = _ProducerState(0)
         if len(self._producers) > self.max_producers:
-            # The least recently used id goes: its next batch is UNKNOWN_PRODUCER_ID (never a duplicate).
-            self._producers.popitem(last=False)
-            self.producers_forgotten += 1
+            self._forget(self._producers)
         return self._reply(corr, 22, v, throttle_time_ms=0, error_code=0, producer_id=pid, producer_epoch=0)
 
     # ---------------------------------------------------------------- Produce
@@ -442,12 +451,28 @@ class KafkaServer:
         the error code (an unknown producer, an old epoch, a gap in the sequence)."""
         if b.producer_id < 0:
             return None  # not idempotent
-        state = self._producers.get(b.producer_id)
+        pid = b.producer_id
+        table = self._producers
+        state = table.get(pid)
         if state is None:
-            # Not an id this gateway gave (or one it forgot): its batch cannot be checked,
-            # and storing it unchecked could store a retry twice.  The client asks for a new id.
-            return -Err.UNKNOWN_PRODUCER_ID
-        self._producers.move_to_end(b.producer_id)
+            table = self._adopted
+            state = table.get(pid)
+        if state is None:
+            if pid in self._forgotten:
+                # Its state was forgotten to make room: its batch cannot be checked, and storing
+                # it unchecked could store a retry twice.  Refused, never silently.
+                self._limited.warning("forgotten", "Kafka producer %d refused: its state was forgotten"
+                                      " (more than %d producers); UNKNOWN_PRODUCER_ID", pid, self.max_producers)
+                return -Err.UNKNOWN_PRODUCER_ID
+            # Not an id this gateway gave (given before a restart): taken from here on, as a
+            # Kafka broker that lost a producer's state does, in the pool of such ids.
+            state = self._adopted[pid] = _ProducerState(b.producer_epoch)
+            if len(self._adopted) > self.max_adopted:
+                old, _ = self._adopted.popitem(last=False)
+                self._limited.warning("adopted", "Kafka producer %d forgotten: more than %d producer ids"
+                                      " this gateway did not give are in use", old, self.max_adopted)
+            return None if b.base_sequence >= 0 else -Err.OUT_OF_ORDER_SEQUENCE_NUMBER
+        table.move_to_end(pid)
         if b.producer_epoch < state.epoch:
             return -Err.INVALID_PRODUCER_EPOCH  # fenced: a newer incarnation writes
         if b.base_sequence < 0:
@@ -469,8 +494,17 @@ class KafkaServer:
             return -Err.OUT_OF_ORDER_SEQUENCE_NUMBER
         return None
 
+    def _forget(self, table: OrderedDict[int, _ProducerState]) -> None:
+        """Forget the least recently used state of ``table``; its id is remembered (bounded)
+        so that its next batch is refused, not stored unchecked."""
+        pid, _ = table.popitem(last=False)
+        self.producers_forgotten += 1
+        self._forgotten[pid] = None
+        if len(self._forgotten) > MAX_FORGOTTEN:
+            self._forgotten.popitem(last=False)
+
     def _remember(self, b: Batch, key: tuple[str, str], offset: int) -> None:
-        state = self._producers.get(b.producer_id)
+        state = self._producers.get(b.producer_id) or self._adopted.get(b.producer_id)
         if state is None:
             return
         if b.producer_epoch > state.epoch:

@@ -45,7 +45,8 @@ def make_kgw(cfg: NodeConfig, tmp_path: Path) -> Iterator[Any]:
     made: list[KafkaGateway] = []
 
     def make(name: str = "gw", config: NodeConfig | None = None, **options: Any) -> KafkaGateway:
-        gw = KafkaGateway(tmp_path / name, config or cfg, listen=(HOST, 0), kafka_listen=(HOST, 0), **options)
+        options.setdefault("kafka_listen", (HOST, 0))
+        gw = KafkaGateway(tmp_path / name, config or cfg, listen=(HOST, 0), **options)
         made.append(gw)
         return gw
 
@@ -261,20 +262,43 @@ def test_a_forgotten_or_made_up_producer_is_told_so_never_stored_twice(make_kgw:
     """Made-up ids filled the LRU and evicted a real producer's state: its retry was stored twice."""
     gw = make_kgw()
     gw.kafka.max_producers = 3
+    gw.kafka.max_adopted = 2
     gw.create_topic("lru", 1)
     address = gw.pmap.get("lru", 0).address
     with socket.create_connection((HOST, gw.kafka_port)) as s:
         pid, epoch = init_pid(s, 1)
         assert produce_raw(s, 2, "lru", idem_batch(pid, epoch, 0, 2)).error_code == 0
-        made_up = produce_raw(s, 3, "lru", idem_batch(pid ^ 1, 0, 0, 1))
-        assert made_up.error_code == Err.UNKNOWN_PRODUCER_ID
-        for i in range(3):  # others take every place
+        for i in range(5):  # made-up ids are taken (as after a restart), in a pool of their own
+            assert produce_raw(s, 3 + i, "lru", idem_batch(pid ^ (i + 1), 0, 0, 1)).error_code == 0
+        retry = produce_raw(s, 9, "lru", idem_batch(pid, epoch, 0, 2))
+        assert (retry.error_code, retry.base_offset) == (Err.NONE, 0)  # still known: not stored again
+        for i in range(3):  # ids given out take every place
             init_pid(s, 10 + i)
-        retry = produce_raw(s, 4, "lru", idem_batch(pid, epoch, 0, 2))
-        assert retry.error_code == Err.UNKNOWN_PRODUCER_ID
-    wait_until(lambda: gw.head("lru", address) == 1)
+        retry = produce_raw(s, 20, "lru", idem_batch(pid, epoch, 0, 2))
+        assert retry.error_code == Err.UNKNOWN_PRODUCER_ID  # forgotten: refused, not stored unchecked
+    wait_until(lambda: gw.head("lru", address) == 6)
     time.sleep(0.2)  # nothing more comes
-    assert gw.head("lru", address) == 1 and gw.kafka.producers_forgotten == 1
+    assert gw.head("lru", address) == 6 and gw.kafka.producers_forgotten == 1
+
+
+def test_idempotent_producers_go_on_after_a_gateway_restart(make_kgw: Any, cfg: NodeConfig, tmp_path: Path) -> None:
+    """kafka-python 3 (idempotent by default) is stuck for good after UNKNOWN_PRODUCER_ID or
+    OUT_OF_ORDER_SEQUENCE_NUMBER: ids from before a restart must be taken."""
+    from kafka import KafkaProducer
+
+    gw = make_kgw()
+    port = gw.kafka_port
+    gw.create_topic("rs", 1)
+    p = KafkaProducer(bootstrap_servers=f"{HOST}:{port}", enable_idempotence=True, acks="all",
+                      reconnect_backoff_ms=50)
+    try:
+        assert p.send("rs", b"a").get(10).offset == 0
+        gw.close()
+        gw = make_kgw(kafka_listen=(HOST, port))
+        assert p.send("rs", b"b").get(30).offset == 1
+        assert p.send("rs", b"c").get(10).offset == 2
+    finally:
+        p.close(5)
 
 
 # ---------------------------------------------------------------- 6. offsets past 2^63
