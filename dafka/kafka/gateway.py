@@ -53,9 +53,9 @@ from dafka.gateway.connections import (
     unread_for,
 )
 from dafka.kafka.codec import DEFAULT_MAX_FRAME, FrameReader, decode_request
-from dafka.kafka.records import Batch, make_ext, store_pairs
+from dafka.kafka.records import Batch, record_tuples, store_pairs
 from dafka.kafka.serving import Data, KafkaServer, ParkedFetch
-from dafka.store.layout import FLAG_KAFKA, FLAG_KEY, VALUE_HEADER
+from dafka.store.layout import FLAG_KAFKA, FLAG_KEY, FLAG_NULL, VALUE_HEADER
 from dafka.store.node import MAX_BATCH
 from dafka.tank.gateway import Gateway
 from dafka.tank.mapping import TankPartition, shown, valid_topic_name
@@ -221,18 +221,11 @@ class KafkaGateway(Gateway):
             self._pairs.extend(pairs)
             self._segs.append((topic, address, pid, first, last, nbytes))
         else:
-            add = self._batch.append
-            n = first
-            for ts, k, value, headers in records:
-                if headers == b"\x00":
-                    if k is None:
-                        add((topic, address, n, value, ts))
-                    else:
-                        add((topic, address, n, value, ts, k, True))
-                else:
-                    add((topic, address, n, value, ts, make_ext(k, headers), True, FLAG_KAFKA))
-                n += 1
-        self._to_publish.extend(zip(repeat(key), range(first, last + 1), map(_VALUE, records), strict=False))
+            self._batch.extend(record_tuples(topic, address, first, records))
+        values = map(_VALUE, records)
+        if batch.nulls:  # the mesh carries contents: a null value goes as an empty one
+            values = (b"" if v is None else v for v in values)
+        self._to_publish.extend(zip(repeat(key), range(first, last + 1), values, strict=False))
         self._next_offset[key] = last + 1
         return first, last
 
@@ -266,7 +259,10 @@ class KafkaGateway(Gateway):
                     ts, flags = VALUE_HEADER.unpack_from(v)
                     if flags & FLAG_KEY:
                         slot = v[10 : 10 + v[9]]
-                        out.append((topic, address, first + j, v[10 + v[9] :], ts, slot, True, flags & FLAG_KAFKA))
+                        out.append((topic, address, first + j, v[10 + v[9] :], ts, slot, True,
+                                    flags & (FLAG_KAFKA | FLAG_NULL)))
+                    elif flags & FLAG_NULL:
+                        out.append((topic, address, first + j, b"", ts, None, True, FLAG_NULL))
                     else:
                         out.append((topic, address, first + j, v[9:], ts))
             else:

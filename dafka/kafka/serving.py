@@ -418,7 +418,7 @@ class KafkaServer:
             if b.max_slot > MAX_NAME:  # a key (with its headers) the store's key slot cannot hold
                 return Err.INVALID_RECORD, -1
             if b.body_size > limit:  # only then can a record be over it: look at each
-                biggest = max((len(r[2]) for r in b.records), default=0)
+                biggest = max((len(r[2] or b"") for r in b.records), default=0)
                 if biggest > limit:
                     self.records_too_large += 1
                     self._limited.warning(

@@ -29,6 +29,10 @@ FLAG_PRODUCER_TS = 0x02
 #: as the record carries them (``zigzag(keyLength) key headerCount headers...``).
 #: Readers that know only FLAG_KEY skip the slot and still get the content.
 FLAG_KAFKA = 0x04
+#: Value flag: the content (empty) is a Kafka null value, a tombstone, not an empty one.
+#: Readers that do not know it see an empty content.  Only the gateway that took the record
+#: keeps it: the mesh carries contents alone.
+FLAG_NULL = 0x08
 
 MAX_NAME = 255  # topic, partition and key lengths are one byte
 # LMDB's key size limit (MDB_MAXKEYSIZE, 511): with both names at 255 bytes a

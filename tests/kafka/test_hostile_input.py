@@ -211,6 +211,34 @@ def test_timestamp_zero_is_a_timestamp(make_kgw: Any) -> None:
     assert got == [(0, 0, b"zero"), (1, 0, b"zero with key"), (2, 0, b"zero"), (3, 0, b"zero with key")]
 
 
+def test_a_null_value_comes_back_null_and_an_empty_one_empty(make_kgw: Any) -> None:
+    """A Kafka tombstone (null value) came back as b"": compacting consumers could not tell a
+    delete from an empty record.  Through both write paths (a partition's first records, and
+    the ready LMDB pairs of later ones), with and without key and headers."""
+    gw = make_kgw()
+    gw.create_topic("tomb", 1)
+    address = gw.pmap.get("tomb", 0).address
+    b = DefaultRecordBatchBuilder(2, 0, False, -1, -1, -1, 1 << 20)
+    b.append(0, 1000, None, None, [])
+    b.append(1, 1000, b"k", None, [])
+    b.append(2, 1000, b"k", None, [("h", b"v")])
+    b.append(3, 1000, None, b"", [])
+    b.append(4, 1000, b"k", b"", [])
+    batch = bytes(b.build())
+    want = [(None, None), (b"k", None), (b"k", None), (None, b""), (b"k", b"")]
+    with socket.create_connection((HOST, gw.kafka_port)) as s:
+        assert produce_raw(s, 1, "tomb", batch).error_code == 0
+        wait_until(lambda: gw.head("tomb", address) == 4)
+        assert produce_raw(s, 2, "tomb", batch).error_code == 0
+        wait_until(lambda: gw.head("tomb", address) == 9)
+        s.sendall(fetch_frame(3, "tomb"))
+        records = FetchResponse.decode(read_frame(s)[4:], version=11).responses[0].partitions[0].records
+    got = [(r.key, r.value) for rb in MemoryRecords(records) for r in rb]
+    assert got == want + want
+    # Readers that do not know the flag (the mesh, Tank, Dafka consumers) see empty contents.
+    assert gw.db.fetch("tomb", address, 0, 10)[1] == [b""] * 10
+
+
 # ---------------------------------------------------------------- 5. idempotence
 
 
@@ -430,8 +458,8 @@ def test_a_join_storm_logs_nothing_per_join_and_leaves_an_idle_coordinator_idle(
 
 
 def test_a_replica_serves_kafka_records_without_their_key_headers_and_timestamp(make_kgw: Any) -> None:
-    """Pins a known limit (issue 36 carries them over the mesh): keys, headers and producer
-    timestamps live only in the gateway that took the produce.  A second gateway serving the
+    """Pins a known limit (issue 36 carries them over the mesh): keys, headers, producer
+    timestamps and null values live only in the gateway that took the produce.  A second gateway serving the
     replica it holds gives key None, no headers and its own receive time.  When this test
     fails, the limit is gone: change docs/concepts/security.md and the Kafka page with it."""
     a = make_kgw("a")
@@ -440,19 +468,19 @@ def test_a_replica_serves_kafka_records_without_their_key_headers_and_timestamp(
     address = a.pmap.get("meta", 0).address
     rb = DefaultRecordBatchBuilder(2, 0, False, -1, -1, -1, 1 << 20)
     rb.append(0, 1234, b"key", b"value", [("h", b"v")])
+    rb.append(1, 1234, None, None, [])
     with socket.create_connection((HOST, a.kafka_port)) as s:
         assert produce_raw(s, 1, "meta", bytes(rb.build())).error_code == 0
-    wait_until(lambda: b.head("meta", address) == 0, timeout=30)
+    wait_until(lambda: b.head("meta", address) == 1, timeout=30)
     wait_until(lambda: b.pmap.lookup("meta", address) is not None)
 
     def fetch(gw: KafkaGateway) -> tuple[Any, ...]:
         with socket.create_connection((HOST, gw.kafka_port)) as s:
             s.sendall(fetch_frame(2, "meta"))
             recs = FetchResponse.decode(read_frame(s)[4:], version=11).responses[0].partitions[0].records
-        r = next(iter(next(iter(MemoryRecords(recs)))))
-        return r.key, r.value, tuple(r.headers), r.timestamp
+        return [(r.key, r.value, tuple(r.headers), r.timestamp) for rb in MemoryRecords(recs) for r in rb]
 
-    assert fetch(a) == (b"key", b"value", (("h", b"v"),), 1234)
-    key, value, headers, ts = fetch(b)
-    assert (key, value, headers) == (None, b"value", ())
+    assert fetch(a) == [(b"key", b"value", (("h", b"v"),), 1234), (None, None, (), 1234)]
+    (key, value, headers, ts), (_, tomb, _, _) = fetch(b)
+    assert (key, value, headers, tomb) == (None, b"value", (), b"")  # a null value arrives empty
     assert ts > 1234  # the replica's receive time
