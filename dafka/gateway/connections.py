@@ -73,7 +73,7 @@ class LogLimiter:
     def warning(self, kind: str, msg: str, *args: Any) -> None:
         self.emit(logging.WARNING, kind, msg, *args)
 
-    def emit(self, level: int, kind: str, msg: str, *args: Any) -> None:
+    def emit(self, level: int, kind: str, msg: str, *args: Any, exc_info: bool = False) -> None:
         st = self._kinds.get(kind)
         if st is None:
             if len(self._kinds) >= 1024:  # kinds are the callers' constants; bounded all the same
@@ -87,7 +87,7 @@ class LogLimiter:
             st[0] += 1
             if st[0] >= self.burst:
                 st[1] = now + self.interval
-            self.log.log(level, msg, *args)
+            self.log.log(level, msg, *args, exc_info=exc_info)
         else:
             st[2] += 1
 

@@ -42,6 +42,7 @@ from dafka.core import wire
 from dafka.errors import ProtocolError
 from dafka.gateway.connections import (
     Connection,
+    LogLimiter,
     Refusals,
     accepted,
     client_allowed,
@@ -134,6 +135,7 @@ class KafkaGateway(Gateway):
             self._kpids: dict[tuple[str, str], int] = {}  # owned partitions stored: their pid
             self._kcommit_id = 0
             self._krefusals = Refusals(log)
+            self._klimited = LogLimiter(log)
             extra = {} if kafka_fetch_cap is None else {"fetch_cap": kafka_fetch_cap}
             self.kafka = KafkaServer(
                 self, kafka_advertise, auto_create=kafka_auto_create,
@@ -487,7 +489,10 @@ class KafkaGateway(Gateway):
         except ProtocolError:
             raise
         except Exception as exc:  # a request our encoder or logic cannot take: this connection only
-            log.exception("Kafka request %d v%d from %s failed", header.api_key, header.version, conn.name)
+            # With its traceback (a bug to fix), but at a bounded rate: a client asking again
+            # and again must not fill the log.
+            self._klimited.emit(logging.ERROR, "request-failed", "Kafka request %d v%d from %s failed",
+                                header.api_key, header.version, conn.name, exc_info=True)
             raise ProtocolError(f"request {header.api_key} v{header.version} failed: {exc!r}") from exc
         if outcome.data is None and outcome.park is None and outcome.needs is not None:
             return  # acks 0: no answer, nothing waits

@@ -151,6 +151,12 @@ class _ProducerState:
     batches: dict[tuple[str, str], list[tuple[int, int, int]]] = field(default_factory=dict)
 
 
+def _stored_ts(value: bytes) -> int:
+    """A stored value's timestamp as Kafka readers see it: u64 read as int64, a negative one
+    (a Tank client's past 2^63) as 0, as the fetch encoder does."""
+    return max(int.from_bytes(value[:8], "big", signed=True), 0)
+
+
 def kafka_topic_name(name: str) -> bool:
     """Whether Kafka's rules allow ``name``: ``[a-zA-Z0-9._-]``, 1..249, not ``.`` or ``..``
     (and not ``__`` reserved, the gateway's own rule)."""
@@ -567,14 +573,14 @@ class KafkaServer:
             _, values = self.backend.fetch_raw(part.topic, part.address, mid, 1)
             if not values:
                 break
-            if int.from_bytes(values[0][:8], "big") < ts:
+            if _stored_ts(values[0]) < ts:
                 lo = mid + 1
             else:
                 hi = mid
         if lo >= hwm:
             return -1, -1
         _, values = self.backend.fetch_raw(part.topic, part.address, lo, 1)
-        return lo, (int.from_bytes(values[0][:8], "big") if values else -1)
+        return lo, (_stored_ts(values[0]) if values else -1)
 
     # ---------------------------------------------------------------- Fetch
 

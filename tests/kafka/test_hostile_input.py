@@ -381,6 +381,55 @@ def test_a_mesh_peer_announcing_offsets_past_2_63_is_refused_where_they_enter(
     assert gw.bad_input.count >= 2
 
 
+def test_list_offsets_by_time_over_a_timestamp_past_2_63_answers(cfg: NodeConfig, tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Stored timestamps are u64 (a Tank client may give any): ListOffsets by time answered the
+    one it found as Kafka's int64, and every such request failed with a traceback."""
+    db = RecordDB(tmp_path / "gw")
+    db.append([("huge", "PEER", 0, b"x", (1 << 64) - 1)])
+    db.close()
+    gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0))
+    try:
+        req = ListOffsetsRequest[1](replica_id=-1, topics=[
+            ListOffsetsRequest.ListOffsetsTopic(name="huge", partitions=[
+                ListOffsetsRequest.ListOffsetsTopic.ListOffsetsPartition(partition_index=0, timestamp=5)])])
+        with caplog.at_level(logging.WARNING, "dafka"), socket.create_connection((HOST, gw.kafka_port)) as s:
+            for corr in range(3):
+                s.sendall(frame(2, 1, corr, bytes(req.encode(version=1))))
+                p = ListOffsetsResponse.decode(read_frame(s)[4:], version=1).topics[0].partitions[0]
+                assert p.error_code == 0
+        assert not [r for r in caplog.records if r.exc_info]
+    finally:
+        gw.close()
+
+
+def test_an_answer_that_cannot_be_encoded_logs_its_traceback_at_a_bounded_rate(
+    make_kgw: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever else an answer cannot carry closes its connection: with one traceback logged per
+    request, a client asking again and again filled the log (368 tracebacks in 40 s)."""
+    gw = make_kgw()
+    gw.create_topic("t", 1)
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("cannot encode")
+
+    from dafka.kafka import serving
+
+    old = serving._HANDLERS[2]
+    serving._HANDLERS[2] = broken
+    try:
+        with caplog.at_level(logging.WARNING, "dafka"):
+            for i in range(40):
+                with socket.create_connection((HOST, gw.kafka_port)) as s:
+                    s.sendall(frame(2, 1, i, bytes(ListOffsetsRequest[1](replica_id=-1, topics=[]).encode(version=1))))
+                    with pytest.raises(ConnectionError):
+                        read_frame(s)
+        assert 1 <= len([r for r in caplog.records if r.exc_info]) <= 10
+    finally:
+        serving._HANDLERS[2] = old
+
+
 # ---------------------------------------------------------------- 7. names and logs
 
 
