@@ -186,13 +186,17 @@ class KafkaGateway(Gateway):
         entries = tuple((t, p, o) for (t, p), o in sorted(positions.items()))
         self.send(wire.Commit(group, self.address, self._kcommit_id, entries))
 
-    def create_topic(self, name: str, partitions: int) -> bool:
+    def create_topic(self, name: str, partitions: int, sync: bool = True) -> bool:
         if not valid_topic_name(name) or self.pmap.partitions(name) is not None or self.db.partitions(name):
             return False
-        if not self.create_owned_topic(name, partitions, "Kafka"):
+        if not self.create_owned_topic(name, partitions, "Kafka", sync):
             return False
         log.info("created topic %s with %d gateway partitions (Kafka)", shown(name), partitions)
         return True
+
+    def sync_topics(self) -> None:
+        """Make the topics created with ``sync=False`` durable (one fsync for all of them)."""
+        self.topics_created()
 
     def append(self, part: TankPartition, batch: Batch) -> tuple[int, int]:
         """Queue a batch's records in an owned partition: ``(first, last)`` offsets given.

@@ -109,7 +109,8 @@ class Backend(Protocol):
     def head(self, topic: str, address: str) -> int | None: ...
     def first(self, topic: str, address: str) -> int | None: ...
     def fetch_raw(self, topic: str, address: str, offset: int, count: int) -> tuple[int, list[bytes]]: ...
-    def create_topic(self, name: str, partitions: int) -> bool: ...
+    def create_topic(self, name: str, partitions: int, sync: bool = True) -> bool: ...
+    def sync_topics(self) -> None: ...
     def append(self, part: TankPartition, batch: Batch) -> tuple[int, int]: ...
     def storage_failed(self) -> bool: ...
     def output_room(self, token: Any) -> int: ...
@@ -267,7 +268,7 @@ class KafkaServer:
                     budget -= metadata_cost(name, 0)
                     continue
                 created += 1
-                self.backend.create_topic(name, self.default_partitions)
+                self.backend.create_topic(name, self.default_partitions, sync=False)
                 parts = pmap.partitions(name)
             if parts is None:
                 code = Err.UNKNOWN_TOPIC_OR_PARTITION if kafka_topic_name(name) else Err.INVALID_TOPIC_EXCEPTION
@@ -292,6 +293,8 @@ class KafkaServer:
                     ],
                 )
             )
+        if created:
+            self.backend.sync_topics()  # durable, all together, before the answer names them
         if cut:
             self._limited.warning(
                 "metadata-cut", "a Kafka Metadata answer left out the partitions of %d topics: it would pass"
@@ -324,9 +327,11 @@ class KafkaServer:
                 code, msg = Err.THROTTLING_QUOTA_EXCEEDED, f"at most {self.max_created} topics created per request"
             else:
                 created += 1
-                ok = self.backend.create_topic(t.name, n)
+                ok = self.backend.create_topic(t.name, n, sync=False)
                 code, msg = (Err.NONE, None) if ok else (Err.TOPIC_ALREADY_EXISTS, f"topic {t.name} exists")
             out.append(N(name=t.name, error_code=code, error_message=msg))
+        if created:
+            self.backend.sync_topics()
         return self._reply(corr, 19, v, throttle_time_ms=0, topics=out)
 
     # ---------------------------------------------------------------- InitProducerId

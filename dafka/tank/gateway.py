@@ -730,9 +730,10 @@ class Gateway(Store):
 
     # ---------------------------------------------------------------- create topic
 
-    def create_owned_topic(self, topic: str, partitions: int, how: str = "Tank") -> bool:
+    def create_owned_topic(self, topic: str, partitions: int, how: str = "Tank", sync: bool = True) -> bool:
         """Create a topic of ``partitions`` gateway-owned partitions (Tank or Kafka);
-        False, logged, when that would pass ``max_owned_partitions``."""
+        False, logged, when that would pass ``max_owned_partitions``.  ``sync`` False: the
+        caller makes it durable (:meth:`_save_map`) before it answers, with others."""
         if len(self._owned) + partitions > self.limits.max_owned_partitions:
             self.topics_refused += 1
             if self.topics_refused <= 20 or self.topics_refused % 1000 == 0:
@@ -745,9 +746,14 @@ class Gateway(Store):
         self.pmap.create_topic(topic, partitions, new_address)
         for part in self.pmap.partitions(topic) or ():
             self._owned[(part.topic, part.address)] = part
+        if sync:
+            self.topics_created()
+        return True
+
+    def topics_created(self) -> None:
+        """Make new topics durable, then wake the consumes waiting on the partition list."""
         self._save_map()
         self._wake_parked((_VIRTUAL_KEY,))
-        return True
 
     def _create_topic(self, req: CreateTopicRequest) -> CreateTopicResponse:
         def answer(code: int) -> CreateTopicResponse:
