@@ -28,6 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from dafka.gateway.connections import LogLimiter
 from dafka.kafka.codec import Err
 from dafka.tank.mapping import shown
 
@@ -101,6 +102,7 @@ class Coordinator:
         self.next_due = float("inf")
         #: Members looked at by :meth:`tick` (its cost).
         self.scanned = 0
+        self._limited = LogLimiter(log)
 
     # ---------------------------------------------------------------- requests
 
@@ -146,9 +148,9 @@ class Coordinator:
             return fail(Err.UNKNOWN_MEMBER_ID)
         cost = _cost(protocols) + (len(client_id) * 2 + 40) * 2 + 64
         if self.held + cost - (_held(member) if member is not None else 0) > self.max_held:
-            log.warning(
-                "group %s: join refused, members of all groups hold %d bytes (at most %d)",
-                group_id, self.held, self.max_held,
+            self._limited.warning(
+                "join-refused", "group %s: join refused, members of all groups hold %d bytes (at most %d)",
+                shown(group_id), self.held, self.max_held,
             )
             if not group.members:
                 del self.groups[group_id]
@@ -163,7 +165,7 @@ class Coordinator:
             group.members[member_id] = member
             self.held += _held(member)
             self.next_due = min(self.next_due, now + session_timeout)
-            log.debug("group %s: member %s joins", shown(group_id), member_id)
+            log.debug("group %s: member %s joins", shown(group_id), shown(member_id))
         else:
             self.held -= _held(member)
             member.protocols = protocols
@@ -208,9 +210,9 @@ class Coordinator:
             given = dict(assignments)
             more = sum(len(given.get(m.member_id, b"")) - len(m.assignment) for m in group.members.values())
             if self.held + more > self.max_held:
-                log.warning(
-                    "group %s: assignments refused, members of all groups hold %d bytes (at most %d)",
-                    group_id, self.held, self.max_held,
+                self._limited.warning(
+                    "sync-refused", "group %s: assignments refused, members of all groups hold %d bytes (at most %d)",
+                    shown(group_id), self.held, self.max_held,
                 )
                 member.sync_token = None
                 return answer(Err.COORDINATOR_NOT_AVAILABLE)
@@ -252,7 +254,7 @@ class Coordinator:
                 codes.append(Err.UNKNOWN_MEMBER_ID)
                 continue
             codes.append(Err.NONE)
-            log.debug("group %s: member %s leaves", shown(group_id), mid)
+            log.debug("group %s: member %s leaves", shown(group_id), shown(mid))
             out.extend(self._remove(group, mid, now))
         return codes, out
 
@@ -296,14 +298,14 @@ class Coordinator:
                 if waiting or m.sync_token is not None:
                     due = min(due, now + m.session_timeout)  # not judged while it waits: later
                 elif now - m.last_seen > m.session_timeout:
-                    log.debug("group %s: member %s session timed out", shown(group.group_id), mid)
+                    log.debug("group %s: member %s session timed out", shown(group.group_id), shown(mid))
                     out.extend(self._remove(group, mid, now))
                 else:
                     due = min(due, m.last_seen + m.session_timeout)
             if group.state == PREPARING and now >= group.rebalance_deadline:
                 for mid, m in list(group.members.items()):
                     if m.join_token is None:
-                        log.debug("group %s: member %s did not rejoin in time", shown(group.group_id), mid)
+                        log.debug("group %s: member %s did not rejoin in time", shown(group.group_id), shown(mid))
                         self.held -= _held(group.members.pop(mid))
                 out.extend(self._maybe_complete(group, now))
             if group.state == PREPARING:
@@ -385,8 +387,8 @@ class Coordinator:
             )
             m.join_token = None
             m.last_seen = now
-        log.debug("group %s: generation %d, leader %s, %d members", shown(group.group_id), group.generation, leader,
-                  len(members))
+        log.debug("group %s: generation %d, leader %s, %d members", shown(group.group_id), group.generation,
+                  shown(leader), len(members))
         return out
 
     def _forget_empty(self) -> None:

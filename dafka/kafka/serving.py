@@ -712,7 +712,7 @@ class KafkaServer:
         try:
             first, values = self.backend.fetch_raw(part.topic, part.address, off, count)
         except Exception as exc:  # StorageError and LMDB errors
-            log.error("cannot read %s for a Kafka fetch: %s", part.topic, exc)
+            self._limited.emit(logging.ERROR, "read-failed", "cannot read %s for a Kafka fetch: %s", shown(part.topic), exc)
             return None
         if not values:
             return b""
@@ -720,7 +720,8 @@ class KafkaServer:
             # A record costs about its stored size plus a few varints: the encoder keeps what fits.
             return encode_batch(first, values, limit)
         except ValueError as exc:  # a stored value that does not parse
-            log.error("cannot serve %s from offset %d to a Kafka fetch: %s", part.topic, first, exc)
+            self._limited.emit(logging.ERROR, "serve-failed", "cannot serve %s from offset %d to a Kafka fetch: %s",
+                               shown(part.topic), first, exc)
             return None
 
     # ---------------------------------------------------------------- groups
@@ -809,7 +810,8 @@ class KafkaServer:
             try:
                 self.backend.put_positions(req.group_id, positions)
             except Exception as exc:  # ValueError (names too long), storage errors
-                log.error("cannot commit offsets of group %s: %s", req.group_id, exc)
+                self._limited.emit(logging.ERROR, "commit-failed", "cannot commit offsets of group %s: %s",
+                                   shown(req.group_id), exc)
                 for t in topics:
                     for p in t.partitions:
                         if p.error_code == Err.NONE:
@@ -819,14 +821,16 @@ class KafkaServer:
                 try:
                     self.backend.broadcast_positions(req.group_id, positions)
                 except Exception as exc:  # the local commit stands; other stores miss this one
-                    log.warning("cannot send the commit of group %s to the mesh: %s", req.group_id, exc)
+                    self._limited.warning("commit-send", "cannot send the commit of group %s to the mesh: %s",
+                                          shown(req.group_id), exc)
         return self._reply(corr, 8, v, throttle_time_ms=0, topics=topics)
 
     def _offset_fetch(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
         try:
             held = self.backend.positions(req.group_id)
         except Exception as exc:
-            log.error("cannot read offsets of group %s: %s", req.group_id, exc)
+            self._limited.emit(logging.ERROR, "positions-failed", "cannot read offsets of group %s: %s",
+                               shown(req.group_id), exc)
             held = {}
         pmap = self.backend.pmap
         if req.topics is None:  # every partition the group has a position for

@@ -520,6 +520,19 @@ def test_a_join_storm_logs_nothing_per_join_and_leaves_an_idle_coordinator_idle(
     assert not c.groups
 
 
+def test_refused_joins_are_logged_at_a_bounded_rate_with_their_names_escaped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    c = Coordinator()
+    c.max_held = 1000
+    with caplog.at_level(logging.INFO, "dafka"):
+        for i in range(300):
+            code = c.join(f"t{i}", 0.0, f"g\n{i}", "", "storm", "consumer", [("range", bytes(2000))], 10.0, 10.0)[0]
+            assert code.fields["error_code"] == Err.COORDINATOR_NOT_AVAILABLE
+    lines = [r.getMessage() for r in caplog.records]
+    assert 1 <= len(lines) <= 10 and not any("\n" in m for m in lines), lines[:3]
+
+
 # ---------------------------------------------------------------- 8. what replicas keep
 
 
