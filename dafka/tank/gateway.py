@@ -945,7 +945,7 @@ class Gateway(Store):
         try:
             first, values = self._stored(topic, part, start.seq - 1, count)
         except StorageError as exc:
-            log.error("cannot read %s for a Tank fetch: %s", topic, exc)
+            self._limited.emit(logging.ERROR, "read-failed", "cannot read %s for a Tank fetch: %s", shown(topic), exc)
             return None
         if not values:  # retention ran meanwhile
             return ConsumePartitionResult(
