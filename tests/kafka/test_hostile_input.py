@@ -256,6 +256,16 @@ def test_a_null_value_comes_back_null_and_an_empty_one_empty(make_kgw: Any) -> N
     assert gw.db.fetch("tomb", address, 0, 10)[1] == [b""] * 10
 
 
+def test_real_clients_see_tombstones(make_kgw: Any) -> None:
+    from tests.kafka.test_gateway import ck_consume, ck_produce
+
+    gw = make_kgw()
+    assert ck_produce(gw, "ck", [(b"a", b"1", None), (b"a", None, None), (None, b"", [("h", b"x")])]) == [
+        (0, 0), (0, 1), (0, 2)]
+    got = ck_consume(gw, ["ck"], 3)
+    assert [(m.key(), m.value()) for m in got] == [(b"a", b"1"), (b"a", None), (None, b"")]
+
+
 # ---------------------------------------------------------------- 5. idempotence
 
 
