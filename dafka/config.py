@@ -170,6 +170,8 @@ SCHEMA: dict[str, dict[str, Spec]] = {
         "kafka_max_output_bytes": Spec("int", 1),
         "kafka_max_produce_records": Spec("int", 1),
         "kafka_max_rebalance_timeout": _SECONDS,
+        "kafka_max_metadata_bytes": Spec("int", 1),
+        "kafka_max_created_topics": Spec("int", 1),
     },
     "security": {
         "key": Spec("str"),

@@ -1053,6 +1053,8 @@ def _add_gateway_limit_flags(p: argparse.ArgumentParser) -> None:
         ("kafka_max_output_bytes", count_arg, "Kafka answer bytes held over all connections"),
         ("kafka_max_produce_records", count_arg, "records in one Kafka produce request"),
         ("kafka_max_rebalance_timeout", positive_seconds_arg, "seconds a Kafka group's rebalance may wait"),
+        ("kafka_max_metadata_bytes", count_arg, "bytes of one Kafka Metadata answer"),
+        ("kafka_max_created_topics", count_arg, "topics one Kafka request may create"),
     ):
         p.add_argument(
             "--" + name.replace("_", "-"), type=kind, help=f"{what} (or [gateway] {name}; default {getattr(d, name)})"

@@ -14,7 +14,7 @@ import logging
 import socket
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,42 @@ class Refusals:
         self.count += 1
         if self.count <= 20 or self.count % 1000 == 0:
             self.log.warning(msg, *args)
+
+
+class LogLimiter:
+    """Repeated log lines, rate-limited per kind: the first :attr:`burst` of a kind, then at most
+    one every :attr:`interval` seconds, saying how many were left out meanwhile."""
+
+    __slots__ = ("burst", "clock", "interval", "log", "_kinds")
+
+    def __init__(self, log: logging.Logger, burst: int = 10, interval: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.log = log
+        self.burst = burst
+        self.interval = interval
+        self.clock = clock
+        self._kinds: dict[str, list[float]] = {}  # kind -> [lines logged, next due, left out]
+
+    def warning(self, kind: str, msg: str, *args: Any) -> None:
+        self.emit(logging.WARNING, kind, msg, *args)
+
+    def emit(self, level: int, kind: str, msg: str, *args: Any, exc_info: bool = False) -> None:
+        st = self._kinds.get(kind)
+        if st is None:
+            if len(self._kinds) >= 1024:  # kinds are the callers' constants; bounded all the same
+                self._kinds.clear()
+            st = self._kinds[kind] = [0, 0.0, 0]
+        now = self.clock()
+        if st[0] < self.burst or now >= st[1]:
+            if st[2]:
+                msg += f" ({int(st[2])} such lines left out)"
+                st[2] = 0
+            st[0] += 1
+            if st[0] >= self.burst:
+                st[1] = now + self.interval
+            self.log.log(level, msg, *args, exc_info=exc_info)
+        else:
+            st[2] += 1
 
 
 def accepted(listener: socket.socket, kind: str, log: logging.Logger) -> Iterator[tuple[socket.socket, Any]]:

@@ -26,10 +26,12 @@ from crc32c import crc32c as _crc32c
 from dafka.errors import ProtocolError
 
 IMPLEMENTATION = "compiled"
+RECORDS_ABI = 2  # dafka.kafka._pure.RECORDS_ABI
 
 cdef int64_t I64_MAX = 0x7FFFFFFFFFFFFFFF
 cdef unsigned char FLAG_KEY = 0x01  # dafka.store.layout.FLAG_KEY
 cdef unsigned char FLAG_KAFKA = 0x04  # dafka.store.layout.FLAG_KAFKA
+cdef unsigned char FLAG_NULL = 0x08  # dafka.store.layout.FLAG_NULL
 cdef bytes NO_HEADERS = b"\x00"
 cdef bytes EMPTY = b""
 
@@ -176,6 +178,7 @@ def decode_records(bytes body, Py_ssize_t start, Py_ssize_t end, Py_ssize_t coun
     cdef int64_t rlen, tsd, od, klen, vlen, ts
     cdef int64_t max_slot = 0, slot, kslot
     cdef int64_t min_ts = I64_MAX
+    cdef Py_ssize_t nulls = 0
     cdef Py_ssize_t p = start, rend, i
     cdef PyTypeObject *rt = <PyTypeObject *>rtype
     cdef list out = []
@@ -200,7 +203,8 @@ def decode_records(bytes body, Py_ssize_t start, Py_ssize_t end, Py_ssize_t coun
             kslot = _zzsize(klen) + klen
         p = _varint(buf, p, rend, &vlen)
         if vlen < 0:
-            value = EMPTY
+            value = None
+            nulls += 1
         else:
             if vlen > rend - p:
                 raise ProtocolError("record value overruns its record")
@@ -227,7 +231,7 @@ def decode_records(bytes body, Py_ssize_t start, Py_ssize_t end, Py_ssize_t coun
         p = rend
     if p != end:
         raise ProtocolError(f"{end - p} stray bytes after the records of a batch")
-    return out, max_slot, min_ts
+    return out, max_slot, min_ts, nulls
 
 
 # ---------------------------------------------------------------- encode
@@ -238,6 +242,7 @@ cdef struct _Parts:
     int kprefix  # > 0: write zigzag(kprefix - 1) before the key part (a plain Tank key)
     Py_ssize_t hstart, hend  # header part inside the value (hend == hstart: none, b"\x00")
     Py_ssize_t cstart, size
+    bint null  # an empty content flagged FLAG_NULL: a null value
 
 
 cdef int _parts(const unsigned char *v, Py_ssize_t size, _Parts *out) except -1:
@@ -249,7 +254,9 @@ cdef int _parts(const unsigned char *v, Py_ssize_t size, _Parts *out) except -1:
     out.size = size
     out.kprefix = 0
     flags = v[8]
+    out.null = (flags & FLAG_NULL) != 0
     if not flags & FLAG_KEY:
+        out.null = out.null and size == 9
         out.kstart = out.kend = 9
         out.hstart = out.hend = 9
         out.cstart = 9
@@ -259,6 +266,7 @@ cdef int _parts(const unsigned char *v, Py_ssize_t size, _Parts *out) except -1:
     kl = v[9]
     cstart = 10 + kl
     out.cstart = cstart
+    out.null = out.null and cstart == size
     if flags & FLAG_KAFKA:
         klen = -2
         q = 0
@@ -363,7 +371,7 @@ def encode_batch(int64_t base_offset, list values, limit=None):
         else:
             memcpy(o, v + pt.kstart, pt.kend - pt.kstart)
             o += pt.kend - pt.kstart
-        o = _putzz(o, vl)
+        o = _putzz(o, -1 if pt.null else vl)  # zigzag(-1) is one byte, as zigzag(0)
         memcpy(o, v + pt.cstart, vl)
         o += vl
         if pt.hend == pt.hstart:
@@ -394,7 +402,7 @@ def store_pairs(list records, uint64_t pid, uint64_t first):
     cdef unsigned char flags
     cdef bytes k, v
     cdef unsigned char *o
-    cdef bint has_headers
+    cdef bint has_headers, null
     if pid > 0xFFFFFFFF:
         raise ValueError("partition id out of range")
     for i in range(n):
@@ -403,6 +411,9 @@ def store_pairs(list records, uint64_t pid, uint64_t first):
         if ts_obj < 0 or ts_obj > 0xFFFFFFFFFFFFFFFF:
             raise ValueError("record field out of range: timestamp")
         ts = ts_obj
+        null = value is None
+        if null:
+            value = EMPTY
         if not PyBytes_CheckExact(value) or not PyBytes_CheckExact(headers):
             raise TypeError("record value and headers must be bytes")
         if key is not None and not PyBytes_CheckExact(key):
@@ -424,6 +435,8 @@ def store_pairs(list records, uint64_t pid, uint64_t first):
         else:
             slot = -1
             flags = 0
+        if null:
+            flags |= FLAG_NULL | FLAG_PRODUCER_TS
         size = 9 + (slot + 1 if slot >= 0 else 0) + vlen
         v = PyBytes_FromStringAndSize(NULL, size)
         o = <unsigned char *>PyBytes_AS_STRING(v)

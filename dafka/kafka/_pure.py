@@ -21,12 +21,15 @@ from crc32c import crc32c
 from dafka.errors import ProtocolError
 
 IMPLEMENTATION = "pure"
+#: The functions' signatures and results (the compiled twin must give the same to be used).
+RECORDS_ABI = 2
 
 _I64_MIN = -(1 << 63)
 _I64_MAX = (1 << 63) - 1
 _U64 = (1 << 64) - 1
 _FLAG_KEY = 0x01  # dafka.store.layout.FLAG_KEY
 _FLAG_KAFKA = 0x04  # dafka.store.layout.FLAG_KAFKA
+_FLAG_NULL = 0x08  # dafka.store.layout.FLAG_NULL
 _NO_HEADERS = b"\x00"
 _new = tuple.__new__
 
@@ -93,11 +96,12 @@ def check_headers(buf: bytes, p: int, end: int) -> None:
 
 def decode_records(
     body: bytes, start: int, end: int, count: int, base_ts: int, fixed_ts: int | None, rtype: Any
-) -> tuple[list[Any], int, int]:
-    """``(records, largest key slot, smallest timestamp)`` of ``count`` records in ``body[start:end]``.
+) -> tuple[list[Any], int, int, int]:
+    """``(records, largest key slot, smallest timestamp, null values)`` of ``count`` records
+    in ``body[start:end]``.
 
     Each record is ``rtype((timestamp, key, value, headers))``: key None for
-    a null key, value ``b""`` for a null value, headers the record's header
+    a null key, value None for a null value (a tombstone), headers the record's header
     section as sent (``b"\\x00"``: none).  The key slot is what the store
     keeps beside the content: the key, or with headers the key and headers
     in record form (:func:`dafka.kafka.records.make_ext`).  ``fixed_ts``
@@ -109,6 +113,7 @@ def decode_records(
     app = out.append
     max_slot = 0
     min_ts = _I64_MAX
+    nulls = 0
     p = start
     for _ in range(count):
         rlen, p = varint(body, p, end)
@@ -130,7 +135,8 @@ def decode_records(
             kslot = len(_ZZ[klen]) + klen if klen < 8192 else len(zigzag(klen)) + klen
         vlen, p = varint(body, p, rend)
         if vlen < 0:
-            value = b""
+            value = None
+            nulls += 1
         else:
             if vlen > rend - p:
                 raise ProtocolError("record value overruns its record")
@@ -157,7 +163,7 @@ def decode_records(
         p = rend
     if p != end:
         raise ProtocolError(f"{end - p} stray bytes after the records of a batch")
-    return out, max_slot, min_ts
+    return out, max_slot, min_ts, nulls
 
 
 def _key_parts(v: bytes, size: int) -> tuple[bytes, bytes, int]:
@@ -243,6 +249,8 @@ def encode_batch(base_offset: int, values: list[bytes], limit: int | None = None
         if not v[8] & _FLAG_KEY:
             vl = size - 9
             vlb = zz[vl] if vl < 8192 else zigzag(vl)
+            if vl == 0 and v[8] & _FLAG_NULL:
+                vlb = b"\x01"  # zigzag(-1): a null value
             body_size = len(ts_part) + len(od) + 1 + len(vlb) + vl + 1
             app(zz[body_size] if body_size < 8192 else zigzag(body_size))
             extend((ts_part, od, b"\x01", vlb, v[9:], _NO_HEADERS))
@@ -250,6 +258,8 @@ def encode_batch(base_offset: int, values: list[bytes], limit: int | None = None
         kpart, hpart, cstart = _key_parts(v, size)
         vl = size - cstart
         vlb = zz[vl] if vl < 8192 else zigzag(vl)
+        if vl == 0 and v[8] & _FLAG_NULL:
+            vlb = b"\x01"
         body_size = len(ts_part) + len(od) + len(kpart) + len(vlb) + vl + len(hpart)
         app(zz[body_size] if body_size < 8192 else zigzag(body_size))
         extend((ts_part, od, kpart, vlb, v[cstart:], hpart))
@@ -271,7 +281,8 @@ def store_pairs(records: list[Any], pid: int, first: int) -> tuple[list[tuple[by
     the gateway's record tuples: a record without key or headers is
     ``ts flags=0 content``; with a key ``ts FLAG_KEY|FLAG_PRODUCER_TS klen key
     content``; with headers the key slot holds the key and headers in record
-    form, flagged FLAG_KAFKA too.  A timestamp outside 0..2**64-1 or a slot
+    form, flagged FLAG_KAFKA too.  A null value (None) is stored empty, flagged
+    FLAG_NULL (and FLAG_PRODUCER_TS).  A timestamp outside 0..2**64-1 or a slot
     over 255 bytes raises ValueError (the caller checks both first).
     """
     if not 0 <= pid <= 0xFFFFFFFF:
@@ -290,13 +301,17 @@ def store_pairs(records: list[Any], pid: int, first: int) -> tuple[list[tuple[by
                 raise ValueError("record field out of range: timestamp")
             plain = pack_hdr(ts, 0)
             last_ts = ts
+        null = 0
+        if value is None:
+            value = b""
+            null = _FLAG_NULL | _FLAG_PRODUCER_TS
         if headers == _NO_HEADERS:
             if key is None:
-                v = plain + value
+                v = plain + value if not null else pack_hdr(ts, null)
             else:
                 if len(key) > _MAX_SLOT:
                     raise ValueError(f"record key of {len(key)} bytes, at most {_MAX_SLOT}")
-                v = pack_hdr(ts, _FLAG_KEY | _FLAG_PRODUCER_TS) + _SMALL_LEN[len(key)] + key + value
+                v = pack_hdr(ts, _FLAG_KEY | _FLAG_PRODUCER_TS | null) + _SMALL_LEN[len(key)] + key + value
                 nbytes += len(key)
         else:
             if key is None:
@@ -306,7 +321,7 @@ def store_pairs(records: list[Any], pid: int, first: int) -> tuple[list[tuple[by
                 slot = (_ZZ[klen] if klen < 8192 else zigzag(klen)) + key + headers
             if len(slot) > _MAX_SLOT:
                 raise ValueError(f"record key and headers of {len(slot)} bytes, at most {_MAX_SLOT}")
-            v = pack_hdr(ts, _FLAG_KEY | _FLAG_PRODUCER_TS | _FLAG_KAFKA) + _SMALL_LEN[len(slot)] + slot + value
+            v = pack_hdr(ts, _FLAG_KEY | _FLAG_PRODUCER_TS | _FLAG_KAFKA | null) + _SMALL_LEN[len(slot)] + slot + value
             nbytes += len(slot)
         nbytes += len(value)
         app((pack_key(pid, off), v))

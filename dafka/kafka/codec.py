@@ -114,6 +114,7 @@ class Err:
     UNKNOWN_PRODUCER_ID = 59
     MEMBER_ID_REQUIRED = 79
     INVALID_RECORD = 87
+    THROTTLING_QUOTA_EXCEEDED = 89
 
 
 class ApiSpec(NamedTuple):

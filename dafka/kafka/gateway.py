@@ -42,6 +42,7 @@ from dafka.core import wire
 from dafka.errors import ProtocolError
 from dafka.gateway.connections import (
     Connection,
+    LogLimiter,
     Refusals,
     accepted,
     client_allowed,
@@ -53,12 +54,12 @@ from dafka.gateway.connections import (
     unread_for,
 )
 from dafka.kafka.codec import DEFAULT_MAX_FRAME, FrameReader, decode_request
-from dafka.kafka.records import Batch, make_ext, store_pairs
+from dafka.kafka.records import Batch, record_tuples, store_pairs
 from dafka.kafka.serving import Data, KafkaServer, ParkedFetch
-from dafka.store.layout import FLAG_KAFKA, FLAG_KEY, VALUE_HEADER
+from dafka.store.layout import FLAG_KAFKA, FLAG_KEY, FLAG_NULL, VALUE_HEADER
 from dafka.store.node import MAX_BATCH
 from dafka.tank.gateway import Gateway
-from dafka.tank.mapping import TankPartition, valid_topic_name
+from dafka.tank.mapping import TankPartition, shown, valid_topic_name
 
 log = logging.getLogger("dafka.kafka")
 
@@ -134,6 +135,7 @@ class KafkaGateway(Gateway):
             self._kpids: dict[tuple[str, str], int] = {}  # owned partitions stored: their pid
             self._kcommit_id = 0
             self._krefusals = Refusals(log)
+            self._klimited = LogLimiter(log)
             extra = {} if kafka_fetch_cap is None else {"fetch_cap": kafka_fetch_cap}
             self.kafka = KafkaServer(
                 self, kafka_advertise, auto_create=kafka_auto_create,
@@ -144,6 +146,10 @@ class KafkaGateway(Gateway):
             self.kafka.max_partitions = min(self.kafka.max_partitions, self.limits.max_partitions_per_topic)
             self.kafka.max_records = self.limits.kafka_max_produce_records
             self.kafka.coordinator.max_rebalance_timeout = self.limits.kafka_max_rebalance_timeout
+            self.kafka.max_metadata_bytes = self.limits.kafka_max_metadata_bytes
+            self.kafka.max_created = self.limits.kafka_max_created_topics
+            # As the Tank port and the mesh: a record the mesh would drop is refused here.
+            self.kafka.max_record_bytes = self.config.max_record_bytes
         except BaseException:
             self.kafka_listener.close()
             raise
@@ -180,13 +186,17 @@ class KafkaGateway(Gateway):
         entries = tuple((t, p, o) for (t, p), o in sorted(positions.items()))
         self.send(wire.Commit(group, self.address, self._kcommit_id, entries))
 
-    def create_topic(self, name: str, partitions: int) -> bool:
+    def create_topic(self, name: str, partitions: int, sync: bool = True) -> bool:
         if not valid_topic_name(name) or self.pmap.partitions(name) is not None or self.db.partitions(name):
             return False
-        if not self.create_owned_topic(name, partitions, "Kafka"):
+        if not self.create_owned_topic(name, partitions, "Kafka", sync):
             return False
-        log.info("created topic %s with %d gateway partitions (Kafka)", name, partitions)
+        log.info("created topic %s with %d gateway partitions (Kafka)", shown(name), partitions)
         return True
+
+    def sync_topics(self) -> None:
+        """Make the topics created with ``sync=False`` durable (one fsync for all of them)."""
+        self.topics_created()
 
     def append(self, part: TankPartition, batch: Batch) -> tuple[int, int]:
         """Queue a batch's records in an owned partition: ``(first, last)`` offsets given.
@@ -217,18 +227,11 @@ class KafkaGateway(Gateway):
             self._pairs.extend(pairs)
             self._segs.append((topic, address, pid, first, last, nbytes))
         else:
-            add = self._batch.append
-            n = first
-            for ts, k, value, headers in records:
-                if headers == b"\x00":
-                    if k is None:
-                        add((topic, address, n, value, ts))
-                    else:
-                        add((topic, address, n, value, ts, k, True))
-                else:
-                    add((topic, address, n, value, ts, make_ext(k, headers), True, FLAG_KAFKA))
-                n += 1
-        self._to_publish.extend(zip(repeat(key), range(first, last + 1), map(_VALUE, records), strict=False))
+            self._batch.extend(record_tuples(topic, address, first, records))
+        values = map(_VALUE, records)
+        if batch.nulls:  # the mesh carries contents: a null value goes as an empty one
+            values = (b"" if v is None else v for v in values)
+        self._to_publish.extend(zip(repeat(key), range(first, last + 1), values, strict=False))
         self._next_offset[key] = last + 1
         return first, last
 
@@ -262,7 +265,10 @@ class KafkaGateway(Gateway):
                     ts, flags = VALUE_HEADER.unpack_from(v)
                     if flags & FLAG_KEY:
                         slot = v[10 : 10 + v[9]]
-                        out.append((topic, address, first + j, v[10 + v[9] :], ts, slot, True, flags & FLAG_KAFKA))
+                        out.append((topic, address, first + j, v[10 + v[9] :], ts, slot, True,
+                                    flags & (FLAG_KAFKA | FLAG_NULL)))
+                    elif flags & FLAG_NULL:
+                        out.append((topic, address, first + j, b"", ts, None, True, FLAG_NULL))
                     else:
                         out.append((topic, address, first + j, v[9:], ts))
             else:
@@ -487,7 +493,10 @@ class KafkaGateway(Gateway):
         except ProtocolError:
             raise
         except Exception as exc:  # a request our encoder or logic cannot take: this connection only
-            log.exception("Kafka request %d v%d from %s failed", header.api_key, header.version, conn.name)
+            # With its traceback (a bug to fix), but at a bounded rate: a client asking again
+            # and again must not fill the log.
+            self._klimited.emit(logging.ERROR, "request-failed", "Kafka request %d v%d from %s failed",
+                                header.api_key, header.version, conn.name, exc_info=True)
             raise ProtocolError(f"request {header.api_key} v{header.version} failed: {exc!r}") from exc
         if outcome.data is None and outcome.park is None and outcome.needs is not None:
             return  # acks 0: no answer, nothing waits

@@ -28,7 +28,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from dafka.gateway.connections import LogLimiter
 from dafka.kafka.codec import Err
+from dafka.tank.mapping import shown
 
 log = logging.getLogger("dafka.kafka")
 
@@ -95,6 +97,12 @@ class Coordinator:
         self.max_rebalance_timeout = MAX_REBALANCE_TIMEOUT
         #: Bytes members hold now (see :data:`MAX_HELD`).
         self.held = 0
+        #: No session or rebalance can end before this: :meth:`tick` does nothing until then
+        #: (an idle coordinator costs nothing, however many members came and went).
+        self.next_due = float("inf")
+        #: Members looked at by :meth:`tick` (its cost).
+        self.scanned = 0
+        self._limited = LogLimiter(log)
 
     # ---------------------------------------------------------------- requests
 
@@ -140,9 +148,9 @@ class Coordinator:
             return fail(Err.UNKNOWN_MEMBER_ID)
         cost = _cost(protocols) + (len(client_id) * 2 + 40) * 2 + 64
         if self.held + cost - (_held(member) if member is not None else 0) > self.max_held:
-            log.warning(
-                "group %s: join refused, members of all groups hold %d bytes (at most %d)",
-                group_id, self.held, self.max_held,
+            self._limited.warning(
+                "join-refused", "group %s: join refused, members of all groups hold %d bytes (at most %d)",
+                shown(group_id), self.held, self.max_held,
             )
             if not group.members:
                 del self.groups[group_id]
@@ -156,7 +164,8 @@ class Coordinator:
             )
             group.members[member_id] = member
             self.held += _held(member)
-            log.info("group %s: member %s joins", group_id, member_id)
+            self.next_due = min(self.next_due, now + session_timeout)
+            log.debug("group %s: member %s joins", shown(group_id), shown(member_id))
         else:
             self.held -= _held(member)
             member.protocols = protocols
@@ -201,9 +210,9 @@ class Coordinator:
             given = dict(assignments)
             more = sum(len(given.get(m.member_id, b"")) - len(m.assignment) for m in group.members.values())
             if self.held + more > self.max_held:
-                log.warning(
-                    "group %s: assignments refused, members of all groups hold %d bytes (at most %d)",
-                    group_id, self.held, self.max_held,
+                self._limited.warning(
+                    "sync-refused", "group %s: assignments refused, members of all groups hold %d bytes (at most %d)",
+                    shown(group_id), self.held, self.max_held,
                 )
                 member.sync_token = None
                 return answer(Err.COORDINATOR_NOT_AVAILABLE)
@@ -212,9 +221,9 @@ class Coordinator:
                 m.assignment = given.get(m.member_id, b"")
                 self.held += len(m.assignment)
             group.state = STABLE
-            log.info(
+            log.debug(
                 "group %s: generation %d stable, %d members, protocol %s",
-                group_id, group.generation, len(group.members), group.protocol,
+                shown(group_id), group.generation, len(group.members), group.protocol,
             )
             for m in group.members.values():
                 if m.sync_token is not None:
@@ -245,7 +254,7 @@ class Coordinator:
                 codes.append(Err.UNKNOWN_MEMBER_ID)
                 continue
             codes.append(Err.NONE)
-            log.info("group %s: member %s leaves", group_id, mid)
+            log.debug("group %s: member %s leaves", shown(group_id), shown(mid))
             out.extend(self._remove(group, mid, now))
         return codes, out
 
@@ -276,19 +285,37 @@ class Coordinator:
     # ---------------------------------------------------------------- time
 
     def tick(self, now: float) -> list[Answer]:
+        """Sessions and rebalances that ended by ``now``.  Looks at members only when one may
+        have (:attr:`next_due`), and forgets empty groups then."""
+        if now < self.next_due:
+            return []
         out: list[Answer] = []
+        due = float("inf")
         for group in list(self.groups.values()):
             for mid, m in list(group.members.items()):
+                self.scanned += 1
                 waiting = m.join_token is not None and group.state == PREPARING
-                if not waiting and m.sync_token is None and now - m.last_seen > m.session_timeout:
-                    log.info("group %s: member %s session timed out", group.group_id, mid)
+                if waiting or m.sync_token is not None:
+                    due = min(due, now + m.session_timeout)  # not judged while it waits: later
+                elif now - m.last_seen > m.session_timeout:
+                    log.debug("group %s: member %s session timed out", shown(group.group_id), shown(mid))
                     out.extend(self._remove(group, mid, now))
+                else:
+                    due = min(due, m.last_seen + m.session_timeout)
             if group.state == PREPARING and now >= group.rebalance_deadline:
                 for mid, m in list(group.members.items()):
                     if m.join_token is None:
-                        log.info("group %s: member %s did not rejoin in time", group.group_id, mid)
+                        log.debug("group %s: member %s did not rejoin in time", shown(group.group_id), shown(mid))
                         self.held -= _held(group.members.pop(mid))
                 out.extend(self._maybe_complete(group, now))
+            if group.state == PREPARING:
+                due = min(due, group.rebalance_deadline)
+            if not group.members:
+                del self.groups[group.group_id]  # its committed offsets live in the store
+        # Whatever the answers above started (a rebalance) lowered next_due meanwhile.
+        self.next_due = min(due, self.next_due) if self.next_due > now else due
+        if self.next_due <= now:
+            self.next_due = now + MIN_SESSION_TIMEOUT
         return out
 
     # ---------------------------------------------------------------- inside
@@ -298,6 +325,7 @@ class Coordinator:
         group.state = PREPARING
         timeout = max((m.rebalance_timeout for m in group.members.values()), default=0.0)
         group.rebalance_deadline = now + timeout
+        self.next_due = min(self.next_due, group.rebalance_deadline)
         out = []
         for m in group.members.values():
             if m.sync_token is not None:
@@ -359,7 +387,8 @@ class Coordinator:
             )
             m.join_token = None
             m.last_seen = now
-        log.info("group %s: generation %d, leader %s, %d members", group.group_id, group.generation, leader, len(members))
+        log.debug("group %s: generation %d, leader %s, %d members", shown(group.group_id), group.generation,
+                  shown(leader), len(members))
         return out
 
     def _forget_empty(self) -> None:

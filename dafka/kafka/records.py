@@ -36,6 +36,7 @@ from crc32c import crc32c
 
 from dafka.errors import ProtocolError
 from dafka.kafka import _pure
+from dafka.store.layout import FLAG_KAFKA, FLAG_NULL
 
 try:  # optional codecs: produce batches using them are refused without the package
     import lz4.frame as _lz4f
@@ -85,7 +86,7 @@ class Record(NamedTuple):
 
     timestamp: int
     key: bytes | None
-    value: bytes
+    value: bytes | None  # None: a null value (a tombstone)
     headers: bytes  # the record's header section as sent (b"\x00": none)
 
 
@@ -104,6 +105,10 @@ class Batch:
     max_slot: int = 0
     #: The smallest record timestamp (Kafka's "no timestamp" is -1).
     min_ts: int = 0
+    #: Bytes of the (inflated) records: no record's value is longer.
+    body_size: int = 0
+    #: Records with a null value (None: a tombstone).
+    nulls: int = 0
 
     @property
     def transactional(self) -> bool:
@@ -124,7 +129,9 @@ def _load() -> tuple[object, str]:
         from dafka.kafka import _compiled  # type: ignore[attr-defined]
     except ImportError as exc:
         return _pure, f"the compiled record codec is not built ({exc})"
-    if not all(hasattr(_compiled, f) for f in ("decode_records", "encode_batch", "store_pairs")):
+    if not all(hasattr(_compiled, f) for f in ("decode_records", "encode_batch", "store_pairs")) or (
+        getattr(_compiled, "RECORDS_ABI", 1) != _pure.RECORDS_ABI
+    ):
         return _pure, "the compiled record codec is out of date; rebuild it"
     try:
         _compiled.encode_batch(0, [bytes(9)], 100)  # a build from before encode_batch took a limit
@@ -249,9 +256,9 @@ def _decode_v2(buf: bytes, pos: int, stop: int, budget: list[int], records: list
     # Every record takes at least 7 bytes: a count beyond that is a lie.
     if count > (end - start) // 7 + 1:
         raise ProtocolError(f"record count {count} does not fit the batch")
-    batch = Batch(base_offset, pid, pepoch, base_seq, attrs)
+    batch = Batch(base_offset, pid, pepoch, base_seq, attrs, body_size=end - start)
     fixed = max_ts if attrs & ATTR_LOG_APPEND_TIME else None
-    batch.records, batch.max_slot, batch.min_ts = _decode_records(
+    batch.records, batch.max_slot, batch.min_ts, batch.nulls = _decode_records(
         body, start, end, count, base_ts, fixed, Record
     )
     return batch
@@ -307,12 +314,12 @@ def _decode_legacy(
         if codec:
             if depth:
                 raise ProtocolError("nested compressed legacy message")
-            inner = _decompress(codec, value, budget)
+            inner = _decompress(codec, value, budget)  # (a null value inflates to nothing)
             out.extend(_decode_legacy(inner, 0, len(inner), budget, records, depth + 1))
         else:
             _spend(records, 1)
-            b = Batch(-1, -1, -1, -1, 0, magic, [Record(ts, key, value, b"\x00")],
-                      len(key) if key else 0, ts)
+            b = Batch(-1, -1, -1, -1, 0, magic, [Record(ts, key, None if vlen < 0 else value, b"\x00")],
+                      len(key) if key else 0, ts, len(value), 1 if vlen < 0 else 0)
             out.append(b)
         pos = mend
     return out
@@ -391,6 +398,30 @@ def make_ext(key: bytes | None, headers: bytes) -> bytes:
     if key is None:
         return b"\x01" + headers
     return _zz(len(key)) + key + headers
+
+
+def record_tuples(topic: str, address: str, first: int, records: list[Record]) -> list[tuple[object, ...]]:
+    """The store's record tuples (:meth:`dafka.store.db.RecordDB.append`) of decoded records at
+    offsets ``first, ...``: the same values :func:`store_pairs` builds (for a partition whose
+    id is not known yet)."""
+    out: list[tuple[object, ...]] = []
+    add = out.append
+    n = first
+    for ts, k, value, headers in records:
+        if value is None:  # a null value: stored empty, flagged
+            if headers == b"\x00":
+                add((topic, address, n, b"", ts, k, True, FLAG_NULL))
+            else:
+                add((topic, address, n, b"", ts, make_ext(k, headers), True, FLAG_NULL | FLAG_KAFKA))
+        elif headers == b"\x00":
+            if k is None:
+                add((topic, address, n, value, ts))
+            else:
+                add((topic, address, n, value, ts, k, True))
+        else:
+            add((topic, address, n, value, ts, make_ext(k, headers), True, FLAG_KAFKA))
+        n += 1
+    return out
 
 
 def split_ext(ext: bytes) -> tuple[bytes, bytes]:

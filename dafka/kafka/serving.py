@@ -12,11 +12,29 @@ the leader of every partition and the coordinator of every group.
   client cannot reach).  The answer waits until the records are committed to
   LMDB (for acks 1 and -1 alike: the gateway is the only replica, so the
   two mean the same); acks 0 gets no answer.
-* Idempotent producers: the last :data:`IDEMPOTENT_WINDOW` batches of each
-  (producer id, partition) are remembered; a batch sent again gets the offset
-  it was stored at, and is not stored twice.  A gap in the sequence is
-  OUT_OF_ORDER_SEQUENCE_NUMBER.  (The window lives in memory: a gateway
-  restart forgets it, as an unclean Kafka leader change would.)
+* Idempotent producers: InitProducerId gives a random 63-bit producer id
+  (not guessable); the last :data:`IDEMPOTENT_WINDOW` batches of each
+  (producer id, epoch, partition) are remembered; a batch sent again gets the
+  offset it was stored at, and is not stored twice.  A gap in the sequence
+  is OUT_OF_ORDER_SEQUENCE_NUMBER; a higher epoch starts the sequences over
+  (from 0), a lower one is fenced (INVALID_PRODUCER_EPOCH).  Ids this
+  gateway gave (at most :data:`MAX_PRODUCERS`) and ids it did not give (a
+  producer from before a restart, or made up: taken from their first batch,
+  at most :data:`MAX_ADOPTED`) are kept apart, so made-up ids never push out
+  a given id's state.  A given id forgotten to make room is remembered
+  (:data:`MAX_FORGOTTEN`): its next batch is UNKNOWN_PRODUCER_ID, never
+  stored unchecked.  (The state lives in memory: a restart forgets it.)
+* Topic names: created on this port only when they follow Kafka's rules
+  (``[a-zA-Z0-9._-]``, 1 to 249 characters, not ``.`` or ``..``, not
+  ``__`` reserved); others are INVALID_TOPIC_EXCEPTION.  At most
+  :data:`MAX_CREATED_PER_REQUEST` topics are created by one request
+  (Metadata auto-creation answers the rest LEADER_NOT_AVAILABLE, a retriable
+  code; CreateTopics answers THROTTLING_QUOTA_EXCEEDED).
+* Metadata answers name each topic once however often it is asked for, and
+  stop at :data:`MAX_METADATA_BYTES` (estimated before anything is built):
+  the topics past it are answered POLICY_VIOLATION with no partitions.
+* A record over the node's ``max_record_bytes`` is refused
+  (MESSAGE_TOO_LARGE) as on the Tank port: the mesh would drop it.
 
 :class:`KafkaServer` takes decoded requests and returns :class:`Outcome`
 objects; the shell (:mod:`dafka.kafka.gateway`) owns sockets, clocks and the
@@ -25,14 +43,15 @@ database.  Everything it needs from the store is the :class:`Backend`.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import time
+import re
+import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dafka.errors import ProtocolError
+from dafka.gateway.connections import LogLimiter
 from dafka.kafka.codec import API_VERSIONS, Err, N, api_keys, encode_fetch_parts, encode_response
 from dafka.kafka.groups import Answer, Coordinator
 from dafka.kafka.records import (
@@ -43,14 +62,29 @@ from dafka.kafka.records import (
     decode_batches,
     encode_batch,
 )
-from dafka.store.layout import MAX_NAME
-from dafka.tank.mapping import PARTITIONS_TOPIC, PartitionMap, TankPartition, valid_topic_name
+from dafka.store.layout import MAX_NAME, MAX_OFFSET
+from dafka.tank.mapping import (
+    PARTITIONS_TOPIC,
+    PartitionMap,
+    TankPartition,
+    shown,
+    valid_topic_name,
+)
 
 log = logging.getLogger("dafka.kafka")
 
 NODE_ID = 0
 IDEMPOTENT_WINDOW = 5  # batches remembered per producer and partition (Kafka's in-flight max)
 MAX_PRODUCERS = 100_000  # producer-id states kept (least recently used ones go)
+#: Producer ids not given by this gateway (from before a restart) tracked, in a pool of their own.
+MAX_ADOPTED = 10_000
+#: Ids whose state was forgotten, remembered so that their batches are refused, not stored unchecked.
+MAX_FORGOTTEN = 100_000
+#: Topics one request may create (Metadata auto-creation or CreateTopics); the gateway sets its limit.
+MAX_CREATED_PER_REQUEST = 100
+#: Bytes of one Metadata answer, about (the gateway sets its limit).
+MAX_METADATA_BYTES = 8 << 20
+_KAFKA_TOPIC = re.compile(r"[a-zA-Z0-9._-]{1,249}")
 DEFAULT_FETCH_CAP = 16 << 20  # bytes of records in one Fetch answer, whatever the client asks
 DEFAULT_PARTITION_CAP = 8 << 20  # ... and in one partition of it
 MAX_FETCH_RECORDS = 65_536  # records read for one partition of one answer
@@ -75,7 +109,8 @@ class Backend(Protocol):
     def head(self, topic: str, address: str) -> int | None: ...
     def first(self, topic: str, address: str) -> int | None: ...
     def fetch_raw(self, topic: str, address: str, offset: int, count: int) -> tuple[int, list[bytes]]: ...
-    def create_topic(self, name: str, partitions: int) -> bool: ...
+    def create_topic(self, name: str, partitions: int, sync: bool = True) -> bool: ...
+    def sync_topics(self) -> None: ...
     def append(self, part: TankPartition, batch: Batch) -> tuple[int, int]: ...
     def storage_failed(self) -> bool: ...
     def output_room(self, token: Any) -> int: ...
@@ -113,8 +148,27 @@ class ParkedFetch:
 @dataclass(slots=True)
 class _ProducerState:
     epoch: int
-    # partition key -> recent batches (base sequence, last sequence, base offset)
+    # partition key -> recent batches of this epoch (base sequence, last sequence, base offset)
     batches: dict[tuple[str, str], list[tuple[int, int, int]]] = field(default_factory=dict)
+
+
+def _stored_ts(value: bytes) -> int:
+    """A stored value's timestamp as Kafka readers see it: u64 read as int64, a negative one
+    (a Tank client's past 2^63) as 0, as the fetch encoder does."""
+    return max(int.from_bytes(value[:8], "big", signed=True), 0)
+
+
+def kafka_topic_name(name: str) -> bool:
+    """Whether Kafka's rules allow ``name``: ``[a-zA-Z0-9._-]``, 1..249, not ``.`` or ``..``
+    (and not ``__`` reserved, the gateway's own rule)."""
+    return (
+        _KAFKA_TOPIC.fullmatch(name) is not None and name not in (".", "..") and valid_topic_name(name)
+    )
+
+
+def metadata_cost(name: str, partitions: int) -> int:
+    """Bytes a Metadata answer (v8 at most) spends on a topic, at least."""
+    return 16 + len(name) * 4 + partitions * 40
 
 
 class KafkaServer:
@@ -142,8 +196,23 @@ class KafkaServer:
         self.max_records = MAX_REQUEST_RECORDS
         #: CreateTopics above this many partitions is refused (the gateway sets its Tank limit).
         self.max_partitions = MAX_CREATE_PARTITIONS
+        #: Records over this many bytes are refused (the gateway sets its node's max_record_bytes).
+        self.max_record_bytes = 1 << 31
+        self.max_created = MAX_CREATED_PER_REQUEST
+        self.max_metadata_bytes = MAX_METADATA_BYTES
+        self.max_producers = MAX_PRODUCERS
         self.coordinator = Coordinator()
+        #: Producer ids this gateway gave out, least recently used first.
         self._producers: OrderedDict[int, _ProducerState] = OrderedDict()
+        #: Ids it did not give (a producer from before a restart, or made up), in a pool of their
+        #: own: they can never push out the state of an id this gateway gave.
+        self._adopted: OrderedDict[int, _ProducerState] = OrderedDict()
+        self.max_adopted = MAX_ADOPTED
+        #: Ids whose state was forgotten to make room (their batches cannot be checked).
+        self._forgotten: OrderedDict[int, None] = OrderedDict()
+        self.producers_forgotten = 0
+        self.records_too_large = 0
+        self._limited = LogLimiter(log)
         # Read ahead: the next batch of partitions being read, encoded before it is asked for.
         # key -> (offset, limit, batch, when encoded)
         self._ahead: dict[tuple[str, str], tuple[int, int, bytes, float]] = {}
@@ -151,8 +220,6 @@ class KafkaServer:
         self._wanted: dict[tuple[str, str], tuple[TankPartition, int, int]] = {}
         self.ahead_hits = 0  # fetches answered from a batch encoded ahead
         self.ahead_seconds = AHEAD_SECONDS
-        # Producer ids unique across restarts: the start time in ms, shifted, plus a counter.
-        self._next_pid = itertools.count((int(time.time() * 1000) & ((1 << 41) - 1)) << 20)
         #: Answers of group requests that waited, for the shell to send.
         self.released: list[Answer] = []
 
@@ -186,18 +253,36 @@ class KafkaServer:
         if req.topics is None or (v == 0 and not req.topics):
             names = [t for t in pmap.topics() if t != PARTITIONS_TOPIC]
         else:
-            names = [t.name for t in req.topics]
+            names = list(dict.fromkeys(t.name for t in req.topics))  # each once, in order
         allow = self.auto_create and (v < 4 or req.allow_auto_topic_creation)
+        created = 0
+        budget = self.max_metadata_bytes
+        cut = 0
         topics = []
         for name in names:
             parts = pmap.partitions(name)
-            if parts is None and allow and valid_topic_name(name) and len(name) <= 249:
-                self.backend.create_topic(name, self.default_partitions)
+            if parts is None and allow and kafka_topic_name(name):
+                if created >= self.max_created:
+                    topics.append(N(error_code=Err.LEADER_NOT_AVAILABLE, name=name, is_internal=False,
+                                    partitions=[], authorized_operations=None))
+                    budget -= metadata_cost(name, 0)
+                    continue
+                created += 1
+                self.backend.create_topic(name, self.default_partitions, sync=False)
                 parts = pmap.partitions(name)
             if parts is None:
-                code = Err.UNKNOWN_TOPIC_OR_PARTITION if valid_topic_name(name) else Err.INVALID_TOPIC_EXCEPTION
+                code = Err.UNKNOWN_TOPIC_OR_PARTITION if kafka_topic_name(name) else Err.INVALID_TOPIC_EXCEPTION
                 topics.append(N(error_code=code, name=name, is_internal=False, partitions=[], authorized_operations=None))
+                budget -= metadata_cost(name, 0)
                 continue
+            cost = metadata_cost(name, len(parts))
+            if cost > budget:  # checked before the answer is built
+                cut += 1
+                topics.append(N(error_code=Err.POLICY_VIOLATION, name=name, is_internal=False, partitions=[],
+                                authorized_operations=None))
+                budget -= metadata_cost(name, 0)
+                continue
+            budget -= cost
             topics.append(
                 N(
                     error_code=0, name=name, is_internal=False, authorized_operations=None,
@@ -207,6 +292,13 @@ class KafkaServer:
                         for p in parts
                     ],
                 )
+            )
+        if created:
+            self.backend.sync_topics()  # durable, all together, before the answer names them
+        if cut:
+            self._limited.warning(
+                "metadata-cut", "a Kafka Metadata answer left out the partitions of %d topics: it would pass"
+                " %d bytes (kafka_max_metadata_bytes)", cut, self.max_metadata_bytes,
             )
         host, port = self.advertise
         return self._reply(
@@ -220,20 +312,26 @@ class KafkaServer:
 
     def _create_topics(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
         out = []
+        created = 0
         for t in req.topics:
             n = t.num_partitions if t.num_partitions > 0 else (len(t.assignments) or self.default_partitions)
-            if not valid_topic_name(t.name) or len(t.name) > 249:
-                code, msg = Err.INVALID_TOPIC_EXCEPTION, "invalid topic name"
+            if not kafka_topic_name(t.name):
+                code, msg = Err.INVALID_TOPIC_EXCEPTION, "topic names are 1..249 of [a-zA-Z0-9._-], not . or .."
             elif not 0 < n <= self.max_partitions:
                 code, msg = Err.INVALID_PARTITIONS, f"1..{self.max_partitions} partitions"
             elif self.backend.pmap.partitions(t.name) is not None:
                 code, msg = Err.TOPIC_ALREADY_EXISTS, f"topic {t.name} exists"
             elif v >= 1 and req.validate_only:
                 code, msg = Err.NONE, None
+            elif created >= self.max_created:
+                code, msg = Err.THROTTLING_QUOTA_EXCEEDED, f"at most {self.max_created} topics created per request"
             else:
-                ok = self.backend.create_topic(t.name, n)
+                created += 1
+                ok = self.backend.create_topic(t.name, n, sync=False)
                 code, msg = (Err.NONE, None) if ok else (Err.TOPIC_ALREADY_EXISTS, f"topic {t.name} exists")
             out.append(N(name=t.name, error_code=code, error_message=msg))
+        if created:
+            self.backend.sync_topics()
         return self._reply(corr, 19, v, throttle_time_ms=0, topics=out)
 
     # ---------------------------------------------------------------- InitProducerId
@@ -242,7 +340,12 @@ class KafkaServer:
         if req.transactional_id is not None:
             # Transactions are not supported.
             return self._reply(corr, 22, v, throttle_time_ms=0, error_code=Err.INVALID_REQUEST, producer_id=-1, producer_epoch=-1)
-        pid = next(self._next_pid)
+        pid = secrets.randbits(63)  # unguessable: another client's id cannot be used or fenced
+        while pid in self._producers:
+            pid = secrets.randbits(63)
+        self._producers[pid] = _ProducerState(0)
+        if len(self._producers) > self.max_producers:
+            self._forget(self._producers)
         return self._reply(corr, 22, v, throttle_time_ms=0, error_code=0, producer_id=pid, producer_epoch=0)
 
     # ---------------------------------------------------------------- Produce
@@ -270,7 +373,7 @@ class KafkaServer:
                     try:
                         batches = decode_batches(p.records, shared=inflate, records=count)
                     except TooManyRecords as exc:
-                        log.warning("Kafka produce to %s[%d] refused: %s", t.name, p.index, exc)
+                        self._limited.warning("too-many", "Kafka produce to %s[%d] refused: %s", shown(t.name), p.index, exc)
                         batches = None
                 plan.append((t.name, p.index, part, batches))
         needs: dict[tuple[str, str], int] = {}
@@ -319,22 +422,32 @@ class KafkaServer:
             return Err.KAFKA_STORAGE_ERROR, -1
         key = (part.topic, part.address)
         base = -1
+        limit = self.max_record_bytes
         for b in batches:
             if b.transactional or b.control:
                 return Err.INVALID_REQUEST, -1
             if b.max_slot > MAX_NAME:  # a key (with its headers) the store's key slot cannot hold
                 return Err.INVALID_RECORD, -1
+            if b.body_size > limit:  # only then can a record be over it: look at each
+                biggest = max((len(r[2] or b"") for r in b.records), default=0)
+                if biggest > limit:
+                    self.records_too_large += 1
+                    self._limited.warning(
+                        "too-large", "Kafka produce to %s refused: a record of %d bytes, max_record_bytes=%d",
+                        shown(part.topic), biggest, limit,
+                    )
+                    return Err.MESSAGE_TOO_LARGE, -1
         for b in batches:
             if not b.records:
                 continue
             dup = self._check_sequence(b, key)
             if dup is not None:
                 if dup < 0:
-                    return Err.OUT_OF_ORDER_SEQUENCE_NUMBER, -1
+                    return -dup, -1
                 base = dup if base < 0 else base
                 continue
             first, last = self.backend.append(part, b)
-            if b.producer_id >= 0 and b.base_sequence >= 0:
+            if b.producer_id >= 0:
                 self._remember(b, key, first)
             if base < 0:
                 base = first
@@ -345,31 +458,69 @@ class KafkaServer:
         return Err.NONE, base
 
     def _check_sequence(self, b: Batch, key: tuple[str, str]) -> int | None:
-        """None: a new batch to store; >= 0: a duplicate stored at that offset; -1: out of order."""
-        if b.producer_id < 0 or b.base_sequence < 0:
-            return None
-        state = self._producers.get(b.producer_id)
+        """None: a new batch to store; >= 0: a duplicate stored at that offset; < 0: minus
+        the error code (an unknown producer, an old epoch, a gap in the sequence)."""
+        if b.producer_id < 0:
+            return None  # not idempotent
+        pid = b.producer_id
+        table = self._producers
+        state = table.get(pid)
         if state is None:
-            return None if b.base_sequence == 0 else None  # unknown (e.g. after a restart): accept
-        self._producers.move_to_end(b.producer_id)
+            table = self._adopted
+            state = table.get(pid)
+        if state is None:
+            if pid in self._forgotten:
+                # Its state was forgotten to make room: its batch cannot be checked, and storing
+                # it unchecked could store a retry twice.  Refused, never silently.
+                self._limited.warning("forgotten", "Kafka producer %d refused: its state was forgotten"
+                                      " (more than %d producers); UNKNOWN_PRODUCER_ID", pid, self.max_producers)
+                return -Err.UNKNOWN_PRODUCER_ID
+            # Not an id this gateway gave (given before a restart): taken from here on, as a
+            # Kafka broker that lost a producer's state does, in the pool of such ids.
+            state = self._adopted[pid] = _ProducerState(b.producer_epoch)
+            if len(self._adopted) > self.max_adopted:
+                old, _ = self._adopted.popitem(last=False)
+                self._limited.warning("adopted", "Kafka producer %d forgotten: more than %d producer ids"
+                                      " this gateway did not give are in use", old, self.max_adopted)
+            return None if b.base_sequence >= 0 else -Err.OUT_OF_ORDER_SEQUENCE_NUMBER
+        table.move_to_end(pid)
+        if b.producer_epoch < state.epoch:
+            return -Err.INVALID_PRODUCER_EPOCH  # fenced: a newer incarnation writes
+        if b.base_sequence < 0:
+            return -Err.OUT_OF_ORDER_SEQUENCE_NUMBER
+        if b.producer_epoch > state.epoch:
+            # A new epoch starts every sequence over: nothing of the old one is a duplicate.
+            if b.base_sequence != 0:
+                return -Err.OUT_OF_ORDER_SEQUENCE_NUMBER
+            return None
         recent = state.batches.get(key)
         if not recent:
-            return None
+            return None if b.base_sequence == 0 else -Err.OUT_OF_ORDER_SEQUENCE_NUMBER
         last_seq = b.base_sequence + len(b.records) - 1
         for seq, last, offset in recent:
             if seq == b.base_sequence and last == last_seq:
                 return offset
         expected = (recent[-1][1] + 1) & 0x7FFFFFFF
         if b.base_sequence != expected:
-            return -1
+            return -Err.OUT_OF_ORDER_SEQUENCE_NUMBER
         return None
 
+    def _forget(self, table: OrderedDict[int, _ProducerState]) -> None:
+        """Forget the least recently used state of ``table``; its id is remembered (bounded)
+        so that its next batch is refused, not stored unchecked."""
+        pid, _ = table.popitem(last=False)
+        self.producers_forgotten += 1
+        self._forgotten[pid] = None
+        if len(self._forgotten) > MAX_FORGOTTEN:
+            self._forgotten.popitem(last=False)
+
     def _remember(self, b: Batch, key: tuple[str, str], offset: int) -> None:
-        state = self._producers.get(b.producer_id)
-        if state is None or state.epoch != b.producer_epoch:
-            state = self._producers[b.producer_id] = _ProducerState(b.producer_epoch)
-            if len(self._producers) > MAX_PRODUCERS:
-                self._producers.popitem(last=False)
+        state = self._producers.get(b.producer_id) or self._adopted.get(b.producer_id)
+        if state is None:
+            return
+        if b.producer_epoch > state.epoch:
+            state.epoch = b.producer_epoch
+            state.batches.clear()
         recent = state.batches.setdefault(key, [])
         recent.append((b.base_sequence, b.base_sequence + len(b.records) - 1, offset))
         del recent[:-IDEMPOTENT_WINDOW]
@@ -377,11 +528,18 @@ class KafkaServer:
     # ---------------------------------------------------------------- ListOffsets
 
     def _bounds(self, part: TankPartition) -> tuple[int, int]:
-        """``(log start offset, high watermark)``."""
+        """``(log start offset, high watermark)``; ``(-1, -1)`` for a partition whose offsets
+        do not fit Kafka's int64 (a mesh peer's, stored before such offsets were refused)."""
         head = self.backend.head(part.topic, part.address)
         if head is None:
             return 0, 0
         first = self.backend.first(part.topic, part.address)
+        if head > MAX_OFFSET or (first is not None and first > MAX_OFFSET + 1):
+            self._limited.warning(
+                "offset-range", "partition %s of %s has offsets past 2^63 (head %d): Kafka clients"
+                " cannot read it (KAFKA_STORAGE_ERROR)", part.address, shown(part.topic), head,
+            )
+            return -1, -1
         return (head + 1 if first is None else first), head + 1
 
     def _list_offsets(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
@@ -397,6 +555,10 @@ class KafkaServer:
                     continue
                 start, hwm = self._bounds(part)
                 ts = -1
+                if hwm < 0:
+                    out.append(N(partition_index=p.partition_index, error_code=Err.KAFKA_STORAGE_ERROR,
+                                 old_style_offsets=[], timestamp=-1, offset=-1, leader_epoch=-1))
+                    continue
                 if p.timestamp == -2:
                     offset = start
                 elif p.timestamp in (-1, -3):  # latest; -3: max timestamp (approximated by the end)
@@ -416,14 +578,14 @@ class KafkaServer:
             _, values = self.backend.fetch_raw(part.topic, part.address, mid, 1)
             if not values:
                 break
-            if int.from_bytes(values[0][:8], "big") < ts:
+            if _stored_ts(values[0]) < ts:
                 lo = mid + 1
             else:
                 hi = mid
         if lo >= hwm:
             return -1, -1
         _, values = self.backend.fetch_raw(part.topic, part.address, lo, 1)
-        return lo, (int.from_bytes(values[0][:8], "big") if values else -1)
+        return lo, (_stored_ts(values[0]) if values else -1)
 
     # ---------------------------------------------------------------- Fetch
 
@@ -468,6 +630,10 @@ class KafkaServer:
                     continue
                 start, hwm = self._bounds(part)
                 off = p.fetch_offset
+                if hwm < 0:
+                    faulted = True
+                    out.append((p.partition, Err.KAFKA_STORAGE_ERROR, -1, -1, b""))
+                    continue
                 if off < start or off > hwm:
                     faulted = True
                     out.append((p.partition, Err.OFFSET_OUT_OF_RANGE, hwm, start, b""))
@@ -546,7 +712,7 @@ class KafkaServer:
         try:
             first, values = self.backend.fetch_raw(part.topic, part.address, off, count)
         except Exception as exc:  # StorageError and LMDB errors
-            log.error("cannot read %s for a Kafka fetch: %s", part.topic, exc)
+            self._limited.emit(logging.ERROR, "read-failed", "cannot read %s for a Kafka fetch: %s", shown(part.topic), exc)
             return None
         if not values:
             return b""
@@ -554,7 +720,8 @@ class KafkaServer:
             # A record costs about its stored size plus a few varints: the encoder keeps what fits.
             return encode_batch(first, values, limit)
         except ValueError as exc:  # a stored value that does not parse
-            log.error("cannot serve %s from offset %d to a Kafka fetch: %s", part.topic, first, exc)
+            self._limited.emit(logging.ERROR, "serve-failed", "cannot serve %s from offset %d to a Kafka fetch: %s",
+                               shown(part.topic), first, exc)
             return None
 
     # ---------------------------------------------------------------- groups
@@ -643,7 +810,8 @@ class KafkaServer:
             try:
                 self.backend.put_positions(req.group_id, positions)
             except Exception as exc:  # ValueError (names too long), storage errors
-                log.error("cannot commit offsets of group %s: %s", req.group_id, exc)
+                self._limited.emit(logging.ERROR, "commit-failed", "cannot commit offsets of group %s: %s",
+                                   shown(req.group_id), exc)
                 for t in topics:
                     for p in t.partitions:
                         if p.error_code == Err.NONE:
@@ -653,14 +821,16 @@ class KafkaServer:
                 try:
                     self.backend.broadcast_positions(req.group_id, positions)
                 except Exception as exc:  # the local commit stands; other stores miss this one
-                    log.warning("cannot send the commit of group %s to the mesh: %s", req.group_id, exc)
+                    self._limited.warning("commit-send", "cannot send the commit of group %s to the mesh: %s",
+                                          shown(req.group_id), exc)
         return self._reply(corr, 8, v, throttle_time_ms=0, topics=topics)
 
     def _offset_fetch(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
         try:
             held = self.backend.positions(req.group_id)
         except Exception as exc:
-            log.error("cannot read offsets of group %s: %s", req.group_id, exc)
+            self._limited.emit(logging.ERROR, "positions-failed", "cannot read offsets of group %s: %s",
+                               shown(req.group_id), exc)
             held = {}
         pmap = self.backend.pmap
         if req.topics is None:  # every partition the group has a position for
@@ -679,6 +849,8 @@ class KafkaServer:
             for i in indexes:
                 part = parts[i] if parts and 0 <= i < len(parts) else None
                 off = held.get((part.topic, part.address), -1) if part is not None else -1
+                if off > MAX_OFFSET + 1:  # a mesh COMMIT's u64 that Kafka's int64 cannot carry
+                    off = -1
                 out.append(N(partition_index=i, committed_offset=off, committed_leader_epoch=-1, metadata="", error_code=0))
             topics.append(N(name=name, partitions=out))
         return self._reply(corr, 9, v, throttle_time_ms=0, topics=topics, error_code=0)

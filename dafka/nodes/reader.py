@@ -28,6 +28,8 @@ from dafka.core import wire
 from dafka.core.gaps import PartitionTracker
 from dafka.errors import ProtocolError
 from dafka.nodes.node import Node
+from dafka.store.layout import MAX_OFFSET
+from dafka.tank.mapping import shown
 
 NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's enum flags are slower
 READER_STALL = 1.0  # seconds between two checks of the holes that say the I/O thread was starved
@@ -37,6 +39,7 @@ BEHIND_GRACE = 10.0  # seconds a reader with data waiting at every tick holds it
 # hostile, or reach no publisher of ours, and must not hold it open forever.
 UNHEARD_LIMIT = 10
 _RECORDS = wire.Record | wire.DirectRecord | wire.RecordBatch | wire.DirectRecordBatch
+_BATCHES = wire.RecordBatch | wire.DirectRecordBatch
 
 
 def unheard_may_wait(tracker: PartitionTracker, now: float) -> bool:
@@ -128,6 +131,9 @@ class PartitionReader(Node):
 
     def track(self, tracker: PartitionTracker, seq: int, content: bytes) -> None:
         """A record outside the fast path: gaps, held records, FETCHes."""
+        if seq > MAX_OFFSET:
+            self.bad_input("record", f"offset {seq} of {shown(tracker.subject)}/{tracker.address} is past 2^63")
+            return
         out = self._out
         missing = tracker.on_record(seq, content, out)
         if out:
@@ -147,8 +153,8 @@ class PartitionReader(Node):
                 self.kind,
                 self.address[:8],
                 seq,
-                tracker.subject,
-                tracker.address,
+                shown(tracker.subject),
+                shown(tracker.address),
                 size,
                 self.max_record_bytes,
                 n,
@@ -267,6 +273,13 @@ class PartitionReader(Node):
                 return
             if self.owns(msg.subject, msg.address):
                 return  # our own partition: we write it, nobody else fills it in
+            last = msg.sequence + (len(msg.contents) - 1 if isinstance(msg, _BATCHES) else 0)
+            if last > MAX_OFFSET:
+                # Kafka readers (and anything signed 64-bit) could not take it: refused where it
+                # enters, before it names a partition or moves a head.
+                self.bad_input(type(msg).__name__, f"offset {last} of {shown(msg.subject)}/{shown(msg.address)}"
+                               " is past 2^63")
+                return
             if isinstance(msg, wire.DirectHead) and self.untrusted():
                 return  # secure mode: only a store's DIRECT-HEAD is believed
             sender = self.sender

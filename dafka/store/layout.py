@@ -29,12 +29,19 @@ FLAG_PRODUCER_TS = 0x02
 #: as the record carries them (``zigzag(keyLength) key headerCount headers...``).
 #: Readers that know only FLAG_KEY skip the slot and still get the content.
 FLAG_KAFKA = 0x04
+#: Value flag: the content (empty) is a Kafka null value, a tombstone, not an empty one.
+#: Readers that do not know it see an empty content.  Only the gateway that took the record
+#: keeps it: the mesh carries contents alone.
+FLAG_NULL = 0x08
 
 MAX_NAME = 255  # topic, partition and key lengths are one byte
 # LMDB's key size limit (MDB_MAXKEYSIZE, 511): with both names at 255 bytes a
 # partition key would be 512 bytes, so topic + partition may total 509 bytes.
 MAX_PARTITION_KEY = 511
 MAX_U64 = (1 << 64) - 1
+#: The highest offset a partition may reach: its next offset (a Kafka high watermark) still
+#: fits a signed 64-bit integer.  Offsets past it from the mesh are refused where they arrive.
+MAX_OFFSET = (1 << 63) - 2
 
 VALUE_HEADER_SIZE = 9  # ts_ms:u64 + flags:u8
 RECORD_KEY_SIZE = 12  # pid:u32 + offset:u64

@@ -51,6 +51,7 @@ from dafka.core import wire
 from dafka.errors import ProtocolError
 from dafka.gateway.connections import (
     Connection,
+    LogLimiter,
     Refusals,
     accepted,
     client_allowed,
@@ -72,6 +73,7 @@ from dafka.tank.mapping import (
     PARTITIONS_TOPIC,
     PartitionMap,
     TankPartition,
+    shown,
     valid_topic_name,
 )
 from dafka.tank.messages import (
@@ -176,6 +178,7 @@ class Gateway(Store):
         self._refused_connections = Refusals(log)  # over max_connections
         self.topics_refused = 0  # creations over max_owned_partitions
         self.records_too_large = 0  # Tank produces refused for a record over max_record_bytes
+        self._limited = LogLimiter(log)  # repeated warnings, rate-limited
         try:
             self._setup(rdb, listen, compress)
             super().__init__(rdb, config, towers=towers, retention=retention, **store_options)
@@ -227,7 +230,7 @@ class Gateway(Store):
                 self._next_offset[(topic, address)] = head + 1
             elif self.pmap.lookup(topic, address) is None:
                 self.pmap.add(topic, address)  # stored before the map knew it
-        self._save_map()
+        self._save_map(whole=True)  # the journal folded into the map
 
     def sockets(self) -> list[tuple[Any, Any]]:
         return [*super().sockets(), (self.listener, self._accept)]
@@ -357,9 +360,13 @@ class Gateway(Store):
 
     # ---------------------------------------------------------------- map
 
-    def _save_map(self) -> None:
+    def _save_map(self, whole: bool = False) -> None:
+        """Make new partitions durable (appended to the journal), or write the whole map."""
         try:
-            self.pmap.save(self.map_path)
+            if whole:
+                self.pmap.save(self.map_path)
+            else:
+                self.pmap.sync(self.map_path)
         except OSError as exc:
             log.error("cannot save the Tank partition map to %s: %s", self.map_path, exc)
 
@@ -648,7 +655,8 @@ class Gateway(Store):
         elif isinstance(req, ReloadConfRequest):
             # Dafka partitions have no per-partition configuration to reload.
             known = self.pmap.get(req.topic, req.partition) is not None
-            log.info("ReloadConf %s/%d refused: nothing to reload", req.topic, req.partition)
+            self._limited.emit(logging.INFO, "reload", "ReloadConf %s/%d refused: nothing to reload",
+                               shown(req.topic), req.partition)
             self._write(conn, ReloadConfResponse(req.req_id, req.topic, req.partition, 2 if known else 1).encode())
 
     # ---------------------------------------------------------------- produce
@@ -684,9 +692,9 @@ class Gateway(Store):
                         # Tank has no "too large" code: a system error, nothing written.
                         res.error = ProduceError.SYSTEM
                         self.records_too_large += 1
-                        log.warning(
-                            "Tank produce to %s/%d refused: a record of %d bytes, max_record_bytes=%d",
-                            t.name,
+                        self._limited.warning(
+                            "too-large", "Tank produce to %s/%d refused: a record of %d bytes, max_record_bytes=%d",
+                            shown(t.name),
                             p.partition,
                             biggest,
                             self.config.max_record_bytes,
@@ -722,24 +730,30 @@ class Gateway(Store):
 
     # ---------------------------------------------------------------- create topic
 
-    def create_owned_topic(self, topic: str, partitions: int, how: str = "Tank") -> bool:
+    def create_owned_topic(self, topic: str, partitions: int, how: str = "Tank", sync: bool = True) -> bool:
         """Create a topic of ``partitions`` gateway-owned partitions (Tank or Kafka);
-        False, logged, when that would pass ``max_owned_partitions``."""
+        False, logged, when that would pass ``max_owned_partitions``.  ``sync`` False: the
+        caller makes it durable (:meth:`_save_map`) before it answers, with others."""
         if len(self._owned) + partitions > self.limits.max_owned_partitions:
             self.topics_refused += 1
             if self.topics_refused <= 20 or self.topics_refused % 1000 == 0:
                 log.warning(
                     "%s topic %s refused: %d more partitions would pass the gateway's %d"
                     " (max_owned_partitions); %d refused so far",
-                    how, topic, partitions, self.limits.max_owned_partitions, self.topics_refused,
+                    how, shown(topic), partitions, self.limits.max_owned_partitions, self.topics_refused,
                 )
             return False
         self.pmap.create_topic(topic, partitions, new_address)
         for part in self.pmap.partitions(topic) or ():
             self._owned[(part.topic, part.address)] = part
+        if sync:
+            self.topics_created()
+        return True
+
+    def topics_created(self) -> None:
+        """Make new topics durable, then wake the consumes waiting on the partition list."""
         self._save_map()
         self._wake_parked((_VIRTUAL_KEY,))
-        return True
 
     def _create_topic(self, req: CreateTopicRequest) -> CreateTopicResponse:
         def answer(code: int) -> CreateTopicResponse:
@@ -748,9 +762,9 @@ class Gateway(Store):
         if not valid_topic_name(req.topic) or req.partitions in (0, 0xFFFF):
             return answer(CreateTopicError.INVALID)
         if req.partitions > self.limits.max_partitions_per_topic:
-            log.warning(
-                "CreateTopic %s refused: %d partitions, over the limit of %d (max_partitions_per_topic)",
-                req.topic, req.partitions, self.limits.max_partitions_per_topic,
+            self._limited.warning(
+                "too-wide", "CreateTopic %s refused: %d partitions, over the limit of %d (max_partitions_per_topic)",
+                shown(req.topic), req.partitions, self.limits.max_partitions_per_topic,
             )
             return answer(CreateTopicError.INVALID)
         for line in req.config.splitlines():
@@ -761,8 +775,8 @@ class Gateway(Store):
         if not self.create_owned_topic(req.topic, req.partitions):
             return answer(CreateTopicError.INVALID)
         if req.config.strip():
-            log.info("topic %s: Tank topic configuration ignored (%r)", req.topic, req.config)
-        log.info("created topic %s with %d gateway partitions", req.topic, req.partitions)
+            log.info("topic %s: Tank topic configuration ignored (%r)", shown(req.topic), req.config)
+        log.info("created topic %s with %d gateway partitions", shown(req.topic), req.partitions)
         return answer(CreateTopicError.OK)
 
     # ---------------------------------------------------------------- discover
@@ -931,7 +945,7 @@ class Gateway(Store):
         try:
             first, values = self._stored(topic, part, start.seq - 1, count)
         except StorageError as exc:
-            log.error("cannot read %s for a Tank fetch: %s", topic, exc)
+            self._limited.emit(logging.ERROR, "read-failed", "cannot read %s for a Tank fetch: %s", shown(topic), exc)
             return None
         if not values:  # retention ran meanwhile
             return ConsumePartitionResult(

@@ -39,6 +39,13 @@ its own (``kafka_`` keys):
   decoded); a partition past it is answered MESSAGE_TOO_LARGE.
 * ``kafka_max_rebalance_timeout``: seconds a JoinGroup's rebalance timeout
   may hold a group's rebalance; longer ones are cut to it.
+* ``kafka_max_metadata_bytes``: bytes of one Metadata answer, estimated
+  from the partition counts before it is built (each topic named once,
+  however often a request names it); topics past it are answered
+  POLICY_VIOLATION without their partitions.
+* ``kafka_max_created_topics``: topics one request may create (Metadata
+  auto-creation, CreateTopics); the rest are answered LEADER_NOT_AVAILABLE
+  (auto-creation: the client asks again) or THROTTLING_QUOTA_EXCEEDED.
 
 Every limit is a key of the ``[gateway]`` TOML table; ``dafka gateway`` also
 takes each as a flag (``--max-connections`` ...).
@@ -74,6 +81,8 @@ class GatewayLimits:
     kafka_max_output_bytes: int = 256 << 20
     kafka_max_produce_records: int = 500_000
     kafka_max_rebalance_timeout: float = 300.0  # seconds
+    kafka_max_metadata_bytes: int = 8 << 20
+    kafka_max_created_topics: int = 100
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -9,8 +9,13 @@ a topic gets a stable Tank partition id (u16):
   order the gateway first sees it.
 
 Ids are never reused or renumbered.  The map is a plain object; the gateway
-saves it (:meth:`PartitionMap.save`, an atomic replace + fsync) whenever it
-grows, before anything that depends on the new id is answered.
+makes each new partition durable (:meth:`PartitionMap.sync`: a line appended
+to a journal beside the map, ``tank-partitions.json.journal``, and fsync'ed)
+before anything that depends on the new id is answered, so a new topic costs
+the same however many there are.  At start the gateway writes the whole map
+(:meth:`PartitionMap.save`, an atomic replace + fsync) and drops the journal.
+Loading reads the map, then the journal; a last journal line cut short by a
+crash is left out (it was never acknowledged: its fsync had not returned).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ MAX_PARTITIONS = 0xFFFF
 PARTITIONS_TOPIC = "__dafka_partitions"
 FORMAT_VERSION = 1
 FILE_NAME = "tank-partitions.json"
+#: Appended to the map's path: the journal of the partitions added since it was written.
+JOURNAL_SUFFIX = ".journal"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +61,14 @@ class MappingError(DafkaError):
     """The saved map cannot be read."""
 
 
+def shown(name: str) -> str:
+    """A name as log lines show it: escaped when it holds a newline or another
+    character that is not printable (a name cannot forge a log line)."""
+    if name.isprintable():
+        return name
+    return repr(name)[1:-1]
+
+
 def valid_topic_name(name: str) -> bool:
     """A topic a Tank client may create: 1..255 UTF-8 bytes, no NUL, not reserved."""
     raw = name.encode()
@@ -69,6 +84,8 @@ class PartitionMap:
         #: Every partition in the order ids were given (the PARTITIONS_TOPIC records).
         self.order: list[TankPartition] = []
         self._full: set[str] = set()
+        #: How many of ``order`` are durable (in the map file or its journal).
+        self.saved = 0
 
     # ---------------------------------------------------------------- queries
 
@@ -132,13 +149,23 @@ class PartitionMap:
         return json.dumps(
             {
                 "format": FORMAT_VERSION,
-                "partitions": [
-                    {"topic": p.topic, "id": p.pid, "address": p.address, "owned": p.owned}
-                    for p in self.order
-                ],
+                "partitions": [self._entry(p) for p in self.order],
             },
             indent=1,
         )
+
+    @staticmethod
+    def _entry(p: TankPartition) -> dict[str, object]:
+        return {"topic": p.topic, "id": p.pid, "address": p.address, "owned": p.owned}
+
+    def _replay(self, entry: object) -> None:
+        if not isinstance(entry, dict):
+            raise MappingError(f"partition map entry {entry!r} is not an object")
+        topic, address, owned = str(entry["topic"]), str(entry["address"]), bool(entry["owned"])
+        known = self.lookup(topic, address)
+        part = known if known is not None else self.add(topic, address, owned)
+        if part is None or part.pid != int(entry["id"]):
+            raise MappingError(f"partition map entry {entry} is out of order")
 
     @classmethod
     def from_json(cls, text: str) -> PartitionMap:
@@ -148,32 +175,73 @@ class PartitionMap:
                 raise MappingError(f"partition map format {doc.get('format')!r} is not {FORMAT_VERSION}")
             pmap = cls()
             for entry in doc["partitions"]:
-                part = pmap.add(str(entry["topic"]), str(entry["address"]), bool(entry["owned"]))
-                if part is None or part.pid != int(entry["id"]):
-                    raise MappingError(f"partition map entry {entry} is out of order")
+                pmap._replay(entry)
+            pmap.saved = len(pmap.order)
             return pmap
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise MappingError(f"cannot read the partition map: {exc}") from exc
 
     def save(self, path: str) -> None:
-        """Write atomically and durably: a crash leaves the old or the new map."""
+        """Write atomically and durably: a crash leaves the old or the new map.  The journal
+        goes after (a crash before that replays entries the map holds: they are skipped)."""
         tmp = path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(self.to_json())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
         try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+            os.unlink(path + JOURNAL_SUFFIX)
+        except FileNotFoundError:
+            pass
+        _fsync_dir(path)
+        self.saved = len(self.order)
+
+    def sync(self, path: str) -> None:
+        """Make the partitions added since the last save or sync durable: appended to the
+        journal, one JSON line each, and fsync'ed (the cost of what is new, not of the map)."""
+        new = self.order[self.saved :]
+        if not new:
+            return
+        journal = path + JOURNAL_SUFFIX
+        created = not os.path.exists(journal)
+        with open(journal, "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(self._entry(p)) + "\n" for p in new))
+            f.flush()
+            os.fsync(f.fileno())
+        if created:
+            _fsync_dir(path)
+        self.saved = len(self.order)
 
     @classmethod
     def load(cls, path: str) -> PartitionMap:
-        """The map saved at ``path``, or an empty one if there is none yet."""
+        """The map saved at ``path`` and its journal, or an empty one if there is none yet."""
         try:
             with open(path, encoding="utf-8") as f:
-                return cls.from_json(f.read())
+                pmap = cls.from_json(f.read())
         except FileNotFoundError:
-            return cls()
+            pmap = cls()
+        try:
+            with open(path + JOURNAL_SUFFIX, encoding="utf-8", errors="replace") as f:
+                lines = f.read().split("\n")
+        except FileNotFoundError:
+            return pmap
+        # Every complete line ends with a newline: the last piece is "" or a line cut short.
+        if lines[-1]:
+            log.warning("partition map journal %s ends with a line cut short (a crash while it was"
+                        " written): left out", path + JOURNAL_SUFFIX)
+        for n, line in enumerate(lines[:-1], 1):
+            try:
+                pmap._replay(json.loads(line))
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise MappingError(f"partition map journal line {n}: {exc}") from exc
+        pmap.saved = len(pmap.order)
+        return pmap
+
+
+def _fsync_dir(path: str) -> None:
+    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

@@ -291,13 +291,16 @@ def test_a_retried_idempotent_batch_is_not_stored_twice(kgw: KafkaGateway) -> No
     kgw.create_topic("idem", 1)
     address = kgw.pmap.get("idem", 0).address
 
+    from tests.kafka.test_hostile_input import init_pid
+
     def batch(seq: int, n: int) -> bytes:
-        b = DefaultRecordBatchBuilder(2, 0, False, 4242, 0, seq, 1 << 20)
+        b = DefaultRecordBatchBuilder(2, 0, False, pid, epoch, seq, 1 << 20)
         for i in range(n):
             b.append(i, 1000, None, b"s%d" % (seq + i), [])
         return bytes(b.build())
 
     with socket.create_connection((HOST, kgw.kafka_port)) as s:
+        pid, epoch = init_pid(s, 0)  # only ids the gateway gave are taken
         first = produce_raw(s, 1, "idem", batch(0, 3))
         again = produce_raw(s, 2, "idem", batch(0, 3))  # the retry
         nxt = produce_raw(s, 3, "idem", batch(3, 2))

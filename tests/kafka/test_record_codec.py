@@ -13,7 +13,7 @@ from kafka.record.default_records import DefaultRecordBatchBuilder
 
 from dafka.errors import ProtocolError
 from dafka.kafka import _pure, records
-from dafka.kafka.records import BATCH_HEADER_SIZE, Record, decode_batches, make_ext
+from dafka.kafka.records import BATCH_HEADER_SIZE, Record, decode_batches, make_ext, record_tuples
 from dafka.store.layout import FLAG_KAFKA, FLAG_KEY, FLAG_PRODUCER_TS, VALUE_HEADER
 
 try:
@@ -71,8 +71,9 @@ record = st.tuples(
 def test_decode_records_agree_on_client_batches(recs: list, fixed: int | None) -> None:
     body, base_ts = body_of(recs)
     out = both("decode_records", body, 0, len(body), len(recs), base_ts, fixed, Record)
-    got, max_slot, min_ts = out  # type: ignore[misc]
-    assert [(r.key, r.value) for r in got] == [(k, v if v is not None else b"") for _, k, v, _ in recs]
+    got, max_slot, min_ts, nulls = out  # type: ignore[misc]
+    assert [(r.key, r.value) for r in got] == [(k, v) for _, k, v, _ in recs]  # a null value: None
+    assert nulls == sum(v is None for _, _, v, _ in recs)
     want_ts = [77 if fixed is not None else 1000 + ts for ts, _, _, _ in recs]
     assert [r.timestamp for r in got] == want_ts
     assert min_ts == min(want_ts, default=(1 << 63) - 1)
@@ -188,13 +189,7 @@ def test_a_kafka_slot_that_does_not_parse_is_served_as_a_key() -> None:
 
 def gateway_tuples(topic: str, part: str, recs: list[Record]) -> list[tuple]:
     """The record tuples the gateway queues for a partition not stored yet."""
-    out: list[tuple] = []
-    for i, (ts, key, value, headers) in enumerate(recs):
-        if headers == b"\x00":
-            out.append((topic, part, i, value, ts) if key is None else (topic, part, i, value, ts, key, True))
-        else:
-            out.append((topic, part, i, value, ts, make_ext(key, headers), True, FLAG_KAFKA))
-    return out
+    return record_tuples(topic, part, 0, recs)
 
 
 @settings(max_examples=60, deadline=None)
