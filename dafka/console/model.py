@@ -250,7 +250,7 @@ def _cut(text: str, limit: int) -> tuple[str, bool]:
 
 
 def _json_text(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=1, default=repr)
+    return json.dumps(value, ensure_ascii=False, default=repr)
 
 
 def show_bytes(data: bytes, fmt: str = "auto", limit: int = SHOWN_BYTES) -> dict[str, Any]:

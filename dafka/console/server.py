@@ -193,9 +193,8 @@ class Console:
         site = web.TCPSite(runner, self.host, self.port)
         try:
             await site.start()
-            server = site._server
-            if server is not None and self.port == 0:
-                self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            if self.port == 0:
+                self.port = int(runner.addresses[0][1])  # the free port the system chose
             self._started.set()
             while not self._stop.is_set():
                 await asyncio.sleep(0.1)

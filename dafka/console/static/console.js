@@ -160,21 +160,25 @@
 
   // ------------------------------------------------------------------ charts
 
+  const charts = new Map();  // holder -> its uPlot (one per holder, fed new data)
+
   function chart(holder, title, points, label) {
-    holder.replaceChildren();
     if (typeof uPlot === "undefined" || points.length < 2) {
-      holder.appendChild(el("p", { class: "note", text: title + ": not enough samples yet" }));
+      if (!charts.has(holder)) holder.replaceChildren(el("p", { class: "note", text: title + ": not enough samples yet" }));
       return;
     }
     const t0 = points[points.length - 1][0];
-    const xs = points.map((p) => p[0] - t0), ys = points.map((p) => p[1]);
+    const data = [points.map((p) => p[0] - t0), points.map((p) => p[1])];
+    const u = charts.get(holder);
+    if (u) { u.setData(data); return; }
+    holder.replaceChildren();
     const opts = {
       title, width: 640, height: 200,
       scales: { x: { time: false } },
       axes: [{ label: "seconds ago" }, { label }],
       series: [{}, { label, stroke: "#2b6cb0", width: 2 }],
     };
-    new uPlot(opts, [xs, ys], holder);
+    charts.set(holder, new uPlot(opts, data, holder));
   }
 
   // ------------------------------------------------------------------ topic
