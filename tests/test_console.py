@@ -21,7 +21,14 @@ from dafka.console.server import STATIC, Console
 from dafka.core import wire
 from dafka.nodes.consumer import Consumer
 from dafka.nodes.producer import Producer
-from tests.conftest import dafka_cmd, start_store_process, subprocess_env, tower_flag, wait_until
+from tests.conftest import (
+    dafka_cmd,
+    spawned,
+    start_store_process,
+    subprocess_env,
+    tower_flag,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -253,3 +260,54 @@ def test_console_refuses_a_public_listen_without_insecure(cfg: NodeConfig) -> No
         timeout=30,
     )
     assert out.returncode == 2 and "--insecure" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_console_command_serves_and_stops_on_sigterm(cfg: NodeConfig) -> None:
+    proc = spawned(
+        subprocess.Popen(
+            dafka_cmd("console", "--tower", tower_flag(cfg), "--listen", "127.0.0.1:0", "--interval", "0.2"),
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    )
+    line = proc.stdout.readline()
+    assert line.startswith("console up: http://127.0.0.1:"), line
+    url = line.split()[2]
+    wait_until(lambda: any(t["alive"] for t in get_json(url + "api/state")["nodes"]["tower"]), timeout=15)
+    status, ctype, body = get(url)
+    assert status == 200 and "text/html" in ctype and 'data-page="landing"' in body
+    status, _, body = get(url + "api/records?topic=t&partition=p")
+    assert status == 404 and "--db" in body  # no local store: said, not a crash
+    proc.terminate()
+    assert proc.wait(15) == 0, proc.stderr.read()
+
+
+def test_model_charts_partitions_rates_and_lags() -> None:
+    model = ConsoleModel(history=50)
+    for t in range(10):
+        snap = {
+            "towers": [],
+            "nodes": [],
+            "partitions": [
+                {"topic": "t", "partition": p, "producer_head": None, "producer_alive": True,
+                 "stores": [{"address": STORE, "head": 10 * t * (i + 1), "lag": 0}]}
+                for i, p in enumerate((PROD, MEMBER))
+            ],
+            "groups": [
+                {"group": "g", "members": [], "lag": 3 * t,
+                 "partitions": [{"topic": "t", "partition": PROD, "head": 0, "committed": 0, "lag": 3 * t, "owner": None},
+                                {"topic": "t", "partition": MEMBER, "head": None, "committed": None, "lag": None, "owner": None}]}
+            ],
+        }
+        model.update(snap, float(t))
+    topic = model.topic("t")
+    assert topic is not None and [p["rate"] for p in topic["partitions"]] == [10.0, 20.0]
+    assert topic["rate"][-1] == (9.0, 30.0)
+    group = model.group("g")
+    assert group is not None and group["history"][-1] == (9.0, 27.0)
+    (hist,) = group["partition_history"]  # the partition without a lag is not charted
+    assert hist["partition"] == PROD and hist["points"] == [(float(t), 3.0 * t) for t in range(10)]
+    model.update({"towers": [], "nodes": [], "partitions": [], "groups": []}, 10.0)
+    assert not model.part_rates.series and not model.part_lags.series and not model.lags.series

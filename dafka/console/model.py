@@ -64,6 +64,10 @@ class History:
         return out
 
 
+def _series(*names: str) -> str:
+    return "\x00".join(names)  # NUL is in no topic, partition or group name
+
+
 def _records(head: int | None) -> int:
     return 0 if head is None else head + 1
 
@@ -76,7 +80,11 @@ class ConsoleModel:
         self.db_parts: list[PartitionInfo] | None = None  # --db: the local store's partitions
         self.db_error: str | None = None
         self.rates = History(history, max_series)  # "topic NAME": records stored (summed heads)
-        self.lags = History(history, max_series)  # "group NAME": summed lag; "part G T P": one partition
+        self.lags = History(history, max_series)  # per group: its summed lag
+        # Per partition (own bounds, so the sums are never crowded out): (topic, partition)
+        # -> records stored; (group, topic, partition) -> lag.
+        self.part_rates = History(history, max_series)
+        self.part_lags = History(history, max_series)
         self.updated = 0.0
 
     def update(
@@ -95,11 +103,24 @@ class ConsoleModel:
         for t in topics:
             self.rates.add(t["topic"], now, t["records"])
         self.rates.retain(t["topic"] for t in topics)
-        names = []
+        parts = []
+        for (topic, partition), row in self._heads().items():
+            name = _series(topic, partition)
+            parts.append(name)
+            records = row["records"] if row.get("records") is not None else _records(row["head"])
+            self.part_rates.add(name, now, records)
+        self.part_rates.retain(parts)
+        names, lags = [], []
         for g in snap.get("groups", []):
             names.append(g["group"])
             self.lags.add(g["group"], now, g["lag"])
+            for p in g["partitions"]:
+                if p["lag"] is not None:
+                    name = _series(g["group"], p["topic"], p["partition"])
+                    lags.append(name)
+                    self.part_lags.add(name, now, p["lag"])
         self.lags.retain(names)
+        self.part_lags.retain(lags)
 
     # ------------------------------------------------------------ views
 
@@ -199,15 +220,30 @@ class ConsoleModel:
         }
 
     def topic(self, name: str) -> dict[str, Any] | None:
-        rows = [row for (t, _), row in sorted(self._heads().items()) if t == name]
+        """The topic page: partitions (with their newest records/s) and the topic's rate."""
+        rows = [dict(row) for (t, _), row in sorted(self._heads().items()) if t == name]
         if not rows:
             return None
+        for row in rows:
+            rates = self.part_rates.rates(_series(name, row["partition"]))
+            row["rate"] = round(rates[-1][1], 1) if rates else None
         return {"topic": name, "partitions": rows, "rate": self.rates.rates(name), "db": self.db_parts is not None}
 
-    def group(self, name: str) -> dict[str, Any] | None:
+    def group(self, name: str, charted: int = 8) -> dict[str, Any] | None:
+        """The group page: the group, its summed lag over time, and the lag over
+        time of its ``charted`` most lagging partitions."""
         for g in self.snap.get("groups", []):
             if g["group"] == name:
-                return {**g, "history": self.lags.points(name)}
+                top = sorted((p for p in g["partitions"] if p["lag"] is not None), key=lambda p: -p["lag"])
+                history = [
+                    {
+                        "topic": p["topic"],
+                        "partition": p["partition"],
+                        "points": self.part_lags.points(_series(name, p["topic"], p["partition"])),
+                    }
+                    for p in top[:charted]
+                ]
+                return {**g, "history": self.lags.points(name), "partition_history": history}
         return None
 
     def mesh(self) -> dict[str, Any]:

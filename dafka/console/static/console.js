@@ -163,22 +163,30 @@
   const charts = new Map();  // holder -> its uPlot (one per holder, fed new data)
 
   function chart(holder, title, points, label) {
-    if (typeof uPlot === "undefined" || points.length < 2) {
+    chartSeries(holder, title, label, points.map((p) => p[0]), [{ label, values: points.map((p) => p[1]) }]);
+  }
+
+  // Several series over the same sample times (xs: monotonic seconds).
+  function chartSeries(holder, title, label, xs, series) {
+    if (typeof uPlot === "undefined" || xs.length < 2 || !series.length) {
       if (!charts.has(holder)) holder.replaceChildren(el("p", { class: "note", text: title + ": not enough samples yet" }));
       return;
     }
-    const t0 = points[points.length - 1][0];
-    const data = [points.map((p) => p[0] - t0), points.map((p) => p[1])];
-    const u = charts.get(holder);
-    if (u) { u.setData(data); return; }
+    const t0 = xs[xs.length - 1];
+    const data = [xs.map((x) => x - t0), ...series.map((s) => s.values)];
+    const key = series.map((s) => s.label).join("\u0000");
+    const old = charts.get(holder);
+    if (old && old.key === key) { old.u.setData(data); return; }
+    if (old) old.u.destroy();
     holder.replaceChildren();
+    const colors = ["#2b6cb0", "#c05621", "#2f855a", "#9b2c2c", "#6b46c1", "#b7791f", "#2c7a7b", "#97266d", "#4a5568"];
     const opts = {
-      title, width: 640, height: 200,
+      title, width: 640, height: 220,
       scales: { x: { time: false } },
       axes: [{ label: "seconds ago" }, { label }],
-      series: [{}, { label, stroke: "#2b6cb0", width: 2 }],
+      series: [{}, ...series.map((s, i) => ({ label: s.label, stroke: colors[i % colors.length], width: 2 }))],
     };
-    charts.set(holder, new uPlot(opts, data, holder));
+    charts.set(holder, { key, u: new uPlot(opts, data, holder) });
   }
 
   // ------------------------------------------------------------------ topic
@@ -221,8 +229,8 @@
         if (!r.ok) { parts.replaceChildren(el("p", { class: "note", text: r.data.error })); return; }
         const d = r.data;
         live.textContent = "live"; live.className = "on";
-        parts.replaceChildren(table(["partition", "first", "head", "records", "bytes", "producer", "stores (head/lag)"],
-          d.partitions.map((p) => [p.partition, p.first, p.head, p.records, bytes(p.bytes),
+        parts.replaceChildren(table(["partition", "first", "head", "records", "bytes", "records/s", "producer", "stores (head/lag)"],
+          d.partitions.map((p) => [p.partition, p.first, p.head, p.records, bytes(p.bytes), p.rate,
             p.producer_head === null ? "-" : p.producer_head + (p.producer_alive ? "" : " (gone)"),
             p.stores.map((s) => short(s.address) + ":" + s.head + "/" + s.lag).join("  ") || "-"]), "partitions"));
         const have = new Set(Array.from(sel.options).map((o) => o.value));
@@ -251,7 +259,14 @@
         members.replaceChildren(table(["member", "topics", "claims"], d.members.map((m) => [m.address, m.topics.join(", "), m.claims.map((c) => c[0] + "/" + short(c[1])).join("  ") || "-"])));
         parts.replaceChildren(el("p", { text: "total lag " + d.lag }), table(["topic", "partition", "owner", "head", "committed", "lag"],
           d.partitions.map((p) => [p.topic, p.partition, p.owner ? short(p.owner) : "-", p.head, p.committed, p.lag]), "positions"));
-        chart(lag, "lag (records)", d.history, "records");
+        // The summed lag and the most lagging partitions', on the sum's sample times.
+        const xs = d.history.map((p) => p[0]);
+        const series = [{ label: "all partitions", values: d.history.map((p) => p[1]) }];
+        for (const h of d.partition_history) {
+          const at = new Map(h.points.map((p) => [p[0], p[1]]));
+          series.push({ label: h.topic + "/" + short(h.partition), values: xs.map((x) => (at.has(x) ? at.get(x) : null)) });
+        }
+        chartSeries(lag, "lag (records)", "records", xs, series);
       });
     }
     refresh();
