@@ -16,6 +16,7 @@ import pytest
 
 from dafka.cli.status import MAX_GROUPS, MeshView
 from dafka.config import NodeConfig
+from dafka.console import server
 from dafka.console.model import SHOWN_BYTES, ConsoleModel, History, show_bytes
 from dafka.console.server import STATIC, Console
 from dafka.core import wire
@@ -127,7 +128,7 @@ def publish(producer: Producer, contents: list[bytes]) -> None:
     assert producer.flush(20), "the store did not acknowledge"
 
 
-def test_console_over_a_mesh_with_hostile_names(cfg: NodeConfig, tmp_path: Path) -> None:
+def test_console_over_a_mesh_with_hostile_names(cfg: NodeConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     db = str(tmp_path / "db")
     # A store process: the console reads its database as another process does (LMDB
     # allows one environment per database and process).
@@ -206,6 +207,13 @@ def test_console_over_a_mesh_with_hostile_names(cfg: NodeConfig, tmp_path: Path)
                 assert r48["as"] == "text" and r48["truncated"] and r48["size"] == 300_000
                 assert len(r48["text"]) == SHOWN_BYTES
                 assert r49["as"] == "hex" and r49["text"].startswith("00 01 02")
+                assert page["next"] == 50 and not page["cut"]
+                # A page stops once its contents passed the bound (here 100 kB, one record a read).
+                monkeypatch.setattr(server, "MAX_PAGE_BYTES", 100_000)
+                monkeypatch.setattr(server, "READ_AT_ONCE", 1)
+                page = get_json(base + "api/records?" + urllib.parse.urlencode({**q, "offset": "46"}))
+                assert [r["offset"] for r in page["records"]] == [46, 47, 48] and page["cut"] and page["next"] == 49
+                monkeypatch.undo()
                 page = get_json(base + "api/records?" + urllib.parse.urlencode({**q, "offset": "10", "limit": "2", "format": "hex"}))
                 assert [(r["offset"], r["content"]["text"]) for r in page["records"]] == [(10, "72 31 30"), (11, "72 31 31")]
                 q2 = {"topic": HOSTILE_TOPIC, "partition": other.address, "limit": "1"}

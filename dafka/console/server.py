@@ -36,6 +36,8 @@ from dafka.store.db import RecordDB
 log = logging.getLogger("dafka.console")
 
 MAX_STREAMS = 64  # event streams open at once (pages beyond get 503)
+MAX_PAGE_BYTES = 8 << 20  # record contents read for one page of the record browser, at most
+READ_AT_ONCE = 8  # records per read of the record browser
 STATIC = Path(str(resources.files("dafka.console") / "static"))
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
@@ -269,14 +271,30 @@ class Console:
             if info is None:
                 return None
             start = max(info.first, info.last - limit + 1) if offset is None else max(0, offset)
-            records = [show_record(r.offset, r.ts_ms, r.key, r.content, fmt) for r in db.read(topic, partition, start, limit)]
+            # A few records a read, up to MAX_PAGE_BYTES of contents: a page of huge
+            # records does not hold them all in memory at once.
+            records: list[dict[str, Any]] = []
+            nxt, read_bytes, cut = start, 0, False
+            while len(records) < limit:
+                chunk = list(db.read(topic, partition, nxt, min(READ_AT_ONCE, limit - len(records))))
+                if not chunk:
+                    break
+                for r in chunk:
+                    records.append(show_record(r.offset, r.ts_ms, r.key, r.content, fmt))
+                    read_bytes += len(r.content)
+                    nxt = r.offset + 1
+                if read_bytes >= MAX_PAGE_BYTES:
+                    cut = len(records) < limit
+                    break
         return {
             "topic": topic,
             "partition": partition,
             "first": info.first,
             "last": info.last,
             "offset": start,
+            "next": nxt,  # where the next page starts
             "limit": limit,
+            "cut": cut,  # fewer than limit: MAX_PAGE_BYTES of contents were read
             "records": records,
         }
 

@@ -214,12 +214,13 @@
           const key = x.key === null ? "-" : x.key.text;
           return [x.offset, new Date(x.ts_ms).toISOString(), key, el("div", {}, pre, note)];
         });
-        out.replaceChildren(el("p", { text: "offsets " + r.data.first + ".." + r.data.last + " stored; showing from " + r.data.offset }),
+        const cut = r.data.cut ? " (page cut at 8 MiB of contents: \"newer\" goes on)" : "";
+        out.replaceChildren(el("p", { text: "offsets " + r.data.first + ".." + r.data.last + " stored; showing from " + r.data.offset + cut }),
           table(["offset", "time", "key", "content"], rows, "records"));
       });
     }
     const older = el("button", { id: "older", text: "older", onclick: () => shown && load(Math.max(shown.first, shown.offset - 20)) });
-    const newer = el("button", { id: "newer", text: "newer", onclick: () => shown && load(shown.offset + 20) });
+    const newer = el("button", { id: "newer", text: "newer", onclick: () => shown && load(shown.next) });
     const latest = el("button", { id: "latest", text: "latest", onclick: () => { offset.value = ""; load(null); } });
     const go = el("button", { id: "go", text: "show", onclick: () => load(offset.value) });
     browser.replaceChildren(el("div", { class: "controls" }, "partition ", sel, " from offset ", offset, " as ", fmt, " ", go, latest, older, newer), out);
