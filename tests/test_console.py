@@ -22,6 +22,8 @@ from dafka.console.server import STATIC, Console
 from dafka.core import wire
 from dafka.nodes.consumer import Consumer
 from dafka.nodes.producer import Producer
+from dafka.store.db import RecordDB
+from dafka.store.node import Store
 from tests.conftest import (
     dafka_cmd,
     spawned,
@@ -319,3 +321,33 @@ def test_model_charts_partitions_rates_and_lags() -> None:
     assert hist["partition"] == PROD and hist["points"] == [(float(t), 3.0 * t) for t in range(10)]
     model.update({"towers": [], "nodes": [], "partitions": [], "groups": []}, 10.0)
     assert not model.part_rates.series and not model.part_lags.series and not model.lags.series
+
+
+def test_view_keeps_stores_not_acknowledging_and_why() -> None:
+    view = MeshView(OWN, [], timeout=4.0)
+    view.on_message(STORE, wire.StoreStatus(PROD, STORE, "t", 0, "disk full"), 1.0)
+    view.on_message(STORE, wire.StoreStatus(MEMBER, STORE, "t", 0, "disk full"), 1.0)
+    view.on_message(PROD, wire.StoreStatus(PROD, STORE, "t", 0, "forged"), 1.0)  # not the store
+    assert view.snapshot(1.0)["not_writing"] == [
+        {"store": STORE, "reason": "disk full", "partitions": [["t", PROD], ["t", MEMBER]]}
+    ]
+    model = ConsoleModel()
+    model.update(view.snapshot(1.0), 1.0)
+    assert f"store {STORE[:8]} is not acknowledging 2 partition(s): disk full" in model.alerts()
+    view.on_message(STORE, wire.StoreStatus(PROD, STORE, "t", 1, ""), 2.0)  # writing again
+    view.expire(11.5)  # the other was not said again for NOT_WRITING_FOR
+    assert view.snapshot(11.5)["not_writing"] == []
+
+
+def test_console_alerts_a_full_store(cfg: NodeConfig, tmp_path: Path) -> None:
+    db = RecordDB(tmp_path / "db", map_size=256 << 10, max_map_size=1 << 20)  # a full disk, for real
+    with Store(db, cfg), Producer("full", cfg, publish_timeout=0.1) as producer:
+        wait_until(lambda: len(producer.peers))
+        with Console(cfg, interval=0.2) as console:
+            producer.publish_many(b"%06d-" % i + b"x" * 1000 for i in range(3000))  # 3 MB
+
+            def alert() -> Any:
+                return [a for a in get_json(console.url + "api/state")["alerts"] if "not acknowledging" in a]
+
+            (line,) = wait_until(alert, timeout=20)
+            assert "cannot write" in line and "max_map_size" in line, line

@@ -25,6 +25,9 @@ What the protocol shows of a peer's kind:
 * subscriptions on our XPUB carrying an address: ``K``/``F`` + X (X is a
   producer), ``W`` + X (a store), ``L`` + X (a consumer).
 
+A store's STORE-STATUS to its producers says when it cannot acknowledge and
+why (a full disk, refused records): the view keeps those, for the alerts.
+
 Consumer groups: members' MEMBER heartbeats name the group, the member, its
 topics and claims; the probe asks the stores for each group's committed
 positions (GET-POSITIONS, as a member does) and a group's lag per partition is
@@ -85,6 +88,8 @@ class PartitionInfo:
 MAX_GROUPS = 1000  # groups tracked (heartbeats naming more are counted, not kept)
 MAX_MEMBERS = 1000  # members tracked per group
 MAX_GROUP_POSITIONS = 10_000  # committed positions kept per group
+MAX_NOT_WRITING = 10_000  # (store, topic, partition)s kept that a store said it cannot acknowledge
+NOT_WRITING_FOR = 10.0  # seconds a store's "not writing" counts without being said again
 
 
 @dataclass
@@ -118,6 +123,8 @@ class MeshView:
         self.evidence: dict[str, set[str]] = {}  # address -> kinds it showed
         self.partitions: dict[tuple[str, str], PartitionInfo] = {}
         self.groups: dict[str, GroupInfo] = {}
+        # STORE-STATUS saying a store cannot acknowledge: (store, topic, partition) -> (reason, when).
+        self.not_writing: dict[tuple[str, str, str], tuple[str, float]] = {}
         self.malformed = 0
         self.forged = 0  # secure mode: store-only heads from keys without a store role
         self.dropped_groups = 0  # heartbeats of groups or members beyond the bounds
@@ -146,6 +153,9 @@ class MeshView:
             if peer.alive and now - peer.last_beacon >= self.timeout:
                 peer.alive = False
                 gone.append(peer.address)
+        for key, (_, when) in list(self.not_writing.items()):
+            if now - when >= NOT_WRITING_FOR:
+                del self.not_writing[key]  # not said again: it recovered, or went away
         for name, group in list(self.groups.items()):
             for address, member in list(group.members.items()):
                 if now - member.last_seen >= self.timeout:
@@ -188,6 +198,15 @@ class MeshView:
             self._partition(msg.subject, msg.topic).stores[sender] = msg.sequence
         elif isinstance(msg, wire.StoreHello):
             self._seen_as(msg.address, "store")
+        elif isinstance(msg, wire.StoreStatus):
+            if msg.address != sender:
+                return  # a store speaks for itself only
+            self._seen_as(sender, "store")
+            key = (sender, msg.subject, msg.topic)  # zmq topic: the producer (the partition)
+            if msg.writing:
+                self.not_writing.pop(key, None)
+            elif key in self.not_writing or len(self.not_writing) < MAX_NOT_WRITING:
+                self.not_writing[key] = (msg.reason, now)
         elif isinstance(msg, wire.Member):
             self._on_member(sender, msg, now)
         elif isinstance(msg, wire.Positions):
@@ -264,6 +283,13 @@ class MeshView:
             return max(info.stores.values())
         return info.producer_head
 
+    def not_writing_rows(self) -> list[dict[str, Any]]:
+        """Per store and reason: the partitions it said it cannot acknowledge."""
+        by: dict[tuple[str, str], list[list[str]]] = {}
+        for (store, topic, partition), (reason, _) in sorted(self.not_writing.items()):
+            by.setdefault((store, reason), []).append([topic, partition])
+        return [{"store": s, "reason": r, "partitions": p} for (s, r), p in sorted(by.items())]
+
     def group_rows(self) -> list[dict[str, Any]]:
         """Each group: members, claims, and per partition the committed position and lag."""
         rows = []
@@ -338,6 +364,7 @@ class MeshView:
             "nodes": nodes,
             "partitions": partitions,
             "groups": self.group_rows(),
+            "not_writing": self.not_writing_rows(),
             "malformed": self.malformed,
             "forged": self.forged,
         }
@@ -604,6 +631,7 @@ class StatusProbe:
             wire.P_DIRECT_HEAD + own,
             wire.P_STORE_HELLO + own,
             wire.P_MEMBER,  # group heartbeats
+            wire.P_STORE_STATUS,  # a store saying it cannot acknowledge, and why
             wire.P_POSITIONS + own,  # answers to our GET-POSITIONS
         ):
             sub.setsockopt(zmq.SUBSCRIBE, prefix)

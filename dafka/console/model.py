@@ -194,6 +194,9 @@ class ConsoleModel:
             for s in p["stores"]:
                 if s["lag"]:
                     out.append(f"store {s['address'][:8]} is {s['lag']} behind on {p['topic']}/{p['partition']}")
+        for s in self.snap.get("not_writing", []):
+            n = len(s["partitions"])
+            out.append(f"store {s['store'][:8]} is not acknowledging {n} partition(s): {s['reason']}")
         for n in self.snap["nodes"]:
             if not n["alive"]:
                 out.append(f"{n['kind'] or 'node'} {n['address'][:8]} stopped beaconing")
