@@ -14,7 +14,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from dafka.cli.status import MAX_GROUPS, MeshView
+from dafka.cli.status import MAX_GROUPS, MeshView, render_text
 from dafka.config import NodeConfig
 from dafka.console import server
 from dafka.console.model import SHOWN_BYTES, ConsoleModel, History, show_bytes
@@ -53,7 +53,9 @@ def test_view_tracks_groups_positions_and_lag() -> None:
     view.on_message(STORE, wire.Positions(OWN, STORE, "g", 1, (("t", PROD, 20),)))
     view.on_message(STORE, wire.Positions("X" * 32, STORE, "g", 1, (("t", PROD, 45),)))  # not ours
     view.on_message(MEMBER, wire.Member("g", "E" * 32, False, ("t",), ()), 1.0)  # speaks for another
-    (group,) = view.snapshot(1.0)["groups"]
+    snap = view.snapshot(1.0)
+    (group,) = snap["groups"]
+    assert "GROUPS (1)" in render_text(snap) and render_text(snap).rstrip().endswith("30")
     assert group["lag"] == 30 and [m["address"] for m in group["members"]] == [MEMBER]
     assert group["partitions"] == [
         {"topic": "t", "partition": PROD, "head": 49, "committed": 20, "lag": 30, "owner": MEMBER}

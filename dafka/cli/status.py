@@ -7,7 +7,7 @@ thin I/O shell: one beacon SUB per tower (so we know which towers answer), one
 data SUB per peer (so every message's sender is known: a HEAD's address field
 names the partition, not the sender), and an XPUB it announces in beacons, so
 that stores connect and answer GET-HEADS and peers' subscriptions reveal their
-kind.  It only ever sends beacons and GET-HEADS.
+kind.  It only ever sends beacons, GET-HEADS and GET-POSITIONS.
 
 In secure mode (``config.security``) the probe is a CURVE node like any other:
 it needs an allow-listed key (any role; ``consumer`` is the natural one), sends
