@@ -353,3 +353,26 @@ def test_console_alerts_a_full_store(cfg: NodeConfig, tmp_path: Path) -> None:
 
             (line,) = wait_until(alert, timeout=20)
             assert "cannot write" in line and "max_map_size" in line, line
+
+
+def test_landing_of_a_thousand_producers_is_cut_with_whole_counts() -> None:
+    view = MeshView(OWN, [], timeout=4.0)
+    producers = [f"{i + 1:032X}" for i in range(1000)]  # (0 is OWN)
+    view.on_beacon(STORE, "tcp://h:1", 0.0)
+    for i, address in enumerate(producers):
+        view.on_beacon(address, f"tcp://h:{i + 2}", 0.0)
+        view.on_message(address, wire.Head("t", address, "t", i), 0.0)
+        view.on_message(STORE, wire.Head("t", address, "t", i), 0.0)
+    view.on_message(MEMBER, wire.Member("g", MEMBER, False, ("t",), ()), 0.0)
+    model = ConsoleModel()
+    model.update(view.snapshot(0.0), 0.0)
+    d = model.landing()
+    assert d["node_counts"]["producer"] == 1000 and len(d["nodes"]["producer"]) == 200
+    (topic,) = d["topics"]
+    assert topic["partitions"] == 1000 and topic["records"] == sum(range(1, 1001)) and len(topic["heads"]) == 20
+    (group,) = d["groups"]
+    assert group["partition_count"] == 1000 and group["lag"] == sum(range(1, 1001))
+    assert [p["lag"] for p in group["partitions"]] == list(range(1000, 980, -1))  # most lagging first
+    box = next(b for b in d["mesh"]["boxes"] if b["id"] == "topic:t")
+    assert box["count"] == 1000 and len(box["members"]) == 50
+    assert len(json.dumps(d)) < 100_000  # sent to every open page every interval

@@ -25,6 +25,10 @@ SHOWN_BYTES = 4096  # record content (and key) shown at most, per record
 MAX_PAGE = 100  # records per page of the record browser
 FORMATS = ("auto", "text", "json", "msgpack", "hex")
 KINDS = ("tower", "store", "producer", "consumer", "unknown")
+# What the landing page (sent every interval to every open page) lists at most; counts are whole.
+LANDING_NODES = 200  # nodes per kind
+LANDING_HEADS = 20  # partition heads per topic, partitions per group
+BOX_MEMBERS = 50  # nodes listed in a box of the mesh picture
 
 
 class History:
@@ -209,16 +213,33 @@ class ConsoleModel:
         return out[:100]
 
     def landing(self) -> dict[str, Any]:
-        """Everything of ``/`` (no record content)."""
+        """Everything of ``/`` (no record content); long lists cut, their counts whole,
+        so a mesh of thousands of producers is not sent to every page every second."""
+        nodes = self.nodes_by_kind()
+        topics = self.topics()
+        for t in topics:
+            t["heads"] = t["heads"][:LANDING_HEADS]
+        mesh = self.mesh()
+        for box in mesh["boxes"]:
+            box["count"] = len(box["members"])
+            box["members"] = box["members"][:BOX_MEMBERS]
         return {
-            "nodes": self.nodes_by_kind(),
-            "topics": self.topics(),
+            "nodes": {kind: rows[:LANDING_NODES] for kind, rows in nodes.items()},
+            "node_counts": {kind: len(rows) for kind, rows in nodes.items()},
+            "topics": topics,
             "groups": [
-                {"group": g["group"], "members": len(g["members"]), "lag": g["lag"], "partitions": g["partitions"]}
+                {
+                    "group": g["group"],
+                    "members": len(g["members"]),
+                    "lag": g["lag"],
+                    "partition_count": len(g["partitions"]),
+                    # the most lagging first
+                    "partitions": sorted(g["partitions"], key=lambda p: -(p["lag"] or 0))[:LANDING_HEADS],
+                }
                 for g in self.snap.get("groups", [])
             ],
             "alerts": self.alerts(),
-            "mesh": self.mesh(),
+            "mesh": mesh,
             "db": self.db_parts is not None,
         }
 

@@ -62,7 +62,7 @@
       let y = 30;
       for (const b of boxes) {
         const open = expanded.has(b.id);
-        const lines = open ? Math.min(b.members.length, 50) : 0;
+        const lines = open ? b.members.length : 0;
         const h = rowH * (1 + lines) + 6;
         pos[b.id] = { x: colX[kind], y, h, b, open, lines };
         y += h + gap;
@@ -100,7 +100,7 @@
       const label = document.createElementNS(NS, "text");
       label.setAttribute("x", String(p.x + 8));
       label.setAttribute("y", String(p.y + 16));
-      const n = p.b.members.length;
+      const n = p.b.count;
       const what = p.b.kind === "store" ? "" : " (" + n + (p.b.kind === "producer" ? " producer" : " member") + (n === 1 ? ")" : "s)");
       label.textContent = (p.b.kind === "store" ? "store " : "") + p.b.label + what + (n > 0 && p.b.kind !== "store" ? (p.open ? " \u25be" : " \u25b8") : "");
       g.appendChild(label);
@@ -109,7 +109,7 @@
         t.setAttribute("x", String(p.x + 18));
         t.setAttribute("y", String(p.y + 16 + rowH * (i + 1)));
         t.setAttribute("class", "member");
-        t.textContent = p.b.members[i] + (i === 49 && n > 50 ? " ... " + (n - 50) + " more" : "");
+        t.textContent = p.b.members[i] + (i === p.lines - 1 && n > p.lines ? " ... " + (n - p.lines) + " more" : "");
         g.appendChild(t);
       }
       g.addEventListener("click", () => {
@@ -131,20 +131,21 @@
     parts.push(section("topics", "Topics", d.topics.length ? table(
       ["topic", "partitions", "records", "bytes", "heads"],
       d.topics.map((t) => [link("/topics/", t.topic), t.partitions, t.records, d.db ? bytes(t.bytes) : "(--db)",
-        t.heads.slice(0, 8).map((h) => short(h.partition) + ":" + (h.head === null ? "-" : h.head)).join("  ") + (t.heads.length > 8 ? "  ..." : "")]),
+        t.heads.slice(0, 8).map((h) => short(h.partition) + ":" + (h.head === null ? "-" : h.head)).join("  ") + (t.partitions > 8 ? "  ... (" + t.partitions + " partitions)" : "")]),
       "topics") : el("p", { text: "no topic seen yet" })));
     parts.push(section("groups", "Consumer groups", d.groups.length ? table(
       ["group", "members", "lag", "lag per partition"],
       d.groups.map((g) => [link("/groups/", g.group), g.members, g.lag,
-        g.partitions.slice(0, 8).map((p) => p.topic + "/" + short(p.partition) + ": " + (p.lag === null ? "-" : p.lag)).join("  ") + (g.partitions.length > 8 ? "  ..." : "")]),
+        g.partitions.slice(0, 8).map((p) => p.topic + "/" + short(p.partition) + ": " + (p.lag === null ? "-" : p.lag)).join("  ") + (g.partition_count > 8 ? "  ... (" + g.partition_count + " partitions)" : "")]),
       "groups") : el("p", { text: "no group seen yet" })));
     parts.push(section("mesh", "Mesh (click a box to list its nodes)", meshPicture(d.mesh)));
     const nodes = [];
     for (const [kind, list] of Object.entries(d.nodes)) {
-      if (!list.length) continue;
-      nodes.push(el("h3", { text: kind + "s (" + list.length + ")" }));
-      nodes.push(table(["address", "endpoint", "state"], list.slice(0, 200).map((n) => [n.address || "-", n.endpoint, n.alive ? "up" : "down"]), "nodes " + kind));
-      if (list.length > 200) nodes.push(el("p", { text: "... " + (list.length - 200) + " more" }));
+      const count = d.node_counts[kind];
+      if (!count) continue;
+      nodes.push(el("h3", { text: kind + "s (" + count + ")" }));
+      nodes.push(table(["address", "endpoint", "state"], list.map((n) => [n.address || "-", n.endpoint, n.alive ? "up" : "down"]), "nodes " + kind));
+      if (count > list.length) nodes.push(el("p", { text: "... " + (count - list.length) + " more" }));
     }
     parts.push(section("nodes", "Nodes", ...nodes));
     content.replaceChildren(...parts);
