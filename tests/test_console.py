@@ -17,7 +17,7 @@ import pytest
 from dafka.cli.status import MAX_GROUPS, MeshView, render_text
 from dafka.config import NodeConfig
 from dafka.console import server
-from dafka.console.model import SHOWN_BYTES, ConsoleModel, History, show_bytes
+from dafka.console.model import SHOWN_BYTES, ConsoleModel, History, offset_at_time, show_bytes
 from dafka.console.server import STATIC, Console
 from dafka.core import wire
 from dafka.nodes.consumer import Consumer
@@ -220,6 +220,12 @@ def test_console_over_a_mesh_with_hostile_names(cfg: NodeConfig, tmp_path: Path,
                 monkeypatch.undo()
                 page = get_json(base + "api/records?" + urllib.parse.urlencode({**q, "offset": "10", "limit": "2", "format": "hex"}))
                 assert [(r["offset"], r["content"]["text"]) for r in page["records"]] == [(10, "72 31 30"), (11, "72 31 31")]
+                # From a time: the first record stamped then or later.
+                stamps = {r["offset"]: r["ts_ms"] for r in get_json(base + "api/records?" + urllib.parse.urlencode({**q, "offset": "0", "limit": "50", "format": "hex"}))["records"]}
+                page = get_json(base + "api/records?" + urllib.parse.urlencode({**q, "time": str(stamps[30])}))
+                start = page["records"][0]["offset"]
+                assert start <= 30 and stamps[start] == stamps[30] and (start == 0 or stamps[start - 1] < stamps[30])
+                assert get(base + "api/records?" + urllib.parse.urlencode({**q, "time": "yesterday"}))[0] == 400
                 q2 = {"topic": HOSTILE_TOPIC, "partition": other.address, "limit": "1"}
                 (last,) = get_json(base + "api/records?" + urllib.parse.urlencode(q2))["records"]
                 assert last["content"]["as"] == "msgpack" and '"seq": 4' in last["content"]["text"]
@@ -376,3 +382,23 @@ def test_landing_of_a_thousand_producers_is_cut_with_whole_counts() -> None:
     box = next(b for b in d["mesh"]["boxes"] if b["id"] == "topic:t")
     assert box["count"] == 1000 and len(box["members"]) == 50
     assert len(json.dumps(d)) < 100_000  # sent to every open page every interval
+
+
+def test_offset_at_time_bisects_with_holes() -> None:
+    stamps = {o: 1000 + 10 * o for o in range(100) if not 40 <= o < 60}  # a hole 40..59
+
+    def read_one(o: int) -> tuple[int, int] | None:
+        held = [k for k in stamps if k >= o]
+        return (min(held), stamps[min(held)]) if held else None
+
+    assert offset_at_time(read_one, 0, 99, 0) == 0
+    assert offset_at_time(read_one, 0, 99, 1305) == 31
+    # In or right after the hole: an offset of the hole may come back, reading from it gives 60.
+    for ts in (1400, 1600):
+        found = offset_at_time(read_one, 0, 99, ts)
+        assert found in range(40, 61) and read_one(found) == (60, 1600)
+    assert offset_at_time(read_one, 0, 99, 1601) == 61
+    assert offset_at_time(read_one, 0, 99, 99_999) == 100
+    calls = []
+    offset_at_time(lambda o: calls.append(o) or (o, 0), 0, 10**12, 1)
+    assert len(calls) <= 64

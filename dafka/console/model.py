@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgpack
@@ -347,6 +347,28 @@ def show_bytes(data: bytes, fmt: str = "auto", limit: int = SHOWN_BYTES) -> dict
         return {"as": "hex", "text": cut.hex(" "), "truncated": len(data) > limit, "size": len(data)}
     shown, truncated = _cut(text, limit)
     return {"as": as_, "text": shown, "truncated": truncated, "size": len(data)}
+
+
+def offset_at_time(read_one: Callable[[int], tuple[int, int] | None], first: int, last: int, ts_ms: int) -> int:
+    """The first offset of ``first..last`` whose record is stamped ``ts_ms`` or later
+    (``last + 1`` if none), by bisection: ``read_one(offset)`` gives the (offset,
+    timestamp) of the record held at or after ``offset``, or None past the end.
+    In a hole the answer may be an offset of the hole (reading from it gives the
+    record).  Timestamps are taken to grow with offsets (a producer's clock going
+    back makes the answer one of the offsets around the jump).  At most 64 reads."""
+    lo, hi = first, last + 1
+    for _ in range(64):
+        if lo >= hi:
+            break
+        mid = (lo + hi) // 2
+        got = read_one(mid)
+        if got is None:
+            hi = mid
+        elif got[1] < ts_ms:
+            lo = got[0] + 1
+        else:
+            hi = mid  # the offsets from mid to got[0] are holes or this record
+    return lo
 
 
 def show_record(offset: int, ts_ms: int, key: bytes | None, content: bytes, fmt: str) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from aiohttp import web
 
 from dafka.cli.status import StatusProbe
 from dafka.config import NodeConfig
-from dafka.console.model import FORMATS, MAX_PAGE, ConsoleModel, show_record
+from dafka.console.model import FORMATS, MAX_PAGE, ConsoleModel, offset_at_time, show_record
 from dafka.store.db import RecordDB
 
 log = logging.getLogger("dafka.console")
@@ -236,8 +236,9 @@ class Console:
         return web.json_response(data)
 
     async def _api_records(self, request: web.Request) -> web.Response:
-        """A page of records: ``topic``, ``partition``, ``offset`` (default: the latest
-        ``limit``), ``limit`` (at most MAX_PAGE), ``format`` (auto, text, json, msgpack, hex)."""
+        """A page of records: ``topic``, ``partition``, ``offset`` or ``time`` (ms since
+        the epoch; default: the latest ``limit``), ``limit`` (at most MAX_PAGE), ``format``
+        (auto, text, json, msgpack, hex)."""
         q = request.query
         topic, partition = q.get("topic", ""), q.get("partition", "")
         fmt = q.get("format", "auto")
@@ -246,15 +247,16 @@ class Console:
         try:
             limit = min(MAX_PAGE, max(1, int(q.get("limit", "20"))))
             offset = int(q["offset"]) if q.get("offset", "") != "" else None
+            at = int(q["time"]) if q.get("time", "") != "" else None  # ms since the epoch
         except ValueError:
-            return web.json_response({"error": "offset and limit are numbers"}, status=400)
+            return web.json_response({"error": "offset, time (ms) and limit are numbers"}, status=400)
         if self.db_path is None:
             return web.json_response(
                 {"error": "records are read from a local store: start the console with --db DIR"}, status=404
             )
         loop = asyncio.get_running_loop()
         try:
-            data = await loop.run_in_executor(None, self._read_records, topic, partition, offset, limit, fmt)
+            data = await loop.run_in_executor(None, self._read_records, topic, partition, offset, limit, fmt, at)
         except Exception as exc:  # noqa: BLE001 (a bad name, an unreadable store: said, not fatal)
             return web.json_response({"error": str(exc)}, status=400)
         if data is None:
@@ -262,7 +264,7 @@ class Console:
         return web.json_response(data)
 
     def _read_records(
-        self, topic: str, partition: str, offset: int | None, limit: int, fmt: str
+        self, topic: str, partition: str, offset: int | None, limit: int, fmt: str, at: int | None = None
     ) -> dict[str, Any] | None:
         with self.db_lock:
             db = self._open_db()
@@ -270,6 +272,13 @@ class Console:
             info = db.info(topic, partition)
             if info is None:
                 return None
+            if at is not None:  # from a time: the first record stamped then or later
+
+                def read_one(o: int) -> tuple[int, int] | None:
+                    got = next(iter(db.read(topic, partition, o, 1)), None)
+                    return None if got is None else (got.offset, got.ts_ms)
+
+                offset = offset_at_time(read_one, info.first, info.last, at)
             start = max(info.first, info.last - limit + 1) if offset is None else max(0, offset)
             # A few records a read, up to MAX_PAGE_BYTES of contents: a page of huge
             # records does not hold them all in memory at once.

@@ -199,12 +199,14 @@
     content.replaceChildren(section("parts", "Partitions", parts), section("rate", "Records/s", rate), section("records", "Records", browser));
     const sel = el("select", { id: "partition" });
     const offset = el("input", { id: "offset", type: "number", min: "0", placeholder: "latest" });
+    const when = el("input", { id: "time", type: "datetime-local", step: "1" });
     const fmt = el("select", { id: "format" }, ...["auto", "text", "json", "msgpack", "hex"].map((f) => el("option", { value: f, text: f })));
     const out = el("div", { id: "record-list" });
     let shown = null;
-    function load(from) {
+    function load(from, at) {
       const q = new URLSearchParams({ topic: name, partition: sel.value, format: fmt.value, limit: "20" });
       if (from !== null && from !== undefined && from !== "") q.set("offset", String(from));
+      if (at !== undefined && !Number.isNaN(at)) q.set("time", String(at));
       getJSON("/api/records?" + q).then((r) => {
         if (!r.ok) { out.replaceChildren(el("p", { class: "note", text: r.data.error })); return; }
         shown = r.data;
@@ -224,7 +226,9 @@
     const newer = el("button", { id: "newer", text: "newer", onclick: () => shown && load(shown.next) });
     const latest = el("button", { id: "latest", text: "latest", onclick: () => { offset.value = ""; load(null); } });
     const go = el("button", { id: "go", text: "show", onclick: () => load(offset.value) });
-    browser.replaceChildren(el("div", { class: "controls" }, "partition ", sel, " from offset ", offset, " as ", fmt, " ", go, latest, older, newer), out);
+    const goTime = el("button", { id: "go-time", text: "show", onclick: () => load(null, new Date(when.value).getTime()) });
+    browser.replaceChildren(el("div", { class: "controls" }, "partition ", sel, " from offset ", offset, " ", go,
+      " or from (local time) ", when, " ", goTime, " as ", fmt, " ", latest, older, newer), out);
     let first = true;
     function refresh() {
       getJSON("/api/topic?name=" + encodeURIComponent(name)).then((r) => {
