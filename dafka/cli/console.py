@@ -48,8 +48,6 @@ def run(args: argparse.Namespace, cfg: NodeConfig, wait: Any) -> int:
 
     host, port = args.listen or parse_listen(DEFAULT_LISTEN, 9980)
     check_listen(host, args.insecure)
-    if args.interval <= 0:
-        raise ConfigError("--interval must be more than 0 seconds")
     with Console(cfg, host, port, db=args.db, interval=args.interval) as console:
         print(f"console up: {console.url}" + (f" (records from {args.db})" if args.db else ""), flush=True)
         return int(wait())
