@@ -1016,3 +1016,20 @@ def test_console_sees_a_secure_mesh_and_its_group_lag(
 
                 state = wait_until(lag, timeout=20)
                 assert len(state["nodes"]["store"]) == 1 and not any("forged" in a for a in state["alerts"])
+
+
+def test_console_with_a_key_not_allowed_says_its_handshake_was_refused(pki: Pki, secure_tower: Tower) -> None:
+    import json
+    import urllib.request
+
+    from dafka.console.server import Console
+
+    with Console(node_cfg(pki, secure_tower, "intruder"), interval=0.2) as console:
+
+        def refused() -> Any:
+            with urllib.request.urlopen(console.url + "api/state", timeout=10) as resp:
+                alerts = json.loads(resp.read())["alerts"]
+            return [a for a in alerts if "refused our handshake" in a]
+
+        lines = wait_until(refused, timeout=20)  # the tower's two ports: beacons in and out
+        assert all(f":{secure_tower.out_port} " in line or f":{secure_tower.in_port} " in line for line in lines), lines

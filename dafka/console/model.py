@@ -192,6 +192,8 @@ class ConsoleModel:
         for t in self.snap["towers"]:
             if not t["reached"]:
                 out.append(f"tower {t['endpoint']} not reached")
+        for endpoint in self.snap.get("refused", []):
+            out.append(f"{endpoint} refused our handshake (is the console's key in its allow-list?)")
         for p in self.snap["partitions"]:
             if not p["stores"] and p["producer_head"] is not None:
                 out.append(f"partition {p['topic']}/{p['partition']}: no store has told its head")

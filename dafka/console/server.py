@@ -38,6 +38,7 @@ log = logging.getLogger("dafka.console")
 MAX_STREAMS = 64  # event streams open at once (pages beyond get 503)
 MAX_PAGE_BYTES = 8 << 20  # record contents read for one page of the record browser, at most
 READ_AT_ONCE = 8  # records per read of the record browser
+MAX_REFUSED_SHOWN = 20  # endpoints that refused our handshake, newest, in the alerts
 STATIC = Path(str(resources.files("dafka.console") / "static"))
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
@@ -138,6 +139,7 @@ class Console:
         try:
             while not self._stop.is_set():
                 snap = probe.run(self.interval)
+                snap["refused"] = probe.refused[-MAX_REFUSED_SHOWN:]  # secure: handshakes refused us
                 parts, error = self._db_partitions()
                 with self.lock:
                     self.model.update(snap, time.monotonic(), parts, error)

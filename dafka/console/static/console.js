@@ -144,7 +144,8 @@
       const count = d.node_counts[kind];
       if (!count) continue;
       nodes.push(el("h3", { text: kind + "s (" + count + ")" }));
-      nodes.push(table(["address", "endpoint", "state"], list.map((n) => [n.address || "-", n.endpoint, n.alive ? "up" : "down"]), "nodes " + kind));
+      nodes.push(table(["address", "endpoint", "state", "last beacon"], list.map((n) => [n.address || "-", n.endpoint, n.alive ? "up" : "down",
+        n.age === undefined ? "-" : n.age.toFixed(1) + " s ago"]), "nodes " + kind));
       if (count > list.length) nodes.push(el("p", { text: "... " + (count - list.length) + " more" }));
     }
     parts.push(section("nodes", "Nodes", ...nodes));
