@@ -349,16 +349,20 @@ def test_view_keeps_stores_not_acknowledging_and_why() -> None:
 
 def test_console_alerts_a_full_store(cfg: NodeConfig, tmp_path: Path) -> None:
     db = RecordDB(tmp_path / "db", map_size=256 << 10, max_map_size=1 << 20)  # a full disk, for real
-    with Store(db, cfg), Producer("full", cfg, publish_timeout=0.1) as producer:
-        wait_until(lambda: len(producer.peers))
-        with Console(cfg, interval=0.2) as console:
-            producer.publish_many(b"%06d-" % i + b"x" * 1000 for i in range(3000))  # 3 MB
+    with Store(db, cfg):
+        producer = Producer("full", cfg, publish_timeout=0.1)
+        try:
+            wait_until(lambda: len(producer.peers))
+            with Console(cfg, interval=0.2) as console:
+                producer.publish_many(b"%06d-" % i + b"x" * 1000 for i in range(3000))  # 3 MB
 
-            def alert() -> Any:
-                return [a for a in get_json(console.url + "api/state")["alerts"] if "not acknowledging" in a]
+                def alert() -> Any:
+                    return [a for a in get_json(console.url + "api/state")["alerts"] if "not acknowledging" in a]
 
-            (line,) = wait_until(alert, timeout=20)
-            assert "cannot write" in line and "max_map_size" in line, line
+                (line,) = wait_until(alert, timeout=20)
+                assert "cannot write" in line and "max_map_size" in line, line
+        finally:
+            producer.close(0)  # its records will never be acknowledged: no waiting
 
 
 def test_landing_of_a_thousand_producers_is_cut_with_whole_counts() -> None:
