@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup java netns run test lint typecheck docs bench bench-all pipeline sim chaos clean
+.PHONY: setup java netns chromium run test lint typecheck docs bench bench-all pipeline sim chaos clean
 
 # The install also compiles the I/O extension in place (setup.py, Cython from
 # the build requirements); a failed compile leaves the pure-Python twin.
@@ -27,7 +27,13 @@ netns:
 	  echo "installing iproute2 for the multi-host test"; \
 	  apt-get update -q && apt-get install -y -q iproute2; }
 
-setup: $(STAMP) java netns
+# Headless Chromium and its WebDriver: the console's real-browser test (tests/test_console_browser.py).
+chromium:
+	@command -v chromedriver >/dev/null 2>&1 || { \
+	  echo "installing Chromium and chromium-driver for the console's browser test"; \
+	  apt-get update -q && apt-get install -y -q chromium chromium-driver; }
+
+setup: $(STAMP) java netns chromium
 
 run: setup
 	$(BIN)/dafka up --data var
@@ -36,7 +42,7 @@ lint: setup
 	$(BIN)/ruff check dafka tests examples
 
 # The public Python API type-checks strictly (settings in pyproject's [tool.mypy]).
-MYPY_STRICT := dafka/producer.py dafka/consumer.py dafka/nodes/producer.py dafka/nodes/consumer.py dafka/nodes/loop.py dafka/aio.py dafka/config.py dafka/tank/client.py dafka/store/block.py dafka/store/blocktable.py
+MYPY_STRICT := dafka/producer.py dafka/consumer.py dafka/nodes/producer.py dafka/nodes/consumer.py dafka/nodes/loop.py dafka/aio.py dafka/config.py dafka/tank/client.py dafka/store/block.py dafka/store/blocktable.py dafka/console/model.py dafka/console/server.py dafka/cli/console.py
 typecheck: setup
 	$(BIN)/mypy --strict $(MYPY_STRICT)
 

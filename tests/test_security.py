@@ -994,3 +994,50 @@ def test_a_channel_whose_input_was_seen_elsewhere_is_still_read(pki: Pki, secure
         node.stop()
         peer.close(0)
         peer_ctx.term()
+
+
+def test_console_sees_a_secure_mesh_and_its_group_lag(
+    pki: Pki, secure_tower: Tower, procs: Procs, tmp_path: Path
+) -> None:
+    # The console is a status probe: with a consumer key it sees the group's positions (POSITIONS
+    # are store-only answers, honoured from the store key only) and the lag.
+    import json
+    import urllib.request
+
+    from dafka.console.server import Console
+
+    procs.store(pki, secure_tower, tmp_path / "db")
+    with Producer("sec", node_cfg(pki, secure_tower, "producer")) as producer:
+        producer.publish_many(b"r%d" % i for i in range(50))
+        assert producer.flush(20)
+        with Consumer("sec", node_cfg(pki, secure_tower, "consumer"), group="billing", offset_reset="earliest") as member:
+            got: list[bytes] = []
+            wait_until(lambda: got.extend(r.content for r in member.poll_batch(20 - len(got), 0.1)) or len(got) >= 20, 20)
+            assert member.commit(10) == {("sec", producer.address): 20}
+            with Console(node_cfg(pki, secure_tower, "consumer"), interval=0.2) as console:
+
+                def lag() -> Any:
+                    with urllib.request.urlopen(console.url + "api/state", timeout=10) as resp:
+                        state = json.loads(resp.read())
+                    groups = [g for g in state["groups"] if g["group"] == "billing"]
+                    return groups and groups[0]["lag"] == 30 and state
+
+                state = wait_until(lag, timeout=20)
+                assert len(state["nodes"]["store"]) == 1 and not any("forged" in a for a in state["alerts"])
+
+
+def test_console_with_a_key_not_allowed_says_its_handshake_was_refused(pki: Pki, secure_tower: Tower) -> None:
+    import json
+    import urllib.request
+
+    from dafka.console.server import Console
+
+    with Console(node_cfg(pki, secure_tower, "intruder"), interval=0.2) as console:
+
+        def refused() -> Any:
+            with urllib.request.urlopen(console.url + "api/state", timeout=10) as resp:
+                alerts = json.loads(resp.read())["alerts"]
+            return [a for a in alerts if "refused our handshake" in a]
+
+        lines = wait_until(refused, timeout=20)  # the tower's two ports: beacons in and out
+        assert all(f":{secure_tower.out_port} " in line or f":{secure_tower.in_port} " in line for line in lines), lines

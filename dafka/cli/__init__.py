@@ -842,6 +842,18 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
         return 0
 
 
+# ---------------------------------------------------------------- console
+
+
+@command("console")
+def cmd_console(args: argparse.Namespace, settings: Settings) -> int:
+    from dafka.cli import console
+
+    cfg = node_config(args, settings)
+    signals = StopSignals()
+    return console.run(args, cfg, signals.wait)
+
+
 # ---------------------------------------------------------------- up
 
 
@@ -1198,6 +1210,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON (one object per view)")
     p.add_argument("--all", action="store_true", help="every node and partition (default: a summary beyond 20)")
     p.add_argument("--outbox", metavar="DIR", action="append", help="also show this local edge outbox (repeatable)")
+
+    from dafka.cli import console as console_cli
+
+    console_cli.add_parser(sub, _add_node_flags, listen_arg, positive_seconds_arg)
 
     p = sub.add_parser("outbox", help="show what a producer's edge outbox holds (read-only)")
     p.add_argument("dir", help="the outbox directory")

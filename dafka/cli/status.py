@@ -7,7 +7,7 @@ thin I/O shell: one beacon SUB per tower (so we know which towers answer), one
 data SUB per peer (so every message's sender is known: a HEAD's address field
 names the partition, not the sender), and an XPUB it announces in beacons, so
 that stores connect and answer GET-HEADS and peers' subscriptions reveal their
-kind.  It only ever sends beacons and GET-HEADS.
+kind.  It only ever sends beacons, GET-HEADS and GET-POSITIONS.
 
 In secure mode (``config.security``) the probe is a CURVE node like any other:
 it needs an allow-listed key (any role; ``consumer`` is the natural one), sends
@@ -24,6 +24,14 @@ What the protocol shows of a peer's kind:
   C and Python stores answer GET-HEADS with DIRECT-HEADs);
 * subscriptions on our XPUB carrying an address: ``K``/``F`` + X (X is a
   producer), ``W`` + X (a store), ``L`` + X (a consumer).
+
+A store's STORE-STATUS to its producers says when it cannot acknowledge and
+why (a full disk, refused records): the view keeps those, for the alerts.
+
+Consumer groups: members' MEMBER heartbeats name the group, the member, its
+topics and claims; the probe asks the stores for each group's committed
+positions (GET-POSITIONS, as a member does) and a group's lag per partition is
+the records after its position: ``store head + 1 - position``.
 """
 
 from __future__ import annotations
@@ -77,6 +85,33 @@ class PartitionInfo:
         return {s: (top - h if top is not None else 0) for s, h in self.stores.items()}
 
 
+MAX_GROUPS = 1000  # groups tracked (heartbeats naming more are counted, not kept)
+MAX_MEMBERS = 1000  # members tracked per group
+MAX_GROUP_POSITIONS = 10_000  # committed positions kept per group
+MAX_NOT_WRITING = 10_000  # (store, topic, partition)s kept that a store said it cannot acknowledge
+NOT_WRITING_FOR = 10.0  # seconds a store's "not writing" counts without being said again
+
+
+@dataclass
+class MemberInfo:
+    """One group member, from its MEMBER heartbeats."""
+
+    address: str
+    topics: tuple[str, ...]
+    claims: tuple[tuple[str, str], ...]
+    last_seen: float
+
+
+@dataclass
+class GroupInfo:
+    """What is known of one consumer group."""
+
+    group: str
+    members: dict[str, MemberInfo] = field(default_factory=dict)
+    positions: dict[tuple[str, str], int] = field(default_factory=dict)  # committed next offsets
+    last_seen: float = 0.0
+
+
 class MeshView:
     """Sans-IO aggregation of what a status probe learns (times passed in)."""
 
@@ -87,8 +122,12 @@ class MeshView:
         self.peers: dict[str, PeerInfo] = {}
         self.evidence: dict[str, set[str]] = {}  # address -> kinds it showed
         self.partitions: dict[tuple[str, str], PartitionInfo] = {}
+        self.groups: dict[str, GroupInfo] = {}
+        # STORE-STATUS saying a store cannot acknowledge: (store, topic, partition) -> (reason, when).
+        self.not_writing: dict[tuple[str, str, str], tuple[str, float]] = {}
         self.malformed = 0
         self.forged = 0  # secure mode: store-only heads from keys without a store role
+        self.dropped_groups = 0  # heartbeats of groups or members beyond the bounds
 
     # ---------------------------------------------------------------- input
 
@@ -114,6 +153,15 @@ class MeshView:
             if peer.alive and now - peer.last_beacon >= self.timeout:
                 peer.alive = False
                 gone.append(peer.address)
+        for key, (_, when) in list(self.not_writing.items()):
+            if now - when >= NOT_WRITING_FOR:
+                del self.not_writing[key]  # not said again: it recovered, or went away
+        for name, group in list(self.groups.items()):
+            for address, member in list(group.members.items()):
+                if now - member.last_seen >= self.timeout:
+                    del group.members[address]
+            if not group.members and now - group.last_seen >= 10 * self.timeout:
+                del self.groups[name]  # no member for a while: forget it (and its positions)
         return gone
 
     def on_role(self, address: str, role: str) -> None:
@@ -132,8 +180,8 @@ class MeshView:
             info = self.partitions[key] = PartitionInfo(topic, partition)
         return info
 
-    def on_message(self, sender: str, msg: wire.Message) -> None:
-        """A message arrived from the peer ``sender``."""
+    def on_message(self, sender: str, msg: wire.Message, now: float = 0.0) -> None:
+        """A message arrived from the peer ``sender`` (at ``now``: group heartbeats)."""
         if isinstance(msg, wire.Head | wire.DirectHead):
             if isinstance(msg, wire.Head) and msg.topic != msg.subject:
                 return  # a prefix match of another topic's subscription
@@ -150,6 +198,50 @@ class MeshView:
             self._partition(msg.subject, msg.topic).stores[sender] = msg.sequence
         elif isinstance(msg, wire.StoreHello):
             self._seen_as(msg.address, "store")
+        elif isinstance(msg, wire.StoreStatus):
+            if msg.address != sender:
+                return  # a store speaks for itself only
+            self._seen_as(sender, "store")
+            key = (sender, msg.subject, msg.topic)  # zmq topic: the producer (the partition)
+            if msg.writing:
+                self.not_writing.pop(key, None)
+            elif key in self.not_writing or len(self.not_writing) < MAX_NOT_WRITING:
+                self.not_writing[key] = (msg.reason, now)
+        elif isinstance(msg, wire.Member):
+            self._on_member(sender, msg, now)
+        elif isinstance(msg, wire.Positions):
+            if msg.topic != self.own_address:
+                return  # an answer to a member, not to us
+            self._seen_as(sender, "store")
+            group = self.groups.get(msg.group)
+            if group is None:
+                return  # we asked for groups we know only
+            for topic, partition, offset in msg.positions:
+                key = (topic, partition)
+                if key in group.positions or len(group.positions) < MAX_GROUP_POSITIONS:
+                    # Stores may lag each other: the furthest commit is the group's.
+                    group.positions[key] = max(offset, group.positions.get(key, 0))
+
+    def _on_member(self, sender: str, msg: wire.Member, now: float) -> None:
+        if msg.address != sender:
+            return  # a member speaks for itself only
+        self._seen_as(sender, "consumer")
+        group = self.groups.get(msg.topic)
+        if group is None:
+            if msg.leaving:
+                return
+            if len(self.groups) >= MAX_GROUPS:
+                self.dropped_groups += 1
+                return
+            group = self.groups[msg.topic] = GroupInfo(msg.topic)
+        group.last_seen = now
+        if msg.leaving:
+            group.members.pop(sender, None)
+            return
+        if sender not in group.members and len(group.members) >= MAX_MEMBERS:
+            self.dropped_groups += 1
+            return
+        group.members[sender] = MemberInfo(sender, tuple(msg.topics), tuple(msg.claims), now)
 
     def on_subscription(self, prefix: bytes) -> None:
         """A peer subscribed ``prefix`` on our publisher."""
@@ -175,7 +267,66 @@ class MeshView:
         return next((k for k in KIND_ORDER if k in seen), None)
 
     def topics(self) -> list[str]:
-        return sorted({topic for topic, _ in self.partitions})
+        """Topics with a partition seen, and those group members consume."""
+        names = {topic for topic, _ in self.partitions}
+        for group in self.groups.values():
+            for member in group.members.values():
+                names.update(member.topics)
+        return sorted(names)
+
+    def store_head(self, topic: str, partition: str) -> int | None:
+        """The newest head a store told of the partition (else the producer's), or None."""
+        info = self.partitions.get((topic, partition))
+        if info is None:
+            return None
+        if info.stores:
+            return max(info.stores.values())
+        return info.producer_head
+
+    def not_writing_rows(self) -> list[dict[str, Any]]:
+        """Per store and reason: the partitions it said it cannot acknowledge."""
+        by: dict[tuple[str, str], list[list[str]]] = {}
+        for (store, topic, partition), (reason, _) in sorted(self.not_writing.items()):
+            by.setdefault((store, reason), []).append([topic, partition])
+        return [{"store": s, "reason": r, "partitions": p} for (s, r), p in sorted(by.items())]
+
+    def group_rows(self) -> list[dict[str, Any]]:
+        """Each group: members, claims, and per partition the committed position and lag."""
+        rows = []
+        for name, group in sorted(self.groups.items()):
+            topics = {t for m in group.members.values() for t in m.topics}
+            keys = set(group.positions) | {k for k in self.partitions if k[0] in topics}
+            owners = {c: m.address for m in group.members.values() for c in m.claims}
+            parts = []
+            total = 0
+            for topic, partition in sorted(keys):
+                head = self.store_head(topic, partition)
+                committed = group.positions.get((topic, partition))
+                # Nothing committed: every stored record is still to be read.
+                lag = None if head is None else max(0, head + 1 - (committed or 0))
+                total += lag or 0
+                parts.append(
+                    {
+                        "topic": topic,
+                        "partition": partition,
+                        "head": head,
+                        "committed": committed,
+                        "lag": lag,
+                        "owner": owners.get((topic, partition)),
+                    }
+                )
+            rows.append(
+                {
+                    "group": name,
+                    "members": [
+                        {"address": m.address, "topics": list(m.topics), "claims": [list(c) for c in m.claims]}
+                        for m in sorted(group.members.values(), key=lambda m: m.address)
+                    ],
+                    "partitions": parts,
+                    "lag": total,
+                }
+            )
+        return rows
 
     def snapshot(self, now: float) -> dict[str, Any]:
         """Everything known, as plain data (what ``--json`` prints)."""
@@ -212,6 +363,8 @@ class MeshView:
             ],
             "nodes": nodes,
             "partitions": partitions,
+            "groups": self.group_rows(),
+            "not_writing": self.not_writing_rows(),
             "malformed": self.malformed,
             "forged": self.forged,
         }
@@ -267,6 +420,13 @@ def render_text(snap: dict[str, Any], limit: int | None = SUMMARY_ROWS) -> str:
         lines.append(f"  ... {len(partitions) - len(shown)} more partitions (--all lists them)")
     if any(p["producer_head"] is not None and not p["producer_alive"] for p in shown):
         lines.append("  (* producer no longer beaconing)")
+    groups = snap.get("groups", [])
+    if groups:
+        lines.append("")
+        lines.append(f"GROUPS ({len(groups)})")
+        lines.append(f"  {'group':<20} {'members':>7} {'partitions':>10} {'lag':>10}")
+        for g in groups[:limit] if limit is not None else groups:
+            lines.append(f"  {g['group']:<20} {len(g['members']):>7} {len(g['partitions']):>10} {g['lag']:>10}")
     return "\n".join(lines)
 
 
@@ -321,6 +481,7 @@ class StatusProbe:
         self.peer_subs: dict[str, zmq.Socket] = {}
         self._beacon_at = 0.0
         self._heads_at = 0.0
+        self._request_id = 0
 
     def _socket(self, kind: int) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -408,12 +569,14 @@ class StatusProbe:
 
     def _ask_heads(self) -> None:
         # C stores only tell their heads in answer to GET-HEADS (or as ACKs).
-        for topic in self.view.topics():
+        asks: list[wire.Message] = [wire.GetHeads(topic, self.address) for topic in self.view.topics()]
+        # The groups' committed positions, as a member asks for them.
+        self._request_id += 1
+        asks += [wire.GetPositions(group, self.address, self._request_id) for group in self.view.groups]
+        for msg in asks:
             try:
-                self.publisher.send_multipart(
-                    wire.encode(wire.GetHeads(topic, self.address)), zmq.NOBLOCK
-                )
-            except zmq.ZMQError:
+                self.publisher.send_multipart(wire.encode(msg), zmq.NOBLOCK)
+            except (zmq.ZMQError, ProtocolError):
                 pass
 
     def _read_tower(self, sock: zmq.Socket, tower: str) -> None:
@@ -462,7 +625,15 @@ class StatusProbe:
         own = self.address.encode()
         # Exactly "H" first: a Python store re-announces every head it holds
         # when a subscriber to exactly H connects.
-        for prefix in (wire.P_HEAD, wire.P_ACK, wire.P_DIRECT_HEAD + own, wire.P_STORE_HELLO + own):
+        for prefix in (
+            wire.P_HEAD,
+            wire.P_ACK,
+            wire.P_DIRECT_HEAD + own,
+            wire.P_STORE_HELLO + own,
+            wire.P_MEMBER,  # group heartbeats
+            wire.P_STORE_STATUS,  # a store saying it cannot acknowledge, and why
+            wire.P_POSITIONS + own,  # answers to our GET-POSITIONS
+        ):
             sub.setsockopt(zmq.SUBSCRIBE, prefix)
         try:
             self._connect(sub, endpoint, key, f"peer {address[:8]}")
@@ -484,18 +655,20 @@ class StatusProbe:
             except ProtocolError:
                 self.view.malformed += 1
                 continue
-            if isinstance(msg, wire.DirectHead | wire.StoreHello) and msg.topic != self.address:
+            if isinstance(msg, wire.DirectHead | wire.StoreHello | wire.Positions) and msg.topic != self.address:
                 continue
             if self.keys is not None and not self._may_tell(sender, msg):
                 self.view.forged += 1
                 continue
-            self.view.on_message(sender, msg)
+            self.view.on_message(sender, msg, time.monotonic())
 
     def _may_tell(self, sender: str, msg: wire.Message) -> bool:
         """Secure: what only stores may say (another partition's head, ACK,
         DIRECT-HEAD, STORE-HELLO) counts only from a store-role key."""
         if isinstance(msg, wire.Head) and msg.address == sender:
             return True  # a producer's own head
+        if isinstance(msg, wire.Member):
+            return msg.address == sender  # a member's own heartbeat
         return self.roles.get(sender) in security.STORING_ROLES
 
     def _read_subscriptions(self) -> None:

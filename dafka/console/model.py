@@ -1,0 +1,382 @@
+"""The console's sans-IO part: what the pages show, from status snapshots.
+
+:class:`ConsoleModel` is fed the snapshots of :class:`dafka.cli.status.MeshView`
+(and, with ``--db``, the partitions of a local store) with the time, keeps
+bounded history rings for the charts (records/s per topic, lag per group), and
+answers the plain data the pages render.  :func:`show_record` turns one stored
+record into what the record browser shows: text, JSON, msgpack decoded or hex,
+cut at a bound with a note.  Nothing here touches a socket or reads a clock.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgpack
+
+from dafka.store.layout import PartitionInfo
+
+HISTORY = 300  # samples kept per chart series (five minutes at one a second)
+MAX_SERIES = 1000  # chart series kept (topics and groups together); more are not charted
+SHOWN_BYTES = 4096  # record content (and key) shown at most, per record
+MAX_PAGE = 100  # records per page of the record browser
+FORMATS = ("auto", "text", "json", "msgpack", "hex")
+KINDS = ("tower", "store", "producer", "consumer", "unknown")
+# What the landing page (sent every interval to every open page) lists at most; counts are whole.
+LANDING_NODES = 200  # nodes per kind
+LANDING_HEADS = 20  # partition heads per topic, partitions per group
+BOX_MEMBERS = 50  # nodes listed in a box of the mesh picture
+
+
+class History:
+    """Bounded rings of (time, value) per named series: memory does not grow with time."""
+
+    def __init__(self, size: int = HISTORY, max_series: int = MAX_SERIES) -> None:
+        self.size = size
+        self.max_series = max_series
+        self.series: dict[str, deque[tuple[float, float]]] = {}
+        self.refused = 0  # samples of series beyond max_series
+
+    def add(self, name: str, t: float, value: float) -> None:
+        ring = self.series.get(name)
+        if ring is None:
+            if len(self.series) >= self.max_series:
+                self.refused += 1
+                return
+            ring = self.series[name] = deque(maxlen=self.size)
+        ring.append((t, value))
+
+    def retain(self, names: Iterable[str]) -> None:
+        """Forget the series not named (a topic or group that is gone)."""
+        keep = set(names)
+        for name in [n for n in self.series if n not in keep]:
+            del self.series[name]
+
+    def points(self, name: str) -> list[tuple[float, float]]:
+        return list(self.series.get(name, ()))
+
+    def rates(self, name: str) -> list[tuple[float, float]]:
+        """Per second between samples (a counter's rate; a counter going down counts 0)."""
+        pts = self.points(name)
+        out = []
+        for (t0, v0), (t1, v1) in zip(pts, pts[1:], strict=False):
+            if t1 > t0:
+                out.append((t1, max(0.0, (v1 - v0) / (t1 - t0))))
+        return out
+
+
+def _series(*names: str) -> str:
+    return "\x00".join(names)  # NUL is in no topic, partition or group name
+
+
+def _records(head: int | None) -> int:
+    return 0 if head is None else head + 1
+
+
+class ConsoleModel:
+    """The data of the pages, from the newest snapshot (times passed in)."""
+
+    def __init__(self, history: int = HISTORY, max_series: int = MAX_SERIES) -> None:
+        self.snap: dict[str, Any] = {"towers": [], "nodes": [], "partitions": [], "groups": []}
+        self.db_parts: list[PartitionInfo] | None = None  # --db: the local store's partitions
+        self.db_error: str | None = None
+        self.rates = History(history, max_series)  # "topic NAME": records stored (summed heads)
+        self.lags = History(history, max_series)  # per group: its summed lag
+        # Per partition (own bounds, so the sums are never crowded out): (topic, partition)
+        # -> records stored; (group, topic, partition) -> lag.
+        self.part_rates = History(history, max_series)
+        self.part_lags = History(history, max_series)
+        self.updated = 0.0
+
+    def update(
+        self,
+        snap: dict[str, Any],
+        now: float,
+        db_parts: list[PartitionInfo] | None = None,
+        db_error: str | None = None,
+    ) -> None:
+        """A new snapshot (and the local store's partitions): sample the charts."""
+        self.snap = snap
+        self.db_parts = db_parts
+        self.db_error = db_error
+        self.updated = now
+        topics = self.topics()
+        for t in topics:
+            self.rates.add(t["topic"], now, t["records"])
+        self.rates.retain(t["topic"] for t in topics)
+        parts = []
+        for (topic, partition), row in self._heads().items():
+            name = _series(topic, partition)
+            parts.append(name)
+            records = row["records"] if row.get("records") is not None else _records(row["head"])
+            self.part_rates.add(name, now, records)
+        self.part_rates.retain(parts)
+        names, lags = [], []
+        for g in snap.get("groups", []):
+            names.append(g["group"])
+            self.lags.add(g["group"], now, g["lag"])
+            for p in g["partitions"]:
+                if p["lag"] is not None:
+                    name = _series(g["group"], p["topic"], p["partition"])
+                    lags.append(name)
+                    self.part_lags.add(name, now, p["lag"])
+        self.lags.retain(names)
+        self.part_lags.retain(lags)
+
+    # ------------------------------------------------------------ views
+
+    def _heads(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """Per partition: the mesh's heads and the local store's figures."""
+        out: dict[tuple[str, str], dict[str, Any]] = {}
+        for p in self.snap.get("partitions", []):
+            store_heads = [s["head"] for s in p["stores"]]
+            head = max(store_heads) if store_heads else p["producer_head"]
+            out[(p["topic"], p["partition"])] = {
+                "topic": p["topic"],
+                "partition": p["partition"],
+                "head": head,
+                "producer_head": p["producer_head"],
+                "producer_alive": p["producer_alive"],
+                "stores": p["stores"],
+                "first": None,
+                "records": None,
+                "bytes": None,
+            }
+        for info in self.db_parts or []:
+            row = out.setdefault(
+                (info.topic, info.partition),
+                {
+                    "topic": info.topic,
+                    "partition": info.partition,
+                    "head": info.last,
+                    "producer_head": None,
+                    "producer_alive": False,
+                    "stores": [],
+                },
+            )
+            row.update(first=info.first, records=info.count, bytes=info.bytes, db_last=info.last)
+            if row["head"] is None or info.last > row["head"]:
+                row["head"] = info.last
+        return out
+
+    def topics(self) -> list[dict[str, Any]]:
+        """Each topic: partitions, records and bytes (records: the local store's
+        count with --db, else the offsets the heads cover)."""
+        by_topic: dict[str, dict[str, Any]] = {}
+        for (topic, _), row in sorted(self._heads().items()):
+            t = by_topic.setdefault(
+                topic, {"topic": topic, "partitions": 0, "records": 0, "bytes": None, "heads": []}
+            )
+            t["partitions"] += 1
+            t["records"] += row["records"] if row.get("records") is not None else _records(row["head"])
+            if row.get("bytes") is not None:
+                t["bytes"] = (t["bytes"] or 0) + row["bytes"]
+            t["heads"].append({"partition": row["partition"], "head": row["head"]})
+        return list(by_topic.values())
+
+    def nodes_by_kind(self) -> dict[str, list[dict[str, Any]]]:
+        out: dict[str, list[dict[str, Any]]] = {k: [] for k in KINDS}
+        out["tower"] = [{"address": "", "endpoint": t["endpoint"], "alive": t["reached"]} for t in self.snap["towers"]]
+        for n in self.snap["nodes"]:
+            out[n["kind"] or "unknown"].append(
+                {"address": n["address"], "endpoint": n["endpoint"], "alive": n["alive"], "age": n["last_beacon_age"]}
+            )
+        return out
+
+    def alerts(self) -> list[str]:
+        """What needs a look, from what the mesh already tells."""
+        out = []
+        for t in self.snap["towers"]:
+            if not t["reached"]:
+                out.append(f"tower {t['endpoint']} not reached")
+        for endpoint in self.snap.get("refused", []):
+            out.append(f"{endpoint} refused our handshake (is the console's key in its allow-list?)")
+        for p in self.snap["partitions"]:
+            if not p["stores"] and p["producer_head"] is not None:
+                out.append(f"partition {p['topic']}/{p['partition']}: no store has told its head")
+            for s in p["stores"]:
+                if s["lag"]:
+                    out.append(f"store {s['address'][:8]} is {s['lag']} behind on {p['topic']}/{p['partition']}")
+        for s in self.snap.get("not_writing", []):
+            n = len(s["partitions"])
+            out.append(f"store {s['store'][:8]} is not acknowledging {n} partition(s): {s['reason']}")
+        for n in self.snap["nodes"]:
+            if not n["alive"]:
+                out.append(f"{n['kind'] or 'node'} {n['address'][:8]} stopped beaconing")
+        if self.snap.get("malformed"):
+            out.append(f"{self.snap['malformed']} malformed message(s) received")
+        if self.snap.get("forged"):
+            out.append(f"{self.snap['forged']} store-only message(s) from keys without a store role")
+        if self.db_error:
+            out.append(f"local store: {self.db_error}")
+        return out[:100]
+
+    def landing(self) -> dict[str, Any]:
+        """Everything of ``/`` (no record content); long lists cut, their counts whole,
+        so a mesh of thousands of producers is not sent to every page every second."""
+        nodes = self.nodes_by_kind()
+        topics = self.topics()
+        for t in topics:
+            t["heads"] = t["heads"][:LANDING_HEADS]
+        mesh = self.mesh()
+        for box in mesh["boxes"]:
+            box["count"] = len(box["members"])
+            box["members"] = box["members"][:BOX_MEMBERS]
+        return {
+            "nodes": {kind: rows[:LANDING_NODES] for kind, rows in nodes.items()},
+            "node_counts": {kind: len(rows) for kind, rows in nodes.items()},
+            "topics": topics,
+            "groups": [
+                {
+                    "group": g["group"],
+                    "members": len(g["members"]),
+                    "lag": g["lag"],
+                    "partition_count": len(g["partitions"]),
+                    # the most lagging first
+                    "partitions": sorted(g["partitions"], key=lambda p: -(p["lag"] or 0))[:LANDING_HEADS],
+                }
+                for g in self.snap.get("groups", [])
+            ],
+            "alerts": self.alerts(),
+            "mesh": mesh,
+            "db": self.db_parts is not None,
+        }
+
+    def topic(self, name: str) -> dict[str, Any] | None:
+        """The topic page: partitions (with their newest records/s) and the topic's rate."""
+        rows = [dict(row) for (t, _), row in sorted(self._heads().items()) if t == name]
+        if not rows:
+            return None
+        for row in rows:
+            rates = self.part_rates.rates(_series(name, row["partition"]))
+            row["rate"] = round(rates[-1][1], 1) if rates else None
+        return {"topic": name, "partitions": rows, "rate": self.rates.rates(name), "db": self.db_parts is not None}
+
+    def group(self, name: str, charted: int = 8) -> dict[str, Any] | None:
+        """The group page: the group, its summed lag over time, and the lag over
+        time of its ``charted`` most lagging partitions."""
+        for g in self.snap.get("groups", []):
+            if g["group"] == name:
+                top = sorted((p for p in g["partitions"] if p["lag"] is not None), key=lambda p: -p["lag"])
+                history = [
+                    {
+                        "topic": p["topic"],
+                        "partition": p["partition"],
+                        "points": self.part_lags.points(_series(name, p["topic"], p["partition"])),
+                    }
+                    for p in top[:charted]
+                ]
+                return {**g, "history": self.lags.points(name), "partition_history": history}
+        return None
+
+    def mesh(self) -> dict[str, Any]:
+        """The picture: one box per store and per (topic, producers) and (group, members),
+        links store -- topic where the store told a head of the topic, group -- topic."""
+        boxes: list[dict[str, Any]] = []
+        links: set[tuple[str, str]] = set()
+        kinds = {n["address"]: n["kind"] for n in self.snap["nodes"]}
+        producers: dict[str, set[str]] = {}
+        for p in self.snap["partitions"]:
+            if p["producer_alive"]:
+                producers.setdefault(p["topic"], set()).add(p["partition"])
+            for s in p["stores"]:
+                links.add(("store:" + s["address"], "topic:" + p["topic"]))
+        for n in self.snap["nodes"]:
+            if n["kind"] == "store" and n["alive"]:
+                boxes.append({"id": "store:" + n["address"], "kind": "store", "label": n["address"][:8], "members": [n["address"]]})
+        for topic in sorted({p["topic"] for p in self.snap["partitions"]}):
+            members = sorted(producers.get(topic, ()))
+            boxes.append({"id": "topic:" + topic, "kind": "producer", "label": topic, "members": members})
+        grouped: set[str] = set()
+        for g in self.snap.get("groups", []):
+            members = [m["address"] for m in g["members"]]
+            grouped.update(members)
+            boxes.append({"id": "group:" + g["group"], "kind": "consumer", "label": g["group"], "members": members})
+            for topic in sorted({t for m in g["members"] for t in m["topics"]}):
+                links.add(("topic:" + topic, "group:" + g["group"]))
+        loose = [a for a, k in kinds.items() if k == "consumer" and a not in grouped]
+        if loose:
+            boxes.append({"id": "consumers", "kind": "consumer", "label": "consumers", "members": sorted(loose)})
+        ids = {b["id"] for b in boxes}
+        return {"boxes": boxes, "links": sorted([a, b] for a, b in links if a in ids and b in ids)}
+
+
+# ---------------------------------------------------------------- records
+
+
+def _cut(text: str, limit: int) -> tuple[str, bool]:
+    return (text, False) if len(text) <= limit else (text[:limit], True)
+
+
+def _json_text(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, default=repr)
+
+
+def show_bytes(data: bytes, fmt: str = "auto", limit: int = SHOWN_BYTES) -> dict[str, Any]:
+    """One record content (or key) as the browser shows it: ``as`` says how it was
+    read (text, json, msgpack, hex), ``truncated`` that only ``limit`` characters
+    (hex: bytes) of it are sent.  Never raises on any bytes."""
+    if fmt not in FORMATS:
+        fmt = "auto"
+    as_: str | None = None
+    text = ""
+    if fmt in ("auto", "text", "json"):
+        try:
+            decoded = data.decode("utf-8")
+        except UnicodeDecodeError:
+            decoded = None
+        if decoded is not None and fmt in ("auto", "json"):
+            try:
+                text, as_ = _json_text(json.loads(decoded)), "json"
+            except (ValueError, RecursionError):
+                pass
+        if as_ is None and decoded is not None and fmt != "json":
+            printable = all(c.isprintable() or c in "\t\r\n" for c in decoded[:limit])
+            if printable or fmt == "text":
+                text, as_ = decoded, "text"
+    if as_ is None and fmt in ("auto", "msgpack"):
+        try:
+            value = msgpack.unpackb(data, raw=False, strict_map_key=False)
+            if fmt == "msgpack" or isinstance(value, dict | list):
+                text, as_ = _json_text(value), "msgpack"
+        except Exception:  # noqa: BLE001 (any malformed input: show it as hex)
+            pass
+    if as_ is None:
+        cut = data[:limit]
+        return {"as": "hex", "text": cut.hex(" "), "truncated": len(data) > limit, "size": len(data)}
+    shown, truncated = _cut(text, limit)
+    return {"as": as_, "text": shown, "truncated": truncated, "size": len(data)}
+
+
+def offset_at_time(read_one: Callable[[int], tuple[int, int] | None], first: int, last: int, ts_ms: int) -> int:
+    """The first offset of ``first..last`` whose record is stamped ``ts_ms`` or later
+    (``last + 1`` if none), by bisection: ``read_one(offset)`` gives the (offset,
+    timestamp) of the record held at or after ``offset``, or None past the end.
+    In a hole the answer may be an offset of the hole (reading from it gives the
+    record).  Timestamps are taken to grow with offsets (a producer's clock going
+    back makes the answer one of the offsets around the jump).  At most 64 reads."""
+    lo, hi = first, last + 1
+    for _ in range(64):
+        if lo >= hi:
+            break
+        mid = (lo + hi) // 2
+        got = read_one(mid)
+        if got is None:
+            hi = mid
+        elif got[1] < ts_ms:
+            lo = got[0] + 1
+        else:
+            hi = mid  # the offsets from mid to got[0] are holes or this record
+    return lo
+
+
+def show_record(offset: int, ts_ms: int, key: bytes | None, content: bytes, fmt: str) -> dict[str, Any]:
+    return {
+        "offset": offset,
+        "ts_ms": ts_ms,
+        "key": None if key is None else show_bytes(key, "auto", 256),
+        "content": show_bytes(content, fmt),
+    }
