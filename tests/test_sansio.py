@@ -89,7 +89,11 @@ def test_skip_forward_when_hole_cannot_be_filled() -> None:
     assert t.fetch_request(0.0) == (0, 5)
     out: list[tuple[int, bytes]] = []
     assert t.skip_if_stalled(1.0, out) is None
-    assert t.skip_if_stalled(2.5, out) == (0, 4)
+    # Stalled for 2 s, but the last FETCH is 2.5 s old: a last call first.
+    assert t.skip_if_stalled(2.5, out) is None
+    assert t.fetch_request(2.5) == (0, 5)
+    assert t.skip_if_stalled(2.9, out) is None  # the answer may still come
+    assert t.skip_if_stalled(3.0, out) == (0, 4)
     assert [s for s, _ in out] == [5, 6]
     assert t.skipped == 5 and t.next == 7
 
@@ -108,7 +112,9 @@ def test_a_hole_is_not_given_up_while_its_producer_cannot_hear_the_fetches() -> 
         t.fetch_request(now)  # retries still go out (another store may have it)
     assert t.fetches > 1
     assert t.skip_if_stalled(5.5, out) is None  # heard for 1.5 s only
-    assert t.skip_if_stalled(6.5, out) == (0, 4)  # 2.5 s of FETCHes it could hear
+    assert t.skip_if_stalled(6.5, out) is None  # 2.5 s of FETCHes it could hear: a last call
+    assert t.fetch_request(6.5) == (0, 5)
+    assert t.skip_if_stalled(7.0, out) == (0, 4)
     assert [s for s, _ in out] == [5]
 
 
@@ -295,7 +301,9 @@ def test_retries_back_off_and_a_new_peer_never_causes_a_skip() -> None:
     assert t.fetch_request(1.8) == (0, 5)
     out: list[tuple[int, bytes]] = []
     assert t.skip_if_stalled(2.0, out) is None  # ... but that is no reason to skip
-    assert t.skip_if_stalled(10.1, out) == (0, 4)
+    assert t.skip_if_stalled(10.1, out) is None  # stalled, the last FETCH is old: a last call
+    assert t.fetch_request(10.1) == (0, 5)
+    assert t.skip_if_stalled(10.6, out) == (0, 4)
 
 
 # ---------------------------------------------------------------- producer resume
@@ -529,6 +537,50 @@ def test_resume_with_a_reservation_still_refuses_a_twin() -> None:
     r.on_duplicate("tcp://127.0.0.1:40000")
     assert r.done(0.01)
     assert "another live producer" in (r.decide()[1] or "") and r.hole is None
+
+
+def test_a_record_lost_long_after_the_last_progress_is_waited_for_in_full() -> None:
+    # Issue 40: a restart hole 1..15 is skipped (16 delivered, next = 17), which
+    # leaves the retries backed off; 6 s later 18 and 19 come but 17 was lost on
+    # the way.  The FETCH at once finds the stores with 17 received, not yet
+    # committed: no answer.  Before the fix the hole counted from the skip (not
+    # from when 17 was known to exist), the next retry was 4 s away, and 17 --
+    # acknowledged meanwhile -- was skipped 4 s after it went missing.
+    t = PartitionTracker("s", "p", 0, retry_interval=0.5, skip_after=10.0)
+    out: list[tuple[int, bytes]] = []
+    deliver(t, 0)
+    deliver(t, 16)
+
+    def tick(now: float) -> tuple[int, int] | None:
+        """What the reader's check_missing does on a tick."""
+        skipped = t.skip_if_stalled(now, out)
+        t.fetch_request(now)
+        return skipped
+
+    now = 0.0
+    skipped = None
+    while skipped is None and now < 30:
+        now = round(now + 0.1, 1)
+        skipped = tick(now)
+    assert skipped == (1, 15) and [s for s, _ in out] == [16] and t.next == 17
+    out.clear()
+    lost_at = round(now + 6.0, 1)
+    while now < lost_at:
+        now = round(now + 0.1, 1)
+        assert tick(now) is None
+    deliver(t, 18)
+    deliver(t, 19)
+    asks = [now] if t.fetch_request(now) == (17, 1) else []
+    end = lost_at + 10.0
+    while now < end - 0.05:
+        now = round(now + 0.1, 1)
+        assert t.skip_if_stalled(now, out) is None, f"skipped at {now}, 17 missing since {lost_at}"
+        if t.fetch_request(now) is not None:
+            asks.append(now)
+    assert asks[0] == lost_at and asks[1] - asks[0] <= 0.6  # retries start again at retry_interval
+    assert len(asks) >= 5
+    assert deliver(t, 17) == [17, 18, 19]  # committed late, it comes
+    assert t.skipped == 15
 
 
 def test_a_long_wait_with_nothing_held_asks_once_more_before_skipping() -> None:

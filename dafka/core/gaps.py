@@ -35,6 +35,9 @@ from __future__ import annotations
 
 FETCH_CHUNK = 100_000  # largest count asked for in one FETCH
 MAX_RETRY_BACKOFF = 8  # retries without progress wait up to this many retry intervals
+# A hole is given up only after a FETCH at most this many retry intervals old
+# (see PartitionTracker.skip_if_stalled).
+FINAL_CALL = 2
 
 
 class PartitionTracker:
@@ -61,6 +64,8 @@ class PartitionTracker:
         "cut",
         "held_at",
         "unheard_at",
+        "missing_at",
+        "missing_next",
     )
 
     def __init__(
@@ -101,6 +106,11 @@ class PartitionTracker:
         # Last time the partition's producer was alive but could not hear our
         # FETCHes (see unheard): the time to give a hole up counts from then.
         self.unheard_at = float("-inf")
+        # When the offset at ``next`` was first seen missing (with ``next`` as
+        # it was then, see _missing_since): a hole's time to be given up
+        # counts from then, never from before anyone knew of it.
+        self.missing_at = float("-inf")
+        self.missing_next = -1
 
     @property
     def missing(self) -> bool:
@@ -199,6 +209,7 @@ class PartitionTracker:
         nxt = self.next
         if nxt is None or self.known < nxt:
             return None
+        self._missing_since(nxt, now)
         if self.held:
             if self.held_at is None:
                 self.held_at = now
@@ -244,6 +255,20 @@ class PartitionTracker:
         self.fetches += 1
         return nxt, count
 
+    def _missing_since(self, nxt: int, now: float) -> float:
+        """When the offset ``nxt`` (= ``next``, known missing) was first seen missing.
+
+        ``known`` never decreases, so while ``next`` stays where it was the
+        offset stays missing; a new ``next`` that is missing is a new hole:
+        its retries start again at ``retry_interval`` (the backoff of an
+        earlier hole says nothing about this one).
+        """
+        if self.missing_next != nxt:
+            self.missing_next = nxt
+            self.missing_at = now
+            self.retry_wait = self.retry_interval
+        return self.missing_at
+
     def unheard(self, now: float) -> None:
         """Nobody could answer our FETCHes until ``now``: the partition's producer
         is alive but does not hear them (yet), or this reader could not ask.
@@ -281,7 +306,12 @@ class PartitionTracker:
             self.held_at = now
         if nxt is None or nxt != self.progress_next:
             return None
-        if now - max(self.progress_at, self.unheard_at) < self.skip_after:
+        # The stall counts from the last progress, from when the missing
+        # offset was first known to exist (a record lost on its way to us long
+        # after the last progress is one FETCH away: issue 40), and from when
+        # the producer last could not hear us.
+        since = max(self.progress_at, self._missing_since(nxt, now), self.unheard_at)
+        if now - since < self.skip_after:
             return None
         if self.cut:
             self.cut = False
@@ -305,6 +335,13 @@ class PartitionTracker:
         # and the records after it may just have come): ask for the hole once
         # more since later records are held, and let the answer come.
         if self.sent_at < self.held_at:
+            self.retry_asap = True
+            return None
+        # A last call: the FETCHes back off (up to 8 retry intervals apart), so
+        # the last one may be seconds old, asked while the store that holds the
+        # records could not answer yet (received, not committed; stopped).  Ask
+        # once more right before giving up, and let the answer come.
+        if now - self.sent_at > FINAL_CALL * self.retry_interval:
             self.retry_asap = True
             return None
         if now - self.sent_at < self.retry_interval:
