@@ -572,7 +572,7 @@ def test_a_record_lost_long_after_the_last_progress_is_waited_for_in_full() -> N
     deliver(t, 19)
     asks = [now] if t.fetch_request(now) == (17, 1) else []
     end = lost_at + 10.0
-    while now < end - 0.05:
+    while now < round(end - 0.1, 1):
         now = round(now + 0.1, 1)
         assert t.skip_if_stalled(now, out) is None, f"skipped at {now}, 17 missing since {lost_at}"
         if t.fetch_request(now) is not None:
@@ -599,3 +599,67 @@ def test_a_long_wait_with_nothing_held_asks_once_more_before_skipping() -> None:
         deliver(t, seq)
     assert t.skip_if_stalled(20.5, out) == (0, 9)
     assert [s for s, _ in out] == [10, 11, 12, 13, 14, 15]
+
+
+# ---------------------------------------------------------------- a restarted producer's hole (issue 34)
+
+
+def test_a_restart_hole_is_passed_once_every_known_store_said_it_holds_none() -> None:
+    t = PartitionTracker("s", "p", 0, retry_interval=0.5, skip_after=10.0)
+    out: list[tuple[int, bytes]] = []
+    deliver(t, 0)
+    deliver(t, 16)  # the restarted producer's first record; 1..15 reserved by the crashed run
+    deliver(t, 17)
+    stores = {"s0", "s1"}
+    assert t.fetch_request(0.0) == (1, 15)
+    t.on_store_void("s0", 1, 15)  # before the producer said it is a restart hole: not counted
+    t.on_restart_hole(1, 15)
+    assert t.pass_restart_hole(0.1, stores, out) is None  # no store said anything since
+    t.on_store_void("s0", 1, 15)
+    assert t.pass_restart_hole(0.1, stores, out) is None  # s1 silent: it may hold some
+    t.on_store_void("s1", 3, 15)
+    assert t.pass_restart_hole(0.1, stores, out) is None  # s1 may hold 1..2
+    assert t.pass_restart_hole(0.1, set(), out) is None  # no store known: skip_after decides
+    t.on_store_void("s1", 1, 20)
+    assert t.pass_restart_hole(0.2, stores, out) == (1, 15)
+    assert [s for s, _ in out] == [16, 17] and t.next == 18 and t.skipped == 15 and not t.missing
+    out.clear()
+    assert t.pass_restart_hole(0.3, stores, out) is None  # nothing more to pass
+
+
+def test_a_restart_hole_passes_only_what_lies_inside_it() -> None:
+    out: list[tuple[int, bytes]] = []
+    # Records before the restart hole are missing too (live records of the
+    # previous run, in the stores): not passed.
+    t = PartitionTracker("s", "p", 0)
+    deliver(t, 20)
+    t.on_restart_hole(5, 19)
+    t.on_store_void("s0", 0, 19)
+    assert t.pass_restart_hole(0.0, {"s0"}, out) is None and t.next == 0
+    # A hole that runs past the restart hole (a record after it lost): not passed.
+    t = PartitionTracker("s", "p", 5)
+    deliver(t, 25)
+    t.on_restart_hole(5, 19)
+    t.on_store_void("s0", 5, 24)
+    assert t.pass_restart_hole(0.0, {"s0"}, out) is None and t.next == 5
+    # A new statement (the producer crashed again) clears what the stores said.
+    t = PartitionTracker("s", "p", 5)
+    deliver(t, 20)
+    t.on_restart_hole(5, 19)
+    t.on_store_void("s0", 5, 19)
+    t.on_restart_hole(5, 30)
+    assert t.pass_restart_hole(0.0, {"s0"}, out) is None
+    t.on_store_void("s0", 5, 30)
+    assert t.pass_restart_hole(0.0, {"s0"}, out) == (5, 19) and [s for s, _ in out] == [20]
+
+
+def test_store_voids_of_a_live_hole_never_pass_it() -> None:
+    # Without the producer's word, "none here" may be said of a record on its
+    # way to the store (it is acknowledged just after): only skip_after decides.
+    t = PartitionTracker("s", "p", 0, retry_interval=0.5, skip_after=10.0)
+    out: list[tuple[int, bytes]] = []
+    deliver(t, 0)
+    deliver(t, 2)
+    assert t.fetch_request(0.0) == (1, 1)
+    t.on_store_void("s0", 1, 1)
+    assert t.pass_restart_hole(0.1, {"s0"}, out) is None and t.next == 1 and not t.voids
