@@ -775,7 +775,7 @@ class Producer(Node):
                 # knows said it holds none of them (a previous run's records
                 # can only be in a store now).
                 void = wire.Void(fetch.address, self.address, self.topic, hole[0], hole[1], self.address, wire.VOID_RESTART)
-                self._send_locked(wire.encode(void))
+                fastio.send_frames(self.publisher, wire.encode(void))  # (lock held, not closed)
             if hole is not None and hole[0] <= seq <= hole[1] and seq + count <= hole[1] + 1:
                 # As a store answers for a hole, send what follows (one record):
                 # the reader holds it, and skips the hole after its skip_after
