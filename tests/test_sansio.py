@@ -663,3 +663,38 @@ def test_store_voids_of_a_live_hole_never_pass_it() -> None:
     assert t.fetch_request(0.0) == (1, 1)
     t.on_store_void("s0", 1, 1)
     assert t.pass_restart_hole(0.1, {"s0"}, out) is None and t.next == 1 and not t.voids
+
+
+def test_offsets_missing_for_less_than_skip_after_are_not_given_up_with_an_older_hole() -> None:
+    # Issue 40, seed 201185: a store restarted with its partition at 44 and
+    # heard a HEAD of 57 (44..57 missing, nobody has them); 10 s later 75..82
+    # came, 58..74 (acknowledged by the other store, 74 still in the
+    # producer's window) lost on the way.  Before the fix the stall of 44
+    # gave up 44..74 half a second later, and the store's ACK of 82 released
+    # 74 from the producer though no store held it.
+    t = PartitionTracker("s", "p", 44, retry_interval=0.5, skip_after=10.0)
+    out: list[tuple[int, bytes]] = []
+    t.on_head(57)
+    assert t.fetch_request(0.0) == (44, 14)
+    now = 0.0
+    while now < 9.5:
+        now = round(now + 0.1, 1)
+        assert t.skip_if_stalled(now, out) is None
+        t.fetch_request(now)
+    for seq in range(75, 83):
+        deliver(t, seq)
+    t.fetch_request(now)  # (44..74 asked for once the retry is due)
+    skipped = None
+    while skipped is None and now < 12:
+        now = round(now + 0.1, 1)
+        skipped = t.skip_if_stalled(now, out)
+        t.fetch_request(now) if skipped is None else None
+    assert skipped == (44, 57) and out == [] and t.next == 58  # only what was missing 10 s
+    assert t.fetch_request(now) == (58, 17)  # the rest is asked for at once
+    while now < 19.0:
+        now = round(now + 0.1, 1)
+        assert t.skip_if_stalled(now, out) is None, now
+        t.fetch_request(now)
+    for seq in range(58, 75):
+        deliver(t, seq)
+    assert t.next == 83 and t.skipped == 14

@@ -192,3 +192,12 @@ def test_a_record_lost_after_a_restart_hole_is_not_skipped() -> None:
     r = runner.run_schedule(loads(ISSUE_40_SCHEDULE))
     assert r.ok, _report(r)
     assert r.faults.get("kill-p") == 1 and r.delivered == 10  # both consumers got all 5
+
+
+def test_a_store_gives_up_only_what_was_missing_for_skip_after() -> None:
+    """Seed 201185 (found by the sweep from 200000): a restarted store waited 10 s
+    for a hole, then gave up with it the offsets that had gone missing half a
+    second before, and its ACK released one from the producer that no store held
+    (acked-not-durable)."""
+    r = runner.run_seed(201185)
+    assert r.ok, _report(r)
