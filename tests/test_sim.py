@@ -201,3 +201,35 @@ def test_a_store_gives_up_only_what_was_missing_for_skip_after() -> None:
     (acked-not-durable)."""
     r = runner.run_seed(201185)
     assert r.ok, _report(r)
+
+
+# Issue 34 item 1: p0 is killed (kill -9) 20 records into a reservation of 36
+# and restarted at once with its identity; both stores are up.  The offsets 20..35
+# are a restart hole.  Consumers pass it as soon as p0 said it is one and both
+# stores said they hold none of it: the records after it are delivered within a
+# second of their publish, not after skip_after (10 s).
+RESTART_HOLE_SCHEDULE = [
+    Step("publish", 0, 20, 1),
+    Step("wait", 1000, 0, 2),
+    Step("crash", 4, 50, 3),  # p0
+    Step("wait", 6000, 0, 4),
+    Step("publish", 0, 5, 5),
+    Step("wait", 3000, 0, 6),
+]
+
+
+def test_a_restart_hole_is_passed_at_once_when_every_store_holds_none_of_it() -> None:
+    r = runner.run_schedule(RESTART_HOLE_SCHEDULE, heal_seconds=15.0)  # (stores still wait skip_after)
+    assert r.ok, _report(r)
+    assert r.faults.get("kill-p") == 1 and r.delivered == 2 * 25
+    assert r.max_delay["p0-partition"] < 1.0, r.max_delay
+
+
+def test_a_restart_hole_waits_skip_after_without_the_stores_word(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Stores that never say VOID (as C stores): the hole waits skip_after.
+    from dafka.store.node import Store
+
+    monkeypatch.setattr(Store, "_holds_none", lambda self, key, first, last: False)
+    r = runner.run_schedule(RESTART_HOLE_SCHEDULE, heal_seconds=15.0)
+    assert r.ok, _report(r)
+    assert r.max_delay["p0-partition"] > 9.0, r.max_delay

@@ -127,6 +127,7 @@ class RunResult:
     delivered: int
     wall_seconds: float = 0.0
     observations: dict[str, int] = field(default_factory=dict)
+    max_delay: dict[str, float] = field(default_factory=dict)  # partition -> slowest delivery (s)
 
     @property
     def ok(self) -> bool:
@@ -670,4 +671,5 @@ class World:
             delivered=self.delivered,
             wall_seconds=time.perf_counter() - started,
             observations=dict(self.checker.observations),
+            max_delay=dict(self.checker.max_delay),
         )
