@@ -233,3 +233,43 @@ def test_a_restart_hole_waits_skip_after_without_the_stores_word(monkeypatch: py
     r = runner.run_schedule(RESTART_HOLE_SCHEDULE, heal_seconds=15.0)
     assert r.ok, _report(r)
     assert r.max_delay["p0-partition"] > 9.0, r.max_delay
+
+
+def test_a_consumer_believes_only_well_formed_voids_of_the_right_speakers() -> None:
+    """Hostile and broken VOIDs (issue 34 item 1): none moves delivery, none raises."""
+    from dafka.core import wire
+    from dafka.sim.nodes import SimConsumer
+
+    c = SimConsumer(["sim"], 0.0)
+    try:
+        me, part = c.address, "P" * 32
+        for seq in (0, 16):
+            c.on_message(wire.encode(wire.Record("sim", part, "sim", seq, b"r%d" % seq)))
+        t = c._trackers[("sim", part)]
+        c._hello("S" * 32)
+        assert t.next == 1 and sorted(t.held) == [16]
+
+        def void(kind: int, source: str, first: int = 1, last: int = 15, partition: str = part, to: str = me) -> None:
+            c.on_message(wire.encode(wire.Void(to, partition, "sim", first, last, source, kind)))
+
+        void(wire.VOID_RESTART, "R" * 32)  # only the partition's producer speaks for it
+        void(wire.VOID_STORE, "S" * 32)
+        assert t.restart_hole is None and t.next == 1
+        void(wire.VOID_RESTART, part, to="X" * 32)  # not to us
+        void(wire.VOID_RESTART, "Q" * 32, partition="Q" * 32)  # a partition we do not read
+        assert t.restart_hole is None and ("sim", "Q" * 32) not in c._trackers
+        before = c.bad_input.count
+        frames = wire.encode(wire.Void(me, part, "sim", 1, 15, part, wire.VOID_RESTART))
+        for broken in (frames[0][:-1], frames[0][:-1] + b"\x07", frames[0] + b"\x00"):
+            c.on_message([broken])
+        assert c.bad_input.count == before + 3 and t.restart_hole is None
+        void(wire.VOID_RESTART, part)
+        void(wire.VOID_STORE, "T" * 32)  # a store we never met: it changes nothing
+        assert t.next == 1
+        void(wire.VOID_STORE, "S" * 32, first=2)  # not all of the hole
+        assert t.next == 1
+        void(wire.VOID_STORE, "S" * 32)
+        assert t.next == 17 and [r[2] for r in c.sim_take()] == [0, 16]
+    finally:
+        c.sim_close_sockets()
+        c.stop(0.5)
