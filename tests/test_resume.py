@@ -16,6 +16,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -249,3 +250,51 @@ def test_an_ack_while_resuming_counts_as_a_store_head(cfg: NodeConfig, tmp_path:
     finally:
         stop.set()
         sender.join(5)
+
+
+def test_readers_pass_a_restart_hole_at_once_when_every_store_holds_none_of_it(
+    cfg: NodeConfig, tmp_path: Path
+) -> None:
+    # Issue 34 item 1: after kill -9 and a restart with the same identity, the
+    # offsets the crashed run had reserved and never used are a hole.  Before
+    # the fix every reader waited skip_after (10 s) to pass it, though the
+    # only store had said it holds none of it: a consumer that gives up after
+    # 4 s without a record got none of the records published after the restart.
+    identity = tmp_path / "id.json"
+    store = start_store_process(cfg, tmp_path / "db")
+    proc = start_producer(cfg, identity, "old", acks=True)
+    acked = kill_and_drain(proc, read_until(proc, 300))
+    from dafka.consumer import Consumer
+
+    with Consumer([TOPIC], cfg, offset_reset="earliest") as consumer:
+        got: dict[int, bytes] = {}
+
+        def poll_until(done: Callable[[], bool], idle: float) -> None:
+            """Poll until ``done()`` or no record came for ``idle`` seconds (bounded: 60 s)."""
+            deadline = time.monotonic() + 60
+            last = time.monotonic()
+            while not done() and time.monotonic() - last < idle and time.monotonic() < deadline:
+                record = consumer.poll(0.1)
+                if record is not None:
+                    got[record.offset] = bytes(record.value)
+                    last = time.monotonic()
+
+        poll_until(lambda: max(got, default=-1) >= acked, idle=30)
+        assert max(got, default=-1) >= acked, f"got {len(got)} of the old run's {acked + 1} records"
+        producer = Producer(TOPIC, cfg, identity=identity, resume_timeout=10.0)
+        try:
+            start = producer.next_offset
+            assert start > max(got) + 1  # the hole: reserved by the crashed run, never used
+            published = time.monotonic()
+            producer.publish_many(content(b"new", start + i) for i in range(300))
+            poll_until(lambda: all(o in got for o in range(start, start + 300)), idle=4.0)
+            took = time.monotonic() - published
+        finally:
+            producer.close(0.5)  # (the store's own ACKs still wait its skip_after: not tested here)
+    stop_store(store)
+    new = [o for o in range(start, start + 300) if got.get(o) == content(b"new", o)]
+    assert len(new) == 300, (
+        f"the consumer got {len(new)} of the 300 records published after the restart"
+        f" (next offset {start}, the old run ended at {max(o for o in got if o < start)})"
+    )
+    assert took < 4.0, f"all 300 took {took:.1f}s"

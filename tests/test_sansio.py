@@ -89,7 +89,11 @@ def test_skip_forward_when_hole_cannot_be_filled() -> None:
     assert t.fetch_request(0.0) == (0, 5)
     out: list[tuple[int, bytes]] = []
     assert t.skip_if_stalled(1.0, out) is None
-    assert t.skip_if_stalled(2.5, out) == (0, 4)
+    # Stalled for 2 s, but the last FETCH is 2.5 s old: a last call first.
+    assert t.skip_if_stalled(2.5, out) is None
+    assert t.fetch_request(2.5) == (0, 5)
+    assert t.skip_if_stalled(2.9, out) is None  # the answer may still come
+    assert t.skip_if_stalled(3.0, out) == (0, 4)
     assert [s for s, _ in out] == [5, 6]
     assert t.skipped == 5 and t.next == 7
 
@@ -108,7 +112,9 @@ def test_a_hole_is_not_given_up_while_its_producer_cannot_hear_the_fetches() -> 
         t.fetch_request(now)  # retries still go out (another store may have it)
     assert t.fetches > 1
     assert t.skip_if_stalled(5.5, out) is None  # heard for 1.5 s only
-    assert t.skip_if_stalled(6.5, out) == (0, 4)  # 2.5 s of FETCHes it could hear
+    assert t.skip_if_stalled(6.5, out) is None  # 2.5 s of FETCHes it could hear: a last call
+    assert t.fetch_request(6.5) == (0, 5)
+    assert t.skip_if_stalled(7.0, out) == (0, 4)
     assert [s for s, _ in out] == [5]
 
 
@@ -295,7 +301,9 @@ def test_retries_back_off_and_a_new_peer_never_causes_a_skip() -> None:
     assert t.fetch_request(1.8) == (0, 5)
     out: list[tuple[int, bytes]] = []
     assert t.skip_if_stalled(2.0, out) is None  # ... but that is no reason to skip
-    assert t.skip_if_stalled(10.1, out) == (0, 4)
+    assert t.skip_if_stalled(10.1, out) is None  # stalled, the last FETCH is old: a last call
+    assert t.fetch_request(10.1) == (0, 5)
+    assert t.skip_if_stalled(10.6, out) == (0, 4)
 
 
 # ---------------------------------------------------------------- producer resume
@@ -531,6 +539,50 @@ def test_resume_with_a_reservation_still_refuses_a_twin() -> None:
     assert "another live producer" in (r.decide()[1] or "") and r.hole is None
 
 
+def test_a_record_lost_long_after_the_last_progress_is_waited_for_in_full() -> None:
+    # Issue 40: a restart hole 1..15 is skipped (16 delivered, next = 17), which
+    # leaves the retries backed off; 6 s later 18 and 19 come but 17 was lost on
+    # the way.  The FETCH at once finds the stores with 17 received, not yet
+    # committed: no answer.  Before the fix the hole counted from the skip (not
+    # from when 17 was known to exist), the next retry was 4 s away, and 17 --
+    # acknowledged meanwhile -- was skipped 4 s after it went missing.
+    t = PartitionTracker("s", "p", 0, retry_interval=0.5, skip_after=10.0)
+    out: list[tuple[int, bytes]] = []
+    deliver(t, 0)
+    deliver(t, 16)
+
+    def tick(now: float) -> tuple[int, int] | None:
+        """What the reader's check_missing does on a tick."""
+        skipped = t.skip_if_stalled(now, out)
+        t.fetch_request(now)
+        return skipped
+
+    now = 0.0
+    skipped = None
+    while skipped is None and now < 30:
+        now = round(now + 0.1, 1)
+        skipped = tick(now)
+    assert skipped == (1, 15) and [s for s, _ in out] == [16] and t.next == 17
+    out.clear()
+    lost_at = round(now + 6.0, 1)
+    while now < lost_at:
+        now = round(now + 0.1, 1)
+        assert tick(now) is None
+    deliver(t, 18)
+    deliver(t, 19)
+    asks = [now] if t.fetch_request(now) == (17, 1) else []
+    end = lost_at + 10.0
+    while now < round(end - 0.1, 1):
+        now = round(now + 0.1, 1)
+        assert t.skip_if_stalled(now, out) is None, f"skipped at {now}, 17 missing since {lost_at}"
+        if t.fetch_request(now) is not None:
+            asks.append(now)
+    assert asks[0] == lost_at and asks[1] - asks[0] <= 0.6  # retries start again at retry_interval
+    assert len(asks) >= 5
+    assert deliver(t, 17) == [17, 18, 19]  # committed late, it comes
+    assert t.skipped == 15
+
+
 def test_a_long_wait_with_nothing_held_asks_once_more_before_skipping() -> None:
     # A HEAD announced 0..9, nobody had them (nothing held) for 20 s; then
     # record 15 comes: 10..14 may be one FETCH away (a restarted producer's
@@ -547,3 +599,102 @@ def test_a_long_wait_with_nothing_held_asks_once_more_before_skipping() -> None:
         deliver(t, seq)
     assert t.skip_if_stalled(20.5, out) == (0, 9)
     assert [s for s, _ in out] == [10, 11, 12, 13, 14, 15]
+
+
+# ---------------------------------------------------------------- a restarted producer's hole (issue 34)
+
+
+def test_a_restart_hole_is_passed_once_every_known_store_said_it_holds_none() -> None:
+    t = PartitionTracker("s", "p", 0, retry_interval=0.5, skip_after=10.0)
+    out: list[tuple[int, bytes]] = []
+    deliver(t, 0)
+    deliver(t, 16)  # the restarted producer's first record; 1..15 reserved by the crashed run
+    deliver(t, 17)
+    stores = {"s0", "s1"}
+    assert t.fetch_request(0.0) == (1, 15)
+    t.on_store_void("s0", 1, 15)  # before the producer said it is a restart hole: not counted
+    t.on_restart_hole(1, 15)
+    assert t.pass_restart_hole(0.1, stores, out) is None  # no store said anything since
+    t.on_store_void("s0", 1, 15)
+    assert t.pass_restart_hole(0.1, stores, out) is None  # s1 silent: it may hold some
+    t.on_store_void("s1", 3, 15)
+    assert t.pass_restart_hole(0.1, stores, out) is None  # s1 may hold 1..2
+    assert t.pass_restart_hole(0.1, set(), out) is None  # no store known: skip_after decides
+    t.on_store_void("s1", 1, 20)
+    assert t.pass_restart_hole(0.2, stores, out) == (1, 15)
+    assert [s for s, _ in out] == [16, 17] and t.next == 18 and t.skipped == 15 and not t.missing
+    out.clear()
+    assert t.pass_restart_hole(0.3, stores, out) is None  # nothing more to pass
+
+
+def test_a_restart_hole_passes_only_what_lies_inside_it() -> None:
+    out: list[tuple[int, bytes]] = []
+    # Records before the restart hole are missing too (live records of the
+    # previous run, in the stores): not passed.
+    t = PartitionTracker("s", "p", 0)
+    deliver(t, 20)
+    t.on_restart_hole(5, 19)
+    t.on_store_void("s0", 0, 19)
+    assert t.pass_restart_hole(0.0, {"s0"}, out) is None and t.next == 0
+    # A hole that runs past the restart hole (a record after it lost): not passed.
+    t = PartitionTracker("s", "p", 5)
+    deliver(t, 25)
+    t.on_restart_hole(5, 19)
+    t.on_store_void("s0", 5, 24)
+    assert t.pass_restart_hole(0.0, {"s0"}, out) is None and t.next == 5
+    # A new statement (the producer crashed again) clears what the stores said.
+    t = PartitionTracker("s", "p", 5)
+    deliver(t, 20)
+    t.on_restart_hole(5, 19)
+    t.on_store_void("s0", 5, 19)
+    t.on_restart_hole(5, 30)
+    assert t.pass_restart_hole(0.0, {"s0"}, out) is None
+    t.on_store_void("s0", 5, 30)
+    assert t.pass_restart_hole(0.0, {"s0"}, out) == (5, 19) and [s for s, _ in out] == [20]
+
+
+def test_store_voids_of_a_live_hole_never_pass_it() -> None:
+    # Without the producer's word, "none here" may be said of a record on its
+    # way to the store (it is acknowledged just after): only skip_after decides.
+    t = PartitionTracker("s", "p", 0, retry_interval=0.5, skip_after=10.0)
+    out: list[tuple[int, bytes]] = []
+    deliver(t, 0)
+    deliver(t, 2)
+    assert t.fetch_request(0.0) == (1, 1)
+    t.on_store_void("s0", 1, 1)
+    assert t.pass_restart_hole(0.1, {"s0"}, out) is None and t.next == 1 and not t.voids
+
+
+def test_offsets_missing_for_less_than_skip_after_are_not_given_up_with_an_older_hole() -> None:
+    # Issue 40, seed 201185: a store restarted with its partition at 44 and
+    # heard a HEAD of 57 (44..57 missing, nobody has them); 10 s later 75..82
+    # came, 58..74 (acknowledged by the other store, 74 still in the
+    # producer's window) lost on the way.  Before the fix the stall of 44
+    # gave up 44..74 half a second later, and the store's ACK of 82 released
+    # 74 from the producer though no store held it.
+    t = PartitionTracker("s", "p", 44, retry_interval=0.5, skip_after=10.0)
+    out: list[tuple[int, bytes]] = []
+    t.on_head(57)
+    assert t.fetch_request(0.0) == (44, 14)
+    now = 0.0
+    while now < 9.5:
+        now = round(now + 0.1, 1)
+        assert t.skip_if_stalled(now, out) is None
+        t.fetch_request(now)
+    for seq in range(75, 83):
+        deliver(t, seq)
+    t.fetch_request(now)  # (44..74 asked for once the retry is due)
+    skipped = None
+    while skipped is None and now < 12:
+        now = round(now + 0.1, 1)
+        skipped = t.skip_if_stalled(now, out)
+        t.fetch_request(now) if skipped is None else None
+    assert skipped == (44, 57) and out == [] and t.next == 58  # only what was missing 10 s
+    assert t.fetch_request(now) == (58, 17)  # the rest is asked for at once
+    while now < 19.0:
+        now = round(now + 0.1, 1)
+        assert t.skip_if_stalled(now, out) is None, now
+        t.fetch_request(now)
+    for seq in range(58, 75):
+        deliver(t, seq)
+    assert t.next == 83 and t.skipped == 14

@@ -72,6 +72,25 @@ def test_store_status_layout() -> None:
     assert wire.decode(wire.encode(said)) == said._replace(reason="disk full")
 
 
+def test_void_layout() -> None:
+    # 56 <requester uuid> 00 01 20 <partition uuid> 05 'hello' <first:8> <last:8> 20 <store uuid> <kind:1>
+    raw = (
+        b"\x56" + UUID_A.encode() + b"\x00\x01\x20" + UUID_B.encode() + b"\x05hello"
+        + (1).to_bytes(8, "big") + (15).to_bytes(8, "big") + b"\x20" + UUID_A.encode() + b"\x00"
+    )
+    msg = wire.decode([raw])
+    assert msg == wire.Void(UUID_A, UUID_B, "hello", 1, 15, UUID_A, wire.VOID_STORE)
+    assert wire.encode(msg) == [raw]
+    # Only dafka readers subscribe to it: no C node's prefix matches it.
+    for c_prefix in (b"M", b"H", b"F", b"G", b"D", b"E", b"L", b"W", b"K"):
+        assert not raw.startswith(c_prefix)
+    for bad in (raw[:-1] + b"\x02", raw[: -42] + (0).to_bytes(8, "big") + raw[-34:]):
+        with pytest.raises(ProtocolError):
+            wire.decode([bad])  # an unknown kind; last < first
+    with pytest.raises(ProtocolError):
+        wire.encode(wire.Void(UUID_A, UUID_B, "hello", 5, 4, UUID_B, 1))
+
+
 def test_record_layout_and_prefix() -> None:
     frames = wire.encode(wire.Record("hello", UUID_A, "hello", 5, b"content"))
     assert frames[0] == b"Mhello\x00\x01\x20" + UUID_A.encode() + b"\x05hello" + (5).to_bytes(8, "big")
@@ -159,6 +178,7 @@ messages = st.one_of(
     st.builds(wire.ConsumerHello, names, names, st.lists(names, max_size=5).map(tuple)),
     st.builds(wire.StoreHello, names, names),
     st.builds(wire.StoreStatus, names, names, names, st.integers(0, 1), st.text(max_size=80).map(wire.reason_text)),
+    st.builds(wire.Void, names, names, names, st.integers(0, 2**63), st.integers(2**63, 2**64 - 1), names, st.integers(0, 1)),
     st.builds(wire.Commit, names, names, seqs, st.lists(st.tuples(names, names, seqs), max_size=4).map(tuple)),
     st.builds(wire.Committed, names, names, seqs),
     st.builds(wire.GetPositions, names, names, seqs),

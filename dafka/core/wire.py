@@ -44,6 +44,9 @@ STORE_HELLO = ord("L")
 # Not in the RFC nor in the C nodes: only dafka producers subscribe to it (C nodes
 # subscribe to exact prefixes of the ids above, so it never reaches them).
 STORE_STATUS = ord("Y")
+# Not in the RFC nor in the C nodes either: "nothing of these offsets here" (see
+# Void); only dafka readers subscribe to it.
+VOID = ord("V")
 # Consumer groups (this implementation only; see "Consumer groups" below).
 COMMIT = ord("C")
 COMMITTED = ord("A")
@@ -62,6 +65,7 @@ COMMAND_NAMES = {
     CONSUMER_HELLO: "CONSUMER-HELLO",
     STORE_HELLO: "STORE-HELLO",
     STORE_STATUS: "STORE-STATUS",
+    VOID: "VOID",
     COMMIT: "COMMIT",
     COMMITTED: "COMMITTED",
     GET_POSITIONS: "GET-POSITIONS",
@@ -80,6 +84,7 @@ P_GET_HEADS = b"G"
 P_CONSUMER_HELLO = b"W"
 P_STORE_HELLO = b"L"
 P_STORE_STATUS = b"Y"
+P_VOID = b"V"
 P_COMMIT = b"C"
 P_COMMITTED = b"A"
 P_GET_POSITIONS = b"P"
@@ -101,6 +106,7 @@ _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 _SEQ_COUNT = struct.Struct(">QI")
 pack_u64 = _U64.pack
+MAX_U64 = 0xFFFFFFFFFFFFFFFF
 
 
 class Record(NamedTuple):
@@ -216,6 +222,33 @@ class StoreStatus(NamedTuple):
     subject: str
     writing: int  # 1: commits succeed; 0: they fail and ACKs have stopped
     reason: str  # why not writing ("" when writing)
+
+
+VOID_STORE = 0  # a store holds none of the range (committed, being written, or held)
+VOID_RESTART = 1  # the partition's producer: a restart hole, never published by this run
+
+
+class Void(NamedTuple):
+    """VOID (dafka only): "none of offsets ``first..last`` of the partition here".
+
+    ``V <requester address> 00 01 <partition:string> <subject:string> <first:8>
+    <last:8> <source:string> <kind:1>``, sent to a reader that FETCHed them.
+    ``kind`` 0: the store ``source`` holds none of them (not committed, not
+    being written, not held beyond a hole).  ``kind`` 1: the partition's
+    producer (``source`` is its address) resumed after a crash past them: this
+    run never publishes them, and a previous run's records there can only be
+    in a store.  A reader passes such a restart hole as soon as every store it
+    knows said kind 0 for it (see dafka.core.gaps).  C nodes never subscribe
+    to ``V``, so it never reaches them.
+    """
+
+    topic: str  # zmq topic: the requester's address
+    address: str  # partition address
+    subject: str
+    first: int
+    last: int
+    source: str  # the store's address, or the partition's (its producer)
+    kind: int  # VOID_STORE or VOID_RESTART
 # ---------------------------------------------------------------- consumer groups
 #
 # Messages the C reference does not have.  Their command ids are letters no
@@ -294,6 +327,7 @@ Message = (
     | ConsumerHello
     | StoreHello
     | StoreStatus
+    | Void
     | Commit
     | Committed
     | GetPositions
@@ -314,6 +348,7 @@ _IDS: dict[type, int] = {
     ConsumerHello: CONSUMER_HELLO,
     StoreHello: STORE_HELLO,
     StoreStatus: STORE_STATUS,
+    Void: VOID,
     Commit: COMMIT,
     Committed: COMMITTED,
     GetPositions: GET_POSITIONS,
@@ -425,6 +460,11 @@ def encode(msg: Message) -> list[bytes]:
         if writing not in (0, 1):
             raise ProtocolError("STORE-STATUS writing must be 0 or 1")
         return [head + _s(msg.address) + _s(msg.subject) + bytes((writing,)) + _s(msg.reason)]  # type: ignore[union-attr]
+    if cmd == VOID:
+        v: Void = msg  # type: ignore[assignment]
+        if v.kind not in (VOID_STORE, VOID_RESTART) or not 0 <= v.first <= v.last:
+            raise ProtocolError("VOID needs kind 0 or 1 and first <= last")
+        return [head + _s(v.address) + _s(v.subject) + pack_u64(v.first) + pack_u64(v.last) + _s(v.source) + bytes((v.kind,))]
     if cmd in _GROUP_COMMANDS:
         return [head + _encode_group(cmd, msg)]
     # CONSUMER-HELLO
@@ -561,6 +601,11 @@ def decode(frames: Sequence[bytes]) -> Message:
         if writing > 1:
             raise ProtocolError(f"STORE-STATUS writing {writing} is not 0 or 1")
         msg = StoreStatus(topic, address, subject, writing, r.string())
+    elif cmd == VOID:
+        address, subject, first, last, source, kind = r.string(), r.string(), r.u64(), r.u64(), r.string(), r.u8()
+        if kind > VOID_RESTART or first > last:
+            raise ProtocolError(f"VOID kind {kind} / range {first}..{last} is not valid")
+        msg = Void(topic, address, subject, first, last, source, kind)
     elif cmd in _GROUP_COMMANDS:
         msg = _decode_group(cmd, topic, r)
     else:  # CONSUMER-HELLO

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from itertools import repeat, starmap
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -106,6 +106,7 @@ class Sleeper(Protocol):
 
 COMMIT_MEMORY = 60.0  # seconds an unconfirmed commit is remembered
 POSITIONS_GRACE = 0.1  # seconds to wait for more stores after the first POSITIONS
+MAX_KNOWN_STORES = 1024  # store addresses remembered (bounds what STORE-HELLOs can make us hold)
 
 
 class Consumer(PartitionReader):
@@ -214,8 +215,13 @@ class Consumer(PartitionReader):
         # deliver: their records are dropped without decoding.
         self._not_mine: dict[bytes, Key] = {}
         own = self.address.encode()
-        for prefix in (wire.P_DIRECT_RECORD, wire.P_DIRECT_HEAD, wire.P_STORE_HELLO):
+        for prefix in (wire.P_DIRECT_RECORD, wire.P_DIRECT_HEAD, wire.P_STORE_HELLO, wire.P_VOID):
             self.subscribe(prefix + own)
+        # Stores met (STORE-HELLO, their CONSUMER-HELLO subscription) -> when their
+        # beacons stopped (None: alive).  A restarted producer's hole is passed
+        # once all said they hold none of it (see PartitionReader.known_stores);
+        # a store gone counts for skip_after more (it may hold some, and be back).
+        self._stores: dict[str, float | None] = {}
         topic_list = [topics] if isinstance(topics, str) else list(topics)
         if group is not None:
             cfg = self.config
@@ -554,7 +560,22 @@ class Consumer(PartitionReader):
         elif self._group is not None:
             self._on_group_message(msg)
 
+    def known_stores(self) -> Collection[str]:
+        stores = self._stores
+        if any(gone is not None for gone in stores.values()):
+            forget = time.monotonic() - self._tracker_options["skip_after"]
+            for store, gone in list(stores.items()):
+                if gone is not None and gone < forget:
+                    del stores[store]
+        return stores.keys()
+
+    def on_peer_gone(self, address: str) -> None:
+        if address in self._stores:
+            self._stores[address] = time.monotonic()
+
     def _hello(self, store: str) -> None:
+        if store in self._stores or len(self._stores) < MAX_KNOWN_STORES:
+            self._stores[store] = None  # (back, if it was gone)
         subjects = tuple(self.topics) if self._wants_heads() else ()
         self.send(wire.ConsumerHello(store, self.address, subjects))
 

@@ -768,11 +768,18 @@ class Producer(Node):
             route = self.route(header)
             seq, count = fetch.sequence, fetch.count
             hole = self._hole
+            if hole is not None and hole[0] <= seq <= hole[1] and not self.secure:
+                # Reserved offsets a crashed run left unused: this run never
+                # publishes them.  Say so (VOID kind 1; C readers never subscribe
+                # to it): a dafka reader passes them as soon as every store it
+                # knows said it holds none of them (a previous run's records
+                # can only be in a store now).
+                void = wire.Void(fetch.address, self.address, self.topic, hole[0], hole[1], self.address, wire.VOID_RESTART)
+                fastio.send_frames(self.publisher, wire.encode(void))  # (lock held, not closed)
             if hole is not None and hole[0] <= seq <= hole[1] and seq + count <= hole[1] + 1:
-                # Reserved offsets a crashed run left unused: nobody publishes them
-                # now.  As a store answers for a hole, send what follows (one
-                # record): the reader holds it, and skips the hole after its
-                # skip_after unless a store that was away still has some.
+                # As a store answers for a hole, send what follows (one record):
+                # the reader holds it, and skips the hole after its skip_after
+                # unless a store that was away still has some (or at once, above).
                 seq, count = hole[1] + 1, 1
             count = count if self._outbox is None else self._outbox.sendable(seq, count)
             runs = self.window.runs(seq, count)  # the publisher may push meanwhile

@@ -20,6 +20,7 @@ delivered nor stored: a hole in its partition (see
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 
 import zmq
 
@@ -98,6 +99,41 @@ class PartitionReader(Node):
 
     def on_producer_head(self, tracker: PartitionTracker, sequence: int) -> None:
         """The partition's producer says its last offset is ``sequence`` (a HEAD)."""
+
+    def known_stores(self) -> Collection[str]:
+        """Addresses of the stores this reader knows (alive): a restarted producer's
+        hole is passed at once when all of them said they hold none of it.
+        Readers that do not keep them return none (the hole waits skip_after)."""
+        return ()
+
+    def _pass_restart_hole(self, tracker: PartitionTracker, now: float) -> None:
+        out = self._out
+        passed = tracker.pass_restart_hole(now, self.known_stores(), out)
+        if passed is None:
+            return
+        self.on_skipped(tracker, *passed)
+        if out:
+            self.emit(tracker, out)
+            out.clear()
+        if tracker.missing:
+            self._missing[tracker] = None
+
+    def on_void(self, msg: wire.Void) -> None:
+        """VOID: a store holds none of a range we FETCHed, or the partition's producer
+        says it is its restart hole (see PartitionTracker.pass_restart_hole)."""
+        if msg.topic != self.address or self.keys is not None:
+            return  # secure mode: not believed yet (the hole waits skip_after)
+        tracker = self._trackers.get((msg.subject, msg.address))
+        if tracker is None:
+            return  # a FETCH of ours makes a tracker first
+        if msg.kind == wire.VOID_RESTART:
+            if msg.source != msg.address:
+                return  # only the partition's producer speaks for its partition
+            tracker.on_restart_hole(msg.first, msg.last)
+        else:
+            tracker.on_store_void(msg.source, msg.first, msg.last)
+        if tracker.missing:
+            self._pass_restart_hole(tracker, time.monotonic())
 
     # ---------------------------------------------------------------- trackers
 
@@ -231,6 +267,8 @@ class PartitionReader(Node):
                 continue
             if not self.owner_hears(tracker.address) and unheard_may_wait(tracker, now):
                 tracker.unheard(now)
+            if tracker.restart_hole is not None:
+                self._pass_restart_hole(tracker, now)  # a store known since may have answered
             skipped = None if behind else tracker.skip_if_stalled(now, out)
             if skipped is not None:
                 self.on_skipped(tracker, *skipped)
@@ -307,5 +345,7 @@ class PartitionReader(Node):
                 self._missing[tracker] = None  # fetch_missing asks at the end of this drain
             if isinstance(msg, wire.Head):
                 self.on_producer_head(tracker, msg.sequence)
+        elif isinstance(msg, wire.Void):
+            self.on_void(msg)
         else:
             self.on_other(msg)

@@ -107,6 +107,10 @@ class Checker:
     delivered: dict[tuple[str, int], dict[str, int]] = field(default_factory=dict)
     # Findings that are not violations (see final): kind -> count
     observations: dict[str, int] = field(default_factory=dict)
+    # When each offset was (last) published, and per partition the longest a
+    # consumer took to deliver a record after its publish (simulated seconds).
+    published_at: dict[tuple[str, int], float] = field(default_factory=dict)
+    max_delay: dict[str, float] = field(default_factory=dict)
 
     def fail(self, kind: str, detail: str) -> None:
         w = self.world
@@ -116,7 +120,9 @@ class Checker:
 
     def on_publish(self, partition: str, first: int, contents: list[bytes]) -> None:
         reported = False
+        now = self.world.now
         for i, c in enumerate(contents):
+            self.published_at[(partition, first + i)] = now
             was = self.published.setdefault((partition, first + i), set())
             if was and c not in was and not reported:
                 reported = True  # once per publish
@@ -207,6 +213,9 @@ class Checker:
             last[partition] = max(prev, off)
             if partition not in real:
                 continue  # a hostile node's partition: only order is checked
+            at = self.published_at.get((partition, off))
+            if at is not None and self.world.now - at > self.max_delay.get(partition, 0.0):
+                self.max_delay[partition] = self.world.now - at
             parsed = parse_content(content)
             if (
                 parsed is None

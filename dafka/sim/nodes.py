@@ -308,6 +308,10 @@ class SimProducer:
                 out = []
                 seq, count = msg.sequence, msg.count
                 hole = self.hole
+                if hole is not None and hole[0] <= seq <= hole[1]:
+                    # The restart hole, said (Producer._on_fetch)
+                    void = wire.Void(msg.address, self.address, self.topic, hole[0], hole[1], self.address, wire.VOID_RESTART)
+                    out.append(wire.encode(void))
                 if hole is not None and hole[0] <= seq <= hole[1] and seq + count <= hole[1] + 1:
                     seq, count = hole[1] + 1, 1  # what follows the hole (Producer._on_fetch)
                 for first, contents in self.window.runs(seq, count):

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
 import time
+from collections.abc import Iterator
 
 from dafka.sim.schedule import Step, dumps, generate, loads
 from dafka.sim.shrink import shrink
@@ -55,6 +57,25 @@ def replay_command(seed: int | None, steps: int, schedule: list[Step] | None = N
     return f"python -m dafka.sim --seed {seed} --steps {steps}"
 
 
+def _run_one(job: tuple[int, int]) -> RunResult:
+    seed, steps = job
+    return run_seed(seed, steps)
+
+
+def _quiet_worker(level: int) -> None:
+    logging.basicConfig(level=level, format="%(name)s: %(message)s")
+
+
+def _results(seeds: list[int], steps: int, jobs: int, level: int) -> Iterator[RunResult]:
+    """Run ``seeds`` in order (``jobs`` worker processes); results in seed order."""
+    if jobs <= 1:
+        for seed in seeds:
+            yield run_seed(seed, steps)
+        return
+    with multiprocessing.get_context("spawn").Pool(jobs, _quiet_worker, (level,)) as pool:
+        yield from pool.imap(_run_one, [(seed, steps) for seed in seeds], chunksize=4)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dafka.sim", description="Deterministic fault simulation of the mesh")
     ap.add_argument("--seeds", type=int, default=20, help="how many seeds to run (from --first)")
@@ -64,9 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replay", help="run this schedule (the text a failing run printed)")
     ap.add_argument("--shrink", action="store_true", help="shrink a failing schedule")
     ap.add_argument("--keep-going", action="store_true", help="run every seed even after a failure")
+    ap.add_argument("--quiet", action="store_true", help="print only failing seeds and the total")
+    ap.add_argument("--jobs", type=int, default=1, help="worker processes (a sweep of many seeds)")
+    ap.add_argument(
+        "--minutes", type=float, default=0.0, help="stop starting seeds after this long (0: no bound)"
+    )
     ap.add_argument("-v", "--verbose", action="store_true", help="log the nodes' warnings")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.verbose else logging.CRITICAL, format="%(name)s: %(message)s")
+    level = logging.WARNING if args.verbose else logging.CRITICAL
+    logging.basicConfig(level=level, format="%(name)s: %(message)s")
 
     if args.replay:
         schedule = loads(args.replay)
@@ -78,24 +105,36 @@ def main(argv: list[str] | None = None) -> int:
 
     seeds = [args.seed] if args.seed is not None else list(range(args.first, args.first + args.seeds))
     failed = 0
+    ran = 0
     started = time.perf_counter()
-    for seed in seeds:
-        schedule = generate(seed, args.steps)
-        r = run_schedule(schedule, seed)
-        print(summary(r), flush=True)
-        if r.ok:
-            continue
-        failed += 1
-        for v in r.violations[:5]:
-            print(f"  {v}")
-        print(f"  replay: {replay_command(seed, args.steps)}")
-        if args.shrink:
-            small, runs = shrink_failure(schedule, r.violations[0].kind)
-            print(f"  shrunk to {len(small)} steps in {runs} runs: {dumps(small)}")
-            print(f"  replay shrunk: {replay_command(None, 0, small)}")
-        if not args.keep_going:
-            break
+    deadline = started + args.minutes * 60 if args.minutes > 0 else None
+    results = _results(seeds, args.steps, max(1, args.jobs), level)
+    try:
+        for r in results:
+            ran += 1
+            if not args.quiet or not r.ok:
+                print(summary(r), flush=True)
+            if not r.ok:
+                failed += 1
+                for v in r.violations[:5]:
+                    print(f"  {v}")
+                print(f"  replay: {replay_command(r.seed, args.steps)}", flush=True)
+                if args.shrink:
+                    small, runs = shrink_failure(generate(r.seed or 0, args.steps), r.violations[0].kind)
+                    print(f"  shrunk to {len(small)} steps in {runs} runs: {dumps(small)}")
+                    print(f"  replay shrunk: {replay_command(None, 0, small)}", flush=True)
+                if not args.keep_going:
+                    break
+            if args.quiet and ran % 500 == 0:
+                print(f"... {ran} seeds, {failed} failed, {time.perf_counter() - started:.0f}s", flush=True)
+            if deadline is not None and time.perf_counter() >= deadline:
+                print(f"time bound of {args.minutes:g} minutes reached", flush=True)
+                break
+    finally:
+        close = getattr(results, "close", None)
+        if close is not None:
+            close()
     elapsed = time.perf_counter() - started
-    ran = seeds.index(seed) + 1 if seeds else 0
-    print(f"{ran} seeds in {elapsed:.1f}s ({ran / elapsed * 60:.0f} seeds/minute), {failed} failed")
+    last = f" (seeds {seeds[0]}..{seeds[0] + ran - 1})" if ran and args.seed is None else ""
+    print(f"{ran} seeds{last} in {elapsed:.1f}s ({ran / max(elapsed, 1e-9) * 60:.0f} seeds/minute), {failed} failed")
     return 1 if failed else 0

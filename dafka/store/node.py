@@ -749,10 +749,43 @@ class Store(PartitionReader):
         for (topic, partition), head in heads.items():  # exact subject match, not a prefix
             self.send(wire.DirectHead(requester, partition, topic, head))
 
+    def _holds_none(self, key: tuple[str, str], first: int, last: int) -> bool:
+        """Whether nothing of offsets ``first..last`` of partition ``key`` is here:
+        not committed, not being written, not held beyond a hole."""
+        head = self._heads.get(key, -1)
+        tracker = self._trackers.get(key)
+        if tracker is not None and tracker.next is not None:
+            pending = tracker.next - 1  # emitted up to here; committed up to head
+            if pending > head and first <= pending and last > head:
+                return False  # being written
+            held = tracker.held
+            if held and (
+                any(first <= k <= last for k in held)
+                if len(held) <= last - first
+                else any(k in held for k in range(first, last + 1))
+            ):
+                return False
+        if head < first:
+            return True
+        try:
+            start, values = self.db.fetch_raw(key[0], key[1], first, 1)
+        except StorageError:
+            return False
+        return not values or start > last
+
     def _on_fetch(self, fetch: wire.Fetch) -> None:
         self.fetches_received += 1
         key = (fetch.subject, fetch.topic)
-        if key not in self._heads or fetch.count == 0 or fetch.address == self.address:
+        if fetch.count == 0 or fetch.address == self.address:
+            return
+        last = min(fetch.sequence + fetch.count - 1, wire.MAX_U64)
+        if self._holds_none(key, fetch.sequence, last):
+            # Say so (dafka readers pass a restarted producer's hole once every
+            # store they know did; C readers never subscribe to VOID).
+            self._send_checked(
+                wire.Void(fetch.address, fetch.topic, fetch.subject, fetch.sequence, last, self.address, wire.VOID_STORE)
+            )
+        if key not in self._heads:
             return  # not a partition we have
         job_key = (fetch.address, fetch.subject, fetch.topic)
         job = self._job_of.get(job_key)
