@@ -54,9 +54,14 @@ docs: setup
 # The whole suite with the compiled extension (asserted active), then the
 # mesh, store and wire tests again on the pure-Python twin (test_fastio's
 # differential tests already run both twins in the first pass).
+# TEST_WORKERS pytest-xdist workers: most tests wait on the mesh (timers,
+# processes, a JVM), not on a core, so two share a 2-core machine and halve
+# the run; tests/conftest.py keeps the Spark tests and the docs' runs each on
+# one worker.  TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 test: setup lint typecheck docs
-	DAFKA_REQUIRE_EXTENSIONS=1 $(BIN)/pytest
-	DAFKA_NO_EXTENSIONS=1 $(BIN)/pytest tests/test_mesh.py tests/test_batches.py tests/test_store_node.py tests/test_wire.py tests/kafka/test_records.py
+	DAFKA_REQUIRE_EXTENSIONS=1 $(BIN)/pytest -n $(TEST_WORKERS)
+	DAFKA_NO_EXTENSIONS=1 $(BIN)/pytest -n $(TEST_WORKERS) tests/test_mesh.py tests/test_batches.py tests/test_store_node.py tests/test_wire.py tests/kafka/test_records.py
 
 bench: setup
 	$(BIN)/dafka bench live --records 1000000 --runs 3

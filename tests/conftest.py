@@ -240,3 +240,33 @@ def misframed_stream(topic: str, address: str, n: int) -> list[list[bytes]]:
         out.append([header])
         out.append([header, b"bad", b"third frame"])
     return out
+
+
+# Tests that must share one worker of a parallel run (pytest-xdist, `-n`): the
+# Spark tests share one SparkSession (one JVM a run, not one a worker) and the
+# examples that start a Spark of their own wait for it there (two JVMs at once
+# on 2 cores starved the edge pipeline's devices); the docs' code blocks all
+# start at once from one module fixture (tests/test_docs.py).
+XDIST_GROUPS = (("tests/spark/", "spark"), ("tests/test_examples.py", "spark"), ("tests/test_docs.py", "docs"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Load scheduling (each test to the next free worker) that keeps XDIST_GROUPS together.
+
+    xdist's own ``--dist loadgroup`` does not work with pytest 9 (it renames
+    ``item._nodeid``, which pytest 9 no longer reads), so the groups are made
+    here from the test's path.
+    """
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupedLoad(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            for prefix, group in XDIST_GROUPS:
+                if nodeid.startswith(prefix):
+                    return group
+            return nodeid
+
+    return GroupedLoad(config, log)

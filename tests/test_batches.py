@@ -114,10 +114,20 @@ def fetch_as(raw_peer, partition: str, topic: str, capable: bool, first: int, co
     fetch = wire.P_FETCH + partition.encode()
     # Wait until the holder subscribed to our FETCHes (a store takes all, a producer its own).
     requester.wait_for(lambda p: any(s[:2] == b"\x01F" and fetch.startswith(s[1:]) for s in p.subscriptions))
-    requester.send(wire.Fetch(partition, requester.address, topic, first, count))
+    # That says nothing of the other direction: our SUB connects to the holder
+    # only once it hears the holder's beacon, and our subscription reaches it a
+    # moment later; an answer published before then is dropped by its PUB.  A
+    # real reader asks again for what does not come; so does this one, until
+    # the first record arrives.
+    request = wire.Fetch(partition, requester.address, topic, first, count)
+    asked_at = [time.monotonic()]
+    requester.send(request)
 
     def answered(p):
         batched, single = records_of(p, wire.DirectRecordBatch), records_of(p, wire.DirectRecord)
+        if not batched and not single and time.monotonic() - asked_at[0] >= 0.5:
+            asked_at[0] = time.monotonic()
+            p.send(request)
         return len(set(batched + single)) >= count and (batched, single)
 
     batched, single = requester.wait_for(answered)

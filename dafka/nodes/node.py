@@ -95,6 +95,32 @@ RECONNECT_IVL_MAX_MS = 5_000
 CONNECT_TIMEOUT_MS = 5_000
 FAILED_LINKS_MAX = 10_000  # failed attempts waiting to be judged (more are dropped unjudged)
 CUT_GRACE = 0.25  # seconds: a DISCONNECTED with no CONNECT_RETRIED after it was a cut
+
+# Nodes this process closed: (address, port) -> when.  A beacon a node sent just
+# before it closed can reach the next node of its address (a producer reopened
+# with its identity file) seconds later through a busy tower; it is no live
+# twin's, since this process closed that node.  Kept CLOSED_MEMORY seconds.
+CLOSED_MEMORY = 60.0
+_closed_here: dict[tuple[str, int], float] = {}
+_closed_lock = threading.Lock()
+
+
+def _note_closed(address: str, port: int) -> None:
+    now = time.monotonic()
+    with _closed_lock:
+        for key in [k for k, at in _closed_here.items() if now - at > CLOSED_MEMORY]:
+            del _closed_here[key]
+        _closed_here[(address, port)] = now
+
+
+def closed_here(address: str, endpoint: str) -> bool:
+    """Whether ``endpoint`` is where a node of ``address`` that this process closed was."""
+    now = time.monotonic()
+    with _closed_lock:
+        return any(
+            a == address and endpoint.endswith(f":{port}") and now - at <= CLOSED_MEMORY
+            for (a, port), at in _closed_here.items()
+        )
 CUT_IDLE = 3600.0  # seconds between cut checks while no disconnection is pending
 # Bytes of messages read early before a disconnection (see Node._hold_one) that
 # may wait while reading is paused; beyond it one is dropped (fetched again).
@@ -740,6 +766,7 @@ class Node:
             if selector is not None:
                 selector.close()
         self.close_publisher()
+        _note_closed(self.address, self.port)
 
     def close_publisher(self) -> None:
         self.publisher.close()
@@ -1294,6 +1321,8 @@ class Node:
                     self.bad_input("tower beacon", f"peer address {address[:40]!r} is not bound to its key")
                     continue
                 if address == self.address and not self._is_own_endpoint(endpoint):
+                    if closed_here(address, endpoint):
+                        continue  # a late beacon of our predecessor in this process: not live
                     self.duplicates_seen += 1
                     self.on_duplicate_address(endpoint)
                     continue
