@@ -234,6 +234,15 @@ def test_a_store_gives_up_only_what_was_missing_for_skip_after() -> None:
     assert r.ok, _report(r)
 
 
+def test_a_store_asks_again_for_offsets_it_gave_up_before_its_first_record() -> None:
+    """Seed 205892 (the last failure of the sweep of 10,000 from 200000): one store
+    gave up 0..14 of a partition it held nothing of and began at 15, the other
+    held 14; a gap before a new partition's first record was not recorded as a
+    hole, so the first store never asked for 14 again (unfilled-gap)."""
+    r = runner.run_seed(205892)
+    assert r.ok, _report(r)
+
+
 # Issue 34 item 1: p0 is killed (kill -9) 20 records into a reservation of 36
 # and restarted at once with its identity; both stores are up.  The offsets 20..35
 # are a restart hole.  Consumers pass it as soon as p0 said it is one and both

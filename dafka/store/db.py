@@ -1053,9 +1053,19 @@ class RecordDB:
                         # from others whose retention removed the beginning).
                         if not isinstance(start, int) or start < 0:
                             raise ValueError(f"bad offset {start!r} for {tp[0]!r}/{tp[1]!r}")
+                        # Offsets before it that this store gave up (a skip
+                        # from 0: its reader waited skip_after for them) are a
+                        # hole it asks its peers for again, as one after a
+                        # stored record; without such a skip they are not
+                        # (other stores' retention, or where it started).
+                        # (Issue 40, seed 205892: a store that gave up 0..14
+                        # never asked again for 14, which another store held.)
+                        base = start
+                        if start > 0 and covered is not None and covered(tp, 0, start - 1):
+                            base = 0
                         if next_pid is None:
                             next_pid = self._next_pid(txn, dbs)
-                        st = _PartState(pkey, next_pid, start, start - 1, 0, 0)
+                        st = _PartState(pkey, next_pid, base, base - 1, 0, 0)
                         st.new = True
                         next_pid += 1
                         txn.put(U32.pack(st.pid), pkey, db=dbs.pids)

@@ -14,7 +14,15 @@ store asks for them again:
   ``interval`` and doubles, up to ``max_wait``, while answers bring nothing;
   a hole that shrank (records came) waits ``interval`` again;
 * a peer that joins (it may hold the records) makes every hole due at once,
-  though never sooner than ``interval`` after the hole was last asked for.
+  though never sooner than ``interval`` after the hole was last asked for;
+* a hole at the partition's start (from offset 0: no record below it) that
+  a peer store says it holds none of (VOID, :meth:`HoleRepair.on_void`) is
+  not asked for again until a peer joins: the records before the first one
+  a store holds were most likely removed by its retention, and asking
+  again would only bring what follows them once more.  (Such a hole exists
+  because the store gave those offsets up after ``skip_after``, see
+  :meth:`dafka.store.db.RecordDB.append`; a store that merely began after
+  others' retention has none.)
 
 The shell feeds it the holes the database holds (:meth:`HoleRepair.sync`,
 after every commit that changed them), asks whether an arriving record's
@@ -45,6 +53,8 @@ class _Hole:
     wait: float  # the wait after the next ask
     due_at: float  # when it may be asked for next
     asked_at: float  # when it was last asked for (-inf: never)
+    voided: bool = False  # a start hole a peer store holds none of: not asked until a peer joins
+    ask_from: int = 0  # a start hole: where its next ask starts (past what a peer store holds none of)
 
 
 class HoleRepair:
@@ -102,7 +112,7 @@ class HoleRepair:
             for prev in old.get(key, ()):
                 if prev.first <= last and first <= prev.last:  # overlaps: what is left of it
                     if prev.first == first and prev.last == last:
-                        hole = prev
+                        hole = prev  # (unchanged: a voided one stays so)
                     else:
                         asked = prev.asked_at
                         hole = _Hole(first, last, self.interval, max(now, asked + self.interval), asked)
@@ -123,10 +133,32 @@ class HoleRepair:
         i = bisect.bisect_right(firsts, offset) - 1
         return i >= 0 and offset <= self._holes[key][i].last
 
+    def on_void(self, key: Key, first: int, last: int) -> None:
+        """A peer store says it holds none of ``first..last`` of partition ``key``.
+
+        For a tracked hole at the partition's start (its first offset 0) the
+        range said, from where that hole is asked, is asked no more; once all
+        of it was, the hole is not asked for again until a peer joins (see
+        the module docstring).  Other holes are unaffected (their backoff goes
+        on).
+        """
+        hs = self._holes.get(key)
+        if not hs:
+            return
+        h = hs[0]  # sorted by first: a start hole is the first
+        if h.first != 0 or not first <= h.ask_from <= last:
+            return
+        if last >= h.last:
+            h.voided = True
+        else:
+            h.ask_from = last + 1
+
     def peer_joined(self, now: float) -> None:
         """A peer that may hold the records joined: every hole is due again soon, its wait reset."""
         for hs in self._holes.values():
             for h in hs:
+                h.voided = False
+                h.ask_from = h.first
                 h.wait = self.interval
                 h.due_at = min(h.due_at, max(now, h.asked_at + self.interval))
 
@@ -134,13 +166,14 @@ class HoleRepair:
         """FETCHes to send now: ``(topic, partition, offset, count)``, at most ``per_round``."""
         if now < self._round_at or not self._holes:
             return []
-        ready = [(h.due_at, k, h) for k, hs in self._holes.items() for h in hs if h.due_at <= now]
+        ready = [(h.due_at, k, h) for k, hs in self._holes.items() for h in hs if h.due_at <= now and not h.voided]
         if not ready:
             return []
         ready.sort(key=lambda item: item[0])  # longest due first (a stable sort: fair between equals)
         out = []
         for _, key, h in ready[: self.per_round]:
-            out.append((key[0], key[1], h.first, min(h.last - h.first + 1, self.max_ask)))
+            start = max(h.first, h.ask_from)
+            out.append((key[0], key[1], start, min(h.last - start + 1, self.max_ask)))
             h.asked_at = now
             h.due_at = now + h.wait
             h.wait = min(h.wait * 2, self.max_wait)

@@ -1027,6 +1027,20 @@ class Store(PartitionReader):
             self._fills[(tracker.subject, tracker.address, seq)] = (None, 0)
         super().too_large(tracker, seq, size)
 
+    def on_void(self, msg: wire.Void) -> None:
+        super().on_void(msg)
+        if (
+            self.repair
+            and msg.kind == wire.VOID_STORE
+            and msg.topic == self.address
+            and self.keys is None
+            and msg.source != self.address
+        ):
+            # A peer store holds none of a range we asked for: a recorded hole at
+            # the partition's start is then asked for no more (retention removed
+            # it there, most likely), until a peer joins (see dafka.store.holes).
+            self.repair.on_void((msg.subject, msg.address), msg.first, msg.last)
+
     def retry_missing_now(self) -> None:
         super().retry_missing_now()
         if self.repair:

@@ -101,6 +101,40 @@ def test_a_peer_joining_makes_holes_due_but_never_in_a_tight_loop() -> None:
     assert 9 <= asked <= 11
 
 
+def test_a_start_hole_a_peer_holds_none_of_is_asked_no_more_until_a_peer_joins() -> None:
+    """A hole from offset 0 that a peer store VOIDs (retention removed it there):
+    asked past what was said, then not at all; a peer joining asks again."""
+    r = HoleRepair(interval=1.0, max_wait=8.0, max_ask=10)
+    r.sync([("t", P, 0, 24), ("t", P, 40, 44)], now=0.0)
+    assert r.due(1.0) == [("t", P, 0, 10), ("t", P, 40, 5)]
+    r.on_void(KEY, 0, 9)
+    r.on_void(KEY, 40, 44)  # not a start hole: its backoff goes on
+    assert r.due(2.0) == [("t", P, 10, 10), ("t", P, 40, 5)]
+    r.on_void(KEY, 0, 9)  # a stale answer to the first ask changes nothing
+    r.on_void(KEY, 10, 19)
+    assert r.due(4.0) == [("t", P, 20, 5), ("t", P, 40, 5)]
+    r.on_void(KEY, 20, 24)
+    asked = []
+    for i in range(100):
+        asked += r.due(5.0 + i)
+    assert asked and all(a[2] == 40 for a in asked)  # the start hole: never again
+    assert r.covers(KEY, 3)  # still tracked: a record that comes fills it
+    r.peer_joined(200.0)
+    assert r.due(200.0) == [("t", P, 0, 10), ("t", P, 40, 5)]
+
+
+def test_a_void_not_from_where_a_start_hole_is_asked_changes_nothing() -> None:
+    r = HoleRepair(interval=1.0, max_wait=8.0)
+    r.sync([("t", P, 0, 9)], now=0.0)
+    r.on_void(KEY, 1, 100)  # not from its start
+    r.on_void(("t", PEER), 0, 100)  # another partition
+    r.on_void(KEY, 0, 5)  # a part: the rest is asked
+    assert r.due(1.0) == [("t", P, 6, 4)]
+    # Records came (the hole shrank): asked from its start again.
+    r.sync([("t", P, 0, 7)], now=1.5)
+    assert r.due(2.0) == [("t", P, 0, 8)]
+
+
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError):
         HoleRepair(interval=0)
@@ -229,3 +263,43 @@ def test_a_hole_below_the_retention_floor_is_forgotten(tmp_path: Path) -> None:
         store.sim_run_commands()
         assert store.db.holes() == [] and not store.repair
         assert hole_fetches(run(store, clock, 30.0)) == []
+
+
+def test_a_store_asks_for_offsets_it_gave_up_before_its_first_record(tmp_path: Path) -> None:
+    """Issue 40, seed 205892: a store that held nothing of a partition gave up
+    0..4 (nobody answered for skip_after) and began at 5.  That is a hole it asks
+    its peers for, and fills; unless a peer store says it holds none of it
+    (retention removed it there), then it asks no more."""
+    with sim_store(tmp_path / "db") as (store, clock):
+        run(store, clock, store.skip_after + 2, records(5, 5))
+        assert store.db.holes() == [Hole("t", P, 0, 4)]
+        sent = run(store, clock, 1.0)
+        assert (0, 5) in hole_fetches(sent)
+        run(store, clock, 0.1, answers(store, 3, 2))
+        assert store.db.holes() == [Hole("t", P, 0, 2)]
+        assert [r.offset for r in store.db.read("t", P, 0, 100)] == list(range(3, 10))
+        assert store.db.info("t", P).first == 3
+        # A peer store holds none of the rest: not asked for again.
+        run(store, clock, 1.0)
+        void = wire.Void(store.address, P, "t", 0, 2, PEER, wire.VOID_STORE)
+        run(store, clock, 0.1, [wire.encode(void)])
+        assert hole_fetches(run(store, clock, 300.0)) == []
+        assert store.db.holes() == [Hole("t", P, 0, 2)]
+
+
+def test_a_store_that_began_after_others_retention_does_not_fetch_it_again_and_again(tmp_path: Path) -> None:
+    """A new store whose peer's retention removed 0..499: the peer answers with what
+    follows and says it holds none of 0..499.  The store gives 0..499 up after
+    skip_after (a hole), asks for it once more, hears the VOID again, and then
+    never asks: it does not fetch the records after it over and over."""
+    with sim_store(tmp_path / "db") as (store, clock):
+        void = wire.encode(wire.Void(store.address, P, "t", 0, 499, PEER, wire.VOID_STORE))
+        run(store, clock, 0.1, [*answers(store, 500, 3), void])
+        run(store, clock, store.skip_after + 2, records(503, 2))
+        assert store.db.holes() == [Hole("t", P, 0, 499)]
+        assert hole_fetches(run(store, clock, 1.0)) == [(0, 500)]
+        run(store, clock, 0.1, [void])
+        assert hole_fetches(run(store, clock, 600.0)) == []
+        # A peer joining (it may hold them) is asked again.
+        store.retry_missing_now()
+        assert set(hole_fetches(run(store, clock, 2.0))) == {(0, 500)}

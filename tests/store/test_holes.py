@@ -140,3 +140,27 @@ def test_a_skip_may_only_cover_what_is_not_stored(tmp_path: Path) -> None:
         heads = db.append(plain("t", P1, 9, 1), skips=[("t", P1, 6, 7)], rejected=rejected)
         assert heads == {} and list(rejected) == [("t", P1)]
         assert db.info("t", P1).count == 6 and offsets(db, P1) == list(range(6))
+
+
+def test_a_skip_before_a_new_partitions_first_record_is_a_hole(tmp_path: Path) -> None:
+    """Issue 40, seed 205892: a store that gave up 0..14 of a partition it never held
+    must record them as a hole (to ask its peers again), in tuples and in runs."""
+    with RecordDB(tmp_path / "db") as db:
+        db.append(plain("t", P1, 15, 2), skips=[("t", P1, 0, 14)])
+        db.append_runs([("t", P2, 7, [b"a"], 5)], skips=[("t", P2, 0, 6)])
+        assert [(h.partition, h.first, h.last) for h in db.holes()] == [(P1, 0, 14), (P2, 0, 6)]
+        info = db.info("t", P1)
+        assert (info.first, info.last, info.count) == (15, 16, 2)
+        assert offsets(db, P1) == [15, 16]
+        # Filled later: first moves down.
+        assert db.fill_holes([("t", P1, 14, b"x", 5)]) == (1, 0)
+        assert db.info("t", P1).first == 14
+
+
+def test_a_new_partition_starting_without_a_skip_has_no_hole(tmp_path: Path) -> None:
+    """A store that began after others' retention removed the start gave nothing up."""
+    with RecordDB(tmp_path / "db") as db:
+        db.append(plain("t", P1, 500, 2))
+        db.append_runs([("t", P2, 7, [b"a"], 5)])
+        assert db.holes() == []
+        assert db.info("t", P1).first == 500
