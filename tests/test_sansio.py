@@ -98,6 +98,25 @@ def test_skip_forward_when_hole_cannot_be_filled() -> None:
     assert t.skipped == 5 and t.next == 7
 
 
+def test_a_reader_late_at_every_check_makes_one_last_call_then_gives_the_hole_up() -> None:
+    # The last call is fixed to the deadline: a reader whose every check comes
+    # seconds late (a starved thread) asks once more, then gives up; it does
+    # not ask again at every check for ever (a last call that is always "too
+    # old" when it is looked at).
+    t = PartitionTracker("s", "p", 0, retry_interval=0.05, skip_after=1.0)
+    deliver(t, 5)
+    assert t.fetch_request(0.0) == (0, 5)
+    out: list[tuple[int, bytes]] = []
+    skipped, now, calls = None, 0.0, 0
+    while skipped is None and now < 30.0:  # bounded
+        now += 1.5
+        skipped = t.skip_if_stalled(now, out)
+        if skipped is None and t.fetch_request(now) is not None:
+            calls += 1
+    assert skipped == (0, 4) and now == 3.0 and calls == 1
+    assert [s for s, _ in out] == [5]
+
+
 def test_a_hole_is_not_given_up_while_its_producer_cannot_hear_the_fetches() -> None:
     # A store ACKs past a hole it gave up, which releases the producer's copy:
     # while the producer is alive but not subscribed to its FETCHes here, the

@@ -426,8 +426,10 @@ class PartitionTracker:
         # A last call: the FETCHes back off (up to 8 retry intervals apart), so
         # the last one may be seconds old, asked while the store that holds the
         # records could not answer yet (received, not committed; stopped).  Ask
-        # once more right before giving up, and let the answer come.
-        if now - self.sent_at > FINAL_CALL * self.retry_interval:
+        # once more right before giving up, and let the answer come.  "Right
+        # before" is fixed to the deadline, not to now: a reader late at every
+        # check (a starved thread) makes its last call once, then gives up.
+        if self.sent_at < since + self.skip_after - FINAL_CALL * self.retry_interval:
             self.retry_asap = True
             return None
         if now - self.sent_at < self.retry_interval:
