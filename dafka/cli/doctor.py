@@ -121,9 +121,13 @@ def check(cfg: NodeConfig, wait: float, say: Callable[[str], None], unreached_to
             )
             return ok
         waiting = node.peers.waiting
+        # Peers dropped after failing while others waited were announced and tried too.
+        benched = node.peers.benched
+        tried = len(peers) + benched
         say(
-            f"info the tower announced {len(peers) + waiting} peer(s) {TOWER_SAYS}; this node tried"
-            f" {len(peers)}" + (f", {waiting} more wait (a node's connection limits)" if waiting else "")
+            f"info the tower announced {tried + waiting} peer(s) {TOWER_SAYS}; this node tried"
+            f" {tried}" + (f", {waiting} more wait (a node's connection limits)" if waiting else "")
+            + (f"; {benched} failed and are kept out for now" if benched else "")
         )
         connected = node.inbound.handshakes
         if connected:
@@ -149,18 +153,21 @@ def check(cfg: NodeConfig, wait: float, say: Callable[[str], None], unreached_to
                     f"FAIL cannot reach peer {who} at {_where(endpoint)}"
                     + (f" ({fails} failed attempt(s))" if fails else " (no connection yet)")
                 )
-        if unreached:
+        if unreached or benched:
             ok = False
-        if len(peers) <= SHOWN:
+        if tried <= SHOWN:
             for line in reached + unreached:
                 say(line)
+            if benched:
+                say(f"FAIL cannot reach {benched} more peer(s): dropped after failed attempts")
             return ok
-        say(f"info {len(peers)} peers: {len(reached)} reached, {len(unreached)} not; examples:")
+        not_reached = len(unreached) + benched
+        say(f"info {tried} peers: {len(reached)} reached, {not_reached} not; examples:")
         for line in reached[:EXAMPLES] + unreached[:EXAMPLES]:
             say(line)
-        if unreached:
+        if not_reached:
             say(
-                f"FAIL cannot reach {len(unreached)} of {len(peers)} peer(s) announced by the tower"
+                f"FAIL cannot reach {not_reached} of {tried} peer(s) announced by the tower"
                 " (made-up peers, or a firewall?)"
             )
         return ok

@@ -147,6 +147,11 @@ class PeerTable:
         return len(self._waiting)
 
     @property
+    def benched(self) -> int:
+        """Peers dropped after failing while others waited, kept out for a while (see PeerLimits)."""
+        return len(self._benched)
+
+    @property
     def unverified(self) -> int:
         """Connected peers whose handshake has not completed yet."""
         return len(self._unverified)
