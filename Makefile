@@ -35,7 +35,8 @@ chromium:
 
 setup: $(STAMP) java netns chromium
 
-run: setup
+# The services need the venv only (no Java, Chromium or iproute2: those are for tests).
+run: $(STAMP)
 	$(BIN)/dafka up --data var
 
 lint: setup
