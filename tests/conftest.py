@@ -39,6 +39,16 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: fl
         time.sleep(interval)
 
 
+
+def poll_record(consumer: Any, timeout: float = 10.0) -> Any:
+    """The consumer's next record, polled for at most ``timeout`` seconds (None if none came)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        record = consumer.poll(0.2)
+        if record is not None:
+            return record
+    return None
+
 @pytest.fixture
 def tower() -> Any:
     with Tower("127.0.0.1", 0, 0) as t:

@@ -31,7 +31,7 @@ from dafka.nodes.node import new_address
 from dafka.nodes.producer import Producer
 from dafka.nodes.tower import Tower
 from dafka.store.node import Store
-from tests.conftest import subprocess_env, wait_until
+from tests.conftest import poll_record, subprocess_env, wait_until
 
 # ---------------------------------------------------------------- sans-IO
 
@@ -497,10 +497,7 @@ def test_behind_a_c_tower_nodes_meet_c_nodes_and_each_other(cfg: NodeConfig) -> 
             peer.wait_for(lambda p: p.subscribed(wire.P_FETCH + producer.address.encode()))
             wait_until(lambda: producer.address in consumer.peers)
             producer.publish(b"x")
-            record = None
-            deadline = time.monotonic() + 10
-            while record is None and time.monotonic() < deadline:
-                record = consumer.poll(0.2)
+            record = poll_record(consumer)
             assert record is not None and record.content == b"x"
             assert wire.BEACON in producer._beacon_subs
     finally:

@@ -24,7 +24,7 @@ from dafka.config import NodeConfig, TowerAddress
 from dafka.core import beacon, wire, zmtp
 from dafka.nodes.consumer import Consumer
 from dafka.nodes.producer import Producer
-from tests.conftest import dafka_cmd, spawned, subprocess_env, wait_until
+from tests.conftest import dafka_cmd, poll_record, spawned, subprocess_env, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -167,10 +167,7 @@ def test_subscription_flood_keeps_a_plain_tower_small_and_serving(tower_proc) ->
         ) as producer:
             wait_until(lambda: producer.address in consumer.peers and consumer.address in producer.peers, 15)
             producer.publish(b"through the flood")
-            record = None
-            deadline = time.monotonic() + 10
-            while record is None and time.monotonic() < deadline:
-                record = consumer.poll(0.2)
+            record = poll_record(consumer)
             assert record is not None and record.content == b"through the flood"
     finally:
         flood.join()
@@ -262,10 +259,7 @@ def test_a_producers_data_port_cuts_an_oversize_subscription(cfg: NodeConfig) ->
             assert all(wait_closed(sock) for sock in cut)
             assert not wait_closed(kept, 0.3)
             producer.publish(b"still serving")
-            record = None
-            deadline = time.monotonic() + 10
-            while record is None and time.monotonic() < deadline:
-                record = consumer.poll(0.2)
+            record = poll_record(consumer)
             assert record is not None and record.content == b"still serving"
         finally:
             kept.close()
