@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup java netns chromium run test lint typecheck docs bench bench-all pipeline sim sim-sweep chaos clean
+.PHONY: setup java netns chromium run test lint typecheck docs bench bench-all pipeline sim sim-sweep fuzz-deep chaos clean
 
 # The install also compiles the I/O extension in place (setup.py, Cython from
 # the build requirements); a failed compile leaves the pure-Python twin.
@@ -94,6 +94,10 @@ JOBS ?= 2
 MAX_MINUTES ?= 120
 sim-sweep: setup
 	$(BIN)/python -m dafka.sim --seeds $(SEEDS) --first $(FIRST) --keep-going --quiet --jobs $(JOBS) --minutes $(MAX_MINUTES)
+
+# Every fuzz (hypothesis) test with 2,000 examples each (not part of `make test`).
+fuzz-deep: setup
+	DAFKA_HYPOTHESIS_PROFILE=deep $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -p no:cacheprovider $$(grep -rl "@given" tests)
 
 # Chaos soak with real processes on loopback for MINUTES (not part of `make test`).
 MINUTES ?= 5

@@ -24,7 +24,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # Fuzz tests check behaviour, not speed: no per-example deadline, so a loaded
 # 2-core CI machine cannot make them flaky.
 settings.register_profile("dafka", deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile("dafka")
+# `make fuzz-deep`: many more examples per fuzz test, to find what a CI run would only
+# meet by chance (a run draws fresh examples each time).
+settings.register_profile("deep", parent=settings.get_profile("dafka"), max_examples=2000)
+settings.load_profile(os.environ.get("DAFKA_HYPOTHESIS_PROFILE", "dafka"))
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:
