@@ -30,8 +30,20 @@ Codecs, each body stored as the client sent it wherever its encoding allows:
     One Kafka record batch (magic 2) as produced, with ``baseOffset`` set to
     ``first_offset`` (and ``partitionLeaderEpoch`` to -1): both lie outside the
     batch's CRC, which stays valid.  ``compression`` is the batch's codec.
+``CODEC_STORE`` (4)
+    What the store's group commit writes for records that arrive one at a
+    time (Dafka mesh records, C producers, hole repair, the upgrade of a
+    format-1 store): ``payload:u64`` (content plus key bytes of the block's
+    records, what retention by size counts), ``ends:u32 * count`` (where each
+    record ends, counted from the first record's start), then the records,
+    each a format-1 stored value (``ts_ms:u64 flags:u8 [key_len:u8 key]
+    content``, :mod:`dafka.store.layout`), so every flag of format 1 (Tank
+    key, producer timestamp, Kafka key and headers, null) is kept.  Building a
+    block and slicing records out of it are C-level passes (no per-record
+    Python statements); record ``i`` is found without walking the others.
 ``CODEC_DAFKA`` (1)
-    The store's own encoding, for records that arrive one at a time (Dafka
+    A varint encoding designed for the same records (not written by the store
+    today: it has no place for format-1 flags), for records that arrive one at a time (Dafka
     mesh records, C producers): per record ``length:varint`` (of the rest of
     the record), ``ts_delta:zigzag varint`` (from ``first_ts``),
     ``key_length:zigzag varint`` (-1: no key), key, then the content up to
@@ -53,6 +65,7 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Iterator, Sequence
+from itertools import accumulate, islice
 from typing import NamedTuple
 
 import snappy
@@ -63,6 +76,7 @@ from dafka.errors import ProtocolError
 __all__ = [
     "CODEC_DAFKA",
     "CODEC_KAFKA",
+    "CODEC_STORE",
     "CODEC_TANK",
     "COMPRESSION_NONE",
     "COMPRESSION_SNAPPY",
@@ -77,6 +91,8 @@ __all__ = [
     "decode_header",
     "kafka_block",
     "records",
+    "store_block",
+    "store_values",
     "tank_block",
     "unpack_block_key",
     "validate",
@@ -87,7 +103,8 @@ VERSION = 2
 CODEC_DAFKA = 1
 CODEC_TANK = 2
 CODEC_KAFKA = 3
-_CODECS = (CODEC_DAFKA, CODEC_TANK, CODEC_KAFKA)
+CODEC_STORE = 4
+_CODECS = (CODEC_DAFKA, CODEC_TANK, CODEC_KAFKA, CODEC_STORE)
 # Kafka's numbering (record batch attribute bits 0-2).
 COMPRESSION_NONE, COMPRESSION_GZIP, COMPRESSION_SNAPPY, COMPRESSION_LZ4, COMPRESSION_ZSTD = 0, 1, 2, 3, 4
 
@@ -204,6 +221,9 @@ def validate(value: bytes | memoryview, *, max_record_bytes: int = DEFAULT_MAX_R
         if k.base_offset != hdr.first_offset:
             raise ProtocolError("a Kafka block's baseOffset is not its first offset")
         got = (k.compression, k.record_count, k.record_count, k.first_ts, k.max_ts)
+    elif hdr.codec == CODEC_STORE:
+        ts0, tsmax = _scan_store(body, hdr.record_count, max_record_bytes)
+        got = (COMPRESSION_NONE, hdr.record_count, hdr.record_count, ts0, tsmax)
     else:
         d = _scan_dafka(body, hdr.record_count, hdr.first_ts, max_record_bytes)
         got = (COMPRESSION_NONE, hdr.record_count, hdr.record_count, hdr.first_ts, d)
@@ -633,6 +653,100 @@ def _scan_dafka(body: bytes, count: int, first_ts: int, max_record_bytes: int) -
     return max_ts
 
 
+# ---------------------------------------------------------------- the store's block of format-1 values
+
+_VALUE_HEADER = struct.Struct(">QB")  # a format-1 value's ts_ms:u64 flags:u8 (dafka.store.layout)
+_FLAG_KEY = 0x01
+_PAYLOAD = struct.Struct(">Q")
+_STORE_BASE = HEADER_SIZE + 8  # where a CODEC_STORE block's ends table starts
+_ENDS: dict[int, struct.Struct] = {}
+
+
+def _ends(count: int) -> struct.Struct:
+    """The struct of a ``count``-record ends table (cached for the common sizes)."""
+    st = _ENDS.get(count)
+    if st is None:
+        st = struct.Struct(f">{count}I")
+        if len(_ENDS) < 4096:
+            _ENDS[count] = st
+    return st
+
+
+def store_block(first_offset: int, values: Sequence[bytes], payload: int) -> bytes:
+    """A CODEC_STORE block of format-1 ``values`` at offsets ``first_offset, first_offset + 1, ...``.
+
+    ``payload`` is their content plus key bytes (the writer knows it).  The
+    timestamps come from the values: the first one's, and the largest (values
+    begin with the big-endian timestamp, so the largest value bytewise has it).
+    """
+    n = len(values)
+    if not n:
+        raise ProtocolError("a block holds at least one record")
+    if min(map(len, values)) < _VALUE_HEADER.size:
+        raise ProtocolError("a stored value is shorter than its header")
+    ends = _ends(n).pack(*accumulate(map(len, values)))
+    # Format-1 timestamps are u64 (a Tank client may give any), the header's i64: one past
+    # 2^63 - 1 is kept in the record and counts as 2^63 - 1 (never old enough to expire).
+    first_ts = min(_PAYLOAD.unpack_from(values[0])[0], _I64_MAX)
+    max_ts = min(_PAYLOAD.unpack_from(max(values))[0], _I64_MAX)
+    body = b"".join((_PAYLOAD.pack(payload), ends, *values))
+    return _seal(CODEC_STORE, COMPRESSION_NONE, first_offset, first_offset + n - 1, n, first_ts, max_ts, body)
+
+
+def store_values(value: bytes, hdr: BlockHeader, offset: int, n: int) -> list[bytes]:
+    """Up to ``n`` format-1 values of a CODEC_STORE block from ``offset`` (inside the block) on."""
+    count = hdr.record_count
+    i = offset - hdr.first_offset
+    j = i + n if i + n < count else count
+    if i < 0 or i >= j:
+        return []
+    ends = _ends(count).unpack_from(value, _STORE_BASE)
+    base = _STORE_BASE + 4 * count
+    starts = ends[i - 1] + base if i else base
+    if j - i == 1:
+        return [value[starts:ends[i] + base]]
+    if i:
+        bounds = [e + base for e in ends[i - 1:j]]
+    else:
+        bounds = [base, *(e + base for e in ends[:j])]
+    return list(map(value.__getitem__, map(slice, bounds, islice(bounds, 1, None))))
+
+
+def store_payload(value: bytes | memoryview) -> int:
+    """The payload bytes (content plus key) a CODEC_STORE block recorded."""
+    return int(_PAYLOAD.unpack_from(value, HEADER_SIZE)[0])
+
+
+def _scan_store(body: bytes, count: int, max_record_bytes: int) -> tuple[int, int]:
+    """Check a CODEC_STORE body of ``count`` records; returns its first and max timestamps."""
+    if len(body) < 8 + 4 * count + 9 * count:
+        raise ProtocolError(f"block body too short for {count} records")
+    ends = _ends(count).unpack_from(body, 8)
+    base = 8 + 4 * count
+    if ends[-1] != len(body) - base:
+        raise ProtocolError("a CODEC_STORE block's last record does not end at the block's end")
+    prev = 0
+    payload = 0
+    tss = []
+    for e in ends:
+        size = e - prev
+        if size < 9:
+            raise ProtocolError("a stored value is shorter than its header")
+        ts, flags = _VALUE_HEADER.unpack_from(body, base + prev)
+        if flags & _FLAG_KEY:
+            if size < 10 or 10 + body[base + prev + 9] > size:
+                raise ProtocolError("a stored value's key runs outside it")
+            size -= 1
+        if size - 9 > max_record_bytes:
+            raise ProtocolError(f"a record is over max_record_bytes {max_record_bytes}")
+        payload += size - 9
+        tss.append(ts)
+        prev = e
+    if payload != _PAYLOAD.unpack_from(body)[0]:
+        raise ProtocolError("a CODEC_STORE block's payload disagrees with its records")
+    return min(tss[0], _I64_MAX), min(max(tss), _I64_MAX)
+
+
 # ---------------------------------------------------------------- decoding records
 
 
@@ -642,6 +756,15 @@ def records(value: bytes | memoryview, start: int = 0) -> Iterator[BlockRecord]:
     body = bytes(memoryview(value)[HEADER_SIZE:])
     if hdr.codec == CODEC_TANK:
         yield from _tank_records(body, hdr, start)
+    elif hdr.codec == CODEC_STORE:
+        off = max(start, hdr.first_offset)
+        for v in store_values(bytes(value), hdr, off, hdr.record_count):
+            ts, flags = _VALUE_HEADER.unpack_from(v)
+            if flags & _FLAG_KEY:
+                yield BlockRecord(off, ts, v[10:10 + v[9]], v[10 + v[9]:], None)
+            else:
+                yield BlockRecord(off, ts, None, v[9:], None)
+            off += 1
     elif hdr.codec == CODEC_KAFKA:
         yield from _kafka_records(body, hdr, start)
     else:

@@ -5,17 +5,23 @@ threads (any number of readers, one writer at a time), and other processes
 (the PySpark connector, ``dafka topics``) open the same directory with
 ``readonly=True`` while the store writes.
 
-Layout (format version 1)
+Layout (format version 2)
 =========================
 
 One LMDB environment (a directory holding ``data.mdb`` and ``lock.mdb``) with
 four named sub-databases, plus ``positions`` once a consumer group committed.
+The modules of the store, one per concept: :mod:`dafka.store.layout` (keys and
+values), :mod:`dafka.store.block` (the block), :mod:`dafka.store.writer` (what
+the group commit packs), :mod:`dafka.store.reader` (finding and slicing
+blocks), :mod:`dafka.store.retention`, :mod:`dafka.store.upgrade` (format 1 to
+2); this module opens the environment and runs their transactions.
 All integers are unsigned big-endian, so LMDB's bytewise key order is numeric
 order.
 
 ``meta``
-    ``b"format"`` -> ``version:u32`` (1).  Opening a store of another version
-    raises :class:`StorageError`.
+    ``b"format"`` -> ``version:u32`` (2).  A writable open of a format-1 store
+    converts it (:mod:`dafka.store.upgrade`; ``b"converting"`` is present
+    meanwhile); any other version raises :class:`StorageError`.
 
 ``partitions`` -- one entry per partition ever stored
     key:   ``topic_len:u8  topic  partition_len:u8  partition`` (UTF-8;
@@ -41,16 +47,25 @@ order.
     ``pid:u32`` -> the partition key above (reverse map; pids are allocated in
     increasing order, the next one is the last key + 1, never reused).
 
-``records``
-    key:   ``pid:u32  offset:u64`` (12 bytes): one partition's records are one
-    contiguous key range and the newest partition appends at the very end.
+``blocks``
+    key:   ``pid:u32  first_offset:u64`` (12 bytes): one partition's blocks are
+    one contiguous key range in offset order, never overlapping, and the
+    newest partition appends at the very end.
 
-    value: ``ts_ms:u64  flags:u8  [key_len:u8  key  if flags & 1]  content``
-
+    value: a block (:mod:`dafka.store.block`): a 52-byte header (offset
+    range, record count, timestamps, codec, CRC-32C) and the records.  The
+    group commit writes CODEC_STORE blocks of at most 64 KiB of records, one
+    or more per partition and commit, each record a format-1 value
+    ``ts_ms:u64  flags:u8  [key_len:u8  key  if flags & 1]  content``.
     ``ts_ms`` is when the store received the record, except for records
     published through the Tank gateway, whose Tank timestamp is kept
     (``flags & 2``: "timestamp supplied by the producer").  The key is the
-    optional Tank message key.  Other flag bits are reserved (zero).
+    optional Tank message key (or a Kafka record's key and headers,
+    ``flags & 4``).  The block holding an offset is one cursor seek away.
+
+``records``
+    Format 1's table of one entry per record, kept empty (see
+    :mod:`dafka.store.upgrade` for why).
 
 ``positions`` -- committed positions of consumer groups (optional)
     key:   ``group_len:u8  group`` then the partition key above (at most 511
@@ -84,7 +99,7 @@ Durability and concurrency
   batch in one write transaction and commits it (fsync'ed unless
   ``sync=False``) before returning; a crash (even SIGKILL) keeps every batch
   whose ``append`` returned and nothing of a batch whose ``append`` did not.
-* Records go in with MDB_APPEND when they sort after every stored key (the
+* Blocks go in with MDB_APPEND when they sort after every stored key (the
   newest partition), else with ordinary puts.  Older partitions written in
   the middle of the key space fill their B-tree pages only about half, so a
   store with many concurrently written partitions uses up to ~1.5-1.8x the
@@ -98,39 +113,37 @@ Durability and concurrency
 * LMDB allows one open environment per directory per process: share one
   :class:`RecordDB` between the threads of a process, and do not carry one
   across ``fork()``.
-* Retention (:meth:`RecordDB.enforce_retention`) deletes from the front of
-  partitions in bounded write transactions; call it again while it reports
-  ``more``.
+* Retention (:meth:`RecordDB.enforce_retention`) deletes whole blocks from
+  the front of partitions in bounded write transactions; call it again while
+  it reports ``more``.
 """
 
 from __future__ import annotations
 
 import bisect
 import errno
-import heapq
 import logging
 import os
 import struct
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
 from functools import partial
-from itertools import islice, repeat
 from operator import itemgetter
 from typing import Any, NamedTuple, TypeVar
 
 import lmdb
 
 from dafka.errors import ClosedError, DafkaError
+from dafka.store.block import BLOCK_KEY, decode_header, store_payload
+from dafka.store.blocktable import OverlapError, put_block
 from dafka.store.layout import (
     FLAG_KEY,
-    FLAG_PRODUCER_TS,
+    FORMAT_1,
     FORMAT_VERSION,
-    MAX_NAME,
+    META_CONVERTING,
     META_FORMAT,
     PARTITION_INFO,
-    RECORD_KEY,
     U32,
     U64,
     VALUE_HEADER,
@@ -140,9 +153,23 @@ from dafka.store.layout import (
     pack_position_key,
     topic_prefix,
     unpack_partition_key,
-    value_payload_size,
 )
 from dafka.store.lockfile import WriterLock
+from dafka.store.reader import fetch_values
+from dafka.store.retention import Retention, RetentionPolicy, RetentionResult, retention_txn
+from dafka.store.upgrade import RECORDS_DB, convert
+from dafka.store.writer import (
+    PartState,
+    Run,
+    Skip,
+    Unit,
+    blocks_of,
+    group,
+    pack_contents,
+    pack_records,
+    run_of,
+    skip_checker,
+)
 
 __all__ = [
     "DEFAULT_MAP_SIZE",
@@ -219,34 +246,6 @@ class ReadRecord(NamedTuple):
     content: bytes
 
 
-class Retention(NamedTuple):
-    """Limits of one topic; ``None`` keeps everything."""
-
-    max_age_ms: int | None = None
-    max_bytes: int | None = None
-
-
-@dataclass(frozen=True)
-class RetentionPolicy:
-    """Retention limits: ``topics[topic]`` if present (it replaces ``default``
-    entirely), else ``default``.  The default policy keeps everything."""
-
-    default: Retention = Retention()
-    topics: Mapping[str, Retention] = field(default_factory=dict)
-
-    def for_topic(self, topic: str) -> Retention:
-        """The limits that apply to ``topic``."""
-        return self.topics.get(topic, self.default)
-
-
-class RetentionResult(NamedTuple):
-    """Outcome of one :meth:`RecordDB.enforce_retention` call."""
-
-    deleted: int  # records removed
-    freed_bytes: int  # payload bytes removed
-    more: bool  # the budget ran out while records were still due: call again
-
-
 class _Gate:
     """Counts this process's open read transactions so the map can be resized
     (or the environment reopened) only when none is open, as LMDB requires."""
@@ -292,186 +291,12 @@ class _Dbs(NamedTuple):
     meta: Any
     partitions: Any
     pids: Any
-    records: Any
+    blocks: Any
 
 
 _DB_NAMES = tuple(name.encode() for name in _Dbs._fields)
 POSITIONS_DB = b"positions"
 HOLES_DB = b"holes"
-
-
-def _group(batch: Sequence[Sequence[Any]]) -> dict[tuple[str, str], list[Sequence[Any]]]:
-    """Split a batch of several partitions per partition, keeping arrival order."""
-    groups: dict[tuple[str, str], list[Sequence[Any]]] = {}
-    for rec in batch:
-        tp = (rec[0], rec[1])
-        # try/append on a dict hit is the cheapest per-record step measured.
-        try:
-            groups[tp].append(rec)
-        except KeyError:
-            groups[tp] = [rec]
-    return groups
-
-
-def _run_of(cols: tuple[tuple[Any, ...], ...]) -> tuple[int, tuple[bytes, ...], Any] | None:
-    """``(first offset, contents, ts)`` if the transposed records ``cols`` are
-    plain (no Tank key or timestamp) and at consecutive offsets, else None.
-
-    ``ts`` is one int when every record has the same timestamp (the store
-    stamps a batch with its receive time), else the tuple of timestamps.
-    """
-    if len(cols) != 5:
-        if len(cols) != 7 or cols[6].count(False) != len(cols[6]):
-            return None
-        if cols[5].count(None) != len(cols[5]):
-            return None
-    offs = cols[2]
-    first = offs[0]
-    n = len(offs)
-    if offs[-1] != first + n - 1 or offs != tuple(range(first, first + n)):
-        return None
-    tss = cols[4]
-    return first, cols[3], (tss[0] if tss.count(tss[0]) == n else tss)
-
-
-# What the packers return: keys, values, next offset, payload bytes, duplicates skipped.
-_Packed = tuple[list[bytes], list[bytes], int, int, int]
-
-
-def _pack_contents(pid: int, nxt: int, contents: Sequence[bytes], ts: Any) -> _Packed:
-    """Keys and values of plain records at offsets ``nxt, nxt + 1, ...``.
-
-    ``ts`` is one timestamp for all or a sequence of one per content.  Each
-    step is a C-level pass (list comprehension, map, struct), no per-record
-    Python statements.
-    """
-    pack_hdr = VALUE_HEADER.pack
-    if isinstance(ts, int):
-        hdr = pack_hdr(ts, 0)
-        values = [hdr + c for c in contents]
-    else:
-        if len(ts) != len(contents):
-            raise ValueError(f"{len(ts)} timestamps for {len(contents)} records")
-        hdrs = {t: pack_hdr(t, 0) for t in set(ts)}
-        values = list(map(bytes.__add__, map(hdrs.__getitem__, ts), contents))
-    n = len(values)
-    keys = list(map(RECORD_KEY.pack, repeat(pid, n), range(nxt, nxt + n)))
-    return keys, values, nxt + n, sum(map(len, contents)), 0
-
-
-def _pack_records(
-    pid: int,
-    nxt: int,
-    recs: Sequence[Sequence[Any]],
-    tp: tuple[str, str],
-    skipped: Callable[[int, int], bool] | None = None,
-    holes: list[tuple[int, int]] | None = None,
-) -> _Packed:
-    """Pack one partition's records (tuples), which must continue at offset ``nxt``.
-
-    The general case: duplicates, gaps, keys, producer timestamps.
-
-    A record below ``nxt`` is a duplicate (skipped and counted); above it, a
-    gap: allowed where ``skipped(first, last)`` says the missing offsets were
-    given up (a hole, appended to ``holes``), else ValueError (which refuses
-    the partition's records).
-    """
-    pack_key = RECORD_KEY.pack
-    pack_hdr = VALUE_HEADER.pack
-    keys: list[bytes] = []
-    values: list[bytes] = []
-    add_key = keys.append
-    add_value = values.append
-    nbytes = 0
-    dups = 0
-    hdr_ts: object = None
-    hdr = b""
-    for rec in recs:
-        off = rec[2]
-        if off != nxt:
-            if off < nxt:
-                dups += 1
-                continue
-            if skipped is None or not skipped(nxt, off - 1):
-                raise ValueError(
-                    f"gap in {tp[0]!r}/{tp[1]!r}: offset {off} after head {nxt - 1} "
-                    "(offsets must be contiguous unless skipped)"
-                )
-            if holes is not None:
-                holes.append((nxt, off - 1))
-            nxt = off  # a hole: the offsets before were given up
-        content = rec[3]
-        if len(rec) > 5 and (rec[5] is not None or (len(rec) > 6 and rec[6])):
-            key = rec[5]
-            flags = FLAG_PRODUCER_TS if len(rec) > 6 and rec[6] else 0
-            if len(rec) > 7:
-                flags |= rec[7]  # e.g. FLAG_KAFKA: the key slot holds a Kafka key and headers
-            if key is None:
-                value = pack_hdr(rec[4], flags) + content
-            else:
-                if len(key) > MAX_NAME:
-                    raise ValueError(f"record key of {len(key)} bytes, at most {MAX_NAME}")
-                value = pack_hdr(rec[4], flags | FLAG_KEY) + bytes((len(key),)) + key + content
-                nbytes += len(key)
-        else:
-            ts = rec[4]
-            if ts != hdr_ts:
-                hdr = pack_hdr(ts, 0)
-                hdr_ts = ts
-            value = hdr + content
-        nbytes += len(content)
-        add_key(pack_key(pid, off))
-        add_value(value)
-        nxt += 1
-    return keys, values, nxt, nbytes, dups
-
-
-Skip = tuple[str, str, int, int]  # (topic, partition, first, last): offsets given up
-
-
-def _skip_checker(skips: Sequence[Skip]) -> Callable[[tuple[str, str], int, int], bool]:
-    """``covered(tp, lo, hi)``: whether ``skips`` give up every offset ``lo..hi`` of ``tp``."""
-    ranges: dict[tuple[str, str], list[tuple[int, int]]] = {}
-    for topic, partition, first, last in skips:
-        ranges.setdefault((topic, partition), []).append((first, last))
-    for spans in ranges.values():
-        spans.sort()
-
-    def covered(tp: tuple[str, str], lo: int, hi: int) -> bool:
-        need = lo
-        for first, last in ranges.get(tp, ()):
-            if first <= need <= last:
-                need = last + 1
-                if need > hi:
-                    return True
-        return need > hi
-
-    return covered
-
-
-# One unit of an append: (topic, partition), partition key, first offset, then
-# either record tuples and None, or contents and their ts_ms (int or one each).
-_Unit = tuple[tuple[str, str], bytes, int, Sequence[Any], Any]
-
-
-class _PartState:
-    """A partition's info while an append transaction changes it."""
-
-    __slots__ = ("pkey", "pid", "first", "last", "count", "nbytes", "changed", "new", "holes")
-
-    def __init__(self, pkey: bytes, pid: int, first: int, last: int, count: int, nbytes: int):
-        self.pkey = pkey
-        self.pid = pid
-        self.first = first
-        self.last = last
-        self.count = count
-        self.nbytes = nbytes
-        self.changed = False
-        self.new = False  # created by this transaction
-        self.holes: list[tuple[int, int]] = []  # (first, last) recorded by this transaction
-
-    def pack(self) -> bytes:
-        return PARTITION_INFO.pack(self.pid, self.first, self.last, self.count, self.nbytes)
 
 
 class RecordDB:
@@ -585,13 +410,26 @@ class RecordDB:
             raise
 
     def _open_dbs_readonly(self, env: lmdb.Environment) -> _Dbs:
+        """The tables of an existing store (a format-1 one converted first, when writable)."""
         try:
-            dbs = _Dbs(*(env.open_db(name, create=False) for name in _DB_NAMES))
+            meta = env.open_db(b"meta", create=False)
         except lmdb.NotFoundError as exc:
             raise StorageError(f"{self.path} holds no dafka record database (yet)") from exc
         with env.begin() as txn:
-            self._check_format(txn.get(META_FORMAT, db=dbs.meta))
-        return dbs
+            version = self._check_format(txn.get(META_FORMAT, db=meta))
+            converting = txn.get(META_CONVERTING, db=meta) is not None
+        if version == FORMAT_1 or converting:
+            if self.readonly:
+                raise StorageError(
+                    f"{self.path}: record database format 1{' being converted' if converting else ''}: "
+                    f"its store converts it to format {FORMAT_VERSION} when it opens it (open it "
+                    "writable once, or start its store, then read it)"
+                )
+            convert(env, self._write, self.path)
+        try:
+            return _Dbs(*(env.open_db(name, create=False) for name in _DB_NAMES))
+        except lmdb.NotFoundError as exc:
+            raise StorageError(f"{self.path} holds no dafka record database (yet)") from exc
 
     @staticmethod
     def _open_positions(env: lmdb.Environment) -> Any:
@@ -635,21 +473,21 @@ class RecordDB:
             dbs = self._dbs
             assert dbs is not None
             hdb = self._holes_table(txn)
-            cur = txn.cursor(db=dbs.records)
+            cur = txn.cursor(db=dbs.blocks)
             found = 0
             for pid, first, last, _count, _nbytes in holed:
                 expect = first
-                if cur.set_range(RECORD_KEY.pack(pid, first)):
-                    for key in cur.iternext(values=False):
-                        kpid, off = RECORD_KEY.unpack(key)
+                if cur.set_range(BLOCK_KEY.pack(pid, first)):
+                    for key, value in cur.iternext():
+                        kpid, off = BLOCK_KEY.unpack(key)
                         if kpid != pid or off > last:
                             break
                         if off > expect:
-                            txn.put(RECORD_KEY.pack(pid, expect), U64.pack(off - 1), db=hdb)
+                            txn.put(BLOCK_KEY.pack(pid, expect), U64.pack(off - 1), db=hdb)
                             found += 1
-                        expect = off + 1
+                        expect = decode_header(value).last_offset + 1
                 if expect <= last:
-                    txn.put(RECORD_KEY.pack(pid, expect), U64.pack(last), db=hdb)
+                    txn.put(BLOCK_KEY.pack(pid, expect), U64.pack(last), db=hdb)
                     found += 1
             return found
 
@@ -660,6 +498,10 @@ class RecordDB:
         env = self._env
         assert env is not None
         dbs = _Dbs(*(env.open_db(name, txn=txn, create=True) for name in _DB_NAMES))
+        # Format 1's table of records, kept empty: a format-1 version opens its four tables
+        # before it reads the format, so with it there that version says "format 2" when
+        # it refuses the database, rather than that it holds no database.
+        env.open_db(RECORDS_DB, txn=txn, create=True)
         raw = txn.get(META_FORMAT, db=dbs.meta)
         if raw is None:
             txn.put(META_FORMAT, U32.pack(FORMAT_VERSION), db=dbs.meta)
@@ -667,14 +509,17 @@ class RecordDB:
             self._check_format(raw)
         return dbs
 
-    def _check_format(self, raw: bytes | None) -> None:
+    def _check_format(self, raw: bytes | None) -> int:
+        """The format version (1 or 2); StorageError for any other or none."""
         if raw is None:
             raise StorageError(f"{self.path}: record database has no format version")
-        version = U32.unpack(raw)[0]
-        if version != FORMAT_VERSION:
+        version = int(U32.unpack(raw)[0])
+        if version not in (FORMAT_1, FORMAT_VERSION):
             raise StorageError(
-                f"{self.path}: record database format {version}, this code reads {FORMAT_VERSION}"
+                f"{self.path}: record database format {version}, this code reads format "
+                f"{FORMAT_VERSION} (and converts format {FORMAT_1}); it was written by a newer dafka"
             )
+        return version
 
     def close(self) -> None:
         """Close the environment (flushing first if ``sync=False``); idempotent."""
@@ -899,11 +744,11 @@ class RecordDB:
             cols = tuple(zip(*batch, strict=True))
         except ValueError:
             cols = ()  # mixed tuple lengths: the general path
-        units: list[_Unit] = []
+        units: list[Unit] = []
         if cols and cols[0].count(cols[0][0]) == n and cols[1].count(cols[1][0]) == n:
             groups: Any = (((cols[0][0], cols[1][0]), batch, cols),)  # one partition
         else:
-            groups = ((tp, recs, None) for tp, recs in _group(batch).items())
+            groups = ((tp, recs, None) for tp, recs in group(batch).items())
         for tp, recs, tcols in groups:
             # Names are validated before the write transaction starts.
             if tcols is None:
@@ -911,7 +756,7 @@ class RecordDB:
                     tcols = tuple(zip(*recs, strict=True))
                 except ValueError:
                     tcols = ()
-            run = _run_of(tcols) if tcols else None
+            run = run_of(tcols) if tcols else None
             if run is None:
                 units.append((tp, pkey(tp[0], tp[1]), recs[0][2], recs, None))
             else:
@@ -981,22 +826,22 @@ class RecordDB:
         """
         if not pairs:
             return self.append(batch, skips=skips, rejected=rejected) if batch else {}
-        units: list[_Unit] = []
+        units: list[Unit] = []
         if batch:
-            for tp, recs in _group(batch).items():
+            for tp, recs in group(batch).items():
                 units.append((tp, self._pkey(tp[0], tp[1]), recs[0][2], recs, None))
         return self._append_units(units, skips, rejected, pairs, segs, gate)
 
     def _append_units(
         self,
-        units: list[_Unit],
+        units: list[Unit],
         skips: Sequence[Skip],
         rejected: dict[tuple[str, str], str] | None,
         pairs: list[tuple[bytes, bytes]] | None = None,
         segs: Sequence[tuple[str, str, int, int, int, int]] = (),
         gate: AbstractContextManager[Any] | None = None,
     ) -> dict[tuple[str, str], int]:
-        covered = _skip_checker(skips) if skips else None
+        covered = skip_checker(skips) if skips else None
         refusals: dict[tuple[str, str], Exception] = {}
 
         def body(txn: lmdb.Transaction) -> tuple[dict[tuple[str, str], int], int]:
@@ -1017,7 +862,7 @@ class RecordDB:
     def _append_txn(
         self,
         txn: lmdb.Transaction,
-        units: list[_Unit],
+        units: list[Unit],
         pairs: list[tuple[bytes, bytes]] | None,
         segs: Sequence[tuple[str, str, int, int, int, int]],
         gate: AbstractContextManager[Any] | None,
@@ -1027,8 +872,8 @@ class RecordDB:
         dbs = self._dbs
         assert dbs is not None
         parts_db = dbs.partitions
-        states: dict[tuple[str, str], _PartState] = {}
-        puts: dict[int, tuple[list[bytes], list[bytes]]] = {}
+        states: dict[tuple[str, str], PartState] = {}
+        puts: dict[int, list[Run]] = {}
         dups = 0
         next_pid: int | None = None
 
@@ -1065,17 +910,17 @@ class RecordDB:
                             base = 0
                         if next_pid is None:
                             next_pid = self._next_pid(txn, dbs)
-                        st = _PartState(pkey, next_pid, base, base - 1, 0, 0)
+                        st = PartState(pkey, next_pid, base, base - 1, 0, 0)
                         st.new = True
                         next_pid += 1
                         txn.put(U32.pack(st.pid), pkey, db=dbs.pids)
                     else:
-                        st = _PartState(pkey, *PARTITION_INFO.unpack(raw))
+                        st = PartState(pkey, *PARTITION_INFO.unpack(raw))
                     states[tp] = st
                 nxt = st.last + 1
                 if ts_ms is None:
                     skipped = None if covered is None else partial(covered, tp)
-                    keys, values, new_nxt, nbytes, d = _pack_records(st.pid, nxt, recs, tp, skipped, st.holes)
+                    runs, new_nxt, nbytes, d = pack_records(nxt, recs, tp, skipped, st.holes)
                 else:
                     if start > nxt:
                         if covered is None or not covered(tp, nxt, start - 1):
@@ -1091,83 +936,71 @@ class RecordDB:
                         recs = recs[d:]
                         if not isinstance(ts_ms, int):
                             ts_ms = ts_ms[d:]
-                    keys, values, new_nxt, nbytes, _ = _pack_contents(st.pid, nxt, recs, ts_ms)
+                    if recs:
+                        runs, new_nxt, nbytes, _ = pack_contents(nxt, recs, ts_ms)
+                    else:
+                        runs = []
             except (ValueError, TypeError, struct.error) as exc:
                 refuse(tp, exc if not isinstance(exc, struct.error) else ValueError(f"bad record field: {exc}"))
                 continue
             dups += d
-            if not keys:
+            if not runs:
                 continue
             if st.count == 0:
-                st.first = RECORD_KEY.unpack(keys[0])[1]  # new, emptied by retention, or after a hole
+                st.first = runs[0][0]  # new, emptied by retention, or after a hole
             st.last = new_nxt - 1
-            st.count += len(keys)
+            st.count += sum(len(r[1]) for r in runs)
             st.nbytes += nbytes
             st.changed = True
             got = puts.get(st.pid)
             if got is None:
-                puts[st.pid] = (keys, values)
+                puts[st.pid] = runs
             else:
-                got[0].extend(keys)
-                got[1].extend(values)
+                got.extend(runs)
         if pairs:
             if len(pairs) != sum(seg[4] - seg[3] + 1 for seg in segs):
                 raise ValueError(f"{len(pairs)} ready records, runs describe another number")
             self._append_pair_runs(txn, states, segs, covered, refusals, refuse)
-            if any((seg[0], seg[1]) in refusals for seg in segs):
-                # Leave out the refused partitions' pairs (segs describe them in order).
-                kept: list[tuple[bytes, bytes]] = []
-                i = 0
-                for seg in segs:
-                    n = seg[4] - seg[3] + 1
-                    if (seg[0], seg[1]) not in refusals:
-                        kept.extend(pairs[i : i + n])
-                    i += n
-                pairs = kept
-                segs = [seg for seg in segs if (seg[0], seg[1]) not in refusals]
+            # Each run of ready pairs becomes a run of values (segs describe them in order),
+            # the refused partitions' left out.
+            values = list(map(itemgetter(1), pairs))
+            i = 0
+            for seg in segs:
+                n = seg[4] - seg[3] + 1
+                if (seg[0], seg[1]) not in refusals:
+                    puts.setdefault(seg[2], []).append((seg[3], values[i : i + n], seg[5], True))
+                i += n
         hole_entries: list[tuple[bytes, bytes]] = []
         for st in states.values():
             if st.changed:
                 txn.put(st.pkey, st.pack(), db=parts_db)
             if st.holes:
-                hole_entries.extend((RECORD_KEY.pack(st.pid, lo), U64.pack(hi)) for lo, hi in st.holes)
+                hole_entries.extend((BLOCK_KEY.pack(st.pid, lo), U64.pack(hi)) for lo, hi in st.holes)
         if hole_entries:
             hdb = self._holes_table(txn)
             for key, value in hole_entries:
                 txn.put(key, value, db=hdb)
         if puts:
-            cur = txn.cursor(db=dbs.records)
+            blocks = [
+                (BLOCK_KEY.pack(pid, first), block)
+                for pid in sorted(puts)
+                for run in puts[pid]
+                for first, block in blocks_of(run)
+            ]
+            cur = txn.cursor(db=dbs.blocks)
             tail = cur.key() if cur.last() else b""
-            for pid in sorted(puts):
-                keys, values = puts[pid]
-                # MDB_APPEND is only valid past the last key of the whole sub-DB
-                # (the newest partition); older partitions get no-overwrite puts.
-                if keys[0] > tail:
-                    _consumed, added = cur.putmulti(zip(keys, values, strict=True), append=True)
-                    tail = keys[-1]
-                else:
-                    _consumed, added = cur.putmulti(zip(keys, values, strict=True), overwrite=False)
-                if added != len(keys):
-                    raise StorageError(
-                        f"{self.path}: {len(keys) - added} records already present past a head "
-                        "(database inconsistent)"
-                    )
-        if pairs:
-            cur = txn.cursor(db=dbs.records)
-            tail = cur.key() if cur.last() else b""
-            if len({seg[2] for seg in segs}) > 1:
-                pairs.sort()  # several partitions: key order, so the tail part can append
-            # MDB_APPEND for what sorts past the last stored key, plain puts before it.
-            split = bisect.bisect_right(pairs, tail, key=itemgetter(0)) if pairs[0][0] <= tail else 0
+            # MDB_APPEND is only valid past the last key of the whole table (the newest
+            # partition's blocks); older partitions get no-overwrite puts.
+            split = bisect.bisect_right(blocks, tail, key=itemgetter(0)) if blocks[0][0] <= tail else 0
             added = 0
             with gate if gate is not None else nullcontext():
                 if split:
-                    added += cur.putmulti(pairs[:split], overwrite=False)[1]
-                if split < len(pairs):
-                    added += cur.putmulti(pairs if not split else pairs[split:], append=True)[1]
-            if added != len(pairs):
+                    added += cur.putmulti(blocks[:split], overwrite=False)[1]
+                if split < len(blocks):
+                    added += cur.putmulti(blocks if not split else blocks[split:], append=True)[1]
+            if added != len(blocks):
                 raise StorageError(
-                    f"{self.path}: {len(pairs) - added} records already present past a head "
+                    f"{self.path}: {len(blocks) - added} blocks already present past a head "
                     "(database inconsistent)"
                 )
         return {tp: st.last for tp, st in states.items()}, dups
@@ -1175,7 +1008,7 @@ class RecordDB:
     def _append_pair_runs(
         self,
         txn: lmdb.Transaction,
-        states: dict[tuple[str, str], _PartState],
+        states: dict[tuple[str, str], PartState],
         segs: Sequence[tuple[str, str, int, int, int, int]],
         covered: Callable[[tuple[str, str], int, int], bool] | None,
         refusals: dict[tuple[str, str], Exception],
@@ -1195,7 +1028,7 @@ class RecordDB:
                 if raw is None:
                     refuse(tp, ValueError(f"ready records of {topic!r}/{partition!r}, which is not stored"))
                     continue
-                st = _PartState(pkey, *PARTITION_INFO.unpack(raw))
+                st = PartState(pkey, *PARTITION_INFO.unpack(raw))
                 states[tp] = st
             if (
                 pid != st.pid
@@ -1333,46 +1166,14 @@ class RecordDB:
             raw = txn.get(pkey, db=dbs.partitions)
             if raw is None:
                 return offset, []
-            pid, first, last, stored, _bytes = PARTITION_INFO.unpack(raw)
+            pid, first, last, _stored, _bytes = PARTITION_INFO.unpack(raw)
             start = offset if offset > first else first
             n = last - start + 1
             if count < n:
                 n = count
             if n <= 0:
                 return start, []
-            cur = txn.cursor(db=dbs.records)
-            if stored != last - first + 1:
-                return self._fetch_holed(cur, pid, start, last, n)
-            if not cur.set_key(RECORD_KEY.pack(pid, start)):
-                raise StorageError(
-                    f"{self.path}: {topic!r}/{partition!r} offset {start} missing "
-                    f"inside [{first}, {last}]"
-                )
-            # Offsets in [first, last] are contiguous: take n values, no key checks.
-            return start, list(islice(cur.iternext(keys=False), n))
-
-    @staticmethod
-    def _fetch_holed(cur: Any, pid: int, start: int, last: int, n: int) -> tuple[int, list[bytes]]:
-        """:meth:`fetch_raw` in a partition with holes: from the first offset held
-        at or after ``start``, up to ``n`` values, stopping at the next hole."""
-        if not cur.set_range(RECORD_KEY.pack(pid, start)):
-            return last + 1, []
-        unpack = RECORD_KEY.unpack
-        values: list[bytes] = []
-        expect = -1
-        for key, value in cur.iternext():
-            kpid, off = unpack(key)
-            if kpid != pid:
-                break
-            if expect < 0:
-                start = expect = off
-            elif off != expect:
-                break  # a hole: the next call starts past it
-            values.append(value)
-            expect += 1
-            if len(values) >= n:
-                break
-        return (start, values) if values else (last + 1, [])
+            return fetch_values(txn.cursor(db=dbs.blocks), pid, start, last, n)
 
     def fetch(self, topic: str, partition: str, offset: int, count: int) -> tuple[int, list[bytes]]:
         """Like :meth:`fetch_raw` but only the contents (what a Dafka consumer gets):
@@ -1430,7 +1231,7 @@ class RecordDB:
             if hdb is None:
                 return out
             for key, value in txn.cursor(db=hdb).iternext():
-                pid, first = RECORD_KEY.unpack(key)
+                pid, first = BLOCK_KEY.unpack(key)
                 if pid in names:
                     name = names[pid]
                 else:
@@ -1484,8 +1285,7 @@ class RecordDB:
         hdb = self._holes_db
         assert dbs is not None and hdb is not None
         hcur = txn.cursor(db=hdb)
-        rcur = txn.cursor(db=dbs.records)
-        pack_key = RECORD_KEY.pack
+        pack_key = BLOCK_KEY.pack
         written = given_up = 0
         for tp, offsets in by_tp.items():
             pkey = pkeys.get(tp)
@@ -1495,7 +1295,7 @@ class RecordDB:
             if raw is None:
                 continue
             pid, first, last, count, nbytes = PARTITION_INFO.unpack(raw)
-            changed = False
+            runs: list[Run] = []  # the filled offsets, one block per run of consecutive ones
             for off in sorted(offsets):
                 if off > last:
                     break
@@ -1506,15 +1306,14 @@ class RecordDB:
                 if content is not None:
                     if not isinstance(content, bytes | bytearray | memoryview):
                         continue
-                    if rcur.put(pack_key(pid, off), VALUE_HEADER.pack(ts_ms, 0) + content, overwrite=False):
-                        count += 1
-                        nbytes += len(content)
-                        if off < first:
-                            first = off
-                        written += 1
-                        changed = True
-                    else:  # never overwritten; the entry was wrong
-                        log.error("%s: offset %d of pid %d is stored and was recorded as a hole", self.path, off, pid)
+                    content = bytes(content)
+                    value = VALUE_HEADER.pack(ts_ms, 0) + content
+                    if runs and runs[-1][0] + len(runs[-1][1]) == off:
+                        prev = runs[-1]
+                        prev[1].append(value)
+                        runs[-1] = (prev[0], prev[1], prev[2] + len(content), True)
+                    else:
+                        runs.append((off, [value], len(content), True))
                 else:
                     given_up += 1
                 # The cursor is on the hole's entry: replace it by what is left of it.
@@ -1524,21 +1323,33 @@ class RecordDB:
                     txn.put(pack_key(pid, hfirst), U64.pack(off - 1), db=hdb)
                 if off < hlast:
                     txn.put(pack_key(pid, off + 1), U64.pack(hlast), db=hdb)
-            if changed:
-                txn.put(pkey, PARTITION_INFO.pack(pid, first, last, count, nbytes), db=dbs.partitions)
+            if not runs:
+                continue
+            for run in runs:
+                for _first, block in blocks_of(run):
+                    try:
+                        hdr = put_block(txn, dbs.blocks, pid, block)
+                    except OverlapError as exc:  # never overwritten; the hole entry was wrong
+                        log.error("%s: a recorded hole of pid %d is stored: %s", self.path, pid, exc)
+                        continue
+                    count += hdr.record_count
+                    nbytes += store_payload(block)
+                    first = min(first, hdr.first_offset)
+                    written += hdr.record_count
+            txn.put(pkey, PARTITION_INFO.pack(pid, first, last, count, nbytes), db=dbs.partitions)
         return written, given_up
 
     @staticmethod
     def _hole_at(hcur: Any, pid: int, offset: int) -> tuple[int, int] | None:
         """``(first, last)`` of the recorded hole holding ``offset`` (the cursor then
         on its entry), or None."""
-        key = RECORD_KEY.pack(pid, offset)
+        key = BLOCK_KEY.pack(pid, offset)
         if hcur.set_range(key):
             if hcur.key() != key and not hcur.prev():
                 return None
         elif not hcur.last():
             return None
-        kpid, first = RECORD_KEY.unpack(hcur.key())
+        kpid, first = BLOCK_KEY.unpack(hcur.key())
         if kpid != pid or offset < first:
             return None
         last = U64.unpack(hcur.value())[0]
@@ -1565,96 +1376,12 @@ class RecordDB:
             r != Retention() for r in policy.topics.values()
         ):
             return RetentionResult(0, 0, False)  # keep everything: no write transaction
-        return self._write(lambda txn: self._retention_txn(txn, now_ms, policy, max_records))
+        def body(txn: lmdb.Transaction) -> RetentionResult:
+            dbs = self._dbs
+            assert dbs is not None
+            return retention_txn(txn, dbs.partitions, dbs.blocks, self._holes_db, now_ms, policy, max_records)
 
-    def _retention_txn(
-        self, txn: lmdb.Transaction, now_ms: int, policy: RetentionPolicy, budget: int
-    ) -> RetentionResult:
-        dbs = self._dbs
-        assert dbs is not None
-        by_topic: dict[bytes, list[list[Any]]] = {}
-        for key, raw in txn.cursor(db=dbs.partitions).iternext():
-            # state: [pkey, pid, first, last, count, bytes, changed]
-            by_topic.setdefault(key[: 1 + key[0]], []).append(
-                [key, *PARTITION_INFO.unpack(raw), False]
-            )
-        cur = txn.cursor(db=dbs.records)
-        pack_key = RECORD_KEY.pack
-        unpack_hdr = VALUE_HEADER.unpack_from
-        deleted = freed = 0
-        more = False
-
-        def drop_front(st: list[Any], value: bytes) -> None:
-            """Delete the record under the cursor, the front of partition ``st``."""
-            nonlocal deleted, freed, budget
-            size = value_payload_size(value)
-            cur.delete()  # the cursor moves to the next record
-            st[4] -= 1
-            # The next stored offset: first + 1, or past a hole.
-            st[2] = RECORD_KEY.unpack(cur.key())[1] if st[4] else st[3] + 1
-            st[5] -= size
-            st[6] = True
-            deleted += 1
-            freed += size
-            budget -= 1
-
-        def front(st: list[Any]) -> bytes:
-            if not cur.set_key(pack_key(st[1], st[2])):
-                raise StorageError(f"{self.path}: record {st[2]} of pid {st[1]} missing")
-            return cur.value()
-
-        for tprefix, states in by_topic.items():
-            rule = policy.for_topic(bytes(tprefix[1:]).decode("utf-8"))
-            if rule.max_age_ms is not None:
-                cutoff = now_ms - rule.max_age_ms
-                for st in states:
-                    if not st[4]:
-                        continue
-                    value = front(st)
-                    while unpack_hdr(value)[0] < cutoff:
-                        if not budget:
-                            more = True
-                            break
-                        drop_front(st, value)  # the cursor moves to the next record
-                        if not st[4]:
-                            break
-                        value = cur.value()
-                    if more:
-                        break
-            if more:
-                break
-            if rule.max_bytes is not None:
-                total = sum(st[5] for st in states)
-                heap = []
-                for i, st in enumerate(states):
-                    if st[4]:
-                        heap.append((unpack_hdr(front(st))[0], st[2], i))
-                heapq.heapify(heap)
-                while total > rule.max_bytes and heap:
-                    if not budget:
-                        more = True
-                        break
-                    _ts, _off, i = heapq.heappop(heap)
-                    st = states[i]
-                    before = st[5]
-                    drop_front(st, front(st))
-                    total -= before - st[5]
-                    if st[4]:
-                        heapq.heappush(heap, (unpack_hdr(cur.value())[0], st[2], i))
-                if more:
-                    break
-        hdb = self._holes_db
-        hcur = None if hdb is None else txn.cursor(db=hdb)
-        for states in by_topic.values():
-            for st in states:
-                if st[6]:
-                    txn.put(st[0], PARTITION_INFO.pack(*st[1:6]), db=dbs.partitions)
-                    if hcur is not None:
-                        # Holes below the new first are forgotten, as the records before them.
-                        floor = pack_key(st[1], st[2])
-                        if hcur.set_range(pack_key(st[1], 0)):
-                            while bytes(hcur.key()) < floor and hcur.delete():
-                                pass
-        if deleted:
-            log.debug("retention removed %d records (%d bytes) from %s", deleted, freed, self.path)
-        return RetentionResult(deleted, freed, more)
+        result = self._write(body)
+        if result.deleted:
+            log.debug("retention removed %d records (%d bytes) from %s", result.deleted, result.freed_bytes, self.path)
+        return result

@@ -1,4 +1,4 @@
-"""Byte layout of the store's LMDB keys and values (format version 1).
+"""Byte layout of the store's LMDB keys and values (format version 2).
 
 Pure functions and precompiled :class:`struct.Struct` objects, no LMDB.
 The layout itself is documented in :mod:`dafka.store.db`; in short::
@@ -7,7 +7,9 @@ The layout itself is documented in :mod:`dafka.store.db`; in short::
     partitions  tlen:u8 topic plen:u8 partition
                                        -> pid:u32 first:u64 last:u64 count:u64 bytes:u64
     pids        pid:u32                -> the partition key above
-    records     pid:u32 offset:u64     -> ts_ms:u64 flags:u8 [klen:u8 key] content
+    blocks      pid:u32 first:u64      -> a block (dafka.store.block), CODEC_STORE blocks
+                                          holding format-1 values:
+                                          ts_ms:u64 flags:u8 [klen:u8 key] content
     positions   glen:u8 group tlen:u8 topic plen:u8 partition
                                        -> offset:u64 (optional; created by the first commit)
 
@@ -19,7 +21,9 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: The format before blocks (one LMDB entry per record); converted on a writable open.
+FORMAT_1 = 1
 
 #: Value flag: a Tank message key follows the flags byte.
 FLAG_KEY = 0x01
@@ -53,6 +57,8 @@ VALUE_HEADER = struct.Struct(">QB")
 PARTITION_INFO = struct.Struct(">IQQQQ")
 
 META_FORMAT = b"format"
+#: Present while a format-1 database is being converted (dafka.store.upgrade).
+META_CONVERTING = b"converting"
 
 
 class PartitionInfo(NamedTuple):

@@ -22,12 +22,16 @@ def fill(db: RecordDB, topic: str, partition: str, start: int, stop: int, *, key
     the producer's timestamp.
     """
     tag = partition[0].lower().encode()
-    if keyed:
-        db.append(
-            [(topic, partition, i, tag + b"%d" % i, TS0 + i, b"k%d" % i, True) for i in range(start, stop)]
-        )
-    else:
-        db.append([(topic, partition, i, tag + b"%d" % i, TS0 + i) for i in range(start, stop)])
+    # In commits of 100 records, as a store's group commit would: blocks of 100 records, so
+    # that retention (by whole blocks) can remove part of a partition.
+    for lo in range(start, stop, 100):
+        hi = min(lo + 100, stop)
+        if keyed:
+            db.append(
+                [(topic, partition, i, tag + b"%d" % i, TS0 + i, b"k%d" % i, True) for i in range(lo, hi)]
+            )
+        else:
+            db.append([(topic, partition, i, tag + b"%d" % i, TS0 + i) for i in range(lo, hi)])
 
 
 def read(spark: Any, streaming: bool = False, **options: Any) -> Any:

@@ -336,9 +336,12 @@ def test_fuzz_kafka_garbage_is_refused(data: bytes) -> None:
     raise AssertionError("random bytes made a valid batch")  # its CRC would have to match
 
 
-@given(st.integers(0, 10_000), st.integers(0, 7), st.sampled_from(["tank", "kafka", "dafka"]))
+@given(st.integers(0, 10_000), st.integers(0, 7), st.sampled_from(["tank", "kafka", "dafka", "store"]))
 def test_fuzz_any_flipped_bit_is_found(pos: int, bit: int, codec: str) -> None:
-    if codec == "tank":
+    if codec == "store":
+        values = [_store_value(TS + i, b"k" if i % 3 else None, b"x" * 50) for i in range(20)]
+        value = B.store_block(3, values, sum(50 + (1 if i % 3 else 0) for i in range(20)))
+    elif codec == "tank":
         value = B.tank_block(encode_bundle([(None, TS, b"k", b"x" * 50)] * 20, codec=CODEC_NONE), 3)
     elif codec == "kafka":
         value = B.kafka_block(_kafka_batch(10), 3)
@@ -394,3 +397,61 @@ def test_fuzz_kafka_mutated_records_with_valid_crc(
         assert "UnicodeDecodeError" in str(exc)
         return
     assert [(r.offset, r.key, r.value) for r in theirs] == [(r.offset, r.key, r.value) for r in ours]
+
+
+# ---------------------------------------------------------------- the store's own blocks (CODEC_STORE)
+
+
+def _store_value(ts: int, key: bytes | None, content: bytes, flags: int = 0) -> bytes:
+    if key is None:
+        return struct.pack(">QB", ts, flags) + content
+    return struct.pack(">QB", ts, flags | 1) + bytes((len(key),)) + key + content
+
+
+@given(st.lists(st.tuples(st.integers(0, 2**64 - 1), st.none() | st.binary(max_size=255), st.binary(max_size=300),
+                          st.sampled_from([0, 2, 4, 8])), min_size=1, max_size=40),
+       st.integers(0, 2**40))
+def test_fuzz_store_block_round_trip(recs: list[tuple[int, bytes | None, bytes, int]], first: int) -> None:
+    values = [_store_value(ts, k, c, f) for ts, k, c, f in recs]
+    payload = sum(len(c) + len(k or b"") for _ts, k, c, _f in recs)
+    value = B.store_block(first, values, payload)
+    hdr = B.validate(value)
+    n = len(values)
+    assert (hdr.codec, hdr.first_offset, hdr.last_offset, hdr.record_count) == (B.CODEC_STORE, first, first + n - 1, n)
+    # Timestamps past 2^63 - 1 are kept in the records and count as 2^63 - 1 in the header.
+    assert hdr.first_ts == min(recs[0][0], 2**63 - 1)
+    assert hdr.max_ts == min(max(r[0] for r in recs), 2**63 - 1)
+    assert B.store_payload(value) == payload
+    for i in range(n):
+        for k in (1, 2, n):
+            assert B.store_values(value, hdr, first + i, k) == values[i:i + k]
+    assert B.store_values(value, hdr, first + n, 5) == []
+    assert [(r.offset, r.ts_ms, r.key, r.value) for r in B.records(value, first + 1)] == [
+        (first + i, ts, k, c) for i, (ts, k, c, _f) in enumerate(recs) if i >= 1
+    ]
+
+
+def test_store_blocks_that_lie_are_refused() -> None:
+    values = [_store_value(TS + i, b"kk" if i == 1 else None, b"x" * 10) for i in range(3)]
+    good = B.store_block(7, values, 32)
+    B.validate(good)
+    body = bytearray(good[B.HEADER_SIZE:])
+
+    def resealed(body: bytes, **fields: int) -> bytes:
+        return _reseal(good[:B.HEADER_SIZE - 4] + b"\0" * 4 + body, body_size=len(body), **fields)
+
+    liars = [
+        B.store_block(7, values, 33),  # a payload that is not the records'
+        _reseal(good, count=2, last=8),  # fewer records than the ends table holds
+        _reseal(good, max_ts=TS + 9),  # a timestamp no record has
+        resealed(bytes(body[:8]) + struct.pack(">III", 19, 41, 61) + bytes(body[20:])),  # ends past the body
+        resealed(bytes(body[:8]) + struct.pack(">III", 5, 31, 50) + bytes(body[20:])),  # a record under 9 bytes
+        resealed(bytes(body) + b"\0"),  # trailing bytes
+    ]
+    for liar in liars:
+        with pytest.raises(ProtocolError):
+            B.validate(liar)
+    with pytest.raises(ProtocolError):
+        B.store_block(0, [b"short"], 0)
+    with pytest.raises(ProtocolError):
+        B.store_block(0, [], 0)

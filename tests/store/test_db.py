@@ -774,24 +774,26 @@ def test_retention_by_bytes_oldest_first_across_partitions(tmp_path: Path) -> No
         db.append(plain("other", P1, 0, 10, ts=0))
         policy = RetentionPolicy(topics={"t": Retention(max_bytes=15 * 40)})
         res = db.enforce_retention(0, policy)
-        assert res == (15, 15 * 40, False)
+        # Blocks leave whole (one block per append here), while the topic keeps at least its
+        # limit: P1's ts-100 block leaves (800 bytes left), P2's ts-200 one would leave 400.
+        assert res == (10, 10 * 40, False)
         p1, p2 = db.partitions("t")
-        # First P1's ts-100 records, then P2's ts-200 ones; P1's new ones stay.
         assert (p1.first, p1.count) == (10, 10)
-        assert (p2.first, p2.count) == (5, 5)
-        assert p1.bytes + p2.bytes == 15 * 40
+        assert (p2.first, p2.count) == (0, 10)
+        assert p1.bytes + p2.bytes == 20 * 40
         assert db.info("other", P1).count == 10  # type: ignore[union-attr]
-        # A budget of 1 per call still converges.
+        # A budget of 1 per call still converges: each call removes one block.
         policy = RetentionPolicy(Retention(max_bytes=0))
         calls = 0
         while db.enforce_retention(0, policy, max_records=1).more:
             calls += 1
-        assert calls == 24  # the 25th call removes the last record and reports no more
+        assert calls == 2  # the 3rd call removes the last block and reports no more
         assert all(i.count == 0 and i.bytes == 0 for i in db.partitions())
         # Keys count towards bytes.
         db.append([StoreRecord("k", P1, 0, b"12345", 1, key=b"abc")])
         assert db.info("k", P1).bytes == 8  # type: ignore[union-attr]
-        assert db.enforce_retention(0, RetentionPolicy(Retention(max_bytes=7))) == (1, 8, False)
+        assert db.enforce_retention(0, RetentionPolicy(Retention(max_bytes=7))) == (0, 0, False)
+        assert db.enforce_retention(0, RetentionPolicy(Retention(max_bytes=0))) == (1, 8, False)
 
 
 def test_keep_everything_policy_writes_nothing(tmp_path: Path) -> None:
@@ -814,6 +816,8 @@ class Model:
         self.records: dict[tuple[str, str], dict[int, tuple[int, bytes | None, bytes]]] = {}
         self.heads: dict[tuple[str, str], int] = {}
         self.duplicates = 0
+        #: The offsets of each partition's blocks, oldest first (format 2: retention removes whole blocks).
+        self.blocks: dict[tuple[str, str], list[list[int]]] = {}
 
 
 PARTS = [("t", P1), ("t", P2), ("u", P1)]
@@ -842,16 +846,24 @@ def test_append_read_against_model(tmp_path: Path, data: st.DataObject) -> None:
                     res = db.enforce_retention(
                         cutoff, RetentionPolicy(Retention(max_age_ms=0)), max_records=budget
                     )
+                    # Retention by block: a block leaves when its newest record is older than
+                    # the cutoff, and only while it fits the budget (the first one of a call always).
                     removed = 0
+                    stop = False
                     for tp in sorted(
                         model.records, key=lambda tp: (tp[0].encode(), tp[1].encode())
                     ):
                         recs = model.records[tp]
-                        for off in sorted(recs):
-                            if recs[off][0] >= cutoff or removed == budget:
+                        blocks = model.blocks.get(tp, [])
+                        while blocks and max(recs[o][0] for o in blocks[0]) < cutoff:
+                            if len(blocks[0]) > budget - removed and removed:
+                                stop = True
                                 break
-                            del recs[off]
-                            removed += 1
+                            for o in blocks.pop(0):
+                                del recs[o]
+                                removed += 1
+                        if stop:
+                            break
                     assert res.deleted == removed
                 elif op == "runs":
                     tp = data.draw(st.sampled_from(PARTS))
@@ -864,6 +876,7 @@ def test_append_read_against_model(tmp_path: Path, data: st.DataObject) -> None:
                     contents = data.draw(st.lists(st.binary(max_size=20), max_size=5))
                     ts = data.draw(st.integers(0, 40))
                     heads = db.append_runs([(tp[0], tp[1], start, contents, ts)])
+                    block = []
                     for i, c in enumerate(contents):
                         off = start + i
                         if head is not None and off <= head:
@@ -871,6 +884,9 @@ def test_append_read_against_model(tmp_path: Path, data: st.DataObject) -> None:
                             continue
                         model.records.setdefault(tp, {})[off] = (ts, None, c)
                         model.heads[tp] = head = off
+                        block.append(off)
+                    if block:
+                        model.blocks.setdefault(tp, []).append(block)
                     if contents:
                         assert heads == {tp: model.heads[tp]}
                 else:
@@ -909,6 +925,7 @@ def test_append_read_against_model(tmp_path: Path, data: st.DataObject) -> None:
                     else:
                         before = db.duplicates
                         heads = db.append(batch)
+                        new_blocks: dict[tuple[str, str], list[int]] = {}
                         for rec in batch:
                             tp = (rec[0], rec[1])
                             head = model.heads.get(tp)
@@ -918,6 +935,9 @@ def test_append_read_against_model(tmp_path: Path, data: st.DataObject) -> None:
                             key = rec[5] if len(rec) > 5 else None
                             model.records.setdefault(tp, {})[rec[2]] = (rec[4], key, bytes(rec[3]))
                             model.heads[tp] = rec[2]
+                            new_blocks.setdefault(tp, []).append(rec[2])  # one block per partition and append
+                        for tp, block in new_blocks.items():
+                            model.blocks.setdefault(tp, []).append(block)
                         assert heads == {(r[0], r[1]): model.heads[(r[0], r[1])] for r in batch}
                         assert db.duplicates - before <= len(batch)
                 check_against_model(db, model, data)

@@ -1,0 +1,146 @@
+"""The store's reader: find the block holding an offset and slice the records a reader asked for.
+
+Functions over a read transaction the caller owns (:class:`dafka.store.db.RecordDB` opens it);
+no threads, no environment of their own.  A partition's blocks are one key range of the
+``blocks`` table, keyed ``pid:u32 first_offset:u64`` (:mod:`dafka.store.block`), so the block
+holding an offset is one cursor seek away (and one step back when the seek lands on the block
+after it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dafka.store.block import (
+    BLOCK_KEY,
+    CODEC_KAFKA,
+    CODEC_STORE,
+    CODEC_TANK,
+    BlockHeader,
+    decode_header,
+    records,
+    store_payload,
+    store_values,
+)
+from dafka.store.layout import (
+    FLAG_KAFKA,
+    FLAG_KEY,
+    FLAG_NULL,
+    FLAG_PRODUCER_TS,
+    MAX_NAME,
+    VALUE_HEADER,
+)
+
+__all__ = ["block_payload", "block_values", "fetch_values", "seek"]
+
+_pack = BLOCK_KEY.pack
+_unpack = BLOCK_KEY.unpack
+
+
+def block_payload(hdr: BlockHeader, value: bytes) -> int:
+    """The bytes a block adds to its partition's ``bytes`` total (content plus keys)."""
+    if hdr.codec == CODEC_STORE:
+        return store_payload(value)
+    return hdr.body_size  # a client's block: its body as sent
+
+
+def _zz_varint(n: int) -> bytes:
+    z = (n << 1) ^ (n >> 63)
+    out = bytearray()
+    while z >= 0x80:
+        out.append((z & 0x7F) | 0x80)
+        z >>= 7
+    out.append(z)
+    return bytes(out)
+
+
+def _as_value(codec: int, ts: int, key: bytes | None, content: bytes | None, headers: bytes | None) -> bytes:
+    """A record of a client's block as the format-1 value readers of stored values take."""
+    flags = FLAG_PRODUCER_TS if codec == CODEC_TANK else 0
+    if content is None:
+        flags |= FLAG_NULL
+        content = b""
+    if codec == CODEC_KAFKA:
+        slot = _zz_varint(-1 if key is None else len(key)) + (key or b"") + (headers or b"\x00")
+        if len(slot) <= MAX_NAME:
+            return VALUE_HEADER.pack(ts, flags | FLAG_KEY | FLAG_KAFKA) + bytes((len(slot),)) + slot + content
+        if key is not None and len(key) > MAX_NAME:
+            key = None  # a reader of format-1 values cannot take it
+    if key is None:
+        return VALUE_HEADER.pack(ts, flags) + content
+    return VALUE_HEADER.pack(ts, flags | FLAG_KEY) + bytes((len(key),)) + key + content
+
+
+def block_values(value: bytes, hdr: BlockHeader, offset: int, n: int) -> list[bytes]:
+    """Up to ``n`` format-1 values of consecutive offsets from ``offset`` (inside the block) on.
+
+    A CODEC_STORE block is sliced (C-level passes); a client's block (Tank, Kafka) is
+    converted record by record, which only a reader of another protocol needs.
+    """
+    if hdr.codec == CODEC_STORE:
+        return store_values(value, hdr, offset, n)
+    out: list[bytes] = []
+    expect = offset
+    for rec in records(value, offset):
+        if len(out) >= n or (out and rec.offset != expect):
+            break
+        if not out:
+            expect = rec.offset
+        out.append(_as_value(hdr.codec, rec.ts_ms, rec.key, rec.value, rec.headers))
+        expect += 1
+    return out
+
+
+def seek(cur: Any, pid: int, offset: int) -> tuple[BlockHeader, bytes] | None:
+    """Put ``cur`` on the block of ``pid`` holding ``offset``, else on its first block after
+    ``offset``: ``(header, value)``, or None when ``pid`` has no block at or after it.
+
+    One ``set_range``; one step back when it lands past ``offset``.
+    """
+    key = _pack(pid, offset)
+    if cur.set_range(key):
+        if cur.key() == key:
+            value = cur.value()
+            return decode_header(value), value
+        if cur.prev():
+            if _unpack(cur.key())[0] == pid:
+                value = cur.value()
+                hdr = decode_header(value)
+                if hdr.last_offset >= offset:
+                    return hdr, value
+            cur.next()
+        if _unpack(cur.key())[0] != pid:
+            return None
+        value = cur.value()
+        return decode_header(value), value
+    if not cur.last() or _unpack(cur.key())[0] != pid:
+        return None
+    value = cur.value()
+    hdr = decode_header(value)
+    return (hdr, value) if hdr.last_offset >= offset else None
+
+
+def fetch_values(cur: Any, pid: int, start: int, last: int, n: int) -> tuple[int, list[bytes]]:
+    """Format-1 values of ``pid`` from the first offset held at or after ``start``: up to
+    ``n``, stopping at the next hole.  ``(first offset returned, values)``, or
+    ``(last + 1, [])`` when nothing is held from ``start`` on."""
+    found = seek(cur, pid, start)
+    if found is None:
+        return last + 1, []
+    hdr, value = found
+    if hdr.first_offset > start:
+        start = hdr.first_offset  # in a hole, or before the first block
+    values = block_values(value, hdr, start, n)
+    expect = start + len(values)
+    while len(values) < n and expect == hdr.last_offset + 1 and cur.next():
+        kpid, kfirst = _unpack(cur.key())
+        if kpid != pid or kfirst != expect:
+            break  # another partition, or a hole: the next call starts past it
+        value = cur.value()
+        hdr = decode_header(value)
+        got = block_values(value, hdr, kfirst, n - len(values))
+        if not got:
+            break
+        values.extend(got)
+        expect += len(got)
+    return (start, values) if values else (last + 1, [])
