@@ -63,6 +63,9 @@ def _options() -> dict[str, tuple[str, dict[str, Any]]]:
                                           "help": "each (publish waits for the fsync) or batch"}),
         "outbox": ("--outbox", {"action": "store_true", "help": "the producer publishes through an edge outbox"}),
         "no_batches": ("--no-batches", {"action": "store_true", "help": "one record a message, as to C readers"}),
+        "broker": ("--broker", {"metavar": "HOST:PORT", "default": None,
+                                "help": "measure a running Tank broker (or gateway) there instead of a gateway"
+                                        " started here; each run creates a topic"}),
     }
 
 
@@ -75,7 +78,7 @@ _BENCHMARKS: dict[str, tuple[str, tuple[str, ...], dict[str, str]]] = {
     "live": ("producer -> consumer records/s", ("secure", "no_batches"), {}),
     "store": ("records/s acknowledged by a store", ("secure", "no_batches", "no_sync"), {}),
     "replay": ("a consumer reading stored records from the beginning", ("secure", "no_batches"), {}),
-    "tank": ("publish and fetch through the Tank gateway (records/s)", ("no_sync",), {}),
+    "tank": ("publish and fetch through the Tank gateway (records/s)", ("no_sync", "broker"), {}),
     "kafka": ("a Kafka client through the Kafka gateway (records/s)", ("no_sync",), {}),
     "kafka-group": ("Kafka consumer group failover through the gateway (seconds)", ("no_sync",), {}),
     "embedded": ("publish and consume from an app thread, with and without a busy thread", ("seconds", "no_sync"), {"seconds": "seconds per measurement"}),

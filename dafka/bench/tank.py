@@ -33,14 +33,15 @@ def _tank_bundles(size: int, per_bundle: int, distinct: int = 8) -> list[bytes]:
     ]
 
 
-def _tank_publish(port: int, topic: str, n: int, size: int, per_bundle: int, window: int) -> float:
+def _tank_publish(port: int, topic: str, n: int, size: int, per_bundle: int, window: int,
+                  host: str = "127.0.0.1") -> float:
     """Records/s acknowledged: ``window`` produce requests of one bundle each in flight."""
     from dafka.tank.client import TankClient
     from dafka.tank.messages import ProducePartition, ProduceRequest, ProduceResponse, ProduceTopic
 
     bundles = _tank_bundles(size, per_bundle)
     requests = n // per_bundle
-    with TankClient("127.0.0.1", port, timeout=120) as client:
+    with TankClient(host, port, timeout=120) as client:
         client.create_topic(topic, 1)
         inflight: list[int] = []
         t0 = time.perf_counter()
@@ -56,7 +57,7 @@ def _tank_publish(port: int, topic: str, n: int, size: int, per_bundle: int, win
         return requests * per_bundle / (time.perf_counter() - t0)
 
 
-def _tank_fetch(port: int, topic: str, n: int, fetch_size: int) -> float:
+def _tank_fetch(port: int, topic: str, n: int, fetch_size: int, host: str = "127.0.0.1") -> float:
     """Records/s of one client fetching ``n`` records from seq 1, decoding every message.
 
     Like a pipelining Tank client, it asks for the next range (found from the
@@ -71,7 +72,7 @@ def _tank_fetch(port: int, topic: str, n: int, fetch_size: int) -> float:
         part = ConsumePartition(0, seq, fetch_size)
         return client.send(ConsumeRequest(client.next_request_id(), [ConsumeTopic(topic, [part])]))
 
-    with TankClient("127.0.0.1", port, timeout=120) as client:
+    with TankClient(host, port, timeout=120) as client:
         got = 0
         t0 = time.perf_counter()
         pending = ask(client, 1)
@@ -95,6 +96,20 @@ def bench_tank(args: argparse.Namespace) -> dict[str, list[float]]:
 
     ctx = mp.get_context("spawn")
     publish, fetch = [], []
+    if getattr(args, "broker", None):
+        host, _, port_text = args.broker.rpartition(":")
+        if not host or not port_text.isdigit():
+            raise SystemExit(f"--broker {args.broker!r}: give HOST:PORT")
+        stamp = int(time.time())
+        for run in range(args.runs):
+            topic = f"bench-tank-{stamp}-{run}"  # a new topic a run: a broker keeps what it was sent
+            rate = _tank_publish(int(port_text), topic, args.records, args.size, 1000, 8, host)
+            publish.append(rate)
+            print(f"run {run}: publish {rate:,.0f} records/s acknowledged ({args.broker})", flush=True)
+            rate = _tank_fetch(int(port_text), topic, args.records // 1000 * 1000, 8 << 20, host)
+            fetch.append(rate)
+            print(f"run {run}: fetch {rate:,.0f} records/s ({args.broker})", flush=True)
+        return {"tank publish": publish, "tank fetch": fetch}
     for run in range(args.runs):
         tower, cfg = _mesh()
         with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:

@@ -1,0 +1,27 @@
+"""``dafka bench tank --broker HOST:PORT``: the same client measured against any Tank broker."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from dafka.bench.tank import bench_tank
+from dafka.config import NodeConfig
+from dafka.tank.gateway import Gateway
+
+
+@pytest.mark.timeout(120)
+def test_bench_tank_measures_a_broker_given_by_address(tmp_path: Path) -> None:
+    with Gateway(tmp_path / "gw", NodeConfig(towers=()), listen=("127.0.0.1", 0)) as gw:
+        args = argparse.Namespace(broker=f"127.0.0.1:{gw.tank_port}", runs=2, records=2000, size=50, no_sync=False)
+        got = bench_tank(args)
+        assert len(got["tank publish"]) == 2 and len(got["tank fetch"]) == 2
+        assert min(got["tank publish"] + got["tank fetch"]) > 0
+        assert len([t for t in gw.db.topics() if t.startswith("bench-tank-")]) == 2  # a topic a run
+
+
+def test_bench_tank_refuses_a_broker_without_a_port() -> None:
+    with pytest.raises(SystemExit, match="HOST:PORT"):
+        bench_tank(argparse.Namespace(broker="localhost", runs=1, records=1000, size=10, no_sync=False))
