@@ -35,7 +35,7 @@ Codecs, each body stored as the client sent it wherever its encoding allows:
     time (Dafka mesh records, C producers, hole repair, the upgrade of a
     format-1 store): ``payload:u64`` (content plus key bytes of the block's
     records, what retention by size counts), ``ends:u32 * count`` (where each
-    record ends, counted from the first record's start), then the records,
+    record ends, counted from the block's first byte, header included), then the records,
     each a format-1 stored value (``ts_ms:u64 flags:u8 [key_len:u8 key]
     content``, :mod:`dafka.store.layout`), so every flag of format 1 (Tank
     key, producer timestamp, Kafka key and headers, null) is kept.  Building a
@@ -672,19 +672,22 @@ def _ends(count: int) -> struct.Struct:
     return st
 
 
-def store_block(first_offset: int, values: Sequence[bytes], payload: int) -> bytes:
+def store_block(first_offset: int, values: Sequence[bytes], payload: int, *, checked: bool = False) -> bytes:
     """A CODEC_STORE block of format-1 ``values`` at offsets ``first_offset, first_offset + 1, ...``.
 
     ``payload`` is their content plus key bytes (the writer knows it).  The
     timestamps come from the values: the first one's, and the largest (values
     begin with the big-endian timestamp, so the largest value bytewise has it).
+    ``checked``: the caller built every value with its header (the writer), so
+    their lengths are not checked again.
     """
     n = len(values)
     if not n:
         raise ProtocolError("a block holds at least one record")
-    if min(map(len, values)) < _VALUE_HEADER.size:
+    if not checked and min(map(len, values)) < _VALUE_HEADER.size:
         raise ProtocolError("a stored value is shorter than its header")
-    ends = _ends(n).pack(*accumulate(map(len, values)))
+    # Where each record ends, counted from the block's first byte: a reader slices with no sums.
+    ends = _ends(n).pack(*islice(accumulate(map(len, values), initial=_STORE_BASE + 4 * n), 1, None))
     # Format-1 timestamps are u64 (a Tank client may give any), the header's i64: one past
     # 2^63 - 1 is kept in the record and counts as 2^63 - 1 (never old enough to expire).
     first_ts = min(_PAYLOAD.unpack_from(values[0])[0], _I64_MAX)
@@ -693,23 +696,30 @@ def store_block(first_offset: int, values: Sequence[bytes], payload: int) -> byt
     return _seal(CODEC_STORE, COMPRESSION_NONE, first_offset, first_offset + n - 1, n, first_ts, max_ts, body)
 
 
-def store_values(value: bytes, hdr: BlockHeader, offset: int, n: int) -> list[bytes]:
-    """Up to ``n`` format-1 values of a CODEC_STORE block from ``offset`` (inside the block) on."""
+def store_values(value: bytes | memoryview, hdr: BlockHeader, offset: int, n: int) -> list[bytes]:
+    """Up to ``n`` format-1 values (bytes) of a CODEC_STORE block from ``offset`` (inside the block) on."""
     count = hdr.record_count
     i = offset - hdr.first_offset
     j = i + n if i + n < count else count
     if i < 0 or i >= j:
         return []
-    ends = _ends(count).unpack_from(value, _STORE_BASE)
-    base = _STORE_BASE + 4 * count
-    starts = ends[i - 1] + base if i else base
-    if j - i == 1:
-        return [value[starts:ends[i] + base]]
-    if i:
-        bounds = [e + base for e in ends[i - 1:j]]
+    if i:  # the end of record i - 1 is where record i starts
+        bounds = _ends(j - i + 1).unpack_from(value, _STORE_BASE + 4 * (i - 1))
     else:
-        bounds = [base, *(e + base for e in ends[:j])]
-    return list(map(value.__getitem__, map(slice, bounds, islice(bounds, 1, None))))
+        bounds = (_STORE_BASE + 4 * count, *_ends(j).unpack_from(value, _STORE_BASE))
+    lo = bounds[0]
+    if isinstance(value, memoryview):  # a zero-copy LMDB value: copy out about what is asked
+        hi = bounds[-1]
+        if j - i == 1:
+            return [value[lo:hi].tobytes()]
+        if lo < hi - lo:  # copying from the block's start costs less than shifting every bound
+            value = value[:hi].tobytes()
+        else:
+            chunk = value[lo:hi].tobytes()
+            return [chunk[a - lo:b - lo] for a, b in zip(bounds, bounds[1:])]
+    if j - i == 1:
+        return [value[lo:bounds[1]]]
+    return [value[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def store_payload(value: bytes | memoryview) -> int:
@@ -723,18 +733,20 @@ def _scan_store(body: bytes, count: int, max_record_bytes: int) -> tuple[int, in
         raise ProtocolError(f"block body too short for {count} records")
     ends = _ends(count).unpack_from(body, 8)
     base = 8 + 4 * count
-    if ends[-1] != len(body) - base:
+    # The ends count from the block's first byte, the header included.
+    if ends[-1] != len(body) + HEADER_SIZE:
         raise ProtocolError("a CODEC_STORE block's last record does not end at the block's end")
-    prev = 0
+    prev = base + HEADER_SIZE
     payload = 0
     tss = []
     for e in ends:
         size = e - prev
         if size < 9:
             raise ProtocolError("a stored value is shorter than its header")
-        ts, flags = _VALUE_HEADER.unpack_from(body, base + prev)
+        at = prev - HEADER_SIZE
+        ts, flags = _VALUE_HEADER.unpack_from(body, at)
         if flags & _FLAG_KEY:
-            if size < 10 or 10 + body[base + prev + 9] > size:
+            if size < 10 or 10 + body[at + 9] > size:
                 raise ProtocolError("a stored value's key runs outside it")
             size -= 1
         if size - 9 > max_record_bytes:

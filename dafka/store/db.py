@@ -566,15 +566,17 @@ class RecordDB:
     # ------------------------------------------------------------------ transactions
 
     @contextmanager
-    def _read_txn(self) -> Iterator[tuple[lmdb.Transaction, _Dbs]]:
-        """A short read-only transaction; adopts a map grown by another process."""
+    def _read_txn(self, buffers: bool = False) -> Iterator[tuple[lmdb.Transaction, _Dbs]]:
+        """A short read-only transaction; adopts a map grown by another process.
+
+        ``buffers``: values (and keys) are zero-copy memoryviews, valid only inside it."""
         gate = self._gate
         gate.enter()
         try:
             while True:
                 env = self._live_env()
                 try:
-                    txn = env.begin()
+                    txn = env.begin(buffers=buffers)
                     break
                 except lmdb.MapResizedError:
                     # The writer (another process) grew the map past ours: remap,
@@ -1162,7 +1164,8 @@ class RecordDB:
         offsets past the head give ``(offset, [])``-like empty answers.
         """
         pkey = self._pkey(topic, partition)
-        with self._read_txn() as (txn, dbs):
+        # Zero-copy blocks: only the records asked for are copied out of the map.
+        with self._read_txn(buffers=True) as (txn, dbs):
             raw = txn.get(pkey, db=dbs.partitions)
             if raw is None:
                 return offset, []

@@ -37,7 +37,7 @@ _pack = BLOCK_KEY.pack
 _unpack = BLOCK_KEY.unpack
 
 
-def block_payload(hdr: BlockHeader, value: bytes) -> int:
+def block_payload(hdr: BlockHeader, value: bytes | memoryview) -> int:
     """The bytes a block adds to its partition's ``bytes`` total (content plus keys)."""
     if hdr.codec == CODEC_STORE:
         return store_payload(value)
@@ -71,7 +71,7 @@ def _as_value(codec: int, ts: int, key: bytes | None, content: bytes | None, hea
     return VALUE_HEADER.pack(ts, flags | FLAG_KEY) + bytes((len(key),)) + key + content
 
 
-def block_values(value: bytes, hdr: BlockHeader, offset: int, n: int) -> list[bytes]:
+def block_values(value: bytes | memoryview, hdr: BlockHeader, offset: int, n: int) -> list[bytes]:
     """Up to ``n`` format-1 values of consecutive offsets from ``offset`` (inside the block) on.
 
     A CODEC_STORE block is sliced (C-level passes); a client's block (Tank, Kafka) is
@@ -91,7 +91,7 @@ def block_values(value: bytes, hdr: BlockHeader, offset: int, n: int) -> list[by
     return out
 
 
-def seek(cur: Any, pid: int, offset: int) -> tuple[BlockHeader, bytes] | None:
+def seek(cur: Any, pid: int, offset: int) -> tuple[BlockHeader, bytes | memoryview] | None:
     """Put ``cur`` on the block of ``pid`` holding ``offset``, else on its first block after
     ``offset``: ``(header, value)``, or None when ``pid`` has no block at or after it.
 

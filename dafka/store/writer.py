@@ -41,12 +41,15 @@ Run = tuple[int, list[bytes], int, bool]
 
 def blocks_of(run: Run) -> list[tuple[int, bytes]]:
     """``(first offset, block)`` of the CODEC_STORE blocks holding ``run``, each at most
-    :data:`BLOCK_BYTES` of values (a single larger value is a block of its own)."""
+    :data:`BLOCK_BYTES` of values (a single larger value is a block of its own).
+
+    Its values are format-1 values built by the store (its packers, the compiled drain, hole
+    repair): each at least its 9-byte header."""
     first, values, payload, plain = run
     n = len(values)
     ends = list(accumulate(map(len, values)))
     if ends[-1] <= BLOCK_BYTES:
-        return [(first, store_block(first, values, payload))]
+        return [(first, store_block(first, values, payload, checked=True))]
     out = []
     i = 0
     done = 0
@@ -60,7 +63,7 @@ def blocks_of(run: Run) -> list[tuple[int, bytes]]:
             pay = size - 9 * len(chunk)
         else:
             pay = size - 9 * len(chunk) - sum(1 for v in chunk if v[8] & FLAG_KEY)
-        out.append((first + i, store_block(first + i, chunk, pay)))
+        out.append((first + i, store_block(first + i, chunk, pay, checked=True)))
         done = ends[j - 1]
         i = j
     return out

@@ -436,6 +436,7 @@ def test_store_blocks_that_lie_are_refused() -> None:
     good = B.store_block(7, values, 32)
     B.validate(good)
     body = bytearray(good[B.HEADER_SIZE:])
+    assert struct.unpack_from(">III", body, 8) == (91, 113, 132)  # ends count from the block's first byte
 
     def resealed(body: bytes, **fields: int) -> bytes:
         return _reseal(good[:B.HEADER_SIZE - 4] + b"\0" * 4 + body, body_size=len(body), **fields)
@@ -444,8 +445,8 @@ def test_store_blocks_that_lie_are_refused() -> None:
         B.store_block(7, values, 33),  # a payload that is not the records'
         _reseal(good, count=2, last=8),  # fewer records than the ends table holds
         _reseal(good, max_ts=TS + 9),  # a timestamp no record has
-        resealed(bytes(body[:8]) + struct.pack(">III", 19, 41, 61) + bytes(body[20:])),  # ends past the body
-        resealed(bytes(body[:8]) + struct.pack(">III", 5, 31, 50) + bytes(body[20:])),  # a record under 9 bytes
+        resealed(bytes(body[:8]) + struct.pack(">III", 91, 113, 133) + bytes(body[20:])),  # ends past the body
+        resealed(bytes(body[:8]) + struct.pack(">III", 77, 113, 132) + bytes(body[20:])),  # a record under 9 bytes
         resealed(bytes(body) + b"\0"),  # trailing bytes
     ]
     for liar in liars:
