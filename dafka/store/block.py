@@ -716,10 +716,10 @@ def store_values(value: bytes | memoryview, hdr: BlockHeader, offset: int, n: in
             value = value[:hi].tobytes()
         else:
             chunk = value[lo:hi].tobytes()
-            return [chunk[a - lo:b - lo] for a, b in zip(bounds, bounds[1:])]
+            return [chunk[a - lo:b - lo] for a, b in zip(bounds, bounds[1:], strict=False)]
     if j - i == 1:
         return [value[lo:bounds[1]]]
-    return [value[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [value[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def store_payload(value: bytes | memoryview) -> int:
