@@ -33,6 +33,7 @@ from dafka.bench.outbox import bench_outbox
 from dafka.bench.replay import bench_replay
 from dafka.bench.scale import bench_scale
 from dafka.bench.store import bench_store
+from dafka.bench.storedb import bench_storedb
 from dafka.bench.tank import bench_tank
 from dafka.bench.zmq_baseline import bench_zmq
 
@@ -63,6 +64,7 @@ def _options() -> dict[str, tuple[str, dict[str, Any]]]:
                                           "help": "each (publish waits for the fsync) or batch"}),
         "outbox": ("--outbox", {"action": "store_true", "help": "the producer publishes through an edge outbox"}),
         "no_batches": ("--no-batches", {"action": "store_true", "help": "one record a message, as to C readers"}),
+        "sync": ("--sync", {"action": "store_true", "help": "fsync every commit (its wait is not CPU time)"}),
         "broker": ("--broker", {"metavar": "HOST:PORT", "default": None,
                                 "help": "measure a running Tank broker (or gateway) there instead of a gateway"
                                         " started here; each run creates a topic"}),
@@ -78,6 +80,7 @@ _BENCHMARKS: dict[str, tuple[str, tuple[str, ...], dict[str, str]]] = {
     "live": ("producer -> consumer records/s", ("secure", "no_batches"), {}),
     "store": ("records/s acknowledged by a store", ("secure", "no_batches", "no_sync"), {}),
     "replay": ("a consumer reading stored records from the beginning", ("secure", "no_batches"), {}),
+    "storedb": ("the store's database layer alone: append and read, in CPU time", ("sync",), {}),
     "tank": ("publish and fetch through the Tank gateway (records/s)", ("no_sync", "broker"), {}),
     "kafka": ("a Kafka client through the Kafka gateway (records/s)", ("no_sync",), {}),
     "kafka-group": ("Kafka consumer group failover through the gateway (seconds)", ("no_sync",), {}),
@@ -127,6 +130,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "ceiling": bench_ceiling,
     "live": bench_live,
     "store": bench_store,
+    "storedb": bench_storedb,
     "replay": bench_replay,
     "tank": bench_tank,
     "kafka": bench_kafka,

@@ -90,7 +90,7 @@ order.
     splits the entry; retention deletes the entries below a partition's
     ``first``.  Created by the first hole; a writable open of a store with
     holes and no table (written before the table existed) builds it once
-    from the record keys.
+    from the block headers (after converting a format-1 store).
 
 Durability and concurrency
 ==========================
@@ -458,7 +458,7 @@ class RecordDB:
         """Record the holes of a store written before the ``holes`` table existed.
 
         Only partitions whose count says they have holes are scanned (their
-        record keys, once); a store without holes is not written to.
+        block headers, once); a store without holes is not written to.
         """
         with self._read_txn() as (txn, dbs):
             holed = [
