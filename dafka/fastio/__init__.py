@@ -30,7 +30,8 @@ def _load() -> tuple[object, str]:
         from dafka.fastio import _compiled  # type: ignore[attr-defined]
     except ImportError as exc:
         return _pure, f"the compiled extension does not load ({exc})"
-    missing = [name for name in ("drain_records", "drain_pairs", "send_records", "send_batches", "send_values", "recv_messages", "events", "send_frames")
+    missing = [name for name in ("drain_records", "drain_pairs", "send_records", "send_batches", "send_values", "recv_messages", "events", "send_frames",
+                                     "store_blocks", "block_slice", "fetch_blocks")
                if not hasattr(_compiled, name)]
     if missing:  # built from an older source: rebuild it
         return _pure, f"the compiled extension is out of date (no {', '.join(missing)}); rebuild it"
@@ -58,6 +59,9 @@ send_batches = _impl.send_batches  # type: ignore[attr-defined]
 send_values = _impl.send_values  # type: ignore[attr-defined]
 events = _impl.events  # type: ignore[attr-defined]
 send_frames = _impl.send_frames  # type: ignore[attr-defined]
+store_blocks = _impl.store_blocks  # type: ignore[attr-defined]
+block_slice = _impl.block_slice  # type: ignore[attr-defined]
+fetch_blocks = _impl.fetch_blocks  # type: ignore[attr-defined]
 
 _warned = False
 
@@ -88,12 +92,15 @@ __all__ = [
     "COMPILED",
     "IMPLEMENTATION",
     "REASON",
+    "block_slice",
     "describe",
     "drain_pairs",
+    "fetch_blocks",
     "drain_records",
     "recv_messages",
     "send_batches",
     "send_records",
     "send_values",
+    "store_blocks",
     "warn_if_pure",
 ]

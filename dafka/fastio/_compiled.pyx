@@ -20,7 +20,7 @@ cdef extern from "Python.h":
     PyObject *PyType_GenericAlloc(PyTypeObject *type, Py_ssize_t nitems)
     void PyObject_GC_UnTrack(void *op)
 from libc.errno cimport EAGAIN, EINTR
-from libc.stdint cimport uint64_t, uintptr_t
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.string cimport memchr, memcmp, memcpy
 
 import zmq
@@ -807,3 +807,241 @@ def drain_pairs(sock, int limit, dict by_prefix, list out, list segs, ts, on_rec
         z_msg_close(&head)
         z_msg_close(&body)
     return queued
+
+
+# ---------------------------------------------------------------- store format 2 blocks
+
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.tuple cimport PyTuple_Check, PyTuple_GET_ITEM, PyTuple_GET_SIZE
+
+from crc32c import crc32c as _crc32c
+
+from dafka.errors import ProtocolError
+from dafka.store.block import decode_header as _decode_header
+
+cdef enum:
+    _HEADER_SIZE = 52
+    _CRC_AT = 48
+    _STORE_BASE = 60  # a CODEC_STORE block's ends table: after the header and payload:u64
+    _CODEC_STORE = 4
+cdef uint64_t _I64_MAX = 0x7FFFFFFFFFFFFFFF
+
+
+cdef inline object _store_value(object item, int field):
+    """The format-1 value of one item (a value, or a tuple holding it at ``field``), checked."""
+    cdef object v = item
+    if field >= 0:
+        if not PyTuple_Check(item) or PyTuple_GET_SIZE(item) <= field:
+            raise TypeError("a stored item is not a tuple holding its value")
+        v = <object>PyTuple_GET_ITEM(item, field)
+    if not PyBytes_Check(v):
+        raise TypeError(f"a stored value is {type(v).__name__}, not bytes")
+    if PyBytes_GET_SIZE(v) < 9:
+        raise ProtocolError("a stored value is shorter than its header")
+    return v
+
+
+cdef object _store_block(list items, Py_ssize_t i, Py_ssize_t j, Py_ssize_t size,
+                         unsigned int pid, uint64_t first, int field):
+    """One CODEC_STORE block of the (checked) values of ``items[i:j]``, ``size`` bytes of them."""
+    cdef Py_ssize_t n = j - i, k
+    cdef Py_ssize_t body = 8 + 4 * n + size
+    if <uint64_t>(_HEADER_SIZE + body) > 0xFFFFFFFF:
+        raise ProtocolError(f"a block body of {body} bytes is over 4 GiB")
+    if first + <uint64_t>(n - 1) < first:
+        raise ProtocolError(f"block offsets {first}..{first + (n - 1)} out of range")
+    cdef bytes block = PyBytes_FromStringAndSize(NULL, _HEADER_SIZE + body)
+    cdef unsigned char *p = <unsigned char *>PyBytes_AS_STRING(block)
+    cdef unsigned char *ends = p + _STORE_BASE
+    cdef unsigned char *out = ends + 4 * n
+    cdef const unsigned char *src
+    cdef Py_ssize_t vlen
+    cdef uint64_t ts, first_ts = 0, max_ts = 0, payload = 0
+    cdef object v
+    for k in range(n):
+        v = _store_value(<object>PyList_GET_ITEM(items, i + k), field)
+        src = <const unsigned char *>PyBytes_AS_STRING(v)
+        vlen = PyBytes_GET_SIZE(v)
+        ts = _be64(src)
+        if k == 0:
+            first_ts = max_ts = ts
+        elif ts > max_ts:
+            max_ts = ts
+        payload += <uint64_t>(vlen - 9 - (src[8] & 1))
+        memcpy(out, src, vlen)
+        out += vlen
+        _put_be32(ends + 4 * k, <uint64_t>(out - p))
+    if out - p != _HEADER_SIZE + body:
+        raise RuntimeError("stored values changed size while a block was built")
+    # Format-1 timestamps are u64, the header's i64 (see dafka.store.block.store_block).
+    if first_ts > _I64_MAX:
+        first_ts = _I64_MAX
+    if max_ts > _I64_MAX:
+        max_ts = _I64_MAX
+    p[0] = 68  # b"DB"
+    p[1] = 66
+    p[2] = 2  # version
+    p[3] = _CODEC_STORE
+    p[4] = 0  # compression
+    p[5] = 0  # flags
+    p[6] = 0  # reserved
+    p[7] = 0
+    _put_be64(p + 8, first)
+    _put_be64(p + 16, first + <uint64_t>(n - 1))
+    _put_be32(p + 24, <uint64_t>n)
+    _put_be32(p + 28, <uint64_t>body)
+    _put_be64(p + 32, first_ts)
+    _put_be64(p + 40, max_ts)
+    _put_be64(p + _HEADER_SIZE, payload)
+    mv = memoryview(block)
+    cdef uint64_t crc = _crc32c(mv[_HEADER_SIZE:], _crc32c(mv[:_CRC_AT]))
+    mv.release()
+    _put_be32(p + _CRC_AT, crc)  # the block is new and not yet seen by anyone: filled in place
+    cdef bytes key = PyBytes_FromStringAndSize(NULL, 12)
+    p = <unsigned char *>PyBytes_AS_STRING(key)
+    _put_be32(p, pid)
+    _put_be64(p + 4, first)
+    return (key, block)
+
+
+def store_blocks(list items, Py_ssize_t lo, Py_ssize_t hi, unsigned int pid, uint64_t first_offset,
+                 Py_ssize_t block_bytes, int field):
+    """See :func:`dafka.fastio._pure.store_blocks`."""
+    cdef list out = []
+    cdef Py_ssize_t i, j, size, vlen
+    if lo < 0 or hi > PyList_GET_SIZE(items) or lo > hi:
+        raise IndexError("store_blocks: range outside the items")
+    i = lo
+    while i < hi:
+        size = PyBytes_GET_SIZE(_store_value(<object>PyList_GET_ITEM(items, i), field))
+        j = i + 1
+        while j < hi:
+            vlen = PyBytes_GET_SIZE(_store_value(<object>PyList_GET_ITEM(items, j), field))
+            if size + vlen > block_bytes:
+                break
+            size += vlen
+            j += 1
+        out.append(_store_block(items, i, j, size, pid, first_offset + <uint64_t>(i - lo), field))
+        i = j
+    return out
+
+
+cdef tuple _slice(object value, uint64_t offset, Py_ssize_t n):
+    cdef Py_buffer view
+    PyObject_GetBuffer(value, &view, PyBUF_SIMPLE)
+    cdef const unsigned char *p = <const unsigned char *>view.buf
+    cdef Py_ssize_t size = view.len
+    cdef uint64_t first, last, count, i, j, k, base, a, b
+    cdef int64_t ts0, tsmax
+    cdef list out
+    try:
+        if (size < _HEADER_SIZE or p[0] != 68 or p[1] != 66 or p[2] != 2 or p[3] < 1 or p[3] > 4
+                or p[5] or p[6] or p[7] or _be32(p + 28) != <uint64_t>(size - _HEADER_SIZE)):
+            _decode_header(value)  # raises its ProtocolError
+            raise ProtocolError("bad block header")
+        first = _be64(p + 8)
+        last = _be64(p + 16)
+        count = _be32(p + 24)
+        ts0 = <int64_t>_be64(p + 32)
+        tsmax = <int64_t>_be64(p + 40)
+        if count < 1 or last < first or last - first < count - 1 or tsmax < ts0:
+            _decode_header(value)
+            raise ProtocolError("bad block header")
+        if p[3] != _CODEC_STORE:
+            return first, last, None
+        out = []
+        i = offset - first if offset > first else 0
+        if n <= 0 or i >= count:
+            return first, last, out
+        j = i + <uint64_t>n if <uint64_t>n < count - i else count
+        base = _STORE_BASE + 4 * count
+        if base > <uint64_t>size:
+            raise ProtocolError("a CODEC_STORE block's ends table runs past its end")
+        a = base if i == 0 else _be32(p + _STORE_BASE + 4 * (i - 1))
+        if a < base:
+            raise ProtocolError("a CODEC_STORE block's ends table points outside it")
+        for k in range(i, j):
+            b = _be32(p + _STORE_BASE + 4 * k)
+            if b < a or b > <uint64_t>size:
+                raise ProtocolError("a CODEC_STORE block's ends table points outside it")
+            out.append(PyBytes_FromStringAndSize(<const char *>(p + a), <Py_ssize_t>(b - a)))
+            a = b
+        return first, last, out
+    finally:
+        PyBuffer_Release(&view)
+
+
+def block_slice(value, uint64_t offset, Py_ssize_t n):
+    """See :func:`dafka.fastio._pure.block_slice`."""
+    return _slice(value, offset, n)
+
+
+cdef tuple _block_values(object value, uint64_t offset, Py_ssize_t n, object convert):
+    cdef tuple found = _slice(value, offset, n)
+    if found[2] is None:
+        first = found[0]
+        found = (first, found[1], convert(value, offset if offset > first else first, n))
+    return found
+
+
+cdef int _key_pid(object key, unsigned int pid, uint64_t *first) except -1:
+    """1 if ``key`` (a block key, bytes or a buffer) is of partition ``pid`` (its first offset
+    then in ``first``), else 0."""
+    cdef Py_buffer view
+    cdef int same
+    PyObject_GetBuffer(key, &view, PyBUF_SIMPLE)
+    try:
+        if view.len != 12:
+            raise ProtocolError(f"a block key of {view.len} bytes")
+        same = _be32(<const unsigned char *>view.buf) == pid
+        first[0] = _be64(<const unsigned char *>view.buf + 4)
+        return same
+    finally:
+        PyBuffer_Release(&view)
+
+
+def fetch_blocks(cur, unsigned int pid, uint64_t start, last, Py_ssize_t n, convert):
+    """See :func:`dafka.fastio._pure.fetch_blocks`."""
+    cdef bytes key = PyBytes_FromStringAndSize(NULL, 12)
+    cdef unsigned char *p = <unsigned char *>PyBytes_AS_STRING(key)
+    cdef uint64_t kfirst = 0, expect, block_last
+    cdef tuple found = None, got
+    cdef list values, more
+    # The block holding start is the last one keyed at or below (pid, start): seek to the
+    # first key above (pid, start) and step back (:func:`dafka.fastio._pure.fetch_blocks`
+    # seeks (pid, start) and steps back only when it lands past it: the same blocks).
+    _put_be32(p, pid)
+    _put_be64(p + 4, start + 1)
+    cdef bint landed = start != 0xFFFFFFFFFFFFFFFF and cur.set_range(key)
+    cdef bint on_b = cur.prev() if landed else cur.last()
+    cdef tuple item
+    if on_b:
+        item = cur.item()  # one call for key and value
+    if on_b and _key_pid(item[0], pid, &kfirst):
+        found = _block_values(item[1], start, n, convert)
+        if found[1] < start:  # start is in a hole after this block: the next block, if of pid
+            if not landed or not cur.next() or not _key_pid(cur.key(), pid, &kfirst):
+                return last + 1, []
+            found = _block_values(cur.value(), start, n, convert)
+    else:  # no block of pid at or below start: the first one after it, if any
+        if not landed:
+            return last + 1, []
+        if not (cur.next() if on_b else cur.set_range(key)) or not _key_pid(cur.key(), pid, &kfirst):
+            return last + 1, []
+        found = _block_values(cur.value(), start, n, convert)
+    values = found[2]
+    if found[0] > start:
+        start = found[0]  # in a hole, or before the first block
+    block_last = found[1]
+    expect = start + <uint64_t>len(values)
+    while len(values) < n and expect == block_last + 1 and cur.next():
+        if not _key_pid(cur.key(), pid, &kfirst) or kfirst != expect:
+            break  # another partition, or a hole: the next call starts past it
+        got = _block_values(cur.value(), kfirst, n - len(values), convert)
+        more = got[2]
+        if not more:
+            break
+        block_last = got[1]
+        values.extend(more)
+        expect += <uint64_t>len(more)
+    return (start, values) if values else (last + 1, [])

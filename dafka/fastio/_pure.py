@@ -486,3 +486,130 @@ def drain_pairs(
     finally:
         close()
     return queued
+
+
+# ---------------------------------------------------------------- store format 2 blocks
+# Pure computation on the store's CODEC_STORE blocks (dafka.store.block), here beside the I/O
+# so that one switch (compiled or pure) chooses both; the compiled twin does each in one C pass.
+
+
+def store_blocks(items: Sequence[Any], lo: int, hi: int, pid: int, first_offset: int,
+                 block_bytes: int, field: int) -> list[tuple[bytes, bytes]]:
+    """LMDB ``(key, block)`` pairs of the CODEC_STORE blocks holding ``items[lo:hi]`` at
+    offsets ``first_offset, first_offset + 1, ...`` of partition ``pid``.
+
+    Each item is a format-1 value (``field`` -1) or a tuple holding one at ``field``.  A block
+    takes values while their bytes stay within ``block_bytes`` (one larger value is a block
+    of its own).  Its payload (content plus key bytes) is counted from the values.  Raises
+    ProtocolError for a value shorter than its 9-byte header or offsets past 2^64 - 1.
+    """
+    from dafka.store.block import BLOCK_KEY, store_block
+
+    values = list(items[lo:hi]) if field < 0 else [item[field] for item in items[lo:hi]]
+    for v in values:
+        if not isinstance(v, bytes):
+            raise TypeError(f"a stored value is {type(v).__name__}, not bytes")
+        if len(v) < 9:
+            raise ProtocolError("a stored value is shorter than its header")
+    out = []
+    n = len(values)
+    i = 0
+    while i < n:
+        size = len(values[i])
+        j = i + 1
+        while j < n and size + len(values[j]) <= block_bytes:
+            size += len(values[j])
+            j += 1
+        chunk = values[i:j]
+        payload = size - 9 * len(chunk) - sum(v[8] & 1 for v in chunk)
+        out.append((BLOCK_KEY.pack(pid, first_offset + i), store_block(first_offset + i, chunk, payload)))
+        i = j
+    return out
+
+
+def block_slice(value: Any, offset: int, n: int) -> tuple[int, int, list[bytes] | None]:
+    """``(first offset, last offset, values)`` of a stored block (bytes or a buffer): its header
+    checked for shape (:func:`dafka.store.block.decode_header`) and, for a CODEC_STORE block,
+    up to ``n`` format-1 values from ``offset`` (clamped to the block's first) on; ``values``
+    is None for the other codecs (their records need decoding).  Raises ProtocolError for a
+    bad header or an ends table that points outside the block or backwards."""
+    from dafka.store.block import CODEC_STORE, HEADER_SIZE, decode_header
+
+    hdr = decode_header(value)
+    first, count = hdr.first_offset, hdr.record_count
+    if hdr.codec != CODEC_STORE:
+        return first, hdr.last_offset, None
+    i = offset - first if offset > first else 0
+    j = i + n if i + n < count else count
+    if n <= 0 or i >= j:
+        return first, hdr.last_offset, []
+    base = HEADER_SIZE + 8 + 4 * count  # payload:u64, then ends:u32 * count
+    if base > len(value):
+        raise ProtocolError("a CODEC_STORE block's ends table runs past its end")
+    ends = struct.unpack_from(f">{j - i + (1 if i else 0)}I", value, HEADER_SIZE + 8 + 4 * (i - 1 if i else 0))
+    bounds = ends if i else (base, *ends)
+    if bounds[0] < base or bounds[-1] > len(value) or list(bounds) != sorted(bounds):
+        raise ProtocolError("a CODEC_STORE block's ends table points outside it")
+    return first, hdr.last_offset, [bytes(value[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def _block_values(value: Any, offset: int, n: int,
+                  convert: Callable[[Any, int, int], list[bytes]]) -> tuple[int, int, list[bytes]]:
+    first, last, values = block_slice(value, offset, n)
+    if values is None:
+        values = convert(value, offset if offset > first else first, n)
+    return first, last, values
+
+
+def fetch_blocks(cur: Any, pid: int, start: int, last: int, n: int,
+                 convert: Callable[[Any, int, int], list[bytes]]) -> tuple[int, list[bytes]]:
+    """Format-1 values of partition ``pid`` from the first offset held at or after ``start``
+    (its blocks keyed ``pid:u32 first_offset:u64`` in the LMDB table of cursor ``cur``): up to
+    ``n``, stopping at the next hole.  ``(first offset returned, values)``, or
+    ``(last + 1, [])`` when nothing is held from ``start`` on.
+
+    One ``set_range`` finds the block (one step back when it lands on the block after it);
+    CODEC_STORE blocks are sliced (:func:`block_slice`), others given to
+    ``convert(value, offset, n)``.
+    """
+    key = _BLOCK_KEY.pack(pid, start)
+    pkey = key[:4]
+    if cur.set_range(key):
+        if cur.key() == key:
+            found = _block_values(cur.value(), start, n, convert)
+        else:
+            found = None
+            if cur.prev():
+                if cur.key()[:4] == pkey:
+                    got = _block_values(cur.value(), start, n, convert)
+                    if got[1] >= start:
+                        found = got
+                if found is None:
+                    cur.next()
+            if found is None:
+                if cur.key()[:4] != pkey:
+                    return last + 1, []
+                found = _block_values(cur.value(), start, n, convert)  # the first block after a hole
+    else:
+        if not cur.last() or cur.key()[:4] != pkey:
+            return last + 1, []
+        found = _block_values(cur.value(), start, n, convert)
+        if found[1] < start:
+            return last + 1, []
+    first, block_last, values = found
+    if first > start:
+        start = first  # in a hole, or before the first block
+    expect = start + len(values)
+    while len(values) < n and expect == block_last + 1 and cur.next():
+        kpid, kfirst = _BLOCK_KEY.unpack(cur.key())
+        if kpid != pid or kfirst != expect:
+            break  # another partition, or a hole: the next call starts past it
+        _first, block_last, got = _block_values(cur.value(), kfirst, n - len(values), convert)
+        if not got:
+            break
+        values.extend(got)
+        expect += len(got)
+    return (start, values) if values else (last + 1, [])
+
+
+_BLOCK_KEY = struct.Struct(">IQ")

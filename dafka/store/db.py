@@ -135,6 +135,7 @@ from typing import Any, NamedTuple, TypeVar
 import lmdb
 
 from dafka.errors import ClosedError, DafkaError
+from dafka.fastio import fetch_blocks, store_blocks
 from dafka.store.block import BLOCK_KEY, decode_header, store_payload
 from dafka.store.blocktable import OverlapError, put_block
 from dafka.store.layout import (
@@ -155,10 +156,11 @@ from dafka.store.layout import (
     unpack_partition_key,
 )
 from dafka.store.lockfile import WriterLock
-from dafka.store.reader import fetch_values
+from dafka.store.reader import convert_block
 from dafka.store.retention import Retention, RetentionPolicy, RetentionResult, retention_txn
 from dafka.store.upgrade import RECORDS_DB, convert
 from dafka.store.writer import (
+    BLOCK_BYTES,
     PartState,
     Run,
     Skip,
@@ -876,6 +878,7 @@ class RecordDB:
         parts_db = dbs.partitions
         states: dict[tuple[str, str], PartState] = {}
         puts: dict[int, list[Run]] = {}
+        ready: dict[int, list[tuple[bytes, bytes]]] = {}  # blocks of ready pairs, by pid
         dups = 0
         next_pid: int | None = None
 
@@ -963,14 +966,14 @@ class RecordDB:
             if len(pairs) != sum(seg[4] - seg[3] + 1 for seg in segs):
                 raise ValueError(f"{len(pairs)} ready records, runs describe another number")
             self._append_pair_runs(txn, states, segs, covered, refusals, refuse)
-            # Each run of ready pairs becomes a run of values (segs describe them in order),
-            # the refused partitions' left out.
-            values = list(map(itemgetter(1), pairs))
+            # Each run of ready pairs becomes blocks (segs describe them in order), the
+            # refused partitions' left out: the blocks are built from the pairs' values in
+            # one compiled pass, the pairs' keys are not used.
             i = 0
             for seg in segs:
                 n = seg[4] - seg[3] + 1
                 if (seg[0], seg[1]) not in refusals:
-                    puts.setdefault(seg[2], []).append((seg[3], values[i : i + n], seg[5], True))
+                    ready.setdefault(seg[2], []).extend(store_blocks(pairs, i, i + n, seg[2], seg[3], BLOCK_BYTES, 1))
                 i += n
         hole_entries: list[tuple[bytes, bytes]] = []
         for st in states.values():
@@ -982,13 +985,12 @@ class RecordDB:
             hdb = self._holes_table(txn)
             for key, value in hole_entries:
                 txn.put(key, value, db=hdb)
-        if puts:
-            blocks = [
-                (BLOCK_KEY.pack(pid, first), block)
-                for pid in sorted(puts)
-                for run in puts[pid]
-                for first, block in blocks_of(run)
-            ]
+        if puts or ready:
+            blocks = []
+            for pid in sorted(puts.keys() | ready.keys()):
+                for run in puts.get(pid, ()):
+                    blocks.extend(blocks_of(run, pid))
+                blocks.extend(ready.get(pid, ()))
             cur = txn.cursor(db=dbs.blocks)
             tail = cur.key() if cur.last() else b""
             # MDB_APPEND is only valid past the last key of the whole table (the newest
@@ -1176,7 +1178,7 @@ class RecordDB:
                 n = count
             if n <= 0:
                 return start, []
-            return fetch_values(txn.cursor(db=dbs.blocks), pid, start, last, n)
+            return fetch_blocks(txn.cursor(db=dbs.blocks), pid, start, last, n, convert_block)
 
     def fetch(self, topic: str, partition: str, offset: int, count: int) -> tuple[int, list[bytes]]:
         """Like :meth:`fetch_raw` but only the contents (what a Dafka consumer gets):
@@ -1329,7 +1331,7 @@ class RecordDB:
             if not runs:
                 continue
             for run in runs:
-                for _first, block in blocks_of(run):
+                for _key, block in blocks_of(run, pid):
                     try:
                         hdr = put_block(txn, dbs.blocks, pid, block)
                     except OverlapError as exc:  # never overwritten; the hole entry was wrong

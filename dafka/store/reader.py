@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dafka.fastio import fetch_blocks
 from dafka.store.block import (
     BLOCK_KEY,
     CODEC_KAFKA,
@@ -31,7 +32,7 @@ from dafka.store.layout import (
     VALUE_HEADER,
 )
 
-__all__ = ["block_payload", "block_values", "fetch_values", "seek"]
+__all__ = ["block_payload", "block_values", "convert_block", "fetch_values", "seek"]
 
 _pack = BLOCK_KEY.pack
 _unpack = BLOCK_KEY.unpack
@@ -120,27 +121,18 @@ def seek(cur: Any, pid: int, offset: int) -> tuple[BlockHeader, bytes | memoryvi
     return (hdr, value) if hdr.last_offset >= offset else None
 
 
+def convert_block(value: bytes | memoryview, offset: int, n: int) -> list[bytes]:
+    """Up to ``n`` format-1 values of a client's block (Tank, Kafka) from ``offset`` on."""
+    return block_values(value, decode_header(value), offset, n)
+
+
 def fetch_values(cur: Any, pid: int, start: int, last: int, n: int) -> tuple[int, list[bytes]]:
     """Format-1 values of ``pid`` from the first offset held at or after ``start``: up to
     ``n``, stopping at the next hole.  ``(first offset returned, values)``, or
-    ``(last + 1, [])`` when nothing is held from ``start`` on."""
-    found = seek(cur, pid, start)
-    if found is None:
-        return last + 1, []
-    hdr, value = found
-    if hdr.first_offset > start:
-        start = hdr.first_offset  # in a hole, or before the first block
-    values = block_values(value, hdr, start, n)
-    expect = start + len(values)
-    while len(values) < n and expect == hdr.last_offset + 1 and cur.next():
-        kpid, kfirst = _unpack(cur.key())
-        if kpid != pid or kfirst != expect:
-            break  # another partition, or a hole: the next call starts past it
-        value = cur.value()
-        hdr = decode_header(value)
-        got = block_values(value, hdr, kfirst, n - len(values))
-        if not got:
-            break
-        values.extend(got)
-        expect += len(got)
-    return (start, values) if values else (last + 1, [])
+    ``(last + 1, [])`` when nothing is held from ``start`` on.
+
+    The block holding ``start`` is one ``set_range`` away (and one step back when it lands on
+    the block after it); a read within one block is that seek and one slice, in the
+    compiled extension (:func:`dafka.fastio.fetch_blocks`)."""
+    got: tuple[int, list[bytes]] = fetch_blocks(cur, pid, start, last, n, convert_block)
+    return got

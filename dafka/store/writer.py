@@ -9,12 +9,10 @@ most :data:`BLOCK_BYTES` (:func:`dafka.store.block.store_block`), one LMDB value
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from itertools import accumulate
 from typing import Any
 
-from dafka.store.block import store_block
+from dafka.fastio import store_blocks
 from dafka.store.layout import FLAG_KEY, FLAG_PRODUCER_TS, MAX_NAME, PARTITION_INFO, VALUE_HEADER
 
 __all__ = [
@@ -39,34 +37,15 @@ BLOCK_BYTES = 64 << 10
 Run = tuple[int, list[bytes], int, bool]
 
 
-def blocks_of(run: Run) -> list[tuple[int, bytes]]:
-    """``(first offset, block)`` of the CODEC_STORE blocks holding ``run``, each at most
-    :data:`BLOCK_BYTES` of values (a single larger value is a block of its own).
+def blocks_of(run: Run, pid: int) -> list[tuple[bytes, bytes]]:
+    """LMDB ``(key, block)`` pairs of the CODEC_STORE blocks of partition ``pid`` holding ``run``,
+    each at most :data:`BLOCK_BYTES` of values (a single larger value is a block of its own).
 
     Its values are format-1 values built by the store (its packers, the compiled drain, hole
-    repair): each at least its 9-byte header."""
-    first, values, payload, plain = run
-    n = len(values)
-    ends = list(accumulate(map(len, values)))
-    if ends[-1] <= BLOCK_BYTES:
-        return [(first, store_block(first, values, payload, checked=True))]
-    out = []
-    i = 0
-    done = 0
-    while i < n:
-        j = bisect_right(ends, done + BLOCK_BYTES, i)
-        if j <= i:
-            j = i + 1
-        chunk = values[i:j]
-        size = ends[j - 1] - done
-        if plain:
-            pay = size - 9 * len(chunk)
-        else:
-            pay = size - 9 * len(chunk) - sum(1 for v in chunk if v[8] & FLAG_KEY)
-        out.append((first + i, store_block(first + i, chunk, pay, checked=True)))
-        done = ends[j - 1]
-        i = j
-    return out
+    repair); one pass of the compiled extension (:func:`dafka.fastio.store_blocks`)."""
+    values = run[1]
+    blocks: list[tuple[bytes, bytes]] = store_blocks(values, 0, len(values), pid, run[0], BLOCK_BYTES, -1)
+    return blocks
 
 
 def group(batch: Sequence[Sequence[Any]]) -> dict[tuple[str, str], list[Sequence[Any]]]:
