@@ -24,7 +24,7 @@ from dafka.core import wire
 from dafka.core.gaps import PartitionTracker
 from dafka.fastio import _pure
 from dafka.nodes.consumer import ConsumerRecord
-from dafka.store.layout import RECORD_KEY, pack_value
+from dafka.store.layout import pack_value
 
 try:
     from dafka.fastio import _compiled  # type: ignore[attr-defined]
@@ -388,7 +388,7 @@ def test_drain_pairs_same_pairs(pair: Pair, events: list[Any]) -> None:
     assert pure == compiled
     queued, out, segs, calls, _ = compiled
     assert queued + len(calls) == units
-    pairs = [item for item in out if item[0] != "slow"]
+    pairs = [item for item in out if not isinstance(item, tuple)]
     assert len(pairs) == queued == sum(last - first + 1 for _, _, _, first, last, _ in segs)
 
 
@@ -428,8 +428,8 @@ def test_drain_pairs_drops_what_is_too_large_alike(pair: Pair, events: list[Any]
     assert pure == compiled
     queued, out, segs, calls, _ = compiled
     assert queued + len(calls) == units
-    # Queued pairs are (key, ts:8 flags:1 content); slow deliveries (..., content).
-    assert all((len(item[3]) if item[0] == "slow" else len(item[1]) - 9) <= max_size for item in out)
+    # Queued values are ts:8 flags:1 content; slow deliveries ("slow", ..., content).
+    assert all((len(item[3]) if isinstance(item, tuple) else len(item) - 9) <= max_size for item in out)
     assert sum(c[0] == "too large" for c in calls) == sum(
         len(c) > max_size
         for kind, partition, _, content in events
@@ -447,7 +447,7 @@ def test_drain_refuses_a_negative_max_size(impl: Any, pair: Pair) -> None:
 @pytest.mark.parametrize("batched", [False, True], ids=["records", "batch"])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_drain_pairs_builds_the_lmdb_layout(impl: Any, pair: Pair, batched: bool) -> None:
-    # The pairs are byte-identical to what RecordDB stores for these records,
+    # The values are byte-identical to what RecordDB stores for these records,
     # whether they came one a message or in a batch.
     tracker = PartitionTracker(TOPIC, PARTITIONS[0], 5)
     tracker.pid = 3
@@ -464,9 +464,8 @@ def test_drain_pairs_builds_the_lmdb_layout(impl: Any, pair: Pair, batched: bool
         if got == 3 or not pair.rx.poll(1000):
             break
         got += impl.drain_pairs(pair.rx, 10, by_prefix, out, segs, 1_700_000_000_123, None, None)
-    assert out == [
-        (RECORD_KEY.pack(3, 5 + i), pack_value(1_700_000_000_123, c)) for i, c in enumerate(contents)
-    ]
+    # Stored values only: format 2's blocks need no LMDB key a record.
+    assert out == [pack_value(1_700_000_000_123, c) for c in contents]
     # One run per drain call that read records: together 5..7, contiguous, 301 content bytes.
     assert all(seg[:3] == (TOPIC, PARTITIONS[0], 3) for seg in segs)
     assert [seg[3] for seg in segs] == [5] + [seg[4] + 1 for seg in segs[:-1]]

@@ -674,20 +674,14 @@ cdef class _PairCursor:
         return 0
 
 
-cdef object _pair(unsigned int pid, uint64_t seq, uint64_t ts, const unsigned char *data, size_t size):
-    """The LMDB key (pid:u32 offset:u64) and value (ts_ms:u64 flags:u8 content) of a record."""
-    cdef bytes rkey = PyBytes_FromStringAndSize(NULL, 12)
-    cdef unsigned char *p = <unsigned char *>PyBytes_AS_STRING(rkey)
-    _put_be32(p, pid)
-    _put_be64(p + 4, seq)
+cdef bytes _value(uint64_t ts, const unsigned char *data, size_t size):
+    """The stored format-1 value (ts_ms:u64 flags:u8 = 0, content) of a record."""
     cdef bytes value = PyBytes_FromStringAndSize(NULL, 9 + size)
-    p = <unsigned char *>PyBytes_AS_STRING(value)
+    cdef unsigned char *p = <unsigned char *>PyBytes_AS_STRING(value)
     _put_be64(p, ts)
     p[8] = 0
     memcpy(p + 9, data, size)
-    item = (rkey, value)
-    PyObject_GC_UnTrack(<PyObject *>item)  # bytes only: no cycle through it
-    return item
+    return value
 
 
 def drain_pairs(sock, int limit, dict by_prefix, list out, list segs, ts, on_record, on_message,
@@ -775,7 +769,7 @@ def drain_pairs(sock, int limit, dict by_prefix, list out, list segs, ts, on_rec
                         on_too_large(tracker, seq, n)
                     elif cur.fast and seq == cur.next:
                         cur.next = seq + 1
-                        item = _pair(cur.pid, seq, ts64, bdata + pos, n)
+                        item = _value(ts64, bdata + pos, n)
                         cur.nbytes += n
                         out.append(item)
                         queued += 1
@@ -794,7 +788,7 @@ def drain_pairs(sock, int limit, dict by_prefix, list out, list segs, ts, on_rec
                 on_too_large(tracker, seq, bsize)
             elif cur.fast and seq == cur.next:
                 cur.next = seq + 1
-                item = _pair(cur.pid, seq, ts64, <const unsigned char *>z_msg_data(&body), bsize)
+                item = _value(ts64, <const unsigned char *>z_msg_data(&body), bsize)
                 cur.nbytes += bsize
                 out.append(item)
                 queued += 1

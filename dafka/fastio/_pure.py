@@ -349,7 +349,6 @@ def send_values(
     return sent
 
 
-_u32 = struct.Struct(">I").pack  # LMDB record key: pid:u32 offset:u64
 _value_header = struct.Struct(">QB").pack  # LMDB record value header: ts_ms:u64 flags:u8
 
 
@@ -357,7 +356,7 @@ def drain_pairs(
     sock: zmq.Socket,
     limit: int,
     by_prefix: dict[bytes, Any],
-    out: list[tuple[bytes, bytes]],
+    out: list[bytes],
     segs: list[tuple[str, str, int, int, int, int]],
     ts: int,
     on_record: Callable[[Any, int, bytes], None],
@@ -365,11 +364,11 @@ def drain_pairs(
     max_size: int | None = None,
     on_too_large: Callable[[Any, int, int], None] | None = None,
 ) -> int:
-    """As :func:`drain_records`, for a store: records go out as ready LMDB ``(key, value)`` pairs.
+    """As :func:`drain_records`, for a store: records go out as ready stored values.
 
     Only partitions whose tracker has a ``pid`` (stored partitions) take the
-    fast path: the next record becomes ``(pid:u32 offset:u64, ts_ms:u64 0:u8
-    content)`` in ``out``, and each run of consecutive records with one
+    fast path: the next record becomes its format-1 value ``ts_ms:u64 0:u8
+    content`` in ``out`` (the store's blocks need no key a record), and each run of consecutive records with one
     header prefix adds ``(subject, address, pid, first, last, content_bytes)``
     to ``segs`` when it ends.  Records of partitions without a pid, and
     records out of order, go to ``on_record``; records longer than
@@ -386,7 +385,6 @@ def drain_pairs(
     fast = batch = False
     nxt = start = nbytes = 0
     extra = 0  # see drain_records
-    pid_bytes = b""
 
     def close() -> None:
         nonlocal start, nbytes
@@ -433,14 +431,11 @@ def drain_pairs(
                     and 0 <= nxt < 0xFFFFFFFFFFFFFFFF
                     and 0 <= pid <= 0xFFFFFFFF
                 )
-                if fast:
-                    pid_bytes = _u32(pid)
-                else:
+                if not fast:
                     nxt = 0
                 start, nbytes = nxt, 0
                 batch = _is_batch(key)
-            tail = header[-8:]
-            seq = _seq_at(tail)[0]
+            seq = _seq_at(header, len(header) - 8)[0]
             if batch:
                 # Many records in one message (see drain_records).
                 contents = _batch_contents(content, seq)
@@ -459,7 +454,7 @@ def drain_pairs(
                         on_too_large(tracker, seq, len(content))  # type: ignore[misc]
                     elif fast and seq == nxt:
                         nxt += 1
-                        append((pid_bytes + _pack(seq), hdr + content))
+                        append(hdr + content)
                         nbytes += len(content)
                         queued += 1
                     else:
@@ -475,8 +470,7 @@ def drain_pairs(
                 on_too_large(tracker, seq, len(content))  # type: ignore[misc]
             elif fast and seq == nxt:
                 nxt += 1
-                # The key is pid:u32 + the header's own big-endian sequence.
-                append((pid_bytes + tail, hdr + content))
+                append(hdr + content)
                 nbytes += len(content)
                 queued += 1
             else:
@@ -586,6 +580,8 @@ def fetch_blocks(cur: Any, pid: int, start: int, last: int, n: int,
                         found = got
                 if found is None:
                     cur.next()
+            else:  # nothing keyed before: back on the block it landed on
+                cur.set_range(key)
             if found is None:
                 if cur.key()[:4] != pkey:
                     return last + 1, []

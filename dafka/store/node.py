@@ -55,7 +55,7 @@ from dafka.nodes.reader import NOBLOCK, PartitionReader, unheard_may_wait
 from dafka.store.acks import AckRepeats
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.holes import HoleRepair
-from dafka.store.layout import RECORD_KEY, VALUE_HEADER
+from dafka.store.layout import VALUE_HEADER
 from dafka.store.linger import TrickleLinger
 
 log = logging.getLogger("dafka.store")
@@ -120,7 +120,7 @@ MAX_ADDRESS = 64  # characters of an address counted as a FETCH subscriber (ours
 # What the writer commits at once: tuples, ready pairs, their runs, skips, and
 # records for recorded holes (content None: an offset given up for good).
 _Fill = tuple[str, str, int, bytes | None, int]
-_Work = tuple[list[Any], list[tuple[bytes, bytes]], list[Any], list[tuple[str, str, int, int]], list[_Fill]]
+_Work = tuple[list[Any], list[bytes], list[Any], list[tuple[str, str, int, int]], list[_Fill]]
 
 
 @dataclass(slots=True)
@@ -148,7 +148,7 @@ class Store(PartitionReader):
         """Everyone: a store hears every producer and consumer, and the other stores."""
         return beacon.Interest(beacon.STORE)
 
-    # Records of stored partitions are queued as ready LMDB pairs (fastio.drain_pairs).
+    # Records of stored partitions are queued as ready stored values (fastio.drain_pairs).
     # Off where other code queues records of the same partitions (the Tank gateway).
     ready_pairs = True
 
@@ -190,9 +190,9 @@ class Store(PartitionReader):
             self._topics_of.setdefault(info.partition, set()).add(info.topic)
             self._pids[(info.topic, info.partition)] = info.pid
         self._batch: list[tuple[Any, ...]] = []
-        # Ready LMDB (key, value) pairs of stored partitions and their runs
+        # Ready stored values of stored partitions and their runs
         # (topic, partition, pid, first, last, bytes); committed after _batch.
-        self._pairs: list[tuple[bytes, bytes]] = []
+        self._pairs: list[bytes] = []
         self._segs: list[tuple[str, str, int, int, int, int]] = []
         self._trickle = TrickleLinger()  # the rest after a small read
         # Offsets given up (nobody had them), committed with the records after them.
@@ -450,7 +450,7 @@ class Store(PartitionReader):
         self.commit_sizes.observe(len(batch) + len(pairs))
         received: Any = batch[0][4] if batch and len(batch[0]) == 5 else None  # mesh records: ms stamp
         if received is None and pairs:
-            received = int.from_bytes(pairs[0][1][:8], "big")
+            received = int.from_bytes(pairs[0][:8], "big")
         if isinstance(received, int):
             # From the oldest record's receipt to its ACK.
             self.ack_latency.observe(max(0.0, time.time() - received / 1000))
@@ -633,10 +633,9 @@ class Store(PartitionReader):
             for seq, content in records:
                 append((subject, partition, seq, content, ts))
             return
-        # The slow path of drain_pairs: the same pairs and run, built here.
+        # The slow path of drain_pairs: the same values and run, built here.
         hdr = VALUE_HEADER.pack(ts, 0)
-        pack_key = RECORD_KEY.pack
-        self._pairs.extend([(pack_key(pid, seq), hdr + content) for seq, content in records])
+        self._pairs.extend([hdr + content for _seq, content in records])
         first = records[0][0]
         self._segs.append(
             (subject, partition, pid, first, first + len(records) - 1, sum(len(c) for _, c in records))
