@@ -824,6 +824,8 @@ cdef uint64_t _I64_MAX = 0x7FFFFFFFFFFFFFFF
 cdef inline object _store_value(object item, int field):
     """The format-1 value of one item (a value, or a tuple holding it at ``field``), checked."""
     cdef object v = item
+    if field < 0 and PyTuple_Check(item):
+        field = 1  # a format-1 (key, value) pair among values (the Kafka gateway queues those)
     if field >= 0:
         if not PyTuple_Check(item) or PyTuple_GET_SIZE(item) <= field:
             raise TypeError("a stored item is not a tuple holding its value")

@@ -492,14 +492,15 @@ def store_blocks(items: Sequence[Any], lo: int, hi: int, pid: int, first_offset:
     """LMDB ``(key, block)`` pairs of the CODEC_STORE blocks holding ``items[lo:hi]`` at
     offsets ``first_offset, first_offset + 1, ...`` of partition ``pid``.
 
-    Each item is a format-1 value (``field`` -1) or a tuple holding one at ``field``.  A block
+    Each item is a format-1 value, or a tuple holding one at ``field`` (at 1, a format-1
+    ``(key, value)`` pair, where ``field`` is -1).  A block
     takes values while their bytes stay within ``block_bytes`` (one larger value is a block
     of its own).  Its payload (content plus key bytes) is counted from the values.  Raises
     ProtocolError for a value shorter than its 9-byte header or offsets past 2^64 - 1.
     """
     from dafka.store.block import BLOCK_KEY, store_block
 
-    values = list(items[lo:hi]) if field < 0 else [item[field] for item in items[lo:hi]]
+    values = [item[field if field >= 0 else 1] if isinstance(item, tuple) else item for item in items[lo:hi]]
     for v in values:
         if not isinstance(v, bytes):
             raise TypeError(f"a stored value is {type(v).__name__}, not bytes")

@@ -840,7 +840,7 @@ class RecordDB:
     def append_pairs(
         self,
         batch: Sequence[Sequence[Any]],
-        pairs: list[bytes] | list[tuple[bytes, bytes]],
+        pairs: list[bytes | tuple[bytes, bytes]],
         segs: Sequence[tuple[str, str, int, int, int, int]],
         gate: AbstractContextManager[Any] | None = None,
         *,
@@ -878,7 +878,7 @@ class RecordDB:
         units: list[Unit],
         skips: Sequence[Skip],
         rejected: dict[tuple[str, str], str] | None,
-        pairs: list[bytes] | list[tuple[bytes, bytes]] | None = None,
+        pairs: list[bytes | tuple[bytes, bytes]] | None = None,
         segs: Sequence[tuple[str, str, int, int, int, int]] = (),
         gate: AbstractContextManager[Any] | None = None,
     ) -> dict[tuple[str, str], int]:
@@ -904,7 +904,7 @@ class RecordDB:
         self,
         txn: lmdb.Transaction,
         units: list[Unit],
-        pairs: list[bytes] | list[tuple[bytes, bytes]] | None,
+        pairs: list[bytes | tuple[bytes, bytes]] | None,
         segs: Sequence[tuple[str, str, int, int, int, int]],
         gate: AbstractContextManager[Any] | None,
         covered: Callable[[tuple[str, str], int, int], bool] | None,
@@ -1006,12 +1006,11 @@ class RecordDB:
             # Each run of ready pairs becomes blocks (segs describe them in order), the
             # refused partitions' left out: the blocks are built from the pairs' values in
             # one compiled pass, the pairs' keys are not used.
-            field = 1 if isinstance(pairs[0], tuple) else -1  # (key, value) pairs, or values
             i = 0
             for seg in segs:
                 n = seg[4] - seg[3] + 1
                 if (seg[0], seg[1]) not in refusals:
-                    ready.setdefault(seg[2], []).extend(store_blocks(pairs, i, i + n, seg[2], seg[3], BLOCK_BYTES, field))
+                    ready.setdefault(seg[2], []).extend(store_blocks(pairs, i, i + n, seg[2], seg[3], BLOCK_BYTES, -1))
                 i += n
         hole_entries: list[tuple[bytes, bytes]] = []
         for st in states.values():

@@ -120,7 +120,7 @@ MAX_ADDRESS = 64  # characters of an address counted as a FETCH subscriber (ours
 # What the writer commits at once: tuples, ready pairs, their runs, skips, and
 # records for recorded holes (content None: an offset given up for good).
 _Fill = tuple[str, str, int, bytes | None, int]
-_Work = tuple[list[Any], list[bytes], list[Any], list[tuple[str, str, int, int]], list[_Fill]]
+_Work = tuple[list[Any], list[Any], list[Any], list[tuple[str, str, int, int]], list[_Fill]]
 
 
 @dataclass(slots=True)
@@ -192,7 +192,7 @@ class Store(PartitionReader):
         self._batch: list[tuple[Any, ...]] = []
         # Ready stored values of stored partitions and their runs
         # (topic, partition, pid, first, last, bytes); committed after _batch.
-        self._pairs: list[bytes] = []
+        self._pairs: list[Any] = []  # values (the drain), or (key, value) pairs (the Kafka gateway)
         self._segs: list[tuple[str, str, int, int, int, int]] = []
         self._trickle = TrickleLinger()  # the rest after a small read
         # Offsets given up (nobody had them), committed with the records after them.
@@ -450,7 +450,10 @@ class Store(PartitionReader):
         self.commit_sizes.observe(len(batch) + len(pairs))
         received: Any = batch[0][4] if batch and len(batch[0]) == 5 else None  # mesh records: ms stamp
         if received is None and pairs:
-            received = int.from_bytes(pairs[0][:8], "big")
+            value = pairs[0]
+            if isinstance(value, tuple):  # a (key, value) pair queued by the Kafka gateway
+                value = value[1]
+            received = int.from_bytes(value[:8], "big")
         if isinstance(received, int):
             # From the oldest record's receipt to its ACK.
             self.ack_latency.observe(max(0.0, time.time() - received / 1000))

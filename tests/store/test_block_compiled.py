@@ -190,3 +190,13 @@ def test_fetch_blocks_key_of_another_size_is_refused(tmp_path: Any) -> None:
                 _compiled.fetch_blocks(txn.cursor(), 1, 5, 9, 1, _convert)
     finally:
         env.close()
+
+
+def test_store_blocks_take_values_and_pairs_mixed() -> None:
+    """The store's queue holds the drain's values and the Kafka gateway's (key, value) pairs
+    side by side: both become the same blocks (the gateway's commit failed on the mix)."""
+    values = [_value(TS + i, b"k" if i % 3 else None, b"c%d" % i) for i in range(50)]
+    mixed: list[Any] = [(b"key", v) if i % 2 else v for i, v in enumerate(values)]
+    want = _pure.store_blocks(values, 0, 50, 9, 100, 400, -1)
+    assert _pure.store_blocks(mixed, 0, 50, 9, 100, 400, -1) == want
+    assert _compiled.store_blocks(mixed, 0, 50, 9, 100, 400, -1) == want
