@@ -52,6 +52,7 @@ from typing import Any, Protocol
 
 from dafka.errors import ProtocolError
 from dafka.gateway.connections import LogLimiter
+from dafka.kafka.admin import MAX_ADMIN_ITEMS, RETENTION_KEYS, AdminHandlers, parse_retention
 from dafka.kafka.codec import API_VERSIONS, Err, N, api_keys, encode_fetch_parts, encode_response
 from dafka.kafka.groups import Answer, Coordinator
 from dafka.kafka.records import (
@@ -117,6 +118,15 @@ class Backend(Protocol):
     def positions(self, group: str) -> dict[tuple[str, str], int]: ...
     def put_positions(self, group: str, positions: dict[tuple[str, str], int]) -> None: ...
     def broadcast_positions(self, group: str, positions: dict[tuple[str, str], int]) -> None: ...
+    # the admin API (dafka.kafka.admin)
+    def client_host(self, token: Any) -> str: ...
+    def topic_retention(self, topic: str) -> tuple[int | None, int | None, int]: ...
+    def static_retention(self, topic: str) -> tuple[int | None, int | None]: ...
+    def default_retention(self) -> tuple[int | None, int | None]: ...
+    def set_topic_retention(self, topic: str, age_ms: int | None, max_bytes: int | None) -> None: ...
+    def add_partitions(self, topic: str, count: int) -> bool: ...
+    def delete_front(self, topic: str, address: str, before: int, max_records: int) -> tuple[int, bool]: ...
+    def delete_positions(self, group: str, keys: list[tuple[str, str]] | None) -> int: ...
 
 
 @dataclass(slots=True)
@@ -171,8 +181,9 @@ def metadata_cost(name: str, partitions: int) -> int:
     return 16 + len(name) * 4 + partitions * 40
 
 
-class KafkaServer:
-    """The gateway's Kafka brain: one per gateway, fed by the shell."""
+class KafkaServer(AdminHandlers):
+    """The gateway's Kafka brain: one per gateway, fed by the shell (the admin requests'
+    handlers are :class:`~dafka.kafka.admin.AdminHandlers`)."""
 
     def __init__(
         self,
@@ -329,10 +340,33 @@ class KafkaServer:
                 created += 1
                 ok = self.backend.create_topic(t.name, n, sync=False)
                 code, msg = (Err.NONE, None) if ok else (Err.TOPIC_ALREADY_EXISTS, f"topic {t.name} exists")
+                if ok:
+                    code, msg = self._created_configs(t)
             out.append(N(name=t.name, error_code=code, error_message=msg))
         if created:
             self.backend.sync_topics()
         return self._reply(corr, 19, v, throttle_time_ms=0, topics=out)
+
+    def _created_configs(self, t: Any) -> tuple[int, str | None]:
+        """Apply a new topic's retention.ms / retention.bytes (its other configs are not
+        kept: the mesh has no per-topic setting for them)."""
+        wanted = {c.name: c.value for c in (t.configs or ())[:MAX_ADMIN_ITEMS] if c.name in RETENTION_KEYS}
+        if not wanted:
+            return Err.NONE, None
+        age, size = self.backend.static_retention(t.name)
+        for name, value in wanted.items():
+            parsed, err = parse_retention(name, value)
+            if err is not None:
+                return Err.INVALID_CONFIG, f"topic created, config refused: {err}"
+            if name == "retention.ms":
+                age = parsed
+            else:
+                size = parsed
+        try:
+            self.backend.set_topic_retention(t.name, age, size)
+        except OSError as exc:
+            return Err.KAFKA_STORAGE_ERROR, f"topic created, config not kept: {exc}"
+        return Err.NONE, None
 
     # ---------------------------------------------------------------- InitProducerId
 
@@ -740,6 +774,7 @@ class KafkaServer:
         answers = self.coordinator.join(
             token, now, req.group_id, req.member_id, cid or "", req.protocol_type,
             [(p.name, bytes(p.metadata)) for p in req.protocols], session, rebalance,
+            self.backend.client_host(token),
         )
         return self._release(token, answers)
 
@@ -869,6 +904,17 @@ _HANDLERS = {
     13: KafkaServer._leave_group,
     14: KafkaServer._sync_group,
     18: KafkaServer._api_versions,
+    15: KafkaServer._describe_groups,
+    16: KafkaServer._list_groups,
     19: KafkaServer._create_topics,
+    20: KafkaServer._delete_topics,
+    21: KafkaServer._delete_records,
     22: KafkaServer._init_producer_id,
+    32: KafkaServer._describe_configs,
+    33: KafkaServer._alter_configs,
+    37: KafkaServer._create_partitions,
+    42: KafkaServer._delete_groups,
+    44: KafkaServer._incremental_alter_configs,
+    47: KafkaServer._offset_delete,
+    60: KafkaServer._describe_cluster,
 }
