@@ -54,6 +54,8 @@ log = logging.getLogger("dafka.kafka")
 MAX_ADMIN_ITEMS = 1000
 #: Characters of a config value set by AlterConfigs.
 MAX_CONFIG_VALUE = 64
+#: Groups known only by their committed offsets that ListGroups names (the coordinator's come too).
+MAX_LISTED_GROUPS = 10_000
 #: Records one DeleteRecords request deletes at most, over all its partitions.
 MAX_DELETE_RECORDS = 200_000
 #: ... in LMDB transactions of this many.
@@ -360,14 +362,24 @@ class AdminHandlers:
     def _list_groups(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome_:
         states = {s.lower() for s in req.states_filter} if v >= 4 and req.states_filter else None
         types = {s.lower() for s in req.types_filter} if v >= 5 and req.types_filter else None
+        listed: dict[str, tuple[str, str]] = {
+            g.group_id: (g.protocol_type or "", g.state) for g in self.coordinator.groups.values()
+        }
+        # Groups known by their committed offsets alone (no member now) are Empty, as in Kafka.
+        try:
+            stored = self.backend.position_groups(MAX_LISTED_GROUPS)
+        except Exception as exc:
+            self._limited.emit(logging.ERROR, "list-groups", "cannot list the groups with offsets: %s", exc)
+            stored = []
+        for gid in stored:
+            listed.setdefault(gid, ("consumer", "Empty"))
         groups = []
-        for g in self.coordinator.groups.values():
-            if states is not None and g.state.lower() not in states:
+        for gid, (ptype, state) in listed.items():
+            if states is not None and state.lower() not in states:
                 continue
             if types is not None and "classic" not in types:
                 continue
-            groups.append(N(group_id=g.group_id, protocol_type=g.protocol_type or "", group_state=g.state,
-                            group_type="classic"))
+            groups.append(N(group_id=gid, protocol_type=ptype, group_state=state, group_type="classic"))
         return self._reply(corr, 16, v, throttle_time_ms=0, error_code=Err.NONE, groups=groups)
 
     def _describe_groups(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome_:
@@ -379,7 +391,8 @@ class AdminHandlers:
                 out.append(self._described(gid, Err.POLICY_VIOLATION, "Dead", "", "", []))
                 continue
             if g is None:
-                out.append(self._described(gid, Err.NONE, "Dead", "", "", []))
+                state = "Empty" if self._has_offsets(gid) else "Dead"
+                out.append(self._described(gid, Err.NONE, state, "consumer" if state == "Empty" else "", "", []))
                 continue
             cost = 64 + len(gid) + sum(
                 64 + len(m.member_id) + len(m.client_id) + len(m.assignment)
@@ -401,6 +414,12 @@ class AdminHandlers:
             out.append(self._described(gid, Err.NONE, g.state, g.protocol_type or "",
                                        (g.protocol or "") if g.state == "Stable" else "", members))
         return self._reply(corr, 15, v, throttle_time_ms=0, groups=out)
+
+    def _has_offsets(self, gid: str) -> bool:
+        try:
+            return bool(self.backend.positions(gid))
+        except Exception:  # a name no key can hold, storage errors: none readable
+            return False
 
     @staticmethod
     def _described(gid: str, code: int, state: str, ptype: str, proto: str, members: list[Any]) -> Any:
@@ -437,6 +456,8 @@ class AdminHandlers:
     def _offset_delete(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome_:
         g = self.coordinator.groups.get(req.group_id)
         live = g is not None and bool(g.members)
+        if g is None and not self._has_offsets(req.group_id):
+            return self._reply(corr, 47, v, throttle_time_ms=0, error_code=Err.GROUP_ID_NOT_FOUND, topics=[])
         keys: list[tuple[str, str]] = []
         topics = []
         items = 0
@@ -467,8 +488,6 @@ class AdminHandlers:
                 self._limited.emit(logging.ERROR, "offset-delete", "cannot delete offsets of group %s: %s",
                                    shown(req.group_id), exc)
                 top = Err.KAFKA_STORAGE_ERROR
-        elif g is None and not topics:
-            top = Err.NONE
         return self._reply(corr, 47, v, throttle_time_ms=0, error_code=top, topics=topics)
 
     # ---------------------------------------------------------------- cluster

@@ -298,6 +298,9 @@ class KafkaGateway(Gateway):
     def delete_positions(self, group: str, keys: list[tuple[str, str]] | None) -> int:
         return self.db.delete_positions(group, keys)
 
+    def position_groups(self, limit: int) -> list[str]:
+        return self.db.position_groups(limit)
+
     def sync_topics(self) -> None:
         """Make the topics created with ``sync=False`` durable (one fsync for all of them)."""
         self.topics_created()

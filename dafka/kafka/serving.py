@@ -127,6 +127,7 @@ class Backend(Protocol):
     def add_partitions(self, topic: str, count: int) -> bool: ...
     def delete_front(self, topic: str, address: str, before: int, max_records: int) -> tuple[int, bool]: ...
     def delete_positions(self, group: str, keys: list[tuple[str, str]] | None) -> int: ...
+    def position_groups(self, limit: int) -> list[str]: ...
 
 
 @dataclass(slots=True)
@@ -342,7 +343,13 @@ class KafkaServer(AdminHandlers):
                 code, msg = (Err.NONE, None) if ok else (Err.TOPIC_ALREADY_EXISTS, f"topic {t.name} exists")
                 if ok:
                     code, msg = self._created_configs(t)
-            out.append(N(name=t.name, error_code=code, error_message=msg))
+            configs = None
+            if v >= 5 and code == Err.NONE:
+                configs = [N(name=k, value=val, read_only=ro, config_source=src, is_sensitive=False)
+                           for k, val, ro, src, _typ in self._topic_configs(t.name)]
+            out.append(N(name=t.name, error_code=code, error_message=msg, topic_config_error_code=0,
+                         num_partitions=n if code == Err.NONE else -1,
+                         replication_factor=1 if code == Err.NONE else -1, configs=configs))
         if created:
             self.backend.sync_topics()
         return self._reply(corr, 19, v, throttle_time_ms=0, topics=out)
@@ -762,6 +769,19 @@ class KafkaServer(AdminHandlers):
 
     def _find_coordinator(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
         host, port = self.advertise
+        if v >= 4:  # batched (KIP-699): one answer per key
+            out = []
+            for i, key in enumerate(req.coordinator_keys):
+                if i >= MAX_ADMIN_ITEMS:
+                    code, msg = Err.POLICY_VIOLATION, f"at most {MAX_ADMIN_ITEMS} keys per request"
+                elif req.key_type != 0:
+                    code, msg = Err.COORDINATOR_NOT_AVAILABLE, "transactions are not supported"
+                else:
+                    code, msg = Err.NONE, None
+                ok = code == Err.NONE
+                out.append(N(key=key, node_id=NODE_ID if ok else -1, host=host if ok else "",
+                             port=port if ok else -1, error_code=code, error_message=msg))
+            return self._reply(corr, 10, v, throttle_time_ms=0, coordinators=out)
         if v >= 1 and req.key_type != 0:
             return self._reply(corr, 10, v, throttle_time_ms=0, error_code=Err.COORDINATOR_NOT_AVAILABLE,
                                error_message="transactions are not supported", node_id=-1, host="", port=-1)
@@ -861,22 +881,36 @@ class KafkaServer(AdminHandlers):
         return self._reply(corr, 8, v, throttle_time_ms=0, topics=topics)
 
     def _offset_fetch(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
+        if v >= 8:  # batched: several groups in one request
+            groups = []
+            for i, g in enumerate(req.groups):
+                if i >= MAX_ADMIN_ITEMS:
+                    groups.append(N(group_id=g.group_id, topics=[], error_code=Err.POLICY_VIOLATION))
+                    continue
+                asked = None if g.topics is None else [(t.name, list(t.partition_indexes)) for t in g.topics]
+                groups.append(N(group_id=g.group_id, topics=self._group_offsets(g.group_id, asked), error_code=0))
+            return self._reply(corr, 9, v, throttle_time_ms=0, groups=groups)
+        asked = None if req.topics is None else [(t.name, list(t.partition_indexes)) for t in req.topics]
+        topics = self._group_offsets(req.group_id, asked)
+        return self._reply(corr, 9, v, throttle_time_ms=0, topics=topics, error_code=0)
+
+    def _group_offsets(self, group: str, asked: list[tuple[str, list[int]]] | None) -> list[Any]:
+        """A group's committed offsets of the partitions ``asked`` (None: of every partition
+        it has one for)."""
         try:
-            held = self.backend.positions(req.group_id)
+            held = self.backend.positions(group)
         except Exception as exc:
             self._limited.emit(logging.ERROR, "positions-failed", "cannot read offsets of group %s: %s",
-                               shown(req.group_id), exc)
+                               shown(group), exc)
             held = {}
         pmap = self.backend.pmap
-        if req.topics is None:  # every partition the group has a position for
+        if asked is None:  # every partition the group has a position for
             wanted: dict[str, list[int]] = {}
             for (topic, address) in held:
                 part = pmap.lookup(topic, address)
                 if part is not None:
                     wanted.setdefault(topic, []).append(part.pid)
             asked = list(wanted.items())
-        else:
-            asked = [(t.name, list(t.partition_indexes)) for t in req.topics]
         topics = []
         for name, indexes in asked:
             parts = self._partitions_of(name)
@@ -888,7 +922,7 @@ class KafkaServer(AdminHandlers):
                     off = -1
                 out.append(N(partition_index=i, committed_offset=off, committed_leader_epoch=-1, metadata="", error_code=0))
             topics.append(N(name=name, partitions=out))
-        return self._reply(corr, 9, v, throttle_time_ms=0, topics=topics, error_code=0)
+        return topics
 
 
 _HANDLERS = {

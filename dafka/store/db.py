@@ -1295,6 +1295,27 @@ class RecordDB:
         # The handle of a table created in this transaction is kept only once it committed.
         self._positions_db = self._write(body)
 
+    def position_groups(self, limit: int) -> list[str]:
+        """The groups with committed positions, at most ``limit``: one seek per group
+        (the scan jumps over each group's key range)."""
+        out: list[str] = []
+        with self._read_txn() as (txn, _dbs):
+            db = self._positions_db
+            if db is None:
+                return out
+            cur = txn.cursor(db=db)
+            found = cur.first()
+            while found and len(out) < limit:
+                key = bytes(cur.key())
+                prefix = key[: 1 + key[0]]
+                out.append(prefix[1:].decode("utf-8", "replace"))
+                # The next key past every key starting with ``prefix``.
+                nxt = prefix.rstrip(b"\xff")
+                if not nxt:
+                    break
+                found = cur.set_range(nxt[:-1] + bytes((nxt[-1] + 1,)))
+        return out
+
     def delete_positions(self, group: str, keys: Sequence[tuple[str, str]] | None = None) -> int:
         """Forget ``group``'s committed positions (``keys`` None: all of them), in one
         transaction; how many were removed.  (Kafka's DeleteGroups and OffsetDelete.)"""

@@ -32,7 +32,7 @@ from kafka import TopicPartition as KTopicPartition
 from kafka.admin import ConfigResource as KConfigResource
 from kafka.admin import ConfigResourceType, KafkaAdminClient
 from kafka.admin import NewPartitions as KNewPartitions
-from kafka.errors import TopicDeletionDisabledError
+from kafka.errors import GroupIdNotFoundError, TopicDeletionDisabledError
 from kafka.protocol.admin import (
     AlterConfigsRequest,
     CreatePartitionsRequest,
@@ -48,7 +48,7 @@ from dafka.kafka import admin
 from dafka.kafka.codec import API, Err
 from dafka.kafka.gateway import CONFIGS_FILE, KafkaGateway
 from dafka.kafka.serving import _HANDLERS
-from dafka.store.db import Retention
+from dafka.store.db import RecordDB, Retention
 from tests.conftest import dafka_cmd, subprocess_env, wait_until
 from tests.kafka.test_gateway import HOST, read_frame
 
@@ -226,10 +226,15 @@ def test_kafka_python_admin_client_does_the_same(gateway: str) -> None:
         c.commit({KTopicPartition("kp-admin", 0): __import__("kafka").OffsetAndMetadata(3, "", -1)})
         c.close()
         assert k.list_group_offsets("kp-group")["kp-group"][KTopicPartition("kp-admin", 0)].offset == 3
+        # Known by its offsets alone: listed and described as Empty, as Kafka does (lag monitors).
+        assert ("kp-group", "Empty") in [(g["group_id"], g["group_state"]) for g in k.list_groups()]
+        assert k.describe_groups(["kp-group"])["kp-group"]["group_state"] == "Empty"
         out = k.delete_group_offsets("kp-group", [KTopicPartition("kp-admin", 0)])
         assert all(e.errno == 0 for e in out.values()), out
         assert KTopicPartition("kp-admin", 0) not in k.list_group_offsets("kp-group").get("kp-group", {})
         assert k.describe_groups(["kp-group"])["kp-group"]["group_state"] == "Dead"
+        with pytest.raises(GroupIdNotFoundError):
+            k.delete_group_offsets("no-such-group", [KTopicPartition("kp-admin", 0)])
         assert k.list_groups() is not None
         assert k.describe_cluster()["cluster_id"] == "dafka"
     finally:
@@ -237,6 +242,32 @@ def test_kafka_python_admin_client_does_the_same(gateway: str) -> None:
 
 
 # ---------------------------------------------------------------- by hand, in process
+
+
+def test_the_store_lists_groups_deletes_positions_and_the_front(tmp_path: Path) -> None:
+    db = RecordDB(tmp_path / "db")
+    try:
+        names = ["a", "b" * 200, "\u00ff\u00ff", "é", "z"]
+        for g in names:
+            db.put_positions(g, {("t", "p1"): 1, ("t", "p2"): 2, ("u", "p"): 3})
+        assert sorted(db.position_groups(100)) == sorted(names)
+        assert len(db.position_groups(2)) == 2
+        assert db.delete_positions("a", [("t", "p1"), ("t", "nope")]) == 1
+        assert db.positions("a") == {("t", "p2"): 2, ("u", "p"): 3}
+        assert db.delete_positions("a") == 2 and db.positions("a") == {}
+        assert db.positions("é") == {("t", "p1"): 1, ("t", "p2"): 2, ("u", "p"): 3}  # neighbours untouched
+        db.append([("t", "p", i, b"x" * 10, 1) for i in range(10)])
+        db.append([("t", "q", i, b"y", 1) for i in range(3)])
+        assert db.delete_front("t", "p", 4, max_records=3) == (3, False)
+        assert db.delete_front("t", "p", 4) == (4, True)
+        info = db.info("t", "p")
+        assert (info.first, info.last, info.count) == (4, 9, 6)
+        assert db.fetch_raw("t", "p", 0, 1)[0] == 4
+        assert db.delete_front("t", "p", 99) == (10, True)  # past the head: all, the head stays
+        assert (db.info("t", "p").count, db.head("t", "p")) == (0, 9)
+        assert db.info("t", "q").count == 3
+    finally:
+        db.close()
 
 
 @pytest.fixture
