@@ -36,15 +36,18 @@ from kafka.errors import GroupIdNotFoundError, TopicDeletionDisabledError
 from kafka.protocol.admin import (
     AlterConfigsRequest,
     CreatePartitionsRequest,
+    DeleteGroupsRequest,
     DeleteRecordsRequest,
+    DeleteTopicsRequest,
     DescribeConfigsRequest,
     DescribeGroupsRequest,
     IncrementalAlterConfigsRequest,
 )
-from kafka.protocol.metadata import ApiVersionsRequest
+from kafka.protocol.consumer import OffsetDeleteRequest, OffsetFetchRequest
+from kafka.protocol.metadata import ApiVersionsRequest, FindCoordinatorRequest
 
 from dafka.config import NodeConfig
-from dafka.kafka import admin
+from dafka.kafka import admin, serving
 from dafka.kafka.codec import API, Err
 from dafka.kafka.gateway import CONFIGS_FILE, KafkaGateway
 from dafka.kafka.serving import _HANDLERS
@@ -306,6 +309,7 @@ def test_admin_requests_past_the_item_bound_are_answered_without_work(
     """One request naming thousands of resources, topics or groups: the first
     MAX_ADMIN_ITEMS are served, the rest answered POLICY_VIOLATION."""
     monkeypatch.setattr(admin, "MAX_ADMIN_ITEMS", 5)
+    monkeypatch.setattr(serving, "MAX_ADMIN_ITEMS", 5)
     kgw.create_topic("many", 1)
     res = [DescribeConfigsRequest[4].DescribeConfigsResource(resource_type=2, resource_name="many",
                                                               configuration_keys=None)] * 2000
@@ -317,6 +321,37 @@ def test_admin_requests_past_the_item_bound_are_answered_without_work(
     groups = [f"g{i}" for i in range(50)]
     r = kcall(kgw.kafka_port, 15, 5, DescribeGroupsRequest[5](groups=groups, include_authorized_operations=False))
     assert [g.error_code for g in r.groups] == [0] * 5 + [Err.POLICY_VIOLATION] * 45
+    past = [0] * 5 + [Err.POLICY_VIOLATION] * 45
+    port = kgw.kafka_port
+    r = kcall(port, 20, 5, DeleteTopicsRequest[5](topic_names=["many"] * 50, timeout_ms=1000))
+    assert [t.error_code for t in r.responses] == [Err.TOPIC_DELETION_DISABLED] * 5 + past[5:]
+    r = kcall(port, 42, 2, DeleteGroupsRequest[2](groups_names=groups))
+    assert [g.error_code for g in r.results] == [Err.GROUP_ID_NOT_FOUND] * 5 + past[5:]
+    kgw.db.put_positions("g0", {("many", kgw.pmap.get("many", 0).address): 1})
+    od = OffsetDeleteRequest[0]
+    r = kcall(port, 47, 0, od(group_id="g0", topics=[od.OffsetDeleteRequestTopic(name="many", partitions=[
+        od.OffsetDeleteRequestTopic.OffsetDeleteRequestPartition(partition_index=0)] * 50)]))
+    assert [p.error_code for p in r.topics[0].partitions] == past
+    ac = AlterConfigsRequest[2]
+    r = kcall(port, 33, 2, ac(resources=[ac.AlterConfigsResource(resource_type=2, resource_name="many", configs=[])] * 50,
+                              validate_only=True))
+    assert [x.error_code for x in r.responses] == past
+    cp = CreatePartitionsRequest[3]
+    r = kcall(port, 37, 3, cp(topics=[cp.CreatePartitionsTopic(name="many", count=2, assignments=None)] * 50,
+                              timeout_ms=1000, validate_only=True))
+    assert [x.error_code for x in r.results] == [0] * 5 + [Err.THROTTLING_QUOTA_EXCEEDED] * 45
+    dr = DeleteRecordsRequest[2]
+    r = kcall(port, 21, 2, dr(topics=[dr.DeleteRecordsTopic(name="many", partitions=[
+        dr.DeleteRecordsTopic.DeleteRecordsPartition(partition_index=0, offset=0)] * 50)], timeout_ms=1000))
+    assert [x.error_code for x in r.topics[0].partitions] == past
+    r = kcall(port, 10, 4, FindCoordinatorRequest[4](key_type=0, coordinator_keys=groups))
+    assert [c.error_code for c in r.coordinators] == past
+    kgw.db.put_positions("g1", {("many", kgw.pmap.get("many", 0).address): 1})
+    of = OffsetFetchRequest[8]
+    r = kcall(port, 9, 8, of(groups=[of.OffsetFetchRequestGroup(group_id=g, topics=None) for g in groups],
+                             require_stable=False))
+    assert [g.error_code for g in r.groups] == past
+    assert [[p.committed_offset for p in t.partitions] for t in r.groups[1].topics] == [[1]]  # served
 
 
 def alter(port: int, topic: str, configs: list[tuple[str, str | None]], incremental: bool = False,
