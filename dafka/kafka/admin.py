@@ -172,7 +172,7 @@ class AdminHandlers:
         """The error of a config resource the gateway does not have (NONE: it has it)."""
         if rtype == TOPIC:
             if self._partitions_of(name) is None:
-                return Err.UNKNOWN_TOPIC_OR_PARTITION, f"no topic {name}"
+                return Err.UNKNOWN_TOPIC_OR_PARTITION, f"no topic {name[:100]}"
             return Err.NONE, None
         if rtype == BROKER:
             if name not in ("", "0"):
@@ -220,7 +220,7 @@ class AdminHandlers:
         if r.resource_type == BROKER:
             if not r.configs:
                 return Err.NONE, None
-            return Err.INVALID_CONFIG, (f"{r.configs[0].name}: broker configs are read-only on a dafka gateway"
+            return Err.INVALID_CONFIG, (f"{r.configs[0].name[:100]}: broker configs are read-only on a dafka gateway"
                                         " (its configuration file sets them)")
         topic = r.resource_name
         age, size, source = self.backend.topic_retention(topic)
@@ -275,7 +275,7 @@ class AdminHandlers:
             if i >= MAX_ADMIN_ITEMS or added >= self.max_created:
                 code, msg = Err.THROTTLING_QUOTA_EXCEEDED, f"at most {self.max_created} topics grown per request"
             elif parts is None:
-                code, msg = Err.UNKNOWN_TOPIC_OR_PARTITION, f"no topic {t.name}"
+                code, msg = Err.UNKNOWN_TOPIC_OR_PARTITION, f"no topic {t.name[:100]}"
             elif t.count <= len(parts):
                 code, msg = Err.INVALID_PARTITIONS, f"topic {t.name} has {len(parts)} partitions: ask for more"
             elif t.count > self.max_partitions:
@@ -298,7 +298,7 @@ class AdminHandlers:
             if i >= MAX_ADMIN_ITEMS:
                 code, msg = Err.POLICY_VIOLATION, _TOO_MANY
             elif self._partitions_of(name) is None:
-                code, msg = Err.UNKNOWN_TOPIC_OR_PARTITION, f"no topic {name}"
+                code, msg = Err.UNKNOWN_TOPIC_OR_PARTITION, f"no topic {name[:100]}"
             else:
                 code, msg = Err.TOPIC_DELETION_DISABLED, (
                     "topics are not deleted on a mesh (other stores hold replicas, producers own partitions);"
