@@ -10,6 +10,7 @@ import re
 import socket
 import struct
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,9 +52,11 @@ from dafka.kafka import admin, serving
 from dafka.kafka.codec import API, Err
 from dafka.kafka.gateway import CONFIGS_FILE, KafkaGateway
 from dafka.kafka.serving import _HANDLERS
+from dafka.nodes.consumer import Consumer
 from dafka.store.db import RecordDB, Retention
+from dafka.tank.client import TankClient
 from tests.conftest import dafka_cmd, subprocess_env, wait_until
-from tests.kafka.test_gateway import HOST, read_frame
+from tests.kafka.test_gateway import HOST, ck_produce, read_frame
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -503,3 +506,22 @@ def test_garbage_admin_requests_never_hurt_the_gateway(kgw: KafkaGateway, key: i
     # The gateway still serves.
     r = kcall(kgw.kafka_port, 18, 0, ApiVersionsRequest[0]())
     assert r.error_code == 0
+
+
+def test_deleted_records_and_altered_retention_reach_every_reader(kgw: KafkaGateway, cfg: NodeConfig) -> None:
+    """DeleteRecords moves the start for Tank clients and Dafka consumers too, and a retention
+    a Kafka client sets is the store's: its retention deletes by it."""
+    ck_produce(kgw, "shared", [(None, b"v%d" % i, None) for i in range(20)])
+    address = kgw.pmap.get("shared", 0).address
+    assert delete_records(kgw.kafka_port, "shared", 5) == (Err.NONE, 5)
+    with TankClient(HOST, kgw.tank_port) as t:
+        r = t.consume("shared", 0, 0, 1 << 20)
+    assert [bytes(v) for _s, _ts, _k, v in r.messages][:1] == [b"v5"]
+    with Consumer("shared", cfg, offset_reset="earliest") as consumer:
+        got: list[Any] = []
+        deadline = time.monotonic() + 20
+        while len(got) < 15 and time.monotonic() < deadline:
+            got += consumer.poll_batch(100, 0.2)
+    assert [bytes(r.content) for r in got] == [b"v%d" % i for i in range(5, 20)]
+    assert alter(kgw.kafka_port, "shared", [("retention.ms", "1")], incremental=True) == (0, None)
+    wait_until(lambda: kgw.db.first("shared", address) == 20, 20)  # retention runs every second
