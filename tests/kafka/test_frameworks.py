@@ -84,7 +84,7 @@ def test_a_quixstreams_application_runs_at_least_once_through_a_sigkill(gateway:
         return subprocess.Popen([sys.executable, str(script), gateway, str(tmp_path / "state"), str(linger)],
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
-    first = run(0.02)
+    first = run(0.05)  # 100 outputs take 5 s at least: it is killed well before
     try:
         def outputs() -> int:
             c = CKConsumer({"bootstrap.servers": gateway, "group.id": "probe"})
@@ -150,13 +150,19 @@ def test_aiokafka_consumers_share_a_group_and_resume_from_their_commits(gateway:
         return got
 
     async def main() -> None:
-        await produce(0, 100)
         members = [AIOKafkaConsumer("aio", bootstrap_servers=gateway, group_id="aio-group",
                                     auto_offset_reset="earliest", enable_auto_commit=False,
                                     session_timeout_ms=6000, heartbeat_interval_ms=500) for _ in range(2)]
         for c in members:
             await c.start()
         try:
+            # Both members hold partitions before any record is there to take.
+            deadline = time.monotonic() + 60
+            while not all(c.assignment() for c in members) and time.monotonic() < deadline:
+                for c in members:
+                    await c.getmany(timeout_ms=100)
+            assert sorted(p.partition for c in members for p in c.assignment()) == [0, 1, 2, 3]
+            await produce(0, 100)
             got = await consume(members, 100)
             assert sorted(v for vs in got.values() for v in vs) == list(range(100))
             assert len(got) == 2, "both members got partitions"
