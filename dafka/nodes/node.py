@@ -676,6 +676,10 @@ class Node:
             self.log.exception("%s failed to start", self.kind)
         self._started.set()
 
+    def _loop_monitors(self) -> set[Any]:
+        """The node's monitor sockets: read only by their readers, which empty them."""
+        return {r.monitor for r in self._refusals} | {m for _, m in self._tower_monitors}
+
     def _loop_timers(self, now: float) -> float:
         """Run the timers that are due; seconds until the next one (at most 1)."""
         earliest = self._timers_due
