@@ -6,12 +6,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from dafka.config import (
-    parse_listen,
-    parse_port,
-    parse_topic,
-    parse_towers,
-)
+from dafka.config import parse_listen, parse_port, parse_topic, parse_towers
 from dafka.errors import ConfigError
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

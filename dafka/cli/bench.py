@@ -6,12 +6,8 @@ import argparse
 import multiprocessing
 from typing import Any
 
-from dafka.cli.common import (
-    EXIT_INTERRUPTED,
-)
-from dafka.config import (
-    Settings,
-)
+from dafka.cli.common import EXIT_INTERRUPTED
+from dafka.config import Settings
 
 
 def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
@@ -20,7 +16,7 @@ def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
     try:
         return bench.main(args)
     except KeyboardInterrupt:
-        # The children ignore Ctrl-C (see the top of this module): stop them.
+        # The children ignore Ctrl-C (see dafka/cli/__init__.py): stop them.
         for child in multiprocessing.active_children():
             child.terminate()
         for child in multiprocessing.active_children():

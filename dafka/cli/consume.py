@@ -10,13 +10,7 @@ import threading
 import time
 from typing import Any
 
-from dafka.cli.args import (
-    add_node_flags,
-    count_arg,
-    positive_seconds_arg,
-    seconds_arg,
-    topic_arg,
-)
+from dafka.cli.args import add_node_flags, count_arg, positive_seconds_arg, seconds_arg, topic_arg
 from dafka.cli.common import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -24,9 +18,7 @@ from dafka.cli.common import (
     tower_names,
     unreached_towers,
 )
-from dafka.config import (
-    Settings,
-)
+from dafka.config import Settings
 from dafka.errors import ConfigError, DafkaError
 
 

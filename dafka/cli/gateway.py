@@ -25,11 +25,7 @@ from dafka.cli.common import (
     tower_names,
 )
 from dafka.cli.store import storage_options
-from dafka.config import (
-    Settings,
-    is_loopback,
-    parse_listen,
-)
+from dafka.config import Settings, is_loopback, parse_listen
 from dafka.errors import ConfigError, DafkaError
 
 

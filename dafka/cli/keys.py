@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dafka.config import (
-    Settings,
-)
+from dafka.config import Settings
 
 
 def cmd_keys(args: argparse.Namespace, settings: Settings) -> int:

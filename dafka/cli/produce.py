@@ -12,22 +12,9 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from dafka.cli.args import (
-    add_node_flags,
-    count_arg,
-    positive_seconds_arg,
-    seconds_arg,
-    topic_arg,
-)
-from dafka.cli.common import (
-    EXIT_FAILURE,
-    EXIT_INTERRUPTED,
-    node_config,
-    writable_dir,
-)
-from dafka.config import (
-    Settings,
-)
+from dafka.cli.args import add_node_flags, count_arg, positive_seconds_arg, seconds_arg, topic_arg
+from dafka.cli.common import EXIT_FAILURE, EXIT_INTERRUPTED, node_config, writable_dir
+from dafka.config import Settings
 from dafka.errors import DafkaError
 
 

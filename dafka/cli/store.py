@@ -6,11 +6,7 @@ import argparse
 import os
 from typing import Any
 
-from dafka.cli.args import (
-    add_node_flags,
-    count_arg,
-    positive_seconds_arg,
-)
+from dafka.cli.args import add_node_flags, count_arg, positive_seconds_arg
 from dafka.cli.common import (
     StopSignals,
     note_unreached_towers,
@@ -20,10 +16,7 @@ from dafka.cli.common import (
     tower_names,
     writable_dir,
 )
-from dafka.config import (
-    Settings,
-    shorten,
-)
+from dafka.config import Settings, shorten
 from dafka.errors import ConfigError, DafkaError
 
 

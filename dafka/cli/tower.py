@@ -5,21 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dafka.cli.args import (
-    add_security_flags,
-    host_arg,
-    port_arg,
-)
-from dafka.cli.common import (
-    StopSignals,
-    security_config,
-    serve_metrics,
-    service_bind,
-)
-from dafka.config import (
-    Settings,
-    parse_port,
-)
+from dafka.cli.args import add_security_flags, host_arg, port_arg
+from dafka.cli.common import StopSignals, security_config, serve_metrics, service_bind
+from dafka.config import Settings, parse_port
 from dafka.errors import ConfigError
 
 

@@ -5,17 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dafka.cli.args import (
-    host_arg,
-)
-from dafka.cli.common import (
-    StopSignals,
-    service_bind,
-    writable_dir,
-)
-from dafka.config import (
-    Settings,
-)
+from dafka.cli.args import host_arg
+from dafka.cli.common import StopSignals, service_bind, writable_dir
+from dafka.config import Settings
 from dafka.errors import ConfigError
 
 
