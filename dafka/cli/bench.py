@@ -25,8 +25,7 @@ def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("bench", help="measure throughput")
-
     from dafka import bench
 
+    p = sub.add_parser("bench", help="measure throughput")
     bench.add_arguments(p)
