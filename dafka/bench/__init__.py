@@ -39,7 +39,7 @@ from dafka.bench.zmq_baseline import bench_zmq
 
 def _options() -> dict[str, tuple[str, dict[str, Any]]]:
     """Every benchmark option: its flag and argparse keywords (``help`` may be overridden per benchmark)."""
-    from dafka.cli import count_arg, positive_seconds_arg
+    from dafka.cli.args import count_arg, positive_seconds_arg
 
     return {
         "records": ("--records", {"type": count_arg, "default": 1_000_000, "help": "records per run"}),

@@ -36,6 +36,7 @@ the records after its position: ``store head + 1 - position``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
@@ -45,7 +46,9 @@ from typing import Any
 
 import zmq
 
-from dafka.config import NodeConfig
+from dafka.cli.args import add_node_flags, positive_seconds_arg, seconds_arg
+from dafka.cli.common import node_config
+from dafka.config import NodeConfig, Settings
 from dafka.core import wire
 from dafka.errors import ProtocolError
 from dafka.nodes import security
@@ -745,3 +748,30 @@ def run_status(
         print(f"error: no tower answered ({why})", file=sys.stderr)
         return 1
     return 0
+
+
+def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
+    try:
+        return run_status(
+            node_config(args, settings),
+            wait=args.wait,
+            watch=args.watch,
+            as_json=args.json,
+            interval=args.interval,
+            out=sys.stdout,
+            outboxes=args.outbox,
+            show_all=args.all,
+        )
+    except KeyboardInterrupt:
+        return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("status", help="join the mesh read-only and show nodes, heads and lag")
+    add_node_flags(p)
+    p.add_argument("--wait", type=seconds_arg, default=3.0, help="seconds to listen before the first view")
+    p.add_argument("--watch", action="store_true", help="keep refreshing the view (Ctrl-C ends)")
+    p.add_argument("--interval", type=positive_seconds_arg, default=1.0, help="--watch: seconds between views")
+    p.add_argument("--json", action="store_true", help="print JSON (one object per view)")
+    p.add_argument("--all", action="store_true", help="every node and partition (default: a summary beyond 20)")
+    p.add_argument("--outbox", metavar="DIR", action="append", help="also show this local edge outbox (repeatable)")

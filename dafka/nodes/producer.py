@@ -86,6 +86,62 @@ _monotonic = time.monotonic
 
 
 
+class _OutboxPort:
+    """What a producer offers its outbox (:class:`dafka.outbox.host.OutboxHost`)."""
+
+    __slots__ = ("_producer",)
+
+    def __init__(self, producer: Producer) -> None:
+        self._producer = producer
+
+    @property
+    def address(self) -> str:
+        return self._producer.address
+
+    @property
+    def window(self) -> UnackedWindow:
+        return self._producer.window
+
+    @window.setter
+    def window(self, window: UnackedWindow) -> None:
+        self._producer.window = window
+
+    @property
+    def lock(self) -> FairLock:
+        return self._producer._lock
+
+    @property
+    def publish_timeout(self) -> float | None:
+        return self._producer.publish_timeout
+
+    @property
+    def closed(self) -> bool:
+        return self._producer._closed
+
+    @property
+    def resume_error(self) -> ResumeError | None:
+        return self._producer._resume_error
+
+    def prepare(self, batch: list[Any]) -> list[bytes]:
+        producer = self._producer
+        if producer._serialize is not None:
+            batch = [values.encode(producer._serialize, content) for content in batch]
+        for content in batch:
+            if content.__class__ is not bytes:
+                check_content(content)
+        biggest = max(map(len, batch))
+        if biggest > producer.config.max_record_bytes:
+            raise producer._too_large(biggest)
+        return batch
+
+    def send_live(self, first: int, contents: Sequence[bytes]) -> None:
+        producer = self._producer
+        producer._send_run(producer._live, first, contents, 0, len(contents))
+
+    def hold_beacons(self) -> None:
+        self._producer.beacon_held = True
+
+
 class Receipt:
     """The outcome of one ``publish``: its offset, and whether a store acked it.
 
@@ -374,7 +430,10 @@ class Producer(Node):
             self.subscribe(wire.P_DIRECT_HEAD + self.address.encode())
         self.every(head_interval, self._send_head)
         if self._outbox is not None:
-            self._outbox.attach(self, resuming=self._resume_state is not None)
+            self._outbox.attach(_OutboxPort(self), resuming=self._resume_state is not None)
+            # Records go to the disk first: the outbox sends them once they are durable.
+            self.publish = self._publish_to_outbox  # type: ignore[method-assign]
+            self.publish_many = self._publish_many_to_outbox  # type: ignore[method-assign]
         self.start()
         if self._resume_state is not None:
             self._resume()
@@ -476,6 +535,34 @@ class Producer(Node):
             if not batch:
                 break
             last = self._publish_chunk(batch, timeout)
+        return Receipt(self, last) if last >= 0 else None
+
+    def _publish_to_outbox(
+        self,
+        content: Any,
+        callback: Callable[[Receipt], None] | None = None,
+        *,
+        offset: int | None = None,
+        timeout: float | None = -1.0,
+    ) -> Receipt:
+        """:meth:`publish` with an outbox (see :mod:`dafka.outbox`'s sync modes)."""
+        outbox = self._outbox
+        assert outbox is not None
+        if offset is not None and offset != self.window.next:
+            if offset > self.window.next:
+                raise ValueError(f"offset {offset} is beyond next offset {self.window.next}")
+            receipt = Receipt(self, offset)
+        else:
+            receipt = Receipt(self, outbox.append(content, timeout))
+        if callback is not None:
+            self._add_callback(receipt, callback)
+        return receipt
+
+    def _publish_many_to_outbox(self, contents: Iterable[Any], *, timeout: float | None = -1.0) -> Receipt | None:
+        """:meth:`publish_many` with an outbox: it waits for the disk once, at the end."""
+        outbox = self._outbox
+        assert outbox is not None
+        last = outbox.append_many(contents, timeout=timeout)
         return Receipt(self, last) if last >= 0 else None
 
     def _too_large(self, size: int) -> RecordTooLargeError:

@@ -33,9 +33,13 @@ import zmq
 
 from dafka.core import wire
 from dafka.errors import ProtocolError
+from dafka.nodes import channels as channels_module
 from dafka.nodes import consumer as consumer_module
+from dafka.nodes import discovery as discovery_module
 from dafka.nodes import node as node_module
 from dafka.nodes import reader as reader_module
+from dafka.nodes import sockets as sockets_module
+from dafka.nodes import timers as timers_module
 from dafka.sim.invariants import Checker, Violation
 from dafka.sim.network import Endpoint, Network
 from dafka.sim.nodes import SimConsumer, SimProducer, SimStore, content_for
@@ -67,7 +71,17 @@ class SimClock:
         return getattr(time, name)
 
 
-_PATCHED = (node_module, reader_module, store_module, consumer_module)
+# Every module whose code reads the clock (Node's concepts each have their own: see dafka/nodes/node.py).
+_PATCHED = (
+    node_module,
+    timers_module,
+    sockets_module,
+    channels_module,
+    discovery_module,
+    reader_module,
+    store_module,
+    consumer_module,
+)
 
 
 @contextlib.contextmanager
