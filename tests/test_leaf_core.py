@@ -194,7 +194,7 @@ def test_a_new_connection_of_the_partition_takes_the_acks_over() -> None:
 
 def test_hostile_messages_are_dropped_and_a_connection_is_ignored_after_the_limit() -> None:
     p, heads = port(bad_limit=4)
-    assert p.on_message(b"h", record(0), 0.0) == []  # before the HELLO
+    assert p.on_message(b"h", wire.encode(wire.Ack(ADDR, T, 0)), 0.0) == []  # an endpoint's message
     assert p.on_message(b"h", [b"\xff\x00garbage"], 0.0) == []
     assert p.on_message(b"h", wire.encode(wire.Fetch(ADDR, "R" * 32, T, 0, 5)), 0.0) == []
     assert p.bad == 3
@@ -216,14 +216,31 @@ def test_records_beyond_the_window_and_oversized_are_refused() -> None:
     assert p.bad == 1
 
 
-def test_sessions_are_bounded_and_a_full_port_says_why() -> None:
+def test_sessions_are_bounded_the_one_silent_longest_goes_and_must_say_hello_again() -> None:
     p, heads = port(max_sessions=2)
     p.on_message(b"a", hello(addr="A" * 32), 0.0)
-    p.on_message(b"b", hello(addr="B" * 32), 0.0)
-    (reply,) = p.on_message(b"c", hello(addr="C" * 32), 0.0)
+    p.on_message(b"b", hello(addr="B" * 32), 1.0)
+    p.on_message(b"a", record(0, addr="A" * 32), 2.0)  # a was heard last
+    p.on_message(b"c", hello(addr="C" * 32), 3.0)
+    assert set(p.sessions) == {b"a", b"c"} and p.evicted == 1
+    (reply,) = p.on_message(b"b", record(0, addr="B" * 32), 4.0)
     status = wire.decode(reply.frames)  # type: ignore[union-attr]
-    assert isinstance(status, wire.StoreStatus) and status.writing == 0 and "2 sessions" in status.reason
-    assert len(p) == 2 and p.refused == 1
+    assert isinstance(status, wire.StoreStatus) and status.writing == 0 and status.topic == "B" * 32
+    assert p.bad == 0 and p.unknown == 1  # not hostile: it says HELLO again
+
+
+def test_a_leaf_told_it_has_no_session_says_hello_again_on_the_same_connection() -> None:
+    w = UnackedWindow(100)
+    lk = link(w, "a:1", "b:2")
+    lk.start(0.0)
+    lk.on_message(welcome(window=10), 0.0)
+    w.push(b"x")
+    lk.sent(0, 0.5)
+    actions = lk.on_message(wire.encode(wire.StoreStatus(ADDR, "S" * 32, T, 0, "no session")), 1.0)
+    assert [type(a) for a in actions] == [Send]
+    assert leafwire.decode(actions[0].frames) == leafwire.LeafHello(ADDR, T, -1, 1)  # type: ignore[union-attr]
+    lk.on_message(welcome(window=10), 1.1)
+    assert lk.sendable() == (0, 0)
 
 
 def test_a_store_that_cannot_write_refuses_the_hello() -> None:

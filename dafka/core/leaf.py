@@ -18,8 +18,12 @@ sockets and no clocks (times are passed in):
     (:class:`Relay`); ACKs (:class:`Reply`) follow the store's commits, capped at
     what the session sent; everything else is hostile, counted per connection,
     and a connection that sends ``bad_limit`` of them is ignored from then on.
-    Bounded: sessions (``max_sessions``), records in flight per session
-    (``window``), record size, the connections remembered as bad.
+    Bounded: sessions (``max_sessions``; beyond it the one silent longest is
+    dropped: the shell bounds live connections, so it is most likely one whose
+    connection is gone), records in flight per session (``window``), record
+    size, the connections remembered as bad.  A record or HEAD from a
+    connection without a session (dropped, or expired) is answered
+    STORE-STATUS ``writing=0``: the leaf says HELLO again.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ MAX_SESSIONS = 20_000
 BAD_LIMIT = 16  # hostile messages from one connection before it is ignored
 IDLE = 300.0  # seconds a silent session is kept
 BAD_REMEMBERED = 4_096  # connections with strikes (or ignored) remembered at most
+NO_SESSION = "no session: send LEAF-HELLO"
 
 
 @dataclass(slots=True)
@@ -119,6 +124,9 @@ class LeafLink:
 
     def _connect(self, index: int, now: float) -> list[LinkAction]:
         self.index = index % len(self.endpoints)
+        return [Connect(self.endpoint), *self._hello(now)]
+
+    def _hello(self, now: float) -> list[LinkAction]:
         self.state = HELLO
         self.connected_at = now
         self.give_up_at = now + self.connect_timeout  # without a WELCOME by then: the next endpoint
@@ -127,7 +135,7 @@ class LeafLink:
         self.waiting_since = None
         self.status = None
         hello = leafwire.LeafHello(self.address, self.topic, self.window.acked, self.window.next)
-        return [Connect(self.endpoint), Send(leafwire.encode(hello))]
+        return [Send(leafwire.encode(hello))]
 
     def failover(self, now: float) -> list[LinkAction]:
         """Give the current endpoint up: connect to the next one."""
@@ -167,6 +175,10 @@ class LeafLink:
                 self.bad_input += 1
                 return []
             self.status = (bool(msg.writing), msg.reason)
+            if not msg.writing and self.state == ACTIVE:
+                # No session there any more, or it stopped writing: HELLO again on this
+                # connection (a refusal of it then moves on to the next endpoint).
+                return self._hello(now)
             if not msg.writing and self.state == HELLO:
                 # Refused (cannot write, full): try the next one once the dwell is over.
                 self.give_up_at = min(self.give_up_at, max(now, self.connected_at + self.min_dwell))
@@ -280,13 +292,15 @@ class LeafPort:
         self.bad_limit = bad_limit
         self.idle = idle
         self.address = address  # the store's, for STORE-STATUS
-        self.sessions: dict[bytes, LeafSession] = {}
+        self.sessions: OrderedDict[bytes, LeafSession] = OrderedDict()  # least recently heard first
         self.by_partition: dict[tuple[str, str], bytes] = {}
         self.strikes: OrderedDict[bytes, int] = OrderedDict()  # bounded: BAD_REMEMBERED
         self.ignored: OrderedDict[bytes, None] = OrderedDict()  # bounded: BAD_REMEMBERED
         self.bad = 0  # hostile messages
         self.over_window = 0  # records beyond a session's window (dropped)
-        self.refused = 0  # HELLOs refused (full, not writing)
+        self.refused = 0  # HELLOs refused (the store cannot write)
+        self.evicted = 0  # sessions dropped for a new one (max_sessions)
+        self.unknown = 0  # records and HEADs from connections without a session
         self.taken = 0
         self.acks = 0
         self.last_error = ""
@@ -309,8 +323,14 @@ class LeafPort:
         if isinstance(msg, leafwire.LeafHello):
             return self._hello(peer, msg, session, now)
         if session is None:
+            if isinstance(msg, wire.Record | wire.RecordBatch | wire.Head):
+                # Its session was dropped (expired, or the port was full): HELLO again.
+                self.unknown += 1
+                status = wire.StoreStatus(msg.address, self.address, msg.subject, 0, NO_SESSION)
+                return [Reply(peer, wire.encode(status))]
             return self._strike(peer, f"{type(msg).__name__} before LEAF-HELLO")
         session.seen = now
+        self.sessions.move_to_end(peer)
         if isinstance(msg, wire.Record | wire.RecordBatch):
             if msg.address != session.partition or msg.subject != session.subject or msg.topic != msg.subject:
                 return self._strike(peer, "a record of another partition than the HELLO's")
@@ -345,8 +365,6 @@ class LeafPort:
         if session is not None and (session.subject, session.partition) != (msg.subject, msg.topic):
             return self._strike(peer, "a second partition on one connection")
         why = self.refusal()
-        if not why and session is None and len(self.sessions) >= self.max_sessions:
-            why = f"the leaf port holds {self.max_sessions} sessions"
         if why:
             self.refused += 1
             status = wire.StoreStatus(msg.topic, self.address, msg.subject, 0, wire.reason_text(why))
@@ -356,8 +374,13 @@ class LeafPort:
         if old is not None and old != peer:
             self.sessions.pop(old, None)  # the leaf came back on a new connection
         if session is None:
+            while len(self.sessions) >= self.max_sessions:
+                self._drop(next(iter(self.sessions)))  # silent longest
+                self.evicted += 1
             session = LeafSession(peer, msg.subject, msg.topic, msg.acked)
             self.sessions[peer] = session
+        else:
+            self.sessions.move_to_end(peer)
         session.base = max(session.base, msg.acked)
         session.seen = now
         self.by_partition[key] = peer
