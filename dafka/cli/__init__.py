@@ -282,10 +282,13 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
             raise DafkaError(f"identity file {args.identity}: directory {parent} does not exist")
         if not os.access(parent, os.W_OK | os.X_OK):
             raise DafkaError(f"identity file {args.identity}: directory {parent} is not writable")
+    if args.leaf and (args.no_ack or args.outbox):
+        raise DafkaError("--leaf takes neither --no-ack (its endpoint is a store) nor --outbox (not built yet)")
     source = open(args.file, "rb") if args.file else sys.stdin.buffer  # noqa: SIM115
     producer = Producer(
         args.topic,
         cfg,
+        **({"leaf": args.leaf} if args.leaf else {}),
         acks=not args.no_ack,
         identity=args.identity,
         capacity=args.capacity,
@@ -666,13 +669,20 @@ def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
     linger = linger_setting(section)
     signals = StopSignals()
     cfg = service_node_config(args, settings, "store")
+    if args.leaves:
+        from dafka.config import is_loopback
+        from dafka.store.leaves import parse_endpoint
+
+        if not is_loopback(parse_endpoint(args.leaves)[0]) and not args.insecure:
+            raise ConfigError(f"--leaves {args.leaves}: the leaf port has no authentication yet; add --insecure")
     try:
-        store = Store(db, cfg, sync=sync, retention=policy, linger=linger)
+        store = Store(db, cfg, sync=sync, retention=policy, linger=linger, leaves=args.leaves)
     except lmdb.Error as exc:
         raise open_error(db, exc) from None
     with store:
         print(
-            f"store up: {store.address} db {db} (sync={'on' if sync else 'OFF'}), tower {tower_names(cfg.towers)}",
+            f"store up: {store.address} db {db} (sync={'on' if sync else 'OFF'}), tower {tower_names(cfg.towers)}"
+            + (f", leaves on {store.leaves.endpoint}" if store.leaves is not None else ""),
             flush=True,
         )
         serve_metrics(args, section, store)
@@ -1110,6 +1120,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume-timeout", type=seconds_arg, default=5.0, help="--identity: seconds to wait for the stores' head"
     )
     p.add_argument("--capacity", type=count_arg, default=1_000_000, help="max unacknowledged records")
+    p.add_argument(
+        "--leaf", metavar="HOST:PORT[,HOST:PORT...]",
+        help="be a leaf: one connection to a regional store's leaf port (the next one on failure), no tower",
+    )
     p.add_argument("--outbox", metavar="DIR", help="keep records in this local outbox until a store acknowledges them")
     p.add_argument("--outbox-max-bytes", type=count_arg, help="--outbox: most bytes kept")
     p.add_argument("--outbox-max-age", type=positive_seconds_arg, help="--outbox: oldest record kept, seconds")
@@ -1168,6 +1182,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retention-age", type=positive_seconds_arg, help="default retention: seconds to keep records")
     p.add_argument("--retention-bytes", type=count_arg, help="default retention: bytes to keep per topic")
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
+    p.add_argument(
+        "--leaves", metavar="HOST:PORT",
+        help="take leaf devices (dafka produce --leaf) on this port (0: any free port); beyond loopback needs --insecure",
+    )
 
     p = sub.add_parser("gateway", help="run a Tank-protocol (and optionally Kafka-protocol) gateway (also a full store)")
     _add_node_flags(p)

@@ -114,7 +114,7 @@ class LeafEndpoint:
 
     # ------------------------------------------------------------ store hooks
 
-    def sockets(self) -> list[tuple[zmq.Socket, Any]]:
+    def sockets(self) -> list[tuple[zmq.Socket[Any], Any]]:
         return [(self.sock, self.read), (self.zap, self._read_zap), (self.monitor, self._read_monitor)]
 
     def _head(self, subject: str, partition: str) -> int:
