@@ -168,3 +168,21 @@ def test_a_client_that_never_reads_does_not_hold_up_the_port(cfg: NodeConfig, tm
         t0 = time.monotonic()
         HonestLeaf(ctx, store).round_trip()
         assert time.monotonic() - t0 < 5.0
+
+
+def test_many_leaves_share_one_loop(cfg: NodeConfig, tmp_path: Path) -> None:
+    from dafka.nodes.leaf import LeafLoop, LeafProducer
+
+    with make_store(cfg, tmp_path) as store:
+        assert store.leaves is not None
+        loop = LeafLoop()
+        try:
+            leaves = [LeafProducer(T, cfg, leaf=f"127.0.0.1:{store.leaves.port}", loop=loop) for _ in range(200)]
+            for round_ in range(3):
+                for leaf in leaves:
+                    leaf.publish(b"%d" % round_)
+            assert all(leaf.flush(20) for leaf in leaves)
+            assert all(store.heads()[(T, leaf.address)] == 2 for leaf in leaves)
+            assert all(leaf.close(1) for leaf in leaves)
+        finally:
+            loop.close()

@@ -17,10 +17,10 @@ twice and needs no endpoint to answer first (a clean close saves the exact end).
 from __future__ import annotations
 
 import heapq
-import itertools
 import json
 import logging
 import os
+import selectors
 import threading
 import time
 from collections import deque
@@ -31,7 +31,7 @@ from typing import Any
 
 import zmq
 
-from dafka import values
+from dafka import fastio, values
 from dafka.config import NodeConfig, default_node_config
 from dafka.core import leaf as leafcore
 from dafka.core import wire
@@ -46,9 +46,17 @@ RESERVE_BLOCK = 10_000  # offsets reserved in the identity file at a time (renew
 TICK = 0.1  # seconds between link ticks
 SAVE_EVERY = 0.5  # seconds between identity saves after ACKs
 SNDHWM = 10_000  # messages a DEALER queues (the endpoint's window bounds what is in flight)
-_LOOP_IDS = itertools.count(1)
+MAX_SOCKETS = 32_768  # ZeroMQ sockets of a LeafLoop's context (one DEALER per member)
+_events = fastio.events
+_POLLIN = int(zmq.POLLIN)
 # Producer arguments that mean nothing to a leaf (it has no mesh side).
 _MESH_ONLY = frozenset(("towers", "pace_limit", "resume", "resume_timeout"))
+
+
+def _fd(sock: zmq.Socket[Any]) -> int:
+    fd = sock.getsockopt(zmq.FD)
+    assert isinstance(fd, int)
+    return fd
 
 
 def parse_endpoints(leaf: str | Sequence[str]) -> list[str]:
@@ -66,23 +74,30 @@ def parse_endpoints(leaf: str | Sequence[str]) -> list[str]:
 
 
 class LeafLoop:
-    """One thread driving many leaf producers (see the module docstring)."""
+    """One thread driving many leaf producers (see the module docstring).
+
+    It waits in one epoll on its members' DEALERs (through ZMQ_FD, which is
+    edge-triggered: a socket is read to the end when it fires, and after a turn
+    every member that did anything has ZMQ_EVENTS looked at, since a send can
+    take the edge) and on a pipe that :meth:`wake` writes to.  Only members with
+    something pending (records unacknowledged, a HELLO unanswered) get ticks:
+    a fleet of idle devices costs nothing between their records.
+    """
 
     def __init__(self, name: str = "") -> None:
         self.ctx = zmq.Context()
-        self._wake_rx = self.ctx.socket(zmq.PAIR)
-        self._wake_tx = self.ctx.socket(zmq.PAIR)
-        endpoint = f"inproc://dafka-leaf-wake-{next(_LOOP_IDS)}"
-        self._wake_rx.bind(endpoint)
-        self._wake_tx.connect(endpoint)
+        self.ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._wake_lock = threading.Lock()
         self._woken = False
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._members: dict[int, LeafProducer] = {}
-        self._by_sock: dict[zmq.Socket[Any], LeafProducer] = {}
+        self._ticking: dict[LeafProducer, None] = {}  # members with something pending
         self._dirty: deque[LeafProducer] = deque()  # members with records or commands to act on
         self._stop = threading.Event()
-        self._poller = zmq.Poller()
-        self._poller.register(self._wake_rx, zmq.POLLIN)
         self._thread = threading.Thread(target=self._run, name=f"dafka-leaves{name}", daemon=True)
         self._thread.start()
 
@@ -96,19 +111,17 @@ class LeafLoop:
             if self._woken:
                 return
             self._woken = True
-            try:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        try:
+            os.write(self._wake_w, b"w")
+        except OSError:
+            pass  # full (a wake-up is pending) or closed
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        with self._wake_lock:
-            self._woken = True
-            try:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        try:
+            os.write(self._wake_w, b"w")
+        except OSError:
+            pass
         if not self.in_loop():
             self._thread.join(timeout)
 
@@ -116,53 +129,62 @@ class LeafLoop:
 
     def _run(self) -> None:
         next_tick = 0.0
+        ready: list[LeafProducer] = []
+        events = _events
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
+                touched: dict[LeafProducer, None] = {}
                 if now >= next_tick:
                     next_tick = now + TICK
-                    for member in list(self._members.values()):
-                        member._tick(now)
+                    for member in list(self._ticking):
+                        if not member._tick(now):
+                            self._ticking.pop(member, None)
+                        touched[member] = None
                 with self._wake_lock:
                     dirty, self._dirty = self._dirty, deque()
                     self._woken = False
                 for member in dict.fromkeys(dirty):
-                    member._act(time.monotonic())
-                try:
-                    events = self._poller.poll(max(0, int((next_tick - time.monotonic()) * 1000) + 1))
-                except zmq.ZMQError:
-                    break
-                for sock, _ in events:
-                    if sock is self._wake_rx:
+                    member._act(now)
+                    touched[member] = None
+                for member in ready:
+                    member._read(now)
+                    touched[member] = None
+                wait = 0.0 if ready or self._dirty else max(0.0, next_tick - time.monotonic())
+                for key, _ in self._selector.select(wait):
+                    member = key.data
+                    if member is None:
                         try:
-                            while True:
-                                self._wake_rx.recv(zmq.NOBLOCK)
-                        except zmq.Again:
+                            while os.read(self._wake_r, 4096):
+                                pass
+                        except OSError:
                             pass
                         continue
-                    reader = self._by_sock.get(sock)
-                    if reader is not None:
-                        reader._read(time.monotonic())
+                    member._read(time.monotonic())
+                    touched[member] = None
+                ready = [m for m in touched if m.sock is not None and events(m.sock) & _POLLIN]
         except Exception:
             log.exception("leaf loop failed")
         finally:
             for member in list(self._members.values()):
                 member._detach()
-            self._wake_rx.close(0)
-            self._wake_tx.close(0)
+            self._selector.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
             self.ctx.term()
 
     # called in the loop thread by members
     def _register(self, sock: zmq.Socket[Any], member: LeafProducer) -> None:
-        self._by_sock[sock] = member
-        self._poller.register(sock, zmq.POLLIN)
+        self._selector.register(_fd(sock), selectors.EVENT_READ, member)
 
     def _unregister(self, sock: zmq.Socket[Any]) -> None:
-        self._by_sock.pop(sock, None)
         try:
-            self._poller.unregister(sock)
-        except KeyError:
+            self._selector.unregister(_fd(sock))
+        except (KeyError, ValueError, zmq.ZMQError):
             pass
+
+    def _pending(self, member: LeafProducer) -> None:
+        self._ticking[member] = None
 
 
 class LeafProducer:
@@ -541,10 +563,12 @@ class LeafProducer:
             self._started = True
             self._loop._members[id(self)] = self
             self._apply(self.link.start(now))
+            self._loop._pending(self)
             self._attached.set()
         if self._closed:
             self._detach()
             return
+        self._loop._pending(self)
         self._send_records(now)
 
     def _send_records(self, now: float) -> None:
@@ -591,11 +615,13 @@ class LeafProducer:
             self._save_identity()
         self._send_records(now)
 
-    def _tick(self, now: float) -> None:
+    def _tick(self, now: float) -> bool:
+        """The link's timers; whether the member still has something pending."""
         with self._lock:
             actions = self.link.on_tick(now)
         self._apply(actions)
         self._send_records(now)
+        return self.sock is not None and (len(self.window) > 0 or self.link.state != leafcore.ACTIVE)
 
     def _detach(self) -> None:
         self._loop._members.pop(id(self), None)
