@@ -68,7 +68,7 @@ def test_no_welcome_in_time_fails_over_to_the_next_endpoint_and_around() -> None
     assert lk.on_tick(4.9) == []
     actions = lk.on_tick(5.0)
     assert actions[0] == Connect("b:2")
-    assert lk.on_tick(10.0)[0] == Connect("a:1")
+    assert lk.on_tick(15.0)[0] == Connect("a:1")  # (the second waits twice as long: backoff)
     assert lk.failovers == 2
 
 
@@ -313,3 +313,22 @@ def test_device_and_endpoint_together_lose_nothing_across_a_failover() -> None:
     for r in b.on_commit({(T, ADDR): 4}):
         lk.on_message(r.frames, 11.3)  # type: ignore[union-attr]
     assert w.acked == 4 and len(w) == 0
+
+
+def test_failovers_without_progress_back_off_and_progress_resets() -> None:
+    w = UnackedWindow(100)
+    lk = link(w, "a:1", "b:2", connect_timeout=5.0, ack_timeout=10.0)
+    lk.start(0.0)
+    assert lk.on_tick(5.0)[0] == Connect("b:2")  # 5 s
+    assert lk.on_tick(14.9) == []
+    assert lk.on_tick(15.0)[0] == Connect("a:1")  # then 10 s
+    assert lk.on_tick(34.9) == []
+    assert lk.on_tick(35.0)[0] == Connect("b:2")  # then 20 s
+    lk.on_message(welcome(window=10), 35.1)
+    w.push(b"x")
+    lk.sent(0, 35.1)
+    lk.on_message(ack(0), 35.2)  # progress: back to the plain timeouts
+    w.push(b"y")
+    lk.sent(1, 36.0)
+    assert [a for a in lk.on_tick(45.9) if isinstance(a, Connect)] == []
+    assert lk.on_tick(46.0)[0] == Connect("a:1")

@@ -43,7 +43,7 @@ from dafka.nodes.producer import Receipt, check_content
 log = logging.getLogger("dafka.leaf")
 
 RESERVE_BLOCK = 10_000  # offsets reserved in the identity file at a time (renewed at half)
-TICK = 0.1  # seconds between link ticks
+TICK = 0.2  # seconds between link ticks (of the members with something pending)
 SAVE_EVERY = 0.5  # seconds between identity saves after ACKs
 SNDHWM = 10_000  # messages a DEALER queues (the endpoint's window bounds what is in flight)
 MAX_SOCKETS = 32_768  # ZeroMQ sockets of a LeafLoop's context (one DEALER per member)
@@ -617,6 +617,11 @@ class LeafProducer:
 
     def _tick(self, now: float) -> bool:
         """The link's timers; whether the member still has something pending."""
+        link = self.link
+        if self.sock is None:
+            return False
+        if link.state == leafcore.ACTIVE and self.window.acked == self.window.next - 1:
+            return False  # idle: nothing to time (its next publish makes it pending again)
         with self._lock:
             actions = self.link.on_tick(now)
         self._apply(actions)
