@@ -181,6 +181,7 @@ class LeafLink:
             if self.window.ack(msg.sequence):
                 self.waiting_since = now if len(self.window) else None
                 self.backoff = 1
+                self.head_at = now  # a HEAD goes only when ACKs stall (it asks for the ACK again)
             return []
         if isinstance(msg, wire.StoreStatus):
             if msg.topic != self.address:
