@@ -156,3 +156,13 @@ def test_dafka_produce_leaf(cfg: NodeConfig, tmp_path: Path) -> None:
     bad = subprocess.run(dafka_cmd("produce", TOPIC, "--leaf", "nohost"), input=b"", capture_output=True,
                          env=subprocess_env(), timeout=60)
     assert bad.returncode != 0 and b"HOST:PORT" in bad.stderr
+
+
+def test_bench_scale_leaves_prints_its_summary_line() -> None:
+    run = subprocess.run(
+        dafka_cmd("bench", "scale", "--leaves", "20", "--procs", "2", "--seconds", "1"),
+        capture_output=True, text=True, env=subprocess_env(), timeout=120,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    line = [x for x in run.stdout.splitlines() if x.startswith("scale:") and "all acked" in x][-1]
+    assert re.search(r"leaves 20\b.*servers [\d.]+%.*the whole [\d.]+%.*all acked: True.*ACK p50 [\d.]+ .*p99 [\d.]+ .*ms", line), line
