@@ -275,6 +275,7 @@ class LeafSession:
     acked: int = -1  # highest ACK sent on this connection
     seen: float = 0.0
     prefix: bytes = b""  # a RECORD's first frame up to the sequence, as the leaf sends it
+    ack_prefix: bytes = b""  # an ACK's frame up to the sequence
 
 
 class LeafPort:
@@ -467,7 +468,9 @@ class LeafPort:
         session.acked = ack
         session.base = max(session.base, ack)
         self.acks += 1
-        return [Reply(session.peer, wire.encode(wire.Ack(session.partition, session.subject, ack)))]
+        if not session.ack_prefix:
+            session.ack_prefix = wire.encode(wire.Ack(session.partition, session.subject, 0))[0][:-8]
+        return [Reply(session.peer, [session.ack_prefix + _U64.pack(ack)])]
 
     def on_commit(self, heads: dict[tuple[str, str], int]) -> list[PortAction]:
         """The store committed (synced) these heads: ACK the sessions of those partitions."""

@@ -126,8 +126,10 @@ class LeafEndpoint:
         error = self.store.storage_error
         return "" if error is None else f"store {self.store.address[:8]} cannot write: {error}"
 
-    def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
+    def on_commit(self, heads: dict[tuple[str, str], int]) -> dict[tuple[str, str], bytes]:
+        """ACK the sessions of these committed partitions; the partitions with a session here."""
         self._apply(self.core.on_commit(heads))
+        return self.core.by_partition
 
     def close(self) -> None:
         for sock in (self.monitor, self.sock, self.zap):
@@ -191,8 +193,12 @@ class LeafEndpoint:
                 except zmq.Again:
                     self.relays_dropped += 1
             else:
+                send = self.sock.send
                 try:
-                    self.sock.send_multipart([act.peer, *act.frames], NOBLOCK)
+                    send(act.peer, SNDMORE_NOBLOCK)
+                    for frame in act.frames[:-1]:
+                        send(frame, SNDMORE_NOBLOCK)
+                    send(act.frames[-1], NOBLOCK)
                 except zmq.ZMQError:
                     pass  # gone, or its queue is full: ACKs are cumulative and repeated
 

@@ -445,7 +445,10 @@ class Store(PartitionReader):
         self.stored += len(batch) + len(pairs) - refused + filled[0]
         if fills or skips:
             self._on_holes_changed(filled)
-        self._status_keys.update(heads)
+        # Partitions of leaves connected here get their ACK on the leaf port: none
+        # on the mesh (nobody there reads it), nor a STORE-STATUS.
+        leaf_served = self.leaves.on_commit(heads) if self.leaves is not None else ()
+        self._status_keys.update(k for k in heads if k not in leaf_served)
         if self._refused:
             for key in heads:
                 self._refused.pop(key, None)  # taken again
@@ -456,10 +459,9 @@ class Store(PartitionReader):
             if self.ready_pairs and key not in self._pids:
                 self._learn_pid(key)
             # One cumulative ACK per partition per commit, after the commit.
-            self._unsent_acks[key] = head
+            if key not in leaf_served:
+                self._unsent_acks[key] = head
         self._send_acks()
-        if self.leaves is not None:
-            self.leaves.on_commit(heads)
         self.commit_sizes.observe(len(batch) + len(pairs))
         received: Any = batch[0][4] if batch and len(batch[0]) == 5 else None  # mesh records: ms stamp
         if received is None and pairs:
