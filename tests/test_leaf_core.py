@@ -332,3 +332,121 @@ def test_failovers_without_progress_back_off_and_progress_resets() -> None:
     lk.sent(1, 36.0)
     assert [a for a in lk.on_tick(45.9) if isinstance(a, Connect)] == []
     assert lk.on_tick(46.0)[0] == Connect("a:1")
+
+
+def test_random_failovers_drops_and_crashes_never_lose_an_acknowledged_offset() -> None:
+    """Device and two endpoints, sans-IO, under random message loss, endpoint crashes
+    (what is not committed is lost) and replication between the endpoints: an offset the
+    leaf saw acknowledged is always committed at an endpoint, and in the end every
+    offset is, each with its one content."""
+
+    for seed in range(60):
+        _random_exchange(seed)
+
+
+def _random_exchange(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    w = UnackedWindow(1000)
+    lk = link(w, "a:1", "b:2", connect_timeout=2.0, ack_timeout=3.0, head_interval=0.5)
+    committed: dict[str, dict[int, bytes]] = {"a:1": {}, "b:2": {}}
+    pending: dict[str, dict[int, bytes]] = {"a:1": {}, "b:2": {}}
+
+    def heads_of(ep: str) -> Heads:
+        h = Heads()
+        held = committed[ep]
+        n = 0
+        while n in held:
+            n += 1
+        if n:
+            h[(T, ADDR)] = n - 1
+        return h
+
+    ports = {ep: LeafPort(heads_of(ep), window=50) for ep in committed}
+    conn = {"ep": "", "id": 0}
+    inbox: list[list[bytes]] = []
+    now = 0.0
+
+    def to_endpoint(frames: list[bytes]) -> None:
+        ep = conn["ep"]
+        if rng.random() < 0.05:
+            return  # lost
+        p = ports[ep]
+        p.head = heads_of(ep)
+        for act in p.on_message(b"c%d" % conn["id"], frames, now):
+            if isinstance(act, Take):
+                pending[ep][act.sequence] = act.content
+            elif isinstance(act, Reply) and rng.random() > 0.05:
+                inbox.append(act.frames)
+
+    def apply(actions: list) -> None:
+        for act in actions:
+            if isinstance(act, Connect):
+                conn["ep"], conn["id"] = act.endpoint, conn["id"] + 1
+                inbox.clear()
+            else:
+                to_endpoint(act.frames)
+
+    apply(lk.start(now))
+    for _step in range(400):
+        now += rng.choice((0.01, 0.1, 0.5))
+        r = rng.random()
+        if r < 0.3 and w.next < 60:
+            w.push(b"c%d" % w.next)
+        elif r < 0.45:  # a commit at one endpoint
+            ep = rng.choice(list(committed))
+            committed[ep].update(pending[ep])
+            pending[ep].clear()
+            p = ports[ep]
+            p.head = heads_of(ep)
+            h = p.head(T, ADDR)
+            for act in p.on_commit({(T, ADDR): h} if h >= 0 else {}):
+                if conn["ep"] == ep and rng.random() > 0.05:
+                    inbox.append(act.frames)  # type: ignore[union-attr]
+        elif r < 0.5:  # replication between the endpoints (committed records only)
+            src, dst = rng.sample(list(committed), 2)
+            committed[dst].update(committed[src])
+        elif r < 0.53:  # an endpoint crashes: what it did not commit is gone
+            ep = rng.choice(list(committed))
+            pending[ep].clear()
+            ports[ep] = LeafPort(heads_of(ep), window=50)
+            if conn["ep"] == ep:
+                inbox.clear()
+        while inbox:
+            apply(lk.on_message(inbox.pop(0), now))
+        span = lk.sendable()
+        if span is not None:
+            first, last = span
+            for seq in range(first, last + 1):
+                to_endpoint(wire.encode(wire.Record(T, ADDR, T, seq, w.get(seq) or b"")))
+            lk.sent(last, now)
+        apply(lk.on_tick(now))
+        for seq in range(w.acked + 1):
+            assert any(committed[ep].get(seq) == b"c%d" % seq for ep in committed), (seq, seed)
+    # Quiet now: no loss, commits everywhere, until everything is acknowledged.
+    rng = random.Random(0)
+    for _ in range(300):
+        if w.acked == w.next - 1:
+            break
+        now += 0.5
+        for ep in committed:
+            committed[ep].update(pending[ep])
+            pending[ep].clear()
+            p = ports[ep]
+            p.head = heads_of(ep)
+            h = p.head(T, ADDR)
+            for act in p.on_commit({(T, ADDR): h} if h >= 0 else {}):
+                if conn["ep"] == ep:
+                    inbox.append(act.frames)  # type: ignore[union-attr]
+        while inbox:
+            apply(lk.on_message(inbox.pop(0), now))
+        span = lk.sendable()
+        if span is not None:
+            for seq in range(span[0], span[1] + 1):
+                to_endpoint(wire.encode(wire.Record(T, ADDR, T, seq, w.get(seq) or b"")))
+            lk.sent(span[1], now)
+        apply(lk.on_tick(now))
+    assert w.acked == w.next - 1, seed
+    merged = {**committed["a:1"], **committed["b:2"]}
+    assert all(merged.get(s) == b"c%d" % s for s in range(w.next)), seed
