@@ -126,9 +126,12 @@ class LeafEndpoint:
         error = self.store.storage_error
         return "" if error is None else f"store {self.store.address[:8]} cannot write: {error}"
 
-    def on_commit(self, heads: dict[tuple[str, str], int]) -> dict[tuple[str, str], bytes]:
-        """ACK the sessions of these committed partitions; the partitions with a session here."""
+    def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
+        """ACK the sessions of these committed partitions."""
         self._apply(self.core.on_commit(heads))
+
+    def sessions(self) -> dict[tuple[str, str], bytes]:
+        """The partitions with a session here: (subject, partition) -> connection."""
         return self.core.by_partition
 
     def close(self) -> None:

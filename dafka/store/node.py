@@ -447,7 +447,7 @@ class Store(PartitionReader):
             self._on_holes_changed(filled)
         # Partitions of leaves connected here get their ACK on the leaf port: none
         # on the mesh (nobody there reads it), nor a STORE-STATUS.
-        leaf_served = self.leaves.on_commit(heads) if self.leaves is not None else ()
+        leaf_served = self.leaves.sessions() if self.leaves is not None else ()
         self._status_keys.update(k for k in heads if k not in leaf_served)
         if self._refused:
             for key in heads:
@@ -462,6 +462,8 @@ class Store(PartitionReader):
             if key not in leaf_served:
                 self._unsent_acks[key] = head
         self._send_acks()
+        if self.leaves is not None:
+            self.leaves.on_commit(heads)  # after the heads above: an ACK read at once finds them
         self.commit_sizes.observe(len(batch) + len(pairs))
         received: Any = batch[0][4] if batch and len(batch[0]) == 5 else None  # mesh records: ms stamp
         if received is None and pairs:
