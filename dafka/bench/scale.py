@@ -136,6 +136,10 @@ def bench_scale(args: argparse.Namespace) -> int:
 
     from dafka.nodes.consumer import Consumer
 
+    if getattr(args, "leaves", 0):
+        from dafka.bench.leaves import bench_leaves
+
+        return bench_leaves(args)
     n, procs = args.nodes, max(1, min(args.procs, args.nodes))
     ctx = mp.get_context("spawn")
     tower, tower_done, cfg = _spawn_tower(ctx)

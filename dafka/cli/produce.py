@@ -30,11 +30,14 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
             raise DafkaError(f"identity file {args.identity}: directory {parent} does not exist")
         if not os.access(parent, os.W_OK | os.X_OK):
             raise DafkaError(f"identity file {args.identity}: directory {parent} is not writable")
+    if args.leaf and (args.no_ack or args.outbox):
+        raise DafkaError("--leaf takes neither --no-ack (its endpoint is a store) nor --outbox (not built yet)")
     source = open(args.file, "rb") if args.file else sys.stdin.buffer  # noqa: SIM115
     producer = Producer(
         args.topic,
         cfg,
         acks=not args.no_ack,
+        **({"leaf": args.leaf} if args.leaf else {}),
         identity=args.identity,
         capacity=args.capacity,
         publish_timeout=args.timeout,
@@ -199,6 +202,10 @@ def add_parser(sub: Any) -> None:
         "--resume-timeout", type=seconds_arg, default=5.0, help="--identity: seconds to wait for the stores' head"
     )
     p.add_argument("--capacity", type=count_arg, default=1_000_000, help="max unacknowledged records")
+    p.add_argument(
+        "--leaf", metavar="HOST:PORT[,HOST:PORT...]",
+        help="be a leaf: one connection to a regional store's leaf port (the next one on failure), no tower",
+    )
     p.add_argument("--outbox", metavar="DIR", help="keep records in this local outbox until a store acknowledges them")
     p.add_argument("--outbox-max-bytes", type=count_arg, help="--outbox: most bytes kept")
     p.add_argument("--outbox-max-age", type=positive_seconds_arg, help="--outbox: oldest record kept, seconds")

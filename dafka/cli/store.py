@@ -61,13 +61,20 @@ def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
     linger = linger_setting(section)
     signals = StopSignals()
     cfg = service_node_config(args, settings, "store")
+    if args.leaves:
+        from dafka.config import is_loopback
+        from dafka.store.leaves import parse_endpoint
+
+        if not is_loopback(parse_endpoint(args.leaves)[0]) and not args.insecure:
+            raise ConfigError(f"--leaves {args.leaves}: the leaf port has no authentication yet; add --insecure")
     try:
-        store = Store(db, cfg, sync=sync, retention=policy, linger=linger)
+        store = Store(db, cfg, sync=sync, retention=policy, linger=linger, leaves=args.leaves)
     except lmdb.Error as exc:
         raise open_error(db, exc) from None
     with store:
         print(
-            f"store up: {store.address} db {db} (sync={'on' if sync else 'OFF'}), tower {tower_names(cfg.towers)}",
+            f"store up: {store.address} db {db} (sync={'on' if sync else 'OFF'}), tower {tower_names(cfg.towers)}"
+            + (f", leaves on {store.leaves.endpoint}" if store.leaves is not None else ""),
             flush=True,
         )
         serve_metrics(args, section, store)
@@ -129,6 +136,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--retention-age", type=positive_seconds_arg, help="default retention: seconds to keep records")
     p.add_argument("--retention-bytes", type=count_arg, help="default retention: bytes to keep per topic")
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
+    p.add_argument(
+        "--leaves", metavar="HOST:PORT",
+        help="take leaf devices (dafka produce --leaf) on this port (0: any free port); beyond loopback needs --insecure",
+    )
 
 
 def add_topics_parser(sub: Any) -> None:

@@ -260,6 +260,11 @@ class Producer(Node):
         ``"drop_oldest"`` evicts the oldest unacknowledged records (counted).
         ``outbox_max_map_size`` caps the LMDB file (a full disk or cap raises
         OutboxFullError at ``publish``).
+    leaf:
+        ``"HOST:PORT[,HOST:PORT...]"``: be a *leaf* instead of a mesh node: one
+        connection to a regional endpoint (a store started with ``--leaves``), no
+        tower, no beacons; returns a :class:`dafka.nodes.leaf.LeafProducer` (same
+        API; see ``docs/concepts/leaves.md``).
     loop:
         A :class:`~dafka.nodes.loop.NodeLoop` to run this producer's I/O in,
         shared with the other nodes given it (one thread for all; callbacks
@@ -267,6 +272,15 @@ class Producer(Node):
     """
 
     kind = "producer"
+
+    def __new__(cls, *args: Any, leaf: str | Sequence[str] | None = None, **kwargs: Any) -> Any:
+        # A leaf producer (one connection to a regional endpoint, no mesh side) is another
+        # class with the same API: dafka.nodes.leaf.LeafProducer.
+        if leaf is not None:
+            from dafka.nodes.leaf import LeafProducer
+
+            return LeafProducer(*args, leaf=leaf, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -290,6 +304,7 @@ class Producer(Node):
         outbox_policy: str = "block",
         outbox_max_map_size: int | None = None,
         loop: NodeLoop | None = None,
+        leaf: None = None,  # taken by __new__: see dafka.nodes.leaf
     ) -> None:
         self._serialize = values.serializer(serializer)
         if not topic or len(topic.encode()) > wire.MAX_STRING or "\x00" in topic:

@@ -40,7 +40,7 @@ import zlib
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -57,6 +57,9 @@ from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.holes import HoleRepair
 from dafka.store.layout import RECORD_KEY, VALUE_HEADER
 from dafka.store.linger import TrickleLinger
+
+if TYPE_CHECKING:
+    from dafka.store.leaves import LeafEndpoint
 
 log = logging.getLogger("dafka.store")
 LINGER = 0.001  # seconds a store rests from reading after a small read (see Store)
@@ -165,6 +168,8 @@ class Store(PartitionReader):
         address: str | None = None,
         linger: float = LINGER,
         skip_after: float = SKIP_AFTER,
+        leaves: str | None = None,
+        leaf_limits: dict[str, Any] | None = None,
     ) -> None:
         config = (config or default_node_config()).with_towers(towers)
         super().__init__(config, address=address)
@@ -270,6 +275,12 @@ class Store(PartitionReader):
         self.every(HEADS_INTERVAL, self._announce_heads)
         self.every(STATUS_INTERVAL, self._send_status)
         self._sync_holes()
+        # Leaf devices dial this port (dafka.store.leaves): their records enter as the mesh's do.
+        self.leaves: LeafEndpoint | None = None
+        if leaves:
+            from dafka.store.leaves import LeafEndpoint
+
+            self.leaves = LeafEndpoint(self, leaves, **(leaf_limits or {}))
         self._writer.start()
         self.start()
 
@@ -434,7 +445,10 @@ class Store(PartitionReader):
         self.stored += len(batch) + len(pairs) - refused + filled[0]
         if fills or skips:
             self._on_holes_changed(filled)
-        self._status_keys.update(heads)
+        # Partitions of leaves connected here get their ACK on the leaf port: none
+        # on the mesh (nobody there reads it), nor a STORE-STATUS.
+        leaf_served = self.leaves.sessions() if self.leaves is not None else ()
+        self._status_keys.update(k for k in heads if k not in leaf_served)
         if self._refused:
             for key in heads:
                 self._refused.pop(key, None)  # taken again
@@ -445,8 +459,11 @@ class Store(PartitionReader):
             if self.ready_pairs and key not in self._pids:
                 self._learn_pid(key)
             # One cumulative ACK per partition per commit, after the commit.
-            self._unsent_acks[key] = head
+            if key not in leaf_served:
+                self._unsent_acks[key] = head
         self._send_acks()
+        if self.leaves is not None:
+            self.leaves.on_commit(heads)  # after the heads above: an ACK read at once finds them
         self.commit_sizes.observe(len(batch) + len(pairs))
         received: Any = batch[0][4] if batch and len(batch[0]) == 5 else None  # mesh records: ms stamp
         if received is None and pairs:
@@ -608,7 +625,8 @@ class Store(PartitionReader):
     # ---------------------------------------------------------------- I/O thread: input
 
     def sockets(self) -> list[tuple[zmq.Socket, Any]]:
-        return [(self.publisher, self._read_subscriptions)]
+        leaves = self.leaves.sockets() if self.leaves is not None else []
+        return [(self.publisher, self._read_subscriptions), *leaves]
 
     def new_tracker(self, subject: str, partition: str) -> PartitionTracker:
         head = self._heads.get((subject, partition))
@@ -1068,6 +1086,8 @@ class Store(PartitionReader):
                 break
             self._flush_batch()
             self._read_wake_blocking(0.05)
+        if self.leaves is not None:
+            self.leaves.close()
 
     def _read_wake_blocking(self, timeout: float) -> None:
         if self._wake_rx.poll(int(timeout * 1000)):
