@@ -16,8 +16,7 @@ import os
 import time
 from typing import Any
 
-from dafka.bench.common import PAYLOAD, _spawn_tower
-from dafka.bench.scale import _proc_cpu, _tcp_sockets
+from dafka.bench.common import PAYLOAD, _proc_cpu, _spawn_tower, _tcp_sockets
 from dafka.config import NodeConfig
 
 

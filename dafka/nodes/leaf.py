@@ -38,7 +38,7 @@ from dafka.core import wire
 from dafka.core.unacked import UnackedWindow
 from dafka.errors import BufferFullError, ClosedError, PublishError, RecordTooLargeError
 from dafka.nodes.node import new_address
-from dafka.nodes.producer import Receipt, check_content
+from dafka.nodes.receipt import Receipt, check_content
 
 log = logging.getLogger("dafka.leaf")
 

@@ -24,16 +24,14 @@ from __future__ import annotations
 import logging
 import struct
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import zmq
 
 from dafka.core import leaf
 from dafka.errors import ConfigError
 from dafka.nodes.node import frame_limit
-
-if TYPE_CHECKING:
-    from dafka.store.node import Store
 
 log = logging.getLogger("dafka.store.leaves")
 
@@ -58,12 +56,41 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class LeafHost(Protocol):
+    """What a store offers its leaf port (:class:`dafka.store.node.Store` is one).
+
+    The port feeds records in where the mesh's enter, so it shares the store's
+    read-side state; written against this, not the store, so the store owns the
+    port and not the other way round.
+    """
+
+    secure: bool
+    address: str
+    max_record_bytes: int
+    data_paused: bool
+    storage_error: Any
+    publisher: Any
+    _heads: dict[tuple[str, str], int]
+    _ts: int
+    _put_gate: Any
+    _missing: Any
+
+    def every(self, interval: float, fn: Callable[[float], None]) -> None: ...
+    def watch_events(self, sock: object, events: int) -> None: ...
+    def fetch_missing(self) -> None: ...
+    def batch_full(self) -> bool: ...
+    def pause_data(self, paused: bool) -> None: ...
+    def _flush_batch(self, retry: bool = False) -> None: ...
+    def tracker(self, subject: str, partition: str) -> Any: ...
+    def track(self, tracker: Any, seq: int, content: bytes) -> None: ...
+
+
 class LeafEndpoint:
     """A store's leaf port (see the module docstring).  Made and used in the store's I/O thread."""
 
     def __init__(
         self,
-        store: Store,
+        store: LeafHost,
         bind: str,
         *,
         max_connections: int = MAX_CONNECTIONS,
@@ -175,7 +202,7 @@ class LeafEndpoint:
             self._log_bad()
         if store._missing:
             store.fetch_missing()
-        if store.pending_records() >= store_max_batch():
+        if store.batch_full():
             store.pause_data(True)
         store._flush_batch()
 
@@ -264,9 +291,3 @@ class LeafEndpoint:
             "leaf_refused": core.refused + self.refused_connections,
             "leaf_relays_dropped": self.relays_dropped,
         }
-
-
-def store_max_batch() -> int:
-    from dafka.store.node import MAX_BATCH
-
-    return MAX_BATCH

@@ -40,7 +40,7 @@ import zlib
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
@@ -56,10 +56,8 @@ from dafka.store.acks import AckRepeats
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.holes import HoleRepair
 from dafka.store.layout import RECORD_KEY, VALUE_HEADER
+from dafka.store.leaves import LeafEndpoint
 from dafka.store.linger import TrickleLinger
-
-if TYPE_CHECKING:
-    from dafka.store.leaves import LeafEndpoint
 
 log = logging.getLogger("dafka.store")
 LINGER = 0.001  # seconds a store rests from reading after a small read (see Store)
@@ -278,8 +276,6 @@ class Store(PartitionReader):
         # Leaf devices dial this port (dafka.store.leaves): their records enter as the mesh's do.
         self.leaves: LeafEndpoint | None = None
         if leaves:
-            from dafka.store.leaves import LeafEndpoint
-
             self.leaves = LeafEndpoint(self, leaves, **(leaf_limits or {}))
         self._writer.start()
         self.start()
@@ -300,6 +296,10 @@ class Store(PartitionReader):
             self._writer_cond.notify_all()
         self._writer.join(timeout)
         self.db.close()
+
+    def batch_full(self) -> bool:
+        """Whether records waiting for the writer reached MAX_BATCH (reading then pauses)."""
+        return self.pending_records() >= MAX_BATCH
 
     def pending_records(self) -> int:
         """Records received and not yet handed to the writer."""
