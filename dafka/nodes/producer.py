@@ -42,7 +42,8 @@ from dafka.errors import (
 from dafka.nodes.fairlock import FairLock
 from dafka.nodes.loop import NodeLoop
 from dafka.nodes.node import Node, Route, read_subscriptions
-from dafka.nodes.receipt import Receipt, check_content
+from dafka.nodes.receipt import Receipt as Receipt  # (re-exported: it was defined here)
+from dafka.nodes.receipt import check_content
 
 _ONLY_BYTES = frozenset((bytes,))
 
