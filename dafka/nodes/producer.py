@@ -768,12 +768,13 @@ class Producer(Node):
             route = self.route(header)
             seq, count = fetch.sequence, fetch.count
             hole = self._hole
-            if hole is not None and hole[0] <= seq <= hole[1] and not self.secure:
+            if hole is not None and hole[0] <= seq <= hole[1]:
                 # Reserved offsets a crashed run left unused: this run never
                 # publishes them.  Say so (VOID kind 1; C readers never subscribe
                 # to it): a dafka reader passes them as soon as every store it
                 # knows said it holds none of them (a previous run's records
-                # can only be in a store now).
+                # can only be in a store now).  In a secure mesh it is believed
+                # only from the key our address is bound to.
                 void = wire.Void(fetch.address, self.address, self.topic, hole[0], hole[1], self.address, wire.VOID_RESTART)
                 fastio.send_frames(self.publisher, wire.encode(void))  # (lock held, not closed)
             if hole is not None and hole[0] <= seq <= hole[1] and seq + count <= hole[1] + 1:
