@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dafka.core.gaps import FETCH_CHUNK, KnownStores, PartitionTracker
+from dafka.core.gaps import FETCH_CHUNK, UNREMEMBERED, KnownStores, PartitionTracker
 from dafka.core.peers import Connect, Disconnect, PeerTable, TowerWatch
 from dafka.core.resume import START_ANYWAY, Resume
 from dafka.core.unacked import UnackedWindow
@@ -678,7 +678,6 @@ def test_known_stores_keep_a_gone_store_for_a_while_and_are_bounded() -> None:
     stores = KnownStores(keep=10.0, limit=2)
     stores.met("a")
     stores.met("b")
-    stores.met("c")  # over the limit: not remembered
     assert set(stores.current(0.0)) == {"a", "b"}
     stores.gone("a", 1.0)
     stores.gone("zz", 1.0)  # never met: nothing
@@ -688,6 +687,17 @@ def test_known_stores_keep_a_gone_store_for_a_while_and_are_bounded() -> None:
     stores.gone("b", 12.0)
     stores.met("b")  # back
     assert set(stores.current(30.0)) == {"b", "c"}
+    # Full: a store turned away counts as one that never answers (a flood of
+    # made-up stores must not hide a real one that holds part of a hole).
+    stores.met("d")
+    assert set(stores.current(30.0)) == {"b", "c", UNREMEMBERED}
+    t = PartitionTracker("s", "p", 5)
+    deliver(t, 20)
+    t.on_restart_hole(5, 19)
+    out: list[tuple[int, bytes]] = []
+    for store in ("b", "c", "d"):
+        t.on_store_void(store, 5, 19)
+    assert t.pass_restart_hole(0.0, stores.current(30.0), out, own_word=True) is None
 
 
 def test_a_restart_hole_passes_only_what_lies_inside_it() -> None:

@@ -475,16 +475,20 @@ class KnownStores:
     A store is met when it shows itself (it subscribes to its CONSUMER-HELLOs
     on our publisher, or greets us); it is gone when its beacons stop, and
     still counts for ``keep`` seconds after (it may hold part of a hole, and
-    be back), then is forgotten.  Remembers at most ``limit`` stores: anyone
-    can subscribe, and one more store only makes a hole wait longer.
+    be back), then is forgotten.  Remembers at most ``limit`` stores (anyone
+    can subscribe as one); once a store was turned away for want of room,
+    the roster counts one more store that never answers (:data:`UNREMEMBERED`),
+    so a flood of made-up stores can make holes wait ``skip_after``, never
+    make a reader pass what a store it could not remember holds.
     """
 
-    __slots__ = ("keep", "limit", "_gone_at")
+    __slots__ = ("keep", "limit", "_gone_at", "turned_away")
 
     def __init__(self, keep: float, limit: int = 1024) -> None:
         self.keep = keep
         self.limit = limit
         self._gone_at: dict[str, float | None] = {}  # store -> when its beacons stopped (None: alive)
+        self.turned_away = 0  # stores not remembered (no room), ever
 
     def __contains__(self, store: object) -> bool:
         return store in self._gone_at
@@ -496,6 +500,8 @@ class KnownStores:
         """``store`` showed itself (again, if it was gone)."""
         if store in self._gone_at or len(self._gone_at) < self.limit:
             self._gone_at[store] = None
+        else:
+            self.turned_away += 1
 
     def gone(self, store: str, now: float) -> None:
         """``store``'s beacons stopped."""
@@ -510,7 +516,14 @@ class KnownStores:
             for store, gone in list(gone_at.items()):
                 if gone is not None and gone < forget:
                     del gone_at[store]
+        if self.turned_away:
+            return {*gone_at, UNREMEMBERED}
         return gone_at.keys()
+
+
+# Stands for the stores a full KnownStores turned away: no VOID comes from it
+# (no node address is empty; in a secure mesh none is bound to a key).
+UNREMEMBERED = ""
 
 
 # Seconds: a producer's HEAD arrives within it.  A producer skips the HEAD of a
