@@ -1077,6 +1077,8 @@ def test_voids_are_believed_only_from_the_partitions_key_or_a_stores(
                     assert store.heads()[key] == 0 and store.skipped == 0 and store.forged > 0
                     # 2. The producer says so; the other store is silent, the forger answers in its name.
                     other.answers = False
+                    asked = store.fetches_sent  # (its answers to FETCHes before this come first)
+                    wait_until(lambda: store.fetches_sent >= asked + 2 or store.skipped, 15)
                     owner.says_void = True
                     forged = store.forged
                     forger_answered(3)
