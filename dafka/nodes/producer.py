@@ -813,12 +813,13 @@ class Producer(Node):
             route = self.route(header)
             seq, count = fetch.sequence, fetch.count
             hole = self._hole
-            if hole is not None and hole[0] <= seq <= hole[1] and not self.secure:
+            if hole is not None and hole[0] <= seq <= hole[1]:
                 # Reserved offsets a crashed run left unused: this run never
                 # publishes them.  Say so (VOID kind 1; C readers never subscribe
                 # to it): a dafka reader passes them as soon as every store it
                 # knows said it holds none of them (a previous run's records
-                # can only be in a store now).
+                # can only be in a store now).  In a secure mesh it is believed
+                # only from the key our address is bound to.
                 void = wire.Void(fetch.address, self.address, self.topic, hole[0], hole[1], self.address, wire.VOID_RESTART)
                 fastio.send_frames(self.publisher, wire.encode(void))  # (lock held, not closed)
             if hole is not None and hole[0] <= seq <= hole[1] and seq + count <= hole[1] + 1:
@@ -977,17 +978,25 @@ class Producer(Node):
         return hole[0] - 1 if hole is not None and last <= hole[1] else last
 
     def _send_head(self, now: float) -> None:
-        last = self._announced()
-        if last != self._head_tick_last:
-            # Records went out since the last tick: they said what this HEAD would.
-            # It goes at the first tick after they stop, so a lost tail shows within
-            # two intervals.  A HEAD a second beside each device's record was a
-            # message a second at every store and consumer (a seventh of a
-            # 1,000-device mesh's CPU).
-            self._head_tick_last = last
-            return
-        if last >= 0 and self._resume_state is None and self._resume_error is None:
-            self._send_locked(wire.encode(wire.Head(self.topic, self.address, self.topic, last)))
+        with self._lock:
+            if self._live_waiting or self._closed:
+                # A burst's records have their offsets but wait for room (paced):
+                # they go out still, and say what this HEAD would.  Announced now,
+                # readers would FETCH what is on its way (the lock is free only
+                # while a sender waits, so this sees every wait).
+                return
+            last = self._announced()
+            if last != self._head_tick_last:
+                # Records went out since the last tick: they said what this HEAD would.
+                # It goes at the first tick after they stop, so a lost tail shows within
+                # two intervals.  A HEAD a second beside each device's record was a
+                # message a second at every store and consumer (a seventh of a
+                # 1,000-device mesh's CPU).
+                self._head_tick_last = last
+                return
+            if last >= 0 and self._resume_state is None and self._resume_error is None:
+                # Never waits for a full queue (NODROP): HEADs are sent again anyway.
+                fastio.send_frames(self.publisher, wire.encode(wire.Head(self.topic, self.address, self.topic, last)))
 
     def _tick_paced(self, now: float) -> None:
         """Read the XPUB's subscription messages (the batch audience); end a lossy hold."""

@@ -170,6 +170,7 @@ class SimStore(Simulated, Store):
             self.send(wire.StoreHello(address, self.address))
             self.retry_missing_now()
         elif kind == "store":
+            self._stores.met(address)  # (its CONSUMER-HELLO subscription)
             self.retry_missing_now()
             self._announce_heads(0.0)
         elif kind == "producer":

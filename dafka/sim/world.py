@@ -247,6 +247,9 @@ class World:
                 # Its beacons stop (the real consumer hears so after the beacon
                 # timeout; at once here is the stricter case).
                 self._guard(f"{c.name} peer gone", c.node.on_peer_gone, store.address)
+        for o in self.stores:
+            if o.store is not None and o is not h:
+                self._guard(f"{o.name} peer gone", o.store.on_peer_gone, store.address)
         self.net.detach(h.name)
         h.store = None
         h.commit_at = None

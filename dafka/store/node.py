@@ -38,6 +38,7 @@ import threading
 import time
 import zlib
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -47,7 +48,7 @@ import zmq
 from dafka import fastio
 from dafka.config import NodeConfig, default_node_config
 from dafka.core import beacon, wire
-from dafka.core.gaps import PartitionTracker
+from dafka.core.gaps import KnownStores, PartitionTracker
 from dafka.errors import ConfigError, ProtocolError
 from dafka.nodes.metrics import SECONDS_BUCKETS, SIZE_BUCKETS, Histogram
 from dafka.nodes.node import DRAIN, read_subscriptions
@@ -144,6 +145,7 @@ class Store(PartitionReader):
     retention_budget = RETENTION_BUDGET  # seconds; an attribute so tests can drive whole rounds
 
     kind = "store"
+    holds_records = True
 
     def interest(self) -> beacon.Interest:
         """Everyone: a store hears every producer and consumer, and the other stores."""
@@ -185,6 +187,10 @@ class Store(PartitionReader):
         # before its offsets are given up and recorded as a hole.
         self.skip_after = skip_after
         self._heads: dict[tuple[str, str], int] = {}
+        # The other stores (they subscribe to their CONSUMER-HELLOs on our
+        # publisher): all must have said they hold none of a restarted
+        # producer's hole before it is passed without waiting skip_after.
+        self._stores = KnownStores(skip_after)
         self._pids: dict[tuple[str, str], int] = {}
         # Partition address -> the topics of its partitions held here (see on_peer_gone).
         self._topics_of: dict[str, set[str]] = {}
@@ -269,6 +275,9 @@ class Store(PartitionReader):
             self.subscribe(prefix)
         self.subscribe(wire.P_DIRECT_RECORD + own)
         self.subscribe(wire.P_CONSUMER_HELLO + own)
+        # VOIDs: a restarted producer's hole, and stores that hold none of it
+        # (see PartitionTracker.pass_restart_hole; C stores never send them).
+        self.subscribe(wire.P_VOID + own)
         self.every(STATS_INTERVAL, self._log_stats)
         self.every(HEADS_INTERVAL, self._announce_heads)
         self.every(STATUS_INTERVAL, self._send_status)
@@ -902,7 +911,12 @@ class Store(PartitionReader):
                 self._count_hearer(subscribe, prefix[1:].decode(errors="replace"))
             if not subscribe:
                 continue
-            if prefix[:1] == wire.P_STORE_HELLO and len(prefix) > 1:
+            if prefix[:1] == wire.P_CONSUMER_HELLO and 1 < len(prefix) <= MAX_ADDRESS + 1:
+                # Another store (it wants CONSUMER-HELLOs addressed to it) hears us.
+                store = prefix[1:].decode(errors="replace")
+                if store != self.address:
+                    self._stores.met(store)
+            elif prefix[:1] == wire.P_STORE_HELLO and len(prefix) > 1:
                 try:
                     consumer = prefix[1:].decode()
                 except UnicodeDecodeError:
@@ -944,7 +958,11 @@ class Store(PartitionReader):
         # gone (no beacon: expired) or was never met leaves that to skip_after.
         return partition in self._fetch_hearers or partition not in self.peers
 
+    def known_stores(self) -> Collection[str]:
+        return self._stores.current(time.monotonic())
+
     def on_peer_gone(self, address: str) -> None:
+        self._stores.gone(address, time.monotonic())
         # Its last records may have reached only us (a producer closed without
         # lingering, its last HEAD unsent): say where its partitions end now,
         # so other stores and readers fetch the tail within a beacon timeout,
@@ -1045,15 +1063,9 @@ class Store(PartitionReader):
             self._fills[(tracker.subject, tracker.address, seq)] = (None, 0)
         super().too_large(tracker, seq, size)
 
-    def on_void(self, msg: wire.Void) -> None:
-        super().on_void(msg)
-        if (
-            self.repair
-            and msg.kind == wire.VOID_STORE
-            and msg.topic == self.address
-            and self.keys is None
-            and msg.source != self.address
-        ):
+    def on_believed_void(self, msg: wire.Void) -> None:
+        super().on_believed_void(msg)
+        if self.repair and msg.kind == wire.VOID_STORE and msg.source != self.address:
             # A peer store holds none of a range we asked for: a recorded hole at
             # the partition's start is then asked for no more (retention removed
             # it there, most likely), until a peer joins (see dafka.store.holes).
