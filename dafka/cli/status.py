@@ -556,6 +556,7 @@ class StatusProbe:
                 if self.guard is not None:
                     self.guard.refresh()  # --watch: follow allow-list changes as the nodes do
             self._retry_refused(now)
+            self.tick(now)
             for address in self.view.expire(now):
                 sub = self.peer_subs.pop(address, None)
                 if sub is not None:
@@ -660,7 +661,14 @@ class StatusProbe:
             if self.keys is not None and not self._may_tell(sender, msg):
                 self.view.forged += 1
                 continue
-            self.view.on_message(sender, msg, time.monotonic())
+            self.on_peer_message(sender, msg)
+
+    def tick(self, now: float) -> None:
+        """Called once per turn of :meth:`run` (a subclass's timers: the console's record fetches)."""
+
+    def on_peer_message(self, sender: str, msg: wire.Message) -> None:
+        """A decoded message of the peer ``sender`` (a subclass may take some for itself)."""
+        self.view.on_message(sender, msg, time.monotonic())
 
     def _may_tell(self, sender: str, msg: wire.Message) -> bool:
         """Secure: what only stores may say (another partition's head, ACK,

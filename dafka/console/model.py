@@ -162,6 +162,11 @@ class ConsoleModel:
                 row["head"] = info.last
         return out
 
+    def partition_head(self, topic: str, partition: str) -> tuple[bool, int | None]:
+        """Whether the mesh (or the local store) knows the partition, and its head."""
+        row = self._heads().get((topic, partition))
+        return (False, None) if row is None else (True, row["head"])
+
     def topics(self) -> list[dict[str, Any]]:
         """Each topic: partitions, records and bytes (records: the local store's
         count with --db, else the offsets the heads cover)."""
@@ -373,10 +378,117 @@ def offset_at_time(read_one: Callable[[int], tuple[int, int] | None], first: int
     return lo
 
 
-def show_record(offset: int, ts_ms: int, key: bytes | None, content: bytes, fmt: str) -> dict[str, Any]:
+def show_record(offset: int, ts_ms: int | None, key: bytes | None, content: bytes, fmt: str) -> dict[str, Any]:
+    """A record as the browser shows it (``ts_ms`` and ``key`` None: not known, as over the mesh)."""
     return {
         "offset": offset,
         "ts_ms": ts_ms,
         "key": None if key is None else show_bytes(key, "auto", 256),
         "content": show_bytes(content, fmt),
     }
+
+
+# ---------------------------------------------------------------- records over the mesh
+
+FETCH_CHUNK = 8  # records a FETCH asks for at most (fewer when records are big)
+FETCH_RETRY = 0.5  # seconds without the records asked before asking again
+FETCH_TIMEOUT = 5.0  # seconds a page of records is waited for at most
+PAGE_BYTES = 8 << 20  # record contents a page reads at most (also with --db)
+
+
+class PageFetch:
+    """One page of the record browser read over the mesh, as a consumer reads a
+    partition: FETCH ``[start, start + limit)`` a few records at a time from the
+    stores (and the producer's unacknowledged buffer), keep each record as it is
+    shown (cut at SHOWN_BYTES: the content itself is not kept), and stop at the
+    whole page, at ``max_bytes`` of contents read, or at the deadline (a store that
+    never answers: the page is what came).  Records outside what was asked, and
+    copies (several stores answer), are dropped.  Sans-IO: :meth:`asks` says what
+    to FETCH, :meth:`on_record` takes what came; times are passed in."""
+
+    def __init__(
+        self,
+        topic: str,
+        partition: str,
+        start: int,
+        limit: int,
+        fmt: str,
+        now: float,
+        *,
+        max_bytes: int = PAGE_BYTES,
+        timeout: float = FETCH_TIMEOUT,
+        chunk: int = FETCH_CHUNK,
+        retry: float = FETCH_RETRY,
+    ) -> None:
+        self.topic, self.partition, self.fmt = topic, partition, fmt
+        self.start = start
+        self.end = start + max(1, limit)  # exclusive
+        self.max_bytes = max_bytes
+        self.deadline = now + timeout
+        self.chunk = max(1, chunk)
+        self.retry = retry
+        self.records: dict[int, dict[str, Any]] = {}
+        self.bytes = 0  # contents read (first copies)
+        self.asked_to = start  # offsets below it were asked for
+        self.next = start  # the first offset not read (all below it were)
+        self.asked_at = -1e18
+        self.why: str | None = None  # once done: "complete", "bytes" or "timeout"
+
+    @property
+    def done(self) -> bool:
+        return self.why is not None
+
+    def asks(self, now: float) -> list[tuple[int, int]]:
+        """The FETCHes (first offset, count) to send now; ends the page at its deadline."""
+        if self.why is not None:
+            return []
+        if now >= self.deadline:
+            self.why = "timeout"
+            return []
+        if self.next >= self.asked_to:  # all asked came: ask the next few
+            count = min(self._chunk(), self.end - self.asked_to)
+            first = self.asked_to
+            self.asked_to += count
+            self.asked_at = now
+            return [(first, count)]
+        if now - self.asked_at >= self.retry:  # lost, or a store slow: ask again for what is missing
+            self.asked_at = now
+            return [(self.next, self.asked_to - self.next)]
+        return []
+
+    def _chunk(self) -> int:
+        if not self.records:
+            return self.chunk
+        average = max(1, self.bytes // len(self.records))
+        return max(1, min(self.chunk, (self.max_bytes - self.bytes) // average))
+
+    def on_record(self, offset: int, content: bytes) -> None:
+        if self.why is not None or not self.start <= offset < self.asked_to or offset in self.records:
+            return
+        self.records[offset] = show_record(offset, None, None, content, self.fmt)
+        self.bytes += len(content)
+        while self.next in self.records:
+            self.next += 1
+        if self.next >= self.end:
+            self.why = "complete"
+        elif self.bytes >= self.max_bytes:
+            self.why = "bytes"
+
+    def result(self, first: int | None, last: int | None) -> dict[str, Any]:
+        """The page, as ``/api/records`` answers (``first``/``last``: what the mesh tells of the partition)."""
+        offsets = sorted(self.records)
+        shown_to = offsets[-1] + 1 if offsets else self.start
+        return {
+            "topic": self.topic,
+            "partition": self.partition,
+            "first": first,
+            "last": last,
+            "offset": self.start,
+            "next": shown_to,  # where the next page starts
+            "limit": self.end - self.start,
+            "cut": self.why == "bytes",
+            "timed_out": self.why == "timeout",
+            "missing": (shown_to - self.start) - len(offsets),  # offsets in the page not read (holes)
+            "source": "mesh",
+            "records": [self.records[o] for o in offsets],
+        }

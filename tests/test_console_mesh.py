@@ -1,0 +1,200 @@
+"""The console's record browser over the mesh (no ``--db``): pages FETCHed from the
+stores as a consumer reads them, bounded in records, bytes and time, against a
+real tower, a store process, producers, and hand-driven hostile peers."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dafka.config import NodeConfig
+from dafka.console import server
+from dafka.console.model import SHOWN_BYTES, ConsoleModel, PageFetch
+from dafka.console.server import Console
+from dafka.core import wire
+from dafka.nodes.producer import Producer
+from tests.conftest import RawPeer, start_store_process, wait_until
+from tests.test_console import get, publish
+
+pytestmark = pytest.mark.timeout(120)
+
+TOPIC = "<img src=x onerror=alert(1)>t"
+
+
+def records(base: str, **q: Any) -> tuple[int, Any]:
+    status, _, body = get(base + "api/records?" + urllib.parse.urlencode(q))
+    return status, json.loads(body)
+
+
+def test_records_over_the_mesh_from_a_console_attached_to_a_tower_only(cfg: NodeConfig, tmp_path: Path) -> None:
+    store = start_store_process(cfg, tmp_path / "db")
+    producer = Producer(TOPIC, cfg)
+    try:
+        wait_until(lambda: len(producer.peers))
+        huge = b"z" * 900_000  # under max_record_bytes (1 MiB)
+        publish(producer, [b"r%d" % i for i in range(46)] + [b'{"n": 46}', huge, bytes(range(256)), b"<script>x</script>"])
+        with Console(cfg, interval=0.2) as console:
+            base = console.url
+            wait_until(lambda: records(base, topic=TOPIC, partition=producer.address)[0] == 200, timeout=20)
+            status, page = records(base, topic=TOPIC, partition=producer.address, limit=4)
+            assert status == 200 and page["source"] == "mesh", page
+            assert [r["offset"] for r in page["records"]] == [46, 47, 48, 49]
+            r46, r47, r48, r49 = (r["content"] for r in page["records"])
+            assert r46["as"] == "json" and '"n": 46' in r46["text"]
+            assert r47["as"] == "text" and r47["truncated"] and r47["size"] == 900_000 and len(r47["text"]) == SHOWN_BYTES
+            assert r48["as"] == "hex" and r48["text"].startswith("00 01 02")
+            assert r49["text"] == "<script>x</script>"  # as data: the page renders it as text
+            assert page["records"][0]["ts_ms"] is None and page["records"][0]["key"] is None  # not on the wire
+            assert page["next"] == 50 and page["last"] == 49 and not page["cut"] and not page["timed_out"]
+            # From an offset, in another format; a page bounded in records.
+            status, page = records(base, topic=TOPIC, partition=producer.address, offset=10, limit=3, format="hex")
+            assert [(r["offset"], r["content"]["text"]) for r in page["records"]] == [(10, "72 31 30"), (11, "72 31 31"), (12, "72 31 32")]
+            assert page["next"] == 13
+            status, page = records(base, topic=TOPIC, partition=producer.address, offset=0, limit=500)
+            assert len(page["records"]) == 50  # at most MAX_PAGE (100), and the head bounds it
+            # Past the head: an empty page at once, not a wait.
+            status, page = records(base, topic=TOPIC, partition=producer.address, offset=60)
+            assert status == 200 and page["records"] == [] and page["next"] == 60
+            # A time needs timestamps, which the mesh does not carry.
+            assert records(base, topic=TOPIC, partition=producer.address, time=1)[0] == 400
+            assert records(base, topic=TOPIC, partition="nope")[0] == 404
+            assert records(base, topic=TOPIC, partition=producer.address, offset="x")[0] == 400
+    finally:
+        producer.close(0)
+        store.terminate()
+        store.wait(10)
+
+
+def test_a_page_over_the_mesh_stops_at_its_byte_bound(cfg: NodeConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = start_store_process(cfg, tmp_path / "db")
+    producer = Producer("big", cfg)
+    try:
+        wait_until(lambda: len(producer.peers))
+        publish(producer, [bytes([65 + i]) * 600_000 for i in range(10)])
+        monkeypatch.setattr(server, "MAX_PAGE_BYTES", 1_500_000)
+        with Console(cfg, interval=0.2) as console:
+            wait_until(lambda: records(console.url, topic="big", partition=producer.address)[0] == 200, timeout=20)
+            status, page = records(console.url, topic="big", partition=producer.address, offset=0, limit=10)
+            assert status == 200 and page["cut"], page
+            offsets = [r["offset"] for r in page["records"]]
+            assert offsets[:3] == [0, 1, 2] and len(offsets) <= 4  # stopped asking past 1.5 MB
+            assert page["next"] == offsets[-1] + 1
+    finally:
+        producer.close(0)
+        store.terminate()
+        store.wait(10)
+
+
+def test_a_partition_nobody_answers_for_times_out_and_the_console_keeps_serving(
+    cfg: NodeConfig, raw_peer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A producer that tells its head but never answers FETCH (nor does any store):
+    the page ends at its deadline with what came, other requests are served meanwhile,
+    and records sent unasked (other offsets, floods of copies) are dropped."""
+    monkeypatch.setattr(server, "FETCH_TIMEOUT", 1.5)
+    silent: RawPeer = raw_peer([])
+    with Console(cfg, interval=0.2) as console:
+        base = console.url
+
+        def known() -> bool:
+            silent.send(wire.Head("mute", silent.address, "mute", 99))
+            silent.pump(0.05)
+            return records(base, topic="mute", partition=silent.address, limit=1)[0] != 404
+
+        wait_until(known, timeout=20)
+        probe = console._probe
+        assert probe is not None
+        out: dict[str, Any] = {}
+
+        def ask() -> None:
+            t0 = time.monotonic()
+            out["page"] = records(base, topic="mute", partition=silent.address, limit=20)
+            out["took"] = time.monotonic() - t0
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        # Meanwhile: the console answers; the peer floods records nobody asked for.
+        status, _, _ = get(base + "api/state")
+        assert status == 200
+        for i in range(200):
+            silent.send(wire.DirectRecord(probe.address, silent.address, "mute", 10_000 + i, b"unasked"))
+        fetches = silent.wait_for(lambda p: p.messages(wire.Fetch), timeout=10)
+        # The FETCH went to the partition, a few records at a time, retried while waiting.
+        assert all(f.topic == silent.address and f.count <= 8 and 80 <= f.sequence <= 99 for f in fetches)
+        asker.join(15)
+        status, page = out["page"]
+        assert status == 200 and page["timed_out"] and page["records"] == [], page
+        assert 1.0 <= out["took"] < 5.0
+        assert get(base + "api/state")[0] == 200
+
+
+def test_page_fetch_asks_a_few_at_a_time_drops_copies_and_strays() -> None:
+    page = PageFetch("t", "P", 100, 20, "auto", now=0.0, chunk=8, retry=0.5, timeout=5.0)
+    assert page.asks(0.0) == [(100, 8)]
+    assert page.asks(0.1) == []  # waiting for them
+    page.on_record(99, b"before")  # not asked
+    page.on_record(108, b"not asked yet")
+    for o in range(100, 104):
+        page.on_record(o, b"x")
+        page.on_record(o, b"copy from another store")
+    assert page.asks(0.2) == []
+    assert page.asks(0.7) == [(104, 4)]  # the missing ones again
+    for o in range(104, 108):
+        page.on_record(o, b"x")
+    assert page.asks(0.8) == [(108, 8)]
+    assert sorted(page.records) == list(range(100, 108)) and page.bytes == 8
+    for o in range(108, 116):
+        page.on_record(o, b"x")
+    assert page.asks(0.9) == [(116, 4)]
+    for o in range(116, 120):
+        page.on_record(o, b"x")
+    assert page.done and page.why == "complete"
+    result = page.result(None, 119)
+    assert [r["offset"] for r in result["records"]] == list(range(100, 120)) and result["next"] == 120
+    assert result["missing"] == 0 and not result["cut"] and not result["timed_out"]
+
+
+def test_page_fetch_bounds_bytes_and_time() -> None:
+    page = PageFetch("t", "P", 0, 50, "auto", now=0.0, max_bytes=1000, chunk=8)
+    assert page.asks(0.0) == [(0, 8)]
+    page.on_record(0, b"a" * 300)
+    page.on_record(1, b"a" * 300)
+    page.on_record(2, b"a" * 300)
+    page.on_record(3, b"a" * 300)
+    assert page.why == "bytes" and page.result(None, None)["cut"]
+    # Big records: fewer asked at once.
+    page = PageFetch("t", "P", 0, 50, "auto", now=0.0, max_bytes=1000, chunk=8)
+    assert page.asks(0.0) == [(0, 8)]
+    for o in range(8):
+        page.on_record(o, b"b" * 10)
+    assert page.asks(0.1) == [(8, 8)]
+    page = PageFetch("t", "P", 0, 50, "auto", now=0.0, max_bytes=1000, chunk=8)
+    page.asks(0.0)
+    for o in range(8):
+        page.on_record(o, b"b" * 100)
+    assert page.asks(0.1) == [(8, 2)]  # 200 bytes left, 100 a record
+    # A hole, then the deadline: what came, with the hole counted.
+    page = PageFetch("t", "P", 0, 5, "auto", now=0.0, timeout=2.0)
+    page.asks(0.0)
+    page.on_record(0, b"x")
+    page.on_record(2, b"x")
+    assert page.asks(1.0) == [(1, 4)]
+    assert page.asks(2.0) == [] and page.why == "timeout"
+    page.on_record(1, b"late")  # after the end: dropped
+    result = page.result(None, 4)
+    assert [r["offset"] for r in result["records"]] == [0, 2] and result["missing"] == 1 and result["next"] == 3
+    assert result["timed_out"]
+
+
+def test_partition_head_of_the_model() -> None:
+    model = ConsoleModel()
+    part = {"topic": "t", "partition": "P", "producer_head": 7, "producer_alive": True, "stores": [{"address": "S", "head": 5, "lag": 2}]}
+    model.update({"towers": [], "nodes": [], "partitions": [part], "groups": []}, 1.0)
+    assert model.partition_head("t", "P") == (True, 5)  # what a store holds
+    assert model.partition_head("t", "Q") == (False, None)
