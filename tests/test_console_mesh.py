@@ -20,7 +20,7 @@ from dafka.console.server import Console
 from dafka.core import wire
 from dafka.nodes.producer import Producer
 from tests.conftest import RawPeer, start_store_process, wait_until
-from tests.test_console import get, publish
+from tests.test_console import get, get_json, publish
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -198,3 +198,30 @@ def test_partition_head_of_the_model() -> None:
     model.update({"towers": [], "nodes": [], "partitions": [part], "groups": []}, 1.0)
     assert model.partition_head("t", "P") == (True, 5)  # what a store holds
     assert model.partition_head("t", "Q") == (False, None)
+
+
+def test_a_topic_of_thousands_of_partitions_is_paged(cfg: NodeConfig, raw_peer: Any) -> None:
+    """A peer telling heads of 3,000 partitions of one topic: the landing lists 20 heads,
+    the topic page 200 partitions a page (the count whole), the pages go on by ``from``."""
+    teller: RawPeer = raw_peer([])
+    parts = sorted("%032X" % (0xC0FFEE00 + i) for i in range(3000))
+    with Console(cfg, interval=0.2) as console:
+        base = console.url
+
+        def all_told() -> Any:
+            for i, p in enumerate(parts):
+                teller.send(wire.Head("wide", p, "wide", i))
+            teller.pump(0.05)
+            t = get_json(base + "api/topic?name=wide")
+            return t if t.get("partition_count") == 3000 else None
+
+        t = wait_until(all_told, timeout=30, interval=0.5)
+        assert len(t["partitions"]) == 200 and t["from"] == 0
+        assert [p["partition"] for p in t["partitions"]] == parts[:200]
+        t = get_json(base + "api/topic?name=wide&from=2900")
+        assert [p["partition"] for p in t["partitions"]] == parts[2900:]
+        t = get_json(base + "api/topic?name=wide&from=99999")  # past the end: the last one
+        assert [p["partition"] for p in t["partitions"]] == parts[-1:]
+        assert get(base + "api/topic?name=wide&from=x")[0] == 400
+        (topic,) = [x for x in get_json(base + "api/state")["topics"] if x["topic"] == "wide"]
+        assert topic["partitions"] == 3000 and len(topic["heads"]) == 20

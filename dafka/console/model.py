@@ -29,6 +29,7 @@ KINDS = ("tower", "store", "producer", "consumer", "unknown")
 LANDING_NODES = 200  # nodes per kind
 LANDING_HEADS = 20  # partition heads per topic, partitions per group
 BOX_MEMBERS = 50  # nodes listed in a box of the mesh picture
+PARTITION_PAGE = 200  # partitions per page of a topic's or a group's page
 
 
 class History:
@@ -250,21 +251,39 @@ class ConsoleModel:
             "db": self.db_parts is not None,
         }
 
-    def topic(self, name: str) -> dict[str, Any] | None:
-        """The topic page: partitions (with their newest records/s) and the topic's rate."""
-        rows = [dict(row) for (t, _), row in sorted(self._heads().items()) if t == name]
-        if not rows:
+    def topic(self, name: str, first: int = 0, count: int = PARTITION_PAGE) -> dict[str, Any] | None:
+        """The topic page: ``count`` of its partitions from the ``first`` (in name order,
+        with their newest records/s; ``partition_count`` is whole) and the topic's rate."""
+        heads = self._heads()
+        keys = sorted(k for k in heads if k[0] == name)
+        if not keys:
             return None
+        first = max(0, min(first, len(keys) - 1))
+        rows = [dict(heads[k]) for k in keys[first : first + max(1, min(count, PARTITION_PAGE))]]
         for row in rows:
             rates = self.part_rates.rates(_series(name, row["partition"]))
             row["rate"] = round(rates[-1][1], 1) if rates else None
-        return {"topic": name, "partitions": rows, "rate": self.rates.rates(name), "db": self.db_parts is not None}
+        return {
+            "topic": name,
+            "partitions": rows,
+            "partition_count": len(keys),
+            "from": first,
+            "rate": self.rates.rates(name),
+            "db": self.db_parts is not None,
+        }
 
-    def group(self, name: str, charted: int = 8) -> dict[str, Any] | None:
-        """The group page: the group, its summed lag over time, and the lag over
-        time of its ``charted`` most lagging partitions."""
+    def group(self, name: str, charted: int = 8, first: int = 0) -> dict[str, Any] | None:
+        """The group page: the group (PARTITION_PAGE of its partitions from the
+        ``first``; ``partition_count`` is whole), its summed lag over time, and the
+        lag over time of its ``charted`` most lagging partitions."""
         for g in self.snap.get("groups", []):
             if g["group"] == name:
+                first = max(0, min(first, len(g["partitions"]) - 1))
+                page = {
+                    "partitions": g["partitions"][first : first + PARTITION_PAGE],
+                    "partition_count": len(g["partitions"]),
+                    "from": first,
+                }
                 top = sorted((p for p in g["partitions"] if p["lag"] is not None), key=lambda p: -p["lag"])
                 history = [
                     {
@@ -274,7 +293,7 @@ class ConsoleModel:
                     }
                     for p in top[:charted]
                 ]
-                return {**g, "history": self.lags.points(name), "partition_history": history}
+                return {**g, **page, "history": self.lags.points(name), "partition_history": history}
         return None
 
     def mesh(self) -> dict[str, Any]:

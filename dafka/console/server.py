@@ -238,15 +238,23 @@ class Console:
         return web.json_response(self._landing_data())
 
     async def _api_topic(self, request: web.Request) -> web.Response:
+        try:
+            first = int(request.query.get("from", "0"))
+        except ValueError:
+            return web.json_response({"error": "from: a number"}, status=400)
         with self.lock:
-            data = self.model.topic(request.query.get("name", ""))
+            data = self.model.topic(request.query.get("name", ""), first)
         if data is None:
             return web.json_response({"error": "no such topic (yet)"}, status=404)
         return web.json_response(data)
 
     async def _api_group(self, request: web.Request) -> web.Response:
+        try:
+            first = int(request.query.get("from", "0"))
+        except ValueError:
+            return web.json_response({"error": "from: a number"}, status=400)
         with self.lock:
-            data = self.model.group(request.query.get("name", ""))
+            data = self.model.group(request.query.get("name", ""), first=first)
         if data is None:
             return web.json_response({"error": "no such group (yet)"}, status=404)
         return web.json_response(data)
