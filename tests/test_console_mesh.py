@@ -225,3 +225,25 @@ def test_a_topic_of_thousands_of_partitions_is_paged(cfg: NodeConfig, raw_peer: 
         assert get(base + "api/topic?name=wide&from=x")[0] == 400
         (topic,) = [x for x in get_json(base + "api/state")["topics"] if x["topic"] == "wide"]
         assert topic["partitions"] == 3000 and len(topic["heads"]) == 20
+
+
+def test_console_alerts_the_holes_of_its_local_store(cfg: NodeConfig, tmp_path: Path) -> None:
+    """With --db, the holes the store recorded (offsets given up) are alerts: the first
+    HOLES_SHOWN said, the rest counted."""
+    from dafka.console.model import HOLES_SHOWN
+    from dafka.store.db import RecordDB
+
+    db = RecordDB(tmp_path / "db")
+    parts = ["%032X" % (0xAB00 + i) for i in range(HOLES_SHOWN + 3)]
+    for p in parts:
+        db.append([("holed", p, 0, b"a", 1), ("holed", p, 5, b"b", 2)], skips=[("holed", p, 1, 4)])
+    db.close()
+    with Console(cfg, db=str(tmp_path / "db"), interval=0.2) as console:
+
+        def alerts() -> Any:
+            got = [a for a in get_json(console.url + "api/state")["alerts"] if "hole" in a]
+            return got if len(got) > HOLES_SHOWN else None
+
+        got = wait_until(alerts, timeout=15)
+        assert f"partition holed/{parts[0]}: offsets 1..4 are a hole in the local store (given up)" in got
+        assert got[-1] == "... 3 more holes in the local store"

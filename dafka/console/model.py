@@ -30,6 +30,8 @@ LANDING_NODES = 200  # nodes per kind
 LANDING_HEADS = 20  # partition heads per topic, partitions per group
 BOX_MEMBERS = 50  # nodes listed in a box of the mesh picture
 PARTITION_PAGE = 200  # partitions per page of a topic's or a group's page
+HOLES_READ = 101  # --db: holes read from the local store per update (HOLES_SHOWN alerted, the rest counted)
+HOLES_SHOWN = 10
 
 
 class History:
@@ -84,6 +86,7 @@ class ConsoleModel:
         self.snap: dict[str, Any] = {"towers": [], "nodes": [], "partitions": [], "groups": []}
         self.db_parts: list[PartitionInfo] | None = None  # --db: the local store's partitions
         self.db_error: str | None = None
+        self.db_holes: list[tuple[str, str, int, int]] = []  # --db: (topic, partition, first, last)
         self.rates = History(history, max_series)  # "topic NAME": records stored (summed heads)
         self.lags = History(history, max_series)  # per group: its summed lag
         # Per partition (own bounds, so the sums are never crowded out): (topic, partition)
@@ -98,11 +101,14 @@ class ConsoleModel:
         now: float,
         db_parts: list[PartitionInfo] | None = None,
         db_error: str | None = None,
+        db_holes: list[tuple[str, str, int, int]] | None = None,
     ) -> None:
-        """A new snapshot (and the local store's partitions): sample the charts."""
+        """A new snapshot (and the local store's partitions and recorded holes, at
+        most HOLES_READ of them): sample the charts."""
         self.snap = snap
         self.db_parts = db_parts
         self.db_error = db_error
+        self.db_holes = list(db_holes or [])[:HOLES_READ]
         self.updated = now
         topics = self.topics()
         for t in topics:
@@ -218,6 +224,11 @@ class ConsoleModel:
             out.append(f"{self.snap['forged']} store-only message(s) from keys without a store role")
         if self.db_error:
             out.append(f"local store: {self.db_error}")
+        for topic, partition, first, last in self.db_holes[:HOLES_SHOWN]:
+            out.append(f"partition {topic}/{partition}: offsets {first}..{last} are a hole in the local store (given up)")
+        if len(self.db_holes) > HOLES_SHOWN:
+            more = len(self.db_holes) - HOLES_SHOWN
+            out.append(f"... {more}{'+' if len(self.db_holes) >= HOLES_READ else ''} more holes in the local store")
         return out[:100]
 
     def landing(self) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from dafka.config import NodeConfig
 from dafka.console.model import (
     FETCH_TIMEOUT,
     FORMATS,
+    HOLES_READ,
     MAX_PAGE,
     PAGE_BYTES,
     ConsoleModel,
@@ -153,9 +154,9 @@ class Console:
             while not self._stop.is_set():
                 snap = probe.run(self.interval)
                 snap["refused"] = probe.refused[-MAX_REFUSED_SHOWN:]  # secure: handshakes refused us
-                parts, error = self._db_partitions()
+                parts, error, holes = self._db_partitions()
                 with self.lock:
-                    self.model.update(snap, time.monotonic(), parts, error)
+                    self.model.update(snap, time.monotonic(), parts, error, holes)
         except Exception:
             log.exception("console: the observer stopped")
         finally:
@@ -170,16 +171,17 @@ class Console:
             self._db = RecordDB(self.db_path, readonly=True)
         return self._db
 
-    def _db_partitions(self) -> tuple[list[Any] | None, str | None]:
+    def _db_partitions(self) -> tuple[list[Any] | None, str | None, list[Any]]:
+        """The local store's partitions, an error, and its first HOLES_READ recorded holes."""
         if self.db_path is None:
-            return None, None
+            return None, None, []
         with self.db_lock:
             try:
                 db = self._open_db()
                 assert db is not None
-                return db.partitions(), None
+                return db.partitions(), None, [tuple(h) for h in db.holes(HOLES_READ)]
             except Exception as exc:  # noqa: BLE001 (shown as an alert; tried again next time)
-                return [], f"{self.db_path}: {exc}"
+                return [], f"{self.db_path}: {exc}", []
 
     # ------------------------------------------------------------ server
 
