@@ -222,6 +222,8 @@ class ConsoleModel:
             out.append(f"{self.snap['malformed']} malformed message(s) received")
         if self.snap.get("forged"):
             out.append(f"{self.snap['forged']} store-only message(s) from keys without a store role")
+        if self.snap.get("dropped_partitions"):
+            out.append(f"heads of {self.snap['dropped_partitions']} partition(s) beyond the console's bound were not kept")
         if self.db_error:
             out.append(f"local store: {self.db_error}")
         for topic, partition, first, last in self.db_holes[:HOLES_SHOWN]:
