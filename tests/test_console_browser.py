@@ -94,6 +94,10 @@ def test_landing_and_topic_pages_in_chromium(cfg: NodeConfig, tmp_path: Path, br
                 browser.get(console.url + "topics/" + urllib.parse.quote(TOPIC, safe=""))
                 wait_until(lambda: '"order": 59' in text_of(browser, "#record-list pre"), timeout=15)
                 assert '"order": 40' in text_of(browser, "#record-list pre")
+                # Its charts: records/s, and the lag of the group consuming it.
+                charts = "return document.querySelectorAll('#rate-chart .uplot, #topic-lag-chart .uplot').length"
+                wait_until(lambda: browser.execute_script(charts) == 2, timeout=15)
+                assert GROUP in text_of(browser, "#topic-lag-chart")
                 assert TOPIC in browser.find_element(By.ID, "title").text
                 assert browser.execute_script("return window.pwned") is None
     finally:

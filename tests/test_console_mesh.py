@@ -247,3 +247,26 @@ def test_console_alerts_the_holes_of_its_local_store(cfg: NodeConfig, tmp_path: 
         got = wait_until(alerts, timeout=15)
         assert f"partition holed/{parts[0]}: offsets 1..4 are a hole in the local store (given up)" in got
         assert got[-1] == "... 3 more holes in the local store"
+
+
+def test_topic_page_charts_the_lag_of_each_group_on_the_topic() -> None:
+    model = ConsoleModel()
+
+    def snap(lags: dict[str, list[int]]) -> dict[str, Any]:
+        parts = [{"topic": "t", "partition": p, "producer_head": 99, "producer_alive": True, "stores": []} for p in "PQ"]
+        groups = [
+            {"group": g, "members": [], "lag": sum(v), "partitions": [
+                {"topic": "t", "partition": "P", "lag": v[0]}, {"topic": "t", "partition": "Q", "lag": v[1]},
+                {"topic": "other", "partition": "R", "lag": 1000}]}
+            for g, v in lags.items()
+        ]
+        return {"towers": [], "nodes": [], "partitions": parts, "groups": groups}
+
+    model.update(snap({"a": [10, 5], "b": [1, 1]}), 1.0)
+    model.update(snap({"a": [8, 4], "b": [0, 1]}), 2.0)
+    t = model.topic("t")
+    assert t is not None
+    assert t["lag"] == [
+        {"group": "a", "now": 12, "points": [(1.0, 15.0), (2.0, 12.0)]},
+        {"group": "b", "now": 1, "points": [(1.0, 2.0), (2.0, 1.0)]},
+    ]

@@ -279,11 +279,28 @@ class ConsoleModel:
         return {
             "topic": name,
             "partitions": rows,
+            "lag": self.topic_lags(name),
             "partition_count": len(keys),
             "from": first,
             "rate": self.rates.rates(name),
             "db": self.db_parts is not None,
         }
+
+    def topic_lags(self, name: str, charted: int = 8) -> list[dict[str, Any]]:
+        """Per group consuming the topic (the ``charted`` most lagging now): its lag on
+        the topic's partitions summed, over the charts' sample times."""
+        out = []
+        for g in self.snap.get("groups", []):
+            parts = [p for p in g["partitions"] if p["topic"] == name and p["lag"] is not None]
+            if not parts:
+                continue
+            summed: dict[float, float] = {}
+            for p in parts:
+                for t, lag in self.part_lags.points(_series(g["group"], name, p["partition"])):
+                    summed[t] = summed.get(t, 0.0) + lag
+            out.append({"group": g["group"], "now": sum(p["lag"] for p in parts), "points": sorted(summed.items())})
+        out.sort(key=lambda x: -x["now"])
+        return out[:charted]
 
     def group(self, name: str, charted: int = 8, first: int = 0) -> dict[str, Any] | None:
         """The group page: the group (PARTITION_PAGE of its partitions from the

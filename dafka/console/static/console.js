@@ -196,8 +196,9 @@
   function startTopic(name) {
     const parts = el("div", { id: "partitions" });
     const rate = el("div", { id: "rate-chart" });
+    const lagChart = el("div", { id: "topic-lag-chart" });
     const browser = el("div", { id: "browser" });
-    content.replaceChildren(section("parts", "Partitions", parts), section("rate", "Records/s", rate), section("records", "Records", browser));
+    content.replaceChildren(section("parts", "Partitions", parts), section("rate", "Records/s", rate), section("lag", "Lag of the groups consuming it", lagChart), section("records", "Records", browser));
     const sel = el("select", { id: "partition" });
     const offset = el("input", { id: "offset", type: "number", min: "0", placeholder: "latest" });
     const when = el("input", { id: "time", type: "datetime-local", step: "1" });
@@ -265,6 +266,15 @@
           if (chosen) sel.value = chosen;
         }
         chart(rate, "records/s (all partitions)", d.rate, "records/s");
+        if (!d.lag.length) { if (!charts.has(lagChart)) lagChart.replaceChildren(el("p", { class: "note", text: "no group consumes it (yet)" })); }
+        else {
+          // On the sample times of the most lagging group (the groups are sampled together).
+          const xs = d.lag[0].points.map((p) => p[0]);
+          chartSeries(lagChart, "lag (records, the topic's partitions summed)", "records", xs, d.lag.map((g) => {
+            const at = new Map(g.points.map((p) => [p[0], p[1]]));
+            return { label: g.group, values: xs.map((x) => (at.has(x) ? at.get(x) : null)) };
+          }));
+        }
         when.disabled = goTime.disabled = !d.db;
         when.title = goTime.title = d.db ? "" : "records carry no timestamp over the mesh: from a time needs --db";
         if (first && d.partitions.length) { first = false; load(null); }
