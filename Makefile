@@ -104,11 +104,13 @@ MINUTES ?= 5
 chaos: setup
 	$(BIN)/python -m dafka.sim.chaos --minutes $(MINUTES)
 
-# The web console over a busy mesh for SOAK_MINUTES (not part of `make test`): its RSS
-# (anon and file-backed) sampled every 10 s into console-soak.csv, summed up at the end.
+# The web console over a busy mesh for SOAK_MINUTES (not part of `make test`), with the
+# landing and a topic page open in headless Chromium: the console's RSS (anon and
+# file-backed), the pages' JS heaps and Chromium's PSS sampled every 10 s into
+# console-soak.csv, summed up at the end.
 SOAK_MINUTES ?= 60
-console-soak: setup
-	nice -n 10 $(BIN)/python -m dafka.console.soak --minutes $(SOAK_MINUTES) --out console-soak.csv
+console-soak: setup chromium
+	nice -n 10 $(BIN)/python -m dafka.console.soak --minutes $(SOAK_MINUTES) --browser --out console-soak.csv
 
 # What an observer costs the mesh: the live transfer with no observer, `dafka status
 # --watch`, and `dafka console` with a page open, alternating (not part of `make test`).

@@ -10,7 +10,10 @@ event streams opened and dropped mid-stream, and the JSON API and record
 browser read every few seconds.  The console's resident memory (``VmRSS``) is
 sampled every ``--sample`` seconds into a CSV and summed up at the end (start,
 10, 30 and 60 minutes, and the highest).  Every loop is bounded by the
-``--minutes`` deadline.
+``--minutes`` deadline.  With ``--browser`` a real page is open too: Debian's
+headless Chromium (selenium, as the browser test) with the landing page in one
+tab and a topic page in another, their JavaScript heaps
+(``performance.memory.usedJSHeapSize``) and Chromium's PSS sampled as well.
 """
 
 from __future__ import annotations
@@ -49,6 +52,77 @@ def memory_kb(pid: int) -> dict[str, int]:
             if name in ("VmRSS", "RssAnon", "RssFile"):
                 out[name] = int(line.split()[1])
     return out
+
+
+def pss_kb(pid: int) -> int:
+    """Proportional set size (shared pages split among their processes)."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    return 0
+
+
+def tree_pss_kb(root: int) -> int:
+    """PSS summed over ``root`` and its descendants (Chromium's processes: their sum of
+    RSS would count the pages they share once per process)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0, [root]
+    for _ in range(10_000):
+        if not todo:
+            break
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            total += pss_kb(pid)
+        except OSError:
+            pass
+    return total
+
+
+class Pages:
+    """Headless Chromium with the landing page and a topic page open (``--browser``)."""
+
+    def __init__(self, url: str, topic: str) -> None:
+        import shutil
+
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+
+        options = webdriver.ChromeOptions()
+        options.binary_location = shutil.which("chromium") or ""
+        for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                    "--enable-precise-memory-info", "--window-size=1200,1000"):
+            options.add_argument(arg)
+        self.service = Service(shutil.which("chromedriver") or "")
+        self.driver = webdriver.Chrome(service=self.service, options=options)
+        self.driver.get(url)
+        self.tabs = [self.driver.current_window_handle]
+        self.driver.switch_to.new_window("tab")
+        self.driver.get(url + "topics/" + urllib.parse.quote(topic, safe=""))
+        self.tabs.append(self.driver.current_window_handle)
+
+    def heaps_kb(self) -> list[int]:
+        out = []
+        for tab in self.tabs:
+            self.driver.switch_to.window(tab)
+            out.append(int(self.driver.execute_script("return performance.memory.usedJSHeapSize")) // 1024)
+        return out
+
+    def pss_kb(self) -> int:
+        process = self.service.process
+        return tree_pss_kb(process.pid) if process is not None else 0
+
+    def close(self) -> None:
+        self.driver.quit()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -114,10 +188,13 @@ class Web:
         return got
 
 
-def run(minutes: float, rate: float, churn: float, sample: float, out: Path, db_flag: bool) -> dict[str, Any]:
+def run(
+    minutes: float, rate: float, churn: float, sample: float, out: Path, db_flag: bool, browser: bool = False
+) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="dafka-console-soak-"))
     procs: list[subprocess.Popen[bytes]] = []
     stop = threading.Event()
+    pages: Pages | None = None
     try:
         tower = subprocess.Popen(
             _cmd("tower", "--in-port", "0", "--out-port", "0"), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
@@ -167,14 +244,18 @@ def run(minutes: float, rate: float, churn: float, sample: float, out: Path, db_
 
         clients = threading.Thread(target=client_loop, daemon=True)
         clients.start()
+        if browser:
+            pages = Pages(url.geturl(), TOPICS[1])
 
         start = time.monotonic()
         deadline = start + minutes * 60
         next_sample, next_churn, sent = start, start + churn, 0
         rows: list[tuple[float, int, int, int, float]] = []
+        browser_rows: list[tuple[float, int, int, int]] = []  # seconds, landing heap, topic heap, Chromium PSS
         with open(out, "w", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow(["seconds", "rss_kb", "anon_kb", "file_kb", "cpu_s", "published", "consumed"])
+            writer.writerow(["seconds", "rss_kb", "anon_kb", "file_kb", "cpu_s", "published", "consumed",
+                             "landing_heap_kb", "topic_heap_kb", "chromium_pss_kb"])
             consumed = 0
             while time.monotonic() < deadline:
                 now = time.monotonic()
@@ -199,10 +280,15 @@ def run(minutes: float, rate: float, churn: float, sample: float, out: Path, db_
                     row = (round(now - start, 1), mem["VmRSS"], mem["RssAnon"], mem["RssFile"],
                            round(cpu_seconds(console.pid), 2))
                     rows.append(row)
-                    writer.writerow([*row, sent, consumed])
+                    extra: list[int] = []
+                    if pages is not None:
+                        extra = [*pages.heaps_kb(), pages.pss_kb()]
+                        browser_rows.append((row[0], extra[0], extra[1], extra[2]))
+                    writer.writerow([*row, sent, consumed, *extra])
                     f.flush()
-                    log.info("t=%6.0fs rss=%d kB (anon %d, file %d) cpu=%.1fs published=%d consumed=%d web errors=%d",
-                             *row, sent, consumed, web.errors)
+                    log.info("t=%6.0fs rss=%d kB (anon %d, file %d) cpu=%.1fs published=%d consumed=%d web errors=%d%s",
+                             *row, sent, consumed, web.errors,
+                             f" heaps {extra[0]}/{extra[1]} kB chromium {extra[2]} kB" if extra else "")
                     next_sample += sample
                 time.sleep(0.05)
         stop.set()
@@ -211,20 +297,22 @@ def run(minutes: float, rate: float, churn: float, sample: float, out: Path, db_
         for p in producers:
             p.close(2)
 
-        def curve(column: int) -> dict[str, int | None]:
+        def curve(column: int, table: Any = rows) -> dict[str, int | None]:
             def at(minute: float) -> int | None:
-                got = [r[column] for r in rows if r[0] >= minute * 60 - sample / 2]
+                got = [r[column] for r in table if r[0] >= minute * 60 - sample / 2]
                 return int(got[0]) if got else None
 
             return {"start": at(0), "10min": at(10), "30min": at(30), "60min": at(60),
-                    "end": int(rows[-1][column]) if rows else None,
-                    "max": int(max(r[column] for r in rows)) if rows else None}
+                    "end": int(table[-1][column]) if table else None,
+                    "max": int(max(r[column] for r in table)) if table else None}
 
         return {
             "samples": len(rows),
             "rss_kb": curve(1),
             "anon_kb": curve(2),
             "file_kb": curve(3),
+            **({"landing_heap_kb": curve(1, browser_rows), "topic_heap_kb": curve(2, browser_rows),
+                "chromium_pss_kb": curve(3, browser_rows)} if browser_rows else {}),
             "cpu_s": rows[-1][4] if rows else None,
             "published": sent,
             "consumed": consumed,
@@ -234,6 +322,8 @@ def run(minutes: float, rate: float, churn: float, sample: float, out: Path, db_
         }
     finally:
         stop.set()
+        if pages is not None:
+            pages.close()
         for p in reversed(procs):
             p.terminate()
         for p in procs:
@@ -251,9 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample", type=float, default=10.0, help="seconds between RSS samples")
     ap.add_argument("--out", type=Path, default=Path("console-soak.csv"))
     ap.add_argument("--db", action="store_true", help="the console also reads the store's LMDB (--db)")
+    ap.add_argument("--browser", action="store_true", help="also a real page open: headless Chromium (selenium)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    summary = run(args.minutes, args.rate, args.churn, args.sample, args.out, args.db)
+    summary = run(args.minutes, args.rate, args.churn, args.sample, args.out, args.db, args.browser)
     print(json.dumps(summary, indent=2))
     return 0
 
