@@ -9,7 +9,8 @@ attached and one page open on it (its event stream read), the three in turn,
 machine's load drifts over all three alike).  Per run: the consumer's
 records/s, and the observer process's CPU seconds over the transfer and over
 ``--idle`` seconds of the mesh at rest after it (the producer still beaconing
-its head).  Prints one line per run and a JSON summary (medians per observer).
+its head; with ``--store`` also the store's CPU then: what the observer's
+questions cost it).  Prints one line per run and a JSON summary (medians per observer).
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def one_run(kind: str, records: int, size: int, idle: float, store: bool, run: i
     procs: list[Any] = []
     workdir = tempfile.mkdtemp(prefix="dafka-console-cost-")
     observer, stop = None, threading.Event()
+    store_pid: int | None = None
     try:
         if store:
             store_proc = subprocess.Popen(
@@ -108,6 +110,7 @@ def one_run(kind: str, records: int, size: int, idle: float, store: bool, run: i
             assert store_proc.stdout is not None
             if b"store up" not in store_proc.stdout.readline():
                 raise RuntimeError("the store did not start")
+            store_pid = store_proc.pid
         observer, stop = _observer(kind, cfg)
         topic = f"cost-{kind}-{run}"
         consumer = Consumer(topic, cfg, offset_reset="earliest")
@@ -128,8 +131,10 @@ def one_run(kind: str, records: int, size: int, idle: float, store: bool, run: i
             got += len(consumer.poll_batch(100_000, 1.0))
         elapsed = time.perf_counter() - t0
         cpu1 = cpu_seconds(observer.pid) if observer else 0.0
+        store1 = cpu_seconds(store_pid) if store_pid else 0.0
         time.sleep(idle)  # the mesh at rest, the observer still watching
         cpu2 = cpu_seconds(observer.pid) if observer else 0.0
+        store2 = cpu_seconds(store_pid) if store_pid else 0.0
         done.set()
         proc.join(30)
         consumer.close()
@@ -140,6 +145,8 @@ def one_run(kind: str, records: int, size: int, idle: float, store: bool, run: i
             "observer_cpu_s": round(cpu1 - cpu0, 3),
             "observer_cpu_pct": round(100 * (cpu1 - cpu0) / elapsed, 1),
             "idle_cpu_pct": round(100 * (cpu2 - cpu1) / idle, 2) if idle else None,
+            # what the observer's questions (GET-HEADS, GET-POSITIONS) cost the store at rest
+            "store_idle_cpu_pct": round(100 * (store2 - store1) / idle, 2) if idle and store_pid else None,
         }
     finally:
         stop.set()
@@ -177,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             "records_per_s": rates,
             "observer_cpu_pct_median": statistics.median(x["observer_cpu_pct"] for x in rows),
             "idle_cpu_pct_median": statistics.median(x["idle_cpu_pct"] or 0 for x in rows),
+            "store_idle_cpu_pct_median": (
+                statistics.median(x["store_idle_cpu_pct"] for x in rows) if args.store else None
+            ),
         }
     print(json.dumps({"records": args.records, "size": args.size, "store": args.store, "summary": summary}, indent=2))
     return 0
