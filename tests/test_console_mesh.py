@@ -270,3 +270,37 @@ def test_topic_page_charts_the_lag_of_each_group_on_the_topic() -> None:
         {"group": "a", "now": 12, "points": [(1.0, 15.0), (2.0, 12.0)]},
         {"group": "b", "now": 1, "points": [(1.0, 2.0), (2.0, 1.0)]},
     ]
+
+
+def test_event_streams_dropped_by_their_pages_are_let_go(cfg: NodeConfig) -> None:
+    """MAX_STREAMS pages hold the event stream open, one more is refused (503); they
+    all go away abruptly: each stream ends at its next writes, the count of open
+    streams comes back to zero and new pages get their streams again, twice over."""
+    import socket
+
+    def open_stream(port: int) -> tuple[socket.socket, bytes]:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(b"GET /events HTTP/1.1\r\nHost: x\r\n\r\n")
+        got = b""
+        while b"data: " not in got and b" 503 " not in got.split(b"\r\n", 1)[0]:
+            chunk = sock.recv(65536)
+            assert chunk, got
+            got += chunk
+        return sock, got.split(b"\r\n", 1)[0]
+
+    with Console(cfg, interval=0.1) as console:
+        port = int(console.url.rsplit(":", 1)[1].strip("/"))
+        for _ in range(2):
+            socks = []
+            try:
+                for _ in range(server.MAX_STREAMS):
+                    sock, status = open_stream(port)
+                    socks.append(sock)
+                    assert b" 200 " in status, status
+                sock, status = open_stream(port)
+                socks.append(sock)
+                assert b" 503 " in status, status
+            finally:
+                for sock in socks:
+                    sock.close()  # mid-stream
+            wait_until(lambda: console._streams == 0, timeout=10)
