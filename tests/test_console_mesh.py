@@ -304,3 +304,27 @@ def test_event_streams_dropped_by_their_pages_are_let_go(cfg: NodeConfig) -> Non
                 for sock in socks:
                     sock.close()  # mid-stream
             wait_until(lambda: console._streams == 0, timeout=10)
+
+
+def test_full_chart_history_is_compact() -> None:
+    """The charts' bound in memory: MAX_SERIES series of HISTORY samples (what a mesh
+    whose producers come and go reaches, each new producer a new partition) take
+    16 bytes a sample, not a tuple of two floats each (about 100)."""
+    import tracemalloc
+
+    from dafka.console.model import HISTORY, MAX_SERIES, History
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        h = History()
+        for t in range(HISTORY + 5):
+            for s in range(MAX_SERIES):
+                h.add(f"series {s}", t + 0.5, float(t * s))
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    samples = MAX_SERIES * HISTORY
+    assert used < samples * 20, f"{used / samples:.1f} bytes a sample"
+    assert len(h.points("series 7")) == HISTORY and h.points("series 7")[-1] == (HISTORY + 4.5, 7.0 * (HISTORY + 4))
+    assert h.points("series 7")[0] == (5.5, 35.0)
