@@ -20,6 +20,7 @@ import http.client
 import json
 import multiprocessing as mp
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -168,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle", type=float, default=10.0, help="seconds of the mesh at rest measured after each transfer")
     ap.add_argument("--store", action="store_true", help="a store process on the mesh too (heads, ACKs, GET-HEADS)")
     args = ap.parse_args(argv)
+    # Stopped (timeout, kill): end through the finally blocks, which stop the processes started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     runs: list[dict[str, Any]] = []
     for r in range(args.rounds):
         order = OBSERVERS[r % 3 :] + OBSERVERS[: r % 3]

@@ -24,6 +24,7 @@ import http.client
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -343,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--db", action="store_true", help="the console also reads the store's LMDB (--db)")
     ap.add_argument("--browser", action="store_true", help="also a real page open: headless Chromium (selenium)")
     args = ap.parse_args(argv)
+    # Stopped (timeout, kill): end through the finally blocks, which stop the processes started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     summary = run(args.minutes, args.rate, args.churn, args.sample, args.out, args.db, args.browser)
     print(json.dumps(summary, indent=2))
