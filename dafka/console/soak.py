@@ -300,7 +300,7 @@ def run(
 
         def curve(column: int, table: Any = rows) -> dict[str, int | None]:
             def at(minute: float) -> int | None:
-                got = [r[column] for r in table if r[0] >= minute * 60 - sample / 2]
+                got = [r[column] for r in table if r[0] >= minute * 60 - sample]  # (the last sample of an hour is at 59:50)
                 return int(got[0]) if got else None
 
             return {"start": at(0), "10min": at(10), "30min": at(30), "60min": at(60),
