@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup java netns chromium run test lint typecheck docs bench bench-all pipeline sim sim-sweep fuzz-deep chaos clean
+.PHONY: setup java netns chromium run test lint typecheck docs bench bench-all pipeline sim sim-sweep fuzz-deep chaos console-soak console-cost clean
 
 # The install also compiles the I/O extension in place (setup.py, Cython from
 # the build requirements); a failed compile leaves the pure-Python twin.
@@ -103,6 +103,19 @@ fuzz-deep: setup
 MINUTES ?= 5
 chaos: setup
 	$(BIN)/python -m dafka.sim.chaos --minutes $(MINUTES)
+
+# The web console over a busy mesh for SOAK_MINUTES (not part of `make test`), with the
+# landing and a topic page open in headless Chromium: the console's RSS (anon and
+# file-backed), the pages' JS heaps and Chromium's PSS sampled every 10 s into
+# console-soak.csv, summed up at the end.
+SOAK_MINUTES ?= 60
+console-soak: setup chromium
+	nice -n 10 $(BIN)/python -m dafka.console.soak --minutes $(SOAK_MINUTES) --browser --out console-soak.csv
+
+# What an observer costs the mesh: the live transfer with no observer, `dafka status
+# --watch`, and `dafka console` with a page open, alternating (not part of `make test`).
+console-cost: setup
+	$(BIN)/python -m dafka.console.cost --rounds 5 --records 2000000
 
 # The edge-to-analytics example: devices -> mesh -> Spark -> mesh -> console.
 pipeline: setup

@@ -1024,6 +1024,12 @@ def test_console_sees_a_secure_mesh_and_its_group_lag(
 
                 state = wait_until(lag, timeout=20)
                 assert len(state["nodes"]["store"]) == 1 and not any("forged" in a for a in state["alerts"])
+                # Records over the secure mesh: FETCHed from the store, its DIRECT-RECORDs honoured.
+                q = f"api/records?topic=sec&partition={producer.address}&limit=3"
+                with urllib.request.urlopen(console.url + q, timeout=15) as resp:
+                    page = json.loads(resp.read())
+                assert [r["content"]["text"] for r in page["records"]] == ["r47", "r48", "r49"], page
+                assert page["source"] == "mesh" and not page["timed_out"]
 
 
 def test_console_with_a_key_not_allowed_says_its_handshake_was_refused(pki: Pki, secure_tower: Tower) -> None:

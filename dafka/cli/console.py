@@ -22,7 +22,7 @@ def add_parser(sub: Any, add_node_flags: Any, listen_arg: Any, seconds_arg: Any)
         metavar="HOST:PORT",
         help=f"where the web server listens (default {DEFAULT_LISTEN}; :0 any free port)",
     )
-    p.add_argument("--db", metavar="DIR", help="a local store's LMDB directory: record counts, bytes and the record browser")
+    p.add_argument("--db", metavar="DIR", help="a local store's LMDB directory: record counts, bytes, holes, and records with keys and timestamps (without it records are read over the mesh)")
     p.add_argument("--interval", type=seconds_arg, default=1.0, help="seconds between updates of the pages (default 1)")
     p.add_argument(
         "--insecure",
