@@ -230,7 +230,7 @@ def test_a_store_gives_up_only_what_was_missing_for_skip_after() -> None:
     for a hole, then gave up with it the offsets that had gone missing half a
     second before, and its ACK released one from the producer that no store held
     (acked-not-durable)."""
-    r = runner.run_seed(201185)
+    r = runner.run_seed(201185, classic=True)
     assert r.ok, _report(r)
 
 
@@ -239,7 +239,7 @@ def test_a_store_asks_again_for_offsets_it_gave_up_before_its_first_record() -> 
     gave up 0..14 of a partition it held nothing of and began at 15, the other
     held 14; a gap before a new partition's first record was not recorded as a
     hole, so the first store never asked for 14 again (unfilled-gap)."""
-    r = runner.run_seed(205892)
+    r = runner.run_seed(205892, classic=True)
     assert r.ok, _report(r)
 
 
