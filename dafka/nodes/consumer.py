@@ -222,6 +222,8 @@ class Consumer(PartitionReader):
         # once all said they hold none of it (see PartitionReader.known_stores);
         # a store gone counts for skip_after more (it may hold some, and be back).
         self._stores: dict[str, float | None] = {}
+        # Since when every store met is gone (None: one is alive, or none met).
+        self._lonely_since: float | None = None
         topic_list = [topics] if isinstance(topics, str) else list(topics)
         if group is not None:
             cfg = self.config
@@ -571,9 +573,24 @@ class Consumer(PartitionReader):
 
     def on_peer_gone(self, address: str) -> None:
         if address in self._stores:
-            self._stores[address] = time.monotonic()
+            now = time.monotonic()
+            self._stores[address] = now
+            if self._lonely_since is None and all(gone is not None for gone in self._stores.values()):
+                self._lonely_since = now
+
+    def owner_hears(self, partition: str) -> bool:
+        """Whether our FETCHes can be answered: not while every store we met is gone.
+
+        Every store gone at once is most likely our own network cut off: a
+        hole then waits for them (:meth:`PartitionTracker.unheard`, bounded
+        by UNHEARD_LIMIT) rather than be skipped after ``skip_after``, which
+        would pass records every store holds and acknowledged (issue 40, the
+        simulator's ``offline`` of a consumer).
+        """
+        return self._lonely_since is None
 
     def _hello(self, store: str) -> None:
+        self._lonely_since = None
         if store in self._stores or len(self._stores) < MAX_KNOWN_STORES:
             self._stores[store] = None  # (back, if it was gone)
         subjects = tuple(self.topics) if self._wants_heads() else ()

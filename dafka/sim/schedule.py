@@ -27,7 +27,9 @@ Kinds (``a``, ``b`` are the step's two numbers):
 ``topo s d``      (first step only) the world has s stores (2..3) and d edge
                   devices (0..1): producers with an outbox (:mod:`dafka.outbox`)
 ``offline n ms``  node n's network is cut for ms, longer than ``isolate``
-                  (a device out of coverage for up to 25 s, past skip_after)
+                  (a device out of coverage for up to 25 s, past skip_after);
+                  a node cut off past the beacon timeout (4 s) is gone for its
+                  peers, and meets them again when the cut ends
 ``freeze s ms``   store s is stopped (SIGSTOP) past skip_after (12..20 s): the
                   other stores give up what only it holds (recorded holes) and
                   repair them from it once it continues.  Applied only while

@@ -52,6 +52,7 @@ HEAL_SECONDS = 60.0
 HEAL_MAX = 300.0  # healing goes on past HEAL_SECONDS while readers make progress, up to this
 HEAL_QUIET = 15.0  # ... and stops once nothing was delivered or stored for this long (and no gap can be filled)
 AWAY_MAX = 3.0  # seconds a store may be cut off (``offline``) before it counts as down
+BEACON_TIMEOUT = 4.0  # a node cut off longer is gone for its peers (no beacon), and back when the cut ends
 MAP_SIZE = 1 << 20  # a store's initial LMDB map (it grows by doubling unless the disk is "full")
 TOPIC = "sim"
 
@@ -125,6 +126,8 @@ class World:
         self.rng = random.Random(0)
         self.next_tick = 0.0
         self.restarts: list[tuple[float, str]] = []
+        # Cuts past BEACON_TIMEOUT: node name -> [gone at, cut until, gone said]
+        self.cuts: dict[str, list[Any]] = {}
         self.dirty: set[str] = set()
         self.delivered = 0
         self.published = 0
@@ -383,7 +386,68 @@ class World:
                 self.net.count("offline-shortened")
             else:
                 h.away_until = self.now + seconds
-        self.net.isolated[name] = max(self.net.isolated.get(name, 0.0), self.now + seconds)
+        until = max(self.net.isolated.get(name, 0.0), self.now + seconds)
+        self.net.isolated[name] = until
+        if seconds > BEACON_TIMEOUT:
+            cut = self.cuts.get(name)
+            if cut is None:
+                self.cuts[name] = [self.now + BEACON_TIMEOUT, until, False]
+            else:
+                cut[1] = until
+
+    def _cut_events(self, now: float, healing: bool = False) -> None:
+        """Beacons of a node cut off past BEACON_TIMEOUT: its peers see it gone, and back after the cut.
+
+        What the real nodes' peer tables do (PeerTable expiry, then a beacon
+        and a subscription again): a consumer marks a store gone
+        (``on_peer_gone``; its restart-hole and skip rules count only live
+        stores), a store says the heads of a gone producer's partitions; when
+        the cut ends both sides meet again as new peers do (``_joined``).
+        """
+        for name, cut in list(self.cuts.items()):
+            gone_at, until, said = cut
+            if not said and now >= gone_at and not healing:
+                cut[2] = True
+                self._peer_gone(name)
+            if now >= until or healing:
+                del self.cuts[name]
+                if cut[2]:
+                    h = self.host(name)
+                    if isinstance(h, StoreHost):
+                        if h.store is not None:
+                            self._joined(name, "store", h.store.address)
+                    elif isinstance(h, ConsumerHost):
+                        if h.node is not None:
+                            self._joined(name, "consumer", h.node.address)
+                    elif h.node is not None:
+                        self._joined(name, "producer", h.node.address)
+
+    def _peer_gone(self, name: str) -> None:
+        """Node ``name`` and everyone else stopped hearing each other's beacons."""
+        h = self.host(name)
+        if isinstance(h, StoreHost):
+            if h.store is None:
+                return
+            for c in self.consumers:
+                if c.node is not None:
+                    self._guard(f"{c.name} peer gone", c.node.on_peer_gone, h.store.address)
+                    self._guard(f"{name} peer gone", h.store.on_peer_gone, c.node.address)
+                    self.dirty.add(c.name)
+            self.dirty.add(name)
+        elif isinstance(h, ConsumerHost):
+            if h.node is None:
+                return
+            for o in self.stores:
+                if o.store is not None:
+                    self._guard(f"{name} peer gone", h.node.on_peer_gone, o.store.address)
+            self.dirty.add(name)
+        else:
+            if h.node is None:
+                return
+            for o in self.stores:
+                if o.store is not None and not o.stopped_until:
+                    self._guard(f"{o.name} peer gone", o.store.on_peer_gone, h.node.address)
+                    self.dirty.add(o.name)
 
     def continue_store(self, h: StoreHost) -> None:
         """SIGCONT: the store reads what waited in its socket buffers."""
@@ -516,6 +580,8 @@ class World:
             candidates += [h.commit_at for h in self.stores if h.commit_at is not None and not h.stopped_until]
             candidates += [h.stopped_until for h in self.stores if h.stopped_until]
             candidates += [p.commit_at for p in self.producers if p.commit_at is not None]
+            for gone_at, until, said in self.cuts.values():
+                candidates.append(until if said else gone_at)
             self.now = self.clock.now = max(self.now, min(candidates))
             now = self.now
             for _ in range(100_000):
@@ -543,6 +609,8 @@ class World:
             for p in self.producers:
                 if p.commit_at is not None and p.commit_at <= now:
                     self.commit_device(p)
+            if self.cuts:
+                self._cut_events(now)
             if now >= self.next_tick:
                 self.next_tick = now + TICK
                 self.tick(now)
@@ -694,6 +762,7 @@ class World:
         self.step_index = -1
         self.net.mode = "calm"
         self.net.isolated.clear()
+        self._cut_events(self.now, healing=True)
         for h in self.stores:
             h.away_until = 0.0
             h.disk_full_until = 0.0
