@@ -419,6 +419,10 @@ class World:
                     elif isinstance(h, ConsumerHost):
                         if h.node is not None:
                             self._joined(name, "consumer", h.node.address)
+                            # Its XPUB sees each store subscribe again (CONSUMER-HELLO): it meets them.
+                            for o in self.stores:
+                                if o.store is not None and h.node is not None:
+                                    self._guard(f"{name} peer joined", h.node.sim_peer_joined, "store", o.store.address)
                     elif h.node is not None:
                         self._joined(name, "producer", h.node.address)
 
