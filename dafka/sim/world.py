@@ -292,6 +292,10 @@ class World:
         for h in self.stores:
             if h.store is not None and h.name != name:
                 self._guard(f"{h.name} peer joined", h.store.sim_peer_joined, kind, address)
+                if kind == "consumer":
+                    # The consumer's XPUB sees the store subscribe (CONSUMER-HELLO): it
+                    # meets the store whether or not the STORE-HELLO gets through.
+                    self._guard(f"{name} peer joined", self.host(name).node.sim_peer_joined, "store", h.store.address)
                 if kind == "store":
                     assert self.host(name).store is not None
                     self._guard(f"{name} peer joined", self.host(name).store.sim_peer_joined, "store", h.store.address)
@@ -419,10 +423,6 @@ class World:
                     elif isinstance(h, ConsumerHost):
                         if h.node is not None:
                             self._joined(name, "consumer", h.node.address)
-                            # Its XPUB sees each store subscribe again (CONSUMER-HELLO): it meets them.
-                            for o in self.stores:
-                                if o.store is not None and h.node is not None:
-                                    self._guard(f"{name} peer joined", h.node.sim_peer_joined, "store", o.store.address)
                     elif h.node is not None:
                         self._joined(name, "producer", h.node.address)
 
