@@ -25,6 +25,12 @@ Safety (checked after every step, and at the moments named):
     producer without ACKs would see its new record dropped as a duplicate).
 ``acked-record-skipped``
     a consumer skips forward over an offset some store had acknowledged.
+    (A record whose only holder is away past skip_after is skipped by design:
+    the world never makes a store that is so away, see World.only_holder.)
+``outbox-lost``
+    a device's outbox, opened again after a kill, lacks a record it had
+    accepted (committed: its publish returned) that no store acknowledged,
+    or holds another content at its offset.
 ``writer-failed``
     a store's commit fails for another reason than a full disk (which makes
     the store stop acknowledging every partition).
@@ -49,6 +55,10 @@ disks free, time passed):
     a consumer has not delivered such a record.
 ``diverged``
     two stores hold different records at one offset of a partition with ACKs.
+``acked-not-replicated``
+    a store lacks an acknowledged record another store holds (every store
+    holds every acknowledged record once repair had time: catch-up FETCHes
+    and the repair of recorded holes from peers).
 """
 
 from __future__ import annotations

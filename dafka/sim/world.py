@@ -1,7 +1,8 @@
 """The scheduler: runs a schedule against real stores, consumers and producer cores.
 
 One :class:`World` is one simulated mesh (2 stores, 2 consumers, 2 producers
-with ACKs and one without, by default) on a simulated clock.  Each schedule
+with ACKs and one without, by default; 3 stores and an edge device with an
+outbox when the schedule's ``topo`` step says so) on a simulated clock.  Each schedule
 step is applied, then time advances (10 ms, or the step's own wait): due
 messages are handed to their receivers, nodes read them as their loop would,
 timers fire every 50 ms, store writes finish after a random latency, killed
