@@ -24,7 +24,7 @@ from dafka.sim.shrink import shrink
 from dafka.sim.world import World
 from dafka.store.db import RecordDB
 
-SIM_SEEDS = int(os.environ.get("DAFKA_SIM_SEEDS", "60"))
+SIM_SEEDS = int(os.environ.get("DAFKA_SIM_SEEDS", "50"))
 # Of those, the last SIM_FRESH come from a range that moves with the commit (see
 # fresh_first): CI tries other schedules on every commit at the same cost.
 SIM_FRESH = min(SIM_SEEDS, int(os.environ.get("DAFKA_SIM_FRESH", "10")))
