@@ -515,3 +515,25 @@ def test_generated_producer_cuts_stay_under_skip_after() -> None:
         for s in schedule:
             if s.kind == "offline" and s.a % node_count(top) >= top.stores + top.consumers:
                 assert s.b <= PRODUCER_CUT_MAX < 10_000, s
+
+
+def test_a_consumer_whose_every_store_is_gone_counts_its_holes_unheard() -> None:
+    """Consumer.owner_hears: False only while every store it met is gone."""
+    from dafka.sim.nodes import SimConsumer
+
+    c = SimConsumer(["sim"], 0.0)
+    try:
+        assert c.owner_hears("P")  # no store met: skip_after as before
+        c._hello("S1")
+        c._hello("S2")
+        c.on_peer_gone("S1")
+        assert c.owner_hears("P")  # S2 is alive
+        c.on_peer_gone("S2")
+        assert not c.owner_hears("P")
+        c.on_peer_gone("X")  # a peer that is not a store changes nothing
+        assert not c.owner_hears("P")
+        c._hello("S2")  # back
+        assert c.owner_hears("P")
+    finally:
+        c.sim_close_sockets()
+        c.stop(0.5)
