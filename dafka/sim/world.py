@@ -289,9 +289,15 @@ class World:
         p.node = None
 
     def _joined(self, name: str, kind: str, address: str) -> None:
-        """Tell the others a peer subscribed to them (what their XPUB would report), and vice versa."""
+        """Tell the others a peer subscribed to them (what their XPUB would report), and vice versa.
+
+        Not across a cut past the beacon timeout: they cannot meet until it
+        ends (then :meth:`_cut_events` makes them meet).
+        """
+        if name in self.cuts:
+            return
         for h in self.stores:
-            if h.store is not None and h.name != name:
+            if h.store is not None and h.name != name and h.name not in self.cuts:
                 self._guard(f"{h.name} peer joined", h.store.sim_peer_joined, kind, address)
                 if kind == "consumer":
                     # The consumer's XPUB sees the store subscribe (CONSUMER-HELLO): it
@@ -302,7 +308,7 @@ class World:
                     self._guard(f"{name} peer joined", self.host(name).store.sim_peer_joined, "store", h.store.address)
                 self.dirty.add(h.name)
         for c in self.consumers:
-            if c.node is not None and c.name != name:
+            if c.node is not None and c.name != name and c.name not in self.cuts:
                 self._guard(f"{c.name} peer joined", c.node.sim_peer_joined, kind, address)
                 if kind == "store":
                     self._guard(f"{name} peer joined", self.host(name).store.sim_peer_joined, "consumer", c.node.address)
@@ -416,7 +422,7 @@ class World:
                 self._peer_gone(name)
             if now >= until or healing:
                 del self.cuts[name]
-                if cut[2]:
+                if cut[2] or healing:
                     h = self.host(name)
                     if isinstance(h, StoreHost):
                         if h.store is not None:
