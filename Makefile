@@ -78,11 +78,12 @@ bench-all: setup
 	$(BIN)/dafka bench spark --records 1000000 --runs 3
 
 # Deterministic fault simulation (dafka.sim): SEEDS seeded schedules from FIRST;
-# a failing seed prints its replay command (SHRINK=1 also shrinks it).
+# a failing seed prints its replay command (SHRINK=1 also shrinks it; CLASSIC=1
+# runs the first generator's schedules, which seeds found before issue 40 name).
 SEEDS ?= 200
 FIRST ?= 0
 sim: setup
-	$(BIN)/python -m dafka.sim --seeds $(SEEDS) --first $(FIRST) --keep-going $(if $(SHRINK),--shrink)
+	$(BIN)/python -m dafka.sim --seeds $(SEEDS) --first $(FIRST) --keep-going $(if $(SHRINK),--shrink) $(if $(CLASSIC),--classic)
 
 # A long sweep (not CI): 10,000 seeds from 200000 by default, a range CI and the
 # docs do not use (they start at 0); prints only failing seeds with their replay
@@ -93,7 +94,7 @@ sim-sweep: FIRST = 200000
 JOBS ?= 2
 MAX_MINUTES ?= 120
 sim-sweep: setup
-	$(BIN)/python -m dafka.sim --seeds $(SEEDS) --first $(FIRST) --keep-going --quiet --jobs $(JOBS) --minutes $(MAX_MINUTES)
+	$(BIN)/python -m dafka.sim --seeds $(SEEDS) --first $(FIRST) --keep-going --quiet --jobs $(JOBS) --minutes $(MAX_MINUTES) $(if $(CLASSIC),--classic)
 
 # Every fuzz (hypothesis) test with 2,000 examples each (not part of `make test`).
 fuzz-deep: setup

@@ -89,12 +89,8 @@ def test_every_module_imports() -> None:
 # of that kind).  A package's __init__ counts as the module named by the package.
 PACKAGE = Path(dafka.__file__).parent
 
-# Known circles, each an explicit allowance to be removed when it is broken.  Issue 41: the
-# simulator's world and invariants are being untangled on their own branch; the lead removes this
-# entry when merging it.
-ALLOWED_CIRCLES: set[frozenset[str]] = {
-    frozenset({"dafka.sim.world", "dafka.sim.invariants"}),
-}
+# Known circles, each an explicit allowance to be removed when it is broken (none now).
+ALLOWED_CIRCLES: set[frozenset[str]] = set()
 
 
 def dafka_modules() -> dict[str, tuple[Path, bool]]:

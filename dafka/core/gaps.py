@@ -508,6 +508,11 @@ class KnownStores:
         if store in self._gone_at:
             self._gone_at[store] = now
 
+    def all_gone(self) -> bool:
+        """Whether stores were met and every one of them is gone now (not yet forgotten)."""
+        gone_at = self._gone_at
+        return bool(gone_at) and None not in gone_at.values()
+
     def current(self, now: float) -> Collection[str]:
         """The stores that count at ``now``: alive, or gone less than ``keep`` ago."""
         gone_at = self._gone_at

@@ -222,6 +222,8 @@ class Consumer(PartitionReader):
         # once all said they hold none of it (see PartitionReader.known_stores);
         # a store gone counts for skip_after more (it may hold some, and be back).
         self._stores = KnownStores(self._tracker_options["skip_after"], MAX_KNOWN_STORES)
+        # Since when every store met is gone (None: one is alive, or none met).
+        self._lonely_since: float | None = None
         topic_list = [topics] if isinstance(topics, str) else list(topics)
         if group is not None:
             cfg = self.config
@@ -564,9 +566,25 @@ class Consumer(PartitionReader):
         return self._stores.current(time.monotonic())
 
     def on_peer_gone(self, address: str) -> None:
-        self._stores.gone(address, time.monotonic())
+        if address in self._stores:
+            now = time.monotonic()
+            self._stores.gone(address, now)
+            if self._lonely_since is None and self._stores.all_gone():
+                self._lonely_since = now
+
+    def owner_hears(self, partition: str) -> bool:
+        """Whether our FETCHes can be answered: not while every store we met is gone.
+
+        Every store gone at once is most likely our own network cut off: a
+        hole then waits for them (:meth:`PartitionTracker.unheard`, bounded
+        by UNHEARD_LIMIT) rather than be skipped after ``skip_after``, which
+        would pass records every store holds and acknowledged (issue 40, the
+        simulator's ``offline`` of a consumer).
+        """
+        return self._lonely_since is None
 
     def _hello(self, store: str) -> None:
+        self._lonely_since = None
         self._stores.met(store)  # (back, if it was gone)
         subjects = tuple(self.topics) if self._wants_heads() else ()
         self.send(wire.ConsumerHello(store, self.address, subjects))

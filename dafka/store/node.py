@@ -1066,10 +1066,11 @@ class Store(PartitionReader):
     def on_believed_void(self, msg: wire.Void) -> None:
         super().on_believed_void(msg)
         if self.repair and msg.kind == wire.VOID_STORE and msg.source != self.address:
-            # A peer store holds none of a range we asked for: a recorded hole at
-            # the partition's start is then asked for no more (retention removed
-            # it there, most likely), until a peer joins (see dafka.store.holes).
-            self.repair.on_void((msg.subject, msg.address), msg.first, msg.last)
+            # A peer store holds none of a range we asked for: once every store we
+            # know said so, a recorded hole at the partition's start is asked for
+            # no more (retention removed it there, most likely), until a peer
+            # joins (see dafka.store.holes).
+            self.repair.on_void((msg.subject, msg.address), msg.first, msg.last, msg.source, self.known_stores())
 
     def retry_missing_now(self) -> None:
         super().retry_missing_now()
