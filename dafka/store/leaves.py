@@ -171,8 +171,10 @@ class LeafEndpoint:
     def read(self) -> None:
         """Leaf messages: decided by the core, applied here."""
         store = self.store
-        if store.data_paused:
-            # The store holds all it may: leaves wait (their queues fill, then their sends block).
+        if store.data_paused or store.storage_error is not None:
+            # The store holds all it may, or cannot write (its mesh socket is then
+            # read with records left out, see dafka.store.node._SHED; leaves wait
+            # as before): their queues fill, then their sends block.
             self.paused = True
             store.watch_events(self.sock, 0)
             return
@@ -274,7 +276,7 @@ class LeafEndpoint:
                 pass
 
     def _on_tick(self, now: float) -> None:
-        if self.paused and not self.store.data_paused:
+        if self.paused and not self.store.data_paused and self.store.storage_error is None:
             self.paused = False
             self.store.watch_events(self.sock, zmq.POLLIN)
         self.core.expire(now)

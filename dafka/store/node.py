@@ -113,6 +113,14 @@ def writing_status_due(partition: str, last: float | None, now: float) -> bool:
 
 
 ERROR_LOG_INTERVAL = 30.0  # a lasting write failure is logged again this often
+# While its commits fail (a full disk), a store keeps reading its data socket:
+# FETCHes, GET-HEADS and the rest come on it, and the records it holds may be
+# held by no one else.  Messages of these kinds (records, record batches,
+# HEADs) are left out meanwhile, as if the socket's high-water mark had
+# dropped them: nothing of them is acknowledged, and once writes resume the
+# partitions' next records show the gap, which is fetched again.
+_SHED = frozenset((wire.P_RECORD, wire.P_DIRECT_RECORD, wire.P_HEAD, wire.P_DIRECT_HEAD))
+_NO_PREFIXES: dict[bytes, Any] = {}  # no fast path: every message goes through on_message
 REFUSED_LOG_INTERVAL = 5.0  # refused partitions are logged at most this often
 REFUSED_STATUS_FOR = 10.0  # seconds a refused partition's producer is told "not writing"
 SKIP_AFTER = 10.0  # seconds before offsets nobody has are given up
@@ -444,7 +452,13 @@ class Store(PartitionReader):
             self._skips = skips + self._skips
             for topic, partition, off, content, ts in fills:
                 self._fills.setdefault((topic, partition, off), (content, ts))
-            self.pause_data(True)
+            # Reading goes on, new records and HEADs left out (see _SHED): the
+            # records this store holds may be held by no one else, and FETCHes
+            # of them come on the same socket as records.  Pausing it (as this
+            # did) left them unserved while the disk stayed full, so other
+            # stores recorded holes over acknowledged records and readers
+            # skipped them (chaos soak, seed 1795922590: 23,772 lost).
+            self.pause_data(False)
             self._send_status(now)  # producers learn why at once
             return
         if self.storage_error is not None:
@@ -673,6 +687,10 @@ class Store(PartitionReader):
         # The hot path: the next records of known partitions join the batch
         # inside drain_records (frame-exact); the rest go through track /
         # on_message in arrival order.
+        if self.storage_error is not None:
+            # Cannot write: no fast path, so every message goes through
+            # on_message, which leaves out records and HEADs (see _SHED).
+            prefixes = _NO_PREFIXES
         ts = self._ts = int(time.time() * 1000)
         segs_before = len(self._segs)
         if self.ready_pairs:
@@ -695,11 +713,16 @@ class Store(PartitionReader):
             self.linger_data(self._trickle.rest(self.linger, pids, time.monotonic()))
         if self._missing:
             self.fetch_missing()
-        if self.pending_records() >= MAX_BATCH:
+        if self.pending_records() >= MAX_BATCH and self.storage_error is None:
             self.pause_data(True)
         self._flush_batch()
         if self._heads_wanted:
             self._answer_heads(time.monotonic())
+
+    def on_message(self, frames: list[bytes]) -> None:
+        if self.storage_error is not None and frames and frames[0][:1] in _SHED:
+            return  # a store that cannot write takes no records (see _SHED)
+        super().on_message(frames)
 
     def on_other(self, msg: wire.Message) -> None:
         if isinstance(msg, wire.Fetch):
@@ -727,8 +750,8 @@ class Store(PartitionReader):
         So answers wait until the data socket is drained (at most a second
         under a steady stream), and never while reading is paused.
         """
-        if self.data_paused:
-            return
+        if self.data_paused or self.storage_error is not None:
+            return  # (while it cannot write, records are left out unread: see _SHED)
         if self.data_waiting() and now - self._heads_wanted[0][2] < 1.0:
             return
         wanted, self._heads_wanted = self._heads_wanted, []
