@@ -126,3 +126,107 @@ class Forger(Node):
             for seq in range(msg.sequence, msg.sequence + min(msg.count, 100)):
                 self._send(wire.DirectRecord(msg.address, msg.topic, msg.subject, seq, self.CONTENT))
             self.forged_sent += 1
+
+
+class VoidForger(Node):
+    """A node with a valid key (no store's, and owning no partition) that answers
+    every FETCH with VOIDs: kind 1 in the name of the partition's producer, and
+    kind 0 in its own name and in ``claim``'s (another node's address).
+    Used in-process by tests/test_security.py."""
+
+    kind = "forger"
+
+    def __init__(self, config: NodeConfig, claim: str) -> None:
+        super().__init__(config)
+        self.claim = claim
+        self.forged_sent = 0
+        self.subscribe(wire.P_FETCH)
+
+    def __enter__(self) -> VoidForger:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def on_data(self, frames: list[bytes]) -> None:
+        try:
+            msg = wire.decode(frames)
+        except Exception:
+            return
+        if isinstance(msg, wire.Fetch) and msg.topic != self.address:
+            first, last = msg.sequence, msg.sequence + msg.count - 1
+            for source, kind in ((msg.topic, wire.VOID_RESTART), (self.address, wire.VOID_STORE),
+                                 (self.claim, wire.VOID_STORE)):  # fmt: skip
+                self.publisher.send_multipart(
+                    wire.encode(wire.Void(msg.address, msg.topic, msg.subject, first, last, source, kind))
+                )
+            self.forged_sent += 1
+
+
+class RestartedOwner(Node):
+    """A partition's owner (a producer key) that plays a producer resumed past a
+    hole: it publishes the records it is given and, once ``says_void``, answers
+    FETCHes of ``hole`` with VOID kind 1 as Producer._on_fetch does."""
+
+    kind = "producer"
+
+    def __init__(self, config: NodeConfig, topic: str, hole: tuple[int, int]) -> None:
+        super().__init__(config)
+        self.topic, self.hole = topic, hole
+        self.says_void = False
+        self.subscribe(wire.P_FETCH + self.address.encode())
+
+    def __enter__(self) -> RestartedOwner:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def publish(self, seq: int) -> None:
+        self.call_soon(
+            lambda: self.publisher.send_multipart(
+                wire.encode(wire.Record(self.topic, self.address, self.topic, seq, b"r%d" % seq))
+            )
+        )
+
+    def on_data(self, frames: list[bytes]) -> None:
+        try:
+            msg = wire.decode(frames)
+        except Exception:
+            return
+        if isinstance(msg, wire.Fetch) and msg.topic == self.address and self.says_void:
+            void = wire.Void(msg.address, self.address, self.topic, *self.hole, self.address, wire.VOID_RESTART)
+            self.publisher.send_multipart(wire.encode(void))
+
+
+class SilentStore(Node):
+    """A storing key's node that other stores count as a store (it subscribes to
+    its CONSUMER-HELLOs) and holds nothing; it answers FETCHes with VOID kind 0
+    in its own name only once ``answers``."""
+
+    kind = "store"
+
+    def __init__(self, config: NodeConfig) -> None:
+        super().__init__(config)
+        self.answers = False
+        self.subscribe(wire.P_CONSUMER_HELLO + self.address.encode())
+        self.subscribe(wire.P_FETCH)
+
+    def __enter__(self) -> SilentStore:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def on_data(self, frames: list[bytes]) -> None:
+        try:
+            msg = wire.decode(frames)
+        except Exception:
+            return
+        if isinstance(msg, wire.Fetch) and self.answers and msg.address != self.address:
+            first, last = msg.sequence, msg.sequence + msg.count - 1
+            void = wire.Void(msg.address, msg.topic, msg.subject, first, last, self.address, wire.VOID_STORE)
+            self.publisher.send_multipart(wire.encode(void))

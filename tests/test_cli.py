@@ -410,7 +410,7 @@ def test_produce_msgpack_consume_json(tower_proc: str) -> None:
         [1, "x", None],
         {"nested": {"k": [True]}},
     ]
-    from dafka.cli import _json_line
+    from dafka.cli.consume import _json_line
 
     assert _json_line(msgpack.packb({"b": b"\xff\x00ok", 1: float("nan")})) == b'{"b":"\\\\xff\\u0000ok","1":"nan"}'
     assert _json_line(b'{"plain": "json"}') == b'{"plain":"json"}'

@@ -94,8 +94,59 @@ def test_landing_and_topic_pages_in_chromium(cfg: NodeConfig, tmp_path: Path, br
                 browser.get(console.url + "topics/" + urllib.parse.quote(TOPIC, safe=""))
                 wait_until(lambda: '"order": 59' in text_of(browser, "#record-list pre"), timeout=15)
                 assert '"order": 40' in text_of(browser, "#record-list pre")
+                # Its charts: records/s, and the lag of the group consuming it.
+                charts = "return document.querySelectorAll('#rate-chart .uplot, #topic-lag-chart .uplot').length"
+                wait_until(lambda: browser.execute_script(charts) == 2, timeout=15)
+                assert GROUP in text_of(browser, "#topic-lag-chart")
                 assert TOPIC in browser.find_element(By.ID, "title").text
                 assert browser.execute_script("return window.pwned") is None
+    finally:
+        producer.close(0)
+        store.terminate()
+        store.wait(10)
+
+
+HOSTILE_VALUES = [
+    b'<img src=x onerror="window.pwned=3">',
+    b"<script>window.pwned=4</script>",
+    b'{"html": "</pre><svg onload=\\"window.pwned=5\\">"}',
+    bytes(range(256)),
+]
+
+
+def test_record_browser_over_the_mesh_in_chromium_shows_hostile_values_as_text(
+    cfg: NodeConfig, tmp_path: Path, browser: Any
+) -> None:
+    """A console attached to the tower only (no --db) reads the records over the mesh;
+    HTML and script in the topic name and in the values are shown as text, never run."""
+    store = start_store_process(cfg, tmp_path / "db")
+    producer = Producer(TOPIC, cfg)
+    try:
+        wait_until(lambda: len(producer.peers))
+        for i in range(30):
+            producer.publish(b"plain %d" % i)
+        for value in HOSTILE_VALUES:
+            producer.publish(value)
+        assert producer.flush(20)
+        with Console(cfg, interval=0.3) as console:
+            browser.get(console.url + "topics/" + urllib.parse.quote(TOPIC, safe=""))
+            wait_until(lambda: "window.pwned=4" in text_of(browser, "#record-list pre"), timeout=20)
+            shown = text_of(browser, "#record-list pre")
+            assert '<img src=x onerror="window.pwned=3">' in shown
+            assert "<script>window.pwned=4</script>" in shown
+            assert "svg onload" in shown and "00 01 02 03" in shown  # JSON as text, binary as hex
+            assert "read over the mesh" in text_of(browser, "#record-note")
+            # Nothing of the values became markup.
+            count = "return document.querySelectorAll('#record-list img, #record-list script, #record-list svg').length"
+            assert browser.execute_script(count) == 0
+            assert browser.execute_script("return window.pwned") is None
+            # Jump to an offset.
+            browser.find_element(By.ID, "offset").send_keys("3")
+            browser.find_element(By.ID, "go").click()
+            wait_until(lambda: text_of(browser, "#record-list td").startswith("3 "), timeout=15)
+            assert "plain 3" in text_of(browser, "#record-list pre")
+            assert browser.find_element(By.ID, "time").get_attribute("disabled") is not None  # no timestamps on the mesh
+            assert browser.execute_script("return window.pwned") is None
     finally:
         producer.close(0)
         store.terminate()

@@ -133,14 +133,14 @@ def test_held_messages_wait_while_reading_is_paused_and_are_bounded() -> None:
     check(
         run(
             """
-            from dafka.nodes import node as node_module
+            from dafka.nodes import channels as channels_module
             from dafka.nodes.node import Node
             got = []
             class Recorder(Node):
                 kind = "consumer"
                 def on_data(self, frames):
                     got.append(frames)
-            node_module.HELD_MAX_BYTES = 10_000
+            channels_module.HELD_MAX_BYTES = 10_000
             node, pub, endpoint = peer_and_node(Recorder)
             node.subscribe(b"Z")
             wait(lambda: pub.poll(10) and pub.recv() == b"\\x01Z")

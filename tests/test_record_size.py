@@ -140,7 +140,10 @@ def test_a_reader_drops_a_record_over_its_limit(cfg: NodeConfig, tmp_path: Path,
         peer.pump(1.5)
         _answer_fetches(peer, records, batch, answered)
         assert len(peer.messages(wire.Fetch)) == asked
-        assert sum(f.sequence <= 3 < f.sequence + f.count for f in answered) <= 2
+        asks_of_3 = [(f.sequence, f.count) for f in answered if f.sequence <= 3 < f.sequence + f.count]
+        # (Seen once at 4 in a full run on a loaded machine, not reproduced alone: the
+        # list says which FETCHes they were, for the next time.)
+        assert len(asks_of_3) <= 2, (asks_of_3, reader.records_dropped_too_large)
         assert reader.records_dropped_too_large <= 3
         assert reader.running
         assert registry_for(reader).get_sample_value("dafka_records_too_large_total") == reader.records_dropped_too_large

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dafka.core.gaps import FETCH_CHUNK, PartitionTracker
+from dafka.core.gaps import FETCH_CHUNK, UNREMEMBERED, KnownStores, PartitionTracker
 from dafka.core.peers import Connect, Disconnect, PeerTable, TowerWatch
 from dafka.core.resume import START_ANYWAY, Resume
 from dafka.core.unacked import UnackedWindow
@@ -644,6 +644,60 @@ def test_a_restart_hole_is_passed_once_every_known_store_said_it_holds_none() ->
     assert [s for s, _ in out] == [16, 17] and t.next == 18 and t.skipped == 15 and not t.missing
     out.clear()
     assert t.pass_restart_hole(0.3, stores, out) is None  # nothing more to pass
+
+
+def test_a_store_passes_a_restart_hole_on_its_own_word_and_the_stores_it_knows() -> None:
+    # A store is one itself: it holds none of what it is missing.  With no
+    # other store known the producer's word is enough (a store it did not know
+    # that holds some is asked again when it appears: HoleRepair); with others
+    # known, all must have said they hold none of it.
+    out: list[tuple[int, bytes]] = []
+    t = PartitionTracker("s", "p", 5)
+    deliver(t, 20)
+    assert t.fetch_request(0.0) == (5, 15)
+    assert t.pass_restart_hole(0.0, set(), out, own_word=True) is None  # the producer said nothing
+    t.on_restart_hole(5, 19)
+    assert t.fetch_request(0.0) == (5, 15)  # asked again at once: stores' answers before it counted nothing
+    assert t.pass_restart_hole(0.0, {"s1"}, out, own_word=True) is None  # s1 silent
+    t.on_store_void("s1", 5, 19)
+    assert t.pass_restart_hole(0.0, {"s1", "s2"}, out, own_word=True) is None  # s2 silent
+    assert t.pass_restart_hole(0.0, {"s1"}, out, own_word=True) == (5, 19) and [s for s, _ in out] == [20]
+    t = PartitionTracker("s", "p", 5)
+    deliver(t, 20)
+    t.on_restart_hole(5, 19)
+    assert t.pass_restart_hole(0.0, set(), out) is None  # a consumer needs a store's word
+    assert t.pass_restart_hole(0.0, set(), out, own_word=True) == (5, 19)
+    # Never what lies before the restart hole (the previous run's records).
+    t = PartitionTracker("s", "p", 0)
+    deliver(t, 20)
+    t.on_restart_hole(5, 19)
+    assert t.pass_restart_hole(0.0, set(), out, own_word=True) is None and t.next == 0
+
+
+def test_known_stores_keep_a_gone_store_for_a_while_and_are_bounded() -> None:
+    stores = KnownStores(keep=10.0, limit=2)
+    stores.met("a")
+    stores.met("b")
+    assert set(stores.current(0.0)) == {"a", "b"}
+    stores.gone("a", 1.0)
+    stores.gone("zz", 1.0)  # never met: nothing
+    assert set(stores.current(10.9)) == {"a", "b"}  # gone, but it may hold some and be back
+    assert set(stores.current(11.1)) == {"b"}
+    stores.met("c")
+    stores.gone("b", 12.0)
+    stores.met("b")  # back
+    assert set(stores.current(30.0)) == {"b", "c"}
+    # Full: a store turned away counts as one that never answers (a flood of
+    # made-up stores must not hide a real one that holds part of a hole).
+    stores.met("d")
+    assert set(stores.current(30.0)) == {"b", "c", UNREMEMBERED}
+    t = PartitionTracker("s", "p", 5)
+    deliver(t, 20)
+    t.on_restart_hole(5, 19)
+    out: list[tuple[int, bytes]] = []
+    for store in ("b", "c", "d"):
+        t.on_store_void(store, 5, 19)
+    assert t.pass_restart_hole(0.0, stores.current(30.0), out, own_word=True) is None
 
 
 def test_a_restart_hole_passes_only_what_lies_inside_it() -> None:

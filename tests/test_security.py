@@ -26,7 +26,7 @@ from dafka.nodes.producer import Producer
 from dafka.nodes.tower import Tower
 from dafka.store.node import Store
 from tests.conftest import ROOT, dafka_cmd, subprocess_env, wait_until
-from tests.secure_rogue import Forger
+from tests.secure_rogue import Forger, RestartedOwner, SilentStore, VoidForger
 
 ROLES = {
     "tower": "tower",
@@ -1024,6 +1024,12 @@ def test_console_sees_a_secure_mesh_and_its_group_lag(
 
                 state = wait_until(lag, timeout=20)
                 assert len(state["nodes"]["store"]) == 1 and not any("forged" in a for a in state["alerts"])
+                # Records over the secure mesh: FETCHed from the store, its DIRECT-RECORDs honoured.
+                q = f"api/records?topic=sec&partition={producer.address}&limit=3"
+                with urllib.request.urlopen(console.url + q, timeout=15) as resp:
+                    page = json.loads(resp.read())
+                assert [r["content"]["text"] for r in page["records"]] == ["r47", "r48", "r49"], page
+                assert page["source"] == "mesh" and not page["timed_out"]
 
 
 def test_console_with_a_key_not_allowed_says_its_handshake_was_refused(pki: Pki, secure_tower: Tower) -> None:
@@ -1041,3 +1047,113 @@ def test_console_with_a_key_not_allowed_says_its_handshake_was_refused(pki: Pki,
 
         lines = wait_until(refused, timeout=20)  # the tower's two ports: beacons in and out
         assert all(f":{secure_tower.out_port} " in line or f":{secure_tower.in_port} " in line for line in lines), lines
+
+
+@pytest.mark.parametrize("forger_key", ["forger", "store"])
+def test_voids_are_believed_only_from_the_partitions_key_or_a_stores(
+    pki: Pki, secure_tower: Tower, tmp_path: Path, forger_key: str
+) -> None:
+    # Issue 34: a store passes a restarted producer's hole at once when the
+    # producer says it is one (VOID kind 1) and every store it knows said it
+    # holds none of it (VOID kind 0).  A key that does not own the partition
+    # must not say the first; only a store's key the second, and only in its
+    # own name (with a store key too: one store does not answer for another).
+    with Store(tmp_path / "db", node_cfg(pki, secure_tower, "store"), skip_after=30.0, retry_interval=0.1) as store:
+        with SilentStore(node_cfg(pki, secure_tower, "gateway")) as other:  # a storing key that holds nothing
+            with VoidForger(node_cfg(pki, secure_tower, forger_key), claim=other.address) as forger:
+                with RestartedOwner(node_cfg(pki, secure_tower, "producer"), "t", (1, 9)) as owner:
+                    everyone = {other.address, forger.address, owner.address}
+                    wait_until(lambda: everyone <= {address for address, _ in store.peers.items()}, 15)
+                    wait_until(lambda: list(store.known_stores()) == [other.address], 15)
+                    key = ("t", owner.address)
+                    # (again until it comes: the store's channel may not have subscribed yet)
+                    wait_until(lambda: owner.publish(0) or store.heads().get(key) == 0, 15)
+                    owner.publish(10)  # 1..9: the restart hole
+
+                    def forger_answered(times: int) -> None:
+                        """The forger answered ``times`` more FETCHes, and the store asked again since."""
+                        sent = forger.forged_sent
+                        wait_until(lambda: forger.forged_sent >= sent + times or store.skipped, 15)
+                        asked = store.fetches_sent
+                        wait_until(lambda: store.fetches_sent >= asked + 2 or store.skipped, 15)
+
+                    # 1. The other store says it holds none; only the forger says the producer restarted.
+                    other.answers = True
+                    forger_answered(2)
+                    assert store.heads()[key] == 0 and store.skipped == 0 and store.forged > 0
+                    # 2. The producer says so; the other store is silent, the forger answers in its name.
+                    other.answers = False
+                    asked = store.fetches_sent  # (its answers to FETCHes before this come first)
+                    wait_until(lambda: store.fetches_sent >= asked + 2 or store.skipped, 15)
+                    owner.says_void = True
+                    forged = store.forged
+                    forger_answered(2)
+                    assert store.heads()[key] == 0 and store.skipped == 0 and store.forged > forged
+                    # 3. The other store itself says it holds none: passed at once.
+                    other.answers = True
+                    t0 = time.monotonic()
+                    wait_until(lambda: store.heads().get(key) == 10, 15)
+                    took = time.monotonic() - t0
+        assert store.skipped == 9 and [r.offset for r in store.db.read("t", owner.address, 0, 100)] == [0, 10]
+        assert took < 3.0, f"passed {took:.1f}s after every store said it holds none"
+
+
+# A secure producer with an identity file: publishes 50 records at a time and
+# prints each chunk's acknowledged offset, until killed.
+SECURE_PRODUCER = """
+import sys
+from dafka.config import NodeConfig, TowerAddress
+from dafka.nodes import security
+from dafka.nodes.producer import Producer
+
+key, allow, tower_key, pin, pout, identity = sys.argv[1:7]
+sec = security.SecurityConfig(key, allow, (security.parse_key(tower_key),))
+cfg = NodeConfig(towers=(TowerAddress("127.0.0.1", int(pin), int(pout)),), bind="127.0.0.1",
+                 beacon_interval=0.2, beacon_timeout=2.0, security=sec)
+producer = Producer("t", cfg, identity=identity, resume_timeout=10.0)
+print("ready", producer.next_offset, flush=True)
+while True:
+    first = producer.next_offset
+    receipt = producer.publish_many(b"r%d" % (first + i) for i in range(50))
+    if receipt.wait(30):
+        print(receipt.offset, flush=True)
+"""
+
+
+def test_a_secure_store_passes_a_restarted_producers_hole_at_once(
+    pki: Pki, secure_tower: Tower, procs: Procs, tmp_path: Path
+) -> None:
+    # Issue 34: in a secure mesh VOIDs were ignored, so after kill -9 and a
+    # restart with the same identity the store waited skip_after (10 s) across
+    # the reserved-but-unused offsets before it acknowledged anything new.
+    import queue
+    import signal
+    import threading
+
+    procs.store(pki, secure_tower, tmp_path / "db")
+    argv = [sys.executable, "-c", SECURE_PRODUCER, pki.secret("producer"), str(pki.allow),
+            pki.tower_key.decode(), str(secure_tower.in_port), str(secure_tower.out_port),
+            str(tmp_path / "id.json")]  # fmt: skip
+
+    def start() -> tuple[subprocess.Popen[bytes], int, queue.Queue[bytes]]:
+        proc = procs.start(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert proc.stdout is not None
+        line = proc.stdout.readline().split()
+        assert line[:1] == [b"ready"], line
+        lines: queue.Queue[bytes] = queue.Queue()
+        out = proc.stdout
+        threading.Thread(target=lambda: [lines.put(x) for x in out], daemon=True).start()
+        return proc, int(line[1]), lines
+
+    proc, _, lines = start()
+    acked = -1
+    while acked < 300:
+        acked = int(lines.get(timeout=30))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    proc, restart_at, lines = start()
+    ready = time.monotonic()
+    first = int(lines.get(timeout=20))
+    took = time.monotonic() - ready
+    assert first >= restart_at > acked + 1  # past a hole: reserved by the killed run, never used
+    assert took < 2.0, f"the restarted producer's first ACK came {took:.1f}s after it resumed"

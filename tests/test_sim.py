@@ -24,7 +24,7 @@ from dafka.sim.shrink import shrink
 from dafka.sim.world import World
 from dafka.store.db import RecordDB
 
-SIM_SEEDS = int(os.environ.get("DAFKA_SIM_SEEDS", "60"))
+SIM_SEEDS = int(os.environ.get("DAFKA_SIM_SEEDS", "50"))
 # Of those, the last SIM_FRESH come from a range that moves with the commit (see
 # fresh_first): CI tries other schedules on every commit at the same cost.
 SIM_FRESH = min(SIM_SEEDS, int(os.environ.get("DAFKA_SIM_FRESH", "10")))
@@ -230,7 +230,7 @@ def test_a_store_gives_up_only_what_was_missing_for_skip_after() -> None:
     for a hole, then gave up with it the offsets that had gone missing half a
     second before, and its ACK released one from the producer that no store held
     (acked-not-durable)."""
-    r = runner.run_seed(201185)
+    r = runner.run_seed(201185, classic=True)
     assert r.ok, _report(r)
 
 
@@ -239,7 +239,7 @@ def test_a_store_asks_again_for_offsets_it_gave_up_before_its_first_record() -> 
     gave up 0..14 of a partition it held nothing of and began at 15, the other
     held 14; a gap before a new partition's first record was not recorded as a
     hole, so the first store never asked for 14 again (unfilled-gap)."""
-    r = runner.run_seed(205892)
+    r = runner.run_seed(205892, classic=True)
     assert r.ok, _report(r)
 
 
@@ -313,3 +313,239 @@ def test_a_consumer_believes_only_well_formed_voids_of_the_right_speakers() -> N
     finally:
         c.sim_close_sockets()
         c.stop(0.5)
+
+
+# Issue 40 item 3: hole repair between stores.  Three stores; s1 and s2 are cut
+# off while the ring producer p2 publishes 20 records (its ring keeps 6), then
+# s0 -- the only store holding 0..13 -- is frozen for 20 s (past skip_after).
+# s1 and s2 hear of the partition from p2's next records, find 0..15 nowhere and
+# record them as holes after skip_after; they are cut off again when s0
+# continues (the answers to what they asked it before are lost), so only their
+# HoleRepair (FETCHes of the recorded holes, backing off, VOIDs from peers that
+# hold none) brings the records from s0.
+HOLE_REPAIR_SCHEDULE = (
+    "topo:3:0:0,isolate:1:3000:1,isolate:2:3000:2,publish:2:20:3,wait:100:0:4,freeze:0:20000:5,"
+    "wait:3000:0:6,publish:2:2:7,wait:11000:0:8,wait:5000:0:9,isolate:1:3000:10,isolate:2:3000:11,"
+    "wait:11000:0:12,publish:2:2:13,wait:3000:0:14"
+)
+
+
+def test_stores_repair_recorded_holes_from_a_peer() -> None:
+    r = runner.run_schedule(loads(HOLE_REPAIR_SCHEDULE))
+    assert r.ok, _report(r)
+    assert r.faults.get("freeze-s") == 1, r.faults
+    obs = r.observations
+    assert obs.get("holes-recorded", 0) >= 2 * 14 and obs.get("holes-filled", 0) >= 2 * 14, obs
+    assert obs.get("hole-fetches", 0) > 0 and obs.get("void-store", 0) > 0, obs
+    assert "ring-hole-held-elsewhere" not in obs, obs  # every store holds every record
+
+
+def test_without_hole_repair_the_stores_keep_their_holes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dafka.store.holes import HoleRepair
+
+    monkeypatch.setattr(HoleRepair, "due", lambda self, now: [])
+    r = runner.run_schedule(loads(HOLE_REPAIR_SCHEDULE))
+    assert r.observations.get("ring-hole-held-elsewhere", 0) >= 2 * 14, _report(r)
+
+
+def test_a_freeze_of_the_only_holder_of_acknowledged_records_is_a_plain_stop() -> None:
+    # s1, s2 cut off while p0 publishes: s0 alone holds (and acknowledged) 0..4.
+    schedule = loads(
+        "topo:3:0:0,isolate:1:3000:1,isolate:2:3000:2,publish:0:5:3,wait:100:0:4,freeze:0:20000:5,wait:11000:0:6"
+    )
+    r = runner.run_schedule(schedule, heal_seconds=20.0)
+    assert r.ok, _report(r)
+    assert r.faults.get("freeze-shortened") == 1 and "freeze-s" not in r.faults, r.faults
+
+
+# Issue 40 item 3: an edge device (p3, node 7) publishes 5 records, goes offline
+# for 25 s, publishes 8 more into its outbox (committed, sent, lost), is killed
+# and restarted: its outbox holds the 8 unacknowledged records and sends them
+# once it is online again.
+DEVICE_SCHEDULE = (
+    "topo:2:1:0,publish:3:5:1,wait:200:0:2,offline:7:25000:3,publish:3:8:4,wait:500:0:5,crash:7:1500:6,"
+    "wait:3000:0:7,publish:3:3:8,wait:11000:0:9,wait:11000:0:10,wait:3000:0:11"
+)
+
+
+def test_a_device_outbox_survives_a_kill_while_offline() -> None:
+    r = runner.run_schedule(loads(DEVICE_SCHEDULE))
+    assert r.ok, _report(r)
+    assert r.faults.get("kill-p") == 1 and r.faults.get("offline") == 1, r.faults
+    assert r.observations.get("outbox-reloaded") == 8, r.observations
+    assert r.published == 16 and r.acked == 16 and r.delivered == 2 * 16, _report(r)
+
+
+def test_detects_an_outbox_that_loses_what_it_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    real_close = sim_nodes.SimDevice.close
+
+    def close_and_wipe(self: sim_nodes.SimDevice) -> None:
+        real_close(self)
+        shutil.rmtree(self.db.path)  # a device whose outbox does not survive
+
+    monkeypatch.setattr(sim_nodes.SimDevice, "close", close_and_wipe)
+    r = runner.run_schedule(loads(DEVICE_SCHEDULE))
+    assert "outbox-lost" in {v.kind for v in r.violations}, _report(r)
+
+
+def test_detects_a_store_lacking_an_acknowledged_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dafka.sim import world
+
+    class Forgetful(RecordDB):
+        """s1's database hides p0's offset 2 (as if never repaired)."""
+
+        def read(self, topic, partition, first, count):  # type: ignore[no-untyped-def]
+            out = super().read(topic, partition, first, count)
+            if self.path.endswith("s1") and partition == "p0-partition":
+                out = [r for r in out if r.offset != 2]
+            return out
+
+    monkeypatch.setattr(world, "RecordDB", Forgetful)
+    schedule = [Step("publish", 0, 5, 1), Step("wait", 1000, 0, 2)]
+    r = World(heal_seconds=5.0, stop_at_first=False).run(schedule)
+    assert "acked-not-replicated" in {v.kind for v in r.violations}, _report(r)
+
+
+def test_new_steps_are_text_and_generated() -> None:
+    from dafka.sim.schedule import generate_classic, topology
+
+    assert loads("topo:3:1:0,offline:7:25000:5,freeze:0:20000:6") == [
+        Step("topo", 3, 1, 0), Step("offline", 7, 25000, 5), Step("freeze", 0, 20000, 6)
+    ]
+    assert topology(loads("topo:3:1:0")).stores == 3 and topology(loads("topo:3:1:0")).devices == 1
+    assert topology(loads("publish:0:1:1,topo:3:1:0")).stores == 2  # only as the first step
+    kinds = {s.kind for seed in range(20) for s in generate(seed, 120)}
+    assert {"topo", "offline", "freeze"} <= kinds
+    shapes = {(topology(generate(seed, 1)).stores, topology(generate(seed, 1)).devices) for seed in range(40)}
+    assert shapes == {(2, 0), (2, 1), (3, 0), (3, 1)}
+    assert not {"topo", "offline", "freeze"} & {s.kind for s in generate_classic(7, 300)}
+
+
+# Found by the sweep from 400000 (seed 400204, shrunk): consumer c0 (node 3) is
+# cut off for 12.5 s while it holds p0@19 and misses 18 (lost).  Its stores'
+# beacons stop; before the fix it skipped 18 -- acknowledged, in every store --
+# skip_after after it went missing, as if nobody had it.  A consumer whose
+# every store is gone now counts that time as unheard (Consumer.owner_hears).
+CONSUMER_CUT_SCHEDULE = (
+    "topo:3:0:0,publish:0:1:2773965723,crash:5:1:2689672348,wait:5500:0:2747234507,"
+    "publish:0:2:762863398,wait:300:0:3602103526,lose:0:1:2408544518,publish:0:1:1321174680,"
+    "wait:100:0:1962624134,isolate:5:125:1773101715,wait:100:0:3198083603,offline:3:12500:1335569443,"
+    "wait:11000:0:2151567570"
+)
+
+
+def test_a_consumer_cut_off_from_every_store_skips_nothing_acknowledged() -> None:
+    r = runner.run_schedule(loads(CONSUMER_CUT_SCHEDULE))
+    assert r.ok, _report(r)
+    assert r.delivered == 2 * 5, _report(r)
+
+
+# Found by the sweep from 400000 (seed 400089, shrunk to these 6 steps) and by
+# hand for a device: a record is lost on its way, the next one arrives, and the
+# producer (p0, node 4; the device p3, node 7) is cut off past skip_after.  The
+# stores give its offset up (a recorded hole) and ACK past it.  The simulator
+# then let the producer take that ACK first and release the record no store
+# held (acked-not-durable): it did not model beacons, so the producer never
+# went and came back.  The real store hears it return (its subscriptions,
+# beacons: Store.retry_missing_now makes every hole due) and asks for the
+# holes before the producer's next HEAD brings the ACK again; the simulator now
+# says a node cut off past the beacon timeout is gone, and back when the cut
+# ends (World._cut_events).
+PRODUCER_CUT_SCHEDULES = [
+    "net:5:0:813060454,wait:50:0:3483598175,lose:0:1:3887294591,publish:0:1:1802608662,"
+    "offline:4:12000:3510480027,wait:11000:0:1920016414",
+    "topo:2:1:0,publish:3:5:1,wait:200:0:2,net:3:0:3,lose:3:1:4,publish:3:1:5,wait:60:0:6,"
+    "offline:7:25000:7,wait:11000:0:8,wait:11000:0:9,wait:11000:0:10,publish:3:2:11,wait:3000:0:12",
+]
+
+
+@pytest.mark.parametrize("schedule", PRODUCER_CUT_SCHEDULES, ids=["producer", "device"])
+def test_a_producer_cut_off_past_skip_after_loses_nothing(schedule: str) -> None:
+    r = runner.run_schedule(loads(schedule))
+    assert r.ok, _report(r)
+    assert r.observations.get("holes-filled", 0) >= 1, r.observations  # given up, then filled from it
+
+
+# Found by the sweep from 400000 (seed 400319, shrunk): consumer c1 (node 4) is
+# killed, restarted 12 ms later on a slow network and cut off for 12.5 s at
+# once.  Two simulator faults let it hold p1@1 and miss p1@0 without having met
+# a store: copies in flight to the killed process were delivered to the new
+# one (Network now drops them: their connections died with the process), and
+# a new consumer was greeted only through STORE-HELLOs the cut lost (it now
+# meets the stores as its XPUB reports their subscriptions).  It skipped p1@0,
+# acknowledged, skip_after after it went missing.
+NEW_CONSUMER_CUT_SCHEDULE = (
+    "topo:3:0:0,publish:1:1:3756356997,net:3:0:4061570944,publish:1:1:1415420184,crash:4:12:3398504759,"
+    "offline:4:12500:982172935,wait:11000:0:2732486306"
+)
+
+
+def test_a_consumer_cut_off_right_after_its_start_skips_nothing_acknowledged() -> None:
+    r = runner.run_schedule(loads(NEW_CONSUMER_CUT_SCHEDULE))
+    assert r.ok, _report(r)
+
+
+# Found by the sweep from 400000 (seed 400158, shrunk) with producers cut off
+# past skip_after: p0@0 is lost, p0@1 arrives on a slow network, p0 (node 4) is
+# cut off for 25 s.  The stores give 0 up (a recorded hole) and ACK 1; when p0
+# is back, s1 answers its HEAD with that ACK (Store.on_producer_head) before its
+# hole repair asked p0 for 0 (HoleRepair rounds wait for a tick and their
+# interval), so p0 releases 0, which no store holds (acked-not-durable).  A
+# known defect of the store, not fixed here (dafka/store/node.py); the
+# generator keeps producers' cuts under skip_after meanwhile (PRODUCER_CUT_MAX).
+ACK_PAST_HOLE_SCHEDULE = (
+    "lose:0:1:950365207,net:3:0:841589681,publish:0:1:184388546,offline:4:25000:2526195559,"
+    "wait:3000:0:2927424210,wait:11000:0:2548465995,freeze:0:1:1781632374,wait:11000:0:3526277829,"
+    "isolate:1:1:278972378"
+)
+
+
+@pytest.mark.xfail(strict=True, reason="known defect: a store ACKs past a hole before asking the producer back for it")
+def test_a_store_acks_past_a_hole_before_asking_the_producer_back() -> None:
+    r = runner.run_schedule(loads(ACK_PAST_HOLE_SCHEDULE))
+    assert r.ok, _report(r)
+
+
+def test_generated_producer_cuts_stay_under_skip_after() -> None:
+    from dafka.sim.schedule import PRODUCER_CUT_MAX, node_count, topology
+
+    for seed in range(60):
+        schedule = generate(seed, 120)
+        top = topology(schedule)
+        for s in schedule:
+            if s.kind == "offline" and s.a % node_count(top) >= top.stores + top.consumers:
+                assert s.b <= PRODUCER_CUT_MAX < 10_000, s
+
+
+def test_a_consumer_whose_every_store_is_gone_counts_its_holes_unheard() -> None:
+    """Consumer.owner_hears: False only while every store it met is gone."""
+    from dafka.sim.nodes import SimConsumer
+
+    c = SimConsumer(["sim"], 0.0)
+    try:
+        assert c.owner_hears("P")  # no store met: skip_after as before
+        c._hello("S1")
+        c._hello("S2")
+        c.on_peer_gone("S1")
+        assert c.owner_hears("P")  # S2 is alive
+        c.on_peer_gone("S2")
+        assert not c.owner_hears("P")
+        c.on_peer_gone("X")  # a peer that is not a store changes nothing
+        assert not c.owner_hears("P")
+        c._hello("S2")  # back
+        assert c.owner_hears("P")
+    finally:
+        c.sim_close_sockets()
+        c.stop(0.5)
+
+
+def test_nodes_do_not_meet_across_a_cut() -> None:
+    """Seed 400021 (the sweep from 400000): consumer c1 is cut off for 25 s; store s1
+    is killed and restarted meanwhile.  The simulator let c1 meet the new s1
+    at once (a peer-joined event that ignored the cut), which ended c1's wait
+    for its gone stores: it skipped p0@25, acknowledged, while still cut off.
+    Peers cannot meet across a cut past the beacon timeout; they meet when it ends."""
+    r = runner.run_seed(400021)
+    assert r.ok, _report(r)

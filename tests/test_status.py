@@ -217,3 +217,47 @@ def test_status_without_a_tower_says_so() -> None:
     assert out.returncode == 1
     assert json.loads(out.stdout)["towers"] == [{"endpoint": "tcp://127.0.0.1:2", "reached": False}]
     assert "no tower answered" in out.stderr
+
+
+def test_view_forgets_gone_nodes_and_untold_partitions() -> None:
+    """A --watch (or the console) over a mesh whose nodes come and go for days: a node
+    that stopped beaconing is listed down for GONE_KEPT seconds, then forgotten; a
+    partition nobody tells a head of for PARTITION_KEPT seconds is forgotten."""
+    from dafka.cli import status
+
+    view = MeshView(OWN, [], timeout=4.0)
+    gone = [f"{i + 1:032X}" for i in range(5000)]
+    for i, address in enumerate(gone):
+        view.on_beacon(address, f"tcp://127.0.0.1:{1000 + i % 60000}", 0.0)
+        view.on_message(address, wire.Head("t", address, "t", 1), 0.0)  # a producer's own head
+    view.on_beacon(STORE, "tcp://127.0.0.1:9", 0.0)
+    assert len(view.peers) == 5001 and len(view.partitions) == 5000
+    t = 0.0
+    while t < 4.0 + status.GONE_KEPT + 1:  # the store beacons and tells one head, the rest are silent
+        t += 1.0
+        view.on_beacon(STORE, "tcp://127.0.0.1:9", t)
+        view.on_message(STORE, wire.Head("t", gone[0], "t", 1), t)
+        view.expire(t)
+        if t == 5.0:
+            assert sum(not p.alive for p in view.peers.values()) == 5000  # down, still listed
+    assert list(view.peers) == [STORE]
+    assert set(view.evidence) <= {STORE}
+    assert list(view.partitions) == [("t", gone[0])]  # the one a store still tells of
+    snap = view.snapshot(t)
+    assert [n["address"] for n in snap["nodes"]] == [STORE]
+
+
+def test_view_bounds_partitions_a_hostile_peer_tells(monkeypatch: Any) -> None:
+    from dafka.cli import status
+
+    monkeypatch.setattr(status, "MAX_PARTITIONS", 1000)
+    view = MeshView(OWN, [], timeout=4.0)
+    for i in range(5000):
+        view.on_message(STORE, wire.Head(f"t{i}", PROD, f"t{i}", i), 1.0)
+        view.on_message(STORE, wire.Ack(PROD, f"u{i}", i), 1.0)
+    assert len(view.partitions) == 1000 and view.dropped_partitions == 9000
+    assert view.snapshot(1.0)["dropped_partitions"] == 9000
+    view.expire(1.0 + status.PARTITION_KEPT)
+    assert not view.partitions  # nobody told them again
+    view.on_message(STORE, wire.Head("t", PROD, "t", 1), 70.0)
+    assert list(view.partitions) == [("t", PROD)]

@@ -270,3 +270,122 @@ def test_a_store_tells_a_partition_it_writes_once_in_a_while_not_every_second(
         statuses = peer.messages(wire.StoreStatus)
         assert all(s.writing for s in statuses) and store.storage_error is None
         assert 1 <= len(statuses) <= 2, len(statuses)  # it was one a second
+
+
+class RestartedProducer:
+    """A raw peer playing a producer resumed past ``hole`` after a crash: it
+    answers each FETCH of the hole with VOID kind 1, as Producer._on_fetch does."""
+
+    def __init__(self, peer: Any, topic: str, hole: tuple[int, int]) -> None:
+        self.peer, self.topic, self.hole = peer, topic, hole
+        self.answered = 0
+
+    def answer(self) -> None:
+        fetches = self.peer.messages(wire.Fetch)
+        for fetch in fetches[self.answered :]:
+            if self.hole[0] <= fetch.sequence <= self.hole[1]:
+                self.peer.send(
+                    wire.Void(fetch.address, self.peer.address, self.topic, *self.hole, self.peer.address, wire.VOID_RESTART)
+                )
+        self.answered = len(fetches)
+
+    def wait(self, predicate: Any, timeout: float = 20) -> None:
+        def done(p: Any) -> bool:
+            self.answer()
+            return bool(predicate(p))
+
+        self.peer.wait_for(done, timeout)
+
+
+def test_a_store_passes_a_restart_hole_at_once_but_fetches_what_a_store_it_knows_holds(
+    cfg: NodeConfig, tmp_path: Path, raw_peer
+) -> None:
+    """Issue 34 item 1: the producer resumed past 15..19 (store B's head was 14);
+    store A, which missed 5..14, must not pass them: B holds them.  It fetches
+    them from B, then passes 15..19 at once (B and the producer said nobody
+    has them), not after skip_after (10 s here)."""
+    prod = raw_peer([])
+    prod.sub.setsockopt(zmq.SUBSCRIBE, wire.P_ACK + prod.address.encode())
+    b_proc = start_store_process(cfg, tmp_path / "b")
+    b_db = RecordDB(tmp_path / "b", readonly=True)
+    try:
+
+        def stored(db: RecordDB) -> list[int]:
+            return [r.offset for r in db.read("h", prod.address, 0, 100)]
+
+        def publish(first: int, n: int) -> None:
+            for seq in range(first, first + n):
+                prod.send(wire.Record("h", prod.address, "h", seq, b"h%d" % seq))
+
+        with Store(tmp_path / "a", cfg, retry_interval=0.1) as a:
+            prod.wait_for(lambda p: len(p.peers) >= 2 and sum(s == b"\x01M" for s in p.subscriptions) >= 2, 20)
+            publish(0, 5)
+            prod.wait_for(lambda p: stored(a.db) == stored(b_db) == list(range(5)), 20)
+        publish(5, 10)  # only B is up
+        prod.wait_for(lambda p: stored(b_db) == list(range(15)), 20)
+        with Store(tmp_path / "a", cfg, retry_interval=0.1) as a:
+            prod.wait_for(lambda p: sum(s == b"\x01M" for s in p.subscriptions) >= 3, 20)
+            prod.wait_for(lambda p: len(a.known_stores()) == 1, 20)  # B subscribed to A
+            restarted = RestartedProducer(prod, "h", (15, 19))
+            prod.received.clear()
+            t0 = time.monotonic()
+            publish(20, 1)
+            restarted.wait(lambda p: acked(p) >= 20 and stored(a.db) == [*range(15), 20], 20)
+            took = time.monotonic() - t0
+            assert a.db.holes() == [Hole("h", prod.address, 15, 19)] and a.skipped == 5
+            assert [r.content for r in a.db.read("h", prod.address, 5, 10)] == [b"h%d" % i for i in range(5, 15)]
+            assert took < 2.0, f"store A acknowledged the restarted producer's first record after {took:.1f}s"
+    finally:
+        b_proc.terminate()
+        b_proc.wait(30)
+        b_db.close()
+
+
+def test_a_store_that_passed_a_restart_hole_fills_it_from_a_store_it_did_not_know(
+    cfg: NodeConfig, tmp_path: Path, raw_peer
+) -> None:
+    """Store B (SIGSTOPped) holds 5..17, acknowledged to the producer's last run;
+    the producer resumed with only A's head (4), past 5..19.  A knows no other
+    store: it passes 5..19 at once and acknowledges 20; once B is back, A
+    FETCHes its recorded hole from B and fills 5..17 (nothing acknowledged is
+    lost to A for good)."""
+    prod = raw_peer([])
+    prod.sub.setsockopt(zmq.SUBSCRIBE, wire.P_ACK + prod.address.encode())
+    b_proc = start_store_process(cfg, tmp_path / "b")
+    b_db = RecordDB(tmp_path / "b", readonly=True)
+    try:
+
+        def stored(db: RecordDB) -> list[int]:
+            return [r.offset for r in db.read("h", prod.address, 0, 100)]
+
+        def publish(first: int, n: int) -> None:
+            for seq in range(first, first + n):
+                prod.send(wire.Record("h", prod.address, "h", seq, b"h%d" % seq))
+
+        with Store(tmp_path / "a", cfg, retry_interval=0.1) as a:
+            prod.wait_for(lambda p: len(p.peers) >= 2 and sum(s == b"\x01M" for s in p.subscriptions) >= 2, 20)
+            publish(0, 5)
+            prod.wait_for(lambda p: stored(a.db) == stored(b_db) == list(range(5)), 20)
+        publish(5, 13)  # only B is up
+        prod.wait_for(lambda p: stored(b_db) == list(range(18)), 20)
+        b_proc.send_signal(signal.SIGSTOP)
+        with Store(tmp_path / "a", cfg, retry_interval=0.1) as a:
+            prod.wait_for(lambda p: sum(s == b"\x01M" for s in p.subscriptions) >= 3, 20)
+            restarted = RestartedProducer(prod, "h", (5, 19))
+            prod.received.clear()
+            t0 = time.monotonic()
+            publish(20, 1)
+            restarted.wait(lambda p: acked(p) >= 20, 20)
+            took = time.monotonic() - t0
+            assert len(a.known_stores()) == 0
+            assert a.db.holes() == [Hole("h", prod.address, 5, 19)] and a.skipped == 15
+            assert took < 2.0, f"store A acknowledged the restarted producer's first record after {took:.1f}s"
+            b_proc.send_signal(signal.SIGCONT)
+            restarted.wait(lambda p: stored(a.db) == [*range(18), 20], 30)
+            got = [r.content for r in a.db.read("h", prod.address, 0, 100)]
+            assert got == [b"h%d" % i for i in (*range(18), 20)]
+    finally:
+        b_proc.send_signal(signal.SIGCONT)
+        b_proc.terminate()
+        b_proc.wait(30)
+        b_db.close()

@@ -258,5 +258,8 @@ def test_the_wire_page_names_every_command() -> None:
     from tests.conftest import ROOT
 
     page = (ROOT / "docs" / "reference" / "wire.md").read_text(encoding="utf-8")
+    from dafka.core import leafwire
+
     rows = dict(re.findall(r"^\| `(\w)` \| ([A-Z-]+)", page, re.M))
-    assert rows == {chr(cid): name for cid, name in wire.COMMAND_NAMES.items()}
+    names = {**wire.COMMAND_NAMES, **leafwire.LEAF_NAMES}  # the mesh's and the leaf connection's
+    assert rows == {chr(cid): name for cid, name in names.items()}

@@ -40,7 +40,7 @@ from dafka.bench.zmq_baseline import bench_zmq
 
 def _options() -> dict[str, tuple[str, dict[str, Any]]]:
     """Every benchmark option: its flag and argparse keywords (``help`` may be overridden per benchmark)."""
-    from dafka.cli import count_arg, positive_seconds_arg
+    from dafka.cli.args import count_arg, positive_seconds_arg
 
     return {
         "records": ("--records", {"type": count_arg, "default": 1_000_000, "help": "records per run"}),
@@ -54,6 +54,10 @@ def _options() -> dict[str, tuple[str, dict[str, Any]]]:
         "seconds": ("--seconds", {"type": positive_seconds_arg, "default": 3.0, "help": "seconds measured"}),
         "secure": ("--secure", {"action": "store_true", "help": "a CURVE mesh with temporary keys"}),
         "nodes": ("--nodes", {"type": count_arg, "default": 100, "help": "producers in the mesh"}),
+        "leaves": ("--leaves", {"type": count_arg, "default": 0,
+                                "help": "instead of --nodes: this many leaf devices at 1 record/s, dialling"
+                                        " --endpoints stores' leaf ports (see docs/concepts/leaves.md)"}),
+        "endpoints": ("--endpoints", {"type": count_arg, "default": 1, "help": "--leaves: stores with a leaf port"}),
         "procs": ("--procs", {"type": count_arg, "default": 4, "help": "processes hosting the producers"}),
         "shared_loop": ("--shared-loop", {"action": "store_true",
                                           "help": "the producers of a process share one I/O thread (NodeLoop)"}),
@@ -86,7 +90,7 @@ _BENCHMARKS: dict[str, tuple[str, tuple[str, ...], dict[str, str]]] = {
     "kafka-group": ("Kafka consumer group failover through the gateway (seconds)", ("no_sync",), {}),
     "embedded": ("publish and consume from an app thread, with and without a busy thread", ("seconds", "no_sync"), {"seconds": "seconds per measurement"}),
     "aio": ("the asyncio producer and consumer beside the threaded ones", ("no_sync",), {}),
-    "scale": ("a mesh of many producers at 1 record/s", ("nodes", "procs", "seconds", "shared_loop", "no_sync"), {}),
+    "scale": ("a mesh of many producers at 1 record/s", ("nodes", "procs", "seconds", "shared_loop", "no_sync", "leaves", "endpoints"), {}),
     "spark": ("rows/s of a Spark batch read of stored records", ("transport",), {}),
     "latency": ("delivery and acknowledgement latency percentiles",
                 ("rate", "seconds", "no_store", "no_sync", "outbox", "outbox_sync", "no_batches"),

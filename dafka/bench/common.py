@@ -192,3 +192,44 @@ def _mesh_with_stored_topic(topic: str, args: argparse.Namespace) -> Iterator[No
     finally:
         tower_done.set()
         tower.join(30)
+
+
+def _proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) a process used so far, from /proc (Linux)."""
+    import os
+
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _tcp_sockets(pids: list[int]) -> int:
+    """Established TCP sockets owned by these processes (both ends of a
+    loopback connection count when both ends are ours), from /proc (Linux)."""
+    import os
+
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) > 9 and f[3] == "01" and f[9] in inodes:  # 01: ESTABLISHED
+                count += 1
+    return count

@@ -7,54 +7,12 @@ import multiprocessing as mp
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from dafka.bench.common import PAYLOAD, _spawn_tower, _store_process
+from dafka.bench.common import PAYLOAD, _proc_cpu, _spawn_tower, _store_process, _tcp_sockets
 from dafka.config import NodeConfig
 
 # ---------------------------------------------------------------- scale
-
-
-def _proc_cpu(pid: int) -> float:
-    """CPU seconds (user + system) a process used so far, from /proc (Linux)."""
-    import os
-
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _tcp_sockets(pids: list[int]) -> int:
-    """Established TCP sockets owned by these processes (both ends of a
-    loopback connection count when both ends are ours), from /proc (Linux)."""
-    import os
-
-    inodes: set[str] = set()
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                try:
-                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                except OSError:
-                    continue
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-        except OSError:
-            continue
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            f = line.split()
-            if len(f) > 9 and f[3] == "01" and f[9] in inodes:  # 01: ESTABLISHED
-                count += 1
-    return count
 
 
 def _scale_producers(
@@ -136,6 +94,10 @@ def bench_scale(args: argparse.Namespace) -> int:
 
     from dafka.nodes.consumer import Consumer
 
+    if getattr(args, "leaves", 0):
+        from dafka.bench.leaves import bench_leaves
+
+        return bench_leaves(args)
     n, procs = args.nodes, max(1, min(args.procs, args.nodes))
     ctx = mp.get_context("spawn")
     tower, tower_done, cfg = _spawn_tower(ctx)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dafka.config import NodeConfig, is_loopback
+from dafka.cli.common import StopSignals, node_config
+from dafka.config import NodeConfig, Settings, is_loopback
 from dafka.errors import ConfigError
 
 DEFAULT_LISTEN = "127.0.0.1:9980"
@@ -21,7 +22,7 @@ def add_parser(sub: Any, add_node_flags: Any, listen_arg: Any, seconds_arg: Any)
         metavar="HOST:PORT",
         help=f"where the web server listens (default {DEFAULT_LISTEN}; :0 any free port)",
     )
-    p.add_argument("--db", metavar="DIR", help="a local store's LMDB directory: record counts, bytes and the record browser")
+    p.add_argument("--db", metavar="DIR", help="a local store's LMDB directory: record counts, bytes, holes, and records with keys and timestamps (without it records are read over the mesh)")
     p.add_argument("--interval", type=seconds_arg, default=1.0, help="seconds between updates of the pages (default 1)")
     p.add_argument(
         "--insecure",
@@ -51,3 +52,9 @@ def run(args: argparse.Namespace, cfg: NodeConfig, wait: Any) -> int:
     with Console(cfg, host, port, db=args.db, interval=args.interval) as console:
         print(f"console up: {console.url}" + (f" (records from {args.db})" if args.db else ""), flush=True)
         return int(wait())
+
+
+def cmd_console(args: argparse.Namespace, settings: Settings) -> int:
+    cfg = node_config(args, settings)
+    signals = StopSignals()
+    return run(args, cfg, signals.wait)

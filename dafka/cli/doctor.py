@@ -21,11 +21,16 @@ and a few examples of each outcome.
 
 from __future__ import annotations
 
+import argparse
 import logging
+import os
 import time
 from collections.abc import Callable
+from typing import Any
 
-from dafka.config import NodeConfig
+from dafka.cli.args import add_node_flags, positive_seconds_arg
+from dafka.cli.common import EXIT_FAILURE, node_config, unreached_towers
+from dafka.config import NodeConfig, Settings
 from dafka.core import reach
 from dafka.nodes.node import Node
 
@@ -173,3 +178,26 @@ def check(cfg: NodeConfig, wait: float, say: Callable[[str], None], unreached_to
         return ok
     finally:
         node.stop()
+
+
+def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
+    """The I/O implementation; with a tower named, whether a node started here reaches the mesh and is reached."""
+    from dafka import fastio
+
+    print(fastio.describe(), flush=True)
+    if not (args.tower or os.environ.get("DAFKA_TOWERS") or "towers" in settings.node_keys):
+        print("mesh not checked: name a tower (--tower HOST, $DAFKA_TOWERS or [node] towers)")
+        return 0
+    cfg = node_config(args, settings)
+    unreached = unreached_towers(cfg.towers)
+    passed = check(cfg, args.wait, lambda line: print(line, flush=True), unreached)
+    return 0 if passed else EXIT_FAILURE
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="the I/O implementation in use; with a tower: whether nodes started here reach the mesh and are reached",
+    )
+    add_node_flags(p)
+    p.add_argument("--wait", type=positive_seconds_arg, default=5.0, help="seconds to wait for peers (default 5)")

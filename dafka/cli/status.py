@@ -36,6 +36,7 @@ the records after its position: ``store head + 1 - position``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
@@ -45,7 +46,9 @@ from typing import Any
 
 import zmq
 
-from dafka.config import NodeConfig
+from dafka.cli.args import add_node_flags, positive_seconds_arg, seconds_arg
+from dafka.cli.common import node_config
+from dafka.config import NodeConfig, Settings
 from dafka.core import wire
 from dafka.errors import ProtocolError
 from dafka.nodes import security
@@ -76,6 +79,7 @@ class PartitionInfo:
     partition: str
     producer_head: int | None = None  # from the producer's own HEAD / DIRECT-HEAD
     stores: dict[str, int] = field(default_factory=dict)  # store address -> head
+    told: float = 0.0  # when a head of it last came
 
     def lag(self) -> dict[str, int]:
         """Per store: how many records it is behind the newest head known."""
@@ -90,6 +94,12 @@ MAX_MEMBERS = 1000  # members tracked per group
 MAX_GROUP_POSITIONS = 10_000  # committed positions kept per group
 MAX_NOT_WRITING = 10_000  # (store, topic, partition)s kept that a store said it cannot acknowledge
 NOT_WRITING_FOR = 10.0  # seconds a store's "not writing" counts without being said again
+# A --watch (or the console) runs for days over a mesh whose nodes come and go:
+# what it keeps of the gone ones is bounded in time, what it keeps at all in size.
+GONE_KEPT = 60.0  # seconds a node that stopped beaconing is still listed (down), then forgotten
+PARTITION_KEPT = 60.0  # seconds a partition nobody tells a head of is kept (stores tell every 2 s when asked)
+MAX_PARTITIONS = 100_000  # partitions tracked (heads of more are counted, not kept)
+MAX_EVIDENCE = 100_000  # addresses whose kind is remembered
 
 
 @dataclass
@@ -128,6 +138,7 @@ class MeshView:
         self.malformed = 0
         self.forged = 0  # secure mode: store-only heads from keys without a store role
         self.dropped_groups = 0  # heartbeats of groups or members beyond the bounds
+        self.dropped_partitions = 0  # heads of partitions beyond MAX_PARTITIONS
 
     # ---------------------------------------------------------------- input
 
@@ -149,10 +160,16 @@ class MeshView:
     def expire(self, now: float) -> list[str]:
         """Mark peers silent for ``timeout`` as gone; returns their addresses."""
         gone = []
-        for peer in self.peers.values():
+        for peer in list(self.peers.values()):
             if peer.alive and now - peer.last_beacon >= self.timeout:
                 peer.alive = False
                 gone.append(peer.address)
+            elif not peer.alive and now - peer.last_beacon >= self.timeout + GONE_KEPT:
+                del self.peers[peer.address]  # gone a while: forgotten (a new beacon brings it back)
+                self.evidence.pop(peer.address, None)
+        for key, info in list(self.partitions.items()):
+            if now - info.told >= PARTITION_KEPT:
+                del self.partitions[key]  # nobody tells of it any more (no store holds it, its producer is gone)
         for key, (_, when) in list(self.not_writing.items()):
             if now - when >= NOT_WRITING_FOR:
                 del self.not_writing[key]  # not said again: it recovered, or went away
@@ -171,13 +188,22 @@ class MeshView:
             self._seen_as(address, kind)
 
     def _seen_as(self, address: str, kind: str) -> None:
-        self.evidence.setdefault(address, set()).add(kind)
+        seen = self.evidence.get(address)
+        if seen is None:
+            if len(self.evidence) >= MAX_EVIDENCE and address not in self.peers:
+                return
+            seen = self.evidence[address] = set()
+        seen.add(kind)
 
-    def _partition(self, topic: str, partition: str) -> PartitionInfo:
+    def _partition(self, topic: str, partition: str, now: float) -> PartitionInfo | None:
         key = (topic, partition)
         info = self.partitions.get(key)
         if info is None:
+            if len(self.partitions) >= MAX_PARTITIONS:
+                self.dropped_partitions += 1
+                return None
             info = self.partitions[key] = PartitionInfo(topic, partition)
+        info.told = now
         return info
 
     def on_message(self, sender: str, msg: wire.Message, now: float = 0.0) -> None:
@@ -185,7 +211,9 @@ class MeshView:
         if isinstance(msg, wire.Head | wire.DirectHead):
             if isinstance(msg, wire.Head) and msg.topic != msg.subject:
                 return  # a prefix match of another topic's subscription
-            info = self._partition(msg.subject, msg.address)
+            info = self._partition(msg.subject, msg.address, now)
+            if info is None:
+                return
             if msg.address == sender:
                 self._seen_as(sender, "producer")
                 info.producer_head = msg.sequence
@@ -195,7 +223,9 @@ class MeshView:
         elif isinstance(msg, wire.Ack):
             # ACK's zmq topic is the producer (the partition) it acknowledges.
             self._seen_as(sender, "store")
-            self._partition(msg.subject, msg.topic).stores[sender] = msg.sequence
+            acked = self._partition(msg.subject, msg.topic, now)
+            if acked is not None:
+                acked.stores[sender] = msg.sequence
         elif isinstance(msg, wire.StoreHello):
             self._seen_as(msg.address, "store")
         elif isinstance(msg, wire.StoreStatus):
@@ -367,6 +397,7 @@ class MeshView:
             "not_writing": self.not_writing_rows(),
             "malformed": self.malformed,
             "forged": self.forged,
+            "dropped_partitions": self.dropped_partitions,
         }
 
 
@@ -556,6 +587,7 @@ class StatusProbe:
                 if self.guard is not None:
                     self.guard.refresh()  # --watch: follow allow-list changes as the nodes do
             self._retry_refused(now)
+            self.tick(now)
             for address in self.view.expire(now):
                 sub = self.peer_subs.pop(address, None)
                 if sub is not None:
@@ -660,7 +692,14 @@ class StatusProbe:
             if self.keys is not None and not self._may_tell(sender, msg):
                 self.view.forged += 1
                 continue
-            self.view.on_message(sender, msg, time.monotonic())
+            self.on_peer_message(sender, msg)
+
+    def tick(self, now: float) -> None:
+        """Called once per turn of :meth:`run` (a subclass's timers: the console's record fetches)."""
+
+    def on_peer_message(self, sender: str, msg: wire.Message) -> None:
+        """A decoded message of the peer ``sender`` (a subclass may take some for itself)."""
+        self.view.on_message(sender, msg, time.monotonic())
 
     def _may_tell(self, sender: str, msg: wire.Message) -> bool:
         """Secure: what only stores may say (another partition's head, ACK,
@@ -745,3 +784,30 @@ def run_status(
         print(f"error: no tower answered ({why})", file=sys.stderr)
         return 1
     return 0
+
+
+def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
+    try:
+        return run_status(
+            node_config(args, settings),
+            wait=args.wait,
+            watch=args.watch,
+            as_json=args.json,
+            interval=args.interval,
+            out=sys.stdout,
+            outboxes=args.outbox,
+            show_all=args.all,
+        )
+    except KeyboardInterrupt:
+        return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("status", help="join the mesh read-only and show nodes, heads and lag")
+    add_node_flags(p)
+    p.add_argument("--wait", type=seconds_arg, default=3.0, help="seconds to listen before the first view")
+    p.add_argument("--watch", action="store_true", help="keep refreshing the view (Ctrl-C ends)")
+    p.add_argument("--interval", type=positive_seconds_arg, default=1.0, help="--watch: seconds between views")
+    p.add_argument("--json", action="store_true", help="print JSON (one object per view)")
+    p.add_argument("--all", action="store_true", help="every node and partition (default: a summary beyond 20)")
+    p.add_argument("--outbox", metavar="DIR", action="append", help="also show this local edge outbox (repeatable)")

@@ -11,7 +11,7 @@ cut at a bound with a note.  Nothing here touches a socket or reads a clock.
 from __future__ import annotations
 
 import json
-from collections import deque
+from array import array
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -29,6 +29,39 @@ KINDS = ("tower", "store", "producer", "consumer", "unknown")
 LANDING_NODES = 200  # nodes per kind
 LANDING_HEADS = 20  # partition heads per topic, partitions per group
 BOX_MEMBERS = 50  # nodes listed in a box of the mesh picture
+PARTITION_PAGE = 200  # partitions per page of a topic's or a group's page
+HOLES_READ = 101  # --db: holes read from the local store per update (HOLES_SHOWN alerted, the rest counted)
+HOLES_SHOWN = 10
+
+
+class Ring:
+    """The last ``size`` (time, value) samples of one series, in two arrays of
+    doubles: 16 bytes a sample (a deque of tuples of floats takes about 100)."""
+
+    __slots__ = ("times", "values", "start", "count")
+
+    def __init__(self, size: int) -> None:
+        self.times = array("d")
+        self.values = array("d")
+        self.start = 0  # index of the oldest sample once full
+        self.count = 0
+
+    def append(self, t: float, value: float, size: int) -> None:
+        if self.count < size:  # filling: grow (a series that stops early stays small)
+            self.times.append(t)
+            self.values.append(value)
+            self.count += 1
+            return
+        self.times[self.start] = t
+        self.values[self.start] = value
+        self.start = (self.start + 1) % size
+
+    def __len__(self) -> int:
+        return self.count
+
+    def points(self) -> list[tuple[float, float]]:
+        order = list(range(self.start, self.count)) + list(range(self.start))
+        return [(self.times[i], self.values[i]) for i in order]
 
 
 class History:
@@ -37,7 +70,7 @@ class History:
     def __init__(self, size: int = HISTORY, max_series: int = MAX_SERIES) -> None:
         self.size = size
         self.max_series = max_series
-        self.series: dict[str, deque[tuple[float, float]]] = {}
+        self.series: dict[str, Ring] = {}
         self.refused = 0  # samples of series beyond max_series
 
     def add(self, name: str, t: float, value: float) -> None:
@@ -46,8 +79,8 @@ class History:
             if len(self.series) >= self.max_series:
                 self.refused += 1
                 return
-            ring = self.series[name] = deque(maxlen=self.size)
-        ring.append((t, value))
+            ring = self.series[name] = Ring(self.size)
+        ring.append(t, value, self.size)
 
     def retain(self, names: Iterable[str]) -> None:
         """Forget the series not named (a topic or group that is gone)."""
@@ -56,7 +89,8 @@ class History:
             del self.series[name]
 
     def points(self, name: str) -> list[tuple[float, float]]:
-        return list(self.series.get(name, ()))
+        ring = self.series.get(name)
+        return [] if ring is None else ring.points()
 
     def rates(self, name: str) -> list[tuple[float, float]]:
         """Per second between samples (a counter's rate; a counter going down counts 0)."""
@@ -83,6 +117,7 @@ class ConsoleModel:
         self.snap: dict[str, Any] = {"towers": [], "nodes": [], "partitions": [], "groups": []}
         self.db_parts: list[PartitionInfo] | None = None  # --db: the local store's partitions
         self.db_error: str | None = None
+        self.db_holes: list[tuple[str, str, int, int]] = []  # --db: (topic, partition, first, last)
         self.rates = History(history, max_series)  # "topic NAME": records stored (summed heads)
         self.lags = History(history, max_series)  # per group: its summed lag
         # Per partition (own bounds, so the sums are never crowded out): (topic, partition)
@@ -97,11 +132,14 @@ class ConsoleModel:
         now: float,
         db_parts: list[PartitionInfo] | None = None,
         db_error: str | None = None,
+        db_holes: list[tuple[str, str, int, int]] | None = None,
     ) -> None:
-        """A new snapshot (and the local store's partitions): sample the charts."""
+        """A new snapshot (and the local store's partitions and recorded holes, at
+        most HOLES_READ of them): sample the charts."""
         self.snap = snap
         self.db_parts = db_parts
         self.db_error = db_error
+        self.db_holes = list(db_holes or [])[:HOLES_READ]
         self.updated = now
         topics = self.topics()
         for t in topics:
@@ -162,6 +200,11 @@ class ConsoleModel:
                 row["head"] = info.last
         return out
 
+    def partition_head(self, topic: str, partition: str) -> tuple[bool, int | None]:
+        """Whether the mesh (or the local store) knows the partition, and its head."""
+        row = self._heads().get((topic, partition))
+        return (False, None) if row is None else (True, row["head"])
+
     def topics(self) -> list[dict[str, Any]]:
         """Each topic: partitions, records and bytes (records: the local store's
         count with --db, else the offsets the heads cover)."""
@@ -210,8 +253,15 @@ class ConsoleModel:
             out.append(f"{self.snap['malformed']} malformed message(s) received")
         if self.snap.get("forged"):
             out.append(f"{self.snap['forged']} store-only message(s) from keys without a store role")
+        if self.snap.get("dropped_partitions"):
+            out.append(f"heads of {self.snap['dropped_partitions']} partition(s) beyond the console's bound were not kept")
         if self.db_error:
             out.append(f"local store: {self.db_error}")
+        for topic, partition, first, last in self.db_holes[:HOLES_SHOWN]:
+            out.append(f"partition {topic}/{partition}: offsets {first}..{last} are a hole in the local store (given up)")
+        if len(self.db_holes) > HOLES_SHOWN:
+            more = len(self.db_holes) - HOLES_SHOWN
+            out.append(f"... {more}{'+' if len(self.db_holes) >= HOLES_READ else ''} more holes in the local store")
         return out[:100]
 
     def landing(self) -> dict[str, Any]:
@@ -245,21 +295,56 @@ class ConsoleModel:
             "db": self.db_parts is not None,
         }
 
-    def topic(self, name: str) -> dict[str, Any] | None:
-        """The topic page: partitions (with their newest records/s) and the topic's rate."""
-        rows = [dict(row) for (t, _), row in sorted(self._heads().items()) if t == name]
-        if not rows:
+    def topic(self, name: str, first: int = 0, count: int = PARTITION_PAGE) -> dict[str, Any] | None:
+        """The topic page: ``count`` of its partitions from the ``first`` (in name order,
+        with their newest records/s; ``partition_count`` is whole) and the topic's rate."""
+        heads = self._heads()
+        keys = sorted(k for k in heads if k[0] == name)
+        if not keys:
             return None
+        first = max(0, min(first, len(keys) - 1))
+        rows = [dict(heads[k]) for k in keys[first : first + max(1, min(count, PARTITION_PAGE))]]
         for row in rows:
             rates = self.part_rates.rates(_series(name, row["partition"]))
             row["rate"] = round(rates[-1][1], 1) if rates else None
-        return {"topic": name, "partitions": rows, "rate": self.rates.rates(name), "db": self.db_parts is not None}
+        return {
+            "topic": name,
+            "partitions": rows,
+            "lag": self.topic_lags(name),
+            "partition_count": len(keys),
+            "from": first,
+            "rate": self.rates.rates(name),
+            "db": self.db_parts is not None,
+        }
 
-    def group(self, name: str, charted: int = 8) -> dict[str, Any] | None:
-        """The group page: the group, its summed lag over time, and the lag over
-        time of its ``charted`` most lagging partitions."""
+    def topic_lags(self, name: str, charted: int = 8) -> list[dict[str, Any]]:
+        """Per group consuming the topic (the ``charted`` most lagging now): its lag on
+        the topic's partitions summed, over the charts' sample times."""
+        out = []
+        for g in self.snap.get("groups", []):
+            parts = [p for p in g["partitions"] if p["topic"] == name and p["lag"] is not None]
+            if not parts:
+                continue
+            summed: dict[float, float] = {}
+            for p in parts:
+                for t, lag in self.part_lags.points(_series(g["group"], name, p["partition"])):
+                    summed[t] = summed.get(t, 0.0) + lag
+            out.append({"group": g["group"], "now": sum(p["lag"] for p in parts), "points": sorted(summed.items())})
+        out.sort(key=lambda x: -x["now"])
+        return out[:charted]
+
+    def group(self, name: str, charted: int = 8, first: int = 0) -> dict[str, Any] | None:
+        """The group page: the group (PARTITION_PAGE of its partitions from the
+        ``first``; ``partition_count`` is whole), its summed lag over time, and the
+        lag over time of its ``charted`` most lagging partitions."""
         for g in self.snap.get("groups", []):
             if g["group"] == name:
+                first = max(0, min(first, len(g["partitions"]) - 1))
+                page = {
+                    "partitions": g["partitions"][first : first + PARTITION_PAGE],
+                    "partition_count": len(g["partitions"]),
+                    "from": first,
+                }
                 top = sorted((p for p in g["partitions"] if p["lag"] is not None), key=lambda p: -p["lag"])
                 history = [
                     {
@@ -269,7 +354,7 @@ class ConsoleModel:
                     }
                     for p in top[:charted]
                 ]
-                return {**g, "history": self.lags.points(name), "partition_history": history}
+                return {**g, **page, "history": self.lags.points(name), "partition_history": history}
         return None
 
     def mesh(self) -> dict[str, Any]:
@@ -373,10 +458,117 @@ def offset_at_time(read_one: Callable[[int], tuple[int, int] | None], first: int
     return lo
 
 
-def show_record(offset: int, ts_ms: int, key: bytes | None, content: bytes, fmt: str) -> dict[str, Any]:
+def show_record(offset: int, ts_ms: int | None, key: bytes | None, content: bytes, fmt: str) -> dict[str, Any]:
+    """A record as the browser shows it (``ts_ms`` and ``key`` None: not known, as over the mesh)."""
     return {
         "offset": offset,
         "ts_ms": ts_ms,
         "key": None if key is None else show_bytes(key, "auto", 256),
         "content": show_bytes(content, fmt),
     }
+
+
+# ---------------------------------------------------------------- records over the mesh
+
+FETCH_CHUNK = 8  # records a FETCH asks for at most (fewer when records are big)
+FETCH_RETRY = 0.5  # seconds without the records asked before asking again
+FETCH_TIMEOUT = 5.0  # seconds a page of records is waited for at most
+PAGE_BYTES = 8 << 20  # record contents a page reads at most (also with --db)
+
+
+class PageFetch:
+    """One page of the record browser read over the mesh, as a consumer reads a
+    partition: FETCH ``[start, start + limit)`` a few records at a time from the
+    stores (and the producer's unacknowledged buffer), keep each record as it is
+    shown (cut at SHOWN_BYTES: the content itself is not kept), and stop at the
+    whole page, at ``max_bytes`` of contents read, or at the deadline (a store that
+    never answers: the page is what came).  Records outside what was asked, and
+    copies (several stores answer), are dropped.  Sans-IO: :meth:`asks` says what
+    to FETCH, :meth:`on_record` takes what came; times are passed in."""
+
+    def __init__(
+        self,
+        topic: str,
+        partition: str,
+        start: int,
+        limit: int,
+        fmt: str,
+        now: float,
+        *,
+        max_bytes: int = PAGE_BYTES,
+        timeout: float = FETCH_TIMEOUT,
+        chunk: int = FETCH_CHUNK,
+        retry: float = FETCH_RETRY,
+    ) -> None:
+        self.topic, self.partition, self.fmt = topic, partition, fmt
+        self.start = start
+        self.end = start + max(1, limit)  # exclusive
+        self.max_bytes = max_bytes
+        self.deadline = now + timeout
+        self.chunk = max(1, chunk)
+        self.retry = retry
+        self.records: dict[int, dict[str, Any]] = {}
+        self.bytes = 0  # contents read (first copies)
+        self.asked_to = start  # offsets below it were asked for
+        self.next = start  # the first offset not read (all below it were)
+        self.asked_at = -1e18
+        self.why: str | None = None  # once done: "complete", "bytes" or "timeout"
+
+    @property
+    def done(self) -> bool:
+        return self.why is not None
+
+    def asks(self, now: float) -> list[tuple[int, int]]:
+        """The FETCHes (first offset, count) to send now; ends the page at its deadline."""
+        if self.why is not None:
+            return []
+        if now >= self.deadline:
+            self.why = "timeout"
+            return []
+        if self.next >= self.asked_to:  # all asked came: ask the next few
+            count = min(self._chunk(), self.end - self.asked_to)
+            first = self.asked_to
+            self.asked_to += count
+            self.asked_at = now
+            return [(first, count)]
+        if now - self.asked_at >= self.retry:  # lost, or a store slow: ask again for what is missing
+            self.asked_at = now
+            return [(self.next, self.asked_to - self.next)]
+        return []
+
+    def _chunk(self) -> int:
+        if not self.records:
+            return self.chunk
+        average = max(1, self.bytes // len(self.records))
+        return max(1, min(self.chunk, (self.max_bytes - self.bytes) // average))
+
+    def on_record(self, offset: int, content: bytes) -> None:
+        if self.why is not None or not self.start <= offset < self.asked_to or offset in self.records:
+            return
+        self.records[offset] = show_record(offset, None, None, content, self.fmt)
+        self.bytes += len(content)
+        while self.next in self.records:
+            self.next += 1
+        if self.next >= self.end:
+            self.why = "complete"
+        elif self.bytes >= self.max_bytes:
+            self.why = "bytes"
+
+    def result(self, first: int | None, last: int | None) -> dict[str, Any]:
+        """The page, as ``/api/records`` answers (``first``/``last``: what the mesh tells of the partition)."""
+        offsets = sorted(self.records)
+        shown_to = offsets[-1] + 1 if offsets else self.start
+        return {
+            "topic": self.topic,
+            "partition": self.partition,
+            "first": first,
+            "last": last,
+            "offset": self.start,
+            "next": shown_to,  # where the next page starts
+            "limit": self.end - self.start,
+            "cut": self.why == "bytes",
+            "timed_out": self.why == "timeout",
+            "missing": (shown_to - self.start) - len(offsets),  # offsets in the page not read (holes)
+            "source": "mesh",
+            "records": [self.records[o] for o in offsets],
+        }

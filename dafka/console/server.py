@@ -7,8 +7,10 @@
 own event loop).  Pages are static shells; their script reads the JSON API
 and a server-sent event stream (``/events``: the landing data once per
 ``interval``), and renders every name and content with ``textContent``, never
-as markup.  Record contents are read from the local store of ``--db`` only
-when the browser asks for them (``/api/records``).
+as markup.  Record contents are read only when the browser asks for them
+(``/api/records``): over the mesh, FETCHed from the stores as a consumer reads
+(:class:`~dafka.console.probe.ConsoleProbe`, bounded by
+:class:`~dafka.console.model.PageFetch`), or from the local store of ``--db``.
 
 Read-only: every route is a GET.  Pages carry a Content-Security-Policy that
 allows only the console's own scripts.
@@ -28,15 +30,25 @@ from typing import Any
 
 from aiohttp import web
 
-from dafka.cli.status import StatusProbe
 from dafka.config import NodeConfig
-from dafka.console.model import FORMATS, MAX_PAGE, ConsoleModel, offset_at_time, show_record
+from dafka.console.model import (
+    FETCH_TIMEOUT,
+    FORMATS,
+    HOLES_READ,
+    MAX_PAGE,
+    PAGE_BYTES,
+    ConsoleModel,
+    PageFetch,
+    offset_at_time,
+    show_record,
+)
+from dafka.console.probe import ConsoleProbe
 from dafka.store.db import RecordDB
 
 log = logging.getLogger("dafka.console")
 
 MAX_STREAMS = 64  # event streams open at once (pages beyond get 503)
-MAX_PAGE_BYTES = 8 << 20  # record contents read for one page of the record browser, at most
+MAX_PAGE_BYTES = PAGE_BYTES  # record contents read for one page of the record browser, at most
 READ_AT_ONCE = 8  # records per read of the record browser
 MAX_REFUSED_SHOWN = 20  # endpoints that refused our handshake, newest, in the alerts
 STATIC = Path(str(resources.files("dafka.console") / "static"))
@@ -92,6 +104,7 @@ class Console:
         self._streams = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
+        self._probe: ConsoleProbe | None = None  # set once the observer is up
         self._observer = threading.Thread(target=self._observe, name="console-observer", daemon=True)
         self._server = threading.Thread(target=self._serve, name="console-http", daemon=True)
 
@@ -132,20 +145,22 @@ class Console:
 
     def _observe(self) -> None:
         try:
-            probe = StatusProbe(self.config)
+            probe = ConsoleProbe(self.config)
         except Exception:
             log.exception("console: the observer could not start")
             return
+        self._probe = probe
         try:
             while not self._stop.is_set():
                 snap = probe.run(self.interval)
                 snap["refused"] = probe.refused[-MAX_REFUSED_SHOWN:]  # secure: handshakes refused us
-                parts, error = self._db_partitions()
+                parts, error, holes = self._db_partitions()
                 with self.lock:
-                    self.model.update(snap, time.monotonic(), parts, error)
+                    self.model.update(snap, time.monotonic(), parts, error, holes)
         except Exception:
             log.exception("console: the observer stopped")
         finally:
+            self._probe = None
             probe.close()
 
     def _open_db(self) -> RecordDB | None:
@@ -156,16 +171,17 @@ class Console:
             self._db = RecordDB(self.db_path, readonly=True)
         return self._db
 
-    def _db_partitions(self) -> tuple[list[Any] | None, str | None]:
+    def _db_partitions(self) -> tuple[list[Any] | None, str | None, list[Any]]:
+        """The local store's partitions, an error, and its first HOLES_READ recorded holes."""
         if self.db_path is None:
-            return None, None
+            return None, None, []
         with self.db_lock:
             try:
                 db = self._open_db()
                 assert db is not None
-                return db.partitions(), None
+                return db.partitions(), None, [tuple(h) for h in db.holes(HOLES_READ)]
             except Exception as exc:  # noqa: BLE001 (shown as an alert; tried again next time)
-                return [], f"{self.db_path}: {exc}"
+                return [], f"{self.db_path}: {exc}", []
 
     # ------------------------------------------------------------ server
 
@@ -224,15 +240,23 @@ class Console:
         return web.json_response(self._landing_data())
 
     async def _api_topic(self, request: web.Request) -> web.Response:
+        try:
+            first = int(request.query.get("from", "0"))
+        except ValueError:
+            return web.json_response({"error": "from: a number"}, status=400)
         with self.lock:
-            data = self.model.topic(request.query.get("name", ""))
+            data = self.model.topic(request.query.get("name", ""), first)
         if data is None:
             return web.json_response({"error": "no such topic (yet)"}, status=404)
         return web.json_response(data)
 
     async def _api_group(self, request: web.Request) -> web.Response:
+        try:
+            first = int(request.query.get("from", "0"))
+        except ValueError:
+            return web.json_response({"error": "from: a number"}, status=400)
         with self.lock:
-            data = self.model.group(request.query.get("name", ""))
+            data = self.model.group(request.query.get("name", ""), first=first)
         if data is None:
             return web.json_response({"error": "no such group (yet)"}, status=404)
         return web.json_response(data)
@@ -253,9 +277,7 @@ class Console:
         except ValueError:
             return web.json_response({"error": "offset, time (ms) and limit are numbers"}, status=400)
         if self.db_path is None:
-            return web.json_response(
-                {"error": "records are read from a local store: start the console with --db DIR"}, status=404
-            )
+            return await self._mesh_records(topic, partition, offset, limit, fmt, at)
         loop = asyncio.get_running_loop()
         try:
             data = await loop.run_in_executor(None, self._read_records, topic, partition, offset, limit, fmt, at)
@@ -264,6 +286,58 @@ class Console:
         if data is None:
             return web.json_response({"error": "no such partition in the local store"}, status=404)
         return web.json_response(data)
+
+    async def _mesh_records(
+        self, topic: str, partition: str, offset: int | None, limit: int, fmt: str, at: int | None
+    ) -> web.Response:
+        """A page of records FETCHed over the mesh (no ``--db``): from ``offset``, or
+        the latest ``limit`` below the partition's head as the mesh tells it."""
+        if at is not None:
+            return web.json_response(
+                {"error": "records carry no timestamp over the mesh: from a time needs --db DIR"}, status=400
+            )
+        with self.lock:
+            known, head = self.model.partition_head(topic, partition)
+        if not known:
+            return web.json_response({"error": "no such partition (yet)"}, status=404)
+        probe = self._probe
+        if probe is None:
+            return web.json_response({"error": "the console's observer is not running"}, status=503)
+        if head is None or (offset is not None and offset > head):
+            start = head + 1 if head is not None else 0
+            page = PageFetch(topic, partition, start if offset is None else offset, limit, fmt, 0.0)
+            return web.json_response(page.result(None, head))  # nothing there yet
+        start = max(0, head - limit + 1) if offset is None else max(0, offset)
+        page = PageFetch(
+            topic,
+            partition,
+            start,
+            min(limit, head - start + 1),
+            fmt,
+            time.monotonic(),
+            max_bytes=MAX_PAGE_BYTES,
+            timeout=FETCH_TIMEOUT,
+        )
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[dict[str, Any]] = loop.create_future()
+
+        def settle(result: dict[str, Any]) -> None:
+            if not done.done():  # the request may have been given up meanwhile
+                done.set_result(result)
+
+        def finished(result: dict[str, Any]) -> None:  # on the observer's thread
+            try:
+                loop.call_soon_threadsafe(settle, result)
+            except RuntimeError:  # the server stopped meanwhile
+                pass
+
+        probe.submit(page, None, head, finished)
+        try:
+            result = await asyncio.wait_for(done, FETCH_TIMEOUT + 5)
+        except TimeoutError:
+            return web.json_response({"error": "the console's observer did not answer"}, status=504)
+        status = int(result.pop("status", 200))
+        return web.json_response(result, status=status)
 
     def _read_records(
         self, topic: str, partition: str, offset: int | None, limit: int, fmt: str, at: int | None = None
@@ -306,6 +380,7 @@ class Console:
             "next": nxt,  # where the next page starts
             "limit": limit,
             "cut": cut,  # fewer than limit: MAX_PAGE_BYTES of contents were read
+            "source": "db",
             "records": records,
         }
 

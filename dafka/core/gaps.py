@@ -299,6 +299,9 @@ class PartitionTracker:
         if self.restart_hole != (first, last):
             self.restart_hole = (first, last)
             self.voids.clear()
+            # Ask again at once: the stores' answers to the FETCH that brought
+            # this one may have come first, and counted for nothing.
+            self.retry_now()
 
     def on_store_void(self, store: str, first: int, last: int, max_stores: int = 1024) -> None:
         """Store ``store`` says it holds none of ``first..last`` (VOID kind 0).
@@ -312,22 +315,27 @@ class PartitionTracker:
             self.voids[store] = (first, last)
 
     def pass_restart_hole(
-        self, now: float, stores: Collection[str], out: list[tuple[int, bytes]]
+        self, now: float, stores: Collection[str], out: list[tuple[int, bytes]], *, own_word: bool = False
     ) -> tuple[int, int] | None:
         """Pass a restarted producer's hole at once, if nothing of it can be had.
 
         The hole before the first held record is passed when (1) the producer
         said all of it is its restart hole (never published by this run, so a
         record there can only be a previous run's, in a store), and (2) every
-        store in ``stores`` (those the reader knows, at least one) said since
-        that it holds none of it: nothing acknowledged can be there, unless in
-        a store the reader does not know.  Otherwise the hole waits for
+        store in ``stores`` (those the reader knows) said since that it holds
+        none of it: nothing acknowledged can be there, unless in a store the
+        reader does not know.  A consumer needs at least one store's word; a
+        store (``own_word``) is one itself, and holds none of it (it is
+        missing here), so other stores are needed only as far as it knows
+        some.  A store that passes offsets another store it did not know holds
+        records them as a hole and fetches them when that store appears
+        (:class:`dafka.store.holes.HoleRepair`).  Otherwise the hole waits for
         :meth:`skip_if_stalled` (``skip_after``).  Returns the skipped range
         and appends the now deliverable records to ``out``.
         """
         nxt = self.next
         hole = self.restart_hole
-        if nxt is None or hole is None or not self.held or not stores:
+        if nxt is None or hole is None or not self.held or not (stores or own_word):
             return None
         first_held = min(self.held)
         last = first_held - 1
@@ -457,6 +465,70 @@ class PartitionTracker:
         self.progress_at = now
         self.held_at = now if self.held else None
         return skipped
+
+
+class KnownStores:
+    """The stores a reader knows: who must have said it holds none of a
+    restarted producer's hole before it is passed (see
+    :meth:`PartitionTracker.pass_restart_hole`).  Sans-IO.
+
+    A store is met when it shows itself (it subscribes to its CONSUMER-HELLOs
+    on our publisher, or greets us); it is gone when its beacons stop, and
+    still counts for ``keep`` seconds after (it may hold part of a hole, and
+    be back), then is forgotten.  Remembers at most ``limit`` stores (anyone
+    can subscribe as one); once a store was turned away for want of room,
+    the roster counts one more store that never answers (:data:`UNREMEMBERED`),
+    so a flood of made-up stores can make holes wait ``skip_after``, never
+    make a reader pass what a store it could not remember holds.
+    """
+
+    __slots__ = ("keep", "limit", "_gone_at", "turned_away")
+
+    def __init__(self, keep: float, limit: int = 1024) -> None:
+        self.keep = keep
+        self.limit = limit
+        self._gone_at: dict[str, float | None] = {}  # store -> when its beacons stopped (None: alive)
+        self.turned_away = 0  # stores not remembered (no room), ever
+
+    def __contains__(self, store: object) -> bool:
+        return store in self._gone_at
+
+    def __len__(self) -> int:
+        return len(self._gone_at)
+
+    def met(self, store: str) -> None:
+        """``store`` showed itself (again, if it was gone)."""
+        if store in self._gone_at or len(self._gone_at) < self.limit:
+            self._gone_at[store] = None
+        else:
+            self.turned_away += 1
+
+    def gone(self, store: str, now: float) -> None:
+        """``store``'s beacons stopped."""
+        if store in self._gone_at:
+            self._gone_at[store] = now
+
+    def all_gone(self) -> bool:
+        """Whether stores were met and every one of them is gone now (not yet forgotten)."""
+        gone_at = self._gone_at
+        return bool(gone_at) and None not in gone_at.values()
+
+    def current(self, now: float) -> Collection[str]:
+        """The stores that count at ``now``: alive, or gone less than ``keep`` ago."""
+        gone_at = self._gone_at
+        if any(gone is not None for gone in gone_at.values()):
+            forget = now - self.keep
+            for store, gone in list(gone_at.items()):
+                if gone is not None and gone < forget:
+                    del gone_at[store]
+        if self.turned_away:
+            return {*gone_at, UNREMEMBERED}
+        return gone_at.keys()
+
+
+# Stands for the stores a full KnownStores turned away: no VOID comes from it
+# (no node address is empty; in a secure mesh none is bound to a key).
+UNREMEMBERED = ""
 
 
 # Seconds: a producer's HEAD arrives within it.  A producer skips the HEAD of a

@@ -9,9 +9,13 @@ headers, the table of versions we serve, and error codes.
 
 A frame is ``size:i32 payload``; a request payload starts with the header
 ``api_key:i16 api_version:i16 correlation_id:i32 client_id:nullable string``
-(plus tagged fields for flexible versions); every response we send has the
-v0 header, ``correlation_id:i32``, since all versions served are
-non-flexible except ApiVersions v3, whose response header is v0 anyway.
+(plus tagged fields for flexible versions).  A response has the v0 header,
+``correlation_id:i32``, or for a flexible version the v1 header (the same
+plus an empty tagged-field section), ApiVersions aside, whose response
+header is v0 at every version (KIP-511).  Produce, Fetch and the group
+requests are served at their non-flexible versions (Fetch's answer is
+written here, not by the generic encoder); the admin requests at their
+flexible ones too, which current clients prefer.
 """
 
 from __future__ import annotations
@@ -21,7 +25,30 @@ import struct
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-from kafka.protocol.admin import CreateTopicsRequest, CreateTopicsResponse
+from kafka.protocol.admin import (
+    AlterConfigsRequest,
+    AlterConfigsResponse,
+    CreatePartitionsRequest,
+    CreatePartitionsResponse,
+    CreateTopicsRequest,
+    CreateTopicsResponse,
+    DeleteGroupsRequest,
+    DeleteGroupsResponse,
+    DeleteRecordsRequest,
+    DeleteRecordsResponse,
+    DeleteTopicsRequest,
+    DeleteTopicsResponse,
+    DescribeClusterRequest,
+    DescribeClusterResponse,
+    DescribeConfigsRequest,
+    DescribeConfigsResponse,
+    DescribeGroupsRequest,
+    DescribeGroupsResponse,
+    IncrementalAlterConfigsRequest,
+    IncrementalAlterConfigsResponse,
+    ListGroupsRequest,
+    ListGroupsResponse,
+)
 from kafka.protocol.consumer import (
     FetchRequest,
     FetchResponse,
@@ -35,6 +62,8 @@ from kafka.protocol.consumer import (
     ListOffsetsResponse,
     OffsetCommitRequest,
     OffsetCommitResponse,
+    OffsetDeleteRequest,
+    OffsetDeleteResponse,
     OffsetFetchRequest,
     OffsetFetchResponse,
     SyncGroupRequest,
@@ -105,6 +134,8 @@ class Err:
     UNSUPPORTED_VERSION = 35
     TOPIC_ALREADY_EXISTS = 36
     INVALID_PARTITIONS = 37
+    INVALID_CONFIG = 40
+    NOT_CONTROLLER = 41
     INVALID_REQUEST = 42
     POLICY_VIOLATION = 44
     OUT_OF_ORDER_SEQUENCE_NUMBER = 45
@@ -112,7 +143,11 @@ class Err:
     INVALID_PRODUCER_EPOCH = 47
     KAFKA_STORAGE_ERROR = 56
     UNKNOWN_PRODUCER_ID = 59
+    GROUP_ID_NOT_FOUND = 69
+    NON_EMPTY_GROUP = 68
+    TOPIC_DELETION_DISABLED = 73
     MEMBER_ID_REQUIRED = 79
+    GROUP_SUBSCRIBED_TO_TOPIC = 86
     INVALID_RECORD = 87
     THROTTLING_QUOTA_EXCEEDED = 89
 
@@ -125,24 +160,35 @@ class ApiSpec(NamedTuple):
     response: Any
 
 
-#: What the gateway serves: every version non-flexible (ApiVersions v3 aside).
+#: What the gateway serves, and what ApiVersions advertises (nothing else).
 API: dict[int, ApiSpec] = {
     s.key: s
     for s in (
         ApiSpec(0, 0, 8, ProduceRequest, ProduceResponse),
         ApiSpec(1, 4, 11, FetchRequest, FetchResponse),
-        ApiSpec(2, 0, 5, ListOffsetsRequest, ListOffsetsResponse),
-        ApiSpec(3, 0, 8, MetadataRequest, MetadataResponse),
-        ApiSpec(8, 2, 7, OffsetCommitRequest, OffsetCommitResponse),
-        ApiSpec(9, 1, 5, OffsetFetchRequest, OffsetFetchResponse),
-        ApiSpec(10, 0, 2, FindCoordinatorRequest, FindCoordinatorResponse),
-        ApiSpec(11, 0, 5, JoinGroupRequest, JoinGroupResponse),
-        ApiSpec(12, 0, 3, HeartbeatRequest, HeartbeatResponse),
-        ApiSpec(13, 0, 3, LeaveGroupRequest, LeaveGroupResponse),
-        ApiSpec(14, 0, 3, SyncGroupRequest, SyncGroupResponse),
+        ApiSpec(2, 0, 7, ListOffsetsRequest, ListOffsetsResponse),
+        ApiSpec(3, 0, 9, MetadataRequest, MetadataResponse),
+        ApiSpec(8, 2, 8, OffsetCommitRequest, OffsetCommitResponse),
+        ApiSpec(9, 1, 8, OffsetFetchRequest, OffsetFetchResponse),
+        ApiSpec(10, 0, 4, FindCoordinatorRequest, FindCoordinatorResponse),
+        ApiSpec(11, 0, 7, JoinGroupRequest, JoinGroupResponse),
+        ApiSpec(12, 0, 4, HeartbeatRequest, HeartbeatResponse),
+        ApiSpec(13, 0, 5, LeaveGroupRequest, LeaveGroupResponse),
+        ApiSpec(14, 0, 5, SyncGroupRequest, SyncGroupResponse),
         ApiSpec(18, 0, 3, ApiVersionsRequest, ApiVersionsResponse),
-        ApiSpec(19, 0, 4, CreateTopicsRequest, CreateTopicsResponse),
-        ApiSpec(22, 0, 1, InitProducerIdRequest, InitProducerIdResponse),
+        ApiSpec(15, 0, 5, DescribeGroupsRequest, DescribeGroupsResponse),
+        ApiSpec(16, 0, 5, ListGroupsRequest, ListGroupsResponse),
+        ApiSpec(19, 0, 6, CreateTopicsRequest, CreateTopicsResponse),
+        ApiSpec(20, 0, 5, DeleteTopicsRequest, DeleteTopicsResponse),
+        ApiSpec(21, 0, 2, DeleteRecordsRequest, DeleteRecordsResponse),
+        ApiSpec(22, 0, 2, InitProducerIdRequest, InitProducerIdResponse),
+        ApiSpec(32, 0, 4, DescribeConfigsRequest, DescribeConfigsResponse),
+        ApiSpec(33, 0, 2, AlterConfigsRequest, AlterConfigsResponse),
+        ApiSpec(37, 0, 3, CreatePartitionsRequest, CreatePartitionsResponse),
+        ApiSpec(42, 0, 2, DeleteGroupsRequest, DeleteGroupsResponse),
+        ApiSpec(44, 0, 1, IncrementalAlterConfigsRequest, IncrementalAlterConfigsResponse),
+        ApiSpec(47, 0, 0, OffsetDeleteRequest, OffsetDeleteResponse),
+        ApiSpec(60, 0, 1, DescribeClusterRequest, DescribeClusterResponse),
     )
 }
 API_VERSIONS = 18
@@ -274,9 +320,12 @@ def decode_request(frame: bytes) -> tuple[RequestHeader, Any]:
 
 
 def encode_response(correlation_id: int, api_key: int, version: int, **fields: Any) -> bytes:
-    """A whole response frame: size, v0 header, body of ``version``."""
+    """A whole response frame: size, header (v1 for a flexible version, ApiVersions
+    aside), body of ``version``."""
     cls = API[api_key].response
     body = cls[version](**fields).encode(version=version)
+    if api_key != API_VERSIONS and cls.flexible_version_q(version):
+        return _I32.pack(len(body) + 5) + _I32.pack(correlation_id) + b"\x00" + bytes(body)
     return _I32.pack(len(body) + 4) + _I32.pack(correlation_id) + bytes(body)
 
 

@@ -29,7 +29,9 @@ non-blocking sends are the shell both listeners share
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import socket
 import time
 from collections import deque
@@ -56,6 +58,8 @@ from dafka.gateway.connections import (
 from dafka.kafka.codec import DEFAULT_MAX_FRAME, FrameReader, decode_request
 from dafka.kafka.records import Batch, record_tuples, store_pairs
 from dafka.kafka.serving import Data, KafkaServer, ParkedFetch
+from dafka.nodes.node import new_address
+from dafka.store.db import Retention, RetentionPolicy
 from dafka.store.layout import FLAG_KAFKA, FLAG_KEY, FLAG_NULL, VALUE_HEADER
 from dafka.store.node import MAX_BATCH
 from dafka.tank.gateway import Gateway
@@ -64,6 +68,8 @@ from dafka.tank.mapping import TankPartition, shown, valid_topic_name
 log = logging.getLogger("dafka.kafka")
 
 DEFAULT_KAFKA_PORT = 9092
+#: Topic configs altered by Kafka clients (retention), in the database directory.
+CONFIGS_FILE = "kafka-configs.json"
 RECV_SIZE = 256 << 10
 MAX_OUTPUT = 64 << 20
 DEFAULT_MAX_INFLIGHT = 256
@@ -150,6 +156,9 @@ class KafkaGateway(Gateway):
             self.kafka.max_created = self.limits.kafka_max_created_topics
             # As the Tank port and the mesh: a record the mesh would drop is refused here.
             self.kafka.max_record_bytes = self.config.max_record_bytes
+            self._kretention_static = self.retention  # the configuration's; Kafka's changes go over it
+            self._kretention: dict[str, Retention] = {}
+            self._load_configs()
         except BaseException:
             self.kafka_listener.close()
             raise
@@ -193,6 +202,104 @@ class KafkaGateway(Gateway):
             return False
         log.info("created topic %s with %d gateway partitions (Kafka)", shown(name), partitions)
         return True
+
+    # ---------------------------------------------------------------- Backend: the admin API
+
+    def client_host(self, token: Any) -> str:
+        name = getattr(getattr(token, "conn", None), "name", "")
+        return "/" + name.rsplit(":", 1)[0] if name else ""
+
+    def static_retention(self, topic: str) -> tuple[int | None, int | None]:
+        r = self._kretention_static.for_topic(topic)
+        return r.max_age_ms, r.max_bytes
+
+    def default_retention(self) -> tuple[int | None, int | None]:
+        r = self._kretention_static.default
+        return r.max_age_ms, r.max_bytes
+
+    def topic_retention(self, topic: str) -> tuple[int | None, int | None, int]:
+        """This store's retention of ``topic`` and its Kafka config source (1: altered by
+        a Kafka client, 4: the configuration file, 5: keep everything, the default)."""
+        r = self._kretention.get(topic)
+        if r is not None:
+            return r.max_age_ms, r.max_bytes, 1
+        r = self._kretention_static.for_topic(topic)
+        return r.max_age_ms, r.max_bytes, 5 if r == Retention() else 4
+
+    def set_topic_retention(self, topic: str, age_ms: int | None, max_bytes: int | None) -> None:
+        """Change ``topic``'s retention in this store, durably (raises OSError)."""
+        configs = dict(self._kretention)
+        r = Retention(age_ms, max_bytes)
+        if r == self._kretention_static.for_topic(topic):
+            configs.pop(topic, None)
+        else:
+            configs[topic] = r
+        self._save_configs(configs)
+        self._kretention = configs
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        static = self._kretention_static
+        # One attribute swap: the writer thread reads the whole policy at each round.
+        self.retention = RetentionPolicy(static.default, {**static.topics, **self._kretention})
+
+    def _configs_path(self) -> str:
+        return os.path.join(self.db.path, CONFIGS_FILE)
+
+    def _save_configs(self, configs: dict[str, Retention]) -> None:
+        path = self._configs_path()
+        tmp = path + ".tmp"
+        text = json.dumps({"retention": {t: [r.max_age_ms, r.max_bytes] for t, r in sorted(configs.items())}})
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _load_configs(self) -> None:
+        try:
+            with open(self._configs_path(), encoding="utf-8") as f:
+                raw = json.load(f)
+            configs = {}
+            for topic, (age, size) in raw["retention"].items():
+                for v in (age, size):
+                    if v is not None and (not isinstance(v, int) or v < 0):
+                        raise ValueError(f"retention of {topic!r}: {v!r}")
+                configs[str(topic)] = Retention(age, size)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.error("%s unreadable, Kafka topic configs left out (the configuration's retention holds): %s",
+                      self._configs_path(), exc)
+            return
+        self._kretention = configs
+        self._apply_retention()
+
+    def add_partitions(self, topic: str, count: int) -> bool:
+        """Give ``topic`` ``count`` more gateway-owned partitions (False: past max_owned_partitions)."""
+        if len(self._owned) + count > self.limits.max_owned_partitions:
+            return False
+        for _ in range(count):
+            part = self.pmap.add(topic, new_address(), owned=True)
+            if part is None:
+                return False
+            self._owned[(part.topic, part.address)] = part
+        log.info("topic %s: %d more gateway partitions (Kafka CreatePartitions)", shown(topic), count)
+        return True
+
+    def delete_front(self, topic: str, address: str, before: int, max_records: int) -> tuple[int, bool]:
+        return self.db.delete_front(topic, address, before, max_records)
+
+    def delete_positions(self, group: str, keys: list[tuple[str, str]] | None) -> int:
+        return self.db.delete_positions(group, keys)
+
+    def position_groups(self, limit: int) -> list[str]:
+        return self.db.position_groups(limit)
 
     def sync_topics(self) -> None:
         """Make the topics created with ``sync=False`` durable (one fsync for all of them)."""

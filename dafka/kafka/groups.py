@@ -73,6 +73,7 @@ class Member:
     join_token: Any = None  # a JoinGroup waiting for the rebalance to complete
     sync_token: Any = None  # a SyncGroup waiting for the leader's assignments
     assignment: bytes = b""
+    client_host: str = ""  # where it connects from (DescribeGroups shows it)
 
 
 @dataclass(slots=True)
@@ -117,6 +118,7 @@ class Coordinator:
         protocols: list[tuple[str, bytes]],
         session_timeout: float,
         rebalance_timeout: float,
+        client_host: str = "",
     ) -> list[Answer]:
         """A JoinGroup: answers now (errors) or once the rebalance completes."""
 
@@ -160,7 +162,8 @@ class Coordinator:
                 return fail(Err.COORDINATOR_NOT_AVAILABLE)
             member_id = f"{client_id or 'member'}-{uuid.uuid4()}"
             member = Member(
-                member_id, client_id, session_timeout, rebalance_timeout, protocol_type, protocols, now
+                member_id, client_id, session_timeout, rebalance_timeout, protocol_type, protocols, now,
+                client_host=client_host[:64],
             )
             group.members[member_id] = member
             self.held += _held(member)

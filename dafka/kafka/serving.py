@@ -52,6 +52,7 @@ from typing import Any, Protocol
 
 from dafka.errors import ProtocolError
 from dafka.gateway.connections import LogLimiter
+from dafka.kafka.admin import MAX_ADMIN_ITEMS, RETENTION_KEYS, AdminHandlers, parse_retention
 from dafka.kafka.codec import API_VERSIONS, Err, N, api_keys, encode_fetch_parts, encode_response
 from dafka.kafka.groups import Answer, Coordinator
 from dafka.kafka.records import (
@@ -117,6 +118,16 @@ class Backend(Protocol):
     def positions(self, group: str) -> dict[tuple[str, str], int]: ...
     def put_positions(self, group: str, positions: dict[tuple[str, str], int]) -> None: ...
     def broadcast_positions(self, group: str, positions: dict[tuple[str, str], int]) -> None: ...
+    # the admin API (dafka.kafka.admin)
+    def client_host(self, token: Any) -> str: ...
+    def topic_retention(self, topic: str) -> tuple[int | None, int | None, int]: ...
+    def static_retention(self, topic: str) -> tuple[int | None, int | None]: ...
+    def default_retention(self) -> tuple[int | None, int | None]: ...
+    def set_topic_retention(self, topic: str, age_ms: int | None, max_bytes: int | None) -> None: ...
+    def add_partitions(self, topic: str, count: int) -> bool: ...
+    def delete_front(self, topic: str, address: str, before: int, max_records: int) -> tuple[int, bool]: ...
+    def delete_positions(self, group: str, keys: list[tuple[str, str]] | None) -> int: ...
+    def position_groups(self, limit: int) -> list[str]: ...
 
 
 @dataclass(slots=True)
@@ -171,8 +182,9 @@ def metadata_cost(name: str, partitions: int) -> int:
     return 16 + len(name) * 4 + partitions * 40
 
 
-class KafkaServer:
-    """The gateway's Kafka brain: one per gateway, fed by the shell."""
+class KafkaServer(AdminHandlers):
+    """The gateway's Kafka brain: one per gateway, fed by the shell (the admin requests'
+    handlers are :class:`~dafka.kafka.admin.AdminHandlers`)."""
 
     def __init__(
         self,
@@ -329,10 +341,39 @@ class KafkaServer:
                 created += 1
                 ok = self.backend.create_topic(t.name, n, sync=False)
                 code, msg = (Err.NONE, None) if ok else (Err.TOPIC_ALREADY_EXISTS, f"topic {t.name} exists")
-            out.append(N(name=t.name, error_code=code, error_message=msg))
+                if ok:
+                    code, msg = self._created_configs(t)
+            configs = None
+            if v >= 5 and code == Err.NONE:
+                configs = [N(name=k, value=val, read_only=ro, config_source=src, is_sensitive=False)
+                           for k, val, ro, src, _typ in self._topic_configs(t.name)]
+            out.append(N(name=t.name, error_code=code, error_message=msg, topic_config_error_code=0,
+                         num_partitions=n if code == Err.NONE else -1,
+                         replication_factor=1 if code == Err.NONE else -1, configs=configs))
         if created:
             self.backend.sync_topics()
         return self._reply(corr, 19, v, throttle_time_ms=0, topics=out)
+
+    def _created_configs(self, t: Any) -> tuple[int, str | None]:
+        """Apply a new topic's retention.ms / retention.bytes (its other configs are not
+        kept: the mesh has no per-topic setting for them)."""
+        wanted = {c.name: c.value for c in (t.configs or ())[:MAX_ADMIN_ITEMS] if c.name in RETENTION_KEYS}
+        if not wanted:
+            return Err.NONE, None
+        age, size = self.backend.static_retention(t.name)
+        for name, value in wanted.items():
+            parsed, err = parse_retention(name, value)
+            if err is not None:
+                return Err.INVALID_CONFIG, f"topic created, config refused: {err}"
+            if name == "retention.ms":
+                age = parsed
+            else:
+                size = parsed
+        try:
+            self.backend.set_topic_retention(t.name, age, size)
+        except OSError as exc:
+            return Err.KAFKA_STORAGE_ERROR, f"topic created, config not kept: {exc}"
+        return Err.NONE, None
 
     # ---------------------------------------------------------------- InitProducerId
 
@@ -728,6 +769,19 @@ class KafkaServer:
 
     def _find_coordinator(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
         host, port = self.advertise
+        if v >= 4:  # batched (KIP-699): one answer per key
+            out = []
+            for i, key in enumerate(req.coordinator_keys):
+                if i >= MAX_ADMIN_ITEMS:
+                    code, msg = Err.POLICY_VIOLATION, f"at most {MAX_ADMIN_ITEMS} keys per request"
+                elif req.key_type != 0:
+                    code, msg = Err.COORDINATOR_NOT_AVAILABLE, "transactions are not supported"
+                else:
+                    code, msg = Err.NONE, None
+                ok = code == Err.NONE
+                out.append(N(key=key, node_id=NODE_ID if ok else -1, host=host if ok else "",
+                             port=port if ok else -1, error_code=code, error_message=msg))
+            return self._reply(corr, 10, v, throttle_time_ms=0, coordinators=out)
         if v >= 1 and req.key_type != 0:
             return self._reply(corr, 10, v, throttle_time_ms=0, error_code=Err.COORDINATOR_NOT_AVAILABLE,
                                error_message="transactions are not supported", node_id=-1, host="", port=-1)
@@ -740,6 +794,7 @@ class KafkaServer:
         answers = self.coordinator.join(
             token, now, req.group_id, req.member_id, cid or "", req.protocol_type,
             [(p.name, bytes(p.metadata)) for p in req.protocols], session, rebalance,
+            self.backend.client_host(token),
         )
         return self._release(token, answers)
 
@@ -826,22 +881,36 @@ class KafkaServer:
         return self._reply(corr, 8, v, throttle_time_ms=0, topics=topics)
 
     def _offset_fetch(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
+        if v >= 8:  # batched: several groups in one request
+            groups = []
+            for i, g in enumerate(req.groups):
+                if i >= MAX_ADMIN_ITEMS:
+                    groups.append(N(group_id=g.group_id, topics=[], error_code=Err.POLICY_VIOLATION))
+                    continue
+                asked = None if g.topics is None else [(t.name, list(t.partition_indexes)) for t in g.topics]
+                groups.append(N(group_id=g.group_id, topics=self._group_offsets(g.group_id, asked), error_code=0))
+            return self._reply(corr, 9, v, throttle_time_ms=0, groups=groups)
+        asked = None if req.topics is None else [(t.name, list(t.partition_indexes)) for t in req.topics]
+        topics = self._group_offsets(req.group_id, asked)
+        return self._reply(corr, 9, v, throttle_time_ms=0, topics=topics, error_code=0)
+
+    def _group_offsets(self, group: str, asked: list[tuple[str, list[int]]] | None) -> list[Any]:
+        """A group's committed offsets of the partitions ``asked`` (None: of every partition
+        it has one for)."""
         try:
-            held = self.backend.positions(req.group_id)
+            held = self.backend.positions(group)
         except Exception as exc:
             self._limited.emit(logging.ERROR, "positions-failed", "cannot read offsets of group %s: %s",
-                               shown(req.group_id), exc)
+                               shown(group), exc)
             held = {}
         pmap = self.backend.pmap
-        if req.topics is None:  # every partition the group has a position for
+        if asked is None:  # every partition the group has a position for
             wanted: dict[str, list[int]] = {}
             for (topic, address) in held:
                 part = pmap.lookup(topic, address)
                 if part is not None:
                     wanted.setdefault(topic, []).append(part.pid)
             asked = list(wanted.items())
-        else:
-            asked = [(t.name, list(t.partition_indexes)) for t in req.topics]
         topics = []
         for name, indexes in asked:
             parts = self._partitions_of(name)
@@ -853,7 +922,7 @@ class KafkaServer:
                     off = -1
                 out.append(N(partition_index=i, committed_offset=off, committed_leader_epoch=-1, metadata="", error_code=0))
             topics.append(N(name=name, partitions=out))
-        return self._reply(corr, 9, v, throttle_time_ms=0, topics=topics, error_code=0)
+        return topics
 
 
 _HANDLERS = {
@@ -869,6 +938,17 @@ _HANDLERS = {
     13: KafkaServer._leave_group,
     14: KafkaServer._sync_group,
     18: KafkaServer._api_versions,
+    15: KafkaServer._describe_groups,
+    16: KafkaServer._list_groups,
     19: KafkaServer._create_topics,
+    20: KafkaServer._delete_topics,
+    21: KafkaServer._delete_records,
     22: KafkaServer._init_producer_id,
+    32: KafkaServer._describe_configs,
+    33: KafkaServer._alter_configs,
+    37: KafkaServer._create_partitions,
+    42: KafkaServer._delete_groups,
+    44: KafkaServer._incremental_alter_configs,
+    47: KafkaServer._offset_delete,
+    60: KafkaServer._describe_cluster,
 }

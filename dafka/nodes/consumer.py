@@ -33,7 +33,7 @@ import zmq
 from dafka import fastio, values
 from dafka.config import NodeConfig, default_node_config
 from dafka.core import beacon, wire
-from dafka.core.gaps import LIVE_SETTLE_MIN, LiveEdge, PartitionTracker
+from dafka.core.gaps import LIVE_SETTLE_MIN, KnownStores, LiveEdge, PartitionTracker
 from dafka.core.groups import GroupState, Key, PendingCommits, PositionsQuery
 from dafka.errors import ClosedError, CommitError, DeserializationError
 from dafka.nodes.loop import NodeLoop
@@ -221,7 +221,9 @@ class Consumer(PartitionReader):
         # beacons stopped (None: alive).  A restarted producer's hole is passed
         # once all said they hold none of it (see PartitionReader.known_stores);
         # a store gone counts for skip_after more (it may hold some, and be back).
-        self._stores: dict[str, float | None] = {}
+        self._stores = KnownStores(self._tracker_options["skip_after"], MAX_KNOWN_STORES)
+        # Since when every store met is gone (None: one is alive, or none met).
+        self._lonely_since: float | None = None
         topic_list = [topics] if isinstance(topics, str) else list(topics)
         if group is not None:
             cfg = self.config
@@ -561,21 +563,29 @@ class Consumer(PartitionReader):
             self._on_group_message(msg)
 
     def known_stores(self) -> Collection[str]:
-        stores = self._stores
-        if any(gone is not None for gone in stores.values()):
-            forget = time.monotonic() - self._tracker_options["skip_after"]
-            for store, gone in list(stores.items()):
-                if gone is not None and gone < forget:
-                    del stores[store]
-        return stores.keys()
+        return self._stores.current(time.monotonic())
 
     def on_peer_gone(self, address: str) -> None:
         if address in self._stores:
-            self._stores[address] = time.monotonic()
+            now = time.monotonic()
+            self._stores.gone(address, now)
+            if self._lonely_since is None and self._stores.all_gone():
+                self._lonely_since = now
+
+    def owner_hears(self, partition: str) -> bool:
+        """Whether our FETCHes can be answered: not while every store we met is gone.
+
+        Every store gone at once is most likely our own network cut off: a
+        hole then waits for them (:meth:`PartitionTracker.unheard`, bounded
+        by UNHEARD_LIMIT) rather than be skipped after ``skip_after``, which
+        would pass records every store holds and acknowledged (issue 40, the
+        simulator's ``offline`` of a consumer).
+        """
+        return self._lonely_since is None
 
     def _hello(self, store: str) -> None:
-        if store in self._stores or len(self._stores) < MAX_KNOWN_STORES:
-            self._stores[store] = None  # (back, if it was gone)
+        self._lonely_since = None
+        self._stores.met(store)  # (back, if it was gone)
         subjects = tuple(self.topics) if self._wants_heads() else ()
         self.send(wire.ConsumerHello(store, self.address, subjects))
 

@@ -34,14 +34,69 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import zmq
 
 from dafka import fastio
 
-if TYPE_CHECKING:
-    from dafka.nodes.node import Node
+
+class LoopNode(Protocol):
+    """What a node offers the loop that runs it: the steps of its loop turn and the state they share.
+
+    :class:`dafka.nodes.node.Node` offers it (its own I/O thread, ``Node._run``, drives
+    it through the same steps); the loop is written against this, not against the node.
+    """
+
+    @property
+    def kind(self) -> str:
+        """What the node is, for log lines (``producer``, ``store``, ...)."""
+
+    @property
+    def log(self) -> logging.Logger: ...
+
+    @property
+    def beacon_sub(self) -> Any:
+        """The socket beacons come in on (read after data when much is ready)."""
+
+    loop_turns: int  # wake-ups of the node's loop (counted by whoever runs it)
+    _poller: Any  # what the node registers its sockets with: the loop puts a _Poller here
+    _readers: dict[object, Callable[[], None]]  # socket (or file number) -> its reader
+
+    @property
+    def _stop(self) -> threading.Event:
+        """Set when the node is asked to stop."""
+
+    @property
+    def _ended(self) -> threading.Event:
+        """Set once the loop has closed the node."""
+
+    def _loop_monitors(self) -> set[Any]:
+        """The node's monitor sockets: read only by their readers, which empty them."""
+
+    def _loop_begin(self) -> None:
+        """Register the sockets with ``_poller``, start; before the first turn."""
+
+    def _loop_timers(self, now: float) -> float:
+        """Run the timers that are due; seconds until the next one (at most 1)."""
+
+    def _loop_spins(self) -> bool:
+        """Whether work waits that needs no input (the loop must not sleep)."""
+
+    def _loop_after(self) -> None:
+        """After the input of a turn."""
+
+    def _loop_end(self) -> None:
+        """After the last turn: shut down and close the sockets."""
+
+    def _run_commands(self) -> None:
+        """Run what other threads asked of the I/O thread (``call_soon``)."""
+
+    def _close_with_loop(self) -> None:
+        """Close as the application would, waiting for no peer (:meth:`NodeLoop.close`)."""
+
+    def before_wait(self) -> None:
+        """Just before the loop waits for input (a subclass hook)."""
 
 log = logging.getLogger("dafka.loop")
 
@@ -60,7 +115,7 @@ class _Watch:
 
     __slots__ = ("events", "fd", "hot", "key", "node", "slow", "sock", "zmq")
 
-    def __init__(self, node: Node, sock: Any, events: int) -> None:
+    def __init__(self, node: LoopNode, sock: Any, events: int) -> None:
         self.node = node
         self.sock = sock
         self.events = int(events)
@@ -68,7 +123,7 @@ class _Watch:
         # Monitors are read only by their readers, which empty them: their edges
         # are never taken by another call.  Other sockets of the node are also
         # subscribed, connected or sent on: looked at after each of its turns.
-        monitors = {r.monitor for r in node._refusals} | {m for _, m in node._tower_monitors}
+        monitors = node._loop_monitors()
         self.hot = self.zmq and sock not in monitors
         # Beacons and monitors wait behind data when many are ready at once (see _run).
         self.slow = sock is node.beacon_sub or sock in monitors
@@ -90,7 +145,7 @@ class _Poller:
     """What a node of a shared loop has for a poller: zmq.Poller's register,
     modify and unregister, forwarded to the loop (I/O thread only)."""
 
-    def __init__(self, loop: NodeLoop, node: Node) -> None:
+    def __init__(self, loop: NodeLoop, node: LoopNode) -> None:
         self._loop = loop
         self._node = node
 
@@ -126,14 +181,14 @@ class NodeLoop:
         # Held to write a wake-up and to close the pipe: once closed, its numbers
         # may be another file's, which a late wake-up would write into.
         self._wake_lock = threading.Lock()
-        self._woken: deque[Node] = deque()  # nodes with commands (call_soon) to run
+        self._woken: deque[LoopNode] = deque()  # nodes with commands (call_soon) to run
         self._calls: deque[Callable[[], None]] = deque()  # attach, detach, close
-        self._nodes: dict[Node, dict[object, _Watch]] = {}  # node -> its watched sockets
+        self._nodes: dict[LoopNode, dict[object, _Watch]] = {}  # node -> its watched sockets
         self._watches: dict[int, _Watch] = {}  # fd -> the watch registered with the selector
         self._ready: list[_Watch] = []  # ZeroMQ sockets found holding input: read next turn
-        self._spinning: set[Node] = set()  # nodes with work that waits for no input
-        self._timers: list[tuple[float, int, Node]] = []  # (due, seq, node), a heap
-        self._due: dict[Node, float] = {}  # node -> its entry in the heap that counts
+        self._spinning: set[LoopNode] = set()  # nodes with work that waits for no input
+        self._timers: list[tuple[float, int, LoopNode]] = []  # (due, seq, node), a heap
+        self._due: dict[LoopNode, float] = {}  # node -> its entry in the heap that counts
         self._seq = itertools.count()
         self._closing = False
         self._closed = threading.Event()
@@ -181,7 +236,7 @@ class NodeLoop:
 
     # ---------------------------------------------------------------- called by nodes
 
-    def attach(self, node: Node) -> None:
+    def attach(self, node: LoopNode) -> None:
         """Start running ``node`` (from any thread; ``Node.start`` calls it)."""
         if self._closed.is_set() or self._closing:
             raise RuntimeError("this NodeLoop is closed")
@@ -190,7 +245,7 @@ class NodeLoop:
         else:
             self._call(lambda: self._attach(node))
 
-    def detach(self, node: Node, timeout: float) -> bool:
+    def detach(self, node: LoopNode, timeout: float) -> bool:
         """Stop running ``node`` and close its sockets; whether that was done within ``timeout``.
 
         From the loop's own thread (a callback, maybe inside one of the node's
@@ -203,7 +258,7 @@ class NodeLoop:
         self._call(lambda: self._detach(node))
         return self._in_loop() or node._ended.wait(timeout)
 
-    def wake(self, node: Node) -> None:
+    def wake(self, node: LoopNode) -> None:
         """``node`` has commands for its I/O thread (from any thread)."""
         self._woken.append(node)
         self._signal()
@@ -226,7 +281,7 @@ class NodeLoop:
 
     # ---------------------------------------------------------------- loop thread
 
-    def _attach(self, node: Node) -> None:
+    def _attach(self, node: LoopNode) -> None:
         if node in self._nodes or node._stop.is_set():
             return
         self._nodes[node] = {}
@@ -235,7 +290,7 @@ class NodeLoop:
         node._run_commands()  # any asked for before the loop took it
         self._after(node, time.monotonic())
 
-    def _detach(self, node: Node) -> None:
+    def _detach(self, node: LoopNode) -> None:
         watches = self._nodes.pop(node, None)
         if watches is None:
             node._ended.set()
@@ -255,7 +310,7 @@ class NodeLoop:
             self._detach(node)
         self._closing = True
 
-    def _watch(self, node: Node, sock: Any, events: int) -> None:
+    def _watch(self, node: LoopNode, sock: Any, events: int) -> None:
         watches = self._nodes.get(node)
         if watches is None:
             return  # detached meanwhile
@@ -277,7 +332,7 @@ class NodeLoop:
         elif not events:
             self._drop(watch)
 
-    def _unwatch(self, node: Node, sock: Any) -> None:
+    def _unwatch(self, node: LoopNode, sock: Any) -> None:
         watch = self._nodes.get(node, {}).pop(sock, None)
         if watch is not None:
             self._drop(watch)
@@ -310,8 +365,8 @@ class NodeLoop:
                 log.error("node loop: select failed (%s); looking at every socket", exc)
                 events = []
                 self._ready.extend(w for w in self._watches.values() if w.zmq)
-            touched: dict[Node, None] = {}
-            timed: set[Node] = set()  # nodes whose timers were due: all their sockets get a look
+            touched: dict[LoopNode, None] = {}
+            timed: set[LoopNode] = set()  # nodes whose timers were due: all their sockets get a look
             # Deferred and swept sockets come back here, often twice: a dict keeps
             # each once, so what waits stays bounded by the sockets there are.
             slow: dict[_Watch, None] = {}
@@ -365,7 +420,7 @@ class NodeLoop:
         except (BlockingIOError, OSError):
             pass
 
-    def _read_wake(self, touched: dict[Node, None]) -> None:
+    def _read_wake(self, touched: dict[LoopNode, None]) -> None:
         self._drain_wake()
         # After emptying the pipe, before reading the queues: a wake() from now on
         # writes again.  Cleared before the pipe was read, a wake() in between left
@@ -386,7 +441,7 @@ class NodeLoop:
                 touched[node] = None
                 node._run_commands()
 
-    def _dispatch(self, watch: _Watch, touched: dict[Node, None]) -> None:
+    def _dispatch(self, watch: _Watch, touched: dict[LoopNode, None]) -> None:
         node = watch.node
         if watch.zmq:
             try:
@@ -412,7 +467,7 @@ class NodeLoop:
             except zmq.ZMQError:
                 self._drop(watch)
 
-    def _after(self, node: Node, now: float, every: bool = False) -> None:
+    def _after(self, node: LoopNode, now: float, every: bool = False) -> None:
         """The rest of a node's turn: work, timers, a look at its sockets (``every``
         one, or the ones other calls may have taken an edge from), its next due time."""
         if node._stop.is_set():

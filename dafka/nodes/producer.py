@@ -42,17 +42,10 @@ from dafka.errors import (
 from dafka.nodes.fairlock import FairLock
 from dafka.nodes.loop import NodeLoop
 from dafka.nodes.node import Node, Route, read_subscriptions
+from dafka.nodes.receipt import Receipt as Receipt  # (re-exported: it was defined here)
+from dafka.nodes.receipt import check_content
 
 _ONLY_BYTES = frozenset((bytes,))
-
-
-def check_content(content: object) -> None:
-    """Raise TypeError unless ``content`` is bytes-like (bytes, bytearray, memoryview, ...)."""
-    try:
-        memoryview(content)  # type: ignore[arg-type]
-    except TypeError:
-        hint = " (encode it first, e.g. text.encode())" if isinstance(content, str) else ""
-        raise TypeError(f"a record must be bytes-like, not {type(content).__name__}{hint}") from None
 
 log = logging.getLogger("dafka.producer")
 
@@ -86,54 +79,60 @@ _monotonic = time.monotonic
 
 
 
-class Receipt:
-    """The outcome of one ``publish``: its offset, and whether a store acked it.
+class _OutboxPort:
+    """What a producer offers its outbox (:class:`dafka.outbox.host.OutboxHost`)."""
 
-    Resolves exactly once: acknowledged, or failed with a :class:`PublishError`.
-    Costs no memory in the producer until a callback is attached.
-    """
+    __slots__ = ("_producer",)
 
-    __slots__ = ("offset", "_producer")
-
-    def __init__(self, producer: Producer, offset: int) -> None:
-        self.offset = offset
+    def __init__(self, producer: Producer) -> None:
         self._producer = producer
 
-    def __repr__(self) -> str:
-        state = "acked" if self.acked() else "failed" if self.failed() else "pending"
-        return f"<Receipt offset={self.offset} {state}>"
+    @property
+    def address(self) -> str:
+        return self._producer.address
 
-    def acked(self) -> bool:
-        """Whether a store acknowledged the record (without acks: at once)."""
+    @property
+    def window(self) -> UnackedWindow:
+        return self._producer.window
+
+    @window.setter
+    def window(self, window: UnackedWindow) -> None:
+        self._producer.window = window
+
+    @property
+    def lock(self) -> FairLock:
+        return self._producer._lock
+
+    @property
+    def publish_timeout(self) -> float | None:
+        return self._producer.publish_timeout
+
+    @property
+    def closed(self) -> bool:
+        return self._producer._closed
+
+    @property
+    def resume_error(self) -> ResumeError | None:
+        return self._producer._resume_error
+
+    def prepare(self, batch: list[Any]) -> list[bytes]:
         producer = self._producer
-        return producer._acked_upto() >= self.offset and (
-            producer._outbox is None or producer._outbox.failure_for(self.offset) is None
-        )
+        if producer._serialize is not None:
+            batch = [values.encode(producer._serialize, content) for content in batch]
+        for content in batch:
+            if content.__class__ is not bytes:
+                check_content(content)
+        biggest = max(map(len, batch))
+        if biggest > producer.config.max_record_bytes:
+            raise producer._too_large(biggest)
+        return batch
 
-    def failed(self) -> bool:
-        """Whether the record failed (a :class:`PublishError`): it will never be acknowledged."""
-        return self._producer._failure_for(self.offset) is not None
+    def send_live(self, first: int, contents: Sequence[bytes]) -> None:
+        producer = self._producer
+        producer._send_run(producer._live, first, contents, 0, len(contents))
 
-    def done(self) -> bool:
-        """Whether the record was acknowledged or failed."""
-        return self.acked() or self.failed()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait until resolved; True when acknowledged, False on timeout.
-
-        Raises :class:`PublishError` if the record failed.
-        """
-        return self._producer._wait_for(self.offset, timeout)
-
-    def result(self, timeout: float | None = None) -> int:
-        """The offset once acknowledged; raises PublishError on failure or timeout."""
-        if not self.wait(timeout):
-            raise PublishError(f"offset {self.offset} not acknowledged within {timeout}s", self.offset)
-        return self.offset
-
-    def add_done_callback(self, fn: Callable[[Receipt], None]) -> None:
-        """Call ``fn(receipt)`` once resolved (from the producer's I/O thread)."""
-        self._producer._add_callback(self, fn)
+    def hold_beacons(self) -> None:
+        self._producer.beacon_held = True
 
 
 class Producer(Node):
@@ -204,6 +203,11 @@ class Producer(Node):
         ``"drop_oldest"`` evicts the oldest unacknowledged records (counted).
         ``outbox_max_map_size`` caps the LMDB file (a full disk or cap raises
         OutboxFullError at ``publish``).
+    leaf:
+        ``"HOST:PORT[,HOST:PORT...]"``: be a *leaf* instead of a mesh node: one
+        connection to a regional endpoint (a store started with ``--leaves``), no
+        tower, no beacons; returns a :class:`dafka.nodes.leaf.LeafProducer` (same
+        API; see ``docs/concepts/leaves.md``).
     loop:
         A :class:`~dafka.nodes.loop.NodeLoop` to run this producer's I/O in,
         shared with the other nodes given it (one thread for all; callbacks
@@ -211,6 +215,15 @@ class Producer(Node):
     """
 
     kind = "producer"
+
+    def __new__(cls, *args: Any, leaf: str | Sequence[str] | None = None, **kwargs: Any) -> Any:
+        # A leaf producer (one connection to a regional endpoint, no mesh side) is another
+        # class with the same API: dafka.nodes.leaf.LeafProducer.
+        if leaf is not None:
+            from dafka.nodes.leaf import LeafProducer
+
+            return LeafProducer(*args, leaf=leaf, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -234,6 +247,7 @@ class Producer(Node):
         outbox_policy: str = "block",
         outbox_max_map_size: int | None = None,
         loop: NodeLoop | None = None,
+        leaf: None = None,  # taken by __new__: see dafka.nodes.leaf
     ) -> None:
         self._serialize = values.serializer(serializer)
         if not topic or len(topic.encode()) > wire.MAX_STRING or "\x00" in topic:
@@ -374,7 +388,10 @@ class Producer(Node):
             self.subscribe(wire.P_DIRECT_HEAD + self.address.encode())
         self.every(head_interval, self._send_head)
         if self._outbox is not None:
-            self._outbox.attach(self, resuming=self._resume_state is not None)
+            self._outbox.attach(_OutboxPort(self), resuming=self._resume_state is not None)
+            # Records go to the disk first: the outbox sends them once they are durable.
+            self.publish = self._publish_to_outbox  # type: ignore[method-assign]
+            self.publish_many = self._publish_many_to_outbox  # type: ignore[method-assign]
         self.start()
         if self._resume_state is not None:
             self._resume()
@@ -476,6 +493,34 @@ class Producer(Node):
             if not batch:
                 break
             last = self._publish_chunk(batch, timeout)
+        return Receipt(self, last) if last >= 0 else None
+
+    def _publish_to_outbox(
+        self,
+        content: Any,
+        callback: Callable[[Receipt], None] | None = None,
+        *,
+        offset: int | None = None,
+        timeout: float | None = -1.0,
+    ) -> Receipt:
+        """:meth:`publish` with an outbox (see :mod:`dafka.outbox`'s sync modes)."""
+        outbox = self._outbox
+        assert outbox is not None
+        if offset is not None and offset != self.window.next:
+            if offset > self.window.next:
+                raise ValueError(f"offset {offset} is beyond next offset {self.window.next}")
+            receipt = Receipt(self, offset)
+        else:
+            receipt = Receipt(self, outbox.append(content, timeout))
+        if callback is not None:
+            self._add_callback(receipt, callback)
+        return receipt
+
+    def _publish_many_to_outbox(self, contents: Iterable[Any], *, timeout: float | None = -1.0) -> Receipt | None:
+        """:meth:`publish_many` with an outbox: it waits for the disk once, at the end."""
+        outbox = self._outbox
+        assert outbox is not None
+        last = outbox.append_many(contents, timeout=timeout)
         return Receipt(self, last) if last >= 0 else None
 
     def _too_large(self, size: int) -> RecordTooLargeError:
@@ -768,12 +813,13 @@ class Producer(Node):
             route = self.route(header)
             seq, count = fetch.sequence, fetch.count
             hole = self._hole
-            if hole is not None and hole[0] <= seq <= hole[1] and not self.secure:
+            if hole is not None and hole[0] <= seq <= hole[1]:
                 # Reserved offsets a crashed run left unused: this run never
                 # publishes them.  Say so (VOID kind 1; C readers never subscribe
                 # to it): a dafka reader passes them as soon as every store it
                 # knows said it holds none of them (a previous run's records
-                # can only be in a store now).
+                # can only be in a store now).  In a secure mesh it is believed
+                # only from the key our address is bound to.
                 void = wire.Void(fetch.address, self.address, self.topic, hole[0], hole[1], self.address, wire.VOID_RESTART)
                 fastio.send_frames(self.publisher, wire.encode(void))  # (lock held, not closed)
             if hole is not None and hole[0] <= seq <= hole[1] and seq + count <= hole[1] + 1:
@@ -932,17 +978,25 @@ class Producer(Node):
         return hole[0] - 1 if hole is not None and last <= hole[1] else last
 
     def _send_head(self, now: float) -> None:
-        last = self._announced()
-        if last != self._head_tick_last:
-            # Records went out since the last tick: they said what this HEAD would.
-            # It goes at the first tick after they stop, so a lost tail shows within
-            # two intervals.  A HEAD a second beside each device's record was a
-            # message a second at every store and consumer (a seventh of a
-            # 1,000-device mesh's CPU).
-            self._head_tick_last = last
-            return
-        if last >= 0 and self._resume_state is None and self._resume_error is None:
-            self._send_locked(wire.encode(wire.Head(self.topic, self.address, self.topic, last)))
+        with self._lock:
+            if self._live_waiting or self._closed:
+                # A burst's records have their offsets but wait for room (paced):
+                # they go out still, and say what this HEAD would.  Announced now,
+                # readers would FETCH what is on its way (the lock is free only
+                # while a sender waits, so this sees every wait).
+                return
+            last = self._announced()
+            if last != self._head_tick_last:
+                # Records went out since the last tick: they said what this HEAD would.
+                # It goes at the first tick after they stop, so a lost tail shows within
+                # two intervals.  A HEAD a second beside each device's record was a
+                # message a second at every store and consumer (a seventh of a
+                # 1,000-device mesh's CPU).
+                self._head_tick_last = last
+                return
+            if last >= 0 and self._resume_state is None and self._resume_error is None:
+                # Never waits for a full queue (NODROP): HEADs are sent again anyway.
+                fastio.send_frames(self.publisher, wire.encode(wire.Head(self.topic, self.address, self.topic, last)))
 
     def _tick_paced(self, now: float) -> None:
         """Read the XPUB's subscription messages (the batch audience); end a lossy hold."""

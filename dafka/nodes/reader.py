@@ -28,6 +28,7 @@ from dafka import fastio
 from dafka.core import wire
 from dafka.core.gaps import PartitionTracker
 from dafka.errors import ProtocolError
+from dafka.nodes import security
 from dafka.nodes.node import Node
 from dafka.store.layout import MAX_OFFSET
 from dafka.tank.mapping import shown
@@ -100,6 +101,10 @@ class PartitionReader(Node):
     def on_producer_head(self, tracker: PartitionTracker, sequence: int) -> None:
         """The partition's producer says its last offset is ``sequence`` (a HEAD)."""
 
+    # A store's own word counts: it holds none of what it is missing (see
+    # PartitionTracker.pass_restart_hole).
+    holds_records = False
+
     def known_stores(self) -> Collection[str]:
         """Addresses of the stores this reader knows (alive): a restarted producer's
         hole is passed at once when all of them said they hold none of it.
@@ -108,7 +113,7 @@ class PartitionReader(Node):
 
     def _pass_restart_hole(self, tracker: PartitionTracker, now: float) -> None:
         out = self._out
-        passed = tracker.pass_restart_hole(now, self.known_stores(), out)
+        passed = tracker.pass_restart_hole(now, self.known_stores(), out, own_word=self.holds_records)
         if passed is None:
             return
         self.on_skipped(tracker, *passed)
@@ -118,17 +123,52 @@ class PartitionReader(Node):
         if tracker.missing:
             self._missing[tracker] = None
 
+    def void_believed(self, msg: wire.Void) -> bool:
+        """Whether a VOID addressed to us may be acted on.
+
+        Kind 1 (a restart hole) only from the partition's producer: its source
+        is the partition.  In secure mode the peer's key must also own that
+        partition (its address is bound to the key), as for RECORDs and HEADs
+        but with no exception for stores; kind 0 only from a store's key, and
+        for the store whose address is bound to it (one store cannot answer
+        for another).  Anything else is ignored, counted as a forgery: the
+        hole then waits skip_after as before.
+        """
+        if msg.topic != self.address:
+            return False
+        restart = msg.kind == wire.VOID_RESTART
+        if restart and msg.source != msg.address:
+            return False  # only the partition's producer speaks for its partition
+        if self.keys is None:
+            return True
+        sender = self.sender
+        if sender is not None and security.address_bound(msg.source, sender.key) and (restart or self.from_store):
+            return True
+        self.forged += 1
+        if self.forged <= 20 or self.forged % 1000 == 0:
+            self.log.warning(
+                "ignored a forged VOID (kind %d, %s) of partition %s from peer %s: %s; %d so far",
+                msg.kind,
+                shown(msg.source),
+                shown(msg.address),
+                "?" if sender is None else sender.address,
+                "its key does not own the partition" if restart else "not a store's key, or another store's address",
+                self.forged,
+            )
+        return False
+
     def on_void(self, msg: wire.Void) -> None:
         """VOID: a store holds none of a range we FETCHed, or the partition's producer
         says it is its restart hole (see PartitionTracker.pass_restart_hole)."""
-        if msg.topic != self.address or self.keys is not None:
-            return  # secure mode: not believed yet (the hole waits skip_after)
+        if self.void_believed(msg):
+            self.on_believed_void(msg)
+
+    def on_believed_void(self, msg: wire.Void) -> None:
+        """A VOID :meth:`void_believed` let through."""
         tracker = self._trackers.get((msg.subject, msg.address))
         if tracker is None:
             return  # a FETCH of ours makes a tracker first
         if msg.kind == wire.VOID_RESTART:
-            if msg.source != msg.address:
-                return  # only the partition's producer speaks for its partition
             tracker.on_restart_hole(msg.first, msg.last)
         else:
             tracker.on_store_void(msg.source, msg.first, msg.last)

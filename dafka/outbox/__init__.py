@@ -38,9 +38,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lmdb
 
@@ -63,9 +63,7 @@ from dafka.outbox.db import (
     OutboxFullError,
     OutboxImage,
 )
-
-if TYPE_CHECKING:
-    from dafka.nodes.producer import Producer, Receipt
+from dafka.outbox.host import OutboxHost
 
 __all__ = [
     "BLOCK",
@@ -121,7 +119,7 @@ class Outbox:
         self._limits = {"max_bytes": max_bytes, "max_age": max_age, "policy": policy, "sync": sync}
         self.sync = sync
         self.core: OutboxCore | None = None
-        self._producer: Producer | None = None
+        self._producer: OutboxHost | None = None
         self._cond: threading.Condition | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -149,10 +147,13 @@ class Outbox:
 
     # ------------------------------------------------------------ producer hooks
 
-    def attach(self, producer: Producer, resuming: bool) -> None:
-        """Take over the producer's window (lock not needed: nothing runs yet)."""
+    def attach(self, producer: OutboxHost, resuming: bool) -> None:
+        """Take over the producer's window (lock not needed: nothing runs yet).
+
+        The producer publishes through :meth:`append` and :meth:`append_many` from here on.
+        """
         self._producer = producer
-        self._cond = threading.Condition(producer._lock)  # type: ignore[arg-type]
+        self._cond = threading.Condition(producer.lock)
         image = self.image
         if image is not None and image.address is not None:
             if image.address != producer.address:
@@ -184,8 +185,6 @@ class Outbox:
             self.db.claim(self.topic, producer.address, producer.window.next)
             self.core = OutboxCore(producer.window, **self._limits)
         self.image = None  # the contents now live in the window
-        producer.publish = self.publish  # type: ignore[method-assign]
-        producer.publish_many = self.publish_many  # type: ignore[method-assign]
         self._thread = threading.Thread(target=self._run, name="dafka-outbox-writer", daemon=True)
         self._thread.start()
 
@@ -265,35 +264,12 @@ class Outbox:
 
     # ------------------------------------------------------------ publishing
 
-    def publish(
-        self,
-        content: bytes,
-        callback: Callable[[Receipt], None] | None = None,
-        *,
-        offset: int | None = None,
-        timeout: float | None = -1.0,
-    ) -> Receipt:
-        """:meth:`Producer.publish` through the outbox (see the module's sync modes)."""
-        from dafka.nodes.producer import Receipt
+    def append(self, content: Any, timeout: float | None = -1.0) -> int:
+        """One record of :meth:`Producer.publish` through the outbox; its offset (see the module's sync modes)."""
+        return self._publish([content], timeout, wait=True)
 
-        producer = self._producer
-        assert producer is not None
-        if offset is not None and offset != producer.window.next:
-            if offset > producer.window.next:
-                raise ValueError(f"offset {offset} is beyond next offset {producer.window.next}")
-            receipt = Receipt(producer, offset)
-        else:
-            receipt = Receipt(producer, self._publish([content], timeout, wait=True))
-        if callback is not None:
-            producer._add_callback(receipt, callback)
-        return receipt
-
-    def publish_many(self, contents: Iterable[bytes], *, timeout: float | None = -1.0) -> Receipt | None:
-        """:meth:`Producer.publish_many` through the outbox; waits for the disk once, at the end."""
-        from dafka.nodes.producer import Receipt
-
-        producer = self._producer
-        assert producer is not None
+    def append_many(self, contents: Iterable[Any], *, timeout: float | None = -1.0) -> int:
+        """:meth:`Producer.publish_many` through the outbox; the last offset (-1: none); waits for the disk once, at the end."""
         last = -1
         it = iter(contents)
         while True:
@@ -303,29 +279,19 @@ class Outbox:
             last = self._publish(batch, timeout, wait=False)
         if last >= 0 and self.sync == SYNC_EACH:
             self._wait_durable(last, self.core.epoch if self.core else 0, timeout)  # type: ignore[union-attr]
-        return Receipt(producer, last) if last >= 0 else None
+        return last
 
     def _publish(self, batch: list[bytes], timeout: float | None, wait: bool) -> int:
         producer = self._producer
         cond = self._cond
         assert producer is not None and cond is not None
-        if producer._resume_error is not None:
-            raise producer._resume_error
+        if producer.resume_error is not None:
+            raise producer.resume_error
         if self._fenced is not None:
             raise self._fenced
         # The checks of Producer.publish, which this replaces: values through the
         # serializer, bytes-like contents, max_record_bytes (nothing published).
-        from dafka import values
-        from dafka.nodes.producer import check_content
-
-        if producer._serialize is not None:
-            batch = [values.encode(producer._serialize, content) for content in batch]
-        for content in batch:
-            if content.__class__ is not bytes:
-                check_content(content)
-        biggest = max(map(len, batch))
-        if biggest > producer.config.max_record_bytes:
-            raise producer._too_large(biggest)
+        batch = producer.prepare(batch)
         wait_s = producer.publish_timeout if timeout == -1.0 else timeout
         deadline = None if wait_s is None else time.monotonic() + wait_s
         n = len(batch)
@@ -334,7 +300,7 @@ class Outbox:
             while True:
                 if self._fenced is not None:
                     raise self._fenced
-                if producer._closed or self._stopping:
+                if producer.closed or self._stopping:
                     raise ClosedError("producer is closed")
                 core = self.core
                 if core is None:
@@ -450,7 +416,7 @@ class Outbox:
                     back = core.commit_failed(take, exc)
                     if back >= 0:
                         core.window.truncate(back)
-                    producer.beacon_held = True
+                    producer.hold_beacons()
                     cond.notify_all()
                 return
             except Exception as exc:
@@ -469,9 +435,9 @@ class Outbox:
             with cond:
                 runs = core.committed(take)
                 cond.notify_all()
-                if runs and not producer._closed:
+                if runs and not producer.closed:
                     for first, contents in runs:
-                        producer._send_run(producer._live, first, contents, 0, len(contents))
+                        producer.send_live(first, contents)
 
 
 def describe(path: str | os.PathLike[str], show: int = 0, now: float | None = None) -> dict[str, Any]:

@@ -25,6 +25,12 @@ Safety (checked after every step, and at the moments named):
     producer without ACKs would see its new record dropped as a duplicate).
 ``acked-record-skipped``
     a consumer skips forward over an offset some store had acknowledged.
+    (A record whose only holder is away past skip_after is skipped by design:
+    the world never makes a store that is so away, see World.only_holder.)
+``outbox-lost``
+    a device's outbox, opened again after a kill, lacks a record it had
+    accepted (committed: its publish returned) that no store acknowledged,
+    or holds another content at its offset.
 ``writer-failed``
     a store's commit fails for another reason than a full disk (which makes
     the store stop acknowledging every partition).
@@ -49,18 +55,19 @@ disks free, time passed):
     a consumer has not delivered such a record.
 ``diverged``
     two stores hold different records at one offset of a partition with ACKs.
+``acked-not-replicated``
+    a store lacks an acknowledged record another store holds (every store
+    holds every acknowledged record once repair had time: catch-up FETCHes
+    and the repair of recorded holes from peers).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from dafka.sim.nodes import parse_content
+from dafka.sim.hosts import StoreHost, WorldView
+from dafka.sim.nodes import SimDevice, parse_content
 from dafka.store.db import StorageFullError
-
-if TYPE_CHECKING:
-    from dafka.sim.world import StoreHost, World
 
 SAFETY = (
     "ack-before-commit",
@@ -73,8 +80,9 @@ SAFETY = (
     "acked-record-skipped",
     "writer-failed",
     "exception",
+    "outbox-lost",
 )
-LIVENESS = ("not-acknowledging", "unfilled-gap", "consumer-missing", "diverged")
+LIVENESS = ("not-acknowledging", "unfilled-gap", "consumer-missing", "diverged", "acked-not-replicated")
 
 
 @dataclass(slots=True)
@@ -93,7 +101,7 @@ class Violation:
 class Checker:
     """Records what was published and acknowledged; reports what breaks."""
 
-    world: World
+    world: WorldView
     violations: list[Violation] = field(default_factory=list)
     checks: int = 0
     # (partition address, offset) -> contents ever published there (one per incarnation)
@@ -111,6 +119,10 @@ class Checker:
     # consumer took to deliver a record after its publish (simulated seconds).
     published_at: dict[tuple[str, int], float] = field(default_factory=dict)
     max_delay: dict[str, float] = field(default_factory=dict)
+
+    def observe(self, kind: str, n: int = 1) -> None:
+        if n:
+            self.observations[kind] = self.observations.get(kind, 0) + n
 
     def fail(self, kind: str, detail: str) -> None:
         w = self.world
@@ -225,6 +237,30 @@ class Checker:
             ):
                 self.fail("corrupt", f"consumer {consumer} delivered {content[:40]!r} as {partition}@{off}")
 
+    def on_device_up(self, device: SimDevice) -> None:
+        """A device (re)opened its outbox: what it accepted before is there or was acknowledged."""
+        image = device.loaded
+        partition = device.address
+        self.checks += 1
+        self.observe("outbox-reloaded", len(image.records))
+        kept = {off: content for off, _, content in image.records}
+        for (part, off), contents in self.published.items():
+            if part != partition:
+                continue
+            # Accepted (committed) records are published once per offset: one content.
+            content = min(contents)
+            if off in kept:
+                if kept[off] not in contents:
+                    self.fail("outbox-lost", f"outbox of {partition} holds {kept[off][:30]!r} at {off}, accepted {content[:30]!r}")
+                    return
+            elif self.acked.get((part, off)) != content:
+                self.fail(
+                    "outbox-lost",
+                    f"outbox of {partition} accepted {off} ({content[:30]!r}); it is neither in the outbox "
+                    f"(offsets {image.floor}..{image.next - 1}) nor acknowledged",
+                )
+                return
+
     # ------------------------------------------------------------ after every step
 
     def after_step(self) -> None:
@@ -239,16 +275,31 @@ class Checker:
 
     # ------------------------------------------------------------ after healing
 
-    def final(self) -> None:
+    def _held(self) -> dict[str, dict[str, dict[int, bytes]]]:
+        """Per live store, per partition: the records it holds."""
         w = self.world
-        topic = w.topic
-        held: dict[str, dict[str, dict[int, bytes]]] = {}
-        for host in w.stores:
-            assert host.store is not None
-            held[host.name] = {
-                p: {r.offset: r.content for r in host.store.db.read(topic, p, 0, 1 << 40)}
+        return {
+            host.name: {
+                p: {r.offset: r.content for r in host.store.db.read(w.topic, p, 0, 1 << 40)}
                 for p in w.partition_names
             }
+            for host in w.stores
+            if host.store is not None
+        }
+
+    def repair_pending(self) -> bool:
+        """Whether a live store lacks an acknowledged record another holds (its repair may still come)."""
+        held = self._held()
+        for (partition, off), content in self.acked.items():
+            have = [h[partition].get(off) == content for h in held.values()]
+            if any(have) and not all(have):
+                return True
+        return False
+
+    def final(self) -> None:
+        w = self.world
+        held = self._held()
+        assert len(held) == len(w.stores)
         for host in w.stores:
             store = host.store
             assert store is not None
@@ -320,8 +371,18 @@ class Checker:
         for off_key, content in self.acked.items():
             self.checks += 1
             partition, off = off_key
-            if not any(held[n][partition].get(off) == content for n in held):
+            holders = [n for n in held if held[n][partition].get(off) == content]
+            if not holders:
                 self.fail("acked-not-durable", f"{partition}@{off} was acknowledged and no store holds it")
+                break
+            if len(holders) < len(held):
+                # Every store holds every acknowledged record once repair had time.
+                lacking = sorted(set(held) - set(holders))
+                self.fail(
+                    "acked-not-replicated",
+                    f"{partition}@{off} was acknowledged; stores {', '.join(lacking)} lack it after healing "
+                    f"(hole repair from {holders[0]} did not fill it)",
+                )
                 break
 
 

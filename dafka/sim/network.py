@@ -41,6 +41,7 @@ class Endpoint:
     prefixes: list[bytes]
     deliver: Callable[[list[bytes], str], None]  # (frames, sender name)
     alive: bool = True
+    generation: int = 0  # set by attach: copies in flight to an earlier process of the node are lost
 
     def subscribed(self, frame: bytes) -> bool:
         return any(frame.startswith(p) for p in self.prefixes)
@@ -53,7 +54,8 @@ class Network:
         self.endpoints: dict[str, Endpoint] = {}
         self.mode = "calm"
         self.isolated: dict[str, float] = {}  # node name -> isolated until
-        self._queue: list[tuple[float, int, str, str, list[bytes]]] = []
+        self._queue: list[tuple[float, int, str, int, str, list[bytes]]] = []
+        self._generation = 0
         self._seq = 0
         self.faults: dict[str, int] = {}
         self.sent = 0
@@ -63,6 +65,8 @@ class Network:
         self.faults[kind] = self.faults.get(kind, 0) + n
 
     def attach(self, endpoint: Endpoint) -> None:
+        self._generation += 1
+        endpoint.generation = self._generation
         self.endpoints[endpoint.name] = endpoint
 
     def detach(self, name: str) -> None:
@@ -98,16 +102,24 @@ class Network:
                 if delay > 0.01:
                     self.count("delay")
                 self._seq += 1
-                heapq.heappush(self._queue, (now + delay, self._seq, ep.name, sender, list(frames)))
+                heapq.heappush(self._queue, (now + delay, self._seq, ep.name, ep.generation, sender, list(frames)))
 
     def next_time(self) -> float | None:
         return self._queue[0][0] if self._queue else None
 
     def pop_due(self, now: float) -> tuple[str, str, list[bytes]] | None:
-        """The next copy due at or before ``now``: (receiver name, sender name, frames)."""
+        """The next copy due at or before ``now``: (receiver name, sender name, frames).
+
+        A copy sent to a process that was killed since is lost, also when the
+        node is up again (its connections died with it): the receiver name
+        is then ``""``.
+        """
         if not self._queue or self._queue[0][0] > now:
             return None
-        _, _, receiver, sender, frames = heapq.heappop(self._queue)
+        _, _, receiver, generation, sender, frames = heapq.heappop(self._queue)
+        ep = self.endpoints.get(receiver)
+        if ep is None or ep.generation != generation:
+            return "", sender, frames
         return receiver, sender, frames
 
     def in_flight(self) -> int:

@@ -35,6 +35,8 @@ from dafka.core.unacked import UnackedWindow
 from dafka.errors import ProtocolError
 from dafka.nodes.consumer import Consumer
 from dafka.nodes.node import new_address
+from dafka.outbox.core import OutboxCore
+from dafka.outbox.db import OutboxDB
 from dafka.store.db import RecordDB
 from dafka.store.node import Store
 
@@ -170,6 +172,7 @@ class SimStore(Simulated, Store):
             self.send(wire.StoreHello(address, self.address))
             self.retry_missing_now()
         elif kind == "store":
+            self._stores.met(address)  # (its CONSUMER-HELLO subscription)
             self.retry_missing_now()
             self._announce_heads(0.0)
         elif kind == "producer":
@@ -314,7 +317,7 @@ class SimProducer:
                     out.append(wire.encode(void))
                 if hole is not None and hole[0] <= seq <= hole[1] and seq + count <= hole[1] + 1:
                     seq, count = hole[1] + 1, 1  # what follows the hole (Producer._on_fetch)
-                for first, contents in self.window.runs(seq, count):
+                for first, contents in self.window.runs(seq, self._sendable(seq, count)):
                     out += self._records(
                         wire.DirectRecord, wire.DirectRecordBatch, msg.address, first, list(contents), rng
                     )
@@ -365,9 +368,111 @@ class SimProducer:
     def _announced(self) -> int:
         """The head HEADs announce (Producer._announced): before the hole until this run publishes."""
         hole = self.hole
-        return hole[0] - 1 if hole is not None and self.window.last <= hole[1] else self.window.last
+        last = self._last_sendable()
+        return hole[0] - 1 if hole is not None and last <= hole[1] else last
+
+    def _sendable(self, seq: int, count: int) -> int:
+        """How many of ``seq..`` a FETCH answer may carry."""
+        return count
+
+    def _last_sendable(self) -> int:
+        return self.window.last
 
     def _reserve(self, upto: int) -> None:
         """Reserve offsets below ``upto``: durable (in ``saved``) before any is used."""
         self.reserved = max(self.reserved, upto)
         self.saved = (self.window.acked, self.window.next, self.reserved)
+
+
+class SimDevice(SimProducer):
+    """An edge device: a producer whose window an outbox owns (``outbox=`` of the real producer).
+
+    The bookkeeping is the real :class:`~dafka.outbox.core.OutboxCore`, the
+    persistence the real :class:`~dafka.outbox.db.OutboxDB` (LMDB, fsync'ed,
+    in the world's temporary directory); the simulator is the outbox's writer
+    thread: it takes the core's work when the schedule says a commit
+    finishes (:meth:`commit`), so a kill before that loses exactly what was
+    not committed.  Publishing is ``outbox_sync="each"``: a publish returns
+    (the records are *accepted*) once they are committed, and only committed
+    records go on the wire.  Opened again after a kill, the outbox is the
+    authority of its partition: the window continues from what it holds, no
+    resume, no restart hole (as :class:`~dafka.nodes.producer.Producer` does
+    with an outbox).
+    """
+
+    MAP_SIZE = 1 << 20
+
+    def __init__(
+        self, name: str, topic: str, *, capacity: int, incarnation: int, now: float, path: str, address: str
+    ) -> None:
+        super().__init__(name, topic, ring=False, capacity=capacity, incarnation=incarnation, now=now, address=address)
+        self.db = OutboxDB(path, map_size=self.MAP_SIZE)
+        try:
+            image = self.db.load()
+            if image.address is not None:
+                window = UnackedWindow(capacity, image.floor)
+                window.push_many([c for _, _, c in image.records])
+                groups = [(o, ts / 1000) for o, ts, _ in image.records[:1]]
+                self.core = OutboxCore(window, group_times=groups)
+            else:
+                self.db.claim(topic, self.address, 0)
+                self.core = OutboxCore(self.window)
+        except BaseException:
+            self.db.close()
+            raise
+        self.window = self.core.window
+        self.loaded = image  # what this incarnation found in the outbox
+        self.lost: set[int] = set()  # offsets whose first send the schedule loses (``lose``)
+
+    def publish(
+        self, contents: list[bytes], lost: bool, rng: random.Random, now: float = 0.0
+    ) -> tuple[int, list[list[bytes]]]:
+        """Push what the outbox admits; nothing is sent before it is committed (:meth:`commit`)."""
+        room = min(len(contents), self.capacity - len(self.window))
+        if room <= 0 or not self.core.admit(room, sum(map(len, contents[:room])), now).ok:
+            return self.window.next, []
+        first = self.window.push_many(contents[:room])
+        self.core.pushed(first, contents[:room], now)
+        if lost:
+            self.lost.update(range(first, first + room))
+        return first, []
+
+    def has_work(self) -> bool:
+        return self.core.has_work()
+
+    def commit(self, rng: random.Random) -> tuple[list[tuple[int, list[bytes]]], list[list[bytes]]]:
+        """The writer's group commit: the runs now durable (accepted) and the messages to send."""
+        core = self.core
+        take = core.take()
+        self.db.commit(take.runs, take.ts_ms, core.floor_written, take.floor, take.next)
+        runs = core.committed(take)
+        out: list[list[bytes]] = []
+        for first, contents in runs:
+            offsets = range(first, first + len(contents))
+            if self.lost.isdisjoint(offsets):
+                out += self._records(wire.Record, wire.RecordBatch, self.topic, first, contents, rng)
+                continue
+            for off, c in zip(offsets, contents, strict=True):
+                if off not in self.lost:
+                    out += self._records(wire.Record, wire.RecordBatch, self.topic, off, [c], rng)
+            self.lost.difference_update(offsets)
+        return runs, out
+
+    def on_frames(
+        self, frames: list[bytes], sender: str, now: float, rng: random.Random, on_ack: Callable[..., None]
+    ) -> list[list[bytes]]:
+        acked = self.window.acked
+        out = super().on_frames(frames, sender, now, rng, on_ack)
+        if self.window.acked != acked:
+            self.core.acked()  # the next commit deletes what the ACK freed
+        return out
+
+    def _sendable(self, seq: int, count: int) -> int:
+        return self.core.sendable(seq, count)
+
+    def _last_sendable(self) -> int:
+        return self.core.durable
+
+    def close(self) -> None:
+        """Killed (kill -9): what was committed stays on disk, the rest is gone."""
+        self.db.close()

@@ -14,7 +14,7 @@ import multiprocessing
 import time
 from collections.abc import Iterator
 
-from dafka.sim.schedule import Step, dumps, generate, loads
+from dafka.sim.schedule import Step, dumps, generate, generate_classic, loads
 from dafka.sim.shrink import shrink
 from dafka.sim.world import HEAL_SECONDS, RunResult, World
 
@@ -26,8 +26,9 @@ def run_schedule(schedule: list[Step], seed: int | None = None, heal_seconds: fl
     return World(heal_seconds=heal_seconds).run(schedule, seed)
 
 
-def run_seed(seed: int, steps: int = DEFAULT_STEPS) -> RunResult:
-    return run_schedule(generate(seed, steps), seed)
+def run_seed(seed: int, steps: int = DEFAULT_STEPS, classic: bool = False) -> RunResult:
+    """Run ``seed``'s schedule (``classic``: the first generator's, see schedule.generate_classic)."""
+    return run_schedule((generate_classic if classic else generate)(seed, steps), seed)
 
 
 def shrink_failure(schedule: list[Step], kind: str, *, max_runs: int = 400, max_seconds: float = 300.0) -> tuple[list[Step], int]:
@@ -51,29 +52,29 @@ def summary(r: RunResult) -> str:
     )
 
 
-def replay_command(seed: int | None, steps: int, schedule: list[Step] | None = None) -> str:
+def replay_command(seed: int | None, steps: int, schedule: list[Step] | None = None, classic: bool = False) -> str:
     if schedule is not None:
         return f"python -m dafka.sim --replay '{dumps(schedule)}'"
-    return f"python -m dafka.sim --seed {seed} --steps {steps}"
+    return f"python -m dafka.sim --seed {seed} --steps {steps}" + (" --classic" if classic else "")
 
 
-def _run_one(job: tuple[int, int]) -> RunResult:
-    seed, steps = job
-    return run_seed(seed, steps)
+def _run_one(job: tuple[int, int, bool]) -> RunResult:
+    seed, steps, classic = job
+    return run_seed(seed, steps, classic)
 
 
 def _quiet_worker(level: int) -> None:
     logging.basicConfig(level=level, format="%(name)s: %(message)s")
 
 
-def _results(seeds: list[int], steps: int, jobs: int, level: int) -> Iterator[RunResult]:
+def _results(seeds: list[int], steps: int, jobs: int, level: int, classic: bool = False) -> Iterator[RunResult]:
     """Run ``seeds`` in order (``jobs`` worker processes); results in seed order."""
     if jobs <= 1:
         for seed in seeds:
-            yield run_seed(seed, steps)
+            yield run_seed(seed, steps, classic)
         return
     with multiprocessing.get_context("spawn").Pool(jobs, _quiet_worker, (level,)) as pool:
-        yield from pool.imap(_run_one, [(seed, steps) for seed in seeds], chunksize=4)
+        yield from pool.imap(_run_one, [(seed, steps, classic) for seed in seeds], chunksize=4)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (a sweep of many seeds)")
     ap.add_argument(
         "--minutes", type=float, default=0.0, help="stop starting seeds after this long (0: no bound)"
+    )
+    ap.add_argument(
+        "--classic",
+        action="store_true",
+        help="schedules of the first generator (no topo/offline/freeze steps: seeds found before them)",
     )
     ap.add_argument("-v", "--verbose", action="store_true", help="log the nodes' warnings")
     args = ap.parse_args(argv)
@@ -108,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ran = 0
     started = time.perf_counter()
     deadline = started + args.minutes * 60 if args.minutes > 0 else None
-    results = _results(seeds, args.steps, max(1, args.jobs), level)
+    results = _results(seeds, args.steps, max(1, args.jobs), level, args.classic)
     try:
         for r in results:
             ran += 1
@@ -118,9 +124,10 @@ def main(argv: list[str] | None = None) -> int:
                 failed += 1
                 for v in r.violations[:5]:
                     print(f"  {v}")
-                print(f"  replay: {replay_command(r.seed, args.steps)}", flush=True)
+                print(f"  replay: {replay_command(r.seed, args.steps, classic=args.classic)}", flush=True)
                 if args.shrink:
-                    small, runs = shrink_failure(generate(r.seed or 0, args.steps), r.violations[0].kind)
+                    make = generate_classic if args.classic else generate
+                    small, runs = shrink_failure(make(r.seed or 0, args.steps), r.violations[0].kind)
                     print(f"  shrunk to {len(small)} steps in {runs} runs: {dumps(small)}")
                     print(f"  replay shrunk: {replay_command(None, 0, small)}", flush=True)
                 if not args.keep_going:

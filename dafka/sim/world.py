@@ -1,7 +1,8 @@
 """The scheduler: runs a schedule against real stores, consumers and producer cores.
 
 One :class:`World` is one simulated mesh (2 stores, 2 consumers, 2 producers
-with ACKs and one without, by default) on a simulated clock.  Each schedule
+with ACKs and one without, by default; 3 stores and an edge device with an
+outbox when the schedule's ``topo`` step says so) on a simulated clock.  Each schedule
 step is applied, then time advances (10 ms, or the step's own wait): due
 messages are handed to their receivers, nodes read them as their loop would,
 timers fire every 50 ms, store writes finish after a random latency, killed
@@ -33,13 +34,18 @@ import zmq
 
 from dafka.core import wire
 from dafka.errors import ProtocolError
+from dafka.nodes import channels as channels_module
 from dafka.nodes import consumer as consumer_module
+from dafka.nodes import discovery as discovery_module
 from dafka.nodes import node as node_module
 from dafka.nodes import reader as reader_module
+from dafka.nodes import sockets as sockets_module
+from dafka.nodes import timers as timers_module
+from dafka.sim.hosts import ConsumerHost, ProducerHost, StoreHost
 from dafka.sim.invariants import Checker, Violation
 from dafka.sim.network import Endpoint, Network
-from dafka.sim.nodes import SimConsumer, SimProducer, SimStore, content_for
-from dafka.sim.schedule import CAPACITY, MODES, RING_CAPACITY, TOPOLOGY, Step, Topology
+from dafka.sim.nodes import SimConsumer, SimDevice, SimProducer, SimStore, content_for
+from dafka.sim.schedule import CAPACITY, MODES, RING_CAPACITY, TOPOLOGY, Step, Topology, topology
 from dafka.store import node as store_module
 from dafka.store.db import RecordDB
 
@@ -49,7 +55,9 @@ TICK = 0.05
 STEP_TIME = 0.01  # seconds every step but ``wait`` lets pass
 HEAL_SECONDS = 60.0
 HEAL_MAX = 300.0  # healing goes on past HEAL_SECONDS while readers make progress, up to this
-HEAL_QUIET = 15.0  # ... and stops once nothing was delivered or stored for this long
+HEAL_QUIET = 15.0  # ... and stops once nothing was delivered or stored for this long (and no gap can be filled)
+AWAY_MAX = 3.0  # seconds a store may be cut off (``offline``) before it counts as down
+BEACON_TIMEOUT = 4.0  # a node cut off longer is gone for its peers (no beacon), and back when the cut ends
 MAP_SIZE = 1 << 20  # a store's initial LMDB map (it grows by doubling unless the disk is "full")
 TOPIC = "sim"
 
@@ -67,7 +75,17 @@ class SimClock:
         return getattr(time, name)
 
 
-_PATCHED = (node_module, reader_module, store_module, consumer_module)
+# Every module whose code reads the clock (Node's concepts each have their own: see dafka/nodes/node.py).
+_PATCHED = (
+    node_module,
+    timers_module,
+    sockets_module,
+    channels_module,
+    discovery_module,
+    reader_module,
+    store_module,
+    consumer_module,
+)
 
 
 @contextlib.contextmanager
@@ -81,37 +99,6 @@ def simulated_time(clock: SimClock) -> Iterator[None]:
     finally:
         for m, t in zip(_PATCHED, saved, strict=True):
             m.time = t  # type: ignore[attr-defined]
-
-
-@dataclass
-class StoreHost:
-    """A store's machine: its directory outlives the store process."""
-
-    name: str
-    path: str
-    store: SimStore | None = None
-    incarnation: int = 0
-    disk_full_until: float = 0.0
-    commit_at: float | None = None
-    stopped_until: float = 0.0  # SIGSTOPped: reads, commits and timers wait until then
-    waiting: list[list[bytes]] = field(default_factory=list)  # sent to it while stopped
-
-
-@dataclass
-class ConsumerHost:
-    name: str
-    node: SimConsumer | None = None
-    incarnation: int = 0
-
-
-@dataclass
-class ProducerHost:
-    name: str
-    ring: bool
-    address: str
-    node: SimProducer | None = None
-    incarnation: int = 0
-    saved: tuple[int, int, int] | None = None  # the identity file: (acked, next, reserved)
 
 
 @dataclass
@@ -154,18 +141,33 @@ class World:
         self.rng = random.Random(0)
         self.next_tick = 0.0
         self.restarts: list[tuple[float, str]] = []
+        # Cuts past BEACON_TIMEOUT: node name -> [gone at, cut until, gone said]
+        self.cuts: dict[str, list[Any]] = {}
         self.dirty: set[str] = set()
         self.delivered = 0
         self.published = 0
         self._tmp = tempfile.mkdtemp(prefix="dafka-sim-")
-        top = self.top
+        self._setup(self.top)
+
+    def _setup(self, top: Topology) -> None:
+        """The hosts of ``top`` (before :meth:`start`)."""
+        self.top = top
+        self.stores, self.consumers, self.producers = [], [], []
+        self.partition_names = {}
         for i in range(top.stores):
             self.stores.append(StoreHost(f"s{i}", os.path.join(self._tmp, f"s{i}")))
         for i in range(top.consumers):
             self.consumers.append(ConsumerHost(f"c{i}"))
-        for i in range(top.producers + top.ring_producers):
+        for i in range(top.producers + top.ring_producers + top.devices):
             name = f"p{i}"
-            host = ProducerHost(name, ring=i >= top.producers, address=f"{name}-partition")
+            device = i >= top.producers + top.ring_producers
+            host = ProducerHost(
+                name,
+                ring=top.producers <= i < top.producers + top.ring_producers,
+                address=f"{name}-partition",
+                device=device,
+                path=os.path.join(self._tmp, f"{name}-outbox") if device else "",
+            )
             self.producers.append(host)
             self.partition_names[host.address] = name
 
@@ -202,6 +204,8 @@ class World:
             self.kill_store(h)
         for c in self.consumers:
             self.kill_consumer(c)
+        for p in self.producers:
+            self.kill_producer(p)
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     def _guard(self, what: str, fn: Any, *args: Any) -> Any:
@@ -233,7 +237,13 @@ class World:
                 # Its beacons stop (the real consumer hears so after the beacon
                 # timeout; at once here is the stricter case).
                 self._guard(f"{c.name} peer gone", c.node.on_peer_gone, store.address)
+        for o in self.stores:
+            if o.store is not None and o is not h:
+                self._guard(f"{o.name} peer gone", o.store.on_peer_gone, store.address)
         self.net.detach(h.name)
+        self.checker.observe("holes-recorded", store.skipped)
+        self.checker.observe("hole-fetches", store.hole_fetches)
+        self.checker.observe("holes-filled", store.holes_filled)
         h.store = None
         h.commit_at = None
         h.stopped_until = 0.0
@@ -261,6 +271,15 @@ class World:
 
     def start_producer(self, p: ProducerHost) -> None:
         p.incarnation += 1
+        if p.device:
+            device = SimDevice(
+                p.name, self.topic, capacity=CAPACITY, incarnation=p.incarnation, now=self.now, path=p.path, address=p.address
+            )
+            self.checker.on_device_up(device)
+            p.node = device
+            self.net.attach(Endpoint(p.name, device.address, device.prefixes, self._deliver_to(p.name)))
+            self._joined(p.name, "producer", device.address)
+            return
         node = SimProducer(
             p.name,
             self.topic,
@@ -281,19 +300,32 @@ class World:
             return
         self.net.detach(p.name)
         p.saved = p.node.saved
+        if isinstance(p.node, SimDevice):
+            p.node.close()  # what was not committed is lost
+            p.commit_at = None
         p.node = None
 
     def _joined(self, name: str, kind: str, address: str) -> None:
-        """Tell the others a peer subscribed to them (what their XPUB would report), and vice versa."""
+        """Tell the others a peer subscribed to them (what their XPUB would report), and vice versa.
+
+        Not across a cut past the beacon timeout: they cannot meet until it
+        ends (then :meth:`_cut_events` makes them meet).
+        """
+        if name in self.cuts:
+            return
         for h in self.stores:
-            if h.store is not None and h.name != name:
+            if h.store is not None and h.name != name and h.name not in self.cuts:
                 self._guard(f"{h.name} peer joined", h.store.sim_peer_joined, kind, address)
+                if kind == "consumer":
+                    # The consumer's XPUB sees the store subscribe (CONSUMER-HELLO): it
+                    # meets the store whether or not the STORE-HELLO gets through.
+                    self._guard(f"{name} peer joined", self.host(name).node.sim_peer_joined, "store", h.store.address)
                 if kind == "store":
                     assert self.host(name).store is not None
                     self._guard(f"{name} peer joined", self.host(name).store.sim_peer_joined, "store", h.store.address)
                 self.dirty.add(h.name)
         for c in self.consumers:
-            if c.node is not None and c.name != name:
+            if c.node is not None and c.name != name and c.name not in self.cuts:
                 self._guard(f"{c.name} peer joined", c.node.sim_peer_joined, kind, address)
                 if kind == "store":
                     self._guard(f"{name} peer joined", self.host(name).store.sim_peer_joined, "consumer", c.node.address)
@@ -331,14 +363,119 @@ class World:
 
     def store_down(self, h: StoreHost) -> bool:
         """Whether a store is dead or stopped."""
-        return h.store is None or h.stopped_until > self.now
+        return h.store is None or h.stopped_until > self.now or h.away_until > self.now
+
+    def only_holder(self, h: StoreHost) -> bool:
+        """Whether ``h`` holds an acknowledged record no other store that is up has committed.
+
+        Such a store away past skip_after makes readers skip that record: by
+        design (skip_after bounds how long a reader waits), not a fault the
+        invariants could hold against.  ``freeze`` and a long ``offline`` of a
+        store are applied only when it is not so.
+        """
+        if h.store is None:
+            return False
+        mine = self._held(h)
+        others = [self._held(o) for o in self.stores if o is not h and not self.store_down(o)]
+        for key, content in self.checker.acked.items():
+            if mine.get(key) == content and not any(o.get(key) == content for o in others):
+                return True
+        return False
+
+    def _held(self, h: StoreHost) -> dict[tuple[str, int], bytes]:
+        if h.store is None:
+            return {}
+        db = h.store.db
+        return {
+            (p, r.offset): r.content for p in self.partition_names for r in db.read(self.topic, p, 0, 1 << 40)
+        }
 
     def stop_store(self, h: StoreHost, seconds: float) -> None:
         """SIGSTOP: nothing of the store runs until ``seconds`` passed (SIGCONT)."""
         if h.store is None or any(self.store_down(o) for o in self.stores):
             return  # one store down at a time (as for crashes)
+        if seconds > self.store_skip_after(h) and self.only_holder(h):
+            seconds = 5.0  # see only_holder: a plain stop
+            self.net.count("freeze-shortened")
         h.stopped_until = self.now + seconds
-        self.net.count("stop-s")
+        self.net.count("stop-s" if seconds <= 5.0 else "freeze-s")
+
+    def store_skip_after(self, h: StoreHost) -> float:
+        return h.store.skip_after if h.store is not None else 10.0
+
+    def cut_off(self, name: str, seconds: float) -> None:
+        """Node ``name``'s traffic is lost for ``seconds`` (``isolate``, ``offline``)."""
+        h = self.host(name)
+        if isinstance(h, StoreHost) and seconds > AWAY_MAX:
+            # A store away that long counts as down (one at a time), and only
+            # when readers need it for nothing acknowledged (see only_holder).
+            if h.store is None or any(self.store_down(o) for o in self.stores) or self.only_holder(h):
+                seconds = AWAY_MAX
+                self.net.count("offline-shortened")
+            else:
+                h.away_until = self.now + seconds
+        until = max(self.net.isolated.get(name, 0.0), self.now + seconds)
+        self.net.isolated[name] = until
+        if seconds > BEACON_TIMEOUT:
+            cut = self.cuts.get(name)
+            if cut is None:
+                self.cuts[name] = [self.now + BEACON_TIMEOUT, until, False]
+            else:
+                cut[1] = until
+
+    def _cut_events(self, now: float, healing: bool = False) -> None:
+        """Beacons of a node cut off past BEACON_TIMEOUT: its peers see it gone, and back after the cut.
+
+        What the real nodes' peer tables do (PeerTable expiry, then a beacon
+        and a subscription again): a consumer marks a store gone
+        (``on_peer_gone``; its restart-hole and skip rules count only live
+        stores), a store says the heads of a gone producer's partitions; when
+        the cut ends both sides meet again as new peers do (``_joined``).
+        """
+        for name, cut in list(self.cuts.items()):
+            gone_at, until, said = cut
+            if not said and now >= gone_at and not healing:
+                cut[2] = True
+                self._peer_gone(name)
+            if now >= until or healing:
+                del self.cuts[name]
+                if cut[2] or healing:
+                    h = self.host(name)
+                    if isinstance(h, StoreHost):
+                        if h.store is not None:
+                            self._joined(name, "store", h.store.address)
+                    elif isinstance(h, ConsumerHost):
+                        if h.node is not None:
+                            self._joined(name, "consumer", h.node.address)
+                    elif h.node is not None:
+                        self._joined(name, "producer", h.node.address)
+
+    def _peer_gone(self, name: str) -> None:
+        """Node ``name`` and everyone else stopped hearing each other's beacons."""
+        h = self.host(name)
+        if isinstance(h, StoreHost):
+            if h.store is None:
+                return
+            for c in self.consumers:
+                if c.node is not None:
+                    self._guard(f"{c.name} peer gone", c.node.on_peer_gone, h.store.address)
+                    self._guard(f"{name} peer gone", h.store.on_peer_gone, c.node.address)
+                    self.dirty.add(c.name)
+            self.dirty.add(name)
+        elif isinstance(h, ConsumerHost):
+            if h.node is None:
+                return
+            for o in self.stores:
+                if o.store is not None:
+                    self._guard(f"{name} peer gone", h.node.on_peer_gone, o.store.address)
+            self.dirty.add(name)
+        else:
+            if h.node is None:
+                return
+            for o in self.stores:
+                if o.store is not None and not o.stopped_until:
+                    self._guard(f"{o.name} peer gone", o.store.on_peer_gone, h.node.address)
+                    self.dirty.add(o.name)
 
     def continue_store(self, h: StoreHost) -> None:
         """SIGCONT: the store reads what waited in its socket buffers."""
@@ -363,7 +500,10 @@ class World:
                 out = self._guard(f"{name} input", node.on_frames, frames, sender, self.now, self.rng, self._on_ack)
                 if out:
                     for f in out:
+                        if f[0][:1] == wire.P_VOID:
+                            self.checker.observe("void-restart")
                         self.net.send(name, f, self.now, self.rng)
+                self._device_work(h)
                 return
             node = h.store if isinstance(h, StoreHost) else h.node
             if node is None:
@@ -375,6 +515,29 @@ class World:
             self.dirty.add(name)
 
         return deliver
+
+    def _device_work(self, p: ProducerHost) -> None:
+        """A device's outbox has work: its writer commits after a random latency."""
+        node = p.node
+        if isinstance(node, SimDevice) and p.commit_at is None and node.has_work():
+            p.commit_at = self.now + self.rng.choice((0.0005, 0.002, 0.01, 0.05))
+
+    def commit_device(self, p: ProducerHost) -> None:
+        """The outbox's group commit finished: the records are accepted and go out."""
+        p.commit_at = None
+        node = p.node
+        if not isinstance(node, SimDevice) or not node.has_work():
+            return
+        done = self._guard(f"{p.name} outbox commit", node.commit, self.rng)
+        if done is None:
+            return
+        runs, out = done
+        for first, contents in runs:
+            self.checker.on_publish(node.address, first, contents)
+            self.published += len(contents)
+        for frames in out:
+            self.net.send(p.name, frames, self.now, self.rng)
+        self._device_work(p)
 
     def _on_ack(self, producer: SimProducer, sender: str, expected: list[tuple[int, bytes]]) -> None:
         if producer.ring:
@@ -410,6 +573,8 @@ class World:
         for frames in node.sim_outbox():
             if isinstance(h, StoreHost) and frames[0][:1] == wire.P_ACK:
                 self._observe_ack(h, frames)
+            elif isinstance(h, StoreHost) and frames[0][:1] == wire.P_VOID:
+                self.checker.observe("void-store")
             self.net.send(name, frames, self.now, self.rng)
 
     def _observe_ack(self, h: StoreHost, frames: list[bytes]) -> None:
@@ -442,6 +607,9 @@ class World:
             candidates += [at for at, _ in self.restarts]
             candidates += [h.commit_at for h in self.stores if h.commit_at is not None and not h.stopped_until]
             candidates += [h.stopped_until for h in self.stores if h.stopped_until]
+            candidates += [p.commit_at for p in self.producers if p.commit_at is not None]
+            for gone_at, until, said in self.cuts.values():
+                candidates.append(until if said else gone_at)
             self.now = self.clock.now = max(self.now, min(candidates))
             now = self.now
             for _ in range(100_000):
@@ -466,6 +634,11 @@ class World:
                 if h.store is not None and h.disk_full_until and h.disk_full_until <= now:
                     h.disk_full_until = 0.0
                     h.store.db.max_map_size = None
+            for p in self.producers:
+                if p.commit_at is not None and p.commit_at <= now:
+                    self.commit_device(p)
+            if self.cuts:
+                self._cut_events(now)
             if now >= self.next_tick:
                 self.next_tick = now + TICK
                 self.tick(now)
@@ -512,6 +685,12 @@ class World:
                 pads = [self.rng.choice((0, 10, 100, 1000)) for _ in range(b)]
                 nxt = node.window.next
                 contents = [content_for(p.name, p.incarnation, nxt + i, pad) for i, pad in enumerate(pads)]
+                if isinstance(node, SimDevice):
+                    # Accepted (and counted as published) once committed: commit_device.
+                    node.publish(contents, kind == "lose", self.rng, self.now)
+                    self._device_work(p)
+                    self.advance(wait)
+                    return
                 first, msgs = node.publish(contents, kind == "lose", self.rng)
                 pushed = node.window.next - first
                 self.checker.on_publish(node.address, first, contents[:pushed])
@@ -526,10 +705,12 @@ class World:
             self.net.mode = MODES[a % len(MODES)]
             if self.net.mode != "calm":
                 self.net.count(f"net-{self.net.mode}")
-        elif kind == "isolate":
+        elif kind in ("isolate", "offline"):
             name = self.node_names()[a % len(self.node_names())]
-            self.net.isolated[name] = self.now + b / 1000
-            self.net.count("isolate")
+            self.cut_off(name, b / 1000)
+            self.net.count(kind)
+        elif kind == "topo":
+            return  # (the world's shape: see run)
         elif kind == "crash":
             self.crash(self.node_names()[a % len(self.node_names())], b / 1000)
         elif kind == "disk":
@@ -540,7 +721,7 @@ class World:
             self.net.count("disk-full")
         elif kind == "hostile":
             self.hostile(a, b)
-        elif kind == "stop":
+        elif kind in ("stop", "freeze"):
             self.stop_store(self.stores[a % len(self.stores)], b / 1000)
         self.advance(wait)
 
@@ -609,7 +790,9 @@ class World:
         self.step_index = -1
         self.net.mode = "calm"
         self.net.isolated.clear()
+        self._cut_events(self.now, healing=True)
         for h in self.stores:
+            h.away_until = 0.0
             h.disk_full_until = 0.0
             if h.store is not None:
                 h.store.db.max_map_size = None
@@ -635,7 +818,11 @@ class World:
             now_progress = (self.delivered, self.stored_records())
             if now_progress != progress:
                 progress, quiet_since = now_progress, self.now
-            if self.now >= end and self.now < last_end and self.now - quiet_since < HEAL_QUIET:
+            if self.now >= end and self.now < last_end and (
+                self.now - quiet_since < HEAL_QUIET or self.checker.repair_pending()
+            ):
+                # Readers progress, or a store lacks a record another holds:
+                # its hole repair backs off (up to 120 s between asks).
                 end = min(self.now + 1.0, last_end)
 
     def stored_records(self) -> int:
@@ -644,6 +831,9 @@ class World:
 
     def run(self, schedule: list[Step], seed: int | None = None) -> RunResult:
         started = time.perf_counter()
+        top = topology(schedule)
+        if top != self.top and self.top == TOPOLOGY:
+            self._setup(top)
         with simulated_time(self.clock):
             try:
                 self.start()

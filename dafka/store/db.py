@@ -1169,6 +1169,51 @@ class RecordDB:
         # The handle of a table created in this transaction is kept only once it committed.
         self._positions_db = self._write(body)
 
+    def position_groups(self, limit: int) -> list[str]:
+        """The groups with committed positions, at most ``limit``: one seek per group
+        (the scan jumps over each group's key range)."""
+        out: list[str] = []
+        with self._read_txn() as (txn, _dbs):
+            db = self._positions_db
+            if db is None:
+                return out
+            cur = txn.cursor(db=db)
+            found = cur.first()
+            while found and len(out) < limit:
+                key = bytes(cur.key())
+                prefix = key[: 1 + key[0]]
+                out.append(prefix[1:].decode("utf-8", "replace"))
+                # The next key past every key starting with ``prefix``.
+                nxt = prefix.rstrip(b"\xff")
+                if not nxt:
+                    break
+                found = cur.set_range(nxt[:-1] + bytes((nxt[-1] + 1,)))
+        return out
+
+    def delete_positions(self, group: str, keys: Sequence[tuple[str, str]] | None = None) -> int:
+        """Forget ``group``'s committed positions (``keys`` None: all of them), in one
+        transaction; how many were removed.  (Kafka's DeleteGroups and OffsetDelete.)"""
+        prefix = group_prefix(group)
+
+        def body(txn: lmdb.Transaction) -> int:
+            db = self._positions_db
+            if db is None:
+                return 0
+            removed = 0
+            if keys is not None:
+                for t, p in keys:
+                    removed += bool(txn.delete(pack_position_key(group, t, p), db=db))
+                return removed
+            cur = txn.cursor(db=db)
+            if cur.set_range(prefix):
+                while bytes(cur.key()).startswith(prefix):
+                    removed += 1
+                    if not cur.delete():
+                        break
+            return removed
+
+        return int(self._write(body))
+
     def positions(self, group: str) -> dict[tuple[str, str], int]:
         """``group``'s committed next offset per (topic, partition): one range scan."""
         out: dict[tuple[str, str], int] = {}
@@ -1418,6 +1463,59 @@ class RecordDB:
             return None
         last = U64.unpack(hcur.value())[0]
         return (first, last) if offset <= last else None
+
+    # ------------------------------------------------------------------ deleting the front
+
+    def delete_front(self, topic: str, partition: str, before: int, max_records: int = 10_000) -> tuple[int, bool]:
+        """Delete a partition's records below ``before`` (as retention does, from the
+        front), at most ``max_records`` in this one transaction: ``(first offset now held,
+        done)``.  The head never changes; ``before`` past it stops at it.  (Kafka's
+        DeleteRecords.)"""
+        pkey = self._pkey(topic, partition)
+
+        def body(txn: lmdb.Transaction) -> tuple[int, bool]:
+            dbs = self._dbs
+            assert dbs is not None
+            raw = txn.get(pkey, db=dbs.partitions)
+            if raw is None:
+                return 0, True
+            pid, first, last, count, nbytes = PARTITION_INFO.unpack(raw)
+            stop = min(before, last + 1)
+            if first >= stop or not count:
+                return first, True
+            cur = txn.cursor(db=dbs.records)
+            budget = max_records
+            if cur.set_range(RECORD_KEY.pack(pid, first)):
+                while budget:
+                    key = cur.key()
+                    if not key:
+                        break
+                    kpid, off = RECORD_KEY.unpack(key)
+                    if kpid != pid or off >= stop:
+                        break
+                    nbytes -= value_payload_size(cur.value())
+                    count -= 1
+                    budget -= 1
+                    if not cur.delete():
+                        break
+            first = last + 1  # nothing left
+            if count and cur.key():
+                kpid, off = RECORD_KEY.unpack(cur.key())
+                if kpid == pid:
+                    first = off  # the next record held (past a hole, maybe)
+            done = first >= stop
+            txn.put(pkey, PARTITION_INFO.pack(pid, first, last, count, max(nbytes, 0)), db=dbs.partitions)
+            hdb = self._holes_db
+            if hdb is not None:
+                hcur = txn.cursor(db=hdb)
+                floor = RECORD_KEY.pack(pid, first)
+                if hcur.set_range(RECORD_KEY.pack(pid, 0)):
+                    while bytes(hcur.key()) < floor and hcur.delete():
+                        pass
+            return first, done
+
+        first, done = self._write(body)
+        return int(first), bool(done)
 
     # ------------------------------------------------------------------ retention
 

@@ -16,8 +16,10 @@ store asks for them again:
 * a peer that joins (it may hold the records) makes every hole due at once,
   though never sooner than ``interval`` after the hole was last asked for;
 * a hole at the partition's start (from offset 0: no record below it) that
-  a peer store says it holds none of (VOID, :meth:`HoleRepair.on_void`) is
-  not asked for again until a peer joins: the records before the first one
+  every peer store the store knows says it holds none of (VOID,
+  :meth:`HoleRepair.on_void`) is not asked for again until a peer joins
+  (one peer's word is not enough: another may hold the records, and answer
+  after it): the records before the first one
   a store holds were most likely removed by its retention, and asking
   again would only bring what follows them once more.  (Such a hole exists
   because the store gave those offsets up after ``skip_after``, see
@@ -34,8 +36,8 @@ reads a clock or touches a socket.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
 
 INTERVAL = 0.5  # seconds: a hole's first wait, and the least time between rounds
 MAX_WAIT = 120.0  # seconds: the longest wait of a hole whose answers bring nothing
@@ -54,7 +56,9 @@ class _Hole:
     due_at: float  # when it may be asked for next
     asked_at: float  # when it was last asked for (-inf: never)
     voided: bool = False  # a start hole a peer store holds none of: not asked until a peer joins
-    ask_from: int = 0  # a start hole: where its next ask starts (past what a peer store holds none of)
+    ask_from: int = 0  # a start hole: where its next ask starts (past what every peer store holds none of)
+    # A start hole: the peer stores that said they hold none of it from ask_from, and up to where.
+    voiders: dict[str, int] = field(default_factory=dict)
 
 
 class HoleRepair:
@@ -133,14 +137,17 @@ class HoleRepair:
         i = bisect.bisect_right(firsts, offset) - 1
         return i >= 0 and offset <= self._holes[key][i].last
 
-    def on_void(self, key: Key, first: int, last: int) -> None:
-        """A peer store says it holds none of ``first..last`` of partition ``key``.
+    def on_void(
+        self, key: Key, first: int, last: int, source: str = "peer", stores: Collection[str] = ()
+    ) -> None:
+        """Peer store ``source`` says it holds none of ``first..last`` of partition ``key``.
 
-        For a tracked hole at the partition's start (its first offset 0) the
-        range said, from where that hole is asked, is asked no more; once all
-        of it was, the hole is not asked for again until a peer joins (see
-        the module docstring).  Other holes are unaffected (their backoff goes
-        on).
+        ``stores`` are the peer stores known now (any may hold the records).
+        For a tracked hole at the partition's start (its first offset 0), once
+        every one of them and ``source`` said so from where that hole is asked,
+        what all said is asked no more; once all of the hole was, it is not
+        asked for again until a peer joins (see the module docstring).  Other
+        holes are unaffected (their backoff goes on).
         """
         hs = self._holes.get(key)
         if not hs:
@@ -148,10 +155,16 @@ class HoleRepair:
         h = hs[0]  # sorted by first: a start hole is the first
         if h.first != 0 or not first <= h.ask_from <= last:
             return
-        if last >= h.last:
+        voiders = h.voiders
+        voiders[source] = max(last, voiders.get(source, last))
+        if any(store not in voiders for store in stores):
+            return  # a store that may hold some has not said
+        upto = min(voiders.values())
+        voiders.clear()
+        if upto >= h.last:
             h.voided = True
         else:
-            h.ask_from = last + 1
+            h.ask_from = upto + 1
 
     def peer_joined(self, now: float) -> None:
         """A peer that may hold the records joined: every hole is due again soon, its wait reset."""
@@ -159,6 +172,7 @@ class HoleRepair:
             for h in hs:
                 h.voided = False
                 h.ask_from = h.first
+                h.voiders.clear()
                 h.wait = self.interval
                 h.due_at = min(h.due_at, max(now, h.asked_at + self.interval))
 

@@ -38,6 +38,7 @@ import threading
 import time
 import zlib
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -47,7 +48,7 @@ import zmq
 from dafka import fastio
 from dafka.config import NodeConfig, default_node_config
 from dafka.core import beacon, wire
-from dafka.core.gaps import PartitionTracker
+from dafka.core.gaps import KnownStores, PartitionTracker
 from dafka.errors import ConfigError, ProtocolError
 from dafka.nodes.metrics import SECONDS_BUCKETS, SIZE_BUCKETS, Histogram
 from dafka.nodes.node import DRAIN, read_subscriptions
@@ -56,6 +57,7 @@ from dafka.store.acks import AckRepeats
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.holes import HoleRepair
 from dafka.store.layout import VALUE_HEADER
+from dafka.store.leaves import LeafEndpoint
 from dafka.store.linger import TrickleLinger
 
 log = logging.getLogger("dafka.store")
@@ -111,6 +113,14 @@ def writing_status_due(partition: str, last: float | None, now: float) -> bool:
 
 
 ERROR_LOG_INTERVAL = 30.0  # a lasting write failure is logged again this often
+# While its commits fail (a full disk), a store keeps reading its data socket:
+# FETCHes, GET-HEADS and the rest come on it, and the records it holds may be
+# held by no one else.  Messages of these kinds (records, record batches,
+# HEADs) are left out meanwhile, as if the socket's high-water mark had
+# dropped them: nothing of them is acknowledged, and once writes resume the
+# partitions' next records show the gap, which is fetched again.
+_SHED = frozenset((wire.P_RECORD, wire.P_DIRECT_RECORD, wire.P_HEAD, wire.P_DIRECT_HEAD))
+_NO_PREFIXES: dict[bytes, Any] = {}  # no fast path: every message goes through on_message
 REFUSED_LOG_INTERVAL = 5.0  # refused partitions are logged at most this often
 REFUSED_STATUS_FOR = 10.0  # seconds a refused partition's producer is told "not writing"
 SKIP_AFTER = 10.0  # seconds before offsets nobody has are given up
@@ -143,6 +153,7 @@ class Store(PartitionReader):
     retention_budget = RETENTION_BUDGET  # seconds; an attribute so tests can drive whole rounds
 
     kind = "store"
+    holds_records = True
 
     def interest(self) -> beacon.Interest:
         """Everyone: a store hears every producer and consumer, and the other stores."""
@@ -165,6 +176,8 @@ class Store(PartitionReader):
         address: str | None = None,
         linger: float = LINGER,
         skip_after: float = SKIP_AFTER,
+        leaves: str | None = None,
+        leaf_limits: dict[str, Any] | None = None,
     ) -> None:
         config = (config or default_node_config()).with_towers(towers)
         super().__init__(config, address=address)
@@ -182,6 +195,10 @@ class Store(PartitionReader):
         # before its offsets are given up and recorded as a hole.
         self.skip_after = skip_after
         self._heads: dict[tuple[str, str], int] = {}
+        # The other stores (they subscribe to their CONSUMER-HELLOs on our
+        # publisher): all must have said they hold none of a restarted
+        # producer's hole before it is passed without waiting skip_after.
+        self._stores = KnownStores(skip_after)
         self._pids: dict[tuple[str, str], int] = {}
         # Partition address -> the topics of its partitions held here (see on_peer_gone).
         self._topics_of: dict[str, set[str]] = {}
@@ -266,10 +283,17 @@ class Store(PartitionReader):
             self.subscribe(prefix)
         self.subscribe(wire.P_DIRECT_RECORD + own)
         self.subscribe(wire.P_CONSUMER_HELLO + own)
+        # VOIDs: a restarted producer's hole, and stores that hold none of it
+        # (see PartitionTracker.pass_restart_hole; C stores never send them).
+        self.subscribe(wire.P_VOID + own)
         self.every(STATS_INTERVAL, self._log_stats)
         self.every(HEADS_INTERVAL, self._announce_heads)
         self.every(STATUS_INTERVAL, self._send_status)
         self._sync_holes()
+        # Leaf devices dial this port (dafka.store.leaves): their records enter as the mesh's do.
+        self.leaves: LeafEndpoint | None = None
+        if leaves:
+            self.leaves = LeafEndpoint(self, leaves, **(leaf_limits or {}))
         self._writer.start()
         self.start()
 
@@ -289,6 +313,10 @@ class Store(PartitionReader):
             self._writer_cond.notify_all()
         self._writer.join(timeout)
         self.db.close()
+
+    def batch_full(self) -> bool:
+        """Whether records waiting for the writer reached MAX_BATCH (reading then pauses)."""
+        return self.pending_records() >= MAX_BATCH
 
     def pending_records(self) -> int:
         """Records received and not yet handed to the writer."""
@@ -424,7 +452,13 @@ class Store(PartitionReader):
             self._skips = skips + self._skips
             for topic, partition, off, content, ts in fills:
                 self._fills.setdefault((topic, partition, off), (content, ts))
-            self.pause_data(True)
+            # Reading goes on, new records and HEADs left out (see _SHED): the
+            # records this store holds may be held by no one else, and FETCHes
+            # of them come on the same socket as records.  Pausing it (as this
+            # did) left them unserved while the disk stayed full, so other
+            # stores recorded holes over acknowledged records and readers
+            # skipped them (chaos soak, seed 1795922590: 23,772 lost).
+            self.pause_data(False)
             self._send_status(now)  # producers learn why at once
             return
         if self.storage_error is not None:
@@ -434,7 +468,10 @@ class Store(PartitionReader):
         self.stored += len(batch) + len(pairs) - refused + filled[0]
         if fills or skips:
             self._on_holes_changed(filled)
-        self._status_keys.update(heads)
+        # Partitions of leaves connected here get their ACK on the leaf port: none
+        # on the mesh (nobody there reads it), nor a STORE-STATUS.
+        leaf_served = self.leaves.sessions() if self.leaves is not None else ()
+        self._status_keys.update(k for k in heads if k not in leaf_served)
         if self._refused:
             for key in heads:
                 self._refused.pop(key, None)  # taken again
@@ -445,8 +482,11 @@ class Store(PartitionReader):
             if self.ready_pairs and key not in self._pids:
                 self._learn_pid(key)
             # One cumulative ACK per partition per commit, after the commit.
-            self._unsent_acks[key] = head
+            if key not in leaf_served:
+                self._unsent_acks[key] = head
         self._send_acks()
+        if self.leaves is not None:
+            self.leaves.on_commit(heads)  # after the heads above: an ACK read at once finds them
         self.commit_sizes.observe(len(batch) + len(pairs))
         received: Any = batch[0][4] if batch and len(batch[0]) == 5 else None  # mesh records: ms stamp
         if received is None and pairs:
@@ -611,7 +651,8 @@ class Store(PartitionReader):
     # ---------------------------------------------------------------- I/O thread: input
 
     def sockets(self) -> list[tuple[zmq.Socket, Any]]:
-        return [(self.publisher, self._read_subscriptions)]
+        leaves = self.leaves.sockets() if self.leaves is not None else []
+        return [(self.publisher, self._read_subscriptions), *leaves]
 
     def new_tracker(self, subject: str, partition: str) -> PartitionTracker:
         head = self._heads.get((subject, partition))
@@ -648,6 +689,10 @@ class Store(PartitionReader):
         # The hot path: the next records of known partitions join the batch
         # inside drain_records (frame-exact); the rest go through track /
         # on_message in arrival order.
+        if self.storage_error is not None:
+            # Cannot write: no fast path, so every message goes through
+            # on_message, which leaves out records and HEADs (see _SHED).
+            prefixes = _NO_PREFIXES
         ts = self._ts = int(time.time() * 1000)
         segs_before = len(self._segs)
         if self.ready_pairs:
@@ -670,11 +715,16 @@ class Store(PartitionReader):
             self.linger_data(self._trickle.rest(self.linger, pids, time.monotonic()))
         if self._missing:
             self.fetch_missing()
-        if self.pending_records() >= MAX_BATCH:
+        if self.pending_records() >= MAX_BATCH and self.storage_error is None:
             self.pause_data(True)
         self._flush_batch()
         if self._heads_wanted:
             self._answer_heads(time.monotonic())
+
+    def on_message(self, frames: list[bytes]) -> None:
+        if self.storage_error is not None and frames and frames[0][:1] in _SHED:
+            return  # a store that cannot write takes no records (see _SHED)
+        super().on_message(frames)
 
     def on_other(self, msg: wire.Message) -> None:
         if isinstance(msg, wire.Fetch):
@@ -702,8 +752,8 @@ class Store(PartitionReader):
         So answers wait until the data socket is drained (at most a second
         under a steady stream), and never while reading is paused.
         """
-        if self.data_paused:
-            return
+        if self.data_paused or self.storage_error is not None:
+            return  # (while it cannot write, records are left out unread: see _SHED)
         if self.data_waiting() and now - self._heads_wanted[0][2] < 1.0:
             return
         wanted, self._heads_wanted = self._heads_wanted, []
@@ -886,7 +936,12 @@ class Store(PartitionReader):
                 self._count_hearer(subscribe, prefix[1:].decode(errors="replace"))
             if not subscribe:
                 continue
-            if prefix[:1] == wire.P_STORE_HELLO and len(prefix) > 1:
+            if prefix[:1] == wire.P_CONSUMER_HELLO and 1 < len(prefix) <= MAX_ADDRESS + 1:
+                # Another store (it wants CONSUMER-HELLOs addressed to it) hears us.
+                store = prefix[1:].decode(errors="replace")
+                if store != self.address:
+                    self._stores.met(store)
+            elif prefix[:1] == wire.P_STORE_HELLO and len(prefix) > 1:
                 try:
                     consumer = prefix[1:].decode()
                 except UnicodeDecodeError:
@@ -928,7 +983,11 @@ class Store(PartitionReader):
         # gone (no beacon: expired) or was never met leaves that to skip_after.
         return partition in self._fetch_hearers or partition not in self.peers
 
+    def known_stores(self) -> Collection[str]:
+        return self._stores.current(time.monotonic())
+
     def on_peer_gone(self, address: str) -> None:
+        self._stores.gone(address, time.monotonic())
         # Its last records may have reached only us (a producer closed without
         # lingering, its last HEAD unsent): say where its partitions end now,
         # so other stores and readers fetch the tail within a beacon timeout,
@@ -1029,19 +1088,14 @@ class Store(PartitionReader):
             self._fills[(tracker.subject, tracker.address, seq)] = (None, 0)
         super().too_large(tracker, seq, size)
 
-    def on_void(self, msg: wire.Void) -> None:
-        super().on_void(msg)
-        if (
-            self.repair
-            and msg.kind == wire.VOID_STORE
-            and msg.topic == self.address
-            and self.keys is None
-            and msg.source != self.address
-        ):
-            # A peer store holds none of a range we asked for: a recorded hole at
-            # the partition's start is then asked for no more (retention removed
-            # it there, most likely), until a peer joins (see dafka.store.holes).
-            self.repair.on_void((msg.subject, msg.address), msg.first, msg.last)
+    def on_believed_void(self, msg: wire.Void) -> None:
+        super().on_believed_void(msg)
+        if self.repair and msg.kind == wire.VOID_STORE and msg.source != self.address:
+            # A peer store holds none of a range we asked for: once every store we
+            # know said so, a recorded hole at the partition's start is asked for
+            # no more (retention removed it there, most likely), until a peer
+            # joins (see dafka.store.holes).
+            self.repair.on_void((msg.subject, msg.address), msg.first, msg.last, msg.source, self.known_stores())
 
     def retry_missing_now(self) -> None:
         super().retry_missing_now()
@@ -1070,6 +1124,8 @@ class Store(PartitionReader):
                 break
             self._flush_batch()
             self._read_wake_blocking(0.05)
+        if self.leaves is not None:
+            self.leaves.close()
 
     def _read_wake_blocking(self, timeout: float) -> None:
         if self._wake_rx.poll(int(timeout * 1000)):

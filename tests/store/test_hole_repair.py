@@ -123,6 +123,30 @@ def test_a_start_hole_a_peer_holds_none_of_is_asked_no_more_until_a_peer_joins()
     assert r.due(200.0) == [("t", P, 0, 10), ("t", P, 40, 5)]
 
 
+def test_a_start_hole_is_asked_until_every_known_peer_store_holds_none_of_it() -> None:
+    """One peer store's VOID is not enough: another may hold the records (and answer
+    after it).  The simulator's 3-store hole repair found it: the first VOID stopped
+    the asks, and the holes of a store back from a freeze were never filled."""
+    r = HoleRepair(interval=1.0, max_wait=8.0, max_ask=10)
+    r.sync([("t", P, 0, 24)], now=0.0)
+    assert r.due(1.0) == [("t", P, 0, 10)]
+    r.on_void(KEY, 0, 30, "s1", stores=("s1", "s2"))
+    assert r.due(2.0) == [("t", P, 0, 10)]  # s2 has not said: still asked from 0
+    r.on_void(KEY, 0, 30, "s1", stores=("s1", "s2"))  # s1 again changes nothing
+    assert r.due(4.0) == [("t", P, 0, 10)]
+    r.on_void(KEY, 0, 9, "s2", stores=("s1", "s2"))  # s2: none of 0..9
+    assert r.due(8.0) == [("t", P, 10, 10)]  # what both said is asked no more
+    r.on_void(KEY, 10, 30, "s2", stores=("s1", "s2"))
+    assert r.due(16.0) == [("t", P, 10, 10)]  # s1's word was about asks from 0
+    r.on_void(KEY, 10, 30, "s1", stores=("s1", "s2"))
+    assert all(not r.due(20.0 + i) for i in range(20))  # both: never again
+    r.peer_joined(100.0)
+    assert r.due(100.0) == [("t", P, 0, 10)]
+    r.on_void(KEY, 0, 30, "s1", stores=("s1", "s2", ""))  # a store turned away (UNREMEMBERED) never says
+    r.on_void(KEY, 0, 30, "s2", stores=("s1", "s2", ""))
+    assert r.due(101.0) == [("t", P, 0, 10)]
+
+
 def test_a_void_not_from_where_a_start_hole_is_asked_changes_nothing() -> None:
     r = HoleRepair(interval=1.0, max_wait=8.0)
     r.sync([("t", P, 0, 9)], now=0.0)

@@ -196,8 +196,9 @@
   function startTopic(name) {
     const parts = el("div", { id: "partitions" });
     const rate = el("div", { id: "rate-chart" });
+    const lagChart = el("div", { id: "topic-lag-chart" });
     const browser = el("div", { id: "browser" });
-    content.replaceChildren(section("parts", "Partitions", parts), section("rate", "Records/s", rate), section("records", "Records", browser));
+    content.replaceChildren(section("parts", "Partitions", parts), section("rate", "Records/s", rate), section("lag", "Lag of the groups consuming it", lagChart), section("records", "Records", browser));
     const sel = el("select", { id: "partition" });
     const offset = el("input", { id: "offset", type: "number", min: "0", placeholder: "latest" });
     const when = el("input", { id: "time", type: "datetime-local", step: "1" });
@@ -216,14 +217,20 @@
           const pre = el("pre", { class: "content " + c.as, text: c.text });
           const note = el("span", { class: "note", text: c.as + ", " + c.size + " bytes" + (c.truncated ? ", truncated: first " + c.text.length + (c.as === "hex" ? " characters" : " characters") + " shown" : "") });
           const key = x.key === null ? "-" : x.key.text;
-          return [x.offset, new Date(x.ts_ms).toISOString(), key, el("div", {}, pre, note)];
+          return [x.offset, x.ts_ms === null ? "-" : new Date(x.ts_ms).toISOString(), key, el("div", {}, pre, note)];
         });
-        const cut = r.data.cut ? " (page cut at 8 MiB of contents: \"newer\" goes on)" : "";
-        out.replaceChildren(el("p", { text: "offsets " + r.data.first + ".." + r.data.last + " stored; showing from " + r.data.offset + cut }),
+        const d = r.data;
+        const notes = [];
+        if (d.cut) notes.push("page cut at 8 MiB of contents: \"newer\" goes on");
+        if (d.timed_out) notes.push("no answer for every record in time: showing what came");
+        if (d.missing) notes.push(d.missing + " offset(s) of the page not read (holes)");
+        const what = d.source === "mesh" ? "read over the mesh (head " + (d.last === null ? "-" : d.last) + ")"
+          : "offsets " + d.first + ".." + d.last + " stored";
+        out.replaceChildren(el("p", { id: "record-note", text: what + "; showing from " + d.offset + (notes.length ? " (" + notes.join("; ") + ")" : "") }),
           table(["offset", "time", "key", "content"], rows, "records"));
       });
     }
-    const older = el("button", { id: "older", text: "older", onclick: () => shown && load(Math.max(shown.first, shown.offset - 20)) });
+    const older = el("button", { id: "older", text: "older", onclick: () => shown && load(Math.max(shown.first || 0, shown.offset - 20)) });
     const newer = el("button", { id: "newer", text: "newer", onclick: () => shown && load(shown.next) });
     const latest = el("button", { id: "latest", text: "latest", onclick: () => { offset.value = ""; load(null); } });
     const go = el("button", { id: "go", text: "show", onclick: () => load(offset.value) });
@@ -231,20 +238,46 @@
     browser.replaceChildren(el("div", { class: "controls" }, "partition ", sel, " from offset ", offset, " ", go,
       " or from (local time) ", when, " ", goTime, " as ", fmt, " ", latest, older, newer), out);
     let first = true;
+    let pfrom = 0;  // the first partition of the page shown (a topic may have thousands)
+    const pnote = el("span", { id: "partition-page" });
+    const pprev = el("button", { id: "partitions-prev", text: "previous", onclick: () => { pfrom = Math.max(0, pfrom - 200); refresh(); } });
+    const pnext = el("button", { id: "partitions-next", text: "next", onclick: () => { pfrom += 200; refresh(); } });
+    const ptable = el("div");
+    parts.replaceChildren(el("div", { class: "controls" }, pnote, " ", pprev, pnext), ptable);
     function refresh() {
-      getJSON("/api/topic?name=" + encodeURIComponent(name)).then((r) => {
-        if (!r.ok) { parts.replaceChildren(el("p", { class: "note", text: r.data.error })); return; }
+      getJSON("/api/topic?name=" + encodeURIComponent(name) + "&from=" + pfrom).then((r) => {
+        if (!r.ok) { ptable.replaceChildren(el("p", { class: "note", text: r.data.error })); return; }
         const d = r.data;
+        pfrom = d.from;
         live.textContent = "live"; live.className = "on";
-        parts.replaceChildren(table(["partition", "first", "head", "records", "bytes", "records/s", "producer", "stores (head/lag)"],
+        pnote.textContent = "partitions " + (d.from + 1) + "-" + (d.from + d.partitions.length) + " of " + d.partition_count;
+        pprev.disabled = d.from === 0;
+        pnext.disabled = d.from + d.partitions.length >= d.partition_count;
+        ptable.replaceChildren(table(["partition", "first", "head", "records", "bytes", "records/s", "producer", "stores (head/lag)"],
           d.partitions.map((p) => [p.partition, p.first, p.head, p.records, bytes(p.bytes), p.rate,
             p.producer_head === null ? "-" : p.producer_head + (p.producer_alive ? "" : " (gone)"),
             p.stores.map((s) => short(s.address) + ":" + s.head + "/" + s.lag).join("  ") || "-"]), "partitions"));
-        const have = new Set(Array.from(sel.options).map((o) => o.value));
-        for (const p of d.partitions) if (!have.has(p.partition)) sel.appendChild(el("option", { value: p.partition, text: p.partition }));
+        // The partitions of the page shown (and the one chosen, if on another page).
+        const chosen = sel.value;
+        const names = d.partitions.map((p) => p.partition);
+        if (chosen && !names.includes(chosen)) names.unshift(chosen);
+        if (Array.from(sel.options).map((o) => o.value).join("\u0000") !== names.join("\u0000")) {
+          sel.replaceChildren(...names.map((n) => el("option", { value: n, text: n })));
+          if (chosen) sel.value = chosen;
+        }
         chart(rate, "records/s (all partitions)", d.rate, "records/s");
-        if (first && d.db && d.partitions.length) { first = false; load(null); }
-        if (!d.db) out.replaceChildren(el("p", { class: "note", text: "the record browser reads a local store: start the console with --db DIR" }));
+        if (!d.lag.length) { if (!charts.has(lagChart)) lagChart.replaceChildren(el("p", { class: "note", text: "no group consumes it (yet)" })); }
+        else {
+          // On the sample times of the most lagging group (the groups are sampled together).
+          const xs = d.lag[0].points.map((p) => p[0]);
+          chartSeries(lagChart, "lag (records, the topic's partitions summed)", "records", xs, d.lag.map((g) => {
+            const at = new Map(g.points.map((p) => [p[0], p[1]]));
+            return { label: g.group, values: xs.map((x) => (at.has(x) ? at.get(x) : null)) };
+          }));
+        }
+        when.disabled = goTime.disabled = !d.db;
+        when.title = goTime.title = d.db ? "" : "records carry no timestamp over the mesh: from a time needs --db";
+        if (first && d.partitions.length) { first = false; load(null); }
       });
     }
     refresh();
@@ -256,16 +289,24 @@
   function startGroup(name) {
     const members = el("div", { id: "members" });
     const parts = el("div", { id: "positions" });
+    let pfrom = 0;  // the first partition of the page shown
     const lag = el("div", { id: "lag-chart" });
     content.replaceChildren(section("m", "Members", members), section("p", "Positions and lag", parts), section("l", "Lag", lag));
     function refresh() {
-      getJSON("/api/group?name=" + encodeURIComponent(name)).then((r) => {
+      getJSON("/api/group?name=" + encodeURIComponent(name) + "&from=" + pfrom).then((r) => {
         if (!r.ok) { members.replaceChildren(el("p", { class: "note", text: r.data.error })); return; }
         const d = r.data;
         live.textContent = "live"; live.className = "on";
         members.replaceChildren(table(["member", "topics", "claims"], d.members.map((m) => [m.address, m.topics.join(", "), m.claims.map((c) => c[0] + "/" + short(c[1])).join("  ") || "-"])));
-        parts.replaceChildren(el("p", { text: "total lag " + d.lag }), table(["topic", "partition", "owner", "head", "committed", "lag"],
-          d.partitions.map((p) => [p.topic, p.partition, p.owner ? short(p.owner) : "-", p.head, p.committed, p.lag]), "positions"));
+        pfrom = d.from;
+        const prev = el("button", { text: "previous", onclick: () => { pfrom = Math.max(0, pfrom - 200); refresh(); } });
+        const next = el("button", { text: "next", onclick: () => { pfrom += 200; refresh(); } });
+        prev.disabled = d.from === 0;
+        next.disabled = d.from + d.partitions.length >= d.partition_count;
+        parts.replaceChildren(el("p", { text: "total lag " + d.lag }),
+          el("div", { class: "controls" }, "partitions " + (d.from + 1) + "-" + (d.from + d.partitions.length) + " of " + d.partition_count + " ", prev, next),
+          table(["topic", "partition", "owner", "head", "committed", "lag"],
+            d.partitions.map((p) => [p.topic, p.partition, p.owner ? short(p.owner) : "-", p.head, p.committed, p.lag]), "positions"));
         // The summed lag and the most lagging partitions', on the sum's sample times.
         const xs = d.history.map((p) => p[0]);
         const series = [{ label: "all partitions", values: d.history.map((p) => p[1]) }];

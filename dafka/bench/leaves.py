@@ -1,0 +1,179 @@
+"""``dafka bench scale --leaves N``: N leaf devices at 1 record/s each, dialling regional stores.
+
+A tower and ``--endpoints`` stores with a leaf port run in processes of their
+own; the devices are spread over ``--procs`` processes, each driving its
+share from one :class:`~dafka.nodes.leaf.LeafLoop` thread (a device k uses
+endpoint ``k % E`` first, the others after it for failover); a mesh consumer
+in this process reads the topic live.  CPU is read from /proc over the
+publishing window: *servers* are the tower, the stores and the consumer, *the
+whole* adds the device processes.  One summary line starts with ``scale:``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+from dafka.bench.common import PAYLOAD, _proc_cpu, _spawn_tower, _tcp_sockets
+from dafka.config import NodeConfig
+
+
+def _leaf_store(cfg: NodeConfig, db: str, sync: bool, ports: Any, done: Any) -> None:
+    import logging
+
+    from dafka.store.node import Store
+
+    logging.getLogger("dafka").setLevel(logging.ERROR)
+    store = Store(db, cfg, sync=sync, leaves="127.0.0.1:0")
+    assert store.leaves is not None
+    ports.put(store.leaves.port)
+    done.wait(3600)
+    store.close()
+
+
+def _devices(
+    topic: str, endpoints: list[str], first: int, n: int, seconds: float, go: Any, result: Any
+) -> None:
+    """Host ``n`` leaf devices on one LeafLoop; each publishes one record a second for ``seconds``."""
+    import logging
+
+    from dafka.nodes.leaf import LeafLoop, LeafProducer
+
+    logging.getLogger("dafka").setLevel(logging.ERROR)
+    loop = LeafLoop()
+    e = len(endpoints)
+    devices = []
+    for k in range(first, first + n):
+        order = [endpoints[(k + i) % e] for i in range(e)]
+        devices.append(LeafProducer(topic, leaf=order, capacity=1000, loop=loop))
+    latencies: list[float] = []
+    clock = time.perf_counter
+
+    def stamp(sent: float) -> Any:
+        def on_ack(receipt: Any) -> None:
+            if receipt.acked():
+                latencies.append(clock() - sent)
+
+        return on_ack
+
+    # Every device welcomed, and its partition known to its store (a fleet's devices make
+    # their partitions once in their lives: that cost is timed apart), before the clock starts.
+    t_warm = time.monotonic()
+    for d in devices:
+        d.publish(b"warm-up")
+    warm = all(d.flush(300) for d in devices)
+    result.put(("ready", n, warm, time.monotonic() - t_warm))
+    go.wait(600)
+    published = 0
+    t0 = clock()
+    rounds = max(1, int(seconds))
+    spacing = 1.0 / n
+    payload = b"x" * PAYLOAD
+    for k in range(rounds * n):  # device k % n publishes at t0 + k / n: 1 record/s each
+        delay = t0 + k * spacing - clock()
+        if delay > 0:
+            time.sleep(delay)
+        devices[k % n].publish(payload, stamp(clock()))
+        published += 1
+    result.put(("published", published))
+    acked_all = all(d.flush(30) for d in devices)
+    failovers = sum(d.link.failovers for d in devices)
+    for d in devices:
+        d.close(0)
+    loop.close()
+    result.put(("done", published, acked_all, latencies, failovers))
+
+
+def bench_leaves(args: argparse.Namespace) -> int:
+    import multiprocessing as mp
+    import tempfile
+
+    from dafka.nodes.consumer import Consumer
+
+    n = args.leaves
+    procs = max(1, min(args.procs, n))
+    e = max(1, args.endpoints)
+    ctx = mp.get_context("spawn")
+    tower, tower_done, cfg = _spawn_tower(ctx)
+    topic = f"bench-leaves-{int(time.time())}"
+    with tempfile.TemporaryDirectory(prefix="dafka-bench-") as tmp:
+        ports, done = ctx.Queue(), ctx.Event()
+        stores = [ctx.Process(target=_leaf_store, args=(cfg, os.path.join(tmp, f"s{i}"), not args.no_sync, ports, done))
+                  for i in range(e)]
+        for s in stores:
+            s.start()
+        endpoints = [f"127.0.0.1:{ports.get(timeout=60)}" for _ in stores]
+        live = Consumer(topic, cfg)
+        go, result = ctx.Event(), ctx.Queue()
+        shares = [n // procs + (i < n % procs) for i in range(procs)]
+        firsts = [sum(shares[:i]) for i in range(procs)]
+        hosts = [ctx.Process(target=_devices, args=(topic, endpoints, f, k, args.seconds, go, result))
+                 for f, k in zip(firsts, shares, strict=True)]
+        t_start = time.monotonic()
+        for h in hosts:
+            h.start()
+        warm_ups = [result.get(timeout=900) for _ in hosts]
+        warmed = all(w[2] for w in warm_ups)
+        warm_s = max(w[3] for w in warm_ups)
+        # The consumer meets the stores (the devices are no mesh nodes).
+        while len(live.peers) < e and time.monotonic() - t_start < 60:
+            time.sleep(0.2)
+        print(f"scale: {n} leaves in {procs} processes, {e} endpoint store(s), up in "
+              f"{time.monotonic() - t_start:.1f}s (first record of every device, which makes its"
+              f" partition, acknowledged: {warmed}, in {warm_s:.1f}s)", flush=True)
+        me = os.getpid()
+        servers = [tower.pid, *(s.pid for s in stores), me]
+        devices = [h.pid for h in hosts]
+        cpu0 = {pid: _proc_cpu(pid) for pid in servers + devices}
+        t0 = time.monotonic()
+        go.set()
+        time.sleep(min(args.seconds, 5.0) / 2)
+        sockets = _tcp_sockets(servers + devices)
+        finished: list[Any] = []
+        waiting = len(hosts)
+        while waiting:
+            msg = result.get(timeout=args.seconds + 120)
+            if msg[0] == "published":
+                waiting -= 1
+            else:
+                finished.append(msg)
+        elapsed = time.monotonic() - t0
+        cpu = {pid: _proc_cpu(pid) - c for pid, c in cpu0.items()}
+        while len(finished) < len(hosts):
+            finished.append(result.get(timeout=120))
+        received = 0
+        deadline = time.monotonic() + 10
+        published = sum(f[1] for f in finished)
+        while received < published and time.monotonic() < deadline:
+            if live.poll(0.2) is not None:
+                received += 1
+        live.close()
+        done.set()
+        for s in stores:
+            s.join(60)
+    for h in hosts:
+        h.join(30)
+    tower_done.set()
+    tower.join(30)
+    acked = all(f[2] for f in finished)
+    failovers = sum(f[4] for f in finished)
+    latencies = sorted(x for f in finished for x in f[3])
+
+    def pct(q: float) -> float:
+        return latencies[int(q * (len(latencies) - 1))] * 1000 if latencies else float("nan")
+
+    server_cpu = sum(cpu[p] for p in servers) / elapsed
+    store_cpu = sum(cpu[s.pid] for s in stores) / elapsed
+    device_cpu = sum(cpu[p] for p in devices) / elapsed
+    print(
+        f"scale: leaves {n}, {procs} device processes, {e} endpoint(s); {sockets} TCP sockets; "
+        f"servers {server_cpu:.1%} (stores {store_cpu:.1%}, tower {cpu[tower.pid] / elapsed:.1%}, "
+        f"consumer {cpu[me] / elapsed:.1%}; {server_cpu / n:.4%} per device); "
+        f"devices {device_cpu:.1%} ({device_cpu / n:.4%} per device); the whole {server_cpu + device_cpu:.1%}; "
+        f"{published} published, all acked: {acked}, ACK p50 {pct(0.5):.1f} p90 {pct(0.9):.1f} "
+        f"p99 {pct(0.99):.1f} max {pct(1.0):.1f} ms; live consumer got {received}; failovers {failovers}",
+        flush=True,
+    )
+    return 0 if acked and received >= published else 1

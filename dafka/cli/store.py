@@ -1,0 +1,149 @@
+"""``dafka store`` (run a store) and ``dafka topics`` (what a store's database holds)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from dafka.cli.args import add_node_flags, count_arg, positive_seconds_arg
+from dafka.cli.common import (
+    StopSignals,
+    note_unreached_towers,
+    open_error,
+    serve_metrics,
+    service_node_config,
+    tower_names,
+    writable_dir,
+)
+from dafka.config import Settings, shorten
+from dafka.errors import ConfigError, DafkaError
+
+
+def retention_policy(section: dict[str, Any], age: float | None = None, size: int | None = None) -> Any:
+    """[store.retention] max_age_s / max_bytes, plus [store.retention.topics.NAME]."""
+    from dafka.store.db import Retention, RetentionPolicy
+
+    def one(d: dict[str, Any]) -> Retention:
+        max_age = d.get("max_age_s")
+        return Retention(
+            None if max_age is None else int(float(max_age) * 1000),
+            None if d.get("max_bytes") is None else int(d["max_bytes"]),
+        )
+
+    default = one(section)
+    if age is not None:
+        default = default._replace(max_age_ms=int(age * 1000))
+    if size is not None:
+        default = default._replace(max_bytes=size)
+    topics = {name: one(d) for name, d in section.get("topics", {}).items()}
+    return RetentionPolicy(default=default, topics=topics)
+
+
+def storage_options(args: argparse.Namespace, section: dict[str, Any], name: str) -> tuple[str, bool, Any]:
+    """``(db, sync, retention policy)`` of a store or gateway, from its flags and [name] section."""
+    db = args.db or section.get("db")
+    if not db:
+        raise ConfigError(f"--db DIR (or [{name}] db) is required")
+    writable_dir(db)
+    sync = not args.no_sync and bool(section.get("sync", True))
+    policy = retention_policy(section.get("retention", {}), args.retention_age, args.retention_bytes)
+    return db, sync, policy
+
+
+def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
+    import lmdb
+
+    from dafka.store.node import Store, linger_setting
+
+    db, sync, policy = storage_options(args, settings.section("store"), "store")
+    section = settings.section("store")
+    linger = linger_setting(section)
+    signals = StopSignals()
+    cfg = service_node_config(args, settings, "store")
+    if args.leaves:
+        from dafka.config import is_loopback
+        from dafka.store.leaves import parse_endpoint
+
+        if not is_loopback(parse_endpoint(args.leaves)[0]) and not args.insecure:
+            raise ConfigError(f"--leaves {args.leaves}: the leaf port has no authentication yet; add --insecure")
+    try:
+        store = Store(db, cfg, sync=sync, retention=policy, linger=linger, leaves=args.leaves)
+    except lmdb.Error as exc:
+        raise open_error(db, exc) from None
+    with store:
+        print(
+            f"store up: {store.address} db {db} (sync={'on' if sync else 'OFF'}), tower {tower_names(cfg.towers)}"
+            + (f", leaves on {store.leaves.endpoint}" if store.leaves is not None else ""),
+            flush=True,
+        )
+        serve_metrics(args, section, store)
+        note_unreached_towers(cfg.towers)
+        return signals.wait()
+
+
+TOPIC_ROWS = 20  # partitions of a topic listed by `dafka topics` without --all
+
+
+def cmd_topics(args: argparse.Namespace, settings: Settings) -> int:
+    import lmdb
+
+    from dafka.store.db import RecordDB
+
+    db = args.db or settings.section("store").get("db")
+    if not db:
+        raise ConfigError("--db DIR (or [store] db) is required")
+    if not os.path.exists(db):
+        raise DafkaError(f"{db}: no such directory")
+    if not os.path.isdir(db):
+        raise DafkaError(f"{db}: not a directory")
+    if not os.path.exists(os.path.join(db, "data.mdb")):
+        raise DafkaError(f"{db}: no store database here (no data.mdb); give the --db of a store or gateway")
+    try:
+        with RecordDB(db, readonly=True) as records:
+            rows = records.partitions(args.topic)
+            held = sorted({r.topic for r in records.partitions()}) if args.topic and not rows else []
+    except lmdb.Error as exc:
+        raise DafkaError(f"cannot read the database in {db}: {exc}") from None
+    if args.topic and not rows:
+        names = ", ".join(map(shorten, held[:10])) + (f", ... ({len(held)} in all)" if len(held) > 10 else "")
+        raise DafkaError(f"no topic {shorten(args.topic)} in {db} (" + (f"it holds {names})" if held else "it holds none)"))
+    print(f"{'topic':<24} {'partition':<34} {'first':>12} {'last':>12} {'records':>12} {'bytes':>14}")
+    by_topic: dict[str, list[Any]] = {}
+    for r in rows:
+        by_topic.setdefault(r.topic, []).append(r)
+    for topic, parts in by_topic.items():
+        shown = parts
+        if not args.all and len(parts) > TOPIC_ROWS:
+            shown = sorted(parts, key=lambda r: r.count, reverse=True)[:TOPIC_ROWS]
+        for r in shown:
+            print(f"{r.topic:<24} {r.partition:<34} {r.first:>12} {r.last:>12} {r.count:>12} {r.bytes:>14}")
+        if len(shown) < len(parts):
+            rest = [r for r in parts if r not in shown]
+            print(
+                f"{topic:<24} {f'... {len(rest)} more partitions':<34} {'':>12} {'':>12}"
+                f" {sum(r.count for r in rest):>12} {sum(r.bytes for r in rest):>14}  (--all lists them)"
+            )
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("store", help="run a store (persists every record in LMDB)")
+    add_node_flags(p)
+    p.add_argument("--insecure", action="store_true", help="allow binding beyond loopback without security")
+    p.add_argument("--db", help="LMDB directory (or [store] db)")
+    p.add_argument("--no-sync", action="store_true", help="do not fsync commits (UNSAFE: acked data can be lost on power failure)")
+    p.add_argument("--retention-age", type=positive_seconds_arg, help="default retention: seconds to keep records")
+    p.add_argument("--retention-bytes", type=count_arg, help="default retention: bytes to keep per topic")
+    p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
+    p.add_argument(
+        "--leaves", metavar="HOST:PORT",
+        help="take leaf devices (dafka produce --leaf) on this port (0: any free port); beyond loopback needs --insecure",
+    )
+
+
+def add_topics_parser(sub: Any) -> None:
+    p = sub.add_parser("topics", help="list topics and partitions of a store's database")
+    p.add_argument("--db", help="LMDB directory of a store (read-only)")
+    p.add_argument("topic", nargs="?", help="only this topic")
+    p.add_argument("--all", action="store_true", help=f"every partition (default: the {TOPIC_ROWS} largest of each topic)")

@@ -1,0 +1,44 @@
+"""``dafka tower``: run a tower (the discovery service)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from dafka.cli.args import add_security_flags, host_arg, port_arg
+from dafka.cli.common import StopSignals, security_config, serve_metrics, service_bind
+from dafka.config import Settings, parse_port
+from dafka.errors import ConfigError
+
+
+def cmd_tower(args: argparse.Namespace, settings: Settings) -> int:
+    from dafka.nodes.tower import Tower
+
+    section = settings.section("tower")
+    sec = security_config(args, settings)
+    bind = service_bind(args, args.bind or section.get("bind"), sec is not None, "tower")
+    in_port = args.in_port if args.in_port is not None else parse_port(section.get("beacon_in_port", 5556))
+    out_port = args.out_port if args.out_port is not None else parse_port(section.get("beacon_out_port", 5557))
+    if in_port == out_port and in_port != 0:
+        raise ConfigError(
+            f"--in-port and --out-port must differ (both {in_port}): beacons come in on one and go out on the other"
+        )
+    signals = StopSignals()
+    with Tower(bind, in_port, out_port, sec) as tower:
+        mode = " (secure)" if sec else ""
+        print(f"tower up: beacons in tcp://{bind}:{tower.in_port}, out tcp://{bind}:{tower.out_port}{mode}", flush=True)
+        server = serve_metrics(args, section, tower)
+        try:
+            return signals.wait()
+        finally:
+            if server is not None:
+                server.close()
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("tower", help="run a tower (discovery service)")
+    p.add_argument("--bind", type=host_arg, help="interface to bind (default 127.0.0.1, or * when secure; or [tower] bind)")
+    p.add_argument("--in-port", type=port_arg, help="beacons in (XSUB) port, default 5556 (0: any free port)")
+    p.add_argument("--out-port", type=port_arg, help="beacons out (XPUB) port, default 5557 (0: any free port)")
+    p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
+    add_security_flags(p, insecure=True)

@@ -1,0 +1,637 @@
+"""Leaf producers: one DEALER connection to a regional endpoint, no tower, no beacons.
+
+``Producer(topic, leaf="HOST:PORT[,HOST:PORT...]")`` returns a
+:class:`LeafProducer` (see ``docs/concepts/leaves.md``).  The decisions (what
+to send, when to fail over) are :class:`dafka.core.leaf.LeafLink`'s; this
+module is the shell: the connection, the producer's window and receipts, the
+identity file.  A :class:`LeafLoop` drives any number of leaf producers from
+one thread (a device has one; a benchmark thousands): it polls their DEALERs
+and a wake-up socket, applies what each link decides, and runs their timers.
+
+The identity file is the mesh producer's (address, topic, acked, next,
+reserved): offsets are reserved a block at a time, durably, before use, and a
+restarted leaf continues at the reservation, so it never assigns an offset
+twice and needs no endpoint to answer first (a clean close saves the exact end).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import os
+import selectors
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from dafka import fastio, values
+from dafka.config import NodeConfig, default_node_config
+from dafka.core import leaf as leafcore
+from dafka.core import wire
+from dafka.core.unacked import UnackedWindow
+from dafka.errors import BufferFullError, ClosedError, PublishError, RecordTooLargeError
+from dafka.nodes.node import new_address
+from dafka.nodes.receipt import Receipt, check_content
+
+log = logging.getLogger("dafka.leaf")
+
+RESERVE_BLOCK = 10_000  # offsets reserved in the identity file at a time (renewed at half)
+TICK = 0.2  # seconds between link ticks (of the members with something pending)
+SAVE_EVERY = 0.5  # seconds between identity saves after ACKs
+SNDHWM = 10_000  # messages a DEALER queues (the endpoint's window bounds what is in flight)
+MAX_SOCKETS = 32_768  # ZeroMQ sockets of a LeafLoop's context (one DEALER per member)
+_events = fastio.events
+_POLLIN = int(zmq.POLLIN)
+# Producer arguments that mean nothing to a leaf (it has no mesh side).
+_MESH_ONLY = frozenset(("towers", "pace_limit", "resume", "resume_timeout"))
+
+
+def _fd(sock: zmq.Socket[Any]) -> int:
+    fd = sock.getsockopt(zmq.FD)
+    assert isinstance(fd, int)
+    return fd
+
+
+def parse_endpoints(leaf: str | Sequence[str]) -> list[str]:
+    """``"HOST:PORT,HOST:PORT"`` (or a list of them) as a list of ``HOST:PORT``; ValueError if malformed."""
+    items = leaf.split(",") if isinstance(leaf, str) else list(leaf)
+    out = []
+    for item in items:
+        host, sep, port = item.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ValueError(f"a leaf endpoint is HOST:PORT, not {item!r}")
+        out.append(f"{host}:{int(port)}")
+    if not out:
+        raise ValueError("a leaf needs at least one endpoint")
+    return out
+
+
+class LeafLoop:
+    """One thread driving many leaf producers (see the module docstring).
+
+    It waits in one epoll on its members' DEALERs (through ZMQ_FD, which is
+    edge-triggered: a socket is read to the end when it fires, and after a turn
+    every member that did anything has ZMQ_EVENTS looked at, since a send can
+    take the edge) and on a pipe that :meth:`wake` writes to.  Only members with
+    something pending (records unacknowledged, a HELLO unanswered) get ticks:
+    a fleet of idle devices costs nothing between their records.
+    """
+
+    def __init__(self, name: str = "") -> None:
+        self.ctx = zmq.Context()
+        self.ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._wake_lock = threading.Lock()
+        self._woken = False
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._members: dict[int, LeafProducer] = {}
+        self._ticking: dict[LeafProducer, None] = {}  # members with something pending
+        self._dirty: deque[LeafProducer] = deque()  # members with records or commands to act on
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"dafka-leaves{name}", daemon=True)
+        self._thread.start()
+
+    def in_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def wake(self, member: LeafProducer) -> None:
+        """``member`` has something to send: act on it in the loop (thread-safe)."""
+        with self._wake_lock:
+            self._dirty.append(member)
+            if self._woken:
+                return
+            self._woken = True
+        try:
+            os.write(self._wake_w, b"w")
+        except OSError:
+            pass  # full (a wake-up is pending) or closed
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        try:
+            os.write(self._wake_w, b"w")
+        except OSError:
+            pass
+        if not self.in_loop():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        next_tick = 0.0
+        ready: list[LeafProducer] = []
+        events = _events
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                touched: dict[LeafProducer, None] = {}
+                if now >= next_tick:
+                    next_tick = now + TICK
+                    for member in list(self._ticking):
+                        if not member._tick(now):
+                            self._ticking.pop(member, None)
+                        touched[member] = None
+                with self._wake_lock:
+                    dirty, self._dirty = self._dirty, deque()
+                    self._woken = False
+                for member in dict.fromkeys(dirty):
+                    member._act(now)
+                    touched[member] = None
+                for member in ready:
+                    member._read(now)
+                    touched[member] = None
+                wait = 0.0 if ready or self._dirty else max(0.0, next_tick - time.monotonic())
+                for key, _ in self._selector.select(wait):
+                    member = key.data
+                    if member is None:
+                        try:
+                            while os.read(self._wake_r, 4096):
+                                pass
+                        except OSError:
+                            pass
+                        continue
+                    member._read(time.monotonic())
+                    touched[member] = None
+                ready = [m for m in touched if m.sock is not None and events(m.sock) & _POLLIN]
+        except Exception:
+            log.exception("leaf loop failed")
+        finally:
+            for member in list(self._members.values()):
+                member._detach()
+            self._selector.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self.ctx.term()
+
+    # called in the loop thread by members
+    def _register(self, sock: zmq.Socket[Any], member: LeafProducer) -> None:
+        self._selector.register(_fd(sock), selectors.EVENT_READ, member)
+
+    def _unregister(self, sock: zmq.Socket[Any]) -> None:
+        try:
+            self._selector.unregister(_fd(sock))
+        except (KeyError, ValueError, zmq.ZMQError):
+            pass
+
+    def _pending(self, member: LeafProducer) -> None:
+        self._ticking[member] = None
+
+
+class LeafProducer:
+    """A producer whose partition reaches the mesh through a regional endpoint.
+
+    The public API is the mesh :class:`~dafka.nodes.producer.Producer`'s
+    (``publish``, ``publish_many``, ``flush``, ``close``, receipts,
+    ``next_offset``, ``acked_offset``, ``unacked``); ``leaf`` lists the
+    endpoints (``"HOST:PORT,HOST:PORT"``), tried in turn: the next one is
+    used when one does not welcome within ``connect_timeout`` or does not
+    acknowledge for ``ack_timeout`` seconds.  ``loop``: a :class:`LeafLoop`
+    shared with other leaf producers (default: one of its own).
+    """
+
+    kind = "leaf"
+
+    def __init__(
+        self,
+        topic: str,
+        config: NodeConfig | None = None,
+        *,
+        leaf: str | Sequence[str],
+        capacity: int = 1_000_000,
+        publish_timeout: float | None = 30.0,
+        acks: bool = True,
+        identity: str | os.PathLike[str] | None = None,
+        head_interval: float = leafcore.HEAD_INTERVAL,
+        serializer: str | values.Serializer | None = None,
+        outbox: str | os.PathLike[str] | None = None,
+        loop: LeafLoop | None = None,
+        connect_timeout: float = leafcore.CONNECT_TIMEOUT,
+        ack_timeout: float = leafcore.ACK_TIMEOUT,
+        **mesh_only: Any,
+    ) -> None:
+        unknown = set(mesh_only) - _MESH_ONLY
+        if unknown:
+            raise TypeError(f"a leaf producer takes no {', '.join(sorted(unknown))}")
+        if outbox is not None or any(k.startswith("outbox_") for k in mesh_only):
+            raise ValueError("a leaf producer with an outbox is not built yet (see docs/concepts/leaves.md)")
+        if not acks:
+            raise ValueError("a leaf producer always has acks: its endpoint is a store")
+        if not topic or len(topic.encode()) > wire.MAX_STRING or "\x00" in topic:
+            raise ValueError("topic must be 1..255 bytes without NUL")
+        if loop is not None and not isinstance(loop, LeafLoop):
+            raise TypeError("a leaf producer's loop is a dafka.nodes.leaf.LeafLoop")
+        self.topic = topic
+        self.config = config or default_node_config()
+        self.endpoints = parse_endpoints(leaf)
+        self.publish_timeout = publish_timeout
+        self._serialize = values.serializer(serializer)
+        self._outbox = None  # (Receipt looks at it)
+        self._identity_path = Path(identity) if identity else None
+        saved = self._load_identity() if self._identity_path else None
+        self.address = saved["address"] if saved else new_address()
+        next_offset = 0
+        if saved:
+            reserved = saved.get("reserved")
+            next_offset = max(int(saved["next"]), int(reserved) if reserved is not None else 0)
+        self._reserved = next_offset  # offsets below it may be assigned (see _reserve_locked)
+        self.window = UnackedWindow(capacity, next_offset)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._closed = False
+        self._failure: PublishError | None = None
+        self._failed_from = 1 << 64
+        self._callbacks: list[tuple[int, int, Receipt, Callable[[Receipt], None]]] = []
+        self._callback_seq = 0
+        self._saved_at = 0.0
+        self._saved_acked = -2
+        self._header = wire.record_prefix(wire.RECORD, topic, self.address, topic)
+        self.link = leafcore.LeafLink(
+            topic, self.address, self.window, self.endpoints,
+            connect_timeout=connect_timeout, ack_timeout=ack_timeout, head_interval=head_interval,
+        )
+        self.sock: zmq.Socket[Any] | None = None
+        self.records_sent = 0
+        if self._identity_path is not None:
+            self._reserve_locked(0)  # the file exists, with a bound, before the first publish
+        self._own_loop = loop is None
+        self._loop = loop or LeafLoop(f"-{self.address[:8]}")
+        self._attached = threading.Event()
+        self._detached = threading.Event()
+        self._started = False
+        self._loop.wake(self)
+        if not self._attached.wait(5.0):
+            raise RuntimeError("the leaf loop did not take the producer within 5 s")
+
+    # ------------------------------------------------------------ public API
+
+    def __enter__(self) -> LeafProducer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<LeafProducer {self.topic}/{self.address[:8]} via {self.link.endpoint}>"
+
+    @property
+    def next_offset(self) -> int:
+        return self.window.next
+
+    @property
+    def acked_offset(self) -> int:
+        return self.window.acked
+
+    @property
+    def unacked(self) -> int:
+        return len(self.window)
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint in use."""
+        return self.link.endpoint
+
+    def publish(
+        self,
+        content: Any,
+        callback: Callable[[Receipt], None] | None = None,
+        *,
+        offset: int | None = None,
+        timeout: float | None = -1.0,
+    ) -> Receipt:
+        """Publish ``content``: as :meth:`dafka.nodes.producer.Producer.publish`."""
+        if self._serialize is not None:
+            content = values.encode(self._serialize, content)
+        if content.__class__ is not bytes:
+            check_content(content)
+            content = bytes(content)
+        if len(content) > self.config.max_record_bytes:
+            raise self._too_large(len(content))
+        with self._lock:
+            if offset is not None and offset != self.window.next:
+                if offset > self.window.next:
+                    raise ValueError(f"offset {offset} is beyond next offset {self.window.next}")
+                receipt = Receipt(self, offset)  # type: ignore[arg-type]
+            else:
+                receipt = Receipt(self, self._push_locked([content], timeout))  # type: ignore[arg-type]
+        self._loop.wake(self)
+        if callback is not None:
+            self._add_callback(receipt, callback)
+        return receipt
+
+    def publish_many(self, contents: Iterable[Any], *, timeout: float | None = -1.0) -> Receipt | None:
+        """Publish several records; the receipt of the last one (None if empty)."""
+        last = -1
+        it = iter(contents)
+        serialize = self._serialize
+        if serialize is not None:
+            it = (values.encode(serialize, value) for value in it)
+        while True:
+            batch = list(islice(it, 1024))
+            if not batch:
+                break
+            for i, content in enumerate(batch):
+                if content.__class__ is not bytes:
+                    check_content(content)
+                    batch[i] = bytes(content)
+            biggest = max(map(len, batch))
+            if biggest > self.config.max_record_bytes:
+                raise self._too_large(biggest)
+            with self._lock:
+                last = self._push_locked(batch, timeout)
+            self._loop.wake(self)
+        return Receipt(self, last) if last >= 0 else None  # type: ignore[arg-type]
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every published record is acknowledged; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self.window.acked < self.window.next - 1 and self._failure is None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return self._failure is None
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Wait up to ``timeout`` for ACKs, then stop; True when everything was acknowledged."""
+        with self._lock:
+            if self._closed:
+                return self._failure is None
+        ok = self.flush(timeout)
+        with self._lock:
+            self._closed = True
+            if not ok and self._failure is None:
+                self._failure = PublishError(f"not acknowledged by an endpoint within {timeout}s")
+                self._failed_from = self.window.acked + 1
+            self._cond.notify_all()
+            self._reserved = self.window.next  # the exact end: no hole next time
+        self._loop.wake(self)
+        if not self._loop.in_loop():
+            self._detached.wait(5.0)
+        if self._own_loop:
+            self._loop.close()
+        self._save_identity(force=True)
+        self._run_callbacks()
+        return ok
+
+    def diagnose(self) -> str:
+        """Why records may not be acknowledged (for logs and the CLI)."""
+        link = self.link
+        status = link.status
+        parts = [f"endpoint {link.endpoint} ({link.state})", f"{len(self.window)} unacknowledged"]
+        if status is not None and not status[0]:
+            parts.append(f"endpoint says: {status[1]}")
+        if link.failovers:
+            parts.append(f"{link.failovers} failover(s)")
+        return ", ".join(parts)
+
+    # ------------------------------------------------------------ receipts (Receipt calls these)
+
+    def _acked_upto(self) -> int:
+        return self.window.acked
+
+    def _failure_for(self, offset: int) -> PublishError | None:
+        if self._failure is not None and offset >= self._failed_from and offset > self.window.acked:
+            return self._failure
+        return None
+
+    def _wait_for(self, offset: int, timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self.window.acked < offset:
+                failure = self._failure_for(offset)
+                if failure is not None:
+                    raise PublishError(str(failure), offset)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
+    def _add_callback(self, receipt: Receipt, fn: Callable[[Receipt], None]) -> None:
+        with self._lock:
+            if not receipt.done():
+                self._callback_seq += 1
+                heapq.heappush(self._callbacks, (receipt.offset, self._callback_seq, receipt, fn))
+                return
+        self._call(fn, receipt)
+
+    def _call(self, fn: Callable[[Receipt], None], receipt: Receipt) -> None:
+        try:
+            fn(receipt)
+        except Exception:
+            log.exception("publish callback failed")
+
+    def _run_callbacks(self) -> None:
+        due = []
+        with self._lock:
+            heap = self._callbacks
+            while heap and (heap[0][0] <= self.window.acked or self._failure_for(heap[0][0]) is not None):
+                due.append(heapq.heappop(heap))
+        for _, _, receipt, fn in due:
+            self._call(fn, receipt)
+
+    # ------------------------------------------------------------ publishing (lock held)
+
+    def _too_large(self, size: int) -> RecordTooLargeError:
+        return RecordTooLargeError(
+            f"record of {size} bytes is larger than max_record_bytes={self.config.max_record_bytes}"
+            " ([node] max_record_bytes); nothing of it was published"
+        )
+
+    def _push_locked(self, batch: list[bytes], timeout: float | None) -> int:
+        if self._closed:
+            raise ClosedError("producer is closed")
+        window = self.window
+        wait = self.publish_timeout if timeout == -1.0 else timeout
+        deadline = None if wait is None else time.monotonic() + wait
+        done = 0
+        while done < len(batch):
+            room = window.capacity - len(window)
+            if room <= 0:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise BufferFullError(f"{len(window)} records wait for an ACK (capacity {window.capacity})")
+                self._cond.wait(remaining)
+                if self._closed:
+                    raise ClosedError("producer is closed")
+                continue
+            stop = min(len(batch), done + room)
+            if window.next + (stop - done) > self._reserved:
+                self._reserve_locked(stop - done)
+            window.push_many(batch, done, stop)
+            done = stop
+        return window.next - 1
+
+    def _reserve_locked(self, n: int) -> None:
+        """Make offsets up to ``next + n`` (and a block more) assignable: durable in the identity file first."""
+        if self._identity_path is None:
+            self._reserved = 1 << 62
+            return
+        upto = self.window.next + n + RESERVE_BLOCK
+        try:
+            self._write_identity(upto)
+        except OSError as exc:
+            raise PublishError(
+                f"cannot reserve offsets in identity file {self._identity_path}: {exc}; nothing of it was published"
+            ) from exc
+        self._reserved = upto
+
+    # ------------------------------------------------------------ identity file
+
+    def _load_identity(self) -> dict[str, Any] | None:
+        path = self._identity_path
+        assert path is not None
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"identity file {path} is unreadable: {exc}") from exc
+        if not isinstance(data, dict) or data.get("topic") != self.topic or not isinstance(data.get("address"), str):
+            raise ValueError(f"identity file {path} is not an identity of topic {self.topic!r}")
+        for key in ("acked", "next", "reserved"):
+            value = data.get(key)
+            if value is None and key == "reserved":
+                continue
+            if type(value) is not int or not -1 <= value < 1 << 62:
+                raise ValueError(f"identity file {path}: {key!r} must be an offset, not {value!r}")
+        return data
+
+    def _write_identity(self, reserved: int) -> None:
+        path = self._identity_path
+        assert path is not None
+        data = {"address": self.address, "topic": self.topic, "acked": self.window.acked,
+                "next": self.window.next, "reserved": reserved}
+        tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("w") as f:
+            json.dump(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+
+    def _save_identity(self, force: bool = False) -> None:
+        if self._identity_path is None:
+            return
+        now = time.monotonic()
+        if not force and (self.window.acked == self._saved_acked or now - self._saved_at < SAVE_EVERY):
+            return
+        self._saved_at, self._saved_acked = now, self.window.acked
+        with self._lock:
+            try:
+                self._write_identity(self._reserved)
+            except OSError:
+                log.exception("cannot save leaf identity to %s", self._identity_path)
+
+    # ------------------------------------------------------------ the loop thread
+
+    def _apply(self, actions: list[leafcore.LinkAction]) -> None:
+        for act in actions:
+            if isinstance(act, leafcore.Connect):
+                self._open(act.endpoint)
+            elif self.sock is not None:
+                try:
+                    self.sock.send_multipart(act.frames, zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # a full queue: HELLO and HEAD are sent again by the link's timers
+
+    def _open(self, endpoint: str) -> None:
+        loop = self._loop
+        if self.sock is not None:
+            loop._unregister(self.sock)
+            self.sock.close(0)  # what it queued goes again on the next connection
+            log.info("leaf %s: %s", self.address[:8], self.diagnose())
+        sock = self.sock = loop.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)  # what an endpoint sends is small
+        sock.connect(f"tcp://{endpoint}")
+        loop._register(sock, self)
+
+    def _act(self, now: float) -> None:
+        if not self._started:
+            self._started = True
+            self._loop._members[id(self)] = self
+            self._apply(self.link.start(now))
+            self._loop._pending(self)
+            self._attached.set()
+        if self._closed:
+            self._detach()
+            return
+        self._loop._pending(self)
+        self._send_records(now)
+
+    def _send_records(self, now: float) -> None:
+        sock = self.sock
+        if sock is None:
+            return
+        with self._lock:
+            span = self.link.sendable()
+            if span is None:
+                return
+            first, last = span
+            runs = self.window.runs(first, last - first + 1)
+        header = self._header
+        sent = first - 1
+        try:
+            for start, contents in runs:
+                for seq, content in enumerate(contents, start):
+                    sock.send(header + wire.pack_u64(seq), zmq.SNDMORE | zmq.NOBLOCK)
+                    sock.send(content, zmq.NOBLOCK)
+                    sent = seq
+        except zmq.Again:
+            pass  # the queue is full: the rest goes on the next turn
+        if sent >= first:
+            self.records_sent += sent - first + 1
+            self.link.sent(sent, now)
+
+    def _read(self, now: float) -> None:
+        sock = self.sock
+        if sock is None:
+            return
+        acked = self.window.acked
+        for _ in range(1024):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            with self._lock:
+                actions = self.link.on_message(frames, now)
+            self._apply(actions)
+        if self.window.acked != acked:
+            with self._cond:
+                self._cond.notify_all()
+            self._run_callbacks()
+            self._save_identity()
+        self._send_records(now)
+
+    def _tick(self, now: float) -> bool:
+        """The link's timers; whether the member still has something pending."""
+        link = self.link
+        if self.sock is None:
+            return False
+        if link.state == leafcore.ACTIVE and self.window.acked == self.window.next - 1:
+            return False  # idle: nothing to time (its next publish makes it pending again)
+        with self._lock:
+            actions = self.link.on_tick(now)
+        self._apply(actions)
+        self._send_records(now)
+        return self.sock is not None and (len(self.window) > 0 or self.link.state != leafcore.ACTIVE)
+
+    def _detach(self) -> None:
+        self._loop._members.pop(id(self), None)
+        if self.sock is not None:
+            self._loop._unregister(self.sock)
+            self.sock.close(0)
+            self.sock = None
+        self._detached.set()

@@ -1,0 +1,295 @@
+"""The store's leaf port: leaf devices dial it over one DEALER/ROUTER connection each.
+
+The I/O shell around :class:`dafka.core.leaf.LeafPort` (the decisions), run in
+the store's I/O thread (see ``docs/concepts/leaves.md``):
+
+* a ROUTER bound on ``HOST:PORT`` in a ZeroMQ context of its own, whose ZAP
+  handler (polled here) refuses a handshake while ``max_connections`` are
+  open (counted from the socket's monitor: accepted minus disconnected);
+  ``ZMQ_MAXMSGSIZE`` cuts a connection that sends a frame over the record
+  size limit, ``ZMQ_RCVHWM`` stops reading a connection whose queue is full,
+  ``ZMQ_SNDHWM`` bounds what a leaf that does not read holds (the ROUTER
+  drops beyond it; ACKs are cumulative and repeated);
+* a leaf's records enter the store where the mesh's do (its partition's
+  tracker), so they are ordered, committed and acknowledged alike; each record
+  and HEAD is relayed unchanged on the store's data publisher, so the mesh sees
+  the leaf's partition as any producer's;
+* after each commit the sessions of the committed partitions get their ACK.
+
+Not in secure mode yet (CURVE on this port is designed, not built).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import zmq
+
+from dafka.core import leaf
+from dafka.errors import ConfigError
+from dafka.nodes.node import frame_limit
+
+log = logging.getLogger("dafka.store.leaves")
+
+MAX_CONNECTIONS = 20_000
+RCVHWM = 256  # messages queued per connection before libzmq stops reading it
+SNDHWM = 64  # messages (ACKs, WELCOMEs) queued for a leaf that does not read
+DRAIN = 2048  # messages read before the loop looks at the other sockets
+TICK = 0.5
+ZAP_DOMAIN = b"dafka-leaves"
+_EVENT = struct.Struct("=HI")
+_COUNTED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+NOBLOCK = int(zmq.NOBLOCK)
+SNDMORE_NOBLOCK = int(zmq.SNDMORE) | NOBLOCK
+RCVMORE = int(zmq.RCVMORE)
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (PORT 0: any free port) as (host, port); ConfigError if not."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"a leaf endpoint is HOST:PORT, not {text!r}")
+    return host.strip("[]"), int(port)
+
+
+class LeafHost(Protocol):
+    """What a store offers its leaf port (:class:`dafka.store.node.Store` is one).
+
+    The port feeds records in where the mesh's enter, so it shares the store's
+    read-side state; written against this, not the store, so the store owns the
+    port and not the other way round.
+    """
+
+    secure: bool
+    address: str
+    max_record_bytes: int
+    data_paused: bool
+    storage_error: Any
+    publisher: Any
+    _heads: dict[tuple[str, str], int]
+    _ts: int
+    _put_gate: Any
+    _missing: Any
+
+    def every(self, interval: float, fn: Callable[[float], None]) -> None: ...
+    def watch_events(self, sock: object, events: int) -> None: ...
+    def fetch_missing(self) -> None: ...
+    def batch_full(self) -> bool: ...
+    def pause_data(self, paused: bool) -> None: ...
+    def _flush_batch(self, retry: bool = False) -> None: ...
+    def tracker(self, subject: str, partition: str) -> Any: ...
+    def track(self, tracker: Any, seq: int, content: bytes) -> None: ...
+
+
+class LeafEndpoint:
+    """A store's leaf port (see the module docstring).  Made and used in the store's I/O thread."""
+
+    def __init__(
+        self,
+        store: LeafHost,
+        bind: str,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        window: int = leaf.WINDOW,
+        rcvhwm: int = RCVHWM,
+        sndhwm: int = SNDHWM,
+        bad_limit: int = leaf.BAD_LIMIT,
+        idle: float = leaf.IDLE,
+    ) -> None:
+        if store.secure:
+            raise ConfigError("a secure store takes no leaves yet (CURVE on the leaf port is not built)")
+        host, port = parse_endpoint(bind)
+        self.store = store
+        self.max_connections = max_connections
+        self.ctx = zmq.Context()  # its own: its ZAP handler is this port's alone
+        self.zap = self.ctx.socket(zmq.ROUTER)
+        self.zap.setsockopt(zmq.LINGER, 0)
+        self.zap.bind("inproc://zeromq.zap.01")
+        sock = self.sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+        sock.setsockopt(zmq.MAXMSGSIZE, frame_limit(store.max_record_bytes))
+        sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        sock.setsockopt(zmq.SNDHWM, sndhwm)
+        self.monitor = sock.get_monitor_socket(_COUNTED)
+        if port == 0:
+            self.port = sock.bind_to_random_port(f"tcp://{host}")
+        else:
+            sock.bind(f"tcp://{host}:{port}")
+            self.port = port
+        self.endpoint = f"{host}:{self.port}"
+        self.live = 0  # connections open (accepted minus disconnected)
+        self.disconnects = 0
+        self.refused_connections = 0
+        self.relays_dropped = 0  # relays a full subscriber queue refused (readers FETCH them)
+        self.paused = False
+        self._bad_logged = 0
+        self.core = leaf.LeafPort(
+            self._head,
+            refusal=self._refusal,
+            window=window,
+            max_record_bytes=store.max_record_bytes,
+            bad_limit=bad_limit,
+            idle=idle,
+            address=store.address,
+            max_sessions=max_connections,
+        )
+        store.every(TICK, self._on_tick)
+        log.info("store %s takes leaves on %s", store.address[:8], self.endpoint)
+
+    # ------------------------------------------------------------ store hooks
+
+    def sockets(self) -> list[tuple[zmq.Socket[Any], Any]]:
+        return [(self.sock, self.read), (self.zap, self._read_zap), (self.monitor, self._read_monitor)]
+
+    def _head(self, subject: str, partition: str) -> int:
+        return self.store._heads.get((subject, partition), -1)
+
+    def _refusal(self) -> str:
+        error = self.store.storage_error
+        return "" if error is None else f"store {self.store.address[:8]} cannot write: {error}"
+
+    def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
+        """ACK the sessions of these committed partitions."""
+        self._apply(self.core.on_commit(heads))
+
+    def sessions(self) -> dict[tuple[str, str], bytes]:
+        """The partitions with a session here: (subject, partition) -> connection."""
+        return self.core.by_partition
+
+    def close(self) -> None:
+        for sock in (self.monitor, self.sock, self.zap):
+            sock.close(0)
+        self.ctx.term()
+
+    # ------------------------------------------------------------ input
+
+    def read(self) -> None:
+        """Leaf messages: decided by the core, applied here."""
+        store = self.store
+        if store.data_paused or store.storage_error is not None:
+            # The store holds all it may, or cannot write (its mesh socket is then
+            # read with records left out, see dafka.store.node._SHED; leaves wait
+            # as before): their queues fill, then their sends block.
+            self.paused = True
+            store.watch_events(self.sock, 0)
+            return
+        sock, core = self.sock, self.core
+        now = time.monotonic()
+        store._ts = int(time.time() * 1000)
+        bad = core.bad
+        # As the mesh's drain (Store.read_data): taking turns with the writer's puts.
+        # Without it every pyzmq call here (each gives the GIL up) waited for the
+        # writer thread's lmdb puts (each gives it up too): 20-50 µs a call, a
+        # fifth of the records/s.
+        recv, getsockopt = sock.recv, sock.getsockopt
+        on_message = core.on_message
+        apply = self._apply
+        with store._put_gate:
+            for _ in range(DRAIN):
+                # Frame by frame: recv_multipart costs about four recv calls (hotpath.md).
+                try:
+                    peer = recv(NOBLOCK)
+                except zmq.Again:
+                    break
+                frames = []
+                while getsockopt(RCVMORE):
+                    frames.append(recv(NOBLOCK))
+                apply(on_message(peer, frames, now))
+        if core.bad != bad:
+            self._log_bad()
+        if store._missing:
+            store.fetch_missing()
+        if store.batch_full():
+            store.pause_data(True)
+        store._flush_batch()
+
+    def _apply(self, actions: list[leaf.PortAction]) -> None:
+        store = self.store
+        for act in actions:
+            if isinstance(act, leaf.Take):
+                store.track(store.tracker(act.subject, act.partition), act.sequence, act.content)
+            elif isinstance(act, leaf.Relay):
+                frames = act.frames
+                try:
+                    if len(frames) == 2:
+                        send = store.publisher.send
+                        send(frames[0], SNDMORE_NOBLOCK)
+                        send(frames[1], NOBLOCK)  # (a message's first frame taken, the rest is)
+                    else:
+                        store.publisher.send_multipart(frames, NOBLOCK)
+                except zmq.Again:
+                    self.relays_dropped += 1
+            else:
+                send = self.sock.send
+                try:
+                    send(act.peer, SNDMORE_NOBLOCK)
+                    for frame in act.frames[:-1]:
+                        send(frame, SNDMORE_NOBLOCK)
+                    send(act.frames[-1], NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # gone, or its queue is full: ACKs are cumulative and repeated
+
+    def _log_bad(self) -> None:
+        n = self.core.bad
+        if self._bad_logged < 20 or n // 1000 != self._bad_logged // 1000:
+            log.warning("leaf port %s: %d hostile message(s) dropped, latest: %s", self.endpoint, n,
+                        self.core.last_error)
+        self._bad_logged = n
+
+    def _read_monitor(self) -> None:
+        for _ in range(DRAIN):
+            try:
+                frames = self.monitor.recv_multipart(NOBLOCK)
+            except zmq.Again:
+                return
+            event, _value = _EVENT.unpack_from(frames[0])
+            if event == zmq.EVENT_ACCEPTED:
+                self.live += 1
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.live = max(0, self.live - 1)
+                self.disconnects += 1
+
+    def _read_zap(self) -> None:
+        """ZAP (RFC 27) for the leaf port: a handshake is refused while the port is full."""
+        self._read_monitor()  # the count first: the ACCEPTED of this connection is queued before
+        for _ in range(DRAIN):
+            try:
+                frames = self.zap.recv_multipart(NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) < 4 or frames[1] != b"":
+                continue
+            envelope, request_id = frames[:2], frames[3] if len(frames) > 3 else b""
+            if self.live > self.max_connections:
+                self.refused_connections += 1
+                status, text = b"400", b"the leaf port is full"
+            else:
+                status, text = b"200", b"OK"
+            try:
+                self.zap.send_multipart([*envelope, b"1.0", request_id, status, text, b"", b""], NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def _on_tick(self, now: float) -> None:
+        if self.paused and not self.store.data_paused and self.store.storage_error is None:
+            self.paused = False
+            self.store.watch_events(self.sock, zmq.POLLIN)
+        self.core.expire(now)
+
+    def stats(self) -> dict[str, int]:
+        core = self.core
+        return {
+            "leaf_sessions": len(core),
+            "leaf_connections": self.live,
+            "leaf_records": core.taken,
+            "leaf_acks": core.acks,
+            "leaf_hostile": core.bad,
+            "leaf_over_window": core.over_window,
+            "leaf_refused": core.refused + self.refused_connections,
+            "leaf_relays_dropped": self.relays_dropped,
+        }

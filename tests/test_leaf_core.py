@@ -1,0 +1,452 @@
+"""Leaf sessions, sans-IO (dafka.core.leaf): the device's link and the endpoint's port."""
+
+from __future__ import annotations
+
+from dafka.core import leafwire, wire
+from dafka.core.leaf import Connect, LeafLink, LeafPort, Relay, Reply, Send, Take
+from dafka.core.unacked import UnackedWindow
+
+ADDR = "0123456789ABCDEF0123456789ABCDEF"
+T = "telemetry"
+
+
+def welcome(window: int = 3, held: int = -1) -> list[bytes]:
+    return leafwire.encode(leafwire.LeafWelcome(ADDR, T, held, window, 1 << 20))
+
+
+def ack(seq: int) -> list[bytes]:
+    return wire.encode(wire.Ack(ADDR, T, seq))
+
+
+def link(window: UnackedWindow, *endpoints: str, **kw: float) -> LeafLink:
+    return LeafLink(T, ADDR, window, list(endpoints or ["a:1"]), **kw)
+
+
+# ---------------------------------------------------------------- device side
+
+
+def test_start_connects_and_says_hello_with_what_is_acknowledged() -> None:
+    w = UnackedWindow(100, 5)  # a resumed leaf: offsets 0..4 acknowledged earlier
+    actions = link(w, "a:1", "b:2").start(0.0)
+    assert actions[0] == Connect("a:1")
+    assert isinstance(actions[1], Send)
+    assert leafwire.decode(actions[1].frames) == leafwire.LeafHello(ADDR, T, 4, 5)
+
+
+def test_nothing_is_sent_before_the_welcome_then_at_most_the_window() -> None:
+    w = UnackedWindow(100)
+    lk = link(w)
+    lk.start(0.0)
+    for i in range(5):
+        w.push(b"r%d" % i)
+    assert lk.sendable() is None
+    lk.on_message(welcome(window=3), 0.1)
+    assert lk.sendable() == (0, 2)  # acked -1 + window 3
+    lk.sent(2, 0.1)
+    assert lk.sendable() is None
+    lk.on_message(ack(1), 0.2)
+    assert w.acked == 1
+    assert lk.sendable() == (3, 4)
+
+
+def test_acks_for_another_partition_or_beyond_the_last_offset_acknowledge_nothing() -> None:
+    w = UnackedWindow(100)
+    lk = link(w)
+    lk.start(0.0)
+    lk.on_message(welcome(), 0.0)
+    w.push(b"x")
+    lk.on_message(wire.encode(wire.Ack("F" * 32, T, 0)), 0.1)
+    lk.on_message(ack(5), 0.1)
+    lk.on_message([b"garbage"], 0.1)
+    assert w.acked == -1
+    assert lk.bad_acks == 1 and lk.bad_input == 2
+
+
+def test_no_welcome_in_time_fails_over_to_the_next_endpoint_and_around() -> None:
+    lk = link(UnackedWindow(10), "a:1", "b:2", connect_timeout=5.0)
+    lk.start(0.0)
+    assert lk.on_tick(4.9) == []
+    actions = lk.on_tick(5.0)
+    assert actions[0] == Connect("b:2")
+    assert lk.on_tick(15.0)[0] == Connect("a:1")  # (the second waits twice as long: backoff)
+    assert lk.failovers == 2
+
+
+def test_a_refusing_endpoint_is_left_after_the_dwell() -> None:
+    lk = link(UnackedWindow(10), "a:1", "b:2", connect_timeout=5.0, min_dwell=1.0)
+    lk.start(0.0)
+    lk.on_message(wire.encode(wire.StoreStatus(ADDR, "S" * 32, T, 0, "disk full")), 0.2)
+    assert lk.status == (False, "disk full")
+    assert lk.on_tick(0.5) == []
+    assert lk.on_tick(1.0)[0] == Connect("b:2")
+
+
+def test_no_ack_progress_fails_over_and_resends_everything_unacknowledged() -> None:
+    w = UnackedWindow(100)
+    lk = link(w, "a:1", "b:2", ack_timeout=10.0)
+    lk.start(0.0)
+    lk.on_message(welcome(window=100), 0.0)
+    for i in range(4):
+        w.push(b"r%d" % i)
+    lk.sent(3, 1.0)
+    lk.on_message(ack(1), 5.0)  # progress: the clock starts again
+    assert [a for a in lk.on_tick(14.9) if isinstance(a, Connect)] == []
+    actions = lk.on_tick(15.0)
+    assert actions[0] == Connect("b:2")
+    assert leafwire.decode(actions[1].frames) == leafwire.LeafHello(ADDR, T, 1, 4)  # type: ignore[union-attr]
+    lk.on_message(welcome(window=100), 15.1)
+    assert lk.sendable() == (2, 3)  # offsets 2 and 3 go again, to b
+
+
+def test_heads_only_while_records_wait() -> None:
+    w = UnackedWindow(100)
+    lk = link(w, head_interval=1.0)
+    lk.start(0.0)
+    lk.on_message(welcome(window=10), 0.0)
+    assert lk.on_tick(5.0) == []
+    w.push(b"x")
+    lk.sent(0, 5.0)
+    assert lk.on_tick(5.5) == []
+    (send,) = lk.on_tick(6.0)
+    assert leafwire.decode(send.frames) == wire.Head(T, ADDR, T, 0)  # type: ignore[union-attr]
+    lk.on_message(ack(0), 6.1)
+    assert lk.on_tick(8.0) == []
+
+
+# ---------------------------------------------------------------- endpoint side
+
+
+def hello(acked: int = -1, nxt: int = 0, addr: str = ADDR) -> list[bytes]:
+    return leafwire.encode(leafwire.LeafHello(addr, T, acked, nxt))
+
+
+def record(seq: int, content: bytes = b"v", addr: str = ADDR) -> list[bytes]:
+    return wire.encode(wire.Record(T, addr, T, seq, content))
+
+
+class Heads(dict[tuple[str, str], int]):
+    def __call__(self, subject: str, partition: str) -> int:
+        return self.get((subject, partition), -1)
+
+
+def port(**kw: object) -> tuple[LeafPort, Heads]:
+    heads = Heads()
+    return LeafPort(heads, address="S" * 32, **kw), heads  # type: ignore[arg-type]
+
+
+def test_hello_is_welcomed_with_the_stores_head() -> None:
+    p, heads = port(window=50)
+    heads[(T, ADDR)] = 9
+    (reply,) = p.on_message(b"c1", hello(), 0.0)
+    assert isinstance(reply, Reply) and reply.peer == b"c1"
+    assert leafwire.decode(reply.frames) == leafwire.LeafWelcome(ADDR, T, 9, 50, 1 << 20)
+
+
+def test_records_are_taken_relayed_and_acked_after_the_commit_only() -> None:
+    p, heads = port()
+    p.on_message(b"c1", hello(), 0.0)
+    out = p.on_message(b"c1", record(0, b"a"), 0.0)
+    assert out == [Take(T, ADDR, 0, b"a"), Relay(record(0, b"a"))]
+    p.on_message(b"c1", record(1, b"b"), 0.0)
+    heads[(T, ADDR)] = 1
+    (reply,) = p.on_commit({(T, ADDR): 1})
+    assert reply.peer == b"c1" and wire.decode(reply.frames) == wire.Ack(ADDR, T, 1)  # type: ignore[union-attr]
+    assert p.on_commit({(T, ADDR): 1}) == []  # said once
+
+
+def test_the_ack_is_capped_at_what_this_connection_sent() -> None:
+    p, heads = port()
+    p.on_message(b"c1", hello(), 0.0)
+    p.on_message(b"c1", record(0), 0.0)
+    (reply,) = p.on_commit({(T, ADDR): 7})  # 1..7 came from elsewhere (the mesh)
+    assert wire.decode(reply.frames) == wire.Ack(ADDR, T, 0)  # type: ignore[union-attr]
+
+
+def test_resent_records_already_committed_are_acked_at_once() -> None:
+    p, heads = port()
+    heads[(T, ADDR)] = 5  # replicated here from the old endpoint
+    p.on_message(b"c1", hello(acked=2, nxt=6), 0.0)
+    out = p.on_message(b"c1", record(3), 0.0)
+    assert Reply(b"c1", wire.encode(wire.Ack(ADDR, T, 3))) in out
+
+
+def test_a_head_repeats_the_ack() -> None:
+    p, heads = port()
+    p.on_message(b"c1", hello(), 0.0)
+    p.on_message(b"c1", record(0), 0.0)
+    heads[(T, ADDR)] = 0
+    assert len(p.on_commit({(T, ADDR): 0})) == 1
+    out = p.on_message(b"c1", wire.encode(wire.Head(T, ADDR, T, 0)), 1.0)
+    assert out[0] == Relay(wire.encode(wire.Head(T, ADDR, T, 0)))
+    assert Reply(b"c1", wire.encode(wire.Ack(ADDR, T, 0))) in out
+
+
+def test_a_new_connection_of_the_partition_takes_the_acks_over() -> None:
+    p, heads = port()
+    p.on_message(b"c1", hello(), 0.0)
+    p.on_message(b"c1", record(0), 0.0)
+    p.on_message(b"c2", hello(), 1.0)
+    p.on_message(b"c2", record(0), 1.0)
+    (reply,) = p.on_commit({(T, ADDR): 0})
+    assert reply.peer == b"c2"
+    assert len(p) == 1
+
+
+def test_hostile_messages_are_dropped_and_a_connection_is_ignored_after_the_limit() -> None:
+    p, heads = port(bad_limit=4)
+    assert p.on_message(b"h", wire.encode(wire.Ack(ADDR, T, 0)), 0.0) == []  # an endpoint's message
+    assert p.on_message(b"h", [b"\xff\x00garbage"], 0.0) == []
+    assert p.on_message(b"h", wire.encode(wire.Fetch(ADDR, "R" * 32, T, 0, 5)), 0.0) == []
+    assert p.bad == 3
+    p.on_message(b"h", hello(), 0.0)
+    assert p.on_message(b"h", record(0, addr="F" * 32), 0.0) == []  # another partition: 4th strike
+    assert b"h" in p.ignored and len(p) == 0
+    assert p.on_message(b"h", hello(), 0.0) == []  # ignored from now on
+    # An honest neighbour is unaffected.
+    assert len(p.on_message(b"ok", hello(), 0.0)) == 1
+
+
+def test_records_beyond_the_window_and_oversized_are_refused() -> None:
+    p, heads = port(window=2, max_record_bytes=10)
+    p.on_message(b"c", hello(), 0.0)
+    assert p.on_message(b"c", record(1), 0.0) != []  # acked -1 + window 2
+    assert p.on_message(b"c", record(2), 0.0) == []
+    assert p.over_window == 1
+    assert p.on_message(b"c", record(0, b"x" * 11), 0.0) == []
+    assert p.bad == 1
+
+
+def test_sessions_are_bounded_the_one_silent_longest_goes_and_must_say_hello_again() -> None:
+    p, heads = port(max_sessions=2)
+    p.on_message(b"a", hello(addr="A" * 32), 0.0)
+    p.on_message(b"b", hello(addr="B" * 32), 1.0)
+    p.on_message(b"a", record(0, addr="A" * 32), 2.0)  # a was heard last
+    p.on_message(b"c", hello(addr="C" * 32), 3.0)
+    assert set(p.sessions) == {b"a", b"c"} and p.evicted == 1
+    (reply,) = p.on_message(b"b", record(0, addr="B" * 32), 4.0)
+    status = wire.decode(reply.frames)  # type: ignore[union-attr]
+    assert isinstance(status, wire.StoreStatus) and status.writing == 0 and status.topic == "B" * 32
+    assert p.bad == 0 and p.unknown == 1  # not hostile: it says HELLO again
+
+
+def test_a_leaf_told_it_has_no_session_says_hello_again_on_the_same_connection() -> None:
+    w = UnackedWindow(100)
+    lk = link(w, "a:1", "b:2")
+    lk.start(0.0)
+    lk.on_message(welcome(window=10), 0.0)
+    w.push(b"x")
+    lk.sent(0, 0.5)
+    actions = lk.on_message(wire.encode(wire.StoreStatus(ADDR, "S" * 32, T, 0, "no session")), 1.0)
+    assert [type(a) for a in actions] == [Send]
+    assert leafwire.decode(actions[0].frames) == leafwire.LeafHello(ADDR, T, -1, 1)  # type: ignore[union-attr]
+    lk.on_message(welcome(window=10), 1.1)
+    assert lk.sendable() == (0, 0)
+
+
+def test_a_store_that_cannot_write_refuses_the_hello() -> None:
+    heads = Heads()
+    p = LeafPort(heads, refusal=lambda: "disk full")
+    (reply,) = p.on_message(b"a", hello(), 0.0)
+    assert wire.decode(reply.frames).writing == 0  # type: ignore[union-attr]
+    assert len(p) == 0
+
+
+def test_silent_sessions_expire() -> None:
+    p, heads = port(idle=10.0)
+    p.on_message(b"a", hello(addr="A" * 32), 0.0)
+    p.on_message(b"b", hello(addr="B" * 32), 5.0)
+    assert p.expire(12.0) == 1
+    assert list(p.sessions) == [b"b"]
+    assert p.on_commit({(T, "A" * 32): 3}) == []
+
+
+def test_strikes_are_remembered_within_a_bound() -> None:
+    p, heads = port(bad_limit=100)
+    for i in range(5000):
+        p.on_message(b"x%d" % i, [b"junk"], 0.0)
+    assert len(p.strikes) <= 4096
+
+
+def test_device_and_endpoint_together_lose_nothing_across_a_failover() -> None:
+    """A whole exchange, both sides sans-IO: endpoint A acknowledges 0..2 and dies
+    before acknowledging 3..4; B (which got 0..2 by replication) takes the rest."""
+    w = UnackedWindow(100)
+    lk = link(w, "a:1", "b:2", ack_timeout=10.0)
+    a, a_heads = port(window=100)
+    b, b_heads = port(window=100)
+    wire_out = lk.start(0.0)
+
+    def deliver(p: LeafPort, peer: bytes, actions: list, now: float) -> list[Take]:
+        taken = []
+        for act in actions:
+            if isinstance(act, Send):
+                for r in p.on_message(peer, act.frames, now):
+                    if isinstance(r, Reply):
+                        lk.on_message(r.frames, now)
+                    elif isinstance(r, Take):
+                        taken.append(r)
+        return taken
+
+    deliver(a, b"d", wire_out, 0.0)
+    for i in range(5):
+        w.push(b"r%d" % i)
+    first, last = lk.sendable()  # type: ignore[misc]
+    frames = [Send(wire.encode(wire.Record(T, ADDR, T, s, w.get(s) or b""))) for s in range(first, last + 1)]
+    lk.sent(last, 1.0)
+    taken = deliver(a, b"d", frames, 1.0)
+    assert [t.sequence for t in taken] == [0, 1, 2, 3, 4]
+    a_heads[(T, ADDR)] = 2
+    for r in a.on_commit({(T, ADDR): 2}):
+        lk.on_message(r.frames, 1.1)  # type: ignore[union-attr]
+    assert w.acked == 2
+    b_heads[(T, ADDR)] = 2  # replicated
+    actions = lk.on_tick(11.1)  # A never acknowledges 3..4
+    assert actions[0] == Connect("b:2")
+    deliver(b, b"d", actions, 11.1)
+    first, last = lk.sendable()  # type: ignore[misc]
+    assert (first, last) == (3, 4)
+    frames = [Send(wire.encode(wire.Record(T, ADDR, T, s, w.get(s) or b""))) for s in range(first, last + 1)]
+    lk.sent(last, 11.2)
+    taken = deliver(b, b"d", frames, 11.2)
+    assert [t.sequence for t in taken] == [3, 4]
+    b_heads[(T, ADDR)] = 4
+    for r in b.on_commit({(T, ADDR): 4}):
+        lk.on_message(r.frames, 11.3)  # type: ignore[union-attr]
+    assert w.acked == 4 and len(w) == 0
+
+
+def test_failovers_without_progress_back_off_and_progress_resets() -> None:
+    w = UnackedWindow(100)
+    lk = link(w, "a:1", "b:2", connect_timeout=5.0, ack_timeout=10.0)
+    lk.start(0.0)
+    assert lk.on_tick(5.0)[0] == Connect("b:2")  # 5 s
+    assert lk.on_tick(14.9) == []
+    assert lk.on_tick(15.0)[0] == Connect("a:1")  # then 10 s
+    assert lk.on_tick(34.9) == []
+    assert lk.on_tick(35.0)[0] == Connect("b:2")  # then 20 s
+    lk.on_message(welcome(window=10), 35.1)
+    w.push(b"x")
+    lk.sent(0, 35.1)
+    lk.on_message(ack(0), 35.2)  # progress: back to the plain timeouts
+    w.push(b"y")
+    lk.sent(1, 36.0)
+    assert [a for a in lk.on_tick(45.9) if isinstance(a, Connect)] == []
+    assert lk.on_tick(46.0)[0] == Connect("a:1")
+
+
+def test_random_failovers_drops_and_crashes_never_lose_an_acknowledged_offset() -> None:
+    """Device and two endpoints, sans-IO, under random message loss, endpoint crashes
+    (what is not committed is lost) and replication between the endpoints: an offset the
+    leaf saw acknowledged is always committed at an endpoint, and in the end every
+    offset is, each with its one content."""
+
+    for seed in range(60):
+        _random_exchange(seed)
+
+
+def _random_exchange(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    w = UnackedWindow(1000)
+    lk = link(w, "a:1", "b:2", connect_timeout=2.0, ack_timeout=3.0, head_interval=0.5)
+    committed: dict[str, dict[int, bytes]] = {"a:1": {}, "b:2": {}}
+    pending: dict[str, dict[int, bytes]] = {"a:1": {}, "b:2": {}}
+
+    def heads_of(ep: str) -> Heads:
+        h = Heads()
+        held = committed[ep]
+        n = 0
+        while n in held:
+            n += 1
+        if n:
+            h[(T, ADDR)] = n - 1
+        return h
+
+    ports = {ep: LeafPort(heads_of(ep), window=50) for ep in committed}
+    conn = {"ep": "", "id": 0}
+    inbox: list[list[bytes]] = []
+    now = 0.0
+
+    def to_endpoint(frames: list[bytes]) -> None:
+        ep = conn["ep"]
+        if rng.random() < 0.05:
+            return  # lost
+        p = ports[ep]
+        p.head = heads_of(ep)
+        for act in p.on_message(b"c%d" % conn["id"], frames, now):
+            if isinstance(act, Take):
+                pending[ep][act.sequence] = act.content
+            elif isinstance(act, Reply) and rng.random() > 0.05:
+                inbox.append(act.frames)
+
+    def apply(actions: list) -> None:
+        for act in actions:
+            if isinstance(act, Connect):
+                conn["ep"], conn["id"] = act.endpoint, conn["id"] + 1
+                inbox.clear()
+            else:
+                to_endpoint(act.frames)
+
+    apply(lk.start(now))
+    for _step in range(400):
+        now += rng.choice((0.01, 0.1, 0.5))
+        r = rng.random()
+        if r < 0.3 and w.next < 60:
+            w.push(b"c%d" % w.next)
+        elif r < 0.45:  # a commit at one endpoint
+            ep = rng.choice(list(committed))
+            committed[ep].update(pending[ep])
+            pending[ep].clear()
+            p = ports[ep]
+            p.head = heads_of(ep)
+            h = p.head(T, ADDR)
+            for act in p.on_commit({(T, ADDR): h} if h >= 0 else {}):
+                if conn["ep"] == ep and rng.random() > 0.05:
+                    inbox.append(act.frames)  # type: ignore[union-attr]
+        elif r < 0.5:  # replication between the endpoints (committed records only)
+            src, dst = rng.sample(list(committed), 2)
+            committed[dst].update(committed[src])
+        elif r < 0.53:  # an endpoint crashes: what it did not commit is gone
+            ep = rng.choice(list(committed))
+            pending[ep].clear()
+            ports[ep] = LeafPort(heads_of(ep), window=50)
+            if conn["ep"] == ep:
+                inbox.clear()
+        while inbox:
+            apply(lk.on_message(inbox.pop(0), now))
+        span = lk.sendable()
+        if span is not None:
+            first, last = span
+            for seq in range(first, last + 1):
+                to_endpoint(wire.encode(wire.Record(T, ADDR, T, seq, w.get(seq) or b"")))
+            lk.sent(last, now)
+        apply(lk.on_tick(now))
+        for seq in range(w.acked + 1):
+            assert any(committed[ep].get(seq) == b"c%d" % seq for ep in committed), (seq, seed)
+    # Quiet now: no loss, commits everywhere, until everything is acknowledged.
+    rng = random.Random(0)
+    for _ in range(300):
+        if w.acked == w.next - 1:
+            break
+        now += 0.5
+        for ep in committed:
+            committed[ep].update(pending[ep])
+            pending[ep].clear()
+            p = ports[ep]
+            p.head = heads_of(ep)
+            h = p.head(T, ADDR)
+            for act in p.on_commit({(T, ADDR): h} if h >= 0 else {}):
+                if conn["ep"] == ep:
+                    inbox.append(act.frames)  # type: ignore[union-attr]
+        while inbox:
+            apply(lk.on_message(inbox.pop(0), now))
+        span = lk.sendable()
+        if span is not None:
+            for seq in range(span[0], span[1] + 1):
+                to_endpoint(wire.encode(wire.Record(T, ADDR, T, seq, w.get(seq) or b"")))
+            lk.sent(span[1], now)
+        apply(lk.on_tick(now))
+    assert w.acked == w.next - 1, seed
+    merged = {**committed["a:1"], **committed["b:2"]}
+    assert all(merged.get(s) == b"c%d" % s for s in range(w.next)), seed
