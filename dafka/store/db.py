@@ -156,8 +156,14 @@ from dafka.store.layout import (
     unpack_partition_key,
 )
 from dafka.store.lockfile import WriterLock
-from dafka.store.reader import convert_block
-from dafka.store.retention import Retention, RetentionPolicy, RetentionResult, retention_txn
+from dafka.store.reader import convert_block, seek
+from dafka.store.retention import (
+    Retention,
+    RetentionPolicy,
+    RetentionResult,
+    delete_front_txn,
+    retention_txn,
+)
 from dafka.store.upgrade import RECORDS_DB, convert
 from dafka.store.writer import (
     BLOCK_BYTES,
@@ -516,7 +522,8 @@ class RecordDB:
             found = 0
             for pid, first, last, _count, _nbytes in holed:
                 expect = first
-                if cur.set_range(BLOCK_KEY.pack(pid, first)):
+                # From the block holding ``first`` (a partial front block may start before it).
+                if seek(cur, pid, first) is not None:
                     for key, value in cur.iternext():
                         kpid, off = BLOCK_KEY.unpack(key)
                         if kpid != pid or off > last:
@@ -1469,50 +1476,15 @@ class RecordDB:
     def delete_front(self, topic: str, partition: str, before: int, max_records: int = 10_000) -> tuple[int, bool]:
         """Delete a partition's records below ``before`` (as retention does, from the
         front), at most ``max_records`` in this one transaction: ``(first offset now held,
-        done)``.  The head never changes; ``before`` past it stops at it.  (Kafka's
-        DeleteRecords.)"""
+        done)``.  The head never changes; ``before`` past it stops at it.  Whole blocks
+        below ``before`` leave; the block holding it stays, its records below it hidden
+        (:func:`dafka.store.retention.delete_front_txn`).  (Kafka's DeleteRecords.)"""
         pkey = self._pkey(topic, partition)
 
         def body(txn: lmdb.Transaction) -> tuple[int, bool]:
             dbs = self._dbs
             assert dbs is not None
-            raw = txn.get(pkey, db=dbs.partitions)
-            if raw is None:
-                return 0, True
-            pid, first, last, count, nbytes = PARTITION_INFO.unpack(raw)
-            stop = min(before, last + 1)
-            if first >= stop or not count:
-                return first, True
-            cur = txn.cursor(db=dbs.records)
-            budget = max_records
-            if cur.set_range(RECORD_KEY.pack(pid, first)):
-                while budget:
-                    key = cur.key()
-                    if not key:
-                        break
-                    kpid, off = RECORD_KEY.unpack(key)
-                    if kpid != pid or off >= stop:
-                        break
-                    nbytes -= value_payload_size(cur.value())
-                    count -= 1
-                    budget -= 1
-                    if not cur.delete():
-                        break
-            first = last + 1  # nothing left
-            if count and cur.key():
-                kpid, off = RECORD_KEY.unpack(cur.key())
-                if kpid == pid:
-                    first = off  # the next record held (past a hole, maybe)
-            done = first >= stop
-            txn.put(pkey, PARTITION_INFO.pack(pid, first, last, count, max(nbytes, 0)), db=dbs.partitions)
-            hdb = self._holes_db
-            if hdb is not None:
-                hcur = txn.cursor(db=hdb)
-                floor = RECORD_KEY.pack(pid, first)
-                if hcur.set_range(RECORD_KEY.pack(pid, 0)):
-                    while bytes(hcur.key()) < floor and hcur.delete():
-                        pass
-            return first, done
+            return delete_front_txn(txn, dbs.partitions, dbs.blocks, self._holes_db, pkey, before, max_records)
 
         first, done = self._write(body)
         return int(first), bool(done)

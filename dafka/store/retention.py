@@ -12,11 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from dafka.store.block import BLOCK_KEY, decode_header
+from dafka.store.block import BLOCK_KEY, BlockHeader, decode_header, records
 from dafka.store.layout import PARTITION_INFO
-from dafka.store.reader import block_payload
+from dafka.store.reader import block_payload, seek
 
-__all__ = ["Retention", "RetentionPolicy", "RetentionResult", "retention_txn"]
+__all__ = ["Retention", "RetentionPolicy", "RetentionResult", "delete_front_txn", "retention_txn", "visible"]
 
 
 class Retention(NamedTuple):
@@ -45,6 +45,89 @@ class RetentionResult(NamedTuple):
     deleted: int  # records removed
     freed_bytes: int  # payload bytes removed
     more: bool  # the budget ran out while records were still due: call again
+
+
+def visible(hdr: BlockHeader, value: bytes | memoryview, first: int, stop: int | None = None) -> int:
+    """The records of a block at offsets ``first`` (the partition's start) and on, below
+    ``stop`` if given: what its partition counts of it.  A block starting before its
+    partition's start is the partial front block :func:`delete_front_txn` leaves; only a
+    sparse Tank bundle (holes inside) is decoded to count it."""
+    lo = max(first, hdr.first_offset)
+    hi = hdr.last_offset if stop is None else min(stop - 1, hdr.last_offset)
+    if lo > hi:
+        return 0
+    if lo == hdr.first_offset and hi == hdr.last_offset:
+        return int(hdr.record_count)
+    if hdr.record_count == hdr.last_offset - hdr.first_offset + 1:
+        return hi - lo + 1
+    return sum(1 for rec in records(value, lo) if rec.offset <= hi)
+
+
+def _forget_holes(txn: Any, holes_db: Any, pid: int, first: int) -> None:
+    """Holes below a partition's new first are forgotten, as the records before them."""
+    if holes_db is None:
+        return
+    hcur = txn.cursor(db=holes_db)
+    floor = BLOCK_KEY.pack(pid, first)
+    if hcur.set_range(BLOCK_KEY.pack(pid, 0)):
+        while bytes(hcur.key()) < floor and hcur.delete():
+            pass
+
+
+def delete_front_txn(
+    txn: Any, parts_db: Any, blocks_db: Any, holes_db: Any, pkey: bytes, before: int, budget: int
+) -> tuple[int, bool]:
+    """Advance a partition's start to ``before`` (not past its head), about ``budget``
+    records at most: ``(first offset now held, done)``.  (Kafka's DeleteRecords.)
+
+    Blocks wholly below the new start leave whole, as retention drops them.  The block
+    holding the new start stays, whole, as the partial front block: the partition's
+    ``first`` (which every read starts from: ``max(offset, first)``) is the new start, its
+    ``count`` leaves out the block's records below it (see :func:`visible`), and its
+    ``bytes`` still count the block until it leaves (they are on disk).  Records hidden in
+    a block spend the budget as deleted ones do.  Heads never change.
+    """
+    raw = txn.get(pkey, db=parts_db)
+    if raw is None:
+        return 0, True
+    pid, first, last, count, nbytes = PARTITION_INFO.unpack(raw)
+    stop = min(before, last + 1)
+    if first >= stop or not count:
+        return first, True
+    cur = txn.cursor(db=blocks_db)
+    while first < stop and budget > 0 and count > 0:
+        found = seek(cur, pid, first)
+        if found is None:
+            count = 0
+            break
+        hdr, value = found
+        if hdr.first_offset > first:
+            first = hdr.first_offset  # past a hole
+            continue
+        held = visible(hdr, value, first)
+        if hdr.last_offset < stop and held <= budget:
+            nbytes -= block_payload(hdr, value)
+            cur.delete()
+            count -= held
+            budget -= held
+            first = hdr.last_offset + 1
+            continue
+        new_first = min(stop, first + budget)
+        hidden = visible(hdr, value, first, new_first)
+        count -= hidden
+        budget -= new_first - first
+        first = new_first
+    if count > 0:
+        found = seek(cur, pid, first)
+        if found is None:
+            count = 0
+        elif found[0].first_offset > first:
+            first = found[0].first_offset  # the next record held (past a hole)
+    if count <= 0:
+        count, first = 0, last + 1  # nothing left
+    txn.put(pkey, PARTITION_INFO.pack(pid, first, last, count, max(nbytes, 0)), db=parts_db)
+    _forget_holes(txn, holes_db, pid, first)
+    return first, first >= stop
 
 
 def retention_txn(
@@ -81,8 +164,9 @@ def retention_txn(
         """Delete the block under the cursor, the front of partition ``st``."""
         nonlocal deleted, freed, budget
         size = block_payload(hdr, value)
+        held = visible(hdr, value, st[2])  # less than its count if it is a partial front block
         cur.delete()  # the cursor moves to the next entry
-        st[4] -= hdr.record_count
+        st[4] -= held
         key = cur.key()
         if st[4] > 0 and key and unpack_key(key)[0] == st[1]:
             st[2] = unpack_key(key)[1]  # the next block: first + n, or past a hole
@@ -91,9 +175,9 @@ def retention_txn(
             st[2] = st[3] + 1
         st[5] = max(0, st[5] - size)
         st[6] = True
-        deleted += hdr.record_count
+        deleted += held
         freed += size
-        budget -= hdr.record_count
+        budget -= held
 
     for tprefix, states in by_topic.items():
         rule = policy.for_topic(bytes(tprefix[1:]).decode("utf-8"))
@@ -135,15 +219,9 @@ def retention_txn(
                     heapq.heappush(heap, (front(st)[0].first_ts, st[2], i))
             if more:
                 break
-    hcur = None if holes_db is None else txn.cursor(db=holes_db)
     for states in by_topic.values():
         for st in states:
             if st[6]:
                 txn.put(st[0], PARTITION_INFO.pack(*st[1:6]), db=parts_db)
-                if hcur is not None:
-                    # Holes below the new first are forgotten, as the records before them.
-                    floor = pack_key(st[1], st[2])
-                    if hcur.set_range(pack_key(st[1], 0)):
-                        while bytes(hcur.key()) < floor and hcur.delete():
-                            pass
+                _forget_holes(txn, holes_db, st[1], st[2])
     return RetentionResult(deleted, freed, more)

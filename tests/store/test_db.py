@@ -979,3 +979,35 @@ def test_environment_reopened_after_a_fatal_commit_failure(tmp_path: Path) -> No
         assert db._env is not env
         assert db.head("t", P1) == 9
         assert db.append(plain("t", P1, 10, 1)) == {("t", P1): 10}
+
+
+def test_delete_front_on_blocks_hides_a_partial_block_and_retention_then_counts_it_right(tmp_path: Path) -> None:
+    """Format 2: delete_front drops whole blocks below the new start and leaves the block
+    holding it whole, its records below the start never read; the counts stay right when
+    retention later drops that block, and across a reopen."""
+    with RecordDB(tmp_path / "db") as db:
+        for b in range(3):  # blocks [0-9], [10-19], [20-29], received at t = 1000 * b
+            db.append(plain("t", P1, b * 10, 10, ts=1000 * b))
+        # Budget 12: the first block leaves (10), then 2 of the second are hidden.
+        assert db.delete_front("t", P1, 15, max_records=12) == (12, False)
+        info = db.info("t", P1)
+        assert info is not None and (info.first, info.last, info.count) == (12, 29, 18)
+        assert info.bytes == 20 * 40  # the partial block's bytes count until it leaves
+        assert db.delete_front("t", P1, 15) == (15, True)
+        info = db.info("t", P1)
+        assert info is not None and (info.first, info.count) == (15, 15)
+        assert db.fetch("t", P1, 0, 3) == (15, [content_for(15), content_for(16), content_for(17)])
+        assert db.fetch("t", P1, 11, 1) == (15, [content_for(15)])
+        assert [r.offset for r in db.read("t", P1, 0, 100)] == list(range(15, 30))
+    with RecordDB(tmp_path / "db") as db:
+        assert db.info("t", P1)[3:6] == (15, 29, 15)  # type: ignore[index]
+        # Retention by age drops the partial block: its 5 held records, its whole bytes.
+        res = db.enforce_retention(2500, RetentionPolicy(Retention(max_age_ms=1000)))
+        assert (res.deleted, res.freed_bytes, res.more) == (5, 10 * 40, False)
+        info = db.info("t", P1)
+        assert info is not None and (info.first, info.last, info.count, info.bytes) == (20, 29, 10, 10 * 40)
+        assert db.delete_front("t", P1, 99) == (30, True)
+        assert db.info("t", P1)[3:6] == (30, 29, 0)  # type: ignore[index]
+        assert db.fetch("t", P1, 0, 10) == (30, [])
+        assert db.append(plain("t", P1, 30, 2)) == {("t", P1): 31}
+        assert db.fetch("t", P1, 0, 5)[0] == 30

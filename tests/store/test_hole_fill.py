@@ -161,3 +161,20 @@ def test_a_store_with_holes_from_before_the_table_gets_it_built(tmp_path: Path) 
     with RecordDB(tmp_path / "db", readonly=False) as db:
         assert db.holes() == [Hole("t", P1, 5, 9), Hole("t", P1, 15, 19)]
         assert db.fill_holes(fills(P1, 5, 5)) == (5, 0)
+
+
+def test_building_the_table_past_a_partial_front_block_finds_only_the_real_holes(tmp_path: Path) -> None:
+    """delete_front leaves the block holding the new start whole (its records below the
+    start hidden): building the holes table starts from that block, not after it."""
+    with RecordDB(tmp_path / "db") as db:
+        db.append(plain(P1, 0, 10))
+        db.append(plain(P1, 10, 10))
+        db.append(plain(P1, 25, 5), skips=[("t", P1, 20, 24)])
+        assert db.delete_front("t", P1, 3) == (3, True)
+    env = lmdb.open(str(tmp_path / "db"), max_dbs=8)
+    with env.begin(write=True) as txn:
+        txn.drop(env.open_db(b"holes", txn=txn), delete=True)
+    env.close()
+    with RecordDB(tmp_path / "db", readonly=False) as db:
+        assert db.holes() == [Hole("t", P1, 20, 24)]
+        assert offsets(db, P1) == [*range(3, 20), *range(25, 30)]
