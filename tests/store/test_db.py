@@ -1011,3 +1011,30 @@ def test_delete_front_on_blocks_hides_a_partial_block_and_retention_then_counts_
         assert db.fetch("t", P1, 0, 10) == (30, [])
         assert db.append(plain("t", P1, 30, 2)) == {("t", P1): 31}
         assert db.fetch("t", P1, 0, 5)[0] == 30
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    sizes=st.lists(st.integers(1, 12), min_size=1, max_size=5),
+    steps=st.lists(st.tuples(st.booleans(), st.integers(0, 70), st.integers(1, 15)), max_size=6),
+)
+def test_delete_front_and_retention_keep_count_and_bytes_true_to_what_is_read(
+    sizes: list[int], steps: list[tuple[bool, int, int]]
+) -> None:
+    with tempfile.TemporaryDirectory() as tmp, RecordDB(Path(tmp) / "db") as db:
+        first = 0
+        for b, n in enumerate(sizes):  # one block a batch, batch b received at t = 1000 * b
+            db.append(plain("t", P1, first, n, ts=1000 * b))
+            first += n
+        for is_delete, arg, budget in steps:
+            if is_delete:
+                db.delete_front("t", P1, arg, max_records=budget)
+            else:
+                db.enforce_retention(arg * 100, RetentionPolicy(Retention(max_age_ms=0)), max_records=budget)
+            info = db.info("t", P1)
+            assert info is not None and info.last == first - 1
+            got = [r.offset for r in db.read("t", P1, 0, 1000)]
+            assert got == list(range(info.first, first))
+            assert info.count == len(got)
+            assert (info.bytes == 0) == (info.count == 0)
+            assert info.bytes >= 40 * info.count
