@@ -26,6 +26,24 @@ store asks for them again:
   :meth:`dafka.store.db.RecordDB.append`; a store that merely began after
   others' retention has none.)
 
+ACKs are capped below the holes (:meth:`HoleRepair.cap`): an ACK tells a
+producer that a store holds every record it published up to there, so it
+releases them.  A store that gave offsets up while their producer was cut off
+(or away) must not ACK past them before it asked that producer for them: the
+producer may still hold them, and would drop records no store holds.  So the
+ACK of a partition stops below its first tracked hole that is not *released*;
+when the partition's producer is heard again (its HEAD, while it hears our
+FETCHes, :meth:`HoleRepair.owner_heard`) the store asks it for those holes at
+once.  What it sends fills them (and the ACKs move on); a hole is released
+(no longer caps) when the producer says it is its restart hole (VOID kind 1,
+:meth:`HoleRepair.on_restart_hole`: never published by its current run), or
+when the producer was heard for ``release_after`` (the store's
+``skip_after``) since it was first asked and sent nothing for it: a live
+producer that hears our FETCHes answers them long before, so it does not
+hold them (another store acknowledged them, or they were lost with a run of
+it that crashed).  A hole the database holds beyond the ``max_holes``
+tracked is not capped for.
+
 The shell feeds it the holes the database holds (:meth:`HoleRepair.sync`,
 after every commit that changed them), asks whether an arriving record's
 offset is in a tracked hole (:meth:`HoleRepair.covers`) and sends the
@@ -59,6 +77,8 @@ class _Hole:
     ask_from: int = 0  # a start hole: where its next ask starts (past what every peer store holds none of)
     # A start hole: the peer stores that said they hold none of it from ask_from, and up to where.
     voiders: dict[str, int] = field(default_factory=dict)
+    released: bool = False  # caps ACKs no more (see HoleRepair.cap)
+    heard_at: float | None = None  # when its producer was first heard while it capped ACKs
 
 
 class HoleRepair:
@@ -72,6 +92,7 @@ class HoleRepair:
         per_round: int = PER_ROUND,
         max_ask: int = MAX_ASK,
         max_holes: int = MAX_HOLES,
+        release_after: float = 10.0,
     ) -> None:
         if interval <= 0 or max_wait < interval or per_round < 1 or max_ask < 1 or max_holes < 1:
             raise ValueError("HoleRepair needs interval > 0, max_wait >= interval and positive limits")
@@ -80,6 +101,7 @@ class HoleRepair:
         self.per_round = per_round
         self.max_ask = max_ask
         self.max_holes = max_holes
+        self.release_after = release_after
         self._holes: dict[Key, list[_Hole]] = {}  # per partition, sorted by first
         self._firsts: dict[Key, list[int]] = {}  # the holes' firsts, for bisect
         self._round_at = float("-inf")  # the next round may start then
@@ -120,6 +142,7 @@ class HoleRepair:
                     else:
                         asked = prev.asked_at
                         hole = _Hole(first, last, self.interval, max(now, asked + self.interval), asked)
+                        hole.released, hole.heard_at = prev.released, prev.heard_at  # what is left of it
                     break
             if hole is None:
                 hole = _Hole(first, last, self.interval, now + self.interval, float("-inf"))
@@ -136,6 +159,49 @@ class HoleRepair:
             return False
         i = bisect.bisect_right(firsts, offset) - 1
         return i >= 0 and offset <= self._holes[key][i].last
+
+    def cap(self, key: Key, head: int) -> int:
+        """The ACK partition ``key`` may get for committed head ``head``: below
+        its first tracked hole that is not released (``head`` if none)."""
+        for h in self._holes.get(key, ()):
+            if h.first > head:
+                break
+            if not h.released:
+                return h.first - 1
+        return head
+
+    def owner_heard(self, key: Key, now: float) -> list[tuple[str, str, int, int]]:
+        """Partition ``key``'s producer was heard (and hears our FETCHes) at ``now``.
+
+        Releases its holes it was heard for ``release_after`` since it was first
+        heard while they capped ACKs; returns the FETCHes to send it at once
+        ``(topic, partition, offset, count)``: for each unreleased hole it was
+        not heard for before (the store's usual rounds ask again after that).
+        """
+        out = []
+        for h in self._holes.get(key, ()):
+            if h.released:
+                continue
+            if h.heard_at is None:
+                h.heard_at = now
+                out.append((key[0], key[1], h.first, min(h.last - h.first + 1, self.max_ask)))
+                h.asked_at = now
+                h.wait = self.interval
+                h.due_at = now + self.interval
+                self.asks += 1
+            elif now - h.heard_at >= self.release_after:
+                h.released = True
+        return out
+
+    def on_restart_hole(self, key: Key, first: int, last: int) -> None:
+        """Partition ``key``'s producer says ``first..last`` is its restart hole
+        (VOID kind 1): its current run never published them, it holds none of
+        them, so tracked holes within ``..last`` cap ACKs no more."""
+        for h in self._holes.get(key, ()):
+            if h.first > last:
+                break
+            if h.last <= last:
+                h.released = True
 
     def on_void(
         self, key: Key, first: int, last: int, source: str = "peer", stores: Collection[str] = ()
