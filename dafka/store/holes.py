@@ -105,6 +105,9 @@ class HoleRepair:
         self._holes: dict[Key, list[_Hole]] = {}  # per partition, sorted by first
         self._firsts: dict[Key, list[int]] = {}  # the holes' firsts, for bisect
         self._round_at = float("-inf")  # the next round may start then
+        # Per partition: the end of the restart hole its producer stated (VOID
+        # kind 1): holes up to it cap ACKs no more, also those recorded after.
+        self._restart_ends: dict[Key, int] = {}
         self.asks = 0  # FETCHes returned by due(), in total
 
     def __len__(self) -> int:
@@ -146,6 +149,8 @@ class HoleRepair:
                     break
             if hole is None:
                 hole = _Hole(first, last, self.interval, now + self.interval, float("-inf"))
+            if last <= self._restart_ends.get(key, -1):
+                hole.released = True
             new.setdefault(key, []).append(hole)
         for hs in new.values():
             hs.sort(key=lambda h: h.first)
@@ -196,7 +201,10 @@ class HoleRepair:
     def on_restart_hole(self, key: Key, first: int, last: int) -> None:
         """Partition ``key``'s producer says ``first..last`` is its restart hole
         (VOID kind 1): its current run never published them, it holds none of
-        them, so tracked holes within ``..last`` cap ACKs no more."""
+        them, so holes within ``..last`` cap ACKs no more, also those recorded
+        later (the shell passes only partitions it reads: one entry each)."""
+        if last > self._restart_ends.get(key, -1):
+            self._restart_ends[key] = last
         for h in self._holes.get(key, ()):
             if h.first > last:
                 break

@@ -206,6 +206,11 @@ def test_a_restart_hole_the_producer_states_caps_acks_no_more() -> None:
     assert r.cap(KEY, 40) == 29
     r.on_restart_hole(("t", PEER), 0, 100)  # another partition's: nothing here
     assert r.cap(KEY, 40) == 29
+    # Stated before the store gave the offsets up (a reader passes a restart
+    # hole at once, then records it): the hole caps nothing once recorded.
+    r.on_restart_hole(("u", P), 15, 19)
+    r.sync([("u", P, 15, 19), ("u", P, 25, 26)], now=1.0)
+    assert r.cap(("u", P), 30) == 24
 
 
 def test_bad_settings_are_refused() -> None:
