@@ -176,7 +176,16 @@ class SimStore(Simulated, Store):
             self.retry_missing_now()
             self._announce_heads(0.0)
         elif kind == "producer":
+            self.sim_producer_hears(address)
             self.retry_missing_now()
+
+    def sim_producer_hears(self, address: str) -> None:
+        """Producer ``address`` subscribed to its FETCHes here (see Store.owner_hears)."""
+        self._fetch_hearers[address] = 1
+
+    def on_peer_gone(self, address: str) -> None:
+        self._fetch_hearers.pop(address, None)  # (a producer's subscription went with it)
+        super().on_peer_gone(address)
 
 
 class SimConsumer(Simulated, Consumer):

@@ -37,10 +37,10 @@ FETCHes, :meth:`HoleRepair.owner_heard`) the store asks it for those holes at
 once.  What it sends fills them (and the ACKs move on); a hole is released
 (no longer caps) when the producer says it is its restart hole (VOID kind 1,
 :meth:`HoleRepair.on_restart_hole`: never published by its current run), or
-when the producer was heard for ``release_after`` (the store's
-``skip_after``) since it was first asked and sent nothing for it: a live
-producer that hears our FETCHes answers them long before, so it does not
-hold them (another store acknowledged them, or they were lost with a run of
+when the producer heard our FETCHes for ``release_after`` (the store's
+``skip_after``; counted between its HEADs, at most ``heard_gap`` each) while
+it was asked for the hole and sent nothing for it: a live producer that hears
+our FETCHes answers them long before, so it does not hold them (another store acknowledged them, or they were lost with a run of
 it that crashed).  A hole the database holds beyond the ``max_holes``
 tracked is not capped for.
 
@@ -78,7 +78,8 @@ class _Hole:
     # A start hole: the peer stores that said they hold none of it from ask_from, and up to where.
     voiders: dict[str, int] = field(default_factory=dict)
     released: bool = False  # caps ACKs no more (see HoleRepair.cap)
-    heard_at: float | None = None  # when its producer was first heard while it capped ACKs
+    heard_at: float | None = None  # when its producer was last heard while it capped ACKs
+    heard_for: float = 0.0  # how long its producer heard our FETCHes meanwhile (see owner_heard)
 
 
 class HoleRepair:
@@ -93,6 +94,7 @@ class HoleRepair:
         max_ask: int = MAX_ASK,
         max_holes: int = MAX_HOLES,
         release_after: float = 10.0,
+        heard_gap: float = 5.0,
     ) -> None:
         if interval <= 0 or max_wait < interval or per_round < 1 or max_ask < 1 or max_holes < 1:
             raise ValueError("HoleRepair needs interval > 0, max_wait >= interval and positive limits")
@@ -102,6 +104,7 @@ class HoleRepair:
         self.max_ask = max_ask
         self.max_holes = max_holes
         self.release_after = release_after
+        self.heard_gap = heard_gap
         self._holes: dict[Key, list[_Hole]] = {}  # per partition, sorted by first
         self._firsts: dict[Key, list[int]] = {}  # the holes' firsts, for bisect
         self._round_at = float("-inf")  # the next round may start then
@@ -145,7 +148,8 @@ class HoleRepair:
                     else:
                         asked = prev.asked_at
                         hole = _Hole(first, last, self.interval, max(now, asked + self.interval), asked)
-                        hole.released, hole.heard_at = prev.released, prev.heard_at  # what is left of it
+                        # What is left of it keeps its release clock.
+                        hole.released, hole.heard_at, hole.heard_for = prev.released, prev.heard_at, prev.heard_for
                     break
             if hole is None:
                 hole = _Hole(first, last, self.interval, now + self.interval, float("-inf"))
@@ -176,26 +180,35 @@ class HoleRepair:
         return head
 
     def owner_heard(self, key: Key, now: float) -> list[tuple[str, str, int, int]]:
-        """Partition ``key``'s producer was heard (and hears our FETCHes) at ``now``.
+        """Partition ``key``'s producer hears our FETCHes at ``now`` (the shell calls
+        this on a HEAD of the partition while the producer is subscribed to them).
 
-        Releases its holes it was heard for ``release_after`` since it was first
-        heard while they capped ACKs; returns the FETCHes to send it at once
-        ``(topic, partition, offset, count)``: for each unreleased hole it was
-        not heard for before (the store's usual rounds ask again after that).
+        For its first ``per_round`` holes that still cap ACKs: each counts the
+        time since the last call (at most ``heard_gap``: a longer silence may
+        have been a cut) and is released once that reaches ``release_after``;
+        the others are asked for at once if not asked for ``interval``.
+        Returns those FETCHes, ``(topic, partition, offset, count)``.
         """
         out = []
+        n = 0
         for h in self._holes.get(key, ()):
             if h.released:
                 continue
-            if h.heard_at is None:
-                h.heard_at = now
+            if n >= self.per_round:
+                break
+            n += 1
+            if h.heard_at is not None:
+                h.heard_for += min(max(now - h.heard_at, 0.0), self.heard_gap)
+                if h.heard_for >= self.release_after:
+                    h.released = True
+                    continue
+            h.heard_at = now
+            if now - h.asked_at >= self.interval:
                 out.append((key[0], key[1], h.first, min(h.last - h.first + 1, self.max_ask)))
                 h.asked_at = now
                 h.wait = self.interval
                 h.due_at = now + self.interval
-                self.asks += 1
-            elif now - h.heard_at >= self.release_after:
-                h.released = True
+        self.asks += len(out)
         return out
 
     def on_restart_hole(self, key: Key, first: int, last: int) -> None:

@@ -616,9 +616,11 @@ class Store(PartitionReader):
         key = (tracker.subject, tracker.address)
         head = self._heads.get(key, -1)
         repair = self.repair
-        if repair and self.owner_hears(tracker.address):
-            # Back (it hears our FETCHes): ask it at once for the holes that cap
-            # its ACKs (see dafka.store.holes: it may hold what they lack).
+        if repair and tracker.address in self._fetch_hearers:
+            # It hears our FETCHes (subscribed to them here): ask it at once for
+            # the holes that cap its ACKs (see dafka.store.holes: it may hold what
+            # they lack).  (Any HEAD of the partition counts, a store's too: the
+            # subscription says the producer hears us.)
             for topic, partition, offset, count in repair.owner_heard(key, time.monotonic()):
                 self.send(wire.Fetch(partition, self.address, topic, offset, count))
                 self.hole_fetches += 1

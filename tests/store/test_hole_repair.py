@@ -175,24 +175,44 @@ def test_acks_stop_below_a_hole_until_it_is_filled_or_released() -> None:
 
 
 def test_a_producer_heard_again_is_asked_for_its_holes_at_once_and_releases_them_after_release_after() -> None:
-    r = HoleRepair(interval=1.0, max_wait=8.0, release_after=10.0)
+    r = HoleRepair(interval=1.0, max_wait=8.0, release_after=10.0, heard_gap=3.0)
     r.sync([("t", P, 5, 9), ("t", P, 20, 24)], now=0.0)
     # Its HEAD: both holes asked for at once, not after a round's interval.
     assert r.owner_heard(KEY, 0.1) == [("t", P, 5, 5), ("t", P, 20, 5)]
-    assert r.owner_heard(KEY, 0.2) == []  # asked already: the usual rounds go on
+    assert r.owner_heard(KEY, 0.2) == []  # asked already
     assert r.due(1.0) == [] and r.due(1.1) == [("t", P, 5, 5), ("t", P, 20, 5)]
-    # Part of the first hole came: what is left keeps its clock.
-    r.sync([("t", P, 7, 9), ("t", P, 20, 24)], now=3.0)
+    # Part of the first hole came: what is left keeps its clock (0.1 s so far).
+    r.sync([("t", P, 7, 9), ("t", P, 20, 24)], now=1.5)
     assert r.cap(KEY, 30) == 6
-    r.owner_heard(KEY, 10.0)
-    assert r.cap(KEY, 30) == 6  # not yet release_after since first heard
-    # A live producer that hears our FETCHes and sent nothing for release_after does not hold them.
-    assert r.owner_heard(KEY, 10.1) == []
+    # HEADs a second apart: asked again at each (an interval passed); 9.4 s heard so far.
+    asked = sum(len(r.owner_heard(KEY, t)) for t in (2.5, 3.5, 4.5, 5.5, 6.5, 7.5, 8.5, 9.5))
+    assert r.cap(KEY, 30) == 6 and asked == 16
+    # A live producer that heard our FETCHes for release_after and sent nothing does not hold them.
+    assert r.owner_heard(KEY, 10.5) == []
     assert r.cap(KEY, 30) == 30
     # Still asked for (a peer store may hold them), but they cap no more.
     r.sync([("t", P, 7, 9), ("t", P, 20, 24)], now=11.0)
+    assert r.cap(KEY, 30) == 30 and r.owner_heard(KEY, 12.0) == []
+    assert r.due(40.0) != []
+
+
+def test_a_silence_between_heads_counts_heard_gap_at_most() -> None:
+    r = HoleRepair(interval=1.0, release_after=10.0, heard_gap=3.0)
+    r.sync([("t", P, 5, 9)], now=0.0)
+    assert r.owner_heard(KEY, 0.0) == [("t", P, 5, 5)]
+    # 20 s without a HEAD (it may have been cut off): 3 s counted, and asked again.
+    assert r.owner_heard(KEY, 20.0) == [("t", P, 5, 5)]
+    for t in range(21, 27):
+        r.owner_heard(KEY, float(t))
+    assert r.cap(KEY, 30) == 4  # 9 s heard
+    r.owner_heard(KEY, 27.0)
     assert r.cap(KEY, 30) == 30
-    assert r.due(20.0) != []
+
+
+def test_only_the_first_holes_are_asked_for_on_a_head() -> None:
+    r = HoleRepair(interval=1.0, per_round=2)
+    r.sync([("t", P, o, o) for o in range(0, 100, 2)], now=0.0)
+    assert [f[2] for f in r.owner_heard(KEY, 0.0)] == [0, 2]
 
 
 def test_a_restart_hole_the_producer_states_caps_acks_no_more() -> None:
@@ -399,6 +419,7 @@ def test_a_store_acks_its_producer_back_only_up_to_its_hole_and_asks_it_at_once(
         assert store.db.holes() == [Hole("t", P, 5, 9)]
         assert all(a <= 4 for a in acks(sent)), acks(sent)
         head = wire.encode(wire.Head("t", P, "t", 14))
+        store.sim_producer_hears(P)  # back: subscribed to its FETCHes here
         store.repair._round_at = float("inf")  # no round of the usual repair: the HEAD alone asks
         sent = run(store, clock, 0.0, [head])
         assert all(a <= 4 for a in acks(sent)), acks(sent)
