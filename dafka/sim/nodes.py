@@ -179,6 +179,10 @@ class SimStore(Simulated, Store):
             self.sim_producer_hears(address)
             self.retry_missing_now()
 
+    def producer_hears(self, partition: str) -> bool:
+        # (No beacons here: the world adds and drops the subscription, cuts included.)
+        return partition in self._fetch_hearers
+
     def sim_producer_hears(self, address: str) -> None:
         """Producer ``address`` subscribed to its FETCHes here (see Store.owner_hears)."""
         self._fetch_hearers[address] = 1

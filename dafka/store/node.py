@@ -616,11 +616,9 @@ class Store(PartitionReader):
         key = (tracker.subject, tracker.address)
         head = self._heads.get(key, -1)
         repair = self.repair
-        if repair and tracker.address in self._fetch_hearers:
-            # It hears our FETCHes (subscribed to them here): ask it at once for
-            # the holes that cap its ACKs (see dafka.store.holes: it may hold what
-            # they lack).  (Any HEAD of the partition counts, a store's too: the
-            # subscription says the producer hears us.)
+        if repair and self.producer_hears(tracker.address):
+            # It hears our FETCHes: ask it at once for the holes that cap its ACKs
+            # (see dafka.store.holes: it may hold what they lack).
             for topic, partition, offset, count in repair.owner_heard(key, time.monotonic()):
                 self.send(wire.Fetch(partition, self.address, topic, offset, count))
                 self.hole_fetches += 1
@@ -985,6 +983,14 @@ class Store(PartitionReader):
         # and an ACK past a hole given up would release it).  A producer that is
         # gone (no beacon: expired) or was never met leaves that to skip_after.
         return partition in self._fetch_hearers or partition not in self.peers
+
+    def producer_hears(self, partition: str) -> bool:
+        """Whether the partition's producer hears our FETCHes now: a live peer
+        (its beacons come) subscribed to them here.  Any HEAD of the partition
+        then counts toward releasing its holes (see dafka.store.holes), a
+        store's too; a producer cut off is not a live peer once its beacons
+        stopped, though its subscription may last until its connection drops."""
+        return partition in self._fetch_hearers and partition in self.peers
 
     def known_stores(self) -> Collection[str]:
         return self._stores.current(time.monotonic())
