@@ -1102,12 +1102,10 @@ class Store(PartitionReader):
         key = (msg.subject, msg.address)
         if msg.kind == wire.VOID_RESTART and key in self._trackers:
             # Its producer's current run never published these: they cap its ACKs
-            # no more (see dafka.store.holes), and an ACK capped below them goes now.
+            # no more (see dafka.store.holes).  The ACK goes with the next commit or
+            # HEAD (never here: not past what its current run published, see
+            # on_producer_head).
             self.repair.on_restart_hole(key, msg.first, msg.last)
-            head = self._heads.get(key)
-            if head is not None and self.storage_error is None:
-                self._unsent_acks[key] = max(head, self._unsent_acks.get(key, -1))
-                self._send_acks()
         if self.repair and msg.kind == wire.VOID_STORE and msg.source != self.address:
             # A peer store holds none of a range we asked for: once every store we
             # know said so, a recorded hole at the partition's start is asked for
