@@ -38,7 +38,7 @@ from dafka.core import wire
 from dafka.core.unacked import UnackedWindow
 from dafka.errors import BufferFullError, ClosedError, PublishError, RecordTooLargeError
 from dafka.nodes.node import new_address
-from dafka.nodes.receipt import Receipt, check_content
+from dafka.nodes.receipt import Receipt, ReceiptCallbacks, check_content
 
 log = logging.getLogger("dafka.leaf")
 
@@ -187,7 +187,7 @@ class LeafLoop:
         self._ticking[member] = None
 
 
-class LeafProducer:
+class LeafProducer(ReceiptCallbacks):
     """A producer whose partition reaches the mesh through a regional endpoint.
 
     The public API is the mesh :class:`~dafka.nodes.producer.Producer`'s
@@ -417,20 +417,6 @@ class LeafProducer:
                     return False
                 self._cond.wait(remaining)
             return True
-
-    def _add_callback(self, receipt: Receipt, fn: Callable[[Receipt], None]) -> None:
-        with self._lock:
-            if not receipt.done():
-                self._callback_seq += 1
-                heapq.heappush(self._callbacks, (receipt.offset, self._callback_seq, receipt, fn))
-                return
-        self._call(fn, receipt)
-
-    def _call(self, fn: Callable[[Receipt], None], receipt: Receipt) -> None:
-        try:
-            fn(receipt)
-        except Exception:
-            log.exception("publish callback failed")
 
     def _run_callbacks(self) -> None:
         due = []

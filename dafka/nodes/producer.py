@@ -43,7 +43,7 @@ from dafka.nodes.fairlock import FairLock
 from dafka.nodes.loop import NodeLoop
 from dafka.nodes.node import Node, Route, read_subscriptions
 from dafka.nodes.receipt import Receipt as Receipt  # (re-exported: it was defined here)
-from dafka.nodes.receipt import check_content
+from dafka.nodes.receipt import ReceiptCallbacks, check_content
 
 _ONLY_BYTES = frozenset((bytes,))
 
@@ -135,7 +135,7 @@ class _OutboxPort:
         self._producer.beacon_held = True
 
 
-class Producer(Node):
+class Producer(ReceiptCallbacks, Node):
     """Publish records to ``topic``.
 
     Parameters
@@ -215,6 +215,7 @@ class Producer(Node):
     """
 
     kind = "producer"
+    _lock: FairLock  # (ReceiptCallbacks takes any lock)
 
     def __new__(cls, *args: Any, leaf: str | Sequence[str] | None = None, **kwargs: Any) -> Any:
         # A leaf producer (one connection to a regional endpoint, no mesh side) is another
@@ -653,20 +654,6 @@ class Producer(Node):
             self._cond.wait(remaining)
         if self._closed:
             raise ClosedError("producer is closed")
-
-    def _add_callback(self, receipt: Receipt, fn: Callable[[Receipt], None]) -> None:
-        with self._lock:
-            if not receipt.done():
-                self._callback_seq += 1
-                heapq.heappush(self._callbacks, (receipt.offset, self._callback_seq, receipt, fn))
-                return
-        self._call(fn, receipt)
-
-    def _call(self, fn: Callable[[Receipt], None], receipt: Receipt) -> None:
-        try:
-            fn(receipt)
-        except Exception:
-            log.exception("publish callback failed")
 
     def _run_callbacks(self) -> None:
         due = []

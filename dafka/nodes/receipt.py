@@ -7,10 +7,14 @@ a receipt asks its producer through :class:`ReceiptSource`.
 
 from __future__ import annotations
 
+import heapq
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from dafka.errors import PublishError
+
+log = logging.getLogger("dafka.producer")
 
 
 class ReceiptSource(Protocol):
@@ -81,3 +85,29 @@ class Receipt:
     def add_done_callback(self, fn: Callable[[Receipt], None]) -> None:
         """Call ``fn(receipt)`` once resolved (from the producer's I/O thread)."""
         self._producer._add_callback(self, fn)
+
+
+class ReceiptCallbacks:
+    """The callbacks attached to receipts, kept in offset order until resolved.
+
+    Shared by the mesh producer and the leaf producer: each sets ``_lock``,
+    ``_callbacks`` and ``_callback_seq`` and runs the due ones itself.
+    """
+
+    _lock: Any
+    _callbacks: list[tuple[int, int, Receipt, Callable[[Receipt], None]]]
+    _callback_seq: int
+
+    def _add_callback(self, receipt: Receipt, fn: Callable[[Receipt], None]) -> None:
+        with self._lock:
+            if not receipt.done():
+                self._callback_seq += 1
+                heapq.heappush(self._callbacks, (receipt.offset, self._callback_seq, receipt, fn))
+                return
+        self._call(fn, receipt)
+
+    def _call(self, fn: Callable[[Receipt], None], receipt: Receipt) -> None:
+        try:
+            fn(receipt)
+        except Exception:
+            log.exception("publish callback failed")

@@ -176,7 +176,20 @@ class SimStore(Simulated, Store):
             self.retry_missing_now()
             self._announce_heads(0.0)
         elif kind == "producer":
+            self.sim_producer_hears(address)
             self.retry_missing_now()
+
+    def producer_hears(self, partition: str) -> bool:
+        # (No beacons here: the world adds and drops the subscription, cuts included.)
+        return partition in self._fetch_hearers
+
+    def sim_producer_hears(self, address: str) -> None:
+        """Producer ``address`` subscribed to its FETCHes here (see Store.owner_hears)."""
+        self._fetch_hearers[address] = 1
+
+    def on_peer_gone(self, address: str) -> None:
+        self._fetch_hearers.pop(address, None)  # (a producer's subscription went with it)
+        super().on_peer_gone(address)
 
 
 class SimConsumer(Simulated, Consumer):

@@ -86,12 +86,10 @@ def node_count(top: Topology = TOPOLOGY) -> int:
 
 
 # Generated ``offline`` steps cut a producer (or device) off for at most this
-# many ms, less than skip_after.  Longer, a known defect shows (pinned in
-# tests/test_sim.py, test_a_store_acks_past_a_hole_before_asking_the_producer_back):
-# the stores give up a hole of the producer and, when it is back, may answer its
-# HEAD with an ACK past the hole before they asked it for the hole, so it
-# releases a record no store holds.  Replays may cut producers off for longer.
-PRODUCER_CUT_MAX = 5000
+# many ms: past skip_after, so the stores give up its missing offsets (a hole)
+# and must ask it for them when it is back before they ACK past them (tests/test_sim.py
+# test_a_store_acks_past_a_hole_before_asking_the_producer_back; dafka.store.holes).
+PRODUCER_CUT_MAX = 25000
 MAX_STORES = 3
 MAX_DEVICES = 1
 
@@ -144,8 +142,8 @@ def _make(rng: random.Random, kind: str, s: int, top: Topology, producers: int) 
         else:
             node = rng.randrange(node_count(top))
         if node >= top.stores + top.consumers:
-            # A producer or device: not past skip_after (see PRODUCER_CUT_MAX).
-            return Step(kind, node, rng.choice((2000, PRODUCER_CUT_MAX)), s)
+            # A producer or device: past skip_after too (see PRODUCER_CUT_MAX).
+            return Step(kind, node, rng.choice((2000, 12000, PRODUCER_CUT_MAX)), s)
         return Step(kind, node, rng.choice((2000, 12000, 25000)), s)
     if kind == "freeze":
         return Step(kind, rng.randrange(top.stores), rng.choice((12000, 20000)), s)

@@ -331,6 +331,11 @@ class World:
                     self._guard(f"{name} peer joined", self.host(name).store.sim_peer_joined, "consumer", c.node.address)
                 self.dirty.add(c.name)
         if kind == "store":
+            store = self.host(name).store
+            for p in self.producers:
+                # The live producers subscribe to its FETCHes too (what its XPUB would report).
+                if p.node is not None and p.name not in self.cuts and store is not None and p.node.ready:
+                    store.sim_producer_hears(p.node.address)
             self.pump(name)
 
     def crash(self, name: str, downtime: float) -> None:

@@ -26,6 +26,24 @@ store asks for them again:
   :meth:`dafka.store.db.RecordDB.append`; a store that merely began after
   others' retention has none.)
 
+ACKs are capped below the holes (:meth:`HoleRepair.cap`): an ACK tells a
+producer that a store holds every record it published up to there, so it
+releases them.  A store that gave offsets up while their producer was cut off
+(or away) must not ACK past them before it asked that producer for them: the
+producer may still hold them, and would drop records no store holds.  So the
+ACK of a partition stops below its first tracked hole that is not *released*;
+when the partition's producer is heard again (its HEAD, while it hears our
+FETCHes, :meth:`HoleRepair.owner_heard`) the store asks it for those holes at
+once.  What it sends fills them (and the ACKs move on); a hole is released
+(no longer caps) when the producer says it is its restart hole (VOID kind 1,
+:meth:`HoleRepair.on_restart_hole`: never published by its current run), or
+when the producer heard our FETCHes for ``release_after`` (the store's
+``skip_after``; counted between its HEADs, at most ``heard_gap`` each) while
+it was asked for the hole and sent nothing for it: a live producer that hears
+our FETCHes answers them long before, so it does not hold them (another store acknowledged them, or they were lost with a run of
+it that crashed).  A hole the database holds beyond the ``max_holes``
+tracked is not capped for.
+
 The shell feeds it the holes the database holds (:meth:`HoleRepair.sync`,
 after every commit that changed them), asks whether an arriving record's
 offset is in a tracked hole (:meth:`HoleRepair.covers`) and sends the
@@ -59,6 +77,9 @@ class _Hole:
     ask_from: int = 0  # a start hole: where its next ask starts (past what every peer store holds none of)
     # A start hole: the peer stores that said they hold none of it from ask_from, and up to where.
     voiders: dict[str, int] = field(default_factory=dict)
+    released: bool = False  # caps ACKs no more (see HoleRepair.cap)
+    heard_at: float | None = None  # when its producer was last heard while it capped ACKs
+    heard_for: float = 0.0  # how long its producer heard our FETCHes meanwhile (see owner_heard)
 
 
 class HoleRepair:
@@ -72,6 +93,8 @@ class HoleRepair:
         per_round: int = PER_ROUND,
         max_ask: int = MAX_ASK,
         max_holes: int = MAX_HOLES,
+        release_after: float = 10.0,
+        heard_gap: float = 5.0,
     ) -> None:
         if interval <= 0 or max_wait < interval or per_round < 1 or max_ask < 1 or max_holes < 1:
             raise ValueError("HoleRepair needs interval > 0, max_wait >= interval and positive limits")
@@ -80,9 +103,14 @@ class HoleRepair:
         self.per_round = per_round
         self.max_ask = max_ask
         self.max_holes = max_holes
+        self.release_after = release_after
+        self.heard_gap = heard_gap
         self._holes: dict[Key, list[_Hole]] = {}  # per partition, sorted by first
         self._firsts: dict[Key, list[int]] = {}  # the holes' firsts, for bisect
         self._round_at = float("-inf")  # the next round may start then
+        # Per partition: the end of the restart hole its producer stated (VOID
+        # kind 1): holes up to it cap ACKs no more, also those recorded after.
+        self._restart_ends: dict[Key, int] = {}
         self.asks = 0  # FETCHes returned by due(), in total
 
     def __len__(self) -> int:
@@ -120,9 +148,13 @@ class HoleRepair:
                     else:
                         asked = prev.asked_at
                         hole = _Hole(first, last, self.interval, max(now, asked + self.interval), asked)
+                        # What is left of it keeps its release clock.
+                        hole.released, hole.heard_at, hole.heard_for = prev.released, prev.heard_at, prev.heard_for
                     break
             if hole is None:
                 hole = _Hole(first, last, self.interval, now + self.interval, float("-inf"))
+            if last <= self._restart_ends.get(key, -1):
+                hole.released = True
             new.setdefault(key, []).append(hole)
         for hs in new.values():
             hs.sort(key=lambda h: h.first)
@@ -136,6 +168,61 @@ class HoleRepair:
             return False
         i = bisect.bisect_right(firsts, offset) - 1
         return i >= 0 and offset <= self._holes[key][i].last
+
+    def cap(self, key: Key, head: int) -> int:
+        """The ACK partition ``key`` may get for committed head ``head``: below
+        its first tracked hole that is not released (``head`` if none)."""
+        for h in self._holes.get(key, ()):
+            if h.first > head:
+                break
+            if not h.released:
+                return h.first - 1
+        return head
+
+    def owner_heard(self, key: Key, now: float) -> list[tuple[str, str, int, int]]:
+        """Partition ``key``'s producer hears our FETCHes at ``now`` (the shell calls
+        this on a HEAD of the partition while the producer is subscribed to them).
+
+        For its first ``per_round`` holes that still cap ACKs: each counts the
+        time since the last call (at most ``heard_gap``: a longer silence may
+        have been a cut) and is released once that reaches ``release_after``;
+        the others are asked for at once if not asked for ``interval``.
+        Returns those FETCHes, ``(topic, partition, offset, count)``.
+        """
+        out = []
+        n = 0
+        for h in self._holes.get(key, ()):
+            if h.released:
+                continue
+            if n >= self.per_round:
+                break
+            n += 1
+            if h.heard_at is not None:
+                h.heard_for += min(max(now - h.heard_at, 0.0), self.heard_gap)
+                if h.heard_for >= self.release_after:
+                    h.released = True
+                    continue
+            h.heard_at = now
+            if now - h.asked_at >= self.interval:
+                out.append((key[0], key[1], h.first, min(h.last - h.first + 1, self.max_ask)))
+                h.asked_at = now
+                h.wait = self.interval
+                h.due_at = now + self.interval
+        self.asks += len(out)
+        return out
+
+    def on_restart_hole(self, key: Key, first: int, last: int) -> None:
+        """Partition ``key``'s producer says ``first..last`` is its restart hole
+        (VOID kind 1): its current run never published them, it holds none of
+        them, so holes within ``..last`` cap ACKs no more, also those recorded
+        later (the shell passes only partitions it reads: one entry each)."""
+        if last > self._restart_ends.get(key, -1):
+            self._restart_ends[key] = last
+        for h in self._holes.get(key, ()):
+            if h.first > last:
+                break
+            if h.last <= last:
+                h.released = True
 
     def on_void(
         self, key: Key, first: int, last: int, source: str = "peer", stores: Collection[str] = ()

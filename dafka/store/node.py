@@ -216,7 +216,7 @@ class Store(PartitionReader):
         self._skips: list[tuple[str, str, int, int]] = []
         # Recorded holes are asked for again (see dafka.store.holes); records that
         # arrive for them wait here, one per offset, for the next commit.
-        self.repair = HoleRepair(interval=max(retry_interval, 0.01))
+        self.repair = HoleRepair(interval=max(retry_interval, 0.01), release_after=skip_after)
         self._fills: dict[tuple[str, str, int], tuple[bytes | None, int]] = {}
         # Offsets dropped over max_record_bytes whose hole is not yet committed
         # (given up for good once it is, see _sync_holes).
@@ -484,6 +484,13 @@ class Store(PartitionReader):
             # One cumulative ACK per partition per commit, after the commit.
             if key not in leaf_served:
                 self._unsent_acks[key] = head
+        if fills:
+            # Records written into holes may let an ACK capped below them move on
+            # (see dafka.store.holes): the producer hears at once, not at its next HEAD.
+            for key in {(f[0], f[1]) for f in fills}:
+                head = self._heads.get(key)
+                if head is not None and key not in heads and key not in leaf_served:
+                    self._unsent_acks[key] = max(head, self._unsent_acks.get(key, -1))
         self._send_acks()
         if self.leaves is not None:
             self.leaves.on_commit(heads)  # after the heads above: an ACK read at once finds them
@@ -625,9 +632,20 @@ class Store(PartitionReader):
         # cumulative, so a repeat costs nothing.  Never beyond what it published.
         key = (tracker.subject, tracker.address)
         head = self._heads.get(key, -1)
+        repair = self.repair
+        if repair and self.producer_hears(tracker.address):
+            # It hears our FETCHes: ask it at once for the holes that cap its ACKs
+            # (see dafka.store.holes: it may hold what they lack).
+            for topic, partition, offset, count in repair.owner_heard(key, time.monotonic()):
+                self.send(wire.Fetch(partition, self.address, topic, offset, count))
+                self.hole_fetches += 1
         if head >= 0 and self.storage_error is None:
             # A pending ACK may be higher (records a peer store sent us): keep it.
             ack = max(self._unsent_acks.get(key, -1), min(head, sequence))
+            if repair:
+                ack = repair.cap(key, ack)  # never past a hole it may still hold
+                if ack < 0:
+                    return
             if not self._ack_repeats.due(tracker.address, ack, time.monotonic()):
                 return  # it has this ACK already, most likely (see dafka.store.acks)
             self._unsent_acks[key] = ack
@@ -637,7 +655,15 @@ class Store(PartitionReader):
         send = self.publisher.send
         sent = []
         repeats, now = self._ack_repeats, time.monotonic()
+        repair = self.repair
         for (topic, partition), head in self._unsent_acks.items():
+            if repair:
+                # Never past a recorded hole its producer may still hold (see
+                # dafka.store.holes; no holes, no lookup).
+                head = repair.cap((topic, partition), head)
+                if head < 0:
+                    sent.append((topic, partition))
+                    continue
             try:
                 send(wire.encode(wire.Ack(partition, topic, head))[0], NOBLOCK)
             except zmq.Again:
@@ -983,6 +1009,14 @@ class Store(PartitionReader):
         # gone (no beacon: expired) or was never met leaves that to skip_after.
         return partition in self._fetch_hearers or partition not in self.peers
 
+    def producer_hears(self, partition: str) -> bool:
+        """Whether the partition's producer hears our FETCHes now: a live peer
+        (its beacons come) subscribed to them here.  Any HEAD of the partition
+        then counts toward releasing its holes (see dafka.store.holes), a
+        store's too; a producer cut off is not a live peer once its beacons
+        stopped, though its subscription may last until its connection drops."""
+        return partition in self._fetch_hearers and partition in self.peers
+
     def known_stores(self) -> Collection[str]:
         return self._stores.current(time.monotonic())
 
@@ -1090,6 +1124,13 @@ class Store(PartitionReader):
 
     def on_believed_void(self, msg: wire.Void) -> None:
         super().on_believed_void(msg)
+        key = (msg.subject, msg.address)
+        if msg.kind == wire.VOID_RESTART and key in self._trackers:
+            # Its producer's current run never published these: they cap its ACKs
+            # no more (see dafka.store.holes).  The ACK goes with the next commit or
+            # HEAD (never here: not past what its current run published, see
+            # on_producer_head).
+            self.repair.on_restart_hole(key, msg.first, msg.last)
         if self.repair and msg.kind == wire.VOID_STORE and msg.source != self.address:
             # A peer store holds none of a range we asked for: once every store we
             # know said so, a recorded hole at the partition's start is asked for

@@ -159,6 +159,80 @@ def test_a_void_not_from_where_a_start_hole_is_asked_changes_nothing() -> None:
     assert r.due(2.0) == [("t", P, 0, 8)]
 
 
+def test_acks_stop_below_a_hole_until_it_is_filled_or_released() -> None:
+    """"Acked means durable": an ACK never passes a recorded hole its producer may still hold."""
+    r = HoleRepair(interval=1.0, release_after=10.0)
+    assert r.cap(KEY, 14) == 14  # no hole, no cap
+    r.sync([("t", P, 5, 9), ("t", P, 20, 24), ("u", P, 0, 3)], now=0.0)
+    assert r.cap(KEY, 4) == 4 and r.cap(KEY, 14) == 4 and r.cap(KEY, 30) == 4
+    assert r.cap(("t", PEER), 14) == 14  # another partition's holes do not count
+    # Records came for the first hole: the cap moves to what is left.
+    r.sync([("t", P, 8, 9), ("t", P, 20, 24), ("u", P, 0, 3)], now=1.0)
+    assert r.cap(KEY, 14) == 7
+    r.sync([("t", P, 20, 24), ("u", P, 0, 3)], now=2.0)
+    assert r.cap(KEY, 14) == 14 and r.cap(KEY, 30) == 19
+    assert r.cap(("u", P), 10) == -1  # below the first offset: nothing to ACK
+
+
+def test_a_producer_heard_again_is_asked_for_its_holes_at_once_and_releases_them_after_release_after() -> None:
+    r = HoleRepair(interval=1.0, max_wait=8.0, release_after=10.0, heard_gap=3.0)
+    r.sync([("t", P, 5, 9), ("t", P, 20, 24)], now=0.0)
+    # Its HEAD: both holes asked for at once, not after a round's interval.
+    assert r.owner_heard(KEY, 0.1) == [("t", P, 5, 5), ("t", P, 20, 5)]
+    assert r.owner_heard(KEY, 0.2) == []  # asked already
+    assert r.due(1.0) == [] and r.due(1.1) == [("t", P, 5, 5), ("t", P, 20, 5)]
+    # Part of the first hole came: what is left keeps its clock (0.1 s so far).
+    r.sync([("t", P, 7, 9), ("t", P, 20, 24)], now=1.5)
+    assert r.cap(KEY, 30) == 6
+    # HEADs a second apart: asked again at each (an interval passed); 9.4 s heard so far.
+    asked = sum(len(r.owner_heard(KEY, t)) for t in (2.5, 3.5, 4.5, 5.5, 6.5, 7.5, 8.5, 9.5))
+    assert r.cap(KEY, 30) == 6 and asked == 16
+    # A live producer that heard our FETCHes for release_after and sent nothing does not hold them.
+    assert r.owner_heard(KEY, 10.5) == []
+    assert r.cap(KEY, 30) == 30
+    # Still asked for (a peer store may hold them), but they cap no more.
+    r.sync([("t", P, 7, 9), ("t", P, 20, 24)], now=11.0)
+    assert r.cap(KEY, 30) == 30 and r.owner_heard(KEY, 12.0) == []
+    assert r.due(40.0) != []
+
+
+def test_a_silence_between_heads_counts_heard_gap_at_most() -> None:
+    r = HoleRepair(interval=1.0, release_after=10.0, heard_gap=3.0)
+    r.sync([("t", P, 5, 9)], now=0.0)
+    assert r.owner_heard(KEY, 0.0) == [("t", P, 5, 5)]
+    # 20 s without a HEAD (it may have been cut off): 3 s counted, and asked again.
+    assert r.owner_heard(KEY, 20.0) == [("t", P, 5, 5)]
+    for t in range(21, 27):
+        r.owner_heard(KEY, float(t))
+    assert r.cap(KEY, 30) == 4  # 9 s heard
+    r.owner_heard(KEY, 27.0)
+    assert r.cap(KEY, 30) == 30
+
+
+def test_only_the_first_holes_are_asked_for_on_a_head() -> None:
+    r = HoleRepair(interval=1.0, per_round=2)
+    r.sync([("t", P, o, o) for o in range(0, 100, 2)], now=0.0)
+    assert [f[2] for f in r.owner_heard(KEY, 0.0)] == [0, 2]
+
+
+def test_a_restart_hole_the_producer_states_caps_acks_no_more() -> None:
+    r = HoleRepair(interval=1.0, release_after=10.0)
+    r.sync([("t", P, 5, 9), ("t", P, 12, 19), ("t", P, 30, 34)], now=0.0)
+    # Its current run began at 20: everything up to 19 it never holds.  A hole
+    # reaching past what it stated (30..34 against 25) still caps.
+    r.on_restart_hole(KEY, 12, 19)
+    assert r.cap(KEY, 40) == 29
+    r.on_restart_hole(KEY, 25, 32)
+    assert r.cap(KEY, 40) == 29
+    r.on_restart_hole(("t", PEER), 0, 100)  # another partition's: nothing here
+    assert r.cap(KEY, 40) == 29
+    # Stated before the store gave the offsets up (a reader passes a restart
+    # hole at once, then records it): the hole caps nothing once recorded.
+    r.on_restart_hole(("u", P), 15, 19)
+    r.sync([("u", P, 15, 19), ("u", P, 25, 26)], now=1.0)
+    assert r.cap(("u", P), 30) == 24
+
+
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError):
         HoleRepair(interval=0)
@@ -327,3 +401,29 @@ def test_a_store_that_began_after_others_retention_does_not_fetch_it_again_and_a
         # A peer joining (it may hold them) is asked again.
         store.retry_missing_now()
         assert set(hole_fetches(run(store, clock, 2.0))) == {(0, 500)}
+
+
+def acks(sent: list[Any]) -> list[int]:
+    return [m.sequence for m in sent if isinstance(m, wire.Ack)]
+
+
+def test_a_store_acks_its_producer_back_only_up_to_its_hole_and_asks_it_at_once(tmp_path: Path) -> None:
+    """tests/test_sim.py ACK_PAST_HOLE_SCHEDULE, on the store alone: 5..9 given up
+    while the producer was away; when it is back, its HEAD gets no ACK past 4
+    (it may still hold 5..9) but a FETCH for them at once; its answer fills the
+    hole, and only then is 14 acknowledged."""
+    with sim_store(tmp_path / "db") as (store, clock):
+        sent = run(store, clock, 0.1, records(0, 5))
+        assert acks(sent)[-1] == 4
+        sent = run(store, clock, store.skip_after + 2, records(10, 5))
+        assert store.db.holes() == [Hole("t", P, 5, 9)]
+        assert all(a <= 4 for a in acks(sent)), acks(sent)
+        head = wire.encode(wire.Head("t", P, "t", 14))
+        store.sim_producer_hears(P)  # back: subscribed to its FETCHes here
+        store.repair._round_at = float("inf")  # no round of the usual repair: the HEAD alone asks
+        sent = run(store, clock, 0.0, [head])
+        assert all(a <= 4 for a in acks(sent)), acks(sent)
+        assert (5, 5) in hole_fetches(sent)
+        store.repair._round_at = float("-inf")
+        sent = run(store, clock, 0.1, answers(store, 5, 5))
+        assert store.db.holes() == [] and acks(sent)[-1] == 14
