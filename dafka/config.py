@@ -140,6 +140,7 @@ SCHEMA: dict[str, dict[str, Spec]] = {
         "beacon_in_port": Spec("int", 0, 65535),
         "beacon_out_port": Spec("int", 0, 65535),
         "metrics": Spec("str"),
+        "bridges": Spec("strs"),
     },
     "store": {
         "db": Spec("str"),

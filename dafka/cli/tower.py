@@ -7,7 +7,7 @@ from typing import Any
 
 from dafka.cli.args import add_security_flags, host_arg, port_arg
 from dafka.cli.common import StopSignals, security_config, serve_metrics, service_bind
-from dafka.config import Settings, parse_port
+from dafka.config import Settings, TowerAddress, parse_port
 from dafka.errors import ConfigError
 
 
@@ -23,10 +23,15 @@ def cmd_tower(args: argparse.Namespace, settings: Settings) -> int:
         raise ConfigError(
             f"--in-port and --out-port must differ (both {in_port}): beacons come in on one and go out on the other"
         )
+    bridges = bridge_endpoints(args.bridge or section.get("bridges") or [])
     signals = StopSignals()
-    with Tower(bind, in_port, out_port, sec) as tower:
+    with Tower(bind, in_port, out_port, sec, bridges=bridges) as tower:
         mode = " (secure)" if sec else ""
-        print(f"tower up: beacons in tcp://{bind}:{tower.in_port}, out tcp://{bind}:{tower.out_port}{mode}", flush=True)
+        bridged = f", bridged to {', '.join(bridges)}" if bridges else ""
+        print(
+            f"tower up: beacons in tcp://{bind}:{tower.in_port}, out tcp://{bind}:{tower.out_port}{mode}{bridged}",
+            flush=True,
+        )
         server = serve_metrics(args, section, tower)
         try:
             return signals.wait()
@@ -35,10 +40,26 @@ def cmd_tower(args: argparse.Namespace, settings: Settings) -> int:
                 server.close()
 
 
+def bridge_endpoints(values: str | list[str]) -> list[str]:
+    """Other regions' towers (``HOST[:IN_PORT[:OUT_PORT]]``, comma-separated or listed)
+    as the beacon-out endpoints a bridge reads."""
+    if isinstance(values, str):
+        values = [values]
+    items = [item for value in values for item in value.split(",") if item.strip()]
+    return [TowerAddress.parse(item).beacon_out for item in items]
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("tower", help="run a tower (discovery service)")
     p.add_argument("--bind", type=host_arg, help="interface to bind (default 127.0.0.1, or * when secure; or [tower] bind)")
     p.add_argument("--in-port", type=port_arg, help="beacons in (XSUB) port, default 5556 (0: any free port)")
     p.add_argument("--out-port", type=port_arg, help="beacons out (XPUB) port, default 5557 (0: any free port)")
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
+    p.add_argument(
+        "--bridge",
+        action="append",
+        metavar="HOST[:IN[:OUT]]",
+        help="another region's tower (as nodes name towers; repeat or comma-separate): its stores, consumers "
+        "and groups are relayed to our nodes, never its producers (or [tower] bridges)",
+    )
     add_security_flags(p, insecure=True)
