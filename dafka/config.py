@@ -147,6 +147,7 @@ SCHEMA: dict[str, dict[str, Spec]] = {
         "sync": Spec("bool"),
         "linger_ms": Spec("float", 0, 1000),
         "metrics": Spec("str"),
+        "topics": Spec("strs"),
         "retention": Spec("table", table="retention"),
     },
     "gateway": {

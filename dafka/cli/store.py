@@ -51,6 +51,17 @@ def storage_options(args: argparse.Namespace, section: dict[str, Any], name: str
     return db, sync, policy
 
 
+def store_topics(value: str | list[str] | None) -> list[str] | None:
+    """``--topics a,b`` or ``[store] topics = [...]``: the topics a store keeps (None: all)."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else [i for v in value for i in v.split(",")]
+    topics = [t.strip() for t in items if t.strip()]
+    if not topics:
+        raise ConfigError("--topics (or [store] topics) names no topic")
+    return topics
+
+
 def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
     import lmdb
 
@@ -67,14 +78,16 @@ def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
 
         if not is_loopback(parse_endpoint(args.leaves)[0]) and not args.insecure:
             raise ConfigError(f"--leaves {args.leaves}: the leaf port has no authentication yet; add --insecure")
+    kept = store_topics(args.topics or section.get("topics"))
     try:
-        store = Store(db, cfg, sync=sync, retention=policy, linger=linger, leaves=args.leaves)
+        store = Store(db, cfg, sync=sync, retention=policy, linger=linger, leaves=args.leaves, topics=kept)
     except lmdb.Error as exc:
         raise open_error(db, exc) from None
     with store:
         print(
             f"store up: {store.address} db {db} (sync={'on' if sync else 'OFF'}), tower {tower_names(cfg.towers)}"
-            + (f", leaves on {store.leaves.endpoint}" if store.leaves is not None else ""),
+            + (f", leaves on {store.leaves.endpoint}" if store.leaves is not None else "")
+            + (f", keeps {', '.join(sorted(kept))}" if kept is not None else ""),
             flush=True,
         )
         serve_metrics(args, section, store)
@@ -136,6 +149,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--retention-age", type=positive_seconds_arg, help="default retention: seconds to keep records")
     p.add_argument("--retention-bytes", type=count_arg, help="default retention: bytes to keep per topic")
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
+    p.add_argument(
+        "--topics", metavar="T1,T2",
+        help="keep only these topics (or [store] topics): records and HEADs of others are not stored, leaves of others refused",
+    )
     p.add_argument(
         "--leaves", metavar="HOST:PORT",
         help="take leaf devices (dafka produce --leaf) on this port (0: any free port); beyond loopback needs --insecure",

@@ -283,6 +283,7 @@ class LeafPort:
 
     ``head(subject, partition)`` is the store's committed head (-1: none);
     ``refusal()`` says why the store cannot take records now ("" when it can);
+    ``keeps(subject)`` whether it keeps that topic at all (a HELLO of another is refused);
     ``authorize(peer_key, partition)`` (secure mode) whether a key owns a partition.
     """
 
@@ -297,9 +298,11 @@ class LeafPort:
         bad_limit: int = BAD_LIMIT,
         idle: float = IDLE,
         address: str = "",
+        keeps: Callable[[str], bool] = lambda subject: True,
     ) -> None:
         self.head = head
         self.refusal = refusal
+        self.keeps = keeps  # whether the store keeps a subject (a store may keep a subset of topics)
         self.max_sessions = max_sessions
         self.window = window
         self.max_record_bytes = max_record_bytes
@@ -410,6 +413,8 @@ class LeafPort:
         if session is not None and (session.subject, session.partition) != (msg.subject, msg.topic):
             return self._strike(peer, "a second partition on one connection")
         why = self.refusal()
+        if not why and not self.keeps(msg.subject):
+            why = f"store {self.address[:8]} does not keep topic {msg.subject[:64]!r}"
         if why:
             self.refused += 1
             status = wire.StoreStatus(msg.topic, self.address, msg.subject, 0, wire.reason_text(why))
