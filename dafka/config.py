@@ -179,6 +179,7 @@ SCHEMA: dict[str, dict[str, Spec]] = {
         "key": Spec("str"),
         "allow": Spec("str"),
         "tower_keys": Spec("strs"),
+        "leaf_keys": Spec("strs"),
         "reload_interval": _SECONDS,
     },
     # Sub-tables (not sections of their own).

@@ -206,6 +206,11 @@ def add_parser(sub: Any) -> None:
         "--leaf", metavar="HOST:PORT[,HOST:PORT...]",
         help="be a leaf: one connection to a regional store's leaf port (the next one on failure), no tower",
     )
+    p.add_argument(
+        "--leaf-key", action="append", metavar="KEY|FILE",
+        help="secure --leaf: an endpoint's (store's) public key or certificate (repeatable: one per endpoint,"
+        " or one for all; or [security] leaf_keys)",
+    )
     p.add_argument("--outbox", metavar="DIR", help="keep records in this local outbox until a store acknowledges them")
     p.add_argument("--outbox-max-bytes", type=count_arg, help="--outbox: most bytes kept")
     p.add_argument("--outbox-max-age", type=positive_seconds_arg, help="--outbox: oldest record kept, seconds")

@@ -76,8 +76,11 @@ def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
         from dafka.config import is_loopback
         from dafka.store.leaves import parse_endpoint
 
-        if not is_loopback(parse_endpoint(args.leaves)[0]) and not args.insecure:
-            raise ConfigError(f"--leaves {args.leaves}: the leaf port has no authentication yet; add --insecure")
+        if not is_loopback(parse_endpoint(args.leaves)[0]) and not args.insecure and cfg.security is None:
+            raise ConfigError(
+                f"--leaves {args.leaves}: a plain store's leaf port has no authentication; configure [security]"
+                " (CURVE: allowed keys, each writing its own partitions) or add --insecure"
+            )
     kept = store_topics(args.topics or section.get("topics"))
     try:
         store = Store(db, cfg, sync=sync, retention=policy, linger=linger, leaves=args.leaves, topics=kept)
@@ -155,7 +158,8 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--leaves", metavar="HOST:PORT",
-        help="take leaf devices (dafka produce --leaf) on this port (0: any free port); beyond loopback needs --insecure",
+        help="take leaf devices (dafka produce --leaf) on this port (0: any free port); beyond loopback needs"
+        " [security] or --insecure",
     )
 
 

@@ -37,6 +37,7 @@ from dafka.core import leaf as leafcore
 from dafka.core import wire
 from dafka.core.unacked import UnackedWindow
 from dafka.errors import BufferFullError, ClosedError, PublishError, RecordTooLargeError
+from dafka.nodes import security
 from dafka.nodes.node import new_address
 from dafka.nodes.receipt import Receipt, ReceiptCallbacks, check_content
 
@@ -237,8 +238,24 @@ class LeafProducer(ReceiptCallbacks):
         self._serialize = values.serializer(serializer)
         self._outbox = None  # (Receipt looks at it)
         self._identity_path = Path(identity) if identity else None
+        # Secure region: a CURVE client with our key; our address bound to it (the endpoint
+        # takes a HELLO only for a partition bound to the connection's key, as the mesh does).
+        sec = self.config.security
+        self._keys: security.OwnKeys | None = None
+        self._endpoint_keys: list[bytes] = []
+        if sec is not None:
+            self._keys = security.own_keys(sec)
+            self._endpoint_keys = [sec.leaf_key(i) for i in range(len(self.endpoints))]
         saved = self._load_identity() if self._identity_path else None
-        self.address = saved["address"] if saved else new_address()
+        if saved and self._keys is not None and not security.address_bound(saved["address"], self._keys.public):
+            raise ValueError(
+                f"identity file {self._identity_path}: address {saved['address'][:32]} is not bound to key"
+                f" {sec.key if sec else ''}: a secure leaf publishes only under its own key's addresses"
+            )
+        if saved:
+            self.address = saved["address"]
+        else:
+            self.address = security.bound_address(self._keys.public) if self._keys is not None else new_address()
         next_offset = 0
         if saved:
             reserved = saved.get("reserved")
@@ -541,6 +558,9 @@ class LeafProducer(ReceiptCallbacks):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SNDHWM)
         sock.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)  # what an endpoint sends is small
+        if self._keys is not None:
+            security.make_client(sock, self._keys)
+            sock.setsockopt(zmq.CURVE_SERVERKEY, self._endpoint_keys[self.endpoints.index(endpoint)])
         sock.connect(f"tcp://{endpoint}")
         loop._register(sock, self)
 
