@@ -30,8 +30,8 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
             raise DafkaError(f"identity file {args.identity}: directory {parent} does not exist")
         if not os.access(parent, os.W_OK | os.X_OK):
             raise DafkaError(f"identity file {args.identity}: directory {parent} is not writable")
-    if args.leaf and (args.no_ack or args.outbox):
-        raise DafkaError("--leaf takes neither --no-ack (its endpoint is a store) nor --outbox (not built yet)")
+    if args.leaf and args.no_ack:
+        raise DafkaError("--leaf takes no --no-ack (its endpoint is a store)")
     source = open(args.file, "rb") if args.file else sys.stdin.buffer  # noqa: SIM115
     producer = Producer(
         args.topic,
