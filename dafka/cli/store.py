@@ -51,6 +51,20 @@ def storage_options(args: argparse.Namespace, section: dict[str, Any], name: str
     return db, sync, policy
 
 
+def check_leaf_port(leaves: str | None, insecure: bool, secure: bool) -> None:
+    """``--leaves HOST:PORT`` of a store or gateway: beyond loopback only with [security] or --insecure."""
+    if not leaves:
+        return
+    from dafka.config import is_loopback
+    from dafka.store.leaves import parse_endpoint
+
+    if not is_loopback(parse_endpoint(leaves)[0]) and not insecure and not secure:
+        raise ConfigError(
+            f"--leaves {leaves}: a plain store's leaf port has no authentication; configure [security]"
+            " (CURVE: allowed keys, each writing its own partitions) or add --insecure"
+        )
+
+
 def store_topics(value: str | list[str] | None) -> list[str] | None:
     """``--topics a,b`` or ``[store] topics = [...]``: the topics a store keeps (None: all)."""
     if value is None:
@@ -72,15 +86,7 @@ def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
     linger = linger_setting(section)
     signals = StopSignals()
     cfg = service_node_config(args, settings, "store")
-    if args.leaves:
-        from dafka.config import is_loopback
-        from dafka.store.leaves import parse_endpoint
-
-        if not is_loopback(parse_endpoint(args.leaves)[0]) and not args.insecure and cfg.security is None:
-            raise ConfigError(
-                f"--leaves {args.leaves}: a plain store's leaf port has no authentication; configure [security]"
-                " (CURVE: allowed keys, each writing its own partitions) or add --insecure"
-            )
+    check_leaf_port(args.leaves, args.insecure, cfg.security is not None)
     kept = store_topics(args.topics or section.get("topics"))
     try:
         store = Store(db, cfg, sync=sync, retention=policy, linger=linger, leaves=args.leaves, topics=kept)
