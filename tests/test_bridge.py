@@ -280,3 +280,22 @@ def test_a_consumer_in_one_region_meets_the_other_regions_store_not_its_producer
                 assert record.content == b"from-b" and record.partition == producer_b.address
                 assert store_b.address in consumer_a.peers
                 assert producer_b.address not in consumer_a.peers  # its beacon never left region B
+
+
+def test_a_region_behind_a_c_tower_works_for_its_own_nodes_when_bridged_to(tmp_path) -> None:
+    from dafka.nodes.producer import Producer
+    from dafka.store.node import Store
+    from tests.c_tower import CTower
+
+    with CTower() as c_tower:
+        a = Tower("127.0.0.1", 0, 0, bridges=[f"tcp://127.0.0.1:{c_tower.out_port}"])
+        with a:
+            cfg = NodeConfig(towers=(TowerAddress("127.0.0.1", c_tower.in_port, c_tower.out_port),),
+                             bind="127.0.0.1", beacon_interval=0.2, beacon_timeout=2.0)
+            with Store(str(tmp_path / "db"), cfg, sync=False), Producer("t", cfg) as producer:
+                assert producer.publish(b"in region B").wait(15)
+                with Consumer("t", cfg, offset_reset="earliest") as consumer:
+                    record = wait_until(lambda: consumer.poll(0.2), timeout=15)
+                    assert record.content == b"in region B"
+            # A C tower exports nothing: the bridged tower imported nothing, refused nothing.
+            assert a.imports.imported == 0 and a.imports.refused == 0
