@@ -150,12 +150,12 @@ def test_the_port_asks_authorize_at_the_hello_only_and_counts_a_refusal_as_hosti
     owner = "0123456789ABCDEF0123456789ABCDEF"
     port = LeafPort(lambda s, p: -1, address="S" * 32, bad_limit=2,
                     authorize=lambda key, partition: key == "K" and partition == owner)
-    (refused,) = port.on_message(b"c1", hello(owner), 0.0, key="other")
+    (refused,) = port.on_message(b"c1", hello(owner), 0.0, peer_key="other")
     assert isinstance(refused, Reply) and wire.decode(refused.frames).writing == 0  # type: ignore[union-attr]
     assert port.unauthorized == 1 and port.bad == 1 and len(port) == 0
-    assert port.on_message(b"c1", hello(owner), 0.0, key="other") == []  # the limit: ignored from now on
-    assert port.on_message(b"c1", hello(owner), 0.0, key="K") == []
-    (welcome,) = port.on_message(b"c2", hello(owner), 0.0, key="K")
+    assert port.on_message(b"c1", hello(owner), 0.0, peer_key="other") == []  # the limit: ignored from now on
+    assert port.on_message(b"c1", hello(owner), 0.0, peer_key="K") == []
+    (welcome,) = port.on_message(b"c2", hello(owner), 0.0, peer_key="K")
     assert isinstance(leafwire.decode(welcome.frames), leafwire.LeafWelcome)  # type: ignore[union-attr]
 
 

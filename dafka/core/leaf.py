@@ -331,8 +331,8 @@ class LeafPort:
 
     # ------------------------------------------------------------ input
 
-    def on_message(self, peer: bytes, frames: list[bytes], now: float, key: str = "") -> list[PortAction]:
-        """A message from connection ``peer`` (whose CURVE key is ``key``, in secure mode); what to do."""
+    def on_message(self, peer: bytes, frames: list[bytes], now: float, peer_key: str = "") -> list[PortAction]:
+        """A message from connection ``peer`` (whose CURVE key is ``peer_key``, in secure mode); what to do."""
         session = self.sessions.get(peer)
         if session is not None and len(frames) == 2:
             # The common case first: the session's next record, recognised by its
@@ -349,7 +349,7 @@ class LeafPort:
         except ProtocolError as exc:
             return self._strike(peer, str(exc))
         if isinstance(msg, leafwire.LeafHello):
-            return self._hello(peer, msg, session, now, key)
+            return self._hello(peer, msg, session, now, peer_key)
         if session is None:
             if isinstance(msg, wire.Record | wire.RecordBatch | wire.Head):
                 # Its session was dropped (expired, or the port was full): HELLO again.
@@ -412,11 +412,11 @@ class LeafPort:
         return out
 
     def _hello(
-        self, peer: bytes, msg: leafwire.LeafHello, session: LeafSession | None, now: float, key: str = ""
+        self, peer: bytes, msg: leafwire.LeafHello, session: LeafSession | None, now: float, peer_key: str = ""
     ) -> list[PortAction]:
         if not msg.subject or not msg.topic or len(msg.topic.encode()) > wire.MAX_STRING:
             return self._strike(peer, "LEAF-HELLO without a subject, or a partition address of 0 or over 255 bytes")
-        if self.authorize is not None and not self.authorize(key, msg.topic):
+        if self.authorize is not None and not self.authorize(peer_key, msg.topic):
             # Secure mode: a key writes only the partitions bound to it, as on the mesh.
             self.unauthorized += 1
             out = self._strike(peer, f"LEAF-HELLO for partition {msg.topic[:40]!r}, not bound to the connection's key")

@@ -256,7 +256,7 @@ class LeafEndpoint:
                 key = ""
                 if sock.getsockopt(RCVMORE):
                     first = sock.recv(NOBLOCK, copy=False)
-                    key = first.get("User-Id")
+                    key = str(first.get("User-Id"))
                     frames.append(first.bytes)
                     while sock.getsockopt(RCVMORE):
                         frames.append(sock.recv(NOBLOCK))
