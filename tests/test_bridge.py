@@ -255,6 +255,16 @@ def test_a_hostile_tower_across_a_bridge_costs_only_its_own_beacons() -> None:
         assert b"p" not in a.seen and b"x" * 5000 not in a.seen
         assert a.tower.imports.refused >= 2 and a.tower.bridge_errors.count >= 2
         assert a.tower.bridges_renewed >= 1
+        from dafka.nodes import metrics
+        from tests.test_metrics import scrape
+
+        server = metrics.serve(a.tower)
+        try:
+            got = scrape(server.port)
+        finally:
+            server.close()
+        assert got["dafka_bridge_beacons_imported_total"] >= 1 and got["dafka_bridge_refused_total"] >= 2
+        assert got["dafka_bridges_renewed_total"] >= 1
     finally:
         a.close()
         rogue.close(0)
