@@ -141,6 +141,7 @@ SCHEMA: dict[str, dict[str, Spec]] = {
         "beacon_out_port": Spec("int", 0, 65535),
         "metrics": Spec("str"),
         "bridges": Spec("strs"),
+        "bridge_keys": Spec("strs"),
     },
     "store": {
         "db": Spec("str"),

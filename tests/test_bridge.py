@@ -106,10 +106,22 @@ def test_bridges_are_named_as_towers_are() -> None:
         bridge_endpoints(["h:notaport"])
 
 
-def test_a_secure_tower_refuses_bridges(tmp_path) -> None:
-    with pytest.raises(ConfigError, match="secure"):
+def test_a_secure_tower_needs_the_bridged_towers_key(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="bridge-key"):
         Tower("127.0.0.1", 0, 0, security_config=security.SecurityConfig(
             key=str(tmp_path / "k"), allow=str(tmp_path / "allow")), bridges=["tcp://127.0.0.1:1"])
+
+
+def test_a_secure_import_must_carry_a_key_its_address_is_bound_to() -> None:
+    key = b"K" * security.KEY_LENGTH
+    imports = bridge.Import(key_length=security.KEY_LENGTH, bound=security.address_bound)
+    good = security.bound_address(key)
+    head = bridge.EXPORT + beacon.head(beacon.STORE)
+    got = imports.on_message([head, good.encode(), b"tcp://10.0.0.1:1", key,
+                              b"0123456789ABCDEF0123456789ABCDEF", b"tcp://10.0.0.1:2", key,
+                              good.encode(), b"tcp://10.0.0.1:3", b"short"], "")
+    assert got == [[beacon.head(beacon.STORE), good.encode(), b"tcp://10.0.0.1:1", key]]
+    assert imports.refused == 2
 
 
 # ---------------------------------------------------------------- two towers
@@ -309,3 +321,35 @@ def test_a_region_behind_a_c_tower_works_for_its_own_nodes_when_bridged_to(tmp_p
                     assert record.content == b"in region B"
             # A C tower exports nothing: the bridged tower imported nothing, refused nothing.
             assert a.imports.imported == 0 and a.imports.refused == 0
+
+
+def test_two_secure_regions_bridged(tmp_path) -> None:
+    """Secure towers bridged with each other's keys: a consumer of region A reads region B's store;
+    B's producer stays in B; a bridge with the wrong tower key imports nothing."""
+    from dafka.nodes.producer import Producer
+    from dafka.store.node import Store
+    from tests.test_security import Pki
+
+    pki = Pki(tmp_path / "pki")
+    tower_key = pki.tower_key
+    b = Tower("127.0.0.1", 0, 0, pki.config("tower"))
+    a = Tower("127.0.0.1", 0, 0, pki.config("tower"), bridges=[f"tcp://127.0.0.1:{b.out_port}"],
+              bridge_keys=[tower_key])
+    b.add_bridge(f"tcp://127.0.0.1:{a.out_port}", tower_key)
+    wrong = Tower("127.0.0.1", 0, 0, pki.config("tower"), bridges=[f"tcp://127.0.0.1:{b.out_port}"],
+                  bridge_keys=[security.read_certificate(pki.keys / "store.key").public])
+    with a, b, wrong:
+        def region(t: Tower, name: str) -> NodeConfig:
+            return NodeConfig(towers=(TowerAddress("127.0.0.1", t.in_port, t.out_port),), bind="127.0.0.1",
+                              beacon_interval=0.1, beacon_timeout=2.0, security=pki.config(name))
+
+        with Store(str(tmp_path / "b"), region(b, "store"), sync=False) as store_b, \
+                Producer("t", region(b, "producer")) as producer_b:
+            assert producer_b.publish(b"from-b").wait(15)
+            with Consumer("t", region(a, "consumer"), offset_reset="earliest") as consumer_a:
+                record = wait_until(lambda: consumer_a.poll(0.2), timeout=15)
+                assert record.content == b"from-b" and record.partition == producer_b.address
+                assert store_b.address in consumer_a.peers
+                assert producer_b.address not in consumer_a.peers
+        assert a.imports.imported > 0 and a.imports.refused == 0
+        assert wrong.imports.imported == 0  # its CURVE handshake with B never completes

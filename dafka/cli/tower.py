@@ -9,6 +9,7 @@ from dafka.cli.args import add_security_flags, host_arg, port_arg
 from dafka.cli.common import StopSignals, security_config, serve_metrics, service_bind
 from dafka.config import Settings, TowerAddress, parse_port
 from dafka.errors import ConfigError
+from dafka.nodes.security import parse_key
 
 
 def cmd_tower(args: argparse.Namespace, settings: Settings) -> int:
@@ -24,8 +25,16 @@ def cmd_tower(args: argparse.Namespace, settings: Settings) -> int:
             f"--in-port and --out-port must differ (both {in_port}): beacons come in on one and go out on the other"
         )
     bridges = bridge_endpoints(args.bridge or section.get("bridges") or [])
+    keys = args.bridge_key or section.get("bridge_keys") or []
+    if isinstance(keys, str):
+        keys = [keys]
+    bridge_keys = [parse_key(k) for value in keys for k in value.split(",") if k.strip()]
+    if bridge_keys and sec is None:
+        raise ConfigError("--bridge-key is for secure towers (a plain tower's bridges are plain)")
+    if bridges and bridge_keys and len(bridge_keys) not in (1, len(bridges)):
+        raise ConfigError(f"{len(bridge_keys)} bridge keys for {len(bridges)} bridges: give one per bridge, or one for all")
     signals = StopSignals()
-    with Tower(bind, in_port, out_port, sec, bridges=bridges) as tower:
+    with Tower(bind, in_port, out_port, sec, bridges=bridges, bridge_keys=bridge_keys) as tower:
         mode = " (secure)" if sec else ""
         bridged = f", bridged to {', '.join(bridges)}" if bridges else ""
         print(
@@ -61,5 +70,12 @@ def add_parser(sub: Any) -> None:
         metavar="HOST[:IN[:OUT]]",
         help="another region's tower (as nodes name towers; repeat or comma-separate): its stores, consumers "
         "and groups are relayed to our nodes, never its producers (or [tower] bridges)",
+    )
+    p.add_argument(
+        "--bridge-key",
+        action="append",
+        metavar="KEY|FILE",
+        help="secure towers: a bridged tower's public key or certificate (repeatable: one per --bridge, or one for"
+        " all; or [tower] bridge_keys)",
     )
     add_security_flags(p, insecure=True)

@@ -40,6 +40,14 @@ region: an import whose endpoint host is a loopback address is rewritten to
 the address the bridge's connection sees the other tower at (when that is not
 loopback itself).
 
+Secure regions: a bridge is a CURVE client of the other tower's beacon-out
+port, with this tower's key (which the other region's allow-list must hold) and
+the other tower's public key (``--bridge-key`` / ``[tower] bridge_keys``, one
+per bridge or one for all).  Exports then carry each node's key, as a secure
+tower's relays do, and an import whose address is not bound to its key is
+refused.  The nodes of both regions must allow each other's keys (one
+allow-list for the regions that meet).
+
 Bounds (see :class:`Import`): an import is decoded as a tower's batch (at most
 ``beacon.MAX_BATCH`` entries; a malformed entry costs its peer, not the batch),
 of crossing kinds only; the bridge SUB's frames are at most the tower's
@@ -52,7 +60,7 @@ region's nodes, which bound what beacons make them do (``PeerLimits``).
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from dafka.core import beacon
@@ -154,9 +162,13 @@ class Import:
         self.errors.append(reason)
         del self.errors[:-8]
 
+    key_length: int = 0  # secure regions: each entry carries the node's public key (Z85, this long)
+    bound: Callable[[str, bytes], bool] | None = None  # secure: whether an address is bound to a key
+
     def on_message(self, frames: Sequence[bytes], seen: str = "") -> list[list[bytes]]:
         """The beacons to relay for one message; ``seen`` is the other tower's address
-        as the bridge's connection sees it (``Peer-Address``; "" if unknown)."""
+        as the bridge's connection sees it (``Peer-Address``; "" if unknown).  In secure
+        mode each is ``[head, address, endpoint, key]`` and its address is bound to its key."""
         if not frames:
             self._refuse("empty message")
             return []
@@ -168,14 +180,20 @@ class Import:
             self._refuse(f"export of a kind that does not cross: {head[:8]!r}")
             return []
         try:
-            _kind, _key, entries, errors = beacon.decode_tower_relay([head, *frames[1:]])
+            _kind, _key, entries, errors = beacon.decode_tower_relay([head, *frames[1:]], self.key_length)
         except ProtocolError as exc:
             self._refuse(str(exc))
             return []
         for error in errors:
             self._refuse(error)
         out = []
-        for address, endpoint, _public in entries:
-            out.append([head, address.encode(), rewrite_endpoint(endpoint, seen).encode()])
+        for address, endpoint, public in entries:
+            relayed = [head, address.encode(), rewrite_endpoint(endpoint, seen).encode()]
+            if self.key_length:
+                if self.bound is not None and not self.bound(address, public):
+                    self._refuse(f"address {address[:40]!r} is not bound to the key it came with")
+                    continue
+                relayed.append(public)
+            out.append(relayed)
         self.imported += len(out)
         return out

@@ -101,9 +101,10 @@ class Tower:
         out_port: int = 5557,
         security_config: security.SecurityConfig | None = None,
         bridges: Sequence[str] = (),
+        bridge_keys: Sequence[bytes] = (),
     ) -> None:
-        if bridges and security_config is not None:
-            raise ConfigError("bridges between secure regions are not built yet: a secure tower takes no --bridge")
+        if bridges and security_config is not None and not bridge_keys:
+            raise ConfigError("a secure tower's bridges need the other towers' public keys (--bridge-key)")
         if len(bridges) > bridge.MAX_BRIDGES:
             raise ConfigError(f"at most {bridge.MAX_BRIDGES} bridges, not {len(bridges)}")
         self.security = security_config
@@ -168,14 +169,18 @@ class Tower:
         # Region bridges (dafka.core.bridge): a SUB on each other region's beacon-out
         # port takes what its tower exports; our own nodes' crossing beacons are exported.
         self.imports = bridge.Import()
+        if security_config is not None:
+            self.imports.key_length = security.KEY_LENGTH
+            self.imports.bound = security.address_bound
+        self._bridge_keys: dict[str, bytes] = {}
         self.bridge_errors = ErrorLog(log)
         self.bridges: dict[zmq.Socket, tuple[str, bridge.Liveness]] = {}
         self.bridges_renewed = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         try:
-            for endpoint in bridges:
-                self.add_bridge(endpoint)
+            for i, endpoint in enumerate(bridges):
+                self.add_bridge(endpoint, bridge_keys[i if len(bridge_keys) > 1 else 0] if bridge_keys else None)
         except ConfigError:
             self._close_sockets()
             raise
@@ -188,12 +193,15 @@ class Tower:
             " (secure)" if security_config else "",
         )
 
-    def add_bridge(self, endpoint: str) -> None:
-        """Bridge to another region's tower (its beacon-out ``tcp://host:port``); before :meth:`start`."""
+    def add_bridge(self, endpoint: str, key: bytes | None = None) -> None:
+        """Bridge to another region's tower (its beacon-out ``tcp://host:port``; ``key``: its
+        public key, which a secure tower needs); before :meth:`start`."""
         if self._thread is not None:
             raise RuntimeError("bridges are added before the tower starts")
         if self.security is not None:
-            raise ConfigError("bridges between secure regions are not built yet: a secure tower takes no --bridge")
+            if not key:
+                raise ConfigError(f"a secure tower's bridge to {endpoint} needs that tower's public key (--bridge-key)")
+            self._bridge_keys[endpoint] = key
         if len(self.bridges) >= bridge.MAX_BRIDGES:
             raise ConfigError(f"at most {bridge.MAX_BRIDGES} bridges")
         try:
@@ -210,6 +218,10 @@ class Tower:
         sub.setsockopt(zmq.MAXMSGSIZE, BEACON_FRAME_MAX)  # a longer frame cuts the connection
         for prefix in bridge.SUBSCRIPTIONS:
             sub.setsockopt(zmq.SUBSCRIBE, prefix)
+        if self.security is not None:
+            # A CURVE client with our tower key (the other region must allow it) and theirs.
+            security.make_client(sub, security.own_keys(self.security))
+            sub.setsockopt(zmq.CURVE_SERVERKEY, self._bridge_keys[endpoint])
         try:
             sub.connect(endpoint)
         except zmq.ZMQError:
@@ -369,7 +381,7 @@ class Tower:
             for relayed in self.relay.on_beacon(head, address, endpoint, now):
                 for message in self.batches.add(relayed + [key] if key else relayed, now, self._stride):
                     self._publish(message)
-                exported = bridge.export(relayed) if not key else None  # (secure towers take no bridges)
+                exported = bridge.export(relayed + [key] if key else relayed)
                 if exported is not None:
                     for message in self.batches.add(exported, now, self._stride):
                         self._publish(message)
