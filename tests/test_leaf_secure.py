@@ -187,3 +187,19 @@ def test_dafka_store_and_produce_leaf_in_a_secure_region(pki: Pki, secure_tower:
     assert wrong.returncode != 0, wrong.stderr
     store.terminate()
     assert store.wait(15) == 0
+
+
+def test_a_leaf_whose_key_leaves_the_allow_list_is_taken_no_more(pki: Pki, secure_store: Store, tmp_path: Path) -> None:  # noqa: F811
+    assert secure_store.leaves is not None
+    sec = replace(pki.config("rogue"), leaf_keys=(store_key(secure_store),))
+    with Producer(T, NodeConfig(security=sec), leaf=secure_store.leaves.endpoint, ack_timeout=30) as leaf:
+        assert leaf.publish(b"allowed").wait(15)
+        (pki.allow / "rogue.key").unlink()  # revoked while its connection stays open
+        guard = secure_store.leaves.guard
+        assert guard is not None
+        wait_until(lambda: guard.role(keys(pki, "rogue").public) is None, timeout=10)  # the store reloaded it
+        late = leaf.publish(b"revoked")
+        assert not late.wait(2)
+        assert secure_store.heads()[(T, leaf.address)] == 0
+        assert secure_store.leaves.revoked > 0
+        leaf.close(0.1)

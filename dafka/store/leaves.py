@@ -146,6 +146,7 @@ class LeafEndpoint:
         self.disconnects = 0
         self.refused_connections = 0
         self.refused_keys = 0  # secure mode: handshakes of keys not in the allow-list
+        self.revoked = 0  # secure mode: messages of connections whose key left the allow-list since
         self.relays_dropped = 0  # relays a full subscriber queue refused (readers FETCH them)
         self.paused = False
         self._bad_logged = 0
@@ -242,7 +243,8 @@ class LeafEndpoint:
             self.paused = True
             store.watch_events(self.sock, 0)
             return
-        sock, core = self.sock, self.core
+        sock, core, guard = self.sock, self.core, self.guard
+        assert guard is not None
         now = time.monotonic()
         store._ts = int(time.time() * 1000)
         bad = core.bad
@@ -260,6 +262,11 @@ class LeafEndpoint:
                     frames.append(first.bytes)
                     while sock.getsockopt(RCVMORE):
                         frames.append(sock.recv(NOBLOCK))
+                if guard.role(key.encode()) is None:
+                    # Its key left the allow-list since the handshake (a ROUTER cannot cut one
+                    # connection): nothing it sends is taken any more.
+                    self.revoked += 1
+                    continue
                 self._apply(core.on_message(peer, frames, now, key))
         if core.bad != bad:
             self._log_bad()
@@ -365,6 +372,6 @@ class LeafEndpoint:
             "leaf_acks": core.acks,
             "leaf_hostile": core.bad,
             "leaf_over_window": core.over_window,
-            "leaf_refused": core.refused + self.refused_connections + self.refused_keys,
+            "leaf_refused": core.refused + self.refused_connections + self.refused_keys + self.revoked,
             "leaf_relays_dropped": self.relays_dropped,
         }
