@@ -140,12 +140,15 @@ SCHEMA: dict[str, dict[str, Spec]] = {
         "beacon_in_port": Spec("int", 0, 65535),
         "beacon_out_port": Spec("int", 0, 65535),
         "metrics": Spec("str"),
+        "bridges": Spec("strs"),
+        "bridge_keys": Spec("strs"),
     },
     "store": {
         "db": Spec("str"),
         "sync": Spec("bool"),
         "linger_ms": Spec("float", 0, 1000),
         "metrics": Spec("str"),
+        "topics": Spec("strs"),
         "retention": Spec("table", table="retention"),
     },
     "gateway": {
@@ -177,6 +180,7 @@ SCHEMA: dict[str, dict[str, Spec]] = {
         "key": Spec("str"),
         "allow": Spec("str"),
         "tower_keys": Spec("strs"),
+        "leaf_keys": Spec("strs"),
         "reload_interval": _SECONDS,
     },
     # Sub-tables (not sections of their own).

@@ -59,12 +59,14 @@ def node_config(args: argparse.Namespace, settings: Settings) -> NodeConfig:
 
 
 def security_config(args: argparse.Namespace, settings: Settings) -> SecurityConfig | None:
-    """[security] of the config file overridden by --key / --allow / --tower-key."""
+    """[security] of the config file overridden by --key / --allow / --tower-key (/ --leaf-key)."""
     tower_keys = getattr(args, "tower_key", None)
+    leaf_keys = getattr(args, "leaf_key", None)
     flags = {
         "key": getattr(args, "key", None),
         "allow": getattr(args, "allow", None),
         "tower_keys": ",".join(tower_keys) if tower_keys else None,
+        "leaf_keys": ",".join(leaf_keys) if leaf_keys else None,
     }
     return security_from(settings.section("security"), flags)
 

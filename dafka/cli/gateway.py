@@ -24,7 +24,7 @@ from dafka.cli.common import (
     service_node_config,
     tower_names,
 )
-from dafka.cli.store import storage_options
+from dafka.cli.store import check_leaf_port, storage_options
 from dafka.config import Settings, is_loopback, parse_listen
 from dafka.errors import ConfigError, DafkaError
 
@@ -55,6 +55,7 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
             f"the Kafka port would listen on {kafka_listen[0]} without authentication: "
             "pass --allow-clients NET[,NET...], listen on 127.0.0.1, or pass --insecure"
         )
+    check_leaf_port(args.leaves, args.insecure, cfg.security is not None)
     signals = StopSignals()
     try:
         if kafka_listen is not None:
@@ -65,10 +66,12 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
                 db, cfg, listen=listen, sync=sync, retention=policy, allow_clients=clients, limits=limits,
                 kafka_listen=kafka_listen,
                 kafka_advertise=parse_listen(advertise, 9092, minimum_port=1) if advertise else None,
+                leaves=args.leaves,
             )
         else:
             gateway = Gateway(
-                db, cfg, listen=listen, sync=sync, retention=policy, allow_clients=clients, limits=limits
+                db, cfg, listen=listen, sync=sync, retention=policy, allow_clients=clients, limits=limits,
+                leaves=args.leaves,
             )
     except lmdb.Error as exc:
         raise open_error(db, exc) from None
@@ -81,7 +84,8 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
     with gateway:
         print(
             f"gateway up: Tank on {listen[0]}:{gateway.tank_port}{kafka_note}, store {gateway.address} db {db}"
-            f" (sync={'on' if sync else 'OFF'}), tower {tower_names(cfg.towers)}",
+            f" (sync={'on' if sync else 'OFF'}), tower {tower_names(cfg.towers)}"
+            + (f", leaves on {gateway.leaves.endpoint}" if gateway.leaves is not None else ""),
             flush=True,
         )
         serve_metrics(args, section, gateway)
@@ -172,6 +176,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--retention-age", type=positive_seconds_arg, help="default retention: seconds to keep records")
     p.add_argument("--retention-bytes", type=count_arg, help="default retention: bytes to keep per topic")
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
+    p.add_argument(
+        "--leaves", metavar="HOST:PORT",
+        help="take leaf devices (dafka produce --leaf) on this port, as a store does (0: any free port); beyond"
+        " loopback needs [security] or --insecure",
+    )
 
 
 def add_tank_parser(sub: Any) -> None:

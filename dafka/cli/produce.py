@@ -30,8 +30,8 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
             raise DafkaError(f"identity file {args.identity}: directory {parent} does not exist")
         if not os.access(parent, os.W_OK | os.X_OK):
             raise DafkaError(f"identity file {args.identity}: directory {parent} is not writable")
-    if args.leaf and (args.no_ack or args.outbox):
-        raise DafkaError("--leaf takes neither --no-ack (its endpoint is a store) nor --outbox (not built yet)")
+    if args.leaf and args.no_ack:
+        raise DafkaError("--leaf takes no --no-ack (its endpoint is a store)")
     source = open(args.file, "rb") if args.file else sys.stdin.buffer  # noqa: SIM115
     producer = Producer(
         args.topic,
@@ -205,6 +205,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--leaf", metavar="HOST:PORT[,HOST:PORT...]",
         help="be a leaf: one connection to a regional store's leaf port (the next one on failure), no tower",
+    )
+    p.add_argument(
+        "--leaf-key", action="append", metavar="KEY|FILE",
+        help="secure --leaf: an endpoint's (store's) public key or certificate (repeatable: one per endpoint,"
+        " or one for all; or [security] leaf_keys)",
     )
     p.add_argument("--outbox", metavar="DIR", help="keep records in this local outbox until a store acknowledges them")
     p.add_argument("--outbox-max-bytes", type=count_arg, help="--outbox: most bytes kept")

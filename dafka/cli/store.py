@@ -51,6 +51,31 @@ def storage_options(args: argparse.Namespace, section: dict[str, Any], name: str
     return db, sync, policy
 
 
+def check_leaf_port(leaves: str | None, insecure: bool, secure: bool) -> None:
+    """``--leaves HOST:PORT`` of a store or gateway: beyond loopback only with [security] or --insecure."""
+    if not leaves:
+        return
+    from dafka.config import is_loopback
+    from dafka.store.leaves import parse_endpoint
+
+    if not is_loopback(parse_endpoint(leaves)[0]) and not insecure and not secure:
+        raise ConfigError(
+            f"--leaves {leaves}: a plain store's leaf port has no authentication; configure [security]"
+            " (CURVE: allowed keys, each writing its own partitions) or add --insecure"
+        )
+
+
+def store_topics(value: str | list[str] | None) -> list[str] | None:
+    """``--topics a,b`` or ``[store] topics = [...]``: the topics a store keeps (None: all)."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else [i for v in value for i in v.split(",")]
+    topics = [t.strip() for t in items if t.strip()]
+    if not topics:
+        raise ConfigError("--topics (or [store] topics) names no topic")
+    return topics
+
+
 def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
     import lmdb
 
@@ -61,20 +86,17 @@ def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
     linger = linger_setting(section)
     signals = StopSignals()
     cfg = service_node_config(args, settings, "store")
-    if args.leaves:
-        from dafka.config import is_loopback
-        from dafka.store.leaves import parse_endpoint
-
-        if not is_loopback(parse_endpoint(args.leaves)[0]) and not args.insecure:
-            raise ConfigError(f"--leaves {args.leaves}: the leaf port has no authentication yet; add --insecure")
+    check_leaf_port(args.leaves, args.insecure, cfg.security is not None)
+    kept = store_topics(args.topics or section.get("topics"))
     try:
-        store = Store(db, cfg, sync=sync, retention=policy, linger=linger, leaves=args.leaves)
+        store = Store(db, cfg, sync=sync, retention=policy, linger=linger, leaves=args.leaves, topics=kept)
     except lmdb.Error as exc:
         raise open_error(db, exc) from None
     with store:
         print(
             f"store up: {store.address} db {db} (sync={'on' if sync else 'OFF'}), tower {tower_names(cfg.towers)}"
-            + (f", leaves on {store.leaves.endpoint}" if store.leaves is not None else ""),
+            + (f", leaves on {store.leaves.endpoint}" if store.leaves is not None else "")
+            + (f", keeps {', '.join(sorted(kept))}" if kept is not None else ""),
             flush=True,
         )
         serve_metrics(args, section, store)
@@ -137,8 +159,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--retention-bytes", type=count_arg, help="default retention: bytes to keep per topic")
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
     p.add_argument(
+        "--topics", metavar="T1,T2",
+        help="keep only these topics (or [store] topics): records and HEADs of others are not stored, leaves of others refused",
+    )
+    p.add_argument(
         "--leaves", metavar="HOST:PORT",
-        help="take leaf devices (dafka produce --leaf) on this port (0: any free port); beyond loopback needs --insecure",
+        help="take leaf devices (dafka produce --leaf) on this port (0: any free port); beyond loopback needs"
+        " [security] or --insecure",
     )
 
 

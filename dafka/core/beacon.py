@@ -73,6 +73,8 @@ GROUP = b"G"
 STORE = b"S"
 ANY = b"A"
 UNKNOWN = b"U"  # relayed by a tower for a node that sent no interest beacon
+# A region export (dafka.core.bridge): a crossing interest beacon with this before its first frame.
+EXPORT = b"Y"
 HELLO = PREFIX + b"T"
 # High-water mark of a node's beacon SUB (and a tower's XSUB), in messages.
 # ZeroMQ's default (1,000) is one second of a 1,000-node mesh's beacons for a
@@ -377,7 +379,7 @@ class RelayBatcher:
     def add(self, frames: list[bytes], now: float, stride: int = 2) -> list[list[bytes]]:
         """Take one relayed beacon (``head`` + ``stride`` frames); what to send now."""
         head = frames[0]
-        if head[:1] != PREFIX:
+        if head[:1] != PREFIX and head[:1] != EXPORT:
             return [frames]  # plain B (C nodes read exactly 3 frames): never batched
         if head not in self._pending and now - self._last.get(head, -1e18) >= self.window:
             self._last[head] = now

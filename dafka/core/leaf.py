@@ -283,7 +283,9 @@ class LeafPort:
 
     ``head(subject, partition)`` is the store's committed head (-1: none);
     ``refusal()`` says why the store cannot take records now ("" when it can);
-    ``authorize(peer_key, partition)`` (secure mode) whether a key owns a partition.
+    ``keeps(subject)`` whether it keeps that topic at all (a HELLO of another is refused);
+    ``authorize(key, partition)`` (secure mode) whether the connection's CURVE key owns the
+    HELLO's partition (else the HELLO is refused, and counts as hostile);
     """
 
     def __init__(
@@ -297,9 +299,14 @@ class LeafPort:
         bad_limit: int = BAD_LIMIT,
         idle: float = IDLE,
         address: str = "",
+        keeps: Callable[[str], bool] = lambda subject: True,
+        authorize: Callable[[str, str], bool] | None = None,
     ) -> None:
         self.head = head
         self.refusal = refusal
+        self.keeps = keeps  # whether the store keeps a subject (a store may keep a subset of topics)
+        self.authorize = authorize  # secure mode: whether a key (Z85) owns a partition address
+        self.unauthorized = 0  # HELLOs for a partition the connection's key does not own
         self.max_sessions = max_sessions
         self.window = window
         self.max_record_bytes = max_record_bytes
@@ -324,8 +331,8 @@ class LeafPort:
 
     # ------------------------------------------------------------ input
 
-    def on_message(self, peer: bytes, frames: list[bytes], now: float) -> list[PortAction]:
-        """A message from connection ``peer``; what to do."""
+    def on_message(self, peer: bytes, frames: list[bytes], now: float, peer_key: str = "") -> list[PortAction]:
+        """A message from connection ``peer`` (whose CURVE key is ``peer_key``, in secure mode); what to do."""
         session = self.sessions.get(peer)
         if session is not None and len(frames) == 2:
             # The common case first: the session's next record, recognised by its
@@ -342,7 +349,7 @@ class LeafPort:
         except ProtocolError as exc:
             return self._strike(peer, str(exc))
         if isinstance(msg, leafwire.LeafHello):
-            return self._hello(peer, msg, session, now)
+            return self._hello(peer, msg, session, now, peer_key)
         if session is None:
             if isinstance(msg, wire.Record | wire.RecordBatch | wire.Head):
                 # Its session was dropped (expired, or the port was full): HELLO again.
@@ -404,12 +411,24 @@ class LeafPort:
             out.extend(self._ack(session, head))  # committed already (a resend): acknowledged at once
         return out
 
-    def _hello(self, peer: bytes, msg: leafwire.LeafHello, session: LeafSession | None, now: float) -> list[PortAction]:
+    def _hello(
+        self, peer: bytes, msg: leafwire.LeafHello, session: LeafSession | None, now: float, peer_key: str = ""
+    ) -> list[PortAction]:
         if not msg.subject or not msg.topic or len(msg.topic.encode()) > wire.MAX_STRING:
             return self._strike(peer, "LEAF-HELLO without a subject, or a partition address of 0 or over 255 bytes")
+        if self.authorize is not None and not self.authorize(peer_key, msg.topic):
+            # Secure mode: a key writes only the partitions bound to it, as on the mesh.
+            self.unauthorized += 1
+            out = self._strike(peer, f"LEAF-HELLO for partition {msg.topic[:40]!r}, not bound to the connection's key")
+            if peer in self.ignored:
+                return out
+            why = f"partition {msg.topic[:40]} is not bound to this connection's key"
+            return [Reply(peer, wire.encode(wire.StoreStatus(msg.topic, self.address, msg.subject, 0, why)))]
         if session is not None and (session.subject, session.partition) != (msg.subject, msg.topic):
             return self._strike(peer, "a second partition on one connection")
         why = self.refusal()
+        if not why and not self.keeps(msg.subject):
+            why = f"store {self.address[:8]} does not keep topic {msg.subject[:64]!r}"
         if why:
             self.refused += 1
             status = wire.StoreStatus(msg.topic, self.address, msg.subject, 0, wire.reason_text(why))

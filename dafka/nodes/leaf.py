@@ -37,6 +37,7 @@ from dafka.core import leaf as leafcore
 from dafka.core import wire
 from dafka.core.unacked import UnackedWindow
 from dafka.errors import BufferFullError, ClosedError, PublishError, RecordTooLargeError
+from dafka.nodes import security
 from dafka.nodes.node import new_address
 from dafka.nodes.receipt import Receipt, ReceiptCallbacks, check_content
 
@@ -187,6 +188,64 @@ class LeafLoop:
         self._ticking[member] = None
 
 
+class _LeafOutboxPort:
+    """What a leaf producer offers its outbox (:class:`dafka.outbox.host.OutboxHost`)."""
+
+    __slots__ = ("_producer",)
+
+    def __init__(self, producer: LeafProducer) -> None:
+        self._producer = producer
+
+    @property
+    def address(self) -> str:
+        return self._producer.address
+
+    @property
+    def window(self) -> UnackedWindow:
+        return self._producer.window
+
+    @window.setter
+    def window(self, window: UnackedWindow) -> None:
+        # A reopened outbox's records: the link sends from the same window.
+        self._producer.window = window
+        self._producer.link.window = window
+
+    @property
+    def lock(self) -> Any:
+        return self._producer._lock
+
+    @property
+    def publish_timeout(self) -> float | None:
+        return self._producer.publish_timeout
+
+    @property
+    def closed(self) -> bool:
+        return self._producer._closed
+
+    @property
+    def resume_error(self) -> None:
+        return None  # a leaf needs no endpoint to resume: its identity file or outbox decides
+
+    def prepare(self, batch: list[Any]) -> list[bytes]:
+        producer = self._producer
+        if producer._serialize is not None:
+            batch = [values.encode(producer._serialize, content) for content in batch]
+        for i, content in enumerate(batch):
+            if content.__class__ is not bytes:
+                check_content(content)
+                batch[i] = bytes(content)
+        biggest = max(map(len, batch))
+        if biggest > producer.config.max_record_bytes:
+            raise producer._too_large(biggest)
+        return batch
+
+    def send_live(self, first: int, contents: Sequence[bytes]) -> None:
+        self._producer._loop.wake(self._producer)  # durable now: the loop sends them
+
+    def hold_beacons(self) -> None:
+        """Another process took the outbox over (fenced): a leaf has no beacons; its publishes fail."""
+
+
 class LeafProducer(ReceiptCallbacks):
     """A producer whose partition reaches the mesh through a regional endpoint.
 
@@ -217,13 +276,16 @@ class LeafProducer(ReceiptCallbacks):
         loop: LeafLoop | None = None,
         connect_timeout: float = leafcore.CONNECT_TIMEOUT,
         ack_timeout: float = leafcore.ACK_TIMEOUT,
+        outbox_max_bytes: int | None = None,
+        outbox_max_age: float | None = None,
+        outbox_sync: str = "each",
+        outbox_policy: str = "block",
+        outbox_max_map_size: int | None = None,
         **mesh_only: Any,
     ) -> None:
         unknown = set(mesh_only) - _MESH_ONLY
         if unknown:
             raise TypeError(f"a leaf producer takes no {', '.join(sorted(unknown))}")
-        if outbox is not None or any(k.startswith("outbox_") for k in mesh_only):
-            raise ValueError("a leaf producer with an outbox is not built yet (see docs/concepts/leaves.md)")
         if not acks:
             raise ValueError("a leaf producer always has acks: its endpoint is a store")
         if not topic or len(topic.encode()) > wire.MAX_STRING or "\x00" in topic:
@@ -235,15 +297,50 @@ class LeafProducer(ReceiptCallbacks):
         self.endpoints = parse_endpoints(leaf)
         self.publish_timeout = publish_timeout
         self._serialize = values.serializer(serializer)
-        self._outbox = None  # (Receipt looks at it)
         self._identity_path = Path(identity) if identity else None
+        # Secure region: a CURVE client with our key; our address bound to it (the endpoint
+        # takes a HELLO only for a partition bound to the connection's key, as the mesh does).
+        sec = self.config.security
+        self._keys: security.OwnKeys | None = None
+        self._endpoint_keys: list[bytes] = []
+        if sec is not None:
+            self._keys = security.own_keys(sec)
+            self._endpoint_keys = [sec.leaf_key(i) for i in range(len(self.endpoints))]
         saved = self._load_identity() if self._identity_path else None
-        self.address = saved["address"] if saved else new_address()
+        # An outbox (dafka.outbox, as a mesh producer's): every record is on disk before it is
+        # sent, and a reopened outbox is the authority on the partition and its next offset.
+        self._outbox: Any = None  # (Receipt looks at it)
+        if outbox is not None:
+            from dafka.outbox import Outbox
+
+            box = Outbox(outbox, topic, max_bytes=outbox_max_bytes, max_age=outbox_max_age, policy=outbox_policy,
+                         sync=outbox_sync, max_map_size=outbox_max_map_size)
+            kept = box.saved_identity()
+            if kept is not None:
+                if saved is not None and saved["address"] != kept["address"]:
+                    box.db.close()
+                    raise ValueError(
+                        f"outbox {outbox} belongs to partition {kept['address']}, identity file"
+                        f" {self._identity_path} to {saved['address']}"
+                    )
+                saved = kept
+            self._outbox = box
+        if saved and self._keys is not None and not security.address_bound(saved["address"], self._keys.public):
+            raise ValueError(
+                f"identity file {self._identity_path}: address {saved['address'][:32]} is not bound to key"
+                f" {sec.key if sec else ''}: a secure leaf publishes only under its own key's addresses"
+            )
+        if saved:
+            self.address = saved["address"]
+        else:
+            self.address = security.bound_address(self._keys.public) if self._keys is not None else new_address()
         next_offset = 0
         if saved:
             reserved = saved.get("reserved")
             next_offset = max(int(saved["next"]), int(reserved) if reserved is not None else 0)
-        self._reserved = next_offset  # offsets below it may be assigned (see _reserve_locked)
+        # Offsets below it may be assigned (see _reserve_locked); an outbox needs no reservation:
+        # a record is on its disk before it is sent, and it knows the partition's next offset.
+        self._reserved = next_offset if self._outbox is None else 1 << 62
         self.window = UnackedWindow(capacity, next_offset)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -261,8 +358,17 @@ class LeafProducer(ReceiptCallbacks):
         )
         self.sock: zmq.Socket[Any] | None = None
         self.records_sent = 0
-        if self._identity_path is not None:
+        if self._identity_path is not None and self._outbox is None:
             self._reserve_locked(0)  # the file exists, with a bound, before the first publish
+        if self._outbox is not None:
+            try:
+                self._outbox.attach(_LeafOutboxPort(self), resuming=False)
+            except BaseException:
+                self._outbox.db.close()
+                raise
+            # Records go to the disk first: the loop sends them once they are durable.
+            self.publish = self._publish_to_outbox  # type: ignore[method-assign]
+            self.publish_many = self._publish_many_to_outbox  # type: ignore[method-assign]
         self._own_loop = loop is None
         self._loop = loop or LeafLoop(f"-{self.address[:8]}")
         self._attached = threading.Event()
@@ -351,6 +457,31 @@ class LeafProducer(ReceiptCallbacks):
             self._loop.wake(self)
         return Receipt(self, last) if last >= 0 else None  # type: ignore[arg-type]
 
+    def _publish_to_outbox(
+        self,
+        content: Any,
+        callback: Callable[[Receipt], None] | None = None,
+        *,
+        offset: int | None = None,
+        timeout: float | None = -1.0,
+    ) -> Receipt:
+        """:meth:`publish` with an outbox (see :mod:`dafka.outbox`'s sync modes)."""
+        outbox = self._outbox
+        if offset is not None and offset != self.window.next:
+            if offset > self.window.next:
+                raise ValueError(f"offset {offset} is beyond next offset {self.window.next}")
+            receipt = Receipt(self, offset)  # type: ignore[arg-type]
+        else:
+            receipt = Receipt(self, outbox.append(content, timeout))  # type: ignore[arg-type]
+        if callback is not None:
+            self._add_callback(receipt, callback)
+        return receipt
+
+    def _publish_many_to_outbox(self, contents: Iterable[Any], *, timeout: float | None = -1.0) -> Receipt | None:
+        """:meth:`publish_many` with an outbox: it waits for the disk once, at the end."""
+        last = self._outbox.append_many(contents, timeout=timeout)
+        return Receipt(self, last) if last >= 0 else None  # type: ignore[arg-type]
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every published record is acknowledged; False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -380,6 +511,8 @@ class LeafProducer(ReceiptCallbacks):
             self._detached.wait(5.0)
         if self._own_loop:
             self._loop.close()
+        if self._outbox is not None:
+            self._outbox.close()  # what is unacknowledged stays in it for the next start
         self._save_identity(force=True)
         self._run_callbacks()
         return ok
@@ -401,6 +534,8 @@ class LeafProducer(ReceiptCallbacks):
         return self.window.acked
 
     def _failure_for(self, offset: int) -> PublishError | None:
+        if self._outbox is not None and (evicted := self._outbox.failure_for(offset)) is not None:
+            return evicted  # type: ignore[no-any-return]
         if self._failure is not None and offset >= self._failed_from and offset > self.window.acked:
             return self._failure
         return None
@@ -416,6 +551,8 @@ class LeafProducer(ReceiptCallbacks):
                 if remaining is not None and remaining <= 0:
                     return False
                 self._cond.wait(remaining)
+            if self._outbox is not None and (evicted := self._outbox.failure_for(offset)) is not None:
+                raise evicted  # passed by the window, never acknowledged (drop_oldest)
             return True
 
     def _run_callbacks(self) -> None:
@@ -541,6 +678,9 @@ class LeafProducer(ReceiptCallbacks):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SNDHWM)
         sock.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)  # what an endpoint sends is small
+        if self._keys is not None:
+            security.make_client(sock, self._keys)
+            sock.setsockopt(zmq.CURVE_SERVERKEY, self._endpoint_keys[self.endpoints.index(endpoint)])
         sock.connect(f"tcp://{endpoint}")
         loop._register(sock, self)
 
@@ -566,6 +706,10 @@ class LeafProducer(ReceiptCallbacks):
             if span is None:
                 return
             first, last = span
+            if self._outbox is not None:
+                last = min(last, self._outbox.last_sendable)  # only what is on the outbox's disk
+                if last < first:
+                    return
             runs = self.window.runs(first, last - first + 1)
         header = self._header
         sent = first - 1
@@ -592,7 +736,10 @@ class LeafProducer(ReceiptCallbacks):
             except zmq.Again:
                 break
             with self._lock:
+                before = self.window.acked
                 actions = self.link.on_message(frames, now)
+                if self._outbox is not None and self.window.acked != before:
+                    self._outbox.on_acked()  # the writer deletes them soon
             self._apply(actions)
         if self.window.acked != acked:
             with self._cond:
@@ -604,6 +751,8 @@ class LeafProducer(ReceiptCallbacks):
     def _tick(self, now: float) -> bool:
         """The link's timers; whether the member still has something pending."""
         link = self.link
+        if self._outbox is not None:
+            self._outbox.on_tick(now)  # max_age evictions (drop_oldest)
         if self.sock is None:
             return False
         if link.state == leafcore.ACTIVE and self.window.acked == self.window.next - 1:

@@ -94,6 +94,17 @@ COUNTERS: list[tuple[str, Getter, str]] = [
     ("dafka_records_refused", "records_refused", "Records the store's database refused (their partition is read again)"),
     ("dafka_beacons_relayed", "beacons", "Node beacons relayed to the mesh"),
     (
+        "dafka_bridge_beacons_imported",
+        lambda n: n.imports.imported,
+        "Tower: beacons of stores, consumers and group members imported from bridged regions' towers",
+    ),
+    (
+        "dafka_bridge_refused",
+        lambda n: n.imports.refused,
+        "Tower: bridge messages or entries refused (malformed, or of a kind that does not cross)",
+    ),
+    ("dafka_bridges_renewed", "bridges_renewed", "Tower: bridge connections made anew after a silence"),
+    (
         "dafka_subscribers_cut",
         lambda n: n.front.cut.count,
         "Plain tower: beacon-out connections cut (subscriptions over their bounds, no handshake, too far behind)",

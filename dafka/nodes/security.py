@@ -168,11 +168,18 @@ class SecurityConfig:
     allow: str  # directory of allowed public certificates
     tower_keys: tuple[bytes, ...] = ()  # one for every tower, or one shared by all
     reload_interval: float = 1.0
+    leaf_keys: tuple[bytes, ...] = ()  # a leaf's endpoints' keys: one for every endpoint, or one shared by all
 
     def tower_key(self, index: int) -> bytes:
         if not self.tower_keys:
             raise ConfigError("secure mode needs the towers' public keys ([security] tower_keys / --tower-key)")
         return self.tower_keys[index if len(self.tower_keys) > 1 else 0]
+
+    def leaf_key(self, index: int) -> bytes:
+        """The public key of a leaf's endpoint ``index`` (the store it dials)."""
+        if not self.leaf_keys:
+            raise ConfigError("a secure leaf needs its endpoints' public keys ([security] leaf_keys / --leaf-key)")
+        return self.leaf_keys[index if len(self.leaf_keys) > 1 else 0]
 
 
 def security_from(data: dict[str, object], flags: dict[str, object] | None = None) -> SecurityConfig | None:
@@ -181,7 +188,7 @@ def security_from(data: dict[str, object], flags: dict[str, object] | None = Non
     for k, v in (flags or {}).items():
         if v:
             merged[k] = v
-    unknown = set(merged) - {"key", "allow", "tower_keys", "reload_interval"}
+    unknown = set(merged) - {"key", "allow", "tower_keys", "reload_interval", "leaf_keys"}
     if unknown:
         raise ConfigError(f"unknown [security] keys: {', '.join(sorted(unknown))}")
     if not merged.get("key") and not merged.get("allow"):
@@ -194,10 +201,15 @@ def security_from(data: dict[str, object], flags: dict[str, object] | None = Non
     if isinstance(keys, str):
         keys = [k for k in keys.split(",") if k.strip()]
     tower_keys = tuple(parse_key(str(k)) for k in keys)  # type: ignore[union-attr]
+    leaves = merged.get("leaf_keys") or ()
+    if isinstance(leaves, str):
+        leaves = [k for k in leaves.split(",") if k.strip()]
+    leaf_keys = tuple(parse_key(str(k)) for k in leaves)  # type: ignore[union-attr]
     if not Path(str(merged["allow"])).is_dir():
         raise ConfigError(f"allow-list directory {merged['allow']} does not exist")
     return SecurityConfig(
-        str(merged["key"]), str(merged["allow"]), tower_keys, float(merged.get("reload_interval", 1.0))  # type: ignore[arg-type]
+        str(merged["key"]), str(merged["allow"]), tower_keys, float(merged.get("reload_interval", 1.0)),  # type: ignore[arg-type]
+        leaf_keys,
     )
 
 

@@ -28,6 +28,12 @@ a secure tower keeps libzmq's (CURVE: allowed keys only).  Only subscriptions
 that can select a node beacon the tower does not already take (``B``, and the
 empty one) are forwarded to the XSUB, so none reaches nodes' beacon PUBs in vain.
 
+Dafka only: region bridges (:mod:`dafka.core.bridge`).  The crossing interest
+beacons of our own nodes (stores, consumers, groups) are also published as
+exports (``Y`` + first frame) for the bridges of other regions' towers; a
+tower given ``bridges`` (other towers' beacon-out endpoints) takes their
+exports on a SUB each and relays them to its nodes, never exporting them again.
+
 Dafka only: a node that subscribed its REFLECTION gets, after each of its
 beacons, how this tower sees it (the peer address, the endpoint relayed) and
 whether the tower could open a TCP connection to that endpoint (plain mode;
@@ -47,8 +53,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import zmq
 
-from dafka.core import beacon, reach, wire
-from dafka.errors import ProtocolError
+from dafka.core import beacon, bridge, reach, wire
+from dafka.errors import ConfigError, ProtocolError
 from dafka.fastio import events as zmq_events
 from dafka.fastio import send_frames
 from dafka.nodes import security
@@ -94,7 +100,13 @@ class Tower:
         in_port: int = 5556,
         out_port: int = 5557,
         security_config: security.SecurityConfig | None = None,
+        bridges: Sequence[str] = (),
+        bridge_keys: Sequence[bytes] = (),
     ) -> None:
+        if bridges and security_config is not None and not bridge_keys:
+            raise ConfigError("a secure tower's bridges need the other towers' public keys (--bridge-key)")
+        if len(bridges) > bridge.MAX_BRIDGES:
+            raise ConfigError(f"at most {bridge.MAX_BRIDGES} bridges, not {len(bridges)}")
         self.security = security_config
         self.guard = security.guard_for(security_config) if security_config else None
         self.ctx = self.guard.ctx if self.guard else zmq.Context.instance()
@@ -154,8 +166,24 @@ class Tower:
         # Every interest beacon reaches us, wanted by a node or not: the relay
         # book must know every dafka address to tell C nodes' B beacons apart.
         self.xsub.send(b"\x01" + beacon.PREFIX)
+        # Region bridges (dafka.core.bridge): a SUB on each other region's beacon-out
+        # port takes what its tower exports; our own nodes' crossing beacons are exported.
+        self.imports = bridge.Import()
+        if security_config is not None:
+            self.imports.key_length = security.KEY_LENGTH
+            self.imports.bound = security.address_bound
+        self._bridge_keys: dict[str, bytes] = {}
+        self.bridge_errors = ErrorLog(log)
+        self.bridges: dict[zmq.Socket, tuple[str, bridge.Liveness]] = {}
+        self.bridges_renewed = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        try:
+            for i, endpoint in enumerate(bridges):
+                self.add_bridge(endpoint, bridge_keys[i if len(bridge_keys) > 1 else 0] if bridge_keys else None)
+        except ConfigError:
+            self._close_sockets()
+            raise
         log.info(
             "tower: beacons in on %s:%d, out on %s:%d%s",
             bind,
@@ -164,6 +192,57 @@ class Tower:
             self.out_port,
             " (secure)" if security_config else "",
         )
+
+    def add_bridge(self, endpoint: str, key: bytes | None = None) -> None:
+        """Bridge to another region's tower (its beacon-out ``tcp://host:port``; ``key``: its
+        public key, which a secure tower needs); before :meth:`start`."""
+        if self._thread is not None:
+            raise RuntimeError("bridges are added before the tower starts")
+        if self.security is not None:
+            if not key:
+                raise ConfigError(f"a secure tower's bridge to {endpoint} needs that tower's public key (--bridge-key)")
+            self._bridge_keys[endpoint] = key
+        if len(self.bridges) >= bridge.MAX_BRIDGES:
+            raise ConfigError(f"at most {bridge.MAX_BRIDGES} bridges")
+        try:
+            sub = self._bridge_socket(endpoint)
+        except zmq.ZMQError as exc:
+            raise ConfigError(f"bad bridge endpoint {endpoint!r}: {exc}") from None
+        self.bridges[sub] = (endpoint, bridge.Liveness(time.monotonic()))
+        log.info("tower: bridged to %s (stores, consumers and groups cross; producers do not)", endpoint)
+
+    def _bridge_socket(self, endpoint: str) -> zmq.Socket:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, beacon.BEACON_HWM)
+        sub.setsockopt(zmq.MAXMSGSIZE, BEACON_FRAME_MAX)  # a longer frame cuts the connection
+        for prefix in bridge.SUBSCRIPTIONS:
+            sub.setsockopt(zmq.SUBSCRIBE, prefix)
+        if self.security is not None:
+            # A CURVE client with our tower key (the other region must allow it) and theirs.
+            security.make_client(sub, security.own_keys(self.security))
+            sub.setsockopt(zmq.CURVE_SERVERKEY, self._bridge_keys[endpoint])
+        try:
+            sub.connect(endpoint)
+        except zmq.ZMQError:
+            sub.close(0)
+            raise
+        return sub
+
+    def _renew_bridges(self, poller: zmq.Poller, now: float) -> None:
+        """Make silent bridges' connections anew (see dafka.core.bridge.Liveness)."""
+        for sub, (endpoint, liveness) in list(self.bridges.items()):
+            if not liveness.renew_due(now):
+                continue
+            poller.unregister(sub)
+            sub.close(0)
+            del self.bridges[sub]
+            fresh = self._bridge_socket(endpoint)
+            self.bridges[fresh] = (endpoint, liveness)
+            poller.register(fresh, zmq.POLLIN)
+            self.bridges_renewed += 1
+            if self.bridges_renewed <= 20 or self.bridges_renewed % 1000 == 0:
+                log.warning("tower: bridge to %s heard nothing for %.0fs: connecting anew", endpoint, liveness.wait)
 
     @staticmethod
     def _bind(sock: zmq.Socket, host: str, port: int) -> int:
@@ -194,6 +273,8 @@ class Tower:
     def _close_sockets(self) -> None:
         for refusals in self._refusals:
             refusals.close()  # stop the monitors while their sockets are open
+        for sub in getattr(self, "bridges", ()):
+            sub.close(0)
         self.xsub.close(0)
         if self.xpub is not None:
             self.xpub.close(0)
@@ -209,6 +290,8 @@ class Tower:
         monitors = {refusals.monitor: refusals for refusals in self._refusals}
         for monitor in monitors:
             poller.register(monitor, zmq.POLLIN)
+        for sub in self.bridges:
+            poller.register(sub, zmq.POLLIN)
         check_at = 0.0
         self._poller = poller
         hello_at = 0.0
@@ -228,6 +311,8 @@ class Tower:
                     check_at = time.monotonic() + self.security.reload_interval  # type: ignore[union-attr]
                     self._check_allow_list()
                 self._expire_probes(time.monotonic())
+                if self.bridges:
+                    self._renew_bridges(poller, time.monotonic())
                 wait = min(200, max(0, int((hello_at - time.monotonic()) * 1000) + 1))
                 batch_due = self.batches.due()
                 if batch_due is not None:
@@ -238,6 +323,8 @@ class Tower:
                             self._relay_beacons()
                         elif sock is out or sock == out:
                             self._forward_subscriptions()
+                        elif sock in self.bridges:
+                            self._import(sock)
                         elif isinstance(sock, int):
                             self._probe_done(sock)
                         else:
@@ -294,9 +381,40 @@ class Tower:
             for relayed in self.relay.on_beacon(head, address, endpoint, now):
                 for message in self.batches.add(relayed + [key] if key else relayed, now, self._stride):
                     self._publish(message)
+                exported = bridge.export(relayed + [key] if key else relayed)
+                if exported is not None:
+                    for message in self.batches.add(exported, now, self._stride):
+                        self._publish(message)
             self.beacons += 1
             if self.probes.wants(address):
                 self._reflect(address, seen, endpoint)
+
+    def _import(self, sub: zmq.Socket) -> None:
+        """What a bridged tower exports: relayed to our nodes as our own nodes' beacons
+        (never exported again, see dafka.core.bridge)."""
+        for _ in range(1000):
+            if not zmq_events(sub) & _POLLIN:
+                return
+            try:
+                first = sub.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            frames = [first.bytes]
+            while sub.getsockopt(zmq.RCVMORE):
+                frames.append(sub.recv())
+            try:
+                seen = first.get("Peer-Address")
+            except zmq.ZMQError:
+                seen = ""
+            self.bridges[sub][1].on_heard(time.monotonic())
+            refused = self.imports.refused
+            relayed = self.imports.on_message(frames, str(seen))
+            if self.imports.refused != refused:
+                self.bridge_errors("bridge import", self.imports.errors[-1])
+            now = time.monotonic()
+            for beacon_frames in relayed:
+                for message in self.batches.add(beacon_frames, now, self._stride):
+                    self._publish(message)
 
     def _reflect(self, address: str, seen: str, endpoint: str) -> None:
         """Tell a node how this tower sees it, probing its endpoint now and then."""

@@ -16,7 +16,12 @@ the store's I/O thread (see ``docs/concepts/leaves.md``):
   the leaf's partition as any producer's;
 * after each commit the sessions of the committed partitions get their ACK.
 
-Not in secure mode yet (CURVE on this port is designed, not built).
+In a secure store (``[security]``) the ROUTER is a CURVE server with the
+store's key; the ZAP handler also refuses a client key that is not in the
+allow-list, and names the key (``User-Id``) of each connection, so a HELLO is
+taken only for a partition address bound to the key of its connection
+(:func:`dafka.nodes.security.address_bound`): a key writes only its own
+partitions, as on the mesh.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import zmq
+import zmq.utils.z85
 
 from dafka.core import leaf
 from dafka.errors import ConfigError
+from dafka.nodes import security
 from dafka.nodes.node import frame_limit
 
 log = logging.getLogger("dafka.store.leaves")
@@ -56,6 +63,11 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _owns(key: str, partition: str) -> bool:
+    """Whether the Z85 ``key`` owns the partition address (see security.address_bound)."""
+    return bool(key) and security.address_bound(partition, key.encode())
+
+
 class LeafHost(Protocol):
     """What a store offers its leaf port (:class:`dafka.store.node.Store` is one).
 
@@ -65,6 +77,7 @@ class LeafHost(Protocol):
     """
 
     secure: bool
+    config: Any
     address: str
     max_record_bytes: int
     data_paused: bool
@@ -82,6 +95,7 @@ class LeafHost(Protocol):
     def pause_data(self, paused: bool) -> None: ...
     def _flush_batch(self, retry: bool = False) -> None: ...
     def tracker(self, subject: str, partition: str) -> Any: ...
+    def wants(self, subject: str) -> bool: ...
     def track(self, tracker: Any, seq: int, content: bytes) -> None: ...
 
 
@@ -100,10 +114,14 @@ class LeafEndpoint:
         bad_limit: int = leaf.BAD_LIMIT,
         idle: float = leaf.IDLE,
     ) -> None:
-        if store.secure:
-            raise ConfigError("a secure store takes no leaves yet (CURVE on the leaf port is not built)")
         host, port = parse_endpoint(bind)
         self.store = store
+        # Secure mode: CURVE, the allow-list's keys only, a key's own partitions only.
+        self.secure = bool(store.secure)
+        self.guard: security.Guard | None = None
+        if self.secure:
+            self.guard = security.guard_for(store.config.security)
+            own = security.own_keys(store.config.security)
         self.max_connections = max_connections
         self.ctx = zmq.Context()  # its own: its ZAP handler is this port's alone
         self.zap = self.ctx.socket(zmq.ROUTER)
@@ -115,6 +133,8 @@ class LeafEndpoint:
         sock.setsockopt(zmq.MAXMSGSIZE, frame_limit(store.max_record_bytes))
         sock.setsockopt(zmq.RCVHWM, rcvhwm)
         sock.setsockopt(zmq.SNDHWM, sndhwm)
+        if self.secure:
+            security.make_server(sock, own)
         self.monitor = sock.get_monitor_socket(_COUNTED)
         if port == 0:
             self.port = sock.bind_to_random_port(f"tcp://{host}")
@@ -125,6 +145,8 @@ class LeafEndpoint:
         self.live = 0  # connections open (accepted minus disconnected)
         self.disconnects = 0
         self.refused_connections = 0
+        self.refused_keys = 0  # secure mode: handshakes of keys not in the allow-list
+        self.revoked = 0  # secure mode: messages of connections whose key left the allow-list since
         self.relays_dropped = 0  # relays a full subscriber queue refused (readers FETCH them)
         self.paused = False
         self._bad_logged = 0
@@ -137,6 +159,8 @@ class LeafEndpoint:
             idle=idle,
             address=store.address,
             max_sessions=max_connections,
+            keeps=store.wants,
+            authorize=_owns if self.secure else None,
         )
         store.every(TICK, self._on_tick)
         log.info("store %s takes leaves on %s", store.address[:8], self.endpoint)
@@ -171,6 +195,9 @@ class LeafEndpoint:
     def read(self) -> None:
         """Leaf messages: decided by the core, applied here."""
         store = self.store
+        if self.secure:
+            self._read_secure()
+            return
         if store.data_paused or store.storage_error is not None:
             # The store holds all it may, or cannot write (its mesh socket is then
             # read with records left out, see dafka.store.node._SHED; leaves wait
@@ -200,6 +227,47 @@ class LeafEndpoint:
                 while getsockopt(RCVMORE):
                     frames.append(recv(NOBLOCK))
                 apply(on_message(peer, frames, now))
+        if core.bad != bad:
+            self._log_bad()
+        if store._missing:
+            store.fetch_missing()
+        if store.batch_full():
+            store.pause_data(True)
+        store._flush_batch()
+
+    def _read_secure(self) -> None:
+        """As :meth:`read`, each message's first frame read with its connection's key (ZAP
+        ``User-Id``): a HELLO names a partition, and the key must own it."""
+        store = self.store
+        if store.data_paused or store.storage_error is not None:
+            self.paused = True
+            store.watch_events(self.sock, 0)
+            return
+        sock, core, guard = self.sock, self.core, self.guard
+        assert guard is not None
+        now = time.monotonic()
+        store._ts = int(time.time() * 1000)
+        bad = core.bad
+        with store._put_gate:
+            for _ in range(DRAIN):
+                try:
+                    peer = sock.recv(NOBLOCK)
+                except zmq.Again:
+                    break
+                frames: list[bytes] = []
+                key = ""
+                if sock.getsockopt(RCVMORE):
+                    first = sock.recv(NOBLOCK, copy=False)
+                    key = str(first.get("User-Id"))
+                    frames.append(first.bytes)
+                    while sock.getsockopt(RCVMORE):
+                        frames.append(sock.recv(NOBLOCK))
+                if guard.role(key.encode()) is None:
+                    # Its key left the allow-list since the handshake (a ROUTER cannot cut one
+                    # connection): nothing it sends is taken any more.
+                    self.revoked += 1
+                    continue
+                self._apply(core.on_message(peer, frames, now, key))
         if core.bad != bad:
             self._log_bad()
         if store._missing:
@@ -265,13 +333,27 @@ class LeafEndpoint:
             if len(frames) < 4 or frames[1] != b"":
                 continue
             envelope, request_id = frames[:2], frames[3] if len(frames) > 3 else b""
+            user = b""
             if self.live > self.max_connections:
                 self.refused_connections += 1
                 status, text = b"400", b"the leaf port is full"
+            elif self.guard is not None:
+                # Secure: CURVE only, a key of the allow-list only; its Z85 form names the connection.
+                mechanism = frames[7] if len(frames) > 8 else b""
+                credential = frames[8] if len(frames) > 8 else b""
+                key = zmq.utils.z85.encode(credential) if mechanism == b"CURVE" and len(credential) == 32 else b""
+                if key and self.guard.role(key) is not None:
+                    status, text, user = b"200", b"OK", key
+                else:
+                    self.refused_keys += 1
+                    if self.refused_keys <= 20 or self.refused_keys % 1000 == 0:
+                        log.warning("leaf port %s: refused a %s handshake (%d so far)", self.endpoint,
+                                    "key not in the allow-list" if key else "non-CURVE", self.refused_keys)
+                    status, text = b"400", b"key not allowed"
             else:
                 status, text = b"200", b"OK"
             try:
-                self.zap.send_multipart([*envelope, b"1.0", request_id, status, text, b"", b""], NOBLOCK)
+                self.zap.send_multipart([*envelope, b"1.0", request_id, status, text, user, b""], NOBLOCK)
             except zmq.ZMQError:
                 pass
 
@@ -290,6 +372,6 @@ class LeafEndpoint:
             "leaf_acks": core.acks,
             "leaf_hostile": core.bad,
             "leaf_over_window": core.over_window,
-            "leaf_refused": core.refused + self.refused_connections,
+            "leaf_refused": core.refused + self.refused_connections + self.refused_keys + self.revoked,
             "leaf_relays_dropped": self.relays_dropped,
         }

@@ -178,8 +178,14 @@ class Store(PartitionReader):
         skip_after: float = SKIP_AFTER,
         leaves: str | None = None,
         leaf_limits: dict[str, Any] | None = None,
+        topics: Collection[str] | None = None,
     ) -> None:
         config = (config or default_node_config()).with_towers(towers)
+        # The topics this store keeps (None: every one).  Records and HEADs of the
+        # others are not subscribed to, and leaves of them are refused.
+        self.topics: frozenset[str] | None = None if topics is None else frozenset(topics)
+        if self.topics is not None and (not self.topics or any(not t for t in self.topics)):
+            raise ConfigError("a store keeping a subset of topics needs at least one, and no empty name")
         super().__init__(config, address=address)
         self.db = db if isinstance(db, RecordDB) else RecordDB(db, sync=sync)
         # After a read that found only a few records, rest from reading for
@@ -277,7 +283,13 @@ class Store(PartitionReader):
         # big FETCH answer paces itself to the reader instead of being lost.
         self.publisher.setsockopt(zmq.XPUB_NODROP, 1)
         own = self.address.encode()
-        for prefix in (wire.P_RECORD, wire.P_HEAD, wire.P_FETCH, wire.P_GET_HEADS):
+        for prefix in (wire.P_RECORD, wire.P_HEAD):
+            if self.topics is None:
+                self.subscribe(prefix)
+            else:
+                for topic in sorted(self.topics):
+                    self.subscribe(wire.subscription(prefix, topic))  # (a prefix: wants() checks exactly)
+        for prefix in (wire.P_FETCH, wire.P_GET_HEADS):
             self.subscribe(prefix)
         for prefix in (wire.P_COMMIT, wire.P_GET_POSITIONS):
             self.subscribe(prefix)
@@ -679,6 +691,10 @@ class Store(PartitionReader):
     def sockets(self) -> list[tuple[zmq.Socket, Any]]:
         leaves = self.leaves.sockets() if self.leaves is not None else []
         return [(self.publisher, self._read_subscriptions), *leaves]
+
+    def wants(self, subject: str) -> bool:
+        """Whether this store keeps ``subject`` (``topics``)."""
+        return self.topics is None or subject in self.topics
 
     def new_tracker(self, subject: str, partition: str) -> PartitionTracker:
         head = self._heads.get((subject, partition))
