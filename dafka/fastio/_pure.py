@@ -610,3 +610,24 @@ def fetch_blocks(cur: Any, pid: int, start: int, last: int, n: int,
 
 
 _BLOCK_KEY = struct.Struct(">IQ")
+
+
+def tank_scan(bundle: Any, max_record_bytes: int, budget: int,
+              contents: bool = False) -> tuple[bool, int, int | None, int | None, int, int, list[bytes] | None]:
+    """Validate a Tank bundle's framing without a Python object per message (the compiled twin).
+
+    ``(snappy, message count, first seq, last seq, first timestamp, max timestamp,
+    contents)``: the seqs of a sparse bundle's header (None for a plain one), the first
+    message's and the largest timestamp, and, with ``contents``, each message's content
+    (bytes; else None).  Raises ProtocolError when the bundle is malformed or lies
+    (:func:`dafka.store.block.tank_block` lists what is checked), a message (key plus
+    content) is over ``max_record_bytes``, or a snappy bundle claims more than ``budget``
+    bytes.
+    """
+    from dafka.store.block import _scan_tank
+
+    out: list[bytes] | None = [] if contents else None
+    s = _scan_tank(bundle if isinstance(bundle, bytes) else bytes(bundle), max_record_bytes, budget, out)
+    if out is not None:
+        out = [c if isinstance(c, bytes) else bytes(c) for c in out]
+    return s.snappy, s.record_count, s.first_seq, s.last_seq, s.first_ts, s.max_ts, out
