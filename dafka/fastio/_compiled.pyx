@@ -1166,7 +1166,7 @@ def tank_scan(bundle, Py_ssize_t max_record_bytes, Py_ssize_t budget, bint conte
                     raise ProtocolError("truncated message timestamp")
                 ts = _le64(buf + pos)
                 if ts > _I64_MAX:
-                    raise ProtocolError("message timestamp outside 63 bits")
+                    ts = _I64_MAX  # Tank timestamps are u64: kept in the bundle, counted as 2^63 - 1
                 if i == 0:
                     first_ts = max_ts = ts
                 elif ts > max_ts:

@@ -374,7 +374,7 @@ def _scan_tank(bundle: bytes, max_record_bytes: int, budget: int, contents: list
                 raise ProtocolError("truncated message timestamp")
             ts = unpack_ts(buf, pos)[0]
             if ts > _I64_MAX:
-                raise ProtocolError("message timestamp outside 63 bits")
+                ts = _I64_MAX  # Tank timestamps are u64: kept in the bundle, counted as 2^63 - 1
             if i == 0:
                 first_ts = max_ts = ts
             elif ts > max_ts:

@@ -156,7 +156,7 @@ from dafka.store.layout import (
     unpack_partition_key,
 )
 from dafka.store.lockfile import WriterLock
-from dafka.store.reader import block_payload, convert_block, seek
+from dafka.store.reader import block_payload, block_run, convert_block, seek
 from dafka.store.retention import (
     Retention,
     RetentionPolicy,
@@ -1408,6 +1408,30 @@ class RecordDB:
             return start, []
         got: tuple[int, list[bytes]] = fetch_blocks(txn.cursor(db=dbs.blocks), pid, start, last, n, convert_block)
         return got
+
+    def read_blocks(
+        self, topic: str, partition: str, offset: int, max_bytes: int, max_blocks: int = 256
+    ) -> tuple[int, list[tuple[BlockHeader, bytes]]]:
+        """Whole stored blocks from the one holding ``max(offset, first)``: ``(start, blocks)``.
+
+        ``blocks`` are ``(header, value)`` of the block holding ``start`` (or, in a
+        hole, the first one after it) and of the next ones while they continue
+        without a hole, up to ``max_bytes`` of values (at least one block) or
+        ``max_blocks`` (:func:`dafka.store.reader.block_run`).  The first block may
+        begin before ``start``: a reader that takes whole blocks skips what precedes
+        it, as a Tank client does.  Unknown partitions and offsets past the head
+        give ``(offset, [])``.
+        """
+        pkey = self._pkey(topic, partition)
+        with self._read_txn(buffers=True) as (txn, dbs):
+            raw = txn.get(pkey, db=dbs.partitions)
+            if raw is None:
+                return offset, []
+            pid, first, last, _stored, _bytes = PARTITION_INFO.unpack(raw)
+            start = offset if offset > first else first
+            if start > last:
+                return start, []
+            return start, block_run(txn.cursor(db=dbs.blocks), pid, start, last, max_bytes, max_blocks)
 
     def fetch(self, topic: str, partition: str, offset: int, count: int) -> tuple[int, list[bytes]]:
         """Like :meth:`fetch_raw` but only the contents (what a Dafka consumer gets):

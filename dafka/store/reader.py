@@ -32,7 +32,7 @@ from dafka.store.layout import (
     VALUE_HEADER,
 )
 
-__all__ = ["block_payload", "block_values", "convert_block", "fetch_values", "seek"]
+__all__ = ["block_payload", "block_run", "block_values", "convert_block", "fetch_values", "seek"]
 
 _pack = BLOCK_KEY.pack
 _unpack = BLOCK_KEY.unpack
@@ -136,3 +136,29 @@ def fetch_values(cur: Any, pid: int, start: int, last: int, n: int) -> tuple[int
     compiled extension (:func:`dafka.fastio.fetch_blocks`)."""
     got: tuple[int, list[bytes]] = fetch_blocks(cur, pid, start, last, n, convert_block)
     return got
+
+
+def block_run(cur: Any, pid: int, start: int, last: int, max_bytes: int,
+              max_blocks: int) -> list[tuple[BlockHeader, bytes]]:
+    """Whole blocks of ``pid`` from the one holding ``start`` (or the first after it), each
+    ``(header, value)`` copied out of the map: the next ones while they continue without a
+    hole and up to ``last``, until ``max_bytes`` of values are taken (the block that passes
+    it included) or ``max_blocks``.  For readers that take whole blocks (a Tank consume:
+    its clients skip what precedes their offset, as with the broker).  One seek, then one
+    cursor step and one header a block; no record is decoded.
+    """
+    found = seek(cur, pid, start)
+    if found is None:
+        return []
+    hdr, value = found
+    out = [(hdr, bytes(value))]
+    size = len(value)
+    while size < max_bytes and len(out) < max_blocks and hdr.last_offset < last and cur.next():
+        npid, nfirst = _unpack(cur.key())
+        if npid != pid or nfirst != hdr.last_offset + 1:
+            break  # another partition, or a hole: the next read starts past it
+        value = cur.value()
+        hdr = decode_header(value)
+        out.append((hdr, bytes(value)))
+        size += len(value)
+    return out
