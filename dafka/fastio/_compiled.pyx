@@ -1081,6 +1081,20 @@ cdef uint64_t _tank_varint(const unsigned char *buf, Py_ssize_t *pos, Py_ssize_t
 
 def tank_scan(bundle, Py_ssize_t max_record_bytes, Py_ssize_t budget, bint contents=False):
     """See :func:`dafka.fastio._pure.tank_scan`."""
+    return _tank_walk(bundle, max_record_bytes, budget, 1 if contents else 0, 0, 0)
+
+
+def tank_values(bundle, Py_ssize_t skip, Py_ssize_t n):
+    """See :func:`dafka.fastio._pure.tank_values`."""
+    if skip < 0 or n < 0:
+        raise ValueError("tank_values: negative skip or count")
+    return _tank_walk(bundle, 0x3FFFFFFFFFFFFFFF, 0x3FFFFFFFFFFFFFFF, 2, skip, n)[6]
+
+
+cdef tuple _tank_walk(object bundle, Py_ssize_t max_record_bytes, Py_ssize_t budget, int mode,
+                      Py_ssize_t skip, Py_ssize_t limit):
+    """The walk of :func:`tank_scan`; ``mode`` 1 also collects each message's content, 2 the
+    format-1 stored values of messages ``skip .. skip + limit - 1``."""
     cdef Py_buffer view, inflated
     cdef bint have_inflated = False
     PyObject_GetBuffer(bundle, &view, PyBUF_SIMPLE)
@@ -1088,9 +1102,12 @@ def tank_scan(bundle, Py_ssize_t max_record_bytes, Py_ssize_t budget, bint conte
     cdef Py_ssize_t end = view.len, pos = 1, n, klen
     cdef unsigned char flags, f
     cdef uint64_t count, first = 0, last = 0, gap, size, prev = 0, seq, i, last_i
-    cdef uint64_t ts, first_ts = 0, max_ts = 0
+    cdef uint64_t ts, raw_ts = 0, first_ts = 0, max_ts = 0
     cdef bint sparse, snappy
-    cdef list out = [] if contents else None
+    cdef list out = [] if mode else None
+    cdef bytes v
+    cdef unsigned char *w
+    cdef Py_ssize_t kpos
     cdef object packed = None
     try:
         if not end:
@@ -1164,7 +1181,7 @@ def tank_scan(bundle, Py_ssize_t max_record_bytes, Py_ssize_t budget, bint conte
             else:
                 if pos + 8 > end:
                     raise ProtocolError("truncated message timestamp")
-                ts = _le64(buf + pos)
+                ts = raw_ts = _le64(buf + pos)
                 if ts > _I64_MAX:
                     ts = _I64_MAX  # Tank timestamps are u64: kept in the bundle, counted as 2^63 - 1
                 if i == 0:
@@ -1173,6 +1190,7 @@ def tank_scan(bundle, Py_ssize_t max_record_bytes, Py_ssize_t budget, bint conte
                     max_ts = ts
                 pos += 8
             klen = 0
+            kpos = pos
             if f & 0x01:
                 if pos >= end:
                     raise ProtocolError("truncated message key")
@@ -1187,8 +1205,20 @@ def tank_scan(bundle, Py_ssize_t max_record_bytes, Py_ssize_t budget, bint conte
                 raise ProtocolError(f"a message of {n + klen} bytes is over max_record_bytes {max_record_bytes}")
             if n > end - pos:
                 raise ProtocolError("a message runs past the bundle")
-            if contents:
+            if mode == 1:
                 out.append(PyBytes_FromStringAndSize(<const char *>(buf + pos), n))
+            elif mode == 2 and <Py_ssize_t>i >= skip and <Py_ssize_t>i - skip < limit:
+                # A format-1 value: ts:u64be flags:u8 (producer timestamp, key) [klen key] content.
+                v = PyBytes_FromStringAndSize(NULL, 9 + ((1 + klen) if f & 0x01 else 0) + n)
+                w = <unsigned char *>PyBytes_AS_STRING(v)
+                _put_be64(w, raw_ts)
+                w[8] = 0x02 | (f & 0x01)
+                w += 9
+                if f & 0x01:
+                    memcpy(w, buf + kpos, 1 + klen)
+                    w += 1 + klen
+                memcpy(w, buf + pos, n)
+                out.append(v)
             pos += n
         if pos != end:
             raise ProtocolError(f"{end - pos} trailing bytes after the bundle's messages")

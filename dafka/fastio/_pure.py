@@ -631,3 +631,24 @@ def tank_scan(bundle: Any, max_record_bytes: int, budget: int,
     if out is not None:
         out = [c if isinstance(c, bytes) else bytes(c) for c in out]
     return s.snappy, s.record_count, s.first_seq, s.last_seq, s.first_ts, s.max_ts, out
+
+
+def tank_values(bundle: Any, skip: int, n: int) -> list[bytes]:
+    """Format-1 stored values (:mod:`dafka.store.layout`: the producer's timestamp, the key)
+    of a Tank bundle's messages ``skip .. skip + n - 1`` (fewer past its end): what readers of
+    stored values take from a Tank block.  Raises ProtocolError for a malformed bundle (no
+    size or inflation bound: the bundle was checked when it was stored)."""
+    from dafka.store.layout import FLAG_KEY, FLAG_PRODUCER_TS, VALUE_HEADER
+    from dafka.tank.bundle import decode_bundle
+
+    if skip < 0 or n < 0:
+        raise ValueError("tank_values: negative skip or count")
+    tank_scan(bundle, 1 << 62, 1 << 62)  # the same verdict as the compiled walk
+    out = []
+    for _seq, ts, key, content in decode_bundle(bytes(bundle))[skip:skip + n]:
+        if key is None:
+            out.append(VALUE_HEADER.pack(ts, FLAG_PRODUCER_TS) + bytes(content))
+        else:
+            out.append(VALUE_HEADER.pack(ts, FLAG_PRODUCER_TS | FLAG_KEY) + bytes((len(key),)) + bytes(key)
+                       + bytes(content))
+    return out

@@ -199,3 +199,30 @@ def test_fuzz_mutated_bundles_same_verdict(msgs: list[tuple[int, bytes | None, b
             mutated[at:at] = data.draw(st.binary(min_size=1, max_size=4))
     _both(bytes(mutated))
     _both(bytes(mutated), max_record_bytes=data.draw(st.integers(0, 300)), budget=data.draw(st.integers(0, 5000)))
+
+
+# ---------------------------------------------------------------- stored values of a Tank block
+
+
+@settings(max_examples=200, deadline=None)
+@given(_msgs, st.booleans(), st.integers(0, 40), st.integers(0, 40))
+def test_fuzz_tank_values_same_as_pure_and_as_the_record_path(
+        msgs: list[tuple[int, bytes | None, bytes]], snap: bool, skip: int, n: int) -> None:
+    from dafka.store.reader import _as_value, block_values
+
+    bundle = encode_bundle([(None, ts, k, c) for ts, k, c in msgs], codec=CODEC_SNAPPY if snap else CODEC_NONE)
+    got = _compiled.tank_values(bundle, skip, n)
+    assert got == _pure.tank_values(bundle, skip, n)
+    # What readers of stored values got before (a record at a time through block.records).
+    value = B.tank_block(bundle, 1000)
+    hdr = B.decode_header(value)
+    old = [_as_value(B.CODEC_TANK, r.ts_ms, r.key, r.value, None) for r in B.records(value, 1000 + skip)][:n]
+    assert got == old
+    assert block_values(value, hdr, 1000 + skip, n) == old
+
+
+@pytest.mark.parametrize("bundle", HOSTILE)
+def test_tank_values_refuse_what_the_walk_refuses(bundle: bytes) -> None:
+    for impl in (_pure, _compiled):
+        with pytest.raises(ProtocolError):
+            impl.tank_values(bundle, 0, 10)
