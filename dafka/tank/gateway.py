@@ -186,6 +186,7 @@ class Gateway(Store):
         self._refused_connections = Refusals(log)  # over max_connections
         self.topics_refused = 0  # creations over max_owned_partitions
         self.records_too_large = 0  # Tank produces refused for a record over max_record_bytes
+        self.records_published = 0  # records of owned partitions sent live on the mesh
         self._limited = LogLimiter(log)  # repeated warnings, rate-limited
         try:
             self._setup(rdb, listen, compress)
@@ -364,6 +365,7 @@ class Gateway(Store):
             # gets less and FETCHes the rest after the HEAD.
             prefix, send = self.route(header)
             send(publisher, prefix, first, contents, noblock=True)
+            self.records_published += len(contents)
             i = j
 
     def _announce_committed(self, heads: dict[tuple[str, str], int]) -> None:

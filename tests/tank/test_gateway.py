@@ -434,6 +434,25 @@ def test_produced_records_go_out_live_on_the_mesh_then_a_head(
     assert (live[first_head].address, live[first_head].sequence) == (address, 2)
 
 
+def test_nobody_subscribed_no_records_go_out_only_heads(gw: Gateway, client: TankClient, raw_peer: Any) -> None:
+    # No per-record work for the mesh when nobody reads it: the HEAD is enough for a
+    # reader that comes later (it FETCHes what it lacks).
+    client.create_topic("quiet", 1)
+    address = gw.pmap.get("quiet", 0).address
+    header = wire.record_prefix(wire.RECORD, "quiet", address, "quiet")
+    heads = raw_peer([wire.P_HEAD + b"quiet"])
+    heads.wait_for(lambda q: q.peers)
+    assert client.produce("quiet", 0, [b"q0", b"q1"]) == 0
+    heads.wait_for(lambda q: any(h.sequence == 1 for h in q.messages(wire.Head)))
+    assert gw.audience.readers(header) == 0 and gw.records_published == 0
+    peer = raw_peer([wire.P_RECORD + b"quiet"])
+    peer.wait_for(lambda q: q.peers)
+    wait_until(lambda: gw.audience.readers(header) >= 1)
+    assert client.produce("quiet", 0, [b"q2"]) == 0
+    records = peer.wait_for(lambda q: q.messages(wire.Record))
+    assert [(r.sequence, r.content) for r in records] == [(2, b"q2")] and gw.records_published == 1
+
+
 def test_produced_records_go_out_in_batches_while_every_reader_takes_them(
     gw: Gateway, client: TankClient, raw_peer: Any
 ) -> None:
@@ -919,6 +938,14 @@ _CONSUME_PAYLOAD = consume_frame(1, "keep", 0, 0)[5:]
         pytest.param(produce_frame(1, "keep", 0, b"\x05" + _BUNDLE[1:]), 0, id="bad-snappy"),
         pytest.param(produce_frame(1, "keep", 0, _BUNDLE[:-1]), 0, id="short-bundle"),
         pytest.param(produce_frame(1, "keep", 0, b""), 0, id="empty-bundle"),
+        pytest.param(produce_frame(1, "keep", 0, b"\x0c" + CAPTURED_BUNDLE[1:]), 0, id="bundle-count-too-high"),
+        pytest.param(produce_frame(1, "keep", 0, CAPTURED_BUNDLE + b"\x00"), 0, id="bundle-trailing-byte"),
+        pytest.param(produce_frame(1, "keep", 0, b"\x01\x08\x80\x80\x80\x30" + bytes(10)), 0, id="snappy-bomb"),
+        pytest.param(
+            produce_frame(1, "keep", 0, b"\x4c" + struct.pack("<Q", 1) + b"\x00" + b"\x00" + TS_LE + b"\x01a"
+                          + b"\x06\x01b" + b"\x06\x01c"),
+            0, id="sparse-seqs-lie",
+        ),
         pytest.param(encode_frame(MsgId.CONSUME, _CONSUME_PAYLOAD + b"\0"), 0, id="trailing-byte"),
         pytest.param(encode_frame(MsgId.PING, b"x"), 0, id="ping-with-payload"),
         pytest.param(encode_frame(MsgId.STATUS, b"\x01"), 0, id="short-status"),
