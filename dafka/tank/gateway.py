@@ -338,7 +338,8 @@ class Gateway(Store):
             self._close(p.conn, f"produce refused by the store: {rejected[next(iter(refused & p.needs.keys()))]}")
 
     def _publish(self, records: list[tuple[tuple[str, str], int, Any]]) -> None:
-        """Committed records of owned partitions go out on the mesh, then their HEAD.
+        """Committed records of owned partitions go out on the mesh (their HEADs follow:
+        :meth:`_announce_committed`).
 
         An entry is one record ``(key, offset, content)`` (the Kafka gateway's) or a
         bundle's ``(key, first offset, contents)``; a Tank bundle nobody on the mesh
@@ -355,7 +356,8 @@ class Gateway(Store):
                 contents = item  # a bundle's run
             else:
                 # A run of consecutive offsets of one partition is one batch send.
-                while j < n and records[j][0] == key and records[j][1] == first + (j - i):
+                while (j < n and records[j][0] == key and records[j][1] == first + (j - i)
+                       and not isinstance(records[j][2], list)):
                     j += 1
                 contents = [r[2] for r in records[i:j]]
             header = headers.get(key)

@@ -1405,3 +1405,25 @@ def test_non_tank_bytes_are_refused_at_once_not_after_the_stall_timeout(tmp_path
                 data += chunk
             assert data == b"\x03\x00\x00\x00\x00"  # the greeting, then EOF well before 60 s
             assert time.monotonic() < deadline
+
+
+def test_publish_keeps_single_records_and_bundle_runs_of_one_partition_apart(
+    gw: Gateway, client: TankClient, raw_peer: Any
+) -> None:
+    # A commit may hold a partition's single records (the Kafka gateway's) and, right after
+    # them, a Tank bundle's run: each goes out as what it is, in offset order.
+    client.create_topic("mixpub", 1)
+    address = gw.pmap.get("mixpub", 0).address
+    key = ("mixpub", address)
+    peer = raw_peer([wire.P_RECORD + b"mixpub"])
+    peer.wait_for(lambda q: q.peers)
+    done = threading.Event()
+
+    def publish() -> None:
+        gw._publish([(key, 0, b"k0"), (key, 1, b"k1"), (key, 2, [b"t2", b"t3"]), (key, 4, b"k4")])
+        done.set()
+
+    gw.call_soon(publish)
+    assert done.wait(10)
+    got = peer.wait_for(lambda q: len(q.messages(wire.Record)) >= 5 and q.messages(wire.Record))
+    assert [(r.sequence, r.content) for r in got] == [(0, b"k0"), (1, b"k1"), (2, b"t2"), (3, b"t3"), (4, b"k4")]
