@@ -31,7 +31,7 @@ from dafka.nodes.producer import Producer
 from dafka.store.db import RecordDB
 from dafka.tank.bundle import CODEC_NONE, CODEC_SNAPPY, Record, encode_bundle
 from dafka.tank.client import TankClient, TankError, UnknownTopicError
-from dafka.tank.codec import FrameBuffer, encode_frame, encode_str8, frame_header
+from dafka.tank.codec import FrameBuffer, encode_frame, encode_str8, encode_varint, frame_header
 from dafka.tank.gateway import TANK_VERSION, Gateway
 from dafka.tank.limits import GatewayLimits
 from dafka.tank.mapping import PARTITIONS_TOPIC
@@ -1427,3 +1427,27 @@ def test_publish_keeps_single_records_and_bundle_runs_of_one_partition_apart(
     assert done.wait(10)
     got = peer.wait_for(lambda q: len(q.messages(wire.Record)) >= 5 and q.messages(wire.Record))
     assert [(r.sequence, r.content) for r in got] == [(0, b"k0"), (1, b"k1"), (2, b"t2"), (3, b"t3"), (4, b"k4")]
+
+
+def test_produced_bundles_come_back_byte_for_byte(gw: Gateway, client: TankClient) -> None:
+    # Stored as sent, served whole: the chunk is the produced bundles, each behind its length.
+    client.create_topic("exact", 1)
+    bundles = [
+        CAPTURED_BUNDLE,
+        encode_bundle([(None, TS + i, b"k%d" % i if i % 2 else None, b"x%d" % i * 40) for i in range(30)],
+                      codec=CODEC_SNAPPY),
+        encode_bundle([(3 + 30, 2**64 - 1, None, b"late"), (3 + 31, 5, b"", b"")], sparse=True),
+    ]
+    s = connect_raw(gw.tank_port)
+    try:
+        for i, b in enumerate(bundles):
+            s.sendall(produce_frame(i + 1, "exact", 0, b))
+            assert recv_frame(s) == (1, U32.pack(i + 1) + b"\x00")
+        s.sendall(consume_frame(9, "exact", 0, 20))
+        msg_id, payload = recv_frame(s)
+    finally:
+        s.close()
+    p = ConsumeResponse.decode(payload).topics[0].partitions[0]
+    # From seq 20 (inside the second bundle): the chunk begins at that bundle's first seq.
+    assert p.base_seq == 3 and p.hwm == 34
+    assert p.chunk == b"".join(encode_varint(len(b)) + b for b in bundles[1:])
