@@ -72,6 +72,8 @@ def _options() -> dict[str, tuple[str, dict[str, Any]]]:
         "broker": ("--broker", {"metavar": "HOST:PORT", "default": None,
                                 "help": "measure a running Tank broker (or gateway) there instead of a gateway"
                                         " started here; each run creates a topic"}),
+        "window": ("--window", {"type": count_arg, "default": 8,
+                                "help": "produce requests (one bundle of 1,000 records each) in flight"}),
     }
 
 
@@ -85,7 +87,7 @@ _BENCHMARKS: dict[str, tuple[str, tuple[str, ...], dict[str, str]]] = {
     "store": ("records/s acknowledged by a store", ("secure", "no_batches", "no_sync"), {}),
     "replay": ("a consumer reading stored records from the beginning", ("secure", "no_batches"), {}),
     "storedb": ("the store's database layer alone: append and read, in CPU time", ("sync",), {}),
-    "tank": ("publish and fetch through the Tank gateway (records/s)", ("no_sync", "broker"), {}),
+    "tank": ("publish and fetch through the Tank gateway (records/s)", ("no_sync", "broker", "window"), {}),
     "kafka": ("a Kafka client through the Kafka gateway (records/s)", ("no_sync",), {}),
     "kafka-group": ("Kafka consumer group failover through the gateway (seconds)", ("no_sync",), {}),
     "embedded": ("publish and consume from an app thread, with and without a busy thread", ("seconds", "no_sync"), {"seconds": "seconds per measurement"}),

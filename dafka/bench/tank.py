@@ -103,7 +103,7 @@ def bench_tank(args: argparse.Namespace) -> dict[str, list[float]]:
         stamp = int(time.time())
         for run in range(args.runs):
             topic = f"bench-tank-{stamp}-{run}"  # a new topic a run: a broker keeps what it was sent
-            rate = _tank_publish(int(port_text), topic, args.records, args.size, 1000, 8, host)
+            rate = _tank_publish(int(port_text), topic, args.records, args.size, 1000, getattr(args, "window", 8), host)
             publish.append(rate)
             print(f"run {run}: publish {rate:,.0f} records/s acknowledged ({args.broker})", flush=True)
             rate = _tank_fetch(int(port_text), topic, args.records // 1000 * 1000, 8 << 20, host)
@@ -119,7 +119,7 @@ def bench_tank(args: argparse.Namespace) -> dict[str, list[float]]:
             try:
                 tank_port = port.get(timeout=60)
                 topic = f"bench-tank-{run}"
-                rate = _tank_publish(tank_port, topic, args.records, args.size, 1000, 8)
+                rate = _tank_publish(tank_port, topic, args.records, args.size, 1000, getattr(args, "window", 8))
                 publish.append(rate)
                 print(f"run {run}: publish {rate:,.0f} records/s acknowledged", flush=True)
                 rate = _tank_fetch(tank_port, topic, args.records // 1000 * 1000, 8 << 20)

@@ -35,6 +35,7 @@ class BatchAudience:
         self._plain: dict[bytes, int] = {}  # subscription prefix -> how many peers hold it
         self._twins: dict[bytes, int] = {}  # the same, for batch twins (marker removed)
         self._verdicts: dict[bytes, bool] = {}  # header prefix -> takes_batches (cleared on change)
+        self._heard: dict[bytes, bool] = {}  # header prefix -> has_readers (cleared on change)
 
     def on_subscription(self, subscribe: bool, prefix: bytes) -> None:
         """One (un)subscription read off the XPUB."""
@@ -48,6 +49,7 @@ class BatchAudience:
         else:
             counts.pop(prefix, None)  # never negative: an unmatched unsubscribe is ignored
         self._verdicts.clear()
+        self._heard.clear()
 
     def takes_batches(self, header: bytes) -> bool:
         """Whether every subscriber that a message starting with ``header`` reaches takes batches.
@@ -66,6 +68,14 @@ class BatchAudience:
             )
             self._verdicts[header] = verdict
         return verdict
+
+    def has_readers(self, header: bytes) -> bool:
+        """Whether any subscription reaches a message starting with ``header`` (I/O thread;
+        remembered until the subscriptions change)."""
+        heard = self._heard.get(header)
+        if heard is None:
+            heard = self._heard[header] = any(header.startswith(prefix) for prefix in self._plain)
+        return heard
 
     def readers(self, header: bytes) -> int:
         """How many subscriptions reach ``header`` (for diagnostics and tests; any thread)."""

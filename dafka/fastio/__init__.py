@@ -31,7 +31,7 @@ def _load() -> tuple[object, str]:
     except ImportError as exc:
         return _pure, f"the compiled extension does not load ({exc})"
     missing = [name for name in ("drain_records", "drain_pairs", "send_records", "send_batches", "send_values", "recv_messages", "events", "send_frames",
-                                     "store_blocks", "block_slice", "fetch_blocks")
+                                     "store_blocks", "block_slice", "fetch_blocks", "tank_scan", "tank_values")
                if not hasattr(_compiled, name)]
     if missing:  # built from an older source: rebuild it
         return _pure, f"the compiled extension is out of date (no {', '.join(missing)}); rebuild it"
@@ -62,6 +62,8 @@ send_frames = _impl.send_frames  # type: ignore[attr-defined]
 store_blocks = _impl.store_blocks  # type: ignore[attr-defined]
 block_slice = _impl.block_slice  # type: ignore[attr-defined]
 fetch_blocks = _impl.fetch_blocks  # type: ignore[attr-defined]
+tank_scan = _impl.tank_scan  # type: ignore[attr-defined]
+tank_values = _impl.tank_values  # type: ignore[attr-defined]
 
 _warned = False
 

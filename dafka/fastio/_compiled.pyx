@@ -1041,3 +1041,190 @@ def fetch_blocks(cur, unsigned int pid, uint64_t start, last, Py_ssize_t n, conv
         values.extend(more)
         expect += <uint64_t>len(more)
     return (start, values) if values else (last + 1, [])
+
+
+# ---------------------------------------------------------------- Tank bundles
+
+try:
+    from cramjam import DecompressionError as _SnappyError
+    from cramjam.snappy import decompress_raw as _snappy_raw
+except ImportError:  # python-snappy without cramjam: its own function, its own errors
+    from snappy import uncompress as _snappy_raw
+    _SnappyError = Exception
+
+cdef enum:
+    _SNAPPY_MAX_RATIO = 24
+
+
+cdef inline uint64_t _le64(const unsigned char *p) noexcept nogil:
+    return (<uint64_t>p[0] | <uint64_t>p[1] << 8 | <uint64_t>p[2] << 16 | <uint64_t>p[3] << 24
+            | <uint64_t>p[4] << 32 | <uint64_t>p[5] << 40 | <uint64_t>p[6] << 48 | <uint64_t>p[7] << 56)
+
+
+cdef uint64_t _tank_varint(const unsigned char *buf, Py_ssize_t *pos, Py_ssize_t end) except? 0xFFFFFFFFFFFFFFFF:
+    """An unsigned LEB128 varint of at most 5 bytes at ``pos[0]`` (moved past it)."""
+    cdef uint64_t v = 0
+    cdef int shift = 0
+    cdef Py_ssize_t p = pos[0], stop = pos[0] + 5
+    cdef unsigned char b
+    while True:
+        if p >= end or p >= stop:
+            raise ProtocolError("malformed or truncated varint")
+        b = buf[p]
+        p += 1
+        v |= <uint64_t>(b & 0x7F) << shift
+        if b < 0x80:
+            pos[0] = p
+            return v
+        shift += 7
+
+
+def tank_scan(bundle, Py_ssize_t max_record_bytes, Py_ssize_t budget, bint contents=False):
+    """See :func:`dafka.fastio._pure.tank_scan`."""
+    return _tank_walk(bundle, max_record_bytes, budget, 1 if contents else 0, 0, 0)
+
+
+def tank_values(bundle, Py_ssize_t skip, Py_ssize_t n):
+    """See :func:`dafka.fastio._pure.tank_values`."""
+    if skip < 0 or n < 0:
+        raise ValueError("tank_values: negative skip or count")
+    return _tank_walk(bundle, 0x3FFFFFFFFFFFFFFF, 0x3FFFFFFFFFFFFFFF, 2, skip, n)[6]
+
+
+cdef tuple _tank_walk(object bundle, Py_ssize_t max_record_bytes, Py_ssize_t budget, int mode,
+                      Py_ssize_t skip, Py_ssize_t limit):
+    """The walk of :func:`tank_scan`; ``mode`` 1 also collects each message's content, 2 the
+    format-1 stored values of messages ``skip .. skip + limit - 1``."""
+    cdef Py_buffer view, inflated
+    cdef bint have_inflated = False
+    PyObject_GetBuffer(bundle, &view, PyBUF_SIMPLE)
+    cdef const unsigned char *buf = <const unsigned char *>view.buf
+    cdef Py_ssize_t end = view.len, pos = 1, n, klen
+    cdef unsigned char flags, f
+    cdef uint64_t count, first = 0, last = 0, gap, size, prev = 0, seq, i, last_i
+    cdef uint64_t ts, raw_ts = 0, first_ts = 0, max_ts = 0
+    cdef bint sparse, snappy
+    cdef list out = [] if mode else None
+    cdef bytes v
+    cdef unsigned char *w
+    cdef Py_ssize_t kpos
+    cdef object packed = None
+    try:
+        if not end:
+            raise ProtocolError("empty bundle")
+        flags = buf[0]
+        if flags & 0x80:
+            raise ProtocolError("bundle flags bit 7 (extra flags) is set")
+        if (flags & 0x03) > 1:
+            raise ProtocolError(f"unknown bundle codec {flags & 0x03}")
+        snappy = flags & 0x03
+        count = (flags >> 2) & 0x0F
+        if not count:
+            count = _tank_varint(buf, &pos, end)
+            if not count:
+                raise ProtocolError("bundle with no messages")
+        sparse = (flags & 0x40) != 0
+        if sparse:
+            if pos + 8 > end:
+                raise ProtocolError("truncated sparse bundle header")
+            first = _le64(buf + pos)
+            pos += 8
+            last = first
+            if count != 1:
+                gap = _tank_varint(buf, &pos, end)
+                if gap + 1 > 0xFFFFFFFFFFFFFFFF - first:
+                    raise ProtocolError("sparse bundle's seq range cannot hold its messages")
+                last = first + gap + 1
+            if last - first + 1 < count:
+                raise ProtocolError("sparse bundle's seq range cannot hold its messages")
+        if snappy:
+            n = pos
+            size = _tank_varint(buf, &n, end)
+            if size > <uint64_t>budget or size > <uint64_t>(_SNAPPY_MAX_RATIO * (end - pos)):
+                raise ProtocolError(f"a snappy bundle claims {size} bytes, over the budget of {budget}")
+            try:
+                packed = _snappy_raw(memoryview(bundle)[pos:])
+            except _SnappyError as exc:
+                raise ProtocolError(f"snappy decompression failed: {exc}") from exc
+            PyObject_GetBuffer(packed, &inflated, PyBUF_SIMPLE)
+            have_inflated = True
+            buf = <const unsigned char *>inflated.buf
+            pos = 0
+            end = inflated.len
+        if count * 2 > <uint64_t>(end - pos):
+            raise ProtocolError(f"message set too short for {count} messages")
+        prev = first - 1
+        last_i = count - 1
+        for i in range(count):
+            if pos >= end:
+                raise ProtocolError("truncated message set")
+            f = buf[pos]
+            pos += 1
+            if f > 0x07:
+                raise ProtocolError(f"unknown message flags 0x{f:02x}")
+            if sparse:
+                if f & 0x04:
+                    seq = prev + 1
+                elif i == 0:
+                    seq = first
+                elif i == last_i:
+                    seq = last
+                else:
+                    gap = _tank_varint(buf, &pos, end)
+                    seq = prev + 1 + gap
+                if (i == last_i and seq != last) or (i < last_i and seq >= last) or (i and seq <= prev):
+                    raise ProtocolError("sparse message seqs disagree with the bundle header")
+                prev = seq
+            if f & 0x02:
+                if i == 0:
+                    raise ProtocolError("the first message of a bundle has no timestamp")
+            else:
+                if pos + 8 > end:
+                    raise ProtocolError("truncated message timestamp")
+                ts = raw_ts = _le64(buf + pos)
+                if ts > _I64_MAX:
+                    ts = _I64_MAX  # Tank timestamps are u64: kept in the bundle, counted as 2^63 - 1
+                if i == 0:
+                    first_ts = max_ts = ts
+                elif ts > max_ts:
+                    max_ts = ts
+                pos += 8
+            klen = 0
+            kpos = pos
+            if f & 0x01:
+                if pos >= end:
+                    raise ProtocolError("truncated message key")
+                klen = buf[pos]
+                pos += 1 + klen
+            if pos < end and buf[pos] < 0x80:
+                n = buf[pos]
+                pos += 1
+            else:
+                n = <Py_ssize_t>_tank_varint(buf, &pos, end)
+            if n + klen > max_record_bytes:
+                raise ProtocolError(f"a message of {n + klen} bytes is over max_record_bytes {max_record_bytes}")
+            if n > end - pos:
+                raise ProtocolError("a message runs past the bundle")
+            if mode == 1:
+                out.append(PyBytes_FromStringAndSize(<const char *>(buf + pos), n))
+            elif mode == 2 and <Py_ssize_t>i >= skip and <Py_ssize_t>i - skip < limit:
+                # A format-1 value: ts:u64be flags:u8 (producer timestamp, key) [klen key] content.
+                v = PyBytes_FromStringAndSize(NULL, 9 + ((1 + klen) if f & 0x01 else 0) + n)
+                w = <unsigned char *>PyBytes_AS_STRING(v)
+                _put_be64(w, raw_ts)
+                w[8] = 0x02 | (f & 0x01)
+                w += 9
+                if f & 0x01:
+                    memcpy(w, buf + kpos, 1 + klen)
+                    w += 1 + klen
+                memcpy(w, buf + pos, n)
+                out.append(v)
+            pos += n
+        if pos != end:
+            raise ProtocolError(f"{end - pos} trailing bytes after the bundle's messages")
+        return (snappy, count, first if sparse else None, last if sparse else None,
+                <int64_t>first_ts, <int64_t>max_ts, out)
+    finally:
+        if have_inflated:
+            PyBuffer_Release(&inflated)
+        PyBuffer_Release(&view)

@@ -610,3 +610,45 @@ def fetch_blocks(cur: Any, pid: int, start: int, last: int, n: int,
 
 
 _BLOCK_KEY = struct.Struct(">IQ")
+
+
+def tank_scan(bundle: Any, max_record_bytes: int, budget: int,
+              contents: bool = False) -> tuple[bool, int, int | None, int | None, int, int, list[bytes] | None]:
+    """Validate a Tank bundle's framing without a Python object per message (the compiled twin).
+
+    ``(snappy, message count, first seq, last seq, first timestamp, max timestamp,
+    contents)``: the seqs of a sparse bundle's header (None for a plain one), the first
+    message's and the largest timestamp, and, with ``contents``, each message's content
+    (bytes; else None).  Raises ProtocolError when the bundle is malformed or lies
+    (:func:`dafka.store.block.tank_block` lists what is checked), a message (key plus
+    content) is over ``max_record_bytes``, or a snappy bundle claims more than ``budget``
+    bytes.
+    """
+    from dafka.store.block import _scan_tank
+
+    out: list[bytes] | None = [] if contents else None
+    s = _scan_tank(bundle if isinstance(bundle, bytes) else bytes(bundle), max_record_bytes, budget, out)
+    if out is not None:
+        out = [c if isinstance(c, bytes) else bytes(c) for c in out]
+    return s.snappy, s.record_count, s.first_seq, s.last_seq, s.first_ts, s.max_ts, out
+
+
+def tank_values(bundle: Any, skip: int, n: int) -> list[bytes]:
+    """Format-1 stored values (:mod:`dafka.store.layout`: the producer's timestamp, the key)
+    of a Tank bundle's messages ``skip .. skip + n - 1`` (fewer past its end): what readers of
+    stored values take from a Tank block.  Raises ProtocolError for a malformed bundle (no
+    size or inflation bound: the bundle was checked when it was stored)."""
+    from dafka.store.layout import FLAG_KEY, FLAG_PRODUCER_TS, VALUE_HEADER
+    from dafka.tank.bundle import decode_bundle
+
+    if skip < 0 or n < 0:
+        raise ValueError("tank_values: negative skip or count")
+    tank_scan(bundle, 1 << 62, 1 << 62)  # the same verdict as the compiled walk
+    out = []
+    for _seq, ts, key, content in decode_bundle(bytes(bundle))[skip:skip + n]:
+        if key is None:
+            out.append(VALUE_HEADER.pack(ts, FLAG_PRODUCER_TS) + bytes(content))
+        else:
+            out.append(VALUE_HEADER.pack(ts, FLAG_PRODUCER_TS | FLAG_KEY) + bytes((len(key),)) + bytes(key)
+                       + bytes(content))
+    return out

@@ -94,6 +94,8 @@ __all__ = [
     "store_block",
     "store_values",
     "tank_block",
+    "tank_seal",
+    "tank_span",
     "unpack_block_key",
     "validate",
 ]
@@ -165,7 +167,7 @@ def unpack_block_key(key: bytes) -> tuple[int, int]:
 
 
 def _seal(codec: int, compression: int, first: int, last: int, count: int,
-          first_ts: int, max_ts: int, body: bytes) -> bytes:
+          first_ts: int, max_ts: int, body: bytes | memoryview) -> bytes:
     if len(body) > _MAX_BODY:
         raise ProtocolError(f"a block body of {len(body)} bytes is over 4 GiB")
     if not 0 <= first <= last <= _U64_MAX:
@@ -291,8 +293,12 @@ class _TankScan(NamedTuple):
     msgset_start: int
 
 
-def _scan_tank(bundle: bytes, max_record_bytes: int, budget: int) -> _TankScan:
-    """Walk a bundle's messages checking every length and the count; build nothing per message."""
+def _scan_tank(bundle: bytes, max_record_bytes: int, budget: int, contents: list[bytes] | None = None) -> _TankScan:
+    """Walk a bundle's messages checking every length and the count; build nothing per message
+    (but each message's content into ``contents``, when given).
+
+    The pure-Python twin of the compiled walk (:func:`dafka.fastio.tank_scan`), which the
+    ingest path uses."""
     end = len(bundle)
     if not end:
         raise ProtocolError("empty bundle")
@@ -368,7 +374,7 @@ def _scan_tank(bundle: bytes, max_record_bytes: int, budget: int) -> _TankScan:
                 raise ProtocolError("truncated message timestamp")
             ts = unpack_ts(buf, pos)[0]
             if ts > _I64_MAX:
-                raise ProtocolError("message timestamp outside 63 bits")
+                ts = _I64_MAX  # Tank timestamps are u64: kept in the bundle, counted as 2^63 - 1
             if i == 0:
                 first_ts = max_ts = ts
             elif ts > max_ts:
@@ -387,6 +393,8 @@ def _scan_tank(bundle: bytes, max_record_bytes: int, budget: int) -> _TankScan:
             n, pos = _uvarint(buf, pos, end, 5)
         if n + klen > max_record_bytes:
             raise ProtocolError(f"a message of {n + klen} bytes is over max_record_bytes {max_record_bytes}")
+        if contents is not None:
+            contents.append(buf[pos:pos + n])
         pos += n
         if pos > end:
             raise ProtocolError("a message runs past the bundle")
@@ -395,7 +403,7 @@ def _scan_tank(bundle: bytes, max_record_bytes: int, budget: int) -> _TankScan:
     return _TankScan(bool(codec), count, first, last, first_ts, max_ts, buf, msgset_start)
 
 
-def tank_block(bundle: bytes, first_offset: int, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+def tank_block(bundle: bytes | memoryview, first_offset: int, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
                budget: int = DEFAULT_BUDGET) -> bytes:
     """A block holding ``bundle`` as received, its first message at ``first_offset``.
 
@@ -403,11 +411,28 @@ def tank_block(bundle: bytes, first_offset: int, *, max_record_bytes: int = DEFA
     bundle's first seq is at ``first_offset``.  Raises ProtocolError when the
     bundle is malformed or lies (count, lengths, seqs), a message is over
     ``max_record_bytes``, or a snappy bundle would inflate past ``budget``.
+    The walk is :func:`dafka.fastio.tank_scan` (compiled, or its pure twin
+    :func:`_scan_tank`).
     """
-    s = _scan_tank(bundle, max_record_bytes, budget)
-    span = s.record_count if s.first_seq is None else s.last_seq - s.first_seq + 1  # type: ignore[operator]
-    return _seal(CODEC_TANK, COMPRESSION_SNAPPY if s.snappy else COMPRESSION_NONE, first_offset,
-                 first_offset + span - 1, s.record_count, s.first_ts, s.max_ts, bundle)
+    from dafka.fastio import tank_scan
+
+    return tank_seal(bundle, tank_scan(bundle, max_record_bytes, budget), first_offset)
+
+
+def tank_span(scan: Sequence[object]) -> int:
+    """Offsets a bundle takes, from its :func:`dafka.fastio.tank_scan` result: its message
+    count, or a sparse bundle's seq range (its header's first to last seq)."""
+    if scan[2] is None:
+        return scan[1]  # type: ignore[return-value]
+    return scan[3] - scan[2] + 1  # type: ignore[operator,no-any-return]
+
+
+def tank_seal(bundle: bytes | memoryview, scan: Sequence[object], first_offset: int) -> bytes:
+    """The block of a bundle already walked by :func:`dafka.fastio.tank_scan` (``scan`` is its
+    result), its first message at ``first_offset``: the header computed from the walk, the
+    bundle copied once behind it."""
+    return _seal(CODEC_TANK, COMPRESSION_SNAPPY if scan[0] else COMPRESSION_NONE, first_offset,
+                 first_offset + tank_span(scan) - 1, scan[1], scan[4], scan[5], bundle)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- Kafka record batches

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from dafka.fastio import fetch_blocks
+from dafka.fastio import fetch_blocks, tank_values
 from dafka.store.block import (
     BLOCK_KEY,
     CODEC_KAFKA,
     CODEC_STORE,
     CODEC_TANK,
+    HEADER_SIZE,
     BlockHeader,
     decode_header,
     records,
@@ -32,7 +33,7 @@ from dafka.store.layout import (
     VALUE_HEADER,
 )
 
-__all__ = ["block_payload", "block_values", "convert_block", "fetch_values", "seek"]
+__all__ = ["block_payload", "block_run", "block_values", "convert_block", "fetch_values", "seek"]
 
 _pack = BLOCK_KEY.pack
 _unpack = BLOCK_KEY.unpack
@@ -75,11 +76,16 @@ def _as_value(codec: int, ts: int, key: bytes | None, content: bytes | None, hea
 def block_values(value: bytes | memoryview, hdr: BlockHeader, offset: int, n: int) -> list[bytes]:
     """Up to ``n`` format-1 values of consecutive offsets from ``offset`` (inside the block) on.
 
-    A CODEC_STORE block is sliced (C-level passes); a client's block (Tank, Kafka) is
-    converted record by record, which only a reader of another protocol needs.
+    A CODEC_STORE block is sliced (C-level passes), a Tank bundle without gaps walked once in
+    the compiled extension (:func:`dafka.fastio.tank_values`); other client blocks (Kafka, a
+    sparse bundle with gaps) are converted record by record.
     """
     if hdr.codec == CODEC_STORE:
         return store_values(value, hdr, offset, n)
+    if hdr.codec == CODEC_TANK and hdr.record_count == hdr.last_offset - hdr.first_offset + 1:
+        # A bundle without gaps (every one the gateway stores): one compiled walk.
+        values: list[bytes] = tank_values(memoryview(value)[HEADER_SIZE:], max(0, offset - hdr.first_offset), n)
+        return values
     out: list[bytes] = []
     expect = offset
     for rec in records(value, offset):
@@ -136,3 +142,29 @@ def fetch_values(cur: Any, pid: int, start: int, last: int, n: int) -> tuple[int
     compiled extension (:func:`dafka.fastio.fetch_blocks`)."""
     got: tuple[int, list[bytes]] = fetch_blocks(cur, pid, start, last, n, convert_block)
     return got
+
+
+def block_run(cur: Any, pid: int, start: int, last: int, max_bytes: int,
+              max_blocks: int) -> list[tuple[BlockHeader, bytes]]:
+    """Whole blocks of ``pid`` from the one holding ``start`` (or the first after it), each
+    ``(header, value)`` copied out of the map: the next ones while they continue without a
+    hole and up to ``last``, until ``max_bytes`` of values are taken (the block that passes
+    it included) or ``max_blocks``.  For readers that take whole blocks (a Tank consume:
+    its clients skip what precedes their offset, as with the broker).  One seek, then one
+    cursor step and one header a block; no record is decoded.
+    """
+    found = seek(cur, pid, start)
+    if found is None:
+        return []
+    hdr, value = found
+    out = [(hdr, bytes(value))]
+    size = len(value)
+    while size < max_bytes and len(out) < max_blocks and hdr.last_offset < last and cur.next():
+        npid, nfirst = _unpack(cur.key())
+        if npid != pid or nfirst != hdr.last_offset + 1:
+            break  # another partition, or a hole: the next read starts past it
+        value = cur.value()
+        hdr = decode_header(value)
+        out.append((hdr, bytes(value)))
+        size += len(value)
+    return out

@@ -44,11 +44,13 @@ from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass
 from itertools import accumulate
+from operator import itemgetter
 from typing import Any
 
 from dafka.config import NodeConfig
 from dafka.core import wire
 from dafka.errors import ProtocolError
+from dafka.fastio import tank_scan
 from dafka.gateway.connections import (
     Connection,
     LogLimiter,
@@ -63,10 +65,12 @@ from dafka.gateway.connections import (
     unread_for,
 )
 from dafka.nodes.node import new_address
+from dafka.store.block import CODEC_TANK, DEFAULT_BUDGET, HEADER_SIZE, decode_header, tank_seal
+from dafka.store.block import records as block_records
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.node import MAX_BATCH, Store
-from dafka.tank.bundle import decode_bundle
-from dafka.tank.codec import FrameBuffer
+from dafka.store.reader import block_values
+from dafka.tank.codec import FrameBuffer, encode_varint
 from dafka.tank.limits import SMALL_REQUEST, GatewayLimits, answer_budget, too_slow
 from dafka.tank.mapping import (
     FILE_NAME,
@@ -120,8 +124,12 @@ MAX_ANSWER_BYTES = 4 << 20  # ... and at most this much content (whole records)
 # Partition entries of the parked fetches of one connection; a fetch past it is
 # answered at once, as a timed-out one is (a long poll holds its request).
 MAX_PARKED_ENTRIES = 4096
+# Bytes a snappy bundle may inflate to (its claimed length is checked before inflating).
+INFLATE_BUDGET = DEFAULT_BUDGET
+UNBOUNDED = 1 << 62  # no record size limit: the second walk of a refused bundle
 OWNED_HEADS_INTERVAL = 1.0  # HEADs of owned partitions, for consumers that missed the tail
 _PING = Ping().encode()
+_OFFSET = itemgetter(2)  # of a record tuple
 _VIRTUAL_KEY = (PARTITIONS_TOPIC, "")
 _MAP_RECORD_FLAGS = b"\x01"  # stored-value flags of a __dafka_partitions record: keyed
 
@@ -178,6 +186,7 @@ class Gateway(Store):
         self._refused_connections = Refusals(log)  # over max_connections
         self.topics_refused = 0  # creations over max_owned_partitions
         self.records_too_large = 0  # Tank produces refused for a record over max_record_bytes
+        self.records_published = 0  # records of owned partitions sent live on the mesh
         self._limited = LogLimiter(log)  # repeated warnings, rate-limited
         try:
             self._setup(rdb, listen, compress)
@@ -246,10 +255,42 @@ class Gateway(Store):
 
     def _flush_batch(self, retry: bool = False) -> None:
         busy = self._writer_busy
+        if self._blocks and (self._batch or self._segs) and not busy:
+            self._untangle_blocks()
         super()._flush_batch(retry)
         if self._writer_busy and not busy:
             # The batch just handed over holds every record queued so far.
             self._publishing = len(self._to_publish)
+
+    def _untangle_blocks(self) -> None:
+        """Turn into record tuples the queued blocks of any partition that also has records
+        queued (a Kafka produce to a partition a Tank client writes too).
+
+        The writer applies a commit's records before its blocks; a partition's records
+        and blocks must go in offset order, so its blocks go as records this time.
+        """
+        pending = {(r[0], r[1]) for r in self._batch} | {(s[0], s[1]) for s in self._segs}
+        mixed = {(b[0], b[1]) for b in self._blocks} & pending
+        if not mixed:
+            return
+        kept: list[tuple[str, str, bytes]] = []
+        mine = [r for r in self._batch if (r[0], r[1]) in mixed]
+        for topic, address, value in self._blocks:
+            if (topic, address) in mixed:
+                mine.extend((topic, address, r.offset, r.value, r.ts_ms, r.key, True) for r in block_records(value))
+            else:
+                kept.append((topic, address, value))
+        mine.sort(key=_OFFSET)
+        self._batch = [r for r in self._batch if (r[0], r[1]) not in mixed] + mine
+        self._blocks = kept
+        self._blocks_held = sum(decode_header(b[2]).record_count for b in kept)
+        if self._pairs:
+            self._untangle()
+        log.debug("Tank bundles of %d partitions queued as records beside other records", len(mixed))
+
+    def _untangle(self) -> None:
+        """Hook: turn queued ready pairs of partitions that also have record tuples queued
+        into tuples (the Kafka gateway queues pairs)."""
 
     def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
         n, self._publishing = self._publishing, 0
@@ -257,6 +298,7 @@ class Gateway(Store):
             done = self._to_publish[:n]
             del self._to_publish[:n]
             self._publish(done)
+        self._announce_committed(heads)
         pending = self._pending
         committed = self._heads
         while pending:
@@ -266,7 +308,7 @@ class Gateway(Store):
             pending.popleft()
             self._write(p.conn, p.response.encode())
         self._wake_parked(heads)
-        if self._throttled and len(self._batch) < MAX_BATCH // 2:
+        if self._throttled and self.pending_records() < MAX_BATCH // 2:
             throttled, self._throttled = self._throttled, []
             for conn in throttled:
                 if conn in self._budget_waiting:
@@ -295,27 +337,45 @@ class Gateway(Store):
             self._pending.remove(p)
             self._close(p.conn, f"produce refused by the store: {rejected[next(iter(refused & p.needs.keys()))]}")
 
-    def _publish(self, records: list[tuple[tuple[str, str], int, bytes]]) -> None:
-        """Committed records of owned partitions go out on the mesh, then their HEAD."""
+    def _publish(self, records: list[tuple[tuple[str, str], int, Any]]) -> None:
+        """Committed records of owned partitions go out on the mesh (their HEADs follow:
+        :meth:`_announce_committed`).
+
+        An entry is one record ``(key, offset, content)`` (the Kafka gateway's) or a
+        bundle's ``(key, first offset, contents)``; a Tank bundle nobody on the mesh
+        subscribed to when it was produced has no entry (see :meth:`_live`): its HEAD
+        goes out all the same, and a reader that comes later FETCHes it.
+        """
         headers = self._record_headers
         publisher = self.publisher
         i, n = 0, len(records)
         while i < n:
-            # A run of consecutive offsets of one partition is one batch send.
-            key, first, _ = records[i]
+            key, first, item = records[i]
             j = i + 1
-            while j < n and records[j][0] == key and records[j][1] == first + (j - i):
-                j += 1
+            if isinstance(item, list):
+                contents = item  # a bundle's run
+            else:
+                # A run of consecutive offsets of one partition is one batch send.
+                while (j < n and records[j][0] == key and records[j][1] == first + (j - i)
+                       and not isinstance(records[j][2], list)):
+                    j += 1
+                contents = [r[2] for r in records[i:j]]
             header = headers.get(key)
             if header is None:
                 header = headers[key] = wire.record_prefix(wire.RECORD, key[0], key[1], key[0])
             # Batches or not as the readers of the moment take them; a full reader
             # gets less and FETCHes the rest after the HEAD.
             prefix, send = self.route(header)
-            send(publisher, prefix, first, [r[2] for r in records[i:j]], noblock=True)
+            send(publisher, prefix, first, contents, noblock=True)
+            self.records_published += len(contents)
             i = j
-        for key in {r[0] for r in records}:
-            self.send(wire.Head(key[0], key[1], key[0], self._heads[key]))
+
+    def _announce_committed(self, heads: dict[tuple[str, str], int]) -> None:
+        """The HEAD of every owned partition a commit moved (after its records, if any went)."""
+        owned = self._owned
+        for key, head in heads.items():
+            if key in owned:
+                self.send(wire.Head(key[0], key[1], key[0], head))
 
     def _announce_owned(self, now: float) -> None:
         for (topic, address) in self._owned:
@@ -499,7 +559,7 @@ class Gateway(Store):
             conn.stalled_since = conn.frame_since = None
         if not conn.closed and not self._reserve(conn):
             self._wait_for_budget(conn)
-        if len(self._batch) >= MAX_BATCH and conn.reading and not conn.closed:
+        if self.pending_records() >= MAX_BATCH and conn.reading and not conn.closed:
             self._set_reading(conn, False)  # the writer is behind: stop taking produces
             self._throttled.append(conn)
         self._flush_batch()
@@ -662,11 +722,19 @@ class Gateway(Store):
     # ---------------------------------------------------------------- produce
 
     def _on_produce(self, conn: _Conn, req: ProduceRequest) -> None:
+        """Store each bundle as it was sent, as one Tank block (issue 36).
+
+        Every bundle of the request is walked first (:func:`dafka.fastio.tank_scan`:
+        counts, lengths, sparse seqs, sizes, the snappy budget; no per-message
+        Python): a malformed one closes the connection before anything of the
+        request is queued.  Offsets are given per bundle; the answer goes out
+        after the commit holding its blocks.
+        """
         with_seq = isinstance(req, ProduceWithSeqnumRequest)
-        # Decode every bundle first: a malformed one closes the connection
-        # before anything of the request is written.
-        plan: list[tuple[ProducePartitionResult, TankPartition, list[Any], int | None]] = []
+        plan: list[tuple[ProducePartitionResult, TankPartition, Any, tuple[Any, ...], int | None]] = []
         results: list[ProduceTopicResult] = []
+        max_bytes = self.config.max_record_bytes
+        scan = tank_scan
         for t in req.topics:
             parts = None if t.name == PARTITIONS_TOPIC else self.pmap.partitions(t.name)
             if parts is None:
@@ -686,40 +754,38 @@ class Gateway(Store):
                 elif self.storage_error is not None:
                     res.error = ProduceError.SYSTEM
                 else:
-                    records = decode_bundle(p.bundle)
-                    biggest = max((len(r[3]) for r in records), default=0)
-                    if biggest > self.config.max_record_bytes:
-                        # Tank has no "too large" code: a system error, nothing written.
+                    live = self._live(part)
+                    try:
+                        got = scan(p.bundle, max_bytes, INFLATE_BUDGET, live)
+                    except ProtocolError:
+                        # Malformed (raised on: the connection closes), or only a message
+                        # over max_record_bytes: Tank has no "too large" code, so a system
+                        # error for this partition, nothing of it written.
+                        scan(p.bundle, UNBOUNDED, INFLATE_BUDGET)
                         res.error = ProduceError.SYSTEM
                         self.records_too_large += 1
                         self._limited.warning(
-                            "too-large", "Tank produce to %s/%d refused: a record of %d bytes, max_record_bytes=%d",
-                            shown(t.name),
-                            p.partition,
-                            biggest,
-                            self.config.max_record_bytes,
+                            "too-large", "Tank produce to %s/%d refused: a message over max_record_bytes=%d",
+                            shown(t.name), p.partition, max_bytes,
                         )
                         continue
-                    first = p.first_seq if with_seq else (records[0][0] if records else None)
-                    plan.append((res, part, records, first))
+                    first = p.first_seq if with_seq else got[2]
+                    plan.append((res, part, p.bundle, got, first))
         needs: dict[tuple[str, str], int] = {}
-        batch = self._batch.append
         publish = self._to_publish.append
-        for res, part, records, first in plan:
-            if not records:
-                continue
+        for res, part, bundle, got, first in plan:
             key = (part.topic, part.address)
             n = self._next_offset.get(key, 0)
-            if first is not None and (
-                first != n + 1 or (records[-1][0] is not None and records[-1][0] != first + len(records) - 1)
-            ):
-                res.error = ProduceError.INVALID_SEQNUM  # at or below the hwm (a resend), or a gap
+            count = got[1]
+            # A sparse bundle (or a ProduceWithSeqnum) must start at hwm + 1 and leave no gap:
+            # at or below the hwm is a resend, and Dafka offsets have none.
+            if first is not None and (first != n + 1 or (got[2] is not None and got[3] != first + count - 1)):
+                res.error = ProduceError.INVALID_SEQNUM
                 continue
-            topic, address = key
-            for _, ts, k, value in records:
-                batch((topic, address, n, value, ts, k, True))
-                publish((key, n, value))
-                n += 1
+            self.queue_block(part.topic, part.address, tank_seal(bundle, got, n), count)
+            if got[6] is not None:
+                publish((key, n, got[6]))
+            n += count
             self._next_offset[key] = n
             needs[key] = n - 1
         response = ProduceResponse(req.req_id, results)
@@ -727,6 +793,16 @@ class Gateway(Store):
             self._pending.append(_PendingProduce(conn, response, needs))
         else:
             self._write(conn, response.encode())
+
+    def _live(self, part: TankPartition) -> bool:
+        """Whether a partition's records go out on the mesh as RECORDs when committed: only
+        while someone subscribes to them (a store, a consumer of the topic).  Otherwise
+        only its HEAD goes, and whoever comes later FETCHes what it lacks."""
+        key = (part.topic, part.address)
+        header = self._record_headers.get(key)
+        if header is None:
+            header = self._record_headers[key] = wire.record_prefix(wire.RECORD, key[0], key[1], key[0])
+        return self.audience.has_readers(header)
 
     # ---------------------------------------------------------------- create topic
 
@@ -941,25 +1017,79 @@ class Gateway(Store):
                 p.partition, ConsumeFlag.OK, 0 if timed_out else bounds.first_avail, bounds.hwm
             ), True
         limit = min(max(p.fetch_size, 1), MAX_ANSWER_BYTES)
-        count = min(MAX_ANSWER_RECORDS, max(1, min(limit, budget) // 64), bounds.hwm - start.seq + 1)
+        if part is None:
+            return self._consume_values(topic, part, p, start.seq - 1, limit, budget, first_data, bounds)
         try:
-            first, values = self._stored(topic, part, start.seq - 1, count)
+            first, blocks = self.db.read_blocks(topic, part.address, start.seq - 1, min(limit, budget))
         except StorageError as exc:
             self._limited.emit(logging.ERROR, "read-failed", "cannot read %s for a Tank fetch: %s", shown(topic), exc)
             return None
-        if not values:  # retention ran meanwhile
+        if not blocks:  # retention ran meanwhile
             return ConsumePartitionResult(
                 p.partition, ConsumeFlag.BOUNDARY_CHECK, 0, bounds.hwm, b"", first + 1
             ), False
-        if sum(map(len, values)) > min(limit, budget):
-            ends = list(accumulate(map(len, values)))
-            # Whole records: as Tank, the one that crosses fetch_size too ...
-            cut = bisect_left(ends, limit) + 1
-            # ... but none past the answer's budget (one, as the answer's first).
-            fit = bisect_right(ends, budget)
-            cut = min(cut, max(1, fit) if first_data else fit)
-            if not cut:
+        # Stored bundles go whole, as the broker sends its log: the chunk may begin before
+        # the requested seq (the client skips what precedes it) and may pass fetch_size to
+        # finish a bundle.  Blocks of other codecs (mesh records, Kafka) become one bundle each.
+        pieces: list[Any] = []
+        size = 0
+        base = None
+        for hdr, value in blocks:
+            if pieces and size >= limit:
+                break
+            if hdr.codec == CODEC_TANK:
+                body = memoryview(value)[HEADER_SIZE:]
+                piece: list[Any] = [encode_varint(len(body)), body]
+                at = hdr.first_offset
+            else:
+                at = max(first, hdr.first_offset)
+                room = budget - size if (pieces or not first_data) else max(budget, 1)
+                values = block_values(value, hdr, at, min(MAX_ANSWER_RECORDS, max(1, min(limit, room) // 64)))
+                values = _whole_values(values, limit - size, room, bool(pieces) or not first_data)
+                if not values:
+                    break
+                bundle = stored_bundle(values, self.compress)
+                piece = [encode_varint(len(bundle)), bundle]
+            n = len(piece[0]) + len(piece[1])
+            if pieces and (size >= limit or size + n > budget):
+                break
+            if not pieces and not first_data and n > budget:
+                # Had data, but no room for it in this answer: the answer is full.
                 return ConsumePartitionResult(p.partition, ConsumeFlag.OK, bounds.first_avail, bounds.hwm), False
-            del values[cut:]
+            if base is None:
+                base = at
+            pieces += piece
+            size += n
+            if hdr.codec != CODEC_TANK and at + len(values) <= hdr.last_offset:
+                break  # a converted block cut short: the next bundle would not continue it
+        if base is None:
+            return ConsumePartitionResult(p.partition, ConsumeFlag.OK, bounds.first_avail, bounds.hwm), False
+        return ConsumePartitionResult(p.partition, ConsumeFlag.OK, base + 1, bounds.hwm, b"".join(pieces)), False
+
+    def _consume_values(
+        self, topic: str, part: TankPartition | None, p: ConsumePartition, offset: int, limit: int, budget: int,
+        first_data: bool, bounds: Bounds,
+    ) -> tuple[ConsumePartitionResult, bool] | None:
+        """An answer of stored values made into one bundle (the partition map topic)."""
+        count = min(MAX_ANSWER_RECORDS, max(1, min(limit, budget) // 64), bounds.hwm - offset)
+        first, values = self._stored(topic, part, offset, count)
+        if not values:
+            return ConsumePartitionResult(
+                p.partition, ConsumeFlag.BOUNDARY_CHECK, 0, bounds.hwm, b"", first + 1
+            ), False
+        values = _whole_values(values, limit, budget, not first_data)
+        if not values:
+            return ConsumePartitionResult(p.partition, ConsumeFlag.OK, bounds.first_avail, bounds.hwm), False
         chunk = chunk_of(stored_bundle(values, self.compress))
         return ConsumePartitionResult(p.partition, ConsumeFlag.OK, first + 1, bounds.hwm, chunk), False
+
+
+def _whole_values(values: list[bytes], limit: int, budget: int, strict: bool) -> list[bytes]:
+    """The values an answer takes: whole records, as Tank, the one that crosses ``limit``
+    (fetch_size) too, but none past ``budget`` (except one, unless ``strict``)."""
+    if sum(map(len, values)) <= min(limit, budget):
+        return values
+    ends = list(accumulate(map(len, values)))
+    cut = bisect_left(ends, limit) + 1
+    fit = bisect_right(ends, budget)
+    return values[: min(cut, fit if strict else max(1, fit))]

@@ -141,9 +141,12 @@ def _compresses(sample: bytes) -> bool:
 
 
 def chunk_of(bundle: bytes) -> bytes:
-    """A consume chunk holding one bundle.
+    """A consume chunk holding one bundle (an answer built from stored values).
 
-    One bundle per partition answer is deliberate: the Java client reads only
-    the first bundle of a chunk and would lose (and misparse) any further ones.
+    Stored Tank bundles are sent several to a chunk, whole, as the broker sends
+    its log (:meth:`dafka.tank.gateway.Gateway._consume_partition`); the C++ and
+    Java clients' parsing of such chunks is checked in
+    ``tests/tank/test_client_compat.py`` (the Java client stops its walk of a
+    chunk after a snappy bundle and asks again from there: nothing is lost).
     """
     return encode_varint(len(bundle)) + bundle

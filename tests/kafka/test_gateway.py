@@ -497,3 +497,55 @@ def test_a_backlog_read_in_small_fetches_is_served_from_batches_encoded_ahead(kg
     c.close()
     wait_until(lambda: kgw.kafka._ahead_bytes > 0, 10)
     wait_until(lambda: kgw.kafka._ahead_bytes == 0, 10)
+
+
+def test_tank_then_kafka_producing_to_one_partition_in_one_commit_stay_in_order(kgw: KafkaGateway) -> None:
+    # The reverse of the test above: a Tank bundle (queued as a block) before Kafka records
+    # (queued as ready pairs) of one partition; the writer applies pairs before blocks, so
+    # the gateway queues that bundle's records as records this time (Gateway._untangle_blocks).
+    import threading
+
+    kgw.create_topic("mix2", 1)
+    address = kgw.pmap.get("mix2", 0).address
+    with socket.create_connection((HOST, kgw.kafka_port)) as s, TankClient(HOST, kgw.tank_port) as t:
+        assert produce_raw(s, 1, "mix2", client_batch_of([b"k0"])).base_offset == 0  # now stored: pairs next
+        held = threading.Event()
+
+        def hold() -> None:
+            kgw._writer_busy = True  # as if a commit were running: records wait for the next one
+            held.set()
+
+        kgw.call_soon(hold)
+        assert held.wait(10)
+        errors: list[Any] = []
+
+        def tank() -> None:
+            try:
+                assert t.produce("mix2", 0, [(b"key", b"t1", 1234), (None, b"t2", 1235)]) == 0
+            except Exception as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=tank)
+        thread.start()
+        wait_until(lambda: kgw.pending_records() == 2)
+        req = ProduceRequest[7](
+            transactional_id=None, acks=-1, timeout_ms=5000,
+            topic_data=[ProduceRequest.TopicProduceData(name="mix2", partition_data=[
+                ProduceRequest.TopicProduceData.PartitionProduceData(index=0, records=client_batch_of([b"k3", b"k4"]))])],
+        )
+        s.sendall(frame(0, 7, 2, bytes(req.encode(version=7))))
+        wait_until(lambda: kgw.pending_records() == 4)
+
+        def release() -> None:
+            kgw._writer_busy = False
+            kgw._flush_batch()
+
+        kgw.call_soon(release)
+        answer = ProduceResponse.decode(read_frame(s)[4:], version=7).responses[0].partition_responses[0]
+        thread.join(20)
+        assert (answer.error_code, answer.base_offset) == (0, 3)
+        assert errors == [] and kgw.storage_error is None
+        assert kgw.db.fetch("mix2", address, 0, 10)[1] == [b"k0", b"t1", b"t2", b"k3", b"k4"]
+        # The Tank key and timestamp are kept on the way.
+        got = t.consume("mix2", 0, 2).messages
+        assert [(m[0], m[1], m[2], m[3]) for m in got[:2]] == [(2, 1234, b"key", b"t1"), (3, 1235, None, b"t2")]

@@ -31,7 +31,7 @@ from dafka.nodes.producer import Producer
 from dafka.store.db import RecordDB
 from dafka.tank.bundle import CODEC_NONE, CODEC_SNAPPY, Record, encode_bundle
 from dafka.tank.client import TankClient, TankError, UnknownTopicError
-from dafka.tank.codec import FrameBuffer, encode_frame, encode_str8, frame_header
+from dafka.tank.codec import FrameBuffer, encode_frame, encode_str8, encode_varint, frame_header
 from dafka.tank.gateway import TANK_VERSION, Gateway
 from dafka.tank.limits import GatewayLimits
 from dafka.tank.mapping import PARTITIONS_TOPIC
@@ -434,6 +434,25 @@ def test_produced_records_go_out_live_on_the_mesh_then_a_head(
     assert (live[first_head].address, live[first_head].sequence) == (address, 2)
 
 
+def test_nobody_subscribed_no_records_go_out_only_heads(gw: Gateway, client: TankClient, raw_peer: Any) -> None:
+    # No per-record work for the mesh when nobody reads it: the HEAD is enough for a
+    # reader that comes later (it FETCHes what it lacks).
+    client.create_topic("quiet", 1)
+    address = gw.pmap.get("quiet", 0).address
+    header = wire.record_prefix(wire.RECORD, "quiet", address, "quiet")
+    heads = raw_peer([wire.P_HEAD + b"quiet"])
+    heads.wait_for(lambda q: q.peers)
+    assert client.produce("quiet", 0, [b"q0", b"q1"]) == 0
+    heads.wait_for(lambda q: any(h.sequence == 1 for h in q.messages(wire.Head)))
+    assert gw.audience.readers(header) == 0 and gw.records_published == 0
+    peer = raw_peer([wire.P_RECORD + b"quiet"])
+    peer.wait_for(lambda q: q.peers)
+    wait_until(lambda: gw.audience.readers(header) >= 1)
+    assert client.produce("quiet", 0, [b"q2"]) == 0
+    records = peer.wait_for(lambda q: q.messages(wire.Record))
+    assert [(r.sequence, r.content) for r in records] == [(2, b"q2")] and gw.records_published == 1
+
+
 def test_produced_records_go_out_in_batches_while_every_reader_takes_them(
     gw: Gateway, client: TankClient, raw_peer: Any
 ) -> None:
@@ -639,14 +658,21 @@ def test_consume_rules(gw: Gateway, client: TankClient) -> None:
     p = client.request(req).topics[0].partitions[0]
     assert [bytes(m[3]) for m in p.decode_chunk(2).records] == [b"v2", b"v3", b"v4", b"v5"]
 
-    # A tiny fetch size still makes progress, one whole record at a time.
+    # Bundles are stored and served whole, as the broker serves its log: a chunk may begin
+    # before the requested seq (the client skips what precedes it) ...
+    resp = client.request(ConsumeRequest(client.next_request_id(), [ConsumeTopic("c", [ConsumePartition(0, 3, 1)])]))
+    p = resp.topics[0].partitions[0]
+    assert p.base_seq == 1 and [m[0] for m in p.decode_chunk(3).records] == [3, 4, 5]
+    assert [m[3] for m in client.consume("c", 0, 3, fetch_size=1).messages] == [b"v3", b"v4", b"v5"]
+    # ... and a tiny fetch size still makes progress, one whole bundle at a time.
+    for bundle in ([b"a"], [b"b", b"c"], [b"d"]):
+        assert client.produce("c", 1, bundle) == 0
     seq, got = 1, []
-    for _ in range(5):
-        r = client.consume("c", 0, seq, fetch_size=1)
-        assert len(r.messages) == 1
-        got.append(r.messages[0][3])
+    for _ in range(3):
+        r = client.consume("c", 1, seq, fetch_size=1)
+        got.append([m[3] for m in r.messages])
         seq = r.next_seq
-    assert got == [b"v%d" % i for i in range(1, 6)] and seq == 6
+    assert got == [[b"a"], [b"b", b"c"], [b"d"]] and seq == 5
 
 
 def test_long_poll_does_not_hold_up_later_requests_on_its_connection(gw: Gateway, client: TankClient) -> None:
@@ -827,8 +853,8 @@ def test_a_client_that_does_not_read_its_answers_is_paused(gw: Gateway, client: 
         # is past the read that paused the slow connection.
         assert client.status().version == TANK_VERSION
         # Paused at the limit: the rest of its pipelined requests wait, unanswered;
-        # answers made near the limit are cut short (whole records, at least one).
-        assert conn.out_size <= gw.limits.max_output_bytes + 200_000
+        # answers made near the limit are cut short (whole bundles, at least one: 1 MB here).
+        assert conn.out_size <= gw.limits.max_output_bytes + 1_100_000
         full = 0
         for i in range(n):
             msg_id, payload = recv_frame(s)
@@ -912,6 +938,14 @@ _CONSUME_PAYLOAD = consume_frame(1, "keep", 0, 0)[5:]
         pytest.param(produce_frame(1, "keep", 0, b"\x05" + _BUNDLE[1:]), 0, id="bad-snappy"),
         pytest.param(produce_frame(1, "keep", 0, _BUNDLE[:-1]), 0, id="short-bundle"),
         pytest.param(produce_frame(1, "keep", 0, b""), 0, id="empty-bundle"),
+        pytest.param(produce_frame(1, "keep", 0, b"\x0c" + CAPTURED_BUNDLE[1:]), 0, id="bundle-count-too-high"),
+        pytest.param(produce_frame(1, "keep", 0, CAPTURED_BUNDLE + b"\x00"), 0, id="bundle-trailing-byte"),
+        pytest.param(produce_frame(1, "keep", 0, b"\x01\x08\x80\x80\x80\x30" + bytes(10)), 0, id="snappy-bomb"),
+        pytest.param(
+            produce_frame(1, "keep", 0, b"\x4c" + struct.pack("<Q", 1) + b"\x00" + b"\x00" + TS_LE + b"\x01a"
+                          + b"\x06\x01b" + b"\x06\x01c"),
+            0, id="sparse-seqs-lie",
+        ),
         pytest.param(encode_frame(MsgId.CONSUME, _CONSUME_PAYLOAD + b"\0"), 0, id="trailing-byte"),
         pytest.param(encode_frame(MsgId.PING, b"x"), 0, id="ping-with-payload"),
         pytest.param(encode_frame(MsgId.STATUS, b"\x01"), 0, id="short-status"),
@@ -1371,3 +1405,49 @@ def test_non_tank_bytes_are_refused_at_once_not_after_the_stall_timeout(tmp_path
                 data += chunk
             assert data == b"\x03\x00\x00\x00\x00"  # the greeting, then EOF well before 60 s
             assert time.monotonic() < deadline
+
+
+def test_publish_keeps_single_records_and_bundle_runs_of_one_partition_apart(
+    gw: Gateway, client: TankClient, raw_peer: Any
+) -> None:
+    # A commit may hold a partition's single records (the Kafka gateway's) and, right after
+    # them, a Tank bundle's run: each goes out as what it is, in offset order.
+    client.create_topic("mixpub", 1)
+    address = gw.pmap.get("mixpub", 0).address
+    key = ("mixpub", address)
+    peer = raw_peer([wire.P_RECORD + b"mixpub"])
+    peer.wait_for(lambda q: q.peers)
+    done = threading.Event()
+
+    def publish() -> None:
+        gw._publish([(key, 0, b"k0"), (key, 1, b"k1"), (key, 2, [b"t2", b"t3"]), (key, 4, b"k4")])
+        done.set()
+
+    gw.call_soon(publish)
+    assert done.wait(10)
+    got = peer.wait_for(lambda q: len(q.messages(wire.Record)) >= 5 and q.messages(wire.Record))
+    assert [(r.sequence, r.content) for r in got] == [(0, b"k0"), (1, b"k1"), (2, b"t2"), (3, b"t3"), (4, b"k4")]
+
+
+def test_produced_bundles_come_back_byte_for_byte(gw: Gateway, client: TankClient) -> None:
+    # Stored as sent, served whole: the chunk is the produced bundles, each behind its length.
+    client.create_topic("exact", 1)
+    bundles = [
+        CAPTURED_BUNDLE,
+        encode_bundle([(None, TS + i, b"k%d" % i if i % 2 else None, b"x%d" % i * 40) for i in range(30)],
+                      codec=CODEC_SNAPPY),
+        encode_bundle([(3 + 30, 2**64 - 1, None, b"late"), (3 + 31, 5, b"", b"")], sparse=True),
+    ]
+    s = connect_raw(gw.tank_port)
+    try:
+        for i, b in enumerate(bundles):
+            s.sendall(produce_frame(i + 1, "exact", 0, b))
+            assert recv_frame(s) == (1, U32.pack(i + 1) + b"\x00")
+        s.sendall(consume_frame(9, "exact", 0, 20))
+        msg_id, payload = recv_frame(s)
+    finally:
+        s.close()
+    p = ConsumeResponse.decode(payload).topics[0].partitions[0]
+    # From seq 20 (inside the second bundle): the chunk begins at that bundle's first seq.
+    assert p.base_seq == 3 and p.hwm == 34
+    assert p.chunk == b"".join(encode_varint(len(b)) + b for b in bundles[1:])

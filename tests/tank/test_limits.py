@@ -97,7 +97,8 @@ def test_one_partition_named_240_times_is_served_once(make: Any) -> None:
     try:
         w.create_topic("big", 1)
         records = [os.urandom(100_000) for _ in range(12)]  # 1.2 MB, incompressible
-        assert w.produce("big", 0, records, codec=CODEC_NONE) == 0
+        for r in records:  # a bundle each: answers hold whole bundles
+            assert w.produce("big", 0, [r], codec=CODEC_NONE) == 0
         # The outsider's 3.4 KB request: one partition 240 times, 1 MiB each.
         req = ConsumeRequest(7, [ConsumeTopic("big", [ConsumePartition(0, 1, 1 << 20)] * 240)])
         frame = req.encode()
@@ -112,13 +113,13 @@ def test_one_partition_named_240_times_is_served_once(make: Any) -> None:
         finally:
             s.close()
         assert msg_id == MsgId.CONSUME
-        # Before: 240 copies, 240 MB.  Now one partition's answer (<= 1 MiB + one record).
+        # Before: 240 copies, 240 MB.  Now one partition's answer (<= 1 MiB + one bundle).
         assert len(payload) < (1 << 20) + 200_000, len(payload)
         resp = ConsumeResponse.decode(payload)
         parts = resp.topics[0].partitions
         assert len(parts) == 240  # the answer keeps the request's shape
         got = [bytes(r[3]) for r in parts[0].decode_chunk(1).records]
-        assert 10 <= len(got) <= 11 and got == records[: len(got)]  # whole records, up to fetch_size
+        assert 10 <= len(got) <= 11 and got == records[: len(got)]  # whole bundles, up to fetch_size
         assert all(p.flags == ConsumeFlag.OK and not p.chunk and p.hwm == 12 for p in parts[1:])
         if tracked:
             assert grown < 100 << 20, f"peak RSS grew {grown >> 20} MiB"
