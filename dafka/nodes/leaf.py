@@ -527,9 +527,9 @@ class LeafProducer(ReceiptCallbacks):
                 self._open(act.endpoint)
             elif self.sock is not None:
                 try:
-                    self.sock.send_multipart(act.frames, zmq.NOBLOCK)
+                    fastio.send_frames(self.sock, act.frames)
                 except zmq.ZMQError:
-                    pass  # a full queue: HELLO and HEAD are sent again by the link's timers
+                    pass  # a full queue (False): HELLO and HEAD are sent again by the link's timers
 
     def _open(self, endpoint: str) -> None:
         loop = self._loop
@@ -569,14 +569,14 @@ class LeafProducer(ReceiptCallbacks):
             runs = self.window.runs(first, last - first + 1)
         header = self._header
         sent = first - 1
-        try:
-            for start, contents in runs:
-                for seq, content in enumerate(contents, start):
-                    sock.send(header + wire.pack_u64(seq), zmq.SNDMORE | zmq.NOBLOCK)
-                    sock.send(content, zmq.NOBLOCK)
-                    sent = seq
-        except zmq.Again:
-            pass  # the queue is full: the rest goes on the next turn
+        send_records = fastio.send_records
+        for start, contents in runs:
+            # Compiled where built: the GIL held meanwhile (per-frame pyzmq sends gave it
+            # up at every frame, and waited for the app's publishing thread to return it).
+            n = send_records(sock, header, start, contents, noblock=True)
+            sent = start + n - 1
+            if n < len(contents):
+                break  # the queue is full: the rest goes on the next turn
         if sent >= first:
             self.records_sent += sent - first + 1
             self.link.sent(sent, now)
@@ -586,11 +586,7 @@ class LeafProducer(ReceiptCallbacks):
         if sock is None:
             return
         acked = self.window.acked
-        for _ in range(1024):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
+        for frames in fastio.recv_messages(sock, 1024):
             with self._lock:
                 actions = self.link.on_message(frames, now)
             self._apply(actions)
