@@ -40,6 +40,7 @@ MAX_CONNECTIONS = 20_000
 RCVHWM = 256  # messages queued per connection before libzmq stops reading it
 SNDHWM = 64  # messages (ACKs, WELCOMEs) queued for a leaf that does not read
 DRAIN = 2048  # messages read before the loop looks at the other sockets
+LINGER_BELOW = 64  # a read of fewer messages than this is small: the port rests (see read)
 TICK = 0.5
 ZAP_DOMAIN = b"dafka-leaves"
 _EVENT = struct.Struct("=HI")
@@ -73,9 +74,12 @@ class LeafHost(Protocol):
     _ts: int
     _put_gate: Any
     _missing: Any
+    _trickle: Any
+    linger: float
 
     def every(self, interval: float, fn: Callable[[float], None]) -> None: ...
     def watch_events(self, sock: object, events: int) -> None: ...
+    def linger_data(self, seconds: float) -> None: ...
     def fetch_missing(self) -> None: ...
     def batch_full(self) -> bool: ...
     def pause_data(self, paused: bool) -> None: ...
@@ -126,6 +130,8 @@ class LeafEndpoint:
         self.refused_connections = 0
         self.relays_dropped = 0  # relays a full subscriber queue refused (readers FETCH them)
         self.paused = False
+        self.resting = False  # resting with the store's data socket (see rest)
+        self._pids: list[int] = []  # stored partitions of the records read (see read)
         self._bad_logged = 0
         self.core = leaf.LeafPort(
             self._head,
@@ -190,10 +196,20 @@ class LeafEndpoint:
         with store._put_gate:
             # Whole messages, compiled where built (fastio: one C call, the GIL held
             # meanwhile; per-frame pyzmq calls each gave the GIL up and waited for it).
-            for frames in recv_messages(sock, DRAIN):
+            msgs = recv_messages(sock, DRAIN)
+            for frames in msgs:
                 apply(on_message(frames[0], frames[1:], now))
         if core.bad != bad:
             self._log_bad()
+        if len(msgs) < LINGER_BELOW and store.linger:
+            # A trickle (a fleet of devices, each a record now and then): rest from
+            # reading, the mesh's data socket with it, as after a small read of it
+            # (dafka.store.linger), so that the next records share this turn's
+            # wake-up, commit and ACK pass.
+            pids, self._pids = self._pids, []
+            store.linger_data(store._trickle.rest(store.linger, pids, now))
+        else:
+            self._pids.clear()
         if store._missing:
             store.fetch_missing()
         if store.batch_full():
@@ -204,7 +220,10 @@ class LeafEndpoint:
         store = self.store
         for act in actions:
             if isinstance(act, leaf.Take):
-                store.track(store.tracker(act.subject, act.partition), act.sequence, act.content)
+                tracker = store.tracker(act.subject, act.partition)
+                store.track(tracker, act.sequence, act.content)
+                if tracker.pid is not None:
+                    self._pids.append(tracker.pid)
             elif isinstance(act, leaf.Relay):
                 # Without blocking: a full subscriber queue drops it (readers FETCH it).
                 try:
@@ -259,10 +278,18 @@ class LeafEndpoint:
             except zmq.ZMQError:
                 pass
 
+    def rest(self, resting: bool) -> None:
+        """Rest from reading (or read again) with the store's data socket (see Store.linger_data)."""
+        if resting != self.resting:
+            self.resting = resting
+            if not self.paused:
+                self.store.watch_events(self.sock, 0 if resting else zmq.POLLIN)
+
     def _on_tick(self, now: float) -> None:
         if self.paused and not self.store.data_paused and self.store.storage_error is None:
             self.paused = False
-            self.store.watch_events(self.sock, zmq.POLLIN)
+            if not self.resting:
+                self.store.watch_events(self.sock, zmq.POLLIN)
         self.core.expire(now)
 
     def stats(self) -> dict[str, int]:

@@ -676,6 +676,12 @@ class Store(PartitionReader):
 
     # ---------------------------------------------------------------- I/O thread: input
 
+    def _watch_data(self) -> None:
+        super()._watch_data()
+        leaves = getattr(self, "leaves", None)
+        if leaves is not None:
+            leaves.rest(bool(self._linger_until))  # the leaf port rests with the data socket
+
     def sockets(self) -> list[tuple[zmq.Socket, Any]]:
         leaves = self.leaves.sockets() if self.leaves is not None else []
         return [(self.publisher, self._read_subscriptions), *leaves]
