@@ -45,6 +45,8 @@ log = logging.getLogger("dafka.leaf")
 RESERVE_BLOCK = 10_000  # offsets reserved in the identity file at a time (renewed at half)
 TICK = 0.2  # seconds between link ticks (of the members with something pending)
 SAVE_EVERY = 0.5  # seconds between identity saves after ACKs
+LINGER = 0.002  # seconds a shared loop rests after a turn that did a little (see LeafLoop)
+LINGER_BELOW = 64  # members touched in a turn below which it is a little
 SNDHWM = 10_000  # messages a DEALER queues (the endpoint's window bounds what is in flight)
 MAX_SOCKETS = 32_768  # ZeroMQ sockets of a LeafLoop's context (one DEALER per member)
 _events = fastio.events
@@ -81,10 +83,14 @@ class LeafLoop:
     every member that did anything has ZMQ_EVENTS looked at, since a send can
     take the edge) and on a pipe that :meth:`wake` writes to.  Only members with
     something pending (records unacknowledged, a HELLO unanswered) get ticks:
-    a fleet of idle devices costs nothing between their records.
+    a fleet of idle devices costs nothing between their records.  After a turn
+    that touched fewer than LINGER_BELOW members the loop rests ``linger``
+    seconds (2 ms; a producer's own loop: 0), so that a fleet's records and
+    ACKs, each of another device, share turns instead of taking one each.
     """
 
-    def __init__(self, name: str = "") -> None:
+    def __init__(self, name: str = "", *, linger: float = LINGER) -> None:
+        self.linger = linger
         self.ctx = zmq.Context()
         self.ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
         self._wake_r, self._wake_w = os.pipe()
@@ -151,6 +157,11 @@ class LeafLoop:
                     member._read(now)
                     touched[member] = None
                 wait = 0.0 if ready or self._dirty else max(0.0, next_tick - time.monotonic())
+                if self.linger and touched and len(touched) < LINGER_BELOW and not self._stop.is_set():
+                    # A trickle (devices of a fleet, each a record now and then): rest, so
+                    # that the next publishes and ACKs share one turn, one wake-up (the
+                    # first publish meanwhile writes the pipe, the others find it written).
+                    time.sleep(self.linger)
                 for key, _ in self._selector.select(wait):
                     member = key.data
                     if member is None:
@@ -264,7 +275,7 @@ class LeafProducer(ReceiptCallbacks):
         if self._identity_path is not None:
             self._reserve_locked(0)  # the file exists, with a bound, before the first publish
         self._own_loop = loop is None
-        self._loop = loop or LeafLoop(f"-{self.address[:8]}")
+        self._loop = loop or LeafLoop(f"-{self.address[:8]}", linger=0.0)  # alone: nothing to share turns with
         self._attached = threading.Event()
         self._detached = threading.Event()
         self._started = False
