@@ -49,6 +49,9 @@ BAD_LIMIT = 16  # hostile messages from one connection before it is ignored
 IDLE = 300.0  # seconds a silent session is kept
 BAD_REMEMBERED = 4_096  # connections with strikes (or ignored) remembered at most
 NO_SESSION = "no session: send LEAF-HELLO"
+RESEND = "a hole here: send LEAF-HELLO and your unacknowledged records again"
+RESEND_WAIT = 1.0  # seconds before a session is first asked again to send what fills a hole
+MAX_RESEND_WAIT = 32.0  # the longest wait (it doubles while the ACK does not move)
 _U64 = struct.Struct(">Q")
 
 
@@ -276,6 +279,8 @@ class LeafSession:
     seen: float = 0.0
     prefix: bytes = b""  # a RECORD's first frame up to the sequence, as the leaf sends it
     ack_prefix: bytes = b""  # an ACK's frame up to the sequence
+    resend_at: float = float("-inf")  # when it may next be asked to send again (a hole caps its ACK)
+    resend_wait: float = RESEND_WAIT
 
 
 class LeafPort:
@@ -284,6 +289,17 @@ class LeafPort:
     ``head(subject, partition)`` is the store's committed head (-1: none);
     ``refusal()`` says why the store cannot take records now ("" when it can);
     ``authorize(peer_key, partition)`` (secure mode) whether a key owns a partition.
+
+    Holes (``dafka.store.holes``), as for a mesh producer: ``cap(subject,
+    partition, ack)`` is the ACK the store may give (never past a recorded hole
+    the leaf may still hold).  A leaf cannot be sent a FETCH; it is asked instead
+    to send again from its last ACK (STORE-STATUS ``writing=0`` with
+    :data:`RESEND`: it says HELLO and sends every unacknowledged record), when a
+    hole caps an ACK below what it sent, at most once per ``resend_wait``
+    (doubling while the ACK does not move).  A HELLO's ``acked`` says the leaf
+    holds nothing up to there (an endpoint acknowledged it):
+    ``acked_elsewhere(subject, partition, acked)`` tells the store, whose holes
+    up to there then cap the leaf's ACKs no more.
     """
 
     def __init__(
@@ -297,9 +313,14 @@ class LeafPort:
         bad_limit: int = BAD_LIMIT,
         idle: float = IDLE,
         address: str = "",
+        cap: Callable[[str, str, int], int] | None = None,
+        acked_elsewhere: Callable[[str, str, int], None] | None = None,
     ) -> None:
         self.head = head
         self.refusal = refusal
+        self.cap = cap
+        self.acked_elsewhere = acked_elsewhere
+        self.resends = 0  # sessions asked to send again (a hole capped their ACK)
         self.max_sessions = max_sessions
         self.window = window
         self.max_record_bytes = max_record_bytes
@@ -372,14 +393,14 @@ class LeafPort:
                 out.append(Relay(wire.encode(wire.Record(session.subject, session.partition, session.subject, seq, content))))
             self.taken += len(contents)
             session.high = max(session.high, last)
-            out.extend(self._ack(session, self.head(session.subject, session.partition)))
+            out.extend(self._ack(session, self.head(session.subject, session.partition), False, now))
             return out
         if isinstance(msg, wire.Head):
             if msg.address != session.partition or msg.subject != session.subject or msg.topic != msg.subject:
                 return self._strike(peer, "a HEAD of another partition than the HELLO's")
             out = [Relay(frames)]
             # A HEAD asks again for the ACK (one may have been dropped: a full send queue).
-            out.extend(self._ack(session, min(self.head(session.subject, session.partition), msg.sequence), again=True))
+            out.extend(self._ack(session, min(self.head(session.subject, session.partition), msg.sequence), True, now))
             return out
         return self._strike(peer, f"{type(msg).__name__} has no place from a leaf")
 
@@ -401,7 +422,7 @@ class LeafPort:
             return out
         head = self.head(session.subject, session.partition)
         if seq <= head:
-            out.extend(self._ack(session, head))  # committed already (a resend): acknowledged at once
+            out.extend(self._ack(session, head, False, now))  # committed already (a resend): acknowledged at once
         return out
 
     def _hello(self, peer: bytes, msg: leafwire.LeafHello, session: LeafSession | None, now: float) -> list[PortAction]:
@@ -430,6 +451,8 @@ class LeafPort:
         session.base = max(session.base, msg.acked)
         session.seen = now
         self.by_partition[key] = peer
+        if msg.acked >= 0 and self.acked_elsewhere is not None:
+            self.acked_elsewhere(msg.subject, msg.topic, msg.acked)  # it holds none of them
         held = self.head(msg.subject, msg.topic)
         welcome = leafwire.LeafWelcome(msg.topic, msg.subject, held, self.window, self.max_record_bytes)
         return [Reply(peer, leafwire.encode(welcome))]
@@ -461,16 +484,31 @@ class LeafPort:
 
     # ------------------------------------------------------------ commits and time
 
-    def _ack(self, session: LeafSession, head: int, again: bool = False) -> list[PortAction]:
+    def _ack(self, session: LeafSession, head: int, again: bool = False, now: float | None = None) -> list[PortAction]:
         ack = min(head, session.high)
+        resend: list[PortAction] = []
+        if self.cap is not None and ack >= 0:
+            capped = self.cap(session.subject, session.partition, ack)
+            if capped < ack:
+                ack = capped
+                if now is not None and now >= session.resend_at:
+                    # It may hold what the hole lacks, and sent it already on this
+                    # connection: ask it to send everything unacknowledged again.
+                    session.resend_at = now + session.resend_wait
+                    session.resend_wait = min(session.resend_wait * 2, MAX_RESEND_WAIT)
+                    self.resends += 1
+                    status = wire.StoreStatus(session.partition, self.address, session.subject, 0, RESEND)
+                    resend.append(Reply(session.peer, wire.encode(status)))  # after the ACK
         if ack < 0 or ack < session.acked or (ack == session.acked and not again):
-            return []
+            return resend
+        if ack > session.acked:
+            session.resend_wait = RESEND_WAIT  # progress
         session.acked = ack
         session.base = max(session.base, ack)
         self.acks += 1
         if not session.ack_prefix:
             session.ack_prefix = wire.encode(wire.Ack(session.partition, session.subject, 0))[0][:-8]
-        return [Reply(session.peer, [session.ack_prefix + _U64.pack(ack)])]
+        return [Reply(session.peer, [session.ack_prefix + _U64.pack(ack)]), *resend]
 
     def on_commit(self, heads: dict[tuple[str, str], int]) -> list[PortAction]:
         """The store committed (synced) these heads: ACK the sessions of those partitions."""

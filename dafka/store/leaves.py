@@ -75,6 +75,7 @@ class LeafHost(Protocol):
     _put_gate: Any
     _missing: Any
     _trickle: Any
+    repair: Any
     linger: float
 
     def every(self, interval: float, fn: Callable[[float], None]) -> None: ...
@@ -142,6 +143,8 @@ class LeafEndpoint:
             idle=idle,
             address=store.address,
             max_sessions=max_connections,
+            cap=self._cap,
+            acked_elsewhere=self._acked_elsewhere,
         )
         store.every(TICK, self._on_tick)
         log.info("store %s takes leaves on %s", store.address[:8], self.endpoint)
@@ -153,6 +156,13 @@ class LeafEndpoint:
 
     def _head(self, subject: str, partition: str) -> int:
         return self.store._heads.get((subject, partition), -1)
+
+    def _cap(self, subject: str, partition: str, ack: int) -> int:
+        repair = self.store.repair
+        return repair.cap((subject, partition), ack) if repair else ack  # (no holes, no lookup)
+
+    def _acked_elsewhere(self, subject: str, partition: str, acked: int) -> None:
+        self.store.repair.acked_elsewhere((subject, partition), acked)
 
     def _refusal(self) -> str:
         error = self.store.storage_error
@@ -303,4 +313,5 @@ class LeafEndpoint:
             "leaf_over_window": core.over_window,
             "leaf_refused": core.refused + self.refused_connections,
             "leaf_relays_dropped": self.relays_dropped,
+            "leaf_resends": core.resends,
         }

@@ -493,7 +493,16 @@ class Store(PartitionReader):
                     self._unsent_acks[key] = max(head, self._unsent_acks.get(key, -1))
         self._send_acks()
         if self.leaves is not None:
-            self.leaves.on_commit(heads)  # after the heads above: an ACK read at once finds them
+            # After the heads above: an ACK read at once finds them.  Partitions whose
+            # holes this commit filled too: their ACKs, capped below a hole, may move on.
+            leaf_heads = heads
+            if fills:
+                leaf_heads = dict(heads)
+                for f in fills:
+                    key = (f[0], f[1])
+                    if key not in leaf_heads and key in leaf_served and key in self._heads:
+                        leaf_heads[key] = self._heads[key]
+            self.leaves.on_commit(leaf_heads)
         self.commit_sizes.observe(len(batch) + len(pairs))
         received: Any = batch[0][4] if batch and len(batch[0]) == 5 else None  # mesh records: ms stamp
         if received is None and pairs:
