@@ -507,3 +507,20 @@ def test_a_hello_says_what_the_leaf_holds_none_of() -> None:
     p.on_message(b"d", hello(acked=-1), 0.0)
     p.on_message(b"d", hello(acked=7, nxt=9), 0.1)
     assert said == [(T, ADDR, 7)]
+
+
+def test_next_due_says_when_a_tick_has_something_to_do() -> None:
+    w = UnackedWindow(100)
+    lk = link(w, connect_timeout=5.0, ack_timeout=10.0, head_interval=1.0)
+    lk.start(0.0)
+    assert lk.next_due() == 5.0  # no WELCOME by then: the next endpoint
+    lk.on_message(welcome(), 0.5)
+    assert lk.next_due() is None  # welcomed, nothing to send: no tick until a publish
+    w.push(b"a")
+    lk.sent(0, 2.0)
+    assert lk.next_due() == 3.0  # a HEAD if no ACK came by then
+    assert lk.on_tick(2.9) == [] and len(lk.on_tick(3.0)) == 1
+    lk.on_message(ack(0), 3.5)
+    assert lk.next_due() is None
+    assert lk.on_message([wire.encode(wire.Ack(ADDR, T, 0))[0]], 3.6) == []  # (the fast path: an old ACK)
+    assert w.acked == 0 and lk.bad_acks == 0

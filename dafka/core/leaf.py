@@ -120,6 +120,9 @@ class LeafLink:
         self.bad_acks = 0  # ACKs beyond what was published
         self.status: tuple[bool, str] | None = None  # the endpoint's last STORE-STATUS (writing, reason)
         self.welcomed_held = -1  # the endpoint's head at the WELCOME
+        # An ACK of this partition as endpoints send it, up to the sequence: most of
+        # what a leaf hears, recognised without decoding (as the port's records are).
+        self._ack_prefix = wire.encode(wire.Ack(address, topic, 0))[0][:-8]
 
     @property
     def endpoint(self) -> str:
@@ -158,6 +161,10 @@ class LeafLink:
 
     def on_message(self, frames: list[bytes], now: float) -> list[LinkAction]:
         """A message from the endpoint; returns what to do (an ACK may free room: see ``window``)."""
+        if len(frames) == 1 and self.state == ACTIVE:
+            frame, prefix = frames[0], self._ack_prefix
+            if len(frame) == len(prefix) + 8 and frame.startswith(prefix):
+                return self._on_ack(_U64.unpack_from(frame, len(prefix))[0], now)
         try:
             msg = leafwire.decode(frames)
         except ProtocolError:
@@ -178,14 +185,7 @@ class LeafLink:
             if msg.topic != self.address or msg.subject != self.topic or self.state != ACTIVE:
                 self.bad_input += 1
                 return []
-            if msg.sequence >= self.window.next:
-                self.bad_acks += 1
-                return []
-            if self.window.ack(msg.sequence):
-                self.waiting_since = now if len(self.window) else None
-                self.backoff = 1
-                self.head_at = now  # a HEAD goes only when ACKs stall (it asks for the ACK again)
-            return []
+            return self._on_ack(msg.sequence, now)
         if isinstance(msg, wire.StoreStatus):
             if msg.topic != self.address:
                 self.bad_input += 1
@@ -201,6 +201,28 @@ class LeafLink:
             return []
         self.bad_input += 1  # a leaf's own messages coming back
         return []
+
+    def _on_ack(self, sequence: int, now: float) -> list[LinkAction]:
+        if sequence >= self.window.next:
+            self.bad_acks += 1
+            return []
+        if self.window.ack(sequence):
+            self.waiting_since = now if len(self.window) else None
+            self.backoff = 1
+            self.head_at = now  # a HEAD goes only when ACKs stall (it asks for the ACK again)
+        return []
+
+    def next_due(self) -> float | None:
+        """When :meth:`on_tick` may next have something to do (None: not before
+        something else happens, a publish or a message)."""
+        if self.state == HELLO:
+            return self.give_up_at
+        if len(self.window) == 0:
+            return None
+        due = self.head_at + self.head_interval  # (a HEAD, or at least a look, while records wait)
+        if self.waiting_since is not None:
+            due = min(due, self.waiting_since + self.ack_timeout * self.backoff)
+        return due
 
     def sendable(self) -> tuple[int, int] | None:
         """The offsets to send now, ``(first, last)``, or None."""

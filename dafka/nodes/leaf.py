@@ -101,7 +101,7 @@ class LeafLoop:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._members: dict[int, LeafProducer] = {}
-        self._ticking: dict[LeafProducer, None] = {}  # members with something pending
+        self._ticking: dict[LeafProducer, float] = {}  # members with something due, and when
         self._dirty: deque[LeafProducer] = deque()  # members with records or commands to act on
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"dafka-leaves{name}", daemon=True)
@@ -143,10 +143,13 @@ class LeafLoop:
                 touched: dict[LeafProducer, None] = {}
                 if now >= next_tick:
                     next_tick = now + TICK
-                    for member in list(self._ticking):
-                        if not member._tick(now):
-                            self._ticking.pop(member, None)
-                        touched[member] = None
+                    # Only the members whose link has something due (a HEAD, a failover):
+                    # thousands waiting a few ms for their ACK cost nothing here.
+                    for member, due in list(self._ticking.items()):
+                        if due <= now:
+                            member._tick(now)
+                            self._pending(member)
+                            touched[member] = None
                 with self._wake_lock:
                     dirty, self._dirty = self._dirty, deque()
                     self._woken = False
@@ -195,7 +198,12 @@ class LeafLoop:
             pass
 
     def _pending(self, member: LeafProducer) -> None:
-        self._ticking[member] = None
+        """Tick ``member`` when its link next has something due (never if nothing is)."""
+        due = member.link.next_due() if member.sock is not None else None
+        if due is None:
+            self._ticking.pop(member, None)
+        else:
+            self._ticking[member] = due
 
 
 class LeafProducer(ReceiptCallbacks):
@@ -565,8 +573,8 @@ class LeafProducer(ReceiptCallbacks):
         if self._closed:
             self._detach()
             return
-        self._loop._pending(self)
         self._send_records(now)
+        self._loop._pending(self)
 
     def _send_records(self, now: float) -> None:
         sock = self.sock
@@ -607,19 +615,16 @@ class LeafProducer(ReceiptCallbacks):
             self._run_callbacks()
             self._save_identity()
         self._send_records(now)
+        self._loop._pending(self)
 
-    def _tick(self, now: float) -> bool:
-        """The link's timers; whether the member still has something pending."""
-        link = self.link
+    def _tick(self, now: float) -> None:
+        """The link's timers (the loop calls it when :meth:`LeafLink.next_due` is past)."""
         if self.sock is None:
-            return False
-        if link.state == leafcore.ACTIVE and self.window.acked == self.window.next - 1:
-            return False  # idle: nothing to time (its next publish makes it pending again)
+            return
         with self._lock:
             actions = self.link.on_tick(now)
         self._apply(actions)
         self._send_records(now)
-        return self.sock is not None and (len(self.window) > 0 or self.link.state != leafcore.ACTIVE)
 
     def _detach(self) -> None:
         self._loop._members.pop(id(self), None)
