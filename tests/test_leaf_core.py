@@ -524,3 +524,12 @@ def test_next_due_says_when_a_tick_has_something_to_do() -> None:
     assert lk.next_due() is None
     assert lk.on_message([wire.encode(wire.Ack(ADDR, T, 0))[0]], 3.6) == []  # (the fast path: an old ACK)
     assert w.acked == 0 and lk.bad_acks == 0
+
+
+def test_expiry_goes_by_when_a_session_was_last_heard_not_when_it_began() -> None:
+    p, heads = port(idle=10.0)
+    p.on_message(b"a", hello(addr="A" * 32), 0.0)
+    p.on_message(b"b", hello(addr="B" * 32), 1.0)
+    p.on_message(b"a", record(0, addr="A" * 32), 9.0)
+    assert p.expire(11.5) == 1 and list(p.sessions) == [b"a"]
+    assert p.expire(18.9) == 0 and p.expire(19.0) == 1 and len(p) == 0
