@@ -533,3 +533,20 @@ def test_expiry_goes_by_when_a_session_was_last_heard_not_when_it_began() -> Non
     p.on_message(b"a", record(0, addr="A" * 32), 9.0)
     assert p.expire(11.5) == 1 and list(p.sessions) == [b"a"]
     assert p.expire(18.9) == 0 and p.expire(19.0) == 1 and len(p) == 0
+
+
+def test_heads_without_ack_progress_back_off_and_an_ack_resets_them() -> None:
+    """An endpoint that is only behind is not sent a HEAD a second by every leaf
+    waiting on it (at 10,000 leaves that doubled its load once it fell a second behind)."""
+    w = UnackedWindow(100)
+    lk = link(w, ack_timeout=100.0, head_interval=1.0)
+    lk.start(0.0)
+    lk.on_message(welcome(window=10), 0.0)
+    w.push(b"a")
+    lk.sent(0, 0.0)
+    heads = [t / 10 for t in range(1, 300) if lk.on_tick(t / 10)]
+    assert heads == [1.0, 3.0, 7.0, 11.0, 15.0, 19.0, 23.0, 27.0]  # 1, 2, 4, then every 4 s
+    lk.on_message(ack(0), 29.0)
+    w.push(b"b")
+    lk.sent(1, 29.0)
+    assert lk.next_due() == 30.0

@@ -42,6 +42,7 @@ ACK_TIMEOUT = 10.0  # seconds records may wait without ACK progress before the n
 MIN_DWELL = 1.0  # seconds an endpoint is kept at least (one that refuses is not hammered)
 HEAD_INTERVAL = 1.0  # seconds between HEADs while records wait for an ACK
 MAX_BACKOFF = 8  # most the timeouts are multiplied by after failovers without progress
+MAX_HEAD_WAIT = 4  # most head_interval is multiplied by between HEADs without ACK progress
 
 WINDOW = 1_000  # records a leaf may have unacknowledged on one connection
 MAX_SESSIONS = 20_000
@@ -114,6 +115,10 @@ class LeafLink:
         self.sent_upto = -1  # highest offset sent on this connection
         self.waiting_since: float | None = None  # records wait for an ACK since (progress resets it)
         self.head_at = 0.0
+        # Seconds from the last send or HEAD to the next HEAD: head_interval, doubled
+        # after each HEAD without ACK progress (up to MAX_HEAD_WAIT): an endpoint that is
+        # only behind is not sent a HEAD a second by every leaf waiting on it.
+        self.head_wait = head_interval
         self.failovers = 0
         self.backoff = 1  # multiplies the timeouts after failovers without progress
         self.bad_input = 0  # messages from the endpoint that do not decode or do not fit
@@ -143,6 +148,7 @@ class LeafLink:
         self.credit = 0
         self.sent_upto = self.window.acked  # everything unacknowledged goes again
         self.waiting_since = None
+        self.head_wait = self.head_interval
         self.status = None
         hello = leafwire.LeafHello(self.address, self.topic, self.window.acked, self.window.next)
         return [Send(leafwire.encode(hello))]
@@ -210,6 +216,7 @@ class LeafLink:
             self.waiting_since = now if len(self.window) else None
             self.backoff = 1
             self.head_at = now  # a HEAD goes only when ACKs stall (it asks for the ACK again)
+            self.head_wait = self.head_interval
         return []
 
     def next_due(self) -> float | None:
@@ -219,7 +226,7 @@ class LeafLink:
             return self.give_up_at
         if len(self.window) == 0:
             return None
-        due = self.head_at + self.head_interval  # (a HEAD, or at least a look, while records wait)
+        due = self.head_at + self.head_wait  # (a HEAD, or at least a look, while records wait)
         if self.waiting_since is not None:
             due = min(due, self.waiting_since + self.ack_timeout * self.backoff)
         return due
@@ -250,8 +257,9 @@ class LeafLink:
             return []
         if self.waiting_since is not None and now - self.waiting_since >= self.ack_timeout * self.backoff:
             return self.failover(now)
-        if now - self.head_at >= self.head_interval and self.sent_upto >= 0:
+        if now - self.head_at >= self.head_wait and self.sent_upto >= 0:
             self.head_at = now
+            self.head_wait = min(self.head_wait * 2, MAX_HEAD_WAIT * self.head_interval)
             head = wire.Head(self.topic, self.address, self.topic, self.sent_upto)
             return [Send(leafwire.encode(head))]
         return []
