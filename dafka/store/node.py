@@ -54,6 +54,7 @@ from dafka.nodes.metrics import SECONDS_BUCKETS, SIZE_BUCKETS, Histogram
 from dafka.nodes.node import DRAIN, read_subscriptions
 from dafka.nodes.reader import NOBLOCK, PartitionReader, unheard_may_wait
 from dafka.store.acks import AckRepeats
+from dafka.store.announce import HeadsRota
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.holes import HoleRepair
 from dafka.store.layout import VALUE_HEADER
@@ -81,6 +82,7 @@ SERVE_SLICE = 2_000  # DIRECT-RECORDs sent per FETCH job per loop turn
 STATS_INTERVAL = 10.0
 RETENTION_BUDGET = 0.2  # seconds of deletions per retention round
 HEADS_INTERVAL = 30.0  # stores re-announce the heads they hold (replication)
+HEADS_STEP = 1.0  # ... a slice every this many seconds (dafka.store.announce)
 STATUS_INTERVAL = 1.0  # STORE-STATUS to the producers whose records came in
 # A partition that commits and is acknowledged is told "writing" at most this
 # often (a producer's diagnose() looks 5 s back): each second it was a message
@@ -287,7 +289,9 @@ class Store(PartitionReader):
         # (see PartitionTracker.pass_restart_hole; C stores never send them).
         self.subscribe(wire.P_VOID + own)
         self.every(STATS_INTERVAL, self._log_stats)
-        self.every(HEADS_INTERVAL, self._announce_heads)
+        # Every head again each HEADS_INTERVAL, a slice a second (not 10,000 in one turn).
+        self._rota = HeadsRota(self._heads.keys, interval=HEADS_INTERVAL, step=HEADS_STEP)
+        self.every(HEADS_STEP, self._announce_some)
         self.every(STATUS_INTERVAL, self._send_status)
         self._sync_holes()
         # Leaf devices dial this port (dafka.store.leaves): their records enter as the mesh's do.
@@ -1050,6 +1054,14 @@ class Store(PartitionReader):
     def _announce_heads(self, now: float) -> None:
         for (topic, partition), head in list(self._heads.items()):
             self.send(wire.Head(topic, partition, topic, head))
+
+    def _announce_some(self, now: float) -> None:
+        """This second's slice of the periodic re-announce (see dafka.store.announce)."""
+        heads = self._heads
+        for key in self._rota.due(now):
+            head = heads.get(key)
+            if head is not None:
+                self.send(wire.Head(key[0], key[1], key[0], head))
 
     def on_tick(self, now: float) -> None:
         self._blocked = False  # readers had a tick to drain their queues
