@@ -450,3 +450,103 @@ def _random_exchange(seed: int) -> None:
     assert w.acked == w.next - 1, seed
     merged = {**committed["a:1"], **committed["b:2"]}
     assert all(merged.get(s) == b"c%d" % s for s in range(w.next)), seed
+
+
+def test_a_hole_caps_the_leafs_ack_and_asks_it_to_send_again_which_fills_it() -> None:
+    """As a mesh producer's ACK (dafka.store.holes): never past a recorded hole the
+    leaf may hold.  The store gave 2..3 up; the leaf sent 0..5 (they came, 2..3 too
+    late: after the hole was recorded).  The ACK stops at 1 and the leaf is asked to
+    send again; its HELLO and resend fill the hole, then the ACK reaches 5."""
+    holes = {(T, ADDR): (2, 3)}
+
+    def cap(subject: str, partition: str, ack: int) -> int:
+        hole = holes.get((subject, partition))
+        return hole[0] - 1 if hole is not None and hole[0] <= ack else ack
+
+    p, heads = port(window=100, cap=cap)
+    w = UnackedWindow(100)
+    lk = link(w)
+    for act in lk.start(0.0):
+        if isinstance(act, Send):
+            (r,) = p.on_message(b"d", act.frames, 0.0)
+            lk.on_message(r.frames, 0.0)  # type: ignore[union-attr]
+    for i in range(6):
+        w.push(b"r%d" % i)
+    first, last = lk.sendable()  # type: ignore[misc]
+    for s in range(first, last + 1):
+        p.on_message(b"d", record(s), 0.1)
+    lk.sent(last, 0.1)
+    heads[(T, ADDR)] = 5
+    out = p.on_commit({(T, ADDR): 5})
+    assert [wire.decode(r.frames) for r in out] == [wire.Ack(ADDR, T, 1)]  # type: ignore[union-attr]
+    # Its HEAD (the ACK stalls) is answered with the capped ACK and a request to send again.
+    out = p.on_message(b"d", wire.encode(wire.Head(T, ADDR, T, 5)), 1.1)
+    replies = [wire.decode(r.frames) for r in out if isinstance(r, Reply)]
+    assert replies[0] == wire.Ack(ADDR, T, 1)
+    assert isinstance(replies[1], wire.StoreStatus) and replies[1].writing == 0 and p.resends == 1
+    for r in out:
+        if isinstance(r, Reply):
+            for act in lk.on_message(r.frames, 1.1):
+                (welcome_,) = p.on_message(b"d", act.frames, 1.1)  # type: ignore[union-attr]
+                lk.on_message(welcome_.frames, 1.1)  # type: ignore[union-attr]
+    assert w.acked == 1 and lk.sendable() == (2, 5)  # everything unacknowledged goes again
+    # Asked again at most once per resend_wait.
+    out = p.on_message(b"d", wire.encode(wire.Head(T, ADDR, T, 5)), 1.2)
+    assert [wire.decode(r.frames) for r in out if isinstance(r, Reply)] == [wire.Ack(ADDR, T, 1)]
+    taken = [t.sequence for s in range(2, 6) for t in p.on_message(b"d", record(s), 1.2) if isinstance(t, Take)]
+    assert taken == [2, 3, 4, 5]
+    del holes[(T, ADDR)]  # the resent 2..3 filled it (committed)
+    for r in p.on_commit({(T, ADDR): 5}):
+        lk.on_message(r.frames, 1.3)  # type: ignore[union-attr]
+    assert w.acked == 5
+
+
+def test_a_hello_says_what_the_leaf_holds_none_of() -> None:
+    said: list[tuple[str, str, int]] = []
+    p, heads = port(acked_elsewhere=lambda s, a, n: said.append((s, a, n)))
+    p.on_message(b"d", hello(acked=-1), 0.0)
+    p.on_message(b"d", hello(acked=7, nxt=9), 0.1)
+    assert said == [(T, ADDR, 7)]
+
+
+def test_next_due_says_when_a_tick_has_something_to_do() -> None:
+    w = UnackedWindow(100)
+    lk = link(w, connect_timeout=5.0, ack_timeout=10.0, head_interval=1.0)
+    lk.start(0.0)
+    assert lk.next_due() == 5.0  # no WELCOME by then: the next endpoint
+    lk.on_message(welcome(), 0.5)
+    assert lk.next_due() is None  # welcomed, nothing to send: no tick until a publish
+    w.push(b"a")
+    lk.sent(0, 2.0)
+    assert lk.next_due() == 3.0  # a HEAD if no ACK came by then
+    assert lk.on_tick(2.9) == [] and len(lk.on_tick(3.0)) == 1
+    lk.on_message(ack(0), 3.5)
+    assert lk.next_due() is None
+    assert lk.on_message([wire.encode(wire.Ack(ADDR, T, 0))[0]], 3.6) == []  # (the fast path: an old ACK)
+    assert w.acked == 0 and lk.bad_acks == 0
+
+
+def test_expiry_goes_by_when_a_session_was_last_heard_not_when_it_began() -> None:
+    p, heads = port(idle=10.0)
+    p.on_message(b"a", hello(addr="A" * 32), 0.0)
+    p.on_message(b"b", hello(addr="B" * 32), 1.0)
+    p.on_message(b"a", record(0, addr="A" * 32), 9.0)
+    assert p.expire(11.5) == 1 and list(p.sessions) == [b"a"]
+    assert p.expire(18.9) == 0 and p.expire(19.0) == 1 and len(p) == 0
+
+
+def test_heads_without_ack_progress_back_off_and_an_ack_resets_them() -> None:
+    """An endpoint that is only behind is not sent a HEAD a second by every leaf
+    waiting on it (at 10,000 leaves that doubled its load once it fell a second behind)."""
+    w = UnackedWindow(100)
+    lk = link(w, ack_timeout=100.0, head_interval=1.0)
+    lk.start(0.0)
+    lk.on_message(welcome(window=10), 0.0)
+    w.push(b"a")
+    lk.sent(0, 0.0)
+    heads = [t / 10 for t in range(1, 300) if lk.on_tick(t / 10)]
+    assert heads == [1.0, 3.0, 7.0, 11.0, 15.0, 19.0, 23.0, 27.0]  # 1, 2, 4, then every 4 s
+    lk.on_message(ack(0), 29.0)
+    w.push(b"b")
+    lk.sent(1, 29.0)
+    assert lk.next_due() == 30.0

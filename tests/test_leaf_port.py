@@ -186,3 +186,57 @@ def test_many_leaves_share_one_loop(cfg: NodeConfig, tmp_path: Path) -> None:
             assert all(leaf.close(1) for leaf in leaves)
         finally:
             loop.close()
+
+
+def test_a_leafs_ack_never_passes_a_recorded_hole_it_may_still_fill(cfg: NodeConfig, tmp_path: Path, ctx: zmq.Context) -> None:
+    """As a mesh producer's (dafka.store.holes): the store gave 5..7 up (a hole), the
+    leaf still holds them (its HELLO says nothing is acknowledged).  Its records
+    8..10 are below the store's head; the ACK stops at 4, the leaf is asked to send
+    again (STORE-STATUS writing=0), and what it sends fills the hole; then 10."""
+    from dafka.store.db import RecordDB
+
+    address = new_address()
+    db = RecordDB(str(tmp_path / "db"))
+    db.append([(T, address, s, b"r%d" % s, 1) for s in (*range(5), *range(8, 11))], skips=[(T, address, 5, 7)])
+    assert db.holes() == [(T, address, 5, 7)]
+    db.close()
+    with make_store(cfg, tmp_path) as store:
+        leaf = HonestLeaf(ctx, store, address)
+        welcome = leaf.hello(acked=-1, nxt=11)
+        assert isinstance(welcome, leafwire.LeafWelcome) and welcome.held == 10
+        for seq in (8, 9, 10):
+            leaf.send(seq, b"r%d" % seq)
+        acks, statuses = [], []
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            msg = recv(leaf.sock, deadline - time.monotonic())
+            if isinstance(msg, wire.Ack):
+                acks.append(msg.sequence)
+            elif isinstance(msg, wire.StoreStatus):
+                statuses.append(msg)
+                break
+        assert all(a <= 4 for a in acks), acks  # never past the hole
+        assert statuses and not statuses[0].writing  # send again (a HELLO, then from acked+1)
+        assert leaf.hello(acked=-1, nxt=11) is not None
+        for seq in range(11):
+            leaf.send(seq, b"r%d" % seq)
+        leaf.wait_ack(10)
+        assert [r.content for r in store.db.read(T, address, 0, 20)] == [b"r%d" % i for i in range(11)]
+
+
+def test_holes_a_leaf_says_are_acknowledged_elsewhere_cap_its_acks_no_more(cfg: NodeConfig, tmp_path: Path, ctx: zmq.Context) -> None:
+    """A leaf that failed over says (HELLO) that offsets up to 7 were acknowledged by
+    another endpoint: it holds none of them, so the hole 5..7 does not cap its ACK
+    (the store asks the other stores for it, as for any hole)."""
+    from dafka.store.db import RecordDB
+
+    address = new_address()
+    db = RecordDB(str(tmp_path / "db"))
+    db.append([(T, address, s, b"r%d" % s, 1) for s in (*range(5), *range(8, 11))], skips=[(T, address, 5, 7)])
+    db.close()
+    with make_store(cfg, tmp_path) as store:
+        leaf = HonestLeaf(ctx, store, address)
+        assert isinstance(leaf.hello(acked=7, nxt=12), leafwire.LeafWelcome)
+        for seq in (8, 9, 10, 11):
+            leaf.send(seq, b"r%d" % seq)
+        leaf.wait_ack(11)

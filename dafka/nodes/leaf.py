@@ -46,6 +46,8 @@ log = logging.getLogger("dafka.leaf")
 RESERVE_BLOCK = 10_000  # offsets reserved in the identity file at a time (renewed at half)
 TICK = 0.2  # seconds between link ticks (of the members with something pending)
 SAVE_EVERY = 0.5  # seconds between identity saves after ACKs
+LINGER = 0.002  # seconds a shared loop rests after a turn that did a little (see LeafLoop)
+LINGER_BELOW = 64  # members touched in a turn below which it is a little
 SNDHWM = 10_000  # messages a DEALER queues (the endpoint's window bounds what is in flight)
 MAX_SOCKETS = 32_768  # ZeroMQ sockets of a LeafLoop's context (one DEALER per member)
 _events = fastio.events
@@ -82,10 +84,14 @@ class LeafLoop:
     every member that did anything has ZMQ_EVENTS looked at, since a send can
     take the edge) and on a pipe that :meth:`wake` writes to.  Only members with
     something pending (records unacknowledged, a HELLO unanswered) get ticks:
-    a fleet of idle devices costs nothing between their records.
+    a fleet of idle devices costs nothing between their records.  After a turn
+    that touched fewer than LINGER_BELOW members the loop rests ``linger``
+    seconds (2 ms; a producer's own loop: 0), so that a fleet's records and
+    ACKs, each of another device, share turns instead of taking one each.
     """
 
-    def __init__(self, name: str = "") -> None:
+    def __init__(self, name: str = "", *, linger: float = LINGER) -> None:
+        self.linger = linger
         self.ctx = zmq.Context()
         self.ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
         self._wake_r, self._wake_w = os.pipe()
@@ -96,7 +102,7 @@ class LeafLoop:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._members: dict[int, LeafProducer] = {}
-        self._ticking: dict[LeafProducer, None] = {}  # members with something pending
+        self._ticking: dict[LeafProducer, float] = {}  # members with something due, and when
         self._dirty: deque[LeafProducer] = deque()  # members with records or commands to act on
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"dafka-leaves{name}", daemon=True)
@@ -138,10 +144,13 @@ class LeafLoop:
                 touched: dict[LeafProducer, None] = {}
                 if now >= next_tick:
                     next_tick = now + TICK
-                    for member in list(self._ticking):
-                        if not member._tick(now):
-                            self._ticking.pop(member, None)
-                        touched[member] = None
+                    # Only the members whose link has something due (a HEAD, a failover):
+                    # thousands waiting a few ms for their ACK cost nothing here.
+                    for member, due in list(self._ticking.items()):
+                        if due <= now:
+                            member._tick(now)
+                            self._pending(member)
+                            touched[member] = None
                 with self._wake_lock:
                     dirty, self._dirty = self._dirty, deque()
                     self._woken = False
@@ -152,6 +161,11 @@ class LeafLoop:
                     member._read(now)
                     touched[member] = None
                 wait = 0.0 if ready or self._dirty else max(0.0, next_tick - time.monotonic())
+                if self.linger and touched and len(touched) < LINGER_BELOW and not self._stop.is_set():
+                    # A trickle (devices of a fleet, each a record now and then): rest, so
+                    # that the next publishes and ACKs share one turn, one wake-up (the
+                    # first publish meanwhile writes the pipe, the others find it written).
+                    time.sleep(self.linger)
                 for key, _ in self._selector.select(wait):
                     member = key.data
                     if member is None:
@@ -185,7 +199,12 @@ class LeafLoop:
             pass
 
     def _pending(self, member: LeafProducer) -> None:
-        self._ticking[member] = None
+        """Tick ``member`` when its link next has something due (never if nothing is)."""
+        due = member.link.next_due() if member.sock is not None else None
+        if due is None:
+            self._ticking.pop(member, None)
+        else:
+            self._ticking[member] = due
 
 
 class _LeafOutboxPort:
@@ -370,7 +389,7 @@ class LeafProducer(ReceiptCallbacks):
             self.publish = self._publish_to_outbox  # type: ignore[method-assign]
             self.publish_many = self._publish_many_to_outbox  # type: ignore[method-assign]
         self._own_loop = loop is None
-        self._loop = loop or LeafLoop(f"-{self.address[:8]}")
+        self._loop = loop or LeafLoop(f"-{self.address[:8]}", linger=0.0)  # alone: nothing to share turns with
         self._attached = threading.Event()
         self._detached = threading.Event()
         self._started = False
@@ -664,9 +683,9 @@ class LeafProducer(ReceiptCallbacks):
                 self._open(act.endpoint)
             elif self.sock is not None:
                 try:
-                    self.sock.send_multipart(act.frames, zmq.NOBLOCK)
+                    fastio.send_frames(self.sock, act.frames)
                 except zmq.ZMQError:
-                    pass  # a full queue: HELLO and HEAD are sent again by the link's timers
+                    pass  # a full queue (False): HELLO and HEAD are sent again by the link's timers
 
     def _open(self, endpoint: str) -> None:
         loop = self._loop
@@ -694,8 +713,8 @@ class LeafProducer(ReceiptCallbacks):
         if self._closed:
             self._detach()
             return
-        self._loop._pending(self)
         self._send_records(now)
+        self._loop._pending(self)
 
     def _send_records(self, now: float) -> None:
         sock = self.sock
@@ -713,14 +732,14 @@ class LeafProducer(ReceiptCallbacks):
             runs = self.window.runs(first, last - first + 1)
         header = self._header
         sent = first - 1
-        try:
-            for start, contents in runs:
-                for seq, content in enumerate(contents, start):
-                    sock.send(header + wire.pack_u64(seq), zmq.SNDMORE | zmq.NOBLOCK)
-                    sock.send(content, zmq.NOBLOCK)
-                    sent = seq
-        except zmq.Again:
-            pass  # the queue is full: the rest goes on the next turn
+        send_records = fastio.send_records
+        for start, contents in runs:
+            # Compiled where built: the GIL held meanwhile (per-frame pyzmq sends gave it
+            # up at every frame, and waited for the app's publishing thread to return it).
+            n = send_records(sock, header, start, contents, noblock=True)
+            sent = start + n - 1
+            if n < len(contents):
+                break  # the queue is full: the rest goes on the next turn
         if sent >= first:
             self.records_sent += sent - first + 1
             self.link.sent(sent, now)
@@ -730,11 +749,7 @@ class LeafProducer(ReceiptCallbacks):
         if sock is None:
             return
         acked = self.window.acked
-        for _ in range(1024):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
+        for frames in fastio.recv_messages(sock, 1024):
             with self._lock:
                 before = self.window.acked
                 actions = self.link.on_message(frames, now)
@@ -747,21 +762,18 @@ class LeafProducer(ReceiptCallbacks):
             self._run_callbacks()
             self._save_identity()
         self._send_records(now)
+        self._loop._pending(self)
 
-    def _tick(self, now: float) -> bool:
-        """The link's timers; whether the member still has something pending."""
-        link = self.link
+    def _tick(self, now: float) -> None:
+        """The link's timers (the loop calls it when :meth:`LeafLink.next_due` is past)."""
         if self._outbox is not None:
             self._outbox.on_tick(now)  # max_age evictions (drop_oldest)
         if self.sock is None:
-            return False
-        if link.state == leafcore.ACTIVE and self.window.acked == self.window.next - 1:
-            return False  # idle: nothing to time (its next publish makes it pending again)
+            return
         with self._lock:
             actions = self.link.on_tick(now)
         self._apply(actions)
         self._send_records(now)
-        return self.sock is not None and (len(self.window) > 0 or self.link.state != leafcore.ACTIVE)
 
     def _detach(self) -> None:
         self._loop._members.pop(id(self), None)

@@ -224,6 +224,13 @@ class HoleRepair:
             if h.last <= last:
                 h.released = True
 
+    def acked_elsewhere(self, key: Key, upto: int) -> None:
+        """Partition ``key``'s owner, a leaf (``dafka.core.leaf``), says every offset
+        up to ``upto`` was acknowledged by an endpoint: it holds none of them, so
+        holes within ``..upto`` cap its ACKs no more, also those recorded later
+        (they are asked of the other stores as any hole)."""
+        self.on_restart_hole(key, 0, upto)
+
     def on_void(
         self, key: Key, first: int, last: int, source: str = "peer", stores: Collection[str] = ()
     ) -> None:

@@ -37,6 +37,7 @@ import zmq.utils.z85
 
 from dafka.core import leaf
 from dafka.errors import ConfigError
+from dafka.fastio import recv_messages, send_frames
 from dafka.nodes import security
 from dafka.nodes.node import frame_limit
 
@@ -46,13 +47,12 @@ MAX_CONNECTIONS = 20_000
 RCVHWM = 256  # messages queued per connection before libzmq stops reading it
 SNDHWM = 64  # messages (ACKs, WELCOMEs) queued for a leaf that does not read
 DRAIN = 2048  # messages read before the loop looks at the other sockets
+LINGER_BELOW = 64  # a read of fewer messages than this is small: the port rests (see read)
 TICK = 0.5
 ZAP_DOMAIN = b"dafka-leaves"
 _EVENT = struct.Struct("=HI")
 _COUNTED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 NOBLOCK = int(zmq.NOBLOCK)
-SNDMORE_NOBLOCK = int(zmq.SNDMORE) | NOBLOCK
-RCVMORE = int(zmq.RCVMORE)
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
@@ -87,9 +87,13 @@ class LeafHost(Protocol):
     _ts: int
     _put_gate: Any
     _missing: Any
+    _trickle: Any
+    repair: Any
+    linger: float
 
     def every(self, interval: float, fn: Callable[[float], None]) -> None: ...
     def watch_events(self, sock: object, events: int) -> None: ...
+    def linger_data(self, seconds: float) -> None: ...
     def fetch_missing(self) -> None: ...
     def batch_full(self) -> bool: ...
     def pause_data(self, paused: bool) -> None: ...
@@ -149,6 +153,8 @@ class LeafEndpoint:
         self.revoked = 0  # secure mode: messages of connections whose key left the allow-list since
         self.relays_dropped = 0  # relays a full subscriber queue refused (readers FETCH them)
         self.paused = False
+        self.resting = False  # resting with the store's data socket (see rest)
+        self._pids: list[int] = []  # stored partitions of the records read (see read)
         self._bad_logged = 0
         self.core = leaf.LeafPort(
             self._head,
@@ -161,6 +167,8 @@ class LeafEndpoint:
             max_sessions=max_connections,
             keeps=store.wants,
             authorize=_owns if self.secure else None,
+            cap=self._cap,
+            acked_elsewhere=self._acked_elsewhere,
         )
         store.every(TICK, self._on_tick)
         log.info("store %s takes leaves on %s", store.address[:8], self.endpoint)
@@ -172,6 +180,13 @@ class LeafEndpoint:
 
     def _head(self, subject: str, partition: str) -> int:
         return self.store._heads.get((subject, partition), -1)
+
+    def _cap(self, subject: str, partition: str, ack: int) -> int:
+        repair = self.store.repair
+        return repair.cap((subject, partition), ack) if repair else ack  # (no holes, no lookup)
+
+    def _acked_elsewhere(self, subject: str, partition: str, acked: int) -> None:
+        self.store.repair.acked_elsewhere((subject, partition), acked)
 
     def _refusal(self) -> str:
         error = self.store.storage_error
@@ -213,22 +228,25 @@ class LeafEndpoint:
         # Without it every pyzmq call here (each gives the GIL up) waited for the
         # writer thread's lmdb puts (each gives it up too): 20-50 µs a call, a
         # fifth of the records/s.
-        recv, getsockopt = sock.recv, sock.getsockopt
         on_message = core.on_message
         apply = self._apply
         with store._put_gate:
-            for _ in range(DRAIN):
-                # Frame by frame: recv_multipart costs about four recv calls (hotpath.md).
-                try:
-                    peer = recv(NOBLOCK)
-                except zmq.Again:
-                    break
-                frames = []
-                while getsockopt(RCVMORE):
-                    frames.append(recv(NOBLOCK))
-                apply(on_message(peer, frames, now))
+            # Whole messages, compiled where built (fastio: one C call, the GIL held
+            # meanwhile; per-frame pyzmq calls each gave the GIL up and waited for it).
+            msgs = recv_messages(sock, DRAIN)
+            for frames in msgs:
+                apply(on_message(frames[0], frames[1:], now))
         if core.bad != bad:
             self._log_bad()
+        if len(msgs) < LINGER_BELOW and store.linger:
+            # A trickle (a fleet of devices, each a record now and then): rest from
+            # reading, the mesh's data socket with it, as after a small read of it
+            # (dafka.store.linger), so that the next records share this turn's
+            # wake-up, commit and ACK pass.
+            pids, self._pids = self._pids, []
+            store.linger_data(store._trickle.rest(store.linger, pids, now))
+        else:
+            self._pids.clear()
         if store._missing:
             store.fetch_missing()
         if store.batch_full():
@@ -280,25 +298,20 @@ class LeafEndpoint:
         store = self.store
         for act in actions:
             if isinstance(act, leaf.Take):
-                store.track(store.tracker(act.subject, act.partition), act.sequence, act.content)
+                tracker = store.tracker(act.subject, act.partition)
+                store.track(tracker, act.sequence, act.content)
+                if tracker.pid is not None:
+                    self._pids.append(tracker.pid)
             elif isinstance(act, leaf.Relay):
-                frames = act.frames
+                # Without blocking: a full subscriber queue drops it (readers FETCH it).
                 try:
-                    if len(frames) == 2:
-                        send = store.publisher.send
-                        send(frames[0], SNDMORE_NOBLOCK)
-                        send(frames[1], NOBLOCK)  # (a message's first frame taken, the rest is)
-                    else:
-                        store.publisher.send_multipart(frames, NOBLOCK)
-                except zmq.Again:
+                    if not send_frames(store.publisher, act.frames):
+                        self.relays_dropped += 1
+                except zmq.ZMQError:
                     self.relays_dropped += 1
             else:
-                send = self.sock.send
                 try:
-                    send(act.peer, SNDMORE_NOBLOCK)
-                    for frame in act.frames[:-1]:
-                        send(frame, SNDMORE_NOBLOCK)
-                    send(act.frames[-1], NOBLOCK)
+                    send_frames(self.sock, [act.peer, *act.frames])
                 except zmq.ZMQError:
                     pass  # gone, or its queue is full: ACKs are cumulative and repeated
 
@@ -357,10 +370,18 @@ class LeafEndpoint:
             except zmq.ZMQError:
                 pass
 
+    def rest(self, resting: bool) -> None:
+        """Rest from reading (or read again) with the store's data socket (see Store.linger_data)."""
+        if resting != self.resting:
+            self.resting = resting
+            if not self.paused:
+                self.store.watch_events(self.sock, 0 if resting else zmq.POLLIN)
+
     def _on_tick(self, now: float) -> None:
         if self.paused and not self.store.data_paused and self.store.storage_error is None:
             self.paused = False
-            self.store.watch_events(self.sock, zmq.POLLIN)
+            if not self.resting:
+                self.store.watch_events(self.sock, zmq.POLLIN)
         self.core.expire(now)
 
     def stats(self) -> dict[str, int]:
@@ -374,4 +395,5 @@ class LeafEndpoint:
             "leaf_over_window": core.over_window,
             "leaf_refused": core.refused + self.refused_connections + self.refused_keys + self.revoked,
             "leaf_relays_dropped": self.relays_dropped,
+            "leaf_resends": core.resends,
         }

@@ -55,6 +55,7 @@ from dafka.nodes.node import DRAIN, read_subscriptions
 from dafka.nodes.reader import NOBLOCK, PartitionReader, unheard_may_wait
 from dafka.store.acks import AckRepeats
 from dafka.store.block import decode_header
+from dafka.store.announce import HeadsRota
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.holes import HoleRepair
 from dafka.store.layout import VALUE_HEADER
@@ -82,6 +83,7 @@ SERVE_SLICE = 2_000  # DIRECT-RECORDs sent per FETCH job per loop turn
 STATS_INTERVAL = 10.0
 RETENTION_BUDGET = 0.2  # seconds of deletions per retention round
 HEADS_INTERVAL = 30.0  # stores re-announce the heads they hold (replication)
+HEADS_STEP = 1.0  # ... a slice every this many seconds (dafka.store.announce)
 STATUS_INTERVAL = 1.0  # STORE-STATUS to the producers whose records came in
 # A partition that commits and is acknowledged is told "writing" at most this
 # often (a producer's diagnose() looks 5 s back): each second it was a message
@@ -311,7 +313,9 @@ class Store(PartitionReader):
         # (see PartitionTracker.pass_restart_hole; C stores never send them).
         self.subscribe(wire.P_VOID + own)
         self.every(STATS_INTERVAL, self._log_stats)
-        self.every(HEADS_INTERVAL, self._announce_heads)
+        # Every head again each HEADS_INTERVAL, a slice a second (not 10,000 in one turn).
+        self._rota = HeadsRota(self._heads.keys, interval=HEADS_INTERVAL, step=HEADS_STEP)
+        self.every(HEADS_STEP, self._announce_some)
         self.every(STATUS_INTERVAL, self._send_status)
         self._sync_holes()
         # Leaf devices dial this port (dafka.store.leaves): their records enter as the mesh's do.
@@ -528,7 +532,16 @@ class Store(PartitionReader):
                     self._unsent_acks[key] = max(head, self._unsent_acks.get(key, -1))
         self._send_acks()
         if self.leaves is not None:
-            self.leaves.on_commit(heads)  # after the heads above: an ACK read at once finds them
+            # After the heads above: an ACK read at once finds them.  Partitions whose
+            # holes this commit filled too: their ACKs, capped below a hole, may move on.
+            leaf_heads = heads
+            if fills:
+                leaf_heads = dict(heads)
+                for f in fills:
+                    key = (f[0], f[1])
+                    if key not in leaf_heads and key in leaf_served and key in self._heads:
+                        leaf_heads[key] = self._heads[key]
+            self.leaves.on_commit(leaf_heads)
         self.commit_sizes.observe(len(batch) + len(pairs) + held)
         received: Any = batch[0][4] if batch and len(batch[0]) == 5 else None  # mesh records: ms stamp
         if received is None and pairs:
@@ -717,6 +730,12 @@ class Store(PartitionReader):
             del self._unsent_acks[key]
 
     # ---------------------------------------------------------------- I/O thread: input
+
+    def _watch_data(self) -> None:
+        super()._watch_data()
+        leaves = getattr(self, "leaves", None)
+        if leaves is not None:
+            leaves.rest(bool(self._linger_until))  # the leaf port rests with the data socket
 
     def sockets(self) -> list[tuple[zmq.Socket, Any]]:
         leaves = self.leaves.sockets() if self.leaves is not None else []
@@ -1081,6 +1100,14 @@ class Store(PartitionReader):
     def _announce_heads(self, now: float) -> None:
         for (topic, partition), head in list(self._heads.items()):
             self.send(wire.Head(topic, partition, topic, head))
+
+    def _announce_some(self, now: float) -> None:
+        """This second's slice of the periodic re-announce (see dafka.store.announce)."""
+        heads = self._heads
+        for key in self._rota.due(now):
+            head = heads.get(key)
+            if head is not None:
+                self.send(wire.Head(key[0], key[1], key[0], head))
 
     def on_tick(self, now: float) -> None:
         self._blocked = False  # readers had a tick to drain their queues
