@@ -53,6 +53,7 @@ ZAP_DOMAIN = b"dafka-leaves"
 _EVENT = struct.Struct("=HI")
 _COUNTED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 NOBLOCK = int(zmq.NOBLOCK)
+RCVMORE = int(zmq.RCVMORE)
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:

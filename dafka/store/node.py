@@ -54,8 +54,8 @@ from dafka.nodes.metrics import SECONDS_BUCKETS, SIZE_BUCKETS, Histogram
 from dafka.nodes.node import DRAIN, read_subscriptions
 from dafka.nodes.reader import NOBLOCK, PartitionReader, unheard_may_wait
 from dafka.store.acks import AckRepeats
-from dafka.store.block import decode_header
 from dafka.store.announce import HeadsRota
+from dafka.store.block import decode_header
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.holes import HoleRepair
 from dafka.store.layout import VALUE_HEADER
