@@ -1417,6 +1417,8 @@ def test_publish_keeps_single_records_and_bundle_runs_of_one_partition_apart(
     key = ("mixpub", address)
     peer = raw_peer([wire.P_RECORD + b"mixpub"])
     peer.wait_for(lambda q: q.peers)
+    # The gateway sends RECORDs only to an audience its XPUB has heard: wait for it.
+    wait_until(lambda: gw.audience.readers(wire.record_prefix(wire.RECORD, "mixpub", address, "mixpub")) >= 1)
     done = threading.Event()
 
     def publish() -> None:
