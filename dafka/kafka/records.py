@@ -129,7 +129,7 @@ def _load() -> tuple[object, str]:
         from dafka.kafka import _compiled  # type: ignore[attr-defined]
     except ImportError as exc:
         return _pure, f"the compiled record codec is not built ({exc})"
-    if not all(hasattr(_compiled, f) for f in ("decode_records", "encode_batch", "store_pairs")) or (
+    if not all(hasattr(_compiled, f) for f in ("decode_records", "encode_batch", "store_pairs", "walk_records")) or (
         getattr(_compiled, "RECORDS_ABI", 1) != _pure.RECORDS_ABI
     ):
         return _pure, "the compiled record codec is out of date; rebuild it"
@@ -150,6 +150,8 @@ _decode_records = _impl.decode_records  # type: ignore[attr-defined]
 encode_batch = _impl.encode_batch  # type: ignore[attr-defined]
 #: The store's LMDB pairs of decoded records (see :func:`dafka.kafka._pure.store_pairs`).
 store_pairs = _impl.store_pairs  # type: ignore[attr-defined]
+#: Check a batch body's records building nothing per record (see :func:`dafka.kafka._pure.walk_records`).
+walk_records = _impl.walk_records  # type: ignore[attr-defined]
 zigzag = _pure.zigzag
 _varint = _pure.varint
 _ZZ = _pure._ZZ
