@@ -478,7 +478,7 @@ def walk_records(bytes buf, Py_ssize_t pos, Py_ssize_t end, Py_ssize_t count, in
         raise ValueError("record range outside the buffer")
     cdef const unsigned char *b = <const unsigned char *>PyBytes_AS_STRING(buf)
     cdef int64_t rlen, tsd, od, klen, vlen, hcount, hk, hv, ts, j
-    cdef int64_t first_ts = base_ts, max_ts = base_ts, biggest = 0, size
+    cdef int64_t first_ts = base_ts, min_ts = base_ts, max_ts = base_ts, biggest = 0, size
     cdef Py_ssize_t p, rend, hstart, i
     for i in range(count):
         pos = _varint(b, pos, end, &rlen)
@@ -496,9 +496,12 @@ def walk_records(bytes buf, Py_ssize_t pos, Py_ssize_t end, Py_ssize_t count, in
         ts = base_ts + tsd
         if i == 0:
             first_ts = ts
+            min_ts = ts
             max_ts = ts
         elif ts > max_ts:
             max_ts = ts
+        elif ts < min_ts:
+            min_ts = ts
         p = _varint(b, p, rend, &klen)
         if klen < -1 or klen > rend - p:
             raise ProtocolError("a record's key runs outside it")
@@ -531,4 +534,4 @@ def walk_records(bytes buf, Py_ssize_t pos, Py_ssize_t end, Py_ssize_t count, in
         if size > biggest:
             biggest = size
         pos = rend
-    return first_ts, max_ts, biggest, pos
+    return first_ts, min_ts, max_ts, biggest, pos

@@ -334,9 +334,9 @@ def store_pairs(records: list[Any], pid: int, first: int) -> tuple[list[tuple[by
 _SMALL_LEN = tuple(bytes((i,)) for i in range(256))
 
 
-def walk_records(buf: bytes, pos: int, end: int, count: int, base_ts: int) -> tuple[int, int, int, int]:
+def walk_records(buf: bytes, pos: int, end: int, count: int, base_ts: int) -> tuple[int, int, int, int, int]:
     """Check the framing of ``count`` records from ``buf[pos:end]`` (an inflated batch body)
-    building nothing per record: ``(first_ts, max_ts, biggest, end of the last record)``.
+    building nothing per record: ``(first_ts, min_ts, max_ts, biggest, end of the last record)``.
 
     Refused (ProtocolError): a length, key, value or header running outside its record
     or fields not ending where the record's length says, record attributes other than 0
@@ -344,12 +344,11 @@ def walk_records(buf: bytes, pos: int, end: int, count: int, base_ts: int) -> tu
     deltas other than 0, 1, 2, ..., negative lengths other than a null key or value (-1)
     or a null header value, a negative header count, a timestamp outside int64.
     ``biggest`` is the largest record's key + value + header bytes (what
-    ``max_record_bytes`` bounds); ``first_ts`` and ``max_ts`` are ``base_ts`` for no
-    record.  Trailing bytes after the last record are the caller's to refuse.
+    ``max_record_bytes`` bounds); the timestamps are ``base_ts`` for no record.  Trailing bytes after the last record are the caller's to refuse.
     """
     if not 0 <= pos <= end <= len(buf):
         raise ValueError("record range outside the buffer")
-    first_ts = max_ts = base_ts
+    first_ts = min_ts = max_ts = base_ts
     biggest = 0
     for i in range(count):
         rlen, pos = varint(buf, pos, end)
@@ -366,9 +365,11 @@ def walk_records(buf: bytes, pos: int, end: int, count: int, base_ts: int) -> tu
         if ts > _I64_MAX or ts < _I64_MIN:
             raise ProtocolError("record timestamp out of range")
         if not i:
-            first_ts = max_ts = ts
+            first_ts = min_ts = max_ts = ts
         elif ts > max_ts:
             max_ts = ts
+        elif ts < min_ts:
+            min_ts = ts
         klen, p = varint(buf, p, rend)
         if klen < -1 or klen > rend - p:
             raise ProtocolError("a record's key runs outside it")
@@ -399,4 +400,4 @@ def walk_records(buf: bytes, pos: int, end: int, count: int, base_ts: int) -> tu
         if size > biggest:
             biggest = size
         pos = rend
-    return first_ts, max_ts, biggest, pos
+    return first_ts, min_ts, max_ts, biggest, pos

@@ -434,6 +434,7 @@ class KafkaScan(NamedTuple):
     base_ts: int
     log_append_time: bool
     biggest: int  # the largest record's key + value + header bytes
+    min_ts: int  # the smallest record timestamp (Kafka's "none" is -1)
 
 
 class RecordTooLarge(ProtocolError):
@@ -507,15 +508,15 @@ def scan_kafka(batch: bytes, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, b
     start = pos
     if count > (bend - pos) // 7:  # a record takes at least 7 bytes
         raise ProtocolError(f"record count {count} does not fit the batch")
-    first_ts, max_ts, biggest, pos = walk_records(buf, pos, bend, count, base_ts)
+    first_ts, min_ts, max_ts, biggest, pos = walk_records(buf, pos, bend, count, base_ts)
     if pos != bend:
         raise ProtocolError(f"{bend - pos} trailing bytes after the batch's records")
     if biggest > max_record_bytes:
         raise RecordTooLarge(biggest, max_record_bytes)
     if attrs & _ATTR_LOG_APPEND_TIME:
-        first_ts = max_ts = max_ts_hdr
+        first_ts = min_ts = max_ts = max_ts_hdr
     return KafkaScan(base, codec, count, first_ts, max_ts, buf, start, base_ts,
-                     bool(attrs & _ATTR_LOG_APPEND_TIME), biggest)
+                     bool(attrs & _ATTR_LOG_APPEND_TIME), biggest, min_ts)
 
 
 _scan_kafka = scan_kafka

@@ -268,10 +268,10 @@ def test_a_tank_view_of_any_kafka_slot_never_raises(slot: bytes) -> None:
 @given(st.lists(record, max_size=30))
 def test_walk_records_agree_on_client_batches_and_measure_them(recs: list) -> None:
     body, base_ts = body_of(recs)
-    first_ts, max_ts, biggest, end = both("walk_records", body, 0, len(body), len(recs), base_ts)  # type: ignore[misc]
+    first_ts, min_ts, max_ts, biggest, end = both("walk_records", body, 0, len(body), len(recs), base_ts)  # type: ignore[misc]
     assert end == len(body)
     tss = [1000 + ts for ts, _, _, _ in recs] or [base_ts]
-    assert (first_ts, max_ts) == (tss[0], max(tss))
+    assert (first_ts, min_ts, max_ts) == (tss[0], min(tss), max(tss))
     decoded, *_ = _pure.decode_records(body, 0, len(body), len(recs), base_ts, None, Record)
     # key + value + the header section less its count byte: what max_record_bytes bounds
     sizes = [len(r.key or b"") + len(r.value or b"") + len(r.headers) - 1 for r in decoded]
@@ -296,7 +296,7 @@ def test_walk_records_agree_on_random_bytes(data: bytes, count: int, base_ts: in
 
 def test_walk_records_refuses_what_the_decoder_would_read_differently() -> None:
     body, base = body_of([(0, b"k", b"v", [("h", b"x")]), (1, None, b"w", [])])
-    assert both("walk_records", body, 0, len(body), 2, base)[3] == len(body)  # type: ignore[index]
+    assert both("walk_records", body, 0, len(body), 2, base)[4] == len(body)  # type: ignore[index]
     for pos, byte, why in (
         (1, 1, "attributes"),  # record 0's attributes byte
         (3, 2, "offset delta"),  # record 0's offset delta 1
