@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import io
 import logging
+import operator
 import os
 import struct
 import zlib
@@ -36,6 +37,7 @@ from crc32c import crc32c
 
 from dafka.errors import ProtocolError
 from dafka.kafka import _pure
+from dafka.store.block import KafkaScan, scan_kafka
 from dafka.store.layout import FLAG_KAFKA, FLAG_NULL
 
 try:  # optional codecs: produce batches using them are refused without the package
@@ -109,6 +111,14 @@ class Batch:
     body_size: int = 0
     #: Records with a null value (None: a tombstone).
     nulls: int = 0
+    #: A v2 batch kept as sent (:func:`split_batches`): its bytes, and what validating it
+    #: found (:class:`dafka.store.block.KafkaScan`); ``records`` is then empty.
+    raw: bytes | None = None
+    scan: KafkaScan | None = None
+
+    @property
+    def record_count(self) -> int:
+        return self.scan.record_count if self.scan is not None else len(self.records)
 
     @property
     def transactional(self) -> bool:
@@ -205,6 +215,99 @@ def decode_batches(
             shared[0] -= given - budget[0]
 
 
+def split_batches(
+    data: bytes | None, limit: int = MAX_DECOMPRESSED, shared: list[int] | None = None,
+    records: list[int] | None = None,
+) -> list[Batch]:
+    """The batches of a produce request's ``records``, a v2 batch validated but not decoded.
+
+    As :func:`decode_batches` (the same budgets, spent the same way), except
+    that each magic-2 batch is checked whole by :func:`dafka.store.block.scan_kafka`
+    (header, CRC-32C, inflated size, every record's framing, building nothing
+    per record) and kept as sent: :attr:`Batch.raw` and :attr:`Batch.scan`,
+    its ``records`` empty.  Its largest record (key, value and headers) is
+    ``scan.biggest``, for the caller to hold against its limit.  Legacy
+    message sets (magic 0 and 1) are decoded as by :func:`decode_batches`.
+    """
+    if not data:
+        return []
+    given = limit if shared is None else min(limit, shared[0])
+    budget = [given]
+    count = records if records is not None else [-1]
+    before = count[0]
+    try:
+        return _decode_all(bytes(data), budget, count, keep=True)
+    except TooManyRecords:
+        count[0] = before
+        raise
+    finally:
+        if shared is not None:
+            shared[0] -= given - budget[0]
+
+
+def _keep_v2(buf: bytes, pos: int, stop: int, budget: list[int], records: list[int]) -> Batch:
+    if stop - pos < BATCH_HEADER_SIZE:
+        raise ProtocolError("record batch shorter than its header")
+    (base_offset, _len, _epoch, _magic, _crc, attrs, _last_delta, _base_ts, _max_ts, pid, pepoch, base_seq, count) = (
+        BATCH_HEADER.unpack_from(buf, pos)
+    )
+    if count <= 0:  # nothing to keep: checked and decoded as before (an empty batch stores nothing)
+        return _decode_v2(buf, pos, stop, budget, records)
+    _spend(records, count)  # before anything is inflated or walked
+    raw = buf[pos:stop]
+    scan = scan_kafka(raw, 1 << 62, budget[0], control=True)
+    if scan.compression:
+        budget[0] -= len(scan.body)
+    # The inflated records are not kept: a reader of another protocol inflates the stored batch.
+    return Batch(base_offset, pid, pepoch, base_seq, attrs, raw=raw, scan=scan._replace(body=b""),
+                 min_ts=scan.min_ts, body_size=len(raw))
+
+
+def log_append_time(raw: bytes, now_ms: int) -> bytes:
+    """A v2 batch stamped with log-append time ``now_ms``, as a Kafka broker stamps it for a
+    LogAppendTime topic: attribute bit 3 set and ``maxTimestamp`` = ``now_ms`` (every
+    record then reads as that time), the CRC-32C computed again."""
+    out = bytearray(raw)
+    attrs = struct.unpack_from(">h", out, _CRC_START)[0] | ATTR_LOG_APPEND_TIME
+    struct.pack_into(">h", out, _CRC_START, attrs)
+    struct.pack_into(">q", out, 35, now_ms)  # maxTimestamp
+    struct.pack_into(">I", out, 17, crc32c(memoryview(out)[_CRC_START:]))
+    return bytes(out)
+
+
+def batch_values(batch: bytes | memoryview) -> list[bytes]:
+    """The values of a v2 batch's records (a null value as b""), for readers of contents
+    (the mesh): one inflation and the compiled decoder, no per-record Python statement."""
+    raw = bytes(batch)
+    count = BATCH_HEADER.unpack_from(raw)[12]
+    base_ts = BATCH_HEADER.unpack_from(raw)[7]
+    codec = BATCH_HEADER.unpack_from(raw)[5] & ATTR_CODEC
+    if codec:
+        body = _decompress(codec, raw[BATCH_HEADER_SIZE:], [1 << 62])
+        start = 0
+    else:
+        body, start = raw, BATCH_HEADER_SIZE
+    recs = _decode_records(body, start, len(body), count, base_ts, None, Record)[0]
+    return [b"" if v is None else v for v in map(_VALUE, recs)]
+
+
+_VALUE = operator.itemgetter(2)
+
+
+def block_contents(block: bytes) -> list[bytes]:
+    """The contents of a stored block's records as the mesh carries them (a Kafka record's
+    value, a null one as b""; keys and headers are not on the mesh)."""
+    from dafka.store.block import CODEC_KAFKA, HEADER_SIZE, decode_header
+    from dafka.store.layout import FLAG_KEY
+    from dafka.store.reader import block_values
+
+    hdr = decode_header(block)
+    if hdr.codec == CODEC_KAFKA:
+        return batch_values(memoryview(block)[HEADER_SIZE:])
+    values = block_values(block, hdr, hdr.first_offset, hdr.record_count)
+    return [v[9:] if not v[8] & FLAG_KEY else v[10 + v[9]:] for v in values]
+
+
 def _spend(count: list[int], n: int) -> None:
     """Take ``n`` records from a request's record budget (``[-1]``: none)."""
     left = count[0]
@@ -215,7 +318,7 @@ def _spend(count: list[int], n: int) -> None:
     count[0] = left - n
 
 
-def _decode_all(buf: bytes, budget: list[int], count: list[int]) -> list[Batch]:
+def _decode_all(buf: bytes, budget: list[int], count: list[int], keep: bool = False) -> list[Batch]:
     end = len(buf)
     out: list[Batch] = []
     pos = 0
@@ -228,7 +331,7 @@ def _decode_all(buf: bytes, budget: list[int], count: list[int]) -> list[Batch]:
         if length < 0 or stop > end:
             raise ProtocolError(f"record batch of {length} bytes overruns the request")
         if magic == 2:
-            out.append(_decode_v2(buf, pos, stop, budget, count))
+            out.append((_keep_v2 if keep else _decode_v2)(buf, pos, stop, budget, count))
         elif magic in (0, 1):
             out.extend(_decode_legacy(buf, pos, stop, budget, count))
         else:

@@ -60,8 +60,8 @@ from dafka.kafka.records import (
     Batch,
     TooManyRecords,
     batch_record_count,
-    decode_batches,
     encode_batch,
+    split_batches,
 )
 from dafka.store.layout import MAX_NAME, MAX_OFFSET
 from dafka.tank.mapping import (
@@ -412,7 +412,7 @@ class KafkaServer(AdminHandlers):
                 batches: list[Batch] | None = []
                 if part is not None and part.owned:
                     try:
-                        batches = decode_batches(p.records, shared=inflate, records=count)
+                        batches = split_batches(p.records, shared=inflate, records=count)
                     except TooManyRecords as exc:
                         self._limited.warning("too-many", "Kafka produce to %s[%d] refused: %s", shown(t.name), p.index, exc)
                         batches = None
@@ -467,10 +467,15 @@ class KafkaServer(AdminHandlers):
         for b in batches:
             if b.transactional or b.control:
                 return Err.INVALID_REQUEST, -1
-            if b.max_slot > MAX_NAME:  # a key (with its headers) the store's key slot cannot hold
+            if b.scan is None and b.max_slot > MAX_NAME:
+                # A legacy message's key the store's key slot cannot hold (v2 batches are kept
+                # as sent: keys and headers of any size).
                 return Err.INVALID_RECORD, -1
-            if b.body_size > limit:  # only then can a record be over it: look at each
-                biggest = max((len(r[2] or b"") for r in b.records), default=0)
+            if b.scan is not None or b.body_size > limit:  # (a legacy record can be over it only then)
+                if b.scan is not None:  # key + value + headers, measured when it was checked
+                    biggest = b.scan.biggest
+                else:
+                    biggest = max((len(r[2] or b"") for r in b.records), default=0)
                 if biggest > limit:
                     self.records_too_large += 1
                     self._limited.warning(
@@ -479,7 +484,7 @@ class KafkaServer(AdminHandlers):
                     )
                     return Err.MESSAGE_TOO_LARGE, -1
         for b in batches:
-            if not b.records:
+            if not b.record_count:
                 continue
             dup = self._check_sequence(b, key)
             if dup is not None:
@@ -537,7 +542,7 @@ class KafkaServer(AdminHandlers):
         recent = state.batches.get(key)
         if not recent:
             return None if b.base_sequence == 0 else -Err.OUT_OF_ORDER_SEQUENCE_NUMBER
-        last_seq = b.base_sequence + len(b.records) - 1
+        last_seq = b.base_sequence + b.record_count - 1
         for seq, last, offset in recent:
             if seq == b.base_sequence and last == last_seq:
                 return offset
@@ -563,7 +568,7 @@ class KafkaServer(AdminHandlers):
             state.epoch = b.producer_epoch
             state.batches.clear()
         recent = state.batches.setdefault(key, [])
-        recent.append((b.base_sequence, b.base_sequence + len(b.records) - 1, offset))
+        recent.append((b.base_sequence, b.base_sequence + b.record_count - 1, offset))
         del recent[:-IDEMPOTENT_WINDOW]
 
     # ---------------------------------------------------------------- ListOffsets
