@@ -55,7 +55,14 @@ from dafka.gateway.connections import (
     unread_for,
 )
 from dafka.kafka.codec import DEFAULT_MAX_FRAME, FrameReader, decode_request
-from dafka.kafka.records import Batch, block_contents, log_append_time, store_pairs
+from dafka.kafka.records import (
+    Batch,
+    batch_record_count,
+    block_contents,
+    encode_batch,
+    log_append_time,
+    store_pairs,
+)
 from dafka.kafka.serving import Data, KafkaServer, ParkedFetch
 from dafka.nodes.node import new_address
 from dafka.store.block import kafka_block_of, store_block
@@ -177,6 +184,15 @@ class KafkaGateway(Gateway):
 
     def fetch_raw(self, topic: str, address: str, offset: int, count: int) -> tuple[int, list[bytes]]:
         return self.db.fetch_raw(topic, address, offset, count)
+
+    def fetch_batches(
+        self, topic: str, address: str, offset: int, limit: int, exact: bool = False
+    ) -> tuple[int, list[bytes]]:
+        """Kafka record batches from ``offset`` (stored batches whole, unless ``exact``),
+        about ``limit`` bytes: ``(the offset after them, batches)``."""
+        _start, nxt, batches = self.db.fetch_kafka(topic, address, offset, limit, encode_batch, batch_record_count,
+                                                   exact)
+        return nxt, batches
 
     def storage_failed(self) -> bool:
         return self.storage_error is not None

@@ -30,14 +30,14 @@ import os
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import snappy
 from crc32c import crc32c
 
 from dafka.errors import ProtocolError
 from dafka.kafka import _pure
-from dafka.store.block import KafkaScan, scan_kafka
+from dafka.store.block import HEADER_SIZE, KafkaScan, scan_kafka
 from dafka.store.layout import FLAG_KAFKA, FLAG_NULL
 
 try:  # optional codecs: produce batches using them are refused without the package
@@ -294,10 +294,33 @@ def batch_values(batch: bytes | memoryview) -> list[bytes]:
 _VALUE = operator.itemgetter(2)
 
 
+def kafka_values(block: bytes | memoryview, hdr: Any, offset: int, n: int) -> list[bytes] | None:
+    """Up to ``n`` format-1 values (:mod:`dafka.store.layout`) of a stored Kafka block's records
+    from ``offset`` on, as the gateway stored Kafka records before blocks (:func:`store_pairs`),
+    decoded by the compiled loops; None when a record's key and headers do not fit format 1's
+    255-byte key slot or a timestamp is negative (the caller's per-record path then)."""
+    raw = bytes(memoryview(block)[HEADER_SIZE:])
+    (_b, _l, _e, _m, _c, attrs, _d, base_ts, max_ts, _p, _pe, _s, count) = BATCH_HEADER.unpack_from(raw)
+    i = offset - hdr.first_offset
+    if i < 0 or i >= count or n <= 0:
+        return []
+    codec = attrs & ATTR_CODEC
+    if codec:
+        body, start = _decompress(codec, raw[BATCH_HEADER_SIZE:], [1 << 62]), 0
+    else:
+        body, start = raw, BATCH_HEADER_SIZE
+    fixed = max_ts if attrs & ATTR_LOG_APPEND_TIME else None
+    recs, max_slot, min_ts, _nulls = _decode_records(body, start, len(body), count, base_ts, fixed, Record)
+    if max_slot > 255 or min_ts < 0:
+        return None
+    pairs = store_pairs(recs[i:i + n], 0, offset)[0]
+    return [v for _k, v in pairs]
+
+
 def block_contents(block: bytes) -> list[bytes]:
     """The contents of a stored block's records as the mesh carries them (a Kafka record's
     value, a null one as b""; keys and headers are not on the mesh)."""
-    from dafka.store.block import CODEC_KAFKA, HEADER_SIZE, decode_header
+    from dafka.store.block import CODEC_KAFKA, decode_header
     from dafka.store.layout import FLAG_KEY
     from dafka.store.reader import block_values
 

@@ -156,7 +156,7 @@ from dafka.store.layout import (
     unpack_partition_key,
 )
 from dafka.store.lockfile import WriterLock
-from dafka.store.reader import block_payload, convert_block, seek
+from dafka.store.reader import block_payload, convert_block, kafka_batches, seek
 from dafka.store.retention import (
     Retention,
     RetentionPolicy,
@@ -1408,6 +1408,25 @@ class RecordDB:
             return start, []
         got: tuple[int, list[bytes]] = fetch_blocks(txn.cursor(db=dbs.blocks), pid, start, last, n, convert_block)
         return got
+
+    def fetch_kafka(
+        self, topic: str, partition: str, offset: int, limit: int,
+        encode: Callable[[int, list[bytes], int], bytes], count: Callable[[bytes], int], exact: bool = False,
+    ) -> tuple[int, int, list[bytes]]:
+        """Kafka record batches from ``max(offset, first)``, in one read transaction:
+        ``(start, next offset, batches)`` (:func:`dafka.store.reader.kafka_batches`: a
+        Kafka block whole as stored, others encoded with ``encode``), about ``limit`` bytes."""
+        pkey = self._pkey(topic, partition)
+        with self._read_txn(buffers=True) as (txn, dbs):
+            raw = txn.get(pkey, db=dbs.partitions)
+            if raw is None:
+                return offset, offset, []
+            pid, first, last, _stored, _bytes = PARTITION_INFO.unpack(raw)
+            start = offset if offset > first else first
+            if start > last:
+                return start, start, []
+            nxt, batches = kafka_batches(txn.cursor(db=dbs.blocks), pid, start, last, limit, encode, count, exact)
+            return start, nxt, batches
 
     def fetch(self, topic: str, partition: str, offset: int, count: int) -> tuple[int, list[bytes]]:
         """Like :meth:`fetch_raw` but only the contents (what a Dafka consumer gets):
