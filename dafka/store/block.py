@@ -72,6 +72,7 @@ import snappy
 from crc32c import crc32c
 
 from dafka.errors import ProtocolError
+from dafka.kafka._codec import _decompress, walk_records
 
 __all__ = [
     "CODEC_DAFKA",
@@ -465,9 +466,7 @@ def _inflate(codec: int, data: bytes, budget: int) -> bytes:
         if len(out) > budget:
             raise ProtocolError(f"a batch inflates past {budget} bytes")
         return out
-    from dafka.kafka.records import _decompress  # the bounded decoders of lz4, zstd, xerial snappy
-
-    return _decompress(codec, data, [budget])
+    return _decompress(codec, data, [budget])  # the bounded decoders of lz4, zstd, xerial snappy
 
 
 def scan_kafka(batch: bytes, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, budget: int = DEFAULT_BUDGET,
@@ -480,8 +479,6 @@ def scan_kafka(batch: bytes, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, b
     ProtocolError, :class:`RecordTooLarge` for a record over ``max_record_bytes``.
     Control batches are refused unless ``control``.
     """
-    from dafka.kafka.records import walk_records
-
     end = len(batch)
     if end < _KAFKA_HEADER.size:
         raise ProtocolError("record batch shorter than its header")

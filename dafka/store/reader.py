@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dafka.fastio import fetch_blocks
+from dafka.kafka._codec import kafka_values
 from dafka.store.block import (
     BLOCK_KEY,
     CODEC_KAFKA,
@@ -83,9 +84,8 @@ def block_values(value: bytes | memoryview, hdr: BlockHeader, offset: int, n: in
     if hdr.codec == CODEC_STORE:
         return store_values(value, hdr, offset, n)
     if hdr.codec == CODEC_KAFKA:
-        from dafka.kafka.records import kafka_values
-
-        got = kafka_values(value, hdr, offset, n)  # the compiled decoder, when its slots fit
+        # The compiled decoder, when the records' keys and headers fit format 1's key slot.
+        got = kafka_values(memoryview(value)[HEADER_SIZE:], hdr.first_offset, offset, n)
         if got is not None:
             return got
     out: list[bytes] = []
@@ -177,10 +177,9 @@ def kafka_batches(
             if out:
                 break
             if exact:
-                from dafka.kafka.records import kafka_values
-
                 off = max(nxt, hdr.first_offset)
-                values = kafka_values(value, hdr, off, min(hdr.last_offset, last) - off + 1)
+                values = kafka_values(memoryview(value)[HEADER_SIZE:], hdr.first_offset, off,
+                                      min(hdr.last_offset, last) - off + 1)
         if hdr.codec == CODEC_KAFKA and values is None:
             out.append(bytes(memoryview(value)[HEADER_SIZE:]))
             size += hdr.body_size
