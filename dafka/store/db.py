@@ -1414,7 +1414,7 @@ class RecordDB:
         encode: Callable[[int, list[bytes], int], bytes], count: Callable[[bytes], int], exact: bool = False,
     ) -> tuple[int, int, list[bytes]]:
         """Kafka record batches from ``max(offset, first)``, in one read transaction:
-        ``(start, next offset, batches)`` (:func:`dafka.store.reader.kafka_batches`: a
+        ``(start, next offset, [the batches back to back])`` (:func:`dafka.store.reader.kafka_batches`: a
         Kafka block whole as stored, others encoded with ``encode``), about ``limit`` bytes."""
         pkey = self._pkey(topic, partition)
         with self._read_txn(buffers=True) as (txn, dbs):
@@ -1426,7 +1426,8 @@ class RecordDB:
             if start > last:
                 return start, start, []
             nxt, batches = kafka_batches(txn.cursor(db=dbs.blocks), pid, start, last, limit, encode, count, exact)
-            return start, nxt, batches
+            # One copy out of the map, while the transaction holds the views.
+            return start, nxt, [b"".join(batches)] if batches else []
 
     def fetch(self, topic: str, partition: str, offset: int, count: int) -> tuple[int, list[bytes]]:
         """Like :meth:`fetch_raw` but only the contents (what a Dafka consumer gets):

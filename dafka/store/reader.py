@@ -149,9 +149,10 @@ def fetch_values(cur: Any, pid: int, start: int, last: int, n: int) -> tuple[int
 def kafka_batches(
     cur: Any, pid: int, start: int, last: int, limit: int,
     encode: Callable[[int, list[bytes], int], bytes], count: Callable[[bytes], int], exact: bool = False,
-) -> tuple[int, list[bytes]]:
+) -> tuple[int, list[bytes | memoryview]]:
     """Kafka record batches of ``pid`` from the block holding ``start`` (or the next one
-    held) up to offset ``last``: ``(next offset, batches)``, about ``limit`` bytes.
+    held) up to offset ``last``: ``(next offset, batches)``, about ``limit`` bytes (a stored
+    batch is a view of the cursor's value: valid while the transaction is).
 
     A Kafka block is sent whole, as stored (its batch from its first offset: the
     client skips the records before the one it asked for, as with a Kafka broker);
@@ -164,7 +165,7 @@ def kafka_batches(
     least.  One ``set_range`` (and one step back), then a cursor walk.
     """
     found = seek(cur, pid, start)
-    out: list[bytes] = []
+    out: list[bytes | memoryview] = []
     size = 0
     nxt = start
     while found is not None:
@@ -181,7 +182,7 @@ def kafka_batches(
                 values = kafka_values(memoryview(value)[HEADER_SIZE:], hdr.first_offset, off,
                                       min(hdr.last_offset, last) - off + 1)
         if hdr.codec == CODEC_KAFKA and values is None:
-            out.append(bytes(memoryview(value)[HEADER_SIZE:]))
+            out.append(memoryview(value)[HEADER_SIZE:])  # zero-copy in a buffers transaction
             size += hdr.body_size
             nxt = hdr.last_offset + 1
         else:
