@@ -1,7 +1,7 @@
 """Store format 2 blocks: one LMDB value holding a run of one partition's records (sans-IO).
 
-Work in progress (issue 36): nothing in the store writes or reads blocks yet;
-``docs/concepts/store.md`` ("Format 2") says what is built and what is not.
+The store writes ``CODEC_STORE`` blocks and the Kafka gateway ``CODEC_KAFKA`` ones (its
+batches as produced); ``docs/concepts/store.md`` ("Format 2") says what is built and what is not.
 
 A block is a fixed 52-byte header followed by the body, the records in one of
 three encodings (the *codec*)::
