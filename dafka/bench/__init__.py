@@ -69,6 +69,11 @@ def _options() -> dict[str, tuple[str, dict[str, Any]]]:
         "outbox": ("--outbox", {"action": "store_true", "help": "the producer publishes through an edge outbox"}),
         "no_batches": ("--no-batches", {"action": "store_true", "help": "one record a message, as to C readers"}),
         "sync": ("--sync", {"action": "store_true", "help": "fsync every commit (its wait is not CPU time)"}),
+        "client": ("--client", {"choices": ["confluent", "raw"], "default": "confluent",
+                                "help": "confluent: confluent-kafka's producer (a Python call a record); raw:"
+                                        " produce requests of ready-made batches of 1,000 records, 8 in flight"
+                                        " (the Tank bench's client's way), which measures the gateway more than"
+                                        " the client"}),
         "broker": ("--broker", {"metavar": "HOST:PORT", "default": None,
                                 "help": "measure a running Tank broker (or gateway) there instead of a gateway"
                                         " started here; each run creates a topic"}),
@@ -88,7 +93,9 @@ _BENCHMARKS: dict[str, tuple[str, tuple[str, ...], dict[str, str]]] = {
     "replay": ("a consumer reading stored records from the beginning", ("secure", "no_batches"), {}),
     "storedb": ("the store's database layer alone: append and read, in CPU time", ("sync",), {}),
     "tank": ("publish and fetch through the Tank gateway (records/s)", ("no_sync", "broker", "window"), {}),
-    "kafka": ("a Kafka client through the Kafka gateway (records/s)", ("no_sync",), {}),
+    "kafka": ("a Kafka client through the Kafka gateway (records/s)", ("no_sync", "broker", "client"),
+              {"broker": "measure a running Kafka gateway (or broker) there instead of one started here;"
+                         " each run creates a topic"}),
     "kafka-group": ("Kafka consumer group failover through the gateway (seconds)", ("no_sync",), {}),
     "embedded": ("publish and consume from an app thread, with and without a busy thread", ("seconds", "no_sync"), {"seconds": "seconds per measurement"}),
     "aio": ("the asyncio producer and consumer beside the threaded ones", ("no_sync",), {}),

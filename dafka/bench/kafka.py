@@ -21,7 +21,7 @@ def _kafka_gateway_process(cfg: NodeConfig, db: str, sync: bool, port: Any, done
     gateway.close()
 
 
-def _kafka_produce(port: int, topic: str, n: int, size: int) -> float:
+def _kafka_produce(port: int, topic: str, n: int, size: int, host: str = "127.0.0.1") -> float:
     """confluent-kafka (librdkafka) producing ``n`` records, acks=all: records/s acknowledged."""
     from confluent_kafka import Producer as KProducer
 
@@ -29,7 +29,7 @@ def _kafka_produce(port: int, topic: str, n: int, size: int) -> float:
     # but the client makes no Python callback per record (the Tank bench's
     # client has no per-record work at all).
     p = KProducer({
-        "bootstrap.servers": f"127.0.0.1:{port}", "acks": "all", "linger.ms": 5,
+        "bootstrap.servers": f"{host}:{port}", "acks": "all", "linger.ms": 5,
         "batch.size": 1 << 20, "queue.buffering.max.messages": 2_000_000,
         "queue.buffering.max.kbytes": 1 << 21, "enable.idempotence": False,
         "delivery.report.only.error": True,
@@ -59,7 +59,68 @@ def _kafka_produce(port: int, topic: str, n: int, size: int) -> float:
     return n / elapsed
 
 
-def _kafka_consume(port: int, topic: str, n: int) -> float:
+def _kafka_produce_raw(host: str, port: int, topic: str, n: int, size: int, per_batch: int = 1000,
+                       inflight: int = 8) -> float:
+    """Produce requests (v7, acks=all) of one ready-made batch of ``per_batch`` records each,
+    ``inflight`` in flight on one connection: records/s acknowledged.  The batch is encoded
+    once (the client does nothing per record), as the Tank bench's client sends bundles."""
+    import socket
+    import struct
+
+    from kafka.protocol.producer import ProduceRequest, ProduceResponse
+
+    from dafka.kafka.records import encode_batch
+    from dafka.store.layout import VALUE_HEADER
+
+    _create_topic(f"{host}:{port}", topic)
+    now = int(time.time() * 1000)
+    batch = encode_batch(0, [VALUE_HEADER.pack(now, 0) + b"x" * size] * per_batch)
+    body = bytes(ProduceRequest[7](
+        transactional_id=None, acks=-1, timeout_ms=30_000,
+        topic_data=[ProduceRequest.TopicProduceData(name=topic, partition_data=[
+            ProduceRequest.TopicProduceData.PartitionProduceData(index=0, records=batch)])],
+    ).encode(version=7))
+    requests = -(-n // per_batch)
+    with socket.create_connection((host, port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = bytearray()
+
+        def answer() -> None:
+            while len(buf) < 4 or len(buf) < 4 + struct.unpack_from(">i", buf)[0]:
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    raise RuntimeError("the gateway closed the connection")
+                buf.extend(chunk)
+            size_ = struct.unpack_from(">i", buf)[0]
+            frame = bytes(buf[4:4 + size_])
+            del buf[:4 + size_]
+            part = ProduceResponse.decode(frame[4:], version=7).responses[0].partition_responses[0]
+            if part.error_code:
+                raise RuntimeError(f"produce failed: error {part.error_code}")
+
+        t0 = time.perf_counter()
+        sent = done = 0
+        while done < requests:
+            while sent < requests and sent - done < inflight:
+                head = struct.pack(">hhih", 0, 7, sent, 5) + b"bench"
+                sock.sendall(struct.pack(">i", len(head) + len(body)) + head + body)
+                sent += 1
+            answer()
+            done += 1
+        elapsed = time.perf_counter() - t0
+    return requests * per_batch / elapsed
+
+
+def _create_topic(bootstrap: str, topic: str) -> None:
+    from confluent_kafka import Producer as KProducer
+
+    p = KProducer({"bootstrap.servers": bootstrap, "acks": "all"})
+    p.produce(topic, b"first", partition=0)
+    if p.flush(30):
+        raise RuntimeError(f"cannot create {topic} at {bootstrap}")
+
+
+def _kafka_consume(port: int, topic: str, n: int, host: str = "127.0.0.1") -> float:
     """confluent-kafka consuming ``n`` records from offset 1 of partition 0: records/s."""
     from confluent_kafka import Consumer as KConsumer
     from confluent_kafka import TopicPartition
@@ -69,7 +130,7 @@ def _kafka_consume(port: int, topic: str, n: int) -> float:
     # librdkafka's default fetch.queue.backoff.ms, 1 s, the prefetcher sleeps
     # a whole second whenever its queue is above queued.min.messages.)
     c = KConsumer({
-        "bootstrap.servers": f"127.0.0.1:{port}", "group.id": "bench", "enable.auto.commit": False,
+        "bootstrap.servers": f"{host}:{port}", "group.id": "bench", "enable.auto.commit": False,
         "fetch.max.bytes": 16 << 20, "max.partition.fetch.bytes": 8 << 20,
         "fetch.queue.backoff.ms": 10,
     })
@@ -89,31 +150,42 @@ def _kafka_consume(port: int, topic: str, n: int) -> float:
 
 
 def bench_kafka(args: argparse.Namespace) -> dict[str, list[float]]:
-    """Through a Kafka gateway process: confluent-kafka produce (acks=all) and consume."""
+    """Through a Kafka gateway process (or ``--broker``): produce (acks=all) and consume with
+    confluent-kafka, or produce ready-made batches (``--client raw``)."""
     import tempfile
 
     ctx = mp.get_context("spawn")
     produce, consume = [], []
     for run in range(args.runs):
+        topic = f"bench-kafka-{int(time.time())}-{run}"
+        if args.broker:
+            host, _, port_s = args.broker.rpartition(":")
+            produce.append(_kafka_run(host, int(port_s), topic, args, run, consume))
+            continue
         tower, cfg = _mesh()
         with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
             port, done = ctx.Queue(), ctx.Event()
             gateway = ctx.Process(target=_kafka_gateway_process, args=(cfg, db, not args.no_sync, port, done))
             gateway.start()
             try:
-                kafka_port = port.get(timeout=60)
-                topic = f"bench-kafka-{run}"
-                rate = _kafka_produce(kafka_port, topic, args.records, args.size)
-                produce.append(rate)
-                print(f"run {run}: kafka produce {rate:,.0f} records/s acknowledged", flush=True)
-                rate = _kafka_consume(kafka_port, topic, args.records)
-                consume.append(rate)
-                print(f"run {run}: kafka consume {rate:,.0f} records/s", flush=True)
+                produce.append(_kafka_run("127.0.0.1", port.get(timeout=60), topic, args, run, consume))
             finally:
                 done.set()
                 gateway.join(60)
                 tower.close()
     return {"kafka produce": produce, "kafka consume": consume}
+
+
+def _kafka_run(host: str, port: int, topic: str, args: argparse.Namespace, run: int, consume: list[float]) -> float:
+    if args.client == "raw":
+        rate = _kafka_produce_raw(host, port, topic, args.records, args.size)
+    else:
+        rate = _kafka_produce(port, topic, args.records, args.size, host)
+    print(f"run {run}: kafka produce ({args.client}) {rate:,.0f} records/s acknowledged", flush=True)
+    got = _kafka_consume(port, topic, args.records, host)
+    consume.append(got)
+    print(f"run {run}: kafka consume {got:,.0f} records/s", flush=True)
+    return rate
 
 
 KAFKA_GROUP_PARTITIONS = 6

@@ -156,7 +156,7 @@ from dafka.store.layout import (
     unpack_partition_key,
 )
 from dafka.store.lockfile import WriterLock
-from dafka.store.reader import block_payload, block_run, convert_block, seek
+from dafka.store.reader import block_payload, block_run, convert_block, kafka_batches, seek
 from dafka.store.retention import (
     Retention,
     RetentionPolicy,
@@ -1432,6 +1432,26 @@ class RecordDB:
             if start > last:
                 return start, []
             return start, block_run(txn.cursor(db=dbs.blocks), pid, start, last, max_bytes, max_blocks)
+
+    def fetch_kafka(
+        self, topic: str, partition: str, offset: int, limit: int,
+        encode: Callable[[int, list[bytes], int], bytes], count: Callable[[bytes], int], exact: bool = False,
+    ) -> tuple[int, int, list[bytes]]:
+        """Kafka record batches from ``max(offset, first)``, in one read transaction:
+        ``(start, next offset, [the batches back to back])`` (:func:`dafka.store.reader.kafka_batches`: a
+        Kafka block whole as stored, others encoded with ``encode``), about ``limit`` bytes."""
+        pkey = self._pkey(topic, partition)
+        with self._read_txn(buffers=True) as (txn, dbs):
+            raw = txn.get(pkey, db=dbs.partitions)
+            if raw is None:
+                return offset, offset, []
+            pid, first, last, _stored, _bytes = PARTITION_INFO.unpack(raw)
+            start = offset if offset > first else first
+            if start > last:
+                return start, start, []
+            nxt, batches = kafka_batches(txn.cursor(db=dbs.blocks), pid, start, last, limit, encode, count, exact)
+            # One copy out of the map, while the transaction holds the views.
+            return start, nxt, [b"".join(batches)] if batches else []
 
     def fetch(self, topic: str, partition: str, offset: int, count: int) -> tuple[int, list[bytes]]:
         """Like :meth:`fetch_raw` but only the contents (what a Dafka consumer gets):

@@ -150,3 +150,82 @@ def test_mutated_client_batches_only_ever_raise_protocol_error(pos: int, junk: b
         decode_batches(data)
     except ProtocolError:
         pass
+
+
+# ---------------------------------------------------------------- batches kept as sent (split_batches)
+
+
+@pytest.mark.parametrize("codec", [CODEC_NONE, CODEC_GZIP, CODEC_SNAPPY, CODEC_LZ4, CODEC_ZSTD])
+def test_split_keeps_every_codec_as_sent_and_measures_it(codec: int) -> None:
+    from dafka.kafka.records import split_batches
+
+    data = client_batch(RECS, codec)
+    budget, count = [1 << 20], [100]
+    [b] = split_batches(data, shared=budget, records=count)
+    assert b.raw == data and b.records == [] and b.record_count == 4 and count == [96]
+    assert b.scan is not None and b.scan.compression == b.attributes & 7  # (the builder may not compress)
+    assert (b.scan.first_ts, b.min_ts, b.scan.max_ts) == (1000, 1000, 1002)
+    assert b.scan.biggest == len(b"k2") + len(b"with headers") + len(b"a") + 1 + len(b"b") + 2 * 2
+    if b.scan.compression:
+        assert budget[0] < 1 << 20  # the inflated size was spent
+    with pytest.raises(TooManyRecords):
+        split_batches(data, records=[3])
+
+
+@given(st.binary(max_size=300))
+def test_split_of_random_bytes_only_ever_raises_protocol_error(data: bytes) -> None:
+    from dafka.kafka.records import split_batches
+
+    try:
+        split_batches(data)
+    except ProtocolError:
+        pass
+
+
+@given(st.sampled_from([CODEC_NONE, CODEC_GZIP, CODEC_SNAPPY, CODEC_LZ4, CODEC_ZSTD]), st.integers(0, 300),
+       st.binary(min_size=1, max_size=40))
+def test_split_of_mutated_batches_only_ever_raises_protocol_error_or_keeps_a_true_batch(
+    codec: int, pos: int, junk: bytes
+) -> None:
+    """Whatever a mutation leaves, a batch is either refused or kept with a scan that agrees
+    with a full decode of it (count, timestamps and values)."""
+    from dafka.kafka.records import batch_values, split_batches
+
+    base = client_batch(RECS, codec)
+    data = base[:pos] + junk + base[pos + len(junk):]
+    try:
+        got = split_batches(data)
+    except ProtocolError:
+        return
+    for b in got:
+        if b.scan is None or b.raw is None:
+            continue
+        [decoded] = decode_batches(b.raw)
+        assert b.record_count == len(decoded.records)
+        assert batch_values(b.raw) == [r.value or b"" for r in decoded.records]
+
+
+@given(st.integers(21, 300), st.binary(min_size=1, max_size=12), st.integers(-2, 2))
+def test_split_of_lies_behind_a_good_crc_refuses_or_keeps_a_true_batch(pos: int, junk: bytes, grow: int) -> None:
+    """Mutations under the CRC (which is computed again, as a hostile client would): refused, or
+    kept only when a full decode agrees with what was measured (a batch that tells the truth)."""
+    from crc32c import crc32c
+
+    from dafka.kafka.records import batch_values, split_batches
+
+    base = bytearray(client_batch(RECS, CODEC_NONE))
+    data = base[:pos] + junk + base[pos + len(junk) - grow if grow < 0 else pos + len(junk):]
+    if len(data) >= 61:
+        struct.pack_into(">i", data, 8, len(data) - 12)
+        struct.pack_into(">I", data, 17, crc32c(bytes(data[21:])))
+    try:
+        got = split_batches(bytes(data))
+    except ProtocolError:
+        return
+    for b in got:
+        if b.scan is None or b.raw is None:
+            continue
+        [decoded] = decode_batches(b.raw)
+        assert b.record_count == len(decoded.records) == b.scan.record_count
+        assert batch_values(b.raw) == [r.value or b"" for r in decoded.records]
+        assert b.scan.max_ts == max(r.timestamp for r in decoded.records)
