@@ -140,9 +140,10 @@ def _ingest_blocks(
 
 
 def _make_source(bundle: bytes, offset: int) -> bytes:
-    from dafka.store.block import tank_block
+    from dafka.fastio import tank_scan
+    from dafka.store.block import DEFAULT_BUDGET, DEFAULT_MAX_RECORD_BYTES, tank_seal
 
-    return tank_block(bundle, offset)
+    return tank_seal(bundle, tank_scan(bundle, DEFAULT_MAX_RECORD_BYTES, DEFAULT_BUDGET), offset)
 
 
 def _make_internal(bundle: bytes, offset: int) -> bytes:

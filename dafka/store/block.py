@@ -416,12 +416,11 @@ def tank_block(bundle: bytes | memoryview, first_offset: int, *, max_record_byte
     bundle's first seq is at ``first_offset``.  Raises ProtocolError when the
     bundle is malformed or lies (count, lengths, seqs), a message is over
     ``max_record_bytes``, or a snappy bundle would inflate past ``budget``.
-    The walk is :func:`dafka.fastio.tank_scan` (compiled, or its pure twin
-    :func:`_scan_tank`).
+    The walk is the pure-Python :func:`_scan_tank` (this module is the format's
+    reference and imports no compiled code: ``dafka.fastio``'s pure twins build on
+    it); the gateway calls :func:`dafka.fastio.tank_scan` and :func:`tank_seal`.
     """
-    from dafka.fastio import tank_scan
-
-    return tank_seal(bundle, tank_scan(bundle, max_record_bytes, budget), first_offset)
+    return tank_seal(bundle, _scan_tank(bundle, max_record_bytes, budget), first_offset)
 
 
 def tank_span(scan: Sequence[object]) -> int:
