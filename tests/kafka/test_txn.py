@@ -1,0 +1,204 @@
+"""The sans-IO transaction coordinator: states, fencing, timeouts, bounds, journal replay."""
+
+from __future__ import annotations
+
+import json
+
+from dafka.kafka.codec import Err
+from dafka.kafka.txn import (
+    COMPLETE_ABORT,
+    COMPLETE_COMMIT,
+    ONGOING,
+    PREPARE_ABORT,
+    PREPARE_COMMIT,
+    TxnCoordinator,
+)
+
+K1 = ("t", "p1")
+K2 = ("t", "p2")
+
+
+def replayed(c: TxnCoordinator, journal: list[dict]) -> TxnCoordinator:
+    """A coordinator rebuilt from a journal, as the gateway does at start (through JSON)."""
+    r = TxnCoordinator()
+    for rec in journal:
+        r.apply(json.loads(json.dumps(rec)))
+    return r
+
+
+def init(c: TxnCoordinator, tid: str = "tx", pid: int = 7, now: float = 0.0) -> tuple[int, int]:
+    code, p, e, plan = c.init_producer(tid, 60_000, pid, now)
+    assert code == Err.NONE and plan is None
+    return p, e
+
+
+def test_commit_walks_the_states_and_releases_offsets_only_at_commit():
+    c = TxnCoordinator()
+    pid, epoch = init(c)
+    assert c.add_partitions("tx", pid, epoch, [K1, K2], 1.0) == Err.NONE
+    assert c.txns["tx"].state == ONGOING
+    assert c.add_offsets("tx", pid, epoch, "g", 1.0) == Err.NONE
+    assert c.txn_offsets("tx", pid, epoch, "g", {K1: 5}) == Err.NONE
+    assert c.check_produce(pid, epoch, K1) == Err.NONE
+    c.appending(pid, K1, 10, 12)
+    assert c.lso(K1, 13) == 10 and c.lso(K2, 4) == 4
+    code, plan = c.end_txn("tx", pid, epoch, True, 2.0)
+    assert code == Err.NONE and plan is not None and plan.offsets == {"g": {K1: 5}}
+    c.ending(plan, {K1: 13, K2: 4})
+    assert c.txns["tx"].state == PREPARE_COMMIT
+    assert c.lso(K1, 14) == 10  # until the markers are committed
+    assert c.committed({K1: 13}) == []
+    assert c.committed({K1: 13, K2: 4}) == ["tx"]
+    assert c.txns["tx"].state == COMPLETE_COMMIT
+    assert c.lso(K1, 14) == 14 and not c.aborted_between(K1, 0, 100)
+    # A retried EndTxn of a commit done is NONE; an abort now is not.
+    assert c.end_txn("tx", pid, epoch, True, 3.0) == (Err.NONE, None)
+    assert c.end_txn("tx", pid, epoch, False, 3.0)[0] == Err.INVALID_TXN_STATE
+
+
+def test_abort_keeps_the_aborted_ranges_and_drops_pending_offsets():
+    c = TxnCoordinator()
+    pid, epoch = init(c)
+    c.add_partitions("tx", pid, epoch, [K1], 0.0)
+    c.add_offsets("tx", pid, epoch, "g", 0.0)
+    c.txn_offsets("tx", pid, epoch, "g", {K1: 3})
+    c.appending(pid, K1, 0, 1)
+    c.appending(pid, K1, 2, 4)  # adjacent: merged
+    c.appending(pid, K1, 8, 9)  # another producer wrote 5..7
+    code, plan = c.end_txn("tx", pid, epoch, False, 1.0)
+    assert code == Err.NONE and plan is not None and plan.offsets == {}
+    c.ending(plan, {K1: 10})
+    assert c.txns["tx"].state == PREPARE_ABORT
+    assert c.aborted_between(K1, 0, 100) == [(0, 4), (8, 9)]
+    assert c.aborted_between(K1, 5, 7) == []
+    c.committed({K1: 10})
+    assert c.txns["tx"].state == COMPLETE_ABORT
+    c.prune(K1, 6)
+    assert c.aborted_between(K1, 0, 100) == [(8, 9)]
+
+
+def test_a_new_producer_fences_the_old_one_and_aborts_its_transaction():
+    c = TxnCoordinator()
+    pid, e0 = init(c)
+    c.add_partitions("tx", pid, e0, [K1], 0.0)
+    c.appending(pid, K1, 0, 0)
+    code, _, _, plan = c.init_producer("tx", 60_000, 99, 1.0)
+    assert code == Err.CONCURRENT_TRANSACTIONS and plan is not None and not plan.commit
+    c.ending(plan, {K1: 1})
+    # The zombie is fenced at once, on every request.
+    assert c.check_produce(pid, e0, K1) == Err.INVALID_PRODUCER_EPOCH
+    assert c.end_txn("tx", pid, e0, True, 1.0)[0] == Err.PRODUCER_FENCED
+    assert c.add_partitions("tx", pid, e0, [K2], 1.0) == Err.PRODUCER_FENCED
+    assert c.init_producer("tx", 60_000, 99, 1.0)[0] == Err.CONCURRENT_TRANSACTIONS  # abort not done
+    c.committed({K1: 1})
+    code, p2, e2, plan = c.init_producer("tx", 60_000, 99, 2.0)
+    assert code == Err.NONE and p2 == pid and e2 == e0 + 2 and plan is None
+    assert c.aborted_between(K1, 0, 0) == [(0, 0)]
+
+
+def test_timeout_aborts_and_fences():
+    c = TxnCoordinator()
+    pid, e0 = init(c)
+    c.add_partitions("tx", pid, e0, [K1], 10.0)
+    c.appending(pid, K1, 0, 2)
+    assert c.tick(69.0) == []
+    plans = c.tick(70.5)
+    assert len(plans) == 1 and not plans[0].commit and plans[0].epoch == e0 + 1
+    c.ending(plans[0], {K1: 3})
+    assert c.tick(1000.0) == []  # not again
+    c.committed({K1: 3})
+    assert c.end_txn("tx", pid, e0, True, 71.0)[0] == Err.PRODUCER_FENCED
+    assert c.aborted_between(K1, 0, 3) == [(0, 2)]
+
+
+def test_requests_of_unknown_ids_and_states_are_refused():
+    c = TxnCoordinator()
+    assert c.add_partitions("nope", 1, 0, [K1], 0.0) == Err.INVALID_PRODUCER_ID_MAPPING
+    pid, e = init(c)
+    assert c.add_partitions("tx", pid + 1, e, [K1], 0.0) == Err.INVALID_PRODUCER_ID_MAPPING
+    assert c.add_partitions("tx", pid, e + 1, [K1], 0.0) == Err.INVALID_PRODUCER_EPOCH
+    assert c.check_produce(pid, e, K1) == Err.INVALID_TXN_STATE  # not added
+    assert c.check_produce(12345, 0, K1) == Err.INVALID_PRODUCER_ID_MAPPING
+    assert c.end_txn("tx", pid, e, True, 0.0)[0] == Err.INVALID_TXN_STATE  # nothing ongoing
+    assert c.txn_offsets("tx", pid, e, "g", {K1: 1}) == Err.INVALID_TXN_STATE  # group not added
+    assert c.init_producer("tx2", 0, 8, 0.0)[0] == Err.INVALID_TRANSACTION_TIMEOUT
+    assert c.init_producer("tx2", 900_001, 8, 0.0)[0] == Err.INVALID_TRANSACTION_TIMEOUT
+    assert c.init_producer("x" * 250, 1000, 8, 0.0)[0] == Err.INVALID_REQUEST
+    assert c.init_producer("", 1000, 8, 0.0)[0] == Err.INVALID_REQUEST
+
+
+def test_bounds_ids_partitions_ranges_aborted():
+    c = TxnCoordinator(max_ids=2, max_partitions=3, max_ranges=2, max_aborted=1)
+    p1, e1 = init(c, "a", 1)
+    p2, e2 = init(c, "b", 2)
+    c.add_partitions("a", p1, e1, [K1], 0.0)
+    c.add_partitions("b", p2, e2, [K1], 0.0)
+    # Both ongoing: no room for a third id.
+    assert c.init_producer("c", 1000, 3, 0.0)[0] == Err.COORDINATOR_NOT_AVAILABLE
+    assert c.add_partitions("a", p1, e1, [("t", str(i)) for i in range(5)], 0.0) == Err.POLICY_VIOLATION
+    c.appending(p1, K1, 0, 0)
+    c.appending(p1, K1, 5, 5)
+    assert c.check_produce(p1, e1, K1) == Err.POLICY_VIOLATION  # ranges used up
+    code, plan = c.end_txn("a", p1, e1, False, 0.0)
+    c.ending(plan, {K1: 9})
+    c.committed({K1: 9})
+    # "a" is idle now: a third id forgets it.
+    assert c.init_producer("c", 1000, 3, 0.0)[0] == Err.NONE
+    assert "a" not in c.txns
+    # Aborted ranges past their bound: no new transaction starts.
+    p3 = c.txns["c"].pid
+    assert c.add_partitions("c", p3, 0, [K2], 0.0) == Err.COORDINATOR_NOT_AVAILABLE
+    c.prune(K1, 100)
+    assert c.add_partitions("c", p3, 0, [K2], 0.0) == Err.NONE
+
+
+def test_the_journal_rebuilds_the_state_and_so_does_a_snapshot():
+    c = TxnCoordinator()
+    journal: list[dict] = []
+    pid, e = init(c, "a", 1)
+    c.add_partitions("a", pid, e, [K1, K2], 0.0)
+    c.add_offsets("a", pid, e, "g", 0.0)
+    c.txn_offsets("a", pid, e, "g", {K2: 8})
+    c.appending(pid, K1, 0, 3)
+    q, f = init(c, "b", 2)
+    c.add_partitions("b", q, f, [K1], 0.0)
+    c.appending(q, K1, 4, 4)
+    _, plan = c.end_txn("b", q, f, False, 0.0)
+    c.ending(plan, {K1: 5})
+    journal += c.take_journal()
+    for r in (replayed(c, journal), replayed(c, c.snapshot())):
+        assert r.txns["a"].state == ONGOING and r.txns["a"].parts == {K1: [[0, 3]], K2: []}
+        assert r.txns["a"].groups == {"g": {K2: 8}}
+        assert r.txns["b"].state == PREPARE_ABORT and r.txns["b"].markers == {K1: 5}
+        assert r.aborted_between(K1, 0, 10) == [(4, 4)]
+        assert r.lso(K1, 6) == 0 and r.touched == {K1}
+        assert r.by_pid[1].tid == "a"
+
+
+def test_recover_clips_what_was_never_stored_and_writes_lost_markers_again():
+    c = TxnCoordinator()
+    pid, e = init(c, "a", 1)
+    c.add_partitions("a", pid, e, [K1], 0.0)
+    c.appending(pid, K1, 0, 3)
+    c.appending(pid, K1, 6, 9)  # journalled, then the gateway died before storing 8..9
+    q, f = init(c, "b", 2)
+    c.add_partitions("b", q, f, [K2], 0.0)
+    c.add_offsets("b", q, f, "g", 0.0)
+    c.txn_offsets("b", q, f, "g", {K2: 1})
+    c.appending(q, K2, 0, 0)
+    _, plan = c.end_txn("b", q, f, True, 0.0)
+    c.ending(plan, {K2: 1})  # the marker at 1 never reached the disk
+    r = replayed(c, c.take_journal())
+    plans = r.recover({K1: 7, K2: 0}, 100.0)
+    assert r.txns["a"].parts[K1] == [[0, 3], [6, 7]]
+    assert r.txns["a"].started == 100.0
+    assert len(plans) == 1 and plans[0].tid == "b" and plans[0].keys == [K2] and plans[0].commit
+    assert plans[0].offsets == {"g": {K2: 1}}
+    r.remark(plans[0], {K2: 1})
+    # The clipping is journalled: a later restart with a higher head does not re-grow the range.
+    j = r.take_journal()
+    full = TxnCoordinator()
+    for rec in [*c.snapshot(), *j]:
+        full.apply(rec)
+    assert full.txns["a"].parts[K1] == [[0, 3], [6, 7]]
+    assert full.committed({K2: 1}) == ["b"]
