@@ -78,10 +78,18 @@ from kafka.protocol.metadata import (
     MetadataResponse,
 )
 from kafka.protocol.producer import (
+    AddOffsetsToTxnRequest,
+    AddOffsetsToTxnResponse,
+    AddPartitionsToTxnRequest,
+    AddPartitionsToTxnResponse,
+    EndTxnRequest,
+    EndTxnResponse,
     InitProducerIdRequest,
     InitProducerIdResponse,
     ProduceRequest,
     ProduceResponse,
+    TxnOffsetCommitRequest,
+    TxnOffsetCommitResponse,
 )
 
 from dafka.errors import ProtocolError
@@ -145,6 +153,7 @@ class Err:
     INVALID_PRODUCER_ID_MAPPING = 49
     INVALID_TRANSACTION_TIMEOUT = 50
     CONCURRENT_TRANSACTIONS = 51
+    OPERATION_NOT_ATTEMPTED = 55
     KAFKA_STORAGE_ERROR = 56
     UNKNOWN_PRODUCER_ID = 59
     GROUP_ID_NOT_FOUND = 69
@@ -186,7 +195,11 @@ API: dict[int, ApiSpec] = {
         ApiSpec(19, 0, 6, CreateTopicsRequest, CreateTopicsResponse),
         ApiSpec(20, 0, 5, DeleteTopicsRequest, DeleteTopicsResponse),
         ApiSpec(21, 0, 2, DeleteRecordsRequest, DeleteRecordsResponse),
-        ApiSpec(22, 0, 2, InitProducerIdRequest, InitProducerIdResponse),
+        ApiSpec(22, 0, 4, InitProducerIdRequest, InitProducerIdResponse),
+        ApiSpec(24, 0, 3, AddPartitionsToTxnRequest, AddPartitionsToTxnResponse),
+        ApiSpec(25, 0, 3, AddOffsetsToTxnRequest, AddOffsetsToTxnResponse),
+        ApiSpec(26, 0, 3, EndTxnRequest, EndTxnResponse),
+        ApiSpec(28, 0, 3, TxnOffsetCommitRequest, TxnOffsetCommitResponse),
         ApiSpec(32, 0, 4, DescribeConfigsRequest, DescribeConfigsResponse),
         ApiSpec(33, 0, 2, AlterConfigsRequest, AlterConfigsResponse),
         ApiSpec(37, 0, 3, CreatePartitionsRequest, CreatePartitionsResponse),

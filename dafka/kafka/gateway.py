@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import socket
+import struct
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -58,9 +59,10 @@ from dafka.gateway.connections import (
 from dafka.kafka.codec import DEFAULT_MAX_FRAME, FrameReader, decode_request
 from dafka.kafka.records import Batch, record_tuples, store_pairs
 from dafka.kafka.serving import Data, KafkaServer, ParkedFetch
+from dafka.kafka.txn import TxnLog
 from dafka.nodes.node import new_address
 from dafka.store.db import Retention, RetentionPolicy
-from dafka.store.layout import FLAG_KAFKA, FLAG_KEY, FLAG_NULL, VALUE_HEADER
+from dafka.store.layout import FLAG_CONTROL, FLAG_KAFKA, FLAG_KEY, FLAG_NULL, VALUE_HEADER
 from dafka.store.node import MAX_BATCH
 from dafka.tank.gateway import Gateway
 from dafka.tank.mapping import TankPartition, shown, valid_topic_name
@@ -70,6 +72,9 @@ log = logging.getLogger("dafka.kafka")
 DEFAULT_KAFKA_PORT = 9092
 #: Topic configs altered by Kafka clients (retention), in the database directory.
 CONFIGS_FILE = "kafka-configs.json"
+#: The transaction coordinator's journal, in the database directory.
+TXN_FILE = "kafka-transactions.journal"
+_MARKER = struct.Struct(">qhB")  # a control record's key slot: producer id, epoch, type
 RECV_SIZE = 256 << 10
 MAX_OUTPUT = 64 << 20
 DEFAULT_MAX_INFLIGHT = 256
@@ -159,6 +164,9 @@ class KafkaGateway(Gateway):
             self._kretention_static = self.retention  # the configuration's; Kafka's changes go over it
             self._kretention: dict[str, Retention] = {}
             self._load_configs()
+            self._txnlog = TxnLog(os.path.join(self.db.path, TXN_FILE))
+            self._txn_compact_at = TxnLog.COMPACT_LINES
+            self._load_transactions()
         except BaseException:
             self.kafka_listener.close()
             raise
@@ -280,6 +288,45 @@ class KafkaGateway(Gateway):
         self._kretention = configs
         self._apply_retention()
 
+    # ---------------------------------------------------------------- Backend: transactions
+
+    def _load_transactions(self) -> None:
+        txn = self.kafka.txn
+        records = self._txnlog.load()
+        bad = 0
+        for rec in records:
+            try:
+                txn.apply(rec)
+            except (KeyError, TypeError, ValueError, IndexError) as exc:
+                bad += 1
+                if bad <= 3:
+                    log.error("%s: a record that does not apply, left out: %r (%s)", self._txnlog.path, rec, exc)
+        if records:
+            log.info("Kafka transactions: %d journal records replayed (%d transactional ids)",
+                     len(records), len(txn.txns))
+
+    def txn_log(self, records: list[dict[str, Any]]) -> None:
+        """Journal the coordinator's records, fsync'ed (raises OSError: the request fails)."""
+        self._txnlog.write(records)
+        if self._txnlog.lines > self._txn_compact_at:
+            snap = self.kafka.txn.snapshot()
+            if len(snap) * 4 < self._txnlog.lines:
+                self._txnlog.rewrite(snap)
+            self._txn_compact_at = max(TxnLog.COMPACT_LINES, 4 * len(snap))
+
+    def next_offset(self, topic: str, address: str) -> int:
+        return self._next_offset.get((topic, address), 0)
+
+    def append_marker(self, key: tuple[str, str], pid: int, epoch: int, commit: bool) -> int:
+        """Queue a transaction's control record in an owned partition: its offset."""
+        topic, address = key
+        off = self._next_offset.get(key, 0)
+        slot = _MARKER.pack(pid, epoch, 1 if commit else 0)
+        self._batch.append((topic, address, off, b"", int(time.time() * 1000), slot, True, FLAG_CONTROL))
+        self._to_publish.append((key, off, b""))
+        self._next_offset[key] = off + 1
+        return off
+
     def add_partitions(self, topic: str, count: int) -> bool:
         """Give ``topic`` ``count`` more gateway-owned partitions (False: past max_owned_partitions)."""
         if len(self._owned) + count > self.limits.max_owned_partitions:
@@ -400,6 +447,11 @@ class KafkaGateway(Gateway):
     def on_start(self) -> None:
         super().on_start()
         self.every(TICK_INTERVAL, self._kafka_tick)
+        try:
+            self.kafka.txn_recover(dict(self._heads), time.monotonic())
+        except OSError as exc:
+            log.error("cannot journal the recovery of Kafka transactions: %s", exc)
+        self._flush_batch()
 
     def sockets(self) -> list[tuple[Any, Any]]:
         return [*super().sockets(), (self.kafka_listener, self._kafka_accept)]
@@ -407,6 +459,11 @@ class KafkaGateway(Gateway):
     def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
         super().on_commit(heads)
         committed = self._heads
+        if self.kafka.txn.open or any(t.markers for t in self.kafka.txn.txns.values()):
+            try:
+                self.kafka.txn_committed(committed)
+            except OSError as exc:
+                log.error("cannot journal completed Kafka transactions: %s", exc)
         if self._kpending:
             still = []
             touched = set()
@@ -427,8 +484,22 @@ class KafkaGateway(Gateway):
                 self._set_kreading(conn)
                 self._kprocess(conn)
 
+    def on_refused(self, rejected: dict[tuple[str, str], str]) -> None:
+        super().on_refused(rejected)
+        # Offsets a transaction journalled there will be given again: its ranges stop at the head.
+        txn = self.kafka.txn
+        for key in rejected:
+            if key in txn.touched:
+                txn.apply({"op": "clip", "key": list(key), "head": self._heads.get(key, -1)})
+                txn.journal.append({"op": "clip", "key": list(key), "head": self._heads.get(key, -1)})
+        try:
+            self.kafka._txn_flush()
+        except OSError as exc:
+            log.error("cannot journal Kafka transactions: %s", exc)
+
     def on_shutdown(self) -> None:
         super().on_shutdown()
+        self._txnlog.close()
         for conn in list(self._kconns.values()):
             self._kflush(conn)
             self._kclose(conn, None)
@@ -746,6 +817,7 @@ class KafkaGateway(Gateway):
         self._kparked = [(s, p) for s, p in self._kparked if s.conn is not conn]
         self._kpending = [(s, n) for s, n in self._kpending if s.conn is not conn]
         self.kafka.coordinator.forget_token(conn)
+        self.kafka.forget_connection(conn)
         self.unwatch(conn.sock)
         close_quietly(conn.sock)
         if bad:

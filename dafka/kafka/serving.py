@@ -63,6 +63,8 @@ from dafka.kafka.records import (
     decode_batches,
     encode_batch,
 )
+from dafka.kafka.txn import TxnCoordinator
+from dafka.kafka.txn_api import TxnHandlers
 from dafka.store.layout import MAX_NAME, MAX_OFFSET
 from dafka.tank.mapping import (
     PARTITIONS_TOPIC,
@@ -90,6 +92,7 @@ DEFAULT_FETCH_CAP = 16 << 20  # bytes of records in one Fetch answer, whatever t
 DEFAULT_PARTITION_CAP = 8 << 20  # ... and in one partition of it
 MAX_FETCH_RECORDS = 65_536  # records read for one partition of one answer
 MAX_CREATE_PARTITIONS = 10_000
+TXN_PRUNE_INTERVAL = 10.0  # seconds between looks for aborted ranges retention passed
 AHEAD_BYTES = 64 << 20  # batches encoded ahead of the fetches that will want them, in all
 MAX_AHEAD_PARTITIONS = 1024
 COLD_READ_BYTES = 1 << 20  # at most this much in an answer not encoded ahead (Kafka's default max.partition.fetch.bytes)
@@ -128,6 +131,10 @@ class Backend(Protocol):
     def delete_front(self, topic: str, address: str, before: int, max_records: int) -> tuple[int, bool]: ...
     def delete_positions(self, group: str, keys: list[tuple[str, str]] | None) -> int: ...
     def position_groups(self, limit: int) -> list[str]: ...
+    # transactions (dafka.kafka.txn_api)
+    def txn_log(self, records: list[dict[str, Any]]) -> None: ...
+    def next_offset(self, topic: str, address: str) -> int: ...
+    def append_marker(self, key: tuple[str, str], pid: int, epoch: int, commit: bool) -> int: ...
 
 
 @dataclass(slots=True)
@@ -182,7 +189,7 @@ def metadata_cost(name: str, partitions: int) -> int:
     return 16 + len(name) * 4 + partitions * 40
 
 
-class KafkaServer(AdminHandlers):
+class KafkaServer(AdminHandlers, TxnHandlers):
     """The gateway's Kafka brain: one per gateway, fed by the shell (the admin requests'
     handlers are :class:`~dafka.kafka.admin.AdminHandlers`)."""
 
@@ -214,6 +221,10 @@ class KafkaServer(AdminHandlers):
         self.max_metadata_bytes = MAX_METADATA_BYTES
         self.max_producers = MAX_PRODUCERS
         self.coordinator = Coordinator()
+        #: Transactions (KIP-98); the gateway replays its journal into it at start.
+        self.txn = TxnCoordinator()
+        self._conn_tids: dict[Any, set[str]] = {}  # transactional ids initialised per connection
+        self._txn_pruned = 0.0
         #: Producer ids this gateway gave out, least recently used first.
         self._producers: OrderedDict[int, _ProducerState] = OrderedDict()
         #: Ids it did not give (a producer from before a restart, or made up), in a pool of their
@@ -379,8 +390,7 @@ class KafkaServer(AdminHandlers):
 
     def _init_producer_id(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
         if req.transactional_id is not None:
-            # Transactions are not supported.
-            return self._reply(corr, 22, v, throttle_time_ms=0, error_code=Err.INVALID_REQUEST, producer_id=-1, producer_epoch=-1)
+            return self._init_transactional(token, v, corr, req, now)
         pid = secrets.randbits(63)  # unguessable: another client's id cannot be used or fenced
         while pid in self._producers:
             pid = secrets.randbits(63)
@@ -389,13 +399,16 @@ class KafkaServer(AdminHandlers):
             self._forget(self._producers)
         return self._reply(corr, 22, v, throttle_time_ms=0, error_code=0, producer_id=pid, producer_epoch=0)
 
+    def _new_producer_state(self, epoch: int) -> _ProducerState:
+        return _ProducerState(epoch)
+
     # ---------------------------------------------------------------- Produce
 
     def _produce(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
         if req.acks not in (0, 1, -1):
             return self._produce_all_failed(corr, v, req, Err.INVALID_REQUIRED_ACKS)
-        if v >= 3 and req.transactional_id is not None:
-            return self._produce_all_failed(corr, v, req, Err.INVALID_REQUEST)
+        if v >= 3 and req.transactional_id is not None and req.transactional_id not in self.txn.txns:
+            return self._produce_all_failed(corr, v, req, Err.INVALID_PRODUCER_ID_MAPPING)
         pmap = self.backend.pmap
         # Decode everything first: a malformed batch closes the connection
         # before anything of the request is written.
@@ -465,8 +478,12 @@ class KafkaServer(AdminHandlers):
         base = -1
         limit = self.max_record_bytes
         for b in batches:
-            if b.transactional or b.control:
+            if b.control:  # markers are the coordinator's to write
                 return Err.INVALID_REQUEST, -1
+            if b.transactional:
+                code = self.txn.check_produce(b.producer_id, b.producer_epoch, key)
+                if code != Err.NONE:
+                    return code, -1
             if b.max_slot > MAX_NAME:  # a key (with its headers) the store's key slot cannot hold
                 return Err.INVALID_RECORD, -1
             if b.body_size > limit:  # only then can a record be over it: look at each
@@ -487,6 +504,11 @@ class KafkaServer(AdminHandlers):
                     return -dup, -1
                 base = dup if base < 0 else base
                 continue
+            if b.transactional:
+                # Journalled (fsync'ed) before the records are queued: a restart knows them.
+                nxt = self.backend.next_offset(*key)
+                self.txn.appending(b.producer_id, key, nxt, nxt + len(b.records) - 1)
+                self._txn_flush()
             first, last = self.backend.append(part, b)
             if b.producer_id >= 0:
                 self._remember(b, key, first)
@@ -774,17 +796,17 @@ class KafkaServer(AdminHandlers):
             for i, key in enumerate(req.coordinator_keys):
                 if i >= MAX_ADMIN_ITEMS:
                     code, msg = Err.POLICY_VIOLATION, f"at most {MAX_ADMIN_ITEMS} keys per request"
-                elif req.key_type != 0:
-                    code, msg = Err.COORDINATOR_NOT_AVAILABLE, "transactions are not supported"
+                elif req.key_type not in (0, 1):
+                    code, msg = Err.INVALID_REQUEST, f"key type {req.key_type}"
                 else:
                     code, msg = Err.NONE, None
                 ok = code == Err.NONE
                 out.append(N(key=key, node_id=NODE_ID if ok else -1, host=host if ok else "",
                              port=port if ok else -1, error_code=code, error_message=msg))
             return self._reply(corr, 10, v, throttle_time_ms=0, coordinators=out)
-        if v >= 1 and req.key_type != 0:
-            return self._reply(corr, 10, v, throttle_time_ms=0, error_code=Err.COORDINATOR_NOT_AVAILABLE,
-                               error_message="transactions are not supported", node_id=-1, host="", port=-1)
+        if v >= 1 and req.key_type not in (0, 1):  # 0: a group, 1: a transactional id
+            return self._reply(corr, 10, v, throttle_time_ms=0, error_code=Err.INVALID_REQUEST,
+                               error_message=f"key type {req.key_type}", node_id=-1, host="", port=-1)
         return self._reply(corr, 10, v, throttle_time_ms=0, error_code=0, error_message=None,
                            node_id=NODE_ID, host=host, port=port)
 
@@ -839,6 +861,14 @@ class KafkaServer(AdminHandlers):
 
     def tick(self, now: float) -> None:
         self.released.extend(self.coordinator.tick(now))
+        self.txn_tick(now)
+        if self.txn.aborted and now - self._txn_pruned >= TXN_PRUNE_INTERVAL:
+            self._txn_pruned = now
+            for key in list(self.txn.aborted):
+                first = self.backend.first(*key)
+                if first is not None:
+                    self.txn.prune(key, first)
+            self._txn_flush()
         if self._ahead:
             for key in [k for k, a in self._ahead.items() if now - a[3] > self.ahead_seconds]:
                 self._ahead_bytes -= len(self._ahead.pop(key)[2])
@@ -948,6 +978,10 @@ _HANDLERS = {
     33: KafkaServer._alter_configs,
     37: KafkaServer._create_partitions,
     42: KafkaServer._delete_groups,
+    24: KafkaServer._add_partitions_to_txn,
+    25: KafkaServer._add_offsets_to_txn,
+    26: KafkaServer._end_txn,
+    28: KafkaServer._txn_offset_commit,
     44: KafkaServer._incremental_alter_configs,
     47: KafkaServer._offset_delete,
     60: KafkaServer._describe_cluster,

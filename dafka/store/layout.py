@@ -37,6 +37,10 @@ FLAG_KAFKA = 0x04
 #: Readers that do not know it see an empty content.  Only the gateway that took the record
 #: keeps it: the mesh carries contents alone.
 FLAG_NULL = 0x08
+#: Value flag (with FLAG_KEY, the content empty): a Kafka transaction's control record (a
+#: commit or abort marker); the key slot holds ``producer_id:i64 epoch:i16 type:u8`` (0 abort,
+#: 1 commit).  Only the gateway that wrote it keeps it: the mesh carries an empty content.
+FLAG_CONTROL = 0x10
 
 MAX_NAME = 255  # topic, partition and key lengths are one byte
 # LMDB's key size limit (MDB_MAXKEYSIZE, 511): with both names at 255 bytes a
