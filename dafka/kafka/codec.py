@@ -366,10 +366,11 @@ def encode_fetch_response(
     """A whole Fetch response frame (versions 0-11, the non-flexible ones), written here.
 
     ``topics`` is ``[(name, [(partition, error code, high watermark, log
-    start offset, record set)])]``.  Each record set is copied once, into the
-    frame; the generic encoder would copy it several times (Fetch answers
-    carry megabytes).  No aborted transactions, last stable offset = high
-    watermark, no preferred read replica: what the gateway answers.
+    start offset, record set[, last stable offset])])]``.  Each record set is
+    copied once, into the frame; the generic encoder would copy it several
+    times (Fetch answers carry megabytes).  The last stable offset is the high
+    watermark unless given; no aborted transactions (a read_committed answer
+    leaves aborted records out itself), no preferred read replica.
     """
     return b"".join(encode_fetch_parts(correlation_id, version, topics))
 
@@ -398,10 +399,10 @@ def encode_fetch_parts(
         app(_I16.pack(len(raw)))
         app(raw)
         app(_I32.pack(len(partitions)))
-        for index, code, hwm, start, records in partitions:
+        for index, code, hwm, start, records, *lso in partitions:
             fields = [index, code, hwm]
             if version >= 4:
-                fields.append(hwm)  # last stable offset: no transactions
+                fields.append(lso[0] if lso else hwm)  # last stable offset
             if version >= 5:
                 fields.append(start)
             if version >= 4:

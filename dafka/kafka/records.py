@@ -437,3 +437,32 @@ def split_ext(ext: bytes) -> tuple[bytes, bytes]:
 def batch_record_count(batch: bytes) -> int:
     """How many records an encoded batch holds (its header's count)."""
     return BATCH_HEADER.unpack_from(batch)[12]
+
+
+#: A stored control record's key slot (see :data:`dafka.store.layout.FLAG_CONTROL`).
+MARKER_SLOT = struct.Struct(">qhB")
+_CONTROL_KEY = struct.Struct(">hh")  # version 0, type (0 abort, 1 commit)
+_CONTROL_VALUE = struct.Struct(">hi")  # version 0, coordinator epoch
+
+
+def control_batch(offset: int, value: bytes) -> bytes:
+    """The control batch (a transaction marker) of a stored control record at ``offset``:
+    attributes transactional and control, the marker's producer id and epoch, one record
+    whose key is ``version:i16 type:i16`` and value ``version:i16 coordinatorEpoch:i32``."""
+    ts = max(_I64.unpack_from(value, 0)[0], 0)
+    klen = value[9]
+    pid, epoch, kind = MARKER_SLOT.unpack_from(value, 10) if klen == MARKER_SLOT.size else (-1, -1, 0)
+    key = _CONTROL_KEY.pack(0, kind)
+    val = _CONTROL_VALUE.pack(0, 0)
+    body = b"\x00" + _zz(0) + _zz(0) + _zz(len(key)) + key + _zz(len(val)) + val + b"\x00"
+    record = _zz(len(body)) + body
+    attrs = ATTR_TRANSACTIONAL | ATTR_CONTROL
+    tail = struct.pack(">hiqqqhii", attrs, 0, ts, ts, pid, epoch, -1, 1) + record
+    return struct.pack(">qiibI", offset, 9 + len(tail), -1, 2, crc32c(tail)) + tail
+
+
+def empty_batch(base: int, last: int) -> bytes:
+    """A v2 batch of no records spanning offsets ``base..last`` (as Kafka's compaction leaves):
+    a reader moves past them.  For a read_committed answer whose records were all aborted."""
+    tail = struct.pack(">hiqqqhii", 0, last - base, 0, 0, -1, -1, -1, 0)
+    return struct.pack(">qiibI", base, 9 + len(tail), -1, 2, crc32c(tail)) + tail

@@ -60,12 +60,14 @@ from dafka.kafka.records import (
     Batch,
     TooManyRecords,
     batch_record_count,
+    control_batch,
     decode_batches,
+    empty_batch,
     encode_batch,
 )
 from dafka.kafka.txn import TxnCoordinator
 from dafka.kafka.txn_api import TxnHandlers
-from dafka.store.layout import MAX_NAME, MAX_OFFSET
+from dafka.store.layout import FLAG_CONTROL, MAX_NAME, MAX_OFFSET
 from dafka.tank.mapping import (
     PARTITIONS_TOPIC,
     PartitionMap,
@@ -92,6 +94,8 @@ DEFAULT_FETCH_CAP = 16 << 20  # bytes of records in one Fetch answer, whatever t
 DEFAULT_PARTITION_CAP = 8 << 20  # ... and in one partition of it
 MAX_FETCH_RECORDS = 65_536  # records read for one partition of one answer
 MAX_CREATE_PARTITIONS = 10_000
+#: Reads of one partition of a read_committed answer while every record read was aborted.
+TXN_READS = 16
 TXN_PRUNE_INTERVAL = 10.0  # seconds between looks for aborted ranges retention passed
 AHEAD_BYTES = 64 << 20  # batches encoded ahead of the fetches that will want them, in all
 MAX_AHEAD_PARTITIONS = 1024
@@ -626,6 +630,8 @@ class KafkaServer(AdminHandlers, TxnHandlers):
                     offset = start
                 elif p.timestamp in (-1, -3):  # latest; -3: max timestamp (approximated by the end)
                     offset = hwm
+                    if v >= 2 and req.isolation_level == 1 and p.timestamp == -1:
+                        offset = self.txn.lso((part.topic, part.address), hwm)
                 else:
                     offset, ts = self._offset_for_time(part, start, hwm, p.timestamp)
                 out.append(N(partition_index=p.partition_index, error_code=0,
@@ -682,6 +688,8 @@ class KafkaServer(AdminHandlers, TxnHandlers):
         waiting: list[tuple[str, str]] = []
         faulted = False
         topics = []
+        committed = v >= 4 and req.isolation_level == 1
+        touched = self.txn.touched
         for t in req.topics:
             parts = self._partitions_of(t.topic)
             out = []
@@ -702,9 +710,18 @@ class KafkaServer(AdminHandlers, TxnHandlers):
                     out.append((p.partition, Err.OFFSET_OUT_OF_RANGE, hwm, start, b""))
                     continue
                 records = b""  # an empty record set, never null: librdkafka refuses null
-                if off < hwm and (budget > 0 or size == 0):
+                key = (part.topic, part.address)
+                if key in touched:  # written by transactions: markers, a last stable offset
+                    lso = self.txn.lso(key, hwm)
+                    end = lso if committed else hwm
+                else:
+                    lso = end = hwm
+                if off < end and (budget > 0 or size == 0):
                     limit = max(1, min(p.partition_max_bytes, self.partition_cap, budget))
-                    read = self._read(part, off, hwm, limit)
+                    if key in touched:
+                        read = self._read_txn(part, off, end, limit, committed)
+                    else:
+                        read = self._read(part, off, hwm, limit)
                     if read is None:
                         faulted = True
                         out.append((p.partition, Err.KAFKA_STORAGE_ERROR, hwm, start, b""))
@@ -712,9 +729,9 @@ class KafkaServer(AdminHandlers, TxnHandlers):
                     records = read
                     size += len(records)
                     budget -= len(records)
-                elif off >= hwm:
-                    waiting.append((part.topic, part.address))
-                out.append((p.partition, 0, hwm, start, records))
+                elif off >= end:
+                    waiting.append(key)
+                out.append((p.partition, 0, hwm, start, records, lso))
             topics.append((t.topic, out))
         return encode_fetch_parts(corr, v, topics), size, waiting, faulted
 
@@ -742,6 +759,74 @@ class KafkaServer(AdminHandlers, TxnHandlers):
         if data:
             self._want_ahead(part, off + batch_record_count(data), hwm, limit)
         return data
+
+    def _read_txn(self, part: TankPartition, off: int, end: int, limit: int, committed: bool) -> bytes | None:
+        """A partition written by transactions, from ``off`` up to ``end`` (the last stable
+        offset for read_committed): its control records as control batches (every client
+        skips them, and moves past them), and for read_committed no aborted record at all
+        (left out here, so any client drops them; the answer's aborted-transactions list is
+        empty).  If every record read was aborted and no marker came, an empty batch spans
+        them, so the reader moves on.  Not read ahead."""
+        key = (part.topic, part.address)
+        out: list[bytes] = []
+        size = 0
+        pos = off
+        for _ in range(TXN_READS):
+            count = min(MAX_FETCH_RECORDS, end - pos, max(1, limit // 16))
+            if count <= 0:
+                break
+            try:
+                first, values = self.backend.fetch_raw(part.topic, part.address, pos, count)
+            except Exception as exc:  # StorageError and LMDB errors
+                self._limited.emit(logging.ERROR, "read-failed", "cannot read %s for a Kafka fetch: %s",
+                                   shown(part.topic), exc)
+                return None
+            n = len(values)
+            if not n:
+                break
+            aborted = self.txn.aborted_between(key, first, first + n - 1) if committed else []
+            ab = 0  # the next aborted range that may hold an offset at or after i
+            i = 0
+            full = False
+            try:
+                while i < n:
+                    o = first + i
+                    v = values[i]
+                    if v[8] & FLAG_CONTROL:
+                        batch = control_batch(o, v)
+                        out.append(batch)
+                        size += len(batch)
+                        i += 1
+                        if size >= limit:
+                            full = True
+                            break
+                        continue
+                    while ab < len(aborted) and aborted[ab][1] < o:
+                        ab += 1
+                    if ab < len(aborted) and aborted[ab][0] <= o:
+                        i = min(n, aborted[ab][1] - first + 1)  # aborted: left out
+                        continue
+                    stop = min(n, aborted[ab][0] - first) if ab < len(aborted) else n
+                    j = i + 1
+                    while j < stop and not values[j][8] & FLAG_CONTROL:
+                        j += 1
+                    batch = encode_batch(o, values[i:j], max(1, limit - size))
+                    out.append(batch)
+                    size += len(batch)
+                    if batch_record_count(batch) < j - i or size >= limit:
+                        full = True
+                        break
+                    i = j
+            except (ValueError, IndexError) as exc:  # a stored value that does not parse
+                self._limited.emit(logging.ERROR, "serve-failed", "cannot serve %s from offset %d to a Kafka"
+                                   " fetch: %s", shown(part.topic), first, exc)
+                return None
+            pos = first + n
+            if full or out:
+                break
+        if not out and pos > off:
+            out.append(empty_batch(off, pos - 1))
+        return b"".join(out)
 
     def _want_ahead(self, part: TankPartition, nxt: int, hwm: int, limit: int) -> None:
         if nxt < hwm and len(self._wanted) < MAX_AHEAD_PARTITIONS:
