@@ -1,0 +1,297 @@
+"""Kafka transactions (KIP-98) with real clients against a real gateway process:
+confluent-kafka's and kafka-python's transactional producers, a consume-transform-produce
+loop with send_offsets_to_transaction, read_committed readers, a fenced zombie, a timeout,
+and a gateway killed (SIGKILL) in the middle of a transaction."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka import Consumer as CKConsumer
+from confluent_kafka import KafkaException, TopicPartition
+from confluent_kafka import Producer as CKProducer
+from confluent_kafka.admin import AdminClient, NewTopic
+from kafka import KafkaConsumer, KafkaProducer
+from kafka import TopicPartition as KTopicPartition
+
+from tests.conftest import dafka_cmd, subprocess_env, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+HOST = "127.0.0.1"
+
+
+class GatewayProcess:
+    """A `dafka gateway` process with a Kafka listener, restartable on the same port and db."""
+
+    def __init__(self, db: Path) -> None:
+        self.db = db
+        self.port = 0
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> str:
+        self.proc = subprocess.Popen(
+            dafka_cmd("gateway", "--db", str(self.db), "--listen", f"{HOST}:0",
+                      "--kafka-listen", f"{HOST}:{self.port}", "--tower", "127.0.0.1:1:2"),
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=subprocess_env(),
+        )
+        assert self.proc.stdout is not None
+        up = self.proc.stdout.readline()
+        found = re.search(r"Kafka on 127\.0\.0\.1:(\d+)", up)
+        assert found, up
+        self.port = int(found.group(1))
+        return self.bootstrap
+
+    @property
+    def bootstrap(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(10)
+            self.proc = None
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    g = GatewayProcess(tmp_path_factory.mktemp("txn") / "gw")
+    try:
+        yield g.start()
+    finally:
+        g.kill()
+
+
+def create(bs: str, *topics: str, partitions: int = 1) -> None:
+    admin = AdminClient({"bootstrap.servers": bs})
+    for f in admin.create_topics([NewTopic(t, partitions, 1) for t in topics]).values():
+        f.result(20)
+
+
+def txn_producer(bs: str, tid: str, **extra: Any) -> CKProducer:
+    p = CKProducer({"bootstrap.servers": bs, "transactional.id": tid, "linger.ms": 5, **extra})
+    p.init_transactions(30)
+    return p
+
+
+def ck_read(bs: str, topic: str, isolation: str, partitions: int = 1, timeout: float = 20.0) -> list[tuple[int, int, bytes]]:
+    """Every record of ``topic`` a confluent-kafka consumer with ``isolation`` gets, to the end."""
+    c = CKConsumer({"bootstrap.servers": bs, "group.id": f"read-{isolation}", "isolation.level": isolation,
+                    "enable.partition.eof": True, "enable.auto.commit": False})
+    got = []
+    try:
+        c.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+        at_end: set[int] = set()
+        deadline = time.monotonic() + timeout
+        while len(at_end) < partitions and time.monotonic() < deadline:
+            m = c.poll(0.2)
+            if m is None:
+                continue
+            if m.error():
+                at_end.add(m.partition())
+                continue
+            at_end.discard(m.partition())
+            got.append((m.partition(), m.offset(), m.value()))
+    finally:
+        c.close()
+    assert len(at_end) == partitions, "the reader did not reach the end"
+    return got
+
+
+def kp_read(bs: str, topic: str, isolation: str) -> list[tuple[int, bytes]]:
+    c = KafkaConsumer(bootstrap_servers=bs, isolation_level=isolation, enable_auto_commit=False,
+                      consumer_timeout_ms=2000)
+    try:
+        tp = KTopicPartition(topic, 0)
+        c.assign([tp])
+        c.seek(tp, 0)
+        return [(m.offset, m.value) for m in c]
+    finally:
+        c.close()
+
+
+def watermarks(bs: str, topic: str, isolation: str) -> tuple[int, int]:
+    c = CKConsumer({"bootstrap.servers": bs, "group.id": "wm", "isolation.level": isolation})
+    try:
+        return tuple(c.get_watermark_offsets(TopicPartition(topic, 0), timeout=10, cached=False))  # type: ignore[return-value]
+    finally:
+        c.close()
+
+
+def test_confluent_commits_and_aborts_and_read_committed_never_returns_aborted_records(gateway: str) -> None:
+    create(gateway, "tx-basic")
+    p = txn_producer(gateway, "basic")
+    p.begin_transaction()
+    for i in range(5):
+        p.produce("tx-basic", b"c%d" % i)
+    p.commit_transaction(30)
+    p.begin_transaction()
+    for i in range(3):
+        p.produce("tx-basic", b"a%d" % i)
+    p.flush(30)
+    p.abort_transaction(30)
+    p.begin_transaction()
+    p.produce("tx-basic", b"d0")
+    p.commit_transaction(30)
+    # Offsets as in Kafka: each transaction ends with a marker of its own in the partition.
+    committed = [(0, b"c0"), (1, b"c1"), (2, b"c2"), (3, b"c3"), (4, b"c4"), (10, b"d0")]
+    aborted = [(6, b"a0"), (7, b"a1"), (8, b"a2")]
+    assert [(o, v) for _, o, v in ck_read(gateway, "tx-basic", "read_committed")] == committed
+    assert kp_read(gateway, "tx-basic", "read_committed") == committed
+    # read_uncommitted gets the aborted records too (as from Kafka), never a marker.
+    assert [(o, v) for _, o, v in ck_read(gateway, "tx-basic", "read_uncommitted")] == sorted(committed + aborted)
+    assert kp_read(gateway, "tx-basic", "read_uncommitted") == sorted(committed + aborted)
+    assert watermarks(gateway, "tx-basic", "read_committed") == (0, 12)
+
+
+def test_an_open_transaction_holds_read_committed_readers_at_its_first_offset(gateway: str) -> None:
+    create(gateway, "tx-lso")
+    plain = CKProducer({"bootstrap.servers": gateway})
+    plain.produce("tx-lso", b"before")
+    assert plain.flush(30) == 0
+    p = txn_producer(gateway, "lso")
+    p.begin_transaction()
+    p.produce("tx-lso", b"pending")
+    p.flush(30)
+    plain.produce("tx-lso", b"after")  # not transactional, but behind the open transaction
+    assert plain.flush(30) == 0
+    assert watermarks(gateway, "tx-lso", "read_committed") == (0, 1)  # the last stable offset
+    assert watermarks(gateway, "tx-lso", "read_uncommitted") == (0, 3)
+    assert [v for _, _, v in ck_read(gateway, "tx-lso", "read_committed")] == [b"before"]
+    assert [v for _, v in kp_read(gateway, "tx-lso", "read_committed")] == [b"before"]
+    p.commit_transaction(30)
+    assert [v for _, _, v in ck_read(gateway, "tx-lso", "read_committed")] == [b"before", b"pending", b"after"]
+
+
+def test_kafka_python_commits_and_aborts(gateway: str) -> None:
+    create(gateway, "tx-kp")
+    p = KafkaProducer(bootstrap_servers=gateway, transactional_id="kp")
+    try:
+        p.init_transactions()
+        p.begin_transaction()
+        p.send("tx-kp", b"k0")
+        p.send("tx-kp", b"k1")
+        p.commit_transaction()
+        p.begin_transaction()
+        p.send("tx-kp", b"x0")
+        p.flush()
+        p.abort_transaction()
+    finally:
+        p.close()
+    assert kp_read(gateway, "tx-kp", "read_committed") == [(0, b"k0"), (1, b"k1")]
+    assert [v for _, _, v in ck_read(gateway, "tx-kp", "read_committed")] == [b"k0", b"k1"]
+
+
+def test_a_consume_transform_produce_loop_is_exactly_once_through_aborts(gateway: str) -> None:
+    create(gateway, "ctp-in", "ctp-out")
+    src = CKProducer({"bootstrap.servers": gateway, "linger.ms": 5})
+    n = 60
+    for i in range(n):
+        src.produce("ctp-in", b"%d" % i)
+    assert src.flush(30) == 0
+    group = "ctp"
+    c = CKConsumer({"bootstrap.servers": gateway, "group.id": group, "auto.offset.reset": "earliest",
+                    "enable.auto.commit": False, "isolation.level": "read_committed"})
+    p = txn_producer(gateway, "ctp")
+    batches = 0
+    try:
+        c.subscribe(["ctp-in"])
+        done = 0
+        deadline = time.monotonic() + 60
+        while done < n and time.monotonic() < deadline:
+            msgs = c.consume(7, 0.5)
+            msgs = [m for m in msgs if not m.error()]
+            if not msgs:
+                continue
+            p.begin_transaction()
+            for m in msgs:
+                p.produce("ctp-out", b"out-" + m.value())
+            p.send_offsets_to_transaction(
+                [TopicPartition("ctp-in", 0, msgs[-1].offset() + 1)], c.consumer_group_metadata(), 30)
+            batches += 1
+            if batches % 3 == 0:
+                # Aborted: its outputs (sent: flushed first) never count, and its offsets are not
+                # committed: read again.
+                p.flush(30)
+                p.abort_transaction(30)
+                tp = c.committed([TopicPartition("ctp-in", 0)], timeout=10)[0]
+                c.seek(TopicPartition("ctp-in", 0, tp.offset if tp.offset >= 0 else 0))
+                continue
+            p.commit_transaction(30)
+            done = msgs[-1].offset() + 1
+    finally:
+        c.close()
+    assert batches >= 3, "no transaction was aborted"
+    out = [v for _, _, v in ck_read(gateway, "ctp-out", "read_committed")]
+    assert sorted(out) == sorted(b"out-%d" % i for i in range(n))  # each exactly once
+    assert sorted(v for _, v in kp_read(gateway, "ctp-out", "read_committed")) == sorted(out)
+    assert len(ck_read(gateway, "ctp-out", "read_uncommitted")) > n  # the aborted outputs are there
+    check = CKConsumer({"bootstrap.servers": gateway, "group.id": group})
+    try:
+        assert check.committed([TopicPartition("ctp-in", 0)], timeout=10)[0].offset == n
+    finally:
+        check.close()
+
+
+def test_a_zombie_producer_is_fenced_and_its_transaction_aborted(gateway: str) -> None:
+    create(gateway, "tx-zombie")
+    zombie = txn_producer(gateway, "zombie")
+    zombie.begin_transaction()
+    zombie.produce("tx-zombie", b"from-the-zombie")
+    zombie.flush(30)
+    fresh = txn_producer(gateway, "zombie")  # the same id: the zombie's transaction is aborted
+    fresh.begin_transaction()
+    fresh.produce("tx-zombie", b"from-the-new-one")
+    fresh.commit_transaction(30)
+    with pytest.raises(KafkaException) as err:
+        zombie.produce("tx-zombie", b"late")
+        zombie.commit_transaction(30)
+    assert err.value.args[0].fatal() or "fenced" in str(err.value).lower(), err.value
+    assert [v for _, _, v in ck_read(gateway, "tx-zombie", "read_committed")] == [b"from-the-new-one"]
+
+
+def test_a_transaction_past_its_timeout_is_aborted(gateway: str) -> None:
+    create(gateway, "tx-timeout")
+    p = txn_producer(gateway, "slow", **{"transaction.timeout.ms": 1000})
+    p.begin_transaction()
+    p.produce("tx-timeout", b"too-late")
+    p.flush(30)
+    # The gateway aborts it: the last stable offset passes its marker.
+    wait_until(lambda: watermarks(gateway, "tx-timeout", "read_committed")[1] == 2, 15, 0.2)
+    with pytest.raises(KafkaException):
+        p.commit_transaction(30)
+    assert ck_read(gateway, "tx-timeout", "read_committed") == []
+    assert [v for _, _, v in ck_read(gateway, "tx-timeout", "read_uncommitted")] == [b"too-late"]
+
+
+def test_a_gateway_killed_mid_transaction_keeps_it(tmp_path: Path) -> None:
+    g = GatewayProcess(tmp_path / "gw")
+    bs = g.start()
+    try:
+        create(bs, "tx-restart")
+        p = txn_producer(bs, "restart", **{"transaction.timeout.ms": 60_000})
+        p.begin_transaction()
+        for i in range(3):
+            p.produce("tx-restart", b"r%d" % i)
+        p.flush(30)
+        g.kill()  # SIGKILL, the transaction ongoing
+        g.start()  # same port, same database
+        p.produce("tx-restart", b"r3")
+        p.commit_transaction(60)
+        assert [v for _, _, v in ck_read(bs, "tx-restart", "read_committed")] == [b"r0", b"r1", b"r2", b"r3"]
+        # And an aborted one stays aborted across a restart.
+        p.begin_transaction()
+        p.produce("tx-restart", b"gone")
+        p.flush(30)
+        p.abort_transaction(30)
+        g.kill()
+        g.start()
+        assert [v for _, _, v in ck_read(bs, "tx-restart", "read_committed")] == [b"r0", b"r1", b"r2", b"r3"]
+        assert kp_read(bs, "tx-restart", "read_committed") == [(0, b"r0"), (1, b"r1"), (2, b"r2"), (3, b"r3")]
+    finally:
+        g.kill()
