@@ -230,6 +230,11 @@ class TxnCoordinator:
         elif op == "prune":
             key = (rec["key"][0], rec["key"][1])
             self._prune(key, rec["below"])
+        elif op == "idle":
+            txn = self.txns[rec["tid"]]
+            if rec["state"] not in _IDLE:
+                raise ValueError(f"not an idle state: {rec['state']!r}")
+            txn.state = rec["state"]
         elif op == "touched":
             for t, a in rec["keys"]:
                 self.touched.add((t, a))
@@ -300,6 +305,8 @@ class TxnCoordinator:
         for txn in self.txns.values():
             out.append({"op": "init", "tid": txn.tid, "pid": txn.pid, "epoch": txn.epoch, "timeout": txn.timeout_ms})
             if txn.state in _IDLE:
+                if txn.state != EMPTY:  # a retried EndTxn of what is done is still NONE
+                    out.append({"op": "idle", "tid": txn.tid, "state": txn.state})
                 continue
             out.append({"op": "add", "tid": txn.tid, "keys": [list(k) for k in txn.parts]})
             for g, held in txn.groups.items():
