@@ -139,6 +139,7 @@ from dafka.fastio import fetch_blocks, store_blocks
 from dafka.store.block import BLOCK_KEY, decode_header, store_payload
 from dafka.store.blocktable import OverlapError, put_block
 from dafka.store.layout import (
+    FLAG_CONTROL,
     FLAG_KEY,
     FORMAT_1,
     FORMAT_VERSION,
@@ -1326,7 +1327,8 @@ class RecordDB:
                 ts, flags = unpack_hdr(v)
                 if flags & FLAG_KEY:
                     klen = v[9]
-                    yield make((off, ts, v[10 : 10 + klen], v[10 + klen :]))
+                    # a Kafka transaction marker (FLAG_CONTROL): an empty record, no key
+                    yield make((off, ts, None if flags & FLAG_CONTROL else v[10 : 10 + klen], v[10 + klen :]))
                 else:
                     yield make((off, ts, None, v[9:]))
                 off += 1

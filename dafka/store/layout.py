@@ -178,10 +178,13 @@ def unpack_value(value: bytes) -> tuple[int, int, bytes | None, bytes]:
 def without_kafka_extras(value: bytes) -> bytes:
     """A stored value whose key slot holds a Kafka key and headers (FLAG_KAFKA) as one
     that holds the key alone, or no key for a null one: what a reader of keys sees.
+    A Kafka transaction marker (FLAG_CONTROL) comes back as an empty record with no key.
 
     Other values come back unchanged; a slot that does not parse stays the key.
     """
     flags = value[8] if len(value) > 9 else 0
+    if flags & FLAG_CONTROL and flags & FLAG_KEY:  # a transaction marker: no key, an empty content
+        return value[:8] + bytes((flags & ~(FLAG_KEY | FLAG_CONTROL),)) + value[min(10 + value[9], len(value)):]
     if not flags & FLAG_KAFKA or not flags & FLAG_KEY:
         return value
     end = min(10 + value[9], len(value))

@@ -295,3 +295,47 @@ def test_a_gateway_killed_mid_transaction_keeps_it(tmp_path: Path) -> None:
         assert kp_read(bs, "tx-restart", "read_committed") == [(0, b"r0"), (1, b"r1"), (2, b"r2"), (3, b"r3")]
     finally:
         g.kill()
+
+
+# ---------------------------------------------------------------- what mesh readers see
+
+
+def test_mesh_and_tank_readers_see_every_record_and_each_marker_as_an_empty_record(cfg: Any, tmp_path: Path) -> None:
+    """The gateway publishes a transaction's records on the mesh when they are committed to its
+    store, before the transaction ends: Dafka consumers, Tank clients and Spark read them all,
+    aborted ones too (as Kafka's read_uncommitted consumers), and each control record as an
+    empty record with no key at its offset."""
+    from dafka.kafka.gateway import KafkaGateway
+    from dafka.nodes.consumer import Consumer
+    from dafka.tank.client import TankClient
+
+    gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0))
+    try:
+        bs = f"{HOST}:{gw.kafka_port}"
+        gw.create_topic("tx-mesh", 1)
+        p = txn_producer(bs, "mesh")
+        p.begin_transaction()
+        p.produce("tx-mesh", b"kept", key=b"k")
+        p.commit_transaction(30)
+        p.begin_transaction()
+        p.produce("tx-mesh", b"dropped", key=b"k")
+        p.flush(30)
+        p.abort_transaction(30)
+        expected = [b"kept", b"", b"dropped", b""]  # offsets 0..3: the markers are 1 and 3
+        with Consumer("tx-mesh", cfg, offset_reset="earliest") as consumer:
+            got: list[Any] = []
+            deadline = time.monotonic() + 20
+            while len(got) < 4 and time.monotonic() < deadline:
+                got += consumer.poll_batch(100, 0.2)
+        assert [bytes(r.content) for r in got] == expected
+        with TankClient(HOST, gw.tank_port) as t:
+            r = t.consume("tx-mesh", 0, 0, 1 << 20)
+        assert [(s, None if k is None else bytes(k), bytes(v)) for s, _ts, k, v in r.messages] == [
+            (1, b"k", b"kept"), (2, None, b""), (3, b"k", b"dropped"), (4, None, b"")]
+        address = gw.pmap.get("tx-mesh", 0).address
+        assert [(rec[0], rec[2], bytes(rec[3])) for rec in gw.db.read("tx-mesh", address, 0, 4)] == [
+            (0, b"k", b"kept"), (1, None, b""), (2, b"k", b"dropped"), (3, None, b"")]
+        # Kafka readers of the same partition: no marker, read_committed no aborted record.
+        assert [(o, v) for _, o, v in ck_read(bs, "tx-mesh", "read_committed")] == [(0, b"kept")]
+    finally:
+        gw.close()
