@@ -339,3 +339,77 @@ def test_mesh_and_tank_readers_see_every_record_and_each_marker_as_an_empty_reco
         assert [(o, v) for _, o, v in ck_read(bs, "tx-mesh", "read_committed")] == [(0, b"kept")]
     finally:
         gw.close()
+
+
+# ---------------------------------------------------------------- quixstreams, exactly once
+
+QS_APP = """
+import sys, time
+from quixstreams import Application
+
+bootstrap, state, linger = sys.argv[1], sys.argv[2], float(sys.argv[3])
+app = Application(broker_address=bootstrap, consumer_group="qs-eos", auto_offset_reset="earliest",
+                  processing_guarantee="exactly-once", commit_interval=0.3, state_dir=state,
+                  consumer_extra_config={"session.timeout.ms": 6000, "heartbeat.interval.ms": 500},
+                  # the killed run's open transaction is aborted by the gateway after this
+                  producer_extra_config={"transaction.timeout.ms": 3000})
+orders = app.topic("eos-orders", value_deserializer="json")
+big = app.topic("eos-big", value_serializer="json")
+
+
+def slowly(order):
+    time.sleep(linger)  # the first run is killed half way
+    return {"id": order["id"], "total": order["total"] * 10}
+
+
+sdf = app.dataframe(orders)
+sdf = sdf.filter(lambda order: order["total"] % 2 == 0).apply(slowly)
+sdf.to_topic(big)
+app.run(timeout=6.0)
+"""
+
+
+def test_a_quixstreams_application_runs_exactly_once_through_a_sigkill(gateway: str, tmp_path: Path) -> None:
+    pytest.importorskip("quixstreams")
+    import json
+    import os
+    import signal
+    import sys
+
+    create(gateway, "eos-orders", "eos-big")
+    src = CKProducer({"bootstrap.servers": gateway, "linger.ms": 5})
+    for i in range(200):
+        src.produce("eos-orders", key=str(i), value=json.dumps({"id": i, "total": i}).encode())
+    assert src.flush(30) == 0
+    script = tmp_path / "app.py"
+    script.write_text(QS_APP)
+
+    def run(linger: float) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, str(script), gateway, str(tmp_path / "state"), str(linger)],
+                                env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    first = run(0.05)
+    try:
+        wait_until(lambda: watermarks(gateway, "eos-big", "read_uncommitted")[1] >= 20, 60, 0.2)
+        os.kill(first.pid, signal.SIGKILL)  # half way, between commits or inside a transaction
+        first.wait(10)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(10)
+    second = run(0.0)
+    try:
+        _, err = second.communicate(timeout=90)
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait(10)
+    assert second.returncode == 0, err.decode()[-3000:]
+    got = [json.loads(v) for _, _, v in ck_read(gateway, "eos-big", "read_committed")]
+    assert sorted((r["id"], r["total"]) for r in got) == [(i, i * 10) for i in range(0, 200, 2)]  # once each
+    assert [json.loads(v)["id"] for _, v in kp_read(gateway, "eos-big", "read_committed")] == [r["id"] for r in got]
+    c = CKConsumer({"bootstrap.servers": gateway, "group.id": "qs-eos"})
+    try:
+        assert c.committed([TopicPartition("eos-orders", 0)], timeout=20)[0].offset == 200
+    finally:
+        c.close()
