@@ -413,3 +413,35 @@ def test_a_quixstreams_application_runs_exactly_once_through_a_sigkill(gateway: 
         assert c.committed([TopicPartition("eos-orders", 0)], timeout=20)[0].offset == 200
     finally:
         c.close()
+
+
+def test_read_committed_readers_move_past_a_long_aborted_run_with_small_fetches(gateway: str) -> None:
+    """A read_committed fetch over more aborted records than it reads at once answers an empty
+    batch spanning them: without it the reader would ask for the same offset for ever."""
+    create(gateway, "tx-long")
+    p = txn_producer(gateway, "long", **{"linger.ms": 20})
+    p.begin_transaction()
+    for i in range(3000):
+        p.produce("tx-long", b"x%d" % i)
+    p.flush(30)
+    p.abort_transaction(30)
+    p.begin_transaction()
+    p.produce("tx-long", b"after")
+    p.commit_transaction(30)
+    c = CKConsumer({"bootstrap.servers": gateway, "group.id": "long", "isolation.level": "read_committed",
+                    "max.partition.fetch.bytes": 1600, "fetch.max.bytes": 1600, "message.max.bytes": 1600})
+    try:
+        c.assign([TopicPartition("tx-long", 0, 0)])
+        m = wait_until(lambda: (lambda m: m if m is not None and not m.error() else None)(c.poll(0.2)), 20, 0)
+        assert (m.offset(), m.value()) == (3001, b"after")
+    finally:
+        c.close()
+    k = KafkaConsumer(bootstrap_servers=gateway, isolation_level="read_committed", max_partition_fetch_bytes=1600,
+                      fetch_max_bytes=1600, consumer_timeout_ms=5000)
+    try:
+        tp = KTopicPartition("tx-long", 0)
+        k.assign([tp])
+        k.seek(tp, 0)
+        assert [(m.offset, m.value) for m in k] == [(3001, b"after")]
+    finally:
+        k.close()
