@@ -314,8 +314,8 @@ class TxnCoordinator:
                 if held:
                     out.append({"op": "offsets", "tid": txn.tid, "group": g,
                                 "pos": [[t, a, o] for (t, a), o in held.items()]})
-            for key, ranges in txn.parts.items():
-                for first, last in ranges:
+            for key, spans in txn.parts.items():
+                for first, last in spans:
                     out.append({"op": "range", "tid": txn.tid, "key": list(key), "first": first, "last": last})
             if txn.state in _PREPARE:
                 # The aborted ranges of a PREPARE_ABORT are already in the index (above): an
@@ -532,7 +532,7 @@ class TxnCoordinator:
             if off is not None and off > head:
                 return True
         ranges2 = self.aborted.get(key)
-        return bool(ranges2) and max(b for _, b in ranges2) > head
+        return ranges2 is not None and any(b > head for _, b in ranges2)
 
     def remark(self, plan: EndPlan, markers: dict[Key, int]) -> None:
         """Lost markers of a recovered plan take new offsets (journal it before writing them)."""

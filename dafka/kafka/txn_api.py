@@ -31,11 +31,11 @@ import secrets
 from typing import TYPE_CHECKING, Any
 
 from dafka.kafka.codec import Err, N
-from dafka.kafka.txn import EndPlan, Key
+from dafka.kafka.txn import EndPlan, Key, TxnCoordinator
 from dafka.tank.mapping import shown
 
 if TYPE_CHECKING:
-    from dafka.kafka.serving import KafkaServer, Outcome
+    from dafka.kafka.serving import Outcome
 
 log = logging.getLogger("dafka.kafka")
 
@@ -58,17 +58,30 @@ def _fenced(code: int, api_key: int, v: int) -> int:
 
 
 class TxnHandlers:
-    """The transaction requests of :class:`~dafka.kafka.serving.KafkaServer`."""
+    """The transaction requests of :class:`~dafka.kafka.serving.KafkaServer` (a mixin)."""
+
+    backend: Any
+    txn: TxnCoordinator
+    max_producers: int
+    _producers: Any
+    _conn_tids: dict[Any, set[str]]
+    _limited: Any
+
+    if TYPE_CHECKING:  # KafkaServer's
+        def _reply(self, corr: int, api_key: int, version: int, **fields: Any) -> Outcome: ...
+        def _partitions_of(self, topic: str) -> Any: ...
+        def _forget(self, table: Any) -> None: ...
+        def _new_producer_state(self, epoch: int) -> Any: ...
 
     # ---------------------------------------------------------------- helpers
 
-    def _txn_flush(self: KafkaServer) -> None:
+    def _txn_flush(self) -> None:
         """Make the coordinator's new journal records durable (before acting on them)."""
         recs = self.txn.take_journal()
         if recs:
             self.backend.txn_log(recs)
 
-    def _owned_key(self: KafkaServer, topic: str, index: int) -> tuple[int, Key | None]:
+    def _owned_key(self, topic: str, index: int) -> tuple[int, Key | None]:
         parts = self._partitions_of(topic)
         part = parts[index] if parts and 0 <= index < len(parts) else None
         if part is None:
@@ -77,7 +90,7 @@ class TxnHandlers:
             return Err.POLICY_VIOLATION, None  # a mesh producer writes it
         return Err.NONE, (part.topic, part.address)
 
-    def run_plan(self: KafkaServer, plan: EndPlan, recovering: bool = False) -> dict[Key, int]:
+    def run_plan(self, plan: EndPlan, recovering: bool = False) -> dict[Key, int]:
         """Carry out an end of transaction: journal it, make a commit's offsets the groups',
         write the markers.  Returns the marker offsets (for an answer to wait on)."""
         markers = {k: self.backend.next_offset(*k) for k in plan.keys}
@@ -104,16 +117,16 @@ class TxnHandlers:
             self._txn_flush()
         return markers
 
-    def txn_tick(self: KafkaServer, now: float) -> None:
+    def txn_tick(self, now: float) -> None:
         for plan in self.txn.tick(now):
             log.warning("transaction %s timed out: aborted, its producer fenced", shown(plan.tid))
             self.run_plan(plan)
 
-    def txn_committed(self: KafkaServer, heads: dict[Key, int]) -> None:
+    def txn_committed(self, heads: dict[Key, int]) -> None:
         if self.txn.committed(heads):
             self._txn_flush()
 
-    def txn_recover(self: KafkaServer, heads: dict[Key, int], now: float) -> None:
+    def txn_recover(self, heads: dict[Key, int], now: float) -> None:
         """At start, after the journal's replay."""
         plans = self.txn.recover(heads, now)
         self._txn_flush()
@@ -129,12 +142,12 @@ class TxnHandlers:
                         log.error("cannot commit the offsets of group %s: %s", shown(group), exc)
         self.txn_committed(heads)
 
-    def forget_connection(self: KafkaServer, conn: Any) -> None:
+    def forget_connection(self, conn: Any) -> None:
         self._conn_tids.pop(conn, None)
 
     # ---------------------------------------------------------------- InitProducerId
 
-    def _init_transactional(self: KafkaServer, token: Any, v: int, corr: int, req: Any, now: float) -> Outcome:
+    def _init_transactional(self, token: Any, v: int, corr: int, req: Any, now: float) -> Outcome:
         tid = req.transactional_id
         conn = getattr(token, "conn", token)
         mine = self._conn_tids.setdefault(conn, set())
@@ -164,7 +177,7 @@ class TxnHandlers:
 
     # ---------------------------------------------------------------- AddPartitionsToTxn
 
-    def _add_partitions_to_txn(self: KafkaServer, token: Any, v: int, corr: int, cid: Any, req: Any,
+    def _add_partitions_to_txn(self, token: Any, v: int, corr: int, cid: Any, req: Any,
                                now: float) -> Outcome:
         keys: list[Key] = []
         codes: list[tuple[str, list[tuple[int, int]]]] = []
@@ -204,7 +217,7 @@ class TxnHandlers:
 
     # ---------------------------------------------------------------- AddOffsetsToTxn
 
-    def _add_offsets_to_txn(self: KafkaServer, token: Any, v: int, corr: int, cid: Any, req: Any,
+    def _add_offsets_to_txn(self, token: Any, v: int, corr: int, cid: Any, req: Any,
                             now: float) -> Outcome:
         if not req.group_id or len(req.group_id.encode()) > MAX_GROUP_BYTES:
             code = Err.INVALID_GROUP_ID
@@ -215,7 +228,7 @@ class TxnHandlers:
 
     # ---------------------------------------------------------------- TxnOffsetCommit
 
-    def _txn_offset_commit(self: KafkaServer, token: Any, v: int, corr: int, cid: Any, req: Any,
+    def _txn_offset_commit(self, token: Any, v: int, corr: int, cid: Any, req: Any,
                            now: float) -> Outcome:
         positions: dict[Key, int] = {}
         plan: list[tuple[str, list[tuple[int, int]]]] = []
@@ -249,7 +262,7 @@ class TxnHandlers:
 
     # ---------------------------------------------------------------- EndTxn
 
-    def _end_txn(self: KafkaServer, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
+    def _end_txn(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
         from dafka.kafka.serving import Outcome
 
         code, plan = self.txn.end_txn(req.transactional_id, req.producer_id, req.producer_epoch,
