@@ -459,7 +459,7 @@ class KafkaGateway(Gateway):
     def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
         super().on_commit(heads)
         committed = self._heads
-        if self.kafka.txn.open or any(t.markers for t in self.kafka.txn.txns.values()):
+        if self.kafka.txn.active:
             try:
                 self.kafka.txn_committed(committed)
             except OSError as exc:

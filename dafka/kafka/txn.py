@@ -139,6 +139,8 @@ class TxnCoordinator:
         self.naborted = 0
         #: partitions ever written by a transaction (their fetches look for markers)
         self.touched: set[Key] = set()
+        #: ids whose transaction is ONGOING or PREPARE_* (the timer and commits look at these only)
+        self.active: dict[str, None] = {}
         #: records to make durable before acting on them (the shell takes them)
         self.journal: list[dict[str, Any]] = []
         self.timeouts = 0
@@ -155,6 +157,16 @@ class TxnCoordinator:
 
     def apply(self, rec: dict[str, Any]) -> None:
         """Apply one journal record (live, or replayed at start)."""
+        self._apply(rec)
+        tid = rec.get("tid")
+        if tid is not None:
+            txn = self.txns.get(tid)
+            if txn is not None and txn.state not in _IDLE:
+                self.active[tid] = None
+            else:
+                self.active.pop(tid, None)
+
+    def _apply(self, rec: dict[str, Any]) -> None:
         op = rec["op"]
         if op == "init":
             txn = self.txns.get(rec["tid"])
@@ -482,7 +494,8 @@ class TxnCoordinator:
     def committed(self, heads: dict[Key, int]) -> list[str]:
         """Markers committed up to ``heads``: the transactions now complete (journalled)."""
         done = []
-        for txn in self.txns.values():
+        for tid in self.active:
+            txn = self.txns[tid]
             if txn.state in _PREPARE and txn.markers and all(
                     off >= 0 and heads.get(k, -1) >= off for k, off in txn.markers.items()):
                 done.append(txn.tid)
@@ -493,7 +506,8 @@ class TxnCoordinator:
     def tick(self, now: float) -> list[EndPlan]:
         """Transactions past their timeout: aborted, their producers fenced (epoch bumped)."""
         plans = []
-        for txn in self.txns.values():
+        for tid in self.active:
+            txn = self.txns[tid]
             if txn.state == ONGOING and txn.started is not None and now - txn.started > txn.timeout_ms / 1000.0:
                 self.timeouts += 1
                 plans.append(self._end(txn, False, bump=True, now=now))

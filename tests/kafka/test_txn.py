@@ -11,6 +11,7 @@ from dafka.kafka.codec import Err
 from dafka.kafka.txn import (
     COMPLETE_ABORT,
     COMPLETE_COMMIT,
+    EMPTY,
     ONGOING,
     PREPARE_ABORT,
     PREPARE_COMMIT,
@@ -210,6 +211,8 @@ def test_recover_clips_what_was_never_stored_and_writes_lost_markers_again():
 def _state(c: TxnCoordinator) -> tuple:
     txns = {t: (x.pid, x.epoch, x.state, {k: [list(r) for r in v] for k, v in x.parts.items()},
                 x.groups, x.markers) for t, x in c.txns.items()}
+    active = {t for t, x in c.txns.items() if x.state not in (EMPTY, COMPLETE_COMMIT, COMPLETE_ABORT)}
+    assert set(c.active) == active
     return txns, {k: dict(v) for k, v in c.open.items()}, {k: list(v) for k, v in c.aborted.items() if v}, c.touched
 
 
