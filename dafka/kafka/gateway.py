@@ -525,6 +525,8 @@ class KafkaGateway(Gateway):
         if self._kparked:
             self._retry_parked(None, timed_out=True, now=mono)
         self.kafka.tick(mono)
+        if self._batch:  # markers of transactions the tick aborted (timeouts): committed soon
+            self._flush_batch()
         self._send_released()
 
     def _retry_parked(self, keys: set[tuple[str, str]] | None, timed_out: bool, now: float = 0.0) -> None:

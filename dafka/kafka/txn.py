@@ -77,6 +77,12 @@ MAX_TXN_RANGES = 100_000
 #: Aborted offset ranges kept over the gateway (a read_committed fetch skips them); past it, new
 #: transactions are refused (COORDINATOR_NOT_AVAILABLE) until retention prunes some.
 MAX_ABORTED_RANGES = 200_000
+#: Over every transaction open at once: partitions, offset ranges, pending offsets.  Past the
+#: first, AddPartitionsToTxn is COORDINATOR_NOT_AVAILABLE (retried by clients, room comes as
+#: others end); past the others, a produce or TxnOffsetCommit is POLICY_VIOLATION.
+MAX_OPEN_PARTITIONS = 100_000
+MAX_OPEN_RANGES = 1_000_000
+MAX_OPEN_OFFSETS = 1_000_000
 #: Kafka's transaction.max.timeout.ms default: a longer timeout is INVALID_TRANSACTION_TIMEOUT.
 MAX_TIMEOUT_MS = 900_000
 MAX_EPOCH = 32_766  # past it a new producer id is given (epochs are int16)
@@ -141,6 +147,11 @@ class TxnCoordinator:
         self.touched: set[Key] = set()
         #: ids whose transaction is ONGOING or PREPARE_* (the timer and commits look at these only)
         self.active: dict[str, None] = {}
+        #: partitions, offset ranges and pending offsets over every transaction not idle
+        self.open_parts = self.open_ranges = self.open_offsets = 0
+        self.max_open_partitions = MAX_OPEN_PARTITIONS
+        self.max_open_ranges = MAX_OPEN_RANGES
+        self.max_open_offsets = MAX_OPEN_OFFSETS
         #: records to make durable before acting on them (the shell takes them)
         self.journal: list[dict[str, Any]] = []
         self.timeouts = 0
@@ -157,14 +168,25 @@ class TxnCoordinator:
 
     def apply(self, rec: dict[str, Any]) -> None:
         """Apply one journal record (live, or replayed at start)."""
-        self._apply(rec)
         tid = rec.get("tid")
-        if tid is not None:
+        before = self._held(self.txns.get(tid)) if tid is not None else None
+        self._apply(rec)
+        if tid is not None and before is not None:
             txn = self.txns.get(tid)
             if txn is not None and txn.state not in _IDLE:
                 self.active[tid] = None
             else:
                 self.active.pop(tid, None)
+            after = self._held(txn)
+            self.open_parts += after[0] - before[0]
+            self.open_ranges += after[1] - before[1]
+            self.open_offsets += after[2] - before[2]
+
+    @staticmethod
+    def _held(txn: Txn | None) -> tuple[int, int, int]:
+        if txn is None or txn.state in _IDLE:
+            return 0, 0, 0
+        return len(txn.parts), txn.nranges, txn.noffsets
 
     def _apply(self, rec: dict[str, Any]) -> None:
         op = rec["op"]
@@ -268,6 +290,13 @@ class TxnCoordinator:
         self.naborted += 1
 
     def _clip(self, key: Key, head: int) -> None:
+        for tid in self.active:
+            self.open_ranges -= self.txns[tid].nranges
+        self._clip_ranges(key, head)
+        for tid in self.active:
+            self.open_ranges += self.txns[tid].nranges
+
+    def _clip_ranges(self, key: Key, head: int) -> None:
         for txn in self.txns.values():
             ranges = txn.parts.get(key)
             if ranges:
@@ -405,6 +434,8 @@ class TxnCoordinator:
         new = [k for k in dict.fromkeys(keys) if k not in have]
         if len(have) + len(new) > self.max_partitions:
             return Err.POLICY_VIOLATION
+        if new and self.open_parts + len(new) > self.max_open_partitions:
+            return Err.COORDINATOR_NOT_AVAILABLE
         if new or txn.state != ONGOING:
             self._do({"op": "add", "tid": tid, "keys": [list(k) for k in new]})
         if txn.started is None:
@@ -436,7 +467,8 @@ class TxnCoordinator:
         if txn.state != ONGOING or group not in txn.groups:
             return Err.INVALID_TXN_STATE
         held = txn.groups[group]
-        if txn.noffsets + sum(1 for k in positions if k not in held) > MAX_TXN_OFFSETS:
+        more = sum(1 for k in positions if k not in held)
+        if txn.noffsets + more > MAX_TXN_OFFSETS or self.open_offsets + more > self.max_open_offsets:
             return Err.POLICY_VIOLATION
         if positions:
             self._do({"op": "offsets", "tid": tid, "group": group,
@@ -454,7 +486,7 @@ class TxnCoordinator:
             return Err.INVALID_PRODUCER_EPOCH
         if txn.state != ONGOING or key not in txn.parts:
             return Err.INVALID_TXN_STATE
-        if txn.nranges >= self.max_ranges:
+        if txn.nranges >= self.max_ranges or self.open_ranges >= self.max_open_ranges:
             return Err.POLICY_VIOLATION
         return Err.NONE
 

@@ -213,6 +213,10 @@ def _state(c: TxnCoordinator) -> tuple:
                 x.groups, x.markers) for t, x in c.txns.items()}
     active = {t for t, x in c.txns.items() if x.state not in (EMPTY, COMPLETE_COMMIT, COMPLETE_ABORT)}
     assert set(c.active) == active
+    held = [x for x in c.txns.values() if x.state not in (EMPTY, COMPLETE_COMMIT, COMPLETE_ABORT)]
+    assert c.open_parts == sum(len(x.parts) for x in held)
+    assert c.open_ranges == sum(x.nranges for x in held) == sum(len(r) for x in held for r in x.parts.values())
+    assert c.open_offsets == sum(x.noffsets for x in held) == sum(len(g) for x in held for g in x.groups.values())
     return txns, {k: dict(v) for k, v in c.open.items()}, {k: list(v) for k, v in c.aborted.items() if v}, c.touched
 
 
@@ -275,3 +279,23 @@ def test_any_sequence_replays_to_the_same_state_and_the_lso_stays_below_open_dat
     assert _state(replayed(c, journal)) == _state(c)
     assert _state(replayed(c, c.snapshot())) == _state(c)
     assert replayed(c, journal).naborted == c.naborted == sum(len(v) for v in c.aborted.values())
+
+
+def test_partitions_ranges_and_offsets_are_bounded_over_all_open_transactions():
+    c = TxnCoordinator()
+    c.max_open_partitions, c.max_open_ranges, c.max_open_offsets = 2, 2, 1
+    pa, ea = init(c, "a", 1)
+    pb, eb = init(c, "b", 2)
+    assert c.add_partitions("a", pa, ea, [K1, K2], 0.0) == Err.NONE
+    assert c.add_partitions("b", pb, eb, [K1], 0.0) == Err.COORDINATOR_NOT_AVAILABLE
+    c.appending(pa, K1, 0, 0)
+    c.appending(pa, K2, 0, 0)
+    assert c.check_produce(pa, ea, K1) == Err.POLICY_VIOLATION
+    c.add_offsets("a", pa, ea, "g", 0.0)
+    assert c.txn_offsets("a", pa, ea, "g", {K1: 1}) == Err.NONE
+    assert c.txn_offsets("a", pa, ea, "g", {K2: 1}) == Err.POLICY_VIOLATION
+    _, plan = c.end_txn("a", pa, ea, True, 0.0)
+    c.ending(plan, {K1: 1, K2: 1})
+    c.committed({K1: 1, K2: 1})
+    assert (c.open_parts, c.open_ranges, c.open_offsets) == (0, 0, 0)
+    assert c.add_partitions("b", pb, eb, [K1], 0.0) == Err.NONE  # room again
