@@ -61,7 +61,7 @@ from dafka.kafka.records import Batch, record_tuples, store_pairs
 from dafka.kafka.serving import Data, KafkaServer, ParkedFetch
 from dafka.kafka.txn import TxnLog
 from dafka.nodes.node import new_address
-from dafka.store.db import Retention, RetentionPolicy
+from dafka.store.db import RecordDB, Retention, RetentionPolicy
 from dafka.store.layout import FLAG_CONTROL, FLAG_KAFKA, FLAG_KEY, FLAG_NULL, VALUE_HEADER
 from dafka.store.node import MAX_BATCH
 from dafka.tank.gateway import Gateway
@@ -152,7 +152,18 @@ class KafkaGateway(Gateway):
                 self, kafka_advertise, auto_create=kafka_auto_create,
                 default_partitions=kafka_default_partitions, **extra,
             )
-            super().__init__(db, config, **gateway_options)
+            # The journal is replayed before the store starts: its I/O thread recovers the
+            # transactions in on_start, at once.
+            rdb = db if isinstance(db, RecordDB) else RecordDB(db, sync=gateway_options.get("sync", True))
+            try:
+                self._txnlog = TxnLog(os.path.join(rdb.path, TXN_FILE))
+                self._txn_compact_at = TxnLog.COMPACT_LINES
+                self._load_transactions()
+            except BaseException:
+                if rdb is not db:
+                    rdb.close()
+                raise
+            super().__init__(rdb, config, **gateway_options)
             # The Tank port's limit holds for Kafka's CreateTopics too.
             self.kafka.max_partitions = min(self.kafka.max_partitions, self.limits.max_partitions_per_topic)
             self.kafka.max_records = self.limits.kafka_max_produce_records
@@ -164,9 +175,6 @@ class KafkaGateway(Gateway):
             self._kretention_static = self.retention  # the configuration's; Kafka's changes go over it
             self._kretention: dict[str, Retention] = {}
             self._load_configs()
-            self._txnlog = TxnLog(os.path.join(self.db.path, TXN_FILE))
-            self._txn_compact_at = TxnLog.COMPACT_LINES
-            self._load_transactions()
         except BaseException:
             self.kafka_listener.close()
             raise

@@ -4,6 +4,7 @@ requests are written by hand."""
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -174,5 +175,56 @@ def test_a_torn_journal_line_is_cut_off_at_start(cfg: NodeConfig, tmp_path: Path
     gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0))
     try:
         assert gw.kafka.txn.txns["kept"].epoch == 1
+    finally:
+        gw.close()
+
+
+def test_a_commit_journalled_before_a_crash_is_finished_at_start(cfg: NodeConfig, tmp_path: Path) -> None:
+    """The gateway died after journalling an EndTxn commit and before its marker reached the
+    disk: at start the marker is written again (at the next offset), the group's offsets are
+    committed, and read_committed readers get the transaction's records."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from tests.conftest import wait_until
+
+    gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0))
+    try:
+        gw.create_topic("crash", 1)
+        address = gw.pmap.get("crash", 0).address
+        with socket.create_connection((HOST, gw.kafka_port)) as s:
+            r = init(s, "c")
+            pid, epoch = r.producer_id, r.producer_epoch
+            assert codes_of(add(s, "c", pid, epoch, "crash", [0])) == [0]
+            assert produce_raw(s, 2, "crash", txn_batch(pid, epoch, b"in-txn")).error_code == 0
+            assert call(s, 25, 1, AddOffsetsToTxnRequest[1](transactional_id="c", producer_id=pid,
+                                                             producer_epoch=epoch, group_id="grp"),
+                        AddOffsetsToTxnResponse).error_code == 0
+            topic = TxnOffsetCommitRequest.TxnOffsetCommitRequestTopic(name="crash", partitions=[
+                TxnOffsetCommitRequest.TxnOffsetCommitRequestTopic.TxnOffsetCommitRequestPartition(
+                    partition_index=0, committed_offset=7, committed_leader_epoch=-1, committed_metadata=None)])
+            r = call(s, 28, 2, TxnOffsetCommitRequest[2](transactional_id="c", group_id="grp", producer_id=pid,
+                                                          producer_epoch=epoch, topics=[topic]),
+                     TxnOffsetCommitResponse)
+            assert r.topics[0].partitions[0].error_code == 0
+        assert gw.positions("grp") == {}  # not before the commit
+    finally:
+        gw.close()
+    journal = tmp_path / "gw" / TXN_FILE
+    with open(journal, "a") as f:  # what EndTxn journals before it writes the marker at offset 1
+        f.write(json.dumps({"op": "end", "tid": "c", "commit": True, "markers": [["crash", address, 1]],
+                            "epoch": None}) + "\n")
+    gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0))
+    try:
+        wait_until(lambda: gw.kafka.txn.txns["c"].state == "CompleteCommit", 10)
+        assert gw.head("crash", address) == 1  # the marker, written again
+        assert gw.positions("grp") == {("crash", address): 7}
+        c = Consumer({"bootstrap.servers": f"{HOST}:{gw.kafka_port}", "group.id": "r",
+                      "isolation.level": "read_committed"})
+        try:
+            c.assign([TopicPartition("crash", 0, 0)])
+            m = wait_until(lambda: (lambda m: m if m is not None and not m.error() else None)(c.poll(0.2)), 20, 0)
+            assert (m.offset(), m.value()) == (0, b"in-txn")
+        finally:
+            c.close()
     finally:
         gw.close()
