@@ -2,7 +2,9 @@
 
 FindCoordinator of key type 1 names the gateway; InitProducerId with a
 transactional id, AddPartitionsToTxn, AddOffsetsToTxn, TxnOffsetCommit and
-EndTxn go to the :class:`~dafka.kafka.txn.TxnCoordinator`.  Every change of
+EndTxn go to the :class:`~dafka.kafka.txn.TxnCoordinator`.  TxnOffsetCommit v3+ names the
+consumer's member id and generation (KIP-447): a member the group does not have, or of
+another generation, is refused (UNKNOWN_MEMBER_ID, ILLEGAL_GENERATION) as an OffsetCommit is.  Every change of
 its state is journalled by the backend (:meth:`txn_log`, fsync'ed) before
 the gateway acts on it: before records of a transaction are queued, before
 markers are written, before an answer goes.
@@ -61,6 +63,7 @@ class TxnHandlers:
     """The transaction requests of :class:`~dafka.kafka.serving.KafkaServer` (a mixin)."""
 
     backend: Any
+    coordinator: Any
     txn: TxnCoordinator
     max_producers: int
     _producers: Any
@@ -252,9 +255,16 @@ class TxnHandlers:
         if not req.group_id or len(req.group_id.encode()) > MAX_GROUP_BYTES:
             code = Err.INVALID_GROUP_ID
         else:
-            code = self.txn.txn_offsets(req.transactional_id, req.producer_id, req.producer_epoch,
-                                        req.group_id, positions)
-            self._txn_flush()
+            code = Err.NONE
+            if v >= 3 and (req.generation_id >= 0 or req.member_id):
+                # KIP-447: a consumer that lost its partitions (a zombie) cannot commit them.
+                code = self.coordinator.check_member(req.group_id, req.member_id, req.generation_id)
+                if code == Err.REBALANCE_IN_PROGRESS:
+                    code = Err.NONE  # as Kafka: a transactional commit does not wait on a rebalance
+            if code == Err.NONE:
+                code = self.txn.txn_offsets(req.transactional_id, req.producer_id, req.producer_epoch,
+                                            req.group_id, positions)
+                self._txn_flush()
         code = _fenced(code, 28, v)
         topics = [N(name=name, partitions=[N(partition_index=i, error_code=code if c < 0 else c) for i, c in out])
                   for name, out in plan]

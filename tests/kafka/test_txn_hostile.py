@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -228,3 +229,39 @@ def test_a_commit_journalled_before_a_crash_is_finished_at_start(cfg: NodeConfig
             c.close()
     finally:
         gw.close()
+
+
+def call_flex(s: socket.socket, api: int, version: int, req: Any, resp: Any, corr: int = 1) -> Any:
+    """A request at a flexible version: header v2 (an empty tagged-field section after the
+    client id), the response's header v1 (one more)."""
+    body = bytes(req.encode(version=version))
+    payload = struct.pack(">hhih", api, version, corr, 4) + b"test" + b"\x00" + body
+    s.sendall(struct.pack(">i", len(payload)) + payload)
+    return resp.decode(read_frame(s)[5:], version=version)
+
+
+def test_a_txn_offset_commit_of_a_member_the_group_does_not_have_is_refused(kgw: KafkaGateway) -> None:
+    """KIP-447: TxnOffsetCommit v3 names the consumer's member and generation; a zombie
+    consumer (its member gone, or of an old generation) cannot commit offsets."""
+    kgw.create_topic("z", 1)
+    address = kgw.pmap.get("z", 0).address
+    with socket.create_connection((HOST, kgw.kafka_port)) as s:
+        t = init(s, "zt")
+        call(s, 25, 1, AddOffsetsToTxnRequest[1](transactional_id="zt", producer_id=t.producer_id,
+                                                  producer_epoch=0, group_id="zg"), AddOffsetsToTxnResponse)
+
+        def commit(member: str, generation: int) -> int:
+            topic = TxnOffsetCommitRequest.TxnOffsetCommitRequestTopic(name="z", partitions=[
+                TxnOffsetCommitRequest.TxnOffsetCommitRequestTopic.TxnOffsetCommitRequestPartition(
+                    partition_index=0, committed_offset=3, committed_leader_epoch=-1, committed_metadata=None)])
+            r = call_flex(s, 28, 3, TxnOffsetCommitRequest[3](
+                transactional_id="zt", group_id="zg", producer_id=t.producer_id, producer_epoch=0,
+                generation_id=generation, member_id=member, group_instance_id=None, topics=[topic]),
+                TxnOffsetCommitResponse)
+            return int(r.topics[0].partitions[0].error_code)
+
+        assert commit("gone-member", 4) == Err.UNKNOWN_MEMBER_ID
+        assert kgw.kafka.txn.txns["zt"].groups["zg"] == {}
+        assert commit("", -1) == Err.NONE  # a consumer with no group membership (assign())
+        assert kgw.kafka.txn.txns["zt"].groups["zg"] == {("z", address): 3}
+
