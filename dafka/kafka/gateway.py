@@ -314,8 +314,19 @@ class KafkaGateway(Gateway):
                      len(records), len(txn.txns))
 
     def txn_log(self, records: list[dict[str, Any]]) -> None:
-        """Journal the coordinator's records, fsync'ed (raises OSError: the request fails)."""
-        self._txnlog.write(records)
+        """Journal the coordinator's records, fsync'ed (raises OSError: the request fails, and
+        the coordinator goes back to the journal on disk: nothing it did not keep is acted on)."""
+        try:
+            self._txnlog.write(records)
+        except OSError as exc:
+            log.error("cannot write the Kafka transaction journal %s: %s; transactions go back to what"
+                      " it holds", self._txnlog.path, exc)
+            self._txnlog.close()
+            try:
+                self.kafka.txn.rebuild(self._txnlog.load(), time.monotonic())
+            except (OSError, KeyError, TypeError, ValueError, IndexError) as again:
+                log.error("cannot read back the Kafka transaction journal: %s", again)
+            raise
         if self._txnlog.lines > self._txn_compact_at:
             snap = self.kafka.txn.snapshot()
             if len(snap) * 4 < self._txnlog.lines:

@@ -162,6 +162,23 @@ class TxnCoordinator:
         self.apply(rec)
         self.journal.append(rec)
 
+    def rebuild(self, records: list[dict[str, Any]], now: float) -> None:
+        """Forget the state and apply ``records`` (the durable journal): after a journal write
+        failed, the state goes back to what is on disk.  Open transactions keep running
+        (their timeouts start again)."""
+        limits = (self.max_ids, self.max_partitions, self.max_ranges, self.max_aborted, self.max_timeout_ms,
+                  self.max_open_partitions, self.max_open_ranges, self.max_open_offsets, self.timeouts)
+        self.__init__()  # type: ignore[misc]
+        (self.max_ids, self.max_partitions, self.max_ranges, self.max_aborted, self.max_timeout_ms,
+         self.max_open_partitions, self.max_open_ranges, self.max_open_offsets, self.timeouts) = limits
+        for rec in records:
+            self.apply(rec)
+        self.journal = []
+        for tid in self.active:
+            txn = self.txns[tid]
+            if txn.state == ONGOING:
+                txn.started = now
+
     def take_journal(self) -> list[dict[str, Any]]:
         out, self.journal = self.journal, []
         return out

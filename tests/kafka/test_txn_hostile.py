@@ -265,3 +265,30 @@ def test_a_txn_offset_commit_of_a_member_the_group_does_not_have_is_refused(kgw:
         assert commit("", -1) == Err.NONE  # a consumer with no group membership (assign())
         assert kgw.kafka.txn.txns["zt"].groups["zg"] == {("z", address): 3}
 
+
+
+def test_a_journal_write_that_fails_leaves_nothing_acted_on(kgw: KafkaGateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk under the journal: the request fails (its connection closes), its records are
+    not stored, and the coordinator forgets what it did not keep (a range it kept in memory only
+    would later hide, at an abort, records other producers store at those offsets)."""
+    kgw.create_topic("full", 1)
+    address = kgw.pmap.get("full", 0).address
+    with socket.create_connection((HOST, kgw.kafka_port)) as s:
+        r = init(s, "f")
+        pid, epoch = r.producer_id, r.producer_epoch
+        assert codes_of(add(s, "f", pid, epoch, "full", [0])) == [0]
+    real = kgw._txnlog.write
+
+    def full(records: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kgw._txnlog, "write", full)
+    with socket.create_connection((HOST, kgw.kafka_port)) as s:
+        with pytest.raises(ConnectionError):
+            produce_raw(s, 2, "full", txn_batch(pid, epoch, b"lost"))
+    assert kgw.kafka.txn.txns["f"].parts == {("full", address): []}
+    assert kgw.kafka.txn.open == {} and kgw.head("full", address) is None
+    monkeypatch.setattr(kgw._txnlog, "write", real)
+    with socket.create_connection((HOST, kgw.kafka_port)) as s:
+        assert produce_raw(s, 3, "full", txn_batch(pid, epoch, b"kept")).error_code == 0
+    assert kgw.kafka.txn.txns["f"].parts == {("full", address): [[0, 0]]}
