@@ -508,11 +508,11 @@ class KafkaGateway(Gateway):
         # Offsets a transaction journalled there will be given again: its ranges stop at the head.
         txn = self.kafka.txn
         for key in rejected:
-            if key in txn.touched:
-                txn.apply({"op": "clip", "key": list(key), "head": self._heads.get(key, -1)})
-                txn.journal.append({"op": "clip", "key": list(key), "head": self._heads.get(key, -1)})
+            txn.clip(key, self._heads.get(key, -1))
         try:
             self.kafka._txn_flush()
+            for plan in txn.lost_markers():  # markers of ending transactions, lost with the rest
+                self.kafka.run_plan(plan, recovering=True)
         except OSError as exc:
             log.error("cannot journal Kafka transactions: %s", exc)
 

@@ -586,6 +586,22 @@ class TxnCoordinator:
                                      if txn.state == PREPARE_COMMIT else {}))
         return plans
 
+    def clip(self, key: Key, head: int) -> None:
+        """The store refused ``key`` past ``head``: those offsets will be given again (journalled)."""
+        if key in self.touched:
+            self._do({"op": "clip", "key": list(key), "head": head})
+
+    def lost_markers(self) -> list[EndPlan]:
+        """Ending transactions whose markers were lost (their partition refused by the store):
+        the markers to write again."""
+        plans = []
+        for tid in self.active:
+            txn = self.txns[tid]
+            lost = [k for k, off in txn.markers.items() if off < 0]
+            if txn.state in _PREPARE and lost:
+                plans.append(EndPlan(tid, txn.state == PREPARE_COMMIT, txn.pid, txn.epoch, lost, {}))
+        return plans
+
     def _past(self, key: Key, head: int) -> bool:
         for txn in self.txns.values():
             ranges = txn.parts.get(key)

@@ -299,3 +299,23 @@ def test_partitions_ranges_and_offsets_are_bounded_over_all_open_transactions():
     c.committed({K1: 1, K2: 1})
     assert (c.open_parts, c.open_ranges, c.open_offsets) == (0, 0, 0)
     assert c.add_partitions("b", pb, eb, [K1], 0.0) == Err.NONE  # room again
+
+
+def test_markers_lost_with_a_refused_partition_are_asked_for_again():
+    c = TxnCoordinator()
+    pid, epoch = init(c)
+    c.add_partitions("tx", pid, epoch, [K1, K2], 0.0)
+    c.appending(pid, K1, 0, 1)
+    c.appending(pid, K2, 0, 0)
+    _, plan = c.end_txn("tx", pid, epoch, False, 0.0)
+    c.ending(plan, {K1: 2, K2: 1})
+    assert c.lost_markers() == []
+    c.clip(K1, 0)  # the store refused K1's commit past offset 0: 1 and the marker at 2 are gone
+    assert c.aborted_between(K1, 0, 5) == [(0, 0)]
+    [again] = c.lost_markers()
+    assert again.keys == [K1] and not again.commit and again.tid == "tx"
+    c.remark(again, {K1: 1})
+    assert c.lost_markers() == [] and c.committed({K1: 1, K2: 1}) == ["tx"]
+    c.clip(("other", "x"), 0)  # never written by a transaction: nothing journalled
+    assert not any(r["key"] == ["other", "x"] for r in c.take_journal() if r["op"] == "clip")
+
