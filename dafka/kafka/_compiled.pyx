@@ -26,7 +26,7 @@ from crc32c import crc32c as _crc32c
 from dafka.errors import ProtocolError
 
 IMPLEMENTATION = "compiled"
-RECORDS_ABI = 2  # dafka.kafka._pure.RECORDS_ABI
+RECORDS_ABI = 3  # dafka.kafka._pure.RECORDS_ABI
 
 cdef int64_t I64_MAX = 0x7FFFFFFFFFFFFFFF
 cdef unsigned char FLAG_KEY = 0x01  # dafka.store.layout.FLAG_KEY
@@ -468,3 +468,70 @@ def store_pairs(list records, uint64_t pid, uint64_t first):
         pairs.append((k, v))
         off += 1
     return pairs, nbytes
+
+
+# ---------------------------------------------------------------- walk (a batch stored as sent)
+
+def walk_records(bytes buf, Py_ssize_t pos, Py_ssize_t end, Py_ssize_t count, int64_t base_ts):
+    """See :func:`dafka.kafka._pure.walk_records`."""
+    if not (0 <= pos <= end <= PyBytes_GET_SIZE(buf)):
+        raise ValueError("record range outside the buffer")
+    cdef const unsigned char *b = <const unsigned char *>PyBytes_AS_STRING(buf)
+    cdef int64_t rlen, tsd, od, klen, vlen, hcount, hk, hv, ts, j
+    cdef int64_t first_ts = base_ts, min_ts = base_ts, max_ts = base_ts, biggest = 0, size
+    cdef Py_ssize_t p, rend, hstart, i
+    for i in range(count):
+        pos = _varint(b, pos, end, &rlen)
+        if rlen < 6 or rlen > end - pos:
+            raise ProtocolError("a record's length runs outside the batch")
+        rend = pos + rlen
+        if b[pos]:
+            raise ProtocolError(f"record {i} has attributes 0x{b[pos]:02x}")
+        p = _varint(b, pos + 1, rend, &tsd)
+        p = _varint(b, p, rend, &od)
+        if od != i:
+            raise ProtocolError(f"record {i} has offset delta {od}")
+        if (tsd > 0 and base_ts > I64_MAX - tsd) or (tsd < 0 and base_ts < -I64_MAX - 1 - tsd):
+            raise ProtocolError("record timestamp out of range")
+        ts = base_ts + tsd
+        if i == 0:
+            first_ts = ts
+            min_ts = ts
+            max_ts = ts
+        elif ts > max_ts:
+            max_ts = ts
+        elif ts < min_ts:
+            min_ts = ts
+        p = _varint(b, p, rend, &klen)
+        if klen < -1 or klen > rend - p:
+            raise ProtocolError("a record's key runs outside it")
+        if klen > 0:
+            p += klen
+        p = _varint(b, p, rend, &vlen)
+        if vlen < -1 or vlen > rend - p:
+            raise ProtocolError("a record's value runs outside it")
+        if vlen > 0:
+            p += vlen
+        hstart = p
+        p = _varint(b, p, rend, &hcount)
+        if hcount < 0 or hcount > (rend - p) // 2:
+            raise ProtocolError("a record's header count is out of range")
+        j = 0
+        while j < hcount:
+            p = _varint(b, p, rend, &hk)
+            if hk < 0 or hk > rend - p:
+                raise ProtocolError("a header key runs outside its record")
+            p += hk
+            p = _varint(b, p, rend, &hv)
+            if hv < -1 or hv > rend - p:
+                raise ProtocolError("a header value runs outside its record")
+            if hv > 0:
+                p += hv
+            j += 1
+        if p != rend:
+            raise ProtocolError("a record's fields disagree with its length")
+        size = (klen if klen > 0 else 0) + (vlen if vlen > 0 else 0) + (rend - hstart - 1)
+        if size > biggest:
+            biggest = size
+        pos = rend
+    return first_ts, min_ts, max_ts, biggest, pos

@@ -8,7 +8,9 @@ never above 64 bits, timestamps are signed 64-bit.
 * :func:`decode_records`: the records of one (uncompressed) batch body, with
   a summary the server needs without another pass (the largest stored key
   slot, the smallest timestamp);
-* :func:`encode_batch`: one uncompressed batch from the store's values.
+* :func:`encode_batch`: one uncompressed batch from the store's values;
+* :func:`walk_records`: check the records of one batch body without building
+  anything per record (a batch stored as sent, :mod:`dafka.store.block`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dafka.errors import ProtocolError
 
 IMPLEMENTATION = "pure"
 #: The functions' signatures and results (the compiled twin must give the same to be used).
-RECORDS_ABI = 2
+RECORDS_ABI = 3
 
 _I64_MIN = -(1 << 63)
 _I64_MAX = (1 << 63) - 1
@@ -330,3 +332,72 @@ def store_pairs(records: list[Any], pid: int, first: int) -> tuple[list[tuple[by
 
 
 _SMALL_LEN = tuple(bytes((i,)) for i in range(256))
+
+
+def walk_records(buf: bytes, pos: int, end: int, count: int, base_ts: int) -> tuple[int, int, int, int, int]:
+    """Check the framing of ``count`` records from ``buf[pos:end]`` (an inflated batch body)
+    building nothing per record: ``(first_ts, min_ts, max_ts, biggest, end of the last record)``.
+
+    Refused (ProtocolError): a length, key, value or header running outside its record
+    or fields not ending where the record's length says, record attributes other than 0
+    (unused; kafka-python reads the byte as a varint, the Java client as int8), offset
+    deltas other than 0, 1, 2, ..., negative lengths other than a null key or value (-1)
+    or a null header value, a negative header count, a timestamp outside int64.
+    ``biggest`` is the largest record's key + value + header bytes (what
+    ``max_record_bytes`` bounds); the timestamps are ``base_ts`` for no record.  Trailing bytes after the last record are the caller's to refuse.
+    """
+    if not 0 <= pos <= end <= len(buf):
+        raise ValueError("record range outside the buffer")
+    first_ts = min_ts = max_ts = base_ts
+    biggest = 0
+    for i in range(count):
+        rlen, pos = varint(buf, pos, end)
+        if rlen < 6 or rlen > end - pos:
+            raise ProtocolError("a record's length runs outside the batch")
+        rend = pos + rlen
+        if buf[pos]:
+            raise ProtocolError(f"record {i} has attributes 0x{buf[pos]:02x}")
+        tsd, p = varint(buf, pos + 1, rend)
+        od, p = varint(buf, p, rend)
+        if od != i:
+            raise ProtocolError(f"record {i} has offset delta {od}")
+        ts = base_ts + tsd
+        if ts > _I64_MAX or ts < _I64_MIN:
+            raise ProtocolError("record timestamp out of range")
+        if not i:
+            first_ts = min_ts = max_ts = ts
+        elif ts > max_ts:
+            max_ts = ts
+        elif ts < min_ts:
+            min_ts = ts
+        klen, p = varint(buf, p, rend)
+        if klen < -1 or klen > rend - p:
+            raise ProtocolError("a record's key runs outside it")
+        if klen > 0:
+            p += klen
+        vlen, p = varint(buf, p, rend)
+        if vlen < -1 or vlen > rend - p:
+            raise ProtocolError("a record's value runs outside it")
+        if vlen > 0:
+            p += vlen
+        hstart = p
+        hcount, p = varint(buf, p, rend)
+        if hcount < 0 or hcount > (rend - p) // 2:
+            raise ProtocolError("a record's header count is out of range")
+        for _ in range(hcount):
+            hk, p = varint(buf, p, rend)
+            if hk < 0 or hk > rend - p:
+                raise ProtocolError("a header key runs outside its record")
+            p += hk
+            hv, p = varint(buf, p, rend)
+            if hv < -1 or hv > rend - p:
+                raise ProtocolError("a header value runs outside its record")
+            if hv > 0:
+                p += hv
+        if p != rend:
+            raise ProtocolError("a record's fields disagree with its length")
+        size = (klen if klen > 0 else 0) + (vlen if vlen > 0 else 0) + rend - hstart - 1
+        if size > biggest:
+            biggest = size
+        pos = rend
+    return first_ts, min_ts, max_ts, biggest, pos

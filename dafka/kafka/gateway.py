@@ -37,7 +37,6 @@ import struct
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from itertools import repeat
 from operator import itemgetter
 from typing import Any
 
@@ -57,13 +56,23 @@ from dafka.gateway.connections import (
     unread_for,
 )
 from dafka.kafka.codec import DEFAULT_MAX_FRAME, FrameReader, decode_request
-from dafka.kafka.records import Batch, record_tuples, store_pairs
-from dafka.kafka.serving import Data, KafkaServer, ParkedFetch
+from dafka.kafka.outcome import Data, ParkedFetch
+from dafka.kafka.records import (
+    Batch,
+    batch_record_count,
+    block_contents,
+    encode_batch,
+    log_append_time,
+    store_pairs,
+)
+from dafka.kafka.serving import KafkaServer
 from dafka.kafka.txn import TxnLog
 from dafka.nodes.node import new_address
+from dafka.store.block import kafka_block_of, store_block
 from dafka.store.db import RecordDB, Retention, RetentionPolicy
-from dafka.store.layout import FLAG_CONTROL, FLAG_KAFKA, FLAG_KEY, FLAG_NULL, VALUE_HEADER
+from dafka.store.layout import FLAG_CONTROL, FLAG_KEY, VALUE_HEADER
 from dafka.store.node import MAX_BATCH
+from dafka.store.writer import pack_records
 from dafka.tank.gateway import Gateway
 from dafka.tank.mapping import TankPartition, shown, valid_topic_name
 
@@ -80,7 +89,6 @@ MAX_OUTPUT = 64 << 20
 DEFAULT_MAX_INFLIGHT = 256
 DEFAULT_MAX_CONNECTIONS = 1024
 TICK_INTERVAL = 0.1
-_VALUE = itemgetter(2)  # a decoded record's value
 _OFFSET = itemgetter(2)  # a record tuple's offset
 
 
@@ -143,7 +151,11 @@ class KafkaGateway(Gateway):
             self.kafka_queued_peak = 0  # the most it has been
             self._kover: dict[_Conn, None] = {}  # connections with ``over`` set, in order
             self._kresuming = False
-            self._kpids: dict[tuple[str, str], int] = {}  # owned partitions stored: their pid
+            # Kafka blocks queued, to go on the mesh once committed; how many are in the commit
+            # under way; blocks committed whose records no mesh reader was there to take.
+            self._kpublish: list[tuple[tuple[str, str], int, bytes]] = []
+            self._kpublishing = 0
+            self.kafka_unpublished = 0
             self._kcommit_id = 0
             self._krefusals = Refusals(log)
             self._klimited = LogLimiter(log)
@@ -190,6 +202,15 @@ class KafkaGateway(Gateway):
 
     def fetch_raw(self, topic: str, address: str, offset: int, count: int) -> tuple[int, list[bytes]]:
         return self.db.fetch_raw(topic, address, offset, count)
+
+    def fetch_batches(
+        self, topic: str, address: str, offset: int, limit: int, exact: bool = False
+    ) -> tuple[int, list[bytes]]:
+        """Kafka record batches from ``offset`` (stored batches whole, unless ``exact``),
+        about ``limit`` bytes: ``(the offset after them, batches)``."""
+        _start, nxt, batches = self.db.fetch_kafka(topic, address, offset, limit, encode_batch, batch_record_count,
+                                                   exact)
+        return nxt, batches
 
     def storage_failed(self) -> bool:
         return self.storage_error is not None
@@ -341,8 +362,10 @@ class KafkaGateway(Gateway):
         topic, address = key
         off = self._next_offset.get(key, 0)
         slot = _MARKER.pack(pid, epoch, 1 if commit else 0)
-        self._batch.append((topic, address, off, b"", int(time.time() * 1000), slot, True, FLAG_CONTROL))
-        self._to_publish.append((key, off, b""))
+        value = VALUE_HEADER.pack(int(time.time() * 1000), FLAG_KEY | FLAG_CONTROL) + bytes((len(slot),)) + slot
+        block = store_block(off, [value], len(slot), checked=True)
+        self.queue_block(topic, address, block, 1)
+        self._kpublish.append((key, off, block))  # the mesh gets an empty content
         self._next_offset[key] = off + 1
         return off
 
@@ -372,82 +395,61 @@ class KafkaGateway(Gateway):
         self.topics_created()
 
     def append(self, part: TankPartition, batch: Batch) -> tuple[int, int]:
-        """Queue a batch's records in an owned partition: ``(first, last)`` offsets given.
+        """Queue a batch's records in an owned partition as one block: ``(first, last)`` offsets given.
 
-        A partition already stored gets its records as ready LMDB pairs, built
-        in one compiled pass (:func:`~dafka.kafka.records.store_pairs`), which
-        the writer puts without another per-record step; the first records of
-        a partition go as record tuples (its partition id comes with their
-        commit).  A record without a timestamp (Kafka's -1, or any negative
-        one) is stamped with the gateway's clock: the store keeps unsigned
-        milliseconds.
+        A v2 batch (validated by :func:`~dafka.kafka.records.split_batches`) is
+        stored as the client sent it, a ``CODEC_KAFKA`` block
+        (:func:`dafka.store.block.kafka_block_of`: its offset set, its CRC
+        kept), built with no per-record step; a legacy message set's records
+        become a ``CODEC_STORE`` block of format-1 values.  A batch with a
+        record without timestamp (Kafka's -1, or any negative one) is stamped
+        with the gateway's clock as log-append time, as a Kafka broker stamps
+        a LogAppendTime topic (every record of it then reads as that time).
         """
         key = (part.topic, part.address)
         topic, address = key
-        records = batch.records
-        if batch.min_ts < 0:
-            now = int(time.time() * 1000)
-            records = [r if r[0] >= 0 else r._replace(timestamp=now) for r in records]
         first = self._next_offset.get(key, 0)
-        last = first + len(records) - 1
-        pid = self._kpids.get(key)
-        if pid is None and key in self._heads:
-            info = self.db.info(topic, address)
-            if info is not None:
-                pid = self._kpids[key] = info.pid
-        if pid is not None:
-            pairs, nbytes = store_pairs(records, pid, first)
-            self._pairs.extend(pairs)
-            self._segs.append((topic, address, pid, first, last, nbytes))
+        scan = batch.scan
+        if scan is not None and batch.raw is not None:
+            raw = batch.raw
+            if scan.min_ts < 0:
+                now = int(time.time() * 1000)
+                raw = log_append_time(raw, now)
+                scan = scan._replace(first_ts=now, max_ts=now, min_ts=now, log_append_time=True)
+            n = scan.record_count
+            block = kafka_block_of(raw, scan, first)
         else:
-            self._batch.extend(record_tuples(topic, address, first, records))
-        values = map(_VALUE, records)
-        if batch.nulls:  # the mesh carries contents: a null value goes as an empty one
-            values = (b"" if v is None else v for v in values)
-        self._to_publish.extend(zip(repeat(key), range(first, last + 1), values, strict=False))
+            records = batch.records
+            if batch.min_ts < 0:
+                now = int(time.time() * 1000)
+                records = [r if r[0] >= 0 else r._replace(timestamp=now) for r in records]
+            n = len(records)
+            pairs, nbytes = store_pairs(records, 0, first)
+            block = store_block(first, [v for _k, v in pairs], nbytes, checked=True)
+        last = first + n - 1
+        self.queue_block(topic, address, block, n)
+        self._kpublish.append((key, first, block))
         self._next_offset[key] = last + 1
         return first, last
 
     def _flush_batch(self, retry: bool = False) -> None:
-        if self._pairs and self._batch and not self._writer_busy:
+        if self._blocks and self._batch and not self._writer_busy:
             self._untangle()
+        busy = self._writer_busy
         super()._flush_batch(retry)
+        if self._writer_busy and not busy:
+            # The commit just handed over holds every Kafka block queued so far.
+            self._kpublishing = len(self._kpublish)
 
     def _untangle(self) -> None:
-        """Turn back into record tuples the ready pairs of any partition that also
-        has record tuples queued (a Tank produce to the same partition).
-
-        The writer applies the tuples of a commit before its pairs, so a tuple
-        queued after pairs of its partition would otherwise be written first,
-        out of order.
-        """
-        pending = {(s[0], s[1]) for s in self._segs}
+        """Turn into blocks the Tank records queued for a partition that also has Kafka
+        blocks queued (a Tank produce to the same partition), so that the commit puts all of
+        that partition's records in offset order (it puts record tuples before blocks)."""
+        pending = {(b[0], b[1]) for b in self._blocks}
         mixed = {(r[0], r[1]) for r in self._batch if (r[0], r[1]) in pending}
         if not mixed:
             return
-        pairs, segs = self._pairs, self._segs
-        self._pairs, self._segs = [], []
         moved: dict[tuple[str, str], list[tuple[Any, ...]]] = {k: [] for k in mixed}
-        i = 0
-        for seg in segs:
-            topic, address, _pid, first, last, _nbytes = seg
-            n = last - first + 1
-            if (topic, address) in mixed:
-                out = moved[(topic, address)]
-                for j, (_k, v) in enumerate(pairs[i : i + n]):
-                    ts, flags = VALUE_HEADER.unpack_from(v)
-                    if flags & FLAG_KEY:
-                        slot = v[10 : 10 + v[9]]
-                        out.append((topic, address, first + j, v[10 + v[9] :], ts, slot, True,
-                                    flags & (FLAG_KAFKA | FLAG_NULL)))
-                    elif flags & FLAG_NULL:
-                        out.append((topic, address, first + j, b"", ts, None, True, FLAG_NULL))
-                    else:
-                        out.append((topic, address, first + j, v[9:], ts))
-            else:
-                self._pairs.extend(pairs[i : i + n])
-                self._segs.append(seg)
-            i += n
         rest = []
         for r in self._batch:
             k = (r[0], r[1])
@@ -455,11 +457,51 @@ class KafkaGateway(Gateway):
                 moved[k].append(r)
             else:
                 rest.append(r)
-        for recs in moved.values():
-            recs.sort(key=_OFFSET)
-            rest.extend(recs)
         self._batch = rest
-        log.debug("Kafka records of %d partitions re-queued behind Tank records", len(mixed))
+        for tp, recs in moved.items():
+            recs.sort(key=_OFFSET)
+            runs, _nxt, _nbytes, _dups = pack_records(recs[0][2], recs, tp)
+            for first, values, payload, _plain in runs:
+                self.queue_block(tp[0], tp[1], store_block(first, values, payload, checked=True), len(values))
+        log.debug("Tank records of %d partitions queued as blocks beside Kafka batches", len(mixed))
+
+    def _publish_blocks(self, items: list[tuple[tuple[str, str], int, bytes]]) -> None:
+        """Committed Kafka blocks on the mesh: their records to the readers of their
+        partition when it has any (a block's values are decoded only then), then the HEAD of
+        each partition, which readers that were not there FETCH up to."""
+        headers = self._record_headers
+        publisher = self.publisher
+        audience = self.audience
+        for key, first, block in items:
+            header = headers.get(key)
+            if header is None:
+                header = headers[key] = wire.record_prefix(wire.RECORD, key[0], key[1], key[0])
+            if not audience.readers(header):
+                self.kafka_unpublished += 1
+                continue
+            try:
+                values = block_contents(block)
+            except (ProtocolError, ValueError) as exc:  # a block this gateway built: a bug
+                log.error("cannot publish a Kafka block of %s at %d on the mesh: %s", shown(key[0]), first, exc)
+                continue
+            prefix, send = self.route(header)
+            send(publisher, prefix, first, values, noblock=True)
+        for key in {i[0] for i in items}:
+            self.send(wire.Head(key[0], key[1], key[0], self._heads[key]))
+
+    def on_refused(self, rejected: dict[tuple[str, str], str]) -> None:
+        super().on_refused(rejected)
+        refused = {key for key in rejected if key in self._owned}
+        if not refused:
+            return
+        n = self._kpublishing
+        done = [i for i in self._kpublish[:n] if i[0] not in refused]
+        self._kpublishing = len(done)
+        self._kpublish = done + [i for i in self._kpublish[n:] if i[0] not in refused]
+        for slot, needs in [(s, n) for s, n in self._kpending if refused & n.keys()]:
+            # Not written: the client hears so (its connection closes; it retries).
+            self._kclose(slot.conn, f"produce refused by the store: {rejected[next(iter(refused & needs.keys()))]}", True)
+        self._txn_refused(refused)
 
     # ---------------------------------------------------------------- store hooks
 
@@ -476,6 +518,11 @@ class KafkaGateway(Gateway):
         return [*super().sockets(), (self.kafka_listener, self._kafka_accept)]
 
     def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
+        n, self._kpublishing = self._kpublishing, 0
+        if n:
+            done = self._kpublish[:n]
+            del self._kpublish[:n]
+            self._publish_blocks(done)
         super().on_commit(heads)
         committed = self._heads
         if self.kafka.txn.active:
@@ -503,8 +550,7 @@ class KafkaGateway(Gateway):
                 self._set_kreading(conn)
                 self._kprocess(conn)
 
-    def on_refused(self, rejected: dict[tuple[str, str], str]) -> None:
-        super().on_refused(rejected)
+    def _txn_refused(self, rejected: set[tuple[str, str]]) -> None:
         # Offsets a transaction journalled there will be given again: its ranges stop at the head.
         txn = self.kafka.txn
         for key in rejected:

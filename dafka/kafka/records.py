@@ -23,29 +23,28 @@ oversized input, and decompression is bounded (:data:`MAX_DECOMPRESSED`).
 
 from __future__ import annotations
 
-import io
-import logging
-import os
+import operator
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
-import snappy
 from crc32c import crc32c
 
 from dafka.errors import ProtocolError
 from dafka.kafka import _pure
-from dafka.store.layout import FLAG_KAFKA, FLAG_NULL
 
-try:  # optional codecs: produce batches using them are refused without the package
-    import lz4.frame as _lz4f
-except ImportError:  # pragma: no cover - lz4 is a dependency of the kafka extra
-    _lz4f = None
-try:
-    import zstandard as _zstd
-except ImportError:  # pragma: no cover
-    _zstd = None
+# The implementation (compiled or pure) and bounded decompression, shared with dafka.store.
+from dafka.kafka._codec import IMPLEMENTATION as IMPLEMENTATION
+from dafka.kafka._codec import REASON as REASON
+from dafka.kafka._codec import Record as Record
+from dafka.kafka._codec import _decode_records
+from dafka.kafka._codec import _decompress as _decompress
+from dafka.kafka._codec import encode_batch as encode_batch
+from dafka.kafka._codec import kafka_values as kafka_values
+from dafka.kafka._codec import store_pairs as store_pairs
+from dafka.kafka._codec import walk_records as walk_records
+from dafka.store.block import HEADER_SIZE, KafkaScan, scan_kafka
+from dafka.store.layout import FLAG_KAFKA, FLAG_NULL
 
 __all__ = [
     "CODEC_GZIP",
@@ -78,16 +77,6 @@ _CRC_START = 21  # attributes start here
 _LEGACY_HEADER = struct.Struct(">qiIbb")  # offset, size, crc, magic, attributes
 _I64 = struct.Struct(">q")
 _I32 = struct.Struct(">i")
-_XERIAL = b"\x82SNAPPY\x00"
-
-
-class Record(NamedTuple):
-    """One record as a producer sent it."""
-
-    timestamp: int
-    key: bytes | None
-    value: bytes | None  # None: a null value (a tombstone)
-    headers: bytes  # the record's header section as sent (b"\x00": none)
 
 
 @dataclass(slots=True)
@@ -109,6 +98,14 @@ class Batch:
     body_size: int = 0
     #: Records with a null value (None: a tombstone).
     nulls: int = 0
+    #: A v2 batch kept as sent (:func:`split_batches`): its bytes, and what validating it
+    #: found (:class:`dafka.store.block.KafkaScan`); ``records`` is then empty.
+    raw: bytes | None = None
+    scan: KafkaScan | None = None
+
+    @property
+    def record_count(self) -> int:
+        return self.scan.record_count if self.scan is not None else len(self.records)
 
     @property
     def transactional(self) -> bool:
@@ -119,37 +116,6 @@ class Batch:
         return bool(self.attributes & ATTR_CONTROL)
 
 
-# ---------------------------------------------------------------- implementation
-
-def _load() -> tuple[object, str]:
-    """The compiled per-record loops when built, else the pure twin (DAFKA_NO_EXTENSIONS=1 forces it)."""
-    if os.environ.get("DAFKA_NO_EXTENSIONS", "").strip() not in ("", "0"):
-        return _pure, "DAFKA_NO_EXTENSIONS is set"
-    try:
-        from dafka.kafka import _compiled  # type: ignore[attr-defined]
-    except ImportError as exc:
-        return _pure, f"the compiled record codec is not built ({exc})"
-    if not all(hasattr(_compiled, f) for f in ("decode_records", "encode_batch", "store_pairs")) or (
-        getattr(_compiled, "RECORDS_ABI", 1) != _pure.RECORDS_ABI
-    ):
-        return _pure, "the compiled record codec is out of date; rebuild it"
-    try:
-        _compiled.encode_batch(0, [bytes(9)], 100)  # a build from before encode_batch took a limit
-    except TypeError:
-        return _pure, "the compiled record codec is out of date; rebuild it"
-    return _compiled, "compiled record codec loaded"
-
-
-_impl, REASON = _load()
-IMPLEMENTATION: str = _impl.IMPLEMENTATION  # type: ignore[attr-defined]
-if IMPLEMENTATION != "compiled":
-    logging.getLogger("dafka.kafka").debug("Kafka record codec: pure Python (%s)", REASON)
-_decode_records = _impl.decode_records  # type: ignore[attr-defined]
-#: One uncompressed v2 batch of stored values at offsets ``base_offset, ...``
-#: (see :func:`dafka.kafka._pure.encode_batch`).
-encode_batch = _impl.encode_batch  # type: ignore[attr-defined]
-#: The store's LMDB pairs of decoded records (see :func:`dafka.kafka._pure.store_pairs`).
-store_pairs = _impl.store_pairs  # type: ignore[attr-defined]
 zigzag = _pure.zigzag
 _varint = _pure.varint
 _ZZ = _pure._ZZ
@@ -203,6 +169,99 @@ def decode_batches(
             shared[0] -= given - budget[0]
 
 
+def split_batches(
+    data: bytes | None, limit: int = MAX_DECOMPRESSED, shared: list[int] | None = None,
+    records: list[int] | None = None,
+) -> list[Batch]:
+    """The batches of a produce request's ``records``, a v2 batch validated but not decoded.
+
+    As :func:`decode_batches` (the same budgets, spent the same way), except
+    that each magic-2 batch is checked whole by :func:`dafka.store.block.scan_kafka`
+    (header, CRC-32C, inflated size, every record's framing, building nothing
+    per record) and kept as sent: :attr:`Batch.raw` and :attr:`Batch.scan`,
+    its ``records`` empty.  Its largest record (key, value and headers) is
+    ``scan.biggest``, for the caller to hold against its limit.  Legacy
+    message sets (magic 0 and 1) are decoded as by :func:`decode_batches`.
+    """
+    if not data:
+        return []
+    given = limit if shared is None else min(limit, shared[0])
+    budget = [given]
+    count = records if records is not None else [-1]
+    before = count[0]
+    try:
+        return _decode_all(bytes(data), budget, count, keep=True)
+    except TooManyRecords:
+        count[0] = before
+        raise
+    finally:
+        if shared is not None:
+            shared[0] -= given - budget[0]
+
+
+def _keep_v2(buf: bytes, pos: int, stop: int, budget: list[int], records: list[int]) -> Batch:
+    if stop - pos < BATCH_HEADER_SIZE:
+        raise ProtocolError("record batch shorter than its header")
+    (base_offset, _len, _epoch, _magic, _crc, attrs, _last_delta, _base_ts, _max_ts, pid, pepoch, base_seq, count) = (
+        BATCH_HEADER.unpack_from(buf, pos)
+    )
+    if count <= 0:  # nothing to keep: checked and decoded as before (an empty batch stores nothing)
+        return _decode_v2(buf, pos, stop, budget, records)
+    _spend(records, count)  # before anything is inflated or walked
+    raw = buf[pos:stop]
+    scan = scan_kafka(raw, 1 << 62, budget[0], control=True)
+    if scan.compression:
+        budget[0] -= len(scan.body)
+    # The inflated records are not kept: a reader of another protocol inflates the stored batch.
+    return Batch(base_offset, pid, pepoch, base_seq, attrs, raw=raw, scan=scan._replace(body=b""),
+                 min_ts=scan.min_ts, body_size=len(raw))
+
+
+def log_append_time(raw: bytes, now_ms: int) -> bytes:
+    """A v2 batch stamped with log-append time ``now_ms``, as a Kafka broker stamps it for a
+    LogAppendTime topic: attribute bit 3 set and ``maxTimestamp`` = ``now_ms`` (every
+    record then reads as that time), the CRC-32C computed again."""
+    out = bytearray(raw)
+    attrs = struct.unpack_from(">h", out, _CRC_START)[0] | ATTR_LOG_APPEND_TIME
+    struct.pack_into(">h", out, _CRC_START, attrs)
+    struct.pack_into(">q", out, 35, now_ms)  # maxTimestamp
+    struct.pack_into(">I", out, 17, crc32c(memoryview(out)[_CRC_START:]))
+    return bytes(out)
+
+
+def batch_values(batch: bytes | memoryview) -> list[bytes]:
+    """The values of a v2 batch's records (a null value as b""), for readers of contents
+    (the mesh): one inflation and the compiled decoder, no per-record Python statement."""
+    raw = bytes(batch)
+    count = BATCH_HEADER.unpack_from(raw)[12]
+    base_ts = BATCH_HEADER.unpack_from(raw)[7]
+    codec = BATCH_HEADER.unpack_from(raw)[5] & ATTR_CODEC
+    if codec:
+        body = _decompress(codec, raw[BATCH_HEADER_SIZE:], [1 << 62])
+        start = 0
+    else:
+        body, start = raw, BATCH_HEADER_SIZE
+    recs = _decode_records(body, start, len(body), count, base_ts, None, Record)[0]
+    return [b"" if v is None else v for v in map(_VALUE, recs)]
+
+
+_VALUE = operator.itemgetter(2)
+
+
+def block_contents(block: bytes) -> list[bytes]:
+    """The contents of a stored block's records as the mesh carries them (a Kafka record's
+    value, a null one as b""; keys and headers are not on the mesh)."""
+    from dafka.store.block import CODEC_KAFKA, decode_header
+    from dafka.store.layout import FLAG_KEY
+    from dafka.store.reader import block_values
+
+    hdr = decode_header(block)
+    if hdr.codec == CODEC_KAFKA:
+        return batch_values(memoryview(block)[HEADER_SIZE:])
+    values = block_values(block, hdr, hdr.first_offset, hdr.record_count)
+    return [v[9:] if not v[8] & FLAG_KEY else v[10 + v[9]:] for v in values]
+
+
 def _spend(count: list[int], n: int) -> None:
     """Take ``n`` records from a request's record budget (``[-1]``: none)."""
     left = count[0]
@@ -213,7 +272,7 @@ def _spend(count: list[int], n: int) -> None:
     count[0] = left - n
 
 
-def _decode_all(buf: bytes, budget: list[int], count: list[int]) -> list[Batch]:
+def _decode_all(buf: bytes, budget: list[int], count: list[int], keep: bool = False) -> list[Batch]:
     end = len(buf)
     out: list[Batch] = []
     pos = 0
@@ -226,7 +285,7 @@ def _decode_all(buf: bytes, budget: list[int], count: list[int]) -> list[Batch]:
         if length < 0 or stop > end:
             raise ProtocolError(f"record batch of {length} bytes overruns the request")
         if magic == 2:
-            out.append(_decode_v2(buf, pos, stop, budget, count))
+            out.append((_keep_v2 if keep else _decode_v2)(buf, pos, stop, budget, count))
         elif magic in (0, 1):
             out.extend(_decode_legacy(buf, pos, stop, budget, count))
         else:
@@ -323,66 +382,6 @@ def _decode_legacy(
             out.append(b)
         pos = mend
     return out
-
-
-def _decompress(codec: int, data: bytes, budget: list[int]) -> bytes:
-    """Inflate ``data``, never past the remaining ``budget`` bytes of this request."""
-    limit = budget[0]
-    try:
-        if codec == CODEC_GZIP:
-            d = zlib.decompressobj(47)
-            out = d.decompress(data, limit + 1)
-        elif codec == CODEC_SNAPPY:
-            out = _snappy(data, limit)
-        elif codec == CODEC_LZ4:
-            if _lz4f is None:
-                raise ProtocolError("lz4 batches need the lz4 package")
-            out = _lz4f.LZ4FrameDecompressor().decompress(data, max_length=limit + 1)
-        elif codec == CODEC_ZSTD:
-            if _zstd is None:
-                raise ProtocolError("zstd batches need the zstandard package")
-            with _zstd.ZstdDecompressor().stream_reader(io.BytesIO(data)) as r:
-                out = r.read(limit + 1)
-        else:
-            raise ProtocolError(f"unknown compression codec {codec}")
-    except ProtocolError:
-        raise
-    except Exception as exc:  # every codec has its own error types
-        raise ProtocolError(f"cannot decompress a batch (codec {codec}): {exc}") from exc
-    if len(out) > limit:
-        raise ProtocolError(f"a batch inflates past {limit} bytes")
-    budget[0] = limit - len(out)
-    return bytes(out)
-
-
-def _snappy(data: bytes, limit: int) -> bytes:
-    if data.startswith(_XERIAL):  # the Java client's framing: 16-byte header, then blocks
-        out = bytearray()
-        p, end = 16, len(data)
-        while p < end:
-            if end - p < 4:
-                raise ProtocolError("truncated xerial snappy block")
-            n = _I32.unpack_from(data, p)[0]
-            p += 4
-            if n < 0 or p + n > end:
-                raise ProtocolError("xerial snappy block overruns the batch")
-            out += _snappy(data[p : p + n], limit - len(out))
-            p += n
-        return bytes(out)
-    # Raw snappy starts with the uncompressed length: check it before inflating.
-    size, p, shift = 0, 0, 0
-    while True:
-        if p >= len(data) or shift > 28:
-            raise ProtocolError("malformed snappy length")
-        b = data[p]
-        size |= (b & 0x7F) << shift
-        p += 1
-        if b < 0x80:
-            break
-        shift += 7
-    if size > limit:
-        raise ProtocolError(f"a batch inflates past {limit} bytes")
-    return snappy.uncompress(data)
 
 
 # ---------------------------------------------------------------- stored extras

@@ -55,15 +55,16 @@ from dafka.gateway.connections import LogLimiter
 from dafka.kafka.admin import MAX_ADMIN_ITEMS, RETENTION_KEYS, AdminHandlers, parse_retention
 from dafka.kafka.codec import API_VERSIONS, Err, N, api_keys, encode_fetch_parts, encode_response
 from dafka.kafka.groups import Answer, Coordinator
+from dafka.kafka.outcome import Outcome, ParkedFetch
 from dafka.kafka.records import (
     MAX_DECOMPRESSED,
     Batch,
     TooManyRecords,
     batch_record_count,
     control_batch,
-    decode_batches,
     empty_batch,
     encode_batch,
+    split_batches,
 )
 from dafka.kafka.txn import TxnCoordinator
 from dafka.kafka.txn_api import TxnHandlers
@@ -105,8 +106,6 @@ AHEAD_SECONDS = 5.0  # a batch encoded ahead and not asked for within this is dr
 MAX_REQUEST_INFLATED = 4 * MAX_DECOMPRESSED
 #: Records one produce request may carry, over all its partitions (the gateway sets its limit).
 MAX_REQUEST_RECORDS = 500_000
-#: An encoded answer: one byte string, or several to send back to back (a fetch's).
-Data = bytes | list[bytes]
 
 
 class Backend(Protocol):
@@ -117,6 +116,9 @@ class Backend(Protocol):
     def head(self, topic: str, address: str) -> int | None: ...
     def first(self, topic: str, address: str) -> int | None: ...
     def fetch_raw(self, topic: str, address: str, offset: int, count: int) -> tuple[int, list[bytes]]: ...
+    def fetch_batches(
+        self, topic: str, address: str, offset: int, limit: int, exact: bool = False
+    ) -> tuple[int, list[bytes]]: ...
     def create_topic(self, name: str, partitions: int, sync: bool = True) -> bool: ...
     def sync_topics(self) -> None: ...
     def append(self, part: TankPartition, batch: Batch) -> tuple[int, int]: ...
@@ -139,32 +141,6 @@ class Backend(Protocol):
     def txn_log(self, records: list[dict[str, Any]]) -> None: ...
     def next_offset(self, topic: str, address: str) -> int: ...
     def append_marker(self, key: tuple[str, str], pid: int, epoch: int, commit: bool) -> int: ...
-
-
-@dataclass(slots=True)
-class Outcome:
-    """What to do with a request's answer.
-
-    ``data`` is the encoded answer, sent at once unless ``needs`` (committed
-    head each partition must reach first) or ``park`` (a fetch to retry) is
-    set; ``data`` None with neither: no answer (acks 0), or one that comes
-    later from the group coordinator.  A fetch's answer is a list of byte
-    strings to send back to back (its record sets are not copied into one).
-    """
-
-    data: Data | None = None
-    needs: dict[tuple[str, str], int] | None = None
-    park: ParkedFetch | None = None
-
-
-@dataclass(slots=True)
-class ParkedFetch:
-    correlation_id: int
-    version: int
-    request: Any
-    deadline: float  # monotonic seconds
-    keys: list[tuple[str, str]]
-    min_bytes: int
 
 
 @dataclass(slots=True)
@@ -241,8 +217,8 @@ class KafkaServer(AdminHandlers, TxnHandlers):
         self.records_too_large = 0
         self._limited = LogLimiter(log)
         # Read ahead: the next batch of partitions being read, encoded before it is asked for.
-        # key -> (offset, limit, batch, when encoded)
-        self._ahead: dict[tuple[str, str], tuple[int, int, bytes, float]] = {}
+        # key -> (offset, limit, batches, when read, the offset after them)
+        self._ahead: dict[tuple[str, str], tuple[int, int, bytes, float, int]] = {}
         self._ahead_bytes = 0
         self._wanted: dict[tuple[str, str], tuple[TankPartition, int, int]] = {}
         self.ahead_hits = 0  # fetches answered from a batch encoded ahead
@@ -429,7 +405,7 @@ class KafkaServer(AdminHandlers, TxnHandlers):
                 batches: list[Batch] | None = []
                 if part is not None and part.owned:
                     try:
-                        batches = decode_batches(p.records, shared=inflate, records=count)
+                        batches = split_batches(p.records, shared=inflate, records=count)
                     except TooManyRecords as exc:
                         self._limited.warning("too-many", "Kafka produce to %s[%d] refused: %s", shown(t.name), p.index, exc)
                         batches = None
@@ -488,10 +464,15 @@ class KafkaServer(AdminHandlers, TxnHandlers):
                 code = self.txn.check_produce(b.producer_id, b.producer_epoch, key)
                 if code != Err.NONE:
                     return code, -1
-            if b.max_slot > MAX_NAME:  # a key (with its headers) the store's key slot cannot hold
+            if b.scan is None and b.max_slot > MAX_NAME:
+                # A legacy message's key the store's key slot cannot hold (v2 batches are kept
+                # as sent: keys and headers of any size).
                 return Err.INVALID_RECORD, -1
-            if b.body_size > limit:  # only then can a record be over it: look at each
-                biggest = max((len(r[2] or b"") for r in b.records), default=0)
+            if b.scan is not None or b.body_size > limit:  # (a legacy record can be over it only then)
+                if b.scan is not None:  # key + value + headers, measured when it was checked
+                    biggest = b.scan.biggest
+                else:
+                    biggest = max((len(r[2] or b"") for r in b.records), default=0)
                 if biggest > limit:
                     self.records_too_large += 1
                     self._limited.warning(
@@ -500,7 +481,7 @@ class KafkaServer(AdminHandlers, TxnHandlers):
                     )
                     return Err.MESSAGE_TOO_LARGE, -1
         for b in batches:
-            if not b.records:
+            if not b.record_count:
                 continue
             dup = self._check_sequence(b, key)
             if dup is not None:
@@ -511,7 +492,7 @@ class KafkaServer(AdminHandlers, TxnHandlers):
             if b.transactional:
                 # Journalled (fsync'ed) before the records are queued: a restart knows them.
                 nxt = self.backend.next_offset(*key)
-                self.txn.appending(b.producer_id, key, nxt, nxt + len(b.records) - 1)
+                self.txn.appending(b.producer_id, key, nxt, nxt + b.record_count - 1)
                 self._txn_flush()
             first, last = self.backend.append(part, b)
             if b.producer_id >= 0:
@@ -563,7 +544,7 @@ class KafkaServer(AdminHandlers, TxnHandlers):
         recent = state.batches.get(key)
         if not recent:
             return None if b.base_sequence == 0 else -Err.OUT_OF_ORDER_SEQUENCE_NUMBER
-        last_seq = b.base_sequence + len(b.records) - 1
+        last_seq = b.base_sequence + b.record_count - 1
         for seq, last, offset in recent:
             if seq == b.base_sequence and last == last_seq:
                 return offset
@@ -589,7 +570,7 @@ class KafkaServer(AdminHandlers, TxnHandlers):
             state.epoch = b.producer_epoch
             state.batches.clear()
         recent = state.batches.setdefault(key, [])
-        recent.append((b.base_sequence, b.base_sequence + len(b.records) - 1, offset))
+        recent.append((b.base_sequence, b.base_sequence + b.record_count - 1, offset))
         del recent[:-IDEMPOTENT_WINDOW]
 
     # ---------------------------------------------------------------- ListOffsets
@@ -682,8 +663,10 @@ class KafkaServer(AdminHandlers, TxnHandlers):
         the answer carries no more records than that, but one record at least.
         """
         budget = min(req.max_bytes if v >= 3 else self.fetch_cap, self.fetch_cap)
+        tight = False  # the gateway's output room, not the client, bounds this answer
         if room is not None and room < budget:
             budget = room
+            tight = True
         size = 0
         waiting: list[tuple[str, str]] = []
         faulted = False
@@ -721,7 +704,7 @@ class KafkaServer(AdminHandlers, TxnHandlers):
                     if key in touched:
                         read = self._read_txn(part, off, end, limit, committed)
                     else:
-                        read = self._read(part, off, hwm, limit)
+                        read = self._read(part, off, hwm, limit, tight and budget < p.partition_max_bytes)
                     if read is None:
                         faulted = True
                         out.append((p.partition, Err.KAFKA_STORAGE_ERROR, hwm, start, b""))
@@ -735,14 +718,16 @@ class KafkaServer(AdminHandlers, TxnHandlers):
             topics.append((t.topic, out))
         return encode_fetch_parts(corr, v, topics), size, waiting, faulted
 
-    def _read(self, part: TankPartition, off: int, hwm: int, limit: int) -> bytes | None:
+    def _read(self, part: TankPartition, off: int, hwm: int, limit: int, exact: bool = False) -> bytes | None:
         """One batch of whole records from ``off``, at most ``limit`` bytes of values
         (but at least one record, as KIP-74 wants).
 
         A consumer reading a backlog asks next for where this answer ends, with
         the same limit: that batch is encoded ahead (:meth:`read_ahead`, called
         by the shell once the answer is sent), so it is ready when the request
-        comes, and the gateway encodes while the client decodes.
+        comes, and the gateway encodes while the client decodes.  ``exact``: the
+        gateway's output budget bounds the answer, so a stored batch larger than
+        ``limit`` is sliced (see :func:`dafka.store.reader.kafka_batches`).
         """
         key = (part.topic, part.address)
         ahead = self._ahead.pop(key, None)
@@ -751,13 +736,16 @@ class KafkaServer(AdminHandlers, TxnHandlers):
             if ahead[0] == off and ahead[1] == limit:
                 self.ahead_hits += 1
                 data = ahead[2]
-                self._want_ahead(part, off + batch_record_count(data), hwm, limit)
+                self._want_ahead(part, ahead[4], hwm, limit)
                 return data
         # Not asked for ahead: a short first answer comes back sooner, and the
-        # full-size next one is encoded while it travels.
-        data = self._encode_read(part, off, hwm, min(limit, COLD_READ_BYTES))
+        # full-size next one is read while it travels.
+        got = self._encode_read(part, off, hwm, min(limit, COLD_READ_BYTES), exact)
+        if got is None:
+            return None
+        data, nxt = got
         if data:
-            self._want_ahead(part, off + batch_record_count(data), hwm, limit)
+            self._want_ahead(part, nxt, hwm, limit)
         return data
 
     def _read_txn(self, part: TankPartition, off: int, end: int, limit: int, committed: bool) -> bytes | None:
@@ -847,30 +835,33 @@ class KafkaServer(AdminHandlers, TxnHandlers):
             hwm = self._bounds(part)[1]
             if off >= hwm:
                 continue
-            data = self._encode_read(part, off, hwm, limit)
-            if data:
+            got = self._encode_read(part, off, hwm, limit)
+            if got is not None and got[0]:
+                data, nxt = got
                 old = self._ahead.pop(key, None)
                 if old is not None:
                     self._ahead_bytes -= len(old[2])
-                self._ahead[key] = (off, limit, data, now)
+                self._ahead[key] = (off, limit, data, now, nxt)
                 self._ahead_bytes += len(data)
 
-    def _encode_read(self, part: TankPartition, off: int, hwm: int, limit: int) -> bytes | None:
-        count = min(MAX_FETCH_RECORDS, hwm - off, max(1, limit // 16))
+    def _encode_read(self, part: TankPartition, off: int, hwm: int, limit: int,
+                     exact: bool = False) -> tuple[bytes, int] | None:
+        """``(record batches from off, the offset after them)``, about ``limit`` bytes; None
+        when the store cannot be read.  Batches stored as produced go whole (one cursor
+        seek to the block holding ``off``: the client skips the records before it, as with
+        a Kafka broker); records stored otherwise are encoded into a batch."""
         try:
-            first, values = self.backend.fetch_raw(part.topic, part.address, off, count)
+            nxt, parts = self.backend.fetch_batches(part.topic, part.address, off, limit, exact)
+        except ValueError as exc:  # a stored value that does not parse
+            self._limited.emit(logging.ERROR, "serve-failed", "cannot serve %s from offset %d to a Kafka fetch: %s",
+                               shown(part.topic), off, exc)
+            return None
         except Exception as exc:  # StorageError and LMDB errors
             self._limited.emit(logging.ERROR, "read-failed", "cannot read %s for a Kafka fetch: %s", shown(part.topic), exc)
             return None
-        if not values:
-            return b""
-        try:
-            # A record costs about its stored size plus a few varints: the encoder keeps what fits.
-            return encode_batch(first, values, limit)
-        except ValueError as exc:  # a stored value that does not parse
-            self._limited.emit(logging.ERROR, "serve-failed", "cannot serve %s from offset %d to a Kafka fetch: %s",
-                               shown(part.topic), first, exc)
-            return None
+        if not parts:
+            return b"", off
+        return (parts[0] if len(parts) == 1 else b"".join(parts)), nxt
 
     # ---------------------------------------------------------------- groups
 

@@ -33,11 +33,9 @@ import secrets
 from typing import TYPE_CHECKING, Any
 
 from dafka.kafka.codec import Err, N
+from dafka.kafka.outcome import Outcome
 from dafka.kafka.txn import EndPlan, Key, TxnCoordinator
 from dafka.tank.mapping import shown
-
-if TYPE_CHECKING:
-    from dafka.kafka.serving import Outcome
 
 log = logging.getLogger("dafka.kafka")
 
@@ -273,8 +271,6 @@ class TxnHandlers:
     # ---------------------------------------------------------------- EndTxn
 
     def _end_txn(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
-        from dafka.kafka.serving import Outcome
-
         code, plan = self.txn.end_txn(req.transactional_id, req.producer_id, req.producer_epoch,
                                       bool(req.committed), now)
         self._txn_flush()

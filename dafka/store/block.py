@@ -72,6 +72,7 @@ import snappy
 from crc32c import crc32c
 
 from dafka.errors import ProtocolError
+from dafka.kafka._codec import _decompress, walk_records
 
 __all__ = [
     "CODEC_DAFKA",
@@ -82,6 +83,8 @@ __all__ = [
     "COMPRESSION_SNAPPY",
     "HEADER",
     "HEADER_SIZE",
+    "KafkaScan",
+    "RecordTooLarge",
     "MAGIC",
     "VERSION",
     "BlockHeader",
@@ -90,6 +93,8 @@ __all__ = [
     "dafka_block",
     "decode_header",
     "kafka_block",
+    "kafka_block_of",
+    "scan_kafka",
     "records",
     "store_block",
     "store_values",
@@ -417,7 +422,9 @@ _KAFKA_CRC_START = 21
 _ATTR_CODEC, _ATTR_LOG_APPEND_TIME, _ATTR_CONTROL = 0x07, 0x08, 0x20
 
 
-class _KafkaScan(NamedTuple):
+class KafkaScan(NamedTuple):
+    """What validating one magic-2 record batch found (:func:`scan_kafka`)."""
+
     base_offset: int
     compression: int
     record_count: int
@@ -427,6 +434,18 @@ class _KafkaScan(NamedTuple):
     start: int  # where the first record begins in body
     base_ts: int
     log_append_time: bool
+    biggest: int  # the largest record's key + value + header bytes
+    min_ts: int  # the smallest record timestamp (Kafka's "none" is -1)
+
+
+class RecordTooLarge(ProtocolError):
+    """A record is over ``max_record_bytes`` (a well-formed batch: the Kafka gateway answers
+    MESSAGE_TOO_LARGE and keeps the connection)."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"a record of {size} bytes is over max_record_bytes {limit}")
+        self.size = size
+        self.limit = limit
 
 
 def _inflate(codec: int, data: bytes, budget: int) -> bytes:
@@ -447,12 +466,19 @@ def _inflate(codec: int, data: bytes, budget: int) -> bytes:
         if len(out) > budget:
             raise ProtocolError(f"a batch inflates past {budget} bytes")
         return out
-    from dafka.kafka.records import _decompress  # the bounded decoders of lz4, zstd, xerial snappy
-
-    return _decompress(codec, data, [budget])
+    return _decompress(codec, data, [budget])  # the bounded decoders of lz4, zstd, xerial snappy
 
 
-def _scan_kafka(batch: bytes, max_record_bytes: int, budget: int) -> _KafkaScan:
+def scan_kafka(batch: bytes, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, budget: int = DEFAULT_BUDGET,
+               *, control: bool = False) -> KafkaScan:
+    """Validate one magic-2 record batch as a client sent it, building nothing per record.
+
+    The header (length, magic, CRC-32C, count against ``lastOffsetDelta``,
+    codec), the inflated body (at most ``budget`` bytes) and every record's
+    framing (the compiled :func:`dafka.kafka.records.walk_records`).  Raises
+    ProtocolError, :class:`RecordTooLarge` for a record over ``max_record_bytes``.
+    Control batches are refused unless ``control``.
+    """
     end = len(batch)
     if end < _KAFKA_HEADER.size:
         raise ProtocolError("record batch shorter than its header")
@@ -464,7 +490,7 @@ def _scan_kafka(batch: bytes, max_record_bytes: int, budget: int) -> _KafkaScan:
         raise ProtocolError(f"record batch length {length} disagrees with its {end - 12} bytes")
     if crc32c(memoryview(batch)[_KAFKA_CRC_START:]) != crc:
         raise ProtocolError("record batch CRC-32C mismatch")
-    if attrs & _ATTR_CONTROL:
+    if attrs & _ATTR_CONTROL and not control:
         raise ProtocolError("control batches are not stored")
     if count < 1 or last_delta != count - 1:
         raise ProtocolError(f"record count {count} disagrees with lastOffsetDelta {last_delta}")
@@ -475,105 +501,22 @@ def _scan_kafka(batch: bytes, max_record_bytes: int, budget: int) -> _KafkaScan:
         buf = _inflate(codec, batch[_KAFKA_HEADER.size:], budget)
         pos, bend = 0, len(buf)
     else:
-        buf, pos, bend = batch, _KAFKA_HEADER.size, end
+        buf, pos, bend = bytes(batch), _KAFKA_HEADER.size, end
     start = pos
-    if count > (bend - pos) // 7 + 1:  # a record takes at least 7 bytes
+    if count > (bend - pos) // 7:  # a record takes at least 7 bytes
         raise ProtocolError(f"record count {count} does not fit the batch")
-    try:
-        first_ts, max_ts, pos = _walk_kafka(buf, pos, bend, count, base_ts, max_record_bytes)
-    except IndexError:
-        raise ProtocolError("a record runs past the batch") from None
+    first_ts, min_ts, max_ts, biggest, pos = walk_records(buf, pos, bend, count, base_ts)
     if pos != bend:
         raise ProtocolError(f"{bend - pos} trailing bytes after the batch's records")
+    if biggest > max_record_bytes:
+        raise RecordTooLarge(biggest, max_record_bytes)
     if attrs & _ATTR_LOG_APPEND_TIME:
-        first_ts = max_ts = max_ts_hdr
-    return _KafkaScan(base, codec, count, first_ts, max_ts, buf, start, base_ts, bool(attrs & _ATTR_LOG_APPEND_TIME))
+        first_ts = min_ts = max_ts = max_ts_hdr
+    return KafkaScan(base, codec, count, first_ts, max_ts, buf, start, base_ts,
+                     bool(attrs & _ATTR_LOG_APPEND_TIME), biggest, min_ts)
 
 
-_ZZ1 = tuple((b >> 1) ^ -(b & 1) for b in range(128))  # one-byte zigzag varints
-
-
-def _walk_kafka(buf: bytes, pos: int, bend: int, count: int, base_ts: int,
-                max_record_bytes: int) -> tuple[int, int, int]:
-    """Check ``count`` records' framing from ``pos``; ``(first_ts, max_ts, end)``.
-
-    One-byte varints (nearly every field of a small record) are read inline;
-    a read past ``buf`` raises IndexError (the caller's ProtocolError), a read
-    past the record's end makes ``pos != rend`` below.
-    """
-    zz1 = _ZZ1
-    zv = _zvarint
-    first_ts = max_ts = base_ts
-    for i in range(count):
-        b = buf[pos]
-        if b < 0x80:
-            rlen = zz1[b]
-            pos += 1
-        else:
-            rlen, pos = zv(buf, pos, bend)
-        rend = pos + rlen
-        if rlen < 5 or rend > bend:
-            raise ProtocolError("a record's length runs outside the batch")
-        if buf[pos]:
-            # Record attributes are unused (Kafka's clients write 0); a non-zero byte is
-            # read as int8 by the Java client and as a varint by kafka-python: refuse it.
-            raise ProtocolError(f"record {i} has attributes 0x{buf[pos]:02x}")
-        b = buf[pos + 1]
-        if b < 0x80:
-            tsd = zz1[b]
-            pos += 2
-        else:
-            tsd, pos = zv(buf, pos + 1, rend)
-        b = buf[pos]
-        if b < 0x80:
-            odelta = zz1[b]
-            pos += 1
-        else:
-            odelta, pos = zv(buf, pos, rend)
-        if odelta != i:
-            raise ProtocolError(f"record {i} has offset delta {odelta}")
-        ts = base_ts + tsd
-        if not i:
-            first_ts = max_ts = ts
-        elif ts > max_ts:
-            max_ts = ts
-        b = buf[pos]
-        if b < 0x80:
-            klen = zz1[b]
-            pos += 1
-        else:
-            klen, pos = zv(buf, pos, rend)
-        if klen > 0:
-            pos += klen
-        b = buf[pos]
-        if b < 0x80:
-            vlen = zz1[b]
-            pos += 1
-        else:
-            vlen, pos = zv(buf, pos, rend)
-        if vlen > 0:
-            pos += vlen
-        hstart = pos
-        b = buf[pos]
-        if b == 0:
-            pos += 1
-        else:
-            hcount, pos = zv(buf, pos, rend)
-            if hcount < 0 or hcount > rlen:
-                raise ProtocolError("a record's header count is out of range")
-            for _ in range(hcount):
-                hk, pos = zv(buf, pos, rend)
-                if hk < 0:
-                    raise ProtocolError("a header key has a negative length")
-                pos += hk
-                hv, pos = zv(buf, pos, rend)
-                if hv > 0:
-                    pos += hv
-        if pos != rend:
-            raise ProtocolError("a record's fields disagree with its length")
-        if (klen if klen > 0 else 0) + (vlen if vlen > 0 else 0) + rend - hstart - 1 > max_record_bytes:
-            raise ProtocolError(f"a record is over max_record_bytes {max_record_bytes}")
-    return first_ts, max_ts, pos
+_scan_kafka = scan_kafka
 
 
 def kafka_block(batch: bytes, first_offset: int, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
@@ -587,10 +530,24 @@ def kafka_block(batch: bytes, first_offset: int, *, max_record_bytes: int = DEFA
     it would inflate past ``budget``.  Control and transactional markers are
     refused (the gateway does not do transactions).
     """
-    k = _scan_kafka(batch, max_record_bytes, budget)
-    body = struct.pack(">qii", first_offset, len(batch) - 12, -1) + batch[16:]
-    return _seal(CODEC_KAFKA, k.compression, first_offset, first_offset + k.record_count - 1, k.record_count,
-                 k.first_ts, k.max_ts, body)
+    return kafka_block_of(batch, scan_kafka(batch, max_record_bytes, budget), first_offset)
+
+
+def kafka_block_of(batch: bytes, k: KafkaScan, first_offset: int) -> bytes:
+    """The block of a batch :func:`scan_kafka` validated (``k``), at ``first_offset``:
+    a header, the batch's offset and epoch, and its bytes from its magic on (CRC and all)."""
+    size = len(batch)
+    if size > _MAX_BODY:
+        raise ProtocolError(f"a block body of {size} bytes is over 4 GiB")
+    last = first_offset + k.record_count - 1
+    if not 0 <= first_offset <= last <= _U64_MAX:
+        raise ProtocolError(f"block offsets {first_offset}..{last} out of range")
+    head = HEADER.pack(MAGIC, VERSION, CODEC_KAFKA, k.compression, 0, 0, first_offset, last, k.record_count, size,
+                       k.first_ts, k.max_ts, 0)[:_CRC_AT]
+    lead = struct.pack(">qii", first_offset, size - 12, -1)
+    rest = memoryview(batch)[16:]
+    crc = crc32c(rest, crc32c(lead, crc32c(head)))
+    return b"".join((head, struct.pack(">I", crc), lead, rest))  # one copy of the batch
 
 
 # ---------------------------------------------------------------- the store's own codec

@@ -134,9 +134,9 @@ from typing import Any, NamedTuple, TypeVar
 
 import lmdb
 
-from dafka.errors import ClosedError, DafkaError
+from dafka.errors import ClosedError, DafkaError, ProtocolError
 from dafka.fastio import fetch_blocks, store_blocks
-from dafka.store.block import BLOCK_KEY, decode_header, store_payload
+from dafka.store.block import BLOCK_KEY, BlockHeader, decode_header, store_payload
 from dafka.store.blocktable import OverlapError, put_block
 from dafka.store.layout import (
     FLAG_CONTROL,
@@ -157,7 +157,7 @@ from dafka.store.layout import (
     unpack_partition_key,
 )
 from dafka.store.lockfile import WriterLock
-from dafka.store.reader import convert_block, seek
+from dafka.store.reader import block_payload, convert_block, kafka_batches, seek
 from dafka.store.retention import (
     Retention,
     RetentionPolicy,
@@ -757,6 +757,7 @@ class RecordDB:
         *,
         skips: Sequence[Skip] = (),
         rejected: dict[tuple[str, str], str] | None = None,
+        blocks: Sequence[tuple[str, str, bytes]] = (),
     ) -> dict[tuple[str, str], int]:
         """Persist ``batch`` in one committed (and, with ``sync``, fsync'ed) transaction.
 
@@ -786,7 +787,7 @@ class RecordDB:
         """
         n = len(batch)
         if not n:
-            return {}
+            return self.append_blocks(blocks, skips=skips, rejected=rejected) if blocks else {}
         pkey = self._pkey
         try:
             # Transposing is one C-level pass and checks the tuple shapes.
@@ -810,7 +811,7 @@ class RecordDB:
                 units.append((tp, pkey(tp[0], tp[1]), recs[0][2], recs, None))
             else:
                 units.append((tp, pkey(tp[0], tp[1]), run[0], run[1], run[2]))
-        return self._append_units(units, skips, rejected)
+        return self._append_units(units, skips, rejected, blocks=blocks)
 
     def append_runs(
         self,
@@ -854,8 +855,10 @@ class RecordDB:
         *,
         skips: Sequence[Skip] = (),
         rejected: dict[tuple[str, str], str] | None = None,
+        blocks: Sequence[tuple[str, str, bytes]] = (),
     ) -> dict[tuple[str, str], int]:
-        """:meth:`append` of ``batch`` and of ready record pairs, in one transaction.
+        """:meth:`append` of ``batch``, of ready record pairs and of ``blocks`` (see
+        :meth:`append_blocks`), in one transaction.
 
         ``pairs`` are the stored values of plain records (see the layout above)
         of partitions already stored, as built by :func:`dafka.fastio.drain_pairs`
@@ -874,12 +877,41 @@ class RecordDB:
         work and so waits, GIL released, while the puts run.
         """
         if not pairs:
-            return self.append(batch, skips=skips, rejected=rejected) if batch else {}
+            if batch:
+                return self.append(batch, skips=skips, rejected=rejected, blocks=blocks)
+            return self.append_blocks(blocks, skips=skips, rejected=rejected) if blocks else {}
         units: list[Unit] = []
         if batch:
             for tp, recs in group(batch).items():
                 units.append((tp, self._pkey(tp[0], tp[1]), recs[0][2], recs, None))
-        return self._append_units(units, skips, rejected, pairs, segs, gate)
+        return self._append_units(units, skips, rejected, pairs, segs, gate, blocks)
+
+    def append_blocks(
+        self,
+        blocks: Sequence[tuple[str, str, bytes]],
+        *,
+        skips: Sequence[Skip] = (),
+        rejected: dict[tuple[str, str], str] | None = None,
+    ) -> dict[tuple[str, str], int]:
+        """Store ready-made blocks as they are, in one committed transaction.
+
+        Each entry is ``(topic, partition, block)``: a block of any codec
+        (:mod:`dafka.store.block`: a client's Tank bundle or Kafka batch as
+        sent, or a ``CODEC_STORE`` block), validated by whoever built it (its
+        header is checked for shape here, its records are not walked again).
+        Its offsets are the ones its header names (the caller assigned them);
+        a partition's blocks are applied in offset order, after the
+        partition's records of the same call (:meth:`append_pairs`).  A block
+        wholly at or below the head is a duplicate (skipped, counted in
+        :attr:`duplicates`); one starting beyond ``head + 1`` is a gap,
+        allowed where ``skips`` cover it (a hole); one overlapping the head,
+        or any other disagreement, refuses its partition (see :meth:`append`
+        for ``rejected``).  A new partition may start anywhere.  Same result
+        as :meth:`append`.
+        """
+        if not blocks:
+            return {}
+        return self._append_units([], skips, rejected, blocks=blocks)
 
     def _append_units(
         self,
@@ -889,13 +921,17 @@ class RecordDB:
         pairs: list[bytes | tuple[bytes, bytes]] | None = None,
         segs: Sequence[tuple[str, str, int, int, int, int]] = (),
         gate: AbstractContextManager[Any] | None = None,
+        blocks: Sequence[tuple[str, str, bytes]] = (),
     ) -> dict[tuple[str, str], int]:
         covered = skip_checker(skips) if skips else None
+        # Headers are checked and each partition's blocks put in offset order before the
+        # write transaction starts (a malformed block refuses its partition in it).
+        by_tp = self._blocks_by_partition(blocks) if blocks else {}
         refusals: dict[tuple[str, str], Exception] = {}
 
         def body(txn: lmdb.Transaction) -> tuple[dict[tuple[str, str], int], int]:
             refusals.clear()  # a retry after the map grew starts over
-            heads, dups = self._append_txn(txn, units, pairs, segs, gate, covered, refusals)
+            heads, dups = self._append_txn(txn, units, pairs, segs, gate, covered, refusals, by_tp)
             if refusals and rejected is None:
                 raise next(iter(refusals.values()))
             return heads, dups
@@ -917,6 +953,7 @@ class RecordDB:
         gate: AbstractContextManager[Any] | None,
         covered: Callable[[tuple[str, str], int, int], bool] | None,
         refusals: dict[tuple[str, str], Exception],
+        by_tp: dict[tuple[str, str], list[tuple[BlockHeader, bytes] | Exception]] | None = None,
     ) -> tuple[dict[tuple[str, str], int], int]:
         dbs = self._dbs
         assert dbs is not None
@@ -924,6 +961,7 @@ class RecordDB:
         states: dict[tuple[str, str], PartState] = {}
         puts: dict[int, list[Run]] = {}
         ready: dict[int, list[tuple[bytes, bytes]]] = {}  # blocks of ready pairs, by pid
+        given: dict[int, list[tuple[bytes, bytes]]] = {}  # ready-made blocks, by pid
         dups = 0
         next_pid: int | None = None
 
@@ -933,40 +971,47 @@ class RecordDB:
             st = states.pop(tp, None)
             if st is not None:
                 puts.pop(st.pid, None)
+                given.pop(st.pid, None)
                 if st.new:
                     txn.delete(U32.pack(st.pid), db=dbs.pids)
+
+        def state_of(tp: tuple[str, str], pkey: bytes, start: Any) -> PartState:
+            """The partition's state in this transaction, created when it is new."""
+            nonlocal next_pid
+            st = states.get(tp)
+            if st is None:
+                raw = txn.get(pkey, db=parts_db)
+                if raw is None:
+                    # A new partition may start anywhere (its store caught up
+                    # from others whose retention removed the beginning).
+                    if not isinstance(start, int) or start < 0:
+                        raise ValueError(f"bad offset {start!r} for {tp[0]!r}/{tp[1]!r}")
+                    # Offsets before it that this store gave up (a skip
+                    # from 0: its reader waited skip_after for them) are a
+                    # hole it asks its peers for again, as one after a
+                    # stored record; without such a skip they are not
+                    # (other stores' retention, or where it started).
+                    # (Issue 40, seed 205892: a store that gave up 0..14
+                    # never asked again for 14, which another store held.)
+                    base = start
+                    if start > 0 and covered is not None and covered(tp, 0, start - 1):
+                        base = 0
+                    if next_pid is None:
+                        next_pid = self._next_pid(txn, dbs)
+                    st = PartState(pkey, next_pid, base, base - 1, 0, 0)
+                    st.new = True
+                    next_pid += 1
+                    txn.put(U32.pack(st.pid), pkey, db=dbs.pids)
+                else:
+                    st = PartState(pkey, *PARTITION_INFO.unpack(raw))
+                states[tp] = st
+            return st
 
         for tp, pkey, start, recs, ts_ms in units:
             if tp in refusals:
                 continue
             try:
-                st = states.get(tp)
-                if st is None:
-                    raw = txn.get(pkey, db=parts_db)
-                    if raw is None:
-                        # A new partition may start anywhere (its store caught up
-                        # from others whose retention removed the beginning).
-                        if not isinstance(start, int) or start < 0:
-                            raise ValueError(f"bad offset {start!r} for {tp[0]!r}/{tp[1]!r}")
-                        # Offsets before it that this store gave up (a skip
-                        # from 0: its reader waited skip_after for them) are a
-                        # hole it asks its peers for again, as one after a
-                        # stored record; without such a skip they are not
-                        # (other stores' retention, or where it started).
-                        # (Issue 40, seed 205892: a store that gave up 0..14
-                        # never asked again for 14, which another store held.)
-                        base = start
-                        if start > 0 and covered is not None and covered(tp, 0, start - 1):
-                            base = 0
-                        if next_pid is None:
-                            next_pid = self._next_pid(txn, dbs)
-                        st = PartState(pkey, next_pid, base, base - 1, 0, 0)
-                        st.new = True
-                        next_pid += 1
-                        txn.put(U32.pack(st.pid), pkey, db=dbs.pids)
-                    else:
-                        st = PartState(pkey, *PARTITION_INFO.unpack(raw))
-                    states[tp] = st
+                st = state_of(tp, pkey, start)
                 nxt = st.last + 1
                 if ts_ms is None:
                     skipped = None if covered is None else partial(covered, tp)
@@ -1020,6 +1065,8 @@ class RecordDB:
                 if (seg[0], seg[1]) not in refusals:
                     ready.setdefault(seg[2], []).extend(store_blocks(pairs, i, i + n, seg[2], seg[3], BLOCK_BYTES, -1))
                 i += n
+        if by_tp:
+            dups += self._account_blocks(by_tp, state_of, covered, refusals, refuse, given)
         hole_entries: list[tuple[bytes, bytes]] = []
         for st in states.values():
             if st.changed:
@@ -1030,12 +1077,13 @@ class RecordDB:
             hdb = self._holes_table(txn)
             for key, value in hole_entries:
                 txn.put(key, value, db=hdb)
-        if puts or ready:
+        if puts or ready or given:
             blocks = []
-            for pid in sorted(puts.keys() | ready.keys()):
+            for pid in sorted(puts.keys() | ready.keys() | given.keys()):
                 for run in puts.get(pid, ()):
                     blocks.extend(blocks_of(run, pid))
                 blocks.extend(ready.get(pid, ()))
+                blocks.extend(given.get(pid, ()))
             cur = txn.cursor(db=dbs.blocks)
             tail = cur.key() if cur.last() else b""
             # MDB_APPEND is only valid past the last key of the whole table (the newest
@@ -1100,6 +1148,76 @@ class RecordDB:
             st.last = last
             st.nbytes += nbytes
             st.changed = True
+
+    @staticmethod
+    def _blocks_by_partition(
+        blocks: Sequence[tuple[str, str, bytes]],
+    ) -> dict[tuple[str, str], list[tuple[BlockHeader, bytes] | Exception]]:
+        """Ready-made blocks per partition with their headers, in offset order (an
+        Exception in a partition's list: a block that is not one, which refuses it)."""
+        by_tp: dict[tuple[str, str], list[tuple[BlockHeader, bytes] | Exception]] = {}
+        for topic, partition, block in blocks:
+            got = by_tp.setdefault((topic, partition), [])
+            try:
+                got.append((decode_header(block), block))
+            except (ProtocolError, TypeError, struct.error) as exc:
+                got.append(ValueError(f"not a block: {exc}"))
+        for got in by_tp.values():
+            if len(got) > 1 and not any(isinstance(g, Exception) for g in got):
+                got.sort(key=lambda g: g[0].first_offset)  # type: ignore[union-attr]
+        return by_tp
+
+    def _account_blocks(
+        self,
+        by_tp: dict[tuple[str, str], list[tuple[BlockHeader, bytes] | Exception]],
+        state_of: Callable[[tuple[str, str], bytes, Any], PartState],
+        covered: Callable[[tuple[str, str], int, int], bool] | None,
+        refusals: dict[tuple[str, str], Exception],
+        refuse: Callable[[tuple[str, str], Exception], None],
+        given: dict[int, list[tuple[bytes, bytes]]],
+    ) -> int:
+        """Check ready-made blocks against their partitions' heads and account them in the
+        states; their ``(key, block)`` pairs go into ``given`` by pid.  Duplicates skipped."""
+        dups = 0
+        pack_key = BLOCK_KEY.pack
+        for tp, entries in by_tp.items():
+            if tp in refusals:
+                continue
+            try:
+                for entry in entries:
+                    if isinstance(entry, Exception):
+                        raise entry
+                st = state_of(tp, self._pkey(*tp), entries[0][0].first_offset)  # type: ignore[union-attr]
+                mine = given.setdefault(st.pid, [])
+                for hdr, block in entries:  # type: ignore[misc]
+                    nxt = st.last + 1
+                    if hdr.last_offset < nxt:
+                        dups += hdr.record_count  # a block sent again: stored already
+                        continue
+                    if hdr.first_offset < nxt:
+                        raise ValueError(
+                            f"block {hdr.first_offset}..{hdr.last_offset} of {tp[0]!r}/{tp[1]!r} overlaps "
+                            f"head {nxt - 1}"
+                        )
+                    if hdr.first_offset > nxt:
+                        if covered is None or not covered(tp, nxt, hdr.first_offset - 1):
+                            raise ValueError(
+                                f"gap in {tp[0]!r}/{tp[1]!r}: block at {hdr.first_offset} after head {nxt - 1} "
+                                "(offsets must be contiguous unless skipped)"
+                            )
+                        st.holes.append((nxt, hdr.first_offset - 1))
+                    if st.count == 0:
+                        st.first = hdr.first_offset
+                    # A sparse block (a Tank bundle with gaps inside) holds fewer records than
+                    # its span: the offsets it skips are not records (its reader skips them).
+                    st.count += hdr.record_count
+                    st.nbytes += block_payload(hdr, block)
+                    st.last = hdr.last_offset
+                    st.changed = True
+                    mine.append((pack_key(st.pid, hdr.first_offset), block))
+            except (ValueError, TypeError) as exc:
+                refuse(tp, exc)
+        return dups
 
     @staticmethod
     def _next_pid(txn: lmdb.Transaction, dbs: _Dbs) -> int:
@@ -1291,6 +1409,25 @@ class RecordDB:
             return start, []
         got: tuple[int, list[bytes]] = fetch_blocks(txn.cursor(db=dbs.blocks), pid, start, last, n, convert_block)
         return got
+
+    def fetch_kafka(
+        self, topic: str, partition: str, offset: int, limit: int,
+        encode: Callable[[int, list[bytes], int], bytes], count: Callable[[bytes], int], exact: bool = False,
+    ) -> tuple[int, int, list[bytes]]:
+        """Kafka record batches from ``max(offset, first)``, in one read transaction:
+        ``(start, next offset, batches)`` (:func:`dafka.store.reader.kafka_batches`: a
+        Kafka block whole as stored, others encoded with ``encode``), about ``limit`` bytes."""
+        pkey = self._pkey(topic, partition)
+        with self._read_txn(buffers=True) as (txn, dbs):
+            raw = txn.get(pkey, db=dbs.partitions)
+            if raw is None:
+                return offset, offset, []
+            pid, first, last, _stored, _bytes = PARTITION_INFO.unpack(raw)
+            start = offset if offset > first else first
+            if start > last:
+                return start, start, []
+            nxt, batches = kafka_batches(txn.cursor(db=dbs.blocks), pid, start, last, limit, encode, count, exact)
+            return start, nxt, batches
 
     def fetch(self, topic: str, partition: str, offset: int, count: int) -> tuple[int, list[bytes]]:
         """Like :meth:`fetch_raw` but only the contents (what a Dafka consumer gets):

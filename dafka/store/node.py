@@ -54,6 +54,7 @@ from dafka.nodes.metrics import SECONDS_BUCKETS, SIZE_BUCKETS, Histogram
 from dafka.nodes.node import DRAIN, read_subscriptions
 from dafka.nodes.reader import NOBLOCK, PartitionReader, unheard_may_wait
 from dafka.store.acks import AckRepeats
+from dafka.store.block import decode_header
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.holes import HoleRepair
 from dafka.store.layout import VALUE_HEADER
@@ -127,10 +128,17 @@ SKIP_AFTER = 10.0  # seconds before offsets nobody has are given up
 MAX_HEARERS = 1_000_000  # producers remembered as subscribed to their FETCHes here
 MAX_ADDRESS = 64  # characters of an address counted as a FETCH subscriber (ours are 32)
 
-# What the writer commits at once: tuples, ready pairs, their runs, skips, and
-# records for recorded holes (content None: an offset given up for good).
+# What the writer commits at once: tuples, ready pairs, their runs, skips,
+# records for recorded holes (content None: an offset given up for good), and
+# ready-made blocks ``(topic, partition, block)`` (a gateway's client blocks).
 _Fill = tuple[str, str, int, bytes | None, int]
-_Work = tuple[list[Any], list[Any], list[Any], list[tuple[str, str, int, int]], list[_Fill]]
+_Block = tuple[str, str, bytes]
+_Work = tuple[list[Any], list[Any], list[Any], list[tuple[str, str, int, int]], list[_Fill], list[_Block]]
+
+
+def _block_records(blocks: list[_Block]) -> int:
+    """Records held by ready-made blocks (from their headers)."""
+    return sum(decode_header(b[2]).record_count for b in blocks)
 
 
 @dataclass(slots=True)
@@ -211,6 +219,10 @@ class Store(PartitionReader):
         # (topic, partition, pid, first, last, bytes); committed after _batch.
         self._pairs: list[Any] = []  # values (the drain), or (key, value) pairs (the Kafka gateway)
         self._segs: list[tuple[str, str, int, int, int, int]] = []
+        # Ready-made blocks (a gateway's client blocks, stored as sent), committed after
+        # _pairs, and how many records they hold.
+        self._blocks: list[_Block] = []
+        self._blocks_held = 0
         self._trickle = TrickleLinger()  # the rest after a small read
         # Offsets given up (nobody had them), committed with the records after them.
         self._skips: list[tuple[str, str, int, int]] = []
@@ -320,7 +332,13 @@ class Store(PartitionReader):
 
     def pending_records(self) -> int:
         """Records received and not yet handed to the writer."""
-        return len(self._batch) + len(self._pairs) + len(self._fills)
+        return len(self._batch) + len(self._pairs) + len(self._fills) + self._blocks_held
+
+    def queue_block(self, topic: str, partition: str, block: bytes, records: int) -> None:
+        """Queue a ready-made block (validated by its maker, offsets in its header) for the
+        next commit (:meth:`dafka.store.db.RecordDB.append_blocks`); ``records`` it holds."""
+        self._blocks.append((topic, partition, block))
+        self._blocks_held += records
 
     def heads(self) -> dict[tuple[str, str], int]:
         """Committed head per (topic, partition)."""
@@ -348,7 +366,7 @@ class Store(PartitionReader):
                 next_retention = time.monotonic() + self.retention_interval
 
     def _commit(self, work: _Work) -> None:
-        batch, pairs, segs, skips, fills = work
+        batch, pairs, segs, skips, fills, blocks = work
         # A partition the database refuses (its records cannot go in as they
         # are) is left out alone: the others commit and are acknowledged.
         rejected: dict[tuple[str, str], str] = {}
@@ -360,9 +378,10 @@ class Store(PartitionReader):
                 # writes what is still a hole, nothing twice.
                 filled = self.db.fill_holes(fills)
             if pairs:
-                heads = self.db.append_pairs(batch, pairs, segs, self._put_gate, skips=skips, rejected=rejected)
+                heads = self.db.append_pairs(batch, pairs, segs, self._put_gate, skips=skips, rejected=rejected,
+                                             blocks=blocks)
             else:
-                heads = self.db.append(batch, skips=skips, rejected=rejected)
+                heads = self.db.append(batch, skips=skips, rejected=rejected, blocks=blocks)
             self.commit_seconds.observe(time.perf_counter() - t0)
             error = None
         except StorageError as exc:
@@ -408,7 +427,7 @@ class Store(PartitionReader):
         After a failed commit only a ``retry`` writes again.
         """
         if (
-            not (self._batch or self._pairs or self._fills)
+            not (self._batch or self._pairs or self._fills or self._blocks)
             or self._writer_busy
             or (self.storage_error is not None and not retry)
         ):
@@ -418,8 +437,9 @@ class Store(PartitionReader):
         if self._fills:
             fills = [(t, p, off, c, ts) for (t, p, off), (c, ts) in self._fills.items()]
             self._fills = {}
-        work = (self._batch, self._pairs, self._segs, self._skips, fills)
-        self._batch, self._pairs, self._segs, self._skips = [], [], [], []
+        work = (self._batch, self._pairs, self._segs, self._skips, fills, self._blocks)
+        self._batch, self._pairs, self._segs, self._skips, self._blocks = [], [], [], [], []
+        self._blocks_held = 0
         self._writer_busy = True
         with self._writer_cond:
             self._to_write = work
@@ -434,7 +454,8 @@ class Store(PartitionReader):
         filled: tuple[int, int] = (0, 0),
     ) -> None:
         self._writer_busy = False
-        batch, pairs, segs, skips, fills = work
+        batch, pairs, segs, skips, fills, blocks = work
+        held = _block_records(blocks) if blocks else 0
         if error is not None:
             now = time.monotonic()
             if self.storage_error is None or now - self._error_logged_at >= ERROR_LOG_INTERVAL:
@@ -442,7 +463,7 @@ class Store(PartitionReader):
                 log.error(
                     "store cannot write (%s): %d records kept, acknowledgements stop, retrying",
                     error,
-                    len(batch) + len(pairs) + self.pending_records(),
+                    len(batch) + len(pairs) + held + self.pending_records(),
                 )
             self.storage_error = error
             # Keep everything, retry later (the failed batch goes first).
@@ -450,6 +471,8 @@ class Store(PartitionReader):
             self._pairs = pairs + self._pairs
             self._segs = segs + self._segs
             self._skips = skips + self._skips
+            self._blocks = blocks + self._blocks
+            self._blocks_held += held
             for topic, partition, off, content, ts in fills:
                 self._fills.setdefault((topic, partition, off), (content, ts))
             # Reading goes on, new records and HEADs left out (see _SHED): the
@@ -465,7 +488,7 @@ class Store(PartitionReader):
             log.info("store writes again; acknowledgements resume")
             self.storage_error = None
         refused = self._on_refused(work, rejected) if rejected else 0
-        self.stored += len(batch) + len(pairs) - refused + filled[0]
+        self.stored += len(batch) + len(pairs) + held - refused + filled[0]
         if fills or skips:
             self._on_holes_changed(filled)
         # Partitions of leaves connected here get their ACK on the leaf port: none
@@ -494,7 +517,7 @@ class Store(PartitionReader):
         self._send_acks()
         if self.leaves is not None:
             self.leaves.on_commit(heads)  # after the heads above: an ACK read at once finds them
-        self.commit_sizes.observe(len(batch) + len(pairs))
+        self.commit_sizes.observe(len(batch) + len(pairs) + held)
         received: Any = batch[0][4] if batch and len(batch[0]) == 5 else None  # mesh records: ms stamp
         if received is None and pairs:
             value = pairs[0]
@@ -513,9 +536,12 @@ class Store(PartitionReader):
         """Partitions the database refused in a commit: drop, count and log their
         records, and read them afresh from the committed head (a new tracker
         FETCHes what is missing).  Returns how many records were refused."""
-        batch, _pairs, segs, _skips, _fills = work
+        batch, _pairs, segs, _skips, _fills, blocks = work
         now = time.monotonic()
         counts = dict.fromkeys(rejected, 0)
+        for topic, partition, block in blocks:
+            if (topic, partition) in counts:
+                counts[(topic, partition)] += decode_header(block).record_count
         for rec in batch:
             key = (rec[0], rec[1])
             if key in counts:
@@ -569,6 +595,9 @@ class Store(PartitionReader):
                 i += n
             self._pairs, self._segs = kept, segs
         self._skips = [s for s in self._skips if (s[0], s[1]) != key]
+        if self._blocks:
+            self._blocks = [b for b in self._blocks if (b[0], b[1]) != key]
+            self._blocks_held = _block_records(self._blocks)
 
     def _learn_pid(self, key: tuple[str, str]) -> None:
         """A partition was stored for the first time: its records can now go as ready pairs."""
@@ -588,6 +617,7 @@ class Store(PartitionReader):
         if error is not None:
             keys |= {(r[0], r[1]) for r in self._batch}  # the partitions waiting for an ACK
             keys |= {(r[0], r[1]) for r in self._segs}
+            keys |= {(b[0], b[1]) for b in self._blocks}
             writing, reason = 0, wire.reason_text(f"store {self.address[:8]} cannot write: {error}")
         else:
             writing, reason = 1, ""
@@ -1160,7 +1190,9 @@ class Store(PartitionReader):
     def on_shutdown(self) -> None:
         # Commit what was received; ACKs for it go out if the socket still can.
         deadline = time.monotonic() + 5.0
-        while (self._batch or self._pairs or self._fills or self._writer_busy) and time.monotonic() < deadline:
+        while (self._batch or self._pairs or self._fills or self._blocks or self._writer_busy) and (
+            time.monotonic() < deadline
+        ):
             if self.storage_error is not None:
                 break
             self._flush_batch()

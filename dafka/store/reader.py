@@ -9,14 +9,17 @@ after it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from dafka.fastio import fetch_blocks
+from dafka.kafka._codec import kafka_values
 from dafka.store.block import (
     BLOCK_KEY,
     CODEC_KAFKA,
     CODEC_STORE,
     CODEC_TANK,
+    HEADER_SIZE,
     BlockHeader,
     decode_header,
     records,
@@ -32,7 +35,7 @@ from dafka.store.layout import (
     VALUE_HEADER,
 )
 
-__all__ = ["block_payload", "block_values", "convert_block", "fetch_values", "seek"]
+__all__ = ["block_payload", "block_values", "convert_block", "fetch_values", "kafka_batches", "seek"]
 
 _pack = BLOCK_KEY.pack
 _unpack = BLOCK_KEY.unpack
@@ -80,6 +83,11 @@ def block_values(value: bytes | memoryview, hdr: BlockHeader, offset: int, n: in
     """
     if hdr.codec == CODEC_STORE:
         return store_values(value, hdr, offset, n)
+    if hdr.codec == CODEC_KAFKA:
+        # The compiled decoder, when the records' keys and headers fit format 1's key slot.
+        got = kafka_values(memoryview(value)[HEADER_SIZE:], hdr.first_offset, offset, n)
+        if got is not None:
+            return got
     out: list[bytes] = []
     expect = offset
     for rec in records(value, offset):
@@ -136,3 +144,65 @@ def fetch_values(cur: Any, pid: int, start: int, last: int, n: int) -> tuple[int
     compiled extension (:func:`dafka.fastio.fetch_blocks`)."""
     got: tuple[int, list[bytes]] = fetch_blocks(cur, pid, start, last, n, convert_block)
     return got
+
+
+def kafka_batches(
+    cur: Any, pid: int, start: int, last: int, limit: int,
+    encode: Callable[[int, list[bytes], int], bytes], count: Callable[[bytes], int], exact: bool = False,
+) -> tuple[int, list[bytes]]:
+    """Kafka record batches of ``pid`` from the block holding ``start`` (or the next one
+    held) up to offset ``last``: ``(next offset, batches)``, about ``limit`` bytes.
+
+    A Kafka block is sent whole, as stored (its batch from its first offset: the
+    client skips the records before the one it asked for, as with a Kafka broker);
+    a block of another codec is encoded (``encode(first offset, format-1 values,
+    byte limit)``, ``count(batch)`` its records) from ``start`` on.  The first batch
+    goes whatever its size (KIP-74), later ones only while they fit ``limit``; the
+    read stops at the first batch that does not.  ``exact`` (the reader's own bound
+    is tighter than one stored batch: a gateway's output budget): a first Kafka block
+    larger than ``limit`` is sliced and encoded too, from ``start``, one record at
+    least.  One ``set_range`` (and one step back), then a cursor walk.
+    """
+    found = seek(cur, pid, start)
+    out: list[bytes] = []
+    size = 0
+    nxt = start
+    while found is not None:
+        hdr, value = found
+        if hdr.first_offset > last:
+            break
+        room = limit - size
+        values: list[bytes] | None = None
+        if hdr.codec == CODEC_KAFKA and hdr.body_size > room:
+            if out:
+                break
+            if exact:
+                off = max(nxt, hdr.first_offset)
+                values = kafka_values(memoryview(value)[HEADER_SIZE:], hdr.first_offset, off,
+                                      min(hdr.last_offset, last) - off + 1)
+        if hdr.codec == CODEC_KAFKA and values is None:
+            out.append(bytes(memoryview(value)[HEADER_SIZE:]))
+            size += hdr.body_size
+            nxt = hdr.last_offset + 1
+        else:
+            off = max(nxt, hdr.first_offset)
+            if values is None:
+                values = block_values(value, hdr, off, min(hdr.last_offset, last) - off + 1)
+            if not values:
+                break
+            batch = encode(off, values, max(room, 1))
+            if out and len(batch) > room:
+                break
+            out.append(batch)
+            size += len(batch)
+            nxt = off + count(batch)
+            if nxt <= min(hdr.last_offset, last):
+                break  # the rest of the block did not fit
+        if size >= limit or nxt > last or not cur.next():
+            break
+        key = cur.key()
+        if _unpack(key)[0] != pid:
+            break
+        value = cur.value()
+        found = decode_header(value), value
+    return nxt, out

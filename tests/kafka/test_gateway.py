@@ -376,7 +376,8 @@ def test_connection_cap_and_slow_loris(make_kgw: Any) -> None:
 def test_a_fetch_answer_is_bounded_by_max_bytes(kgw: KafkaGateway) -> None:
     from kafka.protocol.consumer import FetchRequest, FetchResponse
 
-    ck_produce(kgw, "big", [(None, b"x" * 1000, None) for _ in range(500)])
+    # Batches of about 4 KiB (batches are stored and served as produced).
+    ck_produce(kgw, "big", [(None, b"x" * 1000, None) for _ in range(500)], **{"batch.size": 4096})
     req = FetchRequest[11](
         replica_id=-1, max_wait_ms=0, min_bytes=1, max_bytes=10_000, isolation_level=0, session_id=0, session_epoch=-1,
         topics=[FetchRequest.FetchTopic(topic="big", partitions=[FetchRequest.FetchTopic.FetchPartition(
@@ -390,6 +391,30 @@ def test_a_fetch_answer_is_bounded_by_max_bytes(kgw: KafkaGateway) -> None:
     assert p.error_code == 0 and p.high_watermark == 500
     assert 1000 < len(p.records) <= 10_000 + 200
     assert len(answer) < 12_000
+
+
+def test_a_stored_batch_larger_than_max_bytes_is_served_whole_as_kafka_does(kgw: KafkaGateway) -> None:
+    from kafka.protocol.consumer import FetchRequest, FetchResponse
+    from kafka.record import MemoryRecords
+
+    ck_produce(kgw, "whole", [(None, b"x" * 1000, None) for _ in range(50)], **{"linger.ms": 200})
+    req = FetchRequest[11](
+        replica_id=-1, max_wait_ms=0, min_bytes=1, max_bytes=3_000, isolation_level=0, session_id=0, session_epoch=-1,
+        topics=[FetchRequest.FetchTopic(topic="whole", partitions=[FetchRequest.FetchTopic.FetchPartition(
+            partition=0, current_leader_epoch=-1, fetch_offset=20, log_start_offset=-1, partition_max_bytes=1 << 20)])],
+        forgotten_topics_data=[], rack_id="",
+    )
+    with socket.create_connection((HOST, kgw.kafka_port)) as s:
+        s.sendall(frame(1, 11, 1, bytes(req.encode(version=11))))
+        answer = read_frame(s)
+    p = FetchResponse.decode(answer[4:], version=11).responses[0].partitions[0]
+    batches = MemoryRecords(bytes(p.records))
+    batch = batches.next_batch()
+    # KIP-74: the first batch goes whole however large, from its own first offset (the
+    # client skips the records before the one it asked for), and nothing more fits.
+    offsets = [r.offset for r in batch]
+    assert offsets[0] <= 20 <= offsets[-1] and len(offsets) > 3
+    assert batches.next_batch() is None
 
 
 def test_a_record_without_timestamp_is_stamped_and_the_store_keeps_writing(kgw: KafkaGateway) -> None:
@@ -469,7 +494,8 @@ def test_a_backlog_read_in_small_fetches_is_served_from_batches_encoded_ahead(kg
     from dafka.kafka.serving import AHEAD_BYTES
 
     kgw.kafka.ahead_seconds = 1.0
-    ck_produce(kgw, "ahead", [(None, b"r%05d" % i, None) for i in range(3000)])
+    small = {"batch.size": 512}  # batches are served whole as produced: many small ones here
+    ck_produce(kgw, "ahead", [(None, b"r%05d" % i, None) for i in range(3000)], **small)
     c = KafkaConsumer(bootstrap_servers=bs(kgw), auto_offset_reset="earliest", group_id=None,
                       max_partition_fetch_bytes=2048, enable_auto_commit=False)
     c.assign([TP("ahead", 0)])
@@ -483,7 +509,7 @@ def test_a_backlog_read_in_small_fetches_is_served_from_batches_encoded_ahead(kg
             c.seek(TP("ahead", 0), 2500)
             seeked = True
             got = got[:1000]
-            ck_produce(kgw, "ahead", [(None, b"r%05d" % i, None) for i in range(3000, 3500)])
+            ck_produce(kgw, "ahead", [(None, b"r%05d" % i, None) for i in range(3000, 3500)], **small)
     c.close()
     assert got == list(range(1000)) + list(range(2500, 3500))
     assert kgw.kafka.ahead_hits > 10

@@ -259,3 +259,53 @@ def test_a_tank_view_of_any_kafka_slot_never_raises(slot: bytes) -> None:
     v = VALUE_HEADER.pack(1, FLAG_KEY | FLAG_KAFKA) + bytes((min(len(slot), 255),)) + slot + b"content"
     out = without_kafka_extras(v)
     assert out.endswith(b"content") and not out[8] & FLAG_KAFKA
+
+
+# ---------------------------------------------------------------- walk_records (batches stored as sent)
+
+
+@settings(max_examples=300)
+@given(st.lists(record, max_size=30))
+def test_walk_records_agree_on_client_batches_and_measure_them(recs: list) -> None:
+    body, base_ts = body_of(recs)
+    first_ts, min_ts, max_ts, biggest, end = both("walk_records", body, 0, len(body), len(recs), base_ts)  # type: ignore[misc]
+    assert end == len(body)
+    tss = [1000 + ts for ts, _, _, _ in recs] or [base_ts]
+    assert (first_ts, min_ts, max_ts) == (tss[0], min(tss), max(tss))
+    decoded, *_ = _pure.decode_records(body, 0, len(body), len(recs), base_ts, None, Record)
+    # key + value + the header section less its count byte: what max_record_bytes bounds
+    sizes = [len(r.key or b"") + len(r.value or b"") + len(r.headers) - 1 for r in decoded]
+    assert biggest == max(sizes, default=0)
+
+
+@settings(max_examples=800)
+@given(st.lists(record, min_size=1, max_size=5), st.integers(0, 400), st.binary(min_size=1, max_size=12),
+       st.integers(-3, 3), st.integers(-(1 << 63), (1 << 63) - 1))
+def test_walk_records_agree_on_mutated_input(recs: list, pos: int, junk: bytes, count_delta: int, base: int) -> None:
+    body, _ = body_of(recs)
+    pos %= len(body)
+    data = body[:pos] + junk + body[pos + len(junk):]
+    both("walk_records", data, 0, len(data), max(0, len(recs) + count_delta), base)
+
+
+@settings(max_examples=500)
+@given(st.binary(max_size=200), st.integers(0, 30), st.integers(-(1 << 63), (1 << 63) - 1), st.integers(0, 10))
+def test_walk_records_agree_on_random_bytes(data: bytes, count: int, base_ts: int, start: int) -> None:
+    both("walk_records", data, min(start, len(data)), len(data), count, base_ts)
+
+
+def test_walk_records_refuses_what_the_decoder_would_read_differently() -> None:
+    body, base = body_of([(0, b"k", b"v", [("h", b"x")]), (1, None, b"w", [])])
+    assert both("walk_records", body, 0, len(body), 2, base)[4] == len(body)  # type: ignore[index]
+    for pos, byte, why in (
+        (1, 1, "attributes"),  # record 0's attributes byte
+        (3, 2, "offset delta"),  # record 0's offset delta 1
+    ):
+        bad = body[:pos] + bytes((byte,)) + body[pos + 1:]
+        err = both("walk_records", bad, 0, len(bad), 2, base)
+        assert why in str(err)
+    # a count over what is there, a range outside the buffer
+    assert "record" in str(both("walk_records", body, 0, len(body), 3, base))
+    assert "outside the buffer" in str(both("walk_records", body, 0, len(body) + 1, 2, base))
+    # a timestamp delta that overflows int64
+    assert "out of range" in str(both("walk_records", body, 0, len(body), 2, (1 << 63) - 1))

@@ -1,0 +1,213 @@
+"""Kafka batches stored as produced (issue 36): keys and headers of any size, batches that lie,
+records on the mesh only for readers that are there.  Real clients, real TCP, real LMDB."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka import Consumer as CKConsumer
+from confluent_kafka import Producer as CKProducer
+from confluent_kafka import TopicPartition
+from crc32c import crc32c
+from kafka import KafkaConsumer
+from kafka import TopicPartition as KTopicPartition
+from kafka.record.default_records import DefaultRecordBatchBuilder
+
+from dafka.config import NodeConfig
+from dafka.core import wire
+from dafka.kafka.codec import Err
+from dafka.kafka.gateway import KafkaGateway
+from dafka.nodes.consumer import Consumer
+from dafka.store.block import CODEC_KAFKA, decode_header
+from dafka.tank.client import TankClient
+from tests.conftest import dafka_cmd, spawned, subprocess_env, tower_flag, wait_until
+from tests.kafka.test_gateway import HOST, ck_produce, closed, produce_raw
+from tests.kafka.test_hostile_input import make_kgw  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.timeout(120)
+
+KEY = bytes(range(256)) * 2 + b"k" * 88  # 600 bytes, every byte value
+HEADERS = [(f"trace-{i}", bytes([i]) * 200) for i in range(10)] + [("null", None)]  # 2 KB and more
+
+
+def header_bytes(headers: list[tuple[str, bytes | None]]) -> int:
+    return sum(len(k) + len(v or b"") for k, v in headers)
+
+
+@pytest.fixture
+def kgw(make_kgw: Any) -> KafkaGateway:  # noqa: F811
+    return make_kgw()  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def gateway_process(cfg: NodeConfig, tmp_path: Path) -> str:
+    """``host:port`` of the Kafka listener of a `dafka gateway` process on the test's tower."""
+    proc = spawned(subprocess.Popen(
+        dafka_cmd("gateway", "--db", str(tmp_path / "gw"), "--listen", f"{HOST}:0", "--kafka-listen", f"{HOST}:0",
+                  "--tower", tower_flag(cfg), "--bind", HOST),
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=subprocess_env(),
+    ))
+    assert proc.stdout is not None
+    up = proc.stdout.readline()
+    found = re.search(r"Kafka on 127\.0\.0\.1:(\d+)", up)
+    assert found, up
+    return f"{HOST}:{found.group(1)}"
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_a_600_byte_key_and_2_kb_of_headers_come_back_exact_to_both_clients(gateway_process: str, codec: str) -> None:
+    """Before blocks, a key and headers shared a 255-byte slot: this was INVALID_RECORD."""
+    assert len(KEY) == 600 and header_bytes(HEADERS) > 2000
+    topic = f"wide-{codec}"
+    p = CKProducer({"bootstrap.servers": gateway_process, "acks": "all", "compression.type": codec})
+    delivered: list[Any] = []
+    for i in range(3):
+        p.produce(topic, value=b"value %d" % i if i != 1 else None, key=KEY, headers=HEADERS, partition=0,
+                  timestamp=1_700_000_000_000 + i, on_delivery=lambda err, msg: delivered.append(err or msg.offset()))
+    assert p.flush(30) == 0
+    assert delivered == [0, 1, 2]
+    want = [(KEY, b"value 0", HEADERS), (KEY, None, HEADERS), (KEY, b"value 2", HEADERS)]
+
+    c = CKConsumer({"bootstrap.servers": gateway_process, "group.id": "wide", "enable.auto.commit": False})
+    c.assign([TopicPartition(topic, 0, 0)])
+    got: list[Any] = []
+    deadline = time.monotonic() + 30
+    try:
+        while len(got) < 3 and time.monotonic() < deadline:
+            m = c.poll(0.5)
+            if m is not None and not m.error():
+                got.append(m)
+    finally:
+        c.close()
+    assert [(m.key(), m.value(), m.headers()) for m in got] == want
+    assert [m.timestamp()[1] for m in got] == [1_700_000_000_000 + i for i in range(3)]
+
+    k = KafkaConsumer(bootstrap_servers=gateway_process, group_id=None, enable_auto_commit=False,
+                      auto_offset_reset="earliest", consumer_timeout_ms=10_000)
+    k.assign([KTopicPartition(topic, 0)])
+    kgot = []
+    for r in k:
+        kgot.append(r)
+        if len(kgot) == 3:
+            break
+    k.close()
+    assert [(r.key, r.value, [(hk, hv) for hk, hv in r.headers]) for r in kgot] == want
+    assert [(r.offset, r.timestamp) for r in kgot] == [(i, 1_700_000_000_000 + i) for i in range(3)]
+
+
+def test_key_and_headers_count_toward_max_record_bytes(make_kgw: Any, cfg: NodeConfig) -> None:  # noqa: F811
+    gw = make_kgw(config=dataclasses.replace(cfg, max_record_bytes=4096))
+    gw.create_topic("cap", 1)
+    ok = ck_produce(gw, "cap", [(KEY, b"v" * 1000, HEADERS)])
+    assert ok == [(0, 0)]
+    p = CKProducer({"bootstrap.servers": f"{HOST}:{gw.kafka_port}", "acks": "all", "compression.type": "gzip",
+                    "message.send.max.retries": 0})
+    errors: list[Any] = []
+    # Compressed, the batch is small; inflated, its record is over the limit.
+    p.produce("cap", value=b"\x00" * 1000, key=KEY, headers=HEADERS + [("big", bytes(2000))], partition=0,
+              on_delivery=lambda err, msg: errors.append(err))
+    p.flush(30)
+    assert len(errors) == 1 and errors[0] is not None and errors[0].code() == 10  # MSG_SIZE_TOO_LARGE
+    assert gw.records_too_large == 0 and gw.kafka.records_too_large == 1
+    assert ck_produce(gw, "cap", [(None, b"after", None)]) == [(0, 1)]  # the connection and partition go on
+
+
+def batch_of(n: int, ts: int = 1_700_000_000_000) -> bytearray:
+    b = DefaultRecordBatchBuilder(2, 0, False, -1, -1, -1, 1 << 20)
+    for i in range(n):
+        b.append(i, ts, None, b"x", [])
+    return bytearray(b.build())
+
+
+def recrc(batch: bytearray) -> bytes:
+    """The batch with its CRC-32C computed again (a lie a CRC does not catch)."""
+    batch[17:21] = crc32c(bytes(batch[21:])).to_bytes(4, "big")
+    return bytes(batch)
+
+
+# Records of batch_of: length, attributes, timestamp delta, offset delta, null key, value 1, "x", no headers.
+REC0, REC_SIZE = 61, 8
+
+
+def lying_batches() -> dict[str, bytes]:
+    out = {}
+    b = batch_of(3)
+    b[REC0 + REC_SIZE + 3] = 0  # record 1's offset delta: 0 again
+    out["offset deltas"] = recrc(b)
+    b = batch_of(3)
+    b[REC0 + 1] = 0x01  # record 0's attributes
+    out["record attributes"] = recrc(b)
+    b = batch_of(3)
+    b[23:27] = (5).to_bytes(4, "big")  # lastOffsetDelta 5 for 3 records
+    out["lastOffsetDelta"] = recrc(b)
+    b = batch_of(3)
+    b[57:61] = (2).to_bytes(4, "big")  # a count of 2, 3 records follow
+    out["record count"] = recrc(b)
+    b = batch_of(3)
+    b[REC0 + 5] = 0x04  # record 0's value length 2: runs past its record's end
+    out["record framing"] = recrc(b)
+    return out
+
+
+@pytest.mark.parametrize("lie", sorted(lying_batches()))
+def test_a_batch_that_lies_behind_a_good_crc_is_refused_and_nothing_of_it_stored(kgw: KafkaGateway, lie: str) -> None:
+    """Before blocks, the first three were stored as if they were true (the decoder read
+    fields it did not check against each other)."""
+    kgw.create_topic("lies", 1)
+    with socket.create_connection((HOST, kgw.kafka_port)) as s:
+        with pytest.raises(ConnectionError):
+            produce_raw(s, 1, "lies", lying_batches()[lie])
+        assert closed(s)
+    with socket.create_connection((HOST, kgw.kafka_port)) as s:  # the gateway goes on
+        r = produce_raw(s, 2, "lies", bytes(batch_of(2)))
+        assert (r.error_code, r.base_offset) == (Err.NONE, 0)
+    address = kgw.pmap.get("lies", 0).address
+    assert kgw.db.fetch("lies", address, 0, 10) == (0, [b"x", b"x"])
+
+
+def test_each_batch_is_one_block_kept_as_sent(kgw: KafkaGateway) -> None:
+    kgw.create_topic("kept", 1)
+    sent = [bytes(batch_of(3)), bytes(batch_of(2))]
+    with socket.create_connection((HOST, kgw.kafka_port)) as s:
+        assert [produce_raw(s, i, "kept", b).base_offset for i, b in enumerate(sent)] == [0, 3]
+    with kgw.db._read_txn() as (txn, dbs):
+        stored = [bytes(v) for _k, v in txn.cursor(db=dbs.blocks)]
+    assert [decode_header(v).codec for v in stored] == [CODEC_KAFKA, CODEC_KAFKA]
+    # The batch from its magic on (CRC, attributes, records) is the one sent; its offset is the block's.
+    assert [v[52 + 16:] for v in stored] == [b[16:] for b in sent]
+    assert [int.from_bytes(v[52:60], "big") for v in stored] == [0, 3]
+
+
+def test_records_go_on_the_mesh_only_to_readers_that_are_there(kgw: KafkaGateway, cfg: NodeConfig) -> None:
+    """Nobody reads the partition on the mesh: its blocks are not decoded, only its HEAD goes
+    out, and a consumer that comes later FETCHes every record.  A consumer that is there gets
+    the records live."""
+    ck_produce(kgw, "quiet", [(None, b"q%d" % i, None) for i in range(50)])
+    assert kgw.kafka_unpublished >= 1
+    with Consumer("quiet", cfg, offset_reset="earliest") as consumer:
+        got: list = []
+        deadline = time.monotonic() + 20
+        while len(got) < 50 and time.monotonic() < deadline:
+            got += consumer.poll_batch(100, 0.2)
+        assert [bytes(r.content) for r in got] == [b"q%d" % i for i in range(50)]
+        # Now a reader is there: the next records are sent to it live.
+        address = kgw.pmap.get("quiet", 0).address
+        header = wire.record_prefix(wire.RECORD, "quiet", address, "quiet")
+        wait_until(lambda: kgw.audience.readers(header) > 0, 10)
+        before = kgw.kafka_unpublished
+        ck_produce(kgw, "quiet", [(None, b"q%d" % i, None) for i in range(50, 60)])
+        deadline = time.monotonic() + 20
+        while len(got) < 60 and time.monotonic() < deadline:
+            got += consumer.poll_batch(100, 0.2)
+        assert [bytes(r.content) for r in got] == [b"q%d" % i for i in range(60)]
+        assert kgw.kafka_unpublished == before
+    with TankClient(HOST, kgw.tank_port) as t:
+        r = t.consume("quiet", 0, 0, 1 << 20)
+        assert [bytes(v) for _s, _ts, _k, v in r.messages][:3] == [b"q0", b"q1", b"q2"]

@@ -1,0 +1,103 @@
+"""RecordDB.append_blocks: ready-made blocks (a client's, as sent) stored whole, on real LMDB."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from kafka.record.default_records import DefaultRecordBatchBuilder
+
+from dafka.store.block import (
+    CODEC_KAFKA,
+    decode_header,
+    kafka_block,
+    records,
+    store_block,
+    tank_block,
+)
+from dafka.store.db import RecordDB
+from dafka.store.layout import VALUE_HEADER
+from dafka.tank.bundle import encode_bundle
+
+P = "0123456789ABCDEF0123456789ABCDEF"
+
+
+def kbatch(values: list[bytes], key: bytes | None = None, headers: list[tuple[str, bytes]] | None = None) -> bytes:
+    b = DefaultRecordBatchBuilder(2, 0, False, -1, -1, -1, 1 << 30)
+    now = int(time.time() * 1000)
+    for i, v in enumerate(values):
+        b.append(i, now + i, key, v, headers or [])
+    return bytes(b.build())
+
+
+def sblock(first: int, contents: list[bytes], ts: int = 1000) -> bytes:
+    values = [VALUE_HEADER.pack(ts, 0) + c for c in contents]
+    return store_block(first, values, sum(map(len, contents)))
+
+
+def test_blocks_of_every_codec_are_stored_whole_and_read_by_every_reader(tmp_path: Path) -> None:
+    with RecordDB(tmp_path / "db") as db:
+        kb = kafka_block(kbatch([b"a", b"b", b"c"], key=b"K" * 600, headers=[("h", b"H" * 2000)]), 0)
+        heads = db.append_blocks([("t", P, kb), ("t", P, sblock(3, [b"d", b"e"]))])
+        assert heads == {("t", P): 4}
+        tb = tank_block(encode_bundle([(0, int(time.time() * 1000), None, b"f")]), 5)
+        assert db.append_blocks([("t", P, tb)]) == {("t", P): 5}
+        info = db.info("t", P)
+        assert info is not None and (info.first, info.last, info.count) == (0, 5, 6)
+        assert db.fetch("t", P, 0, 10) == (0, [b"a", b"b", b"c", b"d", b"e", b"f"])
+        assert db.fetch("t", P, 1, 1) == (1, [b"b"])
+        # The Kafka block is kept byte for byte: its key and headers too.
+        with db._read_txn() as (txn, dbs):
+            stored = bytes(txn.get(b"\x00\x00\x00\x00" + (0).to_bytes(8, "big"), db=dbs.blocks))
+        assert stored == kb and decode_header(stored).codec == CODEC_KAFKA
+        rec = next(records(stored))
+        assert rec.key == b"K" * 600 and len(rec.headers or b"") > 2000
+
+
+def test_a_block_overlapping_the_head_or_leaving_a_gap_refuses_only_its_partition(tmp_path: Path) -> None:
+    with RecordDB(tmp_path / "db") as db:
+        db.append_blocks([("t", P, sblock(0, [b"a", b"b"])), ("u", P, sblock(0, [b"x"]))])
+        rejected: dict[tuple[str, str], str] = {}
+        heads = db.append_blocks(
+            [("t", P, sblock(1, [b"B", b"c"])), ("u", P, sblock(1, [b"y"]))], rejected=rejected
+        )
+        assert heads == {("u", P): 1} and "overlaps" in rejected[("t", P)]
+        rejected.clear()
+        heads = db.append_blocks([("t", P, sblock(5, [b"f"]))], rejected=rejected)
+        assert heads == {} and "gap" in rejected[("t", P)]
+        with pytest.raises(ValueError, match="gap"):
+            db.append_blocks([("t", P, sblock(5, [b"f"]))])
+        # Given up offsets (skips) make the gap a recorded hole.
+        assert db.append_blocks([("t", P, sblock(5, [b"f"]))], skips=[("t", P, 2, 4)]) == {("t", P): 5}
+        assert [(h.first, h.last) for h in db.holes()] == [(2, 4)]
+        assert db.fetch("t", P, 0, 10) == (0, [b"a", b"b"]) and db.fetch("t", P, 2, 10) == (5, [b"f"])
+        assert db.fetch("u", P, 0, 10) == (0, [b"x", b"y"])
+
+
+def test_a_block_sent_again_is_a_duplicate_and_not_a_block_refuses_its_partition(tmp_path: Path) -> None:
+    with RecordDB(tmp_path / "db") as db:
+        first = sblock(0, [b"a", b"b"])
+        db.append_blocks([("t", P, first)])
+        assert db.append_blocks([("t", P, first), ("t", P, sblock(2, [b"c"]))]) == {("t", P): 2}
+        assert db.duplicates == 2
+        rejected: dict[tuple[str, str], str] = {}
+        for junk in (b"", b"DB" + bytes(60), first[:-1], b"x" * 100):
+            assert db.append_blocks([("t", P, junk)], rejected=rejected) == {}
+            assert "not a block" in rejected[("t", P)]
+        assert db.fetch("t", P, 0, 10) == (0, [b"a", b"b", b"c"])
+        info = db.info("t", P)
+        assert info is not None and (info.count, info.last) == (3, 2)
+
+
+def test_blocks_commit_with_records_of_the_same_partition_in_offset_order(tmp_path: Path) -> None:
+    with RecordDB(tmp_path / "db") as db:
+        # Blocks given out of order in one call are put in offset order, after the records.
+        heads = db.append(
+            [("t", P, 0, b"r0", 1000), ("t", P, 1, b"r1", 1000)],
+            blocks=[("t", P, sblock(4, [b"e"])), ("t", P, sblock(2, [b"c", b"d"]))],
+        )
+        assert heads == {("t", P): 4}
+        assert db.fetch("t", P, 0, 10) == (0, [b"r0", b"r1", b"c", b"d", b"e"])
+        info = db.info("t", P)
+        assert info is not None and info.count == 5 and info.bytes == 7
