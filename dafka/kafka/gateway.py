@@ -64,6 +64,8 @@ from dafka.kafka.records import (
     encode_batch,
     log_append_time,
     store_pairs,
+    txn_count,
+    txn_encode,
 )
 from dafka.kafka.serving import KafkaServer
 from dafka.kafka.txn import TxnLog
@@ -202,6 +204,13 @@ class KafkaGateway(Gateway):
 
     def fetch_raw(self, topic: str, address: str, offset: int, count: int) -> tuple[int, list[bytes]]:
         return self.db.fetch_raw(topic, address, offset, count)
+
+    def fetch_txn_batches(self, topic: str, address: str, offset: int, limit: int, upto: int) -> tuple[int, list[bytes]]:
+        """:meth:`fetch_batches` of a partition written by transactions, none starting past
+        ``upto``: control records as control batches (:func:`~dafka.kafka.records.txn_encode`)."""
+        _start, nxt, batches = self.db.fetch_kafka(topic, address, offset, limit, txn_encode, txn_count,
+                                                   upto=upto)
+        return nxt, batches
 
     def fetch_batches(
         self, topic: str, address: str, offset: int, limit: int, exact: bool = False

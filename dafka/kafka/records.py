@@ -44,7 +44,7 @@ from dafka.kafka._codec import kafka_values as kafka_values
 from dafka.kafka._codec import store_pairs as store_pairs
 from dafka.kafka._codec import walk_records as walk_records
 from dafka.store.block import HEADER_SIZE, KafkaScan, scan_kafka
-from dafka.store.layout import FLAG_KAFKA, FLAG_NULL
+from dafka.store.layout import FLAG_CONTROL, FLAG_KAFKA, FLAG_NULL
 
 __all__ = [
     "CODEC_GZIP",
@@ -465,3 +465,51 @@ def empty_batch(base: int, last: int) -> bytes:
     a reader moves past them.  For a read_committed answer whose records were all aborted."""
     tail = struct.pack(">hiqqqhii", 0, last - base, 0, 0, -1, -1, -1, 0)
     return struct.pack(">qiibI", base, 9 + len(tail), -1, 2, crc32c(tail)) + tail
+
+
+def txn_encode(base: int, values: list[bytes], limit: int) -> bytes:
+    """Stored values of a partition written by transactions as Kafka batches: each control
+    record (FLAG_CONTROL) a control batch of its own, the runs between them one batch each
+    (``limit`` bytes about, one record at least: the encoder of stored values otherwise)."""
+    out: list[bytes] = []
+    size = 0
+    i, n = 0, len(values)
+    while i < n:
+        if values[i][8] & FLAG_CONTROL:
+            b = control_batch(base + i, values[i])
+            i += 1
+        else:
+            j = i + 1
+            while j < n and not values[j][8] & FLAG_CONTROL:
+                j += 1
+            b = encode_batch(base + i, values[i:j], max(1, limit - size))
+            i += batch_record_count(b)
+            if i < j:  # the rest of the run did not fit
+                out.append(b)
+                break
+        out.append(b)
+        size += len(b)
+        if size >= limit:
+            break
+    return b"".join(out)
+
+
+def batch_spans(data: bytes) -> list[tuple[int, int, int, int]]:
+    """``(start, stop, base offset, last offset)`` of each v2 batch in ``data`` (batches back
+    to back, as a fetch's record set)."""
+    out = []
+    pos, end = 0, len(data)
+    while pos + 61 <= end:
+        base, length = struct.unpack_from(">qi", data, pos)
+        stop = pos + 12 + length
+        last_delta = _I32.unpack_from(data, pos + 23)[0]
+        out.append((pos, stop, base, base + last_delta))
+        pos = stop
+    return out
+
+
+def txn_count(data: bytes) -> int:
+    """Records of the batches :func:`txn_encode` made (its offsets: it leaves no gap)."""
+    spans = batch_spans(data)
+    return spans[-1][3] - spans[0][2] + 1 if spans else 0
+

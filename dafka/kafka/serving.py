@@ -60,15 +60,13 @@ from dafka.kafka.records import (
     MAX_DECOMPRESSED,
     Batch,
     TooManyRecords,
-    batch_record_count,
-    control_batch,
+    batch_spans,
     empty_batch,
-    encode_batch,
     split_batches,
 )
 from dafka.kafka.txn import TxnCoordinator
 from dafka.kafka.txn_api import TxnHandlers
-from dafka.store.layout import FLAG_CONTROL, MAX_NAME, MAX_OFFSET
+from dafka.store.layout import MAX_NAME, MAX_OFFSET
 from dafka.tank.mapping import (
     PARTITIONS_TOPIC,
     PartitionMap,
@@ -119,6 +117,7 @@ class Backend(Protocol):
     def fetch_batches(
         self, topic: str, address: str, offset: int, limit: int, exact: bool = False
     ) -> tuple[int, list[bytes]]: ...
+    def fetch_txn_batches(self, topic: str, address: str, offset: int, limit: int, upto: int) -> tuple[int, list[bytes]]: ...
     def create_topic(self, name: str, partitions: int, sync: bool = True) -> bool: ...
     def sync_topics(self) -> None: ...
     def append(self, part: TankPartition, batch: Batch) -> tuple[int, int]: ...
@@ -750,67 +749,46 @@ class KafkaServer(AdminHandlers, TxnHandlers):
 
     def _read_txn(self, part: TankPartition, off: int, end: int, limit: int, committed: bool) -> bytes | None:
         """A partition written by transactions, from ``off`` up to ``end`` (the last stable
-        offset for read_committed): its control records as control batches (every client
-        skips them, and moves past them), and for read_committed no aborted record at all
-        (left out here, so any client drops them; the answer's aborted-transactions list is
-        empty).  If every record read was aborted and no marker came, an empty batch spans
-        them, so the reader moves on.  Not read ahead."""
+        offset for read_committed): batches stored as sent go whole (a transaction's with
+        its producer id and transactional flag), control records as control batches (every
+        client skips them, and moves past them), and for read_committed no aborted batch at
+        all (left out here, so any client drops them; the answer's aborted-transactions list
+        is empty: a transaction's offset ranges are whole stored batches).  If every batch
+        read was aborted and no marker came, an empty batch spans them, so the reader moves
+        on.  Not read ahead."""
         key = (part.topic, part.address)
         out: list[bytes] = []
         size = 0
         pos = off
         for _ in range(TXN_READS):
-            count = min(MAX_FETCH_RECORDS, end - pos, max(1, limit // 16))
-            if count <= 0:
+            if pos >= end:
                 break
             try:
-                first, values = self.backend.fetch_raw(part.topic, part.address, pos, count)
+                nxt, parts = self.backend.fetch_txn_batches(part.topic, part.address, pos, max(1, limit - size),
+                                                            end - 1)
+            except ValueError as exc:  # a stored value that does not parse
+                self._limited.emit(logging.ERROR, "serve-failed", "cannot serve %s from offset %d to a Kafka"
+                                   " fetch: %s", shown(part.topic), pos, exc)
+                return None
             except Exception as exc:  # StorageError and LMDB errors
                 self._limited.emit(logging.ERROR, "read-failed", "cannot read %s for a Kafka fetch: %s",
                                    shown(part.topic), exc)
                 return None
-            n = len(values)
-            if not n:
+            if not parts or nxt <= pos:
                 break
-            aborted = self.txn.aborted_between(key, first, first + n - 1) if committed else []
-            ab = 0  # the next aborted range that may hold an offset at or after i
-            i = 0
-            full = False
-            try:
-                while i < n:
-                    o = first + i
-                    v = values[i]
-                    if v[8] & FLAG_CONTROL:
-                        batch = control_batch(o, v)
-                        out.append(batch)
-                        size += len(batch)
-                        i += 1
-                        if size >= limit:
-                            full = True
-                            break
-                        continue
-                    while ab < len(aborted) and aborted[ab][1] < o:
-                        ab += 1
-                    if ab < len(aborted) and aborted[ab][0] <= o:
-                        i = min(n, aborted[ab][1] - first + 1)  # aborted: left out
-                        continue
-                    stop = min(n, aborted[ab][0] - first) if ab < len(aborted) else n
-                    j = i + 1
-                    while j < stop and not values[j][8] & FLAG_CONTROL:
-                        j += 1
-                    batch = encode_batch(o, values[i:j], max(1, limit - size))
-                    out.append(batch)
-                    size += len(batch)
-                    if batch_record_count(batch) < j - i or size >= limit:
-                        full = True
-                        break
-                    i = j
-            except (ValueError, IndexError) as exc:  # a stored value that does not parse
-                self._limited.emit(logging.ERROR, "serve-failed", "cannot serve %s from offset %d to a Kafka"
-                                   " fetch: %s", shown(part.topic), first, exc)
-                return None
-            pos = first + n
-            if full or out:
+            aborted = self.txn.aborted_between(key, pos, nxt - 1) if committed else []
+            for data in parts:
+                if not aborted:
+                    out.append(data)
+                    size += len(data)
+                    continue
+                for start, stop, base, _last in batch_spans(data):
+                    if any(a <= base <= b for a, b in aborted):
+                        continue  # an aborted transaction's batch: left out
+                    out.append(data[start:stop])
+                    size += stop - start
+            pos = nxt
+            if out or size >= limit:
                 break
         if not out and pos > off:
             out.append(empty_batch(off, pos - 1))

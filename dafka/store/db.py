@@ -1413,10 +1413,12 @@ class RecordDB:
     def fetch_kafka(
         self, topic: str, partition: str, offset: int, limit: int,
         encode: Callable[[int, list[bytes], int], bytes], count: Callable[[bytes], int], exact: bool = False,
+        upto: int | None = None,
     ) -> tuple[int, int, list[bytes]]:
         """Kafka record batches from ``max(offset, first)``, in one read transaction:
         ``(start, next offset, batches)`` (:func:`dafka.store.reader.kafka_batches`: a
-        Kafka block whole as stored, others encoded with ``encode``), about ``limit`` bytes."""
+        Kafka block whole as stored, others encoded with ``encode``), about ``limit`` bytes;
+        none starting past ``upto`` when given (a Kafka last stable offset - 1)."""
         pkey = self._pkey(topic, partition)
         with self._read_txn(buffers=True) as (txn, dbs):
             raw = txn.get(pkey, db=dbs.partitions)
@@ -1424,6 +1426,8 @@ class RecordDB:
                 return offset, offset, []
             pid, first, last, _stored, _bytes = PARTITION_INFO.unpack(raw)
             start = offset if offset > first else first
+            if upto is not None and upto < last:
+                last = upto
             if start > last:
                 return start, start, []
             nxt, batches = kafka_batches(txn.cursor(db=dbs.blocks), pid, start, last, limit, encode, count, exact)

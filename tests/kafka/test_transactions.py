@@ -445,3 +445,30 @@ def test_read_committed_readers_move_past_a_long_aborted_run_with_small_fetches(
         assert [(m.offset, m.value) for m in k] == [(3001, b"after")]
     finally:
         k.close()
+
+
+def test_transactional_batches_keep_large_keys_and_headers(gateway: str) -> None:
+    """A transaction's batches are stored as sent and served whole: a 600-byte key and 300
+    bytes of headers come back exact to read_committed readers (not through the store's
+    255-byte key slot)."""
+    create(gateway, "tx-big")
+    p = txn_producer(gateway, "big")
+    p.begin_transaction()
+    p.produce("tx-big", b"v", key=b"k" * 600, headers=[("h", b"x" * 300)])
+    p.commit_transaction(30)
+    c = CKConsumer({"bootstrap.servers": gateway, "group.id": "big", "isolation.level": "read_committed"})
+    try:
+        c.assign([TopicPartition("tx-big", 0, 0)])
+        m = wait_until(lambda: (lambda m: m if m is not None and not m.error() else None)(c.poll(0.2)), 20, 0)
+        assert (m.key(), m.value(), m.headers()) == (b"k" * 600, b"v", [("h", b"x" * 300)])
+    finally:
+        c.close()
+    k = KafkaConsumer(bootstrap_servers=gateway, isolation_level="read_committed", consumer_timeout_ms=3000)
+    try:
+        tp = KTopicPartition("tx-big", 0)
+        k.assign([tp])
+        k.seek(tp, 0)
+        got = [(m.key, m.value, m.headers) for m in k]
+        assert got == [(b"k" * 600, b"v", [("h", b"x" * 300)])]
+    finally:
+        k.close()

@@ -319,3 +319,26 @@ def test_markers_lost_with_a_refused_partition_are_asked_for_again():
     c.clip(("other", "x"), 0)  # never written by a transaction: nothing journalled
     assert not any(r["key"] == ["other", "x"] for r in c.take_journal() if r["op"] == "clip")
 
+
+
+def test_txn_encode_makes_control_batches_of_markers_and_counts_without_gaps():
+    import struct
+
+    from dafka.kafka.records import MARKER_SLOT, batch_spans, decode_batches, txn_count, txn_encode
+
+    def plain(v: bytes) -> bytes:
+        return struct.pack(">QB", 1000, 0) + v
+
+    marker = struct.pack(">QB", 1000, 0x11) + bytes((MARKER_SLOT.size,)) + MARKER_SLOT.pack(42, 3, 0)
+    values = [plain(b"a"), plain(b"b"), marker, plain(b"c"), marker]
+    data = txn_encode(10, values, 1 << 20)
+    batches = decode_batches(data)
+    assert [(b.base_offset, b.control, b.producer_id) for b in batches] == [
+        (10, False, -1), (12, True, 42), (13, False, -1), (14, True, 42)]
+    assert [r.value for b in batches if not b.control for r in b.records] == [b"a", b"b", b"c"]
+    assert batches[1].records[0].key == b"\x00\x00\x00\x00"  # version 0, type 0: abort
+    assert txn_count(data) == 5
+    assert [(s[2], s[3]) for s in batch_spans(data)] == [(10, 11), (12, 12), (13, 13), (14, 14)]
+    # A byte limit stops after the batch that reaches it (one record at least).
+    small = txn_encode(10, values, 1)
+    assert txn_count(small) == 1 and decode_batches(small)[0].records[0].value == b"a"
