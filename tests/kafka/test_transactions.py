@@ -17,7 +17,7 @@ from confluent_kafka import Consumer as CKConsumer
 from confluent_kafka import KafkaException, TopicPartition
 from confluent_kafka import Producer as CKProducer
 from confluent_kafka.admin import AdminClient, NewTopic
-from kafka import KafkaConsumer, KafkaProducer
+from kafka import KafkaConsumer, KafkaProducer, OffsetAndMetadata
 from kafka import TopicPartition as KTopicPartition
 
 from tests.conftest import dafka_cmd, subprocess_env, wait_until
@@ -176,6 +176,9 @@ def test_kafka_python_commits_and_aborts(gateway: str) -> None:
         p.begin_transaction()
         p.send("tx-kp", b"k0")
         p.send("tx-kp", b"k1")
+        # Offsets of a group (kafka-python's AddOffsetsToTxn and TxnOffsetCommit, v3): committed
+        # with the transaction.
+        p.send_offsets_to_transaction({KTopicPartition("tx-kp", 0): OffsetAndMetadata(2, "", -1)}, "kp-group")
         p.commit_transaction()
         p.begin_transaction()
         p.send("tx-kp", b"x0")
@@ -184,6 +187,11 @@ def test_kafka_python_commits_and_aborts(gateway: str) -> None:
     finally:
         p.close()
     assert kp_read(gateway, "tx-kp", "read_committed") == [(0, b"k0"), (1, b"k1")]
+    check = CKConsumer({"bootstrap.servers": gateway, "group.id": "kp-group"})
+    try:
+        assert check.committed([TopicPartition("tx-kp", 0)], timeout=10)[0].offset == 2
+    finally:
+        check.close()
     assert [v for _, _, v in ck_read(gateway, "tx-kp", "read_committed")] == [b"k0", b"k1"]
 
 
