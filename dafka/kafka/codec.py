@@ -78,10 +78,18 @@ from kafka.protocol.metadata import (
     MetadataResponse,
 )
 from kafka.protocol.producer import (
+    AddOffsetsToTxnRequest,
+    AddOffsetsToTxnResponse,
+    AddPartitionsToTxnRequest,
+    AddPartitionsToTxnResponse,
+    EndTxnRequest,
+    EndTxnResponse,
     InitProducerIdRequest,
     InitProducerIdResponse,
     ProduceRequest,
     ProduceResponse,
+    TxnOffsetCommitRequest,
+    TxnOffsetCommitResponse,
 )
 
 from dafka.errors import ProtocolError
@@ -141,6 +149,11 @@ class Err:
     OUT_OF_ORDER_SEQUENCE_NUMBER = 45
     DUPLICATE_SEQUENCE_NUMBER = 46
     INVALID_PRODUCER_EPOCH = 47
+    INVALID_TXN_STATE = 48
+    INVALID_PRODUCER_ID_MAPPING = 49
+    INVALID_TRANSACTION_TIMEOUT = 50
+    CONCURRENT_TRANSACTIONS = 51
+    OPERATION_NOT_ATTEMPTED = 55
     KAFKA_STORAGE_ERROR = 56
     UNKNOWN_PRODUCER_ID = 59
     GROUP_ID_NOT_FOUND = 69
@@ -150,6 +163,7 @@ class Err:
     GROUP_SUBSCRIBED_TO_TOPIC = 86
     INVALID_RECORD = 87
     THROTTLING_QUOTA_EXCEEDED = 89
+    PRODUCER_FENCED = 90
 
 
 class ApiSpec(NamedTuple):
@@ -181,7 +195,11 @@ API: dict[int, ApiSpec] = {
         ApiSpec(19, 0, 6, CreateTopicsRequest, CreateTopicsResponse),
         ApiSpec(20, 0, 5, DeleteTopicsRequest, DeleteTopicsResponse),
         ApiSpec(21, 0, 2, DeleteRecordsRequest, DeleteRecordsResponse),
-        ApiSpec(22, 0, 2, InitProducerIdRequest, InitProducerIdResponse),
+        ApiSpec(22, 0, 4, InitProducerIdRequest, InitProducerIdResponse),
+        ApiSpec(24, 0, 3, AddPartitionsToTxnRequest, AddPartitionsToTxnResponse),
+        ApiSpec(25, 0, 3, AddOffsetsToTxnRequest, AddOffsetsToTxnResponse),
+        ApiSpec(26, 0, 3, EndTxnRequest, EndTxnResponse),
+        ApiSpec(28, 0, 3, TxnOffsetCommitRequest, TxnOffsetCommitResponse),
         ApiSpec(32, 0, 4, DescribeConfigsRequest, DescribeConfigsResponse),
         ApiSpec(33, 0, 2, AlterConfigsRequest, AlterConfigsResponse),
         ApiSpec(37, 0, 3, CreatePartitionsRequest, CreatePartitionsResponse),
@@ -348,10 +366,11 @@ def encode_fetch_response(
     """A whole Fetch response frame (versions 0-11, the non-flexible ones), written here.
 
     ``topics`` is ``[(name, [(partition, error code, high watermark, log
-    start offset, record set)])]``.  Each record set is copied once, into the
-    frame; the generic encoder would copy it several times (Fetch answers
-    carry megabytes).  No aborted transactions, last stable offset = high
-    watermark, no preferred read replica: what the gateway answers.
+    start offset, record set[, last stable offset])])]``.  Each record set is
+    copied once, into the frame; the generic encoder would copy it several
+    times (Fetch answers carry megabytes).  The last stable offset is the high
+    watermark unless given; no aborted transactions (a read_committed answer
+    leaves aborted records out itself), no preferred read replica.
     """
     return b"".join(encode_fetch_parts(correlation_id, version, topics))
 
@@ -380,10 +399,10 @@ def encode_fetch_parts(
         app(_I16.pack(len(raw)))
         app(raw)
         app(_I32.pack(len(partitions)))
-        for index, code, hwm, start, records in partitions:
+        for index, code, hwm, start, records, *lso in partitions:
             fields = [index, code, hwm]
             if version >= 4:
-                fields.append(hwm)  # last stable offset: no transactions
+                fields.append(lso[0] if lso else hwm)  # last stable offset
             if version >= 5:
                 fields.append(start)
             if version >= 4:

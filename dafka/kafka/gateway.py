@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import socket
+import struct
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ from dafka.gateway.connections import (
     unread_for,
 )
 from dafka.kafka.codec import DEFAULT_MAX_FRAME, FrameReader, decode_request
+from dafka.kafka.outcome import Data, ParkedFetch
 from dafka.kafka.records import (
     Batch,
     batch_record_count,
@@ -62,11 +64,15 @@ from dafka.kafka.records import (
     encode_batch,
     log_append_time,
     store_pairs,
+    txn_count,
+    txn_encode,
 )
-from dafka.kafka.serving import Data, KafkaServer, ParkedFetch
+from dafka.kafka.serving import KafkaServer
+from dafka.kafka.txn import TxnLog
 from dafka.nodes.node import new_address
 from dafka.store.block import kafka_block_of, store_block
-from dafka.store.db import Retention, RetentionPolicy
+from dafka.store.db import RecordDB, Retention, RetentionPolicy
+from dafka.store.layout import FLAG_CONTROL, FLAG_KEY, VALUE_HEADER
 from dafka.store.node import MAX_BATCH
 from dafka.store.writer import pack_records
 from dafka.tank.gateway import Gateway
@@ -77,6 +83,9 @@ log = logging.getLogger("dafka.kafka")
 DEFAULT_KAFKA_PORT = 9092
 #: Topic configs altered by Kafka clients (retention), in the database directory.
 CONFIGS_FILE = "kafka-configs.json"
+#: The transaction coordinator's journal, in the database directory.
+TXN_FILE = "kafka-transactions.journal"
+_MARKER = struct.Struct(">qhB")  # a control record's key slot: producer id, epoch, type
 RECV_SIZE = 256 << 10
 MAX_OUTPUT = 64 << 20
 DEFAULT_MAX_INFLIGHT = 256
@@ -157,7 +166,18 @@ class KafkaGateway(Gateway):
                 self, kafka_advertise, auto_create=kafka_auto_create,
                 default_partitions=kafka_default_partitions, **extra,
             )
-            super().__init__(db, config, **gateway_options)
+            # The journal is replayed before the store starts: its I/O thread recovers the
+            # transactions in on_start, at once.
+            rdb = db if isinstance(db, RecordDB) else RecordDB(db, sync=gateway_options.get("sync", True))
+            try:
+                self._txnlog = TxnLog(os.path.join(rdb.path, TXN_FILE))
+                self._txn_compact_at = TxnLog.COMPACT_LINES
+                self._load_transactions()
+            except BaseException:
+                if rdb is not db:
+                    rdb.close()
+                raise
+            super().__init__(rdb, config, **gateway_options)
             # The Tank port's limit holds for Kafka's CreateTopics too.
             self.kafka.max_partitions = min(self.kafka.max_partitions, self.limits.max_partitions_per_topic)
             self.kafka.max_records = self.limits.kafka_max_produce_records
@@ -184,6 +204,13 @@ class KafkaGateway(Gateway):
 
     def fetch_raw(self, topic: str, address: str, offset: int, count: int) -> tuple[int, list[bytes]]:
         return self.db.fetch_raw(topic, address, offset, count)
+
+    def fetch_txn_batches(self, topic: str, address: str, offset: int, limit: int, upto: int) -> tuple[int, list[bytes]]:
+        """:meth:`fetch_batches` of a partition written by transactions, none starting past
+        ``upto``: control records as control batches (:func:`~dafka.kafka.records.txn_encode`)."""
+        _start, nxt, batches = self.db.fetch_kafka(topic, address, offset, limit, txn_encode, txn_count,
+                                                   upto=upto)
+        return nxt, batches
 
     def fetch_batches(
         self, topic: str, address: str, offset: int, limit: int, exact: bool = False
@@ -298,6 +325,58 @@ class KafkaGateway(Gateway):
             return
         self._kretention = configs
         self._apply_retention()
+
+    # ---------------------------------------------------------------- Backend: transactions
+
+    def _load_transactions(self) -> None:
+        txn = self.kafka.txn
+        records = self._txnlog.load()
+        bad = 0
+        for rec in records:
+            try:
+                txn.apply(rec)
+            except (KeyError, TypeError, ValueError, IndexError) as exc:
+                bad += 1
+                if bad <= 3:
+                    log.error("%s: a record that does not apply, left out: %r (%s)", self._txnlog.path, rec, exc)
+        if records:
+            log.info("Kafka transactions: %d journal records replayed (%d transactional ids)",
+                     len(records), len(txn.txns))
+
+    def txn_log(self, records: list[dict[str, Any]]) -> None:
+        """Journal the coordinator's records, fsync'ed (raises OSError: the request fails, and
+        the coordinator goes back to the journal on disk: nothing it did not keep is acted on)."""
+        try:
+            self._txnlog.write(records)
+        except OSError as exc:
+            log.error("cannot write the Kafka transaction journal %s: %s; transactions go back to what"
+                      " it holds", self._txnlog.path, exc)
+            self._txnlog.close()
+            try:
+                self.kafka.txn.rebuild(self._txnlog.load(), time.monotonic())
+            except (OSError, KeyError, TypeError, ValueError, IndexError) as again:
+                log.error("cannot read back the Kafka transaction journal: %s", again)
+            raise
+        if self._txnlog.lines > self._txn_compact_at:
+            snap = self.kafka.txn.snapshot()
+            if len(snap) * 4 < self._txnlog.lines:
+                self._txnlog.rewrite(snap)
+            self._txn_compact_at = max(TxnLog.COMPACT_LINES, 4 * len(snap))
+
+    def next_offset(self, topic: str, address: str) -> int:
+        return self._next_offset.get((topic, address), 0)
+
+    def append_marker(self, key: tuple[str, str], pid: int, epoch: int, commit: bool) -> int:
+        """Queue a transaction's control record in an owned partition: its offset."""
+        topic, address = key
+        off = self._next_offset.get(key, 0)
+        slot = _MARKER.pack(pid, epoch, 1 if commit else 0)
+        value = VALUE_HEADER.pack(int(time.time() * 1000), FLAG_KEY | FLAG_CONTROL) + bytes((len(slot),)) + slot
+        block = store_block(off, [value], len(slot), checked=True)
+        self.queue_block(topic, address, block, 1)
+        self._kpublish.append((key, off, block))  # the mesh gets an empty content
+        self._next_offset[key] = off + 1
+        return off
 
     def add_partitions(self, topic: str, count: int) -> bool:
         """Give ``topic`` ``count`` more gateway-owned partitions (False: past max_owned_partitions)."""
@@ -431,12 +510,18 @@ class KafkaGateway(Gateway):
         for slot, needs in [(s, n) for s, n in self._kpending if refused & n.keys()]:
             # Not written: the client hears so (its connection closes; it retries).
             self._kclose(slot.conn, f"produce refused by the store: {rejected[next(iter(refused & needs.keys()))]}", True)
+        self._txn_refused(refused)
 
     # ---------------------------------------------------------------- store hooks
 
     def on_start(self) -> None:
         super().on_start()
         self.every(TICK_INTERVAL, self._kafka_tick)
+        try:
+            self.kafka.txn_recover(dict(self._heads), time.monotonic())
+        except OSError as exc:
+            log.error("cannot journal the recovery of Kafka transactions: %s", exc)
+        self._flush_batch()
 
     def sockets(self) -> list[tuple[Any, Any]]:
         return [*super().sockets(), (self.kafka_listener, self._kafka_accept)]
@@ -449,6 +534,11 @@ class KafkaGateway(Gateway):
             self._publish_blocks(done)
         super().on_commit(heads)
         committed = self._heads
+        if self.kafka.txn.active:
+            try:
+                self.kafka.txn_committed(committed)
+            except OSError as exc:
+                log.error("cannot journal completed Kafka transactions: %s", exc)
         if self._kpending:
             still = []
             touched = set()
@@ -469,8 +559,21 @@ class KafkaGateway(Gateway):
                 self._set_kreading(conn)
                 self._kprocess(conn)
 
+    def _txn_refused(self, rejected: set[tuple[str, str]]) -> None:
+        # Offsets a transaction journalled there will be given again: its ranges stop at the head.
+        txn = self.kafka.txn
+        for key in rejected:
+            txn.clip(key, self._heads.get(key, -1))
+        try:
+            self.kafka._txn_flush()
+            for plan in txn.lost_markers():  # markers of ending transactions, lost with the rest
+                self.kafka.run_plan(plan, recovering=True)
+        except OSError as exc:
+            log.error("cannot journal Kafka transactions: %s", exc)
+
     def on_shutdown(self) -> None:
         super().on_shutdown()
+        self._txnlog.close()
         for conn in list(self._kconns.values()):
             self._kflush(conn)
             self._kclose(conn, None)
@@ -496,6 +599,8 @@ class KafkaGateway(Gateway):
         if self._kparked:
             self._retry_parked(None, timed_out=True, now=mono)
         self.kafka.tick(mono)
+        if self._batch:  # markers of transactions the tick aborted (timeouts): committed soon
+            self._flush_batch()
         self._send_released()
 
     def _retry_parked(self, keys: set[tuple[str, str]] | None, timed_out: bool, now: float = 0.0) -> None:
@@ -788,6 +893,7 @@ class KafkaGateway(Gateway):
         self._kparked = [(s, p) for s, p in self._kparked if s.conn is not conn]
         self._kpending = [(s, n) for s, n in self._kpending if s.conn is not conn]
         self.kafka.coordinator.forget_token(conn)
+        self.kafka.forget_connection(conn)
         self.unwatch(conn.sock)
         close_quietly(conn.sock)
         if bad:

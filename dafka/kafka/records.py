@@ -44,7 +44,7 @@ from dafka.kafka._codec import kafka_values as kafka_values
 from dafka.kafka._codec import store_pairs as store_pairs
 from dafka.kafka._codec import walk_records as walk_records
 from dafka.store.block import HEADER_SIZE, KafkaScan, scan_kafka
-from dafka.store.layout import FLAG_KAFKA, FLAG_NULL
+from dafka.store.layout import FLAG_CONTROL, FLAG_KAFKA, FLAG_NULL
 
 __all__ = [
     "CODEC_GZIP",
@@ -436,3 +436,80 @@ def split_ext(ext: bytes) -> tuple[bytes, bytes]:
 def batch_record_count(batch: bytes) -> int:
     """How many records an encoded batch holds (its header's count)."""
     return BATCH_HEADER.unpack_from(batch)[12]
+
+
+#: A stored control record's key slot (see :data:`dafka.store.layout.FLAG_CONTROL`).
+MARKER_SLOT = struct.Struct(">qhB")
+_CONTROL_KEY = struct.Struct(">hh")  # version 0, type (0 abort, 1 commit)
+_CONTROL_VALUE = struct.Struct(">hi")  # version 0, coordinator epoch
+
+
+def control_batch(offset: int, value: bytes) -> bytes:
+    """The control batch (a transaction marker) of a stored control record at ``offset``:
+    attributes transactional and control, the marker's producer id and epoch, one record
+    whose key is ``version:i16 type:i16`` and value ``version:i16 coordinatorEpoch:i32``."""
+    ts = max(_I64.unpack_from(value, 0)[0], 0)
+    klen = value[9]
+    pid, epoch, kind = MARKER_SLOT.unpack_from(value, 10) if klen == MARKER_SLOT.size else (-1, -1, 0)
+    key = _CONTROL_KEY.pack(0, kind)
+    val = _CONTROL_VALUE.pack(0, 0)
+    body = b"\x00" + _zz(0) + _zz(0) + _zz(len(key)) + key + _zz(len(val)) + val + b"\x00"
+    record = _zz(len(body)) + body
+    attrs = ATTR_TRANSACTIONAL | ATTR_CONTROL
+    tail = struct.pack(">hiqqqhii", attrs, 0, ts, ts, pid, epoch, -1, 1) + record
+    return struct.pack(">qiibI", offset, 9 + len(tail), -1, 2, crc32c(tail)) + tail
+
+
+def empty_batch(base: int, last: int) -> bytes:
+    """A v2 batch of no records spanning offsets ``base..last`` (as Kafka's compaction leaves):
+    a reader moves past them.  For a read_committed answer whose records were all aborted."""
+    tail = struct.pack(">hiqqqhii", 0, last - base, 0, 0, -1, -1, -1, 0)
+    return struct.pack(">qiibI", base, 9 + len(tail), -1, 2, crc32c(tail)) + tail
+
+
+def txn_encode(base: int, values: list[bytes], limit: int) -> bytes:
+    """Stored values of a partition written by transactions as Kafka batches: each control
+    record (FLAG_CONTROL) a control batch of its own, the runs between them one batch each
+    (``limit`` bytes about, one record at least: the encoder of stored values otherwise)."""
+    out: list[bytes] = []
+    size = 0
+    i, n = 0, len(values)
+    while i < n:
+        if values[i][8] & FLAG_CONTROL:
+            b = control_batch(base + i, values[i])
+            i += 1
+        else:
+            j = i + 1
+            while j < n and not values[j][8] & FLAG_CONTROL:
+                j += 1
+            b = encode_batch(base + i, values[i:j], max(1, limit - size))
+            i += batch_record_count(b)
+            if i < j:  # the rest of the run did not fit
+                out.append(b)
+                break
+        out.append(b)
+        size += len(b)
+        if size >= limit:
+            break
+    return b"".join(out)
+
+
+def batch_spans(data: bytes) -> list[tuple[int, int, int, int]]:
+    """``(start, stop, base offset, last offset)`` of each v2 batch in ``data`` (batches back
+    to back, as a fetch's record set)."""
+    out = []
+    pos, end = 0, len(data)
+    while pos + 61 <= end:
+        base, length = struct.unpack_from(">qi", data, pos)
+        stop = pos + 12 + length
+        last_delta = _I32.unpack_from(data, pos + 23)[0]
+        out.append((pos, stop, base, base + last_delta))
+        pos = stop
+    return out
+
+
+def txn_count(data: bytes) -> int:
+    """Records of the batches :func:`txn_encode` made (its offsets: it leaves no gap)."""
+    spans = batch_spans(data)
+    return spans[-1][3] - spans[0][2] + 1 if spans else 0
+

@@ -55,12 +55,17 @@ from dafka.gateway.connections import LogLimiter
 from dafka.kafka.admin import MAX_ADMIN_ITEMS, RETENTION_KEYS, AdminHandlers, parse_retention
 from dafka.kafka.codec import API_VERSIONS, Err, N, api_keys, encode_fetch_parts, encode_response
 from dafka.kafka.groups import Answer, Coordinator
+from dafka.kafka.outcome import Outcome, ParkedFetch
 from dafka.kafka.records import (
     MAX_DECOMPRESSED,
     Batch,
     TooManyRecords,
+    batch_spans,
+    empty_batch,
     split_batches,
 )
+from dafka.kafka.txn import TxnCoordinator
+from dafka.kafka.txn_api import TxnHandlers
 from dafka.store.layout import MAX_NAME, MAX_OFFSET
 from dafka.tank.mapping import (
     PARTITIONS_TOPIC,
@@ -88,6 +93,9 @@ DEFAULT_FETCH_CAP = 16 << 20  # bytes of records in one Fetch answer, whatever t
 DEFAULT_PARTITION_CAP = 8 << 20  # ... and in one partition of it
 MAX_FETCH_RECORDS = 65_536  # records read for one partition of one answer
 MAX_CREATE_PARTITIONS = 10_000
+#: Reads of one partition of a read_committed answer while every record read was aborted.
+TXN_READS = 16
+TXN_PRUNE_INTERVAL = 10.0  # seconds between looks for aborted ranges retention passed
 AHEAD_BYTES = 64 << 20  # batches encoded ahead of the fetches that will want them, in all
 MAX_AHEAD_PARTITIONS = 1024
 COLD_READ_BYTES = 1 << 20  # at most this much in an answer not encoded ahead (Kafka's default max.partition.fetch.bytes)
@@ -96,8 +104,6 @@ AHEAD_SECONDS = 5.0  # a batch encoded ahead and not asked for within this is dr
 MAX_REQUEST_INFLATED = 4 * MAX_DECOMPRESSED
 #: Records one produce request may carry, over all its partitions (the gateway sets its limit).
 MAX_REQUEST_RECORDS = 500_000
-#: An encoded answer: one byte string, or several to send back to back (a fetch's).
-Data = bytes | list[bytes]
 
 
 class Backend(Protocol):
@@ -111,6 +117,7 @@ class Backend(Protocol):
     def fetch_batches(
         self, topic: str, address: str, offset: int, limit: int, exact: bool = False
     ) -> tuple[int, list[bytes]]: ...
+    def fetch_txn_batches(self, topic: str, address: str, offset: int, limit: int, upto: int) -> tuple[int, list[bytes]]: ...
     def create_topic(self, name: str, partitions: int, sync: bool = True) -> bool: ...
     def sync_topics(self) -> None: ...
     def append(self, part: TankPartition, batch: Batch) -> tuple[int, int]: ...
@@ -129,32 +136,10 @@ class Backend(Protocol):
     def delete_front(self, topic: str, address: str, before: int, max_records: int) -> tuple[int, bool]: ...
     def delete_positions(self, group: str, keys: list[tuple[str, str]] | None) -> int: ...
     def position_groups(self, limit: int) -> list[str]: ...
-
-
-@dataclass(slots=True)
-class Outcome:
-    """What to do with a request's answer.
-
-    ``data`` is the encoded answer, sent at once unless ``needs`` (committed
-    head each partition must reach first) or ``park`` (a fetch to retry) is
-    set; ``data`` None with neither: no answer (acks 0), or one that comes
-    later from the group coordinator.  A fetch's answer is a list of byte
-    strings to send back to back (its record sets are not copied into one).
-    """
-
-    data: Data | None = None
-    needs: dict[tuple[str, str], int] | None = None
-    park: ParkedFetch | None = None
-
-
-@dataclass(slots=True)
-class ParkedFetch:
-    correlation_id: int
-    version: int
-    request: Any
-    deadline: float  # monotonic seconds
-    keys: list[tuple[str, str]]
-    min_bytes: int
+    # transactions (dafka.kafka.txn_api)
+    def txn_log(self, records: list[dict[str, Any]]) -> None: ...
+    def next_offset(self, topic: str, address: str) -> int: ...
+    def append_marker(self, key: tuple[str, str], pid: int, epoch: int, commit: bool) -> int: ...
 
 
 @dataclass(slots=True)
@@ -183,7 +168,7 @@ def metadata_cost(name: str, partitions: int) -> int:
     return 16 + len(name) * 4 + partitions * 40
 
 
-class KafkaServer(AdminHandlers):
+class KafkaServer(AdminHandlers, TxnHandlers):
     """The gateway's Kafka brain: one per gateway, fed by the shell (the admin requests'
     handlers are :class:`~dafka.kafka.admin.AdminHandlers`)."""
 
@@ -215,6 +200,10 @@ class KafkaServer(AdminHandlers):
         self.max_metadata_bytes = MAX_METADATA_BYTES
         self.max_producers = MAX_PRODUCERS
         self.coordinator = Coordinator()
+        #: Transactions (KIP-98); the gateway replays its journal into it at start.
+        self.txn = TxnCoordinator()
+        self._conn_tids: dict[Any, set[str]] = {}  # transactional ids initialised per connection
+        self._txn_pruned = 0.0
         #: Producer ids this gateway gave out, least recently used first.
         self._producers: OrderedDict[int, _ProducerState] = OrderedDict()
         #: Ids it did not give (a producer from before a restart, or made up), in a pool of their
@@ -380,8 +369,7 @@ class KafkaServer(AdminHandlers):
 
     def _init_producer_id(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
         if req.transactional_id is not None:
-            # Transactions are not supported.
-            return self._reply(corr, 22, v, throttle_time_ms=0, error_code=Err.INVALID_REQUEST, producer_id=-1, producer_epoch=-1)
+            return self._init_transactional(token, v, corr, req, now)
         pid = secrets.randbits(63)  # unguessable: another client's id cannot be used or fenced
         while pid in self._producers:
             pid = secrets.randbits(63)
@@ -390,13 +378,16 @@ class KafkaServer(AdminHandlers):
             self._forget(self._producers)
         return self._reply(corr, 22, v, throttle_time_ms=0, error_code=0, producer_id=pid, producer_epoch=0)
 
+    def _new_producer_state(self, epoch: int) -> _ProducerState:
+        return _ProducerState(epoch)
+
     # ---------------------------------------------------------------- Produce
 
     def _produce(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome:
         if req.acks not in (0, 1, -1):
             return self._produce_all_failed(corr, v, req, Err.INVALID_REQUIRED_ACKS)
-        if v >= 3 and req.transactional_id is not None:
-            return self._produce_all_failed(corr, v, req, Err.INVALID_REQUEST)
+        if v >= 3 and req.transactional_id is not None and req.transactional_id not in self.txn.txns:
+            return self._produce_all_failed(corr, v, req, Err.INVALID_PRODUCER_ID_MAPPING)
         pmap = self.backend.pmap
         # Decode everything first: a malformed batch closes the connection
         # before anything of the request is written.
@@ -466,8 +457,12 @@ class KafkaServer(AdminHandlers):
         base = -1
         limit = self.max_record_bytes
         for b in batches:
-            if b.transactional or b.control:
+            if b.control:  # markers are the coordinator's to write
                 return Err.INVALID_REQUEST, -1
+            if b.transactional:
+                code = self.txn.check_produce(b.producer_id, b.producer_epoch, key)
+                if code != Err.NONE:
+                    return code, -1
             if b.scan is None and b.max_slot > MAX_NAME:
                 # A legacy message's key the store's key slot cannot hold (v2 batches are kept
                 # as sent: keys and headers of any size).
@@ -493,6 +488,11 @@ class KafkaServer(AdminHandlers):
                     return -dup, -1
                 base = dup if base < 0 else base
                 continue
+            if b.transactional:
+                # Journalled (fsync'ed) before the records are queued: a restart knows them.
+                nxt = self.backend.next_offset(*key)
+                self.txn.appending(b.producer_id, key, nxt, nxt + b.record_count - 1)
+                self._txn_flush()
             first, last = self.backend.append(part, b)
             if b.producer_id >= 0:
                 self._remember(b, key, first)
@@ -610,6 +610,8 @@ class KafkaServer(AdminHandlers):
                     offset = start
                 elif p.timestamp in (-1, -3):  # latest; -3: max timestamp (approximated by the end)
                     offset = hwm
+                    if v >= 2 and req.isolation_level == 1 and p.timestamp == -1:
+                        offset = self.txn.lso((part.topic, part.address), hwm)
                 else:
                     offset, ts = self._offset_for_time(part, start, hwm, p.timestamp)
                 out.append(N(partition_index=p.partition_index, error_code=0,
@@ -668,6 +670,8 @@ class KafkaServer(AdminHandlers):
         waiting: list[tuple[str, str]] = []
         faulted = False
         topics = []
+        committed = v >= 4 and req.isolation_level == 1
+        touched = self.txn.touched
         for t in req.topics:
             parts = self._partitions_of(t.topic)
             out = []
@@ -688,9 +692,18 @@ class KafkaServer(AdminHandlers):
                     out.append((p.partition, Err.OFFSET_OUT_OF_RANGE, hwm, start, b""))
                     continue
                 records = b""  # an empty record set, never null: librdkafka refuses null
-                if off < hwm and (budget > 0 or size == 0):
+                key = (part.topic, part.address)
+                if key in touched:  # written by transactions: markers, a last stable offset
+                    lso = self.txn.lso(key, hwm)
+                    end = lso if committed else hwm
+                else:
+                    lso = end = hwm
+                if off < end and (budget > 0 or size == 0):
                     limit = max(1, min(p.partition_max_bytes, self.partition_cap, budget))
-                    read = self._read(part, off, hwm, limit, tight and budget < p.partition_max_bytes)
+                    if key in touched:
+                        read = self._read_txn(part, off, end, limit, committed)
+                    else:
+                        read = self._read(part, off, hwm, limit, tight and budget < p.partition_max_bytes)
                     if read is None:
                         faulted = True
                         out.append((p.partition, Err.KAFKA_STORAGE_ERROR, hwm, start, b""))
@@ -698,9 +711,9 @@ class KafkaServer(AdminHandlers):
                     records = read
                     size += len(records)
                     budget -= len(records)
-                elif off >= hwm:
-                    waiting.append((part.topic, part.address))
-                out.append((p.partition, 0, hwm, start, records))
+                elif off >= end:
+                    waiting.append(key)
+                out.append((p.partition, 0, hwm, start, records, lso))
             topics.append((t.topic, out))
         return encode_fetch_parts(corr, v, topics), size, waiting, faulted
 
@@ -733,6 +746,53 @@ class KafkaServer(AdminHandlers):
         if data:
             self._want_ahead(part, nxt, hwm, limit)
         return data
+
+    def _read_txn(self, part: TankPartition, off: int, end: int, limit: int, committed: bool) -> bytes | None:
+        """A partition written by transactions, from ``off`` up to ``end`` (the last stable
+        offset for read_committed): batches stored as sent go whole (a transaction's with
+        its producer id and transactional flag), control records as control batches (every
+        client skips them, and moves past them), and for read_committed no aborted batch at
+        all (left out here, so any client drops them; the answer's aborted-transactions list
+        is empty: a transaction's offset ranges are whole stored batches).  If every batch
+        read was aborted and no marker came, an empty batch spans them, so the reader moves
+        on.  Not read ahead."""
+        key = (part.topic, part.address)
+        out: list[bytes] = []
+        size = 0
+        pos = off
+        for _ in range(TXN_READS):
+            if pos >= end:
+                break
+            try:
+                nxt, parts = self.backend.fetch_txn_batches(part.topic, part.address, pos, max(1, limit - size),
+                                                            end - 1)
+            except ValueError as exc:  # a stored value that does not parse
+                self._limited.emit(logging.ERROR, "serve-failed", "cannot serve %s from offset %d to a Kafka"
+                                   " fetch: %s", shown(part.topic), pos, exc)
+                return None
+            except Exception as exc:  # StorageError and LMDB errors
+                self._limited.emit(logging.ERROR, "read-failed", "cannot read %s for a Kafka fetch: %s",
+                                   shown(part.topic), exc)
+                return None
+            if not parts or nxt <= pos:
+                break
+            aborted = self.txn.aborted_between(key, pos, nxt - 1) if committed else []
+            for data in parts:
+                if not aborted:
+                    out.append(data)
+                    size += len(data)
+                    continue
+                for start, stop, base, _last in batch_spans(data):
+                    if any(a <= base <= b for a, b in aborted):
+                        continue  # an aborted transaction's batch: left out
+                    out.append(data[start:stop])
+                    size += stop - start
+            pos = nxt
+            if out or size >= limit:
+                break
+        if not out and pos > off:
+            out.append(empty_batch(off, pos - 1))
+        return b"".join(out)
 
     def _want_ahead(self, part: TankPartition, nxt: int, hwm: int, limit: int) -> None:
         if nxt < hwm and len(self._wanted) < MAX_AHEAD_PARTITIONS:
@@ -790,17 +850,17 @@ class KafkaServer(AdminHandlers):
             for i, key in enumerate(req.coordinator_keys):
                 if i >= MAX_ADMIN_ITEMS:
                     code, msg = Err.POLICY_VIOLATION, f"at most {MAX_ADMIN_ITEMS} keys per request"
-                elif req.key_type != 0:
-                    code, msg = Err.COORDINATOR_NOT_AVAILABLE, "transactions are not supported"
+                elif req.key_type not in (0, 1):
+                    code, msg = Err.INVALID_REQUEST, f"key type {req.key_type}"
                 else:
                     code, msg = Err.NONE, None
                 ok = code == Err.NONE
                 out.append(N(key=key, node_id=NODE_ID if ok else -1, host=host if ok else "",
                              port=port if ok else -1, error_code=code, error_message=msg))
             return self._reply(corr, 10, v, throttle_time_ms=0, coordinators=out)
-        if v >= 1 and req.key_type != 0:
-            return self._reply(corr, 10, v, throttle_time_ms=0, error_code=Err.COORDINATOR_NOT_AVAILABLE,
-                               error_message="transactions are not supported", node_id=-1, host="", port=-1)
+        if v >= 1 and req.key_type not in (0, 1):  # 0: a group, 1: a transactional id
+            return self._reply(corr, 10, v, throttle_time_ms=0, error_code=Err.INVALID_REQUEST,
+                               error_message=f"key type {req.key_type}", node_id=-1, host="", port=-1)
         return self._reply(corr, 10, v, throttle_time_ms=0, error_code=0, error_message=None,
                            node_id=NODE_ID, host=host, port=port)
 
@@ -855,6 +915,14 @@ class KafkaServer(AdminHandlers):
 
     def tick(self, now: float) -> None:
         self.released.extend(self.coordinator.tick(now))
+        self.txn_tick(now)
+        if self.txn.aborted and now - self._txn_pruned >= TXN_PRUNE_INTERVAL:
+            self._txn_pruned = now
+            for key in list(self.txn.aborted):
+                first = self.backend.first(*key)
+                if first is not None:
+                    self.txn.prune(key, first)
+            self._txn_flush()
         if self._ahead:
             for key in [k for k, a in self._ahead.items() if now - a[3] > self.ahead_seconds]:
                 self._ahead_bytes -= len(self._ahead.pop(key)[2])
@@ -964,6 +1032,10 @@ _HANDLERS = {
     33: KafkaServer._alter_configs,
     37: KafkaServer._create_partitions,
     42: KafkaServer._delete_groups,
+    24: KafkaServer._add_partitions_to_txn,
+    25: KafkaServer._add_offsets_to_txn,
+    26: KafkaServer._end_txn,
+    28: KafkaServer._txn_offset_commit,
     44: KafkaServer._incremental_alter_configs,
     47: KafkaServer._offset_delete,
     60: KafkaServer._describe_cluster,

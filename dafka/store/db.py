@@ -139,6 +139,7 @@ from dafka.fastio import fetch_blocks, store_blocks
 from dafka.store.block import BLOCK_KEY, BlockHeader, decode_header, store_payload
 from dafka.store.blocktable import OverlapError, put_block
 from dafka.store.layout import (
+    FLAG_CONTROL,
     FLAG_KEY,
     FORMAT_1,
     FORMAT_VERSION,
@@ -1436,10 +1437,12 @@ class RecordDB:
     def fetch_kafka(
         self, topic: str, partition: str, offset: int, limit: int,
         encode: Callable[[int, list[bytes], int], bytes], count: Callable[[bytes], int], exact: bool = False,
+        upto: int | None = None,
     ) -> tuple[int, int, list[bytes]]:
         """Kafka record batches from ``max(offset, first)``, in one read transaction:
-        ``(start, next offset, [the batches back to back])`` (:func:`dafka.store.reader.kafka_batches`: a
-        Kafka block whole as stored, others encoded with ``encode``), about ``limit`` bytes."""
+        ``(start, next offset, batches)`` (:func:`dafka.store.reader.kafka_batches`: a
+        Kafka block whole as stored, others encoded with ``encode``), about ``limit`` bytes;
+        none starting past ``upto`` when given (a Kafka last stable offset - 1)."""
         pkey = self._pkey(topic, partition)
         with self._read_txn(buffers=True) as (txn, dbs):
             raw = txn.get(pkey, db=dbs.partitions)
@@ -1447,11 +1450,14 @@ class RecordDB:
                 return offset, offset, []
             pid, first, last, _stored, _bytes = PARTITION_INFO.unpack(raw)
             start = offset if offset > first else first
+            if upto is not None and upto < last:
+                last = upto
             if start > last:
                 return start, start, []
             nxt, batches = kafka_batches(txn.cursor(db=dbs.blocks), pid, start, last, limit, encode, count, exact)
-            # One copy out of the map, while the transaction holds the views.
-            return start, nxt, [b"".join(batches)] if batches else []
+            # One copy out of the map, while the transaction holds the views (a batch
+            # each: a transactional reader drops aborted ones).
+            return start, nxt, [bytes(b) for b in batches]
 
     def fetch(self, topic: str, partition: str, offset: int, count: int) -> tuple[int, list[bytes]]:
         """Like :meth:`fetch_raw` but only the contents (what a Dafka consumer gets):
@@ -1488,7 +1494,8 @@ class RecordDB:
                 ts, flags = unpack_hdr(v)
                 if flags & FLAG_KEY:
                     klen = v[9]
-                    yield make((off, ts, v[10 : 10 + klen], v[10 + klen :]))
+                    # a Kafka transaction marker (FLAG_CONTROL): an empty record, no key
+                    yield make((off, ts, None if flags & FLAG_CONTROL else v[10 : 10 + klen], v[10 + klen :]))
                 else:
                     yield make((off, ts, None, v[9:]))
                 off += 1

@@ -37,6 +37,10 @@ FLAG_KAFKA = 0x04
 #: Readers that do not know it see an empty content.  Only the gateway that took the record
 #: keeps it: the mesh carries contents alone.
 FLAG_NULL = 0x08
+#: Value flag (with FLAG_KEY, the content empty): a Kafka transaction's control record (a
+#: commit or abort marker); the key slot holds ``producer_id:i64 epoch:i16 type:u8`` (0 abort,
+#: 1 commit).  Only the gateway that wrote it keeps it: the mesh carries an empty content.
+FLAG_CONTROL = 0x10
 
 MAX_NAME = 255  # topic, partition and key lengths are one byte
 # LMDB's key size limit (MDB_MAXKEYSIZE, 511): with both names at 255 bytes a
@@ -174,10 +178,13 @@ def unpack_value(value: bytes) -> tuple[int, int, bytes | None, bytes]:
 def without_kafka_extras(value: bytes) -> bytes:
     """A stored value whose key slot holds a Kafka key and headers (FLAG_KAFKA) as one
     that holds the key alone, or no key for a null one: what a reader of keys sees.
+    A Kafka transaction marker (FLAG_CONTROL) comes back as an empty record with no key.
 
     Other values come back unchanged; a slot that does not parse stays the key.
     """
     flags = value[8] if len(value) > 9 else 0
+    if flags & FLAG_CONTROL and flags & FLAG_KEY:  # a transaction marker: no key, an empty content
+        return value[:8] + bytes((flags & ~(FLAG_KEY | FLAG_CONTROL),)) + value[min(10 + value[9], len(value)):]
     if not flags & FLAG_KAFKA or not flags & FLAG_KEY:
         return value
     end = min(10 + value[9], len(value))

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import snappy
 
-from dafka.store.layout import FLAG_KAFKA, FLAG_KEY, without_kafka_extras
+from dafka.store.layout import FLAG_CONTROL, FLAG_KAFKA, FLAG_KEY, without_kafka_extras
 from dafka.tank.bundle import BUNDLE_COUNT_SHIFT, CODEC_SNAPPY, MAX_INLINE_COUNT
 from dafka.tank.codec import UINT64_MAX, encode_varint
 
@@ -21,6 +21,8 @@ COMPRESS_MIN = 4096
 COMPRESS_KEEP = 0.75
 #: Bytes compressed first to find out (records of one partition look alike).
 COMPRESS_PROBE = 32 << 10
+
+_KAFKA_SLOT = FLAG_KAFKA | FLAG_CONTROL  # stored values whose key slot Tank readers do not see as is
 
 _BYTE = tuple(bytes((i,)) for i in range(256))
 _TS_BE = struct.Struct(">Q").unpack_from
@@ -102,8 +104,9 @@ def stored_bundle(values: list[bytes], compress: bool = True) -> bytes:
             app(same_short[n] if n < 128 else byte[_SAME_TS] + encode_varint(n))
             app(v[9:])
             continue
-        if v[8] & FLAG_KAFKA:
-            v = without_kafka_extras(v)  # a Kafka record: Tank sees its key, not its headers
+        if v[8] & _KAFKA_SLOT:
+            # A Kafka record: Tank sees its key, not its headers; a transaction marker: nothing.
+            v = without_kafka_extras(v)
         ts = v[:8]
         if v[8] & FLAG_KEY:
             kl = v[9]
