@@ -420,7 +420,7 @@ def tank_block(bundle: bytes | memoryview, first_offset: int, *, max_record_byte
     reference and imports no compiled code: ``dafka.fastio``'s pure twins build on
     it); the gateway calls :func:`dafka.fastio.tank_scan` and :func:`tank_seal`.
     """
-    return tank_seal(bundle, _scan_tank(bundle, max_record_bytes, budget), first_offset)
+    return tank_seal(bundle, _scan_tank(bytes(bundle), max_record_bytes, budget), first_offset)
 
 
 def tank_span(scan: Sequence[object]) -> int:
