@@ -1081,11 +1081,14 @@ class Store(PartitionReader):
         pending = self._too_large_holes
         if pending:
             # A hole this store made by dropping a record over its limit is given
-            # up for good at once: every copy has that size, asking for it is futile.
-            for key in list(pending):
-                if self.repair.covers(key[:2], key[2]):
-                    self._fills[key] = (None, 0)
-                    del pending[key]
+            # up for good at once: every copy has that size, asking for it is futile
+            # (also while the give-up commits: the repair asks for it no more).
+            gone = [key for key in pending if self.repair.covers(key[:2], key[2])]
+            for key in gone:
+                self._fills[key] = (None, 0)
+                del pending[key]
+            if gone:
+                self.repair.give_up((((t, p), off) for t, p, off in gone), time.monotonic())
 
     def _on_holes_changed(self, filled: tuple[int, int]) -> None:
         written, given_up = filled
@@ -1118,8 +1121,10 @@ class Store(PartitionReader):
     def too_large(self, tracker: PartitionTracker, seq: int, size: int) -> None:
         nxt = tracker.next
         if nxt is not None and seq < nxt and self.repair and self.repair.covers((tracker.subject, tracker.address), seq):
-            # Every copy of the record has its size: the offset stays a hole for good.
+            # Every copy of the record has its size: the offset stays a hole for good
+            # (asked for no more from now, see HoleRepair.give_up).
             self._fills[(tracker.subject, tracker.address, seq)] = (None, 0)
+            self.repair.give_up([((tracker.subject, tracker.address), seq)], time.monotonic())
         super().too_large(tracker, seq, size)
 
     def on_believed_void(self, msg: wire.Void) -> None:
