@@ -35,6 +35,7 @@ class BatchAudience:
         self._plain: dict[bytes, int] = {}  # subscription prefix -> how many peers hold it
         self._twins: dict[bytes, int] = {}  # the same, for batch twins (marker removed)
         self._verdicts: dict[bytes, bool] = {}  # header prefix -> takes_batches (cleared on change)
+        self._reached: dict[bytes, bool] = {}  # header prefix -> a subscription reaches it (cleared on change)
 
     def on_subscription(self, subscribe: bool, prefix: bytes) -> None:
         """One (un)subscription read off the XPUB."""
@@ -48,6 +49,7 @@ class BatchAudience:
         else:
             counts.pop(prefix, None)  # never negative: an unmatched unsubscribe is ignored
         self._verdicts.clear()
+        self._reached.clear()
 
     def takes_batches(self, header: bytes) -> bool:
         """Whether every subscriber that a message starting with ``header`` reaches takes batches.
@@ -66,6 +68,20 @@ class BatchAudience:
             )
             self._verdicts[header] = verdict
         return verdict
+
+    def answers_in_batches(self, header: bytes) -> bool:
+        """As :meth:`takes_batches`, for an answer to one requester (DIRECT-RECORDs):
+        False also while no subscription that reaches ``header`` was read.
+
+        ZeroMQ attaches a subscriber's subscription before the application
+        reads it (even during the send that the verdict chose the form of), so
+        "nobody subscribes" only means the requester's subscription was not
+        read yet: a requester that takes no batches (a C node) would get them.
+        """
+        reached = self._reached.get(header)
+        if reached is None:
+            reached = self._reached[header] = any(header.startswith(prefix) for prefix in self._plain)
+        return reached and self.takes_batches(header)
 
     def readers(self, header: bytes) -> int:
         """How many subscriptions reach ``header`` (for diagnostics and tests; any thread)."""

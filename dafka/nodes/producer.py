@@ -807,7 +807,7 @@ class Producer(ReceiptCallbacks, Node):
                 return
             # The requester's subscriptions may not be read yet: its answer's form depends on them.
             self._read_subscriptions_locked()
-            route = self.route(header)
+            route = self.route(header, answer=True)
             seq, count = fetch.sequence, fetch.count
             hole = self._hole
             if hole is not None and hole[0] <= seq <= hole[1]:

@@ -140,6 +140,7 @@ class FetchJob:
     key: tuple[str, str, str]  # (requester, subject, partition): one job each
     prefix: bytes  # DIRECT-RECORD header up to the sequence, for the requester
     batched: bool  # the prefix is a batch's: the requester takes batches (see dafka.core.audience)
+    single: bytes  # the single-record prefix (the form until the requester is known to take batches)
     topic: str
     partition: str
     offset: int  # next offset to send
@@ -889,11 +890,13 @@ class Store(PartitionReader):
         self._job_counts[job_key] = n + 1
         prefix = wire.record_prefix(wire.DIRECT_RECORD, fetch.address, fetch.topic, fetch.subject)
         self._read_subscriptions()  # the requester's may not be read yet: the answer's form depends on them
-        batched = self.batches_for(prefix)
+        single = prefix
+        # Batches only once the requester's own subscriptions say it takes them.
+        batched = self.batches_for(prefix, answer=True)
         if batched:
             prefix = wire.batch_prefix(prefix)
         new = FetchJob(
-            job_key, prefix, batched, fetch.subject, fetch.topic, fetch.sequence, fetch.count, fetch.sequence
+            job_key, prefix, batched, single, fetch.subject, fetch.topic, fetch.sequence, fetch.count, fetch.sequence
         )
         if job is None:
             self._job_of[job_key] = new
@@ -929,6 +932,9 @@ class Store(PartitionReader):
                     job.offset,
                     start,
                 )
+            if not job.batched and self.batches_for(job.single, answer=True):
+                # Its subscriptions were read since: it takes batches (one cached lookup a slice).
+                job.prefix, job.batched = wire.batch_prefix(job.single), True
             if job.batched:
                 sent = fastio.send_batches(self.publisher, job.prefix, start, values, noblock=True, stored=True)
             else:

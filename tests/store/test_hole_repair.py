@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from dafka.core import wire
+from dafka.core.audience import BatchAudience
 from dafka.sim.nodes import SimStore
 from dafka.sim.world import SimClock, simulated_time
 from dafka.store.db import Hole, RecordDB
@@ -488,3 +489,29 @@ def test_an_offset_dropped_over_the_size_limit_is_asked_for_no_more_while_its_gi
         assert hole_fetches(run(store, clock, 30.0)) == []
         assert store.records_dropped_too_large == 2
         assert [r.offset for r in store.db.read("t", P, 0, 100)] == [0, 1, 2, 4]
+
+
+def test_a_fetch_answer_goes_in_batches_only_once_the_requester_is_known_to_take_them(tmp_path: Path) -> None:
+    """A FETCH may come before the requester's subscriptions are read (ZeroMQ
+    attaches them first, even during a send): the answer goes as single records
+    until they say the requester takes batches, then the rest in batches.  It went
+    in batches ("nobody subscribes"), and a requester taking none got them
+    (test_a_store_answers_in_batches_only_requesters_that_take_them, pure pass)."""
+    requester = "R" * 32
+    with sim_store(tmp_path / "db") as (store, clock):
+        store.audience = BatchAudience()  # (the simulator's nodes take no batches: a mesh's do)
+        run(store, clock, 0.1, records(0, 5000))
+        store.sim_feed(wire.encode(wire.Fetch(P, requester, "t", 0, 5000)))
+        store._read_data()
+        store.do_work()  # the first slice
+        first = [wire.decode(f) for f in store.sim_outbox()]
+        assert first and all(type(m) is wire.DirectRecord for m in first), {type(m) for m in first}
+        # Its subscriptions are read now: a dafka reader's (twin first).
+        store.on_subscription(True, wire.BATCH_CAPABLE + b"D" + requester.encode())
+        store.on_subscription(True, b"D" + requester.encode())
+        while store.has_work():
+            store.do_work()
+        rest = [wire.decode(f) for f in store.sim_outbox()]
+        assert rest and all(type(m) is wire.DirectRecordBatch for m in rest), {type(m) for m in rest}
+        got = [m.sequence for m in first] + [m.sequence + i for m in rest for i in range(len(m.contents))]
+        assert got == list(range(5000))
