@@ -27,6 +27,25 @@ def test_nobody_subscribed_takes_batches() -> None:
     assert BatchAudience().takes_batches(HELLO)
 
 
+def test_an_answer_goes_in_batches_only_once_the_requesters_subscriptions_say_so() -> None:
+    # An answer's requester is a subscriber ZeroMQ may attach before its
+    # subscription is read (in the very send): "nobody subscribes" is no reason
+    # for batches then.  A store answered a FETCH so, and a requester taking no
+    # batches got them (test_a_store_answers_in_batches_only_requesters_that_take_them,
+    # a full run's pure pass).
+    c_req = wire.record_prefix(wire.DIRECT_RECORD, "R" * 32, "P" * 32, "t")
+    dafka_req = wire.record_prefix(wire.DIRECT_RECORD, "S" * 32, "P" * 32, "t")
+    audience = BatchAudience()
+    assert not audience.answers_in_batches(c_req) and not audience.answers_in_batches(dafka_req)
+    audience.on_subscription(True, b"D" + b"R" * 32)  # a C node: no twin
+    dafka_reader(audience, b"D" + b"S" * 32)
+    assert not audience.answers_in_batches(c_req)
+    assert audience.answers_in_batches(dafka_req)
+    dafka_reader(audience, b"D" + b"S" * 32, subscribe=False)
+    assert not audience.answers_in_batches(dafka_req)  # gone: the cached verdict went with it
+    assert not BatchAudience(enabled=False).answers_in_batches(dafka_req)
+
+
 def test_dafka_readers_take_batches_and_a_c_reader_stops_them() -> None:
     audience = BatchAudience()
     dafka_reader(audience, b"Mhello")

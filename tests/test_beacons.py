@@ -28,6 +28,7 @@ from dafka.nodes.node import Node
 from dafka.nodes.producer import Producer
 from dafka.nodes.tower import Tower
 from dafka.store.node import Store
+from tests.c_tower import atoi
 from tests.conftest import dafka_cmd, subprocess_env, wait_until
 
 
@@ -46,8 +47,12 @@ class RawTower:
     """A tower as the C reference's, on raw ZeroMQ sockets (in a thread).
 
     ``rewrite``: the C tower's rule (empty host -> Peer-Address; 127.0.0.1 or
-    no Peer-Address -> ``own_address``).  Without it the beacon's host is
-    relayed verbatim, even when empty.
+    no Peer-Address -> ``own_address``), and as the C tower every message is
+    relayed (any first frame: a node's probe comes back to it, so it knows a C
+    tower within a beacon interval, see tests/c_tower.py).  Without it the
+    beacon's host is relayed verbatim, even when empty, and only ``B`` beacons:
+    a tower that neither echoes nor greets (nodes take it for a C tower after
+    the hello-only wait).  ``relayed``: the ``B`` beacons' endpoints.
     """
 
     def __init__(self, rewrite: str | None) -> None:
@@ -84,19 +89,20 @@ class RawTower:
                         self.xsub.send(sub)
                     continue
                 first = self.xsub.recv(copy=False)
-                rest = self.xsub.recv_multipart()
-                if first.bytes != b"B" or len(rest) != 3:
+                rest = self.xsub.recv_multipart() if first.more else []
+                if self.own_address is None and (first.bytes != b"B" or len(rest) != 3):
                     continue
-                address, host, port = (f.decode() for f in rest)
+                address, host, port = (f.decode(errors="replace") for f in (*rest, b"", b"", b"")[:3])
                 if self.own_address is not None and not host:
                     try:
                         peer = first.get("Peer-Address")
                     except zmq.ZMQError:
                         peer = None
                     host = self.own_address if peer in (None, "127.0.0.1") else peer
-                endpoint = f"tcp://{host}:{port}"
-                self.relayed.append(endpoint)
-                self.xpub.send_multipart([b"B", address.encode(), endpoint.encode()])
+                endpoint = f"tcp://{host}:{atoi(port.encode()) if self.own_address is not None else port}"
+                if first.bytes == b"B":
+                    self.relayed.append(endpoint)
+                self.xpub.send_multipart([first.bytes, address.encode(), endpoint.encode()])
         self.xsub.close(0)
         self.xpub.close(0)
 
@@ -282,6 +288,7 @@ def test_a_node_no_peer_reaches_says_why(raw_tower, caplog) -> None:
     towers = tower.towers()
     lonely = Node(node_config(towers, "127.0.0.1"))
     lonely._beacon = wire.node_beacon(lonely.address, "", lonely.port)  # as before the fix: no host
+    lonely.refresh_interest()  # its interest beacons (relayed too) carry no host either
     other = Node(node_config(towers, "*"))
     lonely.start()
     other.start()

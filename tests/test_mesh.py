@@ -539,6 +539,57 @@ def test_a_paced_producer_announces_no_head_beyond_what_it_sent(cfg: NodeConfig)
     assert not early_heads, f"HEADs beyond the records sent (head, last record): {early_heads[:5]}"
 
 
+def test_a_paced_producer_answers_get_heads_with_no_head_beyond_what_it_sent(cfg: NodeConfig, raw_peer) -> None:
+    # As the HEAD tick (above), a DIRECT-HEAD answering GET-HEADS announced the
+    # last assigned offset while a burst's records still waited for room: the
+    # asker FETCHed what was on its way.  An "earliest" consumer asks whenever a
+    # peer subscribes to its GET-HEADS (a producer connecting to it late, during
+    # a burst): test_producer_paces_a_burst_larger_than_the_queues saw one FETCH
+    # in the pure pass after the HEAD tick's fix.  A slow reader makes the burst
+    # wait; a fast peer reads the records and asks for heads meanwhile: on its
+    # one connection, no DIRECT-HEAD may come ahead of the records it announces.
+    from dataclasses import replace
+
+    small = replace(cfg, hwm=20)
+    n = 3000
+    slow = small_queue_sub(wire.P_RECORD + b"gh")
+    with Producer("gh", small, acks=False, capacity=n + 100, pace_limit=30.0) as producer:
+        peer = raw_peer([wire.P_RECORD + b"gh"])
+        peer.sub.setsockopt(zmq.SUBSCRIBE, wire.P_DIRECT_HEAD + peer.address.encode())
+        slow.connect(f"tcp://127.0.0.1:{producer.port}")
+        try:
+            peer.wait_for(lambda p: p.subscribed(wire.P_GET_HEADS + b"gh"))  # the producer hears our GET-HEADS
+            # Until both readers take the producer's records.
+            wait_until(lambda: producer.publish(b"start") and slow.poll(100) and (peer.pump(0.05) or peer.messages(wire.Record)), 10)
+            base = producer.next_offset
+            burst = threading.Thread(target=lambda: producer.publish_many([b"b" * 1000] * n))
+            burst.start()
+            deadline = time.monotonic() + 60
+            while burst.is_alive() and time.monotonic() < deadline:
+                peer.send(wire.GetHeads("gh", peer.address))
+                peer.pump(0.002)
+                for _ in range(5):  # the slow reader: the burst waits for it (a load shape, not a wait)
+                    if slow.poll(0):
+                        slow.recv_multipart()
+                time.sleep(0.002)
+            burst.join(10)
+            assert not burst.is_alive()
+            peer.pump(0.3)
+        finally:
+            slow.close(0)
+    last_record, early, answered = -1, [], 0
+    for msg in peer.messages():
+        if isinstance(msg, wire.Record | wire.RecordBatch) and msg.sequence >= base:
+            last_record = msg.sequence + (len(msg.contents) - 1 if isinstance(msg, wire.RecordBatch) else 0)
+        elif isinstance(msg, wire.DirectHead) and msg.sequence >= base:
+            answered += 1
+            if msg.sequence > last_record:
+                early.append((msg.sequence, last_record))
+    assert last_record == base + n - 1  # the burst came whole (paced: nothing dropped)
+    assert answered  # heads were asked and answered during the burst
+    assert not early, f"DIRECT-HEADs beyond the records sent (head, last record): {early[:5]}"
+
+
 def test_producer_paces_a_burst_larger_than_the_queues(cfg: NodeConfig) -> None:
     # Queues of 100 messages each side: a paced producer waits for room and the
     # consumer gets a 20,000-record burst whole, with no FETCH; a lossy one

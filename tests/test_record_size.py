@@ -141,8 +141,8 @@ def test_a_reader_drops_a_record_over_its_limit(cfg: NodeConfig, tmp_path: Path,
         _answer_fetches(peer, records, batch, answered)
         assert len(peer.messages(wire.Fetch)) == asked
         asks_of_3 = [(f.sequence, f.count) for f in answered if f.sequence <= 3 < f.sequence + f.count]
-        # (Seen once at 4 in a full run on a loaded machine, not reproduced alone: the
-        # list says which FETCHes they were, for the next time.)
+        # (Once 4 in a loaded full run: a store's hole repair asked for the dropped
+        # offset until its give-up committed; see tests/store/test_hole_repair.py.)
         assert len(asks_of_3) <= 2, (asks_of_3, reader.records_dropped_too_large)
         assert reader.records_dropped_too_large <= 3
         assert reader.running

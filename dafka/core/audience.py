@@ -77,6 +77,17 @@ class BatchAudience:
             heard = self._heard[header] = any(header.startswith(prefix) for prefix in self._plain)
         return heard
 
+    def answers_in_batches(self, header: bytes) -> bool:
+        """As :meth:`takes_batches`, for an answer to one requester (DIRECT-RECORDs):
+        False also while no subscription that reaches ``header`` was read.
+
+        ZeroMQ attaches a subscriber's subscription before the application
+        reads it (even during the send that the verdict chose the form of), so
+        "nobody subscribes" only means the requester's subscription was not
+        read yet: a requester that takes no batches (a C node) would get them.
+        """
+        return self.has_readers(header) and self.takes_batches(header)
+
     def readers(self, header: bytes) -> int:
         """How many subscriptions reach ``header`` (for diagnostics and tests; any thread)."""
         plain = list(self._plain.items())  # a snapshot: the I/O thread may be counting meanwhile

@@ -314,6 +314,9 @@ class Producer(ReceiptCallbacks, Node):
         # publishers wait for their turn before taking offsets, so records go
         # out in offset order whatever the number of publishing threads.
         self._live_waiting = False
+        # While it waits: the first offset of that send not handed to ZeroMQ yet.
+        # Heads never announce it or what follows (see _announced).
+        self._unsent_from = 0
         self.pace_timeouts = 0  # times a full subscriber made the producer stop waiting
         self.publisher.setsockopt(zmq.XPUB_NODROP, 1 if self._paced else 0)
         next_offset = 0
@@ -687,9 +690,16 @@ class Producer(ReceiptCallbacks, Node):
         elif isinstance(msg, wire.GetHeads):
             # In secure mode only stores' DIRECT-HEADs are believed: the HEAD
             # every head_interval tells consumers the same.
-            last = self._announced()
-            if msg.topic == self.topic and last >= 0 and self._resume_state is None and not self.secure:
-                self._send_locked(wire.encode(wire.DirectHead(msg.address, self.address, self.topic, last)))
+            if msg.topic == self.topic and self._resume_state is None and not self.secure:
+                with self._lock:
+                    # Under the lock: read before it, the head could be a burst's last
+                    # offset, sent once the burst waited for room (see _announced).
+                    last = self._announced()
+                    if last >= 0 and not self._closed:
+                        # Never waits for a full queue (NODROP): the HEAD tick tells it again.
+                        fastio.send_frames(
+                            self.publisher, wire.encode(wire.DirectHead(msg.address, self.address, self.topic, last))
+                        )
         elif isinstance(msg, wire.DirectHead):
             resume = self._resume_state
             if resume is not None and msg.address == self.address and msg.subject == self.topic and not self.untrusted():
@@ -797,7 +807,7 @@ class Producer(ReceiptCallbacks, Node):
                 return
             # The requester's subscriptions may not be read yet: its answer's form depends on them.
             self._read_subscriptions_locked()
-            route = self.route(header)
+            route = self.route(header, answer=True)
             seq, count = fetch.sequence, fetch.count
             hole = self._hole
             if hole is not None and hole[0] <= seq <= hole[1]:
@@ -896,6 +906,7 @@ class Producer(ReceiptCallbacks, Node):
             elif now >= deadline:
                 return start
             if live:
+                self._unsent_from = seq  # (read by _announced, lock held, while we wait)
                 self._live_waiting = True  # other publishers wait their turn meanwhile
                 try:
                     self._cond.wait(PACE_STEP)
@@ -961,6 +972,11 @@ class Producer(ReceiptCallbacks, Node):
         the hole's end would make readers wait for offsets nobody publishes.
         """
         last = self.window.next - 1 if self._outbox is None else self._outbox.last_sendable
+        if self._live_waiting:
+            # A send waits for room (paced): its records from _unsent_from have their
+            # offsets but are on no reader's queue yet.  Announced, a reader would
+            # FETCH what is on its way (a DIRECT-HEAD answering GET-HEADS did).
+            last = min(last, self._unsent_from - 1)
         hole = self._hole
         return hole[0] - 1 if hole is not None and last <= hole[1] else last
 

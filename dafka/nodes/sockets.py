@@ -86,13 +86,18 @@ class SocketsMixin:
         except KeyError:
             pass
 
-    def batches_for(self, header: bytes) -> bool:
-        """Whether records with this single-record header prefix go out as batches."""
-        return self.batches or self.audience.takes_batches(header)
+    def batches_for(self, header: bytes, answer: bool = False) -> bool:
+        """Whether records with this single-record header prefix go out as batches
+        (``answer``: DIRECT-RECORDs to one requester, see
+        :meth:`~dafka.core.audience.BatchAudience.answers_in_batches`)."""
+        if self.batches:
+            return True
+        audience = self.audience
+        return audience.answers_in_batches(header) if answer else audience.takes_batches(header)
 
-    def route(self, header: bytes) -> Route:
+    def route(self, header: bytes, answer: bool = False) -> Route:
         """How records with this single-record header prefix go out: as batches or one a message."""
-        if self.batches_for(header):
+        if self.batches_for(header, answer):
             return wire.batch_prefix(header), fastio.send_batches
         return header, fastio.send_records
 

@@ -62,6 +62,7 @@ MAX_WAIT = 120.0  # seconds: the longest wait of a hole whose answers bring noth
 PER_ROUND = 4  # holes asked for per round
 MAX_ASK = 10_000  # offsets asked for per FETCH
 MAX_HOLES = 1024  # holes tracked at once
+MAX_GIVEN_UP = 10_000  # offsets given up for good, remembered until the database has them out of its holes
 
 Key = tuple[str, str]  # (topic, partition)
 
@@ -93,6 +94,7 @@ class HoleRepair:
         per_round: int = PER_ROUND,
         max_ask: int = MAX_ASK,
         max_holes: int = MAX_HOLES,
+        max_given_up: int = MAX_GIVEN_UP,
         release_after: float = 10.0,
         heard_gap: float = 5.0,
     ) -> None:
@@ -103,6 +105,7 @@ class HoleRepair:
         self.per_round = per_round
         self.max_ask = max_ask
         self.max_holes = max_holes
+        self.max_given_up = max_given_up
         self.release_after = release_after
         self.heard_gap = heard_gap
         self._holes: dict[Key, list[_Hole]] = {}  # per partition, sorted by first
@@ -111,6 +114,10 @@ class HoleRepair:
         # Per partition: the end of the restart hole its producer stated (VOID
         # kind 1): holes up to it cap ACKs no more, also those recorded after.
         self._restart_ends: dict[Key, int] = {}
+        # Per partition, sorted: offsets given up for good (see give_up) that the
+        # database may still hold as holes (their fill has not committed yet).
+        self._given_up: dict[Key, list[int]] = {}
+        self._synced: list[tuple[str, str, int, int]] = []  # the database's holes, as last synced
         self.asks = 0  # FETCHes returned by due(), in total
 
     def __len__(self) -> int:
@@ -130,6 +137,11 @@ class HoleRepair:
         or split (records came) waits ``interval`` after its last ask; a new
         one is first asked for ``interval`` from now.
         """
+        holes = list(holes)
+        self._synced = holes
+        given_up = self._given_up
+        if given_up:
+            holes, self._given_up = _without(holes, given_up)
         old = self._holes
         new: dict[Key, list[_Hole]] = {}
         n = 0
@@ -160,6 +172,30 @@ class HoleRepair:
             hs.sort(key=lambda h: h.first)
         self._holes = new
         self._firsts = {k: [h.first for h in hs] for k, hs in new.items()}
+
+    def give_up(self, offsets: Iterable[tuple[Key, int]], now: float) -> None:
+        """These offsets can never be had (their record is over the store's size
+        limit: every copy has that size).  The shell writes them out of the
+        database's holes (a fill without content); until that commits, and
+        whatever syncs come meanwhile, they are asked for no more, cap no ACK
+        and are no longer :meth:`covered <covers>`.  Only offsets in tracked
+        holes count; at most ``max_given_up`` are remembered (one beyond is
+        asked for until its give-up commits, as before)."""
+        given_up = self._given_up
+        total = sum(len(v) for v in given_up.values())
+        added = False
+        for key, offset in offsets:
+            if total >= self.max_given_up or not self.covers(key, offset):
+                continue
+            offs = given_up.setdefault(key, [])
+            i = bisect.bisect_left(offs, offset)
+            if i < len(offs) and offs[i] == offset:
+                continue
+            offs.insert(i, offset)
+            total += 1
+            added = True
+        if added:
+            self.sync(self._synced, now)
 
     def covers(self, key: Key, offset: int) -> bool:
         """Whether ``offset`` of partition ``key`` is in a tracked hole."""
@@ -288,3 +324,34 @@ class HoleRepair:
         self._round_at = now + self.interval
         self.asks += len(out)
         return out
+
+
+def _without(
+    holes: list[tuple[str, str, int, int]], given_up: dict[Key, list[int]]
+) -> tuple[list[tuple[str, str, int, int]], dict[Key, list[int]]]:
+    """``holes`` less the ``given_up`` offsets (a hole split around them), and the
+    given-up offsets still in a hole (the others' give-up has committed)."""
+    out: list[tuple[str, str, int, int]] = []
+    kept: dict[Key, list[int]] = {}
+    for hole in holes:
+        topic, partition, first, last = hole
+        offs = given_up.get((topic, partition))
+        if not offs:
+            out.append(hole)
+            continue
+        i = bisect.bisect_left(offs, first)
+        j = bisect.bisect_right(offs, last)
+        if i == j:
+            out.append(hole)
+            continue
+        start = first
+        for off in offs[i:j]:
+            if off > start:
+                out.append((topic, partition, start, off - 1))
+            start = off + 1
+        if start <= last:
+            out.append((topic, partition, start, last))
+        kept.setdefault((topic, partition), []).extend(offs[i:j])
+    for offs in kept.values():
+        offs.sort()  # the database's holes come sorted; this keeps any order right
+    return out, kept

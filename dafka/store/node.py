@@ -150,6 +150,7 @@ class FetchJob:
     key: tuple[str, str, str]  # (requester, subject, partition): one job each
     prefix: bytes  # DIRECT-RECORD header up to the sequence, for the requester
     batched: bool  # the prefix is a batch's: the requester takes batches (see dafka.core.audience)
+    single: bytes  # the single-record prefix (the form until the requester is known to take batches)
     topic: str
     partition: str
     offset: int  # next offset to send
@@ -954,11 +955,13 @@ class Store(PartitionReader):
         self._job_counts[job_key] = n + 1
         prefix = wire.record_prefix(wire.DIRECT_RECORD, fetch.address, fetch.topic, fetch.subject)
         self._read_subscriptions()  # the requester's may not be read yet: the answer's form depends on them
-        batched = self.batches_for(prefix)
+        single = prefix
+        # Batches only once the requester's own subscriptions say it takes them.
+        batched = self.batches_for(prefix, answer=True)
         if batched:
             prefix = wire.batch_prefix(prefix)
         new = FetchJob(
-            job_key, prefix, batched, fetch.subject, fetch.topic, fetch.sequence, fetch.count, fetch.sequence
+            job_key, prefix, batched, single, fetch.subject, fetch.topic, fetch.sequence, fetch.count, fetch.sequence
         )
         if job is None:
             self._job_of[job_key] = new
@@ -994,6 +997,9 @@ class Store(PartitionReader):
                     job.offset,
                     start,
                 )
+            if not job.batched and self.batches_for(job.single, answer=True):
+                # Its subscriptions were read since: it takes batches (one cached lookup a slice).
+                job.prefix, job.batched = wire.batch_prefix(job.single), True
             if job.batched:
                 sent = fastio.send_batches(self.publisher, job.prefix, start, values, noblock=True, stored=True)
             else:
@@ -1154,11 +1160,14 @@ class Store(PartitionReader):
         pending = self._too_large_holes
         if pending:
             # A hole this store made by dropping a record over its limit is given
-            # up for good at once: every copy has that size, asking for it is futile.
-            for key in list(pending):
-                if self.repair.covers(key[:2], key[2]):
-                    self._fills[key] = (None, 0)
-                    del pending[key]
+            # up for good at once: every copy has that size, asking for it is futile
+            # (also while the give-up commits: the repair asks for it no more).
+            gone = [key for key in pending if self.repair.covers(key[:2], key[2])]
+            for key in gone:
+                self._fills[key] = (None, 0)
+                del pending[key]
+            if gone:
+                self.repair.give_up((((t, p), off) for t, p, off in gone), time.monotonic())
 
     def _on_holes_changed(self, filled: tuple[int, int]) -> None:
         written, given_up = filled
@@ -1191,8 +1200,10 @@ class Store(PartitionReader):
     def too_large(self, tracker: PartitionTracker, seq: int, size: int) -> None:
         nxt = tracker.next
         if nxt is not None and seq < nxt and self.repair and self.repair.covers((tracker.subject, tracker.address), seq):
-            # Every copy of the record has its size: the offset stays a hole for good.
+            # Every copy of the record has its size: the offset stays a hole for good
+            # (asked for no more from now, see HoleRepair.give_up).
             self._fills[(tracker.subject, tracker.address, seq)] = (None, 0)
+            self.repair.give_up([((tracker.subject, tracker.address), seq)], time.monotonic())
         super().too_large(tracker, seq, size)
 
     def on_believed_void(self, msg: wire.Void) -> None:

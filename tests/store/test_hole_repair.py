@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from dafka.core import wire
+from dafka.core.audience import BatchAudience
 from dafka.sim.nodes import SimStore
 from dafka.sim.world import SimClock, simulated_time
 from dafka.store.db import Hole, RecordDB
@@ -233,6 +234,30 @@ def test_a_restart_hole_the_producer_states_caps_acks_no_more() -> None:
     assert r.cap(("u", P), 30) == 24
 
 
+def test_an_offset_given_up_is_asked_for_no_more_until_the_database_has_it_out_of_its_holes() -> None:
+    """give_up: the shell's fill without content is on its way to the database;
+    until a sync shows it committed, the offset is neither asked for, nor caps an
+    ACK, nor covered, whatever syncs come meanwhile (the database still holds it)."""
+    r = HoleRepair(interval=1.0, max_wait=8.0, max_given_up=3)
+    db = [("t", P, 2, 5), ("t", P, 9, 9)]
+    r.sync(db, now=0.0)
+    r.give_up([(KEY, 3), (KEY, 9), (KEY, 7)], now=0.5)  # 7 is in no hole: nothing to give up
+    assert r.holes() == [("t", P, 2, 2), ("t", P, 4, 5)]
+    assert not r.covers(KEY, 3) and not r.covers(KEY, 9) and r.covers(KEY, 4)
+    assert r.cap(KEY, 10) == 1
+    r.sync(db, now=0.6)  # another commit, the give-up not in it yet
+    assert r.holes() == [("t", P, 2, 2), ("t", P, 4, 5)]
+    asked = [f for t in range(1, 60) for f in r.due(float(t))]
+    assert asked and set(asked) == {("t", P, 2, 1), ("t", P, 4, 2)}
+    # The give-up committed (3 and 9 out of the holes): nothing is remembered of them.
+    r.sync([("t", P, 2, 2), ("t", P, 4, 5)], now=60.0)
+    r.sync([("t", P, 2, 5), ("t", P, 9, 9)], now=61.0)  # (never so, but it would be asked again)
+    assert r.holes() == [("t", P, 2, 5), ("t", P, 9, 9)]
+    # Bounded: at most max_given_up offsets remembered; one beyond is asked for as before.
+    r.give_up([(KEY, 2), (KEY, 3), (KEY, 4), (KEY, 5)], now=62.0)
+    assert r.holes() == [("t", P, 5, 5), ("t", P, 9, 9)]
+
+
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError):
         HoleRepair(interval=0)
@@ -427,3 +452,66 @@ def test_a_store_acks_its_producer_back_only_up_to_its_hole_and_asks_it_at_once(
         store.repair._round_at = float("-inf")
         sent = run(store, clock, 0.1, answers(store, 5, 5))
         assert store.db.holes() == [] and acks(sent)[-1] == 14
+
+
+def test_an_offset_dropped_over_the_size_limit_is_asked_for_no_more_while_its_give_up_commits(tmp_path: Path) -> None:
+    """A record over the store's size limit is skipped (a hole) and given up for good
+    at once (a fill without content): every copy has its size.  Until that give-up
+    commits, the hole is in the database, but the repair must not ask for it: a
+    commit slow for a second (a loaded disk) made it FETCH the offset four times
+    (tests/test_record_size.py, a full run on a loaded machine), each answer
+    dropped and counted again."""
+    big = b"x" * (64 * 1024 + 1)
+    with sim_store(tmp_path / "db") as (store, clock):
+        store.max_record_bytes = 64 * 1024
+        live = [*records(0, 2), wire.encode(wire.Record("t", P, "t", 3, big)), *records(4, 1)]
+        sent = run(store, clock, 0.0, live)
+        assert hole_fetches(sent) == [(2, 2)]  # the tracker asks for 2 and 3 at once
+        two = answers(store, 2, 1)
+        three = wire.encode(wire.DirectRecord(store.address, P, "t", 3, big))
+        run(store, clock, 0.0, [*two, three])  # 3 dropped again: skipped, 4 follows, a hole at 3
+        assert store.db.holes() == [Hole("t", P, 3, 3)]
+        assert store._to_write is not None and store._to_write[4]  # the give-up, handed to the writer
+        # The writer is slow: the give-up commits only after 5 s.
+        held = store._to_write
+        store._to_write = None
+        sent = []
+        end = clock.now + 5.0
+        while clock.now < end:
+            clock.now += 0.05
+            store.sim_timers(clock.now)
+            store.sim_run_commands()
+            sent.extend(wire.decode(f) for f in store.sim_outbox())
+        assert hole_fetches(sent) == []
+        store._commit(held)
+        store.sim_run_commands()
+        assert store.db.holes() == [] and not store.repair
+        assert hole_fetches(run(store, clock, 30.0)) == []
+        assert store.records_dropped_too_large == 2
+        assert [r.offset for r in store.db.read("t", P, 0, 100)] == [0, 1, 2, 4]
+
+
+def test_a_fetch_answer_goes_in_batches_only_once_the_requester_is_known_to_take_them(tmp_path: Path) -> None:
+    """A FETCH may come before the requester's subscriptions are read (ZeroMQ
+    attaches them first, even during a send): the answer goes as single records
+    until they say the requester takes batches, then the rest in batches.  It went
+    in batches ("nobody subscribes"), and a requester taking none got them
+    (test_a_store_answers_in_batches_only_requesters_that_take_them, pure pass)."""
+    requester = "R" * 32
+    with sim_store(tmp_path / "db") as (store, clock):
+        store.audience = BatchAudience()  # (the simulator's nodes take no batches: a mesh's do)
+        run(store, clock, 0.1, records(0, 5000))
+        store.sim_feed(wire.encode(wire.Fetch(P, requester, "t", 0, 5000)))
+        store._read_data()
+        store.do_work()  # the first slice
+        first = [wire.decode(f) for f in store.sim_outbox()]
+        assert first and all(type(m) is wire.DirectRecord for m in first), {type(m) for m in first}
+        # Its subscriptions are read now: a dafka reader's (twin first).
+        store.on_subscription(True, wire.BATCH_CAPABLE + b"D" + requester.encode())
+        store.on_subscription(True, b"D" + requester.encode())
+        while store.has_work():
+            store.do_work()
+        rest = [wire.decode(f) for f in store.sim_outbox()]
+        assert rest and all(type(m) is wire.DirectRecordBatch for m in rest), {type(m) for m in rest}
+        got = [m.sequence for m in first] + [m.sequence + i for m in rest for i in range(len(m.contents))]
+        assert got == list(range(5000))
