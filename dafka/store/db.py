@@ -1412,27 +1412,30 @@ class RecordDB:
 
     def read_blocks(
         self, topic: str, partition: str, offset: int, max_bytes: int, max_blocks: int = 256
-    ) -> tuple[int, list[tuple[BlockHeader, bytes]]]:
-        """Whole stored blocks from the one holding ``max(offset, first)``: ``(start, blocks)``.
+    ) -> tuple[int, int, list[tuple[BlockHeader, bytes]]]:
+        """Whole stored blocks from the one holding ``max(offset, first)``: ``(start, first, blocks)``.
 
         ``blocks`` are ``(header, value)`` of the block holding ``start`` (or, in a
         hole, the first one after it) and of the next ones while they continue
         without a hole, up to ``max_bytes`` of values (at least one block) or
         ``max_blocks`` (:func:`dafka.store.reader.block_run`).  The first block may
         begin before ``start``: a reader that takes whole blocks skips what precedes
-        it, as a Tank client does.  Unknown partitions and offsets past the head
-        give ``(offset, [])``.
+        it, as a Tank client does.  ``first`` is the partition's first offset, read in
+        the same transaction: a first block beginning below it is the partial front
+        block, whose records below ``first`` are deleted and must not go out whole
+        (the caller slices it).  Unknown partitions and offsets past the head give
+        ``(offset, offset, [])``.
         """
         pkey = self._pkey(topic, partition)
         with self._read_txn(buffers=True) as (txn, dbs):
             raw = txn.get(pkey, db=dbs.partitions)
             if raw is None:
-                return offset, []
+                return offset, offset, []
             pid, first, last, _stored, _bytes = PARTITION_INFO.unpack(raw)
             start = offset if offset > first else first
             if start > last:
-                return start, []
-            return start, block_run(txn.cursor(db=dbs.blocks), pid, start, last, max_bytes, max_blocks)
+                return start, first, []
+            return start, first, block_run(txn.cursor(db=dbs.blocks), pid, start, last, max_bytes, max_blocks)
 
     def fetch_kafka(
         self, topic: str, partition: str, offset: int, limit: int,
@@ -1441,7 +1444,8 @@ class RecordDB:
     ) -> tuple[int, int, list[bytes]]:
         """Kafka record batches from ``max(offset, first)``, in one read transaction:
         ``(start, next offset, batches)`` (:func:`dafka.store.reader.kafka_batches`: a
-        Kafka block whole as stored, others encoded with ``encode``), about ``limit`` bytes;
+        Kafka block whole as stored, except the partial front block, sliced from ``start``:
+        no record below ``first`` goes out; others encoded with ``encode``), about ``limit`` bytes;
         none starting past ``upto`` when given (a Kafka last stable offset - 1)."""
         pkey = self._pkey(topic, partition)
         with self._read_txn(buffers=True) as (txn, dbs):
@@ -1454,7 +1458,8 @@ class RecordDB:
                 last = upto
             if start > last:
                 return start, start, []
-            nxt, batches = kafka_batches(txn.cursor(db=dbs.blocks), pid, start, last, limit, encode, count, exact)
+            nxt, batches = kafka_batches(txn.cursor(db=dbs.blocks), pid, start, last, limit, encode, count, exact,
+                                         first)
             # One copy out of the map, while the transaction holds the views (a batch
             # each: a transactional reader drops aborted ones).
             return start, nxt, [bytes(b) for b in batches]

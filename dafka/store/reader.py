@@ -180,6 +180,7 @@ def block_run(cur: Any, pid: int, start: int, last: int, max_bytes: int,
 def kafka_batches(
     cur: Any, pid: int, start: int, last: int, limit: int,
     encode: Callable[[int, list[bytes], int], bytes], count: Callable[[bytes], int], exact: bool = False,
+    first: int = 0,
 ) -> tuple[int, list[bytes | memoryview]]:
     """Kafka record batches of ``pid`` from the block holding ``start`` (or the next one
     held) up to offset ``last``: ``(next offset, batches)``, about ``limit`` bytes (a stored
@@ -193,7 +194,10 @@ def kafka_batches(
     read stops at the first batch that does not.  ``exact`` (the reader's own bound
     is tighter than one stored batch: a gateway's output budget): a first Kafka block
     larger than ``limit`` is sliced and encoded too, from ``start``, one record at
-    least.  One ``set_range`` (and one step back), then a cursor walk.
+    least.  ``first``: the partition's first offset; a Kafka block beginning below it
+    (the partial front block a DeleteRecords leaves) is sliced and encoded from
+    ``start`` too, so no deleted record goes out (only the first block read can be
+    one).  One ``set_range`` (and one step back), then a cursor walk.
     """
     found = seek(cur, pid, start)
     out: list[bytes | memoryview] = []
@@ -205,14 +209,15 @@ def kafka_batches(
             break
         room = limit - size
         values: list[bytes] | None = None
-        if hdr.codec == CODEC_KAFKA and hdr.body_size > room:
+        whole = hdr.codec == CODEC_KAFKA and hdr.first_offset >= first  # not the partial front block
+        if whole and hdr.body_size > room:
             if out:
                 break
             if exact:
                 off = max(nxt, hdr.first_offset)
                 values = kafka_values(memoryview(value)[HEADER_SIZE:], hdr.first_offset, off,
                                       min(hdr.last_offset, last) - off + 1)
-        if hdr.codec == CODEC_KAFKA and values is None:
+        if whole and values is None:
             out.append(memoryview(value)[HEADER_SIZE:])  # zero-copy in a buffers transaction
             size += hdr.body_size
             nxt = hdr.last_offset + 1

@@ -1020,7 +1020,7 @@ class Gateway(Store):
         if part is None:
             return self._consume_values(topic, part, p, start.seq - 1, limit, budget, first_data, bounds)
         try:
-            first, blocks = self.db.read_blocks(topic, part.address, start.seq - 1, min(limit, budget))
+            first, front, blocks = self.db.read_blocks(topic, part.address, start.seq - 1, min(limit, budget))
         except StorageError as exc:
             self._limited.emit(logging.ERROR, "read-failed", "cannot read %s for a Tank fetch: %s", shown(topic), exc)
             return None
@@ -1030,14 +1030,17 @@ class Gateway(Store):
             ), False
         # Stored bundles go whole, as the broker sends its log: the chunk may begin before
         # the requested seq (the client skips what precedes it) and may pass fetch_size to
-        # finish a bundle.  Blocks of other codecs (mesh records, Kafka) become one bundle each.
+        # finish a bundle.  Blocks of other codecs (mesh records, Kafka) become one bundle each,
+        # and so does the partial front block (a bundle beginning below the partition's
+        # first, left by a DeleteRecords): its records from ``first`` on only, deleted ones
+        # never go out.  Every later bundle goes whole.
         pieces: list[Any] = []
         size = 0
         base = None
         for hdr, value in blocks:
             if pieces and size >= limit:
                 break
-            if hdr.codec == CODEC_TANK:
+            if hdr.codec == CODEC_TANK and hdr.first_offset >= front:
                 body = memoryview(value)[HEADER_SIZE:]
                 piece: list[Any] = [encode_varint(len(body)), body]
                 at = hdr.first_offset

@@ -211,3 +211,68 @@ def test_records_go_on_the_mesh_only_to_readers_that_are_there(kgw: KafkaGateway
     with TankClient(HOST, kgw.tank_port) as t:
         r = t.consume("quiet", 0, 0, 1 << 20)
         assert [bytes(v) for _s, _ts, _k, v in r.messages][:3] == [b"q0", b"q1", b"q2"]
+
+
+def test_records_deleted_from_inside_a_stored_batch_never_go_out(kgw: KafkaGateway) -> None:
+    """DeleteRecords to offset 3 leaves the first stored batch (offsets 0-4) as the partial
+    front block.  Before the fix a Fetch from the log start (3) got that batch whole, deleted
+    records 0-2 on the wire (a client skips them only because it asked for 3; a reader of the
+    raw batches, or the gateway's own transactional path, saw them).  Now the front batch is
+    sliced from 3 (keys, headers and timestamps kept), and the batch after it goes as stored."""
+    from kafka.protocol.consumer import FetchResponse
+    from kafka.record import MemoryRecords
+
+    from tests.kafka.test_gateway import read_frame
+    from tests.kafka.test_hostile import fetch_frame
+
+    kgw.create_topic("cut", 1)
+    sent = []
+    for b in range(2):
+        builder = DefaultRecordBatchBuilder(2, 0, False, -1, -1, -1, 1 << 20)
+        for i in range(5):
+            builder.append(i, 1_700_000_000_000 + b * 5 + i, b"k%d" % (b * 5 + i), b"v%d" % (b * 5 + i),
+                           [("h", b"%d" % (b * 5 + i))])
+        sent.append(bytes(builder.build()))
+    with socket.create_connection((HOST, kgw.kafka_port)) as s:
+        assert [produce_raw(s, i, "cut", b).base_offset for i, b in enumerate(sent)] == [0, 5]
+    address = kgw.pmap.get("cut", 0).address
+    assert kgw.delete_front("cut", address, 3, 10_000) == (3, True)
+
+    def want(lo: int) -> list[Any]:
+        return [(o, 1_700_000_000_000 + o, b"k%d" % o, b"v%d" % o, [("h", b"%d" % o)]) for o in range(lo, 10)]
+
+    def got(records: bytes) -> list[Any]:
+        return [(r.offset, r.timestamp, r.key, r.value, list(r.headers))
+                for rb in MemoryRecords(records) for r in rb]
+
+    with socket.create_connection((HOST, kgw.kafka_port)) as s:
+        s.sendall(fetch_frame(1, "cut", 3))
+        p = FetchResponse.decode(read_frame(s)[4:], version=11).responses[0].partitions[0]
+        assert p.error_code == 0 and p.log_start_offset == 3
+        assert got(bytes(p.records)) == want(3)
+        # The batch after the front one is the one stored, from its magic on.
+        assert bytes(p.records).endswith(sent[1][16:])
+        s.sendall(fetch_frame(2, "cut", 4))
+        p = FetchResponse.decode(read_frame(s)[4:], version=11).responses[0].partitions[0]
+        assert got(bytes(p.records)) == want(4)
+        s.sendall(fetch_frame(3, "cut", 0))  # below the log start: no record below it either
+        p = FetchResponse.decode(read_frame(s)[4:], version=11).responses[0].partitions[0]
+        assert all(r[0] >= 3 for r in got(bytes(p.records or b"")))
+    # The transactional read path (control records as control batches) slices it too.
+    nxt, batches = kgw.fetch_txn_batches("cut", address, 3, 1 << 20, 9)
+    assert nxt == 10 and got(b"".join(batches)) == want(3)
+
+    # A real client from the beginning.
+    c = KafkaConsumer(bootstrap_servers=f"{HOST}:{kgw.kafka_port}", enable_auto_commit=False,
+                      auto_offset_reset="earliest", consumer_timeout_ms=5000)
+    try:
+        c.assign([KTopicPartition("cut", 0)])
+        c.seek_to_beginning()
+        seen: list[Any] = []
+        deadline = time.monotonic() + 20
+        while len(seen) < 7 and time.monotonic() < deadline:
+            for recs in c.poll(500).values():
+                seen += [(r.offset, r.timestamp, r.key, r.value, list(r.headers)) for r in recs]
+        assert seen == want(3)
+    finally:
+        c.close()

@@ -28,8 +28,9 @@ from dafka.config import NodeConfig
 from dafka.core import wire
 from dafka.nodes.consumer import Consumer
 from dafka.nodes.producer import Producer
+from dafka.store.block import HEADER_SIZE
 from dafka.store.db import RecordDB
-from dafka.tank.bundle import CODEC_NONE, CODEC_SNAPPY, Record, encode_bundle
+from dafka.tank.bundle import CODEC_NONE, CODEC_SNAPPY, Record, decode_chunk, encode_bundle
 from dafka.tank.client import TankClient, TankError, UnknownTopicError
 from dafka.tank.codec import FrameBuffer, encode_frame, encode_str8, encode_varint, frame_header
 from dafka.tank.gateway import TANK_VERSION, Gateway
@@ -1453,3 +1454,53 @@ def test_produced_bundles_come_back_byte_for_byte(gw: Gateway, client: TankClien
     # From seq 20 (inside the second bundle): the chunk begins at that bundle's first seq.
     assert p.base_seq == 3 and p.hwm == 34
     assert p.chunk == b"".join(encode_varint(len(b)) + b for b in bundles[1:])
+
+
+# ---------------------------------------------------------------- the partial front block
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_records_deleted_from_inside_a_bundle_never_come_back(gw: Gateway, client: TankClient, sparse: bool) -> None:
+    """A DeleteRecords-style delete moves the partition's first inside its second stored
+    bundle (the partial front block).  Before the fix a consume from seq 0 got that bundle
+    whole, the deleted records below first with it, on the wire (a client asking for seq 0
+    kept them).  Now only records from first on go out, and the bundles after the front one
+    still go whole, as stored."""
+    client.create_topic("front", 1)
+    for b in range(3):  # offsets 0-9, 10-19, 20-29: seqs 1-30, one block each
+        msgs = [(None, b"m%d" % (b * 10 + i), TS + i) for i in range(10)]
+        if sparse:  # a sparse bundle in a plain Produce: stored with its own seqs
+            bundle = encode_bundle([(b * 10 + i + 1, t, k, v) for i, (k, v, t) in enumerate(msgs)], sparse=True)
+            assert client.request(produce_frame_request(client, "front", 0, bundle)).topics[0].partitions[0].error == 0
+        else:
+            assert client.produce("front", 0, msgs) == 0
+    address = gw.pmap.get("front", 0).address
+    with gw.db._read_txn() as (txn, dbs):
+        assert len([k for k, _v in txn.cursor(db=dbs.blocks)]) == 3
+    assert gw.db.delete_front("front", address, 15) == (15, True)  # first: offset 15, seq 16
+
+    want = [b"m%d" % i for i in range(15, 30)]
+    for seq in (0, 16):
+        assert values(consume_all(client, "front", 0, seq)) == want, seq
+    # The sliced front bundle keeps the records' seqs and producer timestamps.
+    assert [r[:2] for r in consume_all(client, "front", 0, 0)] == [(j + 1, TS + j % 10) for j in range(15, 30)]
+    for seq in (1, 10, 15):  # below first, not 0: a boundary check pointing at first (Tank's rule)
+        r = client.consume("front", 0, seq, 1 << 20)
+        assert r.boundary_check and r.first_avail == 16 and not r.messages
+    assert values(consume_all(client, "front", 0, 18)) == want[2:]
+
+    # On the wire: the chunk of a consume from 0 holds nothing below seq 16 (decoded with
+    # no floor), and the bundle after the front one is the stored one, byte for byte.
+    with connect_raw(gw.tank_port) as s:
+        s.sendall(consume_frame(7, "front", 0, 0))
+        msg_id, body = recv_frame(s)
+        resp = decode_response(msg_id, body)
+        assert isinstance(resp, ConsumeResponse)
+        p = resp.topics[0].partitions[0]
+        assert p.flags == ConsumeFlag.OK and p.base_seq == 16
+        got = decode_chunk(p.chunk, p.base_seq, 0)
+        assert [(m[0], bytes(m[3])) for m in got.records] == [(16 + i, v) for i, v in enumerate(want)]
+        with gw.db._read_txn() as (txn, dbs):
+            stored = [bytes(v) for _k, v in txn.cursor(db=dbs.blocks)]
+        last = stored[-1][HEADER_SIZE:]
+        assert p.chunk.endswith(encode_varint(len(last)) + last)
