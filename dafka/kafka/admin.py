@@ -132,6 +132,7 @@ class AdminHandlers:
         def _reply(self, corr: int, api_key: int, version: int, **fields: Any) -> Any: ...
         def _partitions_of(self, topic: str) -> Any: ...
         def _bounds(self, part: Any) -> tuple[int, int]: ...
+        def drop_ahead(self, topic: str, address: str) -> None: ...
 
     # ---------------------------------------------------------------- configs
 
@@ -339,6 +340,9 @@ class AdminHandlers:
         if not 0 <= offset <= hwm:
             return Err.OFFSET_OUT_OF_RANGE, start
         done = offset <= start
+        if not done:
+            # Batches read ahead for this partition may hold records this delete hides.
+            self.drop_ahead(part.topic, part.address)
         while not done and budget[0] > 0:
             step = min(DELETE_STEP, budget[0])
             try:

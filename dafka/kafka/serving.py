@@ -803,6 +803,12 @@ class KafkaServer(AdminHandlers, TxnHandlers):
         """Whether :meth:`read_ahead` has work."""
         return bool(self._wanted)
 
+    def drop_ahead(self, topic: str, address: str) -> None:
+        """Forget what was read ahead for a partition (its front moved: a DeleteRecords)."""
+        old = self._ahead.pop((topic, address), None)
+        if old is not None:
+            self._ahead_bytes -= len(old[2])
+
     def read_ahead(self, now: float) -> None:
         """Encode the batches consumers will ask for next (at most AHEAD_BYTES held,
         each for AHEAD_SECONDS unless asked for)."""

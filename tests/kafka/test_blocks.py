@@ -276,3 +276,26 @@ def test_records_deleted_from_inside_a_stored_batch_never_go_out(kgw: KafkaGatew
         assert seen == want(3)
     finally:
         c.close()
+
+
+def test_delete_records_drops_the_batches_read_ahead_for_its_partition(kgw: KafkaGateway) -> None:
+    """The gateway encodes the next answer of a consumer ahead (from the offset its last
+    answer ended at, the block holding it whole).  Read before a DeleteRecords, it could
+    hold records the delete hid: the delete drops it, so the next fetch reads the store."""
+    from kafka.protocol.consumer import FetchResponse
+
+    from tests.kafka.test_admin import delete_records
+    from tests.kafka.test_gateway import read_frame
+    from tests.kafka.test_hostile import fetch_frame
+
+    kgw.create_topic("ahead", 1)
+    with socket.create_connection((HOST, kgw.kafka_port)) as s:
+        for i in range(3):
+            assert produce_raw(s, i, "ahead", bytes(batch_of(5))).base_offset == 5 * i
+        s.sendall(fetch_frame(9, "ahead", 0, max_bytes=100))  # one batch; the next is read ahead
+        p = FetchResponse.decode(read_frame(s)[4:], version=11).responses[0].partitions[0]
+        assert p.error_code == 0 and p.records
+    key = ("ahead", kgw.pmap.get("ahead", 0).address)
+    assert wait_until(lambda: key in kgw.kafka._ahead, 10)
+    assert delete_records(kgw.kafka_port, "ahead", 7) == (Err.NONE, 7)
+    assert key not in kgw.kafka._ahead
