@@ -594,6 +594,11 @@ def test_producer_paces_a_burst_larger_than_the_queues(cfg: NodeConfig) -> None:
     # Queues of 100 messages each side: a paced producer waits for room and the
     # consumer gets a 20,000-record burst whole, with no FETCH; a lossy one
     # (pace_limit=0, as the C reference) drops most of it and FETCHes follow.
+    # A FETCH in the paced pass was a head announcing a chunk's last offset while
+    # that chunk still waited for room: the HEAD tick (3ffc28b) and a DIRECT-HEAD
+    # answering a GET-HEADS the consumer sends when the producer connects to it
+    # mid-burst (6e20a88; the FETCH ran from the consumer's next offset to that
+    # head).  Each has its own deterministic test above.
     from dataclasses import replace
 
     small = replace(cfg, hwm=100)
