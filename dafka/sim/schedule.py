@@ -34,8 +34,9 @@ Kinds (``a``, ``b`` are the step's two numbers):
 ``freeze s ms``   store s is stopped (SIGSTOP) past skip_after (12..20 s): the
                   other stores give up what only it holds (recorded holes) and
                   repair them from it once it continues.  Applied only while
-                  every acknowledged record it holds is held by another live
-                  store too (otherwise it is a plain ``stop`` of 5 s): a record
+                  every acknowledged record it holds (an ACK it sent that is
+                  still on the wire included) is held by another live store
+                  too (otherwise it is a plain ``stop`` of 5 s): a record
                   whose only holder is away past skip_after is skipped by
                   readers by design (skip_after bounds how long they wait).
 
