@@ -40,6 +40,7 @@ from dafka.errors import BufferFullError, ClosedError, PublishError, RecordTooLa
 from dafka.nodes import security
 from dafka.nodes.node import new_address
 from dafka.nodes.receipt import Receipt, ReceiptCallbacks, check_content
+from dafka.outbox.host import ProducerPort
 
 log = logging.getLogger("dafka.leaf")
 
@@ -207,17 +208,11 @@ class LeafLoop:
             self._ticking[member] = due
 
 
-class _LeafOutboxPort:
+class _LeafOutboxPort(ProducerPort):
     """What a leaf producer offers its outbox (:class:`dafka.outbox.host.OutboxHost`)."""
 
-    __slots__ = ("_producer",)
-
-    def __init__(self, producer: LeafProducer) -> None:
-        self._producer = producer
-
-    @property
-    def address(self) -> str:
-        return self._producer.address
+    __slots__ = ()
+    _producer: LeafProducer
 
     @property
     def window(self) -> UnackedWindow:
@@ -228,18 +223,6 @@ class _LeafOutboxPort:
         # A reopened outbox's records: the link sends from the same window.
         self._producer.window = window
         self._producer.link.window = window
-
-    @property
-    def lock(self) -> Any:
-        return self._producer._lock
-
-    @property
-    def publish_timeout(self) -> float | None:
-        return self._producer.publish_timeout
-
-    @property
-    def closed(self) -> bool:
-        return self._producer._closed
 
     @property
     def resume_error(self) -> None:

@@ -44,6 +44,7 @@ from dafka.nodes.loop import NodeLoop
 from dafka.nodes.node import Node, Route, read_subscriptions
 from dafka.nodes.receipt import Receipt as Receipt  # (re-exported: it was defined here)
 from dafka.nodes.receipt import ReceiptCallbacks, check_content
+from dafka.outbox.host import ProducerPort
 
 _ONLY_BYTES = frozenset((bytes,))
 
@@ -79,37 +80,11 @@ _monotonic = time.monotonic
 
 
 
-class _OutboxPort:
+class _OutboxPort(ProducerPort):
     """What a producer offers its outbox (:class:`dafka.outbox.host.OutboxHost`)."""
 
-    __slots__ = ("_producer",)
-
-    def __init__(self, producer: Producer) -> None:
-        self._producer = producer
-
-    @property
-    def address(self) -> str:
-        return self._producer.address
-
-    @property
-    def window(self) -> UnackedWindow:
-        return self._producer.window
-
-    @window.setter
-    def window(self, window: UnackedWindow) -> None:
-        self._producer.window = window
-
-    @property
-    def lock(self) -> FairLock:
-        return self._producer._lock
-
-    @property
-    def publish_timeout(self) -> float | None:
-        return self._producer.publish_timeout
-
-    @property
-    def closed(self) -> bool:
-        return self._producer._closed
+    __slots__ = ()
+    _producer: Producer
 
     @property
     def resume_error(self) -> ResumeError | None:

@@ -55,3 +55,37 @@ class OutboxHost(Protocol):
 
     def hold_beacons(self) -> None:
         """Stop beaconing: the partition is no longer this producer's to announce."""
+
+
+class ProducerPort:
+    """The part of :class:`OutboxHost` every producer kind offers the same way (its
+    partition, window, lock, timeout and state); a producer's port adds the rest."""
+
+    __slots__ = ("_producer",)
+
+    def __init__(self, producer: Any) -> None:
+        self._producer = producer
+
+    @property
+    def address(self) -> str:
+        return self._producer.address  # type: ignore[no-any-return]
+
+    @property
+    def window(self) -> UnackedWindow:
+        return self._producer.window  # type: ignore[no-any-return]
+
+    @window.setter
+    def window(self, window: UnackedWindow) -> None:
+        self._producer.window = window
+
+    @property
+    def lock(self) -> Any:
+        return self._producer._lock
+
+    @property
+    def publish_timeout(self) -> float | None:
+        return self._producer.publish_timeout  # type: ignore[no-any-return]
+
+    @property
+    def closed(self) -> bool:
+        return self._producer._closed  # type: ignore[no-any-return]
