@@ -121,6 +121,53 @@ def start_store_process(cfg: NodeConfig, db: Path) -> subprocess.Popen:
     assert b"store up" in line, line
     return proc
 
+
+def _tcp_states_to(port: int) -> set[str]:
+    """The states (hex, as /proc/net/tcp) of this host's IPv4 connections whose remote port is ``port``."""
+    states = set()
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            if int(fields[2].rsplit(":", 1)[1], 16) == port:
+                states.add(fields[3])
+    return states
+
+
+def handshakes_end_in_connect(monkeypatch: pytest.MonkeyPatch, refusals: dict[int, Callable[[], int]]) -> None:
+    """From now on, a ZeroMQ ``connect()`` to a port of ``refusals`` returns only once
+    the connecting side has given that connection up after a refused handshake.
+
+    ``refusals[port]()`` counts the handshakes the listener there refused.  Given up:
+    at least one refused, none of our connections open (established, connecting, or
+    half closed by the listener), and no new attempt (ZeroMQ reconnects after 0.1 s
+    when the connection broke before the handshake could fail) for half a second.
+    Only the first connect() to each port waits (a node's later reconnects do not).
+    As on a loaded machine, where ZeroMQ's I/O thread runs on while the caller waits
+    for the CPU: whatever the caller does after connect() comes after the refusal.
+    """
+    real_connect = zmq.Socket.connect
+    quiet = 0.5
+
+    def connect(sock: zmq.Socket, addr: str) -> Any:
+        result = real_connect(sock, addr)
+        port = int(addr.rsplit(":", 1)[1]) if addr.startswith("tcp://") else -1
+        refused = refusals.pop(port, None)
+        if refused is not None:
+            state: list[Any] = [None, 0.0]  # the (refusals, open) last seen, since when
+
+            def given_up() -> bool:
+                now = (refused(), bool(_tcp_states_to(port) & {"01", "02", "08"}))
+                if now != state[0]:
+                    state[:] = [now, time.monotonic()]
+                return now[0] > 0 and not now[1] and time.monotonic() - state[1] >= quiet
+
+            wait_until(given_up, timeout=10, interval=0.005)
+        return result
+
+    monkeypatch.setattr(zmq.Socket, "connect", connect)
+
+
 class RawPeer:
     """A hand-driven mesh node made of raw ZeroMQ sockets.
 
