@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,6 +29,16 @@ settings.register_profile("dafka", deadline=None, suppress_health_check=[HealthC
 # meet by chance (a run draws fresh examples each time).
 settings.register_profile("deep", parent=settings.get_profile("dafka"), max_examples=2000)
 settings.load_profile(os.environ.get("DAFKA_HYPOTHESIS_PROFILE", "dafka"))
+
+# A shell starts a background job (`make test > log &`, `nohup make test &`) with
+# SIGINT ignored, and an ignored signal stays ignored across fork and exec: every
+# process the tests start then ignored the Ctrl-C a test sends it (Python raises
+# KeyboardInterrupt only where SIGINT was not ignored at its start), and the Ctrl-C
+# tests failed however the code behaved (`dafka consume` never exited, `dafka bench`
+# ran to its end).  The tests play a user at a terminal: what they start gets SIGINT
+# at its default (a handler is reset to the default by exec; an ignored signal is not).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:
@@ -120,6 +131,53 @@ def start_store_process(cfg: NodeConfig, db: Path) -> subprocess.Popen:
     line = proc.stdout.readline()
     assert b"store up" in line, line
     return proc
+
+
+def _tcp_states_to(port: int) -> set[str]:
+    """The states (hex, as /proc/net/tcp) of this host's IPv4 connections whose remote port is ``port``."""
+    states = set()
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            if int(fields[2].rsplit(":", 1)[1], 16) == port:
+                states.add(fields[3])
+    return states
+
+
+def handshakes_end_in_connect(monkeypatch: pytest.MonkeyPatch, refusals: dict[int, Callable[[], int]]) -> None:
+    """From now on, a ZeroMQ ``connect()`` to a port of ``refusals`` returns only once
+    the connecting side has given that connection up after a refused handshake.
+
+    ``refusals[port]()`` counts the handshakes the listener there refused.  Given up:
+    at least one refused, none of our connections open (established, connecting, or
+    half closed by the listener), and no new attempt (ZeroMQ reconnects after 0.1 s
+    when the connection broke before the handshake could fail) for half a second.
+    Only the first connect() to each port waits (a node's later reconnects do not).
+    As on a loaded machine, where ZeroMQ's I/O thread runs on while the caller waits
+    for the CPU: whatever the caller does after connect() comes after the refusal.
+    """
+    real_connect = zmq.Socket.connect
+    quiet = 0.5
+
+    def connect(sock: zmq.Socket, addr: str) -> Any:
+        result = real_connect(sock, addr)
+        port = int(addr.rsplit(":", 1)[1]) if addr.startswith("tcp://") else -1
+        refused = refusals.pop(port, None)
+        if refused is not None:
+            state: list[Any] = [None, 0.0]  # the (refusals, open) last seen, since when
+
+            def given_up() -> bool:
+                now = (refused(), bool(_tcp_states_to(port) & {"01", "02", "08"}))
+                if now != state[0]:
+                    state[:] = [now, time.monotonic()]
+                return now[0] > 0 and not now[1] and time.monotonic() - state[1] >= quiet
+
+            wait_until(given_up, timeout=10, interval=0.005)
+        return result
+
+    monkeypatch.setattr(zmq.Socket, "connect", connect)
+
 
 class RawPeer:
     """A hand-driven mesh node made of raw ZeroMQ sockets.

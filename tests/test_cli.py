@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -268,6 +269,25 @@ def test_consume_without_tower_says_so() -> None:
     assert "note: no tower reached at 127.0.0.1" in out.stderr
     line = error_line(out)
     assert "got 0 of 2 records within 4s" in line and "no tower reached" in line
+
+
+def test_processes_the_tests_start_take_ctrl_c() -> None:
+    # The Ctrl-C tests below send SIGINT to a `dafka` process: it must start with
+    # SIGINT neither ignored nor blocked, however the suite itself was started
+    # (see tests/conftest.py: a shell's background job ignores SIGINT).
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler,"
+            " signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))",
+        ],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=60,
+    )
+    assert probe.stdout.split() == ["True", "False"], (probe.stdout, probe.stderr)
 
 
 def test_consume_interrupted_exits_130() -> None:

@@ -25,7 +25,7 @@ from dafka.nodes.node import new_address
 from dafka.nodes.producer import Producer
 from dafka.nodes.tower import Tower
 from dafka.store.node import Store
-from tests.conftest import ROOT, dafka_cmd, subprocess_env, wait_until
+from tests.conftest import ROOT, dafka_cmd, handshakes_end_in_connect, subprocess_env, wait_until
 from tests.secure_rogue import Forger, RestartedOwner, SilentStore, VoidForger
 
 ROLES = {
@@ -432,6 +432,31 @@ def test_added_key_joins_without_restart(pki: Pki, secure_tower: Tower) -> None:
             wait_until(lambda: len(newcomer.peers) == 1 and len(producer.peers) == 1, 10)
             got = wait_until(lambda: producer.publish(b"welcome") and newcomer.poll(0.2), 10)
             assert got.content == b"welcome"
+
+
+def test_a_refusal_before_the_node_has_started_is_retried(
+    pki: Pki, secure_tower: Tower, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As in test_why.py for a plain node: the tower refuses the handshake before the
+    # node's constructor has gone on from connect() (on a loaded machine).  ZeroMQ
+    # gives a refused connection up for good, so a refusal the node's monitor did not
+    # see was never retried: the node never joined, even once its key was allowed.
+    refusals_in, refusals_out = secure_tower._refusals
+    handshakes_end_in_connect(
+        monkeypatch,
+        {secure_tower.in_port: lambda: refusals_in.count, secure_tower.out_port: lambda: refusals_out.count},
+    )
+    with (
+        caplog.at_level(logging.WARNING, logger="dafka.consumer"),
+        Consumer("t", node_cfg(pki, secure_tower, "intruder")) as newcomer,
+    ):
+        said = [
+            f"handshake on tcp://127.0.0.1:{port} refused: our key is not in its allow-list"
+            for port in (secure_tower.in_port, secure_tower.out_port)
+        ]
+        wait_until(lambda: all(s in caplog.text for s in said), 10)
+        shutil.copy(pki.keys / "intruder.key", pki.allow)
+        wait_until(lambda: newcomer.tower_watch.reached, 10)
 
 
 def test_status_probe_joins_once_its_key_is_added(pki: Pki, secure_tower: Tower) -> None:

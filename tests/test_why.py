@@ -12,7 +12,13 @@ from dafka.config import NodeConfig
 from dafka.errors import CommitError
 from dafka.nodes.consumer import Consumer
 from dafka.store.node import Store
-from tests.conftest import dafka_cmd, subprocess_env, tower_flag, wait_until
+from tests.conftest import (
+    dafka_cmd,
+    handshakes_end_in_connect,
+    subprocess_env,
+    tower_flag,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,6 +89,43 @@ def test_plain_node_at_a_secure_tower_says_the_tower_refused_it(tmp_path: Path, 
             plain_tower = wait_until(lambda: _tower_on(*ports), timeout=10)  # the old one closes asynchronously
             with plain_tower:
                 wait_until(lambda: consumer.tower_watch.reached, timeout=10)
+
+
+def test_a_refusal_before_the_node_has_started_is_still_seen(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On loopback the secure tower refuses the handshake within a millisecond of
+    # connect(); a loaded machine lets it happen before the node's constructor goes
+    # on.  The node's monitors must have been watching from before the connect
+    # (attached after it, they never saw the refusal: said nothing, retried nothing).
+    import logging
+
+    from dafka.config import TowerAddress
+    from dafka.nodes import security
+    from dafka.nodes.tower import Tower
+
+    security.new_keys("tower", "tower", tmp_path / "keys")
+    allow = tmp_path / "allow"
+    allow.mkdir()
+    tower_cfg = security.SecurityConfig(str(tmp_path / "keys" / "tower.key_secret"), str(allow), ())
+    with Tower("127.0.0.1", 0, 0, tower_cfg) as tower:
+        refusals_in, refusals_out = tower._refusals
+        handshakes_end_in_connect(
+            monkeypatch, {tower.in_port: lambda: refusals_in.count, tower.out_port: lambda: refusals_out.count}
+        )
+        plain = NodeConfig(
+            towers=(TowerAddress("127.0.0.1", tower.in_port, tower.out_port),),
+            bind="127.0.0.1",
+            beacon_interval=0.2,
+            beacon_timeout=2.0,
+        )
+        with caplog.at_level(logging.WARNING, logger="dafka.consumer"), Consumer("t", plain):
+            # Both beacon sockets' refusals are seen (each tower endpoint named once).
+            said = [
+                f"the tower at tcp://127.0.0.1:{port} refused the handshake: it is a secure (CURVE) tower"
+                for port in (tower.in_port, tower.out_port)
+            ]
+            wait_until(lambda: all(s in caplog.text for s in said), timeout=10)
 
 
 def _tower_on(in_port: int, out_port: int):

@@ -247,6 +247,36 @@ class Node(DiscoveryMixin, ChannelsMixin, SocketsMixin, TimersMixin):
             for sock in (self.beacon_pub, self.beacon_sub):
                 sock.setsockopt(zmq.LINGER, 0)
                 security.make_client(sock, self.keys)
+        # The beacon sockets' monitors are attached before they connect: a monitor
+        # sees only what happens after it is attached, and on loopback a tower
+        # refuses a handshake within a millisecond of the connect, before the rest
+        # of this constructor has run (the refusal was then never seen).
+        if self.keys is not None:
+            # The connecting side logs refused handshakes too (a plain tower cannot
+            # tell why a secure node fails) and retries them.
+            for sock, what in (
+                (self.beacon_sub, "beacons"),
+                (self.beacon_pub, "beacons out"),
+            ):
+                self._refusals.append(
+                    security.RefusalLog(
+                        sock,  # type: ignore[arg-type]
+                        f"{self.kind} {what}",
+                        self.log,
+                        lambda endpoint, s=sock: self._retry_later(s, endpoint),
+                    )
+                )
+            self._retries = security.Retries(RETRY_REFUSED)
+        # A plain node at a secure tower: the handshake fails (mechanism mismatch)
+        # and ZeroMQ gives the connection up.  Watched, to say so and retry.
+        self._tower_monitors: list[tuple[zmq.Socket, zmq.Socket]] = []
+        if sec is None and cfg.towers:
+            for sock in (self.beacon_sub, self.beacon_pub):
+                monitor = sock.get_monitor_socket(
+                    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+                    f"inproc://dafka-tower-handshakes-{new_address()}",
+                )
+                self._tower_monitors.append((sock, monitor))
         for i, tower in enumerate(cfg.towers):
             # connect() never fails for a tower that is not up yet: ZeroMQ
             # keeps retrying, so a node may start before its tower.
@@ -271,21 +301,6 @@ class Node(DiscoveryMixin, ChannelsMixin, SocketsMixin, TimersMixin):
         self.duplicates_seen = 0
         if self.keys is not None:
             self._beacon = security.secure_node_beacon(self._beacon, self.keys.public)
-            # The connecting side logs refused handshakes too (a plain tower cannot
-            # tell why a secure node fails) and retries them.
-            for sock, what in (
-                (self.beacon_sub, "beacons"),
-                (self.beacon_pub, "beacons out"),
-            ):
-                self._refusals.append(
-                    security.RefusalLog(
-                        sock,  # type: ignore[arg-type]
-                        f"{self.kind} {what}",
-                        self.log,
-                        lambda endpoint, s=sock: self._retry_later(s, endpoint),
-                    )
-                )
-            self._retries = security.Retries(RETRY_REFUSED)
         else:
             self._refusals.append(
                 security.RefusalLog(
@@ -333,16 +348,6 @@ class Node(DiscoveryMixin, ChannelsMixin, SocketsMixin, TimersMixin):
         self.every(CUT_IDLE, self._check_cuts)
         if self.keys is not None:
             self.every(cfg.beacon_interval, self._sweep_channel_monitors)
-        # A plain node at a secure tower: the handshake fails (mechanism mismatch)
-        # and ZeroMQ gives the connection up.  Watched, to say so and retry.
-        self._tower_monitors: list[tuple[zmq.Socket, zmq.Socket]] = []
-        if sec is None and cfg.towers:
-            for sock in (self.beacon_sub, self.beacon_pub):
-                monitor = sock.get_monitor_socket(
-                    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
-                    f"inproc://dafka-tower-handshakes-{new_address()}",
-                )
-                self._tower_monitors.append((sock, monitor))
         self._tower_refused: set[tuple[zmq.Socket, str]] = set()  # to connect again
         if sec is not None:
             self._check_own_role()
