@@ -1,0 +1,236 @@
+"""Leaf readers, sans-IO (dafka.core.leafread): the endpoint's ReadPort and the device's LeafReader."""
+
+from __future__ import annotations
+
+from dafka.core import leafwire, wire
+from dafka.core.leaf import Connect, LeafPort, Reply, Send, Serve
+from dafka.core.leafread import LeafReader, ReadPort
+
+R = "READER0123456789ABCDEF0123456789"  # the reader's address
+P = "P" * 32
+Q = "Q" * 32
+T = "commands/dev-1"
+PEER = b"\x00peer1"
+
+
+class Held:
+    """What the store holds: partitions of topics, as ReadPort asks."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, dict[str, tuple[int, int]]] = {}
+
+    def __call__(self, subject: str) -> list[tuple[str, int, int]]:
+        return [(p, f, last) for p, (f, last) in sorted(self.parts.get(subject, {}).items())]
+
+
+def port(held: Held | None = None, **kw: object) -> tuple[LeafPort, ReadPort]:
+    leaf = LeafPort(lambda s, p: -1, address="S" * 32, bad_limit=kw.pop("bad_limit", 16))  # type: ignore[arg-type]
+    reads = ReadPort(held or Held(), strike=leaf._strike, address="S" * 32, **kw)  # type: ignore[arg-type]
+    leaf.reads = reads
+    return leaf, reads
+
+
+def read(subject: str = T, reader: str = R) -> list[bytes]:
+    return leafwire.encode(leafwire.LeafRead(reader, subject))
+
+
+def decoded(actions: list) -> list:  # type: ignore[type-arg]
+    return [leafwire.decode(a.frames) if isinstance(a, Reply) else a for a in actions]
+
+
+# ---------------------------------------------------------------- endpoint side
+
+
+def test_read_lists_the_partitions_held_then_commits_push_new_records() -> None:
+    held = Held()
+    held.parts[T] = {P: (0, 9)}
+    leaf, reads = port(held)
+    [reading] = decoded(leaf.on_message(PEER, read(), 0.0))
+    assert reading == leafwire.LeafReading(R, T, 32, (leafwire.ReadPartition(P, 0, 9),))
+    # A commit of the partition: the new records pushed; another topic's: nothing.
+    assert reads.on_commit({(T, P): 12, ("other", P): 5}) == [Serve(PEER, R, T, P, 10, 3, reads.max_answer_bytes)]
+    assert reads.on_commit({(T, P): 12}) == []  # nothing new
+    # A partition new to the topic: from its first record.
+    assert reads.on_commit({(T, Q): 1}) == [Serve(PEER, R, T, Q, 0, 2, reads.max_answer_bytes)]
+
+
+def test_a_commit_of_more_than_max_push_is_announced_not_pushed() -> None:
+    leaf, reads = port(max_push=4)
+    leaf.on_message(PEER, read(), 0.0)
+    [head] = decoded(reads.on_commit({(T, P): 10}))
+    assert head == wire.DirectHead(R, P, T, 10)
+    assert reads.heads_sent == 1
+
+
+def test_fetch_answered_bounded_and_only_for_the_readers_partitions() -> None:
+    held = Held()
+    held.parts[T] = {P: (0, 1000)}
+    leaf, reads = port(held)
+    leaf.on_message(PEER, read(), 0.0)
+    [serve] = leaf.on_message(PEER, wire.encode(wire.Fetch(P, R, T, 5, 100_000)), 0.0)
+    assert serve == Serve(PEER, R, T, P, 5, 32, reads.max_answer_bytes)  # count clipped to max_answer
+    # Huge positions are just offsets nobody holds (the database answers nothing).
+    [serve] = leaf.on_message(PEER, wire.encode(wire.Fetch(P, R, T, 2**64 - 1, 2**32 - 1)), 0.0)
+    assert serve.first == 2**64 - 1 and serve.count == 32
+    # Another partition, another reader address, a topic not read: hostile, not answered.
+    bad = leaf.bad
+    assert leaf.on_message(PEER, wire.encode(wire.Fetch(Q, R, T, 0, 1)), 0.0) == []
+    assert leaf.on_message(PEER, wire.encode(wire.Fetch(P, "X" * 32, T, 0, 1)), 0.0) == []
+    assert leaf.on_message(PEER, wire.encode(wire.Fetch(P, R, "other", 0, 1)), 0.0) == []
+    assert leaf.on_message(b"\x00other", wire.encode(wire.Fetch(P, R, T, 0, 1)), 0.0) == []
+    assert leaf.bad == bad + 4
+
+
+def test_a_fetch_flood_is_answered_at_the_rate_and_the_rest_dropped() -> None:
+    held = Held()
+    held.parts[T] = {P: (0, 10)}
+    leaf, reads = port(held, fetch_rate=10.0)
+    leaf.on_message(PEER, read(), 0.0)
+    fetch = wire.encode(wire.Fetch(P, R, T, 0, 5))
+    answered = sum(len(leaf.on_message(PEER, fetch, 0.0)) for _ in range(10_000))
+    assert answered == 10 and reads.fetches_dropped == 9_990
+    # The budget refills with time; an honest reader asks again.
+    assert len(leaf.on_message(PEER, fetch, 0.5)) == 1
+    assert leaf.bad == 0  # a flood of the reader's own partition is not hostile, only dropped
+
+
+def test_unknown_or_forbidden_topics_and_too_many_topics_are_refused() -> None:
+    leaf = LeafPort(lambda s, p: -1, address="S" * 32, keeps=lambda s: s != "not-kept")
+    reads = ReadPort(Held(), strike=leaf._strike, may_read=lambda key, s: not s.startswith("secret"),
+                     max_per_connection=2)
+    leaf.reads = reads
+    [status] = decoded(leaf.on_message(PEER, read("not-kept"), 0.0))
+    assert isinstance(status, wire.StoreStatus) and status.writing == 0 and "does not keep" in status.reason
+    [status] = decoded(leaf.on_message(PEER, read("secret/x"), 0.0))
+    assert status.writing == 0 and "may not be read" in status.reason
+    assert leaf.bad == 1  # a forbidden topic counts as hostile; a topic not kept does not
+    assert isinstance(decoded(leaf.on_message(PEER, read("a"), 0.0))[0], leafwire.LeafReading)
+    assert isinstance(decoded(leaf.on_message(PEER, read("b"), 0.0))[0], leafwire.LeafReading)
+    [status] = decoded(leaf.on_message(PEER, read("c"), 0.0))
+    assert "at most 2 topics" in status.reason
+    assert isinstance(decoded(leaf.on_message(PEER, read("a"), 1.0))[0], leafwire.LeafReading)  # again: fine
+    assert len(reads) == 2
+
+
+def test_a_session_reads_at_most_max_partitions() -> None:
+    held = Held()
+    held.parts[T] = {f"{i:032d}": (0, 0) for i in range(10)}
+    leaf, reads = port(held, max_partitions=4)
+    [reading] = decoded(leaf.on_message(PEER, read(), 0.0))
+    assert len(reading.partitions) == 4 and reads.partitions_over == 6
+    assert reads.on_commit({(T, "new"): 3}) == []  # no room for a new one
+    assert reads.partitions_over == 7
+
+
+def test_sessions_are_bounded_expire_and_go_with_a_hostile_connection() -> None:
+    leaf, reads = port(max_sessions=3, bad_limit=3)
+    for i in range(5):
+        leaf.on_message(b"peer%d" % i, read(), float(i))
+    assert len(reads) == 3 and reads.evicted == 2
+    assert reads.expire(400.0) == 3 and len(reads) == 0 and not reads.by_subject
+    leaf.on_message(PEER, read(), 500.0)
+    for _ in range(3):
+        leaf.on_message(PEER, [b"garbage"], 500.0)
+    assert len(reads) == 0  # ignored: its sessions dropped
+    assert leaf.on_message(PEER, read(), 501.0) == []  # and nothing more taken from it
+
+
+def test_reads_and_the_producer_session_share_a_connection() -> None:
+    leaf, reads = port()
+    hello = leafwire.encode(leafwire.LeafHello(P, "telemetry", -1, 0))
+    assert isinstance(decoded(leaf.on_message(PEER, hello, 0.0))[0], leafwire.LeafWelcome)
+    assert isinstance(decoded(leaf.on_message(PEER, read(), 0.0))[0], leafwire.LeafReading)
+    assert len(leaf) == 1 and len(reads) == 1
+
+
+def test_a_port_without_readers_refuses_them_as_hostile() -> None:
+    leaf = LeafPort(lambda s, p: -1)
+    assert leaf.on_message(PEER, read(), 0.0) == [] and leaf.bad == 1
+
+
+# ---------------------------------------------------------------- device side
+
+
+def reading(*parts: tuple[str, int, int], reader: str = R, max_answer: int = 32) -> list[bytes]:
+    return leafwire.encode(leafwire.LeafReading(reader, T, max_answer,
+                                                tuple(leafwire.ReadPartition(*p) for p in parts)))
+
+
+def record(seq: int, partition: str = P) -> list[bytes]:
+    return wire.encode(wire.DirectRecord(R, partition, T, seq, b"c%d" % seq))
+
+
+def fetches(actions: list) -> list[tuple[str, int, int]]:  # type: ignore[type-arg]
+    out = []
+    for a in actions:
+        if isinstance(a, Send):
+            msg = leafwire.decode(a.frames)
+            if isinstance(msg, wire.Fetch):
+                out.append((msg.topic, msg.sequence, msg.count))
+    return out
+
+
+def test_reader_says_read_fetches_what_it_lacks_in_answers_sized_chunks_then_takes_pushes() -> None:
+    rd = LeafReader(T, R, ["a:1", "b:2"])
+    start = rd.start(0.0)
+    assert start[0] == Connect("a:1") and leafwire.decode(start[1].frames) == leafwire.LeafRead(R, T)
+    out: list[tuple[str, int, bytes]] = []
+    assert fetches(rd.on_message(reading((P, 0, 99), max_answer=10), 0.1, out)) == [(P, 0, 10)]
+    for i in range(9):
+        assert rd.on_message(record(i), 0.2, out) == []
+    assert fetches(rd.on_message(record(9), 0.2, out)) == [(P, 10, 10)]  # the next chunk once one is in
+    assert [o for _, o, _ in out] == list(range(10))
+    # A push ahead of what it has: held, and the hole fetched.
+    out.clear()
+    assert fetches(rd.on_message(record(100), 0.3, out)) == [(P, 10, 10)] or rd.trackers[P].fetch_upto >= 10
+    assert out == []
+
+
+def test_reader_resumes_at_its_position_and_earliest_or_latest_for_new_partitions() -> None:
+    out: list[tuple[str, int, bytes]] = []
+    rd = LeafReader(T, R, ["a:1"], positions={P: 50})
+    rd.start(0.0)
+    assert fetches(rd.on_message(reading((P, 0, 60), (Q, 5, 7)), 0.1, out)) == [(P, 50, 11), (Q, 5, 3)]
+    latest = LeafReader(T, R, ["a:1"], earliest=False)
+    latest.start(0.0)
+    assert fetches(latest.on_message(reading((P, 0, 60)), 0.1, out)) == []
+    assert latest.positions() == {P: 61}
+    # A partition that appears after the READ is read from its first record, latest or not.
+    latest.on_message(record(0, Q), 0.2, out)
+    assert out == [(Q, 0, b"c0")]
+
+
+def test_reader_fails_over_when_read_is_not_answered_and_polls_after_silence() -> None:
+    rd = LeafReader(T, R, ["a:1", "b:2"], connect_timeout=2.0, poll_interval=5.0)
+    rd.start(0.0)
+    out: list[tuple[str, int, bytes]] = []
+    assert rd.on_tick(1.9, out) == []
+    actions = rd.on_tick(2.0, out)
+    assert actions[0] == Connect("b:2") and rd.failovers == 1
+    rd.on_message(reading((P, 0, -1)), 2.5, out)
+    assert rd.on_tick(7.0, out) == []
+    again = rd.on_tick(7.5, out)  # 5 s of silence: LEAF-READ again on the same connection
+    assert [leafwire.decode(a.frames) for a in again] == [leafwire.LeafRead(R, T)]
+    # Not answered within connect_timeout (backoff reset by the READING): the next endpoint.
+    assert rd.on_tick(9.5, out)[0] == Connect("a:1")
+
+
+def test_reader_refused_moves_on_after_the_dwell_and_ignores_foreign_messages() -> None:
+    rd = LeafReader(T, R, ["a:1", "b:2"])
+    rd.start(0.0)
+    out: list[tuple[str, int, bytes]] = []
+    refusal = wire.encode(wire.StoreStatus(R, "S" * 32, T, 0, "not allowed"))
+    rd.on_message(refusal, 0.1, out)
+    assert rd.status == (False, "not allowed")
+    assert rd.on_tick(1.0, out)[0] == Connect("b:2")
+    rd.on_message(wire.encode(wire.DirectRecord("X" * 32, P, T, 0, b"x")), 1.1, out)  # another reader's
+    rd.on_message(wire.encode(wire.Ack(P, T, 3)), 1.1, out)  # a producer's
+    rd.on_message([b"garbage"], 1.1, out)
+    assert rd.bad_input == 3 and out == []
+
+
+def test_shared_connection_reader_never_connects() -> None:
+    rd = LeafReader(T, R, None, connect_timeout=1.0)
+    assert [leafwire.decode(a.frames) for a in rd.connected(0.0)] == [leafwire.LeafRead(R, T)]
+    again = rd.on_tick(1.0, [])
+    assert all(isinstance(a, Send) for a in again) and again
