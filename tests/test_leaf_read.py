@@ -260,3 +260,34 @@ def test_reader_fails_over_to_the_next_endpoint(cfg: NodeConfig, tmp_path: Path)
             c.close()
     b.send_signal(signal.SIGTERM)
     b.wait(15)
+
+
+def test_a_device_reads_its_commands_on_its_producers_connection(cfg: NodeConfig, tmp_path: Path) -> None:
+    """One DEALER per device: the reader rides the leaf producer's connection, and its failover."""
+    a, port_a = start_store(cfg, tmp_path / "a", leaves="127.0.0.1:0")
+    b, port_b = start_store(cfg, tmp_path / "b", leaves="127.0.0.1:0")
+    pos = tmp_path / "pos.json"
+    with Producer(CMD, cfg) as commander, Producer(
+        "telemetry", leaf=f"127.0.0.1:{port_a},127.0.0.1:{port_b}", ack_timeout=1.0, connect_timeout=1.0
+    ) as device:
+        c = device.reader(CMD, position=pos, poll_interval=0.5, connect_timeout=1.0)
+        try:
+            assert isinstance(c, LeafConsumer) and c.sock is device.sock
+            for i in range(10):
+                commander.publish(b"cmd-%d" % i)
+            assert device.publish(b"21.5").wait(10)  # its own records acknowledged meanwhile
+            assert take(c, 10) == [(i, b"cmd-%d" % i) for i in range(10)]
+            assert device.link.bad_input == 0  # no reader message reached the producer's link
+            a.send_signal(signal.SIGKILL)
+            a.wait(10)
+            receipts = [commander.publish(b"cmd-%d" % i) for i in range(10, 30)]
+            assert all(r.wait(20) for r in receipts)
+            # The device publishes nothing meanwhile: its reader finds A silent, the producer moves to B.
+            assert take(c, 20, timeout=30) == [(i, b"cmd-%d" % i) for i in range(10, 30)]
+            assert device.endpoint == c.endpoint == f"127.0.0.1:{port_b}"
+            assert device.publish(b"22.0").wait(20)
+        finally:
+            c.close()
+        assert json.loads(pos.read_text())["positions"] == {commander.address: 30}
+    b.send_signal(signal.SIGTERM)
+    b.wait(15)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dafka.core import leafwire, wire
 from dafka.core.leaf import Connect, LeafPort, Reply, Send, Serve
-from dafka.core.leafread import LeafReader, ReadPort
+from dafka.core.leafread import Failover, LeafReader, ReadPort
 
 R = "READER0123456789ABCDEF0123456789"  # the reader's address
 P = "P" * 32
@@ -229,8 +229,13 @@ def test_reader_refused_moves_on_after_the_dwell_and_ignores_foreign_messages() 
     assert rd.bad_input == 3 and out == []
 
 
-def test_shared_connection_reader_never_connects() -> None:
+def test_shared_connection_reader_never_connects_and_asks_the_owner_to_fail_over_only_on_silence() -> None:
     rd = LeafReader(T, R, None, connect_timeout=1.0)
     assert [leafwire.decode(a.frames) for a in rd.connected(0.0)] == [leafwire.LeafRead(R, T)]
-    again = rd.on_tick(1.0, [])
-    assert all(isinstance(a, Send) for a in again) and again
+    silent = rd.on_tick(1.0, [])  # no answer: the endpoint is gone, the producer it rides should move on
+    assert isinstance(silent[0], Failover) and [leafwire.decode(a.frames) for a in silent[1:]] == [leafwire.LeafRead(R, T)]
+    # A refusal proves the endpoint alive: only LEAF-READ again (after the dwell), no failover.
+    rd.on_message(wire.encode(wire.StoreStatus(R, "S" * 32, T, 0, "not allowed")), 1.5, [])
+    refused = rd.on_tick(2.5, [])
+    assert refused and all(isinstance(a, Send) for a in refused)
+    assert not any(isinstance(a, Connect) for a in silent + refused)

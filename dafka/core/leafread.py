@@ -282,7 +282,13 @@ class ReadPort:
 
 # ---------------------------------------------------------------- device side
 
-ReaderAction = Connect | Send
+@dataclass(slots=True)
+class Failover:
+    """The endpoint does not answer: the owner of the connection (a producer the reader
+    rides) should move to its next endpoint."""
+
+
+ReaderAction = Connect | Send | Failover
 READING, ACTIVE = "reading", "active"
 
 
@@ -360,7 +366,7 @@ class LeafReader:
         return [Connect(self.endpoints[self.index]), *self.connected(now)]
 
     def connected(self, now: float) -> list[ReaderAction]:
-        """A new connection: say LEAF-READ on it."""
+        """A new connection (or the same after a refusal): say LEAF-READ on it."""
         self.state = READING
         self.status = None
         return self._read(now, self.connect_timeout * self.backoff)
@@ -371,11 +377,16 @@ class LeafReader:
         return [Send(list(self._read_frames))]
 
     def failover(self, now: float) -> list[ReaderAction]:
-        """Give the current endpoint up: the next one (own connection), doubling the timeouts."""
+        """Give the current endpoint up: the next one (own connection), doubling the timeouts.
+
+        Riding another session's connection: after a refusal (the endpoint is alive,
+        it only does not let us read) say LEAF-READ again later; after silence ask
+        the connection's owner to fail over (:class:`Failover`), and say it again."""
         self.failovers += 1
         self.backoff = min(self.backoff * 2, MAX_BACKOFF)
         if self.endpoints is None:
-            return self.connected(now)  # (another session owns the connection: say it again)
+            refused = self.status is not None and not self.status[0]
+            return self.connected(now) if refused else [Failover(), *self.connected(now)]
         return self._connect(self.index + 1, now)
 
     # ------------------------------------------------------------ input

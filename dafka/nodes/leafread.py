@@ -11,6 +11,12 @@ shell: the connection (driven by a :class:`~dafka.nodes.leaf.LeafLoop`,
 shareable with leaf producers), the queue of delivered records, and the
 position file.
 
+A device that publishes too reads on its producer's connection:
+``producer.reader(topic)`` (``LeafConsumer(topic, via=producer)``) rides the
+leaf producer's DEALER (the endpoint keeps a reader session next to the
+producer's session on that connection); it follows the producer's failovers,
+and is closed before its producer.
+
 The position is the device's: ``position=PATH`` keeps the next offset of each
 partition of the records :meth:`LeafConsumer.poll` returned, saved every
 ``auto_commit_interval`` seconds, by :meth:`LeafConsumer.commit`, and at
@@ -40,7 +46,7 @@ from dafka.core.leaf import Connect
 from dafka.errors import ClosedError
 from dafka.nodes import security
 from dafka.nodes.consumer import ConsumerRecord, record_type
-from dafka.nodes.leaf import SNDHWM, LeafLoop, parse_endpoints
+from dafka.nodes.leaf import SNDHWM, LeafLoop, LeafProducer, parse_endpoints
 from dafka.nodes.node import new_address
 from dafka.values import Deserializer
 
@@ -70,7 +76,8 @@ class LeafConsumer:
         topic: str,
         config: NodeConfig | None = None,
         *,
-        leaf: str | Sequence[str],
+        leaf: str | Sequence[str] | None = None,
+        via: LeafProducer | None = None,
         position: str | os.PathLike[str] | None = None,
         offset_reset: Literal["latest", "earliest"] = "earliest",
         poll_interval: float = leafread.POLL_INTERVAL,
@@ -90,9 +97,14 @@ class LeafConsumer:
             raise ValueError("max_queued must be >= 1 and auto_commit_interval > 0")
         if loop is not None and not isinstance(loop, LeafLoop):
             raise TypeError("a leaf consumer's loop is a dafka.nodes.leaf.LeafLoop")
+        if (leaf is None) == (via is None):
+            raise ValueError("a leaf consumer needs either leaf= (its own connection) or via= (a leaf producer's)")
+        if via is not None and (not isinstance(via, LeafProducer) or loop is not None):
+            raise TypeError("via= is a dafka.nodes.leaf.LeafProducer (whose loop the consumer then shares)")
         self.topic = topic
-        self.config = config or default_node_config()
-        self.endpoints = parse_endpoints(leaf)
+        self._via = via
+        self.config = config or (via.config if via is not None else default_node_config())
+        self.endpoints = parse_endpoints(leaf) if leaf is not None else list(via.endpoints)  # type: ignore[union-attr]
         self.max_queued = max_queued
         self.auto_commit_interval = auto_commit_interval
         self._record = record_type(deserializer)
@@ -100,7 +112,7 @@ class LeafConsumer:
         sec = self.config.security
         self._keys: security.OwnKeys | None = None
         self._endpoint_keys: list[bytes] = []
-        if sec is not None:
+        if sec is not None and via is None:
             self._keys = security.own_keys(sec)
             self._endpoint_keys = [sec.leaf_key(i) for i in range(len(self.endpoints))]
         saved = self._load() if self._path is not None else None
@@ -109,7 +121,7 @@ class LeafConsumer:
         self._saved: dict[str, int] = dict(start)
         self._polled: dict[str, int] = {}
         self.reader = leafread.LeafReader(
-            topic, self.address, self.endpoints, positions=start, earliest=offset_reset == "earliest",
+            topic, self.address, self.endpoints if via is None else None, positions=start, earliest=offset_reset == "earliest",
             poll_interval=poll_interval, connect_timeout=connect_timeout, retry_interval=retry_interval,
             skip_after=skip_after,
         )
@@ -119,14 +131,15 @@ class LeafConsumer:
         self._closed = False
         self._full = False  # the queue was full: the socket is not read until it drains
         self._saved_at = time.monotonic()
-        self.sock: zmq.Socket[Any] | None = None
+        self._sock: zmq.Socket[Any] | None = None
+        self.dropped_full = 0  # reader messages dropped on a shared connection while the queue was full
         self.link = self  # (what a LeafLoop asks when to tick a member: next_due)
         self.delivered = 0
         self._started = False
         self._attached = threading.Event()
         self._detached = threading.Event()
-        self._own_loop = loop is None
-        self._loop = loop or LeafLoop(f"-r{self.address[:8]}", linger=0.0)
+        self._own_loop = loop is None and via is None
+        self._loop = via._loop if via is not None else loop or LeafLoop(f"-r{self.address[:8]}", linger=0.0)
         self._loop.wake(self)  # type: ignore[arg-type]  # (a LeafLoop member, as a LeafProducer)
         if not self._attached.wait(5.0):
             raise RuntimeError("the leaf loop did not take the consumer within 5 s")
@@ -155,7 +168,12 @@ class LeafConsumer:
     @property
     def endpoint(self) -> str:
         """The endpoint in use."""
-        return self.reader.endpoint
+        return self._via.link.endpoint if self._via is not None else self.reader.endpoint
+
+    @property
+    def sock(self) -> zmq.Socket[Any] | None:
+        """The connection: its own, or the producer's it rides."""
+        return self._via.sock if self._via is not None else self._sock
 
     def poll(self, timeout: float | None = None) -> ConsumerRecord | None:
         """The next record, waiting up to ``timeout`` seconds (None: forever); None on timeout."""
@@ -210,7 +228,7 @@ class LeafConsumer:
     def diagnose(self) -> str:
         """Where the reader stands (for logs and the CLI)."""
         rd = self.reader
-        parts = [f"endpoint {rd.endpoint} ({rd.state})", f"{len(rd.trackers)} partition(s)"]
+        parts = [f"endpoint {self.endpoint} ({rd.state})", f"{len(rd.trackers)} partition(s)"]
         if rd.status is not None and not rd.status[0]:
             parts.append(f"endpoint says: {rd.status[1]}")
         if rd.failovers:
@@ -269,6 +287,17 @@ class LeafConsumer:
         for act in actions:
             if isinstance(act, Connect):
                 self._open(act.endpoint)
+            elif isinstance(act, leafread.Failover):
+                via = self._via
+                if via is not None:
+                    # The endpoint is silent: the producer we ride moves on (its next
+                    # endpoint; its readers, us included, say LEAF-READ there).
+                    log.info("leaf consumer %s: endpoint %s silent, the producer fails over", self.address[:8],
+                             via.link.endpoint)
+                    with via._lock:
+                        moved = via.link.failover(time.monotonic())
+                    via._apply(moved)
+                    return  # (the LEAF-READ that followed went on the new connection already)
             elif self.sock is not None:
                 try:
                     fastio.send_frames(self.sock, act.frames)
@@ -277,11 +306,11 @@ class LeafConsumer:
 
     def _open(self, endpoint: str) -> None:
         loop = self._loop
-        if self.sock is not None:
-            loop._unregister(self.sock)
-            self.sock.close(0)
+        if self._sock is not None:
+            loop._unregister(self._sock)
+            self._sock.close(0)
             log.info("leaf consumer %s: %s", self.address[:8], self.diagnose())
-        sock = self.sock = loop.ctx.socket(zmq.DEALER)
+        sock = self._sock = loop.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SNDHWM)
         # A DIRECT-RECORD is a record: the node's record limit, plus room for the header.
@@ -296,7 +325,12 @@ class LeafConsumer:
         if not self._started:
             self._started = True
             self._loop._members[id(self)] = self  # type: ignore[assignment]
-            self._apply(self.reader.start(now))
+            if self._via is None:
+                self._apply(self.reader.start(now))
+            else:
+                self._via._readers[self.address] = self  # the producer routes our messages to _on_frames
+                if self._via.sock is not None:
+                    self._connected(now)
             self._loop._pending(self)  # type: ignore[arg-type]
             self._attached.set()
         if self._closed:
@@ -305,7 +339,27 @@ class LeafConsumer:
         if self._full:
             self._read(now)  # the app made room
 
+    def _connected(self, now: float) -> None:
+        """The producer we ride opened a connection (called in the loop thread)."""
+        self._apply(self.reader.connected(now))
+        self._loop._pending(self)  # type: ignore[arg-type]
+
+    def _on_frames(self, frames: list[bytes], now: float) -> None:
+        """A message for this reader on the producer's connection (the producer read it)."""
+        with self._lock:
+            full = len(self._queue) >= self.max_queued
+        if full:
+            self.dropped_full += 1  # a gap, fetched once the app made room
+            return
+        out: list[tuple[str, int, bytes]] = []
+        self._apply(self.reader.on_message(frames, now, out))
+        self._deliver(out)
+        self._loop._pending(self)  # type: ignore[arg-type]
+
     def _read(self, now: float) -> None:
+        if self._via is not None:
+            self._via._read(now)  # the producer reads the connection; ours come to _on_frames
+            return
         sock = self.sock
         if sock is None:
             return
@@ -352,8 +406,10 @@ class LeafConsumer:
     def _detach(self) -> None:
         self._loop._members.pop(id(self), None)
         self._loop._ticking.pop(self, None)  # type: ignore[call-overload]
-        if self.sock is not None:
-            self._loop._unregister(self.sock)
-            self.sock.close(0)
-            self.sock = None
+        if self._via is not None:
+            self._via._readers.pop(self.address, None)
+        elif self._sock is not None:
+            self._loop._unregister(self._sock)
+            self._sock.close(0)
+            self._sock = None
         self._detached.set()
