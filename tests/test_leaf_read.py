@@ -291,3 +291,34 @@ def test_a_device_reads_its_commands_on_its_producers_connection(cfg: NodeConfig
         assert json.loads(pos.read_text())["positions"] == {commander.address: 30}
     b.send_signal(signal.SIGTERM)
     b.wait(15)
+
+
+def test_dafka_consume_leaf_resumes_at_its_position_file(tmp_path: Path) -> None:
+    import subprocess
+
+    from tests.conftest import dafka_cmd, subprocess_env
+
+    store = leaf_store(tmp_path)
+    try:
+        assert store.leaves is not None
+        endpoint = f"127.0.0.1:{store.leaves.port}"
+        publish_leaf(store, CMD, 3)
+        pos = str(tmp_path / "pos.json")
+
+        def consume(count: int) -> subprocess.CompletedProcess[bytes]:
+            return subprocess.run(
+                dafka_cmd("consume", CMD, "--leaf", endpoint, "--position", pos, "--from-beginning",
+                          "--count", str(count), "--timeout", "20"),
+                capture_output=True, env=subprocess_env(), timeout=60,
+            )
+
+        first = consume(3)
+        assert first.returncode == 0 and first.stdout == b"c0\nc1\nc2\n", first.stderr
+        publish_leaf(store, CMD, 1, start=3)
+        again = consume(1)
+        assert again.returncode == 0 and again.stdout == b"c3\n", again.stderr
+        refused = subprocess.run(dafka_cmd("consume", CMD, "--position", pos, "--timeout", "1"),
+                                 capture_output=True, env=subprocess_env(), timeout=60)
+        assert refused.returncode != 0 and b"--position" in refused.stderr
+    finally:
+        store.close()
