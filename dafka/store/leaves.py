@@ -246,14 +246,19 @@ class LeafEndpoint:
             return []
         return [(i.partition, i.first, i.last) for i in infos]
 
-    def _serve(self, act: leaf.Serve) -> None:
+    def _serve(self, act: leaf.Serve, read: dict[tuple[str, str, int, int], tuple[int, list[bytes]]]) -> None:
         """A reader's records from the database: DIRECT-RECORDs, without blocking (a
-        full queue drops them: gaps the reader FETCHes)."""
-        try:
-            start, values = self.store.db.fetch_raw(act.subject, act.partition, act.first, act.count)
-        except StorageError as exc:
-            log.error("cannot serve leaf reader %s of %s/%s: %s", act.reader[:8], act.subject, act.partition, exc)
-            return
+        full queue drops them: gaps the reader FETCHes).  ``read``: what this turn read
+        already (a commit of a topic many devices read is read once, sent to each)."""
+        key = (act.subject, act.partition, act.first, act.count)
+        got = read.get(key)
+        if got is None:
+            try:
+                got = read[key] = self.store.db.fetch_raw(act.subject, act.partition, act.first, act.count)
+            except StorageError as exc:
+                log.error("cannot serve leaf reader %s of %s/%s: %s", act.reader[:8], act.subject, act.partition, exc)
+                return
+        start, values = got
         prefix = wire.record_prefix(wire.DIRECT_RECORD, act.reader, act.partition, act.subject)
         budget = act.max_bytes
         sock, peer = self.sock, act.peer
@@ -378,6 +383,7 @@ class LeafEndpoint:
 
     def _apply(self, actions: Sequence[leaf.PortAction]) -> None:
         store = self.store
+        read: dict[tuple[str, str, int, int], tuple[int, list[bytes]]] = {}
         for act in actions:
             if isinstance(act, leaf.Take):
                 tracker = store.tracker(act.subject, act.partition)
@@ -392,7 +398,7 @@ class LeafEndpoint:
                 except zmq.ZMQError:
                     self.relays_dropped += 1
             elif isinstance(act, leaf.Serve):
-                self._serve(act)
+                self._serve(act, read)
             else:
                 try:
                     send_frames(self.sock, [act.peer, *act.frames])
