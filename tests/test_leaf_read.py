@@ -322,3 +322,21 @@ def test_dafka_consume_leaf_resumes_at_its_position_file(tmp_path: Path) -> None
         assert refused.returncode != 0 and b"--position" in refused.stderr
     finally:
         store.close()
+
+
+def test_the_gateway_serves_readers_the_records_its_tank_clients_wrote(cfg: NodeConfig, tmp_path: Path) -> None:
+    from dafka.tank.client import TankClient
+    from dafka.tank.gateway import Gateway
+
+    with Gateway(tmp_path / "gw", cfg, listen=("127.0.0.1", 0), leaves="127.0.0.1:0") as gw:
+        assert gw.leaves is not None
+        with TankClient("127.0.0.1", gw.tank_port) as tank:
+            tank.create_topic("commands", 1)
+            tank.produce("commands", 0, [b"held-before"])
+            with LeafConsumer("commands", leaf=f"127.0.0.1:{gw.leaves.port}") as c:
+                assert [r.content for r in c.poll_batch(5, timeout=10)] == [b"held-before"]
+                tank.produce("commands", 0, [b"live-1", b"live-2"])  # pushed after the gateway's commit
+                got = c.poll_batch(5, timeout=10)
+                got += c.poll_batch(5, timeout=0.5) if len(got) < 2 else []
+                assert [r.content for r in got] == [b"live-1", b"live-2"]
+                assert gw.leaves.reads.pushed == 2  # pushed at the commit, not found by a later LEAF-READ

@@ -93,6 +93,9 @@ def test_reader_frames_byte_exact() -> None:
         + b"\x01P" + (3).to_bytes(8, "big") + (10).to_bytes(8, "big")
         + b"\x01Q" + bytes(8) + bytes(8)
     ]
+    one = leafwire.LeafReading("A", "cmd", 32, (leafwire.ReadPartition("P", 3, 9),))
+    assert leafwire.encode(one)[0] == bytes.fromhex("5341000103636d64000000200000000101 50".replace(" ", "")) + (
+        (3).to_bytes(8, "big") + (10).to_bytes(8, "big"))
 
 
 @settings(max_examples=300, deadline=None)
