@@ -18,9 +18,11 @@ class Held:
 
     def __init__(self) -> None:
         self.parts: dict[str, dict[str, tuple[int, int]]] = {}
+        self.asked = 0
 
-    def __call__(self, subject: str) -> list[tuple[str, int, int]]:
-        return [(p, f, last) for p, (f, last) in sorted(self.parts.get(subject, {}).items())]
+    def __call__(self, subject: str, limit: int) -> list[tuple[str, int, int]]:
+        self.asked += 1
+        return [(p, f, last) for p, (f, last) in sorted(self.parts.get(subject, {}).items())][:limit]
 
 
 def port(held: Held | None = None, **kw: object) -> tuple[LeafPort, ReadPort]:
@@ -88,10 +90,20 @@ def test_a_fetch_flood_is_answered_at_the_rate_and_the_rest_dropped() -> None:
     leaf.on_message(PEER, read(), 0.0)
     fetch = wire.encode(wire.Fetch(P, R, T, 0, 5))
     answered = sum(len(leaf.on_message(PEER, fetch, 0.0)) for _ in range(10_000))
-    assert answered == 10 and reads.fetches_dropped == 9_990
+    assert answered == 9 and reads.fetches_dropped == 9_991  # (the LEAF-READ took one of the 10)
     # The budget refills with time; an honest reader asks again.
     assert len(leaf.on_message(PEER, fetch, 0.5)) == 1
     assert leaf.bad == 0  # a flood of the reader's own partition is not hostile, only dropped
+
+
+def test_a_read_flood_lists_partitions_at_the_rate_only() -> None:
+    held = Held()
+    held.parts[T] = {P: (0, 10)}
+    leaf, reads = port(held, fetch_rate=10.0)
+    answered = sum(len(leaf.on_message(PEER, read(), 0.0)) for _ in range(10_000))
+    assert answered == 10 and held.asked == 10 and reads.reads_dropped == 9_990
+    # FETCHes share the budget: none left now.
+    assert leaf.on_message(PEER, wire.encode(wire.Fetch(P, R, T, 0, 1)), 0.0) == []
 
 
 def test_unknown_or_forbidden_topics_and_too_many_topics_are_refused() -> None:
@@ -117,9 +129,9 @@ def test_a_session_reads_at_most_max_partitions() -> None:
     held.parts[T] = {f"{i:032d}": (0, 0) for i in range(10)}
     leaf, reads = port(held, max_partitions=4)
     [reading] = decoded(leaf.on_message(PEER, read(), 0.0))
-    assert len(reading.partitions) == 4 and reads.partitions_over == 6
+    assert len(reading.partitions) == 4 and reads.partitions_over == 1
     assert reads.on_commit({(T, "new"): 3}) == []  # no room for a new one
-    assert reads.partitions_over == 7
+    assert reads.partitions_over == 2
 
 
 def test_sessions_are_bounded_expire_and_go_with_a_hostile_connection() -> None:

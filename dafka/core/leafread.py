@@ -17,8 +17,8 @@ endpoint holds is asked of callables):
     never blocks: what a slow reader's queue cannot take is dropped, a gap the
     reader FETCHes.  FETCHes of the reader's partitions are answered from the
     database, at most ``max_answer`` records each, at most ``fetch_rate`` a
-    second per connection (a burst of as many): beyond it they are dropped and
-    counted (the reader asks again).  Bounded: reader sessions per connection
+    second per connection (a burst of as many), LEAF-READs counted with them:
+    beyond it they are dropped and counted (the reader asks again).  Bounded: reader sessions per connection
     (``max_per_connection``, one per topic), in all (``max_sessions``, the one
     heard from longest ago dropped beyond it), partitions per session,
     records per push and per answer; a session silent for ``idle`` seconds is
@@ -86,8 +86,8 @@ class _Bucket:
 class ReadPort:
     """The endpoint side of leaf readers (see the module docstring).
 
-    ``partitions(subject)`` lists the partitions the store holds of a topic as
-    ``(partition, first, last)`` sorted by partition; ``may_read(key, subject)``
+    ``partitions(subject, limit)`` lists (at most ``limit`` of) the partitions the store
+    holds of a topic as ``(partition, first, last)`` sorted by partition; ``may_read(key, subject)``
     whether a connection (CURVE key, "" in plain mode) may read a topic;
     ``strike(peer, why)`` counts a hostile message of a connection (the leaf
     port's count: shared with the producer session's).
@@ -95,7 +95,7 @@ class ReadPort:
 
     def __init__(
         self,
-        partitions: Callable[[str], list[tuple[str, int, int]]],
+        partitions: Callable[[str, int], list[tuple[str, int, int]]],
         *,
         may_read: Callable[[str, str], bool] = lambda key, subject: True,
         strike: Callable[[bytes, str], object] = lambda peer, why: None,
@@ -129,6 +129,7 @@ class ReadPort:
         self.refused = 0  # LEAF-READs refused (topic not kept, not allowed, too many on the connection)
         self.fetches = 0  # FETCHes answered
         self.fetches_dropped = 0  # over the connection's FETCH rate
+        self.reads_dropped = 0  # LEAF-READs over the same rate (they share it)
         self.pushed = 0  # records pushed after commits
         self.heads_sent = 0  # DIRECT-HEADs instead of a push (a commit of more than max_push)
         self.partitions_over = 0  # partitions not read: a session reads max_partitions
@@ -161,6 +162,9 @@ class ReadPort:
             self.refused += 1
             status = wire.StoreStatus(msg.topic, self.address, msg.subject, 0, wire.reason_text(why))
             return [Reply(peer, wire.encode(status))]
+        if not self._spend(peer, now):
+            self.reads_dropped += 1
+            return []  # a LEAF-READ flood: each lists partitions from the database; asked again later
         if session is not None and session.reader != msg.topic:
             self._drop(key)  # the same topic under a new reader address: a new session
             session = None
@@ -172,18 +176,17 @@ class ReadPort:
             self.sessions[key] = session
             self.by_subject.setdefault(msg.subject, {})[key] = session
             self.per_peer[peer] = self.per_peer.get(peer, 0) + 1
-            self.buckets.setdefault(peer, _Bucket(self.fetch_rate, now))
         else:
             self.sessions.move_to_end(key)
         session.seen = now
         listed: list[leafwire.ReadPartition] = []
         pushed: dict[str, int] = {}
-        held = self.partitions(msg.subject)
+        held = self.partitions(msg.subject, self.max_partitions + 1)  # (one more: whether there are more)
         for partition, first, last in held[: self.max_partitions]:
             listed.append(leafwire.ReadPartition(partition, first, last))
             pushed[partition] = last  # the reader FETCHes up to here, pushes follow from here
         if len(held) > self.max_partitions:
-            self.partitions_over += len(held) - self.max_partitions
+            self.partitions_over += 1
         session.pushed = pushed
         self.reads += 1
         reading = leafwire.LeafReading(msg.topic, msg.subject, self.max_answer, tuple(listed))
@@ -197,20 +200,26 @@ class ReadPort:
             return []
         if msg.count == 0:
             return []
+        if not self._spend(peer, now):
+            self.fetches_dropped += 1
+            return []  # asked again by a reader that needs it
+        session.seen = now
+        self.sessions.move_to_end((peer, msg.subject))
+        self.fetches += 1
+        count = min(msg.count, self.max_answer)
+        return [Serve(peer, session.reader, msg.subject, msg.topic, msg.sequence, count, self.max_answer_bytes)]
+
+    def _spend(self, peer: bytes, now: float) -> bool:
+        """Take one of the connection's FETCH / LEAF-READ tokens (``fetch_rate`` a second, a burst of as many)."""
         bucket = self.buckets.get(peer)
         if bucket is None:
             bucket = self.buckets[peer] = _Bucket(self.fetch_rate, now)
         bucket.tokens = min(self.fetch_rate, bucket.tokens + (now - bucket.at) * self.fetch_rate)
         bucket.at = now
         if bucket.tokens < 1.0:
-            self.fetches_dropped += 1
-            return []  # asked again by a reader that needs it
+            return False
         bucket.tokens -= 1.0
-        session.seen = now
-        self.sessions.move_to_end((peer, msg.subject))
-        self.fetches += 1
-        count = min(msg.count, self.max_answer)
-        return [Serve(peer, session.reader, msg.subject, msg.topic, msg.sequence, count, self.max_answer_bytes)]
+        return True
 
     # ------------------------------------------------------------ commits and time
 

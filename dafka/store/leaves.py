@@ -239,9 +239,9 @@ class LeafEndpoint:
     def _acked_elsewhere(self, subject: str, partition: str, acked: int) -> None:
         self.store.repair.acked_elsewhere((subject, partition), acked)
 
-    def _partitions_of(self, subject: str) -> list[tuple[str, int, int]]:
+    def _partitions_of(self, subject: str, limit: int) -> list[tuple[str, int, int]]:
         try:
-            infos = self.store.db.partitions(subject)
+            infos = self.store.db.partitions(subject, limit=limit)
         except StorageError:
             return []
         return [(i.partition, i.first, i.last) for i in infos]
