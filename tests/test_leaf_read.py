@@ -289,6 +289,10 @@ def test_a_device_reads_its_commands_on_its_producers_connection(cfg: NodeConfig
         finally:
             c.close()
         assert json.loads(pos.read_text())["positions"] == {commander.address: 30}
+        # Closed: what the endpoint still pushes to it is dropped quietly, not taken for the producer's.
+        assert commander.publish(b"after-close").wait(20)
+        wait_until(lambda: device.reader_strays >= 1, timeout=10)
+        assert device.link.bad_input == 0
     b.send_signal(signal.SIGTERM)
     b.wait(15)
 

@@ -60,6 +60,7 @@ _MESH_ONLY = frozenset(("towers", "pace_limit", "resume", "resume_timeout"))
 # What an endpoint sends a reader (DIRECT-RECORD, DIRECT-HEAD, LEAF-READING, and STORE-STATUS
 # when the zmq topic is a reader's address): routed to the readers riding a producer's connection.
 _FOR_READERS = frozenset((b"D", b"E", b"S", b"Y"))
+MAX_CLOSED_READERS = 16
 
 
 def _addressee(frame: bytes) -> str:
@@ -372,8 +373,10 @@ class LeafProducer(ReceiptCallbacks):
         self.sock: zmq.Socket[Any] | None = None
         self.records_sent = 0
         # Readers riding this producer's connection (dafka.nodes.leafread.LeafConsumer(via=...)):
-        # their address -> the consumer.  Touched in the loop thread only.
+        # their address -> the consumer (None once closed: what still comes for it is dropped;
+        # at most MAX_CLOSED_READERS of those kept).  Touched in the loop thread only.
         self._readers: dict[str, Any] = {}
+        self.reader_strays = 0
         if self._identity_path is not None and self._outbox is None:
             self._reserve_locked(0)  # the file exists, with a bound, before the first publish
         if self._outbox is not None:
@@ -760,9 +763,13 @@ class LeafProducer(ReceiptCallbacks):
         readers = self._readers
         for frames in fastio.recv_messages(sock, 1024):
             if readers and frames[0][:1] in _FOR_READERS:
-                reader = readers.get(_addressee(frames[0]))
-                if reader is not None:
-                    reader._on_frames(frames, now)  # a reader's message on this connection
+                addressee = _addressee(frames[0])
+                if addressee in readers:
+                    reader = readers[addressee]
+                    if reader is not None:
+                        reader._on_frames(frames, now)  # a reader's message on this connection
+                    else:
+                        self.reader_strays += 1  # a reader closed: the endpoint pushes until its session expires
                     continue
             with self._lock:
                 before = self.window.acked

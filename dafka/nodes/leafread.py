@@ -46,7 +46,7 @@ from dafka.core.leaf import Connect
 from dafka.errors import ClosedError
 from dafka.nodes import security
 from dafka.nodes.consumer import ConsumerRecord, record_type
-from dafka.nodes.leaf import SNDHWM, LeafLoop, LeafProducer, parse_endpoints
+from dafka.nodes.leaf import MAX_CLOSED_READERS, SNDHWM, LeafLoop, LeafProducer, parse_endpoints
 from dafka.nodes.node import new_address
 from dafka.values import Deserializer
 
@@ -407,7 +407,12 @@ class LeafConsumer:
         self._loop._members.pop(id(self), None)
         self._loop._ticking.pop(self, None)  # type: ignore[call-overload]
         if self._via is not None:
-            self._via._readers.pop(self.address, None)
+            readers = self._via._readers
+            readers.pop(self.address, None)
+            readers[self.address] = None  # the endpoint pushes until the session expires: dropped quietly
+            closed = [a for a, r in readers.items() if r is None]
+            for a in closed[: max(0, len(closed) - MAX_CLOSED_READERS)]:
+                del readers[a]
         elif self._sock is not None:
             self._loop._unregister(self._sock)
             self._sock.close(0)
