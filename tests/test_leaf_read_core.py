@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dafka.core import leafwire, wire
 from dafka.core.leaf import Connect, LeafPort, Reply, Send, Serve
-from dafka.core.leafread import Failover, LeafReader, ReadPort
+from dafka.core.leafread import READ_AGAIN, Failover, LeafReader, ReadPort
 
 R = "READER0123456789ABCDEF0123456789"  # the reader's address
 P = "P" * 32
@@ -74,13 +74,17 @@ def test_fetch_answered_bounded_and_only_for_the_readers_partitions() -> None:
     # Huge positions are just offsets nobody holds (the database answers nothing).
     [serve] = leaf.on_message(PEER, wire.encode(wire.Fetch(P, R, T, 2**64 - 1, 2**32 - 1)), 0.0)
     assert serve.first == 2**64 - 1 and serve.count == 32
-    # Another partition, another reader address, a topic not read: hostile, not answered.
+    # Another reader address on the connection: hostile, not answered.
     bad = leaf.bad
-    assert leaf.on_message(PEER, wire.encode(wire.Fetch(Q, R, T, 0, 1)), 0.0) == []
     assert leaf.on_message(PEER, wire.encode(wire.Fetch(P, "X" * 32, T, 0, 1)), 0.0) == []
-    assert leaf.on_message(PEER, wire.encode(wire.Fetch(P, R, "other", 0, 1)), 0.0) == []
-    assert leaf.on_message(b"\x00other", wire.encode(wire.Fetch(P, R, T, 0, 1)), 0.0) == []
-    assert leaf.bad == bad + 4
+    assert leaf.bad == bad + 1
+    # A partition it does not hold: not answered (an honest reader that failed over may ask).
+    assert leaf.on_message(PEER, wire.encode(wire.Fetch(Q, R, T, 0, 1)), 0.0) == []
+    # No session for the topic (the endpoint restarted, it expired): told to say LEAF-READ again.
+    for peer, subject in ((PEER, "other"), (b"\x00other", T)):
+        [again] = decoded(leaf.on_message(peer, wire.encode(wire.Fetch(P, R, subject, 0, 1)), 0.0))
+        assert again == wire.StoreStatus(R, "S" * 32, subject, 0, READ_AGAIN)
+    assert leaf.bad == bad + 1 and reads.unknown == 3 and b"\x00other" not in reads.buckets
 
 
 def test_a_fetch_flood_is_answered_at_the_rate_and_the_rest_dropped() -> None:
@@ -239,6 +243,16 @@ def test_reader_refused_moves_on_after_the_dwell_and_ignores_foreign_messages() 
     rd.on_message(wire.encode(wire.Ack(P, T, 3)), 1.1, out)  # a producer's
     rd.on_message([b"garbage"], 1.1, out)
     assert rd.bad_input == 3 and out == []
+
+
+def test_reader_told_its_session_is_gone_says_read_again_on_the_same_connection() -> None:
+    rd = LeafReader(T, R, ["a:1", "b:2"])
+    rd.start(0.0)
+    out: list[tuple[str, int, bytes]] = []
+    rd.on_message(reading((P, 0, 5)), 0.1, out)
+    again = rd.on_message(wire.encode(wire.StoreStatus(R, "S" * 32, T, 0, READ_AGAIN)), 0.2, out)
+    assert [leafwire.decode(a.frames) for a in again] == [leafwire.LeafRead(R, T)]
+    assert rd.failovers == 0 and rd.endpoint == "a:1"
 
 
 def test_shared_connection_reader_never_connects_and_asks_the_owner_to_fail_over_only_on_silence() -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from dafka.config import NodeConfig, TowerAddress
 from dafka.core import leafwire, wire
+from dafka.core.leafread import READ_AGAIN
 from dafka.nodes import security
 from dafka.nodes.leafread import LeafConsumer
 from dafka.nodes.producer import Producer
@@ -62,9 +63,10 @@ def test_a_key_reads_its_own_commands_topic_and_the_allowed_ones_only(
             assert isinstance(refused, wire.StoreStatus) and refused.writing == 0
             refused = ask(sock, "commands/*")
             assert isinstance(refused, wire.StoreStatus) and refused.writing == 0
-            # A FETCH of a topic it does not read is hostile and unanswered.
+            # A FETCH of a topic it does not read gets no record: only "say LEAF-READ" (which is refused).
             sock.send_multipart(wire.encode(wire.Fetch("P" * 32, "R" * 32, f"commands/{other}", 0, 10)))
-            assert answers(sock, 0.5) == []
+            got = [leafwire.decode(f) for f in answers(sock, 0.5)]
+            assert got == [wire.StoreStatus("R" * 32, store.address, f"commands/{other}", 0, READ_AGAIN)]
         finally:
             sock.close(0)
         # The real parts: a secure leaf producer sends the forger's key its commands; its LeafConsumer reads them.

@@ -7,7 +7,7 @@ endpoint holds is asked of callables):
 
 :class:`ReadPort` (endpoint side)
     A LEAF-READ names a topic; the reader then reads *every* partition of it
-    the endpoint holds (up to ``max_partitions``, the first by name; a partition
+    the endpoint holds (up to ``max_partitions``, the first in the database's key order; a partition
     that appears later is added while there is room).  The endpoint answers
     LEAF-READING (the partitions, their first and last offsets, and the most
     records it answers a FETCH with), then, after each commit of a partition the
@@ -61,6 +61,7 @@ POLL_INTERVAL = 5.0  # seconds of silence from the endpoint before a reader says
 CONNECT_TIMEOUT = 5.0  # seconds a LEAF-READ may wait for LEAF-READING before the next endpoint
 MAX_BACKOFF = 8
 MIN_DWELL = 1.0
+READ_AGAIN = "no reader session: send LEAF-READ"
 
 
 ReadAction = Reply | Serve
@@ -130,6 +131,7 @@ class ReadPort:
         self.fetches = 0  # FETCHes answered
         self.fetches_dropped = 0  # over the connection's FETCH rate
         self.reads_dropped = 0  # LEAF-READs over the same rate (they share it)
+        self.unknown = 0  # FETCHes without a session, or of a partition the session does not read
         self.pushed = 0  # records pushed after commits
         self.heads_sent = 0  # DIRECT-HEADs instead of a push (a commit of more than max_push)
         self.partitions_over = 0  # partitions not read: a session reads max_partitions
@@ -195,8 +197,22 @@ class ReadPort:
     def on_fetch(self, peer: bytes, msg: wire.Fetch, now: float) -> list[ReadAction]:
         """A FETCH from connection ``peer``: answered from the database if it is one of its reader's partitions."""
         session = self.sessions.get((peer, msg.subject))
-        if session is None or session.reader != msg.address or msg.topic not in session.pushed:
-            self.strike(peer, "a FETCH of a partition the connection does not read")
+        if session is None:
+            # Its session is gone (the endpoint restarted, the session expired or was dropped
+            # for a newer one): say LEAF-READ again.  Answers to connections without a
+            # session share one budget (no state per stranger).
+            self.unknown += 1
+            if not self._spend(b"", now):
+                return []
+            status = wire.StoreStatus(msg.address, self.address, msg.subject, 0, READ_AGAIN)
+            return [Reply(peer, wire.encode(status))]
+        if session.reader != msg.address:
+            self.strike(peer, "a FETCH for another reader than the connection's")
+            return []
+        if msg.topic not in session.pushed:
+            # A partition this endpoint does not hold (yet), or beyond max_partitions: an
+            # honest reader that failed over from an endpoint that holds it asks this.
+            self.unknown += 1
             return []
         if msg.count == 0:
             return []
@@ -418,6 +434,9 @@ class LeafReader:
         if isinstance(msg, leafwire.LeafReading):
             return self._on_reading(msg, now, out)
         if isinstance(msg, wire.StoreStatus):
+            if not msg.writing and msg.reason == READ_AGAIN:
+                # The endpoint lost our session (it restarted, or expired it): say it again here.
+                return [] if self.state == READING else self.connected(now)
             self.status = (bool(msg.writing), msg.reason)
             if not msg.writing:
                 # Refused (not kept, not allowed, too many): the next endpoint once the dwell is over.
