@@ -265,3 +265,70 @@ def test_shared_connection_reader_never_connects_and_asks_the_owner_to_fail_over
     refused = rd.on_tick(2.5, [])
     assert refused and all(isinstance(a, Send) for a in refused)
     assert not any(isinstance(a, Connect) for a in silent + refused)
+
+
+# ---------------------------------------------------------------- fuzz: any message sequence, bounds hold
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_PEERS = [b"p0", b"p1", b"p2"]
+_SUBJECTS = [T, "other", "x" * 255]
+_message = st.one_of(
+    st.builds(lambda r, s: read(s, r), st.sampled_from([R, "X" * 32, ""]), st.sampled_from(_SUBJECTS)),
+    st.builds(lambda p, r, s, q, c: wire.encode(wire.Fetch(p, r, s, q, c)), st.sampled_from([P, Q, "z"]),
+              st.sampled_from([R, "X" * 32]), st.sampled_from(_SUBJECTS), st.integers(0, 2**64 - 1),
+              st.integers(0, 2**32 - 1)),
+    st.lists(st.binary(max_size=40), min_size=1, max_size=3),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(_PEERS), _message, st.floats(0, 1000)), max_size=60),
+       st.dictionaries(st.tuples(st.sampled_from(_SUBJECTS), st.sampled_from([P, Q, "new"])),
+                       st.integers(-1, 2**40), max_size=4))
+def test_fuzz_the_read_port_never_raises_and_stays_bounded(
+    steps: list[tuple[bytes, list[bytes], float]], heads: dict[tuple[str, str], int]
+) -> None:
+    held = Held()
+    held.parts[T] = {P: (0, 100), Q: (5, 4)}
+    leaf, reads = port(held, max_sessions=4, max_per_connection=2, max_partitions=2, fetch_rate=5.0)
+    for peer, frames, now in sorted(steps, key=lambda s: s[2]):
+        for act in leaf.on_message(peer, frames, now):
+            if isinstance(act, Serve):
+                assert act.count <= reads.max_answer and act.max_bytes == reads.max_answer_bytes
+        for act in reads.on_commit(heads):
+            if isinstance(act, Serve):
+                assert act.count <= reads.max_push
+        assert len(reads) <= 4 and all(n <= 2 for n in reads.per_peer.values())
+        assert all(len(s.pushed) <= 2 for s in reads.sessions.values())
+        assert set(reads.buckets) <= set(reads.per_peer) | {b""}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(
+    st.lists(st.binary(max_size=40), min_size=1, max_size=3),
+    st.builds(lambda parts: reading(*parts), st.lists(st.tuples(st.text(max_size=8).filter(lambda t: "\x00" not in t),
+                                                                 st.integers(0, 2**63), st.integers(-1, 2**63)),
+                                                       max_size=4)),
+    st.builds(lambda p, q: wire.encode(wire.DirectRecord(R, p, T, q, b"x")), st.sampled_from([P, Q, ""]),
+              st.integers(0, 2**64 - 1)),
+    st.builds(lambda p, q: wire.encode(wire.DirectHead(R, p, T, q)), st.sampled_from([P, Q]),
+              st.integers(0, 2**64 - 1)),
+), max_size=40))
+def test_fuzz_the_reader_never_raises_and_delivers_in_order(messages: list[list[bytes]]) -> None:
+    rd = LeafReader(T, R, ["a:1"], max_held=50, max_partitions=3)
+    rd.start(0.0)
+    out: list[tuple[str, int, bytes]] = []
+    now = 0.0
+    for frames in messages:
+        now += 0.1
+        for act in rd.on_message(frames, now, out) + rd.on_tick(now, out):
+            if isinstance(act, Send):
+                msg = leafwire.decode(act.frames)
+                if isinstance(msg, wire.Fetch):
+                    assert 1 <= msg.count <= rd.max_answer
+    assert len(rd.trackers) <= 3
+    for partition in {p for p, _, _ in out}:
+        offsets = [o for p, o, _ in out if p == partition]
+        assert offsets == sorted(set(offsets))  # in order, never twice

@@ -139,3 +139,14 @@ def test_fuzz_reading_round_trip(topic: str, subject: str, max_answer: int,
                                  parts: list[tuple[str, int, int]]) -> None:
     msg = leafwire.LeafReading(topic, subject, max_answer, tuple(leafwire.ReadPartition(*p) for p in parts))
     assert leafwire.decode(leafwire.encode(msg)) == msg
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from([b"R", b"S", b"F", b"D", b"E"]), st.binary(max_size=120), st.lists(st.binary(max_size=20), max_size=2))
+def test_fuzz_reader_commands_only_raise_protocol_error(cmd: bytes, body: bytes, more: list[bytes]) -> None:
+    try:
+        msg = leafwire.decode([cmd + body, *more])
+    except ProtocolError:
+        return
+    assert isinstance(msg, leafwire.FROM_LEAF + leafwire.FROM_ENDPOINT)
+    assert leafwire.decode(leafwire.encode(msg)) == msg

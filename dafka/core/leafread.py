@@ -345,8 +345,8 @@ class LeafReader:
         connect_timeout: float = CONNECT_TIMEOUT,
         retry_interval: float = 0.5,
         skip_after: float = 10.0,
-        max_held: int = 10_000,
-        max_partitions: int = 4096,
+        max_held: int = 1_000,
+        max_partitions: int = 256,
     ) -> None:
         if endpoints is not None and not endpoints:
             raise ValueError("a reader with a connection of its own needs at least one endpoint")
