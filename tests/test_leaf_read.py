@@ -344,3 +344,19 @@ def test_the_gateway_serves_readers_the_records_its_tank_clients_wrote(cfg: Node
                 got += c.poll_batch(5, timeout=0.5) if len(got) < 2 else []
                 assert [r.content for r in got] == [b"live-1", b"live-2"]
                 assert gw.leaves.reads.pushed == 2  # pushed at the commit, not found by a later LEAF-READ
+
+
+def test_bench_scale_leaves_with_readers_prints_what_they_got() -> None:
+    import re
+    import subprocess
+
+    from tests.conftest import dafka_cmd, subprocess_env
+
+    run = subprocess.run(
+        dafka_cmd("bench", "scale", "--leaves", "10", "--readers", "5", "--procs", "2", "--seconds", "1"),
+        capture_output=True, text=True, env=subprocess_env(), timeout=120,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    line = [x for x in run.stdout.splitlines() if x.startswith("scale:") and "all acked" in x][-1]
+    found = re.search(r"readers 5 got (\d+) of (\d+) commands, lag p50 [\d.]+ p99 [\d.]+ ms", line)
+    assert found and found.group(1) == found.group(2) and int(found.group(2)) >= 5, line

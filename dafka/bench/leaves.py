@@ -106,13 +106,15 @@ def _devices(
         devices[k % n].publish(payload, stamp(clock()))
         published += 1
     result.put(("published", published))
-    deadline = time.monotonic() + 3.0  # the last commands
-    while reading and time.monotonic() < deadline:
+    deadline = time.monotonic() + 3.0  # the last commands: until none came for a second (3 s at most)
+    quiet_since = time.monotonic()
+    while reading and time.monotonic() < deadline and time.monotonic() - quiet_since < 1.0:
         wall = time.time()
         for c in reading:
             for r in c.poll_batch(100, 0):
                 commands_got += 1
                 command_lags.append(wall - float(r.content))
+                quiet_since = time.monotonic()
         time.sleep(READER_DRAIN)
     for c in reading:
         c.close(1.0)
