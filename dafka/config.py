@@ -149,6 +149,7 @@ SCHEMA: dict[str, dict[str, Spec]] = {
         "linger_ms": Spec("float", 0, 1000),
         "metrics": Spec("str"),
         "topics": Spec("strs"),
+        "leaf_read": Spec("strs"),
         "retention": Spec("table", table="retention"),
     },
     "gateway": {
@@ -157,6 +158,7 @@ SCHEMA: dict[str, dict[str, Spec]] = {
         "sync": Spec("bool"),
         "metrics": Spec("str"),
         "allow_clients": Spec("strs"),
+        "leaf_read": Spec("strs"),
         "kafka_listen": Spec("str"),
         "kafka_advertise": Spec("str"),
         "retention": Spec("table", table="retention"),

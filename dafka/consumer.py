@@ -5,8 +5,23 @@ shells); this module only re-exports its public names, and the errors its
 methods raise, so the import path users and the docs know keeps working.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from dafka.errors import ClosedError, CommitError, DeserializationError
 from dafka.nodes.consumer import Consumer, ConsumerRecord
+
+if TYPE_CHECKING:
+    from dafka.nodes.leafread import LeafConsumer
+
+
+def __getattr__(name: str) -> Any:
+    # LeafConsumer on first use: a mesh consumer's import pulls in none of the leaf's modules.
+    if name == "LeafConsumer":
+        from dafka.nodes.leafread import LeafConsumer
+
+        return LeafConsumer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ClosedError",
@@ -14,4 +29,5 @@ __all__ = [
     "Consumer",
     "ConsumerRecord",
     "DeserializationError",
+    "LeafConsumer",
 ]

@@ -58,6 +58,9 @@ def _options() -> dict[str, tuple[str, dict[str, Any]]]:
                                 "help": "instead of --nodes: this many leaf devices at 1 record/s, dialling"
                                         " --endpoints stores' leaf ports (see docs/concepts/leaves.md)"}),
         "endpoints": ("--endpoints", {"type": count_arg, "default": 1, "help": "--leaves: stores with a leaf port"}),
+        "readers": ("--readers", {"type": int, "default": 0,
+                                  "help": "--leaves: this many of the devices also read a shared commands topic on"
+                                          " their connection (a mesh producer sends it 1 command/s)"}),
         "procs": ("--procs", {"type": count_arg, "default": 4, "help": "processes hosting the producers"}),
         "shared_loop": ("--shared-loop", {"action": "store_true",
                                           "help": "the producers of a process share one I/O thread (NodeLoop)"}),
@@ -99,7 +102,7 @@ _BENCHMARKS: dict[str, tuple[str, tuple[str, ...], dict[str, str]]] = {
     "kafka-group": ("Kafka consumer group failover through the gateway (seconds)", ("no_sync",), {}),
     "embedded": ("publish and consume from an app thread, with and without a busy thread", ("seconds", "no_sync"), {"seconds": "seconds per measurement"}),
     "aio": ("the asyncio producer and consumer beside the threaded ones", ("no_sync",), {}),
-    "scale": ("a mesh of many producers at 1 record/s", ("nodes", "procs", "seconds", "shared_loop", "no_sync", "leaves", "endpoints"), {}),
+    "scale": ("a mesh of many producers at 1 record/s", ("nodes", "procs", "seconds", "shared_loop", "no_sync", "leaves", "endpoints", "readers"), {}),
     "spark": ("rows/s of a Spark batch read of stored records", ("transport",), {}),
     "latency": ("delivery and acknowledgement latency percentiles",
                 ("rate", "seconds", "no_store", "no_sync", "outbox", "outbox_sync", "no_batches"),

@@ -7,6 +7,11 @@ endpoint ``k % E`` first, the others after it for failover); a mesh consumer
 in this process reads the topic live.  CPU is read from /proc over the
 publishing window: *servers* are the tower, the stores and the consumer, *the
 whole* adds the device processes.  One summary line starts with ``scale:``.
+
+``--readers M``: the first M devices also read a shared commands topic on
+their connection (``producer.reader``, see ``docs/concepts/leaves.md``), to
+which a mesh producer in this process publishes one command a second (each
+pushed to every reader); the summary adds what they got and how late.
 """
 
 from __future__ import annotations
@@ -35,8 +40,12 @@ def _leaf_store(cfg: NodeConfig, db: str, sync: bool, ports: Any, done: Any) -> 
     store.close()
 
 
+READER_DRAIN = 0.1  # seconds between the app thread's drains of its readers' queues
+
+
 def _devices(
-    topic: str, endpoints: list[str], first: int, n: int, seconds: float, go: Any, result: Any
+    topic: str, endpoints: list[str], first: int, n: int, seconds: float, go: Any, result: Any,
+    readers: int = 0, commands: str = "",
 ) -> None:
     """Host ``n`` leaf devices on one LeafLoop; each publishes one record a second for ``seconds``."""
     import logging
@@ -50,6 +59,12 @@ def _devices(
     for k in range(first, first + n):
         order = [endpoints[(k + i) % e] for i in range(e)]
         devices.append(LeafProducer(topic, leaf=order, capacity=1000, loop=loop))
+    # Readers of the commands topic, riding their devices' connections.
+    reading = [d.reader(commands, offset_reset="latest") for k, d in zip(range(first, first + n), devices, strict=True)
+               if k < readers]
+    command_lags: list[float] = []
+    commands_got = 0
+    drained_at = 0.0
     latencies: list[float] = []
     clock = time.perf_counter
 
@@ -81,15 +96,34 @@ def _devices(
             # third of the device processes' CPU at 10,000 devices), which a fleet's
             # devices, each in its own process, never pay for one another.
             time.sleep(max(delay, APP_TICK))
+        if reading and clock() - drained_at >= READER_DRAIN:
+            drained_at = clock()
+            wall = time.time()
+            for c in reading:
+                for r in c.poll_batch(100, 0):
+                    commands_got += 1
+                    command_lags.append(wall - float(r.content))
         devices[k % n].publish(payload, stamp(clock()))
         published += 1
     result.put(("published", published))
+    deadline = time.monotonic() + 3.0  # the last commands: until none came for a second (3 s at most)
+    quiet_since = time.monotonic()
+    while reading and time.monotonic() < deadline and time.monotonic() - quiet_since < 1.0:
+        wall = time.time()
+        for c in reading:
+            for r in c.poll_batch(100, 0):
+                commands_got += 1
+                command_lags.append(wall - float(r.content))
+                quiet_since = time.monotonic()
+        time.sleep(READER_DRAIN)
+    for c in reading:
+        c.close(1.0)
     acked_all = all(d.flush(30) for d in devices)
     failovers = sum(d.link.failovers for d in devices)
     for d in devices:
         d.close(0)
     loop.close()
-    result.put(("done", published, acked_all, latencies, failovers))
+    result.put(("done", published, acked_all, latencies, failovers, commands_got, command_lags))
 
 
 def bench_leaves(args: argparse.Namespace) -> int:
@@ -97,13 +131,16 @@ def bench_leaves(args: argparse.Namespace) -> int:
     import tempfile
 
     from dafka.nodes.consumer import Consumer
+    from dafka.nodes.producer import Producer
 
     n = args.leaves
+    readers = max(0, min(getattr(args, "readers", 0), n))
     procs = max(1, min(args.procs, n))
     e = max(1, args.endpoints)
     ctx = mp.get_context("spawn")
     tower, tower_done, cfg = _spawn_tower(ctx)
     topic = f"bench-leaves-{int(time.time())}"
+    commands = f"bench-commands-{int(time.time())}"
     with tempfile.TemporaryDirectory(prefix="dafka-bench-") as tmp:
         ports, done = ctx.Queue(), ctx.Event()
         stores = [ctx.Process(target=_leaf_store, args=(cfg, os.path.join(tmp, f"s{i}"), not args.no_sync, ports, done))
@@ -115,8 +152,9 @@ def bench_leaves(args: argparse.Namespace) -> int:
         go, result = ctx.Event(), ctx.Queue()
         shares = [n // procs + (i < n % procs) for i in range(procs)]
         firsts = [sum(shares[:i]) for i in range(procs)]
-        hosts = [ctx.Process(target=_devices, args=(topic, endpoints, f, k, args.seconds, go, result))
+        hosts = [ctx.Process(target=_devices, args=(topic, endpoints, f, k, args.seconds, go, result, readers, commands))
                  for f, k in zip(firsts, shares, strict=True)]
+        commander = Producer(commands, cfg) if readers else None
         t_start = time.monotonic()
         for h in hosts:
             h.start()
@@ -135,16 +173,42 @@ def bench_leaves(args: argparse.Namespace) -> int:
         cpu0 = {pid: _proc_cpu(pid) for pid in servers + devices}
         t0 = time.monotonic()
         go.set()
-        time.sleep(min(args.seconds, 5.0) / 2)
-        sockets = _tcp_sockets(servers + devices)
+        sent_commands = 0
         finished: list[Any] = []
         waiting = len(hosts)
-        while waiting:
-            msg = result.get(timeout=args.seconds + 120)
-            if msg[0] == "published":
-                waiting -= 1
-            else:
-                finished.append(msg)
+        if commander is None:
+            time.sleep(min(args.seconds, 5.0) / 2)
+            sockets = _tcp_sockets(servers + devices)
+            while waiting:
+                msg = result.get(timeout=args.seconds + 120)
+                if msg[0] == "published":
+                    waiting -= 1
+                else:
+                    finished.append(msg)
+        else:
+            import queue
+
+            next_command = time.monotonic() + 0.5
+            sockets = 0
+            sockets_at = time.monotonic() + min(args.seconds, 5.0) / 2
+            while waiting:
+                now = time.monotonic()
+                if sockets == 0 and now >= sockets_at:
+                    sockets = _tcp_sockets(servers + devices)
+                if now >= next_command and now - t0 < args.seconds:
+                    commander.publish(repr(time.time()).encode())  # one command a second, to every reader
+                    sent_commands += 1
+                    next_command += 1.0
+                try:
+                    msg = result.get(timeout=0.05)
+                except queue.Empty:
+                    if now - t0 > args.seconds + 120:
+                        raise
+                    continue
+                if msg[0] == "published":
+                    waiting -= 1
+                else:
+                    finished.append(msg)
         elapsed = time.monotonic() - t0
         cpu = {pid: _proc_cpu(pid) - c for pid, c in cpu0.items()}
         while len(finished) < len(hosts):
@@ -156,6 +220,8 @@ def bench_leaves(args: argparse.Namespace) -> int:
             if live.poll(0.2) is not None:
                 received += 1
         live.close()
+        if commander is not None:
+            commander.close(5.0)
         done.set()
         for s in stores:
             s.join(60)
@@ -166,6 +232,8 @@ def bench_leaves(args: argparse.Namespace) -> int:
     acked = all(f[2] for f in finished)
     failovers = sum(f[4] for f in finished)
     latencies = sorted(x for f in finished for x in f[3])
+    commands_got = sum(f[5] for f in finished)
+    lags = sorted(x for f in finished for x in f[6])
 
     def pct(q: float) -> float:
         return latencies[int(q * (len(latencies) - 1))] * 1000 if latencies else float("nan")
@@ -179,7 +247,11 @@ def bench_leaves(args: argparse.Namespace) -> int:
         f"consumer {cpu[me] / elapsed:.1%}; {server_cpu / n:.4%} per device); "
         f"devices {device_cpu:.1%} ({device_cpu / n:.4%} per device); the whole {server_cpu + device_cpu:.1%}; "
         f"{published} published, all acked: {acked}, ACK p50 {pct(0.5):.1f} p90 {pct(0.9):.1f} "
-        f"p99 {pct(0.99):.1f} max {pct(1.0):.1f} ms; live consumer got {received}; failovers {failovers}",
+        f"p99 {pct(0.99):.1f} max {pct(1.0):.1f} ms; live consumer got {received}; failovers {failovers}"
+        + (f"; readers {readers} got {commands_got} of {readers * sent_commands} commands, lag p50 "
+           f"{lags[len(lags) // 2] * 1000:.1f} p99 {lags[int(0.99 * (len(lags) - 1))] * 1000:.1f} ms"
+           if readers and lags else (f"; readers {readers} got 0 of {readers * sent_commands} commands"
+                                     if readers else "")),
         flush=True,
     )
-    return 0 if acked and received >= published else 1
+    return 0 if acked and received >= published and (not readers or commands_got >= readers * sent_commands) else 1

@@ -26,6 +26,10 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
     from dafka.nodes.consumer import Consumer
 
     cfg = node_config(args, settings)
+    if args.leaf:
+        return _consume_leaf(args, cfg)
+    if args.position:
+        raise ConfigError("--position is a leaf reader's (with --leaf); a mesh consumer resumes with --group")
     start = parse_starts(args.start or [], args.topic)
     consumer = Consumer(
         args.topic,
@@ -138,6 +142,55 @@ def cmd_consume(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _consume_leaf(args: argparse.Namespace, cfg: Any) -> int:
+    """``dafka consume TOPIC --leaf HOST:PORT[,...]``: a leaf reader (one connection, no tower)."""
+    from dafka.nodes.leafread import LeafConsumer
+
+    if len(args.topic) != 1 or args.group or args.start:
+        raise ConfigError("--leaf reads one topic, without --group or --start (its position: --position FILE)")
+    consumer = LeafConsumer(
+        args.topic[0], cfg, leaf=args.leaf, position=args.position,
+        offset_reset="earliest" if args.from_beginning else "latest",
+    )
+    out = sys.stdout.buffer
+    seen = 0
+    deadline = time.monotonic() + args.timeout if args.timeout else None
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    interrupted = False
+    try:
+        while not stop.is_set() and (args.count is None or seen < args.count):
+            wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            if wait <= 0:
+                break
+            for record in consumer.poll_batch(1 if args.count is not None else 1000, wait):
+                seen += 1
+                content = record.content
+                if args.format == "json":
+                    line = _json_line(content)
+                    if line is None:
+                        print(f"error: record {record.offset} of {record.topic}/{record.partition} is neither"
+                              " msgpack nor JSON; skipped", file=sys.stderr, flush=True)
+                        continue
+                    content = line
+                if args.verbose:
+                    out.write(f"{record.topic} {record.partition} {record.offset} ".encode())
+                out.write(content + b"\n")
+            out.flush()
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        out.flush()
+        state = consumer.diagnose()
+        consumer.close()  # what was printed is the position saved (--position)
+    if interrupted:
+        return EXIT_INTERRUPTED
+    if args.count is not None and seen < args.count:
+        print(f"error: got {seen} of {args.count} records ({state})", file=sys.stderr)
+        return EXIT_FAILURE
+    return 0
+
+
 def parse_starts(items: list[str], topics: list[str]) -> dict[tuple[str, str], int]:
     """``[TOPIC/]PARTITION=OFFSET`` items (a bare partition applies to every topic)."""
     starts: dict[tuple[str, str], int] = {}
@@ -215,6 +268,16 @@ def add_parser(sub: Any) -> None:
         help="start this partition at OFFSET (repeatable; others follow --from-beginning or latest)",
     )
     p.add_argument("--group", help="consumer group: share partitions with its members, resume at its commits")
+    p.add_argument(
+        "--leaf", metavar="HOST:PORT[,HOST:PORT...]",
+        help="be a leaf reader of one topic: one connection to a regional store's leaf port (the next one on"
+        " failure), no tower",
+    )
+    p.add_argument(
+        "--leaf-key", action="append", metavar="KEY|FILE",
+        help="secure --leaf: an endpoint's public key or certificate (one per endpoint, or one for all)",
+    )
+    p.add_argument("--position", metavar="FILE", help="--leaf: keep the position in this file (a restart resumes there)")
     p.add_argument(
         "--commit-interval",
         type=seconds_arg,

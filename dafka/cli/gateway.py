@@ -24,7 +24,7 @@ from dafka.cli.common import (
     service_node_config,
     tower_names,
 )
-from dafka.cli.store import check_leaf_port, storage_options
+from dafka.cli.store import check_leaf_port, leaf_options, storage_options
 from dafka.config import Settings, is_loopback, parse_listen
 from dafka.errors import ConfigError, DafkaError
 
@@ -66,12 +66,12 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
                 db, cfg, listen=listen, sync=sync, retention=policy, allow_clients=clients, limits=limits,
                 kafka_listen=kafka_listen,
                 kafka_advertise=parse_listen(advertise, 9092, minimum_port=1) if advertise else None,
-                leaves=args.leaves,
+                leaves=args.leaves, **leaf_options(args, section),
             )
         else:
             gateway = Gateway(
                 db, cfg, listen=listen, sync=sync, retention=policy, allow_clients=clients, limits=limits,
-                leaves=args.leaves,
+                leaves=args.leaves, **leaf_options(args, section),
             )
     except lmdb.Error as exc:
         raise open_error(db, exc) from None
@@ -180,6 +180,10 @@ def add_parser(sub: Any) -> None:
         "--leaves", metavar="HOST:PORT",
         help="take leaf devices (dafka produce --leaf) on this port, as a store does (0: any free port); beyond"
         " loopback needs [security] or --insecure",
+    )
+    p.add_argument(
+        "--leaf-read", metavar="PATTERN[,PATTERN...]",
+        help="topics leaf readers (dafka consume --leaf) may read, as a store's --leaf-read (or [gateway] leaf_read)",
     )
 
 

@@ -76,6 +76,20 @@ def store_topics(value: str | list[str] | None) -> list[str] | None:
     return topics
 
 
+def leaf_read_topics(value: str | list[str] | None) -> list[str] | None:
+    """``--leaf-read P1,P2`` or ``leaf_read = [...]``: the topic patterns leaf readers may read (None: the default)."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else [i for v in value for i in v.split(",")]
+    return [t.strip() for t in items if t.strip()]
+
+
+def leaf_options(args: argparse.Namespace, section: dict[str, Any]) -> dict[str, Any]:
+    """The store's ``leaf_limits`` from ``--leaf-read`` / ``leaf_read``."""
+    patterns = leaf_read_topics(getattr(args, "leaf_read", None) or section.get("leaf_read"))
+    return {} if patterns is None else {"leaf_limits": {"read_topics": patterns}}
+
+
 def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
     import lmdb
 
@@ -89,7 +103,8 @@ def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
     check_leaf_port(args.leaves, args.insecure, cfg.security is not None)
     kept = store_topics(args.topics or section.get("topics"))
     try:
-        store = Store(db, cfg, sync=sync, retention=policy, linger=linger, leaves=args.leaves, topics=kept)
+        store = Store(db, cfg, sync=sync, retention=policy, linger=linger, leaves=args.leaves, topics=kept,
+                      **leaf_options(args, section))
     except lmdb.Error as exc:
         raise open_error(db, exc) from None
     with store:
@@ -166,6 +181,11 @@ def add_parser(sub: Any) -> None:
         "--leaves", metavar="HOST:PORT",
         help="take leaf devices (dafka produce --leaf) on this port (0: any free port); beyond loopback needs"
         " [security] or --insecure",
+    )
+    p.add_argument(
+        "--leaf-read", metavar="PATTERN[,PATTERN...]",
+        help="topics leaf readers (dafka consume --leaf) may read, fnmatch patterns, {key} the connection's key"
+        " (or [store] leaf_read; default: every topic in plain mode, none in secure mode)",
     )
 
 

@@ -32,10 +32,14 @@ import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dafka.core import leafwire, wire
 from dafka.core.unacked import UnackedWindow
 from dafka.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from dafka.core.leafread import ReadPort
 
 CONNECT_TIMEOUT = 5.0  # seconds from a connect to the WELCOME before the next endpoint is tried
 ACK_TIMEOUT = 10.0  # seconds records may wait without ACK progress before the next endpoint is tried
@@ -293,7 +297,23 @@ class Relay:
     frames: list[bytes]
 
 
-PortAction = Reply | Take | Relay
+@dataclass(slots=True)
+class Serve:
+    """Send ``peer`` the records ``first .. first+count-1`` of a partition (those held,
+    from the first held at or after ``first``, without a hole) as DIRECT-RECORDs to
+    ``reader``, at most ``max_bytes`` of contents (at least one record).  A leaf
+    reader's push or FETCH answer (:mod:`dafka.core.leafread`)."""
+
+    peer: bytes
+    reader: str
+    subject: str
+    partition: str
+    first: int
+    count: int
+    max_bytes: int
+
+
+PortAction = Reply | Take | Relay | Serve
 
 
 @dataclass(slots=True)
@@ -376,6 +396,8 @@ class LeafPort:
         self.taken = 0
         self.acks = 0
         self.last_error = ""
+        # Readers on leaf connections (dafka.core.leafread), when the endpoint serves them.
+        self.reads: ReadPort | None = None
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -401,6 +423,14 @@ class LeafPort:
             return self._strike(peer, str(exc))
         if isinstance(msg, leafwire.LeafHello):
             return self._hello(peer, msg, session, now, peer_key)
+        if isinstance(msg, leafwire.LeafRead | wire.Fetch):
+            # A reader's (a second session kind on the same connection).
+            reads = self.reads
+            if reads is None:
+                return self._strike(peer, "this endpoint serves no leaf readers")
+            if isinstance(msg, wire.Fetch):
+                return list(reads.on_fetch(peer, msg, now))
+            return list(reads.on_read(peer, msg, now, peer_key, keeps=self.keeps(msg.subject)))
         if session is None:
             if isinstance(msg, wire.Record | wire.RecordBatch | wire.Head):
                 # Its session was dropped (expired, or the port was full): HELLO again.
@@ -522,6 +552,8 @@ class LeafPort:
     def _ignore(self, peer: bytes) -> None:
         self.strikes.pop(peer, None)
         self._drop(peer)
+        if self.reads is not None:
+            self.reads.drop_peer(peer)
         self.ignored[peer] = None
         while len(self.ignored) > BAD_REMEMBERED:
             self.ignored.popitem(last=False)

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from itertools import repeat, starmap
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -137,9 +137,24 @@ class Consumer(PartitionReader):
 
     ``loop``: a :class:`~dafka.nodes.loop.NodeLoop` to run this consumer's I/O
     in, shared with other nodes (one thread for all); None: its own thread.
+
+    ``leaf="HOST:PORT[,HOST:PORT...]"``: be a *leaf* reader instead of a mesh
+    node: one connection to a regional endpoint (a store started with
+    ``--leaves``), no tower; returns a
+    :class:`dafka.nodes.leafread.LeafConsumer` of one topic, whose position
+    is kept on the device (``position=PATH``; see ``docs/concepts/leaves.md``).
     """
 
     kind = "consumer"
+
+    def __new__(cls, *args: Any, leaf: str | Sequence[str] | None = None, **kwargs: Any) -> Any:
+        # A leaf consumer (one connection to a regional endpoint, no mesh side) is another
+        # class with the same API where it applies: dafka.nodes.leafread.LeafConsumer.
+        if leaf is not None:
+            from dafka.nodes.leafread import LeafConsumer
+
+            return LeafConsumer(*args, leaf=leaf, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -158,6 +173,7 @@ class Consumer(PartitionReader):
         on_assign: Callable[[frozenset[Key]], None] | None = None,
         deserializer: str | Deserializer | None = None,
         loop: NodeLoop | None = None,
+        leaf: None = None,  # taken by __new__: see dafka.nodes.leafread
     ) -> None:
         self._record_type = record_type(deserializer)
         if offset_reset not in ("latest", "earliest"):

@@ -57,6 +57,18 @@ _POLLIN = int(zmq.POLLIN)
 _MESH_ONLY = frozenset(("towers", "pace_limit", "resume", "resume_timeout"))
 
 
+# What an endpoint sends a reader (DIRECT-RECORD, DIRECT-HEAD, LEAF-READING, and STORE-STATUS
+# when the zmq topic is a reader's address): routed to the readers riding a producer's connection.
+_FOR_READERS = frozenset((b"D", b"E", b"S", b"Y"))
+MAX_CLOSED_READERS = 16
+
+
+def _addressee(frame: bytes) -> str:
+    """The zmq topic (the addressee) of a Dafka message's first frame ("" if it has none)."""
+    nul = frame.find(b"\x00", 1)
+    return frame[1:nul].decode(errors="replace") if nul > 0 else ""
+
+
 def _fd(sock: zmq.Socket[Any]) -> int:
     fd = sock.getsockopt(zmq.FD)
     assert isinstance(fd, int)
@@ -360,6 +372,11 @@ class LeafProducer(ReceiptCallbacks):
         )
         self.sock: zmq.Socket[Any] | None = None
         self.records_sent = 0
+        # Readers riding this producer's connection (dafka.nodes.leafread.LeafConsumer(via=...)):
+        # their address -> the consumer (None once closed: what still comes for it is dropped;
+        # at most MAX_CLOSED_READERS of those kept).  Touched in the loop thread only.
+        self._readers: dict[str, Any] = {}
+        self.reader_strays = 0
         if self._identity_path is not None and self._outbox is None:
             self._reserve_locked(0)  # the file exists, with a bound, before the first publish
         if self._outbox is not None:
@@ -483,6 +500,15 @@ class LeafProducer(ReceiptCallbacks):
         """:meth:`publish_many` with an outbox: it waits for the disk once, at the end."""
         last = self._outbox.append_many(contents, timeout=timeout)
         return Receipt(self, last) if last >= 0 else None  # type: ignore[arg-type]
+
+    def reader(self, topic: str, **kwargs: Any) -> Any:
+        """A :class:`~dafka.nodes.leafread.LeafConsumer` of ``topic`` on this producer's connection
+        (a second session on the same DEALER; it follows this producer's failovers).  Takes
+        LeafConsumer's keyword arguments (``position``, ``offset_reset``, ...); close it before
+        the producer."""
+        from dafka.nodes.leafread import LeafConsumer
+
+        return LeafConsumer(topic, self.config, via=self, **kwargs)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every published record is acknowledged; False on timeout."""
@@ -664,6 +690,8 @@ class LeafProducer(ReceiptCallbacks):
         for act in actions:
             if isinstance(act, leafcore.Connect):
                 self._open(act.endpoint)
+                for reader in list(self._readers.values()):
+                    reader._connected(time.monotonic())  # a new connection: its readers say LEAF-READ on it
             elif self.sock is not None:
                 try:
                     fastio.send_frames(self.sock, act.frames)
@@ -732,7 +760,17 @@ class LeafProducer(ReceiptCallbacks):
         if sock is None:
             return
         acked = self.window.acked
+        readers = self._readers
         for frames in fastio.recv_messages(sock, 1024):
+            if readers and frames[0][:1] in _FOR_READERS:
+                addressee = _addressee(frames[0])
+                if addressee in readers:
+                    reader = readers[addressee]
+                    if reader is not None:
+                        reader._on_frames(frames, now)  # a reader's message on this connection
+                    else:
+                        self.reader_strays += 1  # a reader closed: the endpoint pushes until its session expires
+                    continue
             with self._lock:
                 before = self.window.acked
                 actions = self.link.on_message(frames, now)

@@ -1247,8 +1247,9 @@ class RecordDB:
         info = self.info(topic, partition)
         return None if info is None else info.first
 
-    def partitions(self, topic: str | None = None) -> list[PartitionInfo]:
-        """Every partition (of ``topic`` if given), sorted by topic then partition."""
+    def partitions(self, topic: str | None = None, limit: int | None = None) -> list[PartitionInfo]:
+        """Every partition (of ``topic`` if given), sorted by topic then partition; at most
+        ``limit`` (the first in key order: by the partition's length, then its name)."""
         out: list[PartitionInfo] = []
         unpack = PARTITION_INFO.unpack
         prefix = topic_prefix(topic) if topic is not None else b""
@@ -1257,7 +1258,7 @@ class RecordDB:
             if not cur.set_range(prefix):
                 return out
             for key, raw in cur.iternext():
-                if not key.startswith(prefix):
+                if not key.startswith(prefix) or (limit is not None and len(out) >= limit):
                     break  # the length byte pins the topic, so a prefix match is exact
                 t, p = unpack_partition_key(key)
                 out.append(PartitionInfo(t, p, *unpack(raw)))

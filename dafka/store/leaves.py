@@ -16,6 +16,14 @@ the store's I/O thread (see ``docs/concepts/leaves.md``):
   the leaf's partition as any producer's;
 * after each commit the sessions of the committed partitions get their ACK.
 
+Leaf *readers* (:mod:`dafka.core.leafread`) are a second session kind on the
+same connections: a LEAF-READ names a topic; after each commit the new records
+of its partitions are pushed to the sessions reading it, and their FETCHes
+answered, both read from the store's database here (a few records each,
+bounded).  Who may read what: ``read_topics`` (``[store] leaf_read``), topic
+patterns (``fnmatch``; ``{key}`` stands for the connection's CURVE key);
+``None``: every topic the store keeps in plain mode, none in secure mode.
+
 In a secure store (``[security]``) the ROUTER is a CURVE server with the
 store's key; the ZAP handler also refuses a client key that is not in the
 allow-list, and names the key (``User-Id``) of each connection, so a HELLO is
@@ -26,20 +34,24 @@ partitions, as on the mesh.
 
 from __future__ import annotations
 
+import fnmatch
+import glob
 import logging
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import zmq
 import zmq.utils.z85
 
-from dafka.core import leaf
+from dafka.core import leaf, leafread, wire
 from dafka.errors import ConfigError
 from dafka.fastio import recv_messages, send_frames
 from dafka.nodes import security
 from dafka.nodes.node import frame_limit
+from dafka.store.db import StorageError
+from dafka.store.layout import value_content
 
 log = logging.getLogger("dafka.store.leaves")
 
@@ -62,6 +74,30 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ConfigError(f"a leaf endpoint is HOST:PORT, not {text!r}")
     return host.strip("[]"), int(port)
+
+
+def read_policy(patterns: Sequence[str] | None, secure: bool) -> Callable[[str, str], bool]:
+    """Whether a connection (its CURVE key, Z85; "" in plain mode) may read a topic.
+
+    ``patterns``: ``fnmatch`` patterns of topics, ``{key}`` in one standing for
+    the connection's key (``commands/{key}``: each device its own topic).
+    ``None``: every topic in plain mode, none in secure mode.
+    """
+    if patterns is None:
+        return (lambda key, subject: False) if secure else (lambda key, subject: True)
+    pats = [str(p) for p in patterns]
+
+    def may_read(key: str, subject: str) -> bool:
+        for pattern in pats:
+            if "{key}" in pattern:
+                if not key:
+                    continue
+                pattern = pattern.replace("{key}", glob.escape(key))
+            if fnmatch.fnmatchcase(subject, pattern):
+                return True
+        return False
+
+    return may_read
 
 
 def _owns(key: str, partition: str) -> bool:
@@ -87,6 +123,7 @@ class LeafHost(Protocol):
     _heads: dict[tuple[str, str], int]
     _ts: int
     _put_gate: Any
+    db: Any
     _missing: Any
     _trickle: Any
     repair: Any
@@ -118,6 +155,8 @@ class LeafEndpoint:
         sndhwm: int = SNDHWM,
         bad_limit: int = leaf.BAD_LIMIT,
         idle: float = leaf.IDLE,
+        read_topics: Sequence[str] | None = None,
+        read_limits: dict[str, Any] | None = None,
     ) -> None:
         host, port = parse_endpoint(bind)
         self.store = store
@@ -171,6 +210,17 @@ class LeafEndpoint:
             cap=self._cap,
             acked_elsewhere=self._acked_elsewhere,
         )
+        # Readers: a second session kind on the same connections (dafka.core.leafread).
+        self.reads = leafread.ReadPort(
+            self._partitions_of,
+            may_read=read_policy(read_topics, self.secure),
+            strike=self.core._strike,
+            address=store.address,
+            idle=idle,
+            **(read_limits or {}),
+        )
+        self.core.reads = self.reads
+        self.served = 0  # records sent to readers (pushed, or answering FETCHes)
         store.every(TICK, self._on_tick)
         log.info("store %s takes leaves on %s", store.address[:8], self.endpoint)
 
@@ -189,13 +239,49 @@ class LeafEndpoint:
     def _acked_elsewhere(self, subject: str, partition: str, acked: int) -> None:
         self.store.repair.acked_elsewhere((subject, partition), acked)
 
+    def _partitions_of(self, subject: str, limit: int) -> list[tuple[str, int, int]]:
+        try:
+            infos = self.store.db.partitions(subject, limit=limit)
+        except StorageError:
+            return []
+        return [(i.partition, i.first, i.last) for i in infos]
+
+    def _serve(self, act: leaf.Serve, read: dict[tuple[str, str, int, int], tuple[int, list[bytes]]]) -> None:
+        """A reader's records from the database: DIRECT-RECORDs, without blocking (a
+        full queue drops them: gaps the reader FETCHes).  ``read``: what this turn read
+        already (a commit of a topic many devices read is read once, sent to each)."""
+        key = (act.subject, act.partition, act.first, act.count)
+        got = read.get(key)
+        if got is None:
+            try:
+                got = read[key] = self.store.db.fetch_raw(act.subject, act.partition, act.first, act.count)
+            except StorageError as exc:
+                log.error("cannot serve leaf reader %s of %s/%s: %s", act.reader[:8], act.subject, act.partition, exc)
+                return
+        start, values = got
+        prefix = wire.record_prefix(wire.DIRECT_RECORD, act.reader, act.partition, act.subject)
+        budget = act.max_bytes
+        sock, peer = self.sock, act.peer
+        for i, value in enumerate(values):
+            content = bytes(value_content(value))
+            if i and len(content) > budget:
+                break
+            budget -= len(content)
+            try:
+                send_frames(sock, [peer, prefix + wire.pack_u64(start + i), content])
+            except zmq.ZMQError:
+                return
+            self.served += 1
+
     def _refusal(self) -> str:
         error = self.store.storage_error
         return "" if error is None else f"store {self.store.address[:8]} cannot write: {error}"
 
     def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
-        """ACK the sessions of these committed partitions."""
+        """ACK the sessions of these committed partitions; push their new records to readers."""
         self._apply(self.core.on_commit(heads))
+        if self.reads.by_subject:
+            self._apply(self.reads.on_commit(heads))
 
     def sessions(self) -> dict[tuple[str, str], bytes]:
         """The partitions with a session here: (subject, partition) -> connection."""
@@ -295,8 +381,9 @@ class LeafEndpoint:
             store.pause_data(True)
         store._flush_batch()
 
-    def _apply(self, actions: list[leaf.PortAction]) -> None:
+    def _apply(self, actions: Sequence[leaf.PortAction]) -> None:
         store = self.store
+        read: dict[tuple[str, str, int, int], tuple[int, list[bytes]]] = {}
         for act in actions:
             if isinstance(act, leaf.Take):
                 tracker = store.tracker(act.subject, act.partition)
@@ -310,6 +397,8 @@ class LeafEndpoint:
                         self.relays_dropped += 1
                 except zmq.ZMQError:
                     self.relays_dropped += 1
+            elif isinstance(act, leaf.Serve):
+                self._serve(act, read)
             else:
                 try:
                     send_frames(self.sock, [act.peer, *act.frames])
@@ -384,6 +473,7 @@ class LeafEndpoint:
             if not self.resting:
                 self.store.watch_events(self.sock, zmq.POLLIN)
         self.core.expire(now)
+        self.reads.expire(now)
 
     def stats(self) -> dict[str, int]:
         core = self.core
@@ -397,4 +487,10 @@ class LeafEndpoint:
             "leaf_refused": core.refused + self.refused_connections + self.refused_keys + self.revoked,
             "leaf_relays_dropped": self.relays_dropped,
             "leaf_resends": core.resends,
+            "leaf_read_sessions": len(self.reads),
+            "leaf_reads": self.reads.reads,
+            "leaf_reads_refused": self.reads.refused,
+            "leaf_read_fetches": self.reads.fetches,
+            "leaf_read_fetches_dropped": self.reads.fetches_dropped,
+            "leaf_read_served": self.served,
         }

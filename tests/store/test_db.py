@@ -417,6 +417,9 @@ def test_partitions_and_topics(tmp_path: Path) -> None:
         assert [i.partition for i in db.partitions("ab")] == [P1, P2]
         assert db.partitions("zz") == []
         assert sorted(i.pid for i in db.partitions()) == [0, 1, 2, 3, 4]
+        # At most ``limit`` (a leaf reader's LEAF-READ lists a bounded number of them).
+        assert [i.partition for i in db.partitions("ab", limit=1)] == [P1]
+        assert len(db.partitions(limit=3)) == 3 and db.partitions("ab", limit=0) == []
 
 
 @pytest.mark.timeout(60)
