@@ -44,7 +44,7 @@ from dafka.core.groups import Key
 from dafka.errors import BufferFullError, ClosedError, PublishError
 from dafka.nodes import consumer as _consumer
 from dafka.nodes import producer as _producer
-from dafka.nodes.consumer import ConsumerRecord
+from dafka.nodes.consumed import ConsumerRecord
 
 __all__ = ["Consumer", "ConsumerRecord", "Producer", "Receipt"]
 

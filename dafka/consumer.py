@@ -8,7 +8,8 @@ methods raise, so the import path users and the docs know keeps working.
 from typing import TYPE_CHECKING, Any
 
 from dafka.errors import ClosedError, CommitError, DeserializationError
-from dafka.nodes.consumer import Consumer, ConsumerRecord
+from dafka.nodes.consumed import ConsumerRecord
+from dafka.nodes.consumer import Consumer
 
 if TYPE_CHECKING:
     from dafka.nodes.leafread import LeafConsumer

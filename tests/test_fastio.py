@@ -23,7 +23,7 @@ from dafka import fastio
 from dafka.core import wire
 from dafka.core.gaps import PartitionTracker
 from dafka.fastio import _pure
-from dafka.nodes.consumer import ConsumerRecord
+from dafka.nodes.consumed import ConsumerRecord
 from dafka.store.layout import pack_value
 
 try:

@@ -11,7 +11,8 @@ import pytest
 from dafka import values
 from dafka.config import NodeConfig
 from dafka.errors import DeserializationError, SerializationError
-from dafka.nodes.consumer import Consumer, ConsumerRecord, record_type
+from dafka.nodes.consumed import ConsumerRecord, record_type
+from dafka.nodes.consumer import Consumer
 from dafka.nodes.producer import Producer
 from dafka.store.node import Store
 from tests.conftest import wait_until

@@ -16,7 +16,7 @@ def _ceiling_receiver(port: int, n: int, ready: Any, result: Any, curve: tuple[b
     from dafka import fastio
     from dafka.core import wire
     from dafka.core.gaps import PartitionTracker
-    from dafka.nodes.consumer import ConsumerRecord
+    from dafka.nodes.consumed import ConsumerRecord
     from dafka.nodes.node import DRAIN
 
     sub = _bare_sub(port, curve)

@@ -30,16 +30,13 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from dafka.core import leafwire, wire
 from dafka.core.unacked import UnackedWindow
 from dafka.errors import ProtocolError
-
-if TYPE_CHECKING:
-    from dafka.core.leafread import ReadPort
 
 CONNECT_TIMEOUT = 5.0  # seconds from a connect to the WELCOME before the next endpoint is tried
 ACK_TIMEOUT = 10.0  # seconds records may wait without ACK progress before the next endpoint is tried
@@ -316,6 +313,18 @@ class Serve:
 PortAction = Reply | Take | Relay | Serve
 
 
+class ReadSessions(Protocol):
+    """The reader sessions a port serves beside its producers' (a
+    :class:`dafka.core.leafread.ReadPort`, which builds on this module)."""
+
+    def on_read(
+        self, peer: bytes, msg: leafwire.LeafRead, now: float, peer_key: str = "", keeps: bool = True
+    ) -> Sequence[PortAction]: ...
+    def on_fetch(self, peer: bytes, msg: wire.Fetch, now: float) -> Sequence[PortAction]: ...
+    def drop_peer(self, peer: bytes) -> None: ...
+
+
+
 @dataclass(slots=True)
 class LeafSession:
     """One leaf connection's state at the endpoint."""
@@ -397,7 +406,7 @@ class LeafPort:
         self.acks = 0
         self.last_error = ""
         # Readers on leaf connections (dafka.core.leafread), when the endpoint serves them.
-        self.reads: ReadPort | None = None
+        self.reads: ReadSessions | None = None
 
     def __len__(self) -> int:
         return len(self.sessions)

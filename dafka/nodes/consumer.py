@@ -26,73 +26,23 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from itertools import repeat, starmap
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, Protocol
 
 import zmq
 
-from dafka import fastio, values
+from dafka import fastio
 from dafka.config import NodeConfig, default_node_config
 from dafka.core import beacon, wire
 from dafka.core.gaps import LIVE_SETTLE_MIN, KnownStores, LiveEdge, PartitionTracker
 from dafka.core.groups import GroupState, Key, PendingCommits, PositionsQuery
-from dafka.errors import ClosedError, CommitError, DeserializationError
+from dafka.errors import ClosedError, CommitError
+from dafka.nodes.consumed import ConsumerRecord, record_type
 from dafka.nodes.loop import NodeLoop
 from dafka.nodes.node import DRAIN, read_subscriptions
 from dafka.nodes.reader import PartitionReader
 from dafka.values import Deserializer
 
 log = logging.getLogger("dafka.consumer")
-
-
-class ConsumerRecord(NamedTuple):
-    """One delivered record: where it comes from and its content (bytes).
-
-    ``value`` is the content as the consumer's ``deserializer`` decodes it
-    (the content itself by default).
-    """
-
-    topic: str
-    partition: str  # the producer's address
-    offset: int
-    content: bytes
-
-    @property
-    def value(self) -> Any:
-        """The deserialized content: here the bytes themselves (no deserializer)."""
-        return self[3]
-
-
-def record_type(deserializer: str | Deserializer | None) -> type[ConsumerRecord]:
-    """The record class a consumer delivers: ConsumerRecord itself for plain bytes.
-
-    Otherwise a subclass (same fields, no per-record cost on receipt) whose
-    ``value`` decodes the content on each access, raising
-    :class:`DeserializationError` (naming topic, partition and offset) for
-    content it cannot decode.
-    """
-    found = values.deserializer(deserializer)
-    if found is None:
-        return ConsumerRecord
-    decode: Deserializer = found
-
-    class DecodedRecord(ConsumerRecord):
-        __slots__ = ()
-
-        @property
-        def value(self) -> Any:
-            """The content decoded by the consumer's deserializer (on each access)."""
-            try:
-                return decode(self[3])
-            except Exception as exc:
-                raise DeserializationError(
-                    f"record {self[2]} of {self[0]}/{self[1]} cannot be deserialized: {exc}",
-                    self[0],
-                    self[1],
-                    self[2],
-                ) from exc
-
-    DecodedRecord.__name__ = DecodedRecord.__qualname__ = "ConsumerRecord"
-    return DecodedRecord
 
 
 _new_record = tuple.__new__

@@ -20,10 +20,8 @@ import heapq
 import json
 import logging
 import os
-import selectors
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 from pathlib import Path
@@ -38,6 +36,7 @@ from dafka.core import wire
 from dafka.core.unacked import UnackedWindow
 from dafka.errors import BufferFullError, ClosedError, PublishError, RecordTooLargeError
 from dafka.nodes import security
+from dafka.nodes.leafloop import SNDHWM, LeafLoop, parse_endpoints
 from dafka.nodes.node import new_address
 from dafka.nodes.receipt import Receipt, ReceiptCallbacks, check_content
 from dafka.outbox.host import ProducerPort
@@ -45,14 +44,7 @@ from dafka.outbox.host import ProducerPort
 log = logging.getLogger("dafka.leaf")
 
 RESERVE_BLOCK = 10_000  # offsets reserved in the identity file at a time (renewed at half)
-TICK = 0.2  # seconds between link ticks (of the members with something pending)
 SAVE_EVERY = 0.5  # seconds between identity saves after ACKs
-LINGER = 0.002  # seconds a shared loop rests after a turn that did a little (see LeafLoop)
-LINGER_BELOW = 64  # members touched in a turn below which it is a little
-SNDHWM = 10_000  # messages a DEALER queues (the endpoint's window bounds what is in flight)
-MAX_SOCKETS = 32_768  # ZeroMQ sockets of a LeafLoop's context (one DEALER per member)
-_events = fastio.events
-_POLLIN = int(zmq.POLLIN)
 # Producer arguments that mean nothing to a leaf (it has no mesh side).
 _MESH_ONLY = frozenset(("towers", "pace_limit", "resume", "resume_timeout"))
 
@@ -60,164 +52,12 @@ _MESH_ONLY = frozenset(("towers", "pace_limit", "resume", "resume_timeout"))
 # What an endpoint sends a reader (DIRECT-RECORD, DIRECT-HEAD, LEAF-READING, and STORE-STATUS
 # when the zmq topic is a reader's address): routed to the readers riding a producer's connection.
 _FOR_READERS = frozenset((b"D", b"E", b"S", b"Y"))
-MAX_CLOSED_READERS = 16
 
 
 def _addressee(frame: bytes) -> str:
     """The zmq topic (the addressee) of a Dafka message's first frame ("" if it has none)."""
     nul = frame.find(b"\x00", 1)
     return frame[1:nul].decode(errors="replace") if nul > 0 else ""
-
-
-def _fd(sock: zmq.Socket[Any]) -> int:
-    fd = sock.getsockopt(zmq.FD)
-    assert isinstance(fd, int)
-    return fd
-
-
-def parse_endpoints(leaf: str | Sequence[str]) -> list[str]:
-    """``"HOST:PORT,HOST:PORT"`` (or a list of them) as a list of ``HOST:PORT``; ValueError if malformed."""
-    items = leaf.split(",") if isinstance(leaf, str) else list(leaf)
-    out = []
-    for item in items:
-        host, sep, port = item.strip().rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-            raise ValueError(f"a leaf endpoint is HOST:PORT, not {item!r}")
-        out.append(f"{host}:{int(port)}")
-    if not out:
-        raise ValueError("a leaf needs at least one endpoint")
-    return out
-
-
-class LeafLoop:
-    """One thread driving many leaf producers (see the module docstring).
-
-    It waits in one epoll on its members' DEALERs (through ZMQ_FD, which is
-    edge-triggered: a socket is read to the end when it fires, and after a turn
-    every member that did anything has ZMQ_EVENTS looked at, since a send can
-    take the edge) and on a pipe that :meth:`wake` writes to.  Only members with
-    something pending (records unacknowledged, a HELLO unanswered) get ticks:
-    a fleet of idle devices costs nothing between their records.  After a turn
-    that touched fewer than LINGER_BELOW members the loop rests ``linger``
-    seconds (2 ms; a producer's own loop: 0), so that a fleet's records and
-    ACKs, each of another device, share turns instead of taking one each.
-    """
-
-    def __init__(self, name: str = "", *, linger: float = LINGER) -> None:
-        self.linger = linger
-        self.ctx = zmq.Context()
-        self.ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._wake_lock = threading.Lock()
-        self._woken = False
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        self._members: dict[int, LeafProducer] = {}
-        self._ticking: dict[LeafProducer, float] = {}  # members with something due, and when
-        self._dirty: deque[LeafProducer] = deque()  # members with records or commands to act on
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"dafka-leaves{name}", daemon=True)
-        self._thread.start()
-
-    def in_loop(self) -> bool:
-        return threading.current_thread() is self._thread
-
-    def wake(self, member: LeafProducer) -> None:
-        """``member`` has something to send: act on it in the loop (thread-safe)."""
-        with self._wake_lock:
-            self._dirty.append(member)
-            if self._woken:
-                return
-            self._woken = True
-        try:
-            os.write(self._wake_w, b"w")
-        except OSError:
-            pass  # full (a wake-up is pending) or closed
-
-    def close(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        try:
-            os.write(self._wake_w, b"w")
-        except OSError:
-            pass
-        if not self.in_loop():
-            self._thread.join(timeout)
-
-    # ------------------------------------------------------------ the thread
-
-    def _run(self) -> None:
-        next_tick = 0.0
-        ready: list[LeafProducer] = []
-        events = _events
-        try:
-            while not self._stop.is_set():
-                now = time.monotonic()
-                touched: dict[LeafProducer, None] = {}
-                if now >= next_tick:
-                    next_tick = now + TICK
-                    # Only the members whose link has something due (a HEAD, a failover):
-                    # thousands waiting a few ms for their ACK cost nothing here.
-                    for member, due in list(self._ticking.items()):
-                        if due <= now:
-                            member._tick(now)
-                            self._pending(member)
-                            touched[member] = None
-                with self._wake_lock:
-                    dirty, self._dirty = self._dirty, deque()
-                    self._woken = False
-                for member in dict.fromkeys(dirty):
-                    member._act(now)
-                    touched[member] = None
-                for member in ready:
-                    member._read(now)
-                    touched[member] = None
-                wait = 0.0 if ready or self._dirty else max(0.0, next_tick - time.monotonic())
-                if self.linger and touched and len(touched) < LINGER_BELOW and not self._stop.is_set():
-                    # A trickle (devices of a fleet, each a record now and then): rest, so
-                    # that the next publishes and ACKs share one turn, one wake-up (the
-                    # first publish meanwhile writes the pipe, the others find it written).
-                    time.sleep(self.linger)
-                for key, _ in self._selector.select(wait):
-                    member = key.data
-                    if member is None:
-                        try:
-                            while os.read(self._wake_r, 4096):
-                                pass
-                        except OSError:
-                            pass
-                        continue
-                    member._read(time.monotonic())
-                    touched[member] = None
-                ready = [m for m in touched if m.sock is not None and events(m.sock) & _POLLIN]
-        except Exception:
-            log.exception("leaf loop failed")
-        finally:
-            for member in list(self._members.values()):
-                member._detach()
-            self._selector.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-            self.ctx.term()
-
-    # called in the loop thread by members
-    def _register(self, sock: zmq.Socket[Any], member: LeafProducer) -> None:
-        self._selector.register(_fd(sock), selectors.EVENT_READ, member)
-
-    def _unregister(self, sock: zmq.Socket[Any]) -> None:
-        try:
-            self._selector.unregister(_fd(sock))
-        except (KeyError, ValueError, zmq.ZMQError):
-            pass
-
-    def _pending(self, member: LeafProducer) -> None:
-        """Tick ``member`` when its link next has something due (never if nothing is)."""
-        due = member.link.next_due() if member.sock is not None else None
-        if due is None:
-            self._ticking.pop(member, None)
-        else:
-            self._ticking[member] = due
 
 
 class _LeafOutboxPort(ProducerPort):

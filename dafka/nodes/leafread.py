@@ -35,20 +35,38 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import zmq
 
 from dafka import fastio
 from dafka.config import NodeConfig, default_node_config
+from dafka.core import leaf as leafcore
 from dafka.core import leafread, wire
 from dafka.core.leaf import Connect
 from dafka.errors import ClosedError
 from dafka.nodes import security
-from dafka.nodes.consumer import ConsumerRecord, record_type
-from dafka.nodes.leaf import MAX_CLOSED_READERS, SNDHWM, LeafLoop, LeafProducer, parse_endpoints
+from dafka.nodes.consumed import ConsumerRecord, record_type
+from dafka.nodes.leafloop import MAX_CLOSED_READERS, SNDHWM, LeafLoop, parse_endpoints
 from dafka.nodes.node import new_address
 from dafka.values import Deserializer
+
+
+class RiddenProducer(Protocol):
+    """What a leaf consumer riding a producer's connection uses of it (a
+    :class:`dafka.nodes.leaf.LeafProducer`; named structurally so this module
+    does not import the producer's, which makes readers with ``reader()``)."""
+
+    config: NodeConfig
+    endpoints: list[str]
+    link: leafcore.LeafLink
+    sock: zmq.Socket[Any] | None
+    _loop: LeafLoop
+    _lock: threading.Lock
+    _readers: dict[str, Any]
+
+    def _apply(self, actions: list[Any]) -> None: ...
+    def _read(self, now: float) -> None: ...
 
 log = logging.getLogger("dafka.leaf")
 
@@ -77,7 +95,7 @@ class LeafConsumer:
         config: NodeConfig | None = None,
         *,
         leaf: str | Sequence[str] | None = None,
-        via: LeafProducer | None = None,
+        via: RiddenProducer | None = None,
         position: str | os.PathLike[str] | None = None,
         offset_reset: Literal["latest", "earliest"] = "earliest",
         poll_interval: float = leafread.POLL_INTERVAL,
@@ -99,7 +117,7 @@ class LeafConsumer:
             raise TypeError("a leaf consumer's loop is a dafka.nodes.leaf.LeafLoop")
         if (leaf is None) == (via is None):
             raise ValueError("a leaf consumer needs either leaf= (its own connection) or via= (a leaf producer's)")
-        if via is not None and (not isinstance(via, LeafProducer) or loop is not None):
+        if via is not None and (not isinstance(getattr(via, "_loop", None), LeafLoop) or loop is not None):
             raise TypeError("via= is a dafka.nodes.leaf.LeafProducer (whose loop the consumer then shares)")
         self.topic = topic
         self._via = via

@@ -1,0 +1,204 @@
+"""The thread that drives leaf connections: one epoll over many DEALERs.
+
+A :class:`LeafLoop` serves any number of members (leaf producers, and leaf
+consumers riding their own connection or a producer's): it polls their DEALERs
+and a wake-up pipe, applies what each member's link decides and runs their
+timers.  Kept apart from :mod:`dafka.nodes.leaf` so producers and readers both
+build on it without needing each other.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import threading
+import time
+from collections import deque
+from collections.abc import Hashable, Sequence
+from typing import Any, Protocol
+
+import zmq
+
+from dafka import fastio
+
+log = logging.getLogger("dafka.leaf")
+
+TICK = 0.2  # seconds between link ticks (of the members with something pending)
+LINGER = 0.002  # seconds a shared loop rests after a turn that did a little (see LeafLoop)
+LINGER_BELOW = 64  # members touched in a turn below which it is a little
+SNDHWM = 10_000  # messages a DEALER queues (the endpoint's window bounds what is in flight)
+MAX_SOCKETS = 32_768  # ZeroMQ sockets of a LeafLoop's context (one DEALER per member)
+MAX_CLOSED_READERS = 16  # closed readers whose address a connection still recognises
+_events = fastio.events
+_POLLIN = int(zmq.POLLIN)
+
+
+
+class LinkDue(Protocol):
+    def next_due(self) -> float | None: ...
+
+
+class LoopMember(Hashable, Protocol):
+    """What a :class:`LeafLoop` needs of a member (a leaf producer or a leaf consumer)."""
+
+    @property
+    def sock(self) -> zmq.Socket[Any] | None: ...
+    @property
+    def link(self) -> LinkDue: ...
+
+    def _tick(self, now: float) -> None: ...
+    def _act(self, now: float) -> None: ...
+    def _read(self, now: float) -> None: ...
+    def _detach(self) -> None: ...
+
+
+def _fd(sock: zmq.Socket[Any]) -> int:
+    fd = sock.getsockopt(zmq.FD)
+    assert isinstance(fd, int)
+    return fd
+
+
+def parse_endpoints(leaf: str | Sequence[str]) -> list[str]:
+    """``"HOST:PORT,HOST:PORT"`` (or a list of them) as a list of ``HOST:PORT``; ValueError if malformed."""
+    items = leaf.split(",") if isinstance(leaf, str) else list(leaf)
+    out = []
+    for item in items:
+        host, sep, port = item.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ValueError(f"a leaf endpoint is HOST:PORT, not {item!r}")
+        out.append(f"{host}:{int(port)}")
+    if not out:
+        raise ValueError("a leaf needs at least one endpoint")
+    return out
+
+
+class LeafLoop:
+    """One thread driving many leaf producers (see the module docstring).
+
+    It waits in one epoll on its members' DEALERs (through ZMQ_FD, which is
+    edge-triggered: a socket is read to the end when it fires, and after a turn
+    every member that did anything has ZMQ_EVENTS looked at, since a send can
+    take the edge) and on a pipe that :meth:`wake` writes to.  Only members with
+    something pending (records unacknowledged, a HELLO unanswered) get ticks:
+    a fleet of idle devices costs nothing between their records.  After a turn
+    that touched fewer than LINGER_BELOW members the loop rests ``linger``
+    seconds (2 ms; a producer's own loop: 0), so that a fleet's records and
+    ACKs, each of another device, share turns instead of taking one each.
+    """
+
+    def __init__(self, name: str = "", *, linger: float = LINGER) -> None:
+        self.linger = linger
+        self.ctx = zmq.Context()
+        self.ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._wake_lock = threading.Lock()
+        self._woken = False
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._members: dict[int, LoopMember] = {}
+        self._ticking: dict[LoopMember, float] = {}  # members with something due, and when
+        self._dirty: deque[LoopMember] = deque()  # members with records or commands to act on
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"dafka-leaves{name}", daemon=True)
+        self._thread.start()
+
+    def in_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def wake(self, member: LoopMember) -> None:
+        """``member`` has something to send: act on it in the loop (thread-safe)."""
+        with self._wake_lock:
+            self._dirty.append(member)
+            if self._woken:
+                return
+            self._woken = True
+        try:
+            os.write(self._wake_w, b"w")
+        except OSError:
+            pass  # full (a wake-up is pending) or closed
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        try:
+            os.write(self._wake_w, b"w")
+        except OSError:
+            pass
+        if not self.in_loop():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        next_tick = 0.0
+        ready: list[LoopMember] = []
+        events = _events
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                touched: dict[LoopMember, None] = {}
+                if now >= next_tick:
+                    next_tick = now + TICK
+                    # Only the members whose link has something due (a HEAD, a failover):
+                    # thousands waiting a few ms for their ACK cost nothing here.
+                    for member, due in list(self._ticking.items()):
+                        if due <= now:
+                            member._tick(now)
+                            self._pending(member)
+                            touched[member] = None
+                with self._wake_lock:
+                    dirty, self._dirty = self._dirty, deque()
+                    self._woken = False
+                for member in dict.fromkeys(dirty):
+                    member._act(now)
+                    touched[member] = None
+                for member in ready:
+                    member._read(now)
+                    touched[member] = None
+                wait = 0.0 if ready or self._dirty else max(0.0, next_tick - time.monotonic())
+                if self.linger and touched and len(touched) < LINGER_BELOW and not self._stop.is_set():
+                    # A trickle (devices of a fleet, each a record now and then): rest, so
+                    # that the next publishes and ACKs share one turn, one wake-up (the
+                    # first publish meanwhile writes the pipe, the others find it written).
+                    time.sleep(self.linger)
+                for key, _ in self._selector.select(wait):
+                    member = key.data
+                    if member is None:
+                        try:
+                            while os.read(self._wake_r, 4096):
+                                pass
+                        except OSError:
+                            pass
+                        continue
+                    member._read(time.monotonic())
+                    touched[member] = None
+                ready = [m for m in touched if m.sock is not None and events(m.sock) & _POLLIN]
+        except Exception:
+            log.exception("leaf loop failed")
+        finally:
+            for member in list(self._members.values()):
+                member._detach()
+            self._selector.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self.ctx.term()
+
+    # called in the loop thread by members
+    def _register(self, sock: zmq.Socket[Any], member: LoopMember) -> None:
+        self._selector.register(_fd(sock), selectors.EVENT_READ, member)
+
+    def _unregister(self, sock: zmq.Socket[Any]) -> None:
+        try:
+            self._selector.unregister(_fd(sock))
+        except (KeyError, ValueError, zmq.ZMQError):
+            pass
+
+    def _pending(self, member: LoopMember) -> None:
+        """Tick ``member`` when its link next has something due (never if nothing is)."""
+        due = member.link.next_due() if member.sock is not None else None
+        if due is None:
+            self._ticking.pop(member, None)
+        else:
+            self._ticking[member] = due
