@@ -138,6 +138,7 @@ from dafka.errors import ClosedError, DafkaError, ProtocolError
 from dafka.fastio import fetch_blocks, store_blocks
 from dafka.store.block import BLOCK_KEY, BlockHeader, decode_header, store_payload
 from dafka.store.blocktable import OverlapError, put_block
+from dafka.store.compaction import Cleaned, Planner, Scanned, clean_txn, scan_txn
 from dafka.store.layout import (
     FLAG_CONTROL,
     FLAG_KEY,
@@ -748,6 +749,10 @@ class RecordDB:
                 self._pkeys.clear()  # unbounded names from the network must not grow it
             self._pkeys[tp] = pkey
         return pkey
+
+    def partition_key(self, topic: str, partition: str) -> bytes:
+        """The ``partitions`` key of a partition (ValueError for a name no partition can have)."""
+        return self._pkey(topic, partition)
 
     # ------------------------------------------------------------------ append
 
@@ -1692,4 +1697,26 @@ class RecordDB:
         result = self._write(body)
         if result.deleted:
             log.debug("retention removed %d records (%d bytes) from %s", result.deleted, result.freed_bytes, self.path)
+        return result
+
+    # ------------------------------------------------------------------ compaction
+
+    def compaction_scan(self, pid: int, planner: Planner, step_bytes: int) -> Scanned:
+        """Feed ``planner`` about ``step_bytes`` of partition ``pid``'s blocks, in one read
+        transaction (:func:`dafka.store.compaction.scan_txn`)."""
+        with self._read_txn() as (txn, dbs):
+            return scan_txn(txn, dbs.blocks, pid, planner, step_bytes)
+
+    def compaction_clean(self, pkey: bytes, planner: Planner, offset: int, step_bytes: int) -> Cleaned:
+        """Rewrite about ``step_bytes`` of a partition's blocks from ``offset`` without what
+        ``planner`` drops, in one committed write transaction
+        (:func:`dafka.store.compaction.clean_txn`): after a crash, each block is either as it
+        was or rewritten."""
+
+        def body(txn: lmdb.Transaction) -> Cleaned:
+            dbs = self._dbs
+            assert dbs is not None
+            return clean_txn(txn, dbs.partitions, dbs.blocks, pkey, planner, offset, step_bytes)
+
+        result: Cleaned = self._write(body)
         return result
