@@ -22,8 +22,10 @@ Three parts, as retention has them:
   :class:`Compactor` (the store's writer thread calls :meth:`Compactor.step`): each read
   or write transaction handles about ``step_bytes`` of blocks.  A block with records to
   drop is rewritten in the same write transaction that deletes it and updates its
-  partition's ``count``, ``bytes`` and ``first``: after a crash either the old block or its
-  rewrite is there, never both or neither.
+  partition's ``count`` and ``bytes`` (not its ``first``: like Kafka's log start offset, it
+  stays where retention left it, so a gap above it is compaction's and one below it
+  retention's): after a crash either the old block or its rewrite is there, never both or
+  neither.
 
 How a block is rewritten: its surviving records become one block per run of consecutive
 offsets, each stored under its own first offset, so every block stays dense (no reader
@@ -418,7 +420,8 @@ def clean_txn(txn: Any, parts_db: Any, blocks_db: Any, pkey: bytes, planner: Pla
               step_bytes: int) -> Cleaned:
     """Drop what ``planner`` does not keep from the blocks of partition ``pkey`` from ``offset``
     (at least the partition's ``first``) up to its ``map_end``, about ``step_bytes`` of blocks,
-    in the write transaction ``txn``, updating the partition's ``count``, ``bytes`` and ``first``."""
+    in the write transaction ``txn``, updating the partition's ``count`` and ``bytes`` (its
+    ``first`` stays, as Kafka's log start offset does under compaction)."""
     raw = txn.get(pkey, db=parts_db)
     if raw is None:
         return Cleaned(offset, True, 0, 0, 0)
@@ -463,9 +466,9 @@ def clean_txn(txn: Any, parts_db: Any, blocks_db: Any, pkey: bytes, planner: Pla
         if seen >= step_bytes:
             break
     if rewritten:
-        front = seek(cur, pid, first)
-        if front is not None and front[0].first_offset > first:
-            first = front[0].first_offset
+        # ``first`` stays (as Kafka's log start offset does): a read from it gets the next
+        # record held, and what lies below ``first`` is what retention removed, a loss for
+        # readers that planned it (Spark); a gap above it is compaction's.
         txn.put(pkey, PARTITION_INFO.pack(pid, first, last, count, nbytes), db=parts_db)
     return Cleaned(offset, done, dropped, freed, rewritten)
 

@@ -1707,6 +1707,32 @@ class RecordDB:
         with self._read_txn() as (txn, dbs):
             return scan_txn(txn, dbs.blocks, pid, planner, step_bytes)
 
+    def compacted_gap(self, topic: str, partition: str, lo: int, hi: int) -> bool:
+        """Whether offsets ``lo..hi``, where a read found no record, are a gap compaction left
+        rather than records lost: at or past the partition's ``first`` (retention removes
+        from the front) and in no recorded hole (:meth:`holes`).  (A hole given up for good
+        leaves no entry either; it counts as such a gap.)"""
+        pkey = self._pkey(topic, partition)
+        with self._read_txn() as (txn, dbs):
+            raw = txn.get(pkey, db=dbs.partitions)
+            if raw is None:
+                return False
+            pid, first, last, _count, _bytes = PARTITION_INFO.unpack(raw)
+            if lo < first or hi > last:
+                return False
+            hdb = self._holes_db
+            if hdb is None:
+                return True
+            cur = txn.cursor(db=hdb)
+            # The hole starting at or before hi, if any, must end before lo.
+            if cur.set_range(BLOCK_KEY.pack(pid, hi + 1)):
+                if not cur.prev():
+                    return True
+            elif not cur.last():
+                return True
+            hpid, _hfirst = BLOCK_KEY.unpack(cur.key())
+            return hpid != pid or U64.unpack(cur.value())[0] < lo
+
     def compaction_clean(self, pkey: bytes, planner: Planner, offset: int, step_bytes: int) -> Cleaned:
         """Rewrite about ``step_bytes`` of a partition's blocks from ``offset`` without what
         ``planner`` drops, in one committed write transaction

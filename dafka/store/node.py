@@ -215,6 +215,7 @@ class Store(PartitionReader):
         # Compacted topics (dafka.store.compaction): run by the writer thread after
         # retention, in bounded steps.  The attribute is swapped whole when it changes.
         self.compaction = compaction or CompactionPolicy()
+        self.compacted_voids = 0  # VOIDs kind 2 sent: gaps compaction left, said to FETCHers
         self.compactor = Compactor(self.db, lambda: self.compaction, bounds=self.compaction_bounds,
                                    max_keys=compaction_keys)
         self.retry_interval = retry_interval
@@ -1025,7 +1026,10 @@ class Store(PartitionReader):
             if not values:
                 self._job_done(job)
                 continue
-            if start > job.offset == job.asked:
+            gap = start > job.offset and self._compacted_gap(job, start)
+            if gap:
+                pass  # said with a VOID kind 2 (_compacted_gap): no warning, the answer goes on past it
+            elif start > job.offset == job.asked:
                 log.warning(
                     "FETCH %s/%s from %d: offsets below %d were removed by retention or skipped (a hole)",
                     job.topic,
@@ -1045,12 +1049,35 @@ class Store(PartitionReader):
                 self._blocked = True
             self.records_served += sent
             job.offset, job.remaining = start + sent, job.remaining - sent
-            if job.remaining > 0 and (sent == SERVE_SLICE or self._blocked):
+            if job.remaining > 0 and (sent == SERVE_SLICE or self._blocked or (sent and self._compacted(job))):
+                # (a compacted partition's answer goes on past its gaps, a slice a turn)
                 jobs.append(job)
             else:
                 self._job_done(job)
             if self._blocked:
                 return
+
+    def _compacted(self, job: FetchJob) -> bool:
+        return self.compaction.compacts(job.topic)
+
+    def _compacted_gap(self, job: FetchJob, start: int) -> bool:
+        """Whether ``job.offset .. start - 1``, where a FETCH answer found no record, was
+        compacted away here (the topic is compacted, the offsets are past the partition's
+        first and in no recorded hole); if so, the requester is told so (VOID kind 2), and
+        a Dafka consumer passes them at once rather than after ``skip_after``."""
+        if not self._compacted(job):
+            return False
+        first = self.db.first(job.topic, job.partition)
+        lo = job.offset
+        if first is None or lo < first:
+            return False
+        key = (job.topic, job.partition)
+        if self.repair and (self.repair.covers(key, lo) or self.repair.covers(key, start - 1)):
+            return False
+        self._send_checked(wire.Void(job.key[0], job.partition, job.topic, lo, start - 1, self.address,
+                                     wire.VOID_COMPACTED))
+        self.compacted_voids += 1
+        return True
 
     def _job_done(self, job: FetchJob) -> None:
         if self._job_of.get(job.key) is job:
