@@ -138,3 +138,36 @@ def test_cleanup_policy_alters_applies_and_survives_a_restart(cfg: NodeConfig, t
         assert gw.topic_cleanup("c")[0] == "delete" and not gw.compaction.compacts("c")
     finally:
         gw.close()
+
+
+def test_transactions_aborted_records_never_supersede_and_an_open_one_is_left_alone(gateway_db: Path) -> None:
+    from tests.kafka.test_transactions import ck_read, txn_producer
+
+    proc, bs = start_gateway(gateway_db)
+    try:
+        admin = AdminClient({"bootstrap.servers": bs})
+        admin.create_topics([NewTopic("ctx", 1, 1, config={"cleanup.policy": "compact"})])["ctx"].result(20)
+        p = txn_producer(bs, "cmp-1")
+        for pairs, commit in (([(b"a", b"a1"), (b"b", b"b1")], True), ([(b"a", b"a2-aborted")], False),
+                              ([(b"b", b"b2")], True)):
+            p.begin_transaction()
+            for k, v in pairs:
+                p.produce("ctx", key=k, value=v, partition=0)
+            p.flush(30)
+            if commit:
+                p.commit_transaction(30)
+            else:
+                p.abort_transaction(30)
+        p.begin_transaction()
+        p.produce("ctx", key=b"a", value=b"a3", partition=0)  # left open: past the last stable offset
+        p.flush(30)
+        # 0 a1, 1 b1, 2 commit, 3 a2 (aborted), 4 abort, 5 b2, 6 commit, 7 a3 (open): b1 goes, no other.
+        wait_until(lambda: stored_count(gateway_db, "ctx") == 7, timeout=60, interval=0.2)
+        assert [v for _p, _o, v in ck_read(bs, "ctx", "read_committed")] == [b"a1", b"b2"]
+        p.commit_transaction(30)
+        # Now a3 (committed) supersedes a1 and the aborted a2.
+        wait_until(lambda: stored_count(gateway_db, "ctx") == 7 - 2 + 1, timeout=60, interval=0.2)
+        assert [v for _p, _o, v in ck_read(bs, "ctx", "read_committed")] == [b"b2", b"a3"]
+    finally:
+        proc.kill()
+        proc.wait(10)
