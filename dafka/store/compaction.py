@@ -30,7 +30,8 @@ Three parts, as retention has them:
 How a block is rewritten: its surviving records become one block per run of consecutive
 offsets, each stored under its own first offset, so every block stays dense (no reader
 changes: the gaps between blocks are what readers already pass, as after a hole).  A Kafka
-batch (``CODEC_KAFKA``) becomes one batch per run, uncompressed, with the run's first offset
+batch (``CODEC_KAFKA``) becomes one batch per run, compressed with its codec again (written
+uncompressed only when this process lacks the codec's package: lz4, zstd), with the run's first offset
 as ``baseOffset``, the records' bytes, timestamps, producer id, epoch and transactional bit
 kept, ``baseSequence`` moved by the run's place and ``lastOffsetDelta`` the run's length - 1
 (so a Kafka client's next fetch offset is the run's last offset + 1; the next run's batch
@@ -55,13 +56,16 @@ import bisect
 import hashlib
 import logging
 import struct
+import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import snappy
 from crc32c import crc32c
 
 from dafka.errors import ProtocolError
+from dafka.kafka import _codec
 from dafka.store.block import (
     BLOCK_KEY,
     CODEC_KAFKA,
@@ -299,6 +303,31 @@ def _put_varint(n: int, out: bytearray) -> None:
     out.append(z)
 
 
+_XERIAL = b"\x82SNAPPY\x00" + struct.pack(">ii", 1, 1)
+_XERIAL_BLOCK = 32 << 10
+
+
+def _compress(codec: int, data: bytes) -> tuple[int, bytes]:
+    """``(codec used, data)``: the batch's own codec when this process has it (gzip, snappy
+    in Kafka's xerial framing, lz4 and zstd with their packages), else none."""
+    if codec == 1:
+        c = zlib.compressobj(6, zlib.DEFLATED, 31)
+        return 1, c.compress(data) + c.flush()
+    if codec == 2:
+        out = [_XERIAL]
+        for i in range(0, len(data), _XERIAL_BLOCK):
+            chunk = snappy.compress(data[i:i + _XERIAL_BLOCK])
+            out += [struct.pack(">i", len(chunk)), chunk]
+        return 2, b"".join(out)
+    lz4f: Any = getattr(_codec, "_lz4f", None)
+    zstd: Any = getattr(_codec, "_zstd", None)
+    if codec == 3 and lz4f is not None:
+        return 3, bytes(lz4f.compress(data))
+    if codec == 4 and zstd is not None:
+        return 4, bytes(zstd.ZstdCompressor().compress(data))
+    return 0, data
+
+
 def _kafka_runs(value: bytes | memoryview, keep: Sequence[bool]) -> list[bytes]:
     """The blocks of a stored Kafka batch's kept records, one batch per run of consecutive offsets."""
     body = bytes(memoryview(value)[HEADER_SIZE:])
@@ -334,7 +363,9 @@ def _kafka_runs(value: bytes | memoryview, keep: Sequence[bool]) -> list[bytes]:
         else:
             max_ts = max(r[1] for r in run)
         seq = -1 if bseq < 0 else (bseq + (first - base)) & 0x7FFFFFFF
-        tail = struct.pack(">hiqqqhii", attrs & ~_ATTR_CODEC, n - 1, base_ts, max_ts, pid, pepoch, seq, n) + recs
+        codec, payload = _compress(attrs & _ATTR_CODEC, bytes(recs))
+        tail = struct.pack(">hiqqqhii", (attrs & ~_ATTR_CODEC) | codec, n - 1, base_ts, max_ts, pid, pepoch, seq,
+                           n) + payload
         batch = struct.pack(">qiib", first, len(tail) + 9, -1, 2) + struct.pack(">I", crc32c(tail)) + tail
         out.append(kafka_block_of(batch, scan_kafka(batch, 1 << 31, 1 << 31, control=True), first))
     return out
@@ -545,6 +576,14 @@ class Compactor:
             self._last = pkey
             return _Round(info.topic, info.partition, pkey, info.pid, planner, info.first)
         return None
+
+    def give_up(self) -> None:
+        """The round in progress failed (its step raised): drop it, and leave its partition
+        alone until it gets new records (a damaged block is not read again every second)."""
+        rnd = self.round
+        if rnd is not None:
+            self.blocked[rnd.pkey] = rnd.planner.head
+        self.round = None
 
     def _tombstones_due(self, rnd: _Round, now_ms: int) -> bool:
         due = self.tombstone_due.get(rnd.pkey)

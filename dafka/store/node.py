@@ -464,9 +464,9 @@ class Store(PartitionReader):
         while True:
             try:
                 more = self.compactor.step(int(time.time() * 1000))
-            except (StorageError, ProtocolError, ValueError):
-                log.exception("compaction failed; the round is dropped (the next one starts over)")
-                self.compactor.round = None
+            except Exception:  # a damaged block, a full disk, a bug: never the writer thread's end
+                log.exception("compaction failed; the partition waits for new records before the next round")
+                self.compactor.give_up()
                 break
             if not more or time.monotonic() >= deadline or self._to_write is not None:
                 break
@@ -1067,12 +1067,11 @@ class Store(PartitionReader):
         a Dafka consumer passes them at once rather than after ``skip_after``."""
         if not self._compacted(job):
             return False
-        first = self.db.first(job.topic, job.partition)
         lo = job.offset
-        if first is None or lo < first:
-            return False
-        key = (job.topic, job.partition)
-        if self.repair and (self.repair.covers(key, lo) or self.repair.covers(key, start - 1)):
+        try:
+            if not self.db.compacted_gap(job.topic, job.partition, lo, start - 1):
+                return False  # below first (retention), or a recorded hole
+        except StorageError:
             return False
         self._send_checked(wire.Void(job.key[0], job.partition, job.topic, lo, start - 1, self.address,
                                      wire.VOID_COMPACTED))

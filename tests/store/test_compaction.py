@@ -197,10 +197,12 @@ def kbatch(keys: list[bytes | None], ts: int = 1_700_000_000_000, compression: i
     return bytes(b.build())
 
 
-@pytest.mark.parametrize("compression", [0, 1, 2])
+@pytest.mark.parametrize("compression", [0, 1, 2, 3, 4])
 def test_a_kafka_batch_becomes_one_batch_per_run_with_offsets_timestamps_and_headers_kept(compression: int) -> None:
-    blk = kafka_block(kbatch([b"a", b"b", b"c", b"d", b"e"], compression=compression, txn=True), 100)
+    vals: list[bytes | None] = [b"v%d" % i + b" compressible" * 20 for i in range(5)]
+    blk = kafka_block(kbatch([b"a", b"b", b"c", b"d", b"e"], compression=compression, txn=True, values=vals), 100)
     hdr = decode_header(blk)
+    assert hdr.compression == compression
     infos = block_infos(hdr, blk)
     assert [(i.offset, i.key, i.kind) for i in infos] == [(100 + i, k, TXN) for i, k in enumerate([b"a", b"b", b"c", b"d", b"e"])]
     out = rewrite_block(hdr, blk, infos, [False, True, True, False, True])
@@ -208,12 +210,12 @@ def test_a_kafka_batch_becomes_one_batch_per_run_with_offsets_timestamps_and_hea
     got = []
     for b in out:
         h = validate(b)
-        assert h.codec == CODEC_KAFKA and h.compression == 0
+        assert h.codec == CODEC_KAFKA and h.compression == compression  # compressed again, alike
         batch = DefaultRecordBatch(b[52:])
         assert batch.is_transactional and batch.producer_id == 7 and batch.producer_epoch == 3
         assert batch.base_sequence == 10 + h.first_offset - 100
         got += [(x.offset, x.timestamp, x.key, x.value, x.headers) for x in batch]
-    assert got == [(100 + i, 1_700_000_000_000 + i, k, b"v%d" % i, [("h", b"%d" % i)])
+    assert got == [(100 + i, 1_700_000_000_000 + i, k, vals[i], [("h", b"%d" % i)])
                    for i, k in [(1, b"b"), (2, b"c"), (4, b"e")]]
 
 
@@ -453,3 +455,30 @@ def test_a_tank_client_reads_a_compacted_partition_with_seq_gaps(tmp_path: Path)
         assert [s for s, _k, _v in seen] == [5, 10, 15, 20, 21, 22, 23, 24, 25]
         assert seen[-5:] == [(21, b"k0", b"r4-k0"), (22, b"k1", b"r4-k1"), (23, b"k2", b"r4-k2"),
                              (24, b"k3", b"r4-k3"), (25, None, b"nokey-4")]
+
+
+def test_a_damaged_block_stops_its_partitions_rounds_not_the_store(tmp_path: Path, caplog: Any) -> None:
+    """Hostile: a block whose batch fails its CRC.  The round fails, logged once; the writer
+    thread goes on; the partition is left alone until it gets new records."""
+    from dafka.config import NodeConfig
+    from dafka.store.node import Store
+
+    store = Store(str(tmp_path / "db"), NodeConfig(towers=[]), sync=False, retention_interval=3600,
+                  compaction=CompactionPolicy(frozenset({"t"})))
+    with store:
+        fill(store.db)
+        with store.db._write_lock, store.db._live_env().begin(write=True) as txn:
+            dbs = store.db._dbs
+            assert dbs is not None
+            cur = txn.cursor(db=dbs.blocks)
+            assert cur.first()
+            bad = bytearray(cur.value())
+            bad[-1] ^= 0xFF  # a record byte: the batch's CRC-32C no longer matches
+            cur.put(cur.key(), bytes(bad))
+        store._compact()
+        assert "compaction failed" in caplog.text
+        assert store.compactor.round is None and store.compactor.rounds == 0
+        caplog.clear()
+        store._compact()  # nothing new: not tried again
+        assert "compaction failed" not in caplog.text
+        assert store.db.fetch_raw("t", "p", 40, 1)[1]  # the store still reads
