@@ -70,6 +70,7 @@ from dafka.store.block import (
     BLOCK_KEY,
     CODEC_KAFKA,
     CODEC_STORE,
+    DEFAULT_BUDGET,
     HEADER_SIZE,
     BlockHeader,
     _zvarint,
@@ -278,8 +279,19 @@ def block_infos(hdr: BlockHeader, value: bytes | memoryview) -> list[RecordInfo]
             return [RecordInfo(off, None, False, hdr.max_ts, CONTROL)
                     for off in range(hdr.first_offset, hdr.last_offset + 1)]
         kind = TXN if attrs & _ATTR_TXN else PLAIN
-        return [RecordInfo(r.offset, r.key, r.value is None and r.key is not None, r.ts_ms, kind)
-                for r in records(value)]
+        # The compiled record loop (no Python statement per record).
+        raw = bytes(memoryview(value)[HEADER_SIZE:])
+        (_b, _l, _e, _m, _c, _a, _d, base_ts, max_ts, _p, _pe, _s, count) = _BATCH_HEAD.unpack_from(raw)
+        codec = attrs & _ATTR_CODEC
+        if codec:
+            body, start = _codec._decompress(codec, raw[_BATCH_HEAD.size:], [DEFAULT_BUDGET]), 0
+        else:
+            body, start = raw, _BATCH_HEAD.size
+        fixed = max_ts if attrs & 0x08 else None
+        recs = _codec._decode_records(body, start, len(body), count, base_ts, fixed, _codec.Record)[0]
+        first = hdr.first_offset
+        return [RecordInfo(first + i, r.key, r.value is None and r.key is not None, r.timestamp, kind)
+                for i, r in enumerate(recs)]
     # Tank bundles (and the unused varint codec): keys, never null values.
     return [RecordInfo(r.offset, r.key, False, r.ts_ms, PLAIN) for r in records(value)]
 
