@@ -482,3 +482,12 @@ def test_a_damaged_block_stops_its_partitions_rounds_not_the_store(tmp_path: Pat
         store._compact()  # nothing new: not tried again
         assert "compaction failed" not in caplog.text
         assert store.db.fetch_raw("t", "p", 40, 1)[1]  # the store still reads
+
+
+def test_many_compacted_topics_are_found_with_one_read_of_the_partitions(tmp_path: Path) -> None:
+    with RecordDB(tmp_path / "db", sync=False) as db:
+        fill(db, "t")
+        fill(db, "u")
+        topics = frozenset({"t", *(f"other-{i}" for i in range(100))})
+        compact_all(db, CompactionPolicy(topics))
+        assert db.info("t", "p").count == 11 and db.info("u", "p").count == 41  # type: ignore[union-attr]
