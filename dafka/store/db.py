@@ -42,6 +42,8 @@ order.
     for an offset in a hole get the next offset held, as after retention.
     The store fills its holes later when a peer brings the records (see
     ``holes`` and :meth:`RecordDB.fill_holes`); ``count`` then grows.
+    Compaction (:mod:`dafka.store.compaction`) leaves gaps too, never
+    recorded as holes (and ``first`` stays where it was).
 
 ``pids``
     ``pid:u32`` -> the partition key above (reverse map; pids are allocated in
@@ -1742,6 +1744,10 @@ class RecordDB:
         def body(txn: lmdb.Transaction) -> Cleaned:
             dbs = self._dbs
             assert dbs is not None
+            # The holes table exists once compaction left a gap: a store without one builds
+            # it at open from the gaps between blocks (written before it existed), which
+            # would take compaction's gaps for holes.
+            self._holes_table(txn)
             return clean_txn(txn, dbs.partitions, dbs.blocks, pkey, planner, offset, step_bytes)
 
         result: Cleaned = self._write(body)

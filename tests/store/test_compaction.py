@@ -491,3 +491,15 @@ def test_many_compacted_topics_are_found_with_one_read_of_the_partitions(tmp_pat
         topics = frozenset({"t", *(f"other-{i}" for i in range(100))})
         compact_all(db, CompactionPolicy(topics))
         assert db.info("t", "p").count == 11 and db.info("u", "p").count == 41  # type: ignore[union-attr]
+
+
+def test_a_reopened_store_does_not_take_compaction_gaps_for_holes(tmp_path: Path) -> None:
+    """A store without a holes table builds one at open from the block headers, for every
+    partition whose count says it has gaps: compaction's gaps must not become holes (a store
+    would then fetch them, and cap its ACKs below them)."""
+    with RecordDB(tmp_path / "db", sync=False) as db:
+        fill(db)
+        compact_all(db, CompactionPolicy(frozenset({"t"})))
+        assert db.holes() == []
+    with RecordDB(tmp_path / "db", sync=False) as db:
+        assert db.holes() == []
