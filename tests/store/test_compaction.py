@@ -503,3 +503,52 @@ def test_a_reopened_store_does_not_take_compaction_gaps_for_holes(tmp_path: Path
         assert db.holes() == []
     with RecordDB(tmp_path / "db", sync=False) as db:
         assert db.holes() == []
+
+
+batch_spec = st.tuples(
+    st.booleans(),  # a Kafka batch (else the store's own records)
+    st.integers(0, 2),  # its compression
+    st.lists(st.tuples(st.sampled_from([None, b"a", b"b", b"c", b"d"]), st.booleans()), min_size=1, max_size=6),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(batch_spec, min_size=1, max_size=8), st.integers(1, 4), st.integers(1, 3000), st.booleans())
+def test_compaction_on_lmdb_matches_the_model(
+    batches: list[tuple[bool, int, list[tuple[bytes | None, bool]]]], max_keys: int, step: int, expire: bool
+) -> None:
+    """Whatever the blocks, map bound and step size: what is left is exactly the model's
+    (the latest per key, keyless records, the head; expired tombstones gone), each record
+    unchanged, and the partition's count and bytes true."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp()
+    try:
+        with RecordDB(d, sync=False) as db:
+            off = 0
+            recs: list[tuple[int, bytes | None, bool]] = []
+            for kafka, comp, items in batches:
+                if kafka:
+                    keys = [k for k, _t in items]
+                    vals: list[bytes | None] = [None if t and k is not None else b"v%d" % (off + i)
+                                                for i, (k, t) in enumerate(items)]
+                    db.append_blocks([("t", "p", kafka_block(kbatch(keys, compression=comp, values=vals), off))])
+                    recs += [(off + i, k, vals[i] is None) for i, k in enumerate(keys)]
+                else:
+                    db.append([("t", "p", off + i, b"v%d" % (off + i), 1_700_000_000_000, k)
+                               for i, (k, _t) in enumerate(items)])
+                    recs += [(off + i, k, False) for i, (k, _t) in enumerate(items)]
+                off += len(items)
+            before = {x.offset: x.content for x in db.read("t", "p", 0, 10_000)}
+            head = off - 1
+            latest = {k: o for o, k, _t in recs if k is not None}
+            want = sorted(o for o, k, tomb in recs
+                          if o == head or k is None or (latest[k] == o and not (expire and tomb)))
+            compact_all(db, CompactionPolicy(frozenset({"t"}), default_delete_retention_ms=0 if expire else 10**15),
+                        max_keys=max_keys, step_bytes=step)
+            after = check_consistent(db)
+            assert [o for o, _k, _c in after] == want
+            assert all(before[o] == c for o, _k, c in after)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
