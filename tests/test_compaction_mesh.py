@@ -44,3 +44,27 @@ def test_a_mesh_consumer_passes_compacted_gaps_without_waiting_skip_after(cfg: N
             assert c.skipped == 0 and c.compacted_passed > 0
         assert store.compacted_voids > 0
         assert took < skip_after / 2, f"{took:.1f}s: the gaps waited for skip_after"
+
+
+def test_a_store_catching_up_from_a_compacting_store_passes_its_gaps_as_holes_at_once(
+    cfg: NodeConfig, tmp_path: Path
+) -> None:
+    n = 400
+    with RecordDB(tmp_path / "a", sync=False) as db:
+        db.append([("cmp", PARTITION, i, b"v%d" % i, 1_700_000_000_000, None if i % 25 == 0 else b"k%d" % (i % 10))
+                   for i in range(n)])
+    a = Store(tmp_path / "a", cfg, retention_interval=0.05, compaction=CompactionPolicy(frozenset({"cmp"})))
+    with a:
+        wait_until(lambda: a.db.info("cmp", PARTITION).count == 26, timeout=30)  # type: ignore[union-attr]
+        t0 = time.monotonic()
+        with Store(tmp_path / "b", cfg, skip_after=10.0) as b:
+            def caught_up() -> bool:
+                info = b.db.info("cmp", PARTITION)
+                return info is not None and info.last == n - 1 and info.count == 26
+
+            wait_until(caught_up, timeout=30)
+            took = time.monotonic() - t0
+            assert [x.offset for x in b.db.read("cmp", PARTITION, 0, n)] == \
+                [x.offset for x in a.db.read("cmp", PARTITION, 0, n)]
+            assert b.db.holes()  # recorded as holes: another store may hold those records
+        assert took < 5.0, f"{took:.1f}s: the gaps waited for skip_after"

@@ -172,12 +172,14 @@ class PartitionReader(Node):
         if msg.kind == wire.VOID_RESTART:
             tracker.on_restart_hole(msg.first, msg.last)
         elif msg.kind == wire.VOID_COMPACTED:
-            if self.holds_records:
-                return  # a store keeps waiting (and records a hole), as for retention elsewhere
             out = self._out
             passed = tracker.pass_compacted(msg.first, msg.last, time.monotonic(), out)
             if passed is not None:
                 self.compacted_passed += passed[1] - passed[0] + 1
+                if self.holds_records:
+                    # A store records the gap as a hole, as after skip_after (another store may
+                    # still hold those records: hole repair asks), without waiting for it.
+                    self.on_skipped(tracker, *passed)
                 if out:
                     self.emit(tracker, out)
                     out.clear()
