@@ -379,7 +379,7 @@ def test_a_kill_9_mid_compaction_leaves_each_block_old_or_rewritten_and_the_next
         assert [o for o, _k, _c in end] == want
 
 
-def test_a_round_over_millions_of_keys_holds_at_most_max_keys_in_its_map(tmp_path: Path) -> None:
+def test_a_partition_with_ten_times_more_keys_than_the_map_takes_is_compacted_in_rounds_each_within_it(tmp_path: Path) -> None:
     """Hostile: every record a new key.  Each round's map stops at max_keys; the rounds go on
     from where the last stopped, and none holds more (the bound of docs/concepts/security.md)."""
     with RecordDB(tmp_path / "db", sync=False) as db:
