@@ -14,6 +14,7 @@ from dafka.store.compaction import CompactionPolicy
 from dafka.store.db import RecordDB
 from dafka.store.node import Store
 from tests.conftest import wait_until
+from tests.test_metrics import scrape
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,7 +43,12 @@ def test_a_mesh_consumer_passes_compacted_gaps_without_waiting_skip_after(cfg: N
             assert [r.offset for r in got] == survivors
             assert [r.content for r in got] == [b"v%d" % i for i in survivors]
             assert c.skipped == 0 and c.compacted_passed > 0
+            cm = scrape(c.serve_metrics())
+            assert cm["dafka_compacted_passed_total"] == c.compacted_passed
+            assert "dafka_records_compacted_total" not in cm
         assert store.compacted_voids > 0
+        sm = scrape(store.serve_metrics())
+        assert sm["dafka_records_compacted_total"] == n - len(survivors)
         assert took < skip_after / 2, f"{took:.1f}s: the gaps waited for skip_after"
 
 

@@ -448,6 +448,11 @@ class Store(PartitionReader):
             if self.repair:
                 self.call_soon(self._sync_holes)  # holes below the new firsts are gone
 
+    @property
+    def records_compacted(self) -> int:
+        """Records compaction removed since the store started."""
+        return int(self.compactor.dropped)
+
     def compaction_bounds(self, topic: str, partition: str, head: int) -> tuple[int, Any]:
         """The last offset a compaction round of the partition may take, and its aborted
         transactions' ranges (None: unknown, so compaction stops at its first transactional
