@@ -445,11 +445,8 @@ def scan_txn(txn: Any, blocks_db: Any, pid: int, planner: Planner, step_bytes: i
             break
         value = cur.value()
         found = decode_header(value), value
-    else:
-        if found is None:
-            planner.scanned_through(planner.upto)  # nothing more is stored
     if found is None:
-        planner.scanned_through(planner.upto)
+        planner.scanned_through(planner.upto)  # nothing more is stored
     return Scanned(nblocks, nbytes)
 
 
