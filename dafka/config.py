@@ -151,6 +151,8 @@ SCHEMA: dict[str, dict[str, Spec]] = {
         "topics": Spec("strs"),
         "leaf_read": Spec("strs"),
         "retention": Spec("table", table="retention"),
+        "compact_topics": Spec("strs"),
+        "delete_retention_ms": Spec("int", 0),
     },
     "gateway": {
         "listen": Spec("str"),
@@ -162,6 +164,8 @@ SCHEMA: dict[str, dict[str, Spec]] = {
         "kafka_listen": Spec("str"),
         "kafka_advertise": Spec("str"),
         "retention": Spec("table", table="retention"),
+        "compact_topics": Spec("strs"),
+        "delete_retention_ms": Spec("int", 0),
         # The Tank port's limits (dafka.tank.limits.GatewayLimits checks them again).
         "max_connections": Spec("int", 1, 2**31 - 1),
         "max_request_bytes": Spec("int", 1),

@@ -84,7 +84,9 @@ def test_void_layout() -> None:
     # Only dafka readers subscribe to it: no C node's prefix matches it.
     for c_prefix in (b"M", b"H", b"F", b"G", b"D", b"E", b"L", b"W", b"K"):
         assert not raw.startswith(c_prefix)
-    for bad in (raw[:-1] + b"\x02", raw[: -42] + (0).to_bytes(8, "big") + raw[-34:]):
+    compacted = wire.decode([raw[:-1] + b"\x02"])  # kind 2: compacted away (issue 37)
+    assert compacted == msg._replace(kind=wire.VOID_COMPACTED) and wire.encode(compacted) == [raw[:-1] + b"\x02"]
+    for bad in (raw[:-1] + b"\x03", raw[: -42] + (0).to_bytes(8, "big") + raw[-34:]):
         with pytest.raises(ProtocolError):
             wire.decode([bad])  # an unknown kind; last < first
     with pytest.raises(ProtocolError):

@@ -24,7 +24,13 @@ from dafka.cli.common import (
     service_node_config,
     tower_names,
 )
-from dafka.cli.store import check_leaf_port, leaf_options, storage_options
+from dafka.cli.store import (
+    add_compaction_flags,
+    check_leaf_port,
+    compaction_policy,
+    leaf_options,
+    storage_options,
+)
 from dafka.config import Settings, is_loopback, parse_listen
 from dafka.errors import ConfigError, DafkaError
 
@@ -39,6 +45,7 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
     listen = args.listen or parse_listen(section.get("listen", f"127.0.0.1:{DEFAULT_PORT}"), DEFAULT_PORT)
     limits = GatewayLimits.from_settings(section, args)
     db, sync, policy = storage_options(args, section, "gateway")
+    compaction = compaction_policy(args, section)
     cfg = service_node_config(args, settings, "gateway")
     allow_clients = args.allow_clients or section.get("allow_clients")
     clients = parse_networks(allow_clients) if allow_clients else None
@@ -64,6 +71,7 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
             advertise = args.kafka_advertise or section.get("kafka_advertise")
             gateway = KafkaGateway(
                 db, cfg, listen=listen, sync=sync, retention=policy, allow_clients=clients, limits=limits,
+                compaction=compaction,
                 kafka_listen=kafka_listen,
                 kafka_advertise=parse_listen(advertise, 9092, minimum_port=1) if advertise else None,
                 leaves=args.leaves, **leaf_options(args, section),
@@ -71,6 +79,7 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
         else:
             gateway = Gateway(
                 db, cfg, listen=listen, sync=sync, retention=policy, allow_clients=clients, limits=limits,
+                compaction=compaction,
                 leaves=args.leaves, **leaf_options(args, section),
             )
     except lmdb.Error as exc:
@@ -175,6 +184,7 @@ def add_parser(sub: Any) -> None:
     add_gateway_limit_flags(p)
     p.add_argument("--retention-age", type=positive_seconds_arg, help="default retention: seconds to keep records")
     p.add_argument("--retention-bytes", type=count_arg, help="default retention: bytes to keep per topic")
+    add_compaction_flags(p)
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
     p.add_argument(
         "--leaves", metavar="HOST:PORT",

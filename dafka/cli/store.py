@@ -51,6 +51,34 @@ def storage_options(args: argparse.Namespace, section: dict[str, Any], name: str
     return db, sync, policy
 
 
+def compaction_policy(args: argparse.Namespace, section: dict[str, Any]) -> Any:
+    """``--compact-topics a,b`` / ``[store] compact_topics`` (the topics whose stores keep the
+    latest record per key) and ``--delete-retention-ms`` / ``delete_retention_ms`` (how long a
+    tombstone stays; Kafka's default, a day, when unset)."""
+    from dafka.store.compaction import DEFAULT_DELETE_RETENTION_MS, CompactionPolicy
+
+    value = args.compact_topics if args.compact_topics is not None else section.get("compact_topics")
+    topics: list[str] = []
+    if value is not None:
+        items = value.split(",") if isinstance(value, str) else [i for v in value for i in v.split(",")]
+        topics = [t.strip() for t in items if t.strip()]
+    tomb = args.delete_retention_ms if args.delete_retention_ms is not None else section.get("delete_retention_ms")
+    return CompactionPolicy(frozenset(topics), {},
+                            DEFAULT_DELETE_RETENTION_MS if tomb is None else int(tomb))
+
+
+def add_compaction_flags(p: Any) -> None:
+    """``--compact-topics`` and ``--delete-retention-ms`` of a store or gateway."""
+    p.add_argument(
+        "--compact-topics", metavar="T1,T2",
+        help="compact these topics (or compact_topics): keep the latest record per key, offsets keep their numbers",
+    )
+    p.add_argument(
+        "--delete-retention-ms", type=count_arg, metavar="MS",
+        help="how long a tombstone (a key with a null value) of a compacted topic stays (default a day)",
+    )
+
+
 def check_leaf_port(leaves: str | None, insecure: bool, secure: bool) -> None:
     """``--leaves HOST:PORT`` of a store or gateway: beyond loopback only with [security] or --insecure."""
     if not leaves:
@@ -104,7 +132,7 @@ def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
     kept = store_topics(args.topics or section.get("topics"))
     try:
         store = Store(db, cfg, sync=sync, retention=policy, linger=linger, leaves=args.leaves, topics=kept,
-                      **leaf_options(args, section))
+                      compaction=compaction_policy(args, section), **leaf_options(args, section))
     except lmdb.Error as exc:
         raise open_error(db, exc) from None
     with store:
@@ -172,6 +200,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--no-sync", action="store_true", help="do not fsync commits (UNSAFE: acked data can be lost on power failure)")
     p.add_argument("--retention-age", type=positive_seconds_arg, help="default retention: seconds to keep records")
     p.add_argument("--retention-bytes", type=count_arg, help="default retention: bytes to keep per topic")
+    add_compaction_flags(p)
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics over HTTP here")
     p.add_argument(
         "--topics", metavar="T1,T2",

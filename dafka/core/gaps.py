@@ -355,6 +355,32 @@ class PartitionTracker:
         self.fetch_upto = -1  # what follows, if missing, is asked for at once
         return nxt, last
 
+    def pass_compacted(self, first: int, last: int, now: float,
+                       out: list[tuple[int, bytes]]) -> tuple[int, int] | None:
+        """A store compacted ``first..last`` away (VOID kind 2): their records were superseded
+        by later ones of the same keys, which it holds.  When ``next`` is in the range, it
+        moves past it at once (to a held record inside it first: another store may still
+        hold the older records, and they are delivered when they come), and the now
+        deliverable records are appended to ``out``.  Returns the passed range, or None.
+        """
+        nxt = self.next
+        if nxt is None or not first <= nxt <= last:
+            return None
+        new = last + 1
+        if self.held:
+            new = min(new, min(self.held))
+        self.next = new
+        if new > self.known + 1:
+            self.known = new - 1
+        held = self.held.pop(new, None)
+        if held is not None:
+            self.on_record(new, held, out)
+        self.progress_next = self.next
+        self.progress_at = now
+        self.held_at = now if self.held else None
+        self.fetch_upto = -1  # what follows, if missing, is asked for at once
+        return nxt, new - 1
+
     def unheard(self, now: float) -> None:
         """Nobody could answer our FETCHes until ``now``: the partition's producer
         is alive but does not hear them (yet), or this reader could not ask.

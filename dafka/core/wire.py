@@ -226,6 +226,7 @@ class StoreStatus(NamedTuple):
 
 VOID_STORE = 0  # a store holds none of the range (committed, being written, or held)
 VOID_RESTART = 1  # the partition's producer: a restart hole, never published by this run
+VOID_COMPACTED = 2  # a store compacted these offsets away (later records of their keys superseded them)
 
 
 class Void(NamedTuple):
@@ -238,8 +239,10 @@ class Void(NamedTuple):
     producer (``source`` is its address) resumed after a crash past them: this
     run never publishes them, and a previous run's records there can only be
     in a store.  A reader passes such a restart hole as soon as every store it
-    knows said kind 0 for it (see dafka.core.gaps).  C nodes never subscribe
-    to ``V``, so it never reaches them.
+    knows said kind 0 for it (see dafka.core.gaps).  ``kind`` 2: the store
+    ``source`` compacted them away (a compacted topic: later records of their
+    keys superseded them, see dafka.store.compaction); a consumer passes them at
+    once.  C nodes never subscribe to ``V``, so it never reaches them.
     """
 
     topic: str  # zmq topic: the requester's address
@@ -248,7 +251,7 @@ class Void(NamedTuple):
     first: int
     last: int
     source: str  # the store's address, or the partition's (its producer)
-    kind: int  # VOID_STORE or VOID_RESTART
+    kind: int  # VOID_STORE, VOID_RESTART or VOID_COMPACTED
 # ---------------------------------------------------------------- consumer groups
 #
 # Messages the C reference does not have.  Their command ids are letters no
@@ -462,8 +465,8 @@ def encode(msg: Message) -> list[bytes]:
         return [head + _s(msg.address) + _s(msg.subject) + bytes((writing,)) + _s(msg.reason)]  # type: ignore[union-attr]
     if cmd == VOID:
         v: Void = msg  # type: ignore[assignment]
-        if v.kind not in (VOID_STORE, VOID_RESTART) or not 0 <= v.first <= v.last:
-            raise ProtocolError("VOID needs kind 0 or 1 and first <= last")
+        if v.kind not in (VOID_STORE, VOID_RESTART, VOID_COMPACTED) or not 0 <= v.first <= v.last:
+            raise ProtocolError("VOID needs kind 0, 1 or 2 and first <= last")
         return [head + _s(v.address) + _s(v.subject) + pack_u64(v.first) + pack_u64(v.last) + _s(v.source) + bytes((v.kind,))]
     if cmd in _GROUP_COMMANDS:
         return [head + _encode_group(cmd, msg)]
@@ -603,7 +606,7 @@ def decode(frames: Sequence[bytes]) -> Message:
         msg = StoreStatus(topic, address, subject, writing, r.string())
     elif cmd == VOID:
         address, subject, first, last, source, kind = r.string(), r.string(), r.u64(), r.u64(), r.string(), r.u8()
-        if kind > VOID_RESTART or first > last:
+        if kind > VOID_COMPACTED or first > last:
             raise ProtocolError(f"VOID kind {kind} / range {first}..{last} is not valid")
         msg = Void(topic, address, subject, first, last, source, kind)
     elif cmd in _GROUP_COMMANDS:

@@ -9,12 +9,15 @@ others and producers own their partitions:
   this store's retention of the topic (``retention.bytes`` bounds the whole
   topic in this store, all partitions together, not each partition as in
   Kafka), ``max.message.bytes`` the node's ``max_record_bytes``,
-  ``cleanup.policy`` ``delete``; the other keys frameworks look for carry
+  ``cleanup.policy`` and ``delete.retention.ms`` this store's compaction of
+  the topic (:mod:`dafka.store.compaction`); the other keys frameworks look for carry
   Kafka's defaults, read-only.  The broker (``0``) shows the store's default
   retention and the gateway's settings.
 * **AlterConfigs / IncrementalAlterConfigs**: only a topic's
-  ``retention.ms`` and ``retention.bytes`` change (kept in the gateway's
-  database directory, applied by the store's retention); any other key, and
+  ``retention.ms``, ``retention.bytes``, ``cleanup.policy`` (``delete``,
+  ``compact`` or ``compact,delete``) and ``delete.retention.ms`` change (kept
+  in the gateway's database directory, applied by the store's retention and
+  compaction; also at CreateTopics); any other key, and
   every broker key, is INVALID_CONFIG with a message naming it.
 * **CreatePartitions**: new partitions are gateway-owned (as CreateTopics').
 * **DeleteTopics**: TOPIC_DELETION_DISABLED, as a Kafka broker with
@@ -70,6 +73,12 @@ BOOLEAN, STRING, INT, LONG, LIST = 1, 2, 3, 5, 7
 SET, DELETE = 0, 1
 
 RETENTION_KEYS = ("retention.ms", "retention.bytes")
+CLEANUP_KEYS = ("cleanup.policy", "delete.retention.ms")
+#: The keys a topic's AlterConfigs and CreateTopics may set.
+ALTERABLE_KEYS = RETENTION_KEYS + CLEANUP_KEYS
+#: cleanup.policy values, as written -> as kept.
+CLEANUP_POLICIES = {"delete": "delete", "compact": "compact", "compact,delete": "compact,delete",
+                    "delete,compact": "compact,delete"}
 _TOO_MANY = f"at most {MAX_ADMIN_ITEMS} items per request"
 
 #: Kafka's defaults of topic keys frameworks read, read-only here: (value, type).
@@ -113,6 +122,26 @@ def parse_retention(name: str, value: str | None) -> tuple[int | None, str | Non
     return n, None
 
 
+def parse_cleanup(name: str, value: str | None) -> tuple[str | int | None, str | None]:
+    """A ``cleanup.policy`` (normalized) or ``delete.retention.ms`` (ms) value, or an error."""
+    if value is None:
+        return None, f"{name} needs a value"
+    if len(value) > MAX_CONFIG_VALUE:
+        return None, f"{name}: a value of {len(value)} characters"
+    if name == "cleanup.policy":
+        policy = CLEANUP_POLICIES.get(value.replace(" ", "").lower())
+        if policy is None:
+            return None, f"cleanup.policy={value[:MAX_CONFIG_VALUE]!r}: delete, compact or compact,delete"
+        return policy, None
+    try:
+        n = int(value.strip())
+    except ValueError:
+        return None, f"{name}={value[:MAX_CONFIG_VALUE]!r} is not an integer"
+    if not 0 <= n < 1 << 63:
+        return None, f"{name}={n}: 0..2^63-1"
+    return n, None
+
+
 class AdminHandlers:
     """The admin requests of :class:`~dafka.kafka.serving.KafkaServer` (a mixin)."""
 
@@ -139,14 +168,16 @@ class AdminHandlers:
     def _topic_configs(self, topic: str) -> list[tuple[str, str, bool, int, int]]:
         """``(name, value, read only, source, type)`` of a topic's keys."""
         age, size, source = self.backend.topic_retention(topic)
+        policy, tomb_ms, csource = self.backend.topic_cleanup(topic)
         max_bytes = min(self.max_record_bytes, (1 << 31) - 1)
         out = [
-            ("cleanup.policy", "delete", True, DEFAULT, LIST),
+            ("cleanup.policy", policy, False, csource, LIST),
+            ("delete.retention.ms", str(tomb_ms), False, csource, LONG),
             ("max.message.bytes", str(max_bytes), True, STATIC_BROKER, INT),
             ("retention.bytes", _retention_value(size), False, source, LONG),
             ("retention.ms", _retention_value(age), False, source, LONG),
         ]
-        out.extend((k, v, True, DEFAULT, t) for k, (v, t) in TOPIC_DEFAULTS.items())
+        out.extend((k, v, True, DEFAULT, t) for k, (v, t) in TOPIC_DEFAULTS.items() if k != "delete.retention.ms")
         return out
 
     def _broker_configs(self) -> list[tuple[str, str, bool, int, int]]:
@@ -225,22 +256,38 @@ class AdminHandlers:
                                         " (its configuration file sets them)")
         topic = r.resource_name
         age, size, source = self.backend.topic_retention(topic)
+        policy, tomb_ms, _csource = self.backend.topic_cleanup(topic)
         if not incremental:  # AlterConfigs replaces every dynamic key: those not named go back
             age, size = self.backend.static_retention(topic)
-        changed = False
+            policy, tomb_ms = self.backend.static_cleanup(topic)
+        changed = cleanup_changed = False
         for c in r.configs[:MAX_ADMIN_ITEMS]:
-            if c.name not in RETENTION_KEYS:
-                return Err.INVALID_CONFIG, (f"{c.name[:100]}: read-only on a dafka gateway"
-                                            " (retention.ms and retention.bytes can change)")
+            if c.name not in ALTERABLE_KEYS:
+                return Err.INVALID_CONFIG, (f"{c.name[:100]}: read-only on a dafka gateway (retention.ms,"
+                                            " retention.bytes, cleanup.policy and delete.retention.ms can change)")
             op = c.config_operation if incremental else SET
+            if op not in (SET, DELETE):
+                return Err.INVALID_CONFIG, f"{c.name}: operation {op}: SET or DELETE only"
+            if c.name in CLEANUP_KEYS:
+                if op == DELETE:
+                    static = self.backend.static_cleanup(topic)
+                    cvalue: Any = static[CLEANUP_KEYS.index(c.name)]
+                else:
+                    cvalue, err = parse_cleanup(c.name, c.value)
+                    if err is not None:
+                        return Err.INVALID_CONFIG, err
+                if c.name == "cleanup.policy":
+                    policy = cvalue
+                else:
+                    tomb_ms = cvalue
+                cleanup_changed = True
+                continue
             if op == DELETE:
                 value = self.backend.static_retention(topic)[RETENTION_KEYS.index(c.name) == 1]
-            elif op == SET:
+            else:
                 value, err = parse_retention(c.name, c.value)
                 if err is not None:
                     return Err.INVALID_CONFIG, err
-            else:
-                return Err.INVALID_CONFIG, f"{c.name}: not a list (operation {op}: SET or DELETE only)"
             if c.name == "retention.ms":
                 age = value
             else:
@@ -248,16 +295,21 @@ class AdminHandlers:
             changed = True
         if len(r.configs) > MAX_ADMIN_ITEMS:
             return Err.POLICY_VIOLATION, _TOO_MANY
-        if validate_only or (not changed and incremental):
+        if validate_only:
             return Err.NONE, None
         try:
-            self.backend.set_topic_retention(topic, age, size)
+            if changed or not incremental:
+                self.backend.set_topic_retention(topic, age, size)
+            if cleanup_changed or not incremental:
+                self.backend.set_topic_cleanup(topic, policy, tomb_ms)
         except OSError as exc:
-            self._limited.emit(logging.ERROR, "config-failed", "cannot keep the retention of %s: %s",
+            self._limited.emit(logging.ERROR, "config-failed", "cannot keep the configs of %s: %s",
                                shown(topic), exc)
             return Err.KAFKA_STORAGE_ERROR, f"cannot keep the config: {exc}"
-        log.info("topic %s: retention.ms=%s retention.bytes=%s (Kafka AlterConfigs)", shown(topic),
-                 _retention_value(age), _retention_value(size))
+        if changed or cleanup_changed or not incremental:
+            log.info("topic %s: retention.ms=%s retention.bytes=%s cleanup.policy=%s delete.retention.ms=%s"
+                     " (Kafka AlterConfigs)", shown(topic), _retention_value(age), _retention_value(size), policy,
+                     tomb_ms)
         return Err.NONE, None
 
     def _alter_configs(self, token: Any, v: int, corr: int, cid: Any, req: Any, now: float) -> Outcome_:

@@ -71,6 +71,7 @@ from dafka.kafka.serving import KafkaServer
 from dafka.kafka.txn import TxnLog
 from dafka.nodes.node import new_address
 from dafka.store.block import kafka_block_of, store_block
+from dafka.store.compaction import CompactionPolicy
 from dafka.store.db import RecordDB, Retention, RetentionPolicy
 from dafka.store.layout import FLAG_CONTROL, FLAG_KEY, VALUE_HEADER
 from dafka.store.node import MAX_BATCH
@@ -188,6 +189,8 @@ class KafkaGateway(Gateway):
             self.kafka.max_record_bytes = self.config.max_record_bytes
             self._kretention_static = self.retention  # the configuration's; Kafka's changes go over it
             self._kretention: dict[str, Retention] = {}
+            self._kcompaction_static = self.compaction  # likewise for cleanup.policy
+            self._kcleanup: dict[str, tuple[str, int]] = {}  # topic -> (cleanup.policy, delete.retention.ms)
             self._load_configs()
         except BaseException:
             self.kafka_listener.close()
@@ -280,22 +283,75 @@ class KafkaGateway(Gateway):
             configs.pop(topic, None)
         else:
             configs[topic] = r
-        self._save_configs(configs)
+        self._save_configs(configs, self._kcleanup)
         self._kretention = configs
         self._apply_retention()
 
+    def static_cleanup(self, topic: str) -> tuple[str, int]:
+        """The configuration's cleanup.policy and delete.retention.ms of ``topic``."""
+        c = self._kcompaction_static
+        return ("compact,delete" if c.compacts(topic) else "delete"), c.tombstone_ms(topic)
+
+    def topic_cleanup(self, topic: str) -> tuple[str, int, int]:
+        """``(cleanup.policy, delete.retention.ms, Kafka config source)`` of ``topic`` here."""
+        got = self._kcleanup.get(topic)
+        if got is not None:
+            return got[0], got[1], 1
+        policy, tomb = self.static_cleanup(topic)
+        default = policy == "delete" and tomb == self._kcompaction_static.default_delete_retention_ms
+        return policy, tomb, 5 if default else 4
+
+    def set_topic_cleanup(self, topic: str, policy: str, delete_retention_ms: int) -> None:
+        """Change ``topic``'s cleanup.policy and delete.retention.ms here, durably (raises OSError)."""
+        cleanup = dict(self._kcleanup)
+        if (policy, delete_retention_ms) == self.static_cleanup(topic):
+            cleanup.pop(topic, None)
+        else:
+            cleanup[topic] = (policy, delete_retention_ms)
+        self._save_configs(self._kretention, cleanup)
+        self._kcleanup = cleanup
+        self._apply_retention()
+
+    def compaction_bounds(self, topic: str, partition: str, head: int) -> tuple[int, Any]:
+        """A compaction round's map stops before the partition's oldest unfinished transaction;
+        aborted records never supersede a key.  Read from the writer thread while the I/O
+        thread may change them: a read that races a change skips the round (the next one
+        reads again)."""
+        txn = self.kafka.txn
+        key = (topic, partition)
+        for _ in range(3):
+            try:
+                return txn.lso(key, head + 1) - 1, list(txn.aborted.get(key, ()))
+            except RuntimeError:  # a dict changed size under the read
+                continue
+        return -1, []
+
     def _apply_retention(self) -> None:
         static = self._kretention_static
-        # One attribute swap: the writer thread reads the whole policy at each round.
-        self.retention = RetentionPolicy(static.default, {**static.topics, **self._kretention})
+        topics = {**static.topics, **self._kretention}
+        cstatic = self._kcompaction_static
+        compacted = set(cstatic.topics)
+        tombs = dict(cstatic.delete_retention_ms)
+        for topic, (policy, tomb) in self._kcleanup.items():
+            if "compact" in policy:
+                compacted.add(topic)
+            else:
+                compacted.discard(topic)
+            tombs[topic] = tomb
+            if policy == "compact":
+                topics[topic] = Retention()  # Kafka's "compact" alone deletes nothing by age or size
+        # One attribute swap each: the writer thread reads the whole policy at each round.
+        self.retention = RetentionPolicy(static.default, topics)
+        self.compaction = CompactionPolicy(frozenset(compacted), tombs, cstatic.default_delete_retention_ms)
 
     def _configs_path(self) -> str:
         return os.path.join(self.db.path, CONFIGS_FILE)
 
-    def _save_configs(self, configs: dict[str, Retention]) -> None:
+    def _save_configs(self, configs: dict[str, Retention], cleanup: dict[str, tuple[str, int]]) -> None:
         path = self._configs_path()
         tmp = path + ".tmp"
-        text = json.dumps({"retention": {t: [r.max_age_ms, r.max_bytes] for t, r in sorted(configs.items())}})
+        text = json.dumps({"retention": {t: [r.max_age_ms, r.max_bytes] for t, r in sorted(configs.items())},
+                           "cleanup": {t: list(c) for t, c in sorted(cleanup.items())}})
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -317,6 +373,11 @@ class KafkaGateway(Gateway):
                     if v is not None and (not isinstance(v, int) or v < 0):
                         raise ValueError(f"retention of {topic!r}: {v!r}")
                 configs[str(topic)] = Retention(age, size)
+            cleanup = {}
+            for topic, (policy, tomb) in raw.get("cleanup", {}).items():
+                if policy not in ("delete", "compact", "compact,delete") or not isinstance(tomb, int) or tomb < 0:
+                    raise ValueError(f"cleanup of {topic!r}: {policy!r}, {tomb!r}")
+                cleanup[str(topic)] = (policy, tomb)
         except FileNotFoundError:
             return
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -324,6 +385,7 @@ class KafkaGateway(Gateway):
                       self._configs_path(), exc)
             return
         self._kretention = configs
+        self._kcleanup = cleanup
         self._apply_retention()
 
     # ---------------------------------------------------------------- Backend: transactions

@@ -52,7 +52,14 @@ from typing import Any, Protocol
 
 from dafka.errors import ProtocolError
 from dafka.gateway.connections import LogLimiter
-from dafka.kafka.admin import MAX_ADMIN_ITEMS, RETENTION_KEYS, AdminHandlers, parse_retention
+from dafka.kafka.admin import (
+    ALTERABLE_KEYS,
+    CLEANUP_KEYS,
+    MAX_ADMIN_ITEMS,
+    AdminHandlers,
+    parse_cleanup,
+    parse_retention,
+)
 from dafka.kafka.codec import API_VERSIONS, Err, N, api_keys, encode_fetch_parts, encode_response
 from dafka.kafka.groups import Answer, Coordinator
 from dafka.kafka.outcome import Outcome, ParkedFetch
@@ -132,6 +139,9 @@ class Backend(Protocol):
     def static_retention(self, topic: str) -> tuple[int | None, int | None]: ...
     def default_retention(self) -> tuple[int | None, int | None]: ...
     def set_topic_retention(self, topic: str, age_ms: int | None, max_bytes: int | None) -> None: ...
+    def topic_cleanup(self, topic: str) -> tuple[str, int, int]: ...
+    def static_cleanup(self, topic: str) -> tuple[str, int]: ...
+    def set_topic_cleanup(self, topic: str, policy: str, delete_retention_ms: int) -> None: ...
     def add_partitions(self, topic: str, count: int) -> bool: ...
     def delete_front(self, topic: str, address: str, before: int, max_records: int) -> tuple[int, bool]: ...
     def delete_positions(self, group: str, keys: list[tuple[str, str]] | None) -> int: ...
@@ -345,13 +355,24 @@ class KafkaServer(AdminHandlers, TxnHandlers):
         return self._reply(corr, 19, v, throttle_time_ms=0, topics=out)
 
     def _created_configs(self, t: Any) -> tuple[int, str | None]:
-        """Apply a new topic's retention.ms / retention.bytes (its other configs are not
-        kept: the mesh has no per-topic setting for them)."""
-        wanted = {c.name: c.value for c in (t.configs or ())[:MAX_ADMIN_ITEMS] if c.name in RETENTION_KEYS}
+        """Apply a new topic's retention.ms / retention.bytes / cleanup.policy /
+        delete.retention.ms (its other configs are not kept: the mesh has no per-topic
+        setting for them)."""
+        wanted = {c.name: c.value for c in (t.configs or ())[:MAX_ADMIN_ITEMS] if c.name in ALTERABLE_KEYS}
         if not wanted:
             return Err.NONE, None
         age, size = self.backend.static_retention(t.name)
+        policy, tomb_ms = self.backend.static_cleanup(t.name)
         for name, value in wanted.items():
+            if name in CLEANUP_KEYS:
+                cparsed, err = parse_cleanup(name, value)
+                if err is not None:
+                    return Err.INVALID_CONFIG, f"topic created, config refused: {err}"
+                if name == "cleanup.policy":
+                    policy = str(cparsed)
+                else:
+                    tomb_ms = int(cparsed or 0)
+                continue
             parsed, err = parse_retention(name, value)
             if err is not None:
                 return Err.INVALID_CONFIG, f"topic created, config refused: {err}"
@@ -360,7 +381,10 @@ class KafkaServer(AdminHandlers, TxnHandlers):
             else:
                 size = parsed
         try:
-            self.backend.set_topic_retention(t.name, age, size)
+            if "retention.ms" in wanted or "retention.bytes" in wanted:
+                self.backend.set_topic_retention(t.name, age, size)
+            if any(k in wanted for k in CLEANUP_KEYS):
+                self.backend.set_topic_cleanup(t.name, policy, tomb_ms)
         except OSError as exc:
             return Err.KAFKA_STORAGE_ERROR, f"topic created, config not kept: {exc}"
         return Err.NONE, None

@@ -80,6 +80,12 @@ COUNTERS: list[tuple[str, Getter, str]] = [
     ("dafka_pace_timeouts", "pace_timeouts", "Times a stuck subscriber made the producer drop for a hold"),
     ("dafka_records_delivered", "delivered", "Records delivered in order to the application"),
     ("dafka_records_skipped", "skipped", "Offsets skipped because nobody had them"),
+    ("dafka_records_compacted", "records_compacted", "Store: records compaction removed (superseded keys, old tombstones)"),
+    (
+        "dafka_compacted_passed",
+        "compacted_passed",
+        "Offsets passed at once because a store said it compacted them away (VOID kind 2)",
+    ),
     ("dafka_tank_records_too_large", "records_too_large", "Tank produces refused: a record over max_record_bytes"),
     (
         "dafka_records_too_large",

@@ -70,6 +70,7 @@ class PartitionReader(Node):
         self._checked_at = time.monotonic()  # the last check_missing
         self.max_record_bytes = self.config.max_record_bytes
         self.records_dropped_too_large = 0  # records over max_record_bytes from the mesh
+        self.compacted_passed = 0  # offsets passed because a store compacted them away (VOID kind 2)
 
     # ---------------------------------------------------------------- hooks
 
@@ -131,7 +132,7 @@ class PartitionReader(Node):
         partition (its address is bound to the key), as for RECORDs and HEADs
         but with no exception for stores; kind 0 only from a store's key, and
         for the store whose address is bound to it (one store cannot answer
-        for another).  Anything else is ignored, counted as a forgery: the
+        for another); kind 2 (compacted away) likewise.  Anything else is ignored, counted as a forgery: the
         hole then waits skip_after as before.
         """
         if msg.topic != self.address:
@@ -170,6 +171,21 @@ class PartitionReader(Node):
             return  # a FETCH of ours makes a tracker first
         if msg.kind == wire.VOID_RESTART:
             tracker.on_restart_hole(msg.first, msg.last)
+        elif msg.kind == wire.VOID_COMPACTED:
+            out = self._out
+            passed = tracker.pass_compacted(msg.first, msg.last, time.monotonic(), out)
+            if passed is not None:
+                self.compacted_passed += passed[1] - passed[0] + 1
+                if self.holds_records:
+                    # A store records the gap as a hole, as after skip_after (another store may
+                    # still hold those records: hole repair asks), without waiting for it.
+                    self.on_skipped(tracker, *passed)
+                if out:
+                    self.emit(tracker, out)
+                    out.clear()
+                if tracker.missing:
+                    self._missing[tracker] = None
+            return
         else:
             tracker.on_store_void(msg.source, msg.first, msg.last)
         if tracker.missing:

@@ -186,8 +186,9 @@ def _read_store(path: str, rng: ReadRange, fail_on_data_loss: bool) -> Iterator[
     nxt = rng.start
     while nxt < rng.end:
         start, values = db.fetch_raw(rng.topic, rng.partition, nxt, min(BATCH_RECORDS, rng.end - nxt))
-        if start > nxt:
-            # Retention removed records after the range was planned.
+        if start > nxt and not (values and db.compacted_gap(rng.topic, rng.partition, nxt, start - 1)):
+            # Retention removed records after the range was planned (a gap compaction left
+            # is no loss: later records of the same keys superseded them).
             report_losses([Loss(rng.topic, rng.partition, nxt, min(start, rng.end))], fail_on_data_loss)
         if not values:
             if start >= rng.end:

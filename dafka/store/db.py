@@ -42,6 +42,8 @@ order.
     for an offset in a hole get the next offset held, as after retention.
     The store fills its holes later when a peer brings the records (see
     ``holes`` and :meth:`RecordDB.fill_holes`); ``count`` then grows.
+    Compaction (:mod:`dafka.store.compaction`) leaves gaps too, never
+    recorded as holes (and ``first`` stays where it was).
 
 ``pids``
     ``pid:u32`` -> the partition key above (reverse map; pids are allocated in
@@ -138,6 +140,7 @@ from dafka.errors import ClosedError, DafkaError, ProtocolError
 from dafka.fastio import fetch_blocks, store_blocks
 from dafka.store.block import BLOCK_KEY, BlockHeader, decode_header, store_payload
 from dafka.store.blocktable import OverlapError, put_block
+from dafka.store.compaction import Cleaned, Planner, Scanned, clean_txn, scan_txn
 from dafka.store.layout import (
     FLAG_CONTROL,
     FLAG_KEY,
@@ -748,6 +751,10 @@ class RecordDB:
                 self._pkeys.clear()  # unbounded names from the network must not grow it
             self._pkeys[tp] = pkey
         return pkey
+
+    def partition_key(self, topic: str, partition: str) -> bytes:
+        """The ``partitions`` key of a partition (ValueError for a name no partition can have)."""
+        return self._pkey(topic, partition)
 
     # ------------------------------------------------------------------ append
 
@@ -1693,4 +1700,56 @@ class RecordDB:
         result = self._write(body)
         if result.deleted:
             log.debug("retention removed %d records (%d bytes) from %s", result.deleted, result.freed_bytes, self.path)
+        return result
+
+    # ------------------------------------------------------------------ compaction
+
+    def compaction_scan(self, pid: int, planner: Planner, step_bytes: int) -> Scanned:
+        """Feed ``planner`` about ``step_bytes`` of partition ``pid``'s blocks, in one read
+        transaction (:func:`dafka.store.compaction.scan_txn`)."""
+        with self._read_txn() as (txn, dbs):
+            return scan_txn(txn, dbs.blocks, pid, planner, step_bytes)
+
+    def compacted_gap(self, topic: str, partition: str, lo: int, hi: int) -> bool:
+        """Whether offsets ``lo..hi``, where a read found no record, are a gap compaction left
+        rather than records lost: at or past the partition's ``first`` (retention removes
+        from the front) and in no recorded hole (:meth:`holes`).  (A hole given up for good
+        leaves no entry either; it counts as such a gap.)"""
+        pkey = self._pkey(topic, partition)
+        with self._read_txn() as (txn, dbs):
+            raw = txn.get(pkey, db=dbs.partitions)
+            if raw is None:
+                return False
+            pid, first, last, _count, _bytes = PARTITION_INFO.unpack(raw)
+            if lo < first or hi > last:
+                return False
+            hdb = self._holes_db
+            if hdb is None:
+                return True
+            cur = txn.cursor(db=hdb)
+            # The hole starting at or before hi, if any, must end before lo.
+            if cur.set_range(BLOCK_KEY.pack(pid, hi + 1)):
+                if not cur.prev():
+                    return True
+            elif not cur.last():
+                return True
+            hpid, _hfirst = BLOCK_KEY.unpack(cur.key())
+            return hpid != pid or U64.unpack(cur.value())[0] < lo
+
+    def compaction_clean(self, pkey: bytes, planner: Planner, offset: int, step_bytes: int) -> Cleaned:
+        """Rewrite about ``step_bytes`` of a partition's blocks from ``offset`` without what
+        ``planner`` drops, in one committed write transaction
+        (:func:`dafka.store.compaction.clean_txn`): after a crash, each block is either as it
+        was or rewritten."""
+
+        def body(txn: lmdb.Transaction) -> Cleaned:
+            dbs = self._dbs
+            assert dbs is not None
+            # The holes table exists once compaction left a gap: a store without one builds
+            # it at open from the gaps between blocks (written before it existed), which
+            # would take compaction's gaps for holes.
+            self._holes_table(txn)
+            return clean_txn(txn, dbs.partitions, dbs.blocks, pkey, planner, offset, step_bytes)
+
+        result: Cleaned = self._write(body)
         return result

@@ -56,6 +56,7 @@ from dafka.nodes.reader import NOBLOCK, PartitionReader, unheard_may_wait
 from dafka.store.acks import AckRepeats
 from dafka.store.announce import HeadsRota
 from dafka.store.block import decode_header
+from dafka.store.compaction import DEFAULT_MAX_KEYS, CompactionPolicy, Compactor
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.holes import HoleRepair
 from dafka.store.layout import VALUE_HEADER
@@ -82,6 +83,7 @@ MAX_TOO_LARGE_HOLES = 10_000  # offsets dropped over the size limit, remembered 
 SERVE_SLICE = 2_000  # DIRECT-RECORDs sent per FETCH job per loop turn
 STATS_INTERVAL = 10.0
 RETENTION_BUDGET = 0.2  # seconds of deletions per retention round
+COMPACTION_BUDGET = 0.2  # seconds of compaction steps per writer round
 HEADS_INTERVAL = 30.0  # stores re-announce the heads they hold (replication)
 HEADS_STEP = 1.0  # ... a slice every this many seconds (dafka.store.announce)
 STATUS_INTERVAL = 1.0  # STORE-STATUS to the producers whose records came in
@@ -162,6 +164,7 @@ class Store(PartitionReader):
     """A store on the mesh, persisting into the LMDB directory ``db``."""
 
     retention_budget = RETENTION_BUDGET  # seconds; an attribute so tests can drive whole rounds
+    compaction_budget = COMPACTION_BUDGET  # likewise
 
     kind = "store"
     holds_records = True
@@ -190,6 +193,8 @@ class Store(PartitionReader):
         leaves: str | None = None,
         leaf_limits: dict[str, Any] | None = None,
         topics: Collection[str] | None = None,
+        compaction: CompactionPolicy | None = None,
+        compaction_keys: int = DEFAULT_MAX_KEYS,
     ) -> None:
         config = (config or default_node_config()).with_towers(towers)
         # The topics this store keeps (None: every one).  Records and HEADs of the
@@ -207,6 +212,12 @@ class Store(PartitionReader):
         self.data_reads = 0  # reads of the data socket (each a wake-up)
         self.retention = retention or RetentionPolicy()
         self.retention_interval = retention_interval
+        # Compacted topics (dafka.store.compaction): run by the writer thread after
+        # retention, in bounded steps.  The attribute is swapped whole when it changes.
+        self.compaction = compaction or CompactionPolicy()
+        self.compacted_voids = 0  # VOIDs kind 2 sent: gaps compaction left, said to FETCHers
+        self.compactor = Compactor(self.db, lambda: self.compaction, bounds=self.compaction_bounds,
+                                   max_keys=compaction_keys)
         self.retry_interval = retry_interval
         # Seconds a hole nobody fills (while later records are held) is waited for
         # before its offsets are given up and recorded as a hole.
@@ -380,6 +391,7 @@ class Store(PartitionReader):
                 self._commit(batch)
             if time.monotonic() >= next_retention:
                 self._enforce_retention()
+                self._compact()
                 next_retention = time.monotonic() + self.retention_interval
 
     def _commit(self, work: _Work) -> None:
@@ -435,6 +447,36 @@ class Store(PartitionReader):
             log.info("retention removed %d records (%d bytes)", deleted, freed)
             if self.repair:
                 self.call_soon(self._sync_holes)  # holes below the new firsts are gone
+
+    @property
+    def records_compacted(self) -> int:
+        """Records compaction removed since the store started."""
+        return int(self.compactor.dropped)
+
+    def compaction_bounds(self, topic: str, partition: str, head: int) -> tuple[int, Any]:
+        """The last offset a compaction round of the partition may take, and its aborted
+        transactions' ranges (None: unknown, so compaction stops at its first transactional
+        record).  A store knows no transaction; the Kafka gateway does."""
+        return head, None
+
+    def _compact(self) -> None:
+        """Compaction steps (each one LMDB transaction of about a MiB of blocks) for at most
+        ``compaction_budget`` seconds, stopping early when a commit is waiting."""
+        if not self.compaction.topics:
+            return
+        deadline = time.monotonic() + self.compaction_budget
+        before = self.compactor.dropped
+        while True:
+            try:
+                more = self.compactor.step(int(time.time() * 1000))
+            except Exception:  # a damaged block, a full disk, a bug: never the writer thread's end
+                log.exception("compaction failed; the partition waits for new records before the next round")
+                self.compactor.give_up()
+                break
+            if not more or time.monotonic() >= deadline or self._to_write is not None:
+                break
+        if self.compactor.dropped > before:
+            log.info("compaction removed %d records", self.compactor.dropped - before)
 
     # ---------------------------------------------------------------- I/O thread: writing
 
@@ -989,7 +1031,10 @@ class Store(PartitionReader):
             if not values:
                 self._job_done(job)
                 continue
-            if start > job.offset == job.asked:
+            gap = start > job.offset and self._compacted_gap(job, start)
+            if gap:
+                pass  # said with a VOID kind 2 (_compacted_gap): no warning, the answer goes on past it
+            elif start > job.offset == job.asked:
                 log.warning(
                     "FETCH %s/%s from %d: offsets below %d were removed by retention or skipped (a hole)",
                     job.topic,
@@ -1009,12 +1054,34 @@ class Store(PartitionReader):
                 self._blocked = True
             self.records_served += sent
             job.offset, job.remaining = start + sent, job.remaining - sent
-            if job.remaining > 0 and (sent == SERVE_SLICE or self._blocked):
+            if job.remaining > 0 and (sent == SERVE_SLICE or self._blocked or (sent and self._compacted(job))):
+                # (a compacted partition's answer goes on past its gaps, a slice a turn)
                 jobs.append(job)
             else:
                 self._job_done(job)
             if self._blocked:
                 return
+
+    def _compacted(self, job: FetchJob) -> bool:
+        return self.compaction.compacts(job.topic)
+
+    def _compacted_gap(self, job: FetchJob, start: int) -> bool:
+        """Whether ``job.offset .. start - 1``, where a FETCH answer found no record, was
+        compacted away here (the topic is compacted, the offsets are past the partition's
+        first and in no recorded hole); if so, the requester is told so (VOID kind 2), and
+        a Dafka consumer passes them at once rather than after ``skip_after``."""
+        if not self._compacted(job):
+            return False
+        lo = job.offset
+        try:
+            if not self.db.compacted_gap(job.topic, job.partition, lo, start - 1):
+                return False  # below first (retention), or a recorded hole
+        except StorageError:
+            return False
+        self._send_checked(wire.Void(job.key[0], job.partition, job.topic, lo, start - 1, self.address,
+                                     wire.VOID_COMPACTED))
+        self.compacted_voids += 1
+        return True
 
     def _job_done(self, job: FetchJob) -> None:
         if self._job_of.get(job.key) is job:

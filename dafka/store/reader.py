@@ -123,6 +123,8 @@ def seek(cur: Any, pid: int, offset: int) -> tuple[BlockHeader, bytes | memoryvi
                 if hdr.last_offset >= offset:
                     return hdr, value
             cur.next()
+        else:  # nothing keyed before (the table's first entry): back on the block it landed on
+            cur.set_range(key)
         if _unpack(cur.key())[0] != pid:
             return None
         value = cur.value()

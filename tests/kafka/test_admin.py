@@ -110,7 +110,7 @@ def test_confluent_describes_and_alters_topic_and_broker_configs(gateway: str) -
     got = configs_of(a, topic)
     assert got["retention.ms"].value == "3600000"
     assert got["retention.bytes"].value == "-1"
-    assert got["cleanup.policy"].value == "delete" and got["cleanup.policy"].is_read_only
+    assert got["cleanup.policy"].value == "delete" and not got["cleanup.policy"].is_read_only
     assert got["max.message.bytes"].value == str(1 << 20)
     assert got["min.insync.replicas"].value == "1"
     broker = configs_of(a, ConfigResource("broker", "0"))
