@@ -49,10 +49,16 @@ from kafka.protocol.admin import (
     DescribeConfigsResponse,
     DescribeGroupsRequest,
     DescribeGroupsResponse,
+    DescribeProducersRequest,
+    DescribeProducersResponse,
+    DescribeTransactionsRequest,
+    DescribeTransactionsResponse,
     IncrementalAlterConfigsRequest,
     IncrementalAlterConfigsResponse,
     ListGroupsRequest,
     ListGroupsResponse,
+    ListTransactionsRequest,
+    ListTransactionsResponse,
 )
 from kafka.protocol.consumer import (
     FetchRequest,
@@ -213,6 +219,9 @@ API: dict[int, ApiSpec] = {
         ApiSpec(44, 0, 1, IncrementalAlterConfigsRequest, IncrementalAlterConfigsResponse),
         ApiSpec(47, 0, 0, OffsetDeleteRequest, OffsetDeleteResponse),
         ApiSpec(60, 0, 1, DescribeClusterRequest, DescribeClusterResponse),
+        ApiSpec(61, 0, 0, DescribeProducersRequest, DescribeProducersResponse),
+        ApiSpec(65, 0, 0, DescribeTransactionsRequest, DescribeTransactionsResponse),
+        ApiSpec(66, 0, 1, ListTransactionsRequest, ListTransactionsResponse),
     )
 }
 API_VERSIONS = 18

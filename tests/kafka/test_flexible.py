@@ -34,6 +34,7 @@ from tests.kafka.flexwire import (
     carray,
     cbytes,
     cstr,
+    flex_frame,
     i8,
     i16,
     i32,
@@ -41,7 +42,7 @@ from tests.kafka.flexwire import (
     tags,
     uvarint,
 )
-from tests.kafka.test_gateway import HOST
+from tests.kafka.test_gateway import HOST, read_frame
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -146,10 +147,8 @@ def test_a_fetch_v12_waits_for_records_and_answers_when_they_come(kgw: KafkaGate
             socket.create_connection((HOST, kgw.kafka_port)) as p:
         body = fetch_body("fw", [(0, 0)])
         body = body[:4] + i32(5000) + body[8:]  # max wait 5 s
-        from tests.kafka.flexwire import flex_frame
         s.sendall(flex_frame(1, 12, 4, body))
         read_produce(call_flex(p, 0, 9, produce_body("fw", [(0, batch([b"late"]))])), 9)
-        from tests.kafka.test_gateway import read_frame
         r = Reader(read_frame(s))
         assert r.i32() == 4 and r.tags() == {}
         (topic,) = read_fetch(r)
@@ -269,7 +268,7 @@ def test_malformed_tag_sections_are_protocol_errors(section: bytes) -> None:
         decode_request(flex_request(1, 12, body))
 
 
-FLEXIBLE = [(0, 9), (0, 10), (1, 12), (3, 9), (8, 8)]
+FLEXIBLE = [(0, 9), (0, 10), (1, 12), (61, 0), (65, 0), (66, 0), (66, 1), (3, 9), (8, 8)]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -284,6 +283,9 @@ def test_any_bytes_decode_or_raise_protocol_error(kv: tuple[int, int], body: byt
 VALID = {
     (1, 12): fetch_body("t", [(0, 5), (1, 7)]),
     (0, 9): produce_body("t", [(0, b"xyz")]),
+    (61, 0): carray([cstr("t") + carray([i32(0), i32(3)]) + tags()]) + tags(),
+    (65, 0): carray([cstr("a"), cstr("b")]) + tags(),
+    (66, 1): carray([cstr("Ongoing")]) + carray([i64(5)]) + i64(-1) + tags(),
 }
 
 
