@@ -268,6 +268,15 @@ def test_malformed_tag_sections_are_protocol_errors(section: bytes) -> None:
         decode_request(flex_request(1, 12, body))
 
 
+def test_bytes_after_a_request_are_left_alone_as_kafka_does() -> None:
+    # librdkafka 2.12's Metadata v9 (AdminClient.list_topics, quixstreams at start), as sent:
+    # a byte past its tag section.  Kafka's brokers take it; refusing it stopped quixstreams.
+    frame = bytes.fromhex("0003000900000003000772646b61666b61000000000001000000")
+    header, req = decode_request(frame)
+    assert (header.api_key, header.version, header.client_id) == (3, 9, "rdkafka")
+    assert req.topics is None and req.include_topic_authorized_operations is False
+
+
 FLEXIBLE = [(0, 9), (0, 10), (1, 12), (61, 0), (65, 0), (66, 0), (66, 1), (3, 9), (8, 8)]
 
 
