@@ -12,10 +12,15 @@ A frame is ``size:i32 payload``; a request payload starts with the header
 (plus tagged fields for flexible versions).  A response has the v0 header,
 ``correlation_id:i32``, or for a flexible version the v1 header (the same
 plus an empty tagged-field section), ApiVersions aside, whose response
-header is v0 at every version (KIP-511).  Produce, Fetch and the group
-requests are served at their non-flexible versions (Fetch's answer is
-written here, not by the generic encoder); the admin requests at their
-flexible ones too, which current clients prefer.
+header is v0 at every version (KIP-511).  Every request is served up to a
+flexible version where current clients ask for one (Produce v9-v10, Fetch
+v12, whose answer is written here, not by the generic encoder: see
+docs/tutorials/kafka.md for the versions clients negotiate).
+
+Tagged-field sections of requests are read by :func:`decode_tags` (unknown
+tags skipped, every size checked against the request, at most
+:data:`MAX_TAGS` per section) in place of kafka-python's own, which copied
+the rest of the request for each section (quadratic) and took short reads.
 """
 
 from __future__ import annotations
@@ -44,10 +49,16 @@ from kafka.protocol.admin import (
     DescribeConfigsResponse,
     DescribeGroupsRequest,
     DescribeGroupsResponse,
+    DescribeProducersRequest,
+    DescribeProducersResponse,
+    DescribeTransactionsRequest,
+    DescribeTransactionsResponse,
     IncrementalAlterConfigsRequest,
     IncrementalAlterConfigsResponse,
     ListGroupsRequest,
     ListGroupsResponse,
+    ListTransactionsRequest,
+    ListTransactionsResponse,
 )
 from kafka.protocol.consumer import (
     FetchRequest,
@@ -91,6 +102,7 @@ from kafka.protocol.producer import (
     TxnOffsetCommitRequest,
     TxnOffsetCommitResponse,
 )
+from kafka.protocol.schemas.fields.struct import StructField as _StructField
 
 from dafka.errors import ProtocolError
 
@@ -178,8 +190,8 @@ class ApiSpec(NamedTuple):
 API: dict[int, ApiSpec] = {
     s.key: s
     for s in (
-        ApiSpec(0, 0, 8, ProduceRequest, ProduceResponse),
-        ApiSpec(1, 4, 11, FetchRequest, FetchResponse),
+        ApiSpec(0, 0, 10, ProduceRequest, ProduceResponse),
+        ApiSpec(1, 4, 12, FetchRequest, FetchResponse),
         ApiSpec(2, 0, 7, ListOffsetsRequest, ListOffsetsResponse),
         ApiSpec(3, 0, 9, MetadataRequest, MetadataResponse),
         ApiSpec(8, 2, 8, OffsetCommitRequest, OffsetCommitResponse),
@@ -207,6 +219,9 @@ API: dict[int, ApiSpec] = {
         ApiSpec(44, 0, 1, IncrementalAlterConfigsRequest, IncrementalAlterConfigsResponse),
         ApiSpec(47, 0, 0, OffsetDeleteRequest, OffsetDeleteResponse),
         ApiSpec(60, 0, 1, DescribeClusterRequest, DescribeClusterResponse),
+        ApiSpec(61, 0, 0, DescribeProducersRequest, DescribeProducersResponse),
+        ApiSpec(65, 0, 0, DescribeTransactionsRequest, DescribeTransactionsResponse),
+        ApiSpec(66, 0, 1, ListTransactionsRequest, ListTransactionsResponse),
     )
 }
 API_VERSIONS = 18
@@ -312,6 +327,68 @@ def _skip_tags(frame: bytes, pos: int) -> int:
     return pos
 
 
+#: Tagged fields one tag section of a request may carry.
+MAX_TAGS = 64
+
+
+def _uvarint(data: memoryview, pos: int) -> tuple[int, int]:
+    v = shift = 0
+    while True:
+        if pos >= len(data) or shift > 28:
+            raise ProtocolError("malformed varint in a tagged-field section")
+        b = data[pos]
+        pos += 1
+        v |= (b & 0x7F) << shift
+        if b < 0x80:
+            return v, pos
+        shift += 7
+
+
+def decode_tags(fields: Any, data: memoryview, pos: int, version: int) -> tuple[dict[str, Any], int]:
+    """One tagged-field section of a request from ``pos``: ``({name: value} of the known
+    tags, where the section ends)``.  Unknown tags are skipped; every tag's announced size
+    must lie within the request, and a known tag's value must take exactly that size
+    (ProtocolError otherwise).  Nothing past the section is copied."""
+    count, pos = _uvarint(data, pos)
+    if count > MAX_TAGS:
+        raise ProtocolError(f"{count} tagged fields (at most {MAX_TAGS})")
+    out: dict[str, Any] = {}
+    known = fields._tags
+    for _ in range(count):
+        tag, pos = _uvarint(data, pos)
+        size, pos = _uvarint(data, pos)
+        end = pos + size
+        if end > len(data):
+            raise ProtocolError(f"tagged field {tag} of {size} bytes overruns the request")
+        field = known.get(tag)
+        if field is not None:
+            raw = io.BytesIO(bytes(data[pos:end]))
+            out[field.name] = field.decode(raw, version=version, compact=True, tagged=None)
+            if raw.tell() != size:
+                raise ProtocolError(f"tagged field {tag} takes {raw.tell()} of its {size} bytes")
+        pos = end
+    return out, pos
+
+
+def _emit_tagged_decode(self: Any, ctx: Any, var_name: str, indent: str, version: int) -> None:
+    """kafka-python's generated decoders read a non-empty tag section from a copy of the rest
+    of the request (quadratic in a request of many small structs each carrying a tag) and take
+    a tag's short read as it comes: they call :func:`decode_tags` instead."""
+    tf_var = ctx.next_var("tf")
+    ctx.globs[tf_var] = self.tagged_fields(version)
+    ctx.globs["_dafka_decode_tags"] = decode_tags
+    ctx.emit(indent, f"_tfd, pos = _dafka_decode_tags({tf_var}, data, pos, {version:d})")
+    ctx.emit(indent, "for _tk, _tv in _tfd.items():")
+    ctx.emit(indent, f"    if {var_name}.tags is None: {var_name}.tags = set()")
+    ctx.emit(indent, f"    {var_name}.tags.add(_tk)")
+    ctx.emit(indent, f"    setattr({var_name}, _tk, _tv)")
+
+
+if not callable(getattr(_StructField, "_emit_tagged_decode", None)):  # the hook replaced below
+    raise ImportError("dafka's Kafka codec needs kafka-python 3.0.x (its tagged-field decoder hook is gone)")
+_StructField._emit_tagged_decode = _emit_tagged_decode  # before anything is compiled
+
+
 def decode_request(frame: bytes) -> tuple[RequestHeader, Any]:
     """``(header, body)``; body is None for an API or version we do not serve.
 
@@ -322,14 +399,15 @@ def decode_request(frame: bytes) -> tuple[RequestHeader, Any]:
     if spec is None or not spec.min_version <= header.version <= spec.max_version:
         return header, None
     cls = spec.request
-    if cls.flexible_version_q(header.version):
+    flexible = cls.flexible_version_q(header.version)
+    if flexible:
         pos = _skip_tags(frame, pos)
     try:
-        data = io.BytesIO(frame)
-        data.seek(pos)
-        body = cls.decode(data, version=header.version)
-        if data.tell() != len(frame):
-            raise ProtocolError(f"{len(frame) - data.tell()} stray bytes after the request")
+        decode = cls._struct.compiled_decode_from(header.version, compact=flexible, tagged=flexible,
+                                                  data_class=cls[None])
+        # Bytes after the request are left alone, as Kafka's brokers do: librdkafka 2.12's
+        # Metadata v9 carries a stray byte.
+        body, _end = decode(memoryview(frame), pos)
     except ProtocolError:
         raise
     except Exception as exc:  # the generated decoders raise many kinds
@@ -385,6 +463,8 @@ def encode_fetch_parts(
     between them is joined, so the list holds at most two items per such
     record set, plus one.
     """
+    if version >= 12:
+        return _fetch_parts_flexible(correlation_id, version, topics)
     if not 0 <= version <= 11:
         raise ValueError(f"Fetch v{version} is not written here")
     head = _FETCH_HEAD[version]
@@ -423,6 +503,66 @@ def encode_fetch_parts(
     total += len(joined)
     if joined:
         out.append(joined)
+    out[0] = _I32.pack(total) + out[0]
+    return out
+
+
+def _uv(n: int) -> bytes:
+    """An unsigned varint (the lengths of compact strings, arrays and bytes are n + 1)."""
+    if n < 0x80:
+        return _SMALL[n]
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_SMALL = [bytes((i,)) for i in range(0x80)]
+# Flexible Fetch (v12): response header v1 (correlation id, no tags), throttle, error, session id.
+_FLEX_HEAD = struct.Struct(">ibihi")
+_FLEX_PART = struct.Struct(">ihqqq")  # index, error, high watermark, last stable offset, log start
+# aborted transactions: null; preferred read replica: none (-1)
+_FLEX_MID = b"\x00\xff\xff\xff\xff"
+
+
+def _fetch_parts_flexible(
+    correlation_id: int, version: int, topics: list[tuple[str, list[tuple[int, int, int, int, bytes]]]]
+) -> list[bytes]:
+    """:func:`encode_fetch_parts` of Fetch v12, the first flexible version: compact strings,
+    arrays and records, an empty tagged-field section after each partition, topic and the
+    answer (no diverging epoch, leader or snapshot: the gateway is the one replica)."""
+    if version != 12:
+        raise ValueError(f"Fetch v{version} is not written here")
+    out: list[bytes] = []
+    run: list[bytes] = [_FLEX_HEAD.pack(correlation_id, 0, 0, 0, 0), _uv(len(topics) + 1)]
+    app = run.append
+    pack = _FLEX_PART.pack
+    total = 0
+    for name, partitions in topics:
+        raw = name.encode()
+        app(_uv(len(raw) + 1))
+        app(raw)
+        app(_uv(len(partitions) + 1))
+        for index, code, hwm, start, records, *lso in partitions:
+            app(pack(index, code, hwm, lso[0] if lso else hwm, start))
+            app(_FLEX_MID)
+            app(_uv(len(records) + 1))
+            if len(records) >= SCATTER_MIN:
+                joined = b"".join(run)
+                out.append(joined)
+                out.append(records)
+                total += len(joined) + len(records)
+                run.clear()
+            else:
+                app(records)
+            app(b"\x00")  # the partition's tags
+        app(b"\x00")  # the topic's tags
+    app(b"\x00")  # the answer's tags
+    joined = b"".join(run)
+    total += len(joined)
+    out.append(joined)
     out[0] = _I32.pack(total) + out[0]
     return out
 

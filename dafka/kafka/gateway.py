@@ -254,6 +254,9 @@ class KafkaGateway(Gateway):
 
     # ---------------------------------------------------------------- Backend: the admin API
 
+    def wall_ms(self) -> int:
+        return int(time.time() * 1000)
+
     def client_host(self, token: Any) -> str:
         name = getattr(getattr(token, "conn", None), "name", "")
         return "/" + name.rsplit(":", 1)[0] if name else ""

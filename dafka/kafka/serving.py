@@ -72,6 +72,7 @@ from dafka.kafka.records import (
     split_batches,
 )
 from dafka.kafka.txn import TxnCoordinator
+from dafka.kafka.txn_admin import TxnAdminHandlers
 from dafka.kafka.txn_api import TxnHandlers
 from dafka.store.layout import MAX_NAME, MAX_OFFSET
 from dafka.tank.mapping import (
@@ -150,6 +151,7 @@ class Backend(Protocol):
     def txn_log(self, records: list[dict[str, Any]]) -> None: ...
     def next_offset(self, topic: str, address: str) -> int: ...
     def append_marker(self, key: tuple[str, str], pid: int, epoch: int, commit: bool) -> int: ...
+    def wall_ms(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -157,6 +159,8 @@ class _ProducerState:
     epoch: int
     # partition key -> recent batches of this epoch (base sequence, last sequence, base offset)
     batches: dict[tuple[str, str], list[tuple[int, int, int]]] = field(default_factory=dict)
+    # partition key -> the largest timestamp of its last batch there (DescribeProducers)
+    stamps: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 def _stored_ts(value: bytes) -> int:
@@ -178,7 +182,7 @@ def metadata_cost(name: str, partitions: int) -> int:
     return 16 + len(name) * 4 + partitions * 40
 
 
-class KafkaServer(AdminHandlers, TxnHandlers):
+class KafkaServer(AdminHandlers, TxnHandlers, TxnAdminHandlers):
     """The gateway's Kafka brain: one per gateway, fed by the shell (the admin requests'
     handlers are :class:`~dafka.kafka.admin.AdminHandlers`)."""
 
@@ -222,6 +226,8 @@ class KafkaServer(AdminHandlers, TxnHandlers):
         self.max_adopted = MAX_ADOPTED
         #: Ids whose state was forgotten to make room (their batches cannot be checked).
         self._forgotten: OrderedDict[int, None] = OrderedDict()
+        #: partition key -> the producer ids whose batches there are remembered (DescribeProducers)
+        self._producers_of: dict[tuple[str, str], dict[int, None]] = {}
         self.producers_forgotten = 0
         self.records_too_large = 0
         self._limited = LogLimiter(log)
@@ -397,13 +403,8 @@ class KafkaServer(AdminHandlers, TxnHandlers):
         pid = secrets.randbits(63)  # unguessable: another client's id cannot be used or fenced
         while pid in self._producers:
             pid = secrets.randbits(63)
-        self._producers[pid] = _ProducerState(0)
-        if len(self._producers) > self.max_producers:
-            self._forget(self._producers)
+        self._set_producer_state(pid, 0)
         return self._reply(corr, 22, v, throttle_time_ms=0, error_code=0, producer_id=pid, producer_epoch=0)
-
-    def _new_producer_state(self, epoch: int) -> _ProducerState:
-        return _ProducerState(epoch)
 
     # ---------------------------------------------------------------- Produce
 
@@ -550,7 +551,8 @@ class KafkaServer(AdminHandlers, TxnHandlers):
             # Kafka broker that lost a producer's state does, in the pool of such ids.
             state = self._adopted[pid] = _ProducerState(b.producer_epoch)
             if len(self._adopted) > self.max_adopted:
-                old, _ = self._adopted.popitem(last=False)
+                old, gone = self._adopted.popitem(last=False)
+                self._unindex(old, gone)
                 self._limited.warning("adopted", "Kafka producer %d forgotten: more than %d producer ids"
                                       " this gateway did not give are in use", old, self.max_adopted)
             return None if b.base_sequence >= 0 else -Err.OUT_OF_ORDER_SEQUENCE_NUMBER
@@ -579,7 +581,8 @@ class KafkaServer(AdminHandlers, TxnHandlers):
     def _forget(self, table: OrderedDict[int, _ProducerState]) -> None:
         """Forget the least recently used state of ``table``; its id is remembered (bounded)
         so that its next batch is refused, not stored unchecked."""
-        pid, _ = table.popitem(last=False)
+        pid, state = table.popitem(last=False)
+        self._unindex(pid, state)
         self.producers_forgotten += 1
         self._forgotten[pid] = None
         if len(self._forgotten) > MAX_FORGOTTEN:
@@ -591,10 +594,36 @@ class KafkaServer(AdminHandlers, TxnHandlers):
             return
         if b.producer_epoch > state.epoch:
             state.epoch = b.producer_epoch
+            self._unindex(b.producer_id, state)
             state.batches.clear()
-        recent = state.batches.setdefault(key, [])
+            state.stamps.clear()
+        recent = state.batches.get(key)
+        if recent is None:
+            recent = state.batches[key] = []
+            self._producers_of.setdefault(key, {})[b.producer_id] = None
         recent.append((b.base_sequence, b.base_sequence + b.record_count - 1, offset))
         del recent[:-IDEMPOTENT_WINDOW]
+        scan = b.scan
+        state.stamps[key] = scan.max_ts if scan is not None else max((r.timestamp for r in b.records), default=-1)
+
+    def _unindex(self, pid: int, state: _ProducerState) -> None:
+        """``pid``'s remembered batches (``state``) are forgotten: DescribeProducers stops naming it."""
+        index = self._producers_of
+        for key in state.batches:
+            pids = index.get(key)
+            if pids is not None:
+                pids.pop(pid, None)
+                if not pids:
+                    del index[key]
+
+    def _set_producer_state(self, pid: int, epoch: int) -> None:
+        """A fresh state for a producer id InitProducerId gave (its old one, if any, goes)."""
+        old = self._producers.get(pid)
+        if old is not None:
+            self._unindex(pid, old)
+        self._producers[pid] = _ProducerState(epoch)
+        if len(self._producers) > self.max_producers:
+            self._forget(self._producers)
 
     # ---------------------------------------------------------------- ListOffsets
 
@@ -1069,4 +1098,7 @@ _HANDLERS = {
     44: KafkaServer._incremental_alter_configs,
     47: KafkaServer._offset_delete,
     60: KafkaServer._describe_cluster,
+    61: KafkaServer._describe_producers,
+    65: KafkaServer._describe_transactions,
+    66: KafkaServer._list_transactions,
 }

@@ -63,7 +63,6 @@ class TxnHandlers:
     backend: Any
     coordinator: Any
     txn: TxnCoordinator
-    max_producers: int
     _producers: Any
     _conn_tids: dict[Any, set[str]]
     _limited: Any
@@ -71,8 +70,7 @@ class TxnHandlers:
     if TYPE_CHECKING:  # KafkaServer's
         def _reply(self, corr: int, api_key: int, version: int, **fields: Any) -> Outcome: ...
         def _partitions_of(self, topic: str) -> Any: ...
-        def _forget(self, table: Any) -> None: ...
-        def _new_producer_state(self, epoch: int) -> Any: ...
+        def _set_producer_state(self, pid: int, epoch: int) -> None: ...
 
     # ---------------------------------------------------------------- helpers
 
@@ -170,9 +168,7 @@ class TxnHandlers:
             self.run_plan(plan)
         if code == Err.NONE:
             mine.add(tid)
-            self._producers[pid] = self._new_producer_state(epoch)
-            if len(self._producers) > self.max_producers:
-                self._forget(self._producers)
+            self._set_producer_state(pid, epoch)
         return self._reply(corr, 22, v, throttle_time_ms=0, error_code=_fenced(code, 22, v),
                            producer_id=pid, producer_epoch=epoch)
 

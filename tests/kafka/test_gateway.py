@@ -273,7 +273,7 @@ def test_an_unsupported_api_versions_version_gets_error_35_in_v0(kgw: KafkaGatew
         assert struct.unpack(">i", answer[:4])[0] == 77
         r = ApiVersionsResponse.decode(answer[4:], version=0)
         assert r.error_code == Err.UNSUPPORTED_VERSION
-        assert {k.api_key: (k.min_version, k.max_version) for k in r.api_keys}[0] == (0, 8)
+        assert {k.api_key: (k.min_version, k.max_version) for k in r.api_keys}[0] == (0, 10)
 
 
 def produce_raw(s: socket.socket, corr: int, topic: str, batch: bytes, version: int = 7) -> Any:

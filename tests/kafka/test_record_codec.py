@@ -221,7 +221,7 @@ def test_store_pairs_agree_on_out_of_range_input(recs: list, pid: int) -> None:
     both("store_pairs", [Record(*r) for r in recs], pid, 7)
 
 
-@pytest.mark.parametrize("version", range(12))
+@pytest.mark.parametrize("version", range(13))
 def test_the_fetch_envelope_is_what_the_generic_encoder_writes(version: int) -> None:
     from dafka.kafka.codec import N, encode_fetch_response, encode_response
 
@@ -237,7 +237,7 @@ def test_the_fetch_envelope_is_what_the_generic_encoder_writes(version: int) -> 
     assert encode_fetch_response(7, version, topics) == generic
 
 
-@pytest.mark.parametrize("version", [0, 4, 11])
+@pytest.mark.parametrize("version", [0, 4, 11, 12])
 @pytest.mark.parametrize("big", [(0,), (1,), (0, 1), (0, 2), (2,)])
 def test_fetch_parts_join_to_the_frame_and_leave_big_record_sets_uncopied(version: int, big: tuple) -> None:
     from dafka.kafka.codec import SCATTER_MIN, encode_fetch_parts, encode_fetch_response
