@@ -306,6 +306,57 @@ def test_api_versions_advertises_what_is_served_and_nothing_else(kgw: KafkaGatew
         assert API[key].request.min_version <= lo and hi <= API[key].request.max_version
 
 
+def _error_codes(value: Any) -> Iterator[int]:
+    """Every ``error_code`` of a decoded answer, at any depth."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if k == "error_code" and isinstance(v, int):
+                yield v
+            else:
+                yield from _error_codes(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _error_codes(v)
+
+
+def test_every_advertised_version_is_answered(kgw: KafkaGateway) -> None:
+    """Each (API, version) the gateway advertises, asked on one connection per API: each gets
+    its answer, never UNSUPPORTED_VERSION (35) and never a closed connection (what a version not
+    served gets). A Produce asks for acks (acks=0 has no answer) and the reads name a topic."""
+    kgw.create_topic("av", 1)
+    r = kcall(kgw.kafka_port, 18, 3, ApiVersionsRequest[3](client_software_name="t", client_software_version="1"))
+    fetch_req, list_req = API[1].request, API[2].request
+    fetch_topic = fetch_req.FetchTopic(topic="av", partitions=[
+        fetch_req.FetchTopic.FetchPartition(partition=0, fetch_offset=0, partition_max_bytes=1000)])
+    list_topic = list_req.ListOffsetsTopic(name="av", partitions=[
+        list_req.ListOffsetsTopic.ListOffsetsPartition(partition_index=0, timestamp=-1)])
+    special: dict[int, dict[str, Any]] = {
+        0: {"acks": 1, "timeout_ms": 1000},
+        1: {"topics": [fetch_topic], "max_wait_ms": 0},
+        2: {"topics": [list_topic]},
+        3: {"topics": [API[3].request.MetadataRequestTopic(name="av")]},
+    }
+    answered = 0
+    for k in r.api_keys:
+        spec = API[k.api_key]
+        with socket.create_connection((HOST, kgw.kafka_port)) as s:
+            for v in range(k.min_version, k.max_version + 1):
+                req = spec.request[v](**special.get(k.api_key, {}))
+                flexible = spec.request.flexible_version_q(v)
+                corr = 1000 + v
+                head = struct.pack(">hhih", k.api_key, v, corr, 4) + b"test" + (b"\x00" if flexible else b"")
+                payload = head + bytes(req.encode(version=v))
+                s.sendall(struct.pack(">i", len(payload)) + payload)
+                answer = read_frame(s, 30)  # a version not served closes the connection
+                assert struct.unpack(">i", answer[:4])[0] == corr
+                body = answer[5:] if flexible and k.api_key != 18 else answer[4:]
+                decoded = spec.response.decode(io.BytesIO(body), version=v)
+                codes = list(_error_codes(decoded.to_dict()))
+                assert Err.UNSUPPORTED_VERSION not in codes, (k.api_key, v, decoded)
+                answered += 1
+    assert answered == sum(k.max_version - k.min_version + 1 for k in r.api_keys) > 100
+
+
 def test_admin_requests_past_the_item_bound_are_answered_without_work(
     kgw: KafkaGateway, monkeypatch: pytest.MonkeyPatch
 ) -> None:
