@@ -247,6 +247,62 @@ def test_kafka_python_admin_client_does_the_same(gateway: str) -> None:
         k.close()
 
 
+def test_kafka_python_alters_configs_both_ways_and_deletes_groups(gateway: str) -> None:
+    """kafka-python's IncrementalAlterConfigs (SET and DELETE), its AlterConfigs (incremental=False)
+    and its DeleteGroups, each checked by what the gateway answers afterwards."""
+    from kafka import KafkaConsumer, OffsetAndMetadata
+    from kafka.admin import AlterConfigOp
+    from kafka.admin import NewTopic as KNewTopic
+
+    k = kp_admin(gateway)
+    try:
+        k.create_topics([KNewTopic("kp-alter", 1, 1)])
+        res = KConfigResource(ConfigResourceType.TOPIC, "kp-alter")
+
+        def current() -> tuple[str, str]:
+            got = k.describe_configs([res], config_filter="all")["topic"]["kp-alter"]
+            return got["retention.ms"]["value"], got["retention.bytes"]["value"]
+
+        def alter_(configs: dict[str, Any], incremental: bool, check: bool = True) -> Any:
+            return k.alter_configs([KConfigResource(ConfigResourceType.TOPIC, "kp-alter", configs=configs)],
+                                   incremental=incremental, raise_on_unknown=check)["topic"]["kp-alter"]
+
+        assert alter_({"retention.ms": "60000"}, True) == "OK"
+        assert alter_({"retention.bytes": (AlterConfigOp.SET, "9000000")}, True) == "OK"
+        assert current() == ("60000", "9000000")  # incremental: the other key stays
+        assert alter_({"retention.bytes": (AlterConfigOp.DELETE, None)}, True) == "OK"
+        assert current() == ("60000", "-1")  # deleted: back to its default
+        assert alter_({"retention.ms": "120000", "retention.bytes": "7000000"}, False) == "OK"
+        assert current() == ("120000", "7000000")
+        with pytest.raises(ValueError):  # kafka-python's own check: not an alterable key
+            alter_({"segment.ms": "1"}, False)
+        refused = alter_({"segment.ms": "1"}, False, check=False)  # the gateway's answer
+        assert refused != "OK" and "read-only" in refused, refused
+        assert current() == ("120000", "7000000")
+        assert alter_({"cleanup.policy": "compact"}, True) == "OK"
+        got = k.describe_configs([res], config_filter="all")["topic"]["kp-alter"]
+        assert got["cleanup.policy"]["value"] == "compact" and got["retention.ms"]["value"] == "120000"
+        # DeleteGroups: an empty group (known by its offsets) goes, a live one stays.
+        produce(gateway, "kp-alter", 3)
+        c = KafkaConsumer(bootstrap_servers=gateway, group_id="kp-gone", enable_auto_commit=False)
+        c.assign([KTopicPartition("kp-alter", 0)])
+        c.commit({KTopicPartition("kp-alter", 0): OffsetAndMetadata(2, "", -1)})
+        c.close()
+        live = KafkaConsumer("kp-alter", bootstrap_servers=gateway, group_id="kp-live", auto_offset_reset="earliest",
+                             session_timeout_ms=6000, heartbeat_interval_ms=500)
+        try:
+            wait_until(lambda: live.poll(200), 30, 0)  # a member with partitions
+            out = k.delete_groups(["kp-gone", "kp-live", "kp-never"])
+            assert out == {"kp-gone": "OK", "kp-live": "NonEmptyGroupError", "kp-never": "GroupIdNotFoundError"}
+            assert k.list_group_offsets("kp-gone").get("kp-gone", {}) == {}
+            assert k.describe_groups(["kp-gone"])["kp-gone"]["group_state"] == "Dead"
+            assert k.describe_groups(["kp-live"])["kp-live"]["group_state"] == "Stable"
+        finally:
+            live.close()
+    finally:
+        k.close()
+
+
 # ---------------------------------------------------------------- by hand, in process
 
 
