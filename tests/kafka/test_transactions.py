@@ -305,6 +305,29 @@ def test_a_gateway_killed_mid_transaction_keeps_it(tmp_path: Path) -> None:
         g.kill()
 
 
+def test_a_transaction_left_open_over_a_gateway_restart_still_times_out(tmp_path: Path) -> None:
+    """Its producer gone and the gateway killed: the restarted gateway gives the transaction its
+    timeout again and then aborts it, so read_committed readers are not held for ever."""
+    g = GatewayProcess(tmp_path / "gw")
+    bs = g.start()
+    try:
+        create(bs, "tx-orphan")
+        p = txn_producer(bs, "orphan", **{"transaction.timeout.ms": 2000})
+        p.begin_transaction()
+        p.produce("tx-orphan", b"orphaned")
+        p.flush(30)
+        g.kill()  # SIGKILL; the producer is never used again
+        g.start()
+        assert watermarks(bs, "tx-orphan", "read_uncommitted")[1] == 1
+        wait_until(lambda: watermarks(bs, "tx-orphan", "read_committed")[1] == 2, 20, 0.2)  # past its marker
+        assert ck_read(bs, "tx-orphan", "read_committed") == []
+        assert kp_read(bs, "tx-orphan", "read_committed") == []
+        assert [v for _, _, v in ck_read(bs, "tx-orphan", "read_uncommitted")] == [b"orphaned"]
+        del p
+    finally:
+        g.kill()
+
+
 # ---------------------------------------------------------------- what mesh readers see
 
 
