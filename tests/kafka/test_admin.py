@@ -33,7 +33,7 @@ from kafka import TopicPartition as KTopicPartition
 from kafka.admin import ConfigResource as KConfigResource
 from kafka.admin import ConfigResourceType, KafkaAdminClient
 from kafka.admin import NewPartitions as KNewPartitions
-from kafka.errors import GroupIdNotFoundError, TopicDeletionDisabledError
+from kafka.errors import GroupIdNotFoundError, InvalidPartitionsError, TopicDeletionDisabledError
 from kafka.protocol.admin import (
     AlterConfigsRequest,
     CreatePartitionsRequest,
@@ -219,6 +219,10 @@ def test_kafka_python_admin_client_does_the_same(gateway: str) -> None:
         desc = k.describe_configs([KConfigResource(ConfigResourceType.TOPIC, "kp-admin")])
         assert desc["topic"]["kp-admin"]["retention.ms"]["value"] == "60000"
         k.create_partitions({"kp-admin": KNewPartitions(2)})
+        (topic,) = k.describe_topics(["kp-admin"])
+        assert sorted(p["partition_index"] for p in topic["partitions"]) == [0, 1]
+        with pytest.raises(InvalidPartitionsError):  # fewer than it has
+            k.create_partitions({"kp-admin": KNewPartitions(1)})
         with pytest.raises(TopicDeletionDisabledError):
             k.delete_topics(["kp-admin"])
         produce(gateway, "kp-admin", 4)
