@@ -252,8 +252,9 @@ def test_kafka_python_admin_client_does_the_same(gateway: str) -> None:
 
 
 def test_kafka_python_alters_configs_both_ways_and_deletes_groups(gateway: str) -> None:
-    """kafka-python's IncrementalAlterConfigs (SET and DELETE), its AlterConfigs (incremental=False)
-    and its DeleteGroups, each checked by what the gateway answers afterwards."""
+    """kafka-python's IncrementalAlterConfigs (SET and DELETE), its AlterConfigs (incremental=False),
+    ListGroups filtered by state (and confluent-kafka's) and DeleteGroups, each checked by what
+    the gateway answers afterwards."""
     from kafka import KafkaConsumer, OffsetAndMetadata
     from kafka.admin import AlterConfigOp
     from kafka.admin import NewTopic as KNewTopic
@@ -292,10 +293,21 @@ def test_kafka_python_alters_configs_both_ways_and_deletes_groups(gateway: str) 
         c.assign([KTopicPartition("kp-alter", 0)])
         c.commit({KTopicPartition("kp-alter", 0): OffsetAndMetadata(2, "", -1)})
         c.close()
-        live = KafkaConsumer("kp-alter", bootstrap_servers=gateway, group_id="kp-live", auto_offset_reset="earliest",
-                             session_timeout_ms=6000, heartbeat_interval_ms=500)
+        live = CKConsumer({"bootstrap.servers": gateway, "group.id": "kp-live", "auto.offset.reset": "earliest"})
         try:
-            wait_until(lambda: live.poll(200), 30, 0)  # a member with partitions
+            live.subscribe(["kp-alter"])
+            wait_until(lambda: live.poll(0.2) is not None, 30, 0)  # a member with partitions
+            # ListGroups filtered by state (KIP-518), as lag monitors ask, from both clients.
+            def listed(states: list[str]) -> set[str]:
+                return {g["group_id"] for g in k.list_groups(states_filter=states)} & {"kp-gone", "kp-live"}
+
+            assert (listed(["Stable"]), listed(["Empty"]), listed(["Stable", "Empty"])) == (
+                {"kp-live"}, {"kp-gone"}, {"kp-gone", "kp-live"})
+            from confluent_kafka import ConsumerGroupState
+
+            ck = ck_admin(gateway)  # alive until its answer came
+            empty = ck.list_consumer_groups(states={ConsumerGroupState.EMPTY}).result(20)
+            assert {g.group_id for g in empty.valid} & {"kp-gone", "kp-live"} == {"kp-gone"}, empty.errors
             out = k.delete_groups(["kp-gone", "kp-live", "kp-never"])
             assert out == {"kp-gone": "OK", "kp-live": "NonEmptyGroupError", "kp-never": "GroupIdNotFoundError"}
             assert k.list_group_offsets("kp-gone").get("kp-gone", {}) == {}
