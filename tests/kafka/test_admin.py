@@ -427,6 +427,20 @@ def test_every_advertised_version_is_answered(kgw: KafkaGateway) -> None:
                 assert Err.UNSUPPORTED_VERSION not in codes, (k.api_key, v, decoded)
                 answered += 1
     assert answered == sum(k.max_version - k.min_version + 1 for k in r.api_keys) > 100
+    # And a version past the advertised ones, or below them, or an API not advertised, is not
+    # served: the connection closes (ApiVersions: error 35 and the versions, KIP-511); the
+    # gateway goes on serving.
+    outside = [(k.api_key, k.max_version + 1) for k in r.api_keys if k.api_key != 18]
+    outside += [(k.api_key, k.min_version - 1) for k in r.api_keys if k.min_version > 0]
+    outside += [(key, 0) for key in (4, 5, 6, 7, 17, 23, 27, 29, 36, 43, 48, 50, 68)]  # not served at all
+    for key, v in outside:
+        payload = struct.pack(">hhih", key, v, 5, 4) + b"test" + b"\x00" * 64
+        with socket.create_connection((HOST, kgw.kafka_port)) as s:
+            s.sendall(struct.pack(">i", len(payload)) + payload)
+            with pytest.raises(ConnectionError):
+                read_frame(s, 30)
+    assert kcall(kgw.kafka_port, 18, 4, ApiVersionsRequest[3](client_software_name="t",
+                                                              client_software_version="1")).error_code == 35
 
 
 def test_admin_requests_past_the_item_bound_are_answered_without_work(
