@@ -127,6 +127,11 @@ MAX_PARKED_ENTRIES = 4096
 # Bytes a snappy bundle may inflate to (its claimed length is checked before inflating).
 INFLATE_BUDGET = DEFAULT_BUDGET
 UNBOUNDED = 1 << 62  # no record size limit: the second walk of a refused bundle
+# Content bytes of Tank bundles kept for live RECORDs until their commit, over all
+# connections.  Past it a bundle is stored without them (its readers get the HEAD and
+# FETCH it): snappy bundles inflate up to 21 times, so a 64 MiB request could make the
+# gateway hold over a GiB for a subscribed reader.
+MAX_LIVE_HELD_BYTES = 64 << 20
 OWNED_HEADS_INTERVAL = 1.0  # HEADs of owned partitions, for consumers that missed the tail
 _PING = Ping().encode()
 _OFFSET = itemgetter(2)  # of a record tuple
@@ -217,6 +222,7 @@ class Gateway(Store):
         self._next_offset: dict[tuple[str, str], int] = {}  # owned: next offset to give
         self._to_publish: list[tuple[tuple[str, str], int, bytes]] = []
         self._publishing = 0  # how many of _to_publish are in the batch being committed
+        self._live_held = 0  # content bytes of the bundles in _to_publish (MAX_LIVE_HELD_BYTES)
         # Owned partition -> the header prefix of its records on the mesh (single-record form).
         self._record_headers: dict[tuple[str, str], bytes] = {}
         self._pending: deque[_PendingProduce] = deque()
@@ -297,6 +303,7 @@ class Gateway(Store):
         if n:
             done = self._to_publish[:n]
             del self._to_publish[:n]
+            self._live_held -= _held(done)
             self._publish(done)
         self._announce_committed(heads)
         pending = self._pending
@@ -329,6 +336,7 @@ class Gateway(Store):
         later = self._to_publish[n:]
         self._publishing = sum(1 for r in done if r[0] not in refused)
         self._to_publish = [r for r in done if r[0] not in refused] + [r for r in later if r[0] not in refused]
+        self._live_held = _held(self._to_publish)
         # Records of them queued since continue what was refused: they go too.
         self._batch = [r for r in self._batch if (r[0], r[1]) not in refused]
         for key in owned:
@@ -754,7 +762,7 @@ class Gateway(Store):
                 elif self.storage_error is not None:
                     res.error = ProduceError.SYSTEM
                 else:
-                    live = self._live(part)
+                    live = self._live_held < MAX_LIVE_HELD_BYTES and self._live(part)
                     try:
                         got = scan(p.bundle, max_bytes, INFLATE_BUDGET, live)
                     except ProtocolError:
@@ -769,6 +777,8 @@ class Gateway(Store):
                             shown(t.name), p.partition, max_bytes,
                         )
                         continue
+                    if got[6] is not None:
+                        self._live_held += sum(map(len, got[6]))  # given back if not published
                     first = p.first_seq if with_seq else got[2]
                     plan.append((res, part, p.bundle, got, first))
         needs: dict[tuple[str, str], int] = {}
@@ -781,6 +791,8 @@ class Gateway(Store):
             # at or below the hwm is a resend, and Dafka offsets have none.
             if first is not None and (first != n + 1 or (got[2] is not None and got[3] != first + count - 1)):
                 res.error = ProduceError.INVALID_SEQNUM
+                if got[6] is not None:
+                    self._live_held -= sum(map(len, got[6]))
                 continue
             self.queue_block(part.topic, part.address, tank_seal(bundle, got, n), count)
             if got[6] is not None:
@@ -1085,6 +1097,11 @@ class Gateway(Store):
             return ConsumePartitionResult(p.partition, ConsumeFlag.OK, bounds.first_avail, bounds.hwm), False
         chunk = chunk_of(stored_bundle(values, self.compress))
         return ConsumePartitionResult(p.partition, ConsumeFlag.OK, first + 1, bounds.hwm, chunk), False
+
+
+def _held(entries: list[tuple[tuple[str, str], int, Any]]) -> int:
+    """Content bytes of the Tank bundles among ``_to_publish`` entries (single records: 0)."""
+    return sum(sum(map(len, item)) for _key, _first, item in entries if isinstance(item, list))
 
 
 def _whole_values(values: list[bytes], limit: int, budget: int, strict: bool) -> list[bytes]:

@@ -1,0 +1,83 @@
+"""Red-team probes of the Tank gateway that stores bundles as sent (real TCP, real LMDB, a real tower).
+
+Each test plays a hostile client and checks what it can make the gateway hold,
+and that acknowledged data stays and other clients are served all along.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dafka.core import wire
+from dafka.tank.bundle import CODEC_SNAPPY, encode_bundle
+from dafka.tank.gateway import Gateway
+from dafka.tank.messages import (
+    MsgId,
+    ProduceError,
+    ProducePartition,
+    ProduceRequest,
+    ProduceResponse,
+    ProduceTopic,
+)
+from tests.conftest import wait_until
+from tests.tank.test_gateway import (
+    TS,
+    connect_raw,
+    consume_all,
+    intact,
+    make_gateway,
+    recv_frame,
+    witness,
+)
+from tests.tank.test_limits import peak_rss, peak_rss_reset
+
+pytestmark = pytest.mark.timeout(120)
+__all__ = ["make_gateway"]  # the fixture
+
+
+def test_snappy_bundles_for_live_readers_hold_a_bounded_inflated_size(
+    make_gateway: Any, raw_peer: Any
+) -> None:
+    # 37 MiB of snappy bundles inflate to 768 MiB of contents.  With a reader subscribed
+    # on the mesh, each bundle's contents were kept for the live RECORDs until the commit:
+    # a request of 37 MiB made the gateway hold 1.5 GiB.
+    gw: Gateway = make_gateway()
+    w, kept = witness(gw)
+    try:
+        w.create_topic("bomb", 1)
+        address = gw.pmap.get("bomb", 0).address
+        header = wire.record_prefix(wire.RECORD, "bomb", address, "bomb")
+        peer = raw_peer([wire.P_RECORD + b"bomb", wire.P_HEAD + b"bomb"])
+        peer.wait_for(lambda q: q.peers)
+        wait_until(lambda: gw.audience.readers(header) >= 1)
+        content = bytes((1 << 20) - 64)  # a megabyte of zeros: ~48 KiB as snappy
+        bundle = encode_bundle([(None, TS, None, content)] * 64, codec=CODEC_SNAPPY)
+        n = 12  # 37 MiB
+        req = ProduceRequest(7, [ProduceTopic("bomb", [ProducePartition(0, bundle) for _ in range(n)])])
+        s = connect_raw(gw.tank_port)
+        try:
+            tracked = peak_rss_reset()
+            before = peak_rss()
+            s.sendall(req.encode())
+            msg_id, payload = recv_frame(s)
+            grown = peak_rss() - before
+        finally:
+            s.close()
+        assert msg_id == MsgId.PRODUCE
+        assert all(p.error == ProduceError.OK for p in ProduceResponse.decode(payload, [n]).topics[0].partitions)
+        if tracked:
+            # Before: ~2 * n * 64 MiB (1.5 GiB).  Now about 4 times the bound (the reader is in this process).
+            assert grown < 500 << 20, f"peak RSS grew {grown >> 20} MiB for {n} bundles"
+        # Every acknowledged record is stored, the reader learns of them by the HEAD
+        # (and FETCHes them), and live publishing goes on once the bound has room.
+        peer.wait_for(lambda q: any(h.sequence == n * 64 - 1 for h in q.messages(wire.Head)))
+        published = gw.records_published
+        assert w.produce("bomb", 0, [b"after"]) == 0
+        wait_until(lambda: gw.records_published == published + 1)
+        got = consume_all(w, "bomb", 0, n * 64 - 1)
+        assert [(r[0], r[3]) for r in got[-2:]] == [(n * 64, content), (n * 64 + 1, b"after")]  # Tank seqs from 1
+        assert intact(gw, kept)
+    finally:
+        w.close()
