@@ -217,6 +217,7 @@ class Gateway(Store):
         self._conns: dict[socket.socket, _Conn] = {}
         self._throttled: list[_Conn] = []
         self._reserved = 0  # in-flight request bytes reserved over all connections
+        self._out_held = 0  # unsent answer bytes over all connections (max_total_output_bytes)
         self._budget_waiting: list[_Conn] = []  # not read until the reservations allow
         self.budget_waits = 0
         self._next_offset: dict[tuple[str, str], int] = {}  # owned: next offset to give
@@ -627,25 +628,31 @@ class Gateway(Store):
     def _write(self, conn: _Conn, data: bytes) -> None:
         if conn.closed:
             return
+        before = conn.out_size
         try:
             send(conn, data)
         except OSError as exc:
             self._close(conn, f"send failed: {exc}")
             return
+        finally:
+            self._out_held += conn.out_size - before
         if not conn.out:
             return
-        if conn.out_size > self.limits.max_output_bytes:
-            conn.reading = False  # a client that does not read its answers
+        if conn.out_size > self.limits.max_output_bytes or self._out_held > self.limits.max_total_output_bytes:
+            conn.reading = False  # a client that does not read its answers (or too many such)
         self._update_events(conn)
 
     def _flush_out(self, conn: _Conn) -> None:
         out = conn.out
         if not conn.closed:
+            before = conn.out_size
             try:
                 flush(conn)
             except OSError as exc:
                 self._close(conn, f"send failed: {exc}")
                 return
+            finally:
+                self._out_held += conn.out_size - before
         if not out:
             if conn.deferred and not conn.closed:
                 conn.deferred = False
@@ -669,6 +676,7 @@ class Gateway(Store):
         self._conns.pop(conn.sock, None)
         self._reserved -= conn.reserved
         conn.reserved = 0
+        self._out_held -= conn.out_size  # its unsent answers go with it
         if self._parked_all:
             # Its parked fetches go too (a long poll may otherwise wait for weeks).
             for parked in [p for p in self._parked_all if p.conn is conn]:
@@ -887,7 +895,7 @@ class Gateway(Store):
     # ---------------------------------------------------------------- consume
 
     def _on_consume(self, conn: _Conn, req: ConsumeRequest) -> None:
-        budget = answer_budget(conn.out_size, self.limits)
+        budget = answer_budget(conn.out_size, self.limits, self._out_held)
         response, size, waiting, faulted = self._consume_answer(req, False, budget)
         # Like the broker (respond_now), a fault is reported at once: a client
         # asking for several partitions must not wait max_wait to learn of it.
@@ -925,7 +933,7 @@ class Gateway(Store):
     def _answer_parked(self, parked: _Parked, timed_out: bool) -> None:
         conn = parked.conn
         if not conn.closed:
-            budget = answer_budget(conn.out_size, self.limits)
+            budget = answer_budget(conn.out_size, self.limits, self._out_held)
             if budget == 0 and not timed_out:
                 conn.deferred = True  # answered once its earlier answers are taken
                 return

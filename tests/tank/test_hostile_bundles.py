@@ -6,14 +6,20 @@ and that acknowledged data stays and other clients are served all along.
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import Any
 
 import pytest
 
 from dafka.core import wire
-from dafka.tank.bundle import CODEC_SNAPPY, encode_bundle
+from dafka.tank.bundle import CODEC_NONE, CODEC_SNAPPY, encode_bundle
 from dafka.tank.gateway import Gateway
+from dafka.tank.limits import GatewayLimits, answer_budget
 from dafka.tank.messages import (
+    ConsumePartition,
+    ConsumeRequest,
+    ConsumeTopic,
     MsgId,
     ProduceError,
     ProducePartition,
@@ -29,6 +35,7 @@ from tests.tank.test_gateway import (
     intact,
     make_gateway,
     recv_frame,
+    values,
     witness,
 )
 from tests.tank.test_limits import peak_rss, peak_rss_reset
@@ -81,3 +88,50 @@ def test_snappy_bundles_for_live_readers_hold_a_bounded_inflated_size(
         assert intact(gw, kept)
     finally:
         w.close()
+
+
+def test_answers_held_for_clients_that_never_read_are_bounded_over_all_connections(make_gateway: Any) -> None:
+    # Each connection may hold max_output_bytes (32 MiB) of unsent answers, and there may be
+    # max_connections (256) of them: 8 GiB.  Twelve clients that ask and never read made the
+    # gateway hold 400 MiB; now at most max_total_output_bytes (256 MiB) over all of them,
+    # and a client that reads is still served (one record at least) while they hold it.
+    gw: Gateway = make_gateway(limits=GatewayLimits(request_timeout=60.0))
+    w, kept = witness(gw)
+    sockets: list[socket.socket] = []
+    try:
+        w.create_topic("wide", 4)
+        for pid in range(4):
+            assert w.produce("wide", pid, [os.urandom(1 << 20) for _ in range(4)], codec=CODEC_NONE) == 0
+        ask = ConsumeRequest(9, [ConsumeTopic("wide", [ConsumePartition(pid, 1, 4 << 20) for pid in range(4)])])
+        frames = ask.encode() * 4
+        for _ in range(12):
+            s = connect_raw(gw.tank_port)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.sendall(frames)
+            sockets.append(s)
+
+        def held() -> int:
+            return sum(c.out_size for c in list(gw._conns.values()))
+
+        def settled() -> bool:
+            """Every hostile request answered, or its connection no longer read."""
+            conns = [c for c in list(gw._conns.values()) if c.out_size]
+            return len(conns) == 12 and all(not c.reading or not c.frames.buffered for c in conns)
+
+        wait_until(settled, timeout=30)
+        assert held() <= (256 + 16 + 4) << 20, f"{held() >> 20} MiB of unsent answers held"
+        assert values(consume_all(w, "keep", 0)) == kept  # served all along
+        assert w.consume("wide", 3, 1, 4 << 20).messages  # at least one record
+    finally:
+        for s in sockets:
+            s.close()
+        w.close()
+    wait_until(lambda: gw.connections == 0)
+    assert intact(gw, kept)
+
+
+def test_the_answer_budget_over_all_connections() -> None:
+    limits = GatewayLimits(max_answer_bytes=100, max_output_bytes=1000, max_total_output_bytes=5000)
+    assert answer_budget(0, limits, 0) == 100 and answer_budget(0, limits, 4950) == 50
+    assert answer_budget(0, limits, 5000) == 1 and answer_budget(0, limits, 9000) == 1  # one record: progress
+    assert answer_budget(10, limits, 4990) == 10 and answer_budget(10, limits, 5000) == 0 and answer_budget(10, limits, 9000) == 0  # holds some: none
