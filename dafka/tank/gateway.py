@@ -1053,14 +1053,19 @@ class Gateway(Store):
         # finish a bundle.  Blocks of other codecs (mesh records, Kafka) become one bundle each,
         # and so does the partial front block (a bundle beginning below the partition's
         # first, left by a DeleteRecords): its records from ``first`` on only, deleted ones
-        # never go out.  Every later bundle goes whole.
+        # never go out.  So does a first bundle over the answer's budget (a bundle may be
+        # max_request_bytes): its records from ``first`` on, within the budget (one at least).
+        # Every later bundle goes whole.
         pieces: list[Any] = []
         size = 0
         base = None
         for hdr, value in blocks:
             if pieces and size >= limit:
                 break
-            if hdr.codec == CODEC_TANK and hdr.first_offset >= front:
+            whole = hdr.codec == CODEC_TANK and hdr.first_offset >= front and (
+                bool(pieces) or not first_data or len(value) - HEADER_SIZE <= budget
+            )
+            if whole:
                 body = memoryview(value)[HEADER_SIZE:]
                 piece: list[Any] = [encode_varint(len(body)), body]
                 at = hdr.first_offset
@@ -1083,7 +1088,7 @@ class Gateway(Store):
                 base = at
             pieces += piece
             size += n
-            if hdr.codec != CODEC_TANK and at + len(values) <= hdr.last_offset:
+            if not whole and at + len(values) <= hdr.last_offset:
                 break  # a converted block cut short: the next bundle would not continue it
         if base is None:
             return ConsumePartitionResult(p.partition, ConsumeFlag.OK, bounds.first_avail, bounds.hwm), False

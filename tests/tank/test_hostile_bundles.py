@@ -19,6 +19,7 @@ from dafka.tank.limits import GatewayLimits, answer_budget
 from dafka.tank.messages import (
     ConsumePartition,
     ConsumeRequest,
+    ConsumeResponse,
     ConsumeTopic,
     MsgId,
     ProduceError,
@@ -135,3 +136,34 @@ def test_the_answer_budget_over_all_connections() -> None:
     assert answer_budget(0, limits, 0) == 100 and answer_budget(0, limits, 4950) == 50
     assert answer_budget(0, limits, 5000) == 1 and answer_budget(0, limits, 9000) == 1  # one record: progress
     assert answer_budget(10, limits, 4990) == 10 and answer_budget(10, limits, 5000) == 0 and answer_budget(10, limits, 9000) == 0  # holds some: none
+
+
+def test_an_answer_at_a_bundle_larger_than_its_budget_is_sliced_not_sent_whole(make_gateway: Any) -> None:
+    # A stored bundle went whole into an answer, whatever its size (up to max_request_bytes,
+    # 64 MiB): a client asking for 1 byte got 40 MiB, so 256 connections that never read could
+    # make the gateway hold 256 such bundles past every output bound.  Now a bundle over the
+    # answer's budget goes as a bundle of its records from the one asked for, within the budget
+    # (one record at least), as the partial front block does.
+    gw: Gateway = make_gateway(limits=GatewayLimits(max_answer_bytes=4 << 20))
+    w, kept = witness(gw)
+    try:
+        w.create_topic("huge", 1)
+        records = [os.urandom((1 << 20) - 100) for _ in range(40)]
+        assert w.produce("huge", 0, records, codec=CODEC_NONE) == 0  # one bundle of 40 MiB
+        s = connect_raw(gw.tank_port)
+        try:
+            s.sendall(ConsumeRequest(3, [ConsumeTopic("huge", [ConsumePartition(0, 1, 1)])]).encode())
+            msg_id, payload = recv_frame(s)
+        finally:
+            s.close()
+        assert msg_id == MsgId.CONSUME
+        assert len(payload) < 2 << 20, f"{len(payload) >> 20} MiB for a 1-byte fetch"
+        part = ConsumeResponse.decode(payload).topics[0].partitions[0]
+        assert [bytes(r[3]) for r in part.decode_chunk(1).records] == records[:1]
+        got = consume_all(w, "huge", 0, 1, fetch_size=3 << 20)  # each answer within its budget
+        assert [r[0] for r in got] == list(range(1, 41)) and [r[3] for r in got] == records
+        got = consume_all(w, "huge", 0, 17, fetch_size=1)  # from the middle, a record at a time
+        assert [r[3] for r in got] == records[16:]
+        assert intact(gw, kept)
+    finally:
+        w.close()
