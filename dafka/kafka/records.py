@@ -237,7 +237,7 @@ def batch_values(batch: bytes | memoryview) -> list[bytes]:
     base_ts = BATCH_HEADER.unpack_from(raw)[7]
     codec = BATCH_HEADER.unpack_from(raw)[5] & ATTR_CODEC
     if codec:
-        body = _decompress(codec, raw[BATCH_HEADER_SIZE:], [1 << 62])
+        body = _decompress(codec, raw[BATCH_HEADER_SIZE:], [MAX_DECOMPRESSED])  # checked when stored
         start = 0
     else:
         body, start = raw, BATCH_HEADER_SIZE
