@@ -79,3 +79,60 @@ def test_a_lying_legacy_message_on_the_kafka_port_is_bad_input_not_a_failure(
     with socket.create_connection((HOST, gw.kafka_port)) as s:  # the gateway goes on
         r = produce_raw(s, 2, "v0", bytes(b.build()), version=2)
     assert (r.error_code, r.base_offset) == (0, 0)
+
+
+# ---------------------------------------------------------------- nulls where Kafka allows none
+
+
+def _null_array_request(api_key: int, version: int) -> bytes:
+    """A request of ``api_key`` whose first non-nullable array or string is sent as null (-1)."""
+    from kafka.protocol.admin import DeleteRecordsRequest
+    from kafka.protocol.consumer import SyncGroupRequest
+    from kafka.protocol.metadata import MetadataRequest
+
+    from tests.kafka.test_gateway import frame
+
+    if api_key == 21:  # DeleteRecords: a topic whose partitions array is null
+        body = DeleteRecordsRequest[version](topics=[
+            DeleteRecordsRequest.DeleteRecordsTopic(name="v0", partitions=[])], timeout_ms=1000).encode(version=version)
+        body = bytes(body)
+        body = body[:-8] + b"\xff\xff\xff\xff" + body[-4:]  # the partitions count -1
+    elif api_key == 14:  # SyncGroup: an assignment whose bytes are null
+        req = SyncGroupRequest[version](group_id="g", generation_id=1, member_id="m", group_instance_id=None,
+                                        assignments=[SyncGroupRequest.SyncGroupRequestAssignment(
+                                            member_id="m", assignment=b"")])
+        body = bytes(req.encode(version=version))
+        assert body.endswith(b"\x00\x00\x00\x00")
+        body = body[:-4] + b"\xff\xff\xff\xff"
+    else:  # Metadata v4: a topic name null (nullable only from v10)
+        req = MetadataRequest[version](topics=[MetadataRequest.MetadataRequestTopic(name="ab")],
+                                       allow_auto_topic_creation=False)
+        body = bytes(req.encode(version=version))
+        body = body.replace(b"\x00\x02ab", b"\xff\xff")
+    return frame(api_key, version, 7, body)
+
+
+@pytest.mark.parametrize(("api_key", "version"), [(21, 1), (14, 3), (3, 4)])
+def test_a_null_where_kafka_allows_none_is_bad_input_not_a_failure(
+    make_kgw: Any, caplog: pytest.LogCaptureFixture, api_key: int, version: int
+) -> None:
+    gw: KafkaGateway = make_kgw()
+    gw.create_topic("v0", 1)
+    bad = gw.bad_input.count
+    with caplog.at_level(logging.WARNING), socket.create_connection((HOST, gw.kafka_port)) as s:
+        s.sendall(_null_array_request(api_key, version))
+        s.settimeout(10)
+        assert s.recv(100) == b""  # closed, nothing answered
+    wait_until(lambda: gw.bad_input.count > bad)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
+def test_nulls_kafka_allows_are_taken() -> None:
+    from kafka.protocol.metadata import MetadataRequest
+
+    from dafka.kafka.codec import decode_request
+    from tests.kafka.test_gateway import frame
+
+    req = MetadataRequest[4](topics=None, allow_auto_topic_creation=False)  # null: every topic
+    header, body = decode_request(frame(3, 4, 1, bytes(req.encode(version=4)))[4:])
+    assert body.topics is None
