@@ -148,6 +148,7 @@ def add_gateway_limit_flags(p: argparse.ArgumentParser) -> None:
         ("request_timeout", positive_seconds_arg, "seconds of silence mid-request (or of unread answers)"),
         ("max_answer_bytes", count_arg, "record bytes in one consume answer"),
         ("max_output_bytes", count_arg, "unsent answer bytes of one connection"),
+        ("max_total_output_bytes", count_arg, "unsent Tank answer bytes over all connections"),
         ("max_partitions_per_topic", count_arg, "partitions a Tank CreateTopic may ask for"),
         ("max_owned_partitions", count_arg, "partitions of all topics the gateway created (Tank and Kafka), together"),
         ("kafka_max_output_bytes", count_arg, "Kafka answer bytes held over all connections"),

@@ -94,12 +94,18 @@ def _decompress(codec: int, data: bytes, budget: list[int]) -> bytes:
         elif codec == CODEC_LZ4:
             if _lz4f is None:
                 raise ProtocolError("lz4 batches need the lz4 package")
-            out = _lz4f.LZ4FrameDecompressor().decompress(data, max_length=limit + 1)
+            if limit <= ONE_CALL:
+                out = _lz4f.LZ4FrameDecompressor().decompress(data, max_length=limit + 1)
+            else:
+                out = _lz4(data, limit)
         elif codec == CODEC_ZSTD:
             if _zstd is None:
                 raise ProtocolError("zstd batches need the zstandard package")
-            with _zstd.ZstdDecompressor().stream_reader(io.BytesIO(data)) as r:
-                out = r.read(limit + 1)
+            if limit <= ONE_CALL:
+                with _zstd.ZstdDecompressor().stream_reader(io.BytesIO(data)) as r:
+                    out = r.read(limit + 1)
+            else:
+                out = _zstd_read(data, limit)
         else:
             raise ProtocolError(f"unknown compression codec {codec}")
     except ProtocolError:
@@ -110,6 +116,42 @@ def _decompress(codec: int, data: bytes, budget: list[int]) -> bytes:
         raise ProtocolError(f"a batch inflates past {limit} bytes")
     budget[0] = limit - len(out)
     return bytes(out)
+
+
+# lz4 and zstd allocate the output size they are given at once (untouched pages: cheap up to
+# ONE_CALL, the most a stored batch inflates to).  Past it a piece at a time, so that a larger
+# limit costs what the batch inflates to, not the limit (readers gave 1 << 62: MemoryError,
+# and lz4 and zstd batches were unreadable to Tank and mesh readers).
+ONE_CALL = 64 << 20  # = dafka.kafka.records.MAX_DECOMPRESSED: a stored batch was checked against it
+_PIECE = 256 << 10
+
+
+def _lz4(data: bytes, limit: int) -> bytes:
+    d = _lz4f.LZ4FrameDecompressor()
+    parts = []
+    total = 0
+    chunk = data
+    while total <= limit:
+        piece = d.decompress(chunk, max_length=min(limit + 1 - total, _PIECE))
+        chunk = b""
+        parts.append(piece)
+        total += len(piece)
+        if d.eof or not piece:
+            break
+    return b"".join(parts)
+
+
+def _zstd_read(data: bytes, limit: int) -> bytes:
+    parts = []
+    total = 0
+    with _zstd.ZstdDecompressor().stream_reader(io.BytesIO(data)) as r:
+        while total <= limit:
+            piece = r.read(min(limit + 1 - total, _PIECE))
+            if not piece:
+                break
+            parts.append(piece)
+            total += len(piece)
+    return b"".join(parts)
 
 
 def _snappy(data: bytes, limit: int) -> bytes:
@@ -154,7 +196,7 @@ def kafka_values(batch: bytes | memoryview, first_offset: int, offset: int, n: i
         return []
     codec = attrs & ATTR_CODEC
     if codec:
-        body, start = _decompress(codec, raw[BATCH_HEADER_SIZE:], [1 << 62]), 0
+        body, start = _decompress(codec, raw[BATCH_HEADER_SIZE:], [ONE_CALL]), 0  # checked when stored
     else:
         body, start = raw, BATCH_HEADER_SIZE
     fixed = max_ts if attrs & ATTR_LOG_APPEND_TIME else None

@@ -389,6 +389,48 @@ if not callable(getattr(_StructField, "_emit_tagged_decode", None)):  # the hook
 _StructField._emit_tagged_decode = _emit_tagged_decode  # before anything is compiled
 
 
+# A field plan: (attribute, schema name, whether null is allowed, plan of its struct or
+# struct-array items (None: not a struct)); only fields that could hold a null, or hold such.
+_Plan = tuple[tuple[str, str, bool, "_Plan | None", bool], ...]
+_NULL_PLANS: dict[tuple[int, int], _Plan] = {}
+
+
+def _plan_of(fields: dict[str, Any] | None, version: int) -> _Plan:
+    out = []
+    for attr, f in (fields or {}).items():
+        if not f.for_version_q(version) or f.tagged_field_q(version):
+            continue
+        many, struct = f.is_struct_array(), f.is_struct()
+        sub = _plan_of(f.fields, version) if many or struct else None
+        nullable = bool(f.nullable_for_version_q(version))
+        can_be_null = many or struct or f.is_array() or f.type_str in ("string", "bytes", "records")
+        if (can_be_null and not nullable) or sub:
+            out.append((attr, f.name, nullable, sub or None, many))
+    return tuple(out)
+
+
+def _null_plan(api_key: int, version: int, cls: Any) -> _Plan:
+    plan = _NULL_PLANS.get((api_key, version))
+    if plan is None:
+        plan = _NULL_PLANS[(api_key, version)] = _plan_of(cls._struct.fields, version)
+    return plan
+
+
+def _refuse_nulls(plan: _Plan, obj: Any) -> None:
+    """ProtocolError for a null (length -1) where the request's schema allows none at this
+    version: the decoder takes one anywhere, and the handlers then failed on it (TypeError,
+    logged as the gateway's own failure) instead of refusing bad input."""
+    for attr, name, nullable, sub, many in plan:
+        value = getattr(obj, attr, None)
+        if value is None:
+            if not nullable:
+                raise ProtocolError(f"null {name}, which is not nullable")
+            continue
+        if sub is not None:
+            for item in value if many else (value,):
+                _refuse_nulls(sub, item)
+
+
 def decode_request(frame: bytes) -> tuple[RequestHeader, Any]:
     """``(header, body)``; body is None for an API or version we do not serve.
 
@@ -408,6 +450,7 @@ def decode_request(frame: bytes) -> tuple[RequestHeader, Any]:
         # Bytes after the request are left alone, as Kafka's brokers do: librdkafka 2.12's
         # Metadata v9 carries a stray byte.
         body, _end = decode(memoryview(frame), pos)
+        _refuse_nulls(_null_plan(header.api_key, header.version, cls), body)
     except ProtocolError:
         raise
     except Exception as exc:  # the generated decoders raise many kinds

@@ -237,7 +237,7 @@ def batch_values(batch: bytes | memoryview) -> list[bytes]:
     base_ts = BATCH_HEADER.unpack_from(raw)[7]
     codec = BATCH_HEADER.unpack_from(raw)[5] & ATTR_CODEC
     if codec:
-        body = _decompress(codec, raw[BATCH_HEADER_SIZE:], [1 << 62])
+        body = _decompress(codec, raw[BATCH_HEADER_SIZE:], [MAX_DECOMPRESSED])  # checked when stored
         start = 0
     else:
         body, start = raw, BATCH_HEADER_SIZE
@@ -357,11 +357,17 @@ def _decode_legacy(
             raise ProtocolError("legacy message CRC mismatch")
         p = pos + 18
         ts = 0
+        # Every field inside the message (its size lies otherwise): struct reads past the
+        # buffer raised struct.error, taken for a bug of the gateway, not bad input.
+        if mend - p < (8 if magic == 1 else 0) + 4:
+            raise ProtocolError("legacy message fields overrun it")
         if magic == 1:
             ts = _I64.unpack_from(buf, p)[0]
             p += 8
         klen = _I32.unpack_from(buf, p)[0]
         p += 4
+        if max(klen, 0) > mend - p - 4:
+            raise ProtocolError("legacy message fields overrun it")
         key = None if klen < 0 else buf[p : p + klen]
         p += max(klen, 0)
         vlen = _I32.unpack_from(buf, p)[0]

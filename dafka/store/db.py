@@ -563,6 +563,8 @@ class RecordDB:
         """The format version (1 or 2); StorageError for any other or none."""
         if raw is None:
             raise StorageError(f"{self.path}: record database has no format version")
+        if len(raw) != U32.size:
+            raise StorageError(f"{self.path}: record database format is damaged ({len(raw)} bytes: {bytes(raw[:16]).hex()})")
         version = int(U32.unpack(raw)[0])
         if version not in (FORMAT_1, FORMAT_VERSION):
             raise StorageError(

@@ -27,11 +27,13 @@ from typing import Any
 
 from dafka.store.block import BLOCK_KEY, store_block
 from dafka.store.layout import (
+    FLAG_KEY,
     FORMAT_VERSION,
     META_CONVERTING,
     META_FORMAT,
     RECORD_KEY,
     U32,
+    VALUE_HEADER_SIZE,
     value_payload_size,
 )
 from dafka.store.writer import BLOCK_BYTES
@@ -44,12 +46,33 @@ RECORDS_DB = b"records"  # format 1's table of records
 TXN_BYTES = 256 << 10  # values moved per transaction
 
 
+def _damaged(key: bytes, value: bytes) -> str | None:
+    """What is wrong with a format-1 record entry (None: nothing): the damage a conversion
+    refuses (StorageError) rather than storing a block no reader could decode."""
+    if len(key) != RECORD_KEY.size:
+        return f"a record key of {len(key)} bytes, not {RECORD_KEY.size} (key {key[:32].hex()})"
+    pid, offset = RECORD_KEY.unpack(key)
+    if len(value) < VALUE_HEADER_SIZE:
+        why = f"{len(value)} bytes, shorter than its {VALUE_HEADER_SIZE}-byte header"
+    elif value[VALUE_HEADER_SIZE - 1] & FLAG_KEY and (
+        len(value) == VALUE_HEADER_SIZE or VALUE_HEADER_SIZE + 1 + value[VALUE_HEADER_SIZE] > len(value)
+    ):
+        why = "its key runs past its end"
+    else:
+        return None
+    return f"the record of partition id {pid} at offset {offset} is damaged: {why}"
+
+
 def convert(env: Any, write: Callable[[Callable[[Any], Any]], Any], path: str) -> None:
     """Convert the format-1 (or half-converted) database in ``env`` to format 2.
 
     ``write(body)`` runs ``body(txn)`` in one committed write transaction (the store's own
-    :meth:`~dafka.store.db.RecordDB._write`: map growth, full disk).
+    :meth:`~dafka.store.db.RecordDB._write`: map growth, full disk).  A damaged record entry
+    stops the conversion with a StorageError naming it (its transaction is not committed:
+    every record is still in one of the two tables, and the next open goes on from there).
     """
+    from dafka.store.db import StorageError  # (db imports this module)
+
     started = time.monotonic()
 
     def begin(txn: Any) -> tuple[Any, Any, Any, int]:
@@ -81,6 +104,9 @@ def convert(env: Any, write: Callable[[Callable[[Any], Any]], Any], path: str) -
             key = cur.key()
             if not key:
                 break
+            if len(key) != RECORD_KEY.size:
+                raise StorageError(f"{path}: cannot convert it to format {FORMAT_VERSION}: "
+                                   f"{_damaged(key, b'')}")
             pid, first = unpack(key)
             values: list[bytes] = []
             size = 0
@@ -88,10 +114,13 @@ def convert(env: Any, write: Callable[[Callable[[Any], Any]], Any], path: str) -
                 key = cur.key()
                 if not key:
                     break
+                value = cur.value()
+                damage = _damaged(key, value)
+                if damage is not None:
+                    raise StorageError(f"{path}: cannot convert it to format {FORMAT_VERSION}: {damage}")
                 kpid, off = unpack(key)
                 if kpid != pid or off != first + len(values):
                     break  # another partition, or a hole: the block ends here
-                value = cur.value()
                 if values and size + len(value) > BLOCK_BYTES:
                     break
                 values.append(value)

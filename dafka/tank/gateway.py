@@ -127,6 +127,11 @@ MAX_PARKED_ENTRIES = 4096
 # Bytes a snappy bundle may inflate to (its claimed length is checked before inflating).
 INFLATE_BUDGET = DEFAULT_BUDGET
 UNBOUNDED = 1 << 62  # no record size limit: the second walk of a refused bundle
+# Content bytes of Tank bundles kept for live RECORDs until their commit, over all
+# connections.  Past it a bundle is stored without them (its readers get the HEAD and
+# FETCH it): snappy bundles inflate up to 21 times, so a 64 MiB request could make the
+# gateway hold over a GiB for a subscribed reader.
+MAX_LIVE_HELD_BYTES = 64 << 20
 OWNED_HEADS_INTERVAL = 1.0  # HEADs of owned partitions, for consumers that missed the tail
 _PING = Ping().encode()
 _OFFSET = itemgetter(2)  # of a record tuple
@@ -212,11 +217,13 @@ class Gateway(Store):
         self._conns: dict[socket.socket, _Conn] = {}
         self._throttled: list[_Conn] = []
         self._reserved = 0  # in-flight request bytes reserved over all connections
+        self._out_held = 0  # unsent answer bytes over all connections (max_total_output_bytes)
         self._budget_waiting: list[_Conn] = []  # not read until the reservations allow
         self.budget_waits = 0
         self._next_offset: dict[tuple[str, str], int] = {}  # owned: next offset to give
         self._to_publish: list[tuple[tuple[str, str], int, bytes]] = []
         self._publishing = 0  # how many of _to_publish are in the batch being committed
+        self._live_held = 0  # content bytes of the bundles in _to_publish (MAX_LIVE_HELD_BYTES)
         # Owned partition -> the header prefix of its records on the mesh (single-record form).
         self._record_headers: dict[tuple[str, str], bytes] = {}
         self._pending: deque[_PendingProduce] = deque()
@@ -297,6 +304,7 @@ class Gateway(Store):
         if n:
             done = self._to_publish[:n]
             del self._to_publish[:n]
+            self._live_held -= _held(done)
             self._publish(done)
         self._announce_committed(heads)
         pending = self._pending
@@ -329,6 +337,7 @@ class Gateway(Store):
         later = self._to_publish[n:]
         self._publishing = sum(1 for r in done if r[0] not in refused)
         self._to_publish = [r for r in done if r[0] not in refused] + [r for r in later if r[0] not in refused]
+        self._live_held = _held(self._to_publish)
         # Records of them queued since continue what was refused: they go too.
         self._batch = [r for r in self._batch if (r[0], r[1]) not in refused]
         for key in owned:
@@ -619,25 +628,31 @@ class Gateway(Store):
     def _write(self, conn: _Conn, data: bytes) -> None:
         if conn.closed:
             return
+        before = conn.out_size
         try:
             send(conn, data)
         except OSError as exc:
             self._close(conn, f"send failed: {exc}")
             return
+        finally:
+            self._out_held += conn.out_size - before
         if not conn.out:
             return
-        if conn.out_size > self.limits.max_output_bytes:
-            conn.reading = False  # a client that does not read its answers
+        if conn.out_size > self.limits.max_output_bytes or self._out_held > self.limits.max_total_output_bytes:
+            conn.reading = False  # a client that does not read its answers (or too many such)
         self._update_events(conn)
 
     def _flush_out(self, conn: _Conn) -> None:
         out = conn.out
         if not conn.closed:
+            before = conn.out_size
             try:
                 flush(conn)
             except OSError as exc:
                 self._close(conn, f"send failed: {exc}")
                 return
+            finally:
+                self._out_held += conn.out_size - before
         if not out:
             if conn.deferred and not conn.closed:
                 conn.deferred = False
@@ -661,6 +676,7 @@ class Gateway(Store):
         self._conns.pop(conn.sock, None)
         self._reserved -= conn.reserved
         conn.reserved = 0
+        self._out_held -= conn.out_size  # its unsent answers go with it
         if self._parked_all:
             # Its parked fetches go too (a long poll may otherwise wait for weeks).
             for parked in [p for p in self._parked_all if p.conn is conn]:
@@ -754,7 +770,7 @@ class Gateway(Store):
                 elif self.storage_error is not None:
                     res.error = ProduceError.SYSTEM
                 else:
-                    live = self._live(part)
+                    live = self._live_held < MAX_LIVE_HELD_BYTES and self._live(part)
                     try:
                         got = scan(p.bundle, max_bytes, INFLATE_BUDGET, live)
                     except ProtocolError:
@@ -769,6 +785,8 @@ class Gateway(Store):
                             shown(t.name), p.partition, max_bytes,
                         )
                         continue
+                    if got[6] is not None:
+                        self._live_held += sum(map(len, got[6]))  # given back if not published
                     first = p.first_seq if with_seq else got[2]
                     plan.append((res, part, p.bundle, got, first))
         needs: dict[tuple[str, str], int] = {}
@@ -781,6 +799,8 @@ class Gateway(Store):
             # at or below the hwm is a resend, and Dafka offsets have none.
             if first is not None and (first != n + 1 or (got[2] is not None and got[3] != first + count - 1)):
                 res.error = ProduceError.INVALID_SEQNUM
+                if got[6] is not None:
+                    self._live_held -= sum(map(len, got[6]))
                 continue
             self.queue_block(part.topic, part.address, tank_seal(bundle, got, n), count)
             if got[6] is not None:
@@ -875,7 +895,7 @@ class Gateway(Store):
     # ---------------------------------------------------------------- consume
 
     def _on_consume(self, conn: _Conn, req: ConsumeRequest) -> None:
-        budget = answer_budget(conn.out_size, self.limits)
+        budget = answer_budget(conn.out_size, self.limits, self._out_held)
         response, size, waiting, faulted = self._consume_answer(req, False, budget)
         # Like the broker (respond_now), a fault is reported at once: a client
         # asking for several partitions must not wait max_wait to learn of it.
@@ -913,7 +933,7 @@ class Gateway(Store):
     def _answer_parked(self, parked: _Parked, timed_out: bool) -> None:
         conn = parked.conn
         if not conn.closed:
-            budget = answer_budget(conn.out_size, self.limits)
+            budget = answer_budget(conn.out_size, self.limits, self._out_held)
             if budget == 0 and not timed_out:
                 conn.deferred = True  # answered once its earlier answers are taken
                 return
@@ -1033,14 +1053,19 @@ class Gateway(Store):
         # finish a bundle.  Blocks of other codecs (mesh records, Kafka) become one bundle each,
         # and so does the partial front block (a bundle beginning below the partition's
         # first, left by a DeleteRecords): its records from ``first`` on only, deleted ones
-        # never go out.  Every later bundle goes whole.
+        # never go out.  So does a first bundle over the answer's budget (a bundle may be
+        # max_request_bytes): its records from ``first`` on, within the budget (one at least).
+        # Every later bundle goes whole.
         pieces: list[Any] = []
         size = 0
         base = None
         for hdr, value in blocks:
             if pieces and size >= limit:
                 break
-            if hdr.codec == CODEC_TANK and hdr.first_offset >= front:
+            whole = hdr.codec == CODEC_TANK and hdr.first_offset >= front and (
+                bool(pieces) or not first_data or len(value) - HEADER_SIZE <= budget
+            )
+            if whole:
                 body = memoryview(value)[HEADER_SIZE:]
                 piece: list[Any] = [encode_varint(len(body)), body]
                 at = hdr.first_offset
@@ -1063,7 +1088,7 @@ class Gateway(Store):
                 base = at
             pieces += piece
             size += n
-            if hdr.codec != CODEC_TANK and at + len(values) <= hdr.last_offset:
+            if not whole and at + len(values) <= hdr.last_offset:
                 break  # a converted block cut short: the next bundle would not continue it
         if base is None:
             return ConsumePartitionResult(p.partition, ConsumeFlag.OK, bounds.first_avail, bounds.hwm), False
@@ -1085,6 +1110,11 @@ class Gateway(Store):
             return ConsumePartitionResult(p.partition, ConsumeFlag.OK, bounds.first_avail, bounds.hwm), False
         chunk = chunk_of(stored_bundle(values, self.compress))
         return ConsumePartitionResult(p.partition, ConsumeFlag.OK, first + 1, bounds.hwm, chunk), False
+
+
+def _held(entries: list[tuple[tuple[str, str], int, Any]]) -> int:
+    """Content bytes of the Tank bundles among ``_to_publish`` entries (single records: 0)."""
+    return sum(sum(map(len, item)) for _key, _first, item in entries if isinstance(item, list))
 
 
 def _whole_values(values: list[bytes], limit: int, budget: int, strict: bool) -> list[bytes]:

@@ -20,7 +20,12 @@ can make the gateway hold or wait for:
   ``request_timeout`` seconds closes it too (on the Kafka port as well).
 * ``max_answer_bytes``: record bytes in one consume answer (on top of the
   4 MiB per partition); ``max_output_bytes``: unsent answer bytes of one
-  connection, past which its requests wait and its answers shrink.
+  connection, past which its requests wait and its answers shrink;
+  ``max_total_output_bytes``: unsent answer bytes of all connections together
+  (else ``max_connections`` clients that never read could make the gateway hold
+  that many times ``max_output_bytes``): past it, a connection holding answers
+  is not read until they go, and answers shrink to what still fits (one record
+  at least for a connection holding none).
 * ``max_partitions_per_topic``: CreateTopic above it is refused (error 10).
 * ``max_owned_partitions``: partitions of topics the gateway created (Tank
   CreateTopic, Kafka CreateTopics and auto-creation), all topics together; a
@@ -76,6 +81,7 @@ class GatewayLimits:
     request_timeout: float = 30.0  # seconds
     max_answer_bytes: int = 16 << 20
     max_output_bytes: int = 32 << 20
+    max_total_output_bytes: int = 256 << 20
     max_partitions_per_topic: int = 1024
     max_owned_partitions: int = 65536
     kafka_max_output_bytes: int = 256 << 20
@@ -135,6 +141,11 @@ def too_slow(received: int, in_flight: float, limits: GatewayLimits) -> bool:
     return in_flight >= limits.request_timeout and received < limits.min_request_rate * in_flight
 
 
-def answer_budget(out_size: int, limits: GatewayLimits) -> int:
-    """Record bytes one consume answer may carry on a connection with ``out_size`` bytes unsent."""
-    return max(0, min(limits.max_answer_bytes, limits.max_output_bytes - out_size))
+def answer_budget(out_size: int, limits: GatewayLimits, held: int = 0) -> int:
+    """Record bytes one consume answer may carry on a connection with ``out_size`` bytes unsent,
+    when all connections hold ``held``: past ``max_total_output_bytes`` a connection holding none
+    still gets 1 (one record: it makes progress), one holding some gets 0."""
+    room = limits.max_total_output_bytes - held
+    if out_size == 0:
+        room = max(room, 1)
+    return max(0, min(limits.max_answer_bytes, limits.max_output_bytes - out_size, room))
