@@ -75,3 +75,15 @@ class DeserializationError(DafkaError, ValueError):
         self.topic = topic
         self.partition = partition
         self.offset = offset
+
+
+class StorageError(DafkaError):
+    """The record database cannot do what was asked (wrong format, read-only, corrupt)."""
+
+
+class StorageFullError(StorageError):
+    """A write did not fit: the disk is full or ``max_map_size`` was reached.
+
+    Nothing of the failed batch was committed and everything committed before
+    is intact; the database stays usable (reads, retention, smaller writes).
+    """

@@ -136,7 +136,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import lmdb
 
-from dafka.errors import ClosedError, DafkaError, ProtocolError
+from dafka.errors import ClosedError, ProtocolError, StorageError, StorageFullError
 from dafka.fastio import fetch_blocks, store_blocks
 from dafka.store.block import BLOCK_KEY, BlockHeader, decode_header, store_payload
 from dafka.store.blocktable import OverlapError, put_block
@@ -209,18 +209,6 @@ _PKEY_CACHE_MAX = 65536
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
 
 _T = TypeVar("_T")
-
-
-class StorageError(DafkaError):
-    """The record database cannot do what was asked (wrong format, read-only, corrupt)."""
-
-
-class StorageFullError(StorageError):
-    """A write did not fit: the disk is full or ``max_map_size`` was reached.
-
-    Nothing of the failed batch was committed and everything committed before
-    is intact; the database stays usable (reads, retention, smaller writes).
-    """
 
 
 class StoreRecord(NamedTuple):

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dafka.errors import StorageError
 from dafka.store.block import BLOCK_KEY, store_block
 from dafka.store.layout import (
     FLAG_KEY,
@@ -71,8 +72,6 @@ def convert(env: Any, write: Callable[[Callable[[Any], Any]], Any], path: str) -
     stops the conversion with a StorageError naming it (its transaction is not committed:
     every record is still in one of the two tables, and the next open goes on from there).
     """
-    from dafka.store.db import StorageError  # (db imports this module)
-
     started = time.monotonic()
 
     def begin(txn: Any) -> tuple[Any, Any, Any, int]:
