@@ -382,13 +382,18 @@ class Store(PartitionReader):
         while True:
             with self._writer_cond:
                 while True:
-                    work = self._pipe.take()
-                    if work is not None or self._writer_stop:
+                    now = time.monotonic()
+                    # The staged work, at once or after a linger for a client's refills
+                    # (CommitPipe.due); offers, answers and close() wake this wait.
+                    due = self._pipe.due(now)
+                    if due is not None and (due <= 0 or self._writer_stop):
+                        work = self._pipe.take()
                         break
-                    wait = next_retention - time.monotonic()
-                    if wait <= 0:
+                    work = None
+                    wait = next_retention - now
+                    if self._writer_stop or wait <= 0:
                         break
-                    self._writer_cond.wait(wait)
+                    self._writer_cond.wait(wait if due is None else min(due, wait))
                 stop = self._writer_stop and work is None
             if stop:
                 return
@@ -405,6 +410,7 @@ class Store(PartitionReader):
         # are) is left out alone: the others commit and are acknowledged.
         rejected: dict[tuple[str, str], str] = {}
         filled = (0, 0)
+        began = time.monotonic()
         try:
             t0 = time.perf_counter()
             if work.fills:
@@ -426,7 +432,7 @@ class Store(PartitionReader):
             heads, error = {}, StorageError(str(exc))
             rejected.clear()
         with self._writer_cond:
-            self._pipe.finish(work, error is None and not rejected)
+            self._pipe.finish(work, error is None and not rejected, time.monotonic(), began)
         self.call_soon(lambda: self._on_committed(work, heads, error, rejected, filled))
 
     def _enforce_retention(self) -> None:
@@ -485,9 +491,9 @@ class Store(PartitionReader):
             fills = [(t, p, off, c, ts) for (t, p, off), (c, ts) in self._fills.items()]
         work = Work(self._batch, self._pairs, self._segs, self._skips, fills, self._blocks, self._blocks_held)
         with self._writer_cond:
-            outcome = self._pipe.offer(work)
-            if outcome is Offer.STAGED:
-                self._writer_cond.notify()
+            outcome = self._pipe.offer(work, time.monotonic())
+            if outcome is not Offer.HELD:
+                self._writer_cond.notify()  # (a writer lingering for more counts the offers)
         if outcome is Offer.HELD:
             return  # still queued here, for a later transaction
         self._batch, self._pairs, self._segs, self._skips, self._blocks = [], [], [], [], []
@@ -560,6 +566,7 @@ class Store(PartitionReader):
             # skipped them (chaos soak, seed 1795922590: 23,772 lost).
             self.pause_data(False)
             self._send_status(now)  # producers learn why at once
+            self._report()
             return
         fills, skips = work.fills, work.skips
         if self.storage_error is not None:
@@ -615,9 +622,17 @@ class Store(PartitionReader):
             # From the oldest record's receipt to its ACK.
             self.ack_latency.observe(max(0.0, time.time() - received / 1000))
         self.on_commit(heads)
+        self._report()
         if self.pending_records() < MAX_BATCH // 2:
             self.pause_data(False)
         self._flush_batch()
+
+    def _report(self) -> None:
+        """Tell the writer this commit is answered (see CommitPipe.due: it may be lingering
+        for the refills its answers bring)."""
+        with self._writer_cond:
+            self._pipe.report(time.monotonic())
+            self._writer_cond.notify()
 
     def _on_refused(self, work: Work, rejected: dict[tuple[str, str], str]) -> int:
         """Partitions the database refused in a commit: drop, count and log their

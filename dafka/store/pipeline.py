@@ -29,6 +29,18 @@ next transaction, whatever the I/O thread is doing then.
 
 A work is answered (its produces, its ACKs) when the I/O thread handles its commit's result,
 in commit order; nothing of a work is answered before the commit that holds it returned.
+
+**When the writer takes the staged work** (:meth:`CommitPipe.due`).  Records that kept coming
+while the commit ran (the staged work grew in its second half, or within ``quiet`` before it
+returned: a stream that fills the pipe by itself, the mesh store's) go at once.  Otherwise the senders are waiting for answers
+(a client with a window of produces in flight: a Tank client's 8 bundles, a Kafka producer's
+requests): taking at once would split that window between two transactions, each paying a
+whole commit's flushes, while the client's next requests are one round trip behind the
+answers.  So the writer **lingers**: until the I/O thread has answered the commit (``report``),
+then until as many records as that commit held have come since (each answered request is
+sent again), or records have come and then none for ``quiet``, at most ``linger`` of the last
+commit's duration and :data:`MAX_LINGER`.  A linger costs at most that
+much latency; the simulator takes with :meth:`CommitPipe.take` directly.
 """
 
 from __future__ import annotations
@@ -36,12 +48,18 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-__all__ = ["MAX_TXN_BYTES", "MAX_TXN_RECORDS", "CommitPipe", "Offer", "Work"]
+__all__ = ["MAX_LINGER", "MAX_TXN_BYTES", "MAX_TXN_RECORDS", "QUIET", "CommitPipe", "Offer", "Work"]
 
 #: Records one merge may grow a staged transaction to (see :class:`CommitPipe`).
 MAX_TXN_RECORDS = 200_000
 #: Bytes of ready values and blocks one merge may grow a staged transaction to.
 MAX_TXN_BYTES = 32 << 20
+#: Seconds at most the writer lingers for a client's refills after a commit (see the module doc).
+MAX_LINGER = 0.005
+#: ... and at most this share of the last commit's duration.
+LINGER_SHARE = 0.5
+#: Seconds without new records that end a burst (the staged work is complete).
+QUIET = 0.002
 
 Fill = tuple[str, str, int, bytes | None, int]
 Block = tuple[str, str, bytes]
@@ -129,18 +147,37 @@ class CommitPipe:
 
     Not thread-safe by itself: the store calls every method under its writer lock."""
 
-    __slots__ = ("committing", "staged", "halted", "max_records", "max_bytes", "merges", "holds")
+    __slots__ = ("committing", "staged", "halted", "max_records", "max_bytes", "merges", "holds",
+                 "linger", "max_linger", "quiet", "lingers", "_arrived", "_until", "_streaming", "_reported", "_refilled",
+                 "_target")
 
-    def __init__(self, max_records: int = MAX_TXN_RECORDS, max_bytes: int = MAX_TXN_BYTES) -> None:
+    def __init__(
+        self,
+        max_records: int = MAX_TXN_RECORDS,
+        max_bytes: int = MAX_TXN_BYTES,
+        linger: float = LINGER_SHARE,
+        quiet: float = QUIET,
+        max_linger: float = MAX_LINGER,
+    ) -> None:
         self.committing: Work | None = None  # taken by the writer, its commit not finished
         self.staged: Work | None = None  # the next transaction, still growing
         self.halted = False  # a commit failed or refused: nothing is taken until resume()
         self.max_records = max_records
         self.max_bytes = max_bytes
+        self.linger = linger  # share of the last commit's duration (0: never linger)
+        self.max_linger = max_linger  # seconds
+        self.quiet = quiet
         self.merges = 0  # offers merged into a staged work
         self.holds = 0  # offers held back (bounds, order, halted)
+        self.lingers = 0  # commits after which the writer lingered for refills
+        self._arrived = float("-inf")  # when records last went into the staged work
+        self._until = float("-inf")  # the writer lingers until then at most
+        self._streaming = True  # records kept coming until the last commit returned
+        self._reported = True  # the I/O thread has answered the last commit
+        self._refilled: float | None = None  # when records last came after that answer
+        self._target = 0  # records staged once the answered senders sent as much again
 
-    def offer(self, work: Work) -> Offer:
+    def offer(self, work: Work, now: float = 0.0) -> Offer:
         """The I/O thread's queued records (the writer has them only unless HELD)."""
         if self.halted:
             self.holds += 1
@@ -148,17 +185,37 @@ class CommitPipe:
         staged = self.staged
         if staged is None:
             self.staged = work
-            return Offer.STAGED
-        if (
+        elif (
             staged.records + work.records > self.max_records
             or staged.nbytes + work.nbytes > self.max_bytes
             or out_of_order(staged, work)
         ):
             self.holds += 1
             return Offer.HELD
-        staged.merge(work)
-        self.merges += 1
-        return Offer.MERGED
+        else:
+            staged.merge(work)
+            self.merges += 1
+        self._arrived = now
+        if self._reported:
+            self._refilled = now
+        return Offer.STAGED if staged is None else Offer.MERGED
+
+    def report(self, now: float = 0.0) -> None:
+        """The I/O thread has answered the last commit (its senders may now send again)."""
+        del now  # (for symmetry: what comes after is timed by offer())
+        self._reported = True
+
+    def due(self, now: float) -> float | None:
+        """Seconds the writer waits before taking the staged work (0: take it now; None:
+        nothing to take).  See the module doc."""
+        if self.peek() is None:
+            return None
+        if self._streaming or now >= self._until or self.staged is not None and self.staged.records >= self._target:
+            return 0.0
+        if not self._reported or self._refilled is None:
+            return self._until - now  # (woken by the report and by offers)
+        wait = self._refilled + self.quiet - now
+        return 0.0 if wait <= 0 else min(wait, self._until - now)
 
     def peek(self) -> Work | None:
         """The work the writer would take now (None: nothing, or it must wait)."""
@@ -173,14 +230,27 @@ class CommitPipe:
             self.committing, self.staged = work, None
         return work
 
-    def finish(self, work: Work, clean: bool) -> None:
-        """The writer: ``work``'s commit returned; not ``clean`` (it failed, or refused a
-        partition): halt until the I/O thread has seen the result."""
+    def finish(self, work: Work, clean: bool, now: float = 0.0, began: float = 0.0) -> None:
+        """The writer: ``work``'s commit (begun at ``began``) returned at ``now``; not
+        ``clean`` (it failed, or refused a partition): halt until the I/O thread has seen the
+        result."""
         if work is not self.committing:
             raise RuntimeError("finish() of a work that is not the one committing")
         self.committing = None
         if not clean:
             self.halted = True
+        # Records still coming in the second half of the commit (or at its end): the senders
+        # do not wait for answers.  (Those of a window come right after the last answers, at
+        # its start; a stream's may pause at its end, while the writer holds the GIL.)
+        arrived = self._arrived
+        self._streaming = self.staged is not None and (now - arrived < self.quiet or arrived >= (began + now) / 2)
+        self._until = now + min(self.max_linger, self.linger * max(0.0, now - began))
+        self._reported = False
+        self._refilled = None
+        # Senders with a window send again as much as they were answered.
+        self._target = (self.staged.records if self.staged is not None else 0) + work.records
+        if not self._streaming and self._until > now:
+            self.lingers += 1
 
     def reclaim(self) -> Work | None:
         """The I/O thread takes back the staged work (after a failure: it goes again, after the

@@ -225,3 +225,82 @@ def test_model_every_record_once_in_order(steps: list[Any]) -> None:
     for tp in (P, Q):
         offs = [off for t, off in committed if t == tp]
         assert offs == sorted(offs)  # in order
+
+
+# When the writer takes the staged work: at once for a stream, after a bounded linger for the
+# refills of clients that wait for answers (a window of produces in flight).
+
+
+
+def test_a_stream_goes_at_once() -> None:
+    pipe = CommitPipe(max_linger=1.0, linger=1.0)
+    first = tuples(P, 0, 8)
+    pipe.offer(first, 0.0)
+    assert pipe.take() is first
+    for i, t in enumerate((0.002, 0.004, 0.006, 0.0079)):  # records all through the commit
+        pipe.offer(tuples(P, 8 + i, 1), t)
+    pipe.finish(first, clean=True, now=0.008, began=0.0)
+    assert pipe.due(0.008) == 0.0
+    assert pipe.lingers == 0
+
+
+def test_a_windowed_client_gets_its_whole_window_into_one_commit() -> None:
+    """8 requests in flight: the commit held 4, the other 4 came at its start; taking them at
+    once would split the window for good (4 and 4, each paying a whole commit)."""
+    pipe = CommitPipe(max_linger=1.0, linger=1.0)
+    first = tuples(P, 0, 4)
+    pipe.offer(first, 0.0)
+    assert pipe.take() is first
+    pipe.offer(tuples(P, 4, 4), 0.0005)  # the rest of the window, early in the commit
+    pipe.finish(first, clean=True, now=0.008, began=0.0)
+    assert pipe.lingers == 1
+    assert pipe.due(0.008) == pytest.approx(0.008)  # until the answers went out, at most the linger
+    pipe.offer(tuples(P, 8, 1), 0.0082)  # queued before the answers: no refill
+    pipe.report(0.0085)
+    assert 0 < (pipe.due(0.0085) or 0)
+    pipe.offer(tuples(P, 9, 2), 0.009)  # the answered client sends again ...
+    assert 0 < (pipe.due(0.009) or 0) <= pipe.quiet
+    pipe.offer(tuples(P, 11, 2), 0.0092)  # ... as much as was answered (4): take
+    assert pipe.due(0.0092) == 0.0
+    work = pipe.take()
+    assert work is not None and work.records == 9
+
+
+def test_a_linger_ends_after_a_quiet_spell_or_its_bound() -> None:
+    pipe = CommitPipe(max_linger=0.004, linger=0.5)
+    first = tuples(P, 0, 10)
+    pipe.offer(first, 0.0)
+    pipe.take()
+    pipe.finish(first, clean=True, now=0.010, began=0.0)  # nothing staged, nothing streaming
+    assert pipe.due(0.010) is None  # nothing to take
+    pipe.report(0.0101)
+    pipe.offer(tuples(P, 10, 2), 0.0102)  # a refill smaller than the commit
+    assert pipe.due(0.0102) == pytest.approx(pipe.quiet)
+    assert pipe.due(0.0102 + pipe.quiet) == 0.0  # nothing more came: go
+    # The bound: min(max_linger, share of the commit) after the commit returned.
+    pipe2 = CommitPipe(max_linger=0.004, linger=0.5)
+    first = tuples(P, 0, 10)
+    pipe2.offer(first, 0.0)
+    pipe2.take()
+    pipe2.finish(first, clean=True, now=0.010, began=0.0)
+    pipe2.offer(tuples(P, 10, 1), 0.0101)  # before the report: waits for it ...
+    assert pipe2.due(0.0101) == pytest.approx(0.0039)
+    assert pipe2.due(0.014) == 0.0  # ... at most 4 ms (half the commit would be 5)
+    # A short commit lingers at most half its duration.
+    pipe3 = CommitPipe(max_linger=0.004, linger=0.5)
+    first = tuples(P, 0, 10)
+    pipe3.offer(first, 0.0)
+    pipe3.take()
+    pipe3.finish(first, clean=True, now=0.001, began=0.0)
+    pipe3.offer(tuples(P, 10, 1), 0.0011)
+    assert pipe3.due(0.0015) == 0.0
+
+
+def test_nothing_is_due_while_halted() -> None:
+    pipe = CommitPipe()
+    first = tuples(P, 0, 1)
+    pipe.offer(first, 0.0)
+    pipe.take()
+    pipe.offer(tuples(P, 1, 1), 0.001)
+    pipe.finish(first, clean=False, now=0.002, began=0.0)
+    assert pipe.due(1.0) is None

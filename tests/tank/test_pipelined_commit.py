@@ -177,3 +177,39 @@ def test_a_refused_partition_does_not_stop_the_others_of_a_pipelined_commit(cfg:
         assert gw.db.fetch("bad", bad_key[1], 0, 10)[1] == [b"first", b"second"]
     finally:
         gw.close()
+
+
+def test_a_client_with_a_window_gets_it_into_one_commit_when_commits_are_slow(cfg: NodeConfig, tmp_path: Path) -> None:
+    """8 produces in flight and 30 ms commits: taking the staged work at once split the window
+    between two commits (4 bundles each, 8 commits for 32 bundles); the writer lingers for the
+    refills its answers bring, so a commit holds the whole window."""
+    gw = Gateway(tmp_path / "gw", cfg, listen=(HOST, 0))
+    try:
+        gw._pipe.max_linger = 1.0  # (the linger is bounded by the commit's duration then: 30 ms)
+        append = gw.db.append
+        sizes: list[int] = []
+
+        def slow_append(batch: Any, **kw: Any) -> Any:
+            time.sleep(0.03)  # a slow disk (the GIL is free, as in an fsync)
+            sizes.append(len(kw.get("blocks", ())))
+            return append(batch, **kw)
+
+        gw.db.append = slow_append  # type: ignore[method-assign]
+        n, window = 48, 8
+        with TankClient(HOST, gw.tank_port, timeout=30) as c:
+            c.create_topic("win", 1)
+            inflight: list[int] = []
+            for i in range(n):
+                inflight.append(c.send(produce_request(c, "win", bundle_of(i, 10))))
+                if len(inflight) >= window:
+                    resp = c.wait(inflight.pop(0))
+                    assert isinstance(resp, ProduceResponse) and resp.topics[0].partitions[0].error == 0
+            for req_id in inflight:
+                resp = c.wait(req_id)
+                assert isinstance(resp, ProduceResponse) and resp.topics[0].partitions[0].error == 0
+            assert values(consume_all(c, "win", 0)) == [b"b%d-m%d" % (i, j) for i in range(n) for j in range(10)]
+        assert sum(sizes) == n
+        steady = sorted(sizes[2:-1])  # (the first commits hold what came first, the last the rest)
+        assert steady[len(steady) // 2] == window, sizes
+    finally:
+        gw.close()
