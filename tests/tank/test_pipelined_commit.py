@@ -43,16 +43,16 @@ class SlowAnswers(Gateway):
         super().__init__(*args, **kwargs)
 
     def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
-        for p in self._pending:
-            if all(self._heads.get(k, -1) >= off for k, off in p.needs.items()):  # answered below
-                for (topic, address), off in p.needs.items():
-                    stored = self.db.head(topic, address)
-                    if stored is None or stored < off:
-                        self.unsafe.append(f"answered {topic}@{off}, LMDB holds up to {stored}")
         self.events.append(("answer", time.perf_counter()))
+        before = list(self._pending)
+        super().on_commit(heads)
+        for p in before[: len(before) - len(self._pending)]:  # the ones just answered
+            for (topic, address), off in p.needs.items():
+                stored = self.db.head(topic, address)
+                if stored is None or stored < off:
+                    self.unsafe.append(f"answered {topic}@{off}, LMDB holds up to {stored}")
         if len(self.events) == 1:
             time.sleep(0.1)  # the I/O thread is busy: the writer must not wait for it
-        super().on_commit(heads)
         self.events.append(("answered", time.perf_counter()))
 
 
