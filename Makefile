@@ -43,7 +43,7 @@ lint: setup
 	$(BIN)/ruff check dafka tests examples
 
 # The public Python API type-checks strictly (settings in pyproject's [tool.mypy]).
-MYPY_STRICT := dafka/producer.py dafka/consumer.py dafka/nodes/producer.py dafka/nodes/consumer.py dafka/nodes/loop.py dafka/aio.py dafka/config.py dafka/tank/client.py dafka/store/block.py dafka/store/blocktable.py dafka/store/reader.py dafka/store/writer.py dafka/store/retention.py dafka/store/compaction.py dafka/store/upgrade.py dafka/console/model.py dafka/console/server.py dafka/cli/console.py dafka/cli/args.py dafka/cli/common.py dafka/cli/parser.py dafka/outbox/host.py dafka/kafka/txn.py dafka/kafka/txn_api.py dafka/kafka/txn_admin.py
+MYPY_STRICT := dafka/producer.py dafka/consumer.py dafka/nodes/producer.py dafka/nodes/consumer.py dafka/nodes/loop.py dafka/aio.py dafka/config.py dafka/tank/client.py dafka/store/block.py dafka/store/blocktable.py dafka/store/reader.py dafka/store/writer.py dafka/store/retention.py dafka/store/compaction.py dafka/store/upgrade.py dafka/console/model.py dafka/console/server.py dafka/cli/console.py dafka/cli/args.py dafka/cli/common.py dafka/cli/parser.py dafka/outbox/host.py dafka/kafka/txn.py dafka/kafka/txn_api.py dafka/kafka/txn_admin.py dafka/store/pipeline.py
 typecheck: setup
 	$(BIN)/mypy --strict $(MYPY_STRICT)
 

@@ -154,10 +154,10 @@ class KafkaGateway(Gateway):
             self.kafka_queued_peak = 0  # the most it has been
             self._kover: dict[_Conn, None] = {}  # connections with ``over`` set, in order
             self._kresuming = False
-            # Kafka blocks queued, to go on the mesh once committed; how many are in the commit
-            # under way; blocks committed whose records no mesh reader was there to take.
+            # Kafka blocks queued, to go on the mesh once committed (each work handed to the
+            # writer marks how many it holds); blocks committed whose records no mesh reader
+            # was there to take.
             self._kpublish: list[tuple[tuple[str, str], int, bytes]] = []
-            self._kpublishing = 0
             self.kafka_unpublished = 0
             self._kcommit_id = 0
             self._krefusals = Refusals(log)
@@ -506,14 +506,16 @@ class KafkaGateway(Gateway):
         self._next_offset[key] = last + 1
         return first, last
 
-    def _flush_batch(self, retry: bool = False) -> None:
-        if self._blocks and self._batch and not self._writer_busy:
+    def _prepare_work(self) -> None:
+        if self._blocks and self._batch:
             self._untangle()
-        busy = self._writer_busy
-        super()._flush_batch(retry)
-        if self._writer_busy and not busy:
-            # The commit just handed over holds every Kafka block queued so far.
-            self._kpublishing = len(self._kpublish)
+        super()._prepare_work()
+
+    def _mark_work(self, work: Any) -> None:
+        super()._mark_work(work)
+        # Every Kafka block queued so far goes out on the mesh once this work commits.
+        before = sum(w.marks.get("kafka", 0) for w in self._outstanding if w is not work)
+        work.marks["kafka"] = len(self._kpublish) - before
 
     def _untangle(self) -> None:
         """Turn into blocks the Tank records queued for a partition that also has Kafka
@@ -568,9 +570,10 @@ class KafkaGateway(Gateway):
         refused = {key for key in rejected if key in self._owned}
         if not refused:
             return
-        n = self._kpublishing
+        n = self._reported_mark("kafka")
         done = [i for i in self._kpublish[:n] if i[0] not in refused]
-        self._kpublishing = len(done)
+        if self._reported is not None:
+            self._reported.marks["kafka"] = len(done)
         self._kpublish = done + [i for i in self._kpublish[n:] if i[0] not in refused]
         for slot, needs in [(s, n) for s, n in self._kpending if refused & n.keys()]:
             # Not written: the client hears so (its connection closes; it retries).
@@ -592,7 +595,7 @@ class KafkaGateway(Gateway):
         return [*super().sockets(), (self.kafka_listener, self._kafka_accept)]
 
     def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
-        n, self._kpublishing = self._kpublishing, 0
+        n = self._reported_mark("kafka")
         if n:
             done = self._kpublish[:n]
             del self._kpublish[:n]

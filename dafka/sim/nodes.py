@@ -6,9 +6,11 @@ Stores and consumers are the real :class:`dafka.store.node.Store` and
 in-process ZeroMQ sockets the simulator writes into and reads from, and the
 simulator calls what the node loop would (``_read_data``, the timers,
 ``call_soon`` commands, ``do_work``) at simulated times.  A store's writer
-thread is replaced by the simulator too: it takes the store's hand-off
-(``_to_write``) and calls the store's own ``_commit`` when the schedule says
-the write finishes, so a kill in between loses exactly what was not durable.
+thread is replaced by the simulator too: when the store stages a transaction
+(``_to_write``, see :mod:`dafka.store.pipeline`) it schedules the write, and
+when the schedule says the write finishes it takes what is staged then
+(``_take_work``) and calls the store's own ``_commit``, so a kill in between
+loses exactly what was not durable.
 Everything else -- decoding, the fast receive path, trackers, FETCH retries,
 skips, LMDB writes, ACKs, FETCH answers -- is the shipped code.
 

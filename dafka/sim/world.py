@@ -612,7 +612,8 @@ class World:
         store = h.store
         if store is None or store._to_write is None:
             return
-        self._guard(f"{h.name} commit", store._commit, store._to_write)
+        work = store._take_work()  # what is staged when the simulated write ends
+        self._guard(f"{h.name} commit", store._commit, work)
         self.pump(h.name)
 
     # ------------------------------------------------------------ time

@@ -6,9 +6,11 @@ partition's :class:`PartitionTracker` (offset reset "earliest": a store wants
 everything) turns arrivals into an in-order stream; gaps and HEADs ahead of
 what is stored become FETCHes (with retries) to producers or other stores.
 
-Writer thread: takes the accumulated batch when it is idle and appends it to
-LMDB in one transaction (group commit, synced by default).  Only after the
-commit returns does the I/O thread send one cumulative ACK per partition.  A
+Writer thread: appends what the I/O thread queued to LMDB in one transaction
+(group commit, synced by default), pipelined (:mod:`dafka.store.pipeline`): while
+one transaction commits, what arrives is staged for the next, which the writer
+takes the moment the commit returns.  Only after the commit returns does the I/O
+thread send one cumulative ACK per partition.  A
 failed commit (disk full, I/O error, any other write error) keeps the batch,
 stops acknowledging and retries; nothing acknowledged is ever lost.  About once
 a second the store tells each producer whose records it holds whether it can
@@ -62,6 +64,7 @@ from dafka.store.holes import HoleRepair
 from dafka.store.layout import VALUE_HEADER
 from dafka.store.leaves import LeafEndpoint
 from dafka.store.linger import TrickleLinger
+from dafka.store.pipeline import CommitPipe, Offer, Work
 
 log = logging.getLogger("dafka.store")
 LINGER = 0.001  # seconds a store rests from reading after a small read (see Store)
@@ -132,12 +135,11 @@ SKIP_AFTER = 10.0  # seconds before offsets nobody has are given up
 MAX_HEARERS = 1_000_000  # producers remembered as subscribed to their FETCHes here
 MAX_ADDRESS = 64  # characters of an address counted as a FETCH subscriber (ours are 32)
 
-# What the writer commits at once: tuples, ready pairs, their runs, skips,
-# records for recorded holes (content None: an offset given up for good), and
-# ready-made blocks ``(topic, partition, block)`` (a gateway's client blocks).
+# Records for recorded holes (content None: an offset given up for good), and
+# ready-made blocks ``(topic, partition, block)`` (a gateway's client blocks);
+# what the writer commits at once is a Work (dafka.store.pipeline).
 _Fill = tuple[str, str, int, bytes | None, int]
 _Block = tuple[str, str, bytes]
-_Work = tuple[list[Any], list[Any], list[Any], list[tuple[str, str, int, int]], list[_Fill], list[_Block]]
 
 
 def _block_records(blocks: list[_Block]) -> int:
@@ -279,10 +281,12 @@ class Store(PartitionReader):
         self._status_keys: set[tuple[str, str]] = set()  # partitions committed since the last status
         self._writing_told: dict[tuple[str, str], float] = {}  # partition -> when last told "writing"
         self._error_logged_at = 0.0
-        # Writer thread hand-off.
+        # Writer thread hand-off (dafka.store.pipeline): the pipe under the writer lock; the
+        # works handed over and not yet answered, oldest first; the one being answered.
         self._writer_cond = threading.Condition()
-        self._to_write: _Work | None = None
-        self._writer_busy = False
+        self._pipe = CommitPipe()
+        self._outstanding: deque[Work] = deque()
+        self._reported: Work | None = None
         self._writer_stop = False
         self._writer = threading.Thread(target=self._write_loop, name="dafka-store-writer", daemon=True)
         # Counters for the periodic log and `dafka status`.
@@ -374,43 +378,62 @@ class Store(PartitionReader):
 
     # ---------------------------------------------------------------- writer thread
 
+    @property
+    def _to_write(self) -> Work | None:
+        """The work the writer would take now (see :class:`CommitPipe`; the simulator reads it)."""
+        return self._pipe.peek()
+
+    def _take_work(self) -> Work | None:
+        """The writer's side of the hand-off: the staged work, now committing (None: nothing)."""
+        with self._writer_cond:
+            return self._pipe.take()
+
     def _write_loop(self) -> None:
         next_retention = time.monotonic() + self.retention_interval
         while True:
             with self._writer_cond:
-                while self._to_write is None and not self._writer_stop:
-                    wait = next_retention - time.monotonic()
-                    if wait <= 0:
+                while True:
+                    now = time.monotonic()
+                    # The staged work, at once or after a linger for a client's refills
+                    # (CommitPipe.due); offers, answers and close() wake this wait.
+                    due = self._pipe.due(now)
+                    if due is not None and (due <= 0 or self._writer_stop):
+                        work = self._pipe.take()
                         break
-                    self._writer_cond.wait(wait)
-                batch = self._to_write
-                stop = self._writer_stop and batch is None
+                    work = None
+                    wait = next_retention - now
+                    if self._writer_stop or wait <= 0:
+                        break
+                    self._writer_cond.wait(wait if due is None else min(due, wait))
+                stop = self._writer_stop and work is None
             if stop:
                 return
-            if batch is not None:
-                self._commit(batch)
+            if work is not None:
+                self._commit(work)
             if time.monotonic() >= next_retention:
                 self._enforce_retention()
                 self._compact()
                 next_retention = time.monotonic() + self.retention_interval
 
-    def _commit(self, work: _Work) -> None:
-        batch, pairs, segs, skips, fills, blocks = work
+    def _commit(self, work: Work) -> None:
+        """Write ``work`` in one transaction (its fills in one before), then let the I/O thread
+        answer it; the writer goes on with the staged work at once (see :class:`CommitPipe`)."""
         # A partition the database refuses (its records cannot go in as they
         # are) is left out alone: the others commit and are acknowledged.
         rejected: dict[tuple[str, str], str] = {}
         filled = (0, 0)
+        began = time.monotonic()
         try:
             t0 = time.perf_counter()
-            if fills:
+            if work.fills:
                 # First, in a transaction of its own: a retry after a failure
                 # writes what is still a hole, nothing twice.
-                filled = self.db.fill_holes(fills)
-            if pairs:
-                heads = self.db.append_pairs(batch, pairs, segs, self._put_gate, skips=skips, rejected=rejected,
-                                             blocks=blocks)
+                filled = self.db.fill_holes(work.fills)
+            if work.pairs:
+                heads = self.db.append_pairs(work.batch, work.pairs, work.segs, self._put_gate, skips=work.skips,
+                                             rejected=rejected, blocks=work.blocks)
             else:
-                heads = self.db.append(batch, skips=skips, rejected=rejected, blocks=blocks)
+                heads = self.db.append(work.batch, skips=work.skips, rejected=rejected, blocks=work.blocks)
             self.commit_seconds.observe(time.perf_counter() - t0)
             error = None
         except StorageError as exc:
@@ -421,7 +444,7 @@ class Store(PartitionReader):
             heads, error = {}, StorageError(str(exc))
             rejected.clear()
         with self._writer_cond:
-            self._to_write = None
+            self._pipe.finish(work, error is None and not rejected, time.monotonic(), began)
         self.call_soon(lambda: self._on_committed(work, heads, error, rejected, filled))
 
     def _enforce_retention(self) -> None:
@@ -441,7 +464,7 @@ class Store(PartitionReader):
                 break
             deleted += result.deleted
             freed += result.freed_bytes
-            if not result.more or time.monotonic() >= deadline or self._to_write is not None:
+            if not result.more or time.monotonic() >= deadline or self._pipe.staged is not None:
                 break
         if deleted:
             log.info("retention removed %d records (%d bytes)", deleted, freed)
@@ -480,41 +503,91 @@ class Store(PartitionReader):
 
     # ---------------------------------------------------------------- I/O thread: writing
 
+    @property
+    def _writer_busy(self) -> bool:
+        """Whether works handed to the writer are not yet answered."""
+        return bool(self._outstanding)
+
+    def _prepare_work(self) -> None:
+        """Hook: called before the queued records are offered to the writer (a subclass puts
+        a partition's records in the order the writer applies them)."""
+
+    def _mark_work(self, work: Work) -> None:
+        """Hook: the queued records went into ``work`` (new or merged; see :class:`CommitPipe`)."""
+
     def _flush_batch(self, retry: bool = False) -> None:
-        """Hand the accumulated batch to the writer if it is idle.
+        """Offer what is queued to the writer: a new staged transaction, or more for the staged
+        one while a commit runs (group commit: everything queued during a commit goes into the
+        next transaction, within its bounds).
 
         After a failed commit only a ``retry`` writes again.
         """
         if (
             not (self._batch or self._pairs or self._fills or self._blocks)
-            or self._writer_busy
             or (self.storage_error is not None and not retry)
         ):
             return
-        # Group commit: everything queued while the last commit ran goes in one transaction.
+        self._prepare_work()
         fills: list[_Fill] = []
         if self._fills:
             fills = [(t, p, off, c, ts) for (t, p, off), (c, ts) in self._fills.items()]
-            self._fills = {}
-        work = (self._batch, self._pairs, self._segs, self._skips, fills, self._blocks)
+        work = Work(self._batch, self._pairs, self._segs, self._skips, fills, self._blocks, self._blocks_held)
+        with self._writer_cond:
+            outcome = self._pipe.offer(work, time.monotonic())
+            if outcome is not Offer.HELD:
+                self._writer_cond.notify()  # (a writer lingering for more counts the offers)
+        if outcome is Offer.HELD:
+            return  # still queued here, for a later transaction
         self._batch, self._pairs, self._segs, self._skips, self._blocks = [], [], [], [], []
         self._blocks_held = 0
-        self._writer_busy = True
-        with self._writer_cond:
-            self._to_write = work
-            self._writer_cond.notify()
+        if fills:
+            self._fills = {}
+        if outcome is Offer.STAGED:
+            self._outstanding.append(work)
+            self._mark_work(work)
+        else:
+            self._mark_work(self._outstanding[-1])
+
+    def _restore(self, work: Work) -> None:
+        """Queue ``work``'s records again, before those queued since (a failed commit's, or the
+        staged work taken back behind it)."""
+        self._batch = work.batch + self._batch
+        self._pairs = work.pairs + self._pairs
+        self._segs = work.segs + self._segs
+        self._skips = work.skips + self._skips
+        self._blocks = work.blocks + self._blocks
+        self._blocks_held += work.held
+        for topic, partition, off, content, ts in work.fills:
+            self._fills.setdefault((topic, partition, off), (content, ts))
 
     def _on_committed(
         self,
-        work: _Work,
+        work: Work,
         heads: dict[tuple[str, str], int],
         error: StorageError | None,
         rejected: dict[tuple[str, str], str] | None = None,
         filled: tuple[int, int] = (0, 0),
     ) -> None:
-        self._writer_busy = False
-        batch, pairs, segs, skips, fills, blocks = work
-        held = _block_records(blocks) if blocks else 0
+        if self._outstanding and self._outstanding[0] is work:
+            self._outstanding.popleft()
+        else:  # (the simulator and tests may commit a work taken by hand)
+            try:
+                self._outstanding.remove(work)
+            except ValueError:
+                pass
+        self._reported = work
+        if error is not None or rejected:
+            # The writer halted after this commit: the staged work (queued after it) comes
+            # back here, behind what failed, so that nothing goes out of order.
+            with self._writer_cond:
+                staged = self._pipe.reclaim()
+                self._pipe.resume()
+            if staged is not None:
+                if self._outstanding and self._outstanding[-1] is staged:
+                    self._outstanding.pop()
+                self._restore(staged)
+        batch, pairs = work.batch, work.pairs
+        held = work.held
         if error is not None:
             now = time.monotonic()
             if self.storage_error is None or now - self._error_logged_at >= ERROR_LOG_INTERVAL:
@@ -526,14 +599,7 @@ class Store(PartitionReader):
                 )
             self.storage_error = error
             # Keep everything, retry later (the failed batch goes first).
-            self._batch = batch + self._batch
-            self._pairs = pairs + self._pairs
-            self._segs = segs + self._segs
-            self._skips = skips + self._skips
-            self._blocks = blocks + self._blocks
-            self._blocks_held += held
-            for topic, partition, off, content, ts in fills:
-                self._fills.setdefault((topic, partition, off), (content, ts))
+            self._restore(work)
             # Reading goes on, new records and HEADs left out (see _SHED): the
             # records this store holds may be held by no one else, and FETCHes
             # of them come on the same socket as records.  Pausing it (as this
@@ -542,7 +608,9 @@ class Store(PartitionReader):
             # skipped them (chaos soak, seed 1795922590: 23,772 lost).
             self.pause_data(False)
             self._send_status(now)  # producers learn why at once
+            self._report()
             return
+        fills, skips = work.fills, work.skips
         if self.storage_error is not None:
             log.info("store writes again; acknowledgements resume")
             self.storage_error = None
@@ -596,15 +664,23 @@ class Store(PartitionReader):
             # From the oldest record's receipt to its ACK.
             self.ack_latency.observe(max(0.0, time.time() - received / 1000))
         self.on_commit(heads)
+        self._report()
         if self.pending_records() < MAX_BATCH // 2:
             self.pause_data(False)
         self._flush_batch()
 
-    def _on_refused(self, work: _Work, rejected: dict[tuple[str, str], str]) -> int:
+    def _report(self) -> None:
+        """Tell the writer this commit is answered (see CommitPipe.due: it may be lingering
+        for the refills its answers bring)."""
+        with self._writer_cond:
+            self._pipe.report(time.monotonic())
+            self._writer_cond.notify()
+
+    def _on_refused(self, work: Work, rejected: dict[tuple[str, str], str]) -> int:
         """Partitions the database refused in a commit: drop, count and log their
         records, and read them afresh from the committed head (a new tracker
         FETCHes what is missing).  Returns how many records were refused."""
-        batch, _pairs, segs, _skips, _fills, blocks = work
+        batch, segs, blocks = work.batch, work.segs, work.blocks
         now = time.monotonic()
         counts = dict.fromkeys(rejected, 0)
         for topic, partition, block in blocks:

@@ -222,7 +222,6 @@ class Gateway(Store):
         self.budget_waits = 0
         self._next_offset: dict[tuple[str, str], int] = {}  # owned: next offset to give
         self._to_publish: list[tuple[tuple[str, str], int, bytes]] = []
-        self._publishing = 0  # how many of _to_publish are in the batch being committed
         self._live_held = 0  # content bytes of the bundles in _to_publish (MAX_LIVE_HELD_BYTES)
         # Owned partition -> the header prefix of its records on the mesh (single-record form).
         self._record_headers: dict[tuple[str, str], bytes] = {}
@@ -260,14 +259,22 @@ class Gateway(Store):
             self._wake_parked((_VIRTUAL_KEY,))
         return super().new_tracker(subject, partition)
 
-    def _flush_batch(self, retry: bool = False) -> None:
-        busy = self._writer_busy
-        if self._blocks and (self._batch or self._segs) and not busy:
+    def _prepare_work(self) -> None:
+        if self._blocks and (self._batch or self._segs):
             self._untangle_blocks()
-        super()._flush_batch(retry)
-        if self._writer_busy and not busy:
-            # The batch just handed over holds every record queued so far.
-            self._publishing = len(self._to_publish)
+        super()._prepare_work()
+
+    def _mark_work(self, work: Any) -> None:
+        super()._mark_work(work)
+        # Every entry of _to_publish queued so far goes out once this work commits (those
+        # of the works handed over before it first).
+        before = sum(w.marks.get("tank", 0) for w in self._outstanding if w is not work)
+        work.marks["tank"] = len(self._to_publish) - before
+
+    def _reported_mark(self, name: str) -> int:
+        """How many of a list's entries the work being answered holds (see _mark_work)."""
+        work = self._reported
+        return work.marks.get(name, 0) if work is not None else 0
 
     def _untangle_blocks(self) -> None:
         """Turn into record tuples the queued blocks of any partition that also has records
@@ -300,7 +307,7 @@ class Gateway(Store):
         into tuples (the Kafka gateway queues pairs)."""
 
     def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
-        n, self._publishing = self._publishing, 0
+        n = self._reported_mark("tank")
         if n:
             done = self._to_publish[:n]
             del self._to_publish[:n]
@@ -332,10 +339,11 @@ class Gateway(Store):
         if not owned:
             return
         refused = set(owned)
-        n = self._publishing
+        n = self._reported_mark("tank")
         done = self._to_publish[:n]
         later = self._to_publish[n:]
-        self._publishing = sum(1 for r in done if r[0] not in refused)
+        if self._reported is not None:
+            self._reported.marks["tank"] = sum(1 for r in done if r[0] not in refused)
         self._to_publish = [r for r in done if r[0] not in refused] + [r for r in later if r[0] not in refused]
         self._live_held = _held(self._to_publish)
         # Records of them queued since continue what was refused: they go too.

@@ -451,7 +451,8 @@ def test_kafka_and_tank_producing_to_one_partition_in_one_commit_stay_in_order(k
         held = threading.Event()
 
         def hold() -> None:
-            kgw._writer_busy = True  # as if a commit were running: records wait for the next one
+            with kgw._writer_cond:
+                kgw._pipe.halted = True  # as after a failed commit: records wait here for the next one
             held.set()
 
         kgw.call_soon(hold)
@@ -477,7 +478,8 @@ def test_kafka_and_tank_producing_to_one_partition_in_one_commit_stay_in_order(k
         wait_until(lambda: kgw.pending_records() == 5)
 
         def release() -> None:
-            kgw._writer_busy = False
+            with kgw._writer_cond:
+                kgw._pipe.resume()
             kgw._flush_batch()
 
         kgw.call_soon(release)
@@ -538,7 +540,8 @@ def test_tank_then_kafka_producing_to_one_partition_in_one_commit_stay_in_order(
         held = threading.Event()
 
         def hold() -> None:
-            kgw._writer_busy = True  # as if a commit were running: records wait for the next one
+            with kgw._writer_cond:
+                kgw._pipe.halted = True  # as after a failed commit: records wait here for the next one
             held.set()
 
         kgw.call_soon(hold)
@@ -563,7 +566,8 @@ def test_tank_then_kafka_producing_to_one_partition_in_one_commit_stay_in_order(
         wait_until(lambda: kgw.pending_records() == 4)
 
         def release() -> None:
-            kgw._writer_busy = False
+            with kgw._writer_cond:
+                kgw._pipe.resume()
             kgw._flush_batch()
 
         kgw.call_soon(release)

@@ -292,7 +292,7 @@ def run(store: SimStore, clock: SimClock, seconds: float = 0.0, frames: list[lis
         while store.has_work():
             store.do_work()
         if store._to_write is not None:
-            store._commit(store._to_write)
+            store._commit(store._take_work())
             store.sim_run_commands()
         sent.extend(wire.decode(f) for f in store.sim_outbox())
 
@@ -471,10 +471,10 @@ def test_an_offset_dropped_over_the_size_limit_is_asked_for_no_more_while_its_gi
         three = wire.encode(wire.DirectRecord(store.address, P, "t", 3, big))
         run(store, clock, 0.0, [*two, three])  # 3 dropped again: skipped, 4 follows, a hole at 3
         assert store.db.holes() == [Hole("t", P, 3, 3)]
-        assert store._to_write is not None and store._to_write[4]  # the give-up, handed to the writer
+        assert store._to_write is not None and store._to_write.fills  # the give-up, handed to the writer
         # The writer is slow: the give-up commits only after 5 s.
-        held = store._to_write
-        store._to_write = None
+        held = store._take_work()
+        assert held is not None
         sent = []
         end = clock.now + 5.0
         while clock.now < end:
