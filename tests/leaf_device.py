@@ -2,7 +2,8 @@
 
     python tests/leaf_device.py ENDPOINTS IDENTITY TOTAL PAUSE ACK_TIMEOUT
 
-Publishes records up to ``TOTAL`` (continuing the identity file's partition),
+Publishes records up to ``TOTAL`` (continuing the identity file's partition; ``+N``:
+``N`` records from where it starts),
 pausing ``PAUSE`` seconds between them, and prints ``start <next> <address>``,
 then ``acked <offset>`` whenever the acknowledged offset moves, ``endpoint
 <HOST:PORT>`` when it fails over, and ``done`` once everything is acknowledged.
@@ -18,10 +19,11 @@ from dafka.nodes.producer import Producer
 
 
 def main() -> int:
-    endpoints, identity, total = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    endpoints, identity, count = sys.argv[1], sys.argv[2], sys.argv[3]
     pause, ack_timeout = float(sys.argv[4]), float(sys.argv[5])
     producer = Producer("readings", leaf=endpoints, identity=identity, ack_timeout=ack_timeout,
                         connect_timeout=ack_timeout, head_interval=0.2)
+    total = producer.next_offset + int(count[1:]) if count.startswith("+") else int(count)
     print(f"start {producer.next_offset} {producer.address}", flush=True)
     acked, endpoint = producer.acked_offset, producer.endpoint  # type: ignore[attr-defined]
     deadline = time.monotonic() + 120

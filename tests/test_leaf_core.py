@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dafka.core import leafwire, wire
-from dafka.core.leaf import Connect, LeafLink, LeafPort, Relay, Reply, Send, Take
+from dafka.core.leaf import Connect, LeafLink, LeafPort, Relay, Reply, RestartHole, Send, Take
 from dafka.core.unacked import UnackedWindow
 
 ADDR = "0123456789ABCDEF0123456789ABCDEF"
@@ -550,3 +550,204 @@ def test_heads_without_ack_progress_back_off_and_an_ack_resets_them() -> None:
     w.push(b"b")
     lk.sent(1, 29.0)
     assert lk.next_due() == 30.0
+
+
+# ---------------------------------------------------------------- restart holes
+
+
+def restart_void(first: int, last: int, addr: str = ADDR, kind: int = wire.VOID_RESTART) -> list[bytes]:
+    return wire.encode(wire.Void(addr, addr, T, first, last, addr, kind))
+
+
+def test_a_restarted_leaf_states_its_restart_hole_at_the_welcome_of_the_endpoint_its_file_names() -> None:
+    # The file: acked 4, reservation 20, endpoint a:1 (the only one that may have
+    # acknowledged beyond 4).  a:1 holds up to 7: 8..19 were acknowledged by nobody.
+    w = UnackedWindow(100, 20)
+    lk = link(w, "a:1", "b:2", resumed=(4, 20, "a:1"))  # type: ignore[arg-type]
+    lk.start(0.0)
+    (void,) = lk.on_message(welcome(held=7), 0.1)
+    assert isinstance(void, Send)
+    assert wire.decode(void.frames) == wire.Void(ADDR, ADDR, T, 8, 19, ADDR, wire.VOID_RESTART)
+    # Stated again to every endpoint that welcomes it from now on.
+    assert lk.failover(1.0)[0] == Connect("b:2")
+    assert lk.on_message(welcome(held=3), 1.1) == [void]
+
+
+def test_no_restart_hole_is_stated_before_the_named_endpoint_welcomed_or_without_one() -> None:
+    w = UnackedWindow(100, 20)
+    lk = link(w, "a:1", "b:2", resumed=(4, 20, "b:2"))  # type: ignore[arg-type]
+    lk.start(0.0)
+    # a:1 first: b:2 may have acknowledged up to 19 for all a:1 knows.
+    assert lk.on_message(welcome(held=4), 0.1) == []
+    lk.failover(1.0)
+    (void,) = lk.on_message(welcome(held=-1), 1.1)  # b:2 holds nothing: 5..19
+    assert wire.decode(void.frames)[3:5] == (5, 19)  # type: ignore[index]
+    # The named endpoint holds everything up to the reservation: no hole.
+    lk = link(UnackedWindow(100, 20), "a:1", resumed=(4, 20, "a:1"))  # type: ignore[arg-type]
+    lk.start(0.0)
+    assert lk.on_message(welcome(held=19), 0.1) == [] and lk.restart_hole is None
+    # A clean close saved the exact end (acked + 1 == next), or a file naming no endpoint.
+    for resumed in ((19, 20, "a:1"), None):
+        lk = link(UnackedWindow(100, 20), "a:1", resumed=resumed)  # type: ignore[arg-type]
+        lk.start(0.0)
+        assert lk.on_message(welcome(held=-1), 0.1) == []
+
+
+def test_the_port_takes_a_leafs_restart_hole_cut_at_its_head_and_states_it_once() -> None:
+    p, heads = port()
+    heads[(T, ADDR)] = 9  # committed here: never in a stated hole
+    p.on_message(b"c1", hello(acked=19, nxt=20), 0.0)
+    assert p.on_message(b"c1", restart_void(5, 19), 0.1) == [RestartHole(T, ADDR, 10, 19)]
+    assert p.restart_holes[(T, ADDR)] == (10, 19)
+    assert p.on_message(b"c1", restart_void(5, 19), 0.2) == []  # said again: nothing new
+    heads[(T, ADDR)] = 19
+    assert p.on_message(b"c1", restart_void(5, 19), 0.3) == []  # all of it held here now
+    assert p.bad == 0
+
+
+def test_a_restart_hole_that_is_not_the_leafs_own_is_hostile() -> None:
+    p, heads = port(bad_limit=100)
+    assert p.on_message(b"c0", restart_void(0, 5), 0.0) == []  # no session
+    p.on_message(b"c1", hello(acked=19, nxt=20), 0.0)
+    assert p.on_message(b"c1", restart_void(0, 5, addr="F" * 32), 0.0) == []  # another partition
+    assert p.on_message(b"c1", restart_void(0, 5, kind=wire.VOID_STORE), 0.0) == []  # not kind 1
+    assert p.on_message(b"c1", restart_void(0, 20), 0.0) == []  # at or past the HELLO's next
+    other_source = wire.encode(wire.Void(ADDR, ADDR, T, 0, 5, "S" * 32, wire.VOID_RESTART))
+    assert p.on_message(b"c1", other_source, 0.0) == []
+    assert p.bad == 5 and not p.restart_holes
+
+
+def test_restart_holes_are_bounded() -> None:
+    p, heads = port(max_sessions=3)
+    for i in range(10):
+        addr = f"{i:032d}"
+        p.on_message(b"c%d" % i, hello(acked=9, nxt=10, addr=addr), 0.0)
+        p.on_message(b"c%d" % i, restart_void(0, 9, addr=addr), 0.0)
+    assert list(p.restart_holes) == [(T, f"{i:032d}") for i in (7, 8, 9)]
+
+
+def test_random_crashes_and_failovers_never_state_an_acknowledged_offset_as_a_restart_hole() -> None:
+    """A leaf killed and restarted from its identity file at random (the file saved at
+    random moments, naming the endpoint in use, written before records go to a new one,
+    as the shell does), two endpoints committing, replicating and losing what they did
+    not commit, messages lost: no restart hole an endpoint takes ever holds an offset
+    the leaf saw acknowledged, and some are stated."""
+    stated = 0
+    for seed in range(80):
+        stated += _random_restarts(seed)
+    assert stated > 20, stated
+
+
+def _random_restarts(seed: int) -> int:
+    import random
+
+    rng = random.Random(seed)
+    eps = ["a:1", "b:2"]
+    committed: dict[str, dict[int, bytes]] = {ep: {} for ep in eps}
+    passed: dict[str, set[int]] = {ep: set() for ep in eps}  # restart holes each endpoint passed
+    pending: dict[str, dict[int, bytes]] = {ep: {} for ep in eps}
+    acked: set[int] = set()  # offsets the leaf saw acknowledged, over all its runs
+    stated = 0
+
+    def head_of(ep: str) -> int:
+        n = 0
+        while n in committed[ep] or n in passed[ep]:
+            n += 1
+        return n - 1
+
+    def heads_of(ep: str) -> Heads:
+        h = Heads()
+        if head_of(ep) >= 0:
+            h[(T, ADDR)] = head_of(ep)
+        return h
+
+    ports = {ep: LeafPort(heads_of(ep), window=50) for ep in eps}
+    file = {"acked": -1, "next": 0, "reserved": 0, "endpoint": None}
+    conn = {"ep": "", "id": 0}
+    inbox: list[list[bytes]] = []
+    now = 0.0
+
+    def new_run() -> tuple[UnackedWindow, LeafLink]:
+        nxt = max(file["next"], file["reserved"])  # type: ignore[type-var]
+        ep = file["endpoint"]
+        resumed = (file["acked"], nxt, ep) if isinstance(ep, str) else None
+        w = UnackedWindow(1000, nxt)  # type: ignore[arg-type]
+        file.update(acked=w.acked, next=w.next, reserved=w.next + 20, endpoint=None)  # the reservation, at start
+        lk = LeafLink(T, ADDR, w, eps, connect_timeout=2.0, ack_timeout=3.0, head_interval=0.5, resumed=resumed)  # type: ignore[arg-type]
+        return w, lk
+
+    def to_endpoint(frames: list[bytes]) -> None:
+        nonlocal stated
+        ep = conn["ep"]
+        if rng.random() < 0.05:
+            return
+        p = ports[ep]
+        p.head = heads_of(ep)
+        for act in p.on_message(b"c%d" % conn["id"], frames, now):
+            if isinstance(act, Take):
+                pending[ep][act.sequence] = act.content
+            elif isinstance(act, RestartHole):
+                bad = [s for s in range(act.first, act.last + 1) if s in acked]
+                assert not bad, (seed, act, bad[:5])
+                stated += 1
+                passed[ep].update(range(act.first, act.last + 1))  # the store passes it
+            elif isinstance(act, Reply) and rng.random() > 0.05:
+                inbox.append(act.frames)
+
+    def apply(actions: list) -> None:
+        for act in actions:
+            if isinstance(act, Connect):
+                # The shell names the endpoint in the file before anything goes to it.
+                file.update(acked=w.acked, next=w.next, endpoint=act.endpoint)
+                conn["ep"], conn["id"] = act.endpoint, conn["id"] + 1
+                inbox.clear()
+            else:
+                to_endpoint(act.frames)
+
+    w, lk = new_run()
+    apply(lk.start(now))
+    for _step in range(500):
+        now += rng.choice((0.01, 0.1, 0.5))
+        r = rng.random()
+        if r < 0.3:
+            if w.next >= file["reserved"]:  # type: ignore[operator]
+                file.update(acked=w.acked, next=w.next, reserved=w.next + 20)
+            w.push(b"c%d" % w.next)
+        elif r < 0.45:
+            ep = rng.choice(eps)
+            committed[ep].update(pending[ep])
+            pending[ep].clear()
+            p = ports[ep]
+            p.head = heads_of(ep)
+            h = p.head(T, ADDR)
+            for act in p.on_commit({(T, ADDR): h} if h >= 0 else {}):
+                if conn["ep"] == ep and rng.random() > 0.05:
+                    inbox.append(act.frames)  # type: ignore[union-attr]
+        elif r < 0.5:
+            src, dst = rng.sample(eps, 2)
+            committed[dst].update(committed[src])
+            passed[dst].update(passed[src])
+        elif r < 0.52:
+            ep = rng.choice(eps)
+            pending[ep].clear()
+            ports[ep] = LeafPort(heads_of(ep), window=50)
+            if conn["ep"] == ep:
+                inbox.clear()
+        elif r < 0.56:
+            file.update(acked=w.acked, next=w.next)  # a save (after ACKs, now and then)
+        elif r < 0.59:
+            w, lk = new_run()  # kill -9 and restart: what the file says, no more
+            inbox.clear()
+            apply(lk.start(now))
+            continue
+        while inbox:
+            before = w.acked
+            apply(lk.on_message(inbox.pop(0), now))
+            acked.update(range(before + 1, w.acked + 1))
+        span = lk.sendable()
+        if span is not None:
+            for seq in range(span[0], span[1] + 1):
+                to_endpoint(wire.encode(wire.Record(T, ADDR, T, seq, w.get(seq) or b"")))
+            lk.sent(span[1], now)
+        apply(lk.on_tick(now))
+    return stated

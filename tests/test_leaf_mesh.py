@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from dafka.config import NodeConfig
@@ -37,7 +38,7 @@ def start_store(cfg: NodeConfig, db: Path, leaves: str | None = None) -> tuple[s
 class Device:
     """tests/leaf_device.py in a process of its own; its lines collected by a thread."""
 
-    def __init__(self, endpoints: str, identity: Path, total: int, pause: float, ack_timeout: float) -> None:
+    def __init__(self, endpoints: str, identity: Path, total: int | str, pause: float, ack_timeout: float) -> None:
         self.proc = spawned(subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "leaf_device.py"), endpoints, str(identity), str(total),
              str(pause), str(ack_timeout)],
@@ -56,6 +57,11 @@ class Device:
     def address(self) -> str:
         start = wait_until(lambda: next((x for x in self.lines if x.startswith("start ")), None))
         return str(start.split()[2])
+
+    @property
+    def start(self) -> int:
+        start = wait_until(lambda: next((x for x in self.lines if x.startswith("start ")), None))
+        return int(start.split()[1])
 
     def acked(self) -> int:
         values = [int(x.split()[1]) for x in list(self.lines) if x.startswith("acked ")]
@@ -133,6 +139,52 @@ def test_failover_and_kill_9_of_the_endpoint_lose_nothing_acknowledged(cfg: Node
         db.close()
     assert all(held.get(i) == b"rec-%d" % i for i in range(acked_by_a + 1)), (acked_by_a, sorted(held)[:5])
     assert os.path.exists(tmp_path / "id.json")
+
+
+def test_mesh_readers_pass_a_restarted_leafs_hole_at_once(cfg: NodeConfig, tmp_path: Path) -> None:
+    # A leaf device killed -9 and restarted on its identity file continues at its
+    # reservation: the offsets it reserved and never used are a hole.  Before the leaf
+    # stated it (VOID kind 1, through its endpoint), every mesh reader waited skip_after
+    # (10 s) to pass it: a consumer that gives up after 4 s without a record got none
+    # of what the restarted device published.
+    a, port = start_store(cfg, tmp_path / "a", leaves="127.0.0.1:0")
+    start_store(cfg, tmp_path / "b")  # a second store: readers pass the hole once both said they hold none
+    identity = tmp_path / "id.json"
+    old = Device(f"127.0.0.1:{port}", identity, 10**9, 0.01, 5.0)
+    partition = old.address
+    wait_until(lambda: old.acked() >= 30, timeout=30)
+    old.proc.send_signal(signal.SIGKILL)
+    old.proc.wait(10)
+    acked = old.acked()
+    got: dict[int, bytes] = {}
+    with Consumer(TOPIC, cfg, offset_reset="earliest") as consumer:
+
+        def poll_until(done: Callable[[], bool], idle: float) -> None:
+            """Poll until ``done()`` or no record came for ``idle`` seconds (bounded: 60 s)."""
+            deadline = time.monotonic() + 60
+            last = time.monotonic()
+            while not done() and time.monotonic() - last < idle and time.monotonic() < deadline:
+                record = consumer.poll(0.1)
+                if record is not None and record.partition == partition:
+                    assert record.offset not in got, f"offset {record.offset} delivered twice"
+                    got[record.offset] = bytes(record.value)
+                    last = time.monotonic()
+
+        poll_until(lambda: max(got, default=-1) >= acked, idle=30)
+        assert all(got.get(i) == b"rec-%d" % i for i in range(acked + 1)), f"got {len(got)} of {acked + 1}"
+        new = Device(f"127.0.0.1:{port}", identity, "+200", 0.002, 5.0)
+        start = new.start
+        assert start > max(got) + 1  # the hole: reserved by the killed run, never used
+        published = time.monotonic()
+        poll_until(lambda: all(o in got for o in range(start, start + 200)), idle=4.0)
+        took = time.monotonic() - published
+    fresh = [o for o in range(start, start + 200) if got.get(o) == b"rec-%d" % o]
+    assert len(fresh) == 200, (
+        f"the consumer got {len(fresh)} of the 200 records published after the restart"
+        f" (next offset {start}, the killed run ended at {max(o for o in got if o < start)})"
+    )
+    assert took < 4.0, f"all 200 took {took:.1f}s"
+    new.done(30)  # and every one acknowledged: the endpoint passed the hole too
 
 
 def test_dafka_produce_leaf(cfg: NodeConfig, tmp_path: Path) -> None:

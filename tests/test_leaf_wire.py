@@ -38,6 +38,12 @@ def test_round_trip(msg: leafwire.LeafMessage) -> None:
     assert leafwire.decode(leafwire.encode(msg)) == msg
 
 
+def test_a_leaf_states_its_restart_hole_with_the_meshs_void() -> None:
+    void = wire.Void(ADDR, ADDR, "t", 5, 19, ADDR, wire.VOID_RESTART)
+    assert leafwire.decode(leafwire.encode(void)) == void
+    assert isinstance(void, leafwire.FROM_LEAF)
+
+
 def test_new_commands_do_not_collide_with_the_mesh() -> None:
     assert not set(leafwire.LEAF_NAMES) & set(wire.COMMAND_NAMES)
 
@@ -49,7 +55,7 @@ def test_new_commands_do_not_collide_with_the_mesh() -> None:
         [b""],
         [b"F" + ADDR.encode() + b"\x00\x01"],  # a FETCH without its fields
         wire.encode(wire.GetHeads("t", ADDR)),  # a mesh command with no place on a leaf connection
-        wire.encode(wire.Void(ADDR, "P", "t", 0, 1, "S", 0)),
+        [wire.encode(wire.Void(ADDR, "P", "t", 1, 5, "S", 1))[0][:-1] + b"\x07"],  # a VOID of no known kind
         [b"R" + ADDR.encode() + b"\x00\x01\x01t" + b"x"],  # LEAF-READ with trailing bytes
         [b"R" + ADDR.encode() + b"\x00\x01\x05t"],  # LEAF-READ truncated subject
         leafwire.encode(leafwire.LeafRead(ADDR, "t")) + [b"extra"],

@@ -23,8 +23,36 @@ from typing import Any
 
 from dafka.bench.common import PAYLOAD, _proc_cpu, _spawn_tower, _tcp_sockets
 from dafka.config import NodeConfig
+from dafka.gctune import settle
 
 APP_TICK = 0.002  # seconds: the devices' app thread publishes what is due at most this often
+
+
+GcPause = tuple[float, int, float]  # when it ended (time.time()), generation, seconds
+
+
+def _gc_watch() -> list[GcPause]:
+    """Record each collection of this process's cyclic GC (all of them, until it ends)."""
+    import gc
+
+    pauses: list[GcPause] = []
+    started = [0.0]
+
+    def watch(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append((time.time(), info["generation"], time.perf_counter() - started[0]))
+
+    gc.callbacks.append(watch)
+    return pauses
+
+
+def _gc_summary(pauses: list[GcPause], since: float, until: float) -> tuple[int, float, float, int]:
+    """Of the collections between ``since`` and ``until``: (how many, seconds in all, the
+    longest in ms, how many over 10 ms)."""
+    took = [d for t, _, d in pauses if since <= t <= until]
+    return len(took), sum(took), max(took, default=0.0) * 1000, sum(1 for d in took if d > 0.010)
 
 
 def _leaf_store(cfg: NodeConfig, db: str, sync: bool, ports: Any, done: Any) -> None:
@@ -33,10 +61,13 @@ def _leaf_store(cfg: NodeConfig, db: str, sync: bool, ports: Any, done: Any) -> 
     from dafka.store.node import Store
 
     logging.getLogger("dafka").setLevel(logging.ERROR)
+    pauses = _gc_watch()
     store = Store(db, cfg, sync=sync, leaves="127.0.0.1:0")
     assert store.leaves is not None
+    settle()  # as `dafka store` does
     ports.put(store.leaves.port)
     done.wait(3600)
+    ports.put(("gc", pauses))
     store.close()
 
 
@@ -53,6 +84,7 @@ def _devices(
     from dafka.nodes.leaf import LeafLoop, LeafProducer
 
     logging.getLogger("dafka").setLevel(logging.ERROR)
+    pauses = _gc_watch()
     loop = LeafLoop()
     e = len(endpoints)
     devices = []
@@ -81,8 +113,13 @@ def _devices(
     for d in devices:
         d.publish(b"warm-up")
     warm = all(d.flush(300) for d in devices)
+    # Settled once every device is made, as a device process would be after its start-up:
+    # full collections walked the 2,500 devices of this process (0.3-0.7 s each on a
+    # loaded machine, every record in flight here waiting), where a real device has one.
+    settle()
     result.put(("ready", n, warm, time.monotonic() - t_warm))
     go.wait(600)
+    t_go = time.time()
     published = 0
     t0 = clock()
     rounds = max(1, int(seconds))
@@ -119,11 +156,13 @@ def _devices(
     for c in reading:
         c.close(1.0)
     acked_all = all(d.flush(30) for d in devices)
+    t_end = time.time()
     failovers = sum(d.link.failovers for d in devices)
     for d in devices:
         d.close(0)
     loop.close()
-    result.put(("done", published, acked_all, latencies, failovers, commands_got, command_lags))
+    result.put(("done", published, acked_all, latencies, failovers, commands_got, command_lags,
+                _gc_summary(pauses, t_go, t_end)))
 
 
 def bench_leaves(args: argparse.Namespace) -> int:
@@ -172,6 +211,7 @@ def bench_leaves(args: argparse.Namespace) -> int:
         devices = [h.pid for h in hosts]
         cpu0 = {pid: _proc_cpu(pid) for pid in servers + devices}
         t0 = time.monotonic()
+        t0_wall = time.time()
         go.set()
         sent_commands = 0
         finished: list[Any] = []
@@ -213,6 +253,7 @@ def bench_leaves(args: argparse.Namespace) -> int:
         cpu = {pid: _proc_cpu(pid) - c for pid, c in cpu0.items()}
         while len(finished) < len(hosts):
             finished.append(result.get(timeout=120))
+        t_acked = time.time()  # every device flushed: the end of the window the GC pauses are counted in
         received = 0
         deadline = time.monotonic() + 10
         published = sum(f[1] for f in finished)
@@ -223,6 +264,12 @@ def bench_leaves(args: argparse.Namespace) -> int:
         if commander is not None:
             commander.close(5.0)
         done.set()
+        store_gc = []
+        for _ in stores:
+            try:
+                store_gc.append(_gc_summary(ports.get(timeout=30)[1], t0_wall, t_acked))
+            except Exception:  # noqa: BLE001 (a store that died says nothing)
+                pass
         for s in stores:
             s.join(60)
     for h in hosts:
@@ -234,6 +281,13 @@ def bench_leaves(args: argparse.Namespace) -> int:
     latencies = sorted(x for f in finished for x in f[3])
     commands_got = sum(f[5] for f in finished)
     lags = sorted(x for f in finished for x in f[6])
+    device_gc = [f[7] for f in finished]
+
+    def gc_text(sums: list[tuple[int, float, float, int]]) -> str:
+        if not sums:
+            return "?"
+        return (f"{sum(x[0] for x in sums)} collections, {sum(x[1] for x in sums) * 1000:.0f} ms in all, longest "
+                f"{max(x[2] for x in sums):.0f} ms, {sum(x[3] for x in sums)} over 10 ms")
 
     def pct(q: float) -> float:
         return latencies[int(q * (len(latencies) - 1))] * 1000 if latencies else float("nan")
@@ -254,4 +308,5 @@ def bench_leaves(args: argparse.Namespace) -> int:
                                      if readers else "")),
         flush=True,
     )
+    print(f"scale: gc: stores {gc_text(store_gc)}; device processes {gc_text(device_gc)}", flush=True)
     return 0 if acked and received >= published and (not readers or commands_got >= readers * sent_commands) else 1

@@ -121,6 +121,7 @@ def leaf_options(args: argparse.Namespace, section: dict[str, Any]) -> dict[str,
 def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
     import lmdb
 
+    from dafka.gctune import settle
     from dafka.store.node import Store, linger_setting
 
     db, sync, policy = storage_options(args, settings.section("store"), "store")
@@ -136,6 +137,7 @@ def cmd_store(args: argparse.Namespace, settings: Settings) -> int:
     except lmdb.Error as exc:
         raise open_error(db, exc) from None
     with store:
+        settle()  # its start-up objects out of the cyclic GC's way (dafka.gctune)
         print(
             f"store up: {store.address} db {db} (sync={'on' if sync else 'OFF'}), tower {tower_names(cfg.towers)}"
             + (f", leaves on {store.leaves.endpoint}" if store.leaves is not None else "")

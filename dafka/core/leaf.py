@@ -96,6 +96,7 @@ class LeafLink:
         ack_timeout: float = ACK_TIMEOUT,
         head_interval: float = HEAD_INTERVAL,
         min_dwell: float = MIN_DWELL,
+        resumed: tuple[int, int, str] | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("a leaf needs at least one endpoint")
@@ -126,6 +127,12 @@ class LeafLink:
         self.bad_acks = 0  # ACKs beyond what was published
         self.status: tuple[bool, str] | None = None  # the endpoint's last STORE-STATUS (writing, reason)
         self.welcomed_held = -1  # the endpoint's head at the WELCOME
+        # A restart from an identity file: (acked, next, endpoint) as the file had them, the
+        # endpoint the only one that may have acknowledged beyond ``acked`` (see on_message).
+        self.resumed = resumed if resumed is not None and resumed[0] + 1 < resumed[1] else None
+        # The restart hole, once known: ``(first, last)``, offsets this run never publishes
+        # and no endpoint acknowledged; stated (VOID kind 1) after each WELCOME.
+        self.restart_hole: tuple[int, int] | None = None
         # An ACK of this partition as endpoints send it, up to the sequence: most of
         # what a leaf hears, recognised without decoding (as the port's records are).
         self._ack_prefix = wire.encode(wire.Ack(address, topic, 0))[0][:-8]
@@ -187,7 +194,7 @@ class LeafLink:
             self.welcomed_held = msg.held
             self.sent_upto = self.window.acked
             self.waiting_since = now if len(self.window) else None
-            return []
+            return self._restart_void(msg.held)
         if isinstance(msg, wire.Ack):
             if msg.topic != self.address or msg.subject != self.topic or self.state != ACTIVE:
                 self.bad_input += 1
@@ -208,6 +215,34 @@ class LeafLink:
             return []
         self.bad_input += 1  # a leaf's own messages coming back
         return []
+
+    def _restart_void(self, held: int) -> list[LinkAction]:
+        """After a WELCOME: state the restart hole, once it is known (VOID kind 1).
+
+        A leaf restarted from its identity file continues at the reservation; the
+        offsets between what the previous run may have had acknowledged and the
+        reservation are a hole that no run ever publishes from now on.  Which
+        were acknowledged?  Those up to the file's ``acked``, and beyond it only
+        by the endpoint the file names (the file is written before any record
+        goes to a new endpoint), whose committed head (the WELCOME's ``held``)
+        covers every ACK it sent.  So the hole is known at a WELCOME from that
+        endpoint: ``max(acked, held) + 1 .. next - 1``; it holds no acknowledged
+        record.  From then on it is stated to every endpoint welcoming us, which
+        answers readers' FETCHes of it with it, so they pass it at once rather
+        than after ``skip_after``.  Before such a WELCOME (another endpoint
+        first, or a file that names none) nothing is stated.
+        """
+        resumed = self.resumed
+        if resumed is not None and self.endpoint == resumed[2]:
+            self.resumed = None
+            first, last = max(resumed[0], held) + 1, resumed[1] - 1
+            if first <= last:
+                self.restart_hole = (first, last)
+        hole = self.restart_hole
+        if hole is None:
+            return []
+        void = wire.Void(self.address, self.address, self.topic, hole[0], hole[1], self.address, wire.VOID_RESTART)
+        return [Send(leafwire.encode(void))]
 
     def _on_ack(self, sequence: int, now: float) -> list[LinkAction]:
         if sequence >= self.window.next:
@@ -295,6 +330,18 @@ class Relay:
 
 
 @dataclass(slots=True)
+class RestartHole:
+    """A leaf's restart hole (its VOID kind 1, checked): no run of it publishes
+    ``first .. last`` from now on, and none of them was acknowledged.  The store
+    passes it (its own partition reader) and states it to readers that FETCH it."""
+
+    subject: str
+    partition: str
+    first: int
+    last: int
+
+
+@dataclass(slots=True)
 class Serve:
     """Send ``peer`` the records ``first .. first+count-1`` of a partition (those held,
     from the first held at or after ``first``, without a hole) as DIRECT-RECORDs to
@@ -310,7 +357,7 @@ class Serve:
     max_bytes: int
 
 
-PortAction = Reply | Take | Relay | Serve
+PortAction = Reply | Take | Relay | Serve | RestartHole
 
 
 class ReadSessions(Protocol):
@@ -340,6 +387,7 @@ class LeafSession:
     ack_prefix: bytes = b""  # an ACK's frame up to the sequence
     resend_at: float = float("-inf")  # when it may next be asked to send again (a hole caps its ACK)
     resend_wait: float = RESEND_WAIT
+    limit: int = 0  # the HELLO's next: offsets at or beyond it are not the leaf's yet
 
 
 class LeafPort:
@@ -387,6 +435,9 @@ class LeafPort:
         self.cap = cap
         self.acked_elsewhere = acked_elsewhere
         self.resends = 0  # sessions asked to send again (a hole capped their ACK)
+        # Leaves' restart holes, stated to readers that FETCH them: (subject, partition) ->
+        # (first, last); bounded (max_sessions, the oldest stated forgotten first).
+        self.restart_holes: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
         self.max_sessions = max_sessions
         self.window = window
         self.max_record_bytes = max_record_bytes
@@ -478,7 +529,35 @@ class LeafPort:
             # A HEAD asks again for the ACK (one may have been dropped: a full send queue).
             out.extend(self._ack(session, min(self.head(session.subject, session.partition), msg.sequence), True, now))
             return out
+        if isinstance(msg, wire.Void):
+            return self._restart_hole(session, msg)
         return self._strike(peer, f"{type(msg).__name__} has no place from a leaf")
+
+    def _restart_hole(self, session: LeafSession, msg: wire.Void) -> list[PortAction]:
+        """A leaf states its restart hole (see :meth:`LeafLink._restart_void`).
+
+        Only its own partition's, kind 1, below its HELLO's ``next``; what this
+        endpoint committed of it is cut off the front (an acknowledged record is
+        never in a stated hole: an honest leaf says so only after our WELCOME's
+        head, which this re-checks)."""
+        partition, subject = session.partition, session.subject
+        if (msg.kind != wire.VOID_RESTART or msg.address != partition or msg.source != partition
+                or msg.subject != subject):
+            return self._strike(session.peer, "a VOID other than the leaf's own restart hole")
+        if msg.last >= session.limit:
+            return self._strike(session.peer, f"a restart hole up to {msg.last}, at or past the HELLO's next")
+        first = max(msg.first, self.head(subject, partition) + 1)
+        if first > msg.last:
+            return []
+        key = (subject, partition)
+        holes = self.restart_holes
+        if holes.get(key) == (first, msg.last):
+            return []  # said again (each WELCOME): nothing new
+        holes[key] = (first, msg.last)
+        holes.move_to_end(key)
+        while len(holes) > self.max_sessions:
+            holes.popitem(last=False)
+        return [RestartHole(subject, partition, first, msg.last)]
 
     def _record(self, session: LeafSession, seq: int, frames: list[bytes], now: float) -> list[PortAction]:
         """One record of the session's partition (``frames`` as a mesh RECORD has them)."""
@@ -537,6 +616,7 @@ class LeafPort:
         else:
             self.sessions.move_to_end(peer)
         session.base = max(session.base, msg.acked)
+        session.limit = msg.next
         session.seen = now
         self.by_partition[key] = peer
         if msg.acked >= 0 and self.acked_elsewhere is not None:

@@ -23,6 +23,10 @@ messages are new, laid out as every Dafka message
 A reader's records, heads and FETCHes are the mesh's DIRECT-RECORD,
 DIRECT-HEAD and FETCH, addressed to (and from) the reader's address.
 
+A restarted leaf states its restart hole with the mesh's VOID, kind 1
+(``VOID_RESTART``), zmq topic, partition and source all its partition address
+(see :class:`dafka.core.leaf.LeafLink`).
+
 :func:`decode` takes any message a leaf connection carries and refuses the
 rest (``ProtocolError``): the mesh's other commands have no place on it.
 """
@@ -89,14 +93,14 @@ class LeafReading(NamedTuple):
 
 LeafMessage = (
     LeafHello | LeafWelcome | LeafRead | LeafReading | wire.Record | wire.RecordBatch | wire.Head | wire.Ack
-    | wire.StoreStatus | wire.Fetch | wire.DirectRecord | wire.DirectRecordBatch | wire.DirectHead
+    | wire.StoreStatus | wire.Fetch | wire.DirectRecord | wire.DirectRecordBatch | wire.DirectHead | wire.Void
 )
 # What each side may send.
-FROM_LEAF = (LeafHello, LeafRead, wire.Record, wire.RecordBatch, wire.Head, wire.Fetch)
+FROM_LEAF = (LeafHello, LeafRead, wire.Record, wire.RecordBatch, wire.Head, wire.Fetch, wire.Void)
 FROM_ENDPOINT = (LeafWelcome, LeafReading, wire.Ack, wire.StoreStatus, wire.DirectRecord, wire.DirectRecordBatch,
                  wire.DirectHead)
 _MESH_IDS = frozenset((wire.RECORD, wire.HEAD, wire.ACK, wire.STORE_STATUS, wire.FETCH, wire.DIRECT_RECORD,
-                       wire.DIRECT_HEAD))
+                       wire.DIRECT_HEAD, wire.VOID))
 
 
 def encode(msg: LeafMessage) -> list[bytes]:

@@ -12,6 +12,10 @@ The identity file is the mesh producer's (address, topic, acked, next,
 reserved): offsets are reserved a block at a time, durably, before use, and a
 restarted leaf continues at the reservation, so it never assigns an offset
 twice and needs no endpoint to answer first (a clean close saves the exact end).
+It also names the endpoint in use (``endpoint``), written before any record
+goes to a new one: the only endpoint that may have acknowledged beyond the
+file's ``acked``, so a restarted leaf knows its restart hole once that
+endpoint welcomes it (see :meth:`dafka.core.leaf.LeafLink._restart_void`).
 """
 
 from __future__ import annotations
@@ -189,9 +193,15 @@ class LeafProducer(ReceiptCallbacks):
         else:
             self.address = security.bound_address(self._keys.public) if self._keys is not None else new_address()
         next_offset = 0
+        resumed: tuple[int, int, str] | None = None
         if saved:
             reserved = saved.get("reserved")
             next_offset = max(int(saved["next"]), int(reserved) if reserved is not None else 0)
+            endpoint = saved.get("endpoint")
+            if outbox is None and isinstance(endpoint, str):
+                # Offsets saved["acked"]+1 .. next_offset-1 may be a restart hole (the
+                # link learns which at that endpoint's WELCOME); an outbox's restart is exact.
+                resumed = (int(saved["acked"]), next_offset, endpoint)
         # Offsets below it may be assigned (see _reserve_locked); an outbox needs no reservation:
         # a record is on its disk before it is sent, and it knows the partition's next offset.
         self._reserved = next_offset if self._outbox is None else 1 << 62
@@ -208,8 +218,11 @@ class LeafProducer(ReceiptCallbacks):
         self._header = wire.record_prefix(wire.RECORD, topic, self.address, topic)
         self.link = leafcore.LeafLink(
             topic, self.address, self.window, self.endpoints,
-            connect_timeout=connect_timeout, ack_timeout=ack_timeout, head_interval=head_interval,
+            connect_timeout=connect_timeout, ack_timeout=ack_timeout, head_interval=head_interval, resumed=resumed,
         )
+        # The endpoint the identity file names (None: none yet; see _note_endpoint).
+        self._file_endpoint: str | None = None
+        self._endpoint_unsaved = False
         self.sock: zmq.Socket[Any] | None = None
         self.records_sent = 0
         # Readers riding this producer's connection (dafka.nodes.leafread.LeafConsumer(via=...)):
@@ -502,8 +515,10 @@ class LeafProducer(ReceiptCallbacks):
     def _write_identity(self, reserved: int) -> None:
         path = self._identity_path
         assert path is not None
-        data = {"address": self.address, "topic": self.topic, "acked": self.window.acked,
-                "next": self.window.next, "reserved": reserved}
+        data: dict[str, Any] = {"address": self.address, "topic": self.topic, "acked": self.window.acked,
+                                "next": self.window.next, "reserved": reserved}
+        if self._file_endpoint is not None:
+            data["endpoint"] = self._file_endpoint
         tmp = path.with_name(path.name + ".tmp")
         with tmp.open("w") as f:
             json.dump(data, f)
@@ -526,9 +541,28 @@ class LeafProducer(ReceiptCallbacks):
 
     # ------------------------------------------------------------ the loop thread
 
+    def _note_endpoint(self, endpoint: str) -> bool:
+        """Name ``endpoint`` in the identity file before any record goes to it; False if
+        that failed (then no record goes until it is done: see _send_records)."""
+        if self._identity_path is None or self._outbox is not None:
+            return True
+        with self._lock:
+            self._file_endpoint = endpoint
+            try:
+                self._write_identity(self._reserved)
+            except OSError:
+                if not self._endpoint_unsaved:
+                    log.exception("cannot save leaf identity to %s (records wait)", self._identity_path)
+                self._endpoint_unsaved = True
+                self._saved_at = time.monotonic()
+                return False
+            self._endpoint_unsaved = False
+            return True
+
     def _apply(self, actions: list[leafcore.LinkAction]) -> None:
         for act in actions:
             if isinstance(act, leafcore.Connect):
+                self._note_endpoint(act.endpoint)
                 self._open(act.endpoint)
                 for reader in list(self._readers.values()):
                     reader._connected(time.monotonic())  # a new connection: its readers say LEAF-READ on it
@@ -571,6 +605,8 @@ class LeafProducer(ReceiptCallbacks):
         sock = self.sock
         if sock is None:
             return
+        if self._endpoint_unsaved and (now - self._saved_at < SAVE_EVERY or not self._note_endpoint(self.link.endpoint)):
+            return  # the identity file must name this endpoint first (it may acknowledge)
         with self._lock:
             span = self.link.sendable()
             if span is None:

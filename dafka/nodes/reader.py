@@ -127,10 +127,12 @@ class PartitionReader(Node):
     def void_believed(self, msg: wire.Void) -> bool:
         """Whether a VOID addressed to us may be acted on.
 
-        Kind 1 (a restart hole) only from the partition's producer: its source
+        Kind 1 (a restart hole) only in the partition's producer's name: its source
         is the partition.  In secure mode the peer's key must also own that
-        partition (its address is bound to the key), as for RECORDs and HEADs
-        but with no exception for stores; kind 0 only from a store's key, and
+        partition (its address is bound to the key), or be a store's while the
+        partition's owner is no peer of ours: a leaf's endpoint states its restart
+        hole for it, as it relays its RECORDs and HEADs (see ``dafka.core.leaf``);
+        a producer on the mesh speaks for itself; kind 0 only from a store's key, and
         for the store whose address is bound to it (one store cannot answer
         for another); kind 2 (compacted away) likewise.  Anything else is ignored, counted as a forgery: the
         hole then waits skip_after as before.
@@ -143,7 +145,10 @@ class PartitionReader(Node):
         if self.keys is None:
             return True
         sender = self.sender
-        if sender is not None and security.address_bound(msg.source, sender.key) and (restart or self.from_store):
+        if sender is not None and (
+            (security.address_bound(msg.source, sender.key) and (restart or self.from_store))
+            or (restart and self.from_store and msg.address not in self.peers)
+        ):
             return True
         self.forged += 1
         if self.forged <= 20 or self.forged % 1000 == 0:

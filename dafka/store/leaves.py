@@ -61,6 +61,7 @@ SNDHWM = 64  # messages (ACKs, WELCOMEs) queued for a leaf that does not read
 DRAIN = 2048  # messages read before the loop looks at the other sockets
 LINGER_BELOW = 64  # a read of fewer messages than this is small: the port rests (see read)
 TICK = 0.5
+HOLE_WATCH = 60.0  # seconds a leaf's stated restart hole is watched for records beyond it (see _pass_holes)
 ZAP_DOMAIN = b"dafka-leaves"
 _EVENT = struct.Struct("=HI")
 _COUNTED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
@@ -139,6 +140,8 @@ class LeafHost(Protocol):
     def tracker(self, subject: str, partition: str) -> Any: ...
     def wants(self, subject: str) -> bool: ...
     def track(self, tracker: Any, seq: int, content: bytes) -> None: ...
+    def on_believed_void(self, msg: wire.Void) -> None: ...
+    def _pass_restart_hole(self, tracker: Any, now: float) -> None: ...
 
 
 class LeafEndpoint:
@@ -195,6 +198,9 @@ class LeafEndpoint:
         self.paused = False
         self.resting = False  # resting with the store's data socket (see rest)
         self._pids: list[int] = []  # stored partitions of the records read (see read)
+        # Trackers of partitions whose leaf stated a restart hole: (tracker, watched until).
+        self._holes: dict[tuple[str, str], tuple[Any, float]] = {}
+        self._holes_due: set[tuple[str, str]] = set()  # of those, partitions that took records this turn
         self._bad_logged = 0
         self.core = leaf.LeafPort(
             self._head,
@@ -325,6 +331,8 @@ class LeafEndpoint:
                 apply(on_message(frames[0], frames[1:], now))
         if core.bad != bad:
             self._log_bad()
+        if self._holes_due:
+            self._pass_holes(now)
         if len(msgs) < LINGER_BELOW and store.linger:
             # A trickle (a fleet of devices, each a record now and then): rest from
             # reading, the mesh's data socket with it, as after a small read of it
@@ -375,11 +383,41 @@ class LeafEndpoint:
                 self._apply(core.on_message(peer, frames, now, key))
         if core.bad != bad:
             self._log_bad()
+        if self._holes_due:
+            self._pass_holes(now)
         if store._missing:
             store.fetch_missing()
         if store.batch_full():
             store.pause_data(True)
         store._flush_batch()
+
+    def _restart_hole(self, act: leaf.RestartHole) -> None:
+        """A leaf stated its restart hole: our partition reader takes it as the mesh's
+        VOID kind 1 from a producer (holes within it cap its ACKs no more), and passes
+        it once records beyond it are here (:meth:`_pass_holes`)."""
+        store = self.store
+        tracker = store.tracker(act.subject, act.partition)
+        store.on_believed_void(wire.Void(store.address, act.partition, act.subject, act.first, act.last,
+                                         act.partition, wire.VOID_RESTART))
+        holes = self._holes
+        holes[(act.subject, act.partition)] = (tracker, time.monotonic() + HOLE_WATCH)
+        while len(holes) > self.core.max_sessions:
+            del holes[next(iter(holes))]
+
+    def _pass_holes(self, now: float) -> None:
+        """Pass the stated restart holes that records taken this turn wait behind, as a
+        store passes a producer's (every other store it knows said it holds none of it;
+        with none, at once).  A mesh producer's VOID comes when the store FETCHes; a
+        leaf's came before its records, so it is looked at once they are here."""
+        store, holes = self.store, self._holes
+        for key in self._holes_due:
+            tracker = holes[key][0]
+            if tracker.held and tracker.missing:
+                store._pass_restart_hole(tracker, now)
+            hole = tracker.restart_hole
+            if hole is None or (tracker.next is not None and tracker.next > hole[1]):
+                del holes[key]  # passed
+        self._holes_due.clear()
 
     def _apply(self, actions: Sequence[leaf.PortAction]) -> None:
         store = self.store
@@ -390,6 +428,8 @@ class LeafEndpoint:
                 store.track(tracker, act.sequence, act.content)
                 if tracker.pid is not None:
                     self._pids.append(tracker.pid)
+                if self._holes and (act.subject, act.partition) in self._holes:
+                    self._holes_due.add((act.subject, act.partition))  # (only while a restart hole is watched)
             elif isinstance(act, leaf.Relay):
                 # Without blocking: a full subscriber queue drops it (readers FETCH it).
                 try:
@@ -399,6 +439,8 @@ class LeafEndpoint:
                     self.relays_dropped += 1
             elif isinstance(act, leaf.Serve):
                 self._serve(act, read)
+            elif isinstance(act, leaf.RestartHole):
+                self._restart_hole(act)
             else:
                 try:
                     send_frames(self.sock, [act.peer, *act.frames])
@@ -474,6 +516,9 @@ class LeafEndpoint:
                 self.store.watch_events(self.sock, zmq.POLLIN)
         self.core.expire(now)
         self.reads.expire(now)
+        if self._holes:
+            for key in [k for k, (_, until) in self._holes.items() if now > until]:
+                del self._holes[key]  # not passed within HOLE_WATCH: left to skip_after
 
     def stats(self) -> dict[str, int]:
         core = self.core

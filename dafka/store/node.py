@@ -1041,6 +1041,15 @@ class Store(PartitionReader):
         if fetch.count == 0 or fetch.address == self.address:
             return
         last = min(fetch.sequence + fetch.count - 1, wire.MAX_U64)
+        leaves = self.leaves
+        if leaves is not None and leaves.core.restart_holes:
+            hole = leaves.core.restart_holes.get(key)
+            if hole is not None and hole[0] <= fetch.sequence <= hole[1]:
+                # A leaf of ours restarted past these offsets (its VOID kind 1, see
+                # dafka.core.leaf): said for it, as its producer would on the mesh,
+                # before our own word (a reader counts stores' words after it).
+                self._send_checked(wire.Void(fetch.address, fetch.topic, fetch.subject, hole[0], hole[1],
+                                             fetch.topic, wire.VOID_RESTART))
         if self._holds_none(key, fetch.sequence, last):
             # Say so (dafka readers pass a restarted producer's hole once every
             # store they know did; C readers never subscribe to VOID).
