@@ -479,6 +479,11 @@ class KafkaServer(AdminHandlers, TxnHandlers, TxnAdminHandlers):
         if self.backend.storage_failed():
             return Err.KAFKA_STORAGE_ERROR, -1
         key = (part.topic, part.address)
+        if len(batches) > 1 and any(b.magic >= 2 for b in batches):
+            # As Kafka's brokers: one v2 batch per partition a request.  Of two, the first
+            # could be stored and the second refused (a sequence gap), and the error answer
+            # would make the client retry, and store, the first twice.
+            return Err.INVALID_RECORD, -1
         base = -1
         limit = self.max_record_bytes
         for b in batches:

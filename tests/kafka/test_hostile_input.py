@@ -573,3 +573,23 @@ def test_a_replica_serves_kafka_records_without_their_key_headers_and_timestamp(
     (key, value, headers, ts), (_, tomb, _, _) = fetch(b)
     assert (key, value, headers, tomb) == (None, b"value", (), b"")  # a null value arrives empty
     assert ts > 1234  # the replica's receive time
+
+
+def test_two_batches_for_one_partition_are_refused_whole_never_half_stored(make_kgw: Any) -> None:
+    # A plain batch then an idempotent one with a sequence gap: answered with an error after
+    # storing the first, a client's retry would store it twice.  Kafka's brokers refuse more
+    # than one v2 batch per partition a request (INVALID_RECORD); so does the gateway.
+    gw = make_kgw()
+    gw.create_topic("two", 1)
+    address = gw.pmap.get("two", 0).address
+    from tests.kafka.test_blocks import batch_of
+
+    with socket.create_connection((HOST, gw.kafka_port)) as s:
+        pid, epoch = init_pid(s, 0)
+        r = produce_raw(s, 1, "two", bytes(batch_of(2)) + idem_batch(pid, epoch, 5, 2))
+        assert r.error_code == Err.INVALID_RECORD and r.base_offset == -1
+        r = produce_raw(s, 2, "two", bytes(batch_of(1)))  # the connection serves on
+        assert r.error_code == Err.NONE and r.base_offset == 0
+    wait_until(lambda: gw.db.fetch("two", address, 0, 10)[1] != [], timeout=10)
+    start, values = gw.db.fetch("two", address, 0, 10)
+    assert start == 0 and len(values) == 1  # the later single record only
