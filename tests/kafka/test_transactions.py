@@ -20,7 +20,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from kafka import KafkaConsumer, KafkaProducer, OffsetAndMetadata
 from kafka import TopicPartition as KTopicPartition
 
-from tests.conftest import dafka_cmd, subprocess_env, wait_until
+from tests.conftest import dafka_cmd, subprocess_env, tower_flag, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 HOST = "127.0.0.1"
@@ -33,11 +33,12 @@ class GatewayProcess:
         self.db = db
         self.port = 0
         self.proc: subprocess.Popen[str] | None = None
+        self.tower = "127.0.0.1:1:2"  # none: the mesh is not used
 
     def start(self) -> str:
         self.proc = subprocess.Popen(
             dafka_cmd("gateway", "--db", str(self.db), "--listen", f"{HOST}:0",
-                      "--kafka-listen", f"{HOST}:{self.port}", "--tower", "127.0.0.1:1:2"),
+                      "--kafka-listen", f"{HOST}:{self.port}", "--tower", self.tower),
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=subprocess_env(),
         )
         assert self.proc.stdout is not None
@@ -331,11 +332,12 @@ def test_a_transaction_left_open_over_a_gateway_restart_still_times_out(tmp_path
 # ---------------------------------------------------------------- what mesh readers see
 
 
-def test_mesh_and_tank_readers_see_every_record_and_each_marker_as_an_empty_record(cfg: Any, tmp_path: Path) -> None:
-    """The gateway publishes a transaction's records on the mesh when they are committed to its
-    store, before the transaction ends: Dafka consumers, Tank clients and Spark read them all,
-    aborted ones too (as Kafka's read_uncommitted consumers), and each control record as an
-    empty record with no key at its offset."""
+def test_mesh_readers_see_only_committed_records_and_tank_readers_see_every_record(cfg: Any, tmp_path: Path) -> None:
+    """A Dafka consumer of a gateway partition written by transactions gets its committed
+    records only, in order, passing the aborted records and the markers at once (VOID kind 2,
+    not after skip_after): as Kafka's read_committed consumers.  Tank clients (and Spark,
+    which reads through them) read every record, aborted ones too, and each control record as
+    an empty record with no key at its offset."""
     from dafka.kafka.gateway import KafkaGateway
     from dafka.nodes.consumer import Consumer
     from dafka.tank.client import TankClient
@@ -352,24 +354,93 @@ def test_mesh_and_tank_readers_see_every_record_and_each_marker_as_an_empty_reco
         p.produce("tx-mesh", b"dropped", key=b"k")
         p.flush(30)
         p.abort_transaction(30)
-        expected = [b"kept", b"", b"dropped", b""]  # offsets 0..3: the markers are 1 and 3
-        with Consumer("tx-mesh", cfg, offset_reset="earliest") as consumer:
+        plain = CKProducer({"bootstrap.servers": bs})
+        plain.produce("tx-mesh", b"after", key=b"k")  # offset 4, past the abort's marker
+        assert plain.flush(30) == 0
+        began = time.monotonic()
+        with Consumer("tx-mesh", cfg, offset_reset="earliest", skip_after=60.0) as consumer:
             got: list[Any] = []
             deadline = time.monotonic() + 20
-            while len(got) < 4 and time.monotonic() < deadline:
+            while len(got) < 2 and time.monotonic() < deadline:
                 got += consumer.poll_batch(100, 0.2)
-        assert [bytes(r.content) for r in got] == expected
+            took = time.monotonic() - began
+            got += consumer.poll_batch(100, 0.5)  # nothing more comes
+        assert [(r.offset, bytes(r.content)) for r in got] == [(0, b"kept"), (4, b"after")]
+        assert took < 15, took  # the aborted record and the markers were passed at once
+        assert gw.txn_voids >= 1
         with TankClient(HOST, gw.tank_port) as t:
             r = t.consume("tx-mesh", 0, 0, 1 << 20)
         assert [(s, None if k is None else bytes(k), bytes(v)) for s, _ts, k, v in r.messages] == [
-            (1, b"k", b"kept"), (2, None, b""), (3, b"k", b"dropped"), (4, None, b"")]
+            (1, b"k", b"kept"), (2, None, b""), (3, b"k", b"dropped"), (4, None, b""), (5, b"k", b"after")]
         address = gw.pmap.get("tx-mesh", 0).address
         assert [(rec[0], rec[2], bytes(rec[3])) for rec in gw.db.read("tx-mesh", address, 0, 4)] == [
             (0, b"k", b"kept"), (1, None, b""), (2, b"k", b"dropped"), (3, None, b"")]
         # Kafka readers of the same partition: no marker, read_committed no aborted record.
-        assert [(o, v) for _, o, v in ck_read(bs, "tx-mesh", "read_committed")] == [(0, b"kept")]
+        assert [(o, v) for _, o, v in ck_read(bs, "tx-mesh", "read_committed")] == [(0, b"kept"), (4, b"after")]
     finally:
         gw.close()
+
+
+def test_dafka_consumers_of_a_gateway_process_get_only_committed_records_live_and_after(cfg: Any, tmp_path: Path) -> None:
+    """A real gateway process, a transactional producer committing and aborting, and a plain
+    record produced while a transaction is open: a Dafka consumer live through it all and one
+    started after get exactly the committed records, in offset order, no marker, no aborted
+    record, well before skip_after (the live one is never handed a record past the last stable
+    offset, so it never waits on the open transaction's offsets)."""
+    from dafka.nodes.consumer import Consumer
+
+    g = GatewayProcess(tmp_path / "gw")
+    g.tower = tower_flag(cfg)
+    bs = g.start()
+    try:
+        create(bs, "tx-live")
+        plain = CKProducer({"bootstrap.servers": bs, "linger.ms": 0})
+        plain.produce("tx-live", b"first")  # offset 0
+        assert plain.flush(30) == 0
+        with Consumer("tx-live", cfg, offset_reset="earliest", skip_after=60.0) as live:
+            got: list[Any] = []
+            assert wait_until(lambda: bool(got.extend(live.poll_batch(100, 0.1)) or got), 20)
+            began = time.monotonic()
+            p = txn_producer(bs, "live")
+            p.begin_transaction()
+            p.produce("tx-live", b"c1")  # 1
+            p.produce("tx-live", b"c2")  # 2
+            p.commit_transaction(30)  # marker 3
+            p.begin_transaction()
+            p.produce("tx-live", b"x1")  # 4
+            p.produce("tx-live", b"x2")  # 5
+            p.flush(30)
+            p.abort_transaction(30)  # marker 6
+            p.begin_transaction()
+            p.produce("tx-live", b"c3")  # 7
+            p.flush(30)
+            plain.produce("tx-live", b"p")  # 8: written while the transaction is open
+            assert plain.flush(30) == 0
+            time.sleep(0.3)  # (the open transaction holds the mesh's readers at offset 7 meanwhile)
+            live_mid = list(got) + live.poll_batch(100, 0.1)
+            p.commit_transaction(30)  # marker 9
+            expected = [(0, b"first"), (1, b"c1"), (2, b"c2"), (7, b"c3"), (8, b"p")]
+            deadline = time.monotonic() + 20
+            got = list(live_mid)
+            while len(got) < len(expected) and time.monotonic() < deadline:
+                got += live.poll_batch(100, 0.1)
+            took = time.monotonic() - began
+            got += live.poll_batch(100, 0.5)
+        assert [(r.offset, bytes(r.content)) for r in live_mid] == expected[:3]
+        assert [(r.offset, bytes(r.content)) for r in got] == expected
+        assert took < 15, took
+        began = time.monotonic()
+        with Consumer("tx-live", cfg, offset_reset="earliest", skip_after=60.0) as late:
+            after: list[Any] = []
+            deadline = time.monotonic() + 20
+            while len(after) < len(expected) and time.monotonic() < deadline:
+                after += late.poll_batch(100, 0.1)
+            took = time.monotonic() - began
+            after += late.poll_batch(100, 0.5)
+        assert [(r.offset, bytes(r.content)) for r in after] == expected
+        assert took < 15, took
+    finally:
+        g.kill()
 
 
 # ---------------------------------------------------------------- quixstreams, exactly once
