@@ -599,6 +599,8 @@ class KafkaGateway(Gateway):
             return False
         end = txn.lso(key, self._heads.get(key, -1) + 1)
         stop = job.offset + job.remaining
+        if job.offset < start and job.offset < end:  # nothing stored from job.offset:
+            self._compacted_gap(job, min(start, end))  # a compacted gap is said so
         steps = mesh_steps(start, values, end, txn.aborted_between(key, start, start + len(values) - 1))
         pos = start
         for first, last, run in steps:
