@@ -574,6 +574,14 @@ class KafkaGateway(Gateway):
         for key in {i[0] for i in items}:
             self.send(wire.Head(key[0], key[1], key[0], self._heads[key]))
 
+    def _publish(self, records: list[tuple[tuple[str, str], int, Any]]) -> None:
+        """As the Tank gateway's, but no Tank record of a partition with a Kafka transaction
+        open goes out live: it is past the last stable offset (readers FETCH it once stable)."""
+        opened = self.kafka.txn.open
+        if opened:
+            records = [r for r in records if r[0] not in opened]
+        super()._publish(records)
+
     def send(self, msg: wire.Message) -> None:
         """As the store's, but the HEAD of a partition with a transaction open stops before
         its last stable offset (none goes while nothing of it is stable)."""

@@ -381,6 +381,43 @@ def test_mesh_readers_see_only_committed_records_and_tank_readers_see_every_reco
         gw.close()
 
 
+def test_a_tank_record_written_while_a_transaction_is_open_waits_for_it_on_the_mesh(cfg: Any, tmp_path: Path) -> None:
+    """A Tank produce to a partition with a Kafka transaction open lands past its last stable
+    offset: it is not published live (a Dafka consumer holding it would give the transaction's
+    offsets up after skip_after, and lose its records once committed); readers get both, in
+    order, when the transaction commits."""
+    from dafka.kafka.gateway import KafkaGateway
+    from dafka.nodes.consumer import Consumer
+    from dafka.tank.client import TankClient
+
+    gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0))
+    try:
+        bs = f"{HOST}:{gw.kafka_port}"
+        gw.create_topic("tx-tank", 1)
+        with TankClient(HOST, gw.tank_port) as t, \
+                Consumer("tx-tank", cfg, offset_reset="earliest", skip_after=1.0) as consumer:
+            t.produce("tx-tank", 0, [b"t0"])  # offset 0
+            got: list[Any] = []
+            assert wait_until(lambda: bool(got.extend(consumer.poll_batch(100, 0.1)) or got), 20)
+            p = txn_producer(bs, "tank-mix")
+            p.begin_transaction()
+            p.produce("tx-tank", b"c1")  # 1
+            p.flush(30)
+            t.produce("tx-tank", 0, [b"t2"])  # 2: past the last stable offset (1)
+            # The transaction stays open past the consumer's skip_after: nothing more comes.
+            held = time.monotonic() + 2.5
+            while time.monotonic() < held:
+                got += consumer.poll_batch(100, 0.1)
+            assert [(r.offset, bytes(r.content)) for r in got] == [(0, b"t0")]
+            p.commit_transaction(30)  # marker 3
+            deadline = time.monotonic() + 20
+            while len(got) < 3 and time.monotonic() < deadline:
+                got += consumer.poll_batch(100, 0.1)
+        assert [(r.offset, bytes(r.content)) for r in got] == [(0, b"t0"), (1, b"c1"), (2, b"t2")]
+    finally:
+        gw.close()
+
+
 def test_dafka_consumers_of_a_gateway_process_get_only_committed_records_live_and_after(cfg: Any, tmp_path: Path) -> None:
     """A real gateway process, a transactional producer committing and aborting, and a plain
     record produced while a transaction is open: a Dafka consumer live through it all and one
