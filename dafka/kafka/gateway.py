@@ -609,7 +609,11 @@ class KafkaGateway(Gateway):
         stop = job.offset + job.remaining
         if job.offset < start and job.offset < end:  # nothing stored from job.offset:
             self._compacted_gap(job, min(start, end))  # a compacted gap is said so
-        steps = mesh_steps(start, values, end, txn.aborted_between(key, start, start + len(values) - 1))
+        # A requester that takes no VOID (a C node) would stall at the first offset not sent:
+        # it gets every stable record, as a read_uncommitted reader.
+        hide = self.audience.has_readers(wire.P_VOID + job.key[0].encode())
+        aborted = txn.aborted_between(key, start, start + len(values) - 1) if hide else []
+        steps = mesh_steps(start, values, end, aborted, hide)
         pos = start
         for first, last, run in steps:
             if run is None:

@@ -13,7 +13,9 @@ open).  The gateway gives the mesh's readers the same view:
 * a FETCH answer (:func:`mesh_steps`) carries the committed records and says
   of every run of aborted records and markers that it holds none for readers
   (a VOID kind 2, the one compacted offsets use): a Dafka consumer passes them
-  at once, as it passes a compacted gap.
+  at once, as it passes a compacted gap.  A reader that does not subscribe to
+  VOIDs (a C reference node) gets every stable record instead, markers as
+  empty records: it has no way to pass an offset it is not sent.
 
 No clock, no socket: the gateway's shell sends what these functions decide.
 """
@@ -45,7 +47,7 @@ def is_marker(value: bytes) -> bool:
 
 
 def mesh_steps(start: int, values: Sequence[bytes], stable_end: int,
-               aborted: Sequence[tuple[int, int]]) -> list[Step]:
+               aborted: Sequence[tuple[int, int]], hide: bool = True) -> list[Step]:
     """Split stored ``values`` of offsets ``start, start + 1, ...`` into the steps of a
     FETCH answer, in offset order, none at or past ``stable_end`` (the LSO).
 
@@ -53,11 +55,16 @@ def mesh_steps(start: int, values: Sequence[bytes], stable_end: int,
     :meth:`dafka.kafka.txn.TxnCoordinator.aborted_between` gives them) and
     control records are hidden: runs of them become void steps; runs of the
     others become record steps.  Adjacent hidden offsets make one step.
+    ``hide=False`` (a reader that does not take VOIDs: a C reference node, which
+    would otherwise stall at the first hidden offset) hides nothing: every
+    stable record goes, markers as empty records.
     """
     n = min(len(values), stable_end - start)
     steps: list[Step] = []
     if n <= 0:
         return steps
+    if not hide:
+        return [(start, start + n - 1, list(values[:n]))]
     ranges = list(aborted)
     ri = 0
     run_first = start

@@ -69,3 +69,9 @@ def test_steps_cover_each_stable_offset_once_and_hide_exactly_markers_and_aborte
         assert hidden == (is_marker(values[off - start]) or any(a <= off <= b for a, b in aborted))
     for (_, _, r1), (_, _, r2) in zip(steps, steps[1:], strict=False):
         assert (r1 is None) != (r2 is None)  # runs alternate: adjacent ones are merged
+
+
+def test_a_reader_that_takes_no_void_gets_every_stable_record() -> None:
+    values = [rec(b"c1"), marker(), rec(b"x1"), marker(), rec(b"open")]
+    assert mesh_steps(0, values, 4, [(2, 2)], hide=False) == [(0, 3, values[:4])]
+    assert mesh_steps(4, values, 4, [], hide=False) == []

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 from confluent_kafka import Consumer as CKConsumer
 from confluent_kafka import KafkaException, TopicPartition
 from confluent_kafka import Producer as CKProducer
@@ -377,6 +378,52 @@ def test_mesh_readers_see_only_committed_records_and_tank_readers_see_every_reco
             (0, b"k", b"kept"), (1, None, b""), (2, b"k", b"dropped"), (3, None, b"")]
         # Kafka readers of the same partition: no marker, read_committed no aborted record.
         assert [(o, v) for _, o, v in ck_read(bs, "tx-mesh", "read_committed")] == [(0, b"kept"), (4, b"after")]
+    finally:
+        gw.close()
+
+
+def test_a_reader_that_takes_no_void_gets_every_stable_record_and_one_that_does_gets_voids(
+        cfg: Any, tmp_path: Path, raw_peer: Any) -> None:
+    """A C reference reader does not subscribe to VOID, and has no way to pass an offset it is
+    not sent: the gateway answers its FETCH with every stable record (aborted ones too, markers
+    as empty records), as before.  A reader subscribed to VOID gets the committed records and a
+    VOID kind 2 for the aborted record and the markers."""
+    from dafka.core import wire
+    from dafka.kafka.gateway import KafkaGateway
+
+    gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0))
+    try:
+        bs = f"{HOST}:{gw.kafka_port}"
+        gw.create_topic("tx-c", 1)
+        p = txn_producer(bs, "c-like")
+        p.begin_transaction()
+        p.produce("tx-c", b"kept")
+        p.commit_transaction(30)  # 0 kept, 1 marker
+        p.begin_transaction()
+        p.produce("tx-c", b"dropped")
+        p.flush(30)
+        p.abort_transaction(30)  # 2 dropped, 3 marker
+        address = gw.pmap.get("tx-c", 0).address
+        c_like = raw_peer([])
+        c_like.sub.setsockopt(zmq.SUBSCRIBE, wire.P_DIRECT_RECORD + c_like.address.encode())
+        dafka_like = raw_peer([])
+        for prefix in (wire.P_DIRECT_RECORD, wire.P_VOID):
+            dafka_like.sub.setsockopt(zmq.SUBSCRIBE, prefix + dafka_like.address.encode())
+        for peer in (c_like, dafka_like):
+            peer.wait_for(lambda q: q.peers, 20)
+
+        def asked(peer: Any, n: int) -> Any:
+            def done(q: Any) -> bool:
+                q.send(wire.Fetch(address, q.address, "tx-c", 0, 10))
+                return len(q.messages(wire.DirectRecord)) + len(q.messages(wire.Void)) >= n
+            return peer.wait_for(done, 20)
+
+        asked(c_like, 4)
+        assert [(m.sequence, m.content) for m in c_like.messages(wire.DirectRecord)][:4] == [
+            (0, b"kept"), (1, b""), (2, b"dropped"), (3, b"")]
+        asked(dafka_like, 2)
+        assert {(m.sequence, m.content) for m in dafka_like.messages(wire.DirectRecord)} == {(0, b"kept")}
+        assert {(v.first, v.last, v.kind) for v in dafka_like.messages(wire.Void)} == {(1, 3, wire.VOID_COMPACTED)}
     finally:
         gw.close()
 
