@@ -428,6 +428,43 @@ def test_a_reader_that_takes_no_void_gets_every_stable_record_and_one_that_does_
         gw.close()
 
 
+def test_a_store_replicating_a_transactional_partition_holds_its_committed_records(cfg: Any, tmp_path: Path) -> None:
+    """A dafka store catching up on a gateway partition written by transactions passes the
+    aborted records and markers at once (recorded as holes), not after its skip_after."""
+    from dafka.kafka.gateway import KafkaGateway
+    from dafka.store.node import Store
+
+    gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0))
+    try:
+        bs = f"{HOST}:{gw.kafka_port}"
+        gw.create_topic("tx-rep", 1)
+        p = txn_producer(bs, "rep")
+        p.begin_transaction()
+        p.produce("tx-rep", b"kept")
+        p.commit_transaction(30)  # 0 kept, 1 marker
+        p.begin_transaction()
+        p.produce("tx-rep", b"dropped")
+        p.flush(30)
+        p.abort_transaction(30)  # 2 dropped, 3 marker
+        plain = CKProducer({"bootstrap.servers": bs})
+        plain.produce("tx-rep", b"after")  # 4
+        assert plain.flush(30) == 0
+        address = gw.pmap.get("tx-rep", 0).address
+        began = time.monotonic()
+        with Store(tmp_path / "b", cfg, skip_after=60.0) as b:
+            def caught_up() -> bool:
+                info = b.db.info("tx-rep", address)
+                return info is not None and info.last == 4 and info.count == 2
+
+            wait_until(caught_up, timeout=20)
+            took = time.monotonic() - began
+            assert [(x.offset, bytes(x.content)) for x in b.db.read("tx-rep", address, 0, 5)] == [
+                (0, b"kept"), (4, b"after")]
+        assert took < 15, took
+    finally:
+        gw.close()
+
+
 def test_a_tank_record_written_while_a_transaction_is_open_waits_for_it_on_the_mesh(cfg: Any, tmp_path: Path) -> None:
     """A Tank produce to a partition with a Kafka transaction open lands past its last stable
     offset: it is not published live (a Dafka consumer holding it would give the transaction's
