@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
 
+from dafka import fastio
 from dafka.core import wire
 from dafka.errors import ProtocolError
 from dafka.gateway.connections import (
@@ -56,6 +57,7 @@ from dafka.gateway.connections import (
     unread_for,
 )
 from dafka.kafka.codec import DEFAULT_MAX_FRAME, FrameReader, decode_request
+from dafka.kafka.meshtxn import mesh_steps, stable_head
 from dafka.kafka.outcome import Data, ParkedFetch
 from dafka.kafka.records import (
     Batch,
@@ -74,7 +76,7 @@ from dafka.store.block import kafka_block_of, store_block
 from dafka.store.compaction import CompactionPolicy
 from dafka.store.db import RecordDB, Retention, RetentionPolicy
 from dafka.store.layout import FLAG_CONTROL, FLAG_KEY, VALUE_HEADER
-from dafka.store.node import MAX_BATCH
+from dafka.store.node import MAX_BATCH, FetchJob
 from dafka.store.writer import pack_records
 from dafka.tank.gateway import Gateway
 from dafka.tank.mapping import TankPartition, shown, valid_topic_name
@@ -93,6 +95,7 @@ DEFAULT_MAX_INFLIGHT = 256
 DEFAULT_MAX_CONNECTIONS = 1024
 TICK_INTERVAL = 0.1
 _OFFSET = itemgetter(2)  # a record tuple's offset
+_HEADS = (wire.Head, wire.DirectHead)
 
 
 @dataclass(eq=False, slots=True, kw_only=True)
@@ -159,6 +162,7 @@ class KafkaGateway(Gateway):
             # was there to take.
             self._kpublish: list[tuple[tuple[str, str], int, bytes]] = []
             self.kafka_unpublished = 0
+            self.txn_voids = 0  # VOIDs said to mesh readers for aborted records and markers
             self._kcommit_id = 0
             self._krefusals = Refusals(log)
             self._klimited = LogLimiter(log)
@@ -439,7 +443,7 @@ class KafkaGateway(Gateway):
         value = VALUE_HEADER.pack(int(time.time() * 1000), FLAG_KEY | FLAG_CONTROL) + bytes((len(slot),)) + slot
         block = store_block(off, [value], len(slot), checked=True)
         self.queue_block(topic, address, block, 1)
-        self._kpublish.append((key, off, block))  # the mesh gets an empty content
+        self._kpublish.append((key, off, b""))  # not published live: the mesh gets the HEAD only
         self._next_offset[key] = off + 1
         return off
 
@@ -502,7 +506,9 @@ class KafkaGateway(Gateway):
             block = store_block(first, [v for _k, v in pairs], nbytes, checked=True)
         last = first + n - 1
         self.queue_block(topic, address, block, n)
-        self._kpublish.append((key, first, block))
+        # A transaction's records are not published live (the mesh sees only committed
+        # ones, FETCHed after the HEAD: see dafka.kafka.meshtxn); the HEAD goes out.
+        self._kpublish.append((key, first, b"" if batch.transactional else block))
         self._next_offset[key] = last + 1
         return first, last
 
@@ -548,7 +554,12 @@ class KafkaGateway(Gateway):
         headers = self._record_headers
         publisher = self.publisher
         audience = self.audience
+        opened = self.kafka.txn.open
         for key, first, block in items:
+            if not block or (opened and key in opened):
+                # A transaction's records or marker, or records past the last stable offset
+                # of a partition with a transaction open: readers FETCH them once stable.
+                continue
             header = headers.get(key)
             if header is None:
                 header = headers[key] = wire.record_prefix(wire.RECORD, key[0], key[1], key[0])
@@ -564,6 +575,72 @@ class KafkaGateway(Gateway):
             send(publisher, prefix, first, values, noblock=True)
         for key in {i[0] for i in items}:
             self.send(wire.Head(key[0], key[1], key[0], self._heads[key]))
+
+    def _publish(self, records: list[tuple[tuple[str, str], int, Any]]) -> None:
+        """As the Tank gateway's, but no Tank record of a partition with a Kafka transaction
+        open goes out live: it is past the last stable offset (readers FETCH it once stable)."""
+        opened = self.kafka.txn.open
+        if opened:
+            records = [r for r in records if r[0] not in opened]
+        super()._publish(records)
+
+    def send(self, msg: wire.Message) -> None:
+        """As the store's, but the HEAD of a partition with a transaction open stops before
+        its last stable offset (none goes while nothing of it is stable)."""
+        opened = self.kafka.txn.open
+        if opened and isinstance(msg, _HEADS):
+            firsts = opened.get((msg.subject, msg.address))
+            if firsts:
+                stable = stable_head(msg.sequence, list(firsts.values()))
+                if stable < 0:
+                    return
+                msg = type(msg)(msg.topic, msg.address, msg.subject, stable)
+        super().send(msg)
+
+    filters_answers = True
+
+    def _serve_filtered(self, job: FetchJob, start: int, values: list[bytes]) -> bool:
+        """A slice of a FETCH answer of a partition written by Kafka transactions: its
+        committed records, a VOID kind 2 for each run of aborted records and markers
+        (a Dafka consumer passes them at once), nothing at or past the last stable offset."""
+        key = (job.topic, job.partition)
+        txn = self.kafka.txn
+        if key not in txn.touched:
+            return False
+        end = txn.lso(key, self._heads.get(key, -1) + 1)
+        stop = job.offset + job.remaining
+        if job.offset < start and job.offset < end:  # nothing stored from job.offset:
+            self._compacted_gap(job, min(start, end))  # a compacted gap is said so
+        # A requester that takes no VOID (a C node) would stall at the first offset not sent:
+        # it gets every stable record, as a read_uncommitted reader.
+        hide = self.audience.has_readers(wire.P_VOID + job.key[0].encode())
+        aborted = txn.aborted_between(key, start, start + len(values) - 1) if hide else []
+        steps = mesh_steps(start, values, end, aborted, hide)
+        pos = start
+        for first, last, run in steps:
+            if run is None:
+                self._send_checked(wire.Void(job.key[0], job.partition, job.topic, first, last, self.address,
+                                             wire.VOID_COMPACTED))
+                self.txn_voids += 1
+                pos = last + 1
+                continue
+            if not job.batched and self.batches_for(job.single, answer=True):
+                job.prefix, job.batched = wire.batch_prefix(job.single), True
+            if job.batched:
+                sent = fastio.send_batches(self.publisher, job.prefix, first, run, noblock=True, stored=True)
+            else:
+                sent = fastio.send_values(self.publisher, job.prefix, first, run, True)
+            self.records_served += sent
+            pos = first + sent
+            if sent < len(run):
+                self._blocked = True  # a reader is full: resume from here on the next tick
+                break
+        job.offset, job.remaining = pos, stop - pos
+        if job.remaining > 0 and pos < end and (pos > start or self._blocked):
+            self._jobs.append(job)
+        else:
+            self._job_done(job)
+        return True
 
     def on_refused(self, rejected: dict[tuple[str, str], str]) -> None:
         super().on_refused(rejected)
@@ -603,10 +680,20 @@ class KafkaGateway(Gateway):
         super().on_commit(heads)
         committed = self._heads
         if self.kafka.txn.active:
+            opened = self.kafka.txn.open
+            before = {key: min(firsts.values()) for key, firsts in opened.items() if firsts}
             try:
                 self.kafka.txn_committed(committed)
             except OSError as exc:
                 log.error("cannot journal completed Kafka transactions: %s", exc)
+            # Transactions complete (their markers committed): where the last stable offset
+            # moved, the mesh's readers hear of the records now stable (and FETCH them).
+            opened = self.kafka.txn.open
+            for key, lso in before.items():
+                firsts = opened.get(key)
+                head = committed.get(key)
+                if head is not None and (not firsts or min(firsts.values()) != lso):
+                    self.send(wire.Head(key[0], key[1], key[0], head))
         if self._kpending:
             still = []
             touched = set()

@@ -24,10 +24,10 @@ from tests.kafka.test_gateway import HOST
 pytestmark = pytest.mark.timeout(120)
 
 
-def start_gateway(db: Path) -> tuple[subprocess.Popen[str], str]:
+def start_gateway(db: Path, tower: str = "127.0.0.1:1:2") -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         dafka_cmd("gateway", "--db", str(db), "--listen", f"{HOST}:0", "--kafka-listen", f"{HOST}:0",
-                  "--tower", "127.0.0.1:1:2"),
+                  "--tower", tower),
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=subprocess_env(),
     )
     assert proc.stdout is not None
@@ -140,10 +140,17 @@ def test_cleanup_policy_alters_applies_and_survives_a_restart(cfg: NodeConfig, t
         gw.close()
 
 
-def test_transactions_aborted_records_never_supersede_and_an_open_one_is_left_alone(gateway_db: Path) -> None:
+def test_transactions_aborted_records_never_supersede_and_an_open_one_is_left_alone(
+        gateway_db: Path, cfg: NodeConfig) -> None:
+    """And a Dafka consumer of the mesh reads the committed latest per key only, passing the
+    compacted gaps, aborted records and markers at once (well before its skip_after)."""
+    import time
+
+    from dafka.nodes.consumer import Consumer
+    from tests.conftest import tower_flag
     from tests.kafka.test_transactions import ck_read, txn_producer
 
-    proc, bs = start_gateway(gateway_db)
+    proc, bs = start_gateway(gateway_db, tower_flag(cfg))
     try:
         admin = AdminClient({"bootstrap.servers": bs})
         admin.create_topics([NewTopic("ctx", 1, 1, config={"cleanup.policy": "compact"})])["ctx"].result(20)
@@ -168,6 +175,15 @@ def test_transactions_aborted_records_never_supersede_and_an_open_one_is_left_al
         # Now a3 (committed) supersedes a1 and the aborted a2.
         wait_until(lambda: stored_count(gateway_db, "ctx") == 7 - 2 + 1, timeout=60, interval=0.2)
         assert [v for _p, _o, v in ck_read(bs, "ctx", "read_committed")] == [b"b2", b"a3"]
+        began = time.monotonic()
+        with Consumer("ctx", cfg, offset_reset="earliest", skip_after=60.0) as consumer:
+            got: list[Any] = []
+            while len(got) < 2 and time.monotonic() - began < 20:
+                got += consumer.poll_batch(100, 0.1)
+            took = time.monotonic() - began
+            got += consumer.poll_batch(100, 0.5)
+        assert [(r.offset, bytes(r.content)) for r in got] == [(5, b"b2"), (7, b"a3")]
+        assert took < 15, took
     finally:
         proc.kill()
         proc.wait(10)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 from confluent_kafka import Consumer as CKConsumer
 from confluent_kafka import KafkaException, TopicPartition
 from confluent_kafka import Producer as CKProducer
@@ -20,7 +21,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from kafka import KafkaConsumer, KafkaProducer, OffsetAndMetadata
 from kafka import TopicPartition as KTopicPartition
 
-from tests.conftest import dafka_cmd, subprocess_env, wait_until
+from tests.conftest import dafka_cmd, subprocess_env, tower_flag, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 HOST = "127.0.0.1"
@@ -33,11 +34,12 @@ class GatewayProcess:
         self.db = db
         self.port = 0
         self.proc: subprocess.Popen[str] | None = None
+        self.tower = "127.0.0.1:1:2"  # none: the mesh is not used
 
     def start(self) -> str:
         self.proc = subprocess.Popen(
             dafka_cmd("gateway", "--db", str(self.db), "--listen", f"{HOST}:0",
-                      "--kafka-listen", f"{HOST}:{self.port}", "--tower", "127.0.0.1:1:2"),
+                      "--kafka-listen", f"{HOST}:{self.port}", "--tower", self.tower),
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=subprocess_env(),
         )
         assert self.proc.stdout is not None
@@ -331,11 +333,12 @@ def test_a_transaction_left_open_over_a_gateway_restart_still_times_out(tmp_path
 # ---------------------------------------------------------------- what mesh readers see
 
 
-def test_mesh_and_tank_readers_see_every_record_and_each_marker_as_an_empty_record(cfg: Any, tmp_path: Path) -> None:
-    """The gateway publishes a transaction's records on the mesh when they are committed to its
-    store, before the transaction ends: Dafka consumers, Tank clients and Spark read them all,
-    aborted ones too (as Kafka's read_uncommitted consumers), and each control record as an
-    empty record with no key at its offset."""
+def test_mesh_readers_see_only_committed_records_and_tank_readers_see_every_record(cfg: Any, tmp_path: Path) -> None:
+    """A Dafka consumer of a gateway partition written by transactions gets its committed
+    records only, in order, passing the aborted records and the markers at once (VOID kind 2,
+    not after skip_after): as Kafka's read_committed consumers.  Tank clients (and Spark,
+    which reads through them) read every record, aborted ones too, and each control record as
+    an empty record with no key at its offset."""
     from dafka.kafka.gateway import KafkaGateway
     from dafka.nodes.consumer import Consumer
     from dafka.tank.client import TankClient
@@ -352,24 +355,213 @@ def test_mesh_and_tank_readers_see_every_record_and_each_marker_as_an_empty_reco
         p.produce("tx-mesh", b"dropped", key=b"k")
         p.flush(30)
         p.abort_transaction(30)
-        expected = [b"kept", b"", b"dropped", b""]  # offsets 0..3: the markers are 1 and 3
-        with Consumer("tx-mesh", cfg, offset_reset="earliest") as consumer:
+        plain = CKProducer({"bootstrap.servers": bs})
+        plain.produce("tx-mesh", b"after", key=b"k")  # offset 4, past the abort's marker
+        assert plain.flush(30) == 0
+        began = time.monotonic()
+        with Consumer("tx-mesh", cfg, offset_reset="earliest", skip_after=60.0) as consumer:
             got: list[Any] = []
             deadline = time.monotonic() + 20
-            while len(got) < 4 and time.monotonic() < deadline:
+            while len(got) < 2 and time.monotonic() < deadline:
                 got += consumer.poll_batch(100, 0.2)
-        assert [bytes(r.content) for r in got] == expected
+            took = time.monotonic() - began
+            got += consumer.poll_batch(100, 0.5)  # nothing more comes
+        assert [(r.offset, bytes(r.content)) for r in got] == [(0, b"kept"), (4, b"after")]
+        assert took < 15, took  # the aborted record and the markers were passed at once
+        assert gw.txn_voids >= 1
         with TankClient(HOST, gw.tank_port) as t:
             r = t.consume("tx-mesh", 0, 0, 1 << 20)
         assert [(s, None if k is None else bytes(k), bytes(v)) for s, _ts, k, v in r.messages] == [
-            (1, b"k", b"kept"), (2, None, b""), (3, b"k", b"dropped"), (4, None, b"")]
+            (1, b"k", b"kept"), (2, None, b""), (3, b"k", b"dropped"), (4, None, b""), (5, b"k", b"after")]
         address = gw.pmap.get("tx-mesh", 0).address
         assert [(rec[0], rec[2], bytes(rec[3])) for rec in gw.db.read("tx-mesh", address, 0, 4)] == [
             (0, b"k", b"kept"), (1, None, b""), (2, b"k", b"dropped"), (3, None, b"")]
         # Kafka readers of the same partition: no marker, read_committed no aborted record.
-        assert [(o, v) for _, o, v in ck_read(bs, "tx-mesh", "read_committed")] == [(0, b"kept")]
+        assert [(o, v) for _, o, v in ck_read(bs, "tx-mesh", "read_committed")] == [(0, b"kept"), (4, b"after")]
     finally:
         gw.close()
+
+
+def test_a_reader_that_takes_no_void_gets_every_stable_record_and_one_that_does_gets_voids(
+        cfg: Any, tmp_path: Path, raw_peer: Any) -> None:
+    """A C reference reader does not subscribe to VOID, and has no way to pass an offset it is
+    not sent: the gateway answers its FETCH with every stable record (aborted ones too, markers
+    as empty records), as before.  A reader subscribed to VOID gets the committed records and a
+    VOID kind 2 for the aborted record and the markers."""
+    from dafka.core import wire
+    from dafka.kafka.gateway import KafkaGateway
+
+    gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0))
+    try:
+        bs = f"{HOST}:{gw.kafka_port}"
+        gw.create_topic("tx-c", 1)
+        p = txn_producer(bs, "c-like")
+        p.begin_transaction()
+        p.produce("tx-c", b"kept")
+        p.commit_transaction(30)  # 0 kept, 1 marker
+        p.begin_transaction()
+        p.produce("tx-c", b"dropped")
+        p.flush(30)
+        p.abort_transaction(30)  # 2 dropped, 3 marker
+        address = gw.pmap.get("tx-c", 0).address
+        c_like = raw_peer([])
+        c_like.sub.setsockopt(zmq.SUBSCRIBE, wire.P_DIRECT_RECORD + c_like.address.encode())
+        dafka_like = raw_peer([])
+        for prefix in (wire.P_DIRECT_RECORD, wire.P_VOID):
+            dafka_like.sub.setsockopt(zmq.SUBSCRIBE, prefix + dafka_like.address.encode())
+        for peer in (c_like, dafka_like):
+            peer.wait_for(lambda q: q.peers, 20)
+
+        def asked(peer: Any, n: int) -> Any:
+            def done(q: Any) -> bool:
+                q.send(wire.Fetch(address, q.address, "tx-c", 0, 10))
+                return len(q.messages(wire.DirectRecord)) + len(q.messages(wire.Void)) >= n
+            return peer.wait_for(done, 20)
+
+        asked(c_like, 4)
+        assert [(m.sequence, m.content) for m in c_like.messages(wire.DirectRecord)][:4] == [
+            (0, b"kept"), (1, b""), (2, b"dropped"), (3, b"")]
+        asked(dafka_like, 2)
+        assert {(m.sequence, m.content) for m in dafka_like.messages(wire.DirectRecord)} == {(0, b"kept")}
+        assert {(v.first, v.last, v.kind) for v in dafka_like.messages(wire.Void)} == {(1, 3, wire.VOID_COMPACTED)}
+    finally:
+        gw.close()
+
+
+def test_a_store_replicating_a_transactional_partition_holds_its_committed_records(cfg: Any, tmp_path: Path) -> None:
+    """A dafka store catching up on a gateway partition written by transactions passes the
+    aborted records and markers at once (recorded as holes), not after its skip_after."""
+    from dafka.kafka.gateway import KafkaGateway
+    from dafka.store.node import Store
+
+    gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0))
+    try:
+        bs = f"{HOST}:{gw.kafka_port}"
+        gw.create_topic("tx-rep", 1)
+        p = txn_producer(bs, "rep")
+        p.begin_transaction()
+        p.produce("tx-rep", b"kept")
+        p.commit_transaction(30)  # 0 kept, 1 marker
+        p.begin_transaction()
+        p.produce("tx-rep", b"dropped")
+        p.flush(30)
+        p.abort_transaction(30)  # 2 dropped, 3 marker
+        plain = CKProducer({"bootstrap.servers": bs})
+        plain.produce("tx-rep", b"after")  # 4
+        assert plain.flush(30) == 0
+        address = gw.pmap.get("tx-rep", 0).address
+        began = time.monotonic()
+        with Store(tmp_path / "b", cfg, skip_after=60.0) as b:
+            def caught_up() -> bool:
+                info = b.db.info("tx-rep", address)
+                return info is not None and info.last == 4 and info.count == 2
+
+            wait_until(caught_up, timeout=20)
+            took = time.monotonic() - began
+            assert [(x.offset, bytes(x.content)) for x in b.db.read("tx-rep", address, 0, 5)] == [
+                (0, b"kept"), (4, b"after")]
+        assert took < 15, took
+    finally:
+        gw.close()
+
+
+def test_a_tank_record_written_while_a_transaction_is_open_waits_for_it_on_the_mesh(cfg: Any, tmp_path: Path) -> None:
+    """A Tank produce to a partition with a Kafka transaction open lands past its last stable
+    offset: it is not published live (a Dafka consumer holding it would give the transaction's
+    offsets up after skip_after, and lose its records once committed); readers get both, in
+    order, when the transaction commits."""
+    from dafka.kafka.gateway import KafkaGateway
+    from dafka.nodes.consumer import Consumer
+    from dafka.tank.client import TankClient
+
+    gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0))
+    try:
+        bs = f"{HOST}:{gw.kafka_port}"
+        gw.create_topic("tx-tank", 1)
+        with TankClient(HOST, gw.tank_port) as t, \
+                Consumer("tx-tank", cfg, offset_reset="earliest", skip_after=1.0) as consumer:
+            t.produce("tx-tank", 0, [b"t0"])  # offset 0
+            got: list[Any] = []
+            assert wait_until(lambda: bool(got.extend(consumer.poll_batch(100, 0.1)) or got), 20)
+            p = txn_producer(bs, "tank-mix")
+            p.begin_transaction()
+            p.produce("tx-tank", b"c1")  # 1
+            p.flush(30)
+            t.produce("tx-tank", 0, [b"t2"])  # 2: past the last stable offset (1)
+            # The transaction stays open past the consumer's skip_after: nothing more comes.
+            held = time.monotonic() + 2.5
+            while time.monotonic() < held:
+                got += consumer.poll_batch(100, 0.1)
+            assert [(r.offset, bytes(r.content)) for r in got] == [(0, b"t0")]
+            p.commit_transaction(30)  # marker 3
+            deadline = time.monotonic() + 20
+            while len(got) < 3 and time.monotonic() < deadline:
+                got += consumer.poll_batch(100, 0.1)
+        assert [(r.offset, bytes(r.content)) for r in got] == [(0, b"t0"), (1, b"c1"), (2, b"t2")]
+    finally:
+        gw.close()
+
+
+def test_dafka_consumers_of_a_gateway_process_get_only_committed_records_live_and_after(cfg: Any, tmp_path: Path) -> None:
+    """A real gateway process, a transactional producer committing and aborting, and a plain
+    record produced while a transaction is open: a Dafka consumer live through it all and one
+    started after get exactly the committed records, in offset order, no marker, no aborted
+    record, well before skip_after (the live one is never handed a record past the last stable
+    offset, so it never waits on the open transaction's offsets)."""
+    from dafka.nodes.consumer import Consumer
+
+    g = GatewayProcess(tmp_path / "gw")
+    g.tower = tower_flag(cfg)
+    bs = g.start()
+    try:
+        create(bs, "tx-live")
+        plain = CKProducer({"bootstrap.servers": bs, "linger.ms": 0})
+        plain.produce("tx-live", b"first")  # offset 0
+        assert plain.flush(30) == 0
+        with Consumer("tx-live", cfg, offset_reset="earliest", skip_after=60.0) as live:
+            got: list[Any] = []
+            assert wait_until(lambda: bool(got.extend(live.poll_batch(100, 0.1)) or got), 20)
+            began = time.monotonic()
+            p = txn_producer(bs, "live")
+            p.begin_transaction()
+            p.produce("tx-live", b"c1")  # 1
+            p.produce("tx-live", b"c2")  # 2
+            p.commit_transaction(30)  # marker 3
+            p.begin_transaction()
+            p.produce("tx-live", b"x1")  # 4
+            p.produce("tx-live", b"x2")  # 5
+            p.flush(30)
+            p.abort_transaction(30)  # marker 6
+            p.begin_transaction()
+            p.produce("tx-live", b"c3")  # 7
+            p.flush(30)
+            plain.produce("tx-live", b"p")  # 8: written while the transaction is open
+            assert plain.flush(30) == 0
+            time.sleep(0.3)  # (the open transaction holds the mesh's readers at offset 7 meanwhile)
+            live_mid = list(got) + live.poll_batch(100, 0.1)
+            p.commit_transaction(30)  # marker 9
+            expected = [(0, b"first"), (1, b"c1"), (2, b"c2"), (7, b"c3"), (8, b"p")]
+            deadline = time.monotonic() + 20
+            got = list(live_mid)
+            while len(got) < len(expected) and time.monotonic() < deadline:
+                got += live.poll_batch(100, 0.1)
+            took = time.monotonic() - began
+            got += live.poll_batch(100, 0.5)
+        assert [(r.offset, bytes(r.content)) for r in live_mid] == expected[:3]
+        assert [(r.offset, bytes(r.content)) for r in got] == expected
+        assert took < 15, took
+        began = time.monotonic()
+        with Consumer("tx-live", cfg, offset_reset="earliest", skip_after=60.0) as late:
+            after: list[Any] = []
+            deadline = time.monotonic() + 20
+            while len(after) < len(expected) and time.monotonic() < deadline:
+                after += late.poll_batch(100, 0.1)
+            took = time.monotonic() - began
+            after += late.poll_batch(100, 0.5)
+        assert [(r.offset, bytes(r.content)) for r in after] == expected
+        assert took < 15, took
+    finally:
+        g.kill()
 
 
 # ---------------------------------------------------------------- quixstreams, exactly once
