@@ -71,7 +71,7 @@ from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.node import MAX_BATCH, Store
 from dafka.store.reader import block_values
 from dafka.tank.codec import FrameBuffer, encode_varint
-from dafka.tank.limits import SMALL_REQUEST, GatewayLimits, answer_budget, too_slow
+from dafka.tank.limits import SMALL_REQUEST, GatewayLimits, answer_budget, slowest_holder, too_slow
 from dafka.tank.mapping import (
     FILE_NAME,
     PARTITIONS_TOPIC,
@@ -219,6 +219,8 @@ class Gateway(Store):
         self._reserved = 0  # in-flight request bytes reserved over all connections
         self._out_held = 0  # unsent answer bytes over all connections (max_total_output_bytes)
         self._budget_waiting: list[_Conn] = []  # not read until the reservations allow
+        self._contended_since: float | None = None  # since when requests wait for the budget
+        self.budget_evictions = 0
         self.budget_waits = 0
         self._next_offset: dict[tuple[str, str], int] = {}  # owned: next offset to give
         self._to_publish: list[tuple[tuple[str, str], int, bytes]] = []
@@ -418,7 +420,14 @@ class Gateway(Store):
             elif unread_for(conn, now) > timeout:
                 self._close(conn, f"did not read its answers ({conn.out_size} bytes unsent) for {timeout:g}s", True)
         if self._budget_waiting:
+            if self._contended_since is None:
+                self._contended_since = now
+            elif now - self._contended_since >= timeout:
+                self._contended_since = now
+                self._cut_slowest_holder(now)
             self._resume_budget_waiting()
+        else:
+            self._contended_since = None
         if self._parked_all:
             for parked in [p for p in self._parked_all if p.deadline <= now]:
                 self._answer_parked(parked, timed_out=True)
@@ -612,6 +621,24 @@ class Gateway(Store):
                 conn.name, conn.frames.pending_length(), self._reserved, self.limits.max_buffered_bytes,
             )
         self._budget_waiting.append(conn)
+
+    def _cut_slowest_holder(self, now: float) -> None:
+        """Requests have waited ``request_timeout`` for the budget: close the connection whose
+        reserved frame comes slowest (a sender just above ``min_request_rate`` would
+        otherwise hold its reservation for as long as its frame takes)."""
+        holders = [c for c in self._conns.values() if c.reserved and c.frame_since is not None and not c.closed]
+        i = slowest_holder([(c.frames.buffered, now - c.frame_since) for c in holders])  # type: ignore[operator]
+        if i is None:
+            return
+        conn = holders[i]
+        self.budget_evictions += 1
+        self._close(
+            conn,
+            f"holds {conn.reserved} bytes of the request budget (max_buffered_bytes) at"
+            f" {conn.frames.buffered / max(now - conn.frame_since, 1e-3):.0f} bytes/s, the slowest,"  # type: ignore[operator]
+            f" while other requests have waited {self.limits.request_timeout:g}s",
+            True,
+        )
 
     def _resume_budget_waiting(self) -> None:
         waiting, self._budget_waiting = self._budget_waiting, []

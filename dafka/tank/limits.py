@@ -16,7 +16,10 @@ can make the gateway hold or wait for:
   arriving: silence of ``request_timeout`` seconds half way through a frame,
   or, once it has been in flight that long, fewer than ``min_request_rate``
   bytes a second on average since it began, closes the connection
-  (slow-loris senders).  An unsent answer that the client does not read for
+  (slow-loris senders).  And while a request has waited ``request_timeout``
+  seconds for the ``max_buffered_bytes`` budget, the slowest frame holding a
+  reservation is cut, one per ``request_timeout``: senders keeping just above
+  ``min_request_rate`` cannot hold the budget for an hour.  An unsent answer that the client does not read for
   ``request_timeout`` seconds closes it too (on the Kafka port as well).
 * ``max_answer_bytes``: record bytes in one consume answer (on top of the
   4 MiB per partition); ``max_output_bytes``: unsent answer bytes of one
@@ -139,6 +142,18 @@ def too_slow(received: int, in_flight: float, limits: GatewayLimits) -> bool:
     then on it must have come at ``min_request_rate`` bytes a second on average.
     """
     return in_flight >= limits.request_timeout and received < limits.min_request_rate * in_flight
+
+
+def slowest_holder(holders: list[tuple[int, float]]) -> int | None:
+    """Which reservation holder to cut while requests wait for the budget: the index of the
+    one with the lowest average rate so far among ``(received bytes, seconds in flight)``
+    (None if there is none)."""
+    best, best_rate = None, 0.0
+    for i, (received, in_flight) in enumerate(holders):
+        rate = received / max(in_flight, 1e-3)
+        if best is None or rate < best_rate:
+            best, best_rate = i, rate
+    return best
 
 
 def answer_budget(out_size: int, limits: GatewayLimits, held: int = 0) -> int:

@@ -23,7 +23,7 @@ from dafka.tank.bundle import CODEC_NONE
 from dafka.tank.client import TankClient
 from dafka.tank.codec import frame_header
 from dafka.tank.gateway import TANK_VERSION, Gateway
-from dafka.tank.limits import GatewayLimits, answer_budget, too_slow
+from dafka.tank.limits import GatewayLimits, answer_budget, slowest_holder, too_slow
 from dafka.tank.messages import (
     ConsumeFlag,
     ConsumePartition,
@@ -278,6 +278,41 @@ def test_request_bytes_in_flight_are_bounded_over_all_connections(make: Any, cap
         w.close()
 
 
+def test_senders_just_above_the_minimum_rate_cannot_hold_the_budget(make: Any) -> None:
+    # Four connections announce large produce frames, reserving the whole request budget, and
+    # trickle them just above min_request_rate: without a rule they would hold it for as long
+    # as their frames take (64 MiB at 16 KiB/s: 68 minutes) while every other large request
+    # waits.  Once a request has waited request_timeout, the slowest holder is cut, one a timeout.
+    gw = make(max_request_bytes=1 << 20, max_buffered_bytes=4 << 20, request_timeout=1.5, min_request_rate=1024)
+    w, kept = witness(gw)
+    evil = [connect_raw(gw.tank_port) for _ in range(4)]
+    honest = connect_raw(gw.tank_port)
+    try:
+        for s in evil:
+            s.sendall(frame_header(MsgId.PRODUCE, (1 << 20) - 10) + b"\2\0")
+        wait_until(lambda: gw._reserved == 4 * ((1 << 20) - 10))
+        honest.sendall(frame_header(MsgId.STATUS, 900_000) + b"\0" * 900_000)  # large: it must reserve
+        wait_until(lambda: gw._budget_waiting)
+        deadline = time.monotonic() + 20
+        cut: set[int] = set()
+        while gw._budget_waiting and time.monotonic() < deadline:
+            for i, s in enumerate(evil):  # 2 KiB/s each: above min_request_rate
+                if i not in cut:
+                    try:
+                        s.sendall(b"\0" * 512)
+                    except OSError:
+                        cut.add(i)
+            time.sleep(0.25)
+        assert not gw._budget_waiting, "the honest request still waits for the budget"
+        assert gw.budget_evictions >= 1
+        assert served(gw, kept, w)
+    finally:
+        for s in evil:
+            s.close()
+        honest.close()
+        w.close()
+
+
 def test_an_unread_answer_closes_its_connection_after_the_timeout(make: Any) -> None:
     gw = make(request_timeout=0.5, max_output_bytes=1 << 20)
     w, kept = witness(gw)
@@ -392,6 +427,8 @@ def test_progress_and_budget_rules() -> None:
     assert not too_slow(0, 100, GatewayLimits(min_request_rate=0))
     limits = GatewayLimits(max_answer_bytes=100, max_output_bytes=1000)
     assert answer_budget(0, limits) == 100 and answer_budget(950, limits) == 50 and answer_budget(5000, limits) == 0
+    assert slowest_holder([]) is None
+    assert slowest_holder([(5000, 2.0), (100, 1.0), (300, 1.0)]) == 1
 
 
 def test_normal_produce_and_consume_under_the_limits(make: Any) -> None:
