@@ -174,6 +174,7 @@ SCHEMA: dict[str, dict[str, Spec]] = {
         "request_timeout": _SECONDS,
         "max_answer_bytes": Spec("int", 1),
         "max_output_bytes": Spec("int", 1),
+        "max_total_output_bytes": Spec("int", 1),
         "max_partitions_per_topic": Spec("int", 1, 0xFFFE),
         "max_owned_partitions": Spec("int", 1, 2**31 - 1),
         "kafka_max_output_bytes": Spec("int", 1),
