@@ -171,6 +171,34 @@ def test_same_bytes_as_a_libzmq_xpub(front: FrontThread, minor: int) -> None:
         reference.close()
 
 
+def test_a_message_goes_to_those_subscribed_when_it_is_sent() -> None:
+    """As a libzmq XPUB: a CANCEL read before a sent message is written does not take it back,
+    and a message sent after the CANCEL does not go."""
+    xpub = PlainXpub("127.0.0.1", 0, wire.WELCOME)
+    events: list[bytes] = []
+
+    def reported(event: bytes) -> bool:
+        xpub.process()
+        events.extend(xpub.subscriptions())
+        return event in events
+
+    try:
+        with socket.create_connection(("127.0.0.1", xpub.port)) as c:
+            c.sendall(zmtp.greeting(1) + READY_SUB + subscribe_bytes(1, b"B") + subscribe_bytes(1, b"X"))
+            wait_until(lambda: reported(b"\x01X"))
+            xpub.send([b"B", b"before"])  # queued; written at flush
+            c.sendall(subscribe_bytes(1, b"B", subscribe=False))
+            wait_until(lambda: reported(b"\x00B"))
+            xpub.send([b"B", b"after"])
+            xpub.send([b"X", b"end"])
+            xpub.flush()
+            heard = read_until(c, b"", ends_with(b"X", b"end"))
+            assert zmtp.message([b"B", b"before"]) in heard
+            assert zmtp.message([b"B", b"after"]) not in heard
+    finally:
+        xpub.close()
+
+
 def test_pyzmq_sub_sockets_meet_the_front(front: FrontThread) -> None:
     ctx = zmq.Context.instance()
     subs = [ctx.socket(zmq.SUB) for _ in range(2)]
