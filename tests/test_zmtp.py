@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 
 import pytest
 import zmq
@@ -36,20 +37,25 @@ def subscribe_bytes(minor: int, prefix: bytes, subscribe: bool = True) -> bytes:
     return zmtp.frame((b"\x01" if subscribe else b"\x00") + prefix)
 
 
-def read_for(sock: socket.socket, seconds: float = 0.15) -> bytes:
-    """Everything ``sock`` receives within ``seconds`` (or until closed)."""
+def read_until(sock: socket.socket, heard: bytes, done: Callable[[bytes], bool], timeout: float = 5.0) -> bytes:
+    """``heard`` and what ``sock`` receives after it, until ``done`` holds of it all, the peer closes or ``timeout`` passes."""
     sock.settimeout(0.05)
-    out = b""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    deadline = time.monotonic() + timeout
+    while not done(heard) and time.monotonic() < deadline:
         try:
             chunk = sock.recv(65536)
         except TimeoutError:
             continue
         if not chunk:
             break
-        out += chunk
-    return out
+        heard += chunk
+    return heard
+
+
+def ends_with(*frames: bytes) -> Callable[[bytes], bool]:
+    """Whether a stream heard so far ends with the message of ``frames``."""
+    message = zmtp.message(list(frames))
+    return lambda heard: heard.endswith(message)
 
 
 class FrontThread:
@@ -79,6 +85,10 @@ class FrontThread:
 
     def send(self, frames: list[bytes]) -> None:
         self.outbox.append(frames)
+
+    def reported(self, n: int) -> None:
+        """Wait until the front has reported ``n`` (un)subscriptions (it applied them)."""
+        wait_until(lambda: len(self.events) >= n, 5)
 
     def close(self) -> None:
         self.stop.set()
@@ -110,44 +120,47 @@ class LibzmqXpub:
     def send(self, frames: list[bytes]) -> None:
         self.sock.send_multipart(frames)
 
+    def reported(self, n: int) -> None:
+        """Wait until the XPUB has reported ``n`` (un)subscriptions (it applies each as it reports it)."""
+        wait_until(lambda: (self.pump(), len(self.events) >= n)[1], 5)
+
     def close(self) -> None:
         self.sock.close(0)
 
 
-def conversation(port: int, minor: int, pump, send) -> bytes:
-    """What a raw ZMTP 3.<minor> SUB hears from the port at ``port``, step by step as libzmq's SUB talks."""
+def conversation(port: int, minor: int, reported: Callable[[int], None], send: Callable[[list[bytes]], None]) -> bytes:
+    """What a raw ZMTP 3.<minor> SUB hears from the port at ``port``, step by step as libzmq's SUB talks.
+
+    Each step waits for what it needs: the port's signature, its greeting and
+    READY, the (un)subscriptions reported (so applied) before publishing, and
+    each batch's last subscribed message before the next step.
+    """
     with socket.create_connection(("127.0.0.1", port)) as c:
-        heard = b""
         c.sendall(zmtp.SIGNATURE)
-        heard += read_for(c)
+        heard = read_until(c, b"", lambda h: len(h) >= len(zmtp.SIGNATURE))
         c.sendall(zmtp.greeting_rest(minor))
-        heard += read_for(c)
-        c.sendall(READY_SUB)
-        heard += read_for(c)
+        heard = read_until(c, heard, lambda h: len(h) > 65 and len(h) >= 66 + h[65])  # greeting and READY
+        c.sendall(READY_SUB)  # the welcome comes when libzmq's XPUB attaches the pipe (at its next call)
         c.sendall(subscribe_bytes(minor, b"B") + subscribe_bytes(minor, b"X T") + subscribe_bytes(minor, b"R" * 300))
-        pump()
-        time.sleep(0.1)
+        reported(3)
         send([b"B", b"A" * 32, b"tcp://127.0.0.1:5000"])
         send([b"X T" + b"1" * 32])
         send([b"X P hello\x00", b"A" * 32, b"tcp://127.0.0.1:5001"])  # not subscribed
         send([b"R" * 300 + b"!", b"x" * 400])  # long frames
-        heard += read_for(c)
+        heard = read_until(c, heard, ends_with(b"R" * 300 + b"!", b"x" * 400))
         c.sendall(subscribe_bytes(minor, b"B", subscribe=False))
-        pump()
-        time.sleep(0.1)
+        reported(4)
         send([b"B", b"C" * 32, b"tcp://127.0.0.1:5002"])  # no longer subscribed
         send([b"X T" + b"2" * 32])
-        heard += read_for(c)
-        pump()
-        return heard
+        return read_until(c, heard, ends_with(b"X T" + b"2" * 32))
 
 
 @pytest.mark.parametrize("minor", [0, 1])
 def test_same_bytes_as_a_libzmq_xpub(front: FrontThread, minor: int) -> None:
     reference = LibzmqXpub()
     try:
-        expected = conversation(reference.port, minor, reference.pump, reference.send)
-        ours = conversation(front.port, minor, lambda: None, front.send)
+        expected = conversation(reference.port, minor, reference.reported, reference.send)
+        ours = conversation(front.port, minor, front.reported, front.send)
         assert ours == expected
         assert expected.startswith(zmtp.greeting(1) + zmtp.ready(b"XPUB") + zmtp.message([wire.WELCOME]))
         # The (un)subscriptions reported, as the XPUB reports them (the peer's leaving included).
@@ -156,6 +169,34 @@ def test_same_bytes_as_a_libzmq_xpub(front: FrontThread, minor: int) -> None:
         assert front.events == reference.events
     finally:
         reference.close()
+
+
+def test_a_message_goes_to_those_subscribed_when_it_is_sent() -> None:
+    """As a libzmq XPUB: a CANCEL read before a sent message is written does not take it back,
+    and a message sent after the CANCEL does not go."""
+    xpub = PlainXpub("127.0.0.1", 0, wire.WELCOME)
+    events: list[bytes] = []
+
+    def reported(event: bytes) -> bool:
+        xpub.process()
+        events.extend(xpub.subscriptions())
+        return event in events
+
+    try:
+        with socket.create_connection(("127.0.0.1", xpub.port)) as c:
+            c.sendall(zmtp.greeting(1) + READY_SUB + subscribe_bytes(1, b"B") + subscribe_bytes(1, b"X"))
+            wait_until(lambda: reported(b"\x01X"))
+            xpub.send([b"B", b"before"])  # queued; written at flush
+            c.sendall(subscribe_bytes(1, b"B", subscribe=False))
+            wait_until(lambda: reported(b"\x00B"))
+            xpub.send([b"B", b"after"])
+            xpub.send([b"X", b"end"])
+            xpub.flush()
+            heard = read_until(c, b"", ends_with(b"X", b"end"))
+            assert zmtp.message([b"B", b"before"]) in heard
+            assert zmtp.message([b"B", b"after"]) not in heard
+    finally:
+        xpub.close()
 
 
 def test_pyzmq_sub_sockets_meet_the_front(front: FrontThread) -> None:
@@ -405,9 +446,11 @@ def test_tower_forwards_only_subscriptions_that_select_b_beacons() -> None:
         sub = ctx.socket(zmq.SUB)
         try:
             upstream.connect(f"tcp://127.0.0.1:{tower.in_port}")
-            for prefix in (b"W", b"R" + b"A" * 32, b"X P t\x00", os.urandom(40), b"B"):
+            for prefix in (b"W", b"R" + b"A" * 32, b"X P t\x00", os.urandom(40)):
                 sub.setsockopt(zmq.SUBSCRIBE, prefix)
             sub.connect(f"tcp://127.0.0.1:{tower.out_port}")
+            assert sub.poll(5000) and sub.recv_multipart() == [wire.WELCOME]  # those are sent
+            sub.setsockopt(zmq.SUBSCRIBE, b"B")  # after them, on the same connection
             seen: list[bytes] = []
 
             def got_b() -> bool:
@@ -415,9 +458,9 @@ def test_tower_forwards_only_subscriptions_that_select_b_beacons() -> None:
                     seen.append(upstream.recv())
                 return b"\x01B" in seen
 
+            # The tower reads a connection's subscriptions in order and forwards in that order:
+            # when B came, whatever it would forward of the others came before it.
             wait_until(got_b)
-            time.sleep(0.2)
-            got_b()
             assert set(seen) == {b"\x01X", b"\x01B"}  # the tower's own X, and B
         finally:
             sub.close(0)
