@@ -660,18 +660,54 @@ def test_only_holder_counts_the_acks_a_store_sent_before_its_producer_has_them()
         w.close()
 
 
-# Found by the sweep of the final code of 2026-11-29 (seed 2205307, shrunk): a restarted
-# consumer skips p0@0..19, acknowledged, while a store is offline for 12 s.  Not yet
-# explained (a simulator guard gap like the one above, or the nodes): pinned as a strict
-# xfail so that its fix shows (XPASS fails the run until this marker goes).
-OFFLINE_STORE_AFTER_PRODUCER_RESTART_SCHEDULE = (
+# Seed 2205307 of the sweep of 2026-11-29 (issue 40), shrunk: on a network that
+# duplicates, consumer c0 (node 2) is killed and restarted 50 ms later; s0 greets
+# the new c0 (STORE-HELLO) and is killed (node 0) while that greeting is on the
+# wire.  The simulator told c0 at once that s0 was gone, then delivered the
+# greeting, which made s0 alive again for c0 for good (a dead store's beacons
+# never expire twice).  c0, cut off for 12 s, then never saw every store it knew
+# gone, so it counted its hole as heard and skipped p0@0..19, acknowledged,
+# after skip_after.  The real consumer hears a killed store gone a beacon
+# timeout (4 s) after its last beacon, long after what the store sent has
+# arrived; the simulator now says it gone once its copies on the wire arrived.
+CONSUMER_CUT_AFTER_A_STORE_KILL_SCHEDULE = (
     "wait:5500:0:3353788131,wait:11000:0:21761816,net:2:0:238737100,crash:2:50:2894264339,"
     "crash:6:1:3484153924,lose:1:1:4232126858,publish:0:20:3190798733,hostile:6:1:3303789041,"
     "crash:0:23:1664133282,publish:0:1:3722352605,offline:2:12000:228571294,wait:11000:0:3651080903"
 )
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40: seed 2205307, acked records skipped; cause not found yet")
-def test_seed_2205307_offline_store_after_a_producer_restart_skips_nothing_acknowledged() -> None:
-    r = runner.run_schedule(loads(OFFLINE_STORE_AFTER_PRODUCER_RESTART_SCHEDULE))
+def test_seed_2205307_a_consumer_cut_off_after_a_store_kill_skips_nothing_acknowledged() -> None:
+    r = runner.run_schedule(loads(CONSUMER_CUT_AFTER_A_STORE_KILL_SCHEDULE))
     assert r.ok, _report(r)
+    assert r.faults.get("kill-s") == 1 and r.faults.get("offline") == 1, r.faults
+    assert r.delivered == 2 * 22, _report(r)  # both consumers got everything
+
+
+def test_a_killed_store_is_gone_for_its_peers_after_what_it_sent_arrived() -> None:
+    """World.kill_store: a STORE-HELLO on the wire when its store is killed does
+    not make the store alive again for the consumer it greets."""
+    from dafka.sim.world import simulated_time
+
+    w = World()
+    s0 = w.stores[0]
+    c0 = w.consumers[0]
+    try:
+        with simulated_time(w.clock):
+            w.start()
+            w.apply(Step("wait", 1000, 0, 1))
+            w.apply(Step("net", 3, 0, 2))  # slow: 50..250 ms a copy
+            w.kill_consumer(c0)
+            w.start_consumer(c0)  # s0 and s1 greet it
+            w.advance(0.01)  # their STORE-HELLOs are on the wire
+            address = s0.store.address
+            assert w.net.last_from(s0.name) is not None
+            w.kill_store(s0)
+            w.advance(1.0)  # the greetings arrive, then s0 is gone
+            assert c0.node is not None
+            assert address in c0.node._stores and c0.node._stores._gone_at[address] is not None
+            w.apply(Step("offline", 2, 12000, 3))  # c0 cut off: s1 goes too, after 4 s
+            w.advance(5.0)
+            assert not c0.node.owner_hears("p0-partition")  # every store it knows is gone
+    finally:
+        w.close()
