@@ -604,6 +604,9 @@ class World:
             if node._to_write is not None and h.commit_at is None:
                 h.commit_at = self.now + self.rng.choice((0.0005, 0.002, 0.01, 0.05))
         else:
+            skips = node.sim_take_skips()
+            if skips:
+                self.checker.on_given_up(name, h.incarnation, skips)
             records = node.sim_take()
             if records:
                 self.delivered += len(records)
@@ -630,6 +633,7 @@ class World:
         if store is None or store._to_write is None:
             return
         self._guard(f"{h.name} commit", store._commit, store._to_write)
+        self.checker.on_store_commit(h)
         self.pump(h.name)
 
     # ------------------------------------------------------------ time
