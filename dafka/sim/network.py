@@ -104,6 +104,11 @@ class Network:
                 self._seq += 1
                 heapq.heappush(self._queue, (now + delay, self._seq, ep.name, ep.generation, sender, list(frames)))
 
+    def last_from(self, sender: str) -> float | None:
+        """When the last copy ``sender`` sent that is still on the wire arrives (None: none is)."""
+        times = [item[0] for item in self._queue if item[4] == sender]
+        return max(times) if times else None
+
     def next_time(self) -> float | None:
         return self._queue[0][0] if self._queue else None
 

@@ -32,6 +32,7 @@ import zmq
 
 from dafka.config import NodeConfig
 from dafka.core import wire
+from dafka.core.gaps import PartitionTracker
 from dafka.core.resume import STRICT, Resume
 from dafka.core.unacked import UnackedWindow
 from dafka.errors import ProtocolError
@@ -201,6 +202,27 @@ class SimConsumer(Simulated, Consumer):
         self._sim_init()
         super().__init__(topics, SIM_CONFIG, offset_reset="earliest")
         self._sim_swap(now)
+        # Holes given up after skip_after since the last sim_take_skips:
+        # (partition, first, last, when the last FETCH before went out, retry_interval).
+        self.sim_skips: list[tuple[str, int, int, float, float]] = []
+        self._sim_restart_pass = False
+
+    def _pass_restart_hole(self, tracker: PartitionTracker, now: float) -> None:
+        self._sim_restart_pass = True
+        try:
+            super()._pass_restart_hole(tracker, now)
+        finally:
+            self._sim_restart_pass = False
+
+    def on_skipped(self, tracker: PartitionTracker, first: int, last: int) -> None:
+        super().on_skipped(tracker, first, last)
+        if not self._sim_restart_pass:
+            self.sim_skips.append((tracker.address, first, last, tracker.sent_at, tracker.retry_interval))
+
+    def sim_take_skips(self) -> list[tuple[str, int, int, float, float]]:
+        """The holes given up after skip_after since the last call (see Checker.on_given_up)."""
+        out, self.sim_skips = self.sim_skips, []
+        return out
 
     def sim_peer_joined(self, kind: str, address: str) -> None:
         """What the consumer's subscription reader does when a peer subscribes to it."""
