@@ -545,9 +545,18 @@ class Consumer(PartitionReader):
         hole then waits for them (:meth:`PartitionTracker.unheard`, bounded
         by UNHEARD_LIMIT) rather than be skipped after ``skip_after``, which
         would pass records every store holds and acknowledged (issue 40, the
-        simulator's ``offline`` of a consumer).
+        simulator's ``offline`` of a consumer).  Likewise while the towers we
+        had heard are silent: peers are not expired then (discovery), so a cut
+        of our whole network, towers included, would never say our stores are
+        gone, and a known hole would be skipped after ``skip_after`` over
+        records the stores hold.
         """
-        return self._lonely_since is None
+        if self._lonely_since is not None:
+            return False
+        watch = self.tower_watch
+        return not (
+            self.config.towers and watch.heard_at is not None and watch.quiet(time.monotonic(), self._quiet_limit)
+        )
 
     def _hello(self, store: str) -> None:
         self._lonely_since = None
