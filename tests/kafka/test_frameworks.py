@@ -157,12 +157,18 @@ def test_aiokafka_consumers_share_a_group_and_resume_from_their_commits(gateway:
         for c in members:
             await c.start()
         try:
-            # Both members hold partitions before any record is there to take.
+            # Both members hold partitions before any record is there to take.  Wait for the
+            # rebalance to settle, not just for both to hold some: a member that has not yet
+            # read its SyncGroup answer still shows the last generation's (all four).
+            def split() -> list[int]:
+                return sorted(p.partition for c in members for p in c.assignment())
+
             deadline = time.monotonic() + 60
-            while not all(c.assignment() for c in members) and time.monotonic() < deadline:
+            while not (all(c.assignment() for c in members) and split() == [0, 1, 2, 3]) \
+                    and time.monotonic() < deadline:
                 for c in members:
                     await c.getmany(timeout_ms=100)
-            assert sorted(p.partition for c in members for p in c.assignment()) == [0, 1, 2, 3]
+            assert split() == [0, 1, 2, 3]
             await produce(0, 100)
             got = await consume(members, 100)
             assert sorted(v for vs in got.values() for v in vs) == list(range(100))
