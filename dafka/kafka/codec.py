@@ -300,33 +300,6 @@ def parse_header(frame: bytes) -> tuple[RequestHeader, int]:
     return RequestHeader(api_key, version, corr, client_id), pos
 
 
-def _skip_tags(frame: bytes, pos: int) -> int:
-    """Skip a tagged-field section (flexible header v2)."""
-
-    def uvarint(p: int) -> tuple[int, int]:
-        v = shift = 0
-        while True:
-            if p >= len(frame) or shift > 28:
-                raise ProtocolError("malformed tagged fields")
-            b = frame[p]
-            p += 1
-            v |= (b & 0x7F) << shift
-            if b < 0x80:
-                return v, p
-            shift += 7
-
-    count, pos = uvarint(pos)
-    if count > 64:
-        raise ProtocolError("too many tagged fields")
-    for _ in range(count):
-        _tag, pos = uvarint(pos)
-        size, pos = uvarint(pos)
-        pos += size
-    if pos > len(frame):
-        raise ProtocolError("tagged fields overrun the request")
-    return pos
-
-
 #: Tagged fields one tag section of a request may carry.
 MAX_TAGS = 64
 
@@ -342,6 +315,21 @@ def _uvarint(data: memoryview, pos: int) -> tuple[int, int]:
         if b < 0x80:
             return v, pos
         shift += 7
+
+
+def _skip_tags(frame: bytes, pos: int) -> int:
+    """Skip a tagged-field section (flexible header v2), bounded as :func:`decode_tags`."""
+    data = memoryview(frame)
+    count, pos = _uvarint(data, pos)
+    if count > MAX_TAGS:
+        raise ProtocolError(f"{count} tagged fields (at most {MAX_TAGS})")
+    for _ in range(count):
+        _tag, pos = _uvarint(data, pos)
+        size, pos = _uvarint(data, pos)
+        pos += size
+    if pos > len(frame):
+        raise ProtocolError("tagged fields overrun the request")
+    return pos
 
 
 def decode_tags(fields: Any, data: memoryview, pos: int, version: int) -> tuple[dict[str, Any], int]:
