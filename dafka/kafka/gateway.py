@@ -915,10 +915,10 @@ class KafkaGateway(Gateway):
         if outcome.park is not None:
             self._kparked.append((slot, outcome.park))
         elif outcome.needs:
-            # Handed to the writer once the frames read are taken (_kprocess), all at once.
             self._kfill(slot, outcome.data)
             slot.held = True
             self._kpending.append((slot, outcome.needs))
+            self._flush_batch()
         elif outcome.data is not None:
             self._kfill(slot, outcome.data)
         self._send_released()
