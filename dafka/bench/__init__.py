@@ -72,11 +72,12 @@ def _options() -> dict[str, tuple[str, dict[str, Any]]]:
         "outbox": ("--outbox", {"action": "store_true", "help": "the producer publishes through an edge outbox"}),
         "no_batches": ("--no-batches", {"action": "store_true", "help": "one record a message, as to C readers"}),
         "sync": ("--sync", {"action": "store_true", "help": "fsync every commit (its wait is not CPU time)"}),
-        "client": ("--client", {"choices": ["confluent", "raw"], "default": "confluent",
+        "client": ("--client", {"choices": ["confluent", "raw", "kcat"], "default": "confluent",
                                 "help": "confluent: confluent-kafka's producer (a Python call a record); raw:"
                                         " produce requests of ready-made batches of 1,000 records, 8 in flight"
                                         " (the Tank bench's client's way), which measures the gateway more than"
-                                        " the client"}),
+                                        " the client; kcat: the kcat command (librdkafka in C, a record a line"
+                                        " of a file written first), if installed"}),
         "broker": ("--broker", {"metavar": "HOST:PORT", "default": None,
                                 "help": "measure a running Tank broker (or gateway) there instead of a gateway"
                                         " started here; each run creates a topic"}),

@@ -111,6 +111,62 @@ def _kafka_produce_raw(host: str, port: int, topic: str, n: int, size: int, per_
     return requests * per_batch / elapsed
 
 
+KCAT_MISSING = "--client kcat: the kcat command is not installed (e.g. apt-get install kcat)"
+
+
+def _kafka_produce_kcat(host: str, port: int, topic: str, n: int, size: int) -> float:
+    """kcat (librdkafka in C, no Python per record) producing ``n`` records of ``size`` bytes
+    read as lines of a file written beforehand, acks=all, to partition 0: records/s from its
+    start to its exit (it exits once every record is acknowledged), its start included."""
+    import os
+    import resource
+    import shutil
+    import subprocess
+    import tempfile
+
+    kcat = shutil.which("kcat") or shutil.which("kafkacat")
+    if kcat is None:
+        raise SystemExit(KCAT_MISSING)
+    _create_topic(f"{host}:{port}", topic)
+    with tempfile.NamedTemporaryFile(prefix="dafka-bench-kcat-", suffix=".txt") as f:
+        line = b"x" * size + b"\n"
+        left = n
+        while left:
+            k = min(left, 100_000)
+            f.write(line * k)
+            left -= k
+        f.flush()
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        done = subprocess.run(
+            [kcat, "-P", "-b", f"{host}:{port}", "-t", topic, "-p", "0", "-X", "acks=all", "-X", "linger.ms=5",
+             "-X", "batch.size=1000000", "-X", "queue.buffering.max.messages=2000000",
+             "-X", "queue.buffering.max.kbytes=2097151", "-l", f.name],
+            capture_output=True, text=True, timeout=600, env=dict(os.environ, LC_ALL="C"),
+        )
+        elapsed = time.perf_counter() - t0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0 or "ERROR" in done.stderr or "ailed" in done.stderr:
+        raise RuntimeError(f"kcat failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+    stored = _high_watermark(f"{host}:{port}", topic) - 1  # (the record that created the topic)
+    if stored != n:
+        raise RuntimeError(f"kcat exited, but {stored} of its {n} records are stored")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    print(f"kcat: {cpu / n * 1e9:.0f} ns of its own CPU a record", flush=True)
+    return n / elapsed
+
+
+def _high_watermark(bootstrap: str, topic: str) -> int:
+    from confluent_kafka import Consumer as KConsumer
+    from confluent_kafka import TopicPartition
+
+    c = KConsumer({"bootstrap.servers": bootstrap, "group.id": "bench-hwm", "enable.auto.commit": False})
+    try:
+        return int(c.get_watermark_offsets(TopicPartition(topic, 0), timeout=30)[1])
+    finally:
+        c.close()
+
+
 def _create_topic(bootstrap: str, topic: str) -> None:
     from confluent_kafka import Producer as KProducer
 
@@ -151,9 +207,13 @@ def _kafka_consume(port: int, topic: str, n: int, host: str = "127.0.0.1") -> fl
 
 def bench_kafka(args: argparse.Namespace) -> dict[str, list[float]]:
     """Through a Kafka gateway process (or ``--broker``): produce (acks=all) and consume with
-    confluent-kafka, or produce ready-made batches (``--client raw``)."""
+    confluent-kafka, or produce ready-made batches (``--client raw``) or with kcat (``--client
+    kcat``, when installed)."""
+    import shutil
     import tempfile
 
+    if args.client == "kcat" and not (shutil.which("kcat") or shutil.which("kafkacat")):
+        raise SystemExit(KCAT_MISSING)  # before a gateway is started
     ctx = mp.get_context("spawn")
     produce, consume = [], []
     for run in range(args.runs):
@@ -179,6 +239,8 @@ def bench_kafka(args: argparse.Namespace) -> dict[str, list[float]]:
 def _kafka_run(host: str, port: int, topic: str, args: argparse.Namespace, run: int, consume: list[float]) -> float:
     if args.client == "raw":
         rate = _kafka_produce_raw(host, port, topic, args.records, args.size)
+    elif args.client == "kcat":
+        rate = _kafka_produce_kcat(host, port, topic, args.records, args.size)
     else:
         rate = _kafka_produce(port, topic, args.records, args.size, host)
     print(f"run {run}: kafka produce ({args.client}) {rate:,.0f} records/s acknowledged", flush=True)

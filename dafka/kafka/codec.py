@@ -108,6 +108,7 @@ from dafka.errors import ProtocolError
 
 __all__ = [
     "API",
+    "encode_produce_response",
     "DEFAULT_MAX_FRAME",
     "ApiSpec",
     "Err",
@@ -271,7 +272,7 @@ class FrameReader:
         stop = pos + 4 + size
         if stop > len(buf):
             return None
-        frame = bytes(buf[pos + 4 : stop])
+        frame = bytes(memoryview(buf)[pos + 4 : stop])  # one copy (a bytearray slice is a second)
         if stop == len(buf):
             buf.clear()
             self._pos = 0
@@ -454,6 +455,59 @@ def encode_response(correlation_id: int, api_key: int, version: int, **fields: A
     if api_key != API_VERSIONS and cls.flexible_version_q(version):
         return _I32.pack(len(body) + 5) + _I32.pack(correlation_id) + b"\x00" + bytes(body)
     return _I32.pack(len(body) + 4) + _I32.pack(correlation_id) + bytes(body)
+
+
+def _varint_bytes(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_PRODUCE_PART = {v: struct.Struct(">ihq" + ("q" if v >= 2 else "") + ("q" if v >= 5 else "")) for v in range(11)}
+_PRODUCE_VERSIONS = range(11)
+_I16_LEN = struct.Struct(">h")
+
+
+def encode_produce_response(
+    correlation_id: int, version: int, topics: list[tuple[str, list[tuple[int, int, int]]]]
+) -> bytes:
+    """A whole Produce response frame (versions 0-10), written here: the answer to every
+    produce request, which the generic encoder took 10-45 us to build (flexible versions
+    the most).  ``topics`` is ``[(name, [(partition, error code, base offset)])]``; every
+    partition has log-append time and log start offset -1, no record errors, no error
+    message (what the gateway answers), as :func:`encode_response` would write them."""
+    if version not in _PRODUCE_VERSIONS:
+        raise ProtocolError(f"Produce v{version} is not served")
+    flexible = version >= 9
+    part = _PRODUCE_PART[version]
+    tail = b""
+    if version >= 8:
+        # record_errors (empty), error_message (null), then the partition's tagged fields
+        tail = b"\x01\x00\x00" if flexible else b"\x00\x00\x00\x00\xff\xff"
+    extra = (-1,) * ((version >= 2) + (version >= 5))
+    parts = [_varint_bytes(len(topics) + 1) if flexible else _I32.pack(len(topics))]
+    app = parts.append
+    for name, partitions in topics:
+        raw = name.encode()
+        app(_varint_bytes(len(raw) + 1) if flexible else _I16_LEN.pack(len(raw)))
+        app(raw)
+        app(_varint_bytes(len(partitions) + 1) if flexible else _I32.pack(len(partitions)))
+        for index, code, base in partitions:
+            app(part.pack(index, code, base, *extra))
+            app(tail)
+        if flexible:
+            app(b"\x00")  # the topic's tagged fields
+    if version >= 1:
+        app(_I32.pack(0))  # throttle_time_ms
+    if flexible:
+        app(b"\x00")  # the response's tagged fields
+    body = b"".join(parts)
+    if flexible:
+        return _I32.pack(len(body) + 5) + _I32.pack(correlation_id) + b"\x00" + body
+    return _I32.pack(len(body) + 4) + _I32.pack(correlation_id) + body
 
 
 _FETCH_HEAD = {v: struct.Struct(">i" + ("i" if v >= 1 else "") + ("hi" if v >= 7 else "")) for v in range(12)}

@@ -208,7 +208,7 @@ def _keep_v2(buf: bytes, pos: int, stop: int, budget: list[int], records: list[i
     if count <= 0:  # nothing to keep: checked and decoded as before (an empty batch stores nothing)
         return _decode_v2(buf, pos, stop, budget, records)
     _spend(records, count)  # before anything is inflated or walked
-    raw = buf[pos:stop]
+    raw = buf if pos == 0 and stop == len(buf) else buf[pos:stop]  # (the usual one batch: not copied)
     scan = scan_kafka(raw, 1 << 62, budget[0], control=True)
     if scan.compression:
         budget[0] -= len(scan.body)

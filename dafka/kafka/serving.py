@@ -60,7 +60,15 @@ from dafka.kafka.admin import (
     parse_cleanup,
     parse_retention,
 )
-from dafka.kafka.codec import API_VERSIONS, Err, N, api_keys, encode_fetch_parts, encode_response
+from dafka.kafka.codec import (
+    API_VERSIONS,
+    Err,
+    N,
+    api_keys,
+    encode_fetch_parts,
+    encode_produce_response,
+    encode_response,
+)
 from dafka.kafka.groups import Answer, Coordinator
 from dafka.kafka.outcome import Outcome, ParkedFetch
 from dafka.kafka.records import (
@@ -435,23 +443,16 @@ class KafkaServer(AdminHandlers, TxnHandlers, TxnAdminHandlers):
                         batches = None
                 plan.append((t.name, p.index, part, batches))
         needs: dict[tuple[str, str], int] = {}
-        results: dict[str, list[Any]] = {}
+        results: dict[str, list[tuple[int, int, int]]] = {}
         for name, index, part, batches in plan:
             if batches is None:
                 code, base = Err.MESSAGE_TOO_LARGE, -1
             else:
                 code, base = self._produce_partition(part, batches, needs)
-            results.setdefault(name, []).append(
-                N(index=index, error_code=code, base_offset=base, log_append_time_ms=-1,
-                  log_start_offset=-1, record_errors=[], error_message=None)
-            )
+            results.setdefault(name, []).append((index, code, base))
         if req.acks == 0:
             return Outcome(needs=needs or None)
-        data = encode_response(
-            corr, 0, v, throttle_time_ms=0,
-            responses=[N(name=n, partition_responses=ps) for n, ps in results.items()],
-        )
-        return Outcome(data, needs or None)
+        return Outcome(encode_produce_response(corr, v, list(results.items())), needs or None)
 
     def _produce_all_failed(self, corr: int, v: int, req: Any, code: int) -> Outcome:
         if req.acks == 0:

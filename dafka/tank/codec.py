@@ -14,6 +14,7 @@ negative varint, ...).
 from __future__ import annotations
 
 import struct
+from collections import deque
 from collections.abc import Iterator
 
 from dafka.errors import ProtocolError
@@ -76,7 +77,7 @@ def encode_varint(value: int) -> bytes:
     return bytes(out)
 
 
-def decode_varint(buf: bytes, pos: int = 0, end: int | None = None) -> tuple[int, int]:
+def decode_varint(buf: bytes | memoryview, pos: int = 0, end: int | None = None) -> tuple[int, int]:
     """Decode the varint at ``buf[pos:end]``; return ``(value, position after it)``.
 
     Raises ProtocolError when it is truncated, longer than five bytes or
@@ -144,7 +145,7 @@ class Reader:
 
     __slots__ = ("buf", "pos", "end")
 
-    def __init__(self, buf: bytes, pos: int = 0, end: int | None = None) -> None:
+    def __init__(self, buf: bytes | memoryview, pos: int = 0, end: int | None = None) -> None:
         self.buf = buf
         self.pos = pos
         self.end = len(buf) if end is None else end
@@ -184,6 +185,12 @@ class Reader:
     def raw(self, n: int, what: str = "bytes") -> bytes:
         pos = self._take(n, what)
         return bytes(self.buf[pos : pos + n])
+
+    def view(self, n: int, what: str = "bytes") -> bytes | memoryview:
+        """``n`` bytes as :meth:`raw`, but a slice of the buffer itself when it is a
+        memoryview (a payload received in place): no copy."""
+        pos = self._take(n, what)
+        return self.buf[pos : pos + n]
 
     def str8(self, what: str = "str8") -> str:
         n = self.u8(what)
@@ -235,72 +242,170 @@ class FrameBuffer:
     ``feed()`` whatever the socket gave, then call ``next_frame()`` until it
     returns None.  A frame announcing more than ``max_frame_size`` bytes
     raises ProtocolError (the stream cannot be resynchronised after that).
+
+    A large frame can be received in place instead (the gateway does, for
+    bundles): :meth:`direct` gives a writable view of the frame's own buffer,
+    the caller receives into it (``recv_into``) and reports the bytes with
+    :meth:`received`, and :meth:`next_view` hands the payload out as a view of
+    that buffer, not copied (``feed`` and ``next_frame`` copy a payload once
+    each way).  The frame's buffer is allocated whole, at its announced
+    length, only when :meth:`direct` is called: the caller does so once it has
+    accounted for that length (the gateway's ``max_buffered_bytes``).
+
+    Complete frames are taken out of the byte buffer as they arrive, so that
+    it only ever holds the frame being received (the partial one).
     """
 
-    __slots__ = ("_buf", "_pos", "max_frame_size")
-
-    # Compact the buffer once this many consumed bytes sit at its front.
-    _COMPACT_AT = 1 << 16
+    __slots__ = ("_buf", "_ready", "_ready_bytes", "_big", "_have", "max_frame_size")
 
     def __init__(self, max_frame_size: int = MAX_FRAME_SIZE) -> None:
+        # The bytes of the frame being received, unless it is received in place (_big).
         self._buf = bytearray()
-        self._pos = 0
+        # Complete frames not yet taken, in stream order; they precede what _big and
+        # _buf hold.  _ready_bytes: their bytes, frame headers included.
+        self._ready: deque[tuple[int, bytes | memoryview]] = deque()
+        self._ready_bytes = 0
+        # The frame received in place (header included, at its full length) and how
+        # many of its bytes are here; _buf is empty while it is incomplete.
+        self._big: bytearray | None = None
+        self._have = 0
         self.max_frame_size = max_frame_size
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        big = self._big
+        if big is not None:
+            take = min(len(data), len(big) - self._have)
+            big[self._have : self._have + take] = data[:take]
+            self._have += take
+            if self._have < len(big):
+                return
+            self._big_done()
+            if take == len(data):
+                return
+            data = memoryview(data)[take:]
         self._buf += data
+        self._extract()
+
+    def _big_done(self) -> None:
+        big = self._big
+        assert big is not None
+        self._ready.append((big[0], memoryview(big)[FRAME_HEADER_SIZE:]))
+        self._ready_bytes += len(big)
+        self._big = None
+        self._have = 0
+
+    def _extract(self) -> None:
+        """Move the complete frames of ``_buf`` to ``_ready`` (each payload copied once).
+
+        Stops at a header over the limit without raising: the error is raised by
+        the calls that look at that frame (:meth:`pending_length`, :meth:`next_frame`...).
+        """
+        buf = self._buf
+        size = len(buf)
+        pos = 0
+        ready = self._ready
+        limit = self.max_frame_size
+        while size - pos >= FRAME_HEADER_SIZE:
+            msg_id, length = FRAME_HEADER.unpack_from(buf, pos)
+            stop = pos + FRAME_HEADER_SIZE + length
+            if length > limit or stop > size:
+                break
+            with memoryview(buf) as view:
+                ready.append((msg_id, bytes(view[pos + FRAME_HEADER_SIZE : stop])))
+            self._ready_bytes += stop - pos
+            pos = stop
+        if pos:
+            del buf[:pos]  # what is left is one partial frame: a short move
 
     @property
     def buffered(self) -> int:
         """Bytes received but not yet returned as a frame."""
-        return len(self._buf) - self._pos
+        return self._ready_bytes + len(self._buf) + self._have
+
+    def _partial(self) -> int:
+        """The payload length the frame being received announces (-1: no header yet)."""
+        big = self._big
+        if big is not None:
+            return len(big) - FRAME_HEADER_SIZE
+        if len(self._buf) < FRAME_HEADER_SIZE:
+            return -1
+        return parse_frame_header(self._buf, 0, self.max_frame_size)[1]
 
     def needed(self) -> int:
         """How many more bytes complete the next frame (at least 1 when waiting)."""
-        avail = len(self._buf) - self._pos
-        if avail < FRAME_HEADER_SIZE:
-            return FRAME_HEADER_SIZE - avail
-        _, length = parse_frame_header(self._buf, self._pos, self.max_frame_size)
-        return max(0, FRAME_HEADER_SIZE + length - avail)
+        if self._ready:
+            return 0
+        if self._big is not None:
+            return len(self._big) - self._have
+        length = self._partial()
+        if length < 0:
+            return FRAME_HEADER_SIZE - len(self._buf)
+        return max(0, FRAME_HEADER_SIZE + length - len(self._buf))
 
     def pending_length(self) -> int:
-        """The announced payload length of a frame begun but not complete (0: none).
+        """The announced payload length of the frame begun but not complete (0: none).
 
         Raises ProtocolError as soon as a header announces more than the limit,
         before any of its payload needs to be buffered.
         """
-        avail = len(self._buf) - self._pos
-        if avail < FRAME_HEADER_SIZE:
-            return 0
-        _, length = parse_frame_header(self._buf, self._pos, self.max_frame_size)
-        return length if FRAME_HEADER_SIZE + length > avail else 0
+        length = self._partial()
+        return length if length > 0 else 0
 
     def peek_msg_id(self) -> int | None:
         """The msgId of the next frame, as soon as its first byte is here."""
-        return self._buf[self._pos] if len(self._buf) > self._pos else None
+        if self._ready:
+            return self._ready[0][0]
+        if self._big is not None:
+            return self._big[0]
+        return self._buf[0] if self._buf else None
+
+    def direct(self, min_length: int) -> memoryview | None:
+        """A writable view of the rest of the frame being received, to receive into in
+        place, when it announces over ``min_length`` payload bytes (None: ``feed``).
+
+        The first call for a frame allocates its buffer at the announced length and
+        moves the bytes already here into it; report what was written into the view
+        with :meth:`received`.
+        """
+        big = self._big
+        if big is None:
+            length = self._partial()
+            if length <= min_length:
+                return None  # small, or no header yet
+            buf = self._buf
+            big = self._big = bytearray(FRAME_HEADER_SIZE + length)
+            big[: len(buf)] = buf
+            self._have = len(buf)
+            buf.clear()
+        return memoryview(big)[self._have :]
+
+    def received(self, n: int) -> None:
+        """``n`` bytes were written at the front of the view :meth:`direct` gave."""
+        big = self._big
+        if big is None or not 0 <= n <= len(big) - self._have:
+            raise ValueError(f"received({n}) without room for it from direct()")
+        self._have += n
+        if self._have == len(big):
+            self._big_done()
+
+    def next_view(self) -> tuple[int, bytes | memoryview] | None:
+        """As :meth:`next_frame`; a frame received in place comes as a view of its own
+        buffer (valid for as long as the caller keeps it: nothing reuses that buffer)."""
+        if self._ready:
+            frame = self._ready.popleft()
+            self._ready_bytes -= FRAME_HEADER_SIZE + len(frame[1])
+            return frame
+        if self._big is None and len(self._buf) >= FRAME_HEADER_SIZE:
+            parse_frame_header(self._buf, 0, self.max_frame_size)  # raises for an oversized header
+        return None
 
     def next_frame(self) -> tuple[int, bytes] | None:
         """The next complete ``(msg_id, payload)``, or None if more bytes are needed."""
-        buf, pos = self._buf, self._pos
-        if len(buf) - pos < FRAME_HEADER_SIZE:
+        got = self.next_view()
+        if got is None:
             return None
-        msg_id, length = parse_frame_header(buf, pos, self.max_frame_size)
-        start = pos + FRAME_HEADER_SIZE
-        stop = start + length
-        if stop > len(buf):
-            return None
-        payload = bytes(buf[start:stop])
-        if stop == len(buf):
-            buf.clear()
-            self._pos = 0
-        elif stop >= self._COMPACT_AT and stop * 2 >= len(buf):
-            # Only once the consumed prefix is at least half the buffer, so
-            # that the memmove stays amortised O(1) per byte.
-            del buf[:stop]
-            self._pos = 0
-        else:
-            self._pos = stop
-        return msg_id, payload
+        msg_id, payload = got
+        return msg_id, payload if type(payload) is bytes else bytes(payload)
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
         """Yield every complete frame currently buffered."""

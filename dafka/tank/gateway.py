@@ -97,6 +97,7 @@ from dafka.tank.messages import (
     DiscoverTopicsResponse,
     DiscoverTopologyRequest,
     DiscoverTopologyResponse,
+    MsgId,
     PartitionBounds,
     Ping,
     ProduceError,
@@ -119,6 +120,8 @@ log = logging.getLogger("dafka.gateway")
 DEFAULT_PORT = 11011
 TANK_VERSION = 400  # what Status reports: clients expect a v4.0 broker
 RECV_SIZE = 256 << 10
+RECV_PROBE = 16 << 10  # what is read at a frame's start (see _read)
+DIRECT_MAX = 1 << 20  # the largest request received in place (see _read)
 MAX_ANSWER_RECORDS = 16_384  # per partition per consume answer
 MAX_ANSWER_BYTES = 4 << 20  # ... and at most this much content (whole records)
 # Partition entries of the parked fetches of one connection; a fetch past it is
@@ -134,6 +137,7 @@ UNBOUNDED = 1 << 62  # no record size limit: the second walk of a refused bundle
 MAX_LIVE_HELD_BYTES = 64 << 20
 OWNED_HEADS_INTERVAL = 1.0  # HEADs of owned partitions, for consumers that missed the tail
 _PING = Ping().encode()
+_PRODUCE_IDS = (MsgId.PRODUCE, MsgId.PRODUCE_WITH_SEQNUM)
 _OFFSET = itemgetter(2)  # of a record tuple
 _VIRTUAL_KEY = (PARTITIONS_TOPIC, "")
 _MAP_RECORD_FLAGS = b"\x01"  # stored-value flags of a __dafka_partitions record: keyed
@@ -318,12 +322,16 @@ class Gateway(Store):
         self._announce_committed(heads)
         pending = self._pending
         committed = self._heads
+        answers: dict[_Conn, list[bytes]] = {}
         while pending:
             p = pending[0]
             if any(committed.get(k, -1) < off for k, off in p.needs.items()):
                 break
             pending.popleft()
-            self._write(p.conn, p.response.encode())
+            answers.setdefault(p.conn, []).append(p.response.encode())
+        for conn, frames in answers.items():
+            # A pipelining client's answers of one commit go in one send.
+            self._write(conn, frames if len(frames) > 1 else frames[0])
         self._wake_parked(heads)
         if self._throttled and self.pending_records() < MAX_BATCH // 2:
             throttled, self._throttled = self._throttled, []
@@ -523,20 +531,43 @@ class Gateway(Store):
 
     def _read(self, conn: _Conn) -> None:
         sock = conn.sock
+        frames = conn.frames
         got = eof = False
         for _ in range(16):
+            # A large frame the budget admitted (its reservation), up to DIRECT_MAX, is
+            # received in place, into a buffer of its own at its announced size: its
+            # payload is then decoded and sealed from that buffer, not copied on the way
+            # (a bundle of 100 KB was copied three times).  Larger ones are gathered as
+            # they come, so a sender that announces one and trickles it holds no more.
+            target = frames.direct(SMALL_REQUEST) if 0 < conn.reserved <= DIRECT_MAX else None
             try:
-                data = sock.recv(RECV_SIZE)
+                if target is not None:
+                    want = len(target)
+                    n = sock.recv_into(target)
+                    if n:
+                        frames.received(n)
+                else:
+                    # At a frame's start, a little: the header of a large frame, then the
+                    # rest of it in place; the rest of a small frame begun, much.
+                    want = RECV_SIZE if frames.pending_length() else RECV_PROBE
+                    data = sock.recv(want)
+                    n = len(data)
+                    if n:
+                        frames.feed(data)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
                 self._close(conn, f"receive failed: {exc}")
                 return
-            if not data:
+            except ProtocolError as exc:  # (a header over the limit: _reserve raised it first)
+                self._close(conn, f"bad input: {exc}", True)
+                return
+            finally:
+                target = None
+            if not n:
                 eof = True
                 break
             got = True
-            conn.frames.feed(data)
             try:
                 admitted = self._reserve(conn)  # an oversized header raises at once
             except ProtocolError as exc:
@@ -545,7 +576,7 @@ class Gateway(Store):
             if not admitted:
                 self._wait_for_budget(conn)
                 break
-            if len(data) < RECV_SIZE:
+            if n < want:
                 break
         if got:
             msg_id = conn.frames.peek_msg_id()
@@ -567,7 +598,7 @@ class Gateway(Store):
             # its next recv().
             took = False
             while conn.reading and not conn.closed:
-                frame = frames.next_frame()
+                frame = frames.next_view()
                 if frame is None:
                     break
                 took = True
@@ -660,7 +691,7 @@ class Gateway(Store):
     def _update_events(self, conn: _Conn) -> None:
         self.watch_events(conn.sock, events(conn))
 
-    def _write(self, conn: _Conn, data: bytes) -> None:
+    def _write(self, conn: _Conn, data: bytes | list[bytes]) -> None:
         if conn.closed:
             return
         before = conn.out_size
@@ -731,7 +762,9 @@ class Gateway(Store):
 
     # ---------------------------------------------------------------- requests
 
-    def _on_frame(self, conn: _Conn, msg_id: int, payload: bytes) -> None:
+    def _on_frame(self, conn: _Conn, msg_id: int, payload: bytes | memoryview) -> None:
+        if type(payload) is memoryview and msg_id not in _PRODUCE_IDS:
+            payload = bytes(payload)  # (only produces are decoded from a view: their bundles)
         req = decode_request(msg_id, payload)  # ProtocolError closes the connection
         if isinstance(req, ProduceRequest):
             self._on_produce(conn, req)

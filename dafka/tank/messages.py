@@ -258,7 +258,7 @@ class ProducePartition:
     """One partition's bundle in a produce request (``first_seq``: 0x5 only)."""
 
     partition: int
-    bundle: bytes
+    bundle: bytes | memoryview  # a view of the request's payload when it was received in place
     first_seq: int | None = None
 
 
@@ -311,7 +311,7 @@ class ProduceRequest(_Message):
         return parts
 
     @classmethod
-    def decode(cls, payload: bytes) -> Self:
+    def decode(cls, payload: bytes | memoryview) -> Self:
         with_seq = cls.WITH_SEQNUM
         r = Reader(payload)
         version = r.u16("version")
@@ -327,7 +327,7 @@ class ProduceRequest(_Message):
                 pid = r.u16("partition id")
                 size = r.varint("bundle length")
                 first_seq = r.u64("first seq") if with_seq else None
-                partitions.append(ProducePartition(pid, r.raw(size, "bundle"), first_seq))
+                partitions.append(ProducePartition(pid, r.view(size, "bundle"), first_seq))
             topics.append(ProduceTopic(name, partitions))
         r.expect_end("produce request")
         return cls(req_id, topics, client_id, acks, ack_timeout, version)
@@ -1042,7 +1042,7 @@ RESPONSE_TYPES: dict[int, type] = {
 }
 
 
-def decode_request(msg_id: int, payload: bytes) -> Request:
+def decode_request(msg_id: int, payload: bytes | memoryview) -> Request:
     """Server side: decode a request frame's payload by its msgId.
 
     Unknown, obsolete (0x4) and broker-only (0x9) ids raise ProtocolError:

@@ -237,6 +237,39 @@ def test_the_fetch_envelope_is_what_the_generic_encoder_writes(version: int) -> 
     assert encode_fetch_response(7, version, topics) == generic
 
 
+@given(
+    st.integers(0, 10),
+    st.integers(-(1 << 31), (1 << 31) - 1),
+    st.lists(
+        st.tuples(
+            st.text(min_size=0, max_size=40),
+            st.lists(st.tuples(st.integers(-(1 << 31), (1 << 31) - 1), st.integers(-(1 << 15), (1 << 15) - 1),
+                               st.integers(-(1 << 63), (1 << 63) - 1)), max_size=4),
+        ),
+        max_size=4,
+    ),
+)
+def test_the_produce_answer_is_what_the_generic_encoder_writes(version: int, corr: int, topics: list) -> None:
+    from dafka.kafka.codec import N, encode_produce_response, encode_response
+
+    generic = encode_response(
+        corr, 0, version, throttle_time_ms=0,
+        responses=[N(name=name, partition_responses=[
+            N(index=i, error_code=c, base_offset=b, log_append_time_ms=-1, log_start_offset=-1, record_errors=[],
+              error_message=None)
+            for i, c, b in parts]) for name, parts in topics],
+    )
+    assert encode_produce_response(corr, version, topics) == generic
+
+
+def test_a_produce_answer_of_a_version_not_served_is_refused() -> None:
+    from dafka.errors import ProtocolError
+    from dafka.kafka.codec import encode_produce_response
+
+    with pytest.raises(ProtocolError):
+        encode_produce_response(1, 11, [])
+
+
 @pytest.mark.parametrize("version", [0, 4, 11, 12])
 @pytest.mark.parametrize("big", [(0,), (1,), (0, 1), (0, 2), (2,)])
 def test_fetch_parts_join_to_the_frame_and_leave_big_record_sets_uncopied(version: int, big: tuple) -> None:

@@ -230,3 +230,126 @@ def test_frame_buffer_roundtrip_any_split(frames: list[tuple[int, bytes]], data)
         prev = cut
         got.extend(fb)
     assert got == frames
+
+
+# ---------------------------------------------------------------- frames received in place
+
+
+def _recv_like(fb: FrameBuffer, stream: bytes, pos: int, size: int, min_length: int, use_direct: bool) -> int:
+    """What the gateway's read loop does with ``size`` bytes the socket has at ``pos``:
+    into the frame's own buffer when :meth:`FrameBuffer.direct` offers it, else feed()."""
+    target = fb.direct(min_length) if use_direct else None
+    if target is not None:
+        n = min(size, len(target))
+        target[:n] = stream[pos : pos + n]
+        fb.received(n)
+        return n
+    n = min(size, len(stream) - pos)
+    fb.feed(stream[pos : pos + n])
+    return n
+
+
+def test_a_large_frame_is_received_in_place_and_handed_out_as_a_view() -> None:
+    big = bytes(range(256)) * 400  # 102,400 bytes
+    stream = encode_frame(3, b"") + encode_frame(1, big) + encode_frame(2, b"after")
+    fb = FrameBuffer()
+    fb.feed(stream[:5 + 7])  # the Ping, the large frame's header and two bytes of it
+    assert fb.direct(1 << 16) is not None  # a view of the rest of the large frame
+    assert fb.pending_length() == len(big) and fb.buffered == 5 + 7
+    view = fb.direct(1 << 16)
+    assert view is not None and len(view) == 5 + len(big) - 7
+    view[:1000] = stream[12:1012]
+    fb.received(1000)
+    assert fb.buffered == 1012 and fb.needed() == 0  # the Ping is complete, waiting
+    assert fb.next_view() == (3, b"")
+    assert fb.needed() == len(big) + 5 - 1007
+    rest = fb.direct(1 << 16)
+    assert rest is not None and len(rest) == len(big) + 5 - 1007
+    rest[:] = stream[1012 : 10 + len(big)]
+    fb.received(len(rest))
+    assert fb.direct(1 << 16) is None  # nothing in flight
+    fb.feed(stream[10 + len(big) :])
+    msg_id, payload = fb.next_view()  # type: ignore[misc]
+    assert msg_id == 1 and isinstance(payload, memoryview) and payload == big
+    assert fb.next_view() == (2, b"after") and fb.buffered == 0 and fb.next_view() is None
+
+
+def test_a_small_frame_or_one_already_here_is_not_received_in_place() -> None:
+    fb = FrameBuffer()
+    fb.feed(encode_frame(1, b"x" * 100)[:50])
+    assert fb.direct(64) is not None  # over min_length
+    fb = FrameBuffer()
+    fb.feed(encode_frame(1, b"x" * 100)[:50])
+    assert fb.direct(100) is None and fb.direct(1000) is None  # not over min_length
+    fb.feed(encode_frame(1, b"x" * 100)[50:])
+    assert fb.direct(10) is None  # complete already
+    assert fb.next_frame() == (1, b"x" * 100)
+    fb.feed(b"\x01\x00")
+    assert fb.direct(0) is None  # no header yet
+
+
+def test_received_past_the_view_is_refused() -> None:
+    fb = FrameBuffer()
+    with pytest.raises(ValueError):
+        fb.received(1)  # nothing offered
+    fb.feed(frame_header(1, 100))
+    view = fb.direct(10)
+    assert view is not None and len(view) == 100
+    with pytest.raises(ValueError):
+        fb.received(101)
+    with pytest.raises(ValueError):
+        fb.received(-1)
+    fb.received(100)
+    with pytest.raises(ValueError):
+        fb.received(1)  # complete: nothing offered
+    assert fb.next_frame() == (1, b"\0" * 100)
+
+
+def test_an_oversized_header_allocates_nothing_in_place() -> None:
+    fb = FrameBuffer(max_frame_size=1000)
+    fb.feed(frame_header(1, 1001) + b"x")
+    with pytest.raises(ProtocolError):
+        fb.direct(10)
+    with pytest.raises(ProtocolError):
+        fb.pending_length()
+    with pytest.raises(ProtocolError):
+        fb.next_view()
+    assert fb._big is None
+
+
+def test_feed_completes_a_frame_received_in_place() -> None:
+    # A caller that mixes the two (feed while a frame is in place) still gets the stream in order.
+    frames = [(1, b"a" * 300), (2, b"b"), (3, b"c" * 200)]
+    stream = b"".join(encode_frame(m, p) for m, p in frames)
+    fb = FrameBuffer()
+    fb.feed(stream[:20])
+    assert fb.direct(100) is not None
+    fb.feed(stream[20:])  # the rest of the first frame and the others, in one piece
+    got = list(fb)
+    assert got == frames and fb.buffered == 0
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 255), st.integers(0, 400)), max_size=8),
+    st.lists(st.integers(1, 500), min_size=1, max_size=40),
+    st.lists(st.booleans(), min_size=1, max_size=40),
+    st.integers(0, 300),
+)
+def test_frames_received_in_place_or_fed_come_out_in_order(
+    shapes: list[tuple[int, int]], sizes: list[int], direct: list[bool], min_length: int
+) -> None:
+    frames = [(m, bytes([i % 251]) * n) for i, (m, n) in enumerate(shapes)]
+    stream = b"".join(encode_frame(m, p) for m, p in frames)
+    fb = FrameBuffer(max_frame_size=1000)
+    got: list[tuple[int, bytes]] = []
+    pos = step = 0
+    while pos < len(stream):
+        pos += _recv_like(fb, stream, pos, sizes[step % len(sizes)], min_length, direct[step % len(direct)])
+        step += 1
+        assert fb.buffered == pos - sum(5 + len(p) for _, p in got)
+        if step % 3 == 0:  # take frames now and then, as the gateway does after its reads
+            while (frame := fb.next_view()) is not None:
+                got.append((frame[0], bytes(frame[1])))
+    while (frame := fb.next_view()) is not None:
+        got.append((frame[0], bytes(frame[1])))
+    assert got == frames and fb.buffered == 0 and fb.needed() == 5

@@ -1,0 +1,186 @@
+"""Large Tank requests received in place (the gateway's zero-copy read of bundles).
+
+A request frame over 64 KiB that the request budget admitted is received into a buffer of
+its own and its bundles are sealed from there (no copy on the way).  These tests send such
+frames the ways a client or an attacker can (in small pieces, cut short, malformed once
+complete, pipelined behind and before small requests, frames of other kinds) to a real
+gateway over real TCP, and check the answers, what was stored and that the budget is given
+back.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dafka.config import NodeConfig
+from dafka.tank.bundle import CODEC_NONE, encode_bundle
+from dafka.tank.client import TankClient
+from dafka.tank.codec import encode_frame, frame_header
+from dafka.tank.gateway import DIRECT_MAX, Gateway
+from dafka.tank.limits import SMALL_REQUEST, GatewayLimits
+from dafka.tank.messages import DiscoverPartitionsRequest, MsgId, StatusRequest
+from tests.conftest import wait_until
+from tests.tank.test_gateway import (
+    HOST,
+    TS,
+    connect_raw,
+    consume_all,
+    intact,
+    produce_frame,
+    read_until_closed,
+    recv_frame,
+    values,
+    witness,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+PRODUCE_OK = 0
+
+
+@pytest.fixture
+def gw(tmp_path: Path) -> Any:
+    g = Gateway(tmp_path / "gw", NodeConfig(towers=()), listen=(HOST, 0), limits=GatewayLimits(request_timeout=2))
+    yield g
+    g.close()
+
+
+def _bundle(n: int, size: int, tag: bytes = b"") -> tuple[bytes, list[bytes]]:
+    msgs = [tag + b"%06d" % i + os.urandom(size) for i in range(n)]
+    return encode_bundle([(None, TS, None, m) for m in msgs], codec=CODEC_NONE), msgs
+
+
+def _produce_answer(payload: bytes) -> int:
+    return payload[4]  # req_id:u32, then the one partition's error byte
+
+
+def test_a_large_produce_in_small_pieces_is_stored_exact(gw: Gateway) -> None:
+    with TankClient(HOST, gw.tank_port) as c:
+        c.create_topic("big", 1)
+    bundle, msgs = _bundle(700, 150)
+    frame = produce_frame(7, "big", 0, bundle)
+    assert SMALL_REQUEST < len(frame) <= DIRECT_MAX
+    s = connect_raw(gw.tank_port)
+    try:
+        for i in range(0, len(frame), 7001):  # pieces across the header and the bundle
+            s.sendall(frame[i : i + 7001])
+            time.sleep(0.002)
+        msg_id, payload = recv_frame(s)
+        assert msg_id == MsgId.PRODUCE and _produce_answer(payload) == PRODUCE_OK
+    finally:
+        s.close()
+    with TankClient(HOST, gw.tank_port) as c:
+        assert values(consume_all(c, "big", 0)) == msgs
+    wait_until(lambda: gw._reserved == 0)
+
+
+def test_large_and_small_requests_pipelined_are_answered_in_order(gw: Gateway) -> None:
+    with TankClient(HOST, gw.tank_port) as c:
+        c.create_topic("big", 1)
+    frames = []
+    expected: list[bytes] = []
+    for i in range(6):
+        bundle, msgs = _bundle(500 + 50 * i, 200, b"%d-" % i)
+        frames.append(produce_frame(100 + i, "big", 0, bundle))
+        frames.append(StatusRequest(200 + i).encode())
+        expected += msgs
+    stream = b"".join(frames)
+    s = connect_raw(gw.tank_port)
+    try:
+        s.sendall(stream)  # all at once: the gateway's reads cut it anywhere
+        answers = [recv_frame(s) for _ in range(12)]
+    finally:
+        s.close()
+    # Statuses are answered at once, produces after their commit: each kind keeps its order.
+    produced = [int.from_bytes(p[:4], "little") for m, p in answers if m == MsgId.PRODUCE]
+    statuses = [int.from_bytes(p[:4], "little") for m, p in answers if m == MsgId.STATUS]
+    assert produced == [100 + i for i in range(6)] and statuses == [200 + i for i in range(6)]
+    assert all(_produce_answer(p) == PRODUCE_OK for m, p in answers if m == MsgId.PRODUCE)
+    with TankClient(HOST, gw.tank_port) as c:
+        assert values(consume_all(c, "big", 0)) == expected
+    wait_until(lambda: gw._reserved == 0)
+
+
+def _bad_large_bundle() -> bytes:
+    bundle, _ = _bundle(600, 150)
+    return bundle[:-1]  # the last message is one byte short: malformed once complete
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pytest.param(produce_frame(1, "keep", 0, _bad_large_bundle()), id="malformed-large-bundle"),
+        pytest.param(produce_frame(1, "keep", 0, _bundle(600, 150)[0])[:-1000], id="cut-short-then-closed"),
+        pytest.param(encode_frame(MsgId.STATUS, b"\0" * (SMALL_REQUEST + 100)), id="large-status"),
+        pytest.param(frame_header(MsgId.PRODUCE, SMALL_REQUEST + 1000) + os.urandom(SMALL_REQUEST + 1000),
+                     id="large-random-produce"),
+    ],
+)
+def test_a_bad_large_frame_closes_only_its_connection_and_stores_nothing(gw: Gateway, data: bytes) -> None:
+    w, kept = witness(gw)
+    try:
+        bad_before = gw.bad_input.count
+        s = connect_raw(gw.tank_port)
+        s.sendall(data)
+        cut = data[0] == MsgId.PRODUCE and int.from_bytes(data[1:5], "little") + 5 > len(data)
+        if cut:
+            wait_until(lambda: gw._reserved > 0)
+            s.close()  # cut short: the connection ends half way through the frame
+        else:
+            assert read_until_closed(s) == b""
+            s.close()
+            wait_until(lambda: gw.bad_input.count > bad_before)
+        wait_until(lambda: gw.connections == 1 and gw._reserved == 0)
+        assert intact(gw, kept)  # nothing of it was stored; the witness goes on
+        assert w.produce("keep", 0, [b"more"]) == 0
+    finally:
+        w.close()
+
+
+def test_a_large_request_of_another_kind_is_served(gw: Gateway) -> None:
+    with TankClient(HOST, gw.tank_port) as c:
+        c.create_topic("wide", 3)
+    frame = DiscoverPartitionsRequest(9, "wide", list(range(40_000))).encode()  # 80 KB
+    assert SMALL_REQUEST < len(frame) <= DIRECT_MAX
+    s = connect_raw(gw.tank_port)
+    try:
+        s.sendall(frame[:30_000])
+        time.sleep(0.05)
+        s.sendall(frame[30_000:])
+        msg_id, payload = recv_frame(s)
+        assert msg_id == MsgId.DISCOVER_PARTITIONS and int.from_bytes(payload[:4], "little") == 9
+    finally:
+        s.close()
+    wait_until(lambda: gw._reserved == 0)
+
+
+def test_a_produce_bundle_is_sealed_from_the_received_buffer(gw: Gateway, monkeypatch: Any) -> None:
+    # The point of receiving in place: the bundle reaches the block unchanged and uncopied
+    # (a view of the request's own buffer), for a frame over SMALL_REQUEST.
+    import dafka.tank.gateway as gateway_module
+
+    seen: list[type] = []
+    real = gateway_module.tank_seal
+
+    def spy(bundle: Any, scan: Any, first: int) -> bytes:
+        seen.append(type(bundle))
+        return real(bundle, scan, first)
+
+    monkeypatch.setattr(gateway_module, "tank_seal", spy)
+    with TankClient(HOST, gw.tank_port) as c:
+        c.create_topic("big", 1)
+        bundle, msgs = _bundle(700, 150)
+        small, few = _bundle(3, 10)
+        s = connect_raw(gw.tank_port)
+        try:
+            s.sendall(produce_frame(1, "big", 0, bundle) + produce_frame(2, "big", 0, small))
+            assert [_produce_answer(recv_frame(s)[1]) for _ in range(2)] == [PRODUCE_OK, PRODUCE_OK]
+        finally:
+            s.close()
+        assert values(consume_all(c, "big", 0)) == msgs + few
+    assert seen == [memoryview, bytes]
