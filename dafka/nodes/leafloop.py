@@ -40,7 +40,17 @@ class LinkDue(Protocol):
 
 
 class LoopMember(Hashable, Protocol):
-    """What a :class:`LeafLoop` needs of a member (a leaf producer or a leaf consumer)."""
+    """What a :class:`LeafLoop` needs of a member (a leaf producer or a leaf consumer).
+
+    ``armed``: the member's socket was read to the end (or its ZMQ_EVENTS looked
+    at) and nothing was sent on it since, so its ZMQ_FD fires for the next message
+    and the loop need not look at ZMQ_EVENTS after a turn that touched it (a send
+    may take the edge: see LeafLoop).  The loop sets it True after a look that
+    found nothing to read; the member sets it False at each send.  A member that
+    cannot tell always answers False.
+    """
+
+    armed: bool
 
     @property
     def sock(self) -> zmq.Socket[Any] | None: ...
@@ -166,15 +176,28 @@ class LeafLoop:
                 for key, _ in self._selector.select(wait):
                     member = key.data
                     if member is None:
+                        # One read: wake() writes a byte only when the loop was not woken
+                        # already, so a few bytes at most wait here (a full read: more).
                         try:
-                            while os.read(self._wake_r, 4096):
+                            while len(os.read(self._wake_r, 4096)) == 4096:
                                 pass
                         except OSError:
                             pass
                         continue
                     member._read(time.monotonic())
                     touched[member] = None
-                ready = [m for m in touched if m.sock is not None and events(m.sock) & _POLLIN]
+                # A send may have taken a socket's edge (ZMQ_FD fires for commands, and a
+                # send processes them): the members that sent since their socket was read
+                # to the end have ZMQ_EVENTS looked at; those read to the end since, not.
+                ready = []
+                for m in touched:
+                    sock = m.sock
+                    if sock is None or m.armed:
+                        continue
+                    if events(sock) & _POLLIN:
+                        ready.append(m)
+                    else:
+                        m.armed = True  # (the look processed its commands: its edge is set again)
         except Exception:
             log.exception("leaf loop failed")
         finally:
