@@ -406,9 +406,9 @@ class LeafEndpoint:
             self._apply(core.on_message(peer, frames, now, key))
 
     def _send_relays(self) -> None:
-        """Relay the records a read took, together: back to back, a burst wakes the
-        ZeroMQ I/O thread once (relayed one at a time between the records' work, each
-        woke it); the order of each partition's records is kept."""
+        """Relay the records a read took, together: back to back they share the ZeroMQ
+        I/O thread's wake-ups (sent one at a time between the records' work, each could
+        wake it); the order of each partition's records is kept."""
         relays, self._relays = self._relays, None
         if not relays:
             return
