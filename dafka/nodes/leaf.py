@@ -49,6 +49,7 @@ log = logging.getLogger("dafka.leaf")
 
 RESERVE_BLOCK = 10_000  # offsets reserved in the identity file at a time (renewed at half)
 SAVE_EVERY = 0.5  # seconds between identity saves after ACKs
+READ_LIMIT = 1024  # messages read from the connection in one go
 # Producer arguments that mean nothing to a leaf (it has no mesh side).
 _MESH_ONLY = frozenset(("towers", "pace_limit", "resume", "resume_timeout"))
 
@@ -224,6 +225,7 @@ class LeafProducer(ReceiptCallbacks):
         self._file_endpoint: str | None = None
         self._endpoint_unsaved = False
         self.sock: zmq.Socket[Any] | None = None
+        self._armed = False  # see LeafLoop's LoopMember.armed
         self.records_sent = 0
         # Readers riding this producer's connection (dafka.nodes.leafread.LeafConsumer(via=...)):
         # their address -> the consumer (None once closed: what still comes for it is dropped;
@@ -277,6 +279,17 @@ class LeafProducer(ReceiptCallbacks):
     def endpoint(self) -> str:
         """The endpoint in use."""
         return self.link.endpoint
+
+    @property
+    def armed(self) -> bool:
+        """The connection was read to the end and nothing sent on it since (see
+        :class:`~dafka.nodes.leafloop.LoopMember`); never while readers ride it (they
+        send on it without telling)."""
+        return self._armed and not self._readers
+
+    @armed.setter
+    def armed(self, armed: bool) -> None:
+        self._armed = armed
 
     def publish(
         self,
@@ -567,6 +580,7 @@ class LeafProducer(ReceiptCallbacks):
                 for reader in list(self._readers.values()):
                     reader._connected(time.monotonic())  # a new connection: its readers say LEAF-READ on it
             elif self.sock is not None:
+                self._armed = False
                 try:
                     fastio.send_frames(self.sock, act.frames)
                 except zmq.ZMQError:
@@ -579,6 +593,7 @@ class LeafProducer(ReceiptCallbacks):
             self.sock.close(0)  # what it queued goes again on the next connection
             log.info("leaf %s: %s", self.address[:8], self.diagnose())
         sock = self.sock = loop.ctx.socket(zmq.DEALER)
+        self._armed = False
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SNDHWM)
         sock.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)  # what an endpoint sends is small
@@ -607,6 +622,8 @@ class LeafProducer(ReceiptCallbacks):
             return
         if self._endpoint_unsaved and (now - self._saved_at < SAVE_EVERY or not self._note_endpoint(self.link.endpoint)):
             return  # the identity file must name this endpoint first (it may acknowledge)
+        if self.link.sendable() is None:
+            return  # (a look without the lock: a publish meanwhile wakes the loop for this member)
         with self._lock:
             span = self.link.sendable()
             if span is None:
@@ -619,6 +636,7 @@ class LeafProducer(ReceiptCallbacks):
             runs = self.window.runs(first, last - first + 1)
         header = self._header
         sent = first - 1
+        self._armed = False
         send_records = fastio.send_records
         for start, contents in runs:
             # Compiled where built: the GIL held meanwhile (per-frame pyzmq sends gave it
@@ -637,7 +655,9 @@ class LeafProducer(ReceiptCallbacks):
             return
         acked = self.window.acked
         readers = self._readers
-        for frames in fastio.recv_messages(sock, 1024):
+        msgs = fastio.recv_messages(sock, READ_LIMIT)
+        self._armed = len(msgs) < READ_LIMIT  # read to the end (until a send: see armed)
+        for frames in msgs:
             if readers and frames[0][:1] in _FOR_READERS:
                 addressee = _addressee(frames[0])
                 if addressee in readers:

@@ -25,7 +25,7 @@ from dafka import fastio
 log = logging.getLogger("dafka.leaf")
 
 TICK = 0.2  # seconds between link ticks (of the members with something pending)
-LINGER = 0.002  # seconds a shared loop rests after a turn that did a little (see LeafLoop)
+LINGER = 0.004  # seconds a shared loop rests after a turn that did a little (see LeafLoop)
 LINGER_BELOW = 64  # members touched in a turn below which it is a little
 SNDHWM = 10_000  # messages a DEALER queues (the endpoint's window bounds what is in flight)
 MAX_SOCKETS = 32_768  # ZeroMQ sockets of a LeafLoop's context (one DEALER per member)
@@ -40,7 +40,17 @@ class LinkDue(Protocol):
 
 
 class LoopMember(Hashable, Protocol):
-    """What a :class:`LeafLoop` needs of a member (a leaf producer or a leaf consumer)."""
+    """What a :class:`LeafLoop` needs of a member (a leaf producer or a leaf consumer).
+
+    ``armed``: the member's socket was read to the end (or its ZMQ_EVENTS looked
+    at) and nothing was sent on it since, so its ZMQ_FD fires for the next message
+    and the loop need not look at ZMQ_EVENTS after a turn that touched it (a send
+    may take the edge: see LeafLoop).  The loop sets it True after a look that
+    found nothing to read; the member sets it False at each send.  A member that
+    cannot tell always answers False.
+    """
+
+    armed: bool
 
     @property
     def sock(self) -> zmq.Socket[Any] | None: ...
@@ -78,13 +88,19 @@ class LeafLoop:
 
     It waits in one epoll on its members' DEALERs (through ZMQ_FD, which is
     edge-triggered: a socket is read to the end when it fires, and after a turn
-    every member that did anything has ZMQ_EVENTS looked at, since a send can
-    take the edge) and on a pipe that :meth:`wake` writes to.  Only members with
+    every member it touched that sent since its socket was read to the end has
+    ZMQ_EVENTS looked at, since a send can take the edge: see
+    ``LoopMember.armed``) and on a pipe that :meth:`wake` writes to.  Only members with
     something pending (records unacknowledged, a HELLO unanswered) get ticks:
     a fleet of idle devices costs nothing between their records.  After a turn
     that touched fewer than LINGER_BELOW members the loop rests ``linger``
-    seconds (2 ms; a producer's own loop: 0), so that a fleet's records and
-    ACKs, each of another device, share turns instead of taking one each.
+    seconds (4 ms; a producer's own loop: 0), so that a fleet's records and
+    ACKs, each of another device, share turns instead of taking one each (each
+    turn has a fixed cost: the rest, the wait, the GIL handed between the app's
+    thread and this one, ZeroMQ's I/O thread woken for the sends; 4 ms instead
+    of 2 took about a fifth off the device processes' CPU at 3,000 devices, see
+    docs/concepts/leaves.md; a record and its ACK wait up to ``linger`` each).  A publish while the loop is
+    awake (in a turn, or resting) joins the turn without a write to the pipe.
     """
 
     def __init__(self, name: str = "", *, linger: float = LINGER) -> None:
@@ -150,31 +166,48 @@ class LeafLoop:
                             touched[member] = None
                 with self._wake_lock:
                     dirty, self._dirty = self._dirty, deque()
-                    self._woken = False
+                    # Awake until it is about to wait again (below): a publish meanwhile
+                    # only joins _dirty, it writes nothing to the pipe.
+                    self._woken = True
                 for member in dict.fromkeys(dirty):
                     member._act(now)
                     touched[member] = None
                 for member in ready:
                     member._read(now)
                     touched[member] = None
-                wait = 0.0 if ready or self._dirty else max(0.0, next_tick - time.monotonic())
                 if self.linger and touched and len(touched) < LINGER_BELOW and not self._stop.is_set():
                     # A trickle (devices of a fleet, each a record now and then): rest, so
-                    # that the next publishes and ACKs share one turn, one wake-up (the
-                    # first publish meanwhile writes the pipe, the others find it written).
+                    # that the next publishes and ACKs share one turn, one wake-up.
                     time.sleep(self.linger)
+                with self._wake_lock:
+                    self._woken = False  # from now on a publish writes the pipe: the wait ends
+                    pending = bool(self._dirty)
+                wait = 0.0 if ready or pending else max(0.0, next_tick - time.monotonic())
                 for key, _ in self._selector.select(wait):
                     member = key.data
                     if member is None:
+                        # One read: wake() writes a byte only when the loop was not woken
+                        # already, so a few bytes at most wait here (a full read: more).
                         try:
-                            while os.read(self._wake_r, 4096):
+                            while len(os.read(self._wake_r, 4096)) == 4096:
                                 pass
                         except OSError:
                             pass
                         continue
                     member._read(time.monotonic())
                     touched[member] = None
-                ready = [m for m in touched if m.sock is not None and events(m.sock) & _POLLIN]
+                # A send may have taken a socket's edge (ZMQ_FD fires for commands, and a
+                # send processes them): the members that sent since their socket was read
+                # to the end have ZMQ_EVENTS looked at; those read to the end since, not.
+                ready = []
+                for m in touched:
+                    sock = m.sock
+                    if sock is None or m.armed:
+                        continue
+                    if events(sock) & _POLLIN:
+                        ready.append(m)
+                    else:
+                        m.armed = True  # (the look processed its commands: its edge is set again)
         except Exception:
             log.exception("leaf loop failed")
         finally:

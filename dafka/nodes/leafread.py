@@ -193,6 +193,16 @@ class LeafConsumer:
         """The connection: its own, or the producer's it rides."""
         return self._via.sock if self._via is not None else self._sock
 
+    @property
+    def armed(self) -> bool:
+        """Never: the loop looks at ZMQ_EVENTS after every turn that touched a reader
+        (see :class:`~dafka.nodes.leafloop.LoopMember`)."""
+        return False
+
+    @armed.setter
+    def armed(self, armed: bool) -> None:
+        pass
+
     def poll(self, timeout: float | None = None) -> ConsumerRecord | None:
         """The next record, waiting up to ``timeout`` seconds (None: forever); None on timeout."""
         batch = self.poll_batch(1, timeout)

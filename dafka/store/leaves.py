@@ -198,6 +198,9 @@ class LeafEndpoint:
         self.paused = False
         self.resting = False  # resting with the store's data socket (see rest)
         self._pids: list[int] = []  # stored partitions of the records read (see read)
+        # Relays of the records a read took, sent together once it has taken them all (see
+        # _send_relays); None outside a read: a relay goes at once.
+        self._relays: list[list[bytes]] | None = None
         # Trackers of partitions whose leaf stated a restart hole: (tracker, watched until).
         self._holes: dict[tuple[str, str], tuple[Any, float]] = {}
         self._holes_due: set[tuple[str, str]] = set()  # of those, partitions that took records this turn
@@ -327,8 +330,12 @@ class LeafEndpoint:
             # Whole messages, compiled where built (fastio: one C call, the GIL held
             # meanwhile; per-frame pyzmq calls each gave the GIL up and waited for it).
             msgs = recv_messages(sock, DRAIN)
-            for frames in msgs:
-                apply(on_message(frames[0], frames[1:], now))
+            self._relays = []
+            try:
+                for frames in msgs:
+                    apply(on_message(frames[0], frames[1:], now))
+            finally:
+                self._send_relays()
         if core.bad != bad:
             self._log_bad()
         if self._holes_due:
@@ -362,25 +369,11 @@ class LeafEndpoint:
         store._ts = int(time.time() * 1000)
         bad = core.bad
         with store._put_gate:
-            for _ in range(DRAIN):
-                try:
-                    peer = sock.recv(NOBLOCK)
-                except zmq.Again:
-                    break
-                frames: list[bytes] = []
-                key = ""
-                if sock.getsockopt(RCVMORE):
-                    first = sock.recv(NOBLOCK, copy=False)
-                    key = str(first.get("User-Id"))
-                    frames.append(first.bytes)
-                    while sock.getsockopt(RCVMORE):
-                        frames.append(sock.recv(NOBLOCK))
-                if guard.role(key.encode()) is None:
-                    # Its key left the allow-list since the handshake (a ROUTER cannot cut one
-                    # connection): nothing it sends is taken any more.
-                    self.revoked += 1
-                    continue
-                self._apply(core.on_message(peer, frames, now, key))
+            self._relays = []
+            try:
+                self._drain_secure(sock, core, guard, now)
+            finally:
+                self._send_relays()
         if core.bad != bad:
             self._log_bad()
         if self._holes_due:
@@ -390,6 +383,43 @@ class LeafEndpoint:
         if store.batch_full():
             store.pause_data(True)
         store._flush_batch()
+
+    def _drain_secure(self, sock: zmq.Socket[Any], core: leaf.LeafPort, guard: security.Guard, now: float) -> None:
+        for _ in range(DRAIN):
+            try:
+                peer = sock.recv(NOBLOCK)
+            except zmq.Again:
+                break
+            frames: list[bytes] = []
+            key = ""
+            if sock.getsockopt(RCVMORE):
+                first = sock.recv(NOBLOCK, copy=False)
+                key = str(first.get("User-Id"))
+                frames.append(first.bytes)
+                while sock.getsockopt(RCVMORE):
+                    frames.append(sock.recv(NOBLOCK))
+            if guard.role(key.encode()) is None:
+                # Its key left the allow-list since the handshake (a ROUTER cannot cut one
+                # connection): nothing it sends is taken any more.
+                self.revoked += 1
+                continue
+            self._apply(core.on_message(peer, frames, now, key))
+
+    def _send_relays(self) -> None:
+        """Relay the records a read took, together: back to back they share the ZeroMQ
+        I/O thread's wake-ups (sent one at a time between the records' work, each could
+        wake it); the order of each partition's records is kept."""
+        relays, self._relays = self._relays, None
+        if not relays:
+            return
+        publisher = self.store.publisher
+        for frames in relays:
+            # Without blocking: a full subscriber queue drops it (readers FETCH it).
+            try:
+                if not send_frames(publisher, frames):
+                    self.relays_dropped += 1
+            except zmq.ZMQError:
+                self.relays_dropped += 1
 
     def _restart_hole(self, act: leaf.RestartHole) -> None:
         """A leaf stated its restart hole: our partition reader takes it as the mesh's
@@ -431,6 +461,9 @@ class LeafEndpoint:
                 if self._holes and (act.subject, act.partition) in self._holes:
                     self._holes_due.add((act.subject, act.partition))  # (only while a restart hole is watched)
             elif isinstance(act, leaf.Relay):
+                if self._relays is not None:
+                    self._relays.append(act.frames)  # sent when the read has taken them all
+                    continue
                 # Without blocking: a full subscriber queue drops it (readers FETCH it).
                 try:
                     if not send_frames(store.publisher, act.frames):

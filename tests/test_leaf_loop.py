@@ -1,0 +1,105 @@
+"""A shared LeafLoop reads every ACK as it comes, whatever the turn did before.
+
+ZMQ_FD fires for a socket's commands, and a send processes them: a send can
+take the edge of an ACK that came meanwhile, which then sits unread until
+something else looks at the socket.  The loop looks at ZMQ_EVENTS of the
+members that sent since their socket was read to the end (LoopMember.armed);
+these tests play the endpoint by hand (a ROUTER that acknowledges each record
+at once, real ZeroMQ on 127.0.0.1) with HEADs and failovers timed out of reach,
+so an ACK left unread shows as a flush that times out."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from dafka.core import leafwire, wire
+from dafka.nodes.leaf import LeafLoop, LeafProducer
+
+T = "telemetry"
+
+
+class QuickEndpoint:
+    """A leaf endpoint played by hand: WELCOMEs each HELLO and ACKs each record at once."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.records = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        sock = self.sock
+        while not self._stop.is_set():
+            if not sock.poll(50):
+                continue
+            for _ in range(1000):
+                try:
+                    peer, *frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg = leafwire.decode(frames)
+                if isinstance(msg, leafwire.LeafHello):
+                    out = leafwire.encode(leafwire.LeafWelcome(msg.topic, msg.subject, msg.acked, 1000, 1 << 20))
+                elif isinstance(msg, wire.Record):
+                    self.records += 1
+                    out = wire.encode(wire.Ack(msg.address, msg.subject, msg.sequence))
+                else:
+                    continue  # (a HEAD: none comes within these tests' timeouts)
+                sock.send_multipart([peer, *out])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def endpoint() -> Iterator[QuickEndpoint]:
+    e = QuickEndpoint()
+    yield e
+    e.close()
+
+
+def test_acks_that_come_while_the_loop_sends_are_read_at_once(endpoint: QuickEndpoint) -> None:
+    loop = LeafLoop()
+    leaves: list[LeafProducer] = []
+    try:
+        leaves = [LeafProducer(T, leaf=f"127.0.0.1:{endpoint.port}", loop=loop, head_interval=60.0,
+                               ack_timeout=60.0) for _ in range(20)]
+        t0 = time.monotonic()
+        for round_ in range(150):
+            # Each device publishes twice a round, the second about when the first one's ACK
+            # comes back: the loop's send of it may take that ACK's edge.
+            for leaf in leaves:
+                leaf.publish(b"a%d" % round_)
+            time.sleep(0.0003 * (round_ % 7))
+            for leaf in leaves:
+                leaf.publish(b"b%d" % round_)
+            for leaf in leaves:
+                assert leaf.flush(5.0), f"round {round_}: {leaf.diagnose()}"  # no HEAD comes for a minute
+        assert all(leaf.acked_offset == 299 for leaf in leaves)
+        assert all(leaf.link.failovers == 0 for leaf in leaves)
+        assert time.monotonic() - t0 < 30
+    finally:
+        for leaf in leaves:
+            leaf.close(0)
+        loop.close()
+
+
+def test_a_lone_producer_reads_each_ack_as_it_comes(endpoint: QuickEndpoint) -> None:
+    # Its own loop (no linger): one record at a time, each ACK read before the next publish.
+    with LeafProducer(T, leaf=f"127.0.0.1:{endpoint.port}", head_interval=60.0, ack_timeout=60.0) as leaf:
+        for i in range(300):
+            leaf.publish(b"%d" % i)
+            assert leaf.flush(5.0), f"record {i}: {leaf.diagnose()}"
+        assert leaf.acked_offset == 299
