@@ -19,7 +19,7 @@ import struct
 import tempfile
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dafka.config import load_settings, node_config_from
@@ -177,6 +177,7 @@ def test_names_too_long_or_with_nul_are_refused() -> None:
 
 @settings(max_examples=500)
 @given(st.binary(max_size=40))
+@example(b"\x01\x00\x00")  # a NUL topic: unpacked, though pack refuses it (a fresh-clone run found it)
 def test_malformed_partition_keys_raise_value_error(key: bytes) -> None:
     """As documented: ValueError, not IndexError, for any malformed key."""
     try:

@@ -117,7 +117,8 @@ def unpack_partition_key(key: bytes) -> tuple[str, str]:
     tlen = key[0]
     t_end = 1 + tlen
     plen = key[t_end]
-    if len(key) != t_end + 1 + plen:
+    if len(key) != t_end + 1 + plen or b"\x00" in key[1:t_end]:
+        # (No NUL in a topic, as pack_partition_key refuses: a key it could not have made.)
         raise ValueError(f"malformed partition key {key!r}")
     return key[1:t_end].decode("utf-8"), key[t_end + 1 :].decode("utf-8")
 
