@@ -105,6 +105,7 @@ from kafka.protocol.producer import (
 from kafka.protocol.schemas.fields.struct import StructField as _StructField
 
 from dafka.errors import ProtocolError
+from dafka.tank.codec import encode_varint
 
 __all__ = [
     "API",
@@ -457,15 +458,6 @@ def encode_response(correlation_id: int, api_key: int, version: int, **fields: A
     return _I32.pack(len(body) + 4) + _I32.pack(correlation_id) + bytes(body)
 
 
-def _varint_bytes(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 _PRODUCE_PART = {v: struct.Struct(">ihq" + ("q" if v >= 2 else "") + ("q" if v >= 5 else "")) for v in range(11)}
 _PRODUCE_VERSIONS = range(11)
 _I16_LEN = struct.Struct(">h")
@@ -488,13 +480,14 @@ def encode_produce_response(
         # record_errors (empty), error_message (null), then the partition's tagged fields
         tail = b"\x01\x00\x00" if flexible else b"\x00\x00\x00\x00\xff\xff"
     extra = (-1,) * ((version >= 2) + (version >= 5))
-    parts = [_varint_bytes(len(topics) + 1) if flexible else _I32.pack(len(topics))]
+    # (Compact lengths are the unsigned LEB128 varint Tank uses too.)
+    parts = [encode_varint(len(topics) + 1) if flexible else _I32.pack(len(topics))]
     app = parts.append
     for name, partitions in topics:
         raw = name.encode()
-        app(_varint_bytes(len(raw) + 1) if flexible else _I16_LEN.pack(len(raw)))
+        app(encode_varint(len(raw) + 1) if flexible else _I16_LEN.pack(len(raw)))
         app(raw)
-        app(_varint_bytes(len(partitions) + 1) if flexible else _I32.pack(len(partitions)))
+        app(encode_varint(len(partitions) + 1) if flexible else _I32.pack(len(partitions)))
         for index, code, base in partitions:
             app(part.pack(index, code, base, *extra))
             app(tail)
