@@ -472,15 +472,5 @@ def _runs(offsets: list[int]) -> list[tuple[int, int]]:
 
 def fmt_ranges(offsets: list[int]) -> str:
     """``[1, 2, 3, 7]`` -> ``"1..3, 7"`` (at most 5 ranges)."""
-    out: list[str] = []
-    start = prev = None
-    for o in offsets:
-        if prev is not None and o == prev + 1:
-            prev = o
-            continue
-        if start is not None:
-            out.append(f"{start}..{prev}" if prev != start else f"{start}")
-        start = prev = o
-    if start is not None:
-        out.append(f"{start}..{prev}" if prev != start else f"{start}")
+    out = [f"{a}..{b}" if b != a else f"{a}" for a, b in _runs(offsets)]
     return ", ".join(out[:5]) + (" ..." if len(out) > 5 else "")
