@@ -38,6 +38,7 @@ from dafka.errors import ConfigError, DafkaError
 def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
     import lmdb
 
+    from dafka.gctune import settle
     from dafka.tank.gateway import DEFAULT_PORT, Gateway
     from dafka.tank.limits import GatewayLimits
 
@@ -91,6 +92,7 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
     kafka_port = getattr(gateway, "kafka_port", None)
     kafka_note = f", Kafka on {kafka_listen[0]}:{kafka_port}" if kafka_listen is not None else ""
     with gateway:
+        settle()  # its start-up objects out of the cyclic GC's way (dafka.gctune), as the store does
         print(
             f"gateway up: Tank on {listen[0]}:{gateway.tank_port}{kafka_note}, store {gateway.address} db {db}"
             f" (sync={'on' if sync else 'OFF'}), tower {tower_names(cfg.towers)}"

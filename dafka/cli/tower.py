@@ -13,6 +13,7 @@ from dafka.nodes.security import parse_key
 
 
 def cmd_tower(args: argparse.Namespace, settings: Settings) -> int:
+    from dafka.gctune import settle
     from dafka.nodes.tower import Tower
 
     section = settings.section("tower")
@@ -35,6 +36,7 @@ def cmd_tower(args: argparse.Namespace, settings: Settings) -> int:
         raise ConfigError(f"{len(bridge_keys)} bridge keys for {len(bridges)} bridges: give one per bridge, or one for all")
     signals = StopSignals()
     with Tower(bind, in_port, out_port, sec, bridges=bridges, bridge_keys=bridge_keys) as tower:
+        settle()  # its start-up objects out of the cyclic GC's way (dafka.gctune), as the store does
         mode = " (secure)" if sec else ""
         bridged = f", bridged to {', '.join(bridges)}" if bridges else ""
         print(
