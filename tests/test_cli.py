@@ -313,6 +313,33 @@ def test_consume_interrupted_exits_130() -> None:
     assert "error: interrupted after 0 of 2 records" in err
 
 
+SIGNAL_IN_THE_LOCK = """
+import os, signal
+from dafka.cli.common import StopSignals
+
+signals = StopSignals()
+# The race, made certain: the signal comes while the main thread holds the stop event's own
+# lock (as it does for moments inside Event.wait), and its handler runs right there, at the
+# loop's next backward jump.
+with signals.stop._cond:
+    os.kill(os.getpid(), signal.SIG)
+    for _ in range(1000):
+        pass
+print("code", signals.wait(), flush=True)
+"""
+
+
+@pytest.mark.parametrize(("sig", "code"), [("SIGINT", 130), ("SIGTERM", 0)])
+def test_a_stop_signal_in_the_middle_of_waiting_never_hangs_a_service(sig: str, code: int) -> None:
+    """A service's signal handler took the lock of the event its main thread waits on: a
+    SIGTERM at the wrong moment left the service running for good (seen once in a full run)."""
+    run = subprocess.run(
+        [sys.executable, "-c", SIGNAL_IN_THE_LOCK.replace("signal.SIG)", f"signal.{sig})")],
+        capture_output=True, text=True, env=subprocess_env(), timeout=20,
+    )
+    assert run.stdout.split() == ["code", str(code)], (run.stdout, run.stderr)
+
+
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 0)])
 def test_services_stop_cleanly_on_signals(tmp_path, sig: int, code: int) -> None:
     in_port, out_port = free_port(), free_port()

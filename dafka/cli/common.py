@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import signal
 import socket
 import sys
@@ -98,31 +99,45 @@ def service_node_config(args: argparse.Namespace, settings: Settings, what: str)
 
 
 class StopSignals:
-    """SIGINT/SIGTERM set a flag from now on (install before a service says it is up)."""
+    """SIGINT/SIGTERM stop the service from now on (install before a service says it is up).
+
+    The handlers only note the signal.  A handler runs in the main thread between two of its
+    bytecodes, so one that took a lock (``Event.set``) hung the process for good when the
+    signal came while the main thread held that lock itself (inside ``Event.wait``): a
+    service then never stopped.  :meth:`wait` wakes on a signal through a pipe the
+    interpreter writes to as it arrives (``signal.set_wakeup_fd``).
+    """
 
     def __init__(self) -> None:
-        self.stop = threading.Event()
+        self.stop = threading.Event()  # set once a signal came (other threads may set it too)
         self.got: list[int] = []
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._old_wake = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         signal.signal(signal.SIGINT, self._handler)
         signal.signal(signal.SIGTERM, self._handler)
 
     def _handler(self, signum: int, frame: Any) -> None:
-        self.got.append(signum)
-        self.stop.set()
+        self.got.append(signum)  # no lock: see the class
 
     def wait(self) -> int:
-        """Block until a signal came; the exit code to use."""
-        while not self.stop.wait(0.5):
-            pass
+        """Block until a signal came (or ``stop`` is set); the exit code to use."""
+        try:
+            while not self.got and not self.stop.is_set():
+                select.select([self._wake_r], [], [], 0.5)
+                try:
+                    while os.read(self._wake_r, 512):
+                        pass
+                except BlockingIOError:
+                    pass
+        finally:
+            signal.set_wakeup_fd(self._old_wake)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        self.stop.set()
         # SIGTERM is how a service manager stops a service: a clean stop, 0.
         return EXIT_INTERRUPTED if self.got[:1] == [signal.SIGINT] else 0
-
-
-def wait_for_signal(stop: threading.Event) -> int:
-    """Block until SIGINT/SIGTERM (or ``stop`` is set); the exit code to use."""
-    signals = StopSignals()
-    signals.stop = stop
-    return signals.wait()
 
 
 def writable_dir(path: str | os.PathLike[str], what: str = "database directory") -> str:
