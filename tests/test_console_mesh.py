@@ -168,6 +168,21 @@ def test_page_fetch_bounds_bytes_and_time() -> None:
     page.on_record(2, b"a" * 300)
     page.on_record(3, b"a" * 300)
     assert page.why == "bytes" and page.result(None, None)["cut"]
+    # Later records first (another store's or the producer's answer): the bound counts the
+    # records without a gap before them, and the page cut there leaves out none it skipped.
+    page = PageFetch("t", "P", 0, 50, "auto", now=0.0, max_bytes=1000, chunk=8)
+    assert page.asks(0.0) == [(0, 8)]
+    for o in (0, 6, 7, 5):
+        page.on_record(o, b"a" * 300)
+    assert not page.done  # 1,200 bytes came, but 1-4 are not in yet
+    assert page.asks(0.6) == [(1, 7)]  # the missing ones again
+    page.on_record(1, b"a" * 300)
+    page.on_record(2, b"a" * 300)
+    page.on_record(3, b"a" * 300)
+    assert page.why == "bytes"
+    result = page.result(None, None)
+    assert [r["offset"] for r in result["records"]] == [0, 1, 2, 3] and result["next"] == 4
+    assert result["cut"] and result["missing"] == 0
     # Big records: fewer asked at once.
     page = PageFetch("t", "P", 0, 50, "auto", now=0.0, max_bytes=1000, chunk=8)
     assert page.asks(0.0) == [(0, 8)]

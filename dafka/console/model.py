@@ -508,7 +508,12 @@ class PageFetch:
         self.chunk = max(1, chunk)
         self.retry = retry
         self.records: dict[int, dict[str, Any]] = {}
+        self._sizes: dict[int, int] = {}  # offset -> its content's length
         self.bytes = 0  # contents read (first copies)
+        # Contents of the records below ``next``: the byte bound ends the page on these only,
+        # so that a page cut short never leaves out records it did not wait for (later
+        # records may come first: another store's or the producer's answer).
+        self.prefix_bytes = 0
         self.asked_to = start  # offsets below it were asked for
         self.next = start  # the first offset not read (all below it were)
         self.asked_at = -1e18
@@ -546,17 +551,21 @@ class PageFetch:
         if self.why is not None or not self.start <= offset < self.asked_to or offset in self.records:
             return
         self.records[offset] = show_record(offset, None, None, content, self.fmt)
+        self._sizes[offset] = len(content)
         self.bytes += len(content)
         while self.next in self.records:
+            self.prefix_bytes += self._sizes[self.next]
             self.next += 1
         if self.next >= self.end:
             self.why = "complete"
-        elif self.bytes >= self.max_bytes:
+        elif self.prefix_bytes >= self.max_bytes:
             self.why = "bytes"
 
     def result(self, first: int | None, last: int | None) -> dict[str, Any]:
         """The page, as ``/api/records`` answers (``first``/``last``: what the mesh tells of the partition)."""
         offsets = sorted(self.records)
+        if self.why == "bytes":  # cut at the bound: the next page goes on from the first record not shown
+            offsets = [o for o in offsets if o < self.next]
         shown_to = offsets[-1] + 1 if offsets else self.start
         return {
             "topic": self.topic,
