@@ -384,3 +384,30 @@ def test_a_stored_partitions_records_go_in_as_the_drains_blocks(cfg: NodeConfig,
     assert [h.first_offset for h in headers] == [0] + [h.last_offset + 1 for h in headers[:-1]]
     assert headers[-1].last_offset == 3009
     assert all(before <= h.first_ts <= h.max_ts <= after for h in headers if h.first_offset >= 10)
+
+
+def test_records_a_failing_read_queued_stay_counted(cfg: NodeConfig, tmp_path: Path) -> None:
+    """A read that fails part-way (a bug in a handler: the node loop logs it and goes on)
+    keeps the blocks its drain queued before, and counts their records among those waiting
+    for the writer (its bound, the commit's size, the stored count)."""
+    from dafka.core.gaps import PartitionTracker
+    from tests.test_fastio import TOPIC, Pair, _batch, _prefixes
+
+    with Store(tmp_path / "db", cfg) as store:
+        store.stop()  # (the test reads for the store's I/O thread)
+        tracker = PartitionTracker(TOPIC, "P" * 32, 0)
+        tracker.pid = 0
+        prefixes = {prefix: tracker for prefix in _prefixes("P" * 32)}
+        pair = Pair()
+        pair.send_all([_batch("P" * 32, 0, (b"a", b"b", b"c", b"d", b"e")), [b"a message"]])
+        assert pair.rx.poll(1000)
+
+        def failing(frames: list[bytes]) -> None:
+            raise RuntimeError("a handler's bug")
+
+        store.on_message = failing  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="a handler's bug"):
+            store.read_data(pair.rx, prefixes)
+        assert tracker.next == 5
+        assert sum(int.from_bytes(b[2][24:28], "big") for b in store._blocks) == 5
+        assert store.pending_records() == 5

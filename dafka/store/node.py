@@ -918,11 +918,20 @@ class Store(PartitionReader):
         ts = self._ts = int(time.time() * 1000)
         blocks_before = len(self._blocks)
         if self.ready_pairs:
-            with self._put_gate:
-                read = fastio.drain_blocks(
-                    sock, DRAIN, prefixes, self._blocks, ts, self.track, self.on_message,
-                    self.max_record_bytes, self.too_large, BLOCK_BYTES,
+            held = self._blocks_held
+            try:
+                with self._put_gate:
+                    read = fastio.drain_blocks(
+                        sock, DRAIN, prefixes, self._blocks, ts, self.track, self.on_message,
+                        self.max_record_bytes, self.too_large, BLOCK_BYTES,
+                    )
+            except BaseException:
+                # A handler failed part-way: what the drain queued before stays queued (as its
+                # blocks), and counted (the slow path counted its own blocks: all recounted).
+                self._blocks_held = held + sum(
+                    int.from_bytes(b[2][24:28], "big") for b in self._blocks[blocks_before:]
                 )
+                raise
             self._blocks_held += read  # (the slow path counted its own)
         else:
             read = fastio.drain_records(
