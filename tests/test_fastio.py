@@ -473,6 +473,129 @@ def test_drain_pairs_builds_the_lmdb_layout(impl: Any, pair: Pair, batched: bool
     assert (tracker.next, tracker.known) == (8, 7)
 
 
+def _run_drain_blocks(impl: Any, pair: Pair, messages: list[list[bytes]], units: int, max_size: int | None,
+                      block_bytes: int) -> Any:
+    # As _run_drain_pairs; slow deliveries go into the same list as the blocks, so that their order counts.
+    trackers = {p: PartitionTracker(TOPIC, p, 0) for p in PARTITIONS}
+    trackers[PARTITIONS[0]].pid = 0xFFFFFFFF
+    by_prefix = {prefix: tracker for p, tracker in trackers.items() for prefix in _prefixes(p)}
+    calls: list[Any] = []
+    out: list[Any] = []
+
+    def on_record(tracker: PartitionTracker, seq: int, content: bytes) -> None:
+        calls.append(("record", tracker.address, seq, content))
+        delivered: list[tuple[int, bytes]] = []
+        tracker.on_record(seq, content, delivered)
+        out.extend(("slow", tracker.address, s, c) for s, c in delivered)
+
+    def on_message(frames: list[bytes]) -> None:
+        calls.append(("message", frames))
+
+    pair.send_all(messages)
+    queued = 0
+    for _ in range(len(messages) + 2):
+        if queued + len(calls) >= units or not pair.rx.poll(1000):
+            break
+        queued += impl.drain_blocks(
+            pair.rx, 7, by_prefix, out, 1234, on_record, on_message, max_size, _on_too_large(calls, out), block_bytes
+        )
+    state = {p: (t.next, t.known, sorted(t.held.items())) for p, t in trackers.items()}
+    return queued, out, calls, state
+
+
+def _in_runs(steps: list[Any]) -> list[Any]:
+    """Events where the stored partition's records mostly come in order (runs long enough to
+    be cut into several blocks), other events among them."""
+    events, seq = [], 0
+    for step in steps:
+        if step[0] == "next":
+            content = step[1]
+            events.append(("batch" if isinstance(content, tuple) else "rec", PARTITIONS[0], seq, content))
+            seq += len(content) if isinstance(content, tuple) else 1
+        else:
+            events.append(step)
+    return events
+
+
+next_step = st.tuples(st.just("next"), st.one_of(
+    st.binary(max_size=30), st.lists(st.binary(max_size=30), min_size=1, max_size=6).map(tuple)))
+in_runs = st.lists(st.one_of(next_step, next_step, next_step, event), max_size=40).map(_in_runs)
+
+
+def _as_blocks(impl: Any, out: list[Any], segs: list[Any], block_bytes: int) -> list[Any]:
+    """What drain_pairs queued (values in ``out``, their runs in ``segs``) as the writer turns it
+    into blocks: each run's values through store_blocks, the slow deliveries where they were."""
+    got: list[Any] = []
+    values: list[bytes] = []
+    runs = list(segs)
+    for item in out:
+        if not isinstance(item, bytes):
+            got.append(item)
+            continue
+        values.append(item)
+        seg = runs[0]
+        if len(values) == seg[4] - seg[3] + 1:
+            got.extend((seg[0], seg[1], b) for _, b in impl.store_blocks(values, 0, len(values), seg[2], seg[3],
+                                                                         block_bytes, -1))
+            values = []
+            del runs[0]
+    assert not values and not runs
+    return got
+
+
+@needs_compiled
+@fast
+@given(events=st.one_of(in_runs, st.lists(event, max_size=60)), max_size=st.one_of(st.none(), st.integers(0, 30)),
+       block_bytes=st.integers(1, 120))
+def test_drain_blocks_same_blocks(pair: Pair, events: list[Any], max_size: int | None, block_bytes: int) -> None:
+    messages, units = _messages(events), _units(events)
+    pure = _run_drain_blocks(_pure, pair, messages, units, max_size, block_bytes)
+    compiled = _run_drain_blocks(_compiled, pair, messages, units, max_size, block_bytes)
+    assert pure == compiled
+    queued, out, calls, _ = compiled
+    assert queued + len(calls) == units
+    assert queued == sum(_compiled.block_slice(item[2], 0, 0)[1] - _compiled.block_slice(item[2], 0, 0)[0] + 1
+                         for item in out if item[0] != "slow")
+
+
+@needs_compiled
+@fast
+@given(events=st.one_of(in_runs, st.lists(event, max_size=60)), max_size=st.one_of(st.none(), st.integers(0, 30)),
+       block_bytes=st.integers(1, 120))
+def test_drain_blocks_are_the_blocks_the_writer_built(
+    pair: Pair, events: list[Any], max_size: int | None, block_bytes: int
+) -> None:
+    """drain_blocks gives the store's writer the very blocks it built from drain_pairs' values
+    (one set per run, cut at block_bytes), in the same order among the slow deliveries, with
+    the same callbacks and tracker states: the layout on disk does not change."""
+    messages, units = _messages(events), _units(events)
+    queued, out, segs, calls, state = _run_drain_pairs(_compiled, pair, messages, units, max_size)
+    b_queued, b_out, b_calls, b_state = _run_drain_blocks(_compiled, pair, messages, units, max_size, block_bytes)
+    assert (b_queued, b_calls, b_state) == (queued, calls, state)
+    assert b_out == _as_blocks(_compiled, out, segs, block_bytes)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_drain_blocks_cuts_at_block_bytes(impl: Any, pair: Pair) -> None:
+    # Values of 9 + 100 bytes, blocks of at most 250 bytes of them: two a block; a value over
+    # the bound is a block of its own; one drain call, one run.
+    tracker = PartitionTracker(TOPIC, PARTITIONS[0], 5)
+    tracker.pid = 3
+    by_prefix = {prefix: tracker for prefix in _prefixes(PARTITIONS[0])}
+    contents = [b"a" * 100, b"b" * 100, b"c" * 100, b"d" * 300, b"e" * 100]
+    pair.send_all([_batch(PARTITIONS[0], 5, tuple(contents))])
+    blocks: list[Any] = []
+    assert pair.rx.poll(1000)
+    assert impl.drain_blocks(pair.rx, 10, by_prefix, blocks, 1_700_000_000_123, None, None, None, None, 250) == 5
+    assert [b[:2] for b in blocks] == [(TOPIC, PARTITIONS[0])] * 4
+    ranges = [impl.block_slice(b[2], 0, 10) for b in blocks]
+    assert [(first, last) for first, last, _ in ranges] == [(5, 6), (7, 7), (8, 8), (9, 9)]
+    assert [v for _, _, values in ranges for v in values] == [pack_value(1_700_000_000_123, c) for c in contents]
+    assert (tracker.next, tracker.known) == (10, 9)
+    with pytest.raises(ValueError, match="block_bytes"):
+        impl.drain_blocks(pair.rx, 10, by_prefix, blocks, 0, None, None, None, None, 0)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_closed_socket_raises_instead_of_crashing(impl: Any) -> None:
     sock = zmq.Context.instance().socket(zmq.PUSH)

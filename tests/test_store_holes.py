@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -173,8 +174,8 @@ def test_a_hole_is_filled_once_the_store_holding_it_resumes(cfg: NodeConfig, tmp
 
 
 def test_a_refused_partition_never_stops_the_others_acks(cfg: NodeConfig, tmp_path: Path, caplog: Any) -> None:
-    """The database refuses one partition's records (here: they name the wrong LMDB
-    partition id, as a bug would): only that partition is dropped, logged and counted;
+    """The database refuses one partition's records (here: a block of them the store queued
+    names offsets past a gap, as a bug would): only that partition is dropped, logged and counted;
     the other keeps being acknowledged, and the refused one is read again from its head."""
     caplog.set_level(logging.WARNING, logger="dafka.producer")
     with Store(tmp_path / "db", cfg, retry_interval=0.1) as store:
@@ -184,12 +185,20 @@ def test_a_refused_partition_never_stops_the_others_acks(cfg: NodeConfig, tmp_pa
             assert pa.flush(30) and pb.flush(30)
             key_a = ("a", pa.address)
             wait_until(lambda: key_a in store._trackers and store._trackers[key_a].pid is not None)
+            mangled = []
 
-            def corrupt() -> None:
-                store._trackers[key_a].pid = store._trackers[key_a].pid + 1000
+            def mangle() -> None:
+                # Before the queued records go to the writer (I/O thread): the first block of
+                # partition a queued from now on says its records are 1,000 offsets further on.
+                for i, (topic, partition, block) in enumerate(store._blocks):
+                    if (topic, partition) == key_a and not mangled:
+                        first, last = struct.unpack_from(">QQ", block, 8)
+                        moved = bytearray(block)
+                        struct.pack_into(">QQ", moved, 8, first + 1000, last + 1000)
+                        store._blocks[i] = (topic, partition, bytes(moved))
+                        mangled.append(i)
 
-            store.call_soon(corrupt)
-            wait_until(lambda: store._trackers[key_a].pid >= 1000)
+            store._prepare_work = mangle  # type: ignore[method-assign]
             pa.publish_many([b"a%d" % i for i in range(10, 20)])
             wait_until(lambda: store.records_refused > 0, timeout=20)
             # Its producer is told why (STORE-STATUS, writing 0) and says so.

@@ -30,7 +30,7 @@ def _load() -> tuple[object, str]:
         from dafka.fastio import _compiled  # type: ignore[attr-defined]
     except ImportError as exc:
         return _pure, f"the compiled extension does not load ({exc})"
-    missing = [name for name in ("drain_records", "drain_pairs", "send_records", "send_batches", "send_values", "recv_messages", "events", "send_frames",
+    missing = [name for name in ("drain_records", "drain_pairs", "drain_blocks", "send_records", "send_batches", "send_values", "recv_messages", "events", "send_frames",
                                      "store_blocks", "block_slice", "fetch_blocks", "tank_scan", "tank_values")
                if not hasattr(_compiled, name)]
     if missing:  # built from an older source: rebuild it
@@ -54,6 +54,7 @@ COMPILED = IMPLEMENTATION == "compiled"
 recv_messages = _impl.recv_messages  # type: ignore[attr-defined]
 drain_records = _impl.drain_records  # type: ignore[attr-defined]
 drain_pairs = _impl.drain_pairs  # type: ignore[attr-defined]
+drain_blocks = _impl.drain_blocks  # type: ignore[attr-defined]
 send_records = _impl.send_records  # type: ignore[attr-defined]
 send_batches = _impl.send_batches  # type: ignore[attr-defined]
 send_values = _impl.send_values  # type: ignore[attr-defined]
@@ -96,6 +97,7 @@ __all__ = [
     "REASON",
     "block_slice",
     "describe",
+    "drain_blocks",
     "drain_pairs",
     "fetch_blocks",
     "drain_records",

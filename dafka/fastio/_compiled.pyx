@@ -1228,3 +1228,244 @@ cdef tuple _tank_walk(object bundle, Py_ssize_t max_record_bytes, Py_ssize_t bud
         if have_inflated:
             PyBuffer_Release(&inflated)
         PyBuffer_Release(&view)
+
+
+# ---------------------------------------------------------------- the store's drain, into blocks
+
+from cpython.mem cimport PyMem_Free, PyMem_Realloc
+
+
+cdef class _BlockCursor:
+    """As :class:`_PairCursor` for :func:`drain_blocks`: the open run's values are gathered in
+    C (no object a record) and leave as CODEC_STORE blocks of at most ``block_bytes`` of values."""
+
+    cdef object tracker
+    cdef bint fast
+    cdef uint64_t next
+    cdef uint64_t start
+    cdef uint64_t ts  # every value of a drain call has its receive time
+    cdef Py_ssize_t block_bytes
+    cdef list blocks
+    # The open block: its values (ts_ms:u64 flags:u8 = 0, content) one after the other, the
+    # end of each within them, its first offset and content bytes.
+    cdef unsigned char *buf
+    cdef size_t size
+    cdef size_t cap
+    cdef uint64_t *ends
+    cdef Py_ssize_t n
+    cdef Py_ssize_t ncap
+    cdef uint64_t first
+    cdef uint64_t payload
+
+    def __dealloc__(self):
+        PyMem_Free(self.buf)
+        PyMem_Free(self.ends)
+
+    cdef int load(self, object tracker) except -1:
+        self.tracker = tracker
+        nxt = tracker.next
+        pid = tracker.pid
+        self.fast = False
+        if (nxt is not None and pid is not None and not tracker.held
+                and 0 <= nxt < 0xFFFFFFFFFFFFFFFF and 0 <= pid <= 0xFFFFFFFF):
+            self.fast = True
+            self.next = self.start = nxt
+        return 0
+
+    cdef int add(self, const unsigned char *data, size_t size) except -1:
+        """The record at ``next``: its value joins the open block (closed first when it would
+        pass ``block_bytes``; a larger value is a block of its own)."""
+        cdef size_t vlen = 9 + size
+        cdef void *grown
+        if self.n and self.size + vlen > <size_t>self.block_bytes:
+            self.close()
+        if self.n == 0:
+            self.first = self.next
+        if self.size + vlen > self.cap:
+            grown = PyMem_Realloc(self.buf, self.size + vlen if self.size + vlen > 2 * self.cap else 2 * self.cap)
+            if grown == NULL:
+                raise MemoryError()
+            self.cap = self.size + vlen if self.size + vlen > 2 * self.cap else 2 * self.cap
+            self.buf = <unsigned char *>grown
+        if self.n == self.ncap:
+            grown = PyMem_Realloc(self.ends, sizeof(uint64_t) * (2 * self.ncap if self.ncap else 1024))
+            if grown == NULL:
+                raise MemoryError()
+            self.ncap = 2 * self.ncap if self.ncap else 1024
+            self.ends = <uint64_t *>grown
+        _put_be64(self.buf + self.size, self.ts)
+        self.buf[self.size + 8] = 0
+        memcpy(self.buf + self.size + 9, data, size)
+        self.size += vlen
+        self.ends[self.n] = self.size
+        self.n += 1
+        self.payload += size
+        self.next += 1
+        return 0
+
+    cdef int close(self) except -1:
+        """The open block, as :func:`store_blocks` builds it from the same values, goes out as
+        ``(subject, address, block)``."""
+        cdef Py_ssize_t n = self.n, k
+        if n == 0:
+            return 0
+        cdef uint64_t body = 8 + 4 * <uint64_t>n + self.size
+        if _HEADER_SIZE + body > 0xFFFFFFFF:
+            raise ProtocolError(f"a block body of {body} bytes is over 4 GiB")
+        cdef bytes block = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>(_HEADER_SIZE + body))
+        cdef unsigned char *p = <unsigned char *>PyBytes_AS_STRING(block)
+        cdef uint64_t base = _STORE_BASE + 4 * <uint64_t>n
+        cdef uint64_t ts = self.ts if self.ts <= _I64_MAX else _I64_MAX
+        p[0] = 68  # b"DB"
+        p[1] = 66
+        p[2] = 2  # version
+        p[3] = _CODEC_STORE
+        p[4] = 0  # compression
+        p[5] = 0  # flags
+        p[6] = 0  # reserved
+        p[7] = 0
+        _put_be64(p + 8, self.first)
+        _put_be64(p + 16, self.first + <uint64_t>(n - 1))
+        _put_be32(p + 24, <uint64_t>n)
+        _put_be32(p + 28, body)
+        _put_be64(p + 32, ts)
+        _put_be64(p + 40, ts)
+        _put_be64(p + _HEADER_SIZE, self.payload)
+        for k in range(n):
+            _put_be32(p + _STORE_BASE + 4 * k, base + self.ends[k])
+        memcpy(p + base, self.buf, self.size)
+        self.n = 0
+        self.size = 0
+        self.payload = 0
+        mv = memoryview(block)
+        cdef uint64_t crc = _crc32c(mv[_HEADER_SIZE:], _crc32c(mv[:_CRC_AT]))
+        mv.release()
+        _put_be32(p + _CRC_AT, crc)  # the block is new and not yet seen by anyone: filled in place
+        self.blocks.append((self.tracker.subject, self.tracker.address, block))
+        return 0
+
+    cdef int flush(self) except -1:
+        """The run ends: its last block goes out, ``next`` (and ``known``) back to the tracker."""
+        if self.tracker is not None and self.fast and self.next != self.start:
+            self.close()
+            self.tracker.next = self.next
+            last = self.next - 1
+            if last > self.tracker.known:
+                self.tracker.known = last
+            self.start = self.next
+        return 0
+
+
+def drain_blocks(sock, int limit, dict by_prefix, list blocks, ts, on_record, on_message,
+                 max_size=None, on_too_large=None, Py_ssize_t block_bytes=65536):
+    """See :func:`dafka.fastio._pure.drain_blocks`."""
+    cdef void *s = _handle(sock)
+    cdef size_t limit_size = _max_size(max_size)
+    cdef bint check
+    cdef dafka_zmq_msg_t head, body
+    cdef int queued = 0
+    cdef Py_ssize_t i = 0
+    cdef size_t hsize, plen, bsize
+    cdef const unsigned char *hdata
+    cdef bytes key = None
+    cdef object tracker = None
+    cdef uint64_t seq
+    cdef _BlockCursor cur = _BlockCursor()
+    cdef bint batch = False
+    cdef Py_ssize_t count, j
+    cdef size_t pos, n
+    cdef const unsigned char *bdata
+    if block_bytes < 1:
+        raise ValueError("block_bytes must be positive")
+    cur.ts = ts
+    cur.block_bytes = block_bytes
+    cur.blocks = blocks
+    z_msg_init(&head)
+    z_msg_init(&body)
+    try:
+        while i < limit:
+            i += 1
+            if not _recv(&head, s):
+                break
+            if not z_msg_more(&head):
+                cur.flush()
+                key = None
+                on_message([_bytes_of(&head)])
+                continue
+            _recv_part(&body, s)
+            if z_msg_more(&body):
+                cur.flush()
+                key = None
+                on_message(_rest(&body, s, [_bytes_of(&head), _bytes_of(&body)]))
+                continue
+            hsize = z_msg_size(&head)
+            hdata = <const unsigned char *>z_msg_data(&head)
+            if hsize < 9:
+                cur.flush()
+                key = None
+                on_message([_bytes_of(&head), _bytes_of(&body)])
+                continue
+            plen = hsize - 8
+            if key is None or <size_t>PyBytes_GET_SIZE(key) != plen or memcmp(
+                PyBytes_AS_STRING(key), hdata, plen
+            ) != 0:
+                cur.flush()
+                key = PyBytes_FromStringAndSize(<const char *>hdata, plen)
+                tracker = by_prefix.get(key)
+                if tracker is None:
+                    key = None
+                    cur.tracker = None
+                    on_message([_bytes_of(&head), _bytes_of(&body)])
+                    continue
+                cur.load(tracker)
+                batch = _is_batch(hdata, plen)
+            seq = _be64(hdata + plen)
+            if batch:
+                # Many records in one message (see drain_records).
+                bsize = z_msg_size(&body)
+                bdata = <const unsigned char *>z_msg_data(&body)
+                count = _batch_count(bdata, bsize, seq)
+                if count < 0:
+                    cur.flush()
+                    key = None
+                    on_message([_bytes_of(&head), _bytes_of(&body)])
+                    continue
+                i += count - 1
+                check = bsize - 8 > limit_size  # see drain_records
+                pos = 4
+                for j in range(count):
+                    n = <size_t>_be32(bdata + pos)
+                    pos += 4
+                    if check and n > limit_size:
+                        cur.flush()
+                        key = None
+                        cur.fast = False
+                        on_too_large(tracker, seq, n)
+                    elif cur.fast and seq == cur.next:
+                        cur.add(bdata + pos, n)
+                        queued += 1
+                    else:
+                        cur.flush()
+                        key = None
+                        cur.fast = False
+                        on_record(tracker, seq, PyBytes_FromStringAndSize(<const char *>(bdata + pos), n))
+                    pos += n
+                    seq += 1
+                continue
+            bsize = z_msg_size(&body)
+            if bsize > limit_size:
+                cur.flush()
+                key = None
+                on_too_large(tracker, seq, bsize)
+            elif cur.fast and seq == cur.next:
+                cur.add(<const unsigned char *>z_msg_data(&body), bsize)
+                queued += 1
+            else:
+                cur.flush()
+                key = None
+                on_record(tracker, seq, _bytes_of(&body))
+    finally:
+        cur.flush()
+        z_msg_close(&head)
+        z_msg_close(&body)
+    return queued

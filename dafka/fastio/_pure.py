@@ -482,6 +482,54 @@ def drain_pairs(
     return queued
 
 
+
+class _BlockSink:
+    """The ``segs`` of :func:`drain_pairs` for :func:`drain_blocks`: each run, as it ends, leaves
+    the values it queued as CODEC_STORE blocks (before any callback that follows it)."""
+
+    __slots__ = ("values", "blocks", "block_bytes")
+
+    def __init__(self, blocks: list[tuple[str, str, bytes]], block_bytes: int) -> None:
+        self.values: list[bytes] = []
+        self.blocks = blocks
+        self.block_bytes = block_bytes
+
+    def append(self, seg: tuple[str, str, int, int, int, int]) -> None:
+        subject, address, pid, first, last, _nbytes = seg
+        values = self.values
+        n = last - first + 1
+        if n != len(values):
+            raise RuntimeError(f"a run of {n} records with {len(values)} values queued")
+        self.blocks.extend(
+            (subject, address, block) for _key, block in store_blocks(values, 0, n, pid, first, self.block_bytes, -1)
+        )
+        values.clear()
+
+
+def drain_blocks(
+    sock: zmq.Socket,
+    limit: int,
+    by_prefix: dict[bytes, Any],
+    blocks: list[tuple[str, str, bytes]],
+    ts: int,
+    on_record: Callable[[Any, int, bytes], None],
+    on_message: Callable[[list[bytes]], None],
+    max_size: int | None = None,
+    on_too_large: Callable[[Any, int, int], None] | None = None,
+    block_bytes: int = 65536,
+) -> int:
+    """As :func:`drain_pairs`, the records of each run going out as CODEC_STORE blocks: each
+    run of consecutive records of a stored partition adds ``(subject, address, block)``
+    entries to ``blocks`` when it ends, the blocks :func:`store_blocks` builds from the values
+    :func:`drain_pairs` would have queued (at most ``block_bytes`` of values each, a larger
+    value alone), so that the store's writer only puts them.  Returns the records queued."""
+    if block_bytes < 1:
+        raise ValueError("block_bytes must be positive")
+    sink = _BlockSink(blocks, block_bytes)
+    return drain_pairs(sock, limit, by_prefix, sink.values, sink, ts, on_record, on_message,  # type: ignore[arg-type]
+                       max_size, on_too_large)
+
+
 # ---------------------------------------------------------------- store format 2 blocks
 # Pure computation on the store's CODEC_STORE blocks (dafka.store.block), here beside the I/O
 # so that one switch (compiled or pure) chooses both; the compiled twin does each in one C pass.

@@ -755,6 +755,7 @@ class RecordDB:
         skips: Sequence[Skip] = (),
         rejected: dict[tuple[str, str], str] | None = None,
         blocks: Sequence[tuple[str, str, bytes]] = (),
+        gate: AbstractContextManager[Any] | None = None,
     ) -> dict[tuple[str, str], int]:
         """Persist ``batch`` in one committed (and, with ``sync``, fsync'ed) transaction.
 
@@ -780,11 +781,11 @@ class RecordDB:
         Returns the head of every partition in the batch that was not refused
         (also of those whose records were all duplicates).  Raises
         :class:`StorageFullError` when the batch does not fit (nothing of it
-        is committed then).
+        is committed then).  ``blocks`` and ``gate``: see :meth:`append_pairs`.
         """
         n = len(batch)
         if not n:
-            return self.append_blocks(blocks, skips=skips, rejected=rejected) if blocks else {}
+            return self.append_blocks(blocks, skips=skips, rejected=rejected, gate=gate) if blocks else {}
         pkey = self._pkey
         try:
             # Transposing is one C-level pass and checks the tuple shapes.
@@ -808,7 +809,7 @@ class RecordDB:
                 units.append((tp, pkey(tp[0], tp[1]), recs[0][2], recs, None))
             else:
                 units.append((tp, pkey(tp[0], tp[1]), run[0], run[1], run[2]))
-        return self._append_units(units, skips, rejected, blocks=blocks)
+        return self._append_units(units, skips, rejected, gate=gate, blocks=blocks)
 
     def append_runs(
         self,
@@ -875,8 +876,8 @@ class RecordDB:
         """
         if not pairs:
             if batch:
-                return self.append(batch, skips=skips, rejected=rejected, blocks=blocks)
-            return self.append_blocks(blocks, skips=skips, rejected=rejected) if blocks else {}
+                return self.append(batch, skips=skips, rejected=rejected, blocks=blocks, gate=gate)
+            return self.append_blocks(blocks, skips=skips, rejected=rejected, gate=gate) if blocks else {}
         units: list[Unit] = []
         if batch:
             for tp, recs in group(batch).items():
@@ -889,6 +890,7 @@ class RecordDB:
         *,
         skips: Sequence[Skip] = (),
         rejected: dict[tuple[str, str], str] | None = None,
+        gate: AbstractContextManager[Any] | None = None,
     ) -> dict[tuple[str, str], int]:
         """Store ready-made blocks as they are, in one committed transaction.
 
@@ -904,11 +906,11 @@ class RecordDB:
         allowed where ``skips`` cover it (a hole); one overlapping the head,
         or any other disagreement, refuses its partition (see :meth:`append`
         for ``rejected``).  A new partition may start anywhere.  Same result
-        as :meth:`append`.
+        as :meth:`append`; ``gate``: see :meth:`append_pairs`.
         """
         if not blocks:
             return {}
-        return self._append_units([], skips, rejected, blocks=blocks)
+        return self._append_units([], skips, rejected, gate=gate, blocks=blocks)
 
     def _append_units(
         self,

@@ -57,7 +57,7 @@ from dafka.nodes.node import DRAIN, read_subscriptions
 from dafka.nodes.reader import NOBLOCK, PartitionReader, unheard_may_wait
 from dafka.store.acks import AckRepeats
 from dafka.store.announce import HeadsRota
-from dafka.store.block import decode_header
+from dafka.store.block import CODEC_STORE, decode_header
 from dafka.store.compaction import DEFAULT_MAX_KEYS, CompactionPolicy, Compactor
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.holes import HoleRepair
@@ -65,6 +65,7 @@ from dafka.store.layout import VALUE_HEADER
 from dafka.store.leaves import LeafEndpoint
 from dafka.store.linger import TrickleLinger
 from dafka.store.pipeline import CommitPipe, Offer, Work
+from dafka.store.writer import BLOCK_BYTES
 
 log = logging.getLogger("dafka.store")
 LINGER = 0.001  # seconds a store rests from reading after a small read (see Store)
@@ -175,8 +176,9 @@ class Store(PartitionReader):
         """Everyone: a store hears every producer and consumer, and the other stores."""
         return beacon.Interest(beacon.STORE)
 
-    # Records of stored partitions are queued as ready stored values (fastio.drain_pairs).
-    # Off where other code queues records of the same partitions (the Tank gateway).
+    # Records of stored partitions are queued as ready CODEC_STORE blocks (fastio.drain_blocks:
+    # the I/O thread builds them as the records arrive, the writer only puts them).  Off where
+    # other code queues records of the same partitions (the Tank gateway).
     ready_pairs = True
 
     def __init__(
@@ -237,12 +239,13 @@ class Store(PartitionReader):
             self._topics_of.setdefault(info.partition, set()).add(info.topic)
             self._pids[(info.topic, info.partition)] = info.pid
         self._batch: list[tuple[Any, ...]] = []
-        # Ready stored values of stored partitions and their runs
-        # (topic, partition, pid, first, last, bytes); committed after _batch.
-        self._pairs: list[Any] = []  # values (the drain), or (key, value) pairs (the Kafka gateway)
+        # Ready stored values and their runs (topic, partition, pid, first, last, bytes),
+        # committed after _batch: the Kafka gateway's (key, value) pairs.
+        self._pairs: list[Any] = []
         self._segs: list[tuple[str, str, int, int, int, int]] = []
-        # Ready-made blocks (a gateway's client blocks, stored as sent), committed after
-        # _pairs, and how many records they hold.
+        # Ready-made blocks, committed after _pairs, and how many records they hold: the
+        # records of stored partitions from the mesh (CODEC_STORE blocks the drain builds),
+        # a gateway's client blocks (stored as sent).
         self._blocks: list[_Block] = []
         self._blocks_held = 0
         self._trickle = TrickleLinger()  # the rest after a small read
@@ -255,7 +258,7 @@ class Store(PartitionReader):
         # Offsets dropped over max_record_bytes whose hole is not yet committed
         # (given up for good once it is, see _sync_holes).
         self._too_large_holes: dict[tuple[str, str, int], None] = {}
-        # Held by the writer while it puts ready pairs, by the I/O thread while it
+        # Held by the writer while it puts ready blocks, by the I/O thread while it
         # drains: see RecordDB.append_pairs (py-lmdb gives up the GIL at every put,
         # and every put then waits for a thread running Python).  The pure drain
         # gives the GIL up at each recv, but taking turns is still faster: 150-170k
@@ -433,7 +436,8 @@ class Store(PartitionReader):
                 heads = self.db.append_pairs(work.batch, work.pairs, work.segs, self._put_gate, skips=work.skips,
                                              rejected=rejected, blocks=work.blocks)
             else:
-                heads = self.db.append(work.batch, skips=work.skips, rejected=rejected, blocks=work.blocks)
+                heads = self.db.append(work.batch, skips=work.skips, rejected=rejected, blocks=work.blocks,
+                                       gate=self._put_gate)
             self.commit_seconds.observe(time.perf_counter() - t0)
             error = None
         except StorageError as exc:
@@ -660,6 +664,12 @@ class Store(PartitionReader):
             if isinstance(value, tuple):  # a (key, value) pair queued by the Kafka gateway
                 value = value[1]
             received = int.from_bytes(value[:8], "big")
+        if received is None and work.blocks and self.ready_pairs:
+            # The mesh's records in the blocks the drain built: their first_ts is the receive stamp
+            # (a gateway's client blocks carry the clients' timestamps instead).
+            block = work.blocks[0][2]
+            if block[3] == CODEC_STORE:
+                received = int.from_bytes(block[32:40], "big")
         if isinstance(received, int):
             # From the oldest record's receipt to its ACK.
             self.ack_latency.observe(max(0.0, time.time() - received / 1000))
@@ -744,7 +754,7 @@ class Store(PartitionReader):
             self._blocks_held = _block_records(self._blocks)
 
     def _learn_pid(self, key: tuple[str, str]) -> None:
-        """A partition was stored for the first time: its records can now go as ready pairs."""
+        """A partition was stored for the first time: its records can now go as ready blocks."""
         info = self.db.info(*key)
         if info is None:
             return
@@ -887,13 +897,15 @@ class Store(PartitionReader):
             for seq, content in records:
                 append((subject, partition, seq, content, ts))
             return
-        # The slow path of drain_pairs: the same values and run, built here.
+        # The slow path of drain_blocks: the same values and blocks, built here.
         hdr = VALUE_HEADER.pack(ts, 0)
-        self._pairs.extend([hdr + content for _seq, content in records])
-        first = records[0][0]
-        self._segs.append(
-            (subject, partition, pid, first, first + len(records) - 1, sum(len(c) for _, c in records))
+        values = [hdr + content for _seq, content in records]
+        n = len(values)
+        self._blocks.extend(
+            (subject, partition, block) for _key, block in fastio.store_blocks(values, 0, n, pid, records[0][0],
+                                                                               BLOCK_BYTES, -1)
         )
+        self._blocks_held += n
 
     def read_data(self, sock: zmq.Socket, prefixes: dict[bytes, Any] | None) -> None:
         # The hot path: the next records of known partitions join the batch
@@ -904,13 +916,23 @@ class Store(PartitionReader):
             # on_message, which leaves out records and HEADs (see _SHED).
             prefixes = _NO_PREFIXES
         ts = self._ts = int(time.time() * 1000)
-        segs_before = len(self._segs)
+        blocks_before = len(self._blocks)
         if self.ready_pairs:
-            with self._put_gate:
-                read = fastio.drain_pairs(
-                    sock, DRAIN, prefixes, self._pairs, self._segs, ts, self.track, self.on_message,
-                    self.max_record_bytes, self.too_large,
+            held = self._blocks_held
+            try:
+                with self._put_gate:
+                    read = fastio.drain_blocks(
+                        sock, DRAIN, prefixes, self._blocks, ts, self.track, self.on_message,
+                        self.max_record_bytes, self.too_large, BLOCK_BYTES,
+                    )
+            except BaseException:
+                # A handler failed part-way: what the drain queued before stays queued (as its
+                # blocks), and counted (the slow path counted its own blocks: all recounted).
+                self._blocks_held = held + sum(
+                    int.from_bytes(b[2][24:28], "big") for b in self._blocks[blocks_before:]
                 )
+                raise
+            self._blocks_held += read  # (the slow path counted its own)
         else:
             read = fastio.drain_records(
                 sock, DRAIN, prefixes, self._batch, None, ts, self.track, self.on_message,
@@ -920,9 +942,9 @@ class Store(PartitionReader):
         # A trickle: few records read and nothing left waiting (``read`` counts
         # only the fast path's records, so a full read of others is no trickle).
         if self.linger and read < LINGER_BELOW and not self.data_waiting():
-            segs = self._segs
-            pids = [segs[i][2] for i in range(segs_before, len(segs))]
-            self.linger_data(self._trickle.rest(self.linger, pids, time.monotonic()))
+            pids = self._pids
+            new = [pids.get((b[0], b[1])) for b in self._blocks[blocks_before:]]
+            self.linger_data(self._trickle.rest(self.linger, [p for p in new if p is not None], time.monotonic()))
         if self._missing:
             self.fetch_missing()
         if self.pending_records() >= MAX_BATCH and self.storage_error is None:
