@@ -676,3 +676,45 @@ def test_events_as_pyzmq_says(pair: Pair) -> None:
     for impl in (_pure, _compiled):
         with pytest.raises(zmq.ZMQError):
             impl.events(closed)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["records", "batch"])
+@pytest.mark.parametrize("drain", ["drain_records", "drain_pairs", "drain_blocks"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_drain_at_the_last_offset_does_not_wrap(impl: Any, pair: Pair, drain: str, batched: bool) -> None:
+    # A hostile producer's partition at the very end of the offset space: records 2**64-2 and
+    # 2**64-1, then 0 again in the same read.  The compiled cursors kept ``next`` in a u64: it
+    # wrapped to 0 after 2**64-1 (the pure twin had 2**64), and the record at 0 then continued
+    # the run on the fast path (queued as if it followed 2**64-1).
+    top = 2**64 - 2
+    tracker = PartitionTracker(TOPIC, PARTITIONS[0], top)
+    tracker.pid = 3
+    by_prefix = {prefix: tracker for prefix in _prefixes(PARTITIONS[0])}
+    if batched:
+        pair.send_all([_batch(PARTITIONS[0], top, (b"a", b"b")), _record(PARTITIONS[0], 0, b"c")])
+    else:
+        pair.send_all([_record(PARTITIONS[0], top, b"a"), _record(PARTITIONS[0], top + 1, b"b"),
+                       _record(PARTITIONS[0], 0, b"c")])
+    out: list[Any] = []
+    calls: list[Any] = []
+    slow: list[Any] = []
+
+    def on_record(t: PartitionTracker, seq: int, content: bytes) -> None:
+        calls.append(seq)
+        t.on_record(seq, content, slow)
+
+    assert pair.rx.poll(1000)
+    queued = 0
+    for _ in range(10):
+        if queued + len(calls) == 3 or not pair.rx.poll(1000):
+            break
+        if drain == "drain_records":
+            queued += impl.drain_records(pair.rx, 10, by_prefix, out, None, 1, on_record, None)
+        elif drain == "drain_pairs":
+            queued += impl.drain_pairs(pair.rx, 10, by_prefix, out, [], 1, on_record, None)
+        else:
+            queued += impl.drain_blocks(pair.rx, 10, by_prefix, out, 1, on_record, None)
+    assert (tracker.next, tracker.known) == (2**64, 2**64 - 1)
+    assert 0 in calls  # never queued as the run's next record
+    assert queued + len(calls) == 3
+    assert [seq for seq, _ in slow] == [s for s in calls if s != 0]
