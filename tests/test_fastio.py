@@ -718,3 +718,79 @@ def test_drain_at_the_last_offset_does_not_wrap(impl: Any, pair: Pair, drain: st
     assert 0 in calls  # never queued as the run's next record
     assert queued + len(calls) == 3
     assert [seq for seq, _ in slow] == [s for s in calls if s != 0]
+
+
+class _Boom(Exception):
+    pass
+
+
+def _run_drain_blocks_failing(impl: Any, pair: Pair, messages: list[list[bytes]], units: int, block_bytes: int,
+                               booms: set[int]) -> Any:
+    # As _run_drain_blocks, the handlers raising at the calls numbered in ``booms``.
+    trackers = {p: PartitionTracker(TOPIC, p, 0) for p in PARTITIONS}
+    trackers[PARTITIONS[0]].pid = 0xFFFFFFFF
+    by_prefix = {prefix: tracker for p, tracker in trackers.items() for prefix in _prefixes(p)}
+    calls: list[Any] = []
+    out: list[Any] = []
+
+    def boom() -> None:
+        if len(calls) - 1 in booms:
+            raise _Boom()
+
+    def on_record(tracker: PartitionTracker, seq: int, content: bytes) -> None:
+        calls.append(("record", tracker.address, seq, content))
+        boom()
+        delivered: list[tuple[int, bytes]] = []
+        tracker.on_record(seq, content, delivered)
+        out.extend(("slow", tracker.address, s, c) for s, c in delivered)
+
+    def on_message(frames: list[bytes]) -> None:
+        calls.append(("message", frames))
+        boom()
+
+    pair.send_all(messages)
+    queued = raised = 0
+    for _ in range(len(messages) + 10):
+        # (after a failure some records are never read: all sent is in the inproc pipe by now)
+        if queued + len(calls) >= units or not pair.rx.poll(50 if raised else 1000):
+            break
+        before = len(out)
+        try:
+            queued += impl.drain_blocks(pair.rx, 7, by_prefix, out, 1234, on_record, on_message, None, None,
+                                        block_bytes)
+        except _Boom:
+            raised += 1
+            # As the store recounts: the blocks queued before the failure.
+            queued += sum(impl.block_slice(b[2], 0, 0)[1] - impl.block_slice(b[2], 0, 0)[0] + 1
+                          for b in out[before:] if b[0] != "slow")
+    state = {p: (t.next, t.known, sorted(t.held.items())) for p, t in trackers.items()}
+    return queued, raised, out, calls, state
+
+
+@needs_compiled
+@fast
+@given(events=st.one_of(in_runs, st.lists(event, max_size=60)), block_bytes=st.integers(1, 120),
+       booms=st.sets(st.integers(0, 30), max_size=4))
+def test_drain_blocks_a_failing_handler_keeps_what_was_queued(
+    pair: Pair, events: list[Any], block_bytes: int, booms: set[int]
+) -> None:
+    """A handler raising part-way (the store's on_message or track failing): the records the
+    drain queued before it are in ``blocks`` exactly once, the tracker's next just past them,
+    in both twins alike; the next reads go on from there."""
+    messages, units = _messages(events), _units(events)
+    results = [_run_drain_blocks_failing(impl, pair, messages, units, block_bytes, booms) for impl in (_pure, _compiled)]
+    assert results[0] == results[1]
+    queued, raised, out, calls, state = results[1]
+    # (a batch's records after the one whose handler raised are not read: the message was)
+    assert queued + len(calls) == units if not raised else queued + len(calls) <= units
+    # The stored partition's offsets, fast and slow, each once and in order up to its next.
+    offsets: list[int] = []
+    for item in out:
+        if item[0] == "slow":
+            if item[1] == PARTITIONS[0]:
+                offsets.append(item[2])
+        else:
+            first, last, _ = _compiled.block_slice(item[2], 0, 0)
+            offsets.extend(range(first, last + 1))
+    assert offsets == list(range(len(offsets)))
+    assert state[PARTITIONS[0]][0] == len(offsets)
