@@ -474,9 +474,9 @@ def test_drain_pairs_builds_the_lmdb_layout(impl: Any, pair: Pair, batched: bool
 
 
 def _run_drain_blocks(impl: Any, pair: Pair, messages: list[list[bytes]], units: int, max_size: int | None,
-                      block_bytes: int) -> Any:
+                      block_bytes: int, start: int = 0) -> Any:
     # As _run_drain_pairs; slow deliveries go into the same list as the blocks, so that their order counts.
-    trackers = {p: PartitionTracker(TOPIC, p, 0) for p in PARTITIONS}
+    trackers = {p: PartitionTracker(TOPIC, p, start) for p in PARTITIONS}
     trackers[PARTITIONS[0]].pid = 0xFFFFFFFF
     by_prefix = {prefix: tracker for p, tracker in trackers.items() for prefix in _prefixes(p)}
     calls: list[Any] = []
@@ -794,3 +794,24 @@ def test_drain_blocks_a_failing_handler_keeps_what_was_queued(
             offsets.extend(range(first, last + 1))
     assert offsets == list(range(len(offsets)))
     assert state[PARTITIONS[0]][0] == len(offsets)
+
+
+
+@needs_compiled
+@fast
+@given(events=st.one_of(in_runs, st.lists(event, max_size=60)), max_size=st.one_of(st.none(), st.integers(0, 30)),
+       block_bytes=st.integers(1, 120), back=st.integers(1, 16))
+def test_drain_blocks_same_blocks_at_the_end_of_the_offsets(
+    pair: Pair, events: list[Any], max_size: int | None, block_bytes: int, back: int
+) -> None:
+    """The twins alike where offsets end (2**64 - 1): runs reaching it, batches reaching past
+    it (malformed), duplicates and gaps there."""
+    top = 2**64 - back  # where the trackers start; the events' offsets moved there
+    events = [(k, p, seq if k == "garbage" else top + seq, c) for k, p, seq, c in events]
+    events = [e for e in events if e[2] < 2**64]
+    messages = _messages(events)
+    # (a batch reaching past the end is malformed: one message to on_message)
+    units = sum(len(c) if k in ("batch", "dbatch") and seq + len(c) <= 2**64 else 1 for k, _, seq, c in events)
+    pure = _run_drain_blocks(_pure, pair, messages, units, max_size, block_bytes, top)
+    compiled = _run_drain_blocks(_compiled, pair, messages, units, max_size, block_bytes, top)
+    assert pure == compiled
