@@ -474,10 +474,12 @@ def test_drain_pairs_builds_the_lmdb_layout(impl: Any, pair: Pair, batched: bool
 
 
 def _run_drain_blocks(impl: Any, pair: Pair, messages: list[list[bytes]], units: int, max_size: int | None,
-                      block_bytes: int, start: int = 0) -> Any:
+                      block_bytes: int, start: int = 0, stored: int = 1) -> Any:
     # As _run_drain_pairs; slow deliveries go into the same list as the blocks, so that their order counts.
+    # The first ``stored`` partitions are stored (have a pid).
     trackers = {p: PartitionTracker(TOPIC, p, start) for p in PARTITIONS}
-    trackers[PARTITIONS[0]].pid = 0xFFFFFFFF
+    for i, p in enumerate(PARTITIONS[:stored]):
+        trackers[p].pid = 0xFFFFFFFF - i
     by_prefix = {prefix: tracker for p, tracker in trackers.items() for prefix in _prefixes(p)}
     calls: list[Any] = []
     out: list[Any] = []
@@ -815,3 +817,19 @@ def test_drain_blocks_same_blocks_at_the_end_of_the_offsets(
     pure = _run_drain_blocks(_pure, pair, messages, units, max_size, block_bytes, top)
     compiled = _run_drain_blocks(_compiled, pair, messages, units, max_size, block_bytes, top)
     assert pure == compiled
+
+
+@needs_compiled
+@fast
+@given(events=st.lists(event, max_size=80), block_bytes=st.integers(1, 120))
+def test_drain_blocks_same_blocks_of_two_stored_partitions_interleaved(
+    pair: Pair, events: list[Any], block_bytes: int
+) -> None:
+    """Two stored partitions' records interleaved (each switch ends a run and its block):
+    the twins alike, each block of one partition, its pid's."""
+    messages, units = _messages(events), _units(events)
+    pure = _run_drain_blocks(_pure, pair, messages, units, None, block_bytes, stored=2)
+    compiled = _run_drain_blocks(_compiled, pair, messages, units, None, block_bytes, stored=2)
+    assert pure == compiled
+    queued, out, calls, _ = compiled
+    assert queued + len(calls) == units
