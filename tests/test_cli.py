@@ -340,6 +340,36 @@ def test_a_stop_signal_in_the_middle_of_waiting_never_hangs_a_service(sig: str, 
     assert run.stdout.split() == ["code", str(code)], (run.stdout, run.stderr)
 
 
+SIGNALS_TWICE_IN_ONE_PROCESS = """
+import os, signal
+from dafka.cli.common import StopSignals
+
+fds = set(os.listdir("/proc/self/fd"))
+# Two services in one process (as in-process runs of the CLI): the first constructed waits first.
+first, second = StopSignals(), StopSignals()
+os.kill(os.getpid(), signal.SIGINT)
+print("codes", first.wait(), second.wait(), first.wait(), flush=True)
+# A later service in the same process still stops on a signal.
+third = StopSignals()
+os.kill(os.getpid(), signal.SIGTERM)
+print("third", third.wait(), flush=True)
+print("wakeup", signal.set_wakeup_fd(-1), "leaked", len(set(os.listdir("/proc/self/fd")) - fds), flush=True)
+"""
+
+
+def test_stop_signals_twice_in_one_process() -> None:
+    """The second StopSignals took the wakeup fd and the handlers from the first: the first
+    never heard a signal (its wait hung), and the second, done after it, restored the first's
+    pipe, already closed (OSError, its own pipe leaked; a reused fd number would have been
+    written to on every signal).  wait() twice raised too."""
+    run = subprocess.run(
+        [sys.executable, "-c", SIGNALS_TWICE_IN_ONE_PROCESS],
+        capture_output=True, text=True, env=subprocess_env(), timeout=20,
+    )
+    assert run.stdout.split("\n")[:3] == ["codes 130 130 130", "third 0", "wakeup -1 leaked 0"], (
+        run.stdout, run.stderr)
+
+
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 0)])
 def test_services_stop_cleanly_on_signals(tmp_path, sig: int, code: int) -> None:
     in_port, out_port = free_port(), free_port()

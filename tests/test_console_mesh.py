@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dafka.config import NodeConfig
 from dafka.console import server
@@ -343,3 +345,61 @@ def test_full_chart_history_is_compact() -> None:
     assert used < samples * 20, f"{used / samples:.1f} bytes a sample"
     assert len(h.points("series 7")) == HISTORY and h.points("series 7")[-1] == (HISTORY + 4.5, 7.0 * (HISTORY + 4))
     assert h.points("series 7")[0] == (5.5, 35.0)
+
+
+# What a page hears between two asks: answers at offsets relative to what it asked last (copies,
+# strays below and far beyond, the missing one last or never), of any size, and time passing.
+_answer = st.tuples(st.just("answer"), st.integers(-3, 24), st.integers(0, 600))
+_far = st.tuples(st.just("answer"), st.integers(-(10**6), 10**6), st.integers(0, 600))
+_tick = st.tuples(st.just("tick"), st.floats(0.0, 0.7), st.just(0))
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=st.lists(st.one_of(_answer, _answer, _far, _tick), max_size=120), start=st.integers(0, 50),
+       limit=st.integers(1, 100), max_bytes=st.integers(0, 3000), chunk=st.integers(1, 8))
+def test_page_fetch_against_hostile_answers(steps: list[Any], start: int, limit: int, max_bytes: int,
+                                            chunk: int) -> None:
+    """Whatever the stores answer, a page holds the records of ``[start, start + limit)`` once
+    each, at most ``chunk`` of them past the first not read, reads at most one record past
+    ``max_bytes`` below that, and a page cut at its bound ends at the first record not read."""
+    now = 0.0
+    page = PageFetch("t", "P", start, limit, "auto", now=now, max_bytes=max_bytes, chunk=chunk, retry=0.5,
+                     timeout=5.0)
+    sizes: dict[int, int] = {}
+    asked: list[tuple[int, int]] = page.asks(now)
+    for kind, value, size in steps:
+        if kind == "tick":
+            now += value
+            asked = page.asks(now) or asked
+        else:
+            base = asked[-1][0] if asked else start
+            offset = base + value
+            fresh = offset not in page.records and not page.done and start <= offset < page.asked_to
+            page.on_record(offset, b"x" * size)
+            if fresh:
+                sizes[offset] = size
+        for first, count in asked:
+            assert count >= 1 and start <= first and first + count <= start + limit
+        assert set(page.records) == set(sizes) and page.bytes == sum(sizes.values())
+        assert all(start <= o < start + limit for o in page.records)
+        assert sum(1 for o in page.records if o > page.next) <= chunk
+        below = [sizes[o] for o in range(start, page.next)]
+        assert page.prefix_bytes == sum(below)
+        # Past the bound, at most the one record that crossed it and those that came before
+        # the gap under them closed (at most a chunk).
+        total, past = 0, 0
+        for size in below:
+            if total >= max_bytes:
+                past += 1
+            total += size
+        assert past <= chunk
+    result = page.result(None, None)
+    offsets = [r["offset"] for r in result["records"]]
+    assert offsets == sorted(set(offsets)) and all(start <= o < start + limit for o in offsets)
+    assert result["offset"] <= result["next"] <= start + limit and result["missing"] >= 0
+    assert result["missing"] == (result["next"] - start) - len(offsets)
+    if result["cut"]:
+        assert offsets == list(range(start, page.next)) and result["next"] == page.next
+        assert sum(sizes[o] for o in offsets) >= max_bytes
+    if page.why == "complete":
+        assert offsets == list(range(start, start + limit))

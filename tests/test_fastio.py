@@ -474,10 +474,12 @@ def test_drain_pairs_builds_the_lmdb_layout(impl: Any, pair: Pair, batched: bool
 
 
 def _run_drain_blocks(impl: Any, pair: Pair, messages: list[list[bytes]], units: int, max_size: int | None,
-                      block_bytes: int) -> Any:
+                      block_bytes: int, start: int = 0, stored: int = 1) -> Any:
     # As _run_drain_pairs; slow deliveries go into the same list as the blocks, so that their order counts.
-    trackers = {p: PartitionTracker(TOPIC, p, 0) for p in PARTITIONS}
-    trackers[PARTITIONS[0]].pid = 0xFFFFFFFF
+    # The first ``stored`` partitions are stored (have a pid).
+    trackers = {p: PartitionTracker(TOPIC, p, start) for p in PARTITIONS}
+    for i, p in enumerate(PARTITIONS[:stored]):
+        trackers[p].pid = 0xFFFFFFFF - i
     by_prefix = {prefix: tracker for p, tracker in trackers.items() for prefix in _prefixes(p)}
     calls: list[Any] = []
     out: list[Any] = []
@@ -676,3 +678,158 @@ def test_events_as_pyzmq_says(pair: Pair) -> None:
     for impl in (_pure, _compiled):
         with pytest.raises(zmq.ZMQError):
             impl.events(closed)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["records", "batch"])
+@pytest.mark.parametrize("drain", ["drain_records", "drain_pairs", "drain_blocks"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_drain_at_the_last_offset_does_not_wrap(impl: Any, pair: Pair, drain: str, batched: bool) -> None:
+    # A hostile producer's partition at the very end of the offset space: records 2**64-2 and
+    # 2**64-1, then 0 again in the same read.  The compiled cursors kept ``next`` in a u64: it
+    # wrapped to 0 after 2**64-1 (the pure twin had 2**64), and the record at 0 then continued
+    # the run on the fast path (queued as if it followed 2**64-1).
+    top = 2**64 - 2
+    tracker = PartitionTracker(TOPIC, PARTITIONS[0], top)
+    tracker.pid = 3
+    by_prefix = {prefix: tracker for prefix in _prefixes(PARTITIONS[0])}
+    if batched:
+        pair.send_all([_batch(PARTITIONS[0], top, (b"a", b"b")), _record(PARTITIONS[0], 0, b"c")])
+    else:
+        pair.send_all([_record(PARTITIONS[0], top, b"a"), _record(PARTITIONS[0], top + 1, b"b"),
+                       _record(PARTITIONS[0], 0, b"c")])
+    out: list[Any] = []
+    calls: list[Any] = []
+    slow: list[Any] = []
+
+    def on_record(t: PartitionTracker, seq: int, content: bytes) -> None:
+        calls.append(seq)
+        t.on_record(seq, content, slow)
+
+    assert pair.rx.poll(1000)
+    queued = 0
+    for _ in range(10):
+        if queued + len(calls) == 3 or not pair.rx.poll(1000):
+            break
+        if drain == "drain_records":
+            queued += impl.drain_records(pair.rx, 10, by_prefix, out, None, 1, on_record, None)
+        elif drain == "drain_pairs":
+            queued += impl.drain_pairs(pair.rx, 10, by_prefix, out, [], 1, on_record, None)
+        else:
+            queued += impl.drain_blocks(pair.rx, 10, by_prefix, out, 1, on_record, None)
+    assert (tracker.next, tracker.known) == (2**64, 2**64 - 1)
+    assert 0 in calls  # never queued as the run's next record
+    assert queued + len(calls) == 3
+    assert [seq for seq, _ in slow] == [s for s in calls if s != 0]
+
+
+class _Boom(Exception):
+    pass
+
+
+def _run_drain_blocks_failing(impl: Any, pair: Pair, messages: list[list[bytes]], units: int, block_bytes: int,
+                               booms: set[int]) -> Any:
+    # As _run_drain_blocks, the handlers raising at the calls numbered in ``booms``.
+    trackers = {p: PartitionTracker(TOPIC, p, 0) for p in PARTITIONS}
+    trackers[PARTITIONS[0]].pid = 0xFFFFFFFF
+    by_prefix = {prefix: tracker for p, tracker in trackers.items() for prefix in _prefixes(p)}
+    calls: list[Any] = []
+    out: list[Any] = []
+
+    def boom() -> None:
+        if len(calls) - 1 in booms:
+            raise _Boom()
+
+    def on_record(tracker: PartitionTracker, seq: int, content: bytes) -> None:
+        calls.append(("record", tracker.address, seq, content))
+        boom()
+        delivered: list[tuple[int, bytes]] = []
+        tracker.on_record(seq, content, delivered)
+        out.extend(("slow", tracker.address, s, c) for s, c in delivered)
+
+    def on_message(frames: list[bytes]) -> None:
+        calls.append(("message", frames))
+        boom()
+
+    pair.send_all(messages)
+    queued = raised = 0
+    for _ in range(len(messages) + 10):
+        # (after a failure some records are never read: all sent is in the inproc pipe by now)
+        if queued + len(calls) >= units or not pair.rx.poll(50 if raised else 1000):
+            break
+        before = len(out)
+        try:
+            queued += impl.drain_blocks(pair.rx, 7, by_prefix, out, 1234, on_record, on_message, None, None,
+                                        block_bytes)
+        except _Boom:
+            raised += 1
+            # As the store recounts: the blocks queued before the failure.
+            queued += sum(impl.block_slice(b[2], 0, 0)[1] - impl.block_slice(b[2], 0, 0)[0] + 1
+                          for b in out[before:] if b[0] != "slow")
+    state = {p: (t.next, t.known, sorted(t.held.items())) for p, t in trackers.items()}
+    return queued, raised, out, calls, state
+
+
+@needs_compiled
+@fast
+@given(events=st.one_of(in_runs, st.lists(event, max_size=60)), block_bytes=st.integers(1, 120),
+       booms=st.sets(st.integers(0, 30), max_size=4))
+def test_drain_blocks_a_failing_handler_keeps_what_was_queued(
+    pair: Pair, events: list[Any], block_bytes: int, booms: set[int]
+) -> None:
+    """A handler raising part-way (the store's on_message or track failing): the records the
+    drain queued before it are in ``blocks`` exactly once, the tracker's next just past them,
+    in both twins alike; the next reads go on from there."""
+    messages, units = _messages(events), _units(events)
+    results = [_run_drain_blocks_failing(impl, pair, messages, units, block_bytes, booms) for impl in (_pure, _compiled)]
+    assert results[0] == results[1]
+    queued, raised, out, calls, state = results[1]
+    # (a batch's records after the one whose handler raised are not read: the message was)
+    assert queued + len(calls) == units if not raised else queued + len(calls) <= units
+    # The stored partition's offsets, fast and slow, each once and in order up to its next.
+    offsets: list[int] = []
+    for item in out:
+        if item[0] == "slow":
+            if item[1] == PARTITIONS[0]:
+                offsets.append(item[2])
+        else:
+            first, last, _ = _compiled.block_slice(item[2], 0, 0)
+            offsets.extend(range(first, last + 1))
+    assert offsets == list(range(len(offsets)))
+    assert state[PARTITIONS[0]][0] == len(offsets)
+
+
+
+@needs_compiled
+@fast
+@given(events=st.one_of(in_runs, st.lists(event, max_size=60)), max_size=st.one_of(st.none(), st.integers(0, 30)),
+       block_bytes=st.integers(1, 120), back=st.integers(1, 16))
+def test_drain_blocks_same_blocks_at_the_end_of_the_offsets(
+    pair: Pair, events: list[Any], max_size: int | None, block_bytes: int, back: int
+) -> None:
+    """The twins alike where offsets end (2**64 - 1): runs reaching it, batches reaching past
+    it (malformed), duplicates and gaps there."""
+    top = 2**64 - back  # where the trackers start; the events' offsets moved there
+    events = [(k, p, seq if k == "garbage" else top + seq, c) for k, p, seq, c in events]
+    events = [e for e in events if e[2] < 2**64]
+    messages = _messages(events)
+    # (a batch reaching past the end is malformed: one message to on_message)
+    units = sum(len(c) if k in ("batch", "dbatch") and seq + len(c) <= 2**64 else 1 for k, _, seq, c in events)
+    pure = _run_drain_blocks(_pure, pair, messages, units, max_size, block_bytes, top)
+    compiled = _run_drain_blocks(_compiled, pair, messages, units, max_size, block_bytes, top)
+    assert pure == compiled
+
+
+@needs_compiled
+@fast
+@given(events=st.lists(event, max_size=80), block_bytes=st.integers(1, 120))
+def test_drain_blocks_same_blocks_of_two_stored_partitions_interleaved(
+    pair: Pair, events: list[Any], block_bytes: int
+) -> None:
+    """Two stored partitions' records interleaved (each switch ends a run and its block):
+    the twins alike, each block of one partition, its pid's."""
+    messages, units = _messages(events), _units(events)
+    pure = _run_drain_blocks(_pure, pair, messages, units, None, block_bytes, stored=2)
+    compiled = _run_drain_blocks(_compiled, pair, messages, units, None, block_bytes, stored=2)
+    assert pure == compiled
+    queued, out, calls, _ = compiled
+    assert queued + len(calls) == units

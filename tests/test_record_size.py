@@ -23,7 +23,7 @@ from dafka.store.node import Store
 from dafka.tank.client import TankClient
 from dafka.tank.gateway import Gateway
 from dafka.tank.messages import ProduceError
-from tests.conftest import start_store_process
+from tests.conftest import start_store_process, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 LIMIT = 64 * 1024
@@ -258,3 +258,52 @@ def test_a_store_never_assembles_a_huge_record(cfg: NodeConfig, tmp_path: Path, 
     grown = _vm_hwm_kib(proc.pid) - before
     assert grown < 16 << 10, f"the store's peak memory grew by {grown} KiB"
     assert proc.poll() is None
+
+
+def test_a_stored_partitions_records_at_and_over_the_limit_around_block_cuts(
+    cfg: NodeConfig, tmp_path: Path, raw_peer: Any
+) -> None:
+    """Into a stored partition (its records go in as the drain's blocks), a raw producer sends
+    a record exactly at max_record_bytes, one a byte over it, one larger than a block, then a
+    batch whose values end at every position around the block cut: each record but the one
+    over the limit is stored once, at its offset, the one over it is a hole, the producer is
+    acknowledged to the last, and nothing stays counted as waiting."""
+    from dafka.store.writer import BLOCK_BYTES
+
+    topic = "edge"
+    peer = raw_peer([])
+    limit = 2 * BLOCK_BYTES + 5
+    store = Store(tmp_path / "db", replace(cfg, max_record_bytes=limit), retry_interval=0.1, skip_after=60)
+    records: dict[int, bytes] = {0: b"r0", 1: b"a" * limit, 2: b"o" * (limit + 1), 3: b"b" * (BLOCK_BYTES + 1)}
+    # Values of 9 + size bytes: sizes near an 8th of a block, cut at every byte around the edge.
+    for i in range(24):
+        records[4 + i] = bytes([65 + i % 26]) * (BLOCK_BYTES // 8 - 9 - 12 + i)
+    last = max(records)
+    with store:
+        peer.sub.setsockopt(zmq.SUBSCRIBE, wire.P_FETCH + peer.address.encode())
+        peer.sub.setsockopt(zmq.SUBSCRIBE, wire.P_ACK + peer.address.encode())
+        peer.wait_for(lambda p: len(p.peers) >= 1 and p.subscribed(b"M"))
+        peer.pump(0.3)  # the store's SUB connects to us
+        peer.send(wire.Record(topic, peer.address, topic, 0, records[0]))
+        key = (topic, peer.address)
+        peer.wait_for(lambda p: key in store._trackers and store._trackers[key].pid is not None, timeout=20)
+        for seq in (1, 2, 3):
+            peer.send(wire.Record(topic, peer.address, topic, seq, records[seq]))
+        peer.send(wire.RecordBatch(topic, peer.address, topic, 4, tuple(records[s] for s in range(4, 16))))
+        for seq in range(16, last + 1):
+            peer.send(wire.Record(topic, peer.address, topic, seq, records[seq]))
+        answered: list[Any] = []
+
+        def acked(p: Any) -> bool:
+            _answer_fetches(p, records, False, answered)
+            return any(a.sequence == last for a in p.messages(wire.Ack))
+
+        peer.wait_for(acked, timeout=20)
+        got = [(r.offset, r.content) for r in store.db.read(topic, peer.address, 0, 100)]
+        assert got == [(s, c) for s, c in sorted(records.items()) if s != 2]
+        info = store.db.info(topic, peer.address)
+        assert (info.first, info.last, info.count) == (0, last, last)
+        assert max(a.sequence for a in peer.messages(wire.Ack)) == last
+        assert store.records_dropped_too_large >= 1
+        wait_until(lambda: store.pending_records() == 0 and not store._blocks)
+        assert store.running

@@ -12,7 +12,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 from dafka.config import (
     NodeConfig,
@@ -108,21 +108,35 @@ class StopSignals:
     interpreter writes to as it arrives (``signal.set_wakeup_fd``).
     """
 
+    # Every instance not yet done waiting, newest last: a signal is noted in each (a later
+    # instance takes the handlers and the wakeup fd over; an earlier one, woken by its own
+    # poll, must still hear it), and the wakeup fd goes back to the newest one left.
+    _live: ClassVar[list[StopSignals]] = []
+    _first_wake = -1  # the wakeup fd before the first live instance (Python's or an event loop's)
+    MAX_NOTED = 64  # signals noted at most (only the first decides the exit code)
+
     def __init__(self) -> None:
         self.stop = threading.Event()  # set once a signal came (other threads may set it too)
         self.got: list[int] = []
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._old_wake = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        old = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        if not StopSignals._live:
+            StopSignals._first_wake = old
+        StopSignals._live.append(self)
         signal.signal(signal.SIGINT, self._handler)
         signal.signal(signal.SIGTERM, self._handler)
 
-    def _handler(self, signum: int, frame: Any) -> None:
-        self.got.append(signum)  # no lock: see the class
+    @staticmethod
+    def _handler(signum: int, frame: Any) -> None:
+        for live in StopSignals._live:  # no lock: see the class
+            if len(live.got) < StopSignals.MAX_NOTED:
+                live.got.append(signum)
 
     def wait(self) -> int:
-        """Block until a signal came (or ``stop`` is set); the exit code to use."""
+        """Block until a signal came (or ``stop`` is set); the exit code to use (again when
+        called again)."""
         try:
             while not self.got and not self.stop.is_set():
                 select.select([self._wake_r], [], [], 0.5)
@@ -132,12 +146,31 @@ class StopSignals:
                 except BlockingIOError:
                     pass
         finally:
-            signal.set_wakeup_fd(self._old_wake)
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            self._close()
         self.stop.set()
         # SIGTERM is how a service manager stops a service: a clean stop, 0.
         return EXIT_INTERRUPTED if self.got[:1] == [signal.SIGINT] else 0
+
+    def _close(self) -> None:
+        """Done waiting (once): the wakeup fd, if still ours, back to the newest live instance's
+        (or to what was before the first), then the pipe closed."""
+        if self._wake_w < 0:
+            return
+        live = StopSignals._live
+        if self in live:
+            live.remove(self)
+        current = signal.set_wakeup_fd(-1)
+        back = current
+        if current == self._wake_w:
+            back = live[-1]._wake_w if live else StopSignals._first_wake
+        if back != -1:
+            try:
+                signal.set_wakeup_fd(back, warn_on_full_buffer=False)
+            except (OSError, ValueError):  # closed since (what was before us): none then
+                pass
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self._wake_r = self._wake_w = -1
 
 
 def writable_dir(path: str | os.PathLike[str], what: str = "database directory") -> str:

@@ -241,6 +241,11 @@ cdef Py_ssize_t _batch_count(const unsigned char *p, size_t size, uint64_t first
     return <Py_ssize_t>count if pos == size else -1
 
 
+# A run's next offset once it took the last one (2**64 - 1): its u64 wrapped to 0; the tracker
+# gets this, as from the pure twin's Python ints, and the run ends there.
+_PAST_LAST = 1 << 64
+
+
 cdef class _Cursor:
     """The tracker of the partition being read, its ``next`` kept in C between callbacks."""
 
@@ -262,8 +267,10 @@ cdef class _Cursor:
     cdef int flush(self) except -1:
         """Write ``next`` (and ``known``) back to the tracker before anyone else looks."""
         if self.tracker is not None and self.fast and self.next != self.start:
-            self.tracker.next = self.next
-            last = self.next - 1
+            # (next 0: the run took the last offset, 2**64 - 1, and its u64 wrapped)
+            nxt = self.next if self.next else _PAST_LAST
+            self.tracker.next = nxt
+            last = nxt - 1
             if last > self.tracker.known:
                 self.tracker.known = last
             self.start = self.next
@@ -380,6 +387,10 @@ def drain_records(sock, int limit, dict by_prefix, out, record_type, ts, on_reco
                         cur.next = seq + 1
                         append(_queued_record(rtype, subject, address, seq, content, ts))
                         queued += 1
+                        if cur.next == 0:  # the last offset taken: the run ends (see _PAST_LAST)
+                            cur.flush()
+                            key = None
+                            cur.fast = False
                     else:
                         cur.flush()
                         key = None
@@ -397,6 +408,10 @@ def drain_records(sock, int limit, dict by_prefix, out, record_type, ts, on_reco
                 cur.next = seq + 1
                 append(_queued_record(rtype, subject, address, seq, content, ts))
                 queued += 1
+                if cur.next == 0:  # the last offset taken: the run ends (see _PAST_LAST)
+                    cur.flush()
+                    key = None
+                    cur.fast = False
             else:
                 cur.flush()
                 key = None
@@ -664,8 +679,10 @@ cdef class _PairCursor:
 
     cdef int flush(self, list segs) except -1:
         if self.tracker is not None and self.fast and self.next != self.start:
-            self.tracker.next = self.next
-            last = self.next - 1
+            # (next 0: the run took the last offset, 2**64 - 1, and its u64 wrapped)
+            nxt = self.next if self.next else _PAST_LAST
+            self.tracker.next = nxt
+            last = nxt - 1
             if last > self.tracker.known:
                 self.tracker.known = last
             segs.append((self.tracker.subject, self.tracker.address, self.pid, self.start, last, self.nbytes))
@@ -773,6 +790,10 @@ def drain_pairs(sock, int limit, dict by_prefix, list out, list segs, ts, on_rec
                         cur.nbytes += n
                         out.append(item)
                         queued += 1
+                        if cur.next == 0:  # the last offset taken: the run ends (see _PAST_LAST)
+                            cur.flush(segs)
+                            key = None
+                            cur.fast = False
                     else:
                         cur.flush(segs)
                         key = None
@@ -792,6 +813,10 @@ def drain_pairs(sock, int limit, dict by_prefix, list out, list segs, ts, on_rec
                 cur.nbytes += bsize
                 out.append(item)
                 queued += 1
+                if cur.next == 0:  # the last offset taken: the run ends (see _PAST_LAST)
+                    cur.flush(segs)
+                    key = None
+                    cur.fast = False
             else:
                 cur.flush(segs)
                 key = None
@@ -1348,8 +1373,10 @@ cdef class _BlockCursor:
         """The run ends: its last block goes out, ``next`` (and ``known``) back to the tracker."""
         if self.tracker is not None and self.fast and self.next != self.start:
             self.close()
-            self.tracker.next = self.next
-            last = self.next - 1
+            # (next 0: the run took the last offset, 2**64 - 1, and its u64 wrapped)
+            nxt = self.next if self.next else _PAST_LAST
+            self.tracker.next = nxt
+            last = nxt - 1
             if last > self.tracker.known:
                 self.tracker.known = last
             self.start = self.next
@@ -1444,6 +1471,10 @@ def drain_blocks(sock, int limit, dict by_prefix, list blocks, ts, on_record, on
                     elif cur.fast and seq == cur.next:
                         cur.add(bdata + pos, n)
                         queued += 1
+                        if cur.next == 0:  # the last offset taken: the run ends (see _PAST_LAST)
+                            cur.flush()
+                            key = None
+                            cur.fast = False
                     else:
                         cur.flush()
                         key = None
@@ -1460,6 +1491,10 @@ def drain_blocks(sock, int limit, dict by_prefix, list blocks, ts, on_record, on
             elif cur.fast and seq == cur.next:
                 cur.add(<const unsigned char *>z_msg_data(&body), bsize)
                 queued += 1
+                if cur.next == 0:  # the last offset taken: the run ends (see _PAST_LAST)
+                    cur.flush()
+                    key = None
+                    cur.fast = False
             else:
                 cur.flush()
                 key = None
