@@ -770,7 +770,9 @@ def test_a_slow_subscriber_that_keeps_reading_is_paced_not_dropped(cfg: NodeConf
     reader = small_queue_sub(wire.P_RECORD + b"slow")
     n = 1000  # one send run (publish_many takes 1024 at a time)
     try:
-        with Producer("slow", replace(cfg, hwm=10), acks=False, capacity=100_000, pace_limit=0.1) as producer:
+        # pace_limit 0.3 s: well under the run's ~1 s, and over what a loaded 2-core machine can
+        # keep the reading thread from running (at 0.1 s a full run at load 6 saw one timeout).
+        with Producer("slow", replace(cfg, hwm=10), acks=False, capacity=100_000, pace_limit=0.3) as producer:
             reader.connect(f"tcp://127.0.0.1:{producer.port}")
             wait_until(lambda: producer.publish(b"hello") and reader.poll(50), 10)
             while reader.poll(100):
