@@ -58,11 +58,15 @@ docs: setup
 # TEST_WORKERS pytest-xdist workers: most tests wait on the mesh (timers,
 # processes, a JVM), not on a core, so three share a 2-core machine (a quiet
 # fresh clone: 8 min 43 s on three, 11 min 33 s on two); tests/conftest.py
-# keeps the Spark tests and the docs' runs each on one worker.  TEST_WORKERS=0 runs everything in one process.
+# keeps the Spark tests and the docs' runs each on one worker.  TEST_WORKERS=0
+# runs everything in one process.  PASS_TIMEOUT bounds each pass in seconds:
+# pytest-timeout bounds each test, but pytest-xdist hung once after replacing a
+# crashed worker, and a hang must fail (--foreground: Ctrl-C still reaches pytest).
 TEST_WORKERS ?= 3
+PASS_TIMEOUT ?= 2700
 test: setup lint typecheck docs
-	DAFKA_REQUIRE_EXTENSIONS=1 $(BIN)/pytest -n $(TEST_WORKERS)
-	DAFKA_NO_EXTENSIONS=1 $(BIN)/pytest -n $(TEST_WORKERS) tests/test_mesh.py tests/test_batches.py tests/test_store_node.py tests/test_wire.py tests/kafka/test_records.py
+	DAFKA_REQUIRE_EXTENSIONS=1 timeout --foreground -k 30 $(PASS_TIMEOUT) $(BIN)/pytest -n $(TEST_WORKERS)
+	DAFKA_NO_EXTENSIONS=1 timeout --foreground -k 30 $(PASS_TIMEOUT) $(BIN)/pytest -n $(TEST_WORKERS) tests/test_mesh.py tests/test_batches.py tests/test_store_node.py tests/test_wire.py tests/kafka/test_records.py
 
 bench: setup
 	$(BIN)/dafka bench live --records 1000000 --runs 3
