@@ -535,14 +535,15 @@ class Store(PartitionReader):
         fills: list[_Fill] = []
         if self._fills:
             fills = [(t, p, off, c, ts) for (t, p, off), (c, ts) in self._fills.items()]
-        work = Work(self._batch, self._pairs, self._segs, self._skips, fills, self._blocks, self._blocks_held)
+        skips, later = self._skips_with_records()
+        work = Work(self._batch, self._pairs, self._segs, skips, fills, self._blocks, self._blocks_held)
         with self._writer_cond:
             outcome = self._pipe.offer(work, time.monotonic())
             if outcome is not Offer.HELD:
                 self._writer_cond.notify()  # (a writer lingering for more counts the offers)
         if outcome is Offer.HELD:
             return  # still queued here, for a later transaction
-        self._batch, self._pairs, self._segs, self._skips, self._blocks = [], [], [], [], []
+        self._batch, self._pairs, self._segs, self._skips, self._blocks = [], [], [], later, []
         self._blocks_held = 0
         if fills:
             self._fills = {}
@@ -551,6 +552,35 @@ class Store(PartitionReader):
             self._mark_work(work)
         else:
             self._mark_work(self._outstanding[-1])
+
+    def _skips_with_records(self) -> tuple[list[tuple[str, str, int, int]], list[tuple[str, str, int, int]]]:
+        """The queued skips split: those a queued record of their partition follows (they go
+        with it, in its transaction), and the rest, kept for the transaction of the records
+        after them.  The database checks a gap against the skips of the same transaction and
+        records nothing for a skip no record follows: a skip sent ahead alone (the last record
+        of a read too large, the next ones in the next read) was lost, and the records after it
+        were refused as a gap."""
+        skips = self._skips
+        if not skips:
+            return skips, []
+        ends: dict[tuple[str, str], int] = {}
+        for r in self._batch:
+            key = (r[0], r[1])
+            if r[2] > ends.get(key, -1):
+                ends[key] = r[2]
+        for seg in self._segs:
+            key = (seg[0], seg[1])
+            if seg[4] > ends.get(key, -1):
+                ends[key] = seg[4]
+        for b in self._blocks:
+            key = (b[0], b[1])
+            last = decode_header(b[2]).last_offset
+            if last > ends.get(key, -1):
+                ends[key] = last
+        now = [sk for sk in skips if ends.get((sk[0], sk[1]), -1) > sk[3]]
+        if len(now) == len(skips):
+            return skips, []
+        return now, [sk for sk in skips if ends.get((sk[0], sk[1]), -1) <= sk[3]]
 
     def _restore(self, work: Work) -> None:
         """Queue ``work``'s records again, before those queued since (a failed commit's, or the
