@@ -563,24 +563,27 @@ class Store(PartitionReader):
         skips = self._skips
         if not skips:
             return skips, []
-        ends: dict[tuple[str, str], int] = {}
+        # The highest queued offset of each partition with a skip (a skip held back for a
+        # producer that sent nothing since stays: only those partitions' entries are looked at).
+        ends = {(sk[0], sk[1]): -1 for sk in skips}
         for r in self._batch:
             key = (r[0], r[1])
-            if r[2] > ends.get(key, -1):
+            if key in ends and r[2] > ends[key]:
                 ends[key] = r[2]
         for seg in self._segs:
             key = (seg[0], seg[1])
-            if seg[4] > ends.get(key, -1):
+            if key in ends and seg[4] > ends[key]:
                 ends[key] = seg[4]
         for b in self._blocks:
             key = (b[0], b[1])
-            last = decode_header(b[2]).last_offset
-            if last > ends.get(key, -1):
-                ends[key] = last
-        now = [sk for sk in skips if ends.get((sk[0], sk[1]), -1) > sk[3]]
+            if key in ends:
+                last = decode_header(b[2]).last_offset
+                if last > ends[key]:
+                    ends[key] = last
+        now = [sk for sk in skips if ends[(sk[0], sk[1])] > sk[3]]
         if len(now) == len(skips):
             return skips, []
-        return now, [sk for sk in skips if ends.get((sk[0], sk[1]), -1) <= sk[3]]
+        return now, [sk for sk in skips if ends[(sk[0], sk[1])] <= sk[3]]
 
     def _restore(self, work: Work) -> None:
         """Queue ``work``'s records again, before those queued since (a failed commit's, or the
