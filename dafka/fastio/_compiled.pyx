@@ -862,6 +862,33 @@ cdef inline object _store_value(object item, int field):
     return v
 
 
+cdef int _seal_store_block(bytes block, uint64_t first, Py_ssize_t n, uint64_t body, uint64_t first_ts,
+                           uint64_t max_ts, uint64_t payload) except -1:
+    """A new CODEC_STORE block's header, payload count and CRC, written in place (its ends
+    table and values are already there; no one has seen it yet)."""
+    cdef unsigned char *p = <unsigned char *>PyBytes_AS_STRING(block)
+    p[0] = 68  # b"DB"
+    p[1] = 66
+    p[2] = 2  # version
+    p[3] = _CODEC_STORE
+    p[4] = 0  # compression
+    p[5] = 0  # flags
+    p[6] = 0  # reserved
+    p[7] = 0
+    _put_be64(p + 8, first)
+    _put_be64(p + 16, first + <uint64_t>(n - 1))
+    _put_be32(p + 24, <uint64_t>n)
+    _put_be32(p + 28, body)
+    _put_be64(p + 32, first_ts)
+    _put_be64(p + 40, max_ts)
+    _put_be64(p + _HEADER_SIZE, payload)
+    mv = memoryview(block)
+    cdef uint64_t crc = _crc32c(mv[_HEADER_SIZE:], _crc32c(mv[:_CRC_AT]))
+    mv.release()
+    _put_be32(p + _CRC_AT, crc)
+    return 0
+
+
 cdef object _store_block(list items, Py_ssize_t i, Py_ssize_t j, Py_ssize_t size,
                          unsigned int pid, uint64_t first, int field):
     """One CODEC_STORE block of the (checked) values of ``items[i:j]``, ``size`` bytes of them."""
@@ -899,25 +926,7 @@ cdef object _store_block(list items, Py_ssize_t i, Py_ssize_t j, Py_ssize_t size
         first_ts = _I64_MAX
     if max_ts > _I64_MAX:
         max_ts = _I64_MAX
-    p[0] = 68  # b"DB"
-    p[1] = 66
-    p[2] = 2  # version
-    p[3] = _CODEC_STORE
-    p[4] = 0  # compression
-    p[5] = 0  # flags
-    p[6] = 0  # reserved
-    p[7] = 0
-    _put_be64(p + 8, first)
-    _put_be64(p + 16, first + <uint64_t>(n - 1))
-    _put_be32(p + 24, <uint64_t>n)
-    _put_be32(p + 28, <uint64_t>body)
-    _put_be64(p + 32, first_ts)
-    _put_be64(p + 40, max_ts)
-    _put_be64(p + _HEADER_SIZE, payload)
-    mv = memoryview(block)
-    cdef uint64_t crc = _crc32c(mv[_HEADER_SIZE:], _crc32c(mv[:_CRC_AT]))
-    mv.release()
-    _put_be32(p + _CRC_AT, crc)  # the block is new and not yet seen by anyone: filled in place
+    _seal_store_block(block, first, n, <uint64_t>body, first_ts, max_ts, payload)
     cdef bytes key = PyBytes_FromStringAndSize(NULL, 12)
     p = <unsigned char *>PyBytes_AS_STRING(key)
     _put_be32(p, pid)
@@ -1341,31 +1350,13 @@ cdef class _BlockCursor:
         cdef unsigned char *p = <unsigned char *>PyBytes_AS_STRING(block)
         cdef uint64_t base = _STORE_BASE + 4 * <uint64_t>n
         cdef uint64_t ts = self.ts if self.ts <= _I64_MAX else _I64_MAX
-        p[0] = 68  # b"DB"
-        p[1] = 66
-        p[2] = 2  # version
-        p[3] = _CODEC_STORE
-        p[4] = 0  # compression
-        p[5] = 0  # flags
-        p[6] = 0  # reserved
-        p[7] = 0
-        _put_be64(p + 8, self.first)
-        _put_be64(p + 16, self.first + <uint64_t>(n - 1))
-        _put_be32(p + 24, <uint64_t>n)
-        _put_be32(p + 28, body)
-        _put_be64(p + 32, ts)
-        _put_be64(p + 40, ts)
-        _put_be64(p + _HEADER_SIZE, self.payload)
         for k in range(n):
             _put_be32(p + _STORE_BASE + 4 * k, base + self.ends[k])
         memcpy(p + base, self.buf, self.size)
+        _seal_store_block(block, self.first, n, body, ts, ts, self.payload)
         self.n = 0
         self.size = 0
         self.payload = 0
-        mv = memoryview(block)
-        cdef uint64_t crc = _crc32c(mv[_HEADER_SIZE:], _crc32c(mv[:_CRC_AT]))
-        mv.release()
-        _put_be32(p + _CRC_AT, crc)  # the block is new and not yet seen by anyone: filled in place
         self.blocks.append((self.tracker.subject, self.tracker.address, block))
         return 0
 
