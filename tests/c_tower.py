@@ -28,6 +28,7 @@ import threading
 import zmq
 
 _DIGITS = re.compile(rb"\s*([+-]?\d+)")
+CLOSE_LINGER_MS = 500  # see CTower._close
 
 
 def atoi(frame: bytes) -> int:
@@ -126,7 +127,13 @@ class CTower:
 
     def _close(self) -> None:
         self.xsub.close(0)
-        self.xpub.close(0)
+        # Not 0: libzmq 4.3.5 aborts ("Resource temporarily unavailable
+        # (src/session_base.cpp:233)") when a connection breaks while a session,
+        # midway through sending a multipart message, is terminated without linger
+        # (its pipe can no longer be read for the message's other parts). With a
+        # linger the session reads its pipe until the close's delimiter, so a node
+        # closing at this moment (as tests do) finds the message whole.
+        self.xpub.close(CLOSE_LINGER_MS)
 
 
 def main() -> None:

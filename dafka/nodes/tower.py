@@ -67,6 +67,7 @@ log = logging.getLogger("dafka.tower")
 # The longest frame the beacons-in XSUB takes (ZMQ_MAXMSGSIZE): a beacon's are
 # at most a few hundred bytes; the CURVE handshake's about 300.
 BEACON_FRAME_MAX = 4096
+XPUB_CLOSE_LINGER_MS = 200  # see _close_sockets
 PROBE_TIMEOUT = 2.0  # seconds a TCP connection to an announced endpoint may take
 
 
@@ -277,7 +278,11 @@ class Tower:
             sub.close(0)
         self.xsub.close(0)
         if self.xpub is not None:
-            self.xpub.close(0)
+            # A linger, not 0: libzmq 4.3.5 aborts the process when a subscriber's
+            # connection breaks while its session, midway through a multipart beacon,
+            # is terminated without one (nodes stopping with their tower, as `dafka up`
+            # does on Ctrl-C); with a linger the session can still read the rest.
+            self.xpub.close(XPUB_CLOSE_LINGER_MS)
         if self.front is not None:
             self.front.close()
 
