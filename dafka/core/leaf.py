@@ -245,11 +245,12 @@ class LeafLink:
         return [Send(leafwire.encode(void))]
 
     def _on_ack(self, sequence: int, now: float) -> list[LinkAction]:
-        if sequence >= self.window.next:
+        window = self.window
+        if sequence >= window.next:
             self.bad_acks += 1
             return []
-        if self.window.ack(sequence):
-            self.waiting_since = now if len(self.window) else None
+        if window.ack(sequence):
+            self.waiting_since = now if sequence < window.next - 1 else None  # (records still wait)
             self.backoff = 1
             self.head_at = now  # a HEAD goes only when ACKs stall (it asks for the ACK again)
             self.head_wait = self.head_interval
