@@ -226,7 +226,10 @@ class LeafProducer(ReceiptCallbacks):
         self._file_endpoint: str | None = None
         self._endpoint_unsaved = False
         self.sock: zmq.Socket[Any] | None = None
-        self._armed = False  # see LeafLoop's LoopMember.armed
+        # See LeafLoop's LoopMember.armed: the connection was read to the end and nothing sent
+        # on it since.  A plain attribute (the loop looks at it after every turn that touched
+        # us); readers riding our connection set it False at each of their sends too.
+        self.armed = False
         self.records_sent = 0
         # Readers riding this producer's connection (dafka.nodes.leafread.LeafConsumer(via=...)):
         # their address -> the consumer (None once closed: what still comes for it is dropped;
@@ -280,17 +283,6 @@ class LeafProducer(ReceiptCallbacks):
     def endpoint(self) -> str:
         """The endpoint in use."""
         return self.link.endpoint
-
-    @property
-    def armed(self) -> bool:
-        """The connection was read to the end and nothing sent on it since (see
-        :class:`~dafka.nodes.leafloop.LoopMember`); never while readers ride it (they
-        send on it without telling)."""
-        return self._armed and not self._readers
-
-    @armed.setter
-    def armed(self, armed: bool) -> None:
-        self._armed = armed
 
     def publish(
         self,
@@ -599,7 +591,7 @@ class LeafProducer(ReceiptCallbacks):
                 for reader in list(self._readers.values()):
                     reader._connected(time.monotonic())  # a new connection: its readers say LEAF-READ on it
             elif self.sock is not None:
-                self._armed = False
+                self.armed = False
                 try:
                     fastio.send_frames(self.sock, act.frames)
                 except zmq.ZMQError:
@@ -612,7 +604,7 @@ class LeafProducer(ReceiptCallbacks):
             self.sock.close(0)  # what it queued goes again on the next connection
             log.info("leaf %s: %s", self.address[:8], self.diagnose())
         sock = self.sock = loop.ctx.socket(zmq.DEALER)
-        self._armed = False
+        self.armed = False
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SNDHWM)
         sock.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)  # what an endpoint sends is small
@@ -653,7 +645,7 @@ class LeafProducer(ReceiptCallbacks):
             runs = self.window.runs(first, last - first + 1)
         header = self._header
         sent = first - 1
-        self._armed = False
+        self.armed = False
         send_records = fastio.send_records
         for start, contents in runs:
             # Compiled where built: the GIL held meanwhile (per-frame pyzmq sends gave it
@@ -676,7 +668,7 @@ class LeafProducer(ReceiptCallbacks):
         link = self.link
         lock = self._lock
         msgs = fastio.recv_messages(sock, READ_LIMIT)
-        self._armed = len(msgs) < READ_LIMIT  # read to the end (until a send: see armed)
+        self.armed = len(msgs) < READ_LIMIT  # read to the end (until a send: see armed)
         for frames in msgs:
             if readers and frames[0][:1] in _FOR_READERS:
                 addressee = _addressee(frames[0])
