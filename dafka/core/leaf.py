@@ -261,8 +261,9 @@ class LeafLink:
         something else happens, a publish or a message)."""
         if self.state == HELLO:
             return self.give_up_at
-        if len(self.window) == 0:
-            return None
+        window = self.window
+        if window.acked == window.next - 1:
+            return None  # (nothing waits for an ACK: the window is empty)
         due = self.head_at + self.head_wait  # (a HEAD, or at least a look, while records wait)
         if self.waiting_since is not None:
             due = min(due, self.waiting_since + self.ack_timeout * self.backoff)

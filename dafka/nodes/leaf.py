@@ -306,8 +306,9 @@ class LeafProducer(ReceiptCallbacks):
                 if offset > window.next:
                     raise ValueError(f"offset {offset} is beyond next offset {window.next}")
                 receipt = Receipt(self, offset)  # type: ignore[arg-type]
-            elif len(window) < window.capacity and window.next < self._reserved and not self._closed:
-                # The common case: room, an offset reserved: one record pushed, nothing waited for.
+            elif window.next - window.acked <= window.capacity and window.next < self._reserved and not self._closed:
+                # The common case: room (len(window) < capacity), an offset reserved: one
+                # record pushed, nothing waited for.
                 receipt = Receipt(self, window.push(content))  # type: ignore[arg-type]
                 if callback is not None and self._failure is None:
                     # Not resolved (pending: just published, no failure): kept until its ACK.
@@ -650,7 +651,7 @@ class LeafProducer(ReceiptCallbacks):
         for start, contents in runs:
             # Compiled where built: the GIL held meanwhile (per-frame pyzmq sends gave it
             # up at every frame, and waited for the app's publishing thread to return it).
-            n = send_records(sock, header, start, contents, noblock=True)
+            n = send_records(sock, header, start, contents, 0, None, True)  # (noblock: positional, no keywords parsed)
             sent = start + n - 1
             if n < len(contents):
                 break  # the queue is full: the rest goes on the next turn
