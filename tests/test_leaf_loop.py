@@ -32,6 +32,7 @@ class QuickEndpoint:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.records = 0
+        self.hold = threading.Event()  # set: records are taken but not acknowledged until cleared
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -39,7 +40,7 @@ class QuickEndpoint:
     def _run(self) -> None:
         sock = self.sock
         while not self._stop.is_set():
-            if not sock.poll(50):
+            if not sock.poll(50) or self.hold.is_set():
                 continue
             for _ in range(1000):
                 try:
@@ -103,3 +104,50 @@ def test_a_lone_producer_reads_each_ack_as_it_comes(endpoint: QuickEndpoint) -> 
             leaf.publish(b"%d" % i)
             assert leaf.flush(5.0), f"record {i}: {leaf.diagnose()}"
         assert leaf.acked_offset == 299
+
+
+def test_callbacks_and_waiters_are_resolved_by_the_acks(endpoint: QuickEndpoint) -> None:
+    # The loop resolves what an ACK frees under the producer's lock it holds: a publish
+    # waiting for room in a full window, a flush and a receipt waiting in other threads
+    # (notified only while one waits), and the callbacks now due, each once, in offset order.
+    loop = LeafLoop()
+    try:
+        with LeafProducer(T, leaf=f"127.0.0.1:{endpoint.port}", loop=loop, capacity=3, head_interval=60.0,
+                          ack_timeout=60.0) as leaf:
+            called: list[int] = []
+            for i in range(3):
+                leaf.publish(b"%d" % i, lambda r: called.append(r.offset) if r.acked() else None)
+            assert leaf.flush(5.0), leaf.diagnose()
+            assert called == [0, 1, 2]
+            endpoint.hold.set()  # the next records wait for their ACK: the window fills up
+            receipts = [leaf.publish(b"%d" % i, lambda r: called.append(r.offset) if r.acked() else None)
+                        for i in range(3, 6)]
+            waited: dict[str, object] = {}
+
+            def publish_one_more() -> None:  # the window is full: this waits for room
+                waited["publish"] = leaf.publish(b"6", timeout=10.0).offset
+
+            def wait_for_receipt() -> None:
+                waited["receipt"] = receipts[-1].wait(10.0)
+
+            def flush() -> None:
+                waited["flush"] = leaf.flush(10.0)
+
+            threads = [threading.Thread(target=f) for f in (publish_one_more, wait_for_receipt, flush)]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 5.0
+            while leaf._waiting < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert leaf._waiting == 3 and called == [0, 1, 2] and not waited
+            endpoint.hold.clear()
+            for t in threads:
+                t.join(10.0)
+            assert waited == {"publish": 6, "receipt": True, "flush": True}
+            assert leaf.flush(5.0)
+            assert called == [0, 1, 2, 3, 4, 5]
+            late: list[int] = []
+            receipts[0].add_done_callback(lambda r: late.append(r.offset))  # resolved already: called at once
+            assert late == [3] and leaf._waiting == 0
+    finally:
+        loop.close()

@@ -218,3 +218,6 @@ def test_bench_scale_leaves_prints_its_summary_line() -> None:
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
     line = [x for x in run.stdout.splitlines() if x.startswith("scale:") and "all acked" in x][-1]
     assert re.search(r"leaves 20\b.*servers [\d.]+%.*the whole [\d.]+%.*all acked: True.*ACK p50 [\d.]+ .*p99 [\d.]+ .*ms", line), line
+    threads = [x for x in run.stdout.splitlines() if x.startswith("scale: device threads:")]
+    assert threads and re.search(r"[\d.]+ µs a record: app [\d.]+, LeafLoop [\d.]+, ZeroMQ I/O [\d.]+, other [\d.]+",
+                                 threads[-1]), run.stdout

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import threading
 import time
 from typing import Any
 
@@ -73,6 +74,31 @@ def _leaf_store(cfg: NodeConfig, db: str, sync: bool, ports: Any, done: Any) -> 
 
 READER_DRAIN = 0.1  # seconds between the app thread's drains of its readers' queues
 
+ThreadCpu = dict[str, int]  # nanoseconds on the CPU so far: "app", "loop", "zmq" (ZeroMQ's I/O threads), "other"
+
+
+def _thread_cpu(app: int, loop: int) -> ThreadCpu:
+    """This process's CPU so far per kind of thread, in ns, from /proc/self/task/*/schedstat
+    (Linux; empty elsewhere): the app's thread (native id ``app``), the LeafLoop's
+    (``loop``), ZeroMQ's I/O threads, and the others."""
+    out: ThreadCpu = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except (OSError, ValueError, IndexError):
+            continue  # (a thread that ended meanwhile)
+        kind = ("app" if int(tid) == app else "loop" if int(tid) == loop
+                else "zmq" if comm.startswith("ZMQbg/IO") else "other")
+        out[kind] = out.get(kind, 0) + ns
+    return out
+
 
 def _devices(
     topic: str, endpoints: list[str], first: int, n: int, seconds: float, go: Any, result: Any,
@@ -120,6 +146,8 @@ def _devices(
     result.put(("ready", n, warm, time.monotonic() - t_warm))
     go.wait(600)
     t_go = time.time()
+    me, loop_id = threading.get_native_id(), loop._thread.native_id or 0
+    cpu_go = _thread_cpu(me, loop_id)
     published = 0
     t0 = clock()
     rounds = max(1, int(seconds))
@@ -142,6 +170,8 @@ def _devices(
                     command_lags.append(wall - float(r.content))
         devices[k % n].publish(payload, stamp(clock()))
         published += 1
+    cpu_published = _thread_cpu(me, loop_id)
+    threads = {k: v - cpu_go.get(k, 0) for k, v in cpu_published.items()}  # over the publishing window
     result.put(("published", published))
     deadline = time.monotonic() + 3.0  # the last commands: until none came for a second (3 s at most)
     quiet_since = time.monotonic()
@@ -162,7 +192,7 @@ def _devices(
         d.close(0)
     loop.close()
     result.put(("done", published, acked_all, latencies, failovers, commands_got, command_lags,
-                _gc_summary(pauses, t_go, t_end)))
+                _gc_summary(pauses, t_go, t_end), threads))
 
 
 def bench_leaves(args: argparse.Namespace) -> int:
@@ -309,4 +339,14 @@ def bench_leaves(args: argparse.Namespace) -> int:
         flush=True,
     )
     print(f"scale: gc: stores {gc_text(store_gc)}; device processes {gc_text(device_gc)}", flush=True)
+    threads: dict[str, int] = {}
+    for f in finished:
+        for kind, ns in f[8].items():
+            threads[kind] = threads.get(kind, 0) + ns
+    if threads and published:
+        # The device processes' CPU a record, per thread, while they published (the flush after
+        # it left out): where a device's cost goes (docs/concepts/leaves.md, Cost).
+        each = {k: threads.get(k, 0) / 1000 / published for k in ("app", "loop", "zmq", "other")}
+        print(f"scale: device threads: {sum(each.values()):.1f} µs a record: app {each['app']:.1f}, "
+              f"LeafLoop {each['loop']:.1f}, ZeroMQ I/O {each['zmq']:.1f}, other {each['other']:.1f}", flush=True)
     return 0 if acked and received >= published and (not readers or commands_got >= readers * sent_commands) else 1

@@ -245,11 +245,12 @@ class LeafLink:
         return [Send(leafwire.encode(void))]
 
     def _on_ack(self, sequence: int, now: float) -> list[LinkAction]:
-        if sequence >= self.window.next:
+        window = self.window
+        if sequence >= window.next:
             self.bad_acks += 1
             return []
-        if self.window.ack(sequence):
-            self.waiting_since = now if len(self.window) else None
+        if window.ack(sequence):
+            self.waiting_since = now if sequence < window.next - 1 else None  # (records still wait)
             self.backoff = 1
             self.head_at = now  # a HEAD goes only when ACKs stall (it asks for the ACK again)
             self.head_wait = self.head_interval
@@ -260,8 +261,9 @@ class LeafLink:
         something else happens, a publish or a message)."""
         if self.state == HELLO:
             return self.give_up_at
-        if len(self.window) == 0:
-            return None
+        window = self.window
+        if window.acked == window.next - 1:
+            return None  # (nothing waits for an ACK: the window is empty)
         due = self.head_at + self.head_wait  # (a HEAD, or at least a look, while records wait)
         if self.waiting_since is not None:
             due = min(due, self.waiting_since + self.ack_timeout * self.backoff)

@@ -136,7 +136,8 @@ class UnackedWindow:
                 skip = 0
             else:
                 upto = seq + 1 - base
-                freed += sum(map(len, chunk[skip:upto]))
+                # (one record, as a device's ACK mostly frees: no slice)
+                freed += len(chunk[skip]) if upto == skip + 1 else sum(map(len, chunk[skip:upto]))
                 skip = upto
                 break
         self._skip = skip

@@ -209,6 +209,7 @@ class LeafProducer(ReceiptCallbacks):
         self.window = UnackedWindow(capacity, next_offset)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
+        self._waiting = 0  # threads in self._cond.wait (see _wait): an ACK notifies only if any
         self._closed = False
         self._failure: PublishError | None = None
         self._failed_from = 1 << 64
@@ -225,7 +226,10 @@ class LeafProducer(ReceiptCallbacks):
         self._file_endpoint: str | None = None
         self._endpoint_unsaved = False
         self.sock: zmq.Socket[Any] | None = None
-        self._armed = False  # see LeafLoop's LoopMember.armed
+        # See LeafLoop's LoopMember.armed: the connection was read to the end and nothing sent
+        # on it since.  A plain attribute (the loop looks at it after every turn that touched
+        # us); readers riding our connection set it False at each of their sends too.
+        self.armed = False
         self.records_sent = 0
         # Readers riding this producer's connection (dafka.nodes.leafread.LeafConsumer(via=...)):
         # their address -> the consumer (None once closed: what still comes for it is dropped;
@@ -280,17 +284,6 @@ class LeafProducer(ReceiptCallbacks):
         """The endpoint in use."""
         return self.link.endpoint
 
-    @property
-    def armed(self) -> bool:
-        """The connection was read to the end and nothing sent on it since (see
-        :class:`~dafka.nodes.leafloop.LoopMember`); never while readers ride it (they
-        send on it without telling)."""
-        return self._armed and not self._readers
-
-    @armed.setter
-    def armed(self, armed: bool) -> None:
-        self._armed = armed
-
     def publish(
         self,
         content: Any,
@@ -307,11 +300,21 @@ class LeafProducer(ReceiptCallbacks):
             content = bytes(content)
         if len(content) > self.config.max_record_bytes:
             raise self._too_large(len(content))
+        window = self.window
         with self._lock:
-            if offset is not None and offset != self.window.next:
-                if offset > self.window.next:
-                    raise ValueError(f"offset {offset} is beyond next offset {self.window.next}")
+            if offset is not None and offset != window.next:
+                if offset > window.next:
+                    raise ValueError(f"offset {offset} is beyond next offset {window.next}")
                 receipt = Receipt(self, offset)  # type: ignore[arg-type]
+            elif window.next - window.acked <= window.capacity and window.next < self._reserved and not self._closed:
+                # The common case: room (len(window) < capacity), an offset reserved: one
+                # record pushed, nothing waited for.
+                receipt = Receipt(self, window.push(content))  # type: ignore[arg-type]
+                if callback is not None and self._failure is None:
+                    # Not resolved (pending: just published, no failure): kept until its ACK.
+                    self._callback_seq += 1
+                    heapq.heappush(self._callbacks, (receipt.offset, self._callback_seq, receipt, callback))
+                    callback = None
             else:
                 receipt = Receipt(self, self._push_locked([content], timeout))  # type: ignore[arg-type]
         self._loop.wake(self)
@@ -384,7 +387,7 @@ class LeafProducer(ReceiptCallbacks):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
-                self._cond.wait(remaining)
+                self._wait(remaining)
             return self._failure is None
 
     def close(self, timeout: float = 10.0) -> bool:
@@ -444,10 +447,19 @@ class LeafProducer(ReceiptCallbacks):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
-                self._cond.wait(remaining)
+                self._wait(remaining)
             if self._outbox is not None and (evicted := self._outbox.failure_for(offset)) is not None:
                 raise evicted  # passed by the window, never acknowledged (drop_oldest)
             return True
+
+    def _wait(self, timeout: float | None) -> None:
+        """``self._cond.wait`` (lock held), counted: the loop notifies after an ACK only
+        while someone waits (a Condition's notify is several Python calls)."""
+        self._waiting += 1
+        try:
+            self._cond.wait(timeout)
+        finally:
+            self._waiting -= 1
 
     def _run_callbacks(self) -> None:
         due = []
@@ -479,7 +491,7 @@ class LeafProducer(ReceiptCallbacks):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise BufferFullError(f"{len(window)} records wait for an ACK (capacity {window.capacity})")
-                self._cond.wait(remaining)
+                self._wait(remaining)
                 if self._closed:
                     raise ClosedError("producer is closed")
                 continue
@@ -580,7 +592,7 @@ class LeafProducer(ReceiptCallbacks):
                 for reader in list(self._readers.values()):
                     reader._connected(time.monotonic())  # a new connection: its readers say LEAF-READ on it
             elif self.sock is not None:
-                self._armed = False
+                self.armed = False
                 try:
                     fastio.send_frames(self.sock, act.frames)
                 except zmq.ZMQError:
@@ -593,7 +605,7 @@ class LeafProducer(ReceiptCallbacks):
             self.sock.close(0)  # what it queued goes again on the next connection
             log.info("leaf %s: %s", self.address[:8], self.diagnose())
         sock = self.sock = loop.ctx.socket(zmq.DEALER)
-        self._armed = False
+        self.armed = False
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SNDHWM)
         sock.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)  # what an endpoint sends is small
@@ -622,8 +634,6 @@ class LeafProducer(ReceiptCallbacks):
             return
         if self._endpoint_unsaved and (now - self._saved_at < SAVE_EVERY or not self._note_endpoint(self.link.endpoint)):
             return  # the identity file must name this endpoint first (it may acknowledge)
-        if self.link.sendable() is None:
-            return  # (a look without the lock: a publish meanwhile wakes the loop for this member)
         with self._lock:
             span = self.link.sendable()
             if span is None:
@@ -636,12 +646,12 @@ class LeafProducer(ReceiptCallbacks):
             runs = self.window.runs(first, last - first + 1)
         header = self._header
         sent = first - 1
-        self._armed = False
+        self.armed = False
         send_records = fastio.send_records
         for start, contents in runs:
             # Compiled where built: the GIL held meanwhile (per-frame pyzmq sends gave it
             # up at every frame, and waited for the app's publishing thread to return it).
-            n = send_records(sock, header, start, contents, noblock=True)
+            n = send_records(sock, header, start, contents, 0, None, True)  # (noblock: positional, no keywords parsed)
             sent = start + n - 1
             if n < len(contents):
                 break  # the queue is full: the rest goes on the next turn
@@ -653,10 +663,13 @@ class LeafProducer(ReceiptCallbacks):
         sock = self.sock
         if sock is None:
             return
-        acked = self.window.acked
+        window = self.window
+        acked = window.acked
         readers = self._readers
+        link = self.link
+        lock = self._lock
         msgs = fastio.recv_messages(sock, READ_LIMIT)
-        self._armed = len(msgs) < READ_LIMIT  # read to the end (until a send: see armed)
+        self.armed = len(msgs) < READ_LIMIT  # read to the end (until a send: see armed)
         for frames in msgs:
             if readers and frames[0][:1] in _FOR_READERS:
                 addressee = _addressee(frames[0])
@@ -667,18 +680,35 @@ class LeafProducer(ReceiptCallbacks):
                     else:
                         self.reader_strays += 1  # a reader closed: the endpoint pushes until its session expires
                     continue
-            with self._lock:
-                before = self.window.acked
-                actions = self.link.on_message(frames, now)
-                if self._outbox is not None and self.window.acked != before:
+            with lock:
+                before = window.acked
+                actions = link.on_message(frames, now)
+                if self._outbox is not None and window.acked != before:
                     self._outbox.on_acked()  # the writer deletes them soon
-            self._apply(actions)
-        if self.window.acked != acked:
-            with self._cond:
-                self._cond.notify_all()
-            self._run_callbacks()
-            self._save_identity()
-        self._send_records(now)
+            if actions:
+                self._apply(actions)
+        if window.acked != acked:
+            # What the ACKs resolved, in one pass under the lock: the waiters woken (if
+            # any), the callbacks now due taken (run outside it, as _run_callbacks does).
+            due = None
+            with lock:
+                if self._waiting:
+                    self._cond.notify_all()
+                heap = self._callbacks
+                if heap:
+                    upto = window.acked
+                    while heap and (heap[0][0] <= upto or self._failure_for(heap[0][0]) is not None):
+                        if due is None:
+                            due = [heapq.heappop(heap)]
+                        else:
+                            due.append(heapq.heappop(heap))
+            if due is not None:
+                for _, _, receipt, fn in due:
+                    self._call(fn, receipt)
+            if self._identity_path is not None:
+                self._save_identity()
+        if link.sent_upto < window.next - 1 or self._endpoint_unsaved:
+            self._send_records(now)  # (freed credit, or records published meanwhile)
         self._loop._pending(self)
 
     def _tick(self, now: float) -> None:

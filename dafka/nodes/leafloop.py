@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-import selectors
+import select
 import threading
 import time
 from collections import deque
@@ -32,6 +32,7 @@ MAX_SOCKETS = 32_768  # ZeroMQ sockets of a LeafLoop's context (one DEALER per m
 MAX_CLOSED_READERS = 16  # closed readers whose address a connection still recognises
 _events = fastio.events
 _POLLIN = int(zmq.POLLIN)
+_GONE: Any = object()  # (an fd that is no member's any more)
 
 
 
@@ -112,8 +113,11 @@ class LeafLoop:
         os.set_blocking(self._wake_w, False)
         self._wake_lock = threading.Lock()
         self._woken = False
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        # One epoll, and its fds' members (None: the wake-up pipe), read without selectors'
+        # per-event keys and tuples: a turn of a fleet reads hundreds of sockets.
+        self._epoll = select.epoll()
+        self._epoll.register(self._wake_r, select.EPOLLIN)
+        self._by_fd: dict[int, LoopMember | None] = {self._wake_r: None}
         self._members: dict[int, LoopMember] = {}
         self._ticking: dict[LoopMember, float] = {}  # members with something due, and when
         self._dirty: deque[LoopMember] = deque()  # members with records or commands to act on
@@ -151,6 +155,8 @@ class LeafLoop:
         next_tick = 0.0
         ready: list[LoopMember] = []
         events = _events
+        poll = self._epoll.poll
+        by_fd = self._by_fd
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
@@ -183,19 +189,23 @@ class LeafLoop:
                     self._woken = False  # from now on a publish writes the pipe: the wait ends
                     pending = bool(self._dirty)
                 wait = 0.0 if ready or pending else max(0.0, next_tick - time.monotonic())
-                for key, _ in self._selector.select(wait):
-                    member = key.data
-                    if member is None:
-                        # One read: wake() writes a byte only when the loop was not woken
-                        # already, so a few bytes at most wait here (a full read: more).
-                        try:
-                            while len(os.read(self._wake_r, 4096)) == 4096:
+                fired = poll(wait)
+                if fired:
+                    now = time.monotonic()
+                    for fd, _ in fired:
+                        got = by_fd.get(fd, _GONE)
+                        if got is None:
+                            # One read: wake() writes a byte only when the loop was not woken
+                            # already, so a few bytes at most wait here (a full read: more).
+                            try:
+                                while len(os.read(self._wake_r, 4096)) == 4096:
+                                    pass
+                            except OSError:
                                 pass
-                        except OSError:
-                            pass
-                        continue
-                    member._read(time.monotonic())
-                    touched[member] = None
+                            continue
+                        if got is not _GONE:
+                            got._read(now)
+                            touched[got] = None
                 # A send may have taken a socket's edge (ZMQ_FD fires for commands, and a
                 # send processes them): the members that sent since their socket was read
                 # to the end have ZMQ_EVENTS looked at; those read to the end since, not.
@@ -213,19 +223,30 @@ class LeafLoop:
         finally:
             for member in list(self._members.values()):
                 member._detach()
-            self._selector.close()
+            self._epoll.close()
             os.close(self._wake_r)
             os.close(self._wake_w)
             self.ctx.term()
 
     # called in the loop thread by members
     def _register(self, sock: zmq.Socket[Any], member: LoopMember) -> None:
-        self._selector.register(_fd(sock), selectors.EVENT_READ, member)
+        fd = _fd(sock)
+        if fd in self._by_fd:
+            raise KeyError(f"fd {fd} is already registered")
+        self._epoll.register(fd, select.EPOLLIN)
+        self._by_fd[fd] = member
 
     def _unregister(self, sock: zmq.Socket[Any]) -> None:
         try:
-            self._selector.unregister(_fd(sock))
-        except (KeyError, ValueError, zmq.ZMQError):
+            fd = _fd(sock)
+        except zmq.ZMQError:
+            return
+        if self._by_fd.get(fd, _GONE) is _GONE or fd == self._wake_r:
+            return
+        del self._by_fd[fd]
+        try:
+            self._epoll.unregister(fd)
+        except (OSError, ValueError):
             pass
 
     def _pending(self, member: LoopMember) -> None:

@@ -61,6 +61,7 @@ class RiddenProducer(Protocol):
     endpoints: list[str]
     link: leafcore.LeafLink
     sock: zmq.Socket[Any] | None
+    armed: bool  # (see LoopMember.armed: a reader's send on the connection sets it False)
     _loop: LeafLoop
     _lock: threading.Lock
     _readers: dict[str, Any]
@@ -327,6 +328,8 @@ class LeafConsumer:
                     via._apply(moved)
                     return  # (the LEAF-READ that followed went on the new connection already)
             elif self.sock is not None:
+                if self._via is not None:
+                    self._via.armed = False  # a send on the producer's connection (see LoopMember.armed)
                 try:
                     fastio.send_frames(self.sock, act.frames)
                 except zmq.ZMQError:
