@@ -155,3 +155,47 @@ def test_dafka_produce_leaf_with_an_outbox(cfg: NodeConfig, tmp_path: Path) -> N
     store.send_signal(signal.SIGTERM)
     store.wait(15)
     assert stored(tmp_path / "db", str(info["partition"]), 3) == {0: b"one", 1: b"two", 2: b"three"}
+
+
+def test_records_the_outbox_evicts_resolve_their_waiters_and_callbacks_at_once(tmp_path: Path) -> None:
+    # Offline, drop_oldest: records evicted by age (at the loop's tick) and by size (by a
+    # publish) are failed. A thread waiting on such a receipt learns it then, not at its
+    # timeout; their callbacks run then, not at close (nothing acknowledges anything here:
+    # no ACK pass would ever notify them).
+    import time
+
+    from dafka.errors import PublishError
+
+    with Producer(TOPIC, leaf="127.0.0.1:9", outbox=str(tmp_path / "box"), outbox_max_age=0.2,
+                  outbox_max_bytes=2000, outbox_policy="drop_oldest", connect_timeout=0.3) as leaf:
+        failed: list[int] = []
+        outcome: dict[int, object] = {}
+
+        def wait_on(receipt: object) -> None:
+            t0 = time.monotonic()
+            try:
+                receipt.wait(8.0)  # type: ignore[attr-defined]
+                outcome[receipt.offset] = "returned"  # type: ignore[attr-defined]
+            except PublishError:
+                outcome[receipt.offset] = time.monotonic() - t0  # type: ignore[attr-defined]
+
+        old = leaf.publish(b"old", lambda r: failed.append(r.offset) if r.failed() else None)  # evicted by age
+        waiter = threading.Thread(target=wait_on, args=(old,))
+        waiter.start()
+        waiter.join(10.0)
+        assert isinstance(outcome.get(old.offset), float) and outcome[old.offset] < 4.0, outcome  # type: ignore[operator]
+        wait_until(lambda: failed == [old.offset], timeout=4.0)
+        leaf.close(0.2)
+
+    with Producer(TOPIC, leaf="127.0.0.1:9", outbox=str(tmp_path / "box2"), outbox_max_bytes=2000,
+                  outbox_policy="drop_oldest", connect_timeout=30.0) as leaf:  # (no tick for 30 s)
+        failed.clear()
+        first = leaf.publish(b"y" * 100, lambda r: failed.append(r.offset) if r.failed() else None)
+        waiter = threading.Thread(target=wait_on, args=(first,))
+        waiter.start()
+        for _ in range(30):  # evicted by size (2000 bytes): by one of these publishes
+            leaf.publish(b"y" * 100)
+        waiter.join(10.0)
+        assert isinstance(outcome.get(first.offset), float) and outcome[first.offset] < 4.0, outcome  # type: ignore[operator]
+        wait_until(lambda: failed == [first.offset], timeout=4.0)
+        leaf.close(0.2)

@@ -462,8 +462,14 @@ class LeafProducer(ReceiptCallbacks):
             self._waiting -= 1
 
     def _run_callbacks(self) -> None:
+        """Resolve what is no longer pending: the waiters woken (if any), the callbacks
+        now due run (outside the lock).  The ACK pass in :meth:`_read` does this inline;
+        this is for the rest: a close, and an outbox's evictions (drop_oldest), which move
+        ``window.acked`` without an ACK (no ACK pass might ever come)."""
         due = []
         with self._lock:
+            if self._waiting:
+                self._cond.notify_all()
             heap = self._callbacks
             while heap and (heap[0][0] <= self.window.acked or self._failure_for(heap[0][0]) is not None):
                 due.append(heapq.heappop(heap))
@@ -625,6 +631,8 @@ class LeafProducer(ReceiptCallbacks):
         if self._closed:
             self._detach()
             return
+        if self._outbox is not None:
+            self._run_callbacks()  # (a publish may have evicted records: outbox_max_bytes, drop_oldest)
         self._send_records(now)
         self._loop._pending(self)
 
@@ -715,6 +723,7 @@ class LeafProducer(ReceiptCallbacks):
         """The link's timers (the loop calls it when :meth:`LeafLink.next_due` is past)."""
         if self._outbox is not None:
             self._outbox.on_tick(now)  # max_age evictions (drop_oldest)
+            self._run_callbacks()  # (their waiters and callbacks: failed now)
         if self.sock is None:
             return
         with self._lock:
