@@ -151,3 +151,45 @@ def test_callbacks_and_waiters_are_resolved_by_the_acks(endpoint: QuickEndpoint)
             assert late == [3] and leaf._waiting == 0
     finally:
         loop.close()
+
+
+def test_fds_freed_by_failovers_and_closes_are_reused_by_the_right_members(endpoint: QuickEndpoint) -> None:
+    # Every new producer starts at a dead endpoint and fails over (its DEALER closed, a new
+    # one opened) while others close and open beside it on the same loop: ZeroMQ hands the
+    # freed fds out again. The loop's fd -> member map follows: each ACK reaches its producer
+    # (a stale entry would read a socket's ACKs into another member, or refuse a register).
+    with zmq.Context() as ctx:
+        dead = ctx.socket(zmq.ROUTER)
+        dead_port = dead.bind_to_random_port("tcp://127.0.0.1")
+        dead.close(0)  # (nothing listens there now: connects are refused)
+    endpoints = f"127.0.0.1:{dead_port},127.0.0.1:{endpoint.port}"
+    loop = LeafLoop()
+    leaves: list[LeafProducer] = []
+    try:
+        def new_leaf() -> LeafProducer:
+            return LeafProducer(T, leaf=endpoints, loop=loop, head_interval=60.0, ack_timeout=60.0,
+                                connect_timeout=0.1)
+
+        leaves = [new_leaf() for _ in range(8)]
+        t0 = time.monotonic()
+        seen: dict[int, set[int]] = {}  # fd -> the producers (ids) it served
+        for round_ in range(5):
+            for leaf in leaves:
+                if leaf.sock is not None:
+                    seen.setdefault(leaf.sock.getsockopt(zmq.FD), set()).add(id(leaf))
+            for leaf in leaves[:3]:
+                leaf.close(0)
+            leaves = [*leaves[3:], *(new_leaf() for _ in range(3))]
+            for leaf in leaves:
+                leaf.publish(b"r%d" % round_)
+            for leaf in leaves:
+                assert leaf.flush(5.0), f"round {round_}: {leaf.diagnose()}"
+        assert all(leaf.link.failovers >= 1 and leaf.endpoint.endswith(f":{endpoint.port}") for leaf in leaves)
+        assert time.monotonic() - t0 < 30
+        assert any(len(ids) > 1 for ids in seen.values()), seen  # (fds were reused)
+        by_fd = {fd: m for fd, m in dict(loop._by_fd).items() if m is not None}
+        assert by_fd == {leaf.sock.getsockopt(zmq.FD): leaf for leaf in leaves if leaf.sock is not None}
+    finally:
+        for leaf in leaves:
+            leaf.close(0)
+        loop.close()
