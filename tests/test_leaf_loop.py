@@ -193,3 +193,42 @@ def test_fds_freed_by_failovers_and_closes_are_reused_by_the_right_members(endpo
         for leaf in leaves:
             leaf.close(0)
         loop.close()
+
+
+def test_a_close_that_times_out_fails_its_waiters_and_callbacks_once_in_order(endpoint: QuickEndpoint) -> None:
+    # Nothing is acknowledged: a flush, a receipt's wait and a publish into the full window,
+    # each in a thread waiting without a timeout, end at the close (failed, closed); each
+    # callback runs once, failed, in offset order.
+    from dafka.errors import ClosedError, PublishError
+
+    leaf = LeafProducer(T, leaf=f"127.0.0.1:{endpoint.port}", capacity=3, head_interval=60.0, ack_timeout=60.0)
+    try:
+        endpoint.hold.set()
+        called: list[tuple[int, bool]] = []
+        receipts = [leaf.publish(b"%d" % i, lambda r: called.append((r.offset, r.failed()))) for i in range(3)]
+        ended: dict[str, object] = {}
+
+        def run(name: str, fn: object) -> None:
+            try:
+                ended[name] = fn()  # type: ignore[operator]
+            except (PublishError, ClosedError) as exc:
+                ended[name] = type(exc).__name__
+
+        threads = [threading.Thread(target=run, args=(name, fn)) for name, fn in (
+            ("flush", lambda: leaf.flush(None)), ("wait", lambda: receipts[1].wait(None)),
+            ("publish", lambda: leaf.publish(b"3", timeout=None)))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 5.0
+        while leaf._waiting < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert leaf._waiting == 3 and not called
+        assert not leaf.close(0.3)
+        for t in threads:
+            t.join(5.0)
+        assert ended == {"flush": False, "wait": "PublishError", "publish": "ClosedError"}
+        assert called == [(0, True), (1, True), (2, True)]
+        assert all(r.failed() for r in receipts) and leaf._waiting == 0
+    finally:
+        endpoint.hold.clear()
+        leaf.close(0)
