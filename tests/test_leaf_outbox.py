@@ -199,3 +199,18 @@ def test_records_the_outbox_evicts_resolve_their_waiters_and_callbacks_at_once(t
         assert isinstance(outcome.get(first.offset), float) and outcome[first.offset] < 4.0, outcome  # type: ignore[operator]
         wait_until(lambda: failed == [first.offset], timeout=4.0)
         leaf.close(0.2)
+
+
+def test_an_offline_leaf_evicts_by_age_on_time_whatever_its_failover_timers(tmp_path: Path) -> None:
+    # outbox_max_age under drop_oldest: a record older than it is evicted about then, not at
+    # the link's next timer (offline, the next endpoint is tried after connect_timeout, doubled
+    # after each failover: 5 s here, then up to 40 s).
+    import time
+
+    with Producer(TOPIC, leaf="127.0.0.1:9", outbox=str(tmp_path / "box"), outbox_max_age=0.3,
+                  outbox_policy="drop_oldest", connect_timeout=5.0) as leaf:
+        t0 = time.monotonic()
+        receipt = leaf.publish(b"old")
+        wait_until(receipt.failed, timeout=3.0)
+        assert time.monotonic() - t0 < 3.0 and leaf._outbox.evicted == 1  # type: ignore[attr-defined]
+        leaf.close(0.2)

@@ -247,6 +247,12 @@ class LeafProducer(ReceiptCallbacks):
             # Records go to the disk first: the loop sends them once they are durable.
             self.publish = self._publish_to_outbox  # type: ignore[method-assign]
             self.publish_many = self._publish_many_to_outbox  # type: ignore[method-assign]
+        # When the loop ticks us (LeafLoop._pending): the link's timers, and with an outbox
+        # that evicts by age (drop_oldest, max_age) its oldest record's expiry too (else it
+        # would wait for the link's next timer: offline, up to connect_timeout * MAX_BACKOFF).
+        self.next_due = self.link.next_due
+        if self._outbox is not None and outbox_policy == "drop_oldest" and outbox_max_age is not None:
+            self.next_due = self._next_due_or_expiry
         self._own_loop = loop is None
         self._loop = loop or LeafLoop(f"-{self.address[:8]}", linger=0.0)  # alone: nothing to share turns with
         self._attached = threading.Event()
@@ -718,6 +724,11 @@ class LeafProducer(ReceiptCallbacks):
         if link.sent_upto < window.next - 1 or self._endpoint_unsaved:
             self._send_records(now)  # (freed credit, or records published meanwhile)
         self._loop._pending(self)
+
+    def _next_due_or_expiry(self) -> float | None:
+        due = self.link.next_due()
+        expires = self._outbox.expires_at()
+        return expires if due is None or (expires is not None and expires < due) else due
 
     def _tick(self, now: float) -> None:
         """The link's timers (the loop calls it when :meth:`LeafLink.next_due` is past)."""
