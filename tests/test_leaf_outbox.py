@@ -214,3 +214,22 @@ def test_an_offline_leaf_evicts_by_age_on_time_whatever_its_failover_timers(tmp_
         wait_until(receipt.failed, timeout=3.0)
         assert time.monotonic() - t0 < 3.0 and leaf._outbox.evicted == 1  # type: ignore[attr-defined]
         leaf.close(0.2)
+
+
+def test_a_closed_leaf_is_no_longer_ticked_by_its_shared_loop(tmp_path: Path) -> None:
+    # A shared loop ticks a member while something is due; once closed (detached) it is not
+    # ticked again (a tick would run its outbox's age evictions on the closed outbox: records
+    # kept on disk for the next start evicted in memory, and a warning saying so).
+    from dafka.nodes.leaf import LeafLoop
+
+    loop = LeafLoop()
+    try:
+        leaf = Producer(TOPIC, leaf="127.0.0.1:9", outbox=str(tmp_path / "box"), outbox_max_age=30.0,
+                        outbox_policy="drop_oldest", connect_timeout=30.0, loop=loop)
+        leaf.publish(b"kept")
+        wait_until(lambda: leaf in loop._ticking, timeout=5.0)  # (its link's HELLO and the record's age are due)
+        assert not leaf.close(0.1)
+        assert leaf not in loop._ticking and leaf._outbox.evicted == 0  # type: ignore[attr-defined]
+    finally:
+        loop.close()
+    assert describe(tmp_path / "box")["records"] == 1

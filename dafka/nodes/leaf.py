@@ -732,11 +732,11 @@ class LeafProducer(ReceiptCallbacks):
 
     def _tick(self, now: float) -> None:
         """The link's timers (the loop calls it when :meth:`LeafLink.next_due` is past)."""
+        if self.sock is None:
+            return  # (detached: closed)
         if self._outbox is not None:
             self._outbox.on_tick(now)  # max_age evictions (drop_oldest)
             self._run_callbacks()  # (their waiters and callbacks: failed now)
-        if self.sock is None:
-            return
         with self._lock:
             actions = self.link.on_tick(now)
         self._apply(actions)
@@ -744,6 +744,7 @@ class LeafProducer(ReceiptCallbacks):
 
     def _detach(self) -> None:
         self._loop._members.pop(id(self), None)
+        self._loop._ticking.pop(self, None)  # (not ticked once closed: its outbox is closed too)
         if self.sock is not None:
             self._loop._unregister(self.sock)
             self.sock.close(0)
