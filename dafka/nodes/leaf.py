@@ -731,7 +731,7 @@ class LeafProducer(ReceiptCallbacks):
         return expires if due is None or (expires is not None and expires < due) else due
 
     def _tick(self, now: float) -> None:
-        """The link's timers (the loop calls it when :meth:`LeafLink.next_due` is past)."""
+        """The link's timers, the outbox's ages (the loop calls it when ``next_due`` is past)."""
         if self.sock is None:
             return  # (detached: closed)
         if self._outbox is not None:

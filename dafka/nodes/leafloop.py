@@ -248,7 +248,7 @@ class LeafLoop:
             pass
 
     def _pending(self, member: LoopMember) -> None:
-        """Tick ``member`` when its link next has something due (never if nothing is)."""
+        """Tick ``member`` when it next has something due (its ``next_due``; never if nothing is)."""
         due = member.next_due() if member.sock is not None else None
         if due is None:
             self._ticking.pop(member, None)
