@@ -151,3 +151,84 @@ def test_callbacks_and_waiters_are_resolved_by_the_acks(endpoint: QuickEndpoint)
             assert late == [3] and leaf._waiting == 0
     finally:
         loop.close()
+
+
+def test_fds_freed_by_failovers_and_closes_are_reused_by_the_right_members(endpoint: QuickEndpoint) -> None:
+    # Every new producer starts at a dead endpoint and fails over (its DEALER closed, a new
+    # one opened) while others close and open beside it on the same loop: ZeroMQ hands the
+    # freed fds out again. The loop's fd -> member map follows: each ACK reaches its producer
+    # (a stale entry would read a socket's ACKs into another member, or refuse a register).
+    with zmq.Context() as ctx:
+        dead = ctx.socket(zmq.ROUTER)
+        dead_port = dead.bind_to_random_port("tcp://127.0.0.1")
+        dead.close(0)  # (nothing listens there now: connects are refused)
+    endpoints = f"127.0.0.1:{dead_port},127.0.0.1:{endpoint.port}"
+    loop = LeafLoop()
+    leaves: list[LeafProducer] = []
+    try:
+        def new_leaf() -> LeafProducer:
+            return LeafProducer(T, leaf=endpoints, loop=loop, head_interval=60.0, ack_timeout=60.0,
+                                connect_timeout=0.1)
+
+        leaves = [new_leaf() for _ in range(8)]
+        t0 = time.monotonic()
+        seen: dict[int, set[int]] = {}  # fd -> the producers (ids) it served
+        for round_ in range(5):
+            for leaf in leaves:
+                if leaf.sock is not None:
+                    seen.setdefault(leaf.sock.getsockopt(zmq.FD), set()).add(id(leaf))
+            for leaf in leaves[:3]:
+                leaf.close(0)
+            leaves = [*leaves[3:], *(new_leaf() for _ in range(3))]
+            for leaf in leaves:
+                leaf.publish(b"r%d" % round_)
+            for leaf in leaves:
+                assert leaf.flush(5.0), f"round {round_}: {leaf.diagnose()}"
+        assert all(leaf.link.failovers >= 1 and leaf.endpoint.endswith(f":{endpoint.port}") for leaf in leaves)
+        assert time.monotonic() - t0 < 30
+        assert any(len(ids) > 1 for ids in seen.values()), seen  # (fds were reused)
+        by_fd = {fd: m for fd, m in dict(loop._by_fd).items() if m is not None}
+        assert by_fd == {leaf.sock.getsockopt(zmq.FD): leaf for leaf in leaves if leaf.sock is not None}
+    finally:
+        for leaf in leaves:
+            leaf.close(0)
+        loop.close()
+
+
+def test_a_close_that_times_out_fails_its_waiters_and_callbacks_once_in_order(endpoint: QuickEndpoint) -> None:
+    # Nothing is acknowledged: a flush, a receipt's wait and a publish into the full window,
+    # each in a thread waiting without a timeout, end at the close (failed, closed); each
+    # callback runs once, failed, in offset order.
+    from dafka.errors import ClosedError, PublishError
+
+    leaf = LeafProducer(T, leaf=f"127.0.0.1:{endpoint.port}", capacity=3, head_interval=60.0, ack_timeout=60.0)
+    try:
+        endpoint.hold.set()
+        called: list[tuple[int, bool]] = []
+        receipts = [leaf.publish(b"%d" % i, lambda r: called.append((r.offset, r.failed()))) for i in range(3)]
+        ended: dict[str, object] = {}
+
+        def run(name: str, fn: object) -> None:
+            try:
+                ended[name] = fn()  # type: ignore[operator]
+            except (PublishError, ClosedError) as exc:
+                ended[name] = type(exc).__name__
+
+        threads = [threading.Thread(target=run, args=(name, fn)) for name, fn in (
+            ("flush", lambda: leaf.flush(None)), ("wait", lambda: receipts[1].wait(None)),
+            ("publish", lambda: leaf.publish(b"3", timeout=None)))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 5.0
+        while leaf._waiting < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert leaf._waiting == 3 and not called
+        assert not leaf.close(0.3)
+        for t in threads:
+            t.join(5.0)
+        assert ended == {"flush": False, "wait": "PublishError", "publish": "ClosedError"}
+        assert called == [(0, True), (1, True), (2, True)]
+        assert all(r.failed() for r in receipts) and leaf._waiting == 0
+    finally:
+        endpoint.hold.clear()
+        leaf.close(0)

@@ -155,3 +155,81 @@ def test_dafka_produce_leaf_with_an_outbox(cfg: NodeConfig, tmp_path: Path) -> N
     store.send_signal(signal.SIGTERM)
     store.wait(15)
     assert stored(tmp_path / "db", str(info["partition"]), 3) == {0: b"one", 1: b"two", 2: b"three"}
+
+
+def test_records_the_outbox_evicts_resolve_their_waiters_and_callbacks_at_once(tmp_path: Path) -> None:
+    # Offline, drop_oldest: records evicted by age (at the loop's tick) and by size (by a
+    # publish) are failed. A thread waiting on such a receipt learns it then, not at its
+    # timeout; their callbacks run then, not at close (nothing acknowledges anything here:
+    # no ACK pass would ever notify them).
+    import time
+
+    from dafka.errors import PublishError
+
+    with Producer(TOPIC, leaf="127.0.0.1:9", outbox=str(tmp_path / "box"), outbox_max_age=0.2,
+                  outbox_max_bytes=2000, outbox_policy="drop_oldest", connect_timeout=0.3) as leaf:
+        failed: list[int] = []
+        outcome: dict[int, object] = {}
+
+        def wait_on(receipt: object) -> None:
+            t0 = time.monotonic()
+            try:
+                receipt.wait(8.0)  # type: ignore[attr-defined]
+                outcome[receipt.offset] = "returned"  # type: ignore[attr-defined]
+            except PublishError:
+                outcome[receipt.offset] = time.monotonic() - t0  # type: ignore[attr-defined]
+
+        old = leaf.publish(b"old", lambda r: failed.append(r.offset) if r.failed() else None)  # evicted by age
+        waiter = threading.Thread(target=wait_on, args=(old,))
+        waiter.start()
+        waiter.join(10.0)
+        assert isinstance(outcome.get(old.offset), float) and outcome[old.offset] < 4.0, outcome  # type: ignore[operator]
+        wait_until(lambda: failed == [old.offset], timeout=4.0)
+        leaf.close(0.2)
+
+    with Producer(TOPIC, leaf="127.0.0.1:9", outbox=str(tmp_path / "box2"), outbox_max_bytes=2000,
+                  outbox_policy="drop_oldest", connect_timeout=30.0) as leaf:  # (no tick for 30 s)
+        failed.clear()
+        first = leaf.publish(b"y" * 100, lambda r: failed.append(r.offset) if r.failed() else None)
+        waiter = threading.Thread(target=wait_on, args=(first,))
+        waiter.start()
+        for _ in range(30):  # evicted by size (2000 bytes): by one of these publishes
+            leaf.publish(b"y" * 100)
+        waiter.join(10.0)
+        assert isinstance(outcome.get(first.offset), float) and outcome[first.offset] < 4.0, outcome  # type: ignore[operator]
+        wait_until(lambda: failed == [first.offset], timeout=4.0)
+        leaf.close(0.2)
+
+
+def test_an_offline_leaf_evicts_by_age_on_time_whatever_its_failover_timers(tmp_path: Path) -> None:
+    # outbox_max_age under drop_oldest: a record older than it is evicted about then, not at
+    # the link's next timer (offline, the next endpoint is tried after connect_timeout, doubled
+    # after each failover: 5 s here, then up to 40 s).
+    import time
+
+    with Producer(TOPIC, leaf="127.0.0.1:9", outbox=str(tmp_path / "box"), outbox_max_age=0.3,
+                  outbox_policy="drop_oldest", connect_timeout=5.0) as leaf:
+        t0 = time.monotonic()
+        receipt = leaf.publish(b"old")
+        wait_until(receipt.failed, timeout=3.0)
+        assert time.monotonic() - t0 < 3.0 and leaf._outbox.evicted == 1  # type: ignore[attr-defined]
+        leaf.close(0.2)
+
+
+def test_a_closed_leaf_is_no_longer_ticked_by_its_shared_loop(tmp_path: Path) -> None:
+    # A shared loop ticks a member while something is due; once closed (detached) it is not
+    # ticked again (a tick would run its outbox's age evictions on the closed outbox: records
+    # kept on disk for the next start evicted in memory, and a warning saying so).
+    from dafka.nodes.leaf import LeafLoop
+
+    loop = LeafLoop()
+    try:
+        leaf = Producer(TOPIC, leaf="127.0.0.1:9", outbox=str(tmp_path / "box"), outbox_max_age=30.0,
+                        outbox_policy="drop_oldest", connect_timeout=30.0, loop=loop)
+        leaf.publish(b"kept")
+        wait_until(lambda: leaf in loop._ticking, timeout=5.0)  # (its link's HELLO and the record's age are due)
+        assert not leaf.close(0.1)
+        assert leaf not in loop._ticking and leaf._outbox.evicted == 0  # type: ignore[attr-defined]
+    finally:
+        loop.close()
+    assert describe(tmp_path / "box")["records"] == 1

@@ -247,6 +247,12 @@ class LeafProducer(ReceiptCallbacks):
             # Records go to the disk first: the loop sends them once they are durable.
             self.publish = self._publish_to_outbox  # type: ignore[method-assign]
             self.publish_many = self._publish_many_to_outbox  # type: ignore[method-assign]
+        # When the loop ticks us (LeafLoop._pending): the link's timers, and with an outbox
+        # that evicts by age (drop_oldest, max_age) its oldest record's expiry too (else it
+        # would wait for the link's next timer: offline, up to connect_timeout * MAX_BACKOFF).
+        self.next_due = self.link.next_due
+        if self._outbox is not None and outbox_policy == "drop_oldest" and outbox_max_age is not None:
+            self.next_due = self._next_due_or_expiry
         self._own_loop = loop is None
         self._loop = loop or LeafLoop(f"-{self.address[:8]}", linger=0.0)  # alone: nothing to share turns with
         self._attached = threading.Event()
@@ -462,8 +468,14 @@ class LeafProducer(ReceiptCallbacks):
             self._waiting -= 1
 
     def _run_callbacks(self) -> None:
+        """Resolve what is no longer pending: the waiters woken (if any), the callbacks
+        now due run (outside the lock).  The ACK pass in :meth:`_read` does this inline;
+        this is for the rest: a close, and an outbox's evictions (drop_oldest), which move
+        ``window.acked`` without an ACK (no ACK pass might ever come)."""
         due = []
         with self._lock:
+            if self._waiting:
+                self._cond.notify_all()
             heap = self._callbacks
             while heap and (heap[0][0] <= self.window.acked or self._failure_for(heap[0][0]) is not None):
                 due.append(heapq.heappop(heap))
@@ -625,6 +637,8 @@ class LeafProducer(ReceiptCallbacks):
         if self._closed:
             self._detach()
             return
+        if self._outbox is not None:
+            self._run_callbacks()  # (a publish may have evicted records: outbox_max_bytes, drop_oldest)
         self._send_records(now)
         self._loop._pending(self)
 
@@ -711,12 +725,18 @@ class LeafProducer(ReceiptCallbacks):
             self._send_records(now)  # (freed credit, or records published meanwhile)
         self._loop._pending(self)
 
+    def _next_due_or_expiry(self) -> float | None:
+        due = self.link.next_due()
+        expires = self._outbox.expires_at()
+        return expires if due is None or (expires is not None and expires < due) else due
+
     def _tick(self, now: float) -> None:
-        """The link's timers (the loop calls it when :meth:`LeafLink.next_due` is past)."""
+        """The link's timers, the outbox's ages (the loop calls it when ``next_due`` is past)."""
+        if self.sock is None:
+            return  # (detached: closed)
         if self._outbox is not None:
             self._outbox.on_tick(now)  # max_age evictions (drop_oldest)
-        if self.sock is None:
-            return
+            self._run_callbacks()  # (their waiters and callbacks: failed now)
         with self._lock:
             actions = self.link.on_tick(now)
         self._apply(actions)
@@ -724,6 +744,7 @@ class LeafProducer(ReceiptCallbacks):
 
     def _detach(self) -> None:
         self._loop._members.pop(id(self), None)
+        self._loop._ticking.pop(self, None)  # (not ticked once closed: its outbox is closed too)
         if self.sock is not None:
             self._loop._unregister(self.sock)
             self.sock.close(0)

@@ -36,10 +36,6 @@ _GONE: Any = object()  # (an fd that is no member's any more)
 
 
 
-class LinkDue(Protocol):
-    def next_due(self) -> float | None: ...
-
-
 class LoopMember(Hashable, Protocol):
     """What a :class:`LeafLoop` needs of a member (a leaf producer or a leaf consumer).
 
@@ -55,8 +51,10 @@ class LoopMember(Hashable, Protocol):
 
     @property
     def sock(self) -> zmq.Socket[Any] | None: ...
-    @property
-    def link(self) -> LinkDue: ...
+
+    def next_due(self) -> float | None:
+        """When the member next has something to do on a tick (None: nothing until it is
+        woken or read): its link's timers, and what else it keeps (an outbox's ages)."""
 
     def _tick(self, now: float) -> None: ...
     def _act(self, now: float) -> None: ...
@@ -250,8 +248,8 @@ class LeafLoop:
             pass
 
     def _pending(self, member: LoopMember) -> None:
-        """Tick ``member`` when its link next has something due (never if nothing is)."""
-        due = member.link.next_due() if member.sock is not None else None
+        """Tick ``member`` when it next has something due (its ``next_due``; never if nothing is)."""
+        due = member.next_due() if member.sock is not None else None
         if due is None:
             self._ticking.pop(member, None)
         else:

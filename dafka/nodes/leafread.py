@@ -152,7 +152,6 @@ class LeafConsumer:
         self._saved_at = time.monotonic()
         self._sock: zmq.Socket[Any] | None = None
         self.dropped_full = 0  # reader messages dropped on a shared connection while the queue was full
-        self.link = self  # (what a LeafLoop asks when to tick a member: next_due)
         self.delivered = 0
         self._started = False
         self._attached = threading.Event()

@@ -225,6 +225,18 @@ class Outbox:
             if upto >= 0:
                 self._evict(upto, "older than outbox_max_age")
 
+    def expires_at(self) -> float | None:
+        """When (monotonic) :meth:`on_tick` next evicts by age: the oldest kept record
+        passes ``max_age`` (drop_oldest); None: never (no such limit, nothing kept)."""
+        core, cond = self.core, self._cond
+        if core is None or cond is None or core.max_age is None or core.policy != DROP_OLDEST:
+            return None
+        with cond:
+            if not len(core.window):
+                return None
+            now = time.monotonic()
+            return now - core.oldest_age(now) + core.max_age
+
     def failure_for(self, offset: int) -> PublishError | None:
         core = self.core
         if core is not None and core.evicted_at(offset):
