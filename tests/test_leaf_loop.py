@@ -19,6 +19,7 @@ import zmq
 
 from dafka.core import leafwire, wire
 from dafka.nodes.leaf import LeafLoop, LeafProducer
+from dafka.nodes.receipt import Receipt
 
 T = "telemetry"
 
@@ -229,6 +230,33 @@ def test_a_close_that_times_out_fails_its_waiters_and_callbacks_once_in_order(en
         assert ended == {"flush": False, "wait": "PublishError", "publish": "ClosedError"}
         assert called == [(0, True), (1, True), (2, True)]
         assert all(r.failed() for r in receipts) and leaf._waiting == 0
+    finally:
+        endpoint.hold.clear()
+        leaf.close(0)
+
+
+def test_a_record_published_while_close_flushes_is_resolved_by_the_close(endpoint: QuickEndpoint) -> None:
+    # Another thread publishes in the moment between close()'s flush returning True and the
+    # producer closing: that record was not acknowledged when close returned, so close says
+    # so (False) and its receipt fails then, instead of never resolving.
+    from dafka.errors import PublishError
+
+    leaf = LeafProducer(T, leaf=f"127.0.0.1:{endpoint.port}", head_interval=60.0, ack_timeout=60.0)
+    try:
+        assert leaf.publish(b"first").wait(5.0)
+        late: list[Receipt] = []
+        flush = leaf.flush
+
+        def flush_then_publish(timeout: float | None = None) -> bool:
+            ok = flush(timeout)
+            endpoint.hold.set()  # (the endpoint acknowledges nothing from here on)
+            late.append(leaf.publish(b"late"))  # (as another thread could, before _closed is set)
+            return ok
+
+        leaf.flush = flush_then_publish  # type: ignore[method-assign]
+        assert not leaf.close(1.0)
+        with pytest.raises(PublishError):
+            late[0].wait(2.0)
     finally:
         endpoint.hold.clear()
         leaf.close(0)

@@ -262,6 +262,28 @@ def test_acks_are_cumulative_and_close_timeout_fails_the_rest(cfg: NodeConfig, r
         producer.close(0)
 
 
+def test_a_record_published_while_close_flushes_fails_at_the_close(cfg: NodeConfig) -> None:
+    # Another thread publishes in the moment between close()'s flush returning True and the
+    # producer closing: close says not everything was acknowledged, and that record's
+    # receipt fails then instead of never resolving.
+    producer = Producer("t", cfg)
+    late: list = []
+    flush = producer.flush
+
+    def flush_then_publish(timeout: float | None = None) -> bool:
+        ok = flush(timeout)  # (nothing published yet: True at once)
+        late.append(producer.publish(b"late"))  # (as another thread could, before _closed is set)
+        return ok
+
+    producer.flush = flush_then_publish  # type: ignore[method-assign]
+    try:
+        assert producer.close(1.0) is False
+        with pytest.raises(PublishError):
+            late[0].result(2.0)
+    finally:
+        producer.close(0)
+
+
 def test_full_buffer_blocks_then_raises(cfg: NodeConfig) -> None:
     with Producer("t", cfg, capacity=3, publish_timeout=0.2) as producer:
         for _i in range(3):

@@ -404,6 +404,8 @@ class LeafProducer(ReceiptCallbacks):
         ok = self.flush(timeout)
         with self._lock:
             self._closed = True
+            if ok and self.window.acked < self.window.next - 1:
+                ok = False  # published by another thread after the flush: not acknowledged
             if not ok and self._failure is None:
                 self._failure = PublishError(f"not acknowledged by an endpoint within {timeout}s")
                 self._failed_from = self.window.acked + 1

@@ -576,6 +576,8 @@ class Producer(ReceiptCallbacks, Node):
         ok = self.flush(timeout)
         with self._lock:
             self._closed = True
+            if ok and self.acks and self.window.acked < self.window.next - 1:
+                ok = False  # published by another thread after the flush: not acknowledged
             if not ok and self._failure is None:
                 self._fail(PublishError(f"not acknowledged by a store within {timeout}s"))
             self._cond.notify_all()
