@@ -20,6 +20,7 @@ import zmq
 from dafka.core import leafwire, wire
 from dafka.nodes.leaf import LeafLoop, LeafProducer
 from dafka.nodes.receipt import Receipt
+from tests.conftest import wait_until
 
 T = "telemetry"
 
@@ -137,9 +138,7 @@ def test_callbacks_and_waiters_are_resolved_by_the_acks(endpoint: QuickEndpoint)
             threads = [threading.Thread(target=f) for f in (publish_one_more, wait_for_receipt, flush)]
             for t in threads:
                 t.start()
-            deadline = time.monotonic() + 5.0
-            while leaf._waiting < 3 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: leaf._waiting == 3, timeout=5.0)
             assert leaf._waiting == 3 and called == [0, 1, 2] and not waited
             endpoint.hold.clear()
             for t in threads:
@@ -220,9 +219,7 @@ def test_a_close_that_times_out_fails_its_waiters_and_callbacks_once_in_order(en
             ("publish", lambda: leaf.publish(b"3", timeout=None)))]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 5.0
-        while leaf._waiting < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: leaf._waiting == 3, timeout=5.0)
         assert leaf._waiting == 3 and not called
         assert not leaf.close(0.3)
         for t in threads:

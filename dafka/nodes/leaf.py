@@ -470,10 +470,10 @@ class LeafProducer(ReceiptCallbacks):
             self._waiting -= 1
 
     def _run_callbacks(self) -> None:
-        """Resolve what is no longer pending: the waiters woken (if any), the callbacks
-        now due run (outside the lock).  The ACK pass in :meth:`_read` does this inline;
-        this is for the rest: a close, and an outbox's evictions (drop_oldest), which move
-        ``window.acked`` without an ACK (no ACK pass might ever come)."""
+        """Resolve what is no longer pending: the waiters woken (only if any wait: a
+        Condition's notify is several Python calls), the callbacks now due run (outside the
+        lock).  After the ACKs of a read, a close, and an outbox's evictions (drop_oldest),
+        which move ``window.acked`` without an ACK."""
         due = []
         with self._lock:
             if self._waiting:
@@ -704,23 +704,7 @@ class LeafProducer(ReceiptCallbacks):
             if actions:
                 self._apply(actions)
         if window.acked != acked:
-            # What the ACKs resolved, in one pass under the lock: the waiters woken (if
-            # any), the callbacks now due taken (run outside it, as _run_callbacks does).
-            due = None
-            with lock:
-                if self._waiting:
-                    self._cond.notify_all()
-                heap = self._callbacks
-                if heap:
-                    upto = window.acked
-                    while heap and (heap[0][0] <= upto or self._failure_for(heap[0][0]) is not None):
-                        if due is None:
-                            due = [heapq.heappop(heap)]
-                        else:
-                            due.append(heapq.heappop(heap))
-            if due is not None:
-                for _, _, receipt, fn in due:
-                    self._call(fn, receipt)
+            self._run_callbacks()  # (the waiters woken, the callbacks now due run)
             if self._identity_path is not None:
                 self._save_identity()
         if link.sent_upto < window.next - 1 or self._endpoint_unsaved:
