@@ -59,6 +59,34 @@ def _kafka_produce(port: int, topic: str, n: int, size: int, host: str = "127.0.
     return n / elapsed
 
 
+def _kafka_client_alone(n: int, size: int) -> float:
+    """The same ``produce()`` calls as :func:`_kafka_produce`, into librdkafka's queue with no
+    broker behind it (nothing listens on port 1): calls/s, the most that client can produce on
+    this machine whatever the gateway does."""
+    from confluent_kafka import Producer as KProducer
+
+    p = KProducer({
+        "bootstrap.servers": "127.0.0.1:1", "acks": "all", "linger.ms": 5,
+        "batch.size": 1 << 20, "queue.buffering.max.messages": n + 1,
+        "queue.buffering.max.kbytes": 1 << 21, "enable.idempotence": False,
+        "delivery.report.only.error": True, "log_level": 0,
+    })
+    payload = b"x" * size
+    produce = p.produce
+
+    def cb(_err: Any, _msg: Any) -> None:
+        pass
+
+    try:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            produce("bench-client-alone", payload, partition=0, on_delivery=cb)
+        return n / (time.perf_counter() - t0)
+    finally:
+        p.purge()
+        p.flush(0)
+
+
 def _kafka_produce_raw(host: str, port: int, topic: str, n: int, size: int, per_batch: int = 1000,
                        inflight: int = 8) -> float:
     """Produce requests (v7, acks=all) of one ready-made batch of ``per_batch`` records each,
@@ -208,16 +236,24 @@ def _kafka_consume(port: int, topic: str, n: int, host: str = "127.0.0.1") -> fl
 def bench_kafka(args: argparse.Namespace) -> dict[str, list[float]]:
     """Through a Kafka gateway process (or ``--broker``): produce (acks=all) and consume with
     confluent-kafka, or produce ready-made batches (``--client raw``) or with kcat (``--client
-    kcat``, when installed)."""
+    kcat``, when installed).  With confluent-kafka each run first times the same calls with no
+    broker (``kafka client alone``): a produce rate near it is the client's limit, not the
+    gateway's."""
     import shutil
     import tempfile
 
     if args.client == "kcat" and not (shutil.which("kcat") or shutil.which("kafkacat")):
         raise SystemExit(KCAT_MISSING)  # before a gateway is started
     ctx = mp.get_context("spawn")
-    produce, consume = [], []
+    produce: list[float] = []
+    consume: list[float] = []
+    alone: list[float] = []  # confluent-kafka's calls with no broker: the client's own ceiling
     for run in range(args.runs):
         topic = f"bench-kafka-{int(time.time())}-{run}"
+        if args.client == "confluent":
+            alone.append(_kafka_client_alone(args.records, args.size))
+            print(f"run {run}: kafka client alone (confluent, no broker) {alone[-1]:,.0f} produce() calls/s",
+                  flush=True)
         if args.broker:
             host, _, port_s = args.broker.rpartition(":")
             produce.append(_kafka_run(host, int(port_s), topic, args, run, consume))
@@ -233,7 +269,10 @@ def bench_kafka(args: argparse.Namespace) -> dict[str, list[float]]:
                 done.set()
                 gateway.join(60)
                 tower.close()
-    return {"kafka produce": produce, "kafka consume": consume}
+    result = {"kafka produce": produce, "kafka consume": consume}
+    if alone:
+        result["kafka client alone"] = alone
+    return result
 
 
 def _kafka_run(host: str, port: int, topic: str, args: argparse.Namespace, run: int, consume: list[float]) -> float:

@@ -620,6 +620,7 @@ class Gateway(Store):
             self._set_reading(conn, False)  # the writer is behind: stop taking produces
             self._throttled.append(conn)
         self._flush_batch()
+        self._commit_inline()  # (without fsync only)
 
     def _reserve(self, conn: _Conn) -> bool:
         """Reserve the in-flight budget for the large frame this connection has begun.

@@ -13,6 +13,7 @@ import pytest
 from dafka.bench.kafka import (
     KCAT_MISSING,
     _high_watermark,
+    _kafka_client_alone,
     _kafka_produce_kcat,
     _kafka_produce_raw,
     bench_kafka,
@@ -53,3 +54,8 @@ def test_without_kcat_the_bench_says_so_and_starts_nothing(monkeypatch: Any) -> 
     with pytest.raises(SystemExit, match="kcat command is not installed"):
         _kafka_produce_kcat(HOST, 1, "t", 10, 10)
 
+
+
+def test_the_client_alone_needs_no_broker_and_leaves_nothing_queued() -> None:
+    # The ceiling line of `dafka bench kafka`: the same produce() calls, nothing listening.
+    assert _kafka_client_alone(5000, 100) > 0

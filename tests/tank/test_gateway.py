@@ -1351,9 +1351,10 @@ def test_requests_split_anywhere_get_the_same_answers(make_gateway: Any) -> None
 # ---------------------------------------------------------------- storage
 
 
-def test_storage_failure_answers_system_error_and_keeps_acked_data(cfg: NodeConfig, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sync", [True, False], ids=["fsync", "no-sync"])  # no-sync: commits on the I/O thread
+def test_storage_failure_answers_system_error_and_keeps_acked_data(cfg: NodeConfig, tmp_path: Path, sync: bool) -> None:
     # A map that cannot grow past 1 MiB plays the full disk.
-    db = RecordDB(tmp_path / "db", map_size=256 << 10, max_map_size=1 << 20)
+    db = RecordDB(tmp_path / "db", map_size=256 << 10, max_map_size=1 << 20, sync=sync)
     with Gateway(db, cfg, listen=(HOST, 0)) as gw, TankClient(HOST, gw.tank_port) as c:
         c.create_topic("full", 1)
         acked = [b"acked-%d" % i + b"." * 1000 for i in range(20)]

@@ -139,11 +139,14 @@ def test_every_answered_produce_survives_a_sigkill_right_after_its_answer(cfg: N
     proc.wait(10)
 
 
-def test_a_refused_partition_does_not_stop_the_others_of_a_pipelined_commit(cfg: NodeConfig, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sync", [True, False], ids=["fsync", "no-sync"])  # no-sync: commits on the I/O thread
+def test_a_refused_partition_does_not_stop_the_others_of_a_pipelined_commit(
+    cfg: NodeConfig, tmp_path: Path, sync: bool
+) -> None:
     """A commit that refuses a partition halts the writer until the I/O thread has seen it:
     the staged transaction comes back and goes again; the other partition's produces are all
     answered, in order."""
-    gw = Gateway(tmp_path / "gw", cfg, listen=(HOST, 0))
+    gw = Gateway(tmp_path / "gw", cfg, listen=(HOST, 0), sync=sync)
     try:
         with TankClient(HOST, gw.tank_port, timeout=30) as c, TankClient(HOST, gw.tank_port, timeout=30) as b:
             c.create_topic("ok", 1)

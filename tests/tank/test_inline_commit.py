@@ -1,0 +1,78 @@
+"""Without fsync the Tank gateway commits on its I/O thread (``Store._commit_inline``): real
+LMDB, real TCP, a client with a window of produces in flight.  With fsync the I/O thread never
+commits: a flush there would stop every other client for its duration."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dafka.config import NodeConfig
+from dafka.store.pipeline import Work
+from dafka.tank.client import TankClient
+from dafka.tank.gateway import Gateway
+from dafka.tank.messages import ProduceResponse
+from tests.tank.test_gateway import HOST, consume_all, values
+from tests.tank.test_pipelined_commit import bundle_of, produce_request
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class CommitThreads(Gateway):
+    """Records which thread wrote each commit, and how many records it held."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.commits: list[tuple[str, int]] = []
+        super().__init__(*args, **kwargs)
+
+    def _write_work(self, work: Work) -> Any:
+        self.commits.append((threading.current_thread().name, work.records))
+        return super()._write_work(work)
+
+
+def publish_windows(gw: Gateway, topic: str, bundles: int, per: int, window: int) -> list[bytes]:
+    """Produce ``bundles`` bundles with ``window`` requests in flight; every answer must be a
+    success, in order.  Returns the values expected back."""
+    with TankClient(HOST, gw.tank_port, timeout=30) as c:
+        c.create_topic(topic, 1)
+        inflight: list[int] = []
+        for i in range(bundles):
+            inflight.append(c.send(produce_request(c, topic, bundle_of(i, per))))
+            if len(inflight) == window:
+                resp = c.wait(inflight.pop(0))
+                assert isinstance(resp, ProduceResponse) and resp.topics[0].partitions[0].error == 0
+        for req in inflight:
+            resp = c.wait(req)
+            assert isinstance(resp, ProduceResponse) and resp.topics[0].partitions[0].error == 0
+    return [b"b%d-m%d" % (i, j) for i in range(bundles) for j in range(per)]
+
+
+def test_without_fsync_the_io_thread_commits_a_window_and_every_record_reads_back(
+    cfg: NodeConfig, tmp_path: Path
+) -> None:
+    gw = CommitThreads(tmp_path / "gw", cfg, listen=(HOST, 0), sync=False)
+    try:
+        expected = publish_windows(gw, "inline", 300, 20, 8)
+        io_commits = [n for name, n in gw.commits if name.startswith("dafka-gateway")]
+        # Most commits of a busy client run where its requests are read; the writer may take
+        # a staged work first now and then (it is woken by the offer): both are correct.
+        assert sum(io_commits) > len(expected) // 2, gw.commits[:20]
+        with TankClient(HOST, gw.tank_port, timeout=30) as c:
+            assert values(consume_all(c, "inline", 0)) == expected
+        assert not gw._pipe.halted and gw._pipe.committing is None
+    finally:
+        gw.close()
+
+
+def test_with_fsync_every_commit_is_the_writers(cfg: NodeConfig, tmp_path: Path) -> None:
+    gw = CommitThreads(tmp_path / "gw", cfg, listen=(HOST, 0))
+    try:
+        expected = publish_windows(gw, "synced", 60, 20, 8)
+        assert gw.commits and {name for name, _n in gw.commits} == {"dafka-store-writer"}
+        with TankClient(HOST, gw.tank_port, timeout=30) as c:
+            assert values(consume_all(c, "synced", 0)) == expected
+    finally:
+        gw.close()
