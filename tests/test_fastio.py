@@ -46,6 +46,16 @@ def test_extension_active_when_required() -> None:
     assert fastio.COMPILED, fastio.REASON
 
 
+@needs_compiled
+def test_the_compiled_tank_walk_inflates_with_cramjam_itself() -> None:
+    # Not python-snappy's uncompress(), which copies cramjam's output into bytes once more:
+    # an import of cramjam.snappy as a module fails silently into that fallback.
+    import cramjam
+
+    assert _compiled._snappy_raw is cramjam.snappy.decompress_raw
+    assert _compiled._SnappyError is cramjam.DecompressionError
+
+
 def test_environment_variable_forces_pure_python() -> None:
     code = "from dafka import fastio; print(fastio.IMPLEMENTATION)"
     env = dict(os.environ, DAFKA_NO_EXTENSIONS="1")

@@ -1080,9 +1080,13 @@ def fetch_blocks(cur, unsigned int pid, uint64_t start, last, Py_ssize_t n, conv
 # ---------------------------------------------------------------- Tank bundles
 
 try:
+    # cramjam.snappy is an attribute of the compiled cramjam module, not a module one can
+    # import from ("from cramjam.snappy import ..." fails): taken as an attribute, it inflates
+    # into a buffer of its own, where python-snappy's uncompress() copies that into bytes again.
+    import cramjam as _cramjam
     from cramjam import DecompressionError as _SnappyError
-    from cramjam.snappy import decompress_raw as _snappy_raw
-except ImportError:  # python-snappy without cramjam: its own function, its own errors
+    _snappy_raw = _cramjam.snappy.decompress_raw
+except (ImportError, AttributeError):  # python-snappy without cramjam: its own function, its own errors
     from snappy import uncompress as _snappy_raw
     _SnappyError = Exception
 
