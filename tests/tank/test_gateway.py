@@ -217,11 +217,11 @@ def mesh_read(cfg: NodeConfig, topic: str, n: int, timeout: float = 20.0) -> lis
     return got
 
 
-def start_gateway_process(cfg: NodeConfig, db: Path) -> tuple[subprocess.Popen, int]:
+def start_gateway_process(cfg: NodeConfig, db: Path, *extra: str) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen(
         dafka_cmd(
             "gateway", "--db", str(db), "--listen", f"{HOST}:0",
-            "--tower", tower_flag(cfg), "--bind", HOST,
+            "--tower", tower_flag(cfg), "--bind", HOST, *extra,
         ),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
