@@ -429,7 +429,7 @@ class Store(PartitionReader):
         """When the database does not fsync: commit the staged work here, on the I/O thread,
         and answer it at once.
 
-        The Tank gateway calls it after a read.  Such a commit is a copy into the page cache
+        The Tank gateway calls it at the end of a loop turn that read Tank requests.  Such a commit is a copy into the page cache
         (a fraction of a millisecond for a client's window), and handing it to the writer
         thread and the result back (two wake-ups, the GIL passed twice, a turn of the I/O
         loop) cost more than the copy while the I/O thread had time to spare: a Tank client's
@@ -437,11 +437,18 @@ class Store(PartitionReader):
         I/O thread is the busy one (the Kafka gateway's produce: its requests cost more Python)
         the copy is better left to the writer, which makes it beside the I/O thread: Kafka
         produce lost a quarter inline.  The writer thread still takes what the I/O thread
-        leaves (it may take the staged work first) and runs retention; the pipe keeps one
-        commit at a time, in order."""
+        leaves (it may take the staged work first, and takes it while a result of its own is
+        not yet answered) and runs retention; the pipe keeps one commit at a time, and the
+        answers stay in commit order."""
         if self._inlining or self.db.sync:
             return
+        outstanding = self._outstanding
         with self._writer_cond:
+            # Only when every earlier commit has been answered: a result of the writer's still
+            # queued for this thread would be handled after this one, out of commit order (a
+            # partition's head set back to the older commit's).
+            if not outstanding or outstanding[0] is not self._pipe.peek():
+                return
             work = self._pipe.take()
         if work is None:
             return

@@ -76,3 +76,35 @@ def test_with_fsync_every_commit_is_the_writers(cfg: NodeConfig, tmp_path: Path)
             assert values(consume_all(c, "synced", 0)) == expected
     finally:
         gw.close()
+
+
+def test_connections_read_in_one_loop_turn_share_a_commit(cfg: NodeConfig, tmp_path: Path) -> None:
+    """Many clients of small produces: what one turn of the I/O loop read goes in one commit,
+    not a commit per connection (that halved the rate of 90 such clients)."""
+    gw = CommitThreads(tmp_path / "gw", cfg, listen=(HOST, 0), sync=False)
+    clients = [TankClient(HOST, gw.tank_port, timeout=30) for _ in range(30)]
+    try:
+        clients[0].create_topic("many", 1)
+        hold, held = threading.Event(), threading.Event()
+
+        def block() -> None:  # the I/O thread waits here while every client sends
+            held.set()
+            hold.wait(10)
+
+        gw.call_soon(block)
+        assert held.wait(10)
+        before = len(gw.commits)
+        requests = [c.send(produce_request(c, "many", bundle_of(i, 3))) for i, c in enumerate(clients)]
+        hold.set()
+        for c, req in zip(clients, requests, strict=True):
+            resp = c.wait(req)
+            assert isinstance(resp, ProduceResponse) and resp.topics[0].partitions[0].error == 0
+        commits = gw.commits[before:]
+        assert sum(n for _name, n in commits) == 90
+        assert len(commits) < len(clients) // 2, commits  # the writer may take a part meanwhile
+        got = values(consume_all(clients[0], "many", 0))
+        assert sorted(got) == sorted(b"b%d-m%d" % (i, j) for i in range(30) for j in range(3))
+    finally:
+        for c in clients:
+            c.close()
+        gw.close()
