@@ -429,17 +429,17 @@ class Store(PartitionReader):
         """When the database does not fsync: commit the staged work here, on the I/O thread,
         and answer it at once.
 
-        The Tank gateway calls it at the end of a loop turn that read Tank requests.  Such a commit is a copy into the page cache
-        (a fraction of a millisecond for a client's window), and handing it to the writer
-        thread and the result back (two wake-ups, the GIL passed twice, a turn of the I/O
-        loop) cost more than the copy while the I/O thread had time to spare: a Tank client's
-        publish, 8 bundles in flight, went from 4.2-4.5M to 5.1-5.8M records/s.  Where the
-        I/O thread is the busy one (the Kafka gateway's produce: its requests cost more Python)
-        the copy is better left to the writer, which makes it beside the I/O thread: Kafka
-        produce lost a quarter inline.  The writer thread still takes what the I/O thread
-        leaves (it may take the staged work first, and takes it while a result of its own is
-        not yet answered) and runs retention; the pipe keeps one commit at a time, and the
-        answers stay in commit order."""
+        The Tank gateway calls it at the end of a loop turn that read Tank requests.  Such a
+        commit is a copy into the page cache (a fraction of a millisecond for a client's
+        window), and handing it to the writer thread and the result back (two wake-ups, the
+        GIL passed twice, a turn of the I/O loop) cost more than the copy while the I/O thread
+        had time to spare: a Tank client's publish, 8 bundles in flight, went from 3.8-3.9M to
+        4.6-4.8M records/s.  Where the I/O thread is the busy one (the Kafka gateway's produce:
+        its requests cost more Python) the copy is better left to the writer, which makes it
+        beside the I/O thread: Kafka produce lost a quarter inline.  The writer thread still
+        takes what the I/O thread leaves (it may take the staged work first, and takes it
+        while a result of its own is not yet answered) and runs retention; the pipe keeps one
+        commit at a time, and the answers stay in commit order."""
         if self._inlining or self.db.sync:
             return
         outstanding = self._outstanding
