@@ -5,6 +5,7 @@ commits: a flush there would stop every other client for its duration."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -107,4 +108,58 @@ def test_connections_read_in_one_loop_turn_share_a_commit(cfg: NodeConfig, tmp_p
     finally:
         for c in clients:
             c.close()
+        gw.close()
+
+
+class SlowRetention(Gateway):
+    """A gateway whose retention rounds have a backlog: each step is a real LMDB write
+    transaction of 20 ms, and a round goes on (Store._enforce_retention, its own stop rule)
+    until a commit waits or its budget of 1 s is spent."""
+
+    retention_budget = 1.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.rounds = 0
+        super().__init__(*args, **kwargs)
+        real_write = self.db._write
+
+        def step(now_ms: int, policy: Any, *, max_records: int = 10_000) -> Any:
+            from dafka.store.retention import RetentionResult
+
+            real_write(lambda txn: time.sleep(0.02))
+            return RetentionResult(1, 1, True)
+
+        self.db.enforce_retention = step  # type: ignore[method-assign]
+
+    def _enforce_retention(self) -> None:
+        self.rounds += 1
+        super()._enforce_retention()
+
+
+def test_a_retention_round_on_the_writer_never_holds_up_the_io_thread(cfg: NodeConfig, tmp_path: Path) -> None:
+    """A guard: an inline commit takes the staged work off the pipe, so a retention round on
+    the writer does not see it waiting and goes on for its budget; the I/O thread must still
+    get the write lock between two steps, not wait out the round (every client of the
+    gateway and the mesh would stand still that long)."""
+    gw = SlowRetention(tmp_path / "gw", cfg, listen=(HOST, 0), sync=False, retention_interval=0.2)
+    try:
+        with TankClient(HOST, gw.tank_port, timeout=30) as c:
+            c.create_topic("ret", 1)
+            worst = 0.0
+            deadline = time.monotonic() + 1.5
+            i = 0
+            while time.monotonic() < deadline or gw.rounds < 2:
+                assert time.monotonic() < deadline + 10, "no retention rounds"
+                t0 = time.monotonic()
+                resp = c.wait(c.send(produce_request(c, "ret", bundle_of(i, 2))))
+                worst = max(worst, time.monotonic() - t0)
+                assert isinstance(resp, ProduceResponse) and resp.topics[0].partitions[0].error == 0
+                i += 1
+                time.sleep(0.005)  # (a paced client: its produces land in retention rounds)
+            assert gw.rounds >= 2
+            # One retention step (20 ms) and a linger at most, with room for a loaded machine;
+            # not a whole round's budget (1 s).
+            assert worst < 0.5, worst
+            assert values(consume_all(c, "ret", 0)) == [b"b%d-m%d" % (k, j) for k in range(i) for j in range(2)]
+    finally:
         gw.close()
