@@ -16,6 +16,7 @@ from dafka.store.pipeline import Work
 from dafka.tank.client import TankClient
 from dafka.tank.gateway import Gateway
 from dafka.tank.messages import ProduceResponse
+from tests.conftest import wait_until
 from tests.tank.test_gateway import HOST, consume_all, values
 from tests.tank.test_pipelined_commit import bundle_of, produce_request
 
@@ -161,5 +162,52 @@ def test_a_retention_round_on_the_writer_never_holds_up_the_io_thread(cfg: NodeC
             # not a whole round's budget (1 s).
             assert worst < 0.5, worst
             assert values(consume_all(c, "ret", 0)) == [b"b%d-m%d" % (k, j) for k in range(i) for j in range(2)]
+    finally:
+        gw.close()
+
+
+class FailsOnceInline(Gateway):
+    """A gateway whose answering of a commit fails once (a bug's stand-in), on the I/O thread's
+    own commit."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.failed = 0
+        super().__init__(*args, **kwargs)
+
+    def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
+        if self._inlining and not self.failed:
+            self.failed += 1
+            raise RuntimeError("a bug answering a commit")
+        super().on_commit(heads)
+
+
+def test_a_failure_answering_an_inline_commit_is_logged_and_the_gateway_goes_on(
+    cfg: NodeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The writer's results are answered by a command of the I/O loop, where an exception is
+    logged and the loop goes on; an inline commit is answered from before_wait, which the
+    loop called unguarded: the same exception ended the I/O thread (every client then waited
+    for nothing, the gateway dead but its process up)."""
+    gw = FailsOnceInline(tmp_path / "gw", cfg, listen=(HOST, 0), sync=False)
+    try:
+        with TankClient(HOST, gw.tank_port, timeout=10) as c:
+            c.create_topic("bug", 1)
+            # Produce until a commit of the I/O thread's own failed (the writer may take one).
+            sent = 0
+            while not gw.failed:
+                assert sent < 200, "no inline commit"
+                req = c.send(produce_request(c, "bug", bundle_of(sent, 2)))
+                sent += 1
+                # Its commit failed to be answered, or it is committed and answered.
+                wait_until(lambda n=2 * sent: gw.failed or gw.stored >= n and not gw._pending, 10)
+                if not gw.failed:
+                    c.wait(req)
+            with TankClient(HOST, gw.tank_port, timeout=10) as other:
+                resp = other.wait(other.send(produce_request(other, "bug", bundle_of(sent, 2))))
+                assert isinstance(resp, ProduceResponse) and resp.topics[0].partitions[0].error == 0
+            resp = c.wait(req)  # the one whose commit failed to be answered: with the next commit
+            assert isinstance(resp, ProduceResponse) and resp.topics[0].partitions[0].error == 0
+            assert values(consume_all(c, "bug", 0)) == [b"b%d-m%d" % (i, j) for i in range(sent + 1) for j in range(2)]
+        assert "a bug answering a commit" in caplog.text
     finally:
         gw.close()
