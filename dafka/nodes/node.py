@@ -504,7 +504,10 @@ class Node(DiscoveryMixin, ChannelsMixin, SocketsMixin, TimersMixin):
             wait = self._loop_timers(time.monotonic())
             if self._loop_spins():
                 wait = 0.0  # more work waits: only look for input, never sleep
-            self.before_wait()
+            try:
+                self.before_wait()
+            except Exception:  # as a command's (and NodeLoop's): a bug must not end the I/O thread
+                self.log.exception("%s failed before waiting", self.kind)
             try:
                 # Rounded up to the poller's whole milliseconds: rounded down, the
                 # last millisecond before every timer would be a busy loop holding

@@ -11,6 +11,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+import cramjam
 import pytest
 import snappy
 from hypothesis import given, settings
@@ -226,3 +227,103 @@ def test_tank_values_refuse_what_the_walk_refuses(bundle: bytes) -> None:
     for impl in (_pure, _compiled):
         with pytest.raises(ProtocolError):
             impl.tank_values(bundle, 0, 10)
+
+
+# ---------------------------------------------------------------- the snappy body itself
+
+def _snappy_element(kind: int, n: int, off: int, lit: bytes) -> bytes:
+    """One element of a raw snappy stream: a literal (short or with a 1-4 byte length, which
+    may lie about what follows) or a copy with a 1, 2 or 4 byte offset (which may point
+    before the output's start, or be 0)."""
+    if kind == 0:
+        return bytes(((min(n, 59) & 0x3F) << 2,)) + lit
+    if kind == 1:
+        width = 1 + off % 4
+        return bytes(((59 + width) << 2,)) + (n & ((1 << (8 * width)) - 1)).to_bytes(width, "little") + lit
+    if kind == 2:
+        return bytes((0x01 | ((n % 8) << 2) | ((off >> 8) & 7) << 5, off & 0xFF))
+    if kind == 3:
+        return bytes((0x02 | ((n % 64) << 2),)) + (off & 0xFFFF).to_bytes(2, "little")
+    return bytes((0x03 | ((n % 64) << 2),)) + (off & 0xFFFFFFFF).to_bytes(4, "little")
+
+
+_elements = st.lists(
+    st.builds(_snappy_element, st.integers(0, 4), st.integers(0, 1 << 20), st.integers(0, 1 << 33),
+              st.binary(max_size=24)),
+    max_size=12,
+)
+
+
+def _honest_stream(draw: Any) -> tuple[bytes, bytes]:
+    """A raw snappy stream of honest literals and copies (offsets within the output) and
+    what it inflates to."""
+    out = bytearray(HELLO_WORLD[1:])
+    body = bytearray(snappy.compress(bytes(out))[1:])  # (its length varint is one byte)
+    for _ in range(draw(st.integers(0, 6))):
+        if draw(st.booleans()):
+            lit = draw(st.binary(min_size=1, max_size=60))
+            body += bytes(((len(lit) - 1) << 2,)) + lit
+            out += lit
+        else:
+            n, off = draw(st.integers(4, 11)), draw(st.integers(1, min(len(out), 2047)))
+            body += bytes((0x01 | (n - 4) << 2 | (off >> 8) << 5, off & 0xFF))
+            for _i in range(n):
+                out.append(out[-off])
+    return bytes(body), bytes(out)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.integers(0, 3), st.integers(-2, 600), _elements, st.sampled_from([bytes, bytearray, memoryview]),
+       st.booleans(), st.data())
+def test_fuzz_snappy_streams_same_verdict(count: int, claimed: int, elements: list[bytes], kind: Any,
+                                          honest: bool, data: st.DataObject) -> None:
+    """Raw snappy streams built from tags (lying lengths, copies before the start or of
+    offset 0, a claimed size the elements do not make), after an honest stream or alone: the
+    compiled walk (cramjam's decompress_raw) and the pure one (python-snappy) accept and
+    refuse the same ones, with a ProtocolError and nothing else, whatever buffer the bundle
+    comes in."""
+    body = b"".join(elements)
+    if honest:  # an honest stream, then (or not) the hostile elements after it
+        good, out = _honest_stream(data.draw)
+        body = good + body
+        if claimed < 0:  # the true size
+            claimed = len(out)
+    claimed = abs(claimed)
+    bundle = bytes((CODEC_SNAPPY | count << 2,)) + _varint(claimed) + body
+    _both(kind(bundle))
+    assert _both(kind(bundle), budget=claimed // 2) == ("refused",) or claimed == 0
+    # The two inflaters themselves: the same bytes or both refuse, cramjam only with its
+    # DecompressionError (anything else would escape the walk as a bug, not a ProtocolError).
+    stream = _varint(claimed) + body
+    try:
+        mine: Any = bytes(cramjam.snappy.decompress_raw(kind(stream)))
+    except cramjam.DecompressionError:
+        mine = None
+    try:
+        theirs: Any = snappy.uncompress(stream)
+    except Exception:  # python-snappy's own error class, by version
+        theirs = None
+    assert mine == theirs, (stream, mine, theirs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_msgs, st.sampled_from([bytes, bytearray, memoryview]), st.data())
+def test_fuzz_snappy_bundles_body_mutated_same_verdict(msgs: list[tuple[int, bytes | None, bytes]], kind: Any,
+                                                       data: st.DataObject) -> None:
+    """Valid snappy bundles whose compressed body (not the header) is flipped, cut or grown:
+    both walks agree, and the unmutated bundle is accepted from any buffer."""
+    bundle = encode_bundle([(None, ts, k, c) for ts, k, c in msgs], codec=CODEC_SNAPPY)
+    got = _both(kind(bundle))
+    assert got[0] == "ok" and got[1][6] == [c for _, _, c in msgs]
+    head = 1 if len(msgs) <= 15 else 2  # the flags byte, the count varint (30 messages at most)
+    mutated = bytearray(bundle)
+    for _ in range(data.draw(st.integers(1, 3))):
+        at = data.draw(st.integers(head, max(head, len(mutated) - 1)))
+        how = data.draw(st.integers(0, 2))
+        if how == 0 and at < len(mutated):
+            mutated[at] ^= 1 << data.draw(st.integers(0, 7))
+        elif how == 1:
+            del mutated[at:]
+        else:
+            mutated[at:at] = data.draw(st.binary(min_size=1, max_size=8))
+    _both(kind(bytes(mutated)))

@@ -5,6 +5,7 @@ commits: a flush there would stop every other client for its duration."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from dafka.store.pipeline import Work
 from dafka.tank.client import TankClient
 from dafka.tank.gateway import Gateway
 from dafka.tank.messages import ProduceResponse
+from tests.conftest import wait_until
 from tests.tank.test_gateway import HOST, consume_all, values
 from tests.tank.test_pipelined_commit import bundle_of, produce_request
 
@@ -108,3 +110,154 @@ def test_connections_read_in_one_loop_turn_share_a_commit(cfg: NodeConfig, tmp_p
         for c in clients:
             c.close()
         gw.close()
+
+
+class SlowRetention(Gateway):
+    """A gateway whose retention rounds have a backlog: each step is a real LMDB write
+    transaction of 20 ms, and a round goes on (Store._enforce_retention, its own stop rule)
+    until a commit waits or its budget of 1 s is spent."""
+
+    retention_budget = 1.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.rounds = 0
+        super().__init__(*args, **kwargs)
+        real_write = self.db._write
+
+        def step(now_ms: int, policy: Any, *, max_records: int = 10_000) -> Any:
+            from dafka.store.retention import RetentionResult
+
+            real_write(lambda txn: time.sleep(0.02))
+            return RetentionResult(1, 1, True)
+
+        self.db.enforce_retention = step  # type: ignore[method-assign]
+
+    def _enforce_retention(self) -> None:
+        self.rounds += 1
+        super()._enforce_retention()
+
+
+def test_a_retention_round_on_the_writer_never_holds_up_the_io_thread(cfg: NodeConfig, tmp_path: Path) -> None:
+    """A guard: an inline commit takes the staged work off the pipe, so a retention round on
+    the writer does not see it waiting and goes on for its budget; the I/O thread must still
+    get the write lock between two steps, not wait out the round (every client of the
+    gateway and the mesh would stand still that long)."""
+    gw = SlowRetention(tmp_path / "gw", cfg, listen=(HOST, 0), sync=False, retention_interval=0.2)
+    try:
+        with TankClient(HOST, gw.tank_port, timeout=30) as c:
+            c.create_topic("ret", 1)
+            worst = 0.0
+            deadline = time.monotonic() + 1.5
+            i = 0
+            while time.monotonic() < deadline or gw.rounds < 2:
+                assert time.monotonic() < deadline + 10, "no retention rounds"
+                t0 = time.monotonic()
+                resp = c.wait(c.send(produce_request(c, "ret", bundle_of(i, 2))))
+                worst = max(worst, time.monotonic() - t0)
+                assert isinstance(resp, ProduceResponse) and resp.topics[0].partitions[0].error == 0
+                i += 1
+                time.sleep(0.005)  # (a paced client: its produces land in retention rounds)
+            assert gw.rounds >= 2
+            # One retention step (20 ms) and a linger at most, with room for a loaded machine;
+            # not a whole round's budget (1 s).
+            assert worst < 0.5, worst
+            assert values(consume_all(c, "ret", 0)) == [b"b%d-m%d" % (k, j) for k in range(i) for j in range(2)]
+    finally:
+        gw.close()
+
+
+class FailsOnceInline(Gateway):
+    """A gateway whose answering of a commit fails once (a bug's stand-in), on the I/O thread's
+    own commit."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.failed = 0
+        super().__init__(*args, **kwargs)
+
+    def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
+        if self._inlining and not self.failed:
+            self.failed += 1
+            raise RuntimeError("a bug answering a commit")
+        super().on_commit(heads)
+
+
+def test_a_failure_answering_an_inline_commit_is_logged_and_the_gateway_goes_on(
+    cfg: NodeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The writer's results are answered by a command of the I/O loop, where an exception is
+    logged and the loop goes on; an inline commit is answered from before_wait, which the
+    loop called unguarded: the same exception ended the I/O thread (every client then waited
+    for nothing, the gateway dead but its process up)."""
+    gw = FailsOnceInline(tmp_path / "gw", cfg, listen=(HOST, 0), sync=False)
+    try:
+        with TankClient(HOST, gw.tank_port, timeout=10) as c:
+            c.create_topic("bug", 1)
+            # Produce until a commit of the I/O thread's own failed (the writer may take one).
+            sent = 0
+            while not gw.failed:
+                assert sent < 200, "no inline commit"
+                req = c.send(produce_request(c, "bug", bundle_of(sent, 2)))
+                sent += 1
+                # Its commit failed to be answered, or it is committed and answered.
+                wait_until(lambda n=2 * sent: gw.failed or gw.stored >= n and not gw._pending, 10)
+                if not gw.failed:
+                    c.wait(req)
+            with TankClient(HOST, gw.tank_port, timeout=10) as other:
+                resp = other.wait(other.send(produce_request(other, "bug", bundle_of(sent, 2))))
+                assert isinstance(resp, ProduceResponse) and resp.topics[0].partitions[0].error == 0
+            resp = c.wait(req)  # the one whose commit failed to be answered: with the next commit
+            assert isinstance(resp, ProduceResponse) and resp.topics[0].partitions[0].error == 0
+            assert values(consume_all(c, "bug", 0)) == [b"b%d-m%d" % (i, j) for i in range(sent + 1) for j in range(2)]
+        assert "a bug answering a commit" in caplog.text
+    finally:
+        gw.close()
+
+
+def test_close_while_clients_produce_keeps_every_answered_record(cfg: NodeConfig, tmp_path: Path) -> None:
+    """close() while three clients keep producing (windows of 4) and the I/O thread commits
+    inline: it returns, and every produce answered before is there once, in order, when the
+    database is opened again."""
+    gw = Gateway(tmp_path / "gw", cfg, listen=(HOST, 0), sync=False)
+    with TankClient(HOST, gw.tank_port, timeout=30) as c:
+        c.create_topic("shut", 1)
+    answered: list[list[int]] = [[] for _ in range(3)]
+    started = threading.Barrier(4)
+
+    def produce(t: int) -> None:
+        try:
+            with TankClient(HOST, gw.tank_port, timeout=10) as c:
+                started.wait(10)
+                inflight: list[tuple[int, int]] = []
+                for i in range(100_000):
+                    inflight.append((i, c.send(produce_request(c, "shut", bundle_of(1000_000 * t + i, 5)))))
+                    if len(inflight) == 4:
+                        i0, req = inflight.pop(0)
+                        resp = c.wait(req)
+                        assert isinstance(resp, ProduceResponse) and resp.topics[0].partitions[0].error == 0
+                        answered[t].append(i0)
+        except Exception:  # (the gateway went away: what was answered is what counts)
+            return
+
+    threads = [threading.Thread(target=produce, args=(t,)) for t in range(3)]
+    for th in threads:
+        th.start()
+    started.wait(10)
+    wait_until(lambda: all(len(a) > 20 for a in answered), 20)
+    t0 = time.monotonic()
+    gw.close()
+    assert time.monotonic() - t0 < 10
+    for th in threads:
+        th.join(30)
+    again = Gateway(tmp_path / "gw", cfg, listen=(HOST, 0), sync=False)
+    try:
+        with TankClient(HOST, again.tank_port, timeout=30) as c:
+            got = consume_all(c, "shut", 0)
+        vals = values(got)
+        assert len(vals) == len(set(vals))
+        assert [r[0] for r in got] == list(range(got[0][0], got[0][0] + len(got)))
+        stored = set(vals)
+        for t in range(3):
+            for i in answered[t]:
+                assert b"b%d-m4" % (1000_000 * t + i) in stored, (t, i)
+    finally:
+        again.close()
