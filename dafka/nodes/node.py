@@ -502,12 +502,14 @@ class Node(DiscoveryMixin, ChannelsMixin, SocketsMixin, TimersMixin):
         while not stop.is_set():
             self.loop_turns += 1
             wait = self._loop_timers(time.monotonic())
-            if self._loop_spins():
-                wait = 0.0  # more work waits: only look for input, never sleep
             try:
                 self.before_wait()
             except Exception:  # as a command's (and NodeLoop's): a bug must not end the I/O thread
                 self.log.exception("%s failed before waiting", self.kind)
+            # After before_wait: it may answer commits (a Tank gateway's inline ones), which
+            # can resume paused input that is already held here.
+            if self._loop_spins():
+                wait = 0.0  # more work waits: only look for input, never sleep
             try:
                 # Rounded up to the poller's whole milliseconds: rounded down, the
                 # last millisecond before every timer would be a busy loop holding
