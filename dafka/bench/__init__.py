@@ -83,6 +83,13 @@ def _options() -> dict[str, tuple[str, dict[str, Any]]]:
                                         " started here; each run creates a topic"}),
         "window": ("--window", {"type": count_arg, "default": 8,
                                 "help": "produce requests (one bundle of 1,000 records each) in flight"}),
+        "against": ("--against", {"metavar": "HOST:PORT", "default": None,
+                                  "help": "compare: publish to a running Tank broker there and to a gateway started"
+                                          " here, alternating, each run after --warm-mb; prints each round's"
+                                          " gateway/broker ratio"}),
+        "warm_mb": ("--warm-mb", {"type": int, "default": 2000,
+                                  "help": "--against: MB written and deleted before every run, so that both"
+                                          " sides start with the same page-cache state (0: none)"}),
     }
 
 
@@ -96,7 +103,8 @@ _BENCHMARKS: dict[str, tuple[str, tuple[str, ...], dict[str, str]]] = {
     "store": ("records/s acknowledged by a store", ("secure", "no_batches", "no_sync"), {}),
     "replay": ("a consumer reading stored records from the beginning", ("secure", "no_batches"), {}),
     "storedb": ("the store's database layer alone: append and read, in CPU time", ("sync",), {}),
-    "tank": ("publish and fetch through the Tank gateway (records/s)", ("no_sync", "broker", "window"), {}),
+    "tank": ("publish and fetch through the Tank gateway (records/s)",
+             ("no_sync", "broker", "window", "against", "warm_mb"), {}),
     "kafka": ("a Kafka client through the Kafka gateway (records/s)", ("no_sync", "broker", "client"),
               {"broker": "measure a running Kafka gateway (or broker) there instead of one started here;"
                          " each run creates a topic"}),

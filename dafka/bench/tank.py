@@ -90,10 +90,76 @@ def _tank_fetch(port: int, topic: str, n: int, fetch_size: int, host: str = "127
         return got / (time.perf_counter() - t0)
 
 
-def bench_tank(args: argparse.Namespace) -> dict[str, list[float]]:
-    """Through a gateway process: publish (bundles of 1000, acknowledged) and fetch."""
+def _warm_page_cache(mb: int) -> None:
+    """Write ``mb`` MB to a temporary file and delete it.
+
+    On a VM whose freed memory goes back to the host (``virtio_balloon``), writes into the page
+    cache are several times faster into memory freed just before than into memory not written
+    recently (the TANK broker published 16-24M records/s against 3-6M; see "Issue 36's
+    targets, quiet sitting" in docs/reference/performance.md).  Done before every run of a
+    comparison, so that neither side gets the fast memory the other's run freed."""
+    import os
     import tempfile
 
+    if mb <= 0:
+        return
+    block = bytes(1 << 20)
+    fd, path = tempfile.mkstemp(prefix="dafka-bench-warm-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for _ in range(mb):
+                f.write(block)
+    finally:
+        os.unlink(path)
+
+
+def _compare(args: argparse.Namespace) -> dict[str, list[float]]:
+    """``--against HOST:PORT``: publish to the broker there and to a gateway started here,
+    alternating which goes first, each run after the same page-cache preparation."""
+    import statistics
+    import tempfile
+
+    host, _, port_text = args.against.rpartition(":")
+    if not host or not port_text.isdigit():
+        raise SystemExit(f"--against {args.against!r}: give HOST:PORT")
+    ctx = mp.get_context("spawn")
+    broker, gateway, ratios = [], [], []
+    stamp = int(time.time())
+    for run in range(args.runs):
+        tower, cfg = _mesh()
+        with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
+            port, done = ctx.Queue(), ctx.Event()
+            proc = ctx.Process(target=_gateway_process, args=(cfg, db, not args.no_sync, port, done))
+            proc.start()
+            try:
+                local = port.get(timeout=60)
+                sides = [("broker", host, int(port_text)), ("gateway", "127.0.0.1", local)]
+                got: dict[str, float] = {}
+                for name, h, p in sides if run % 2 == 0 else sides[::-1]:
+                    _warm_page_cache(args.warm_mb)
+                    got[name] = _tank_publish(p, f"bench-tank-{stamp}-{run}", args.records, args.size, 1000,
+                                              args.window, h)
+            finally:
+                done.set()
+                proc.join(60)
+                tower.close()
+        broker.append(got["broker"])
+        gateway.append(got["gateway"])
+        ratios.append(got["gateway"] / got["broker"])
+        print(f"run {run}: publish: broker {got['broker']:,.0f}, gateway {got['gateway']:,.0f} records/s"
+              f" acknowledged: {ratios[-1]:.2f}x", flush=True)
+    print(f"tank publish gateway/broker: median {statistics.median(ratios):.2f}x"
+          f" ({min(ratios):.2f}-{max(ratios):.2f}) over {len(ratios)} runs")
+    return {"tank publish (broker)": broker, "tank publish (gateway)": gateway}
+
+
+def bench_tank(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Through a gateway process: publish (bundles of 1000, acknowledged) and fetch; or a
+    running broker (``--broker``); or the two compared (``--against``)."""
+    import tempfile
+
+    if getattr(args, "against", None):
+        return _compare(args)
     ctx = mp.get_context("spawn")
     publish, fetch = [], []
     if getattr(args, "broker", None):

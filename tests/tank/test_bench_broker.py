@@ -25,3 +25,22 @@ def test_bench_tank_measures_a_broker_given_by_address(tmp_path: Path) -> None:
 def test_bench_tank_refuses_a_broker_without_a_port() -> None:
     with pytest.raises(SystemExit, match="HOST:PORT"):
         bench_tank(argparse.Namespace(broker="localhost", runs=1, records=1000, size=10, no_sync=False))
+
+
+@pytest.mark.timeout(180)
+def test_bench_tank_against_a_broker_alternates_and_gives_each_round_s_ratio(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Our own gateway plays the broker here (the TANK broker is not built on CI machines).
+    with Gateway(tmp_path / "gw", NodeConfig(towers=()), listen=("127.0.0.1", 0)) as gw:
+        args = argparse.Namespace(against=f"127.0.0.1:{gw.tank_port}", broker=None, runs=2, records=2000, size=50,
+                                  no_sync=True, window=4, warm_mb=2)
+        got = bench_tank(args)
+        assert len(got["tank publish (broker)"]) == 2 and len(got["tank publish (gateway)"]) == 2
+        assert min(got["tank publish (broker)"] + got["tank publish (gateway)"]) > 0
+        assert len([t for t in gw.db.topics() if t.startswith("bench-tank-")]) == 2  # a topic a run there
+    out = capsys.readouterr().out
+    assert out.count("x\n") == 2 and "tank publish gateway/broker: median" in out
+    with pytest.raises(SystemExit, match="HOST:PORT"):
+        bench_tank(argparse.Namespace(against="localhost", broker=None, runs=1, records=1000, size=10, no_sync=True,
+                                      window=8, warm_mb=0))
