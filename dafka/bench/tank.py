@@ -123,7 +123,9 @@ def _compare(args: argparse.Namespace) -> dict[str, list[float]]:
     if not host or not port_text.isdigit():
         raise SystemExit(f"--against {args.against!r}: give HOST:PORT")
     ctx = mp.get_context("spawn")
-    broker, gateway, ratios = [], [], []
+    broker: list[float] = []
+    gateway: list[float] = []
+    ratios: list[float] = []
     stamp = int(time.time())
     for run in range(args.runs):
         tower, cfg = _mesh()
