@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from dafka.bench.common import _mesh
@@ -90,6 +92,26 @@ def _tank_fetch(port: int, topic: str, n: int, fetch_size: int, host: str = "127
         return got / (time.perf_counter() - t0)
 
 
+@contextmanager
+def _local_gateway(sync: bool) -> Iterator[int]:
+    """A Tank gateway in a process of its own, on a tower of its own, over a temporary
+    database: its Tank port."""
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    tower, cfg = _mesh()
+    with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
+        port, done = ctx.Queue(), ctx.Event()
+        gateway = ctx.Process(target=_gateway_process, args=(cfg, db, sync, port, done))
+        gateway.start()
+        try:
+            yield port.get(timeout=60)
+        finally:
+            done.set()
+            gateway.join(60)
+            tower.close()
+
+
 def _warm_page_cache(mb: int) -> None:
     """Write ``mb`` MB to a temporary file and delete it.
 
@@ -117,34 +139,22 @@ def _compare(args: argparse.Namespace) -> dict[str, list[float]]:
     """``--against HOST:PORT``: publish to the broker there and to a gateway started here,
     alternating which goes first, each run after the same page-cache preparation."""
     import statistics
-    import tempfile
 
     host, _, port_text = args.against.rpartition(":")
     if not host or not port_text.isdigit():
         raise SystemExit(f"--against {args.against!r}: give HOST:PORT")
-    ctx = mp.get_context("spawn")
     broker: list[float] = []
     gateway: list[float] = []
     ratios: list[float] = []
     stamp = int(time.time())
     for run in range(args.runs):
-        tower, cfg = _mesh()
-        with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
-            port, done = ctx.Queue(), ctx.Event()
-            proc = ctx.Process(target=_gateway_process, args=(cfg, db, not args.no_sync, port, done))
-            proc.start()
-            try:
-                local = port.get(timeout=60)
-                sides = [("broker", host, int(port_text)), ("gateway", "127.0.0.1", local)]
-                got: dict[str, float] = {}
-                for name, h, p in sides if run % 2 == 0 else sides[::-1]:
-                    _warm_page_cache(args.warm_mb)
-                    got[name] = _tank_publish(p, f"bench-tank-{stamp}-{run}", args.records, args.size, 1000,
-                                              args.window, h)
-            finally:
-                done.set()
-                proc.join(60)
-                tower.close()
+        with _local_gateway(not args.no_sync) as local:
+            sides = [("broker", host, int(port_text)), ("gateway", "127.0.0.1", local)]
+            got: dict[str, float] = {}
+            for name, h, p in sides if run % 2 == 0 else sides[::-1]:
+                _warm_page_cache(args.warm_mb)
+                got[name] = _tank_publish(p, f"bench-tank-{stamp}-{run}", args.records, args.size, 1000,
+                                          args.window, h)
         broker.append(got["broker"])
         gateway.append(got["gateway"])
         ratios.append(got["gateway"] / got["broker"])
@@ -158,11 +168,8 @@ def _compare(args: argparse.Namespace) -> dict[str, list[float]]:
 def bench_tank(args: argparse.Namespace) -> dict[str, list[float]]:
     """Through a gateway process: publish (bundles of 1000, acknowledged) and fetch; or a
     running broker (``--broker``); or the two compared (``--against``)."""
-    import tempfile
-
     if getattr(args, "against", None):
         return _compare(args)
-    ctx = mp.get_context("spawn")
     publish, fetch = [], []
     if getattr(args, "broker", None):
         host, _, port_text = args.broker.rpartition(":")
@@ -179,22 +186,12 @@ def bench_tank(args: argparse.Namespace) -> dict[str, list[float]]:
             print(f"run {run}: fetch {rate:,.0f} records/s ({args.broker})", flush=True)
         return {"tank publish": publish, "tank fetch": fetch}
     for run in range(args.runs):
-        tower, cfg = _mesh()
-        with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
-            port, done = ctx.Queue(), ctx.Event()
-            gateway = ctx.Process(target=_gateway_process, args=(cfg, db, not args.no_sync, port, done))
-            gateway.start()
-            try:
-                tank_port = port.get(timeout=60)
-                topic = f"bench-tank-{run}"
-                rate = _tank_publish(tank_port, topic, args.records, args.size, 1000, getattr(args, "window", 8))
-                publish.append(rate)
-                print(f"run {run}: publish {rate:,.0f} records/s acknowledged", flush=True)
-                rate = _tank_fetch(tank_port, topic, args.records // 1000 * 1000, 8 << 20)
-                fetch.append(rate)
-                print(f"run {run}: fetch {rate:,.0f} records/s", flush=True)
-            finally:
-                done.set()
-                gateway.join(60)
-                tower.close()
+        with _local_gateway(not args.no_sync) as tank_port:
+            topic = f"bench-tank-{run}"
+            rate = _tank_publish(tank_port, topic, args.records, args.size, 1000, getattr(args, "window", 8))
+            publish.append(rate)
+            print(f"run {run}: publish {rate:,.0f} records/s acknowledged", flush=True)
+            rate = _tank_fetch(tank_port, topic, args.records // 1000 * 1000, 8 << 20)
+            fetch.append(rate)
+            print(f"run {run}: fetch {rate:,.0f} records/s", flush=True)
     return {"tank publish": publish, "tank fetch": fetch}
