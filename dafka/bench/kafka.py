@@ -59,12 +59,18 @@ def _kafka_produce(port: int, topic: str, n: int, size: int, host: str = "127.0.
     return n / elapsed
 
 
+#: Calls :func:`_kafka_client_alone` times at most: the queue it fills is never drained
+#: (no broker), and librdkafka's has a bound (queue.buffering.max.kbytes, 2 GiB).
+CLIENT_ALONE_CALLS = 1_000_000
+
+
 def _kafka_client_alone(n: int, size: int) -> float:
     """The same ``produce()`` calls as :func:`_kafka_produce`, into librdkafka's queue with no
     broker behind it (nothing listens on port 1): calls/s, the most that client can produce on
-    this machine whatever the gateway does."""
+    this machine whatever the gateway does.  ``n`` calls, at most :data:`CLIENT_ALONE_CALLS`."""
     from confluent_kafka import Producer as KProducer
 
+    n = min(n, CLIENT_ALONE_CALLS)
     p = KProducer({
         "bootstrap.servers": "127.0.0.1:1", "acks": "all", "linger.ms": 5,
         "batch.size": 1 << 20, "queue.buffering.max.messages": n + 1,
