@@ -250,8 +250,10 @@ class LeafProducer(ReceiptCallbacks):
         # When the loop ticks us (LeafLoop._pending): the link's timers, and with an outbox
         # that evicts by age (drop_oldest, max_age) its oldest record's expiry too (else it
         # would wait for the link's next timer: offline, up to connect_timeout * MAX_BACKOFF).
+        # Only an outbox under drop_oldest evicts (failing records without an ACK).
+        self._evicts = self._outbox is not None and outbox_policy == "drop_oldest"
         self.next_due = self.link.next_due
-        if self._outbox is not None and outbox_policy == "drop_oldest" and outbox_max_age is not None:
+        if self._evicts and outbox_max_age is not None:
             self.next_due = self._next_due_or_expiry
         self._own_loop = loop is None
         self._loop = loop or LeafLoop(f"-{self.address[:8]}", linger=0.0)  # alone: nothing to share turns with
@@ -639,8 +641,8 @@ class LeafProducer(ReceiptCallbacks):
         if self._closed:
             self._detach()
             return
-        if self._outbox is not None:
-            self._run_callbacks()  # (a publish may have evicted records: outbox_max_bytes, drop_oldest)
+        if self._evicts:
+            self._run_callbacks()  # (a publish may have evicted records: outbox_max_bytes)
         self._send_records(now)
         self._loop._pending(self)
 
@@ -720,8 +722,8 @@ class LeafProducer(ReceiptCallbacks):
         """The link's timers, the outbox's ages (the loop calls it when ``next_due`` is past)."""
         if self.sock is None:
             return  # (detached: closed)
-        if self._outbox is not None:
-            self._outbox.on_tick(now)  # max_age evictions (drop_oldest)
+        if self._evicts:
+            self._outbox.on_tick(now)  # max_age evictions
             self._run_callbacks()  # (their waiters and callbacks: failed now)
         with self._lock:
             actions = self.link.on_tick(now)
