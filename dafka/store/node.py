@@ -289,6 +289,10 @@ class Store(PartitionReader):
         self._writer_cond = threading.Condition()
         self._pipe = CommitPipe()
         self._inlining = False  # a commit on the I/O thread is being answered (_commit_inline)
+        # While True, an offer does not wake the writer: _commit_inline, due at the end of the
+        # loop turn, commits the work itself or wakes the writer then (see Gateway._process).
+        self._wake_deferred = False
+        self._wake_owed = False
         self._outstanding: deque[Work] = deque()
         self._reported: Work | None = None
         self._writer_stop = False
@@ -439,7 +443,23 @@ class Store(PartitionReader):
         beside the I/O thread: Kafka produce lost a quarter inline.  The writer thread still
         takes what the I/O thread leaves (it may take the staged work first, and takes it
         while a result of its own is not yet answered) and runs retention; the pipe keeps one
-        commit at a time, and the answers stay in commit order."""
+        commit at a time, and the answers stay in commit order.
+
+        The offers of the turn did not wake the writer (``_wake_deferred``): woken, it took
+        each connection's produces as they were offered, a commit each, and one commit a turn
+        held only when the I/O thread got there first (30 connections read in one turn made
+        26 commits, all the writer's, in a full test run on a loaded machine).  It is woken
+        here when what they staged is left to it."""
+        try:
+            self._commit_staged_inline()
+        finally:
+            if self._wake_owed:
+                self._wake_owed = False
+                with self._writer_cond:
+                    if self._pipe.staged is not None:
+                        self._writer_cond.notify()
+
+    def _commit_staged_inline(self) -> None:
         if self._inlining or self.db.sync:
             return
         outstanding = self._outstanding
@@ -583,7 +603,10 @@ class Store(PartitionReader):
         with self._writer_cond:
             outcome = self._pipe.offer(work, time.monotonic())
             if outcome is not Offer.HELD:
-                self._writer_cond.notify()  # (a writer lingering for more counts the offers)
+                if self._wake_deferred:
+                    self._wake_owed = True
+                else:
+                    self._writer_cond.notify()  # (a writer lingering for more counts the offers)
         if outcome is Offer.HELD:
             return  # still queued here, for a later transaction
         self._batch, self._pairs, self._segs, self._skips, self._blocks = [], [], [], later, []

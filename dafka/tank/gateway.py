@@ -592,6 +592,16 @@ class Gateway(Store):
 
     def _process(self, conn: _Conn) -> None:
         """Answer the complete frames buffered, while the connection may take more."""
+        # Without fsync, what this turn stages is committed at its end (before_wait): its
+        # offers do not wake the writer meanwhile (see Store._commit_inline).
+        deferred, self._wake_deferred = self._wake_deferred, not self.db.sync
+        try:
+            self._process_frames(conn)
+        finally:
+            self._wake_deferred = deferred
+            self._tank_read = True  # (for before_wait)
+
+    def _process_frames(self, conn: _Conn) -> None:
         frames = conn.frames
         try:
             # Not past a pause: an over-full output (or the writer being
@@ -621,7 +631,6 @@ class Gateway(Store):
             self._set_reading(conn, False)  # the writer is behind: stop taking produces
             self._throttled.append(conn)
         self._flush_batch()
-        self._tank_read = True  # (for before_wait)
 
     def before_wait(self) -> None:
         super().before_wait()
