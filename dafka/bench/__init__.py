@@ -87,6 +87,11 @@ def _options() -> dict[str, tuple[str, dict[str, Any]]]:
                                   "help": "compare: publish to a running Tank broker there and to a gateway started"
                                           " here, alternating, each run after --warm-mb; prints each round's"
                                           " gateway/broker ratio"}),
+        "disk_mb": ("--disk-mb", {"type": int, "default": 0,
+                                  "help": "with fsync: before each run, write this many MiB and fdatasync once"
+                                          " where the gateway's database goes (what `dd bs=1M conv=fdatasync`"
+                                          " measures), and print the publish in record bytes as a share of it"
+                                          " (0: no disk measured)"}),
         "warm_mb": ("--warm-mb", {"type": int, "default": 2000,
                                   "help": "--against: MB written and deleted before every run, so that both"
                                           " sides start with the same page-cache state (0: none)"}),
@@ -104,7 +109,7 @@ _BENCHMARKS: dict[str, tuple[str, tuple[str, ...], dict[str, str]]] = {
     "replay": ("a consumer reading stored records from the beginning", ("secure", "no_batches"), {}),
     "storedb": ("the store's database layer alone: append and read, in CPU time", ("sync",), {}),
     "tank": ("publish and fetch through the Tank gateway (records/s)",
-             ("no_sync", "broker", "window", "against", "warm_mb"), {}),
+             ("no_sync", "broker", "window", "against", "warm_mb", "disk_mb"), {}),
     "kafka": ("a Kafka client through the Kafka gateway (records/s)", ("no_sync", "broker", "client"),
               {"broker": "measure a running Kafka gateway (or broker) there instead of one started here;"
                          " each run creates a topic"}),

@@ -44,27 +44,12 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from dafka.bench.common import disk_mb_s
+
 TOPIC, PARTITION = "bench", "p0"
 PID = 1
 TS = 1_764_000_000_000
 _DB = b"blocks"
-
-
-def _disk_mb_s(directory: str, mb: int) -> float:
-    """MB/s of ``mb`` 1 MiB writes then one fdatasync (what ``dd conv=fdatasync`` measures)."""
-    path = os.path.join(directory, "dd")
-    chunk = b"\0" * (1 << 20)
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        for _ in range(mb):
-            os.write(fd, chunk)
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
-    dt = time.perf_counter() - t0
-    os.unlink(path)
-    return mb * 1.048576 / dt
 
 
 def _bundles(n: int, size: int, block_bytes: int) -> list[bytes]:
@@ -224,7 +209,7 @@ def bench_blocks(args: argparse.Namespace) -> int:
     print(f"{n:,} records of {size} B ({mb:.0f} MB) per case, {runs} runs (median; layouts alternate within "
           f"each run), commits of >= {commit_bytes:,} B, retention window {window:,} B, in {base}", flush=True)
     print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus", flush=True)
-    disk = [_disk_mb_s(base, args.disk_mb)]
+    disk = [disk_mb_s(base, args.disk_mb)]
     print(f"disk: {disk[0]:.0f} MB/s fdatasync'd sequential ({args.disk_mb} MiB)", flush=True)
     bundles = {bs: _bundles(n, size, bs) for bs in sizes}
     # case name -> list of seconds, one per run
@@ -290,7 +275,7 @@ def bench_blocks(args: argparse.Namespace) -> int:
             else:
                 k = max(1, seeks // 10) if key.endswith("slice") else seeks
                 print(f"{key:<40} {med / k * 1e6:>14.1f} us per seek")
-    disk.append(_disk_mb_s(base, args.disk_mb))
+    disk.append(disk_mb_s(base, args.disk_mb))
     print(f"\ndisk after: {disk[1]:.0f} MB/s fdatasync'd; load average at end: {os.getloadavg()[0]:.2f}")
     os.rmdir(base)
     return 0

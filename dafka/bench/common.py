@@ -233,3 +233,22 @@ def _tcp_sockets(pids: list[int]) -> int:
             if len(f) > 9 and f[3] == "01" and f[9] in inodes:  # 01: ESTABLISHED
                 count += 1
     return count
+
+
+def disk_mb_s(directory: str, mb: int) -> float:
+    """MB/s of ``mb`` 1 MiB writes to a new file in ``directory`` then one fdatasync (what
+    ``dd bs=1M conv=fdatasync`` measures: issue 36's yardstick for a synced publish)."""
+    import os
+    import tempfile
+
+    chunk = bytes(1 << 20)
+    t0 = time.perf_counter()
+    fd, path = tempfile.mkstemp(prefix="dafka-bench-disk-", dir=directory)
+    try:
+        for _ in range(mb):
+            os.write(fd, chunk)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return mb * 1.048576 / (time.perf_counter() - t0)

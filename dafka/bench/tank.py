@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from dafka.bench.common import _mesh
+from dafka.bench.common import _mesh, disk_mb_s
 from dafka.config import NodeConfig
 
 
@@ -96,8 +97,6 @@ def _tank_fetch(port: int, topic: str, n: int, fetch_size: int, host: str = "127
 def _local_gateway(sync: bool) -> Iterator[int]:
     """A Tank gateway in a process of its own, on a tower of its own, over a temporary
     database: its Tank port."""
-    import tempfile
-
     ctx = mp.get_context("spawn")
     tower, cfg = _mesh()
     with tempfile.TemporaryDirectory(prefix="dafka-bench-") as db:
@@ -121,7 +120,6 @@ def _warm_page_cache(mb: int) -> None:
     targets, quiet sitting" in docs/reference/performance.md).  Done before every run of a
     comparison, so that neither side gets the fast memory the other's run freed."""
     import os
-    import tempfile
 
     if mb <= 0:
         return
@@ -185,13 +183,27 @@ def bench_tank(args: argparse.Namespace) -> dict[str, list[float]]:
             fetch.append(rate)
             print(f"run {run}: fetch {rate:,.0f} records/s ({args.broker})", flush=True)
         return {"tank publish": publish, "tank fetch": fetch}
+    disk_mb = 0 if args.no_sync else getattr(args, "disk_mb", 0)
+    shares: list[float] = []
     for run in range(args.runs):
+        # The disk is measured right before each run, where the gateway's database goes.
+        disk = disk_mb_s(tempfile.gettempdir(), disk_mb) if disk_mb > 0 else None
         with _local_gateway(not args.no_sync) as tank_port:
             topic = f"bench-tank-{run}"
             rate = _tank_publish(tank_port, topic, args.records, args.size, 1000, getattr(args, "window", 8))
             publish.append(rate)
-            print(f"run {run}: publish {rate:,.0f} records/s acknowledged", flush=True)
+            if disk is None:
+                print(f"run {run}: publish {rate:,.0f} records/s acknowledged", flush=True)
+            else:
+                shares.append(rate * args.size / 1e6 / disk)
+                print(f"run {run}: publish {rate:,.0f} records/s acknowledged: {shares[-1]:.0%} of the disk's"
+                      f" {disk:,.0f} MB/s fdatasync'd ({disk_mb} MiB), in record bytes", flush=True)
             rate = _tank_fetch(tank_port, topic, args.records // 1000 * 1000, 8 << 20)
             fetch.append(rate)
             print(f"run {run}: fetch {rate:,.0f} records/s", flush=True)
+    if shares:
+        import statistics
+
+        print(f"tank publish / disk: median {statistics.median(shares):.0%}"
+              f" ({min(shares):.0%}-{max(shares):.0%}) over {len(shares)} runs")
     return {"tank publish": publish, "tank fetch": fetch}
