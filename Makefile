@@ -48,9 +48,10 @@ typecheck: setup
 	$(BIN)/mypy --strict $(MYPY_STRICT)
 
 # The documentation site (docs/, mkdocs.yml) into site/; strict: a broken link
-# or a docstring mkdocstrings cannot render fails the build.
+# or a docstring mkdocstrings cannot render fails the build (not --quiet: with it,
+# mkdocs does not count the warnings strict mode fails on).
 docs: setup
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # The whole suite with the compiled extension (asserted active), then the
 # mesh, store and wire tests again on the pure-Python twin (test_fastio's
