@@ -4,6 +4,7 @@ commits: a flush there would stop every other client for its duration."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 
 from dafka.config import NodeConfig
 from dafka.store.pipeline import Work
-from dafka.tank.client import TankClient
+from dafka.tank.client import TankClient, TankConnectionError
 from dafka.tank.gateway import Gateway
 from dafka.tank.messages import ProduceResponse
 from tests.conftest import wait_until
@@ -314,3 +315,36 @@ def test_a_produce_read_in_the_last_loop_turn_is_committed_and_answered_at_shutd
             assert values(consume_all(c, "last", 0)) == [b"b%d-m%d" % (i, j) for i in range(2) for j in range(3)]
     finally:
         again.close()
+
+
+class FailsAnsweringAtShutdown(StopsInTheTurnThatReadAProduce):
+    """... and answering that commit fails (a bug's stand-in)."""
+
+    def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
+        if self._stop.is_set():
+            raise RuntimeError("a bug answering a commit at shutdown")
+        super().on_commit(heads)
+
+
+def test_a_failure_answering_the_last_turns_commit_at_shutdown_still_closes_the_connections(
+    cfg: NodeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The commit of the last turn at shutdown is answered from on_shutdown: an exception
+    there must not skip the rest of it (the Tank connections and the listener left open)."""
+    gw = FailsAnsweringAtShutdown(tmp_path / "gw", cfg, listen=(HOST, 0), sync=False, retention_interval=30)
+    port = gw.tank_port
+    try:
+        with TankClient(HOST, port, timeout=10) as c:
+            c.create_topic("bug", 1)
+            wait_until(lambda: gw._pipe.committing is None and len(gw._writer_cond._waiters) == 1, 10)  # type: ignore[attr-defined]
+            gw.stop_armed = True
+            req = c.send(produce_request(c, "bug", bundle_of(0, 3)))
+            wait_until(gw._stop.is_set, 10)
+            gw.close()
+            with pytest.raises(TankConnectionError):
+                c.wait(req, timeout=5)  # closed, not left open (a timeout)
+        with pytest.raises(OSError):
+            socket.create_connection((HOST, port), timeout=2).close()
+        assert "a bug answering a commit at shutdown" in caplog.text
+    finally:
+        gw.close()
