@@ -442,6 +442,15 @@ class Gateway(Store):
                 self._answer_parked(parked, timed_out=True)
 
     def on_shutdown(self) -> None:
+        if self._tank_read:
+            # The last turn read Tank requests and ended at the stop, without its before_wait:
+            # what it staged did not wake the writer (see _process), which may sleep until its
+            # next retention round.  Committed here, or the writer woken, as before_wait would.
+            self._tank_read = False
+            try:
+                self._commit_inline()
+            except Exception:  # (as the loop's before_wait: the connections must still close)
+                log.exception("Tank gateway: the last loop turn's commit failed at shutdown")
         super().on_shutdown()  # commits what is queued; its produces are answered
         for conn in list(self._conns.values()):
             self._flush_out(conn)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from dafka.kafka.gateway import KafkaGateway
 from dafka.store.pipeline import Work
 from dafka.tank.client import TankClient
 from dafka.tank.messages import ProduceResponse
+from tests.conftest import wait_until
 from tests.kafka.test_gateway import produce_raw
 from tests.tank.test_gateway import HOST, consume_all, values
 from tests.tank.test_pipelined_commit import bundle_of, produce_request
@@ -109,4 +111,29 @@ def test_tank_and_kafka_produces_into_one_partition_answer_in_order_and_lose_not
         assert hwms and all(a <= b for a, b in zip(hwms, hwms[1:], strict=False)), hwms
     finally:
         done.set()
+        gw.close()
+
+
+def test_a_kafka_produce_after_a_tank_turn_still_wakes_the_writer(cfg: NodeConfig, tmp_path: Path) -> None:
+    """A guard: only the offers of a turn that reads Tank requests leave the writer asleep (its
+    before_wait commits them); a Kafka produce read in a later turn wakes it.  Were the Tank
+    read's deferral left on, the Kafka produce would wait for the writer's next retention
+    round (30 s here) with nothing else to wake it."""
+    gw = Commits(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0), sync=False, retention_interval=30)
+    try:
+        gw.create_topic("after", 1)
+        with TankClient(HOST, gw.tank_port, timeout=10) as c:
+            resp = c.wait(c.send(produce_request(c, "after", bundle_of(0, 3))))
+            assert isinstance(resp, ProduceResponse) and resp.topics[0].partitions[0].error == 0
+        with socket.create_connection((HOST, gw.kafka_port), timeout=5) as s:
+            for i in range(3):
+                # The writer idle in its wait: nothing staged, nothing to answer.
+                wait_until(lambda: gw._pipe.committing is None and len(gw._writer_cond._waiters) == 1, 10)  # type: ignore[attr-defined]
+                before = len(gw.commits)
+                t0 = time.monotonic()
+                r = produce_raw(s, i, "after", kafka_batch(0, i, 2))
+                assert r.error_code == 0
+                assert time.monotonic() - t0 < 2.0
+                assert [name for name, k in gw.commits[before:] if k] == ["dafka-store-writer"]
+    finally:
         gw.close()

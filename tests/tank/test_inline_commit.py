@@ -4,6 +4,7 @@ commits: a flush there would stop every other client for its duration."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 
 from dafka.config import NodeConfig
 from dafka.store.pipeline import Work
-from dafka.tank.client import TankClient
+from dafka.tank.client import TankClient, TankConnectionError
 from dafka.tank.gateway import Gateway
 from dafka.tank.messages import ProduceResponse
 from tests.conftest import wait_until
@@ -261,3 +262,89 @@ def test_close_while_clients_produce_keeps_every_answered_record(cfg: NodeConfig
                 assert b"b%d-m4" % (1000_000 * t + i) in stored, (t, i)
     finally:
         again.close()
+
+
+class StopsInTheTurnThatReadAProduce(Gateway):
+    """close() from another thread lands in the loop turn that read a produce: the loop ends
+    after that turn, without the before_wait that commits what the turn staged (the stop is
+    set here, at that point, to make the race certain)."""
+
+    stop_armed = False
+
+    def _process(self, conn: Any) -> None:
+        super()._process(conn)
+        if self.stop_armed and self._pending:
+            self.stop_armed = False
+            self._stop.set()
+
+
+def test_a_produce_read_in_the_last_loop_turn_is_committed_and_answered_at_shutdown(
+    cfg: NodeConfig, tmp_path: Path
+) -> None:
+    """The turn's offers do not wake the writer (Store._wake_deferred): its before_wait
+    commits them.  The last turn before a stop has none, and the writer, idle, sleeps until
+    its next retention round (``retention_interval``, 1 s by default): shutdown waited that
+    long for the produce, or (a longer interval) gave up after 5 s and closed the connection
+    unanswered, the records committed all the same when the writer stopped (the client, not
+    answered, sends them again)."""
+    gw = StopsInTheTurnThatReadAProduce(tmp_path / "gw", cfg, listen=(HOST, 0), sync=False, retention_interval=30)
+    closed = False
+    try:
+        with TankClient(HOST, gw.tank_port, timeout=10) as c:
+            c.create_topic("last", 1)
+            resp = c.wait(c.send(produce_request(c, "last", bundle_of(0, 3))))
+            assert isinstance(resp, ProduceResponse) and resp.topics[0].partitions[0].error == 0
+            # The writer idle in its wait (nothing staged: until its next retention round).
+            wait_until(lambda: gw._pipe.committing is None and len(gw._writer_cond._waiters) == 1, 10)  # type: ignore[attr-defined]
+            gw.stop_armed = True
+            req = c.send(produce_request(c, "last", bundle_of(1, 3)))
+            wait_until(gw._stop.is_set, 10)
+            t0 = time.monotonic()
+            gw.close()
+            closed = True
+            took = time.monotonic() - t0
+            resp = c.wait(req)  # answered before the connection closed
+            assert isinstance(resp, ProduceResponse) and resp.topics[0].partitions[0].error == 0
+            assert took < 2.0, took
+    finally:
+        if not closed:
+            gw.close()
+    again = Gateway(tmp_path / "gw", cfg, listen=(HOST, 0), sync=False)
+    try:
+        with TankClient(HOST, again.tank_port, timeout=10) as c:
+            assert values(consume_all(c, "last", 0)) == [b"b%d-m%d" % (i, j) for i in range(2) for j in range(3)]
+    finally:
+        again.close()
+
+
+class FailsAnsweringAtShutdown(StopsInTheTurnThatReadAProduce):
+    """... and answering that commit fails (a bug's stand-in)."""
+
+    def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
+        if self._stop.is_set():
+            raise RuntimeError("a bug answering a commit at shutdown")
+        super().on_commit(heads)
+
+
+def test_a_failure_answering_the_last_turns_commit_at_shutdown_still_closes_the_connections(
+    cfg: NodeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The commit of the last turn at shutdown is answered from on_shutdown: an exception
+    there must not skip the rest of it (the Tank connections and the listener left open)."""
+    gw = FailsAnsweringAtShutdown(tmp_path / "gw", cfg, listen=(HOST, 0), sync=False, retention_interval=30)
+    port = gw.tank_port
+    try:
+        with TankClient(HOST, port, timeout=10) as c:
+            c.create_topic("bug", 1)
+            wait_until(lambda: gw._pipe.committing is None and len(gw._writer_cond._waiters) == 1, 10)  # type: ignore[attr-defined]
+            gw.stop_armed = True
+            req = c.send(produce_request(c, "bug", bundle_of(0, 3)))
+            wait_until(gw._stop.is_set, 10)
+            gw.close()
+            with pytest.raises(TankConnectionError):
+                c.wait(req, timeout=5)  # closed, not left open (a timeout)
+        with pytest.raises(OSError):
+            socket.create_connection((HOST, port), timeout=2).close()
+        assert "a bug answering a commit at shutdown" in caplog.text
+    finally:
+        gw.close()
