@@ -947,6 +947,7 @@ class KafkaGateway(Gateway):
             and len(conn.slots) < self.kafka_max_inflight // 2
             and conn.out_size <= MAX_OUTPUT
             and conn not in self._kthrottled
+            and not self._shutting_down  # (unread requests stay so: see Gateway.on_shutdown)
         ):
             self._set_kreading(conn)
             self._kprocess(conn)

@@ -197,6 +197,7 @@ class Gateway(Store):
         self.records_too_large = 0  # Tank produces refused for a record over max_record_bytes
         self.records_published = 0  # records of owned partitions sent live on the mesh
         self._tank_read = False  # a Tank connection was read in this loop turn
+        self._shutting_down = False  # on_shutdown is answering and closing the connections
         self._limited = LogLimiter(log)  # repeated warnings, rate-limited
         try:
             self._setup(rdb, listen, compress)
@@ -452,6 +453,9 @@ class Gateway(Store):
             except Exception:  # (as the loop's before_wait: the connections must still close)
                 log.exception("Tank gateway: the last loop turn's commit failed at shutdown")
         super().on_shutdown()  # commits what is queued; its produces are answered
+        # Their answers go out; requests still unread stay so (a produce taken now would be
+        # committed by the stopping writer, never answered, and sent again by its client).
+        self._shutting_down = True
         for conn in list(self._conns.values()):
             self._flush_out(conn)
             self._close(conn, None)
@@ -754,7 +758,8 @@ class Gateway(Store):
                 conn.deferred = False
                 for parked in [p for p in self._parked_all if p.conn is conn]:
                     self._answer_parked(parked, timed_out=False)
-        if not out and not conn.reading and conn not in self._throttled and conn not in self._budget_waiting:
+        if (not out and not conn.reading and conn not in self._throttled and conn not in self._budget_waiting
+                and not self._shutting_down):
             conn.reading = True
             if not conn.closed:
                 self._update_events(conn)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kafka.protocol.producer import ProduceRequest
 from kafka.record.default_records import DefaultRecordBatchBuilder
 
 from dafka.config import NodeConfig
@@ -19,7 +20,7 @@ from dafka.store.pipeline import Work
 from dafka.tank.client import TankClient
 from dafka.tank.messages import ProduceResponse
 from tests.conftest import wait_until
-from tests.kafka.test_gateway import produce_raw
+from tests.kafka.test_gateway import frame, produce_raw
 from tests.tank.test_gateway import HOST, consume_all, values
 from tests.tank.test_pipelined_commit import bundle_of, produce_request
 
@@ -137,3 +138,56 @@ def test_a_kafka_produce_after_a_tank_turn_still_wakes_the_writer(cfg: NodeConfi
                 assert [name for name, k in gw.commits[before:] if k] == ["dafka-store-writer"]
     finally:
         gw.close()
+
+
+class KafkaPausedWithAProduce(KafkaGateway):
+    """A Kafka connection paused while a produce of it is buffered, unread, and its output
+    empty when the gateway stops (see tests/tank/test_inline_commit.py for Tank's)."""
+
+    hold = True
+
+    def _kprocess(self, conn: Any) -> None:
+        if self.hold and conn.frames.buffered:
+            conn.reading = False  # paused: its frames wait
+            return
+        super()._kprocess(conn)
+
+
+def test_a_kafka_produce_left_unread_at_shutdown_is_neither_stored_nor_answered(
+    cfg: NodeConfig, tmp_path: Path
+) -> None:
+    """Shutdown answers what was committed, then closes each connection; a produce still
+    unread then must not be taken (the stopping writer committed it, never answered, and a
+    client without idempotence sent it again: stored twice)."""
+    gw = KafkaPausedWithAProduce(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0), sync=False)
+    closed = False
+    try:
+        gw.hold = False
+        gw.create_topic("unread", 1)
+        with socket.create_connection((HOST, gw.kafka_port), timeout=10) as s:
+            assert produce_raw(s, 1, "unread", kafka_batch(0, 0, 2)).error_code == 0
+            gw.hold = True
+            req = ProduceRequest[7](
+                transactional_id=None, acks=-1, timeout_ms=5000,
+                topic_data=[ProduceRequest.TopicProduceData(name="unread", partition_data=[
+                    ProduceRequest.TopicProduceData.PartitionProduceData(index=0, records=kafka_batch(0, 1, 2))])],
+            )
+            s.sendall(frame(0, 7, 2, bytes(req.encode(version=7))))
+            wait_until(lambda: any(not c.reading for c in list(gw._kconns.values())), 10)
+            gw.hold = False  # from here on, the gateway's own code decides
+            gw.close()
+            closed = True
+            s.settimeout(5)
+            try:
+                assert s.recv(1 << 16) == b""  # closed, not answered
+            except ConnectionResetError:
+                pass
+    finally:
+        if not closed:
+            gw.close()
+    again = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0), sync=False)
+    try:
+        with TankClient(HOST, again.tank_port, timeout=10) as c:
+            assert values(consume_all(c, "unread", 0)) == [b"k0-0-0", b"k0-0-1"]
+    finally:
+        again.close()

@@ -348,3 +348,51 @@ def test_a_failure_answering_the_last_turns_commit_at_shutdown_still_closes_the_
         assert "a bug answering a commit at shutdown" in caplog.text
     finally:
         gw.close()
+
+
+class PausedWithAProduce(Gateway):
+    """A connection paused while a produce of it is buffered, unread (as one whose answers
+    were backed up), and its output empty when the gateway stops."""
+
+    hold = True
+
+    def _process(self, conn: Any) -> None:
+        if self.hold and conn.frames.buffered:
+            conn.reading = False  # paused: its frames wait
+            return
+        super()._process(conn)
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["no-sync", "fsync"])
+def test_a_produce_left_unread_at_shutdown_is_neither_stored_nor_answered(
+    cfg: NodeConfig, tmp_path: Path, sync: bool
+) -> None:
+    """Shutdown answers what was committed, then closes each connection.  A produce still
+    buffered then, unread, must not be taken at that point: it was committed by the stopping
+    writer but never answered, and its client, seeing the connection close, sends it again
+    (stored twice)."""
+    gw = PausedWithAProduce(tmp_path / "gw", cfg, listen=(HOST, 0), sync=sync)
+    closed = False
+    try:
+        gw.hold = False
+        with TankClient(HOST, gw.tank_port, timeout=10) as c:
+            c.create_topic("unread", 1)
+            resp = c.wait(c.send(produce_request(c, "unread", bundle_of(0, 3))))
+            assert isinstance(resp, ProduceResponse) and resp.topics[0].partitions[0].error == 0
+            gw.hold = True
+            req = c.send(produce_request(c, "unread", bundle_of(1, 3)))
+            wait_until(lambda: any(not conn.reading for conn in list(gw._conns.values())), 10)
+            gw.hold = False  # from here on, the gateway's own code decides
+            gw.close()
+            closed = True
+            with pytest.raises(TankConnectionError):
+                c.wait(req, timeout=5)  # not answered: closed
+    finally:
+        if not closed:
+            gw.close()
+    again = Gateway(tmp_path / "gw", cfg, listen=(HOST, 0), sync=sync)
+    try:
+        with TankClient(HOST, again.tank_port, timeout=10) as c:
+            assert values(consume_all(c, "unread", 0)) == [b"b0-m%d" % j for j in range(3)]
+    finally:
+        again.close()
