@@ -325,6 +325,35 @@ def test_retries_back_off_and_a_new_peer_never_causes_a_skip() -> None:
     assert t.skip_if_stalled(10.6, out) == (0, 4)
 
 
+def retry_times(t: PartitionTracker, until: float, step: float = 0.05) -> list[float]:
+    """When ``t`` re-sends its FETCH (polled every ``step`` s, nothing ever answering)."""
+    times = []
+    now = 0.0
+    while now <= until:
+        if t.fetch_request(now) is not None:
+            times.append(round(now, 2))
+        now += step
+    return times
+
+
+def test_a_hole_before_held_records_is_asked_for_at_least_eight_times_before_it_is_given_up() -> None:
+    # Retries 2 s and 4 s apart (the backoff's bound, 8 retry intervals) missed the producer's
+    # and then a store's time up with the record, and it was given up acknowledged
+    # (simulator seed 6023562, pinned in tests/test_sim.py).
+    t = PartitionTracker("s", "p", 0, retry_interval=0.5, skip_after=10.0)
+    deliver(t, 1)  # 0 missing, 1 held
+    times = retry_times(t, 10.0)
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert max(gaps) <= 10.0 / 8 + 0.06, times  # at most skip_after / 8 apart
+    assert len(times) >= 8
+    # Nothing held (a long catch-up, not a hole about to be given up): the full backoff, so a
+    # slow reader is not buried under answers to FETCHes it asked for again.
+    u = PartitionTracker("s", "p", 0, retry_interval=0.5, skip_after=10.0)
+    u.on_head(99)
+    times = retry_times(u, 20.0)
+    assert max(b - a for a, b in zip(times, times[1:], strict=False)) >= 4.0, times
+
+
 # ---------------------------------------------------------------- producer resume
 
 

@@ -791,3 +791,25 @@ def test_the_checker_excuses_only_records_no_store_held_at_the_last_call(
     kinds = [v.kind for v in c.violations]
     assert kinds == (["acked-record-skipped"] if flagged else []), c.violations
     assert c.observations.get("acked-after-last-call", 0) == (0 if flagged else 1)
+
+
+# Seed 6023562 (the 2,000 seeds from 6,022,000 of 2026-11-29), shrunk: p0's offset 0 is
+# lost on its way; p0 (node 4) is cut off 0.03-2.03 s and 3.05-4.05 s, s1 stopped until
+# 5.04 s; s1 then fetches 0 from p0 and acknowledges it (5.12 s), p0 lets it go, and s1 is
+# stopped again at 6.06 s for 6 s.  The readers' retries had backed off to 2 s and 4 s
+# apart (1.55, 3.6, 7.65 s): they missed p0 while it was back (2.03-3.05, 4.05-5.12) and
+# s1 while it was up with the record (5.12-6.06), and gave offset 0 up at 10.05 s (skip_after
+# counts from when it went missing), acknowledged.  A hole before held records is now asked
+# for at least HOLE_PROBES times in its skip_after (retries at most 1.25 s apart here).
+RETRIES_BACKED_OFF_PAST_THE_HOLDERS_SCHEDULE = (
+    "net:4:0:3923343416,lose:0:1:2420350332,publish:0:1:2264605331,offline:4:2000:3548371370,"
+    "stop:1:5000:1682522104,wait:3000:0:1084777292,isolate:4:1000:2207079445,wait:3000:0:1194154753,"
+    "freeze:1:6000:2748126794,wait:1500:0:4029049587,wait:3000:0:1886993273"
+)
+
+
+def test_seed_6023562_retries_that_backed_off_past_the_holders_skip_nothing_acknowledged() -> None:
+    r = runner.run_schedule(loads(RETRIES_BACKED_OFF_PAST_THE_HOLDERS_SCHEDULE))
+    assert r.ok, _report(r)
+    assert r.faults.get("freeze-s") == 1 and r.faults.get("skipped-offsets") == 1, r.faults
+    assert r.delivered == 2 * 2, _report(r)  # both consumers got both records

@@ -10,7 +10,8 @@ order with no gap and no duplicate, and when to FETCH what is missing:
 * a HEAD / DIRECT-HEAD at or beyond ``next`` requests a FETCH up to it;
 * while records are missing, the FETCH is re-sent after ``retry_interval``
   without progress, backing off (doubling, up to 8x) while retries bring
-  nothing (the reference has no retry and can stall);
+  nothing (the reference has no retry and can stall); for a hole before held
+  records, which may be given up, at most ``skip_after / HOLE_PROBES`` apart;
 * a long catch-up is fetched in ranges of FETCH_CHUNK, the next range asked
   for once the current one is half delivered (pipelined);
 * a restarted producer's hole (offsets it reserved before a crash and never
@@ -43,6 +44,9 @@ from collections.abc import Collection
 
 FETCH_CHUNK = 100_000  # largest count asked for in one FETCH
 MAX_RETRY_BACKOFF = 8  # retries without progress wait up to this many retry intervals
+# ... and, while later records are held (the hole may be given up), at most skip_after / this:
+# a hole is asked for this many times in the skip_after before it is given up.
+HOLE_PROBES = 8
 # A hole is given up only after a FETCH at most this many retry intervals old
 # (see PartitionTracker.skip_if_stalled).
 FINAL_CALL = 2
@@ -256,8 +260,15 @@ class PartitionTracker:
                 return None
             else:
                 # A retry: back off while retries bring nothing, so a slow reader
-                # is not buried under answers to FETCHes it asked for again.
-                self.retry_wait = min(self.retry_wait * 2, MAX_RETRY_BACKOFF * self.retry_interval)
+                # is not buried under answers to FETCHes it asked for again.  Less
+                # for a hole before held records (a small FETCH, given up after
+                # skip_after): retries 2 s and 4 s apart missed both the producer's
+                # and then a store's time up with the record, and it was given up
+                # acknowledged (simulator seed 6023562).
+                cap = MAX_RETRY_BACKOFF * self.retry_interval
+                if self.held:
+                    cap = min(cap, max(self.retry_interval, self.skip_after / HOLE_PROBES))
+                self.retry_wait = min(self.retry_wait * 2, cap)
         upto = self.known
         if self.held:
             # Ask only for the hole before the first held record.
