@@ -235,20 +235,27 @@ def _tcp_sockets(pids: list[int]) -> int:
     return count
 
 
-def disk_mb_s(directory: str, mb: int) -> float:
-    """MB/s of ``mb`` 1 MiB writes to a new file in ``directory`` then one fdatasync (what
-    ``dd bs=1M conv=fdatasync`` measures: issue 36's yardstick for a synced publish)."""
+def write_temp(directory: str | None, mb: int, sync: bool) -> float:
+    """Write ``mb`` MiB of zeros to a new file in ``directory`` (None: the temporary
+    directory), fdatasync it once if ``sync``, delete it: the seconds it took."""
     import os
     import tempfile
 
     chunk = bytes(1 << 20)
     t0 = time.perf_counter()
-    fd, path = tempfile.mkstemp(prefix="dafka-bench-disk-", dir=directory)
+    fd, path = tempfile.mkstemp(prefix="dafka-bench-", dir=directory)
     try:
         for _ in range(mb):
             os.write(fd, chunk)
-        os.fdatasync(fd)
+        if sync:
+            os.fdatasync(fd)
     finally:
         os.close(fd)
         os.unlink(path)
-    return mb * 1.048576 / (time.perf_counter() - t0)
+    return time.perf_counter() - t0
+
+
+def disk_mb_s(directory: str, mb: int) -> float:
+    """MB/s of ``mb`` 1 MiB writes to a new file in ``directory`` then one fdatasync (what
+    ``dd bs=1M conv=fdatasync`` measures: issue 36's yardstick for a synced publish)."""
+    return mb * 1.048576 / write_temp(directory, mb, sync=True)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from dafka.bench.common import _mesh, disk_mb_s
+from dafka.bench.common import _mesh, disk_mb_s, write_temp
 from dafka.config import NodeConfig
 
 
@@ -119,18 +119,8 @@ def _warm_page_cache(mb: int) -> None:
     recently (the TANK broker published 16-24M records/s against 3-6M; see "Issue 36's
     targets, quiet sitting" in docs/reference/performance.md).  Done before every run of a
     comparison, so that neither side gets the fast memory the other's run freed."""
-    import os
-
-    if mb <= 0:
-        return
-    block = bytes(1 << 20)
-    fd, path = tempfile.mkstemp(prefix="dafka-bench-warm-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for _ in range(mb):
-                f.write(block)
-    finally:
-        os.unlink(path)
+    if mb > 0:
+        write_temp(None, mb, sync=False)
 
 
 def _compare(args: argparse.Namespace) -> dict[str, list[float]]:
