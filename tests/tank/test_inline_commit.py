@@ -24,6 +24,16 @@ from tests.tank.test_pipelined_commit import bundle_of, produce_request
 pytestmark = pytest.mark.timeout(120)
 
 
+def reread(path: Path, cfg: NodeConfig, topic: str, sync: bool = False) -> list[tuple[Any, ...]]:
+    """A topic's partition 0 as a gateway reopened on ``path`` serves it (what was committed)."""
+    again = Gateway(path, cfg, listen=(HOST, 0), sync=sync)
+    try:
+        with TankClient(HOST, again.tank_port, timeout=30) as c:
+            return consume_all(c, topic, 0)
+    finally:
+        again.close()
+
+
 class CommitThreads(Gateway):
     """Records which thread wrote each commit, and how many records it held."""
 
@@ -249,19 +259,14 @@ def test_close_while_clients_produce_keeps_every_answered_record(cfg: NodeConfig
     assert time.monotonic() - t0 < 10
     for th in threads:
         th.join(30)
-    again = Gateway(tmp_path / "gw", cfg, listen=(HOST, 0), sync=False)
-    try:
-        with TankClient(HOST, again.tank_port, timeout=30) as c:
-            got = consume_all(c, "shut", 0)
-        vals = values(got)
-        assert len(vals) == len(set(vals))
-        assert [r[0] for r in got] == list(range(got[0][0], got[0][0] + len(got)))
-        stored = set(vals)
-        for t in range(3):
-            for i in answered[t]:
-                assert b"b%d-m4" % (1000_000 * t + i) in stored, (t, i)
-    finally:
-        again.close()
+    got = reread(tmp_path / "gw", cfg, "shut")
+    vals = values(got)
+    assert len(vals) == len(set(vals))
+    assert [r[0] for r in got] == list(range(got[0][0], got[0][0] + len(got)))
+    stored = set(vals)
+    for t in range(3):
+        for i in answered[t]:
+            assert b"b%d-m4" % (1000_000 * t + i) in stored, (t, i)
 
 
 class StopsInTheTurnThatReadAProduce(Gateway):
@@ -309,12 +314,7 @@ def test_a_produce_read_in_the_last_loop_turn_is_committed_and_answered_at_shutd
     finally:
         if not closed:
             gw.close()
-    again = Gateway(tmp_path / "gw", cfg, listen=(HOST, 0), sync=False)
-    try:
-        with TankClient(HOST, again.tank_port, timeout=10) as c:
-            assert values(consume_all(c, "last", 0)) == [b"b%d-m%d" % (i, j) for i in range(2) for j in range(3)]
-    finally:
-        again.close()
+    assert values(reread(tmp_path / "gw", cfg, "last")) == [b"b%d-m%d" % (i, j) for i in range(2) for j in range(3)]
 
 
 class FailsAnsweringAtShutdown(StopsInTheTurnThatReadAProduce):
@@ -390,9 +390,4 @@ def test_a_produce_left_unread_at_shutdown_is_neither_stored_nor_answered(
     finally:
         if not closed:
             gw.close()
-    again = Gateway(tmp_path / "gw", cfg, listen=(HOST, 0), sync=sync)
-    try:
-        with TankClient(HOST, again.tank_port, timeout=10) as c:
-            assert values(consume_all(c, "unread", 0)) == [b"b0-m%d" % j for j in range(3)]
-    finally:
-        again.close()
+    assert values(reread(tmp_path / "gw", cfg, "unread", sync)) == [b"b0-m%d" % j for j in range(3)]
