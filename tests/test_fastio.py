@@ -56,6 +56,31 @@ def test_the_compiled_tank_walk_inflates_with_cramjam_itself() -> None:
     assert _compiled._SnappyError is cramjam.DecompressionError
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_view_start_finds_a_view_in_its_bytearray(impl: Any) -> None:
+    buf = bytearray(b"0123456789")
+    whole = memoryview(buf)
+    cases = [
+        (whole, 0), (whole[3:7], 3), (whole[9:], 9), (whole[3:7][1:], 4),
+        (whole[10:], -1),  # empty
+        (whole[::2], -1),  # not contiguous
+        (whole.toreadonly()[2:], -1),
+        (memoryview(b"0123"), -1),  # a view of bytes
+        (whole.cast("H"), -1),  # items of two bytes
+        (b"0123", -1), (buf, -1), (None, -1),
+    ]
+    assert [impl.view_start(view) for view, _ in cases] == [at for _, at in cases]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_new_bytearray_has_the_size_asked(impl: Any) -> None:
+    got = impl.new_bytearray(100_000)
+    assert type(got) is bytearray and len(got) == 100_000
+    assert impl.new_bytearray(0) == bytearray()
+    with pytest.raises(ValueError):
+        impl.new_bytearray(-1)
+
+
 def test_environment_variable_forces_pure_python() -> None:
     code = "from dafka import fastio; print(fastio.IMPLEMENTATION)"
     env = dict(os.environ, DAFKA_NO_EXTENSIONS="1")

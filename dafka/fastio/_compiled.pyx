@@ -9,6 +9,7 @@ send the socket cannot take yet).
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize, PyByteArray_GET_SIZE
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.object cimport PyObject, PyTypeObject
@@ -1115,6 +1116,33 @@ cdef uint64_t _tank_varint(const unsigned char *buf, Py_ssize_t *pos, Py_ssize_t
             pos[0] = p
             return v
         shift += 7
+
+
+def new_bytearray(Py_ssize_t size):
+    """See :func:`dafka.fastio._pure.new_bytearray`."""
+    if size < 0:
+        raise ValueError("new_bytearray: negative size")
+    return PyByteArray_FromStringAndSize(NULL, size)  # not zeroed: the caller fills it
+
+
+def view_start(view):
+    """See :func:`dafka.fastio._pure.view_start`."""
+    cdef Py_buffer buf
+    cdef Py_ssize_t at
+    if type(view) is not memoryview:
+        return -1
+    obj = (<memoryview>view).obj
+    if (type(obj) is not bytearray or not (<memoryview>view).c_contiguous or (<memoryview>view).itemsize != 1
+            or (<memoryview>view).readonly or not len(view)):
+        return -1
+    PyObject_GetBuffer(view, &buf, PyBUF_SIMPLE)
+    try:
+        at = <Py_ssize_t>(<char *>buf.buf - PyByteArray_AS_STRING(obj))
+        if at < 0 or at + buf.len > PyByteArray_GET_SIZE(obj):
+            return -1
+        return at
+    finally:
+        PyBuffer_Release(&buf)
 
 
 def tank_scan(bundle, Py_ssize_t max_record_bytes, Py_ssize_t budget, bint contents=False):

@@ -660,6 +660,30 @@ def fetch_blocks(cur: Any, pid: int, start: int, last: int, n: int,
 _BLOCK_KEY = struct.Struct(">IQ")
 
 
+def new_bytearray(size: int) -> bytearray:
+    """A bytearray of ``size`` bytes for the caller to fill (the compiled twin leaves them
+    unset: no zeroing of a buffer that is received into at once)."""
+    if size < 0:
+        raise ValueError("new_bytearray: negative size")
+    return bytearray(size)
+
+
+def view_start(view: Any) -> int:
+    """Where a memoryview's first byte is in the bytearray it views: -1 when it views
+    anything else, is empty, or is not a contiguous writable view of bytes."""
+    import ctypes
+
+    if type(view) is not memoryview:
+        return -1
+    obj = view.obj
+    if type(obj) is not bytearray or not view.c_contiguous or view.itemsize != 1 or view.readonly:
+        return -1
+    if not len(view):
+        return -1
+    at = ctypes.addressof(ctypes.c_char.from_buffer(view)) - ctypes.addressof(ctypes.c_char.from_buffer(obj))
+    return at if 0 <= at and at + len(view) <= len(obj) else -1
+
+
 def tank_scan(bundle: Any, max_record_bytes: int, budget: int,
               contents: bool = False) -> tuple[bool, int, int | None, int | None, int, int, list[bytes] | None]:
     """Validate a Tank bundle's framing without a Python object per message (the compiled twin).

@@ -754,7 +754,7 @@ class RecordDB:
         *,
         skips: Sequence[Skip] = (),
         rejected: dict[tuple[str, str], str] | None = None,
-        blocks: Sequence[tuple[str, str, bytes]] = (),
+        blocks: Sequence[tuple[str, str, bytes | memoryview]] = (),
         gate: AbstractContextManager[Any] | None = None,
     ) -> dict[tuple[str, str], int]:
         """Persist ``batch`` in one committed (and, with ``sync``, fsync'ed) transaction.
@@ -853,7 +853,7 @@ class RecordDB:
         *,
         skips: Sequence[Skip] = (),
         rejected: dict[tuple[str, str], str] | None = None,
-        blocks: Sequence[tuple[str, str, bytes]] = (),
+        blocks: Sequence[tuple[str, str, bytes | memoryview]] = (),
     ) -> dict[tuple[str, str], int]:
         """:meth:`append` of ``batch``, of ready record pairs and of ``blocks`` (see
         :meth:`append_blocks`), in one transaction.
@@ -886,7 +886,7 @@ class RecordDB:
 
     def append_blocks(
         self,
-        blocks: Sequence[tuple[str, str, bytes]],
+        blocks: Sequence[tuple[str, str, bytes | memoryview]],
         *,
         skips: Sequence[Skip] = (),
         rejected: dict[tuple[str, str], str] | None = None,
@@ -920,7 +920,7 @@ class RecordDB:
         pairs: list[bytes | tuple[bytes, bytes]] | None = None,
         segs: Sequence[tuple[str, str, int, int, int, int]] = (),
         gate: AbstractContextManager[Any] | None = None,
-        blocks: Sequence[tuple[str, str, bytes]] = (),
+        blocks: Sequence[tuple[str, str, bytes | memoryview]] = (),
     ) -> dict[tuple[str, str], int]:
         covered = skip_checker(skips) if skips else None
         # Headers are checked and each partition's blocks put in offset order before the
@@ -952,7 +952,7 @@ class RecordDB:
         gate: AbstractContextManager[Any] | None,
         covered: Callable[[tuple[str, str], int, int], bool] | None,
         refusals: dict[tuple[str, str], Exception],
-        by_tp: dict[tuple[str, str], list[tuple[BlockHeader, bytes] | Exception]] | None = None,
+        by_tp: dict[tuple[str, str], list[tuple[BlockHeader, bytes | memoryview] | Exception]] | None = None,
     ) -> tuple[dict[tuple[str, str], int], int]:
         dbs = self._dbs
         assert dbs is not None
@@ -1150,11 +1150,11 @@ class RecordDB:
 
     @staticmethod
     def _blocks_by_partition(
-        blocks: Sequence[tuple[str, str, bytes]],
-    ) -> dict[tuple[str, str], list[tuple[BlockHeader, bytes] | Exception]]:
+        blocks: Sequence[tuple[str, str, bytes | memoryview]],
+    ) -> dict[tuple[str, str], list[tuple[BlockHeader, bytes | memoryview] | Exception]]:
         """Ready-made blocks per partition with their headers, in offset order (an
         Exception in a partition's list: a block that is not one, which refuses it)."""
-        by_tp: dict[tuple[str, str], list[tuple[BlockHeader, bytes] | Exception]] = {}
+        by_tp: dict[tuple[str, str], list[tuple[BlockHeader, bytes | memoryview] | Exception]] = {}
         for topic, partition, block in blocks:
             got = by_tp.setdefault((topic, partition), [])
             try:
@@ -1168,7 +1168,7 @@ class RecordDB:
 
     def _account_blocks(
         self,
-        by_tp: dict[tuple[str, str], list[tuple[BlockHeader, bytes] | Exception]],
+        by_tp: dict[tuple[str, str], list[tuple[BlockHeader, bytes | memoryview] | Exception]],
         state_of: Callable[[tuple[str, str], bytes, Any], PartState],
         covered: Callable[[tuple[str, str], int, int], bool] | None,
         refusals: dict[tuple[str, str], Exception],

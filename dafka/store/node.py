@@ -64,7 +64,7 @@ from dafka.store.holes import HoleRepair
 from dafka.store.layout import VALUE_HEADER
 from dafka.store.leaves import LeafEndpoint
 from dafka.store.linger import TrickleLinger
-from dafka.store.pipeline import CommitPipe, Offer, Work
+from dafka.store.pipeline import Block, CommitPipe, Offer, Work
 from dafka.store.writer import BLOCK_BYTES
 
 log = logging.getLogger("dafka.store")
@@ -140,7 +140,7 @@ MAX_ADDRESS = 64  # characters of an address counted as a FETCH subscriber (ours
 # ready-made blocks ``(topic, partition, block)`` (a gateway's client blocks);
 # what the writer commits at once is a Work (dafka.store.pipeline).
 _Fill = tuple[str, str, int, bytes | None, int]
-_Block = tuple[str, str, bytes]
+_Block = Block
 
 
 def _block_records(blocks: list[_Block]) -> int:
@@ -374,7 +374,7 @@ class Store(PartitionReader):
         """Records received and not yet handed to the writer."""
         return len(self._batch) + len(self._pairs) + len(self._fills) + self._blocks_held
 
-    def queue_block(self, topic: str, partition: str, block: bytes, records: int) -> None:
+    def queue_block(self, topic: str, partition: str, block: bytes | memoryview, records: int) -> None:
         """Queue a ready-made block (validated by its maker, offsets in its header) for the
         next commit (:meth:`dafka.store.db.RecordDB.append_blocks`); ``records`` it holds."""
         self._blocks.append((topic, partition, block))
@@ -780,10 +780,13 @@ class Store(PartitionReader):
 
     def _report(self) -> None:
         """Tell the writer this commit is answered (see CommitPipe.due: it may be lingering
-        for the refills its answers bring)."""
+        for the refills its answers bring).  Woken only when it has work it could take: after
+        an inline commit it has none, and a wake for nothing cost a thread switch and the GIL
+        handed over and back each commit (offers wake it when work comes)."""
         with self._writer_cond:
             self._pipe.report(time.monotonic())
-            self._writer_cond.notify()
+            if self._pipe.peek() is not None:
+                self._writer_cond.notify()
 
     def _on_refused(self, work: Work, rejected: dict[tuple[str, str], str]) -> int:
         """Partitions the database refused in a commit: drop, count and log their

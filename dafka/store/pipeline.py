@@ -62,7 +62,7 @@ LINGER_SHARE = 0.5
 QUIET = 0.002
 
 Fill = tuple[str, str, int, bytes | None, int]
-Block = tuple[str, str, bytes]
+Block = tuple[str, str, bytes | memoryview]  # a block: its bytes, or a view of the buffer it came in (Tank)
 Seg = tuple[str, str, int, int, int, int]
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import struct
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from dafka.errors import ProtocolError
 
@@ -250,34 +250,43 @@ class FrameBuffer:
     that buffer, not copied (``feed`` and ``next_frame`` copy a payload once
     each way).  The frame's buffer is allocated whole, at its announced
     length, only when :meth:`direct` is called: the caller does so once it has
-    accounted for that length (the gateway's ``max_buffered_bytes``).
+    accounted for that length (the gateway's ``max_buffered_bytes``), with
+    ``alloc`` (the gateway's does not zero what is received into at once), and
+    ``room`` free bytes before the frame: the gateway writes a block header
+    there, in front of a bundle (:func:`dafka.store.block.tank_seal_in_place`),
+    instead of copying the bundle behind a header.
 
     Complete frames are taken out of the byte buffer as they arrive, so that
     it only ever holds the frame being received (the partial one).
     """
 
-    __slots__ = ("_buf", "_ready", "_ready_bytes", "_big", "_have", "max_frame_size")
+    __slots__ = ("_alloc", "_buf", "_ready", "_ready_bytes", "_big", "_have", "_room", "max_frame_size")
 
-    def __init__(self, max_frame_size: int = MAX_FRAME_SIZE) -> None:
+    def __init__(self, max_frame_size: int = MAX_FRAME_SIZE, room: int = 0,
+                 alloc: Callable[[int], bytearray] = bytearray) -> None:
         # The bytes of the frame being received, unless it is received in place (_big).
         self._buf = bytearray()
         # Complete frames not yet taken, in stream order; they precede what _big and
         # _buf hold.  _ready_bytes: their bytes, frame headers included.
         self._ready: deque[tuple[int, bytes | memoryview]] = deque()
         self._ready_bytes = 0
-        # The frame received in place (header included, at its full length) and how
-        # many of its bytes are here; _buf is empty while it is incomplete.
+        # The frame received in place (header included, at its full length, after
+        # _room free bytes) and how many of its bytes are here; _buf is empty while
+        # it is incomplete.
         self._big: bytearray | None = None
         self._have = 0
+        self._room = room
+        self._alloc = alloc  # (the gateway's leaves the bytes unset: dafka.fastio.new_bytearray)
         self.max_frame_size = max_frame_size
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         big = self._big
         if big is not None:
-            take = min(len(data), len(big) - self._have)
-            big[self._have : self._have + take] = data[:take]
+            at = self._room + self._have
+            take = min(len(data), len(big) - at)
+            big[at : at + take] = data[:take]
             self._have += take
-            if self._have < len(big):
+            if at + take < len(big):
                 return
             self._big_done()
             if take == len(data):
@@ -289,8 +298,9 @@ class FrameBuffer:
     def _big_done(self) -> None:
         big = self._big
         assert big is not None
-        self._ready.append((big[0], memoryview(big)[FRAME_HEADER_SIZE:]))
-        self._ready_bytes += len(big)
+        room = self._room
+        self._ready.append((big[room], memoryview(big)[room + FRAME_HEADER_SIZE :]))
+        self._ready_bytes += len(big) - room
         self._big = None
         self._have = 0
 
@@ -326,7 +336,7 @@ class FrameBuffer:
         """The payload length the frame being received announces (-1: no header yet)."""
         big = self._big
         if big is not None:
-            return len(big) - FRAME_HEADER_SIZE
+            return len(big) - self._room - FRAME_HEADER_SIZE
         if len(self._buf) < FRAME_HEADER_SIZE:
             return -1
         return parse_frame_header(self._buf, 0, self.max_frame_size)[1]
@@ -336,7 +346,7 @@ class FrameBuffer:
         if self._ready:
             return 0
         if self._big is not None:
-            return len(self._big) - self._have
+            return len(self._big) - self._room - self._have
         length = self._partial()
         if length < 0:
             return FRAME_HEADER_SIZE - len(self._buf)
@@ -356,7 +366,7 @@ class FrameBuffer:
         if self._ready:
             return self._ready[0][0]
         if self._big is not None:
-            return self._big[0]
+            return self._big[self._room]
         return self._buf[0] if self._buf else None
 
     def direct(self, min_length: int) -> memoryview | None:
@@ -368,24 +378,25 @@ class FrameBuffer:
         with :meth:`received`.
         """
         big = self._big
+        room = self._room
         if big is None:
             length = self._partial()
             if length <= min_length:
                 return None  # small, or no header yet
             buf = self._buf
-            big = self._big = bytearray(FRAME_HEADER_SIZE + length)
-            big[: len(buf)] = buf
+            big = self._big = self._alloc(room + FRAME_HEADER_SIZE + length)
+            big[room : room + len(buf)] = buf
             self._have = len(buf)
             buf.clear()
-        return memoryview(big)[self._have :]
+        return memoryview(big)[room + self._have :]
 
     def received(self, n: int) -> None:
         """``n`` bytes were written at the front of the view :meth:`direct` gave."""
         big = self._big
-        if big is None or not 0 <= n <= len(big) - self._have:
+        if big is None or not 0 <= n <= len(big) - self._room - self._have:
             raise ValueError(f"received({n}) without room for it from direct()")
         self._have += n
-        if self._have == len(big):
+        if self._room + self._have == len(big):
             self._big_done()
 
     def next_view(self) -> tuple[int, bytes | memoryview] | None:

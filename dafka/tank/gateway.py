@@ -50,7 +50,7 @@ from typing import Any
 from dafka.config import NodeConfig
 from dafka.core import wire
 from dafka.errors import ProtocolError
-from dafka.fastio import tank_scan
+from dafka.fastio import new_bytearray, tank_scan, view_start
 from dafka.gateway.connections import (
     Connection,
     LogLimiter,
@@ -65,10 +65,18 @@ from dafka.gateway.connections import (
     unread_for,
 )
 from dafka.nodes.node import new_address
-from dafka.store.block import CODEC_TANK, DEFAULT_BUDGET, HEADER_SIZE, decode_header, tank_seal
+from dafka.store.block import (
+    CODEC_TANK,
+    DEFAULT_BUDGET,
+    HEADER_SIZE,
+    decode_header,
+    tank_seal,
+    tank_seal_in_place,
+)
 from dafka.store.block import records as block_records
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.node import MAX_BATCH, Store
+from dafka.store.pipeline import Block
 from dafka.store.reader import block_values
 from dafka.tank.codec import FrameBuffer, encode_varint
 from dafka.tank.limits import SMALL_REQUEST, GatewayLimits, answer_budget, slowest_holder, too_slow
@@ -295,7 +303,7 @@ class Gateway(Store):
         mixed = {(b[0], b[1]) for b in self._blocks} & pending
         if not mixed:
             return
-        kept: list[tuple[str, str, bytes]] = []
+        kept: list[Block] = []
         mine = [r for r in self._batch if (r[0], r[1]) in mixed]
         for topic, address, value in self._blocks:
             if (topic, address) in mixed:
@@ -519,7 +527,7 @@ class Gateway(Store):
                 sock.close()
                 continue
             prepare(sock)
-            conn = _Conn(sock, f"{peer[0]}:{peer[1]}", frames=FrameBuffer(self.limits.max_request_bytes))
+            conn = _Conn(sock, f"{peer[0]}:{peer[1]}", frames=FrameBuffer(self.limits.max_request_bytes, HEADER_SIZE, new_bytearray))
             self._conns[sock] = conn
             self.watch(sock, lambda c=conn: self._on_ready(c))
             log.debug("Tank client %s connected", conn.name)
@@ -896,6 +904,10 @@ class Gateway(Store):
                     plan.append((res, part, p.bundle, got, first))
         needs: dict[tuple[str, str], int] = {}
         publish = self._to_publish.append
+        # The first bundle walked is sealed where it lies, its block header written over the
+        # request's fields before it (a produce received in place has HEADER_SIZE bytes of room
+        # in front: _accept's FrameBuffer); a later one would overwrite the one before it.
+        at = view_start(plan[0][2]) if plan else -1
         for res, part, bundle, got, first in plan:
             key = (part.topic, part.address)
             n = self._next_offset.get(key, 0)
@@ -907,7 +919,11 @@ class Gateway(Store):
                 if got[6] is not None:
                     self._live_held -= sum(map(len, got[6]))
                 continue
-            self.queue_block(part.topic, part.address, tank_seal(bundle, got, n), count)
+            if at >= HEADER_SIZE and bundle is plan[0][2]:
+                block: bytes | memoryview = tank_seal_in_place(bundle, at, got, n)
+            else:
+                block = tank_seal(bundle, got, n)
+            self.queue_block(part.topic, part.address, block, count)
             if got[6] is not None:
                 publish((key, n, got[6]))
             n += count

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dafka.errors import ProtocolError
+from dafka.fastio import view_start
 from dafka.tank.codec import (
     MAX_FRAME_SIZE,
     MAX_VARINT,
@@ -249,10 +250,11 @@ def _recv_like(fb: FrameBuffer, stream: bytes, pos: int, size: int, min_length: 
     return n
 
 
-def test_a_large_frame_is_received_in_place_and_handed_out_as_a_view() -> None:
+@pytest.mark.parametrize("room", [0, 52])
+def test_a_large_frame_is_received_in_place_and_handed_out_as_a_view(room: int) -> None:
     big = bytes(range(256)) * 400  # 102,400 bytes
     stream = encode_frame(3, b"") + encode_frame(1, big) + encode_frame(2, b"after")
-    fb = FrameBuffer()
+    fb = FrameBuffer(room=room, alloc=lambda n: bytearray(b"\xee" * n))  # (not zeroed, as the gateway's)
     fb.feed(stream[:5 + 7])  # the Ping, the large frame's header and two bytes of it
     assert fb.direct(1 << 16) is not None  # a view of the rest of the large frame
     assert fb.pending_length() == len(big) and fb.buffered == 5 + 7
@@ -271,6 +273,10 @@ def test_a_large_frame_is_received_in_place_and_handed_out_as_a_view() -> None:
     fb.feed(stream[10 + len(big) :])
     msg_id, payload = fb.next_view()  # type: ignore[misc]
     assert msg_id == 1 and isinstance(payload, memoryview) and payload == big
+    # ``room`` free bytes before the frame's header, in its own buffer (the gateway writes a
+    # block header there); the frame's header and payload behind them.
+    assert view_start(payload) == room + 5 and len(payload.obj) == room + 5 + len(big)  # type: ignore[arg-type]
+    assert bytes(payload.obj)[room : room + 5] == stream[5:10]  # type: ignore[arg-type]
     assert fb.next_view() == (2, b"after") and fb.buffered == 0 and fb.next_view() is None
 
 
@@ -334,13 +340,14 @@ def test_feed_completes_a_frame_received_in_place() -> None:
     st.lists(st.integers(1, 500), min_size=1, max_size=40),
     st.lists(st.booleans(), min_size=1, max_size=40),
     st.integers(0, 300),
+    st.sampled_from([0, 1, 52]),
 )
 def test_frames_received_in_place_or_fed_come_out_in_order(
-    shapes: list[tuple[int, int]], sizes: list[int], direct: list[bool], min_length: int
+    shapes: list[tuple[int, int]], sizes: list[int], direct: list[bool], min_length: int, room: int
 ) -> None:
     frames = [(m, bytes([i % 251]) * n) for i, (m, n) in enumerate(shapes)]
     stream = b"".join(encode_frame(m, p) for m, p in frames)
-    fb = FrameBuffer(max_frame_size=1000)
+    fb = FrameBuffer(max_frame_size=1000, room=room)
     got: list[tuple[int, bytes]] = []
     pos = step = 0
     while pos < len(stream):

@@ -23,7 +23,15 @@ from dafka.tank.client import TankClient
 from dafka.tank.codec import encode_frame, frame_header
 from dafka.tank.gateway import DIRECT_MAX, Gateway
 from dafka.tank.limits import SMALL_REQUEST, GatewayLimits
-from dafka.tank.messages import DiscoverPartitionsRequest, MsgId, StatusRequest
+from dafka.tank.messages import (
+    DiscoverPartitionsRequest,
+    MsgId,
+    ProduceError,
+    ProducePartition,
+    ProduceRequest,
+    ProduceTopic,
+    StatusRequest,
+)
 from tests.conftest import wait_until
 from tests.tank.test_gateway import (
     HOST,
@@ -159,19 +167,34 @@ def test_a_large_request_of_another_kind_is_served(gw: Gateway) -> None:
     wait_until(lambda: gw._reserved == 0)
 
 
-def test_a_produce_bundle_is_sealed_from_the_received_buffer(gw: Gateway, monkeypatch: Any) -> None:
-    # The point of receiving in place: the bundle reaches the block unchanged and uncopied
-    # (a view of the request's own buffer), for a frame over SMALL_REQUEST.
+def _spy_seals(monkeypatch: Any) -> list[tuple[str, Any]]:
+    """What each block of the gateway was sealed from: ("in place", the block) or ("copied",
+    the bundle's type)."""
     import dafka.tank.gateway as gateway_module
 
-    seen: list[type] = []
-    real = gateway_module.tank_seal
+    seen: list[tuple[str, Any]] = []
+    copy, in_place = gateway_module.tank_seal, gateway_module.tank_seal_in_place
 
-    def spy(bundle: Any, scan: Any, first: int) -> bytes:
-        seen.append(type(bundle))
-        return real(bundle, scan, first)
+    def spy_copy(bundle: Any, scan: Any, first: int) -> bytes:
+        seen.append(("copied", type(bundle)))
+        return copy(bundle, scan, first)
 
-    monkeypatch.setattr(gateway_module, "tank_seal", spy)
+    def spy_in_place(bundle: Any, at: int, scan: Any, first: int) -> memoryview:
+        block = in_place(bundle, at, scan, first)
+        seen.append(("in place", block))
+        assert block.obj is bundle.obj  # the request's own buffer, not a copy of it
+        return block
+
+    monkeypatch.setattr(gateway_module, "tank_seal", spy_copy)
+    monkeypatch.setattr(gateway_module, "tank_seal_in_place", spy_in_place)
+    return seen
+
+
+def test_a_produce_bundle_is_sealed_in_the_received_buffer(gw: Gateway, monkeypatch: Any) -> None:
+    # The point of receiving in place: the bundle reaches the block unchanged and uncopied
+    # (its header written in the room in front of the request), for a frame over
+    # SMALL_REQUEST; a small frame's bundle is copied behind its header.
+    seen = _spy_seals(monkeypatch)
     with TankClient(HOST, gw.tank_port) as c:
         c.create_topic("big", 1)
         bundle, msgs = _bundle(700, 150)
@@ -183,4 +206,28 @@ def test_a_produce_bundle_is_sealed_from_the_received_buffer(gw: Gateway, monkey
         finally:
             s.close()
         assert values(consume_all(c, "big", 0)) == msgs + few
-    assert seen == [memoryview, bytes]
+    assert [kind for kind, _ in seen] == ["in place", "copied"]
+    assert seen[1][1] is bytes
+
+
+def test_only_the_first_bundle_of_a_request_is_sealed_in_place(gw: Gateway, monkeypatch: Any) -> None:
+    # A header written in front of a second bundle would land on the end of the first one,
+    # already a block: three large bundles of one request, to three partitions, the first
+    # one refused (an unknown partition), are stored exact.
+    seen = _spy_seals(monkeypatch)
+    first, _ = _bundle(300, 150, b"a")
+    second, msgs2 = _bundle(300, 150, b"b")
+    third, msgs3 = _bundle(300, 150, b"c")
+    parts = [ProducePartition(9, first), ProducePartition(0, second), ProducePartition(1, third)]
+    with TankClient(HOST, gw.tank_port) as c:
+        c.create_topic("three", 2)
+        s = connect_raw(gw.tank_port)
+        try:
+            s.sendall(ProduceRequest(1, [ProduceTopic("three", parts)]).encode())
+            answer = recv_frame(s)[1]
+        finally:
+            s.close()
+        assert answer[4:7] == bytes([ProduceError.UNKNOWN_PARTITION, PRODUCE_OK, PRODUCE_OK]), answer
+        assert values(consume_all(c, "three", 0)) == msgs2
+        assert values(consume_all(c, "three", 1)) == msgs3
+    assert [kind for kind, _ in seen] == ["in place", "copied"]
