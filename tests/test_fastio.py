@@ -53,6 +53,7 @@ def test_the_compiled_tank_walk_inflates_with_cramjam_itself() -> None:
     import cramjam
 
     assert _compiled._snappy_raw is cramjam.snappy.decompress_raw
+    assert _compiled._snappy_raw_into is cramjam.snappy.decompress_raw_into  # (into a kept buffer)
     assert _compiled._SnappyError is cramjam.DecompressionError
 
 

@@ -31,6 +31,7 @@ from dafka.tank.codec import (
     U64,
     UINT64_MAX,
     Reader,
+    decode_varint,
     encode_str8,
     encode_varint,
     frame_header,
@@ -188,6 +189,9 @@ def error_name(msg_id: int, code: int) -> str:
 _BYTE = tuple(bytes((i,)) for i in range(256))
 _VER_REQ = struct.Struct("<HI")  # version, request id
 _ACKS = struct.Struct("<BI")  # acks, ack timeout
+_PRODUCE_START = struct.Struct("<HIB")  # version, request id, client id length
+_PRODUCE_ACKS = struct.Struct("<BIB")  # acks, ack timeout, topic count
+_PRODUCE_PART = struct.Struct("<HB")  # partition id, the bundle length's first byte
 _WAIT = struct.Struct("<QI")  # max wait ms, min bytes
 _CONSUME_PART = struct.Struct("<HQI")  # partition, seq, fetch size
 _LEADER = struct.Struct("<IH")  # addr, port
@@ -312,6 +316,52 @@ class ProduceRequest(_Message):
 
     @classmethod
     def decode(cls, payload: bytes | memoryview) -> Self:
+        # Every produce is decoded on the gateway's hot path: the common request (whole,
+        # well formed) by plain unpacking first; anything it cannot take is decoded again
+        # by the checked reader below, which raises what is wrong.
+        try:
+            return cls._decode_plain(payload)
+        except (IndexError, ValueError, struct.error, ProtocolError):  # (UnicodeDecodeError: a ValueError)
+            pass
+        return cls._decode_checked(payload)
+
+    @classmethod
+    def _decode_plain(cls, payload: bytes | memoryview) -> Self:
+        with_seq = cls.WITH_SEQNUM
+        end = len(payload)
+        version, req_id, n = _PRODUCE_START.unpack_from(payload, 0)
+        pos = 7 + n
+        client_id = bytes(payload[7:pos]).decode()
+        acks, ack_timeout, topic_count = _PRODUCE_ACKS.unpack_from(payload, pos)
+        pos += 6
+        topics = []
+        for _ in range(topic_count):
+            n = payload[pos]
+            name = bytes(payload[pos + 1 : pos + 1 + n]).decode()
+            pos += 1 + n
+            partitions = []
+            count = payload[pos]
+            pos += 1
+            for _ in range(count):
+                pid, size = _PRODUCE_PART.unpack_from(payload, pos)
+                pos += 3
+                if size & 0x80:  # a varint of more than one byte
+                    size, pos = decode_varint(payload, pos - 1, end)
+                first_seq = None
+                if with_seq:
+                    first_seq = U64.unpack_from(payload, pos)[0]
+                    pos += 8
+                if pos + size > end:
+                    raise ValueError("truncated bundle")
+                partitions.append(ProducePartition(pid, payload[pos : pos + size], first_seq))
+                pos += size
+            topics.append(ProduceTopic(name, partitions))
+        if pos != end:
+            raise ValueError("trailing bytes")
+        return cls(req_id, topics, client_id, acks, ack_timeout, version)
+
+    @classmethod
+    def _decode_checked(cls, payload: bytes | memoryview) -> Self:
         with_seq = cls.WITH_SEQNUM
         r = Reader(payload)
         version = r.u16("version")

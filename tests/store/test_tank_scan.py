@@ -327,3 +327,24 @@ def test_fuzz_snappy_bundles_body_mutated_same_verdict(msgs: list[tuple[int, byt
         else:
             mutated[at:at] = data.draw(st.binary(min_size=1, max_size=8))
     _both(kind(bytes(mutated)))
+
+
+def test_contents_outlive_the_next_walk_of_a_snappy_bundle() -> None:
+    # The compiled walk inflates into one buffer kept from walk to walk: what it returns (the
+    # contents, the stored values) must be copies, untouched by the next bundle's inflation.
+    def snappy_bundle(tag: bytes) -> bytes:
+        return encode_bundle([(None, TS, None, tag * 300 + b"%04d" % i) for i in range(600)], codec=CODEC_SNAPPY)
+
+    first, second = snappy_bundle(b"a"), snappy_bundle(b"b")
+    contents = _compiled.tank_scan(first, MAX, BUDGET, True)[6]
+    values = _compiled.tank_values(first, 0, 600)
+    assert _compiled.tank_scan(second, MAX, BUDGET, True)[6] == _pure.tank_scan(second, MAX, BUDGET, True)[6]
+    _compiled.tank_values(second, 0, 600)
+    assert contents == _pure.tank_scan(first, MAX, BUDGET, True)[6]
+    assert values == _pure.tank_values(first, 0, 600)
+    # A smaller bundle after a larger one (the kept buffer is longer than it) and a refused one.
+    small = encode_bundle([(None, TS, None, b"c" * 10)] * 600, codec=CODEC_SNAPPY)
+    assert _compiled.tank_scan(small, MAX, BUDGET, True) == _pure.tank_scan(small, MAX, BUDGET, True)
+    with pytest.raises(ProtocolError):
+        _compiled.tank_scan(second[:-7], MAX, BUDGET)
+    assert _compiled.tank_scan(first, MAX, BUDGET, True) == _pure.tank_scan(first, MAX, BUDGET, True)

@@ -637,3 +637,47 @@ def test_counts_in_a_request_are_bounded_by_its_bytes() -> None:
     # More partition ids than a DiscoverPartitions answer can count (u16).
     with pytest.raises(ProtocolError, match="65535"):
         decode_request(MsgId.DISCOVER_PARTITIONS, struct.pack("<I", 1) + b"\x01t" + b"\0\0" * 65_536)
+
+
+def _produce_decoded(cls: type[ProduceRequest], payload: bytes | memoryview) -> object:
+    """What ``decode`` gives: the request's fields (bundles as bytes), or the error's text."""
+    try:
+        r = cls.decode(payload)
+    except ProtocolError as exc:
+        return str(exc)
+    return (r.version, r.req_id, r.client_id, r.acks, r.ack_timeout,
+            [(t.name, [(p.partition, bytes(p.bundle), p.first_seq) for p in t.partitions]) for t in r.topics])
+
+
+def _checked(cls: type[ProduceRequest], payload: bytes | memoryview) -> object:
+    try:
+        r = cls._decode_checked(payload)
+    except ProtocolError as exc:
+        return str(exc)
+    return (r.version, r.req_id, r.client_id, r.acks, r.ack_timeout,
+            [(t.name, [(p.partition, bytes(p.bundle), p.first_seq) for p in t.partitions]) for t in r.topics])
+
+
+def _produce_requests_of_any_bundle_length(cls: type[ProduceRequest]) -> st.SearchStrategy[ProduceRequest]:
+    first = u64 if cls is ProduceWithSeqnumRequest else st.none()
+    bundles = st.binary(max_size=300)  # lengths of one varint byte and of two
+    partition = st.builds(ProducePartition, u16, bundles, first)
+    return st.builds(cls, u32, short_lists(st.builds(ProduceTopic, names, short_lists(partition))), names, u8, u32, u16)
+
+
+@given(st.one_of(_produce_requests_of_any_bundle_length(ProduceRequest),
+                 _produce_requests_of_any_bundle_length(ProduceWithSeqnumRequest)), st.data())
+def test_a_produce_decodes_plainly_as_the_checked_reader_does(req: ProduceRequest, data: st.DataObject) -> None:
+    # The gateway decodes produces by plain unpacking first (ProduceRequest._decode_plain), the
+    # checked reader only where that fails: the same request, or the same error, either way:
+    # well formed, cut anywhere, bytes changed (long varints among them), bytes added.
+    cls = type(req)
+    payload = bytearray(req.encode()[5:])
+    assert cls._decode_plain(bytes(payload)) == req  # a well-formed one never needs the reader
+    for _ in range(data.draw(st.integers(0, 3))):
+        if payload:
+            i = data.draw(st.integers(0, len(payload) - 1))
+            payload[i] = data.draw(st.sampled_from([0, 1, 0x7F, 0x80, 0x81, 0xFF, payload[i] ^ 0x55]))
+    payload = payload[: data.draw(st.integers(0, len(payload)))] + data.draw(st.binary(max_size=3))
+    for given_as in (bytes(payload), memoryview(payload)):
+        assert _produce_decoded(cls, given_as) == _checked(cls, given_as)
