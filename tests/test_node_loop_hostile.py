@@ -398,3 +398,64 @@ def test_a_producer_of_its_own_thread_closed_from_its_callback(
             wait_until(lambda: not producer.running, 5)  # its thread ended, sockets closed
         assert closed == [True]
         assert "callback failed" not in caplog.text
+
+
+class _FailingStep(Producer):
+    """A node whose loop step fails every turn once ``failing`` names where: ``has_work`` (a
+    bug of a subclass's hook), or the end of ``_loop_after`` or ``_loop_timers`` (a bug of
+    the node's own); it counts its timer's runs and its before_wait calls."""
+
+    failing = ""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.ticks = 0
+        self.waits = 0
+        super().__init__(*args, **kwargs)
+        self.call_soon(lambda: self.every(0.01, self._tick))
+
+    def _tick(self, now: float) -> None:
+        self.ticks += 1
+
+    def has_work(self) -> bool:
+        if self.failing == "has_work":
+            raise RuntimeError("a bug in a subclass's hook")
+        return super().has_work()
+
+    def _loop_after(self) -> None:
+        super()._loop_after()
+        if self.failing == "_loop_after":
+            raise RuntimeError("a bug in a subclass's hook")
+
+    def _loop_timers(self, now: float) -> float:
+        wait = super()._loop_timers(now)
+        if self.failing == "_loop_timers":
+            raise RuntimeError("a bug in a subclass's hook")
+        return wait
+
+    def before_wait(self) -> None:
+        self.waits += 1
+        super().before_wait()
+
+
+@pytest.mark.parametrize("where", ["has_work", "_loop_after", "_loop_timers"])
+@pytest.mark.parametrize("shared", [False, True], ids=["own-thread", "shared-loop"])
+def test_a_node_failing_in_its_loop_step_keeps_its_timers_and_its_before_wait(
+    cfg: NodeConfig, caplog: pytest.LogCaptureFixture, shared: bool, where: str
+) -> None:
+    # A failing step ended a node's own I/O thread (Node._run called it unguarded), and in a
+    # shared loop skipped the rest of the node's turn: its before_wait, and its next timer
+    # due (the loop then timed it no more).
+    loop = NodeLoop() if shared else None
+    try:
+        node = _FailingStep("failing", cfg, loop=loop)
+        wait_until(lambda: node.ticks >= 3, 10)
+        with caplog.at_level(logging.ERROR):
+            node.failing = where
+            ticks, waits = node.ticks, node.waits
+            wait_until(lambda: node.ticks >= ticks + 20 and node.waits >= waits + 20, 10)
+            assert "a bug in a subclass's hook" in caplog.text
+        node.failing = ""
+        assert node.close(5)
+    finally:
+        if loop is not None:
+            loop.close()

@@ -473,10 +473,17 @@ class NodeLoop:
         if node._stop.is_set():
             return  # stopped in this turn: detached in the next
         node.loop_turns += 1
-        node._loop_after()
+        try:
+            node._loop_after()
+        except Exception:  # a subclass's hook: logged; the rest of its turn still runs
+            node.log.exception("%s failed in its loop turn", node.kind)
         if node not in self._nodes:
             return  # a reader or work detached it
-        wait = node._loop_timers(now)
+        try:
+            wait = node._loop_timers(now)
+        except Exception:  # (each timer is guarded; this is the node's own bookkeeping)
+            node.log.exception("%s failed running its timers", node.kind)
+            wait = 0.05  # timed again soon, not never
         if node._loop_spins():
             self._spinning.add(node)
         else:

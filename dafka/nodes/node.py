@@ -501,7 +501,11 @@ class Node(DiscoveryMixin, ChannelsMixin, SocketsMixin, TimersMixin):
         stop = self._stop
         while not stop.is_set():
             self.loop_turns += 1
-            wait = self._loop_timers(time.monotonic())
+            try:
+                wait = self._loop_timers(time.monotonic())
+            except Exception:  # (each timer is guarded; this is the loop's own bookkeeping)
+                self.log.exception("%s failed running its timers", self.kind)
+                wait = 0.05  # looked at again soon, not never
             try:
                 self.before_wait()
             except Exception:  # as a command's (and NodeLoop's): a bug must not end the I/O thread
@@ -529,7 +533,10 @@ class Node(DiscoveryMixin, ChannelsMixin, SocketsMixin, TimersMixin):
                 except Exception:
                     # A bug must not kill the node; bad input is handled inside readers.
                     self.log.exception("%s failed handling input", self.kind)
-            self._loop_after()
+            try:
+                self._loop_after()
+            except Exception:  # a subclass's hook (has_work...): logged, the thread goes on
+                self.log.exception("%s failed in its loop turn", self.kind)
         self._loop_end()
 
     # The steps of a loop turn: the node's own thread (_run) and a shared
@@ -568,9 +575,12 @@ class Node(DiscoveryMixin, ChannelsMixin, SocketsMixin, TimersMixin):
 
     def _loop_spins(self) -> bool:
         """Whether work waits that needs no input: the loop then must not sleep."""
-        return self.has_work() or bool(
-            (self._busy or self._held) and not self.data_paused and not self._linger_until
-        )
+        try:
+            work = self.has_work()
+        except Exception:  # a subclass's hook: as no work (spinning on a bug would hold a core)
+            self.log.exception("%s failed telling whether it has work", self.kind)
+            work = False
+        return work or bool((self._busy or self._held) and not self.data_paused and not self._linger_until)
 
     def _loop_after(self) -> None:
         """After the input of a turn: channels still holding messages, background work."""
@@ -586,11 +596,11 @@ class Node(DiscoveryMixin, ChannelsMixin, SocketsMixin, TimersMixin):
                 self._read_busy()
             except Exception:
                 self.log.exception("%s failed handling input", self.kind)
-        if self.has_work():
-            try:
+        try:
+            if self.has_work():
                 self.do_work()
-            except Exception:
-                self.log.exception("%s failed doing work", self.kind)
+        except Exception:
+            self.log.exception("%s failed doing work", self.kind)
 
     def _loop_end(self) -> None:
         """After the last turn: on_shutdown, then close every socket."""

@@ -772,11 +772,16 @@ class Store(PartitionReader):
         if isinstance(received, int):
             # From the oldest record's receipt to its ACK.
             self.ack_latency.observe(max(0.0, time.time() - received / 1000))
-        self.on_commit(heads)
-        self._report()
-        if self.pending_records() < MAX_BATCH // 2:
-            self.pause_data(False)
-        self._flush_batch()
+        try:
+            self.on_commit(heads)
+        finally:
+            # Even when answering failed (a bug, logged by the caller): a writer lingering for
+            # this report, input paused for the batch, records queued meanwhile would
+            # otherwise wait for an event that may not come (at shutdown, none does).
+            self._report()
+            if self.pending_records() < MAX_BATCH // 2:
+                self.pause_data(False)
+            self._flush_batch()
 
     def _report(self) -> None:
         """Tell the writer this commit is answered (see CommitPipe.due: it may be lingering

@@ -419,3 +419,36 @@ def test_a_produce_left_unread_at_shutdown_is_neither_stored_nor_answered(
         if not closed:
             gw.close()
     assert values(reread(tmp_path / "gw", cfg, "unread", sync)) == [b"b0-m%d" % j for j in range(3)]
+
+
+class FailsAnsweringOnce(Gateway):
+    """The writer's commit is answered with an exception once (a bug's stand-in)."""
+
+    failed = 0
+
+    def on_commit(self, heads: dict[tuple[str, str], int]) -> None:
+        if self._pending and not self.failed:
+            self.failed += 1
+            raise RuntimeError("a bug answering a commit")
+        super().on_commit(heads)
+
+
+def test_a_failure_answering_a_commit_still_reports_it_to_the_writer(
+    cfg: NodeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The report after a commit's answers (Store._report) tells a writer lingering for the
+    refills that they will not come; skipped by the exception, it was never made, and the
+    records queued meanwhile waited for the next event (none came at shutdown)."""
+    gw = FailsAnsweringOnce(tmp_path / "gw", cfg, listen=(HOST, 0), sync=True, retention_interval=60)
+    try:
+        with TankClient(HOST, gw.tank_port, timeout=10) as c:
+            c.create_topic("bug", 1)
+            wait_until(lambda: gw._pipe._reported and gw._pipe.committing is None, 10)
+            c.send(produce_request(c, "bug", bundle_of(0, 3)))  # committed, its answer fails
+            wait_until(lambda: gw.failed == 1, 10)
+            wait_until(lambda: gw._pipe._reported, 5)
+            assert "a bug answering a commit" in caplog.text
+            resp = c.wait(c.send(produce_request(c, "bug", bundle_of(1, 3))), timeout=10)
+            assert isinstance(resp, ProduceResponse) and resp.topics[0].partitions[0].error == 0
+    finally:
+        gw.close()
