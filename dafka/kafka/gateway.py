@@ -76,7 +76,7 @@ from dafka.store.block import kafka_block_of, store_block
 from dafka.store.compaction import CompactionPolicy
 from dafka.store.db import RecordDB, Retention, RetentionPolicy
 from dafka.store.layout import FLAG_CONTROL, FLAG_KEY, VALUE_HEADER
-from dafka.store.node import MAX_BATCH, FetchJob
+from dafka.store.node import FetchJob
 from dafka.store.writer import pack_records
 from dafka.tank.gateway import Gateway
 from dafka.tank.mapping import TankPartition, shown, valid_topic_name
@@ -708,7 +708,7 @@ class KafkaGateway(Gateway):
                 self._drain(conn)
         if self._kparked and heads:
             self._retry_parked(set(heads), timed_out=False)
-        if self._kthrottled and self.pending_records() < MAX_BATCH // 2:
+        if self._kthrottled and self.batch_low():
             throttled, self._kthrottled = self._kthrottled, []
             for conn in throttled:
                 self._set_kreading(conn)
@@ -885,7 +885,7 @@ class KafkaGateway(Gateway):
         else:
             conn.stalled_since = None
         conn.last_buffered = buffered
-        if self.pending_records() >= MAX_BATCH and conn.reading:
+        if self.batch_full() and conn.reading:
             conn.reading = False  # the writer is behind: stop taking produces
             self._kthrottled.append(conn)
             self._kupdate(conn)

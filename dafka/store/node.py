@@ -81,6 +81,9 @@ def linger_setting(section: dict[str, Any]) -> float:
 
 
 MAX_BATCH = 200_000  # records waiting for the writer before reading pauses
+# ... or bytes of blocks waiting for it: a client's large one-record bundles (or Kafka batches)
+# held by the hundred thousand were hundreds of GB, received faster than a synced writer commits.
+MAX_QUEUED_BYTES = 256 << 20
 MAX_FETCH_JOBS = 10_000  # FETCH answers in progress at once, all requesters
 MAX_JOBS_PER_REQUESTER = 8  # of one requester for one partition (a reader needs one or two)
 MAX_TOO_LARGE_HOLES = 10_000  # offsets dropped over the size limit, remembered until their hole commits
@@ -248,6 +251,7 @@ class Store(PartitionReader):
         # a gateway's client blocks (stored as sent).
         self._blocks: list[_Block] = []
         self._blocks_held = 0
+        self._blocks_bytes = 0  # (their bytes: see MAX_QUEUED_BYTES)
         self._trickle = TrickleLinger()  # the rest after a small read
         # Offsets given up (nobody had them), committed with the records after them.
         self._skips: list[tuple[str, str, int, int]] = []
@@ -367,8 +371,13 @@ class Store(PartitionReader):
         self.db.close()
 
     def batch_full(self) -> bool:
-        """Whether records waiting for the writer reached MAX_BATCH (reading then pauses)."""
-        return self.pending_records() >= MAX_BATCH
+        """Whether what waits for the writer reached MAX_BATCH records or MAX_QUEUED_BYTES of
+        blocks (reading then pauses)."""
+        return self.pending_records() >= MAX_BATCH or self._blocks_bytes >= MAX_QUEUED_BYTES
+
+    def batch_low(self) -> bool:
+        """Whether what waits for the writer is down to half those bounds (reading resumes)."""
+        return self.pending_records() < MAX_BATCH // 2 and self._blocks_bytes < MAX_QUEUED_BYTES // 2
 
     def pending_records(self) -> int:
         """Records received and not yet handed to the writer."""
@@ -379,6 +388,7 @@ class Store(PartitionReader):
         next commit (:meth:`dafka.store.db.RecordDB.append_blocks`); ``records`` it holds."""
         self._blocks.append((topic, partition, block))
         self._blocks_held += records
+        self._blocks_bytes += len(block)
 
     def heads(self) -> dict[tuple[str, str], int]:
         """Committed head per (topic, partition)."""
@@ -610,7 +620,7 @@ class Store(PartitionReader):
         if outcome is Offer.HELD:
             return  # still queued here, for a later transaction
         self._batch, self._pairs, self._segs, self._skips, self._blocks = [], [], [], later, []
-        self._blocks_held = 0
+        self._blocks_held = self._blocks_bytes = 0
         if fills:
             self._fills = {}
         if outcome is Offer.STAGED:
@@ -660,6 +670,7 @@ class Store(PartitionReader):
         self._skips = work.skips + self._skips
         self._blocks = work.blocks + self._blocks
         self._blocks_held += work.held
+        self._blocks_bytes += sum(len(b[2]) for b in work.blocks)
         for topic, partition, off, content, ts in work.fills:
             self._fills.setdefault((topic, partition, off), (content, ts))
 
@@ -779,7 +790,7 @@ class Store(PartitionReader):
             # this report, input paused for the batch, records queued meanwhile would
             # otherwise wait for an event that may not come (at shutdown, none does).
             self._report()
-            if self.pending_records() < MAX_BATCH // 2:
+            if self.batch_low():
                 self.pause_data(False)
             self._flush_batch()
 
@@ -859,6 +870,7 @@ class Store(PartitionReader):
         if self._blocks:
             self._blocks = [b for b in self._blocks if (b[0], b[1]) != key]
             self._blocks_held = _block_records(self._blocks)
+            self._blocks_bytes = sum(len(b[2]) for b in self._blocks)
 
     def _learn_pid(self, key: tuple[str, str]) -> None:
         """A partition was stored for the first time: its records can now go as ready blocks."""
@@ -1008,11 +1020,11 @@ class Store(PartitionReader):
         hdr = VALUE_HEADER.pack(ts, 0)
         values = [hdr + content for _seq, content in records]
         n = len(values)
-        self._blocks.extend(
-            (subject, partition, block) for _key, block in fastio.store_blocks(values, 0, n, pid, records[0][0],
-                                                                               BLOCK_BYTES, -1)
-        )
+        made = [(subject, partition, block) for _key, block in fastio.store_blocks(values, 0, n, pid, records[0][0],
+                                                                                   BLOCK_BYTES, -1)]
+        self._blocks.extend(made)
         self._blocks_held += n
+        self._blocks_bytes += sum(len(b[2]) for b in made)
 
     def read_data(self, sock: zmq.Socket, prefixes: dict[bytes, Any] | None) -> None:
         # The hot path: the next records of known partitions join the batch
@@ -1025,7 +1037,7 @@ class Store(PartitionReader):
         ts = self._ts = int(time.time() * 1000)
         blocks_before = len(self._blocks)
         if self.ready_pairs:
-            held = self._blocks_held
+            held, bytes_before = self._blocks_held, self._blocks_bytes
             try:
                 with self._put_gate:
                     read = fastio.drain_blocks(
@@ -1038,8 +1050,10 @@ class Store(PartitionReader):
                 self._blocks_held = held + sum(
                     int.from_bytes(b[2][24:28], "big") for b in self._blocks[blocks_before:]
                 )
+                self._blocks_bytes = bytes_before + sum(len(b[2]) for b in self._blocks[blocks_before:])
                 raise
             self._blocks_held += read  # (the slow path counted its own)
+            self._blocks_bytes = bytes_before + sum(len(b[2]) for b in self._blocks[blocks_before:])
         else:
             read = fastio.drain_records(
                 sock, DRAIN, prefixes, self._batch, None, ts, self.track, self.on_message,
@@ -1054,7 +1068,7 @@ class Store(PartitionReader):
             self.linger_data(self._trickle.rest(self.linger, [p for p in new if p is not None], time.monotonic()))
         if self._missing:
             self.fetch_missing()
-        if self.pending_records() >= MAX_BATCH and self.storage_error is None:
+        if self.batch_full() and self.storage_error is None:
             self.pause_data(True)
         self._flush_batch()
         if self._heads_wanted:
@@ -1415,7 +1429,7 @@ class Store(PartitionReader):
             self._answer_heads(now)
         if self._unsent_acks:
             self._send_acks()
-        if self.storage_error is None and self.pending_records() < MAX_BATCH // 2:
+        if self.storage_error is None and self.batch_low():
             self.pause_data(False)
         if self.storage_error is not None and now - self._retry_at >= 2.0:
             # Retry the failed batch now and then (a full disk may get space).

@@ -75,7 +75,7 @@ from dafka.store.block import (
 )
 from dafka.store.block import records as block_records
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
-from dafka.store.node import MAX_BATCH, Store
+from dafka.store.node import Store
 from dafka.store.pipeline import Block
 from dafka.store.reader import block_values
 from dafka.tank.codec import FrameBuffer, encode_varint
@@ -314,6 +314,7 @@ class Gateway(Store):
         self._batch = [r for r in self._batch if (r[0], r[1]) not in mixed] + mine
         self._blocks = kept
         self._blocks_held = sum(decode_header(b[2]).record_count for b in kept)
+        self._blocks_bytes = sum(len(b[2]) for b in kept)
         if self._pairs:
             self._untangle()
         log.debug("Tank bundles of %d partitions queued as records beside other records", len(mixed))
@@ -343,7 +344,7 @@ class Gateway(Store):
             # A pipelining client's answers of one commit go in one send.
             self._write(conn, frames if len(frames) > 1 else frames[0])
         self._wake_parked(heads)
-        if self._throttled and self.pending_records() < MAX_BATCH // 2:
+        if self._throttled and self.batch_low():
             throttled, self._throttled = self._throttled, []
             for conn in throttled:
                 if conn in self._budget_waiting:
@@ -646,7 +647,7 @@ class Gateway(Store):
             conn.stalled_since = conn.frame_since = None
         if not conn.closed and not self._reserve(conn):
             self._wait_for_budget(conn)
-        if self.pending_records() >= MAX_BATCH and conn.reading and not conn.closed:
+        if self.batch_full() and conn.reading and not conn.closed:
             self._set_reading(conn, False)  # the writer is behind: stop taking produces
             self._throttled.append(conn)
         self._flush_batch()
@@ -906,8 +907,13 @@ class Gateway(Store):
         publish = self._to_publish.append
         # The first bundle walked is sealed where it lies, its block header written over the
         # request's fields before it (a produce received in place has HEADER_SIZE bytes of room
-        # in front: _accept's FrameBuffer); a later one would overwrite the one before it.
-        at = view_start(plan[0][2]) if plan else -1
+        # in front: _accept's FrameBuffer); a later one would overwrite the one before it.  Only
+        # when it is half the frame or more: its block keeps the frame's buffer until committed.
+        at = -1
+        if plan:
+            first_bundle = plan[0][2]
+            if type(first_bundle) is memoryview and 2 * len(first_bundle) >= len(first_bundle.obj):  # type: ignore[arg-type]
+                at = view_start(first_bundle)
         for res, part, bundle, got, first in plan:
             key = (part.topic, part.address)
             n = self._next_offset.get(key, 0)

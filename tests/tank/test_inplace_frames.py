@@ -212,12 +212,12 @@ def test_a_produce_bundle_is_sealed_in_the_received_buffer(gw: Gateway, monkeypa
 
 def test_only_the_first_bundle_of_a_request_is_sealed_in_place(gw: Gateway, monkeypatch: Any) -> None:
     # A header written in front of a second bundle would land on the end of the first one,
-    # already a block: three large bundles of one request, to three partitions, the first
-    # one refused (an unknown partition), are stored exact.
+    # already a block: three bundles of one request, to three partitions, the first one
+    # refused (an unknown partition), are stored exact.
     seen = _spy_seals(monkeypatch)
-    first, _ = _bundle(300, 150, b"a")
-    second, msgs2 = _bundle(300, 150, b"b")
-    third, msgs3 = _bundle(300, 150, b"c")
+    first, _ = _bundle(5, 150, b"a")
+    second, msgs2 = _bundle(500, 150, b"b")
+    third, msgs3 = _bundle(100, 150, b"c")
     parts = [ProducePartition(9, first), ProducePartition(0, second), ProducePartition(1, third)]
     with TankClient(HOST, gw.tank_port) as c:
         c.create_topic("three", 2)
@@ -231,3 +231,24 @@ def test_only_the_first_bundle_of_a_request_is_sealed_in_place(gw: Gateway, monk
         assert values(consume_all(c, "three", 0)) == msgs2
         assert values(consume_all(c, "three", 1)) == msgs3
     assert [kind for kind, _ in seen] == ["in place", "copied"]
+
+
+def test_a_small_first_bundle_of_a_large_request_is_copied(gw: Gateway, monkeypatch: Any) -> None:
+    # A block that is a view keeps the whole request's buffer until it is committed: a tiny
+    # first bundle in front of a large one (here refused: an unknown partition) is copied
+    # out instead, and the large buffer goes at once.
+    seen = _spy_seals(monkeypatch)
+    tiny, msgs = _bundle(1, 10, b"t")
+    large, _ = _bundle(600, 150, b"l")
+    parts = [ProducePartition(0, tiny), ProducePartition(7, large)]
+    with TankClient(HOST, gw.tank_port) as c:
+        c.create_topic("small", 1)
+        s = connect_raw(gw.tank_port)
+        try:
+            s.sendall(ProduceRequest(1, [ProduceTopic("small", parts)]).encode())
+            answer = recv_frame(s)[1]
+        finally:
+            s.close()
+        assert answer[4:6] == bytes([PRODUCE_OK, ProduceError.UNKNOWN_PARTITION]), answer
+        assert values(consume_all(c, "small", 0)) == msgs
+    assert [kind for kind, _ in seen] == ["copied"]

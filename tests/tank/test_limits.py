@@ -19,7 +19,7 @@ import pytest
 
 from dafka.config import NodeConfig
 from dafka.errors import ConfigError
-from dafka.tank.bundle import CODEC_NONE
+from dafka.tank.bundle import CODEC_NONE, encode_bundle
 from dafka.tank.client import TankClient
 from dafka.tank.codec import frame_header
 from dafka.tank.gateway import TANK_VERSION, Gateway
@@ -41,9 +41,12 @@ from tests.conftest import wait_until
 from tests.tank.test_gateway import (
     HOST,
     connect_raw,
+    consume_all,
     intact,
+    produce_frame,
     read_until_closed,
     recv_frame,
+    values,
     witness,
 )
 
@@ -453,3 +456,57 @@ def test_normal_produce_and_consume_under_the_limits(make: Any) -> None:
         assert not errors, errors
         for pid in range(4):
             assert c.discover_partitions("t")[pid].hwm == 1000
+
+
+# ---------------------------------------------------------------- produces waiting for the writer
+
+
+class SlowWriter(Gateway):
+    """A gateway whose synced commits take 0.3 s (a slow disk's stand-in), its staged
+    transactions kept at 1 MiB, and the most bytes of blocks seen waiting for the writer."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.most_queued = 0
+        super().__init__(*args, **kwargs)
+        self._pipe.max_bytes = 1 << 20
+
+    def _write_work(self, work: Any) -> Any:
+        time.sleep(0.3)
+        return super()._write_work(work)
+
+    def queue_block(self, topic: str, partition: str, block: Any, records: int) -> None:
+        super().queue_block(topic, partition, block, records)
+        self.most_queued = max(self.most_queued, sum(len(b[2]) for b in self._blocks))
+
+
+def test_large_bundles_waiting_for_a_slow_writer_are_bounded_in_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Reading pauses at MAX_BATCH records waiting for the writer; a client of one-message
+    # bundles of 300 KB, pipelined and never waiting, was read until 200,000 of them were
+    # held (60 GB) while a synced writer committed a few a second (here 30 MB of them).
+    import dafka.store.node as store_node
+
+    monkeypatch.setattr(store_node, "MAX_QUEUED_BYTES", 4 << 20, raising=False)  # (raising: before it was)
+    gw = SlowWriter(tmp_path / "gw", NodeConfig(towers=()), listen=(HOST, 0), sync=True)
+    try:
+        with TankClient(HOST, gw.tank_port, timeout=60) as c:
+            c.create_topic("big", 1)
+            msgs = [b"%04d" % i + os.urandom(300_000) for i in range(100)]
+            bundles = [encode_bundle([(None, 1, None, m)], codec=CODEC_NONE) for m in msgs]
+            s = connect_raw(gw.tank_port)
+            try:
+                sender = threading.Thread(
+                    target=lambda: s.sendall(b"".join(produce_frame(i, "big", 0, b) for i, b in enumerate(bundles)))
+                )
+                sender.start()
+                answers = [recv_frame(s) for _ in bundles]
+                sender.join(30)
+            finally:
+                s.close()
+            assert all(payload[4] == 0 for _, payload in answers)  # each produce acknowledged
+            # The bound, and one read turn past it (at most 16 frames read in a turn).
+            assert gw.most_queued <= (4 << 20) + 16 * 300_100, gw.most_queued
+            assert values(consume_all(c, "big", 0)) == msgs
+    finally:
+        gw.close()
