@@ -265,3 +265,35 @@ def test_the_wire_page_names_every_command() -> None:
     rows = dict(re.findall(r"^\| `(\w)` \| ([A-Z-]+)", page, re.M))
     names = {**wire.COMMAND_NAMES, **leafwire.LEAF_NAMES}  # the mesh's and the leaf connection's
     assert rows == {chr(cid): name for cid, name in names.items()}
+
+
+@given(
+    st.text(min_size=1, max_size=20).filter(lambda s: "\x00" not in s),
+    st.text(min_size=1, max_size=20).filter(lambda s: "\x00" not in s),
+    st.integers(0, 2**64 - 1),
+)
+def test_cached_ack_and_head_frames_are_the_encoders(topic: str, partition: str, sequence: int) -> None:
+    # The store's ACKs and the gateway's HEADs go out as a cached prefix and the sequence.
+    acks = wire.FramePrefixes(lambda key: wire.Ack(key[1], key[0], 0))
+    heads = wire.FramePrefixes(lambda key: wire.Head(key[0], key[1], key[0], 0))
+    for _ in range(2):  # made, then from the cache
+        assert acks.frame((topic, partition), sequence) == wire.encode(wire.Ack(partition, topic, sequence))[0]
+        assert heads.frame((topic, partition), sequence) == wire.encode(wire.Head(topic, partition, topic, sequence))[0]
+
+
+def test_cached_frames_are_bounded_and_refuse_other_messages() -> None:
+    made: list[int] = []
+
+    def make(key: int) -> wire.Message:
+        made.append(key)
+        return wire.Ack(f"p{key}", "t", 0)
+
+    cache = wire.FramePrefixes(make, limit=3)
+    for key in [1, 2, 3, 1, 4, 1]:
+        cache.frame(key, 7)
+    assert made == [1, 2, 3, 4, 1]  # 4 found the cache full: it started again
+    assert len(cache._prefixes) <= 3
+    with pytest.raises(ValueError):
+        wire.FramePrefixes(lambda key: wire.Ack("p", "t", 5)).frame(0, 1)  # not of sequence 0
+    with pytest.raises(ValueError):
+        wire.FramePrefixes(lambda key: wire.Record("t", "p", "t", 0, b"x")).frame(0, 1)  # two frames

@@ -17,8 +17,8 @@ recognise RECORD headers with one concatenation or one dict lookup.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from dafka.errors import ProtocolError
 
@@ -436,6 +436,32 @@ def batch_prefix(prefix: bytes) -> bytes:
     """The batch (version 2) form of a :func:`record_prefix`."""
     at = prefix.index(0, 1) + 1
     return prefix[:at] + bytes((BATCH_VERSION,)) + prefix[at + 1 :]
+
+
+class FramePrefixes:
+    """Frames of one-frame messages that end in their u64 sequence (ACK, HEAD), by a key (a
+    partition): the frame up to the sequence is encoded once, by :func:`encode` (so it is
+    byte-exact), and kept; ``make(key)`` gives the key's message, of sequence 0.  At most
+    ``limit`` keys are kept (all are forgotten past it)."""
+
+    __slots__ = ("_make", "_prefixes", "limit")
+
+    def __init__(self, make: Callable[[Any], Message], limit: int = 10_000) -> None:
+        self._make = make
+        self._prefixes: dict[Any, bytes] = {}
+        self.limit = limit
+
+    def frame(self, key: Any, sequence: int) -> bytes:
+        """The frame of ``key``'s message at ``sequence``."""
+        prefix = self._prefixes.get(key)
+        if prefix is None:
+            frames = encode(self._make(key))
+            if len(frames) != 1 or not frames[0].endswith(bytes(8)):
+                raise ValueError("FramePrefixes: not a one-frame message ending in its sequence 0")
+            if len(self._prefixes) >= self.limit:
+                self._prefixes.clear()
+            prefix = self._prefixes[key] = frames[0][:-8]
+        return prefix + pack_u64(sequence)
 
 
 def encode(msg: Message) -> list[bytes]:

@@ -1093,8 +1093,9 @@ except (ImportError, AttributeError):  # python-snappy without cramjam: its own 
     _snappy_raw_into = None
     _SnappyError = Exception
 
-# A bundle is inflated into this buffer, kept from one walk to the next (a new one of ~100 KB
-# for each bundle took a third more time); None while a walk uses it.  Not kept past this size.
+# A bundle is inflated into this buffer, kept from one walk to the next (into a new one of
+# ~100 KB a bundle, the walk took half again as long); None while a walk uses it.  Not kept
+# past this size.
 cdef object _inflate_scratch = bytearray()
 cdef enum:
     _SCRATCH_KEPT = 4 << 20

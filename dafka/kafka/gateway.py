@@ -584,18 +584,28 @@ class KafkaGateway(Gateway):
             records = [r for r in records if r[0] not in opened]
         super()._publish(records)
 
+    def _stable(self, key: tuple[str, str], head: int) -> int:
+        """The HEAD a partition may announce: before its last stable offset while a
+        transaction is open in it (-1: nothing of it is stable yet)."""
+        opened = self.kafka.txn.open
+        firsts = opened.get(key) if opened else None
+        return stable_head(head, list(firsts.values())) if firsts else head
+
     def send(self, msg: wire.Message) -> None:
         """As the store's, but the HEAD of a partition with a transaction open stops before
         its last stable offset (none goes while nothing of it is stable)."""
-        opened = self.kafka.txn.open
-        if opened and isinstance(msg, _HEADS):
-            firsts = opened.get((msg.subject, msg.address))
-            if firsts:
-                stable = stable_head(msg.sequence, list(firsts.values()))
-                if stable < 0:
-                    return
-                msg = type(msg)(msg.topic, msg.address, msg.subject, stable)
+        if isinstance(msg, _HEADS) and self.kafka.txn.open:
+            stable = self._stable((msg.subject, msg.address), msg.sequence)
+            if stable < 0:
+                return
+            msg = type(msg)(msg.topic, msg.address, msg.subject, stable)
         super().send(msg)
+
+    def _send_head(self, key: tuple[str, str], head: int) -> None:
+        """As :meth:`send` caps a HEAD, for the cached frame of a commit's HEADs."""
+        stable = self._stable(key, head)
+        if stable >= 0:
+            super()._send_head(key, stable)
 
     filters_answers = True
 

@@ -54,7 +54,7 @@ from dafka.core.gaps import KnownStores, PartitionTracker
 from dafka.errors import ConfigError, ProtocolError
 from dafka.nodes.metrics import SECONDS_BUCKETS, SIZE_BUCKETS, Histogram
 from dafka.nodes.node import DRAIN, read_subscriptions
-from dafka.nodes.reader import NOBLOCK, PartitionReader, unheard_may_wait
+from dafka.nodes.reader import PartitionReader, unheard_may_wait
 from dafka.store.acks import AckRepeats
 from dafka.store.announce import HeadsRota
 from dafka.store.block import CODEC_STORE, decode_header
@@ -278,6 +278,7 @@ class Store(PartitionReader):
         self.storage_error: StorageError | None = None
         self._retry_at = 0.0
         self._unsent_acks: dict[tuple[str, str], int] = {}
+        self._ack_prefixes = wire.FramePrefixes(lambda key: wire.Ack(key[1], key[0], 0))  # (see _send_acks)
         self._ack_repeats = AckRepeats()  # whether a HEAD gets its unchanged ACK again
         # Producers subscribed to their FETCHes on our publisher (see owner_hears):
         # address -> subscriptions (a count: XPUB_VERBOSER passes each one).
@@ -955,7 +956,9 @@ class Store(PartitionReader):
             self._send_acks()
 
     def _send_acks(self) -> None:
-        send = self.publisher.send
+        # An ACK a partition a commit: its frame is the partition's cached prefix and the
+        # head (the generic encoder and pyzmq's send took 20-30 us of every commit).
+        publisher, frame = self.publisher, self._ack_prefixes.frame
         sent = []
         repeats, now = self._ack_repeats, time.monotonic()
         repair = self.repair
@@ -967,9 +970,7 @@ class Store(PartitionReader):
                 if head < 0:
                     sent.append((topic, partition))
                     continue
-            try:
-                send(wire.encode(wire.Ack(partition, topic, head))[0], NOBLOCK)
-            except zmq.Again:
+            if not fastio.send_frames(publisher, [frame((topic, partition), head)]):
                 break  # a full reader: the rest go out on the next tick
             sent.append((topic, partition))
             repeats.sent(partition, head, now)

@@ -47,10 +47,12 @@ from itertools import accumulate
 from operator import itemgetter
 from typing import Any
 
+import zmq
+
 from dafka.config import NodeConfig
 from dafka.core import wire
 from dafka.errors import ProtocolError
-from dafka.fastio import new_bytearray, tank_scan, view_start
+from dafka.fastio import new_bytearray, send_frames, tank_scan, view_start
 from dafka.gateway.connections import (
     Connection,
     LogLimiter,
@@ -241,6 +243,7 @@ class Gateway(Store):
         self._live_held = 0  # content bytes of the bundles in _to_publish (MAX_LIVE_HELD_BYTES)
         # Owned partition -> the header prefix of its records on the mesh (single-record form).
         self._record_headers: dict[tuple[str, str], bytes] = {}
+        self._head_prefixes = wire.FramePrefixes(lambda key: wire.Head(key[0], key[1], key[0], 0))
         self._pending: deque[_PendingProduce] = deque()
         self._parked: dict[tuple[str, str], list[_Parked]] = {}
         self._parked_all: list[_Parked] = []
@@ -409,11 +412,20 @@ class Gateway(Store):
             i = j
 
     def _announce_committed(self, heads: dict[tuple[str, str], int]) -> None:
-        """The HEAD of every owned partition a commit moved (after its records, if any went)."""
+        """The HEAD of every owned partition a commit moved (after its records, if any went);
+        its frame is the partition's cached prefix and the head (see Store._send_acks)."""
         owned = self._owned
         for key, head in heads.items():
             if key in owned:
-                self.send(wire.Head(key[0], key[1], key[0], head))
+                self._send_head(key, head)
+
+    def _send_head(self, key: tuple[str, str], head: int) -> None:
+        """An owned partition's HEAD (as :meth:`send` sends one; a full reader drops it: it
+        goes again with the next commit or ``_announce_owned``)."""
+        try:
+            send_frames(self.publisher, [self._head_prefixes.frame(key, head)])
+        except zmq.ZMQError as exc:
+            log.debug("could not send HEAD: %s", exc)
 
     def _announce_owned(self, now: float) -> None:
         for (topic, address) in self._owned:
