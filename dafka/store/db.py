@@ -1076,13 +1076,14 @@ class RecordDB:
             hdb = self._holes_table(txn)
             for key, value in hole_entries:
                 txn.put(key, value, db=hdb)
+        blocks: list[tuple[bytes, bytes]] = []
         if puts or ready or given:
-            blocks = []
             for pid in sorted(puts.keys() | ready.keys() | given.keys()):
                 for run in puts.get(pid, ()):
                     blocks.extend(blocks_of(run, pid))
                 blocks.extend(ready.get(pid, ()))
                 blocks.extend(given.get(pid, ()))
+        if blocks:  # (none when every ready-made block was stored already: see _account_blocks)
             cur = txn.cursor(db=dbs.blocks)
             tail = cur.key() if cur.last() else b""
             # MDB_APPEND is only valid past the last key of the whole table (the newest

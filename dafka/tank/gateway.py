@@ -372,6 +372,15 @@ class Gateway(Store):
         self._live_held = _held(self._to_publish)
         # Records of them queued since continue what was refused: they go too.
         self._batch = [r for r in self._batch if (r[0], r[1]) not in refused]
+        if any((b[0], b[1]) in refused for b in self._blocks):
+            # So do their blocks (produces staged behind the refused commit come back here;
+            # Store._forget drops nothing of a partition with no tracker, as an owned one):
+            # kept, they went in a later commit after offsets given again from the head, a
+            # gap refused again or, filled by a new produce, stored for a failed produce and
+            # taken for the next one's ("stored already": dropped though answered).
+            self._blocks = [b for b in self._blocks if (b[0], b[1]) not in refused]
+            self._blocks_held = sum(decode_header(b[2]).record_count for b in self._blocks)
+            self._blocks_bytes = sum(len(b[2]) for b in self._blocks)
         for key in owned:
             self._next_offset[key] = self._heads.get(key, -1) + 1
         for p in [p for p in self._pending if refused & p.needs.keys()]:

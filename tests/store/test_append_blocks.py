@@ -90,6 +90,19 @@ def test_a_block_sent_again_is_a_duplicate_and_not_a_block_refuses_its_partition
         assert info is not None and (info.count, info.last) == (3, 2)
 
 
+def test_a_commit_of_blocks_all_stored_already_is_a_commit_of_nothing(tmp_path: Path) -> None:
+    # (red-team 50) Every ready-made block of a commit a duplicate: _append_txn indexed the
+    # empty list of blocks to put (IndexError), which the store takes for a storage error and
+    # retries with the same blocks for ever: acknowledgements stopped for good.
+    with RecordDB(tmp_path / "db") as db:
+        first = sblock(0, [b"a", b"b"])
+        db.append_blocks([("t", P, first)])
+        assert db.append_blocks([("t", P, first)]) == {("t", P): 1}
+        assert db.append([], blocks=[("t", P, first)]) == {("t", P): 1}
+        assert db.duplicates == 4
+        assert db.fetch("t", P, 0, 10) == (0, [b"a", b"b"])
+
+
 def test_blocks_commit_with_records_of_the_same_partition_in_offset_order(tmp_path: Path) -> None:
     with RecordDB(tmp_path / "db") as db:
         # Blocks given out of order in one call are put in offset order, after the records.
