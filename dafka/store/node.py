@@ -380,6 +380,11 @@ class Store(PartitionReader):
         """Whether what waits for the writer is down to half those bounds (reading resumes)."""
         return self.pending_records() < MAX_BATCH // 2 and self._blocks_bytes < MAX_QUEUED_BYTES // 2
 
+    def _recount_blocks(self) -> None:
+        """The queued blocks' records and bytes, counted again (after some were taken out)."""
+        self._blocks_held = _block_records(self._blocks)
+        self._blocks_bytes = sum(len(b[2]) for b in self._blocks)
+
     def pending_records(self) -> int:
         """Records received and not yet handed to the writer."""
         return len(self._batch) + len(self._pairs) + len(self._fills) + self._blocks_held
@@ -870,8 +875,7 @@ class Store(PartitionReader):
         self._skips = [s for s in self._skips if (s[0], s[1]) != key]
         if self._blocks:
             self._blocks = [b for b in self._blocks if (b[0], b[1]) != key]
-            self._blocks_held = _block_records(self._blocks)
-            self._blocks_bytes = sum(len(b[2]) for b in self._blocks)
+            self._recount_blocks()
 
     def _learn_pid(self, key: tuple[str, str]) -> None:
         """A partition was stored for the first time: its records can now go as ready blocks."""
@@ -1051,10 +1055,10 @@ class Store(PartitionReader):
                 self._blocks_held = held + sum(
                     int.from_bytes(b[2][24:28], "big") for b in self._blocks[blocks_before:]
                 )
-                self._blocks_bytes = bytes_before + sum(len(b[2]) for b in self._blocks[blocks_before:])
                 raise
+            finally:  # (the slow path counted its own bytes too: all recounted)
+                self._blocks_bytes = bytes_before + sum(len(b[2]) for b in self._blocks[blocks_before:])
             self._blocks_held += read  # (the slow path counted its own)
-            self._blocks_bytes = bytes_before + sum(len(b[2]) for b in self._blocks[blocks_before:])
         else:
             read = fastio.drain_records(
                 sock, DRAIN, prefixes, self._batch, None, ts, self.track, self.on_message,

@@ -71,7 +71,6 @@ from dafka.store.block import (
     CODEC_TANK,
     DEFAULT_BUDGET,
     HEADER_SIZE,
-    decode_header,
     tank_seal,
     tank_seal_in_place,
 )
@@ -316,8 +315,7 @@ class Gateway(Store):
         mine.sort(key=_OFFSET)
         self._batch = [r for r in self._batch if (r[0], r[1]) not in mixed] + mine
         self._blocks = kept
-        self._blocks_held = sum(decode_header(b[2]).record_count for b in kept)
-        self._blocks_bytes = sum(len(b[2]) for b in kept)
+        self._recount_blocks()
         if self._pairs:
             self._untangle()
         log.debug("Tank bundles of %d partitions queued as records beside other records", len(mixed))
@@ -379,8 +377,7 @@ class Gateway(Store):
             # gap refused again or, filled by a new produce, stored for a failed produce and
             # taken for the next one's ("stored already": dropped though answered).
             self._blocks = [b for b in self._blocks if (b[0], b[1]) not in refused]
-            self._blocks_held = sum(decode_header(b[2]).record_count for b in self._blocks)
-            self._blocks_bytes = sum(len(b[2]) for b in self._blocks)
+            self._recount_blocks()
         for key in owned:
             self._next_offset[key] = self._heads.get(key, -1) + 1
         for p in [p for p in self._pending if refused & p.needs.keys()]:
