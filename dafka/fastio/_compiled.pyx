@@ -1229,7 +1229,8 @@ cdef tuple _tank_walk(object bundle, Py_ssize_t max_record_bytes, Py_ssize_t bud
             except _SnappyError as exc:
                 raise ProtocolError(f"snappy decompression failed: {exc}") from exc
             PyObject_GetBuffer(packed, &inflated, PyBUF_SIMPLE)
-            inflated.len = size  # (the scratch may be longer)
+            if inflated.len > <Py_ssize_t>size:
+                inflated.len = size  # the scratch may be longer (never made longer: a short one fails)
             have_inflated = True
             buf = <const unsigned char *>inflated.buf
             pos = 0

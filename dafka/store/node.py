@@ -146,6 +146,12 @@ _Fill = tuple[str, str, int, bytes | None, int]
 _Block = Block
 
 
+def _held_bytes(block: bytes | memoryview) -> int:
+    """What a queued block holds in memory: a view (a Tank bundle sealed where it was received)
+    holds its whole buffer."""
+    return len(block.obj) if type(block) is memoryview else len(block)  # type: ignore[arg-type]
+
+
 def _block_records(blocks: list[_Block]) -> int:
     """Records held by ready-made blocks (from their headers)."""
     return sum(decode_header(b[2]).record_count for b in blocks)
@@ -383,7 +389,7 @@ class Store(PartitionReader):
     def _recount_blocks(self) -> None:
         """The queued blocks' records and bytes, counted again (after some were taken out)."""
         self._blocks_held = _block_records(self._blocks)
-        self._blocks_bytes = sum(len(b[2]) for b in self._blocks)
+        self._blocks_bytes = sum(_held_bytes(b[2]) for b in self._blocks)
 
     def pending_records(self) -> int:
         """Records received and not yet handed to the writer."""
@@ -394,7 +400,7 @@ class Store(PartitionReader):
         next commit (:meth:`dafka.store.db.RecordDB.append_blocks`); ``records`` it holds."""
         self._blocks.append((topic, partition, block))
         self._blocks_held += records
-        self._blocks_bytes += len(block)
+        self._blocks_bytes += _held_bytes(block)
 
     def heads(self) -> dict[tuple[str, str], int]:
         """Committed head per (topic, partition)."""
@@ -676,7 +682,7 @@ class Store(PartitionReader):
         self._skips = work.skips + self._skips
         self._blocks = work.blocks + self._blocks
         self._blocks_held += work.held
-        self._blocks_bytes += sum(len(b[2]) for b in work.blocks)
+        self._blocks_bytes += sum(_held_bytes(b[2]) for b in work.blocks)
         for topic, partition, off, content, ts in work.fills:
             self._fills.setdefault((topic, partition, off), (content, ts))
 
@@ -1029,7 +1035,7 @@ class Store(PartitionReader):
                                                                                    BLOCK_BYTES, -1)]
         self._blocks.extend(made)
         self._blocks_held += n
-        self._blocks_bytes += sum(len(b[2]) for b in made)
+        self._blocks_bytes += sum(_held_bytes(b[2]) for b in made)
 
     def read_data(self, sock: zmq.Socket, prefixes: dict[bytes, Any] | None) -> None:
         # The hot path: the next records of known partitions join the batch
@@ -1057,7 +1063,7 @@ class Store(PartitionReader):
                 )
                 raise
             finally:  # (the slow path counted its own bytes too: all recounted)
-                self._blocks_bytes = bytes_before + sum(len(b[2]) for b in self._blocks[blocks_before:])
+                self._blocks_bytes = bytes_before + sum(_held_bytes(b[2]) for b in self._blocks[blocks_before:])
             self._blocks_held += read  # (the slow path counted its own)
         else:
             read = fastio.drain_records(

@@ -348,3 +348,17 @@ def test_contents_outlive_the_next_walk_of_a_snappy_bundle() -> None:
     with pytest.raises(ProtocolError):
         _compiled.tank_scan(second[:-7], MAX, BUDGET)
     assert _compiled.tank_scan(first, MAX, BUDGET, True) == _pure.tank_scan(first, MAX, BUDGET, True)
+
+
+def test_a_snappy_inflation_shorter_than_its_claim_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without cramjam the compiled walk inflates with python-snappy's uncompress into a new
+    # buffer: one shorter than the bundle claimed must end the walk (truncated), never be read
+    # past its end as if it had the claimed length.
+    bundle = encode_bundle([(None, TS, None, b"x" * 50)] * 600, codec=CODEC_SNAPPY)
+    real = snappy.uncompress
+    monkeypatch.setattr(_compiled, "_snappy_raw_into", None)
+    monkeypatch.setattr(_compiled, "_snappy_raw", lambda data: real(bytes(data))[:-40])
+    with pytest.raises(ProtocolError):
+        _compiled.tank_scan(bundle, MAX, BUDGET)
+    monkeypatch.setattr(_compiled, "_snappy_raw", lambda data: real(bytes(data)))
+    assert _compiled.tank_scan(bundle, MAX, BUDGET, True) == _pure.tank_scan(bundle, MAX, BUDGET, True)

@@ -510,3 +510,13 @@ def test_large_bundles_waiting_for_a_slow_writer_are_bounded_in_bytes(
             assert values(consume_all(c, "big", 0)) == msgs
     finally:
         gw.close()
+
+
+def test_a_block_sealed_in_place_counts_its_whole_buffer() -> None:
+    # A Tank bundle sealed where it was received is a view that holds its request's buffer
+    # until committed: the bytes bound counts the buffer, not the view.
+    from dafka.store.node import _held_bytes
+
+    buffer = bytearray(1000)
+    assert _held_bytes(memoryview(buffer)[100:700]) == 1000
+    assert _held_bytes(bytes(600)) == 600
