@@ -210,6 +210,16 @@ def test_a_produce_bundle_is_sealed_in_the_received_buffer(gw: Gateway, monkeypa
     assert seen[1][1] is bytes
 
 
+def _produce_raw(gw: Gateway, topic: str, parts: list[ProducePartition]) -> bytes:
+    """One produce request of ``parts`` to ``topic`` on a connection of its own: its answer's payload."""
+    s = connect_raw(gw.tank_port)
+    try:
+        s.sendall(ProduceRequest(1, [ProduceTopic(topic, parts)]).encode())
+        return recv_frame(s)[1]
+    finally:
+        s.close()
+
+
 def test_only_the_first_bundle_of_a_request_is_sealed_in_place(gw: Gateway, monkeypatch: Any) -> None:
     # A header written in front of a second bundle would land on the end of the first one,
     # already a block: three bundles of one request, to three partitions, the first one
@@ -221,12 +231,7 @@ def test_only_the_first_bundle_of_a_request_is_sealed_in_place(gw: Gateway, monk
     parts = [ProducePartition(9, first), ProducePartition(0, second), ProducePartition(1, third)]
     with TankClient(HOST, gw.tank_port) as c:
         c.create_topic("three", 2)
-        s = connect_raw(gw.tank_port)
-        try:
-            s.sendall(ProduceRequest(1, [ProduceTopic("three", parts)]).encode())
-            answer = recv_frame(s)[1]
-        finally:
-            s.close()
+        answer = _produce_raw(gw, "three", parts)
         assert answer[4:7] == bytes([ProduceError.UNKNOWN_PARTITION, PRODUCE_OK, PRODUCE_OK]), answer
         assert values(consume_all(c, "three", 0)) == msgs2
         assert values(consume_all(c, "three", 1)) == msgs3
@@ -243,12 +248,7 @@ def test_a_small_first_bundle_of_a_large_request_is_copied(gw: Gateway, monkeypa
     parts = [ProducePartition(0, tiny), ProducePartition(7, large)]
     with TankClient(HOST, gw.tank_port) as c:
         c.create_topic("small", 1)
-        s = connect_raw(gw.tank_port)
-        try:
-            s.sendall(ProduceRequest(1, [ProduceTopic("small", parts)]).encode())
-            answer = recv_frame(s)[1]
-        finally:
-            s.close()
+        answer = _produce_raw(gw, "small", parts)
         assert answer[4:6] == bytes([PRODUCE_OK, ProduceError.UNKNOWN_PARTITION]), answer
         assert values(consume_all(c, "small", 0)) == msgs
     assert [kind for kind, _ in seen] == ["copied"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -639,19 +640,10 @@ def test_counts_in_a_request_are_bounded_by_its_bytes() -> None:
         decode_request(MsgId.DISCOVER_PARTITIONS, struct.pack("<I", 1) + b"\x01t" + b"\0\0" * 65_536)
 
 
-def _produce_decoded(cls: type[ProduceRequest], payload: bytes | memoryview) -> object:
-    """What ``decode`` gives: the request's fields (bundles as bytes), or the error's text."""
+def _produce_outcome(decode: Any, payload: bytes | memoryview) -> object:
+    """What a produce decoder gives: the request's fields (bundles as bytes), or the error's text."""
     try:
-        r = cls.decode(payload)
-    except ProtocolError as exc:
-        return str(exc)
-    return (r.version, r.req_id, r.client_id, r.acks, r.ack_timeout,
-            [(t.name, [(p.partition, bytes(p.bundle), p.first_seq) for p in t.partitions]) for t in r.topics])
-
-
-def _checked(cls: type[ProduceRequest], payload: bytes | memoryview) -> object:
-    try:
-        r = cls._decode_checked(payload)
+        r = decode(payload)
     except ProtocolError as exc:
         return str(exc)
     return (r.version, r.req_id, r.client_id, r.acks, r.ack_timeout,
@@ -680,4 +672,4 @@ def test_a_produce_decodes_plainly_as_the_checked_reader_does(req: ProduceReques
             payload[i] = data.draw(st.sampled_from([0, 1, 0x7F, 0x80, 0x81, 0xFF, payload[i] ^ 0x55]))
     payload = payload[: data.draw(st.integers(0, len(payload)))] + data.draw(st.binary(max_size=3))
     for given_as in (bytes(payload), memoryview(payload)):
-        assert _produce_decoded(cls, given_as) == _checked(cls, given_as)
+        assert _produce_outcome(cls.decode, given_as) == _produce_outcome(cls._decode_checked, given_as)
