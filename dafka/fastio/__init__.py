@@ -32,7 +32,7 @@ def _load() -> tuple[object, str]:
         return _pure, f"the compiled extension does not load ({exc})"
     missing = [name for name in ("drain_records", "drain_pairs", "drain_blocks", "send_records", "send_batches", "send_values", "recv_messages", "events", "send_frames",
                                      "store_blocks", "block_slice", "fetch_blocks", "tank_scan", "tank_values",
-                                     "new_bytearray", "view_start")
+                                     "new_bytearray", "view_start", "tank_produce")
                if not hasattr(_compiled, name)]
     if missing:  # built from an older source: rebuild it
         return _pure, f"the compiled extension is out of date (no {', '.join(missing)}); rebuild it"
@@ -68,6 +68,7 @@ tank_scan = _impl.tank_scan  # type: ignore[attr-defined]
 tank_values = _impl.tank_values  # type: ignore[attr-defined]
 new_bytearray = _impl.new_bytearray  # type: ignore[attr-defined]
 view_start = _impl.view_start  # type: ignore[attr-defined]
+tank_produce = _impl.tank_produce  # type: ignore[attr-defined]
 
 _warned = False
 

@@ -22,7 +22,7 @@ cdef extern from "Python.h":
     void PyObject_GC_UnTrack(void *op)
 from libc.errno cimport EAGAIN, EINTR
 from libc.stdint cimport int64_t, uint64_t, uintptr_t
-from libc.string cimport memchr, memcmp, memcpy
+from libc.string cimport memchr, memcmp, memcpy, memset
 
 import zmq
 
@@ -1563,3 +1563,215 @@ def drain_blocks(sock, int limit, dict by_prefix, list blocks, ts, on_record, on
         z_msg_close(&head)
         z_msg_close(&body)
     return queued
+
+
+# ---------------------------------------------------------------- the Tank gateway's produce
+
+from cpython.unicode cimport PyUnicode_DecodeUTF8
+
+from dafka.store.block import HEADER_SIZE as _BLOCK_HEADER_SIZE
+
+cdef enum:
+    _CODEC_TANK = 2
+    _COMPRESSION_SNAPPY = 2
+
+
+cdef inline object _utf8_or_none(const unsigned char *p, Py_ssize_t n):
+    try:
+        return PyUnicode_DecodeUTF8(<const char *>p, n, NULL)
+    except UnicodeDecodeError:
+        return None
+
+
+cdef inline bint _bundle_length(const unsigned char *buf, Py_ssize_t *pos, Py_ssize_t end,
+                                uint64_t *out) noexcept:
+    """As :func:`dafka.fastio._pure._plain_varint`: False when it is not a plain one."""
+    cdef uint64_t v = 0
+    cdef int shift = 0, k
+    cdef unsigned char b
+    for k in range(5):
+        if pos[0] >= end:
+            return False
+        b = buf[pos[0]]
+        pos[0] += 1
+        v |= <uint64_t>(b & 0x7F) << shift
+        if b < 0x80:
+            if v > 0xFFFFFFFF:
+                return False
+            out[0] = v
+            return True
+        shift += 7
+    return False
+
+
+cdef object _seal_tank(object bundle, tuple scan, uint64_t first, Py_ssize_t start):
+    """A Tank block of ``bundle`` (walked: ``scan``) at offset ``first``: a copy behind its
+    header, or, ``start`` >= 0, its header written into the bytearray it views, in the
+    ``HEADER_SIZE`` bytes before ``start`` where it lies, and a view of the block there (as
+    :func:`dafka.store.block.tank_seal` and ``tank_seal_in_place``; the caller checked the
+    offsets' and the body's range)."""
+    cdef Py_buffer view
+    cdef unsigned char head[_HEADER_SIZE]
+    cdef uint64_t count = <uint64_t>scan[1]
+    cdef uint64_t span = count if scan[2] is None else <uint64_t>(scan[3] - scan[2] + 1)
+    cdef Py_ssize_t size
+    cdef object block
+    cdef unsigned char *p
+    head[0] = 68  # b"DB"
+    head[1] = 66
+    head[2] = 2  # version
+    head[3] = _CODEC_TANK
+    head[4] = _COMPRESSION_SNAPPY if scan[0] else 0
+    head[5] = 0  # flags
+    head[6] = 0  # reserved
+    head[7] = 0
+    _put_be64(head + 8, first)
+    _put_be64(head + 16, first + span - 1)
+    _put_be32(head + 24, count)
+    _put_be64(head + 32, <uint64_t><int64_t>scan[4])
+    _put_be64(head + 40, <uint64_t><int64_t>scan[5])
+    PyObject_GetBuffer(bundle, &view, PyBUF_SIMPLE)
+    try:
+        size = view.len
+        _put_be32(head + 28, <uint64_t>size)
+        _put_be32(head + _CRC_AT, _crc32c(bundle, _crc32c(PyBytes_FromStringAndSize(<const char *>head, _CRC_AT))))
+        if start >= 0:
+            whole = (<memoryview>bundle).obj
+            p = <unsigned char *>PyByteArray_AS_STRING(whole)
+            memcpy(p + start - _HEADER_SIZE, head, _HEADER_SIZE)
+            return memoryview(whole)[start - _HEADER_SIZE : start + size]
+        block = PyBytes_FromStringAndSize(NULL, _HEADER_SIZE + size)
+        p = <unsigned char *>PyBytes_AS_STRING(block)
+        memcpy(p, head, _HEADER_SIZE)
+        memcpy(p + _HEADER_SIZE, view.buf, size)
+        return block
+    finally:
+        PyBuffer_Release(&view)
+
+
+def tank_produce(payload, bint with_seq, dict topics, dict next_offset, Py_ssize_t max_record_bytes,
+                 Py_ssize_t budget, live, Py_ssize_t live_room, list blocks, list publish, str reserved):
+    """See :func:`dafka.fastio._pure.tank_produce`."""
+    cdef Py_buffer view
+    PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
+    cdef const unsigned char *buf = <const unsigned char *>view.buf
+    cdef Py_ssize_t end = view.len, pos, n, start = -1, i
+    cdef unsigned int req_id, topic_count, count, pid, t, j, partitions = 0
+    cdef uint64_t size
+    cdef list plan = [], parts
+    cdef tuple scan, entry
+    cdef dict ahead, needs
+    cdef bint want
+    cdef Py_ssize_t records = 0, held = 0, live_bytes = 0
+    cdef bytes answer
+    cdef unsigned char *a
+    try:
+        if end < 7:
+            return None
+        req_id = <unsigned int>(buf[2] | buf[3] << 8 | buf[4] << 16 | <unsigned int>buf[5] << 24)
+        n = buf[6]
+        pos = 7 + n
+        if pos + 6 > end or _utf8_or_none(buf + 7, n) is None:  # (the client id, not used)
+            return None
+        topic_count = buf[pos + 5]
+        pos += 6
+        for t in range(topic_count):
+            if pos >= end:
+                return None
+            n = buf[pos]
+            pos += 1
+            if pos + n + 1 > end:
+                return None
+            name = _utf8_or_none(buf + pos, n)
+            pos += n
+            if name is None or name == reserved:
+                return None
+            got_parts = topics.get(name)
+            if got_parts is None:
+                return None
+            parts = got_parts
+            count = buf[pos]
+            pos += 1
+            partitions += count
+            for j in range(count):
+                if pos + 2 > end:
+                    return None
+                pid = buf[pos] | buf[pos + 1] << 8
+                pos += 2
+                if not _bundle_length(buf, &pos, end, &size):
+                    return None
+                seq = None
+                if with_seq:
+                    if pos + 8 > end:
+                        return None
+                    seq = _le64(buf + pos)
+                    pos += 8
+                if size > <uint64_t>(end - pos):
+                    return None
+                if pid >= <unsigned int>len(parts):
+                    return None
+                part = parts[pid]
+                if part is None or not part.owned:
+                    return None
+                bundle = payload[pos : pos + <Py_ssize_t>size]
+                pos += <Py_ssize_t>size
+                want = live_room > 0 and bool(live(part))
+                try:
+                    scan = _tank_walk(bundle, max_record_bytes, budget, 1 if want else 0, 0, 0)
+                except ProtocolError:
+                    return None
+                if want:
+                    for c in <list>scan[6]:
+                        live_room -= PyBytes_GET_SIZE(c)
+                plan.append((part, bundle, scan, seq if with_seq else scan[2]))
+        if pos != end:
+            return None
+        # Every seq checked and every offset in range before anything is changed or sealed (a
+        # header sealed in place overwrites the request's fields).
+        ahead = {}
+        for entry in plan:
+            part, bundle, scan, first = entry
+            key = (part.topic, part.address)
+            at = ahead[key] if key in ahead else next_offset.get(key, 0)
+            if first is not None and (first != at + 1 or (scan[2] is not None and scan[3] != first + scan[1] - 1)):
+                return None
+            if at < 0 or at + (scan[1] if scan[2] is None else scan[3] - scan[2] + 1) - 1 > 0xFFFFFFFFFFFFFFFF:
+                return None
+            ahead[key] = at + scan[1]
+        if plan:
+            bundle = (<tuple>plan[0])[1]
+            if type(bundle) is memoryview and 2 * len(bundle) >= len((<memoryview>bundle).obj):
+                start = view_start(bundle)
+                if start < _HEADER_SIZE:
+                    start = -1
+        needs = {}
+        for i in range(len(plan)):
+            part, bundle, scan, first = <tuple>plan[i]
+            key = (part.topic, part.address)
+            at = next_offset.get(key, 0)
+            block = _seal_tank(bundle, scan, <uint64_t>at, start if i == 0 else -1)
+            held += len((<memoryview>block).obj) if i == 0 and start >= 0 else PyBytes_GET_SIZE(block)
+            blocks.append((part.topic, part.address, block))
+            records += <Py_ssize_t>scan[1]
+            if scan[6] is not None:
+                publish.append((key, at, scan[6]))
+                for c in <list>scan[6]:
+                    live_bytes += PyBytes_GET_SIZE(c)
+            at = at + scan[1]
+            next_offset[key] = at
+            needs[key] = at - 1
+        answer = PyBytes_FromStringAndSize(NULL, 9 + partitions)
+        a = <unsigned char *>PyBytes_AS_STRING(answer)
+        a[0] = 1  # the produce response
+        a[1] = <unsigned char>((4 + partitions) & 0xFF)
+        a[2] = <unsigned char>((4 + partitions) >> 8)
+        a[3] = 0
+        a[4] = 0
+        a[5] = <unsigned char>(req_id & 0xFF)
+        a[6] = <unsigned char>((req_id >> 8) & 0xFF)
+        a[7] = <unsigned char>((req_id >> 16) & 0xFF)
+        a[8] = <unsigned char>(req_id >> 24)
+        memset(a + 9, 0, partitions)  # every partition OK
+        return needs, answer, records, held, live_bytes
+    finally:
+        PyBuffer_Release(&view)

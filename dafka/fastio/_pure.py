@@ -724,3 +724,157 @@ def tank_values(bundle: Any, skip: int, n: int) -> list[bytes]:
             out.append(VALUE_HEADER.pack(ts, FLAG_PRODUCER_TS | FLAG_KEY) + bytes((len(key),)) + bytes(key)
                        + bytes(content))
     return out
+
+
+_PRODUCE_START = struct.Struct("<HIB")  # version, request id, client id length
+_PRODUCE_ACKS = struct.Struct("<BIB")  # acks, ack timeout, topic count
+_LE16 = struct.Struct("<H")
+_LE64 = struct.Struct("<Q")
+_PRODUCE_ANSWER = struct.Struct("<BII")  # frame msg id, payload length, request id
+_U64_LIMIT = (1 << 64) - 1
+
+
+def _plain_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int] | None:
+    """A bundle length: an unsigned LEB128 varint of at most 5 bytes and 32 bits (None: not so)."""
+    value = shift = 0
+    for _ in range(5):
+        if pos >= end:
+            return None
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return (value, pos) if value <= 0xFFFFFFFF else None
+        shift += 7
+    return None
+
+
+def _utf8(raw: memoryview) -> str | None:
+    try:
+        return bytes(raw).decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def tank_produce(payload: Any, with_seq: bool, topics: dict[str, list[Any]], next_offset: dict[Any, int],
+                 max_record_bytes: int, budget: int, live: Callable[[Any], bool], live_room: int,
+                 blocks: list[Any], publish: list[Any], reserved: str) -> tuple[dict[Any, int], bytes, int, int, int] | None:
+    """The Tank gateway's produce request in one call, where it is the common one: every
+    partition it names exists and is owned (``topics``: the partitions of each topic by id;
+    ``reserved``: a topic never written here), every bundle is well formed and within the
+    bounds, every first seq (ProduceWithSeqnum, or a sparse bundle's) continues its
+    partition.  Then each bundle is sealed into one block (see
+    :func:`dafka.store.block.tank_seal`; the first one where it lies, when it is a view of
+    half its buffer or more: :func:`dafka.store.block.tank_seal_in_place`), given its
+    offsets from ``next_offset`` (moved on), and appended to ``blocks`` as ``(topic,
+    address, block)``; a partition ``live`` says is read on the mesh (while ``live_room``
+    content bytes are left) also gets ``(key, first offset, contents)`` in ``publish``.
+
+    Returns ``(needs, answer, records, held, live bytes)``: the head each partition must
+    reach before ``answer`` (the whole produce response frame, every partition OK) goes,
+    the records and buffer bytes the blocks hold, the content bytes put in ``publish``.
+    None, with nothing changed and nothing written: anything else (an unknown or
+    not-owned partition, a malformed or refused bundle, a seq that does not continue, a
+    request that is not plainly well formed): the caller's general path decides.
+    """
+    from dafka.store.block import HEADER_SIZE, tank_seal, tank_seal_in_place, tank_span
+
+    buf = memoryview(payload) if type(payload) is not memoryview else payload
+    end = len(buf)
+    if end < 7:
+        return None
+    _version, req_id, n = _PRODUCE_START.unpack_from(buf, 0)
+    pos = 7 + n
+    if pos + 6 > end or _utf8(buf[7:pos]) is None:  # (the client id, not used)
+        return None
+    topic_count = _PRODUCE_ACKS.unpack_from(buf, pos)[2]
+    pos += 6
+    plan: list[tuple[Any, Any, tuple[Any, ...], int | None]] = []
+    partitions = 0
+    for _ in range(topic_count):
+        if pos >= end:
+            return None
+        n = buf[pos]
+        pos += 1
+        if pos + n + 1 > end:
+            return None
+        name = _utf8(buf[pos:pos + n])
+        pos += n
+        if name is None or name == reserved:
+            return None
+        parts = topics.get(name)
+        if parts is None:
+            return None
+        count = buf[pos]
+        pos += 1
+        partitions += count
+        for _ in range(count):
+            if pos + 2 > end:
+                return None
+            pid = _LE16.unpack_from(buf, pos)[0]
+            got = _plain_varint(buf, pos + 2, end)
+            if got is None:
+                return None
+            size, pos = got
+            first_seq = None
+            if with_seq:
+                if pos + 8 > end:
+                    return None
+                first_seq = _LE64.unpack_from(buf, pos)[0]
+                pos += 8
+            if size > end - pos:
+                return None
+            part = parts[pid] if pid < len(parts) else None
+            if part is None or not part.owned:
+                return None
+            bundle = payload[pos:pos + size]
+            pos += size
+            want = live_room > 0 and bool(live(part))
+            try:
+                scan = tank_scan(bundle, max_record_bytes, budget, want)
+            except ProtocolError:
+                return None
+            if scan[6] is not None:
+                live_room -= sum(map(len, scan[6]))
+            plan.append((part, bundle, scan, first_seq if with_seq else scan[2]))
+    if pos != end:
+        return None
+    # Every seq checked and every offset in range before anything is changed or sealed (a
+    # header sealed in place overwrites the request's fields).
+    ahead: dict[Any, int] = {}
+    for part, _bundle, scan, first in plan:
+        key = (part.topic, part.address)
+        at = ahead[key] if key in ahead else next_offset.get(key, 0)
+        count = scan[1]
+        if first is not None and (first != at + 1 or (scan[2] is not None and scan[3] != first + count - 1)):
+            return None
+        if at < 0 or at + tank_span(scan) - 1 > _U64_LIMIT:
+            return None
+        ahead[key] = at + count
+    start = -1
+    if plan:
+        first_bundle = plan[0][1]
+        if type(first_bundle) is memoryview and 2 * len(first_bundle) >= len(first_bundle.obj):  # type: ignore[arg-type]
+            start = view_start(first_bundle)
+    needs: dict[Any, int] = {}
+    records = held = live_bytes = 0
+    for i, (part, bundle, scan, _first) in enumerate(plan):
+        key = (part.topic, part.address)
+        at = next_offset.get(key, 0)
+        block: bytes | memoryview
+        if i == 0 and start >= HEADER_SIZE:
+            block = tank_seal_in_place(bundle, start, scan, at)
+            held += len(block.obj)  # type: ignore[arg-type]  # (it keeps the request's buffer)
+        else:
+            block = tank_seal(bundle, scan, at)
+            held += len(block)
+        blocks.append((part.topic, part.address, block))
+        records += scan[1]
+        if scan[6] is not None:
+            publish.append((key, at, scan[6]))
+            live_bytes += sum(map(len, scan[6]))
+        at += scan[1]
+        next_offset[key] = at
+        needs[key] = at - 1
+    answer = _PRODUCE_ANSWER.pack(1, 4 + partitions, req_id) + bytes(partitions)
+    return needs, answer, records, held, live_bytes

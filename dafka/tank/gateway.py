@@ -52,7 +52,7 @@ import zmq
 from dafka.config import NodeConfig
 from dafka.core import wire
 from dafka.errors import ProtocolError
-from dafka.fastio import new_bytearray, send_frames, tank_scan, view_start
+from dafka.fastio import new_bytearray, send_frames, tank_produce, tank_scan, view_start
 from dafka.gateway.connections import (
     Connection,
     LogLimiter,
@@ -164,7 +164,7 @@ class _Conn(Connection):
 @dataclass(eq=False, slots=True)
 class _PendingProduce:
     conn: _Conn
-    response: ProduceResponse
+    answer: bytes  # the response frame
     needs: dict[tuple[str, str], int]  # committed head each partition must reach
 
 
@@ -340,7 +340,7 @@ class Gateway(Store):
             if any(committed.get(k, -1) < off for k, off in p.needs.items()):
                 break
             pending.popleft()
-            answers.setdefault(p.conn, []).append(p.response.encode())
+            answers.setdefault(p.conn, []).append(p.answer)
         for conn, frames in answers.items():
             # A pipelining client's answers of one commit go in one send.
             self._write(conn, frames if len(frames) > 1 else frames[0])
@@ -827,7 +827,10 @@ class Gateway(Store):
     # ---------------------------------------------------------------- requests
 
     def _on_frame(self, conn: _Conn, msg_id: int, payload: bytes | memoryview) -> None:
-        if type(payload) is memoryview and msg_id not in _PRODUCE_IDS:
+        if msg_id in _PRODUCE_IDS:
+            if self._produce_plainly(conn, msg_id, payload):
+                return
+        elif type(payload) is memoryview:
             payload = bytes(payload)  # (only produces are decoded from a view: their bundles)
         req = decode_request(msg_id, payload)  # ProtocolError closes the connection
         if isinstance(req, ProduceRequest):
@@ -868,6 +871,31 @@ class Gateway(Store):
             self._write(conn, ReloadConfResponse(req.req_id, req.topic, req.partition, 2 if known else 1).encode())
 
     # ---------------------------------------------------------------- produce
+
+    def _produce_plainly(self, conn: _Conn, msg_id: int, payload: bytes | memoryview) -> bool:
+        """A produce request of the common kind in one compiled call (:func:`dafka.fastio.tank_produce`:
+        every partition known and owned, every bundle well formed and continuing its
+        partition): decoded, walked, sealed and queued as :meth:`_on_produce` does it, without
+        a Python object per partition or per field.  False: anything else, nothing done; the
+        general path (:meth:`_on_produce`) decides."""
+        if self.storage_error is not None:
+            return False
+        done = tank_produce(
+            payload, msg_id == MsgId.PRODUCE_WITH_SEQNUM, self.pmap.by_topic, self._next_offset,
+            self.config.max_record_bytes, INFLATE_BUDGET, self._live, MAX_LIVE_HELD_BYTES - self._live_held,
+            self._blocks, self._to_publish, PARTITIONS_TOPIC,
+        )
+        if done is None:
+            return False
+        needs, answer, records, held, live_bytes = done
+        self._blocks_held += records  # (what queue_block counts, for the blocks it queued)
+        self._blocks_bytes += held
+        self._live_held += live_bytes  # given back when published
+        if needs:
+            self._pending.append(_PendingProduce(conn, answer, needs))
+        else:
+            self._write(conn, answer)
+        return True
 
     def _on_produce(self, conn: _Conn, req: ProduceRequest) -> None:
         """Store each bundle as it was sent, as one Tank block (issue 36).
@@ -953,11 +981,11 @@ class Gateway(Store):
             n += count
             self._next_offset[key] = n
             needs[key] = n - 1
-        response = ProduceResponse(req.req_id, results)
+        answer = ProduceResponse(req.req_id, results).encode()
         if needs:
-            self._pending.append(_PendingProduce(conn, response, needs))
+            self._pending.append(_PendingProduce(conn, answer, needs))
         else:
-            self._write(conn, response.encode())
+            self._write(conn, answer)
 
     def _live(self, part: TankPartition) -> bool:
         """Whether a partition's records go out on the mesh as RECORDs when committed: only

@@ -92,6 +92,11 @@ class PartitionMap:
     def topics(self) -> list[str]:
         return list(self._topics)
 
+    @property
+    def by_topic(self) -> dict[str, list[TankPartition]]:
+        """Each topic's partitions by id (the map's own: read, never changed)."""
+        return self._topics
+
     def partitions(self, topic: str) -> list[TankPartition] | None:
         """The partitions of ``topic`` by id, or None for an unknown topic."""
         return self._topics.get(topic)

@@ -167,26 +167,23 @@ def test_a_large_request_of_another_kind_is_served(gw: Gateway) -> None:
     wait_until(lambda: gw._reserved == 0)
 
 
-def _spy_seals(monkeypatch: Any) -> list[tuple[str, Any]]:
-    """What each block of the gateway was sealed from: ("in place", the block) or ("copied",
-    the bundle's type)."""
-    import dafka.tank.gateway as gateway_module
-
+def _spy_seals(gw: Gateway, monkeypatch: Any) -> list[tuple[str, Any]]:
+    """How each block the gateway commits was sealed: ("in place", the block: a view of the
+    buffer its request was received into) or ("copied", its type).  Seen where the blocks
+    are committed, whichever path sealed them (the compiled produce or the general one)."""
     seen: list[tuple[str, Any]] = []
-    copy, in_place = gateway_module.tank_seal, gateway_module.tank_seal_in_place
+    append = gw.db.append_blocks
 
-    def spy_copy(bundle: Any, scan: Any, first: int) -> bytes:
-        seen.append(("copied", type(bundle)))
-        return copy(bundle, scan, first)
+    def spy(blocks: Any, **kw: Any) -> Any:
+        for _topic, _partition, block in blocks:
+            if type(block) is memoryview:
+                assert type(block.obj) is bytearray  # (the request's own buffer)
+                seen.append(("in place", block))
+            else:
+                seen.append(("copied", type(block)))
+        return append(blocks, **kw)
 
-    def spy_in_place(bundle: Any, at: int, scan: Any, first: int) -> memoryview:
-        block = in_place(bundle, at, scan, first)
-        seen.append(("in place", block))
-        assert block.obj is bundle.obj  # the request's own buffer, not a copy of it
-        return block
-
-    monkeypatch.setattr(gateway_module, "tank_seal", spy_copy)
-    monkeypatch.setattr(gateway_module, "tank_seal_in_place", spy_in_place)
+    monkeypatch.setattr(gw.db, "append_blocks", spy)
     return seen
 
 
@@ -194,7 +191,7 @@ def test_a_produce_bundle_is_sealed_in_the_received_buffer(gw: Gateway, monkeypa
     # The point of receiving in place: the bundle reaches the block unchanged and uncopied
     # (its header written in the room in front of the request), for a frame over
     # SMALL_REQUEST; a small frame's bundle is copied behind its header.
-    seen = _spy_seals(monkeypatch)
+    seen = _spy_seals(gw, monkeypatch)
     with TankClient(HOST, gw.tank_port) as c:
         c.create_topic("big", 1)
         bundle, msgs = _bundle(700, 150)
@@ -224,7 +221,7 @@ def test_only_the_first_bundle_of_a_request_is_sealed_in_place(gw: Gateway, monk
     # A header written in front of a second bundle would land on the end of the first one,
     # already a block: three bundles of one request, to three partitions, the first one
     # refused (an unknown partition), are stored exact.
-    seen = _spy_seals(monkeypatch)
+    seen = _spy_seals(gw, monkeypatch)
     first, _ = _bundle(5, 150, b"a")
     second, msgs2 = _bundle(500, 150, b"b")
     third, msgs3 = _bundle(100, 150, b"c")
@@ -242,7 +239,7 @@ def test_a_small_first_bundle_of_a_large_request_is_copied(gw: Gateway, monkeypa
     # A block that is a view keeps the whole request's buffer until it is committed: a tiny
     # first bundle in front of a large one (here refused: an unknown partition) is copied
     # out instead, and the large buffer goes at once.
-    seen = _spy_seals(monkeypatch)
+    seen = _spy_seals(gw, monkeypatch)
     tiny, msgs = _bundle(1, 10, b"t")
     large, _ = _bundle(600, 150, b"l")
     parts = [ProducePartition(0, tiny), ProducePartition(7, large)]
