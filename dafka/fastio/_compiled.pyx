@@ -1775,3 +1775,237 @@ def tank_produce(payload, bint with_seq, dict topics, dict next_offset, Py_ssize
         return needs, answer, records, held, live_bytes
     finally:
         PyBuffer_Release(&view)
+
+
+# ---------------------------------------------------------------- Tank frames from a stream
+
+from collections import deque as _deque
+
+from os import strerror as _strerror
+
+from cpython.bytearray cimport PyByteArray_Resize
+from libc.errno cimport errno
+
+cdef extern from "sys/socket.h" nogil:
+    ssize_t c_recv "recv" (int fd, void *buf, size_t n, int flags)
+
+cdef enum:
+    _FRAME_HEADER = 5
+
+
+cdef class FrameBuffer:
+    """See :class:`dafka.tank.codec.PyFrameBuffer` (same methods, same results)."""
+
+    cdef readonly bytearray _buf  # (tests look)
+    cdef object _ready
+    cdef Py_ssize_t _ready_bytes, _have, _room
+    cdef readonly object _big  # (the frame received in place; tests look)
+    cdef object _alloc
+    cdef public Py_ssize_t max_frame_size
+
+    def __init__(self, Py_ssize_t max_frame_size=268435456, Py_ssize_t room=0, alloc=bytearray):  # (codec.MAX_FRAME_SIZE)
+        if room < 0 or max_frame_size < 0:
+            raise ValueError("FrameBuffer: negative room or limit")
+        self._buf = bytearray()
+        self._ready = _deque()
+        self._ready_bytes = 0
+        self._big = None
+        self._have = 0
+        self._room = room
+        self._alloc = alloc
+        self.max_frame_size = max_frame_size
+
+    cdef inline Py_ssize_t _length_at(self, const unsigned char *p) except -1:
+        cdef Py_ssize_t length = <Py_ssize_t>(p[1] | p[2] << 8 | p[3] << 16 | <uint64_t>p[4] << 24)
+        if length > self.max_frame_size:
+            raise ProtocolError(f"frame of {length} bytes is over the {self.max_frame_size}-byte limit")
+        return length
+
+    def feed(self, data):
+        cdef Py_buffer view
+        cdef Py_ssize_t at, take, n
+        PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+        try:
+            n = view.len
+            take = 0
+            if self._big is not None:
+                at = self._room + self._have
+                take = min(n, PyByteArray_GET_SIZE(self._big) - at)
+                memcpy(PyByteArray_AS_STRING(self._big) + at, view.buf, take)
+                self._have += take
+                if at + take < PyByteArray_GET_SIZE(self._big):
+                    return
+                self._big_done()
+                if take == n:
+                    return
+            self._append(<const char *>view.buf + take, n - take)
+        finally:
+            PyBuffer_Release(&view)
+        self._extract()
+
+    cdef int _append(self, const char *p, Py_ssize_t n) except -1:
+        cdef Py_ssize_t old = PyByteArray_GET_SIZE(self._buf)
+        if n:
+            PyByteArray_Resize(self._buf, old + n)
+            memcpy(PyByteArray_AS_STRING(self._buf) + old, p, n)
+        return 0
+
+    cdef int _big_done(self) except -1:
+        cdef object big = self._big
+        cdef Py_ssize_t room = self._room
+        self._ready.append(((<unsigned char *>PyByteArray_AS_STRING(big))[room],
+                            memoryview(big)[room + _FRAME_HEADER:]))
+        self._ready_bytes += PyByteArray_GET_SIZE(big) - room
+        self._big = None
+        self._have = 0
+        return 0
+
+    cdef int _extract(self) except -1:
+        """Complete frames of the byte buffer to the ready ones (each payload copied once);
+        stops, without raising, at a header over the limit (see PyFrameBuffer._extract)."""
+        cdef Py_ssize_t size = PyByteArray_GET_SIZE(self._buf), pos = 0, length, stop
+        cdef const unsigned char *p = <const unsigned char *>PyByteArray_AS_STRING(self._buf)
+        while size - pos >= _FRAME_HEADER:
+            length = <Py_ssize_t>(p[pos + 1] | p[pos + 2] << 8 | p[pos + 3] << 16 | <uint64_t>p[pos + 4] << 24)
+            stop = pos + _FRAME_HEADER + length
+            if length > self.max_frame_size or stop > size:
+                break
+            self._ready.append((p[pos], PyBytes_FromStringAndSize(<const char *>p + pos + _FRAME_HEADER, length)))
+            self._ready_bytes += stop - pos
+            pos = stop
+        if pos:
+            del self._buf[:pos]  # what is left is one partial frame: a short move
+        return 0
+
+    @property
+    def buffered(self):
+        return self._ready_bytes + PyByteArray_GET_SIZE(self._buf) + self._have
+
+    cdef Py_ssize_t _partial(self) except -2:
+        if self._big is not None:
+            return PyByteArray_GET_SIZE(self._big) - self._room - _FRAME_HEADER
+        if PyByteArray_GET_SIZE(self._buf) < _FRAME_HEADER:
+            return -1
+        return self._length_at(<const unsigned char *>PyByteArray_AS_STRING(self._buf))
+
+    def needed(self):
+        cdef Py_ssize_t length
+        if self._ready:
+            return 0
+        if self._big is not None:
+            return PyByteArray_GET_SIZE(self._big) - self._room - self._have
+        length = self._partial()
+        if length < 0:
+            return _FRAME_HEADER - PyByteArray_GET_SIZE(self._buf)
+        return max(0, _FRAME_HEADER + length - PyByteArray_GET_SIZE(self._buf))
+
+    def pending_length(self):
+        cdef Py_ssize_t length = self._partial()
+        return length if length > 0 else 0
+
+    def peek_msg_id(self):
+        if self._ready:
+            return self._ready[0][0]
+        if self._big is not None:
+            return (<unsigned char *>PyByteArray_AS_STRING(self._big))[self._room]
+        if PyByteArray_GET_SIZE(self._buf):
+            return (<unsigned char *>PyByteArray_AS_STRING(self._buf))[0]
+        return None
+
+    cdef int _begin_big(self, Py_ssize_t length) except -1:
+        cdef Py_ssize_t room = self._room, have = PyByteArray_GET_SIZE(self._buf)
+        big = self._alloc(room + _FRAME_HEADER + length)
+        if type(big) is not bytearray or PyByteArray_GET_SIZE(big) != room + _FRAME_HEADER + length:
+            raise TypeError("FrameBuffer: alloc must give a bytearray of the size asked")
+        memcpy(PyByteArray_AS_STRING(big) + room, PyByteArray_AS_STRING(self._buf), have)
+        self._big = big
+        self._have = have
+        PyByteArray_Resize(self._buf, 0)
+        return 0
+
+    def direct(self, Py_ssize_t min_length):
+        cdef Py_ssize_t length
+        if self._big is None:
+            length = self._partial()
+            if length <= min_length:
+                return None  # small, or no header yet
+            self._begin_big(length)
+        return memoryview(self._big)[self._room + self._have:]
+
+    def received(self, Py_ssize_t n):
+        if self._big is None or not 0 <= n <= PyByteArray_GET_SIZE(self._big) - self._room - self._have:
+            raise ValueError(f"received({n}) without room for it from direct()")
+        self._have += n
+        if self._room + self._have == PyByteArray_GET_SIZE(self._big):
+            self._big_done()
+
+    def next_view(self):
+        cdef tuple frame
+        if self._ready:
+            frame = self._ready.popleft()
+            self._ready_bytes -= _FRAME_HEADER + len(frame[1])
+            return frame
+        if self._big is None and PyByteArray_GET_SIZE(self._buf) >= _FRAME_HEADER:
+            self._length_at(<const unsigned char *>PyByteArray_AS_STRING(self._buf))  # raises when oversized
+        return None
+
+    def next_frame(self):
+        got = self.next_view()
+        if got is None:
+            return None
+        msg_id, payload = got
+        return msg_id, payload if type(payload) is bytes else bytes(payload)
+
+    def __iter__(self):
+        while (frame := self.next_frame()) is not None:
+            yield frame
+
+    def recv(self, sock, bint direct, Py_ssize_t min_length, Py_ssize_t probe, Py_ssize_t size):
+        """See :meth:`dafka.tank.codec.PyFrameBuffer.recv`: the same, by the C library's
+        ``recv`` on the socket's descriptor, into the frame's own buffer or the tail of the
+        byte buffer (no bytes object in between)."""
+        cdef int fd = sock.fileno()
+        cdef Py_ssize_t want, old = 0, length, got
+        cdef ssize_t n
+        cdef char *p
+        if direct and self._big is None:
+            length = self._partial()
+            if length > min_length:
+                self._begin_big(length)
+        if direct and self._big is not None:
+            want = PyByteArray_GET_SIZE(self._big) - self._room - self._have
+            p = PyByteArray_AS_STRING(self._big) + self._room + self._have
+        elif self._big is not None:  # (not offered in place: fed, as the pure one does; rare)
+            want = size if self._partial() > 0 else probe
+            try:
+                data = sock.recv(want)
+            except (BlockingIOError, InterruptedError):
+                return -1, want
+            if data:
+                self.feed(data)
+            return len(data), want
+        else:
+            want = size if self._partial() > 0 else probe
+            old = PyByteArray_GET_SIZE(self._buf)
+            PyByteArray_Resize(self._buf, old + want)
+            p = PyByteArray_AS_STRING(self._buf) + old
+        if fd < 0:
+            raise OSError(9, "Bad file descriptor")
+        n = c_recv(fd, p, want, 0)
+        if n < 0:
+            got = errno
+            if self._big is None or not direct:
+                PyByteArray_Resize(self._buf, old)
+            if got == EAGAIN or got == EINTR:  # (EWOULDBLOCK is EAGAIN here)
+                return -1, want
+            raise OSError(got, _strerror(got))  # (its subclass: ConnectionResetError...)
+        if direct and self._big is not None:
+            if n:
+                self._have += n
+                if self._room + self._have == PyByteArray_GET_SIZE(self._big):
+                    self._big_done()
+            return n, want
+        PyByteArray_Resize(self._buf, old + n)
+        if n:
+            self._extract()
+        return n, want

@@ -13,6 +13,7 @@ negative varint, ...).
 
 from __future__ import annotations
 
+import socket
 import struct
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -236,8 +237,9 @@ def parse_frame_header(
     return msg_id, length
 
 
-class FrameBuffer:
-    """Reassemble frames from a byte stream, sans-IO.
+class PyFrameBuffer:
+    """Reassemble frames from a byte stream, sans-IO (the pure-Python twin of the compiled
+    :class:`FrameBuffer`, which is used when it is built: see the end of this module).
 
     ``feed()`` whatever the socket gave, then call ``next_frame()`` until it
     returns None.  A frame announcing more than ``max_frame_size`` bytes
@@ -422,3 +424,46 @@ class FrameBuffer:
         """Yield every complete frame currently buffered."""
         while (frame := self.next_frame()) is not None:
             yield frame
+
+    def recv(self, sock: socket.socket, direct: bool, min_length: int, probe: int, size: int) -> tuple[int, int]:
+        """One receive from the non-blocking ``sock``, as the Tank gateway reads: into the
+        frame's own buffer when ``direct`` and :meth:`direct` offers it (a frame announcing
+        over ``min_length`` bytes), else fed: up to ``size`` bytes once a frame is begun,
+        ``probe`` at a frame's start (a large frame's header, then the rest in place).
+
+        ``(n, asked)``: n of the ``asked`` bytes came, 0 when the peer closed, -1 when there
+        was nothing to take.  Raises OSError as the socket does, ProtocolError for a header
+        over the limit.
+        """
+        target = self.direct(min_length) if direct else None
+        try:
+            if target is not None:
+                want = len(target)
+                n = sock.recv_into(target)
+                if n:
+                    self.received(n)
+                return n, want
+            want = size if self.pending_length() else probe
+            data = sock.recv(want)
+        except (BlockingIOError, InterruptedError):
+            return -1, want
+        finally:
+            target = None  # (the view of the frame's buffer goes at once)
+        if data:
+            self.feed(data)
+        return len(data), want
+
+
+def _compiled_frame_buffer() -> type[PyFrameBuffer] | None:
+    from dafka import fastio
+
+    if not fastio.COMPILED:
+        return None
+    from dafka.fastio import _compiled  # type: ignore[attr-defined]
+
+    return getattr(_compiled, "FrameBuffer", None)  # type: ignore[no-any-return]
+
+
+#: The frame reassembler: the compiled one when it is built (same methods, same results:
+#: tests/tank/test_codec.py runs both), else :class:`PyFrameBuffer`.
+FrameBuffer: type[PyFrameBuffer] = _compiled_frame_buffer() or PyFrameBuffer

@@ -578,31 +578,18 @@ class Gateway(Store):
             # payload is then decoded and sealed from that buffer, not copied on the way
             # (a bundle of 100 KB was copied three times).  Larger ones are gathered as
             # they come, so a sender that announces one and trickles it holds no more.
-            target = frames.direct(SMALL_REQUEST) if 0 < conn.reserved <= DIRECT_MAX else None
+            # At a frame's start, a little is read (the header of a large frame, then the
+            # rest of it in place); the rest of a small frame begun, much.
             try:
-                if target is not None:
-                    want = len(target)
-                    n = sock.recv_into(target)
-                    if n:
-                        frames.received(n)
-                else:
-                    # At a frame's start, a little: the header of a large frame, then the
-                    # rest of it in place; the rest of a small frame begun, much.
-                    want = RECV_SIZE if frames.pending_length() else RECV_PROBE
-                    data = sock.recv(want)
-                    n = len(data)
-                    if n:
-                        frames.feed(data)
-            except (BlockingIOError, InterruptedError):
-                break
+                n, want = frames.recv(sock, 0 < conn.reserved <= DIRECT_MAX, SMALL_REQUEST, RECV_PROBE, RECV_SIZE)
             except OSError as exc:
                 self._close(conn, f"receive failed: {exc}")
                 return
             except ProtocolError as exc:  # (a header over the limit: _reserve raised it first)
                 self._close(conn, f"bad input: {exc}", True)
                 return
-            finally:
-                target = None
+            if n < 0:
+                break  # nothing more now
             if not n:
                 eof = True
                 break

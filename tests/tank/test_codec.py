@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -12,6 +14,7 @@ from dafka.tank.codec import (
     MAX_FRAME_SIZE,
     MAX_VARINT,
     FrameBuffer,
+    PyFrameBuffer,
     Reader,
     decode_text,
     decode_varint,
@@ -22,6 +25,16 @@ from dafka.tank.codec import (
     parse_frame_header,
     varint_is_truncated,
 )
+
+try:
+    from dafka.fastio._compiled import FrameBuffer as CompiledFrameBuffer  # type: ignore[import-not-found]
+except ImportError:  # not built: the pure twin alone
+    CompiledFrameBuffer = None
+
+# Every frame buffer test runs on both twins (FrameBuffer is the compiled one when it is built).
+FRAME_BUFFERS = [pytest.param(PyFrameBuffer, id="pure"),
+                 pytest.param(CompiledFrameBuffer, id="compiled",
+                              marks=pytest.mark.skipif(CompiledFrameBuffer is None, reason="compiled extension not built"))]
 
 VARINT_VECTORS = [
     (0, "00"),
@@ -169,9 +182,10 @@ def test_frame_header() -> None:
         frame_header(256, 0)
 
 
-def test_frame_buffer_byte_by_byte() -> None:
+@pytest.mark.parametrize("FB", FRAME_BUFFERS)
+def test_frame_buffer_byte_by_byte(FB: type[PyFrameBuffer]) -> None:
     stream = encode_frame(3, b"") + encode_frame(1, b"abc") + encode_frame(2, b"x" * 300)
-    fb = FrameBuffer()
+    fb = FB()
     got = []
     for i in range(len(stream)):
         fb.feed(stream[i : i + 1])
@@ -180,8 +194,9 @@ def test_frame_buffer_byte_by_byte() -> None:
     assert fb.buffered == 0
 
 
-def test_frame_buffer_needed_and_many_frames() -> None:
-    fb = FrameBuffer()
+@pytest.mark.parametrize("FB", FRAME_BUFFERS)
+def test_frame_buffer_needed_and_many_frames(FB: type[PyFrameBuffer]) -> None:
+    fb = FB()
     assert fb.needed() == 5
     fb.feed(b"\x01\x03\x00")
     assert fb.needed() == 2
@@ -200,16 +215,18 @@ def test_frame_buffer_needed_and_many_frames() -> None:
     assert got == frames
 
 
-def test_frame_buffer_oversized() -> None:
-    fb = FrameBuffer(max_frame_size=100)
+@pytest.mark.parametrize("FB", FRAME_BUFFERS)
+def test_frame_buffer_oversized(FB: type[PyFrameBuffer]) -> None:
+    fb = FB(max_frame_size=100)
     fb.feed(frame_header(1, 101))
     with pytest.raises(ProtocolError):
         fb.next_frame()
 
 
+@pytest.mark.parametrize("FB", FRAME_BUFFERS)
 @given(st.lists(st.binary(max_size=30), max_size=8))
-def test_frame_buffer_random_bytes(pieces: list[bytes]) -> None:
-    fb = FrameBuffer(max_frame_size=64)
+def test_frame_buffer_random_bytes(FB: type[PyFrameBuffer], pieces: list[bytes]) -> None:
+    fb = FB(max_frame_size=64)
     try:
         for piece in pieces:
             fb.feed(piece)
@@ -219,11 +236,12 @@ def test_frame_buffer_random_bytes(pieces: list[bytes]) -> None:
         pass
 
 
+@pytest.mark.parametrize("FB", FRAME_BUFFERS)
 @given(st.lists(st.tuples(st.integers(0, 255), st.binary(max_size=50)), max_size=6), st.data())
-def test_frame_buffer_roundtrip_any_split(frames: list[tuple[int, bytes]], data) -> None:
+def test_frame_buffer_roundtrip_any_split(FB: type[PyFrameBuffer], frames: list[tuple[int, bytes]], data) -> None:
     blob = b"".join(encode_frame(m, p) for m, p in frames)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(blob)), max_size=5)))
-    fb = FrameBuffer()
+    fb = FB()
     got = []
     prev = 0
     for cut in [*cuts, len(blob)]:
@@ -236,7 +254,7 @@ def test_frame_buffer_roundtrip_any_split(frames: list[tuple[int, bytes]], data)
 # ---------------------------------------------------------------- frames received in place
 
 
-def _recv_like(fb: FrameBuffer, stream: bytes, pos: int, size: int, min_length: int, use_direct: bool) -> int:
+def _recv_like(fb: PyFrameBuffer, stream: bytes, pos: int, size: int, min_length: int, use_direct: bool) -> int:
     """What the gateway's read loop does with ``size`` bytes the socket has at ``pos``:
     into the frame's own buffer when :meth:`FrameBuffer.direct` offers it, else feed()."""
     target = fb.direct(min_length) if use_direct else None
@@ -250,11 +268,12 @@ def _recv_like(fb: FrameBuffer, stream: bytes, pos: int, size: int, min_length: 
     return n
 
 
+@pytest.mark.parametrize("FB", FRAME_BUFFERS)
 @pytest.mark.parametrize("room", [0, 52])
-def test_a_large_frame_is_received_in_place_and_handed_out_as_a_view(room: int) -> None:
+def test_a_large_frame_is_received_in_place_and_handed_out_as_a_view(FB: type[PyFrameBuffer], room: int) -> None:
     big = bytes(range(256)) * 400  # 102,400 bytes
     stream = encode_frame(3, b"") + encode_frame(1, big) + encode_frame(2, b"after")
-    fb = FrameBuffer(room=room, alloc=lambda n: bytearray(b"\xee" * n))  # (not zeroed, as the gateway's)
+    fb = FB(room=room, alloc=lambda n: bytearray(b"\xee" * n))  # (not zeroed, as the gateway's)
     fb.feed(stream[:5 + 7])  # the Ping, the large frame's header and two bytes of it
     assert fb.direct(1 << 16) is not None  # a view of the rest of the large frame
     assert fb.pending_length() == len(big) and fb.buffered == 5 + 7
@@ -280,11 +299,12 @@ def test_a_large_frame_is_received_in_place_and_handed_out_as_a_view(room: int) 
     assert fb.next_view() == (2, b"after") and fb.buffered == 0 and fb.next_view() is None
 
 
-def test_a_small_frame_or_one_already_here_is_not_received_in_place() -> None:
-    fb = FrameBuffer()
+@pytest.mark.parametrize("FB", FRAME_BUFFERS)
+def test_a_small_frame_or_one_already_here_is_not_received_in_place(FB: type[PyFrameBuffer]) -> None:
+    fb = FB()
     fb.feed(encode_frame(1, b"x" * 100)[:50])
     assert fb.direct(64) is not None  # over min_length
-    fb = FrameBuffer()
+    fb = FB()
     fb.feed(encode_frame(1, b"x" * 100)[:50])
     assert fb.direct(100) is None and fb.direct(1000) is None  # not over min_length
     fb.feed(encode_frame(1, b"x" * 100)[50:])
@@ -294,8 +314,9 @@ def test_a_small_frame_or_one_already_here_is_not_received_in_place() -> None:
     assert fb.direct(0) is None  # no header yet
 
 
-def test_received_past_the_view_is_refused() -> None:
-    fb = FrameBuffer()
+@pytest.mark.parametrize("FB", FRAME_BUFFERS)
+def test_received_past_the_view_is_refused(FB: type[PyFrameBuffer]) -> None:
+    fb = FB()
     with pytest.raises(ValueError):
         fb.received(1)  # nothing offered
     fb.feed(frame_header(1, 100))
@@ -311,8 +332,9 @@ def test_received_past_the_view_is_refused() -> None:
     assert fb.next_frame() == (1, b"\0" * 100)
 
 
-def test_an_oversized_header_allocates_nothing_in_place() -> None:
-    fb = FrameBuffer(max_frame_size=1000)
+@pytest.mark.parametrize("FB", FRAME_BUFFERS)
+def test_an_oversized_header_allocates_nothing_in_place(FB: type[PyFrameBuffer]) -> None:
+    fb = FB(max_frame_size=1000)
     fb.feed(frame_header(1, 1001) + b"x")
     with pytest.raises(ProtocolError):
         fb.direct(10)
@@ -323,11 +345,12 @@ def test_an_oversized_header_allocates_nothing_in_place() -> None:
     assert fb._big is None
 
 
-def test_feed_completes_a_frame_received_in_place() -> None:
+@pytest.mark.parametrize("FB", FRAME_BUFFERS)
+def test_feed_completes_a_frame_received_in_place(FB: type[PyFrameBuffer]) -> None:
     # A caller that mixes the two (feed while a frame is in place) still gets the stream in order.
     frames = [(1, b"a" * 300), (2, b"b"), (3, b"c" * 200)]
     stream = b"".join(encode_frame(m, p) for m, p in frames)
-    fb = FrameBuffer()
+    fb = FB()
     fb.feed(stream[:20])
     assert fb.direct(100) is not None
     fb.feed(stream[20:])  # the rest of the first frame and the others, in one piece
@@ -342,12 +365,13 @@ def test_feed_completes_a_frame_received_in_place() -> None:
     st.integers(0, 300),
     st.sampled_from([0, 1, 52]),
 )
+@pytest.mark.parametrize("FB", FRAME_BUFFERS)
 def test_frames_received_in_place_or_fed_come_out_in_order(
-    shapes: list[tuple[int, int]], sizes: list[int], direct: list[bool], min_length: int, room: int
+    FB: type[PyFrameBuffer], shapes: list[tuple[int, int]], sizes: list[int], direct: list[bool], min_length: int, room: int
 ) -> None:
     frames = [(m, bytes([i % 251]) * n) for i, (m, n) in enumerate(shapes)]
     stream = b"".join(encode_frame(m, p) for m, p in frames)
-    fb = FrameBuffer(max_frame_size=1000, room=room)
+    fb = FB(max_frame_size=1000, room=room)
     got: list[tuple[int, bytes]] = []
     pos = step = 0
     while pos < len(stream):
@@ -360,3 +384,47 @@ def test_frames_received_in_place_or_fed_come_out_in_order(
     while (frame := fb.next_view()) is not None:
         got.append((frame[0], bytes(frame[1])))
     assert got == frames and fb.buffered == 0 and fb.needed() == 5
+
+
+@pytest.mark.parametrize("FB", FRAME_BUFFERS)
+def test_recv_reads_a_socket_as_the_gateway_does(FB: type[PyFrameBuffer]) -> None:
+    # A real socket pair: a small frame and the start of a large one read at a frame's start
+    # (``probe`` bytes asked), the rest of the large one received in place (its view), -1
+    # with nothing there, 0 at the peer's close; an error of the socket raises as the socket's.
+    big = bytes(range(256)) * 300
+    a, b = socket.socketpair()
+    try:
+        b.setblocking(False)
+        fb = FB(max_frame_size=1 << 20, room=52)
+        assert fb.recv(b, True, 1000, 16, 4096) == (-1, 16)  # nothing yet
+        a.sendall(encode_frame(3, b"") + encode_frame(1, big))
+        n, asked = fb.recv(b, True, 1000, 16, 4096)
+        assert (n, asked) == (16, 16) and fb.next_frame() == (3, b"")
+        n, asked = fb.recv(b, True, 1000, 16, 4096)  # the large frame begun: in place
+        assert asked == 5 + len(big) - 11 and 0 < n <= asked
+        while fb.needed():
+            n, _ = fb.recv(b, True, 1000, 16, 4096)
+            assert n > 0
+        msg_id, payload = fb.next_view()  # type: ignore[misc]
+        assert msg_id == 1 and type(payload) is memoryview and payload == big
+        assert view_start(payload) == 52 + 5
+        a.sendall(encode_frame(2, b"x" * 100))
+        assert fb.recv(b, False, 1000, 16, 4096) == (16, 16)
+        assert fb.recv(b, False, 1000, 16, 4096) == (89, 4096)  # a frame begun: much asked
+        assert fb.next_frame() == (2, b"x" * 100)
+        a.close()
+        assert fb.recv(b, True, 1000, 16, 4096) == (0, 16)  # the peer closed
+        b.close()
+        with pytest.raises(OSError):
+            fb.recv(b, True, 1000, 16, 4096)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_compiled_frame_buffer_is_the_one_used_when_built() -> None:
+    if CompiledFrameBuffer is None:
+        assert FrameBuffer is PyFrameBuffer
+    else:
+        assert FrameBuffer is CompiledFrameBuffer
+        assert CompiledFrameBuffer().max_frame_size == PyFrameBuffer().max_frame_size == MAX_FRAME_SIZE

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dafka.errors import ProtocolError
 from dafka.tank.bundle import decode_bundle, encode_bundle, encode_chunk
-from dafka.tank.codec import FrameBuffer, encode_frame
+from dafka.tank.codec import FrameBuffer, PyFrameBuffer, encode_frame
 from dafka.tank.messages import (
     PRODUCE_PARTITION_ERRORS,
     PRODUCE_TOPIC_ERRORS,
@@ -55,6 +55,7 @@ from dafka.tank.messages import (
     response_msg_id,
     response_request_id,
 )
+from tests.tank.test_codec import FRAME_BUFFERS
 
 TS = struct.pack("<Q", 1_700_000_000_000)  # the captures do not give the timestamp bytes
 U64 = struct.Struct("<Q")
@@ -617,9 +618,10 @@ def test_mutated_requests_decode_or_raise_protocol_error(frame: bytes, data: st.
     _only_protocol_errors(frame[0], bytes(payload))
 
 
+@pytest.mark.parametrize("FB", FRAME_BUFFERS)
 @given(st.integers(0, 255), st.integers(0, 0xFFFFFFFF))
-def test_a_huge_length_allocates_nothing_before_its_data(msg_id: int, length: int) -> None:
-    fb = FrameBuffer(max_frame_size=64 << 20)
+def test_a_huge_length_allocates_nothing_before_its_data(FB: type[PyFrameBuffer], msg_id: int, length: int) -> None:
+    fb = FB(max_frame_size=64 << 20)
     header = struct.pack("<BI", msg_id, length)
     fb.feed(header)
     if length > 64 << 20:
