@@ -1786,8 +1786,11 @@ from os import strerror as _strerror
 from cpython.bytearray cimport PyByteArray_Resize
 from libc.errno cimport errno
 
-cdef extern from "sys/socket.h" nogil:
-    ssize_t c_recv "recv" (int fd, void *buf, size_t n, int flags)
+cdef extern from "sys/uio.h" nogil:
+    struct iovec:
+        void *iov_base
+        size_t iov_len
+    ssize_t c_readv "readv" (int fd, const iovec *iov, int iovcnt)
 
 cdef enum:
     _FRAME_HEADER = 5
@@ -1962,20 +1965,18 @@ cdef class FrameBuffer:
 
     def recv(self, sock, bint direct, Py_ssize_t min_length, Py_ssize_t probe, Py_ssize_t size):
         """See :meth:`dafka.tank.codec.PyFrameBuffer.recv`: the same, by the C library's
-        ``recv`` on the socket's descriptor, into the frame's own buffer or the tail of the
+        ``readv`` on the socket's descriptor, into the frame's own buffer and the tail of the
         byte buffer (no bytes object in between)."""
         cdef int fd = sock.fileno()
-        cdef Py_ssize_t want, old = 0, length, got
+        cdef Py_ssize_t want, old = 0, length, got, rest = 0, first
         cdef ssize_t n
-        cdef char *p
+        cdef iovec iov[2]
+        cdef int parts = 1
         if direct and self._big is None:
             length = self._partial()
             if length > min_length:
                 self._begin_big(length)
-        if direct and self._big is not None:
-            want = PyByteArray_GET_SIZE(self._big) - self._room - self._have
-            p = PyByteArray_AS_STRING(self._big) + self._room + self._have
-        elif self._big is not None:  # (not offered in place: fed, as the pure one does; rare)
+        if self._big is not None and not direct:  # (not offered in place: fed, as the pure one does; rare)
             want = size if self._partial() > 0 else probe
             try:
                 data = sock.recv(want)
@@ -1984,28 +1985,42 @@ cdef class FrameBuffer:
             if data:
                 self.feed(data)
             return len(data), want
+        if self._big is not None:
+            # The rest of the frame in place, and the start of the next one behind it (the
+            # byte buffer is empty while a frame is received in place).
+            rest = PyByteArray_GET_SIZE(self._big) - self._room - self._have
+            iov[0].iov_base = PyByteArray_AS_STRING(self._big) + self._room + self._have
+            iov[0].iov_len = rest
+            want = rest + probe
+            old = PyByteArray_GET_SIZE(self._buf)
+            PyByteArray_Resize(self._buf, old + probe)
+            iov[1].iov_base = PyByteArray_AS_STRING(self._buf) + old
+            iov[1].iov_len = probe
+            parts = 2
         else:
             want = size if self._partial() > 0 else probe
             old = PyByteArray_GET_SIZE(self._buf)
             PyByteArray_Resize(self._buf, old + want)
-            p = PyByteArray_AS_STRING(self._buf) + old
+            iov[0].iov_base = PyByteArray_AS_STRING(self._buf) + old
+            iov[0].iov_len = want
         if fd < 0:
+            PyByteArray_Resize(self._buf, old)
             raise OSError(9, "Bad file descriptor")
-        n = c_recv(fd, p, want, 0)
+        n = c_readv(fd, iov, parts)
         if n < 0:
             got = errno
-            if self._big is None or not direct:
-                PyByteArray_Resize(self._buf, old)
+            PyByteArray_Resize(self._buf, old)
             if got == EAGAIN or got == EINTR:  # (EWOULDBLOCK is EAGAIN here)
                 return -1, want
             raise OSError(got, _strerror(got))  # (its subclass: ConnectionResetError...)
-        if direct and self._big is not None:
-            if n:
-                self._have += n
-                if self._room + self._have == PyByteArray_GET_SIZE(self._big):
-                    self._big_done()
-            return n, want
-        PyByteArray_Resize(self._buf, old + n)
-        if n:
+        if parts == 2:
+            first = n if n < rest else rest
+            PyByteArray_Resize(self._buf, old + (n - first))
+            self._have += first
+            if self._room + self._have == PyByteArray_GET_SIZE(self._big):
+                self._big_done()
+        else:
+            PyByteArray_Resize(self._buf, old + n)
+        if PyByteArray_GET_SIZE(self._buf) > old:
             self._extract()
         return n, want

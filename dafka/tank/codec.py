@@ -426,10 +426,13 @@ class PyFrameBuffer:
             yield frame
 
     def recv(self, sock: socket.socket, direct: bool, min_length: int, probe: int, size: int) -> tuple[int, int]:
-        """One receive from the non-blocking ``sock``, as the Tank gateway reads: into the
-        frame's own buffer when ``direct`` and :meth:`direct` offers it (a frame announcing
-        over ``min_length`` bytes), else fed: up to ``size`` bytes once a frame is begun,
-        ``probe`` at a frame's start (a large frame's header, then the rest in place).
+        """One receive from the non-blocking ``sock``, as the Tank gateway reads.
+
+        When ``direct`` and :meth:`direct` offers the frame's own buffer (a frame announcing
+        over ``min_length`` bytes), into the rest of it, and up to ``probe`` bytes of what
+        follows behind it in the same call (the next frame's start, fed); else fed: up to
+        ``size`` bytes once a frame is begun, ``probe`` at a frame's start (a large frame's
+        header, then the rest in place).
 
         ``(n, asked)``: n of the ``asked`` bytes came, 0 when the peer closed, -1 when there
         was nothing to take.  Raises OSError as the socket does, ProtocolError for a header
@@ -438,10 +441,14 @@ class PyFrameBuffer:
         target = self.direct(min_length) if direct else None
         try:
             if target is not None:
-                want = len(target)
-                n = sock.recv_into(target)
-                if n:
-                    self.received(n)
+                after = bytearray(probe)
+                want = len(target) + probe
+                n = sock.recvmsg_into([target, after])[0]
+                first = min(n, len(target))
+                if first:
+                    self.received(first)
+                if n > first:
+                    self.feed(memoryview(after)[: n - first])
                 return n, want
             want = size if self.pending_length() else probe
             data = sock.recv(want)
