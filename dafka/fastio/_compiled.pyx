@@ -1782,6 +1782,7 @@ def tank_produce(payload, bint with_seq, dict topics, dict next_offset, Py_ssize
 from collections import deque as _deque
 
 from os import strerror as _strerror
+from socket import socket as _plain_socket  # (its descriptor is read directly: no TLS socket)
 
 from cpython.bytearray cimport PyByteArray_Resize
 from libc.errno cimport errno
@@ -1967,6 +1968,8 @@ cdef class FrameBuffer:
         """See :meth:`dafka.tank.codec.PyFrameBuffer.recv`: the same, by the C library's
         ``readv`` on the socket's descriptor, into the frame's own buffer and the tail of the
         byte buffer (no bytes object in between)."""
+        if type(sock) is not _plain_socket:
+            raise TypeError(f"FrameBuffer.recv reads a plain socket, not {type(sock).__name__}")
         cdef int fd = sock.fileno()
         cdef Py_ssize_t want, old = 0, length, got, rest = 0, first
         cdef ssize_t n

@@ -436,8 +436,11 @@ class PyFrameBuffer:
 
         ``(n, asked)``: n of the ``asked`` bytes came, 0 when the peer closed, -1 when there
         was nothing to take.  Raises OSError as the socket does, ProtocolError for a header
-        over the limit.
+        over the limit, TypeError for anything but a plain socket (the compiled twin reads
+        its descriptor: a TLS socket's bytes would come undeciphered).
         """
+        if type(sock) is not socket.socket:
+            raise TypeError(f"FrameBuffer.recv reads a plain socket, not {type(sock).__name__}")
         target = self.direct(min_length) if direct else None
         try:
             if target is not None:

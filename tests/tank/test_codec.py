@@ -420,6 +420,23 @@ def test_recv_reads_a_socket_as_the_gateway_does(FB: type[PyFrameBuffer]) -> Non
         b.close()
 
 
+@pytest.mark.parametrize("FB", FRAME_BUFFERS)
+def test_recv_reads_only_a_plain_socket(FB: type[PyFrameBuffer]) -> None:
+    # The compiled twin reads the descriptor: a socket subclass (a TLS socket is one) whose
+    # recv does more than the descriptor's would be read wrong, so it is refused, in both.
+    class Wrapped(socket.socket):
+        pass
+
+    a, b = socket.socketpair()
+    w = Wrapped(fileno=b.detach())
+    try:
+        with pytest.raises(TypeError):
+            FB().recv(w, True, 10, 16, 64)
+    finally:
+        a.close()
+        w.close()
+
+
 def test_the_compiled_frame_buffer_is_the_one_used_when_built() -> None:
     from dafka import fastio
 
