@@ -846,7 +846,7 @@ def tank_produce(payload: Any, with_seq: bool, topics: dict[str, list[Any]], nex
         key = (part.topic, part.address)
         at = ahead[key] if key in ahead else next_offset.get(key, 0)
         count = scan[1]
-        if first is not None and (first != at + 1 or (scan[2] is not None and scan[3] != first + count - 1)):
+        if first is not None and (first != at + 1 or (scan[2] is not None and (scan[2] != first or scan[3] != first + count - 1))):
             return None
         if at < 0 or at + tank_span(scan) - 1 > _U64_LIMIT:
             return None
