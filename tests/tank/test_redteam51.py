@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import select
 import socket
 import struct
@@ -9,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from dafka.config import NodeConfig
@@ -26,7 +27,8 @@ from dafka.tank.messages import (
     ProduceWithSeqnumRequest,
 )
 from tests.tank.test_gateway import HOST, connect_raw, consume_all, recv_frame
-from tests.tank.test_produce_plainly import IMPLS, _unchanged_by
+from tests.tank.test_produce_plainly import HAVE_COMPILED as _HAVE_COMPILED
+from tests.tank.test_produce_plainly import IMPLS, MAX, Run, _requests, _table, _unchanged_by
 
 TS = 1_700_000_000_000
 
@@ -197,3 +199,143 @@ def test_a_peer_reset_mid_frame_is_an_oserror(FB: Any) -> None:
 def test_a_sparse_bundle_whose_own_first_seq_is_not_the_requests_is_left_to_the_general_path(impl: Any) -> None:
     sparse = encode_bundle([(0, TS, None, b"s0"), (2, TS, None, b"s2")], sparse=True)
     _unchanged_by(impl, ProduceWithSeqnumRequest(1, [ProduceTopic("t", [ProducePartition(0, sparse, 1)])]))
+
+
+# ---------------------------------------------------------------- the one call against the general path itself
+
+
+class _General:
+    """What Gateway._on_produce reads and changes, nothing else (it runs as a method of this)."""
+
+    def __init__(self, offsets: dict[Any, int], live_keys: set[Any], live_held: int) -> None:
+        from dafka.gateway.connections import LogLimiter
+        from dafka.tank.gateway import log
+
+        self.pmap = _Map()
+        self.storage_error = None
+        self._live_held = live_held
+        self._live_keys = live_keys
+        self.config = NodeConfig(towers=(), max_record_bytes=MAX)
+        self.records_too_large = 0
+        self._limited = LogLimiter(log)
+        self._to_publish: list[Any] = []
+        self._next_offset = dict(offsets)
+        self._blocks: list[Any] = []
+        self._blocks_held = self._blocks_bytes = 0
+        self._pending: list[Any] = []
+        self.written: list[bytes] = []
+
+    def _live(self, part: Any) -> bool:
+        return (part.topic, part.address) in self._live_keys
+
+    def queue_block(self, topic: str, partition: str, block: Any, records: int) -> None:
+        from dafka.store.node import Store
+
+        Store.queue_block(self, topic, partition, block, records)  # type: ignore[arg-type]
+
+    def _write(self, conn: Any, data: bytes) -> None:
+        self.written.append(data)
+
+
+class _Map:
+    def __init__(self) -> None:
+        self._topics = _table()
+
+    def partitions(self, topic: str) -> Any:
+        return self._topics.get(topic)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_requests(), st.booleans(), st.sampled_from([0, 30, 1 << 26]), st.booleans(),
+       st.sampled_from([None, 0, 2**64 - 1, 2**64 - 2, 2**63]))
+def test_what_the_one_call_takes_it_does_as_the_general_path(req: tuple[bytes, bool, dict[Any, int]], in_place: bool,
+                                                             live_room: int, live_t0: bool, big_offset: int | None) -> None:
+    from dafka.tank.gateway import MAX_LIVE_HELD_BYTES, Gateway
+    from dafka.tank.messages import decode_request
+
+    payload, with_seq, offsets = req
+    if big_offset is not None:
+        offsets = {**offsets, ("t", "t0"): big_offset}
+    live = {("t", "t0")} if live_t0 else {("t", "t1"), ("u", "u0")}
+    for impl in [i.values[0] for i in IMPLS if not i.marks or _HAVE_COMPILED]:
+        run = Run(impl, payload, with_seq, offsets, live, live_room, in_place)
+        event("left to the general path" if run.result is None else "taken")
+        if run.result is None:
+            continue
+        needs, answer, records, held, live_bytes = run.result
+        general = _General(offsets, live, MAX_LIVE_HELD_BYTES - live_room)
+        buf = bytearray(52) + bytearray(payload)
+        view: Any = memoryview(buf)[52:] if in_place else payload
+        Gateway._on_produce(general, None, decode_request(5 if with_seq else 1, view))  # type: ignore[arg-type]
+        assert [(t, p, bytes(b)) for t, p, b in general._blocks] == [(t, p, bytes(b)) for t, p, b in run.blocks]
+        assert [type(b) for _t, _p, b in general._blocks] == [type(b) for _t, _p, b in run.blocks]
+        assert general._next_offset == run.offsets
+        assert general._to_publish == run.publish
+        assert general._blocks_held == records and general._blocks_bytes == held
+        assert general._live_held - (MAX_LIVE_HELD_BYTES - live_room) == live_bytes
+        assert bytes(buf) == bytes(run.buf)  # the same header sealed in place
+        if needs:
+            assert [(p.answer, p.needs) for p in general._pending] == [(answer, needs)] and not general.written
+        else:
+            assert general.written == [answer] and not general._pending
+
+
+def _random_requests(rng: random.Random, topic: str) -> list[Any]:
+    """Pipelined produces of every size (received in place or not), duplicated partitions,
+    seqs right and wrong, unknown partitions, sparse bundles."""
+    from tests.tank.test_produce_plainly import _bundle
+
+    reqs: list[Any] = []
+    hwm = {0: 0, 1: 0}  # what a client that knows the partitions would send as first seqs
+    for req_id in range(1, rng.randint(3, 9)):
+        with_seq = rng.random() < 0.3
+        parts = []
+        for _ in range(rng.randint(0, 3)):
+            pid = rng.choice([0, 0, 1, 1, 5])
+            n = rng.choice([1, 3, 40, 700, 2000])
+            size = rng.choice([10, 150])
+            seq = None
+            sparse_from = None
+            if with_seq:
+                seq = hwm.get(pid, 0) + 1 if rng.random() < 0.8 else rng.choice([0, 2**64 - 1, 7])
+            elif rng.random() < 0.2:
+                sparse_from = hwm.get(pid, 0) + 1 if rng.random() < 0.7 else 1000
+            if pid in hwm and (seq is None or seq == hwm[pid] + 1) and sparse_from in (None, hwm[pid] + 1):
+                hwm[pid] += n
+            parts.append(ProducePartition(pid, _bundle(n, size, sparse_from=sparse_from), seq))
+        cls = ProduceWithSeqnumRequest if with_seq else ProduceRequest
+        reqs.append(cls(req_id, [ProduceTopic(topic, parts)] if parts or rng.random() < 0.5 else []))
+    return reqs
+
+
+@pytest.mark.timeout(240)
+def test_pipelined_produces_split_anywhere_store_and_answer_as_the_general_path(tmp_path: Path) -> None:
+    fast = Gateway(tmp_path / "fast", NodeConfig(towers=()), listen=(HOST, 0))
+    general = Gateway(tmp_path / "general", NodeConfig(towers=()), listen=(HOST, 0))
+    general._produce_plainly = lambda conn, msg_id, payload: False  # type: ignore[method-assign]
+    try:
+        for seed in range(20):
+            rng = random.Random(seed)
+            topic = f"s{seed}"
+            reqs = _random_requests(rng, topic)
+            blob = b"".join(r.encode() for r in reqs)
+            cuts = sorted(rng.sample(range(1, len(blob)), min(len(blob) - 1, rng.randint(0, 12))))
+            got = []
+            for gw in (fast, general):
+                with TankClient(HOST, gw.tank_port) as c:
+                    c.create_topic(topic, 2)
+                    s = connect_raw(gw.tank_port)
+                    try:
+                        prev = 0
+                        for cut in [*cuts, len(blob)]:
+                            s.sendall(blob[prev:cut])
+                            prev = cut
+                        answers = sorted((recv_frame(s) for _ in reqs), key=lambda a: a[1][:4][::-1])
+                    finally:
+                        s.close()
+                    stored = [consume_all(c, topic, p) for p in (0, 1)]
+                got.append((answers, stored))
+            assert got[0] == got[1], seed
+    finally:
+        fast.close()
+        general.close()
