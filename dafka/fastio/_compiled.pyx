@@ -1970,6 +1970,8 @@ cdef class FrameBuffer:
         byte buffer (no bytes object in between)."""
         if type(sock) is not _plain_socket:
             raise TypeError(f"FrameBuffer.recv reads a plain socket, not {type(sock).__name__}")
+        if sock.gettimeout() != 0.0:  # (readv would block holding the GIL, or not wait the timeout)
+            raise ValueError("FrameBuffer.recv reads a non-blocking socket")
         cdef int fd = sock.fileno()
         cdef Py_ssize_t want, old = 0, length, got, rest = 0, first
         cdef ssize_t n

@@ -437,10 +437,13 @@ class PyFrameBuffer:
         ``(n, asked)``: n of the ``asked`` bytes came, 0 when the peer closed, -1 when there
         was nothing to take.  Raises OSError as the socket does, ProtocolError for a header
         over the limit, TypeError for anything but a plain socket (the compiled twin reads
-        its descriptor: a TLS socket's bytes would come undeciphered).
+        its descriptor: a TLS socket's bytes would come undeciphered), ValueError for one
+        that is not non-blocking (a timeout or blocking: the descriptor's read does neither).
         """
         if type(sock) is not socket.socket:
             raise TypeError(f"FrameBuffer.recv reads a plain socket, not {type(sock).__name__}")
+        if sock.gettimeout() != 0.0:  # (the compiled twin's readv would block, or not wait its timeout)
+            raise ValueError("FrameBuffer.recv reads a non-blocking socket")
         target = self.direct(min_length) if direct else None
         try:
             if target is not None:

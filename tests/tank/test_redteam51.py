@@ -339,3 +339,84 @@ def test_pipelined_produces_split_anywhere_store_and_answer_as_the_general_path(
     finally:
         fast.close()
         general.close()
+
+
+_ops = st.lists(st.one_of(
+    st.tuples(st.just("feed"), st.integers(0, 400)),
+    st.tuples(st.just("direct"), st.integers(-1, 300)),
+    st.tuples(st.just("received"), st.integers(-2, 400)),
+    st.tuples(st.just("next"), st.just(0)),
+), max_size=30)
+
+
+@pytest.mark.skipif(CompiledFrameBuffer is None, reason="compiled extension not built")
+@settings(max_examples=400, deadline=None)
+@given(st.binary(min_size=0, max_size=3000), _ops, st.sampled_from([0, 52]), st.sampled_from([64, 1000, 1 << 20]))
+def test_the_twins_agree_on_any_sequence_of_calls(blob: bytes, ops: list[tuple[str, int]], room: int, limit: int) -> None:
+    # A stream of anything (frames or not), fed or received in place in any order, with
+    # received() told the truth or not: every call gives the same result or the same error.
+    fbs = [PyFrameBuffer(limit, room, lambda n: bytearray(b"\xee" * n)),
+           CompiledFrameBuffer(limit, room, lambda n: bytearray(b"\xee" * n))]
+    pos = [0, 0]
+    views: list[Any] = [None, None]
+
+    def state(fb: Any) -> Any:
+        out = []
+        for f in (lambda: fb.buffered, fb.needed, fb.pending_length, fb.peek_msg_id):
+            try:
+                out.append(f())
+            except ProtocolError as exc:
+                out.append(("ProtocolError", str(exc)))
+        return out
+
+    for op, arg in ops:
+        got = []
+        for i, fb in enumerate(fbs):
+            try:
+                if op == "feed":
+                    piece = blob[pos[i]:pos[i] + arg]
+                    pos[i] += len(piece)
+                    fb.feed(piece)
+                    got.append(None)
+                elif op == "direct":
+                    views[i] = fb.direct(arg)
+                    got.append(None if views[i] is None else len(views[i]))
+                elif op == "received":
+                    view = views[i]
+                    if view is not None and 0 <= arg <= len(view):
+                        piece = blob[pos[i]:pos[i] + arg]
+                        view[:len(piece)] = piece
+                        pos[i] += len(piece)
+                        arg = len(piece)
+                    views[i] = None
+                    fb.received(arg)
+                    got.append(arg)
+                else:
+                    frame = fb.next_view()
+                    got.append(None if frame is None else (frame[0], bytes(frame[1])))
+            except (ProtocolError, ValueError) as exc:
+                got.append((type(exc).__name__, str(exc)))
+            got.append(state(fb))
+        assert got[0:2] == got[2:4], (op, arg)
+        assert pos[0] == pos[1]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("FB", TWINS)
+@pytest.mark.parametrize("timeout", [None, 0.2])
+def test_recv_reads_only_a_non_blocking_socket(FB: Any, timeout: float | None) -> None:
+    # The compiled twin reads the descriptor (readv): on a socket with a timeout it came back
+    # at once with "nothing" (-1) where the pure one waited and raised TimeoutError, and on a
+    # blocking one it blocked holding the GIL.  Both refuse such a socket now, before reading.
+    a, b = _tcp_pair()
+    try:
+        b.settimeout(timeout)
+        fb = FB(1 << 20, 52)
+        with pytest.raises(ValueError, match="non-blocking"):
+            fb.recv(b, True, 8, 16, 64)
+        assert fb.buffered == 0
+        b.setblocking(False)
+        assert fb.recv(b, True, 8, 16, 64) == (-1, 16)
+    finally:
+        a.close()
+        b.close()
