@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from dafka.config import NodeConfig
 from dafka.errors import ProtocolError
-from dafka.tank.bundle import encode_bundle
+from dafka.tank.bundle import CODEC_NONE, encode_bundle
 from dafka.tank.client import TankClient
 from dafka.tank.codec import PyFrameBuffer, encode_frame
 from dafka.tank.gateway import Gateway
@@ -302,7 +302,7 @@ def _random_requests(rng: random.Random, topic: str) -> list[Any]:
                 sparse_from = hwm.get(pid, 0) + 1 if rng.random() < 0.7 else 1000
             if pid in hwm and (seq is None or seq == hwm[pid] + 1) and sparse_from in (None, hwm[pid] + 1):
                 hwm[pid] += n
-            parts.append(ProducePartition(pid, _bundle(n, size, sparse_from=sparse_from), seq))
+            parts.append(ProducePartition(pid, _bundle(n, size, rng.choice([None, CODEC_NONE]), sparse_from), seq))
         cls = ProduceWithSeqnumRequest if with_seq else ProduceRequest
         reqs.append(cls(req_id, [ProduceTopic(topic, parts)] if parts or rng.random() < 0.5 else []))
     return reqs
@@ -314,7 +314,7 @@ def test_pipelined_produces_split_anywhere_store_and_answer_as_the_general_path(
     general = Gateway(tmp_path / "general", NodeConfig(towers=()), listen=(HOST, 0))
     general._produce_plainly = lambda conn, msg_id, payload: False  # type: ignore[method-assign]
     try:
-        for seed in range(20):
+        for seed in range(40):
             rng = random.Random(seed)
             topic = f"s{seed}"
             reqs = _random_requests(rng, topic)
@@ -420,3 +420,34 @@ def test_recv_reads_only_a_non_blocking_socket(FB: Any, timeout: float | None) -
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_large_produce_cut_by_eof_or_reset_stores_nothing_and_gives_its_budget_back(tmp_path: Path) -> None:
+    # Received in place (readv into the frame's own buffer and the probe behind it), a frame
+    # the peer ends half way (EOF, then a reset) is dropped whole; a complete one before it
+    # on the same connection is stored and its reservation goes too.
+    from tests.conftest import wait_until
+    from tests.tank.test_produce_plainly import _bundle
+
+    gw = Gateway(tmp_path / "gw", NodeConfig(towers=()), listen=(HOST, 0))
+    try:
+        with TankClient(HOST, gw.tank_port) as c:
+            c.create_topic("a", 1)
+            whole = ProduceRequest(1, [ProduceTopic("a", [ProducePartition(0, _bundle(700, 150, CODEC_NONE))])]).encode()
+            cut = ProduceRequest(2, [ProduceTopic("a", [ProducePartition(0, _bundle(800, 150, CODEC_NONE))])]).encode()
+            for how in ("eof", "reset"):
+                s = connect_raw(gw.tank_port)
+                s.sendall(whole)
+                assert recv_frame(s)[1][4:] == bytes([ProduceError.OK])
+                s.sendall(cut[: len(cut) // 2])
+                wait_until(lambda: gw._reserved > 0)
+                if how == "eof":
+                    s.shutdown(socket.SHUT_WR)
+                else:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.close()
+                wait_until(lambda: gw._reserved == 0)
+            assert len(consume_all(c, "a", 0)) == 2 * 700
+    finally:
+        gw.close()
