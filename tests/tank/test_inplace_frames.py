@@ -11,6 +11,8 @@ back.
 from __future__ import annotations
 
 import os
+import socket
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -249,3 +251,32 @@ def test_a_small_first_bundle_of_a_large_request_is_copied(gw: Gateway, monkeypa
         assert answer[4:6] == bytes([PRODUCE_OK, ProduceError.UNKNOWN_PARTITION]), answer
         assert values(consume_all(c, "small", 0)) == msgs
     assert [kind for kind, _ in seen] == ["copied"]
+
+
+@pytest.mark.timeout(60)
+def test_a_large_produce_cut_by_eof_or_reset_stores_nothing_and_gives_its_budget_back(tmp_path: Path) -> None:
+    # Received in place (readv into the frame's own buffer and the probe behind it), a frame
+    # the peer ends half way (EOF, then a reset) is dropped whole; a complete one before it
+    # on the same connection is stored and its reservation goes too.
+
+    gw = Gateway(tmp_path / "gw", NodeConfig(towers=()), listen=(HOST, 0))
+    try:
+        with TankClient(HOST, gw.tank_port) as c:
+            c.create_topic("a", 1)
+            whole = ProduceRequest(1, [ProduceTopic("a", [ProducePartition(0, _bundle(700, 150)[0])])]).encode()
+            cut = ProduceRequest(2, [ProduceTopic("a", [ProducePartition(0, _bundle(800, 150)[0])])]).encode()
+            for how in ("eof", "reset"):
+                s = connect_raw(gw.tank_port)
+                s.sendall(whole)
+                assert recv_frame(s)[1][4:] == bytes([ProduceError.OK])
+                s.sendall(cut[: len(cut) // 2])
+                wait_until(lambda: gw._reserved > 0)
+                if how == "eof":
+                    s.shutdown(socket.SHUT_WR)
+                else:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.close()
+                wait_until(lambda: gw._reserved == 0)
+            assert len(consume_all(c, "a", 0)) == 2 * 700
+    finally:
+        gw.close()

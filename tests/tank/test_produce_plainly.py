@@ -16,6 +16,7 @@ sending all to the general path: the same answers, the same records stored.
 
 from __future__ import annotations
 
+import random
 import struct
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,12 @@ from hypothesis import strategies as st
 
 from dafka.config import NodeConfig
 from dafka.fastio import _pure
+from dafka.gateway.connections import LogLimiter
 from dafka.store.block import HEADER_SIZE, decode_header, tank_seal
+from dafka.store.node import Store
 from dafka.tank.bundle import CODEC_NONE, CODEC_SNAPPY, encode_bundle
 from dafka.tank.client import TankClient
-from dafka.tank.gateway import Gateway
+from dafka.tank.gateway import MAX_LIVE_HELD_BYTES, Gateway, log
 from dafka.tank.mapping import PARTITIONS_TOPIC, TankPartition
 from dafka.tank.messages import (
     ProduceError,
@@ -40,6 +43,7 @@ from dafka.tank.messages import (
     ProduceTopic,
     ProduceTopicResult,
     ProduceWithSeqnumRequest,
+    decode_request,
 )
 from tests.tank.test_gateway import HOST, connect_raw, consume_all, recv_frame
 
@@ -327,3 +331,180 @@ def test_the_compiled_produce_stores_what_the_general_path_stores(tmp_path: Path
                                               bytes([ProduceError.UNKNOWN_TOPIC]),
                                               bytes([ProduceError.INVALID_SEQNUM])]
     assert [len(stored[k]) for k in sorted(stored)] == [700 + 2 + 700 + 2, 5, 3 + 4, 3 + 600]
+
+
+# ---------------------------------------------------------------- hostile and broken requests
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("plainly", [True, False], ids=["one call", "general path"])
+def test_a_seqnum_produce_of_a_sparse_bundle_with_a_gap_takes_no_offsets_it_is_not_given(
+        tmp_path: Path, plainly: bool) -> None:
+    # ProduceWithSeqnum's first seq 1 continues the empty partition, and the sparse bundle's
+    # last seq (2) is first + count - 1; but its header says it starts at 0: a block of
+    # offsets 0..2 for two records, the partition moved on by two only.  The next produce
+    # was then given offset 2 again (two blocks over one offset).
+    gw = Gateway(tmp_path / "gw", NodeConfig(towers=()), listen=(HOST, 0))
+    try:
+        if not plainly:
+            gw._produce_plainly = lambda conn, msg_id, payload: False  # type: ignore[method-assign]
+        with TankClient(HOST, gw.tank_port) as c:
+            c.create_topic("a", 1)
+            s = connect_raw(gw.tank_port)
+            try:
+                sparse = encode_bundle([(0, TS, None, b"s0"), (2, TS, None, b"s2")], sparse=True)
+                s.sendall(ProduceWithSeqnumRequest(1, [ProduceTopic("a", [ProducePartition(0, sparse, 1)])]).encode())
+                first = recv_frame(s)[1]
+                s.sendall(ProduceRequest(2, [ProduceTopic("a", [ProducePartition(0, encode_bundle(
+                    [(None, TS, None, b"next")]))])]).encode())
+                second = recv_frame(s)[1]
+            finally:
+                s.close()
+            stored = consume_all(c, "a", 0)
+    finally:
+        gw.close()
+    assert second[4:] == bytes([ProduceError.OK])
+    if first[4:] == bytes([ProduceError.OK]):
+        # Taken: every record answered OK is there, once, at offsets without overlap.
+        assert [r[3] for r in stored] == [b"s0", b"s2", b"next"]
+        seqs = [r[0] for r in stored]
+        assert seqs == sorted(set(seqs))
+    else:
+        assert first[4:] == bytes([ProduceError.INVALID_SEQNUM])
+        assert [r[3] for r in stored] == [b"next"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_sparse_bundle_whose_own_first_seq_is_not_the_requests_is_left_to_the_general_path(impl: Any) -> None:
+    sparse = encode_bundle([(0, TS, None, b"s0"), (2, TS, None, b"s2")], sparse=True)
+    _unchanged_by(impl, ProduceWithSeqnumRequest(1, [ProduceTopic("t", [ProducePartition(0, sparse, 1)])]))
+
+
+# ---------------------------------------------------------------- the one call against the general path itself
+
+
+class _General:
+    """What Gateway._on_produce reads and changes, nothing else (it runs as a method of this)."""
+
+    def __init__(self, offsets: dict[Any, int], live_keys: set[Any], live_held: int) -> None:
+        self.pmap = _Map()
+        self.storage_error = None
+        self._live_held = live_held
+        self._live_keys = live_keys
+        self.config = NodeConfig(towers=(), max_record_bytes=MAX)
+        self.records_too_large = 0
+        self._limited = LogLimiter(log)
+        self._to_publish: list[Any] = []
+        self._next_offset = dict(offsets)
+        self._blocks: list[Any] = []
+        self._blocks_held = self._blocks_bytes = 0
+        self._pending: list[Any] = []
+        self.written: list[bytes] = []
+
+    def _live(self, part: Any) -> bool:
+        return (part.topic, part.address) in self._live_keys
+
+    def queue_block(self, topic: str, partition: str, block: Any, records: int) -> None:
+        Store.queue_block(self, topic, partition, block, records)  # type: ignore[arg-type]
+
+    def _write(self, conn: Any, data: bytes) -> None:
+        self.written.append(data)
+
+
+class _Map:
+    def __init__(self) -> None:
+        self._topics = _table()
+
+    def partitions(self, topic: str) -> Any:
+        return self._topics.get(topic)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_requests(), st.booleans(), st.sampled_from([0, 30, 1 << 26]), st.booleans(),
+       st.sampled_from([None, 0, 2**64 - 1, 2**64 - 2, 2**63]))
+def test_what_the_one_call_takes_it_does_as_the_general_path(req: tuple[bytes, bool, dict[Any, int]], in_place: bool,
+                                                             live_room: int, live_t0: bool, big_offset: int | None) -> None:
+    payload, with_seq, offsets = req
+    if big_offset is not None:
+        offsets = {**offsets, ("t", "t0"): big_offset}
+    live = {("t", "t0")} if live_t0 else {("t", "t1"), ("u", "u0")}
+    for impl in [i.values[0] for i in IMPLS if not i.marks or HAVE_COMPILED]:
+        run = Run(impl, payload, with_seq, offsets, live, live_room, in_place)
+        event("left to the general path" if run.result is None else "taken")
+        if run.result is None:
+            continue
+        needs, answer, records, held, live_bytes = run.result
+        general = _General(offsets, live, MAX_LIVE_HELD_BYTES - live_room)
+        buf = bytearray(52) + bytearray(payload)
+        view: Any = memoryview(buf)[52:] if in_place else payload
+        Gateway._on_produce(general, None, decode_request(5 if with_seq else 1, view))  # type: ignore[arg-type]
+        assert [(t, p, bytes(b)) for t, p, b in general._blocks] == [(t, p, bytes(b)) for t, p, b in run.blocks]
+        assert [type(b) for _t, _p, b in general._blocks] == [type(b) for _t, _p, b in run.blocks]
+        assert general._next_offset == run.offsets
+        assert general._to_publish == run.publish
+        assert general._blocks_held == records and general._blocks_bytes == held
+        assert general._live_held - (MAX_LIVE_HELD_BYTES - live_room) == live_bytes
+        assert bytes(buf) == bytes(run.buf)  # the same header sealed in place
+        if needs:
+            assert [(p.answer, p.needs) for p in general._pending] == [(answer, needs)] and not general.written
+        else:
+            assert general.written == [answer] and not general._pending
+
+
+def _random_requests(rng: random.Random, topic: str) -> list[Any]:
+    """Pipelined produces of every size (received in place or not), duplicated partitions,
+    seqs right and wrong, unknown partitions, sparse bundles."""
+    reqs: list[Any] = []
+    hwm = {0: 0, 1: 0}  # what a client that knows the partitions would send as first seqs
+    for req_id in range(1, rng.randint(3, 9)):
+        with_seq = rng.random() < 0.3
+        parts = []
+        for _ in range(rng.randint(0, 3)):
+            pid = rng.choice([0, 0, 1, 1, 5])
+            n = rng.choice([1, 3, 40, 700, 2000])
+            size = rng.choice([10, 150])
+            seq = None
+            sparse_from = None
+            if with_seq:
+                seq = hwm.get(pid, 0) + 1 if rng.random() < 0.8 else rng.choice([0, 2**64 - 1, 7])
+            elif rng.random() < 0.2:
+                sparse_from = hwm.get(pid, 0) + 1 if rng.random() < 0.7 else 1000
+            if pid in hwm and (seq is None or seq == hwm[pid] + 1) and sparse_from in (None, hwm[pid] + 1):
+                hwm[pid] += n
+            parts.append(ProducePartition(pid, _bundle(n, size, rng.choice([None, CODEC_NONE]), sparse_from), seq))
+        cls = ProduceWithSeqnumRequest if with_seq else ProduceRequest
+        reqs.append(cls(req_id, [ProduceTopic(topic, parts)] if parts or rng.random() < 0.5 else []))
+    return reqs
+
+
+@pytest.mark.timeout(240)
+def test_pipelined_produces_split_anywhere_store_and_answer_as_the_general_path(tmp_path: Path) -> None:
+    fast = Gateway(tmp_path / "fast", NodeConfig(towers=()), listen=(HOST, 0))
+    general = Gateway(tmp_path / "general", NodeConfig(towers=()), listen=(HOST, 0))
+    general._produce_plainly = lambda conn, msg_id, payload: False  # type: ignore[method-assign]
+    try:
+        for seed in range(40):
+            rng = random.Random(seed)
+            topic = f"s{seed}"
+            reqs = _random_requests(rng, topic)
+            blob = b"".join(r.encode() for r in reqs)
+            cuts = sorted(rng.sample(range(1, len(blob)), min(len(blob) - 1, rng.randint(0, 12))))
+            got = []
+            for gw in (fast, general):
+                with TankClient(HOST, gw.tank_port) as c:
+                    c.create_topic(topic, 2)
+                    s = connect_raw(gw.tank_port)
+                    try:
+                        prev = 0
+                        for cut in [*cuts, len(blob)]:
+                            s.sendall(blob[prev:cut])
+                            prev = cut
+                        answers = sorted((recv_frame(s) for _ in reqs), key=lambda a: a[1][:4][::-1])
+                    finally:
+                        s.close()
+                    stored = [consume_all(c, topic, p) for p in (0, 1)]
+                got.append((answers, stored))
+            assert got[0] == got[1], seed
+    finally:
+        fast.close()
+        general.close()
