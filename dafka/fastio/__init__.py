@@ -15,6 +15,7 @@ import os
 import warnings
 
 from dafka.fastio import _pure
+from dafka.tank.codec import FrameBuffer as _FrameBuffer
 
 log = logging.getLogger("dafka.fastio")
 
@@ -32,7 +33,7 @@ def _load() -> tuple[object, str]:
         return _pure, f"the compiled extension does not load ({exc})"
     missing = [name for name in ("drain_records", "drain_pairs", "drain_blocks", "send_records", "send_batches", "send_values", "recv_messages", "events", "send_frames",
                                      "store_blocks", "block_slice", "fetch_blocks", "tank_scan", "tank_values",
-                                     "new_bytearray", "view_start", "tank_produce")
+                                     "new_bytearray", "view_start", "tank_produce", "FrameBuffer")
                if not hasattr(_compiled, name)]
     if missing:  # built from an older source: rebuild it
         return _pure, f"the compiled extension is out of date (no {', '.join(missing)}); rebuild it"
@@ -69,6 +70,16 @@ tank_values = _impl.tank_values  # type: ignore[attr-defined]
 new_bytearray = _impl.new_bytearray  # type: ignore[attr-defined]
 view_start = _impl.view_start  # type: ignore[attr-defined]
 tank_produce = _impl.tank_produce  # type: ignore[attr-defined]
+
+
+def _frame_buffer() -> type[_FrameBuffer]:
+    if COMPILED:
+        return _impl.FrameBuffer  # type: ignore[attr-defined,no-any-return]
+    return _FrameBuffer
+
+
+#: Tank frames from a byte stream (:class:`dafka.tank.codec.FrameBuffer`), compiled when built.
+FrameBuffer: type[_FrameBuffer] = _frame_buffer()
 
 _warned = False
 

@@ -1798,7 +1798,7 @@ cdef enum:
 
 
 cdef class FrameBuffer:
-    """See :class:`dafka.tank.codec.PyFrameBuffer` (same methods, same results)."""
+    """See :class:`dafka.tank.codec.FrameBuffer` (same methods, same results)."""
 
     cdef readonly bytearray _buf  # (tests look)
     cdef object _ready
@@ -1866,7 +1866,7 @@ cdef class FrameBuffer:
 
     cdef int _extract(self) except -1:
         """Complete frames of the byte buffer to the ready ones (each payload copied once);
-        stops, without raising, at a header over the limit (see PyFrameBuffer._extract)."""
+        stops, without raising, at a header over the limit (see dafka.tank.codec.FrameBuffer._extract)."""
         cdef Py_ssize_t size = PyByteArray_GET_SIZE(self._buf), pos = 0, length, stop
         cdef const unsigned char *p = <const unsigned char *>PyByteArray_AS_STRING(self._buf)
         while size - pos >= _FRAME_HEADER:
@@ -1965,7 +1965,7 @@ cdef class FrameBuffer:
             yield frame
 
     def recv(self, sock, bint direct, Py_ssize_t min_length, Py_ssize_t probe, Py_ssize_t size):
-        """See :meth:`dafka.tank.codec.PyFrameBuffer.recv`: the same, by the C library's
+        """See :meth:`dafka.tank.codec.FrameBuffer.recv`: the same, by the C library's
         ``readv`` on the socket's descriptor, into the frame's own buffer and the tail of the
         byte buffer (no bytes object in between)."""
         if type(sock) is not _plain_socket:

@@ -237,9 +237,10 @@ def parse_frame_header(
     return msg_id, length
 
 
-class PyFrameBuffer:
-    """Reassemble frames from a byte stream, sans-IO (the pure-Python twin of the compiled
-    :class:`FrameBuffer`, which is used when it is built: see the end of this module).
+class FrameBuffer:
+    """Reassemble frames from a byte stream, sans-IO.  (The Tank gateway reads with its
+    compiled twin, :data:`dafka.fastio.FrameBuffer`, when it is built: same methods, same
+    results; tests/tank/test_codec.py runs both.)
 
     ``feed()`` whatever the socket gave, then call ``next_frame()`` until it
     returns None.  A frame announcing more than ``max_frame_size`` bytes
@@ -465,18 +466,3 @@ class PyFrameBuffer:
         if data:
             self.feed(data)
         return len(data), want
-
-
-def _compiled_frame_buffer() -> type[PyFrameBuffer] | None:
-    from dafka import fastio
-
-    if not fastio.COMPILED:
-        return None
-    from dafka.fastio import _compiled  # type: ignore[attr-defined]
-
-    return getattr(_compiled, "FrameBuffer", None)  # type: ignore[no-any-return]
-
-
-#: The frame reassembler: the compiled one when it is built (same methods, same results:
-#: tests/tank/test_codec.py runs both), else :class:`PyFrameBuffer`.
-FrameBuffer: type[PyFrameBuffer] = _compiled_frame_buffer() or PyFrameBuffer

@@ -52,7 +52,14 @@ import zmq
 from dafka.config import NodeConfig
 from dafka.core import wire
 from dafka.errors import ProtocolError
-from dafka.fastio import new_bytearray, send_frames, tank_produce, tank_scan, view_start
+from dafka.fastio import (
+    FrameBuffer,
+    new_bytearray,
+    send_frames,
+    tank_produce,
+    tank_scan,
+    view_start,
+)
 from dafka.gateway.connections import (
     Connection,
     LogLimiter,
@@ -79,7 +86,7 @@ from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.node import Store
 from dafka.store.pipeline import Block
 from dafka.store.reader import block_values
-from dafka.tank.codec import FrameBuffer, encode_varint
+from dafka.tank.codec import encode_varint
 from dafka.tank.limits import SMALL_REQUEST, GatewayLimits, answer_budget, slowest_holder, too_slow
 from dafka.tank.mapping import (
     FILE_NAME,

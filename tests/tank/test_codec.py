@@ -14,7 +14,6 @@ from dafka.tank.codec import (
     MAX_FRAME_SIZE,
     MAX_VARINT,
     FrameBuffer,
-    PyFrameBuffer,
     Reader,
     decode_text,
     decode_varint,
@@ -31,7 +30,8 @@ try:
 except ImportError:  # not built: the pure twin alone
     CompiledFrameBuffer = None
 
-# Every frame buffer test runs on both twins (FrameBuffer is the compiled one when it is built).
+# Every frame buffer test runs on both twins: this module's (pure) and the compiled one.
+PyFrameBuffer = FrameBuffer
 FRAME_BUFFERS = [pytest.param(PyFrameBuffer, id="pure"),
                  pytest.param(CompiledFrameBuffer, id="compiled",
                               marks=pytest.mark.skipif(CompiledFrameBuffer is None, reason="compiled extension not built"))]
@@ -441,7 +441,7 @@ def test_the_compiled_frame_buffer_is_the_one_used_when_built() -> None:
     from dafka import fastio
 
     if CompiledFrameBuffer is None or not fastio.COMPILED:  # (not built, or DAFKA_NO_EXTENSIONS)
-        assert FrameBuffer is PyFrameBuffer
+        assert fastio.FrameBuffer is FrameBuffer
     else:
-        assert FrameBuffer is CompiledFrameBuffer
+        assert fastio.FrameBuffer is CompiledFrameBuffer
         assert CompiledFrameBuffer().max_frame_size == PyFrameBuffer().max_frame_size == MAX_FRAME_SIZE

@@ -1,5 +1,5 @@
 """Reading Tank frames from a socket: the compiled FrameBuffer and its pure twin
-(``codec.PyFrameBuffer``) over real TCP, whatever the splits, and against hostile or broken
+(``dafka.tank.codec.FrameBuffer``) over real TCP, whatever the splits, and against hostile or broken
 peers; any sequence of calls gives the same results in both.  (The unit tests of either are in
 test_codec.py.)"""
 
@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dafka.errors import ProtocolError
-from dafka.tank.codec import PyFrameBuffer, encode_frame
+from dafka.tank.codec import FrameBuffer as PyFrameBuffer
+from dafka.tank.codec import encode_frame
 from tests.tank.test_gateway import HOST
 
 try:

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from dafka.errors import ProtocolError
 from dafka.tank.bundle import decode_bundle, encode_bundle, encode_chunk
-from dafka.tank.codec import FrameBuffer, PyFrameBuffer, encode_frame
+from dafka.tank.codec import FrameBuffer, encode_frame
+from dafka.tank.codec import FrameBuffer as PyFrameBuffer
 from dafka.tank.messages import (
     PRODUCE_PARTITION_ERRORS,
     PRODUCE_TOPIC_ERRORS,
