@@ -1569,11 +1569,18 @@ def drain_blocks(sock, int limit, dict by_prefix, list blocks, ts, on_record, on
 
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 
+from dafka.store.block import CODEC_TANK as _BLOCK_CODEC_TANK
+from dafka.store.block import COMPRESSION_SNAPPY as _BLOCK_COMPRESSION_SNAPPY
 from dafka.store.block import HEADER_SIZE as _BLOCK_HEADER_SIZE
 
 cdef enum:
     _CODEC_TANK = 2
     _COMPRESSION_SNAPPY = 2
+
+# The block header is written here by hand (_seal_tank, _seal_store_block): a layout changed in
+# dafka.store.block and not here makes this module refuse to load (fastio then runs pure).
+if (_BLOCK_HEADER_SIZE, _BLOCK_CODEC_TANK, _BLOCK_COMPRESSION_SNAPPY) != (_HEADER_SIZE, _CODEC_TANK, _COMPRESSION_SNAPPY):
+    raise ImportError("dafka.fastio._compiled does not match dafka.store.block's block header: rebuild it")
 
 
 cdef inline object _utf8_or_none(const unsigned char *p, Py_ssize_t n):
