@@ -726,34 +726,8 @@ def tank_values(bundle: Any, skip: int, n: int) -> list[bytes]:
     return out
 
 
-_PRODUCE_START = struct.Struct("<HIB")  # version, request id, client id length
-_PRODUCE_ACKS = struct.Struct("<BIB")  # acks, ack timeout, topic count
-_LE16 = struct.Struct("<H")
-_LE64 = struct.Struct("<Q")
 _PRODUCE_ANSWER = struct.Struct("<BII")  # frame msg id, payload length, request id
 _U64_LIMIT = (1 << 64) - 1
-
-
-def _plain_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int] | None:
-    """A bundle length: an unsigned LEB128 varint of at most 5 bytes and 32 bits (None: not so)."""
-    value = shift = 0
-    for _ in range(5):
-        if pos >= end:
-            return None
-        b = buf[pos]
-        pos += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return (value, pos) if value <= 0xFFFFFFFF else None
-        shift += 7
-    return None
-
-
-def _utf8(raw: memoryview) -> str | None:
-    try:
-        return bytes(raw).decode()
-    except UnicodeDecodeError:
-        return None
 
 
 def tank_produce(payload: Any, with_seq: bool, topics: dict[str, list[Any]], next_offset: dict[Any, int],
@@ -778,57 +752,25 @@ def tank_produce(payload: Any, with_seq: bool, topics: dict[str, list[Any]], nex
     request that is not plainly well formed): the caller's general path decides.
     """
     from dafka.store.block import HEADER_SIZE, tank_seal, tank_seal_in_place, tank_span
+    from dafka.tank.messages import ProduceRequest, ProduceWithSeqnumRequest
 
-    buf = memoryview(payload) if type(payload) is not memoryview else payload
-    end = len(buf)
-    if end < 7:
+    cls = ProduceWithSeqnumRequest if with_seq else ProduceRequest
+    try:
+        req = cls._decode_plain(payload)  # the gateway's own plain decoder: what it cannot take is not common
+    except (IndexError, ValueError, struct.error, ProtocolError):
         return None
-    _version, req_id, n = _PRODUCE_START.unpack_from(buf, 0)
-    pos = 7 + n
-    if pos + 6 > end or _utf8(buf[7:pos]) is None:  # (the client id, not used)
-        return None
-    topic_count = _PRODUCE_ACKS.unpack_from(buf, pos)[2]
-    pos += 6
     plan: list[tuple[Any, Any, tuple[Any, ...], int | None]] = []
     partitions = 0
-    for _ in range(topic_count):
-        if pos >= end:
-            return None
-        n = buf[pos]
-        pos += 1
-        if pos + n + 1 > end:
-            return None
-        name = _utf8(buf[pos:pos + n])
-        pos += n
-        if name is None or name == reserved:
-            return None
-        parts = topics.get(name)
+    for t in req.topics:
+        parts = topics.get(t.name) if t.name != reserved else None
         if parts is None:
             return None
-        count = buf[pos]
-        pos += 1
-        partitions += count
-        for _ in range(count):
-            if pos + 2 > end:
-                return None
-            pid = _LE16.unpack_from(buf, pos)[0]
-            got = _plain_varint(buf, pos + 2, end)
-            if got is None:
-                return None
-            size, pos = got
-            first_seq = None
-            if with_seq:
-                if pos + 8 > end:
-                    return None
-                first_seq = _LE64.unpack_from(buf, pos)[0]
-                pos += 8
-            if size > end - pos:
-                return None
-            part = parts[pid] if pid < len(parts) else None
+        partitions += len(t.partitions)
+        for p in t.partitions:
+            part = parts[p.partition] if p.partition < len(parts) else None
             if part is None or not part.owned:
                 return None
-            bundle = payload[pos:pos + size]
-            pos += size
+            bundle = p.bundle
             want = live_room > 0 and bool(live(part))
             try:
                 scan = tank_scan(bundle, max_record_bytes, budget, want)
@@ -836,9 +778,7 @@ def tank_produce(payload: Any, with_seq: bool, topics: dict[str, list[Any]], nex
                 return None
             if scan[6] is not None:
                 live_room -= sum(map(len, scan[6]))
-            plan.append((part, bundle, scan, first_seq if with_seq else scan[2]))
-    if pos != end:
-        return None
+            plan.append((part, bundle, scan, p.first_seq if with_seq else scan[2]))
     # Every seq checked and every offset in range before anything is changed or sealed (a
     # header sealed in place overwrites the request's fields).
     ahead: dict[Any, int] = {}
@@ -876,5 +816,5 @@ def tank_produce(payload: Any, with_seq: bool, topics: dict[str, list[Any]], nex
         at += scan[1]
         next_offset[key] = at
         needs[key] = at - 1
-    answer = _PRODUCE_ANSWER.pack(1, 4 + partitions, req_id) + bytes(partitions)
+    answer = _PRODUCE_ANSWER.pack(1, 4 + partitions, req.req_id) + bytes(partitions)
     return needs, answer, records, held, live_bytes
