@@ -1648,7 +1648,7 @@ def tank_produce(payload, bint with_seq, dict topics, dict next_offset, Py_ssize
     cdef tuple scan, entry
     cdef dict ahead, needs
     cdef bint want
-    cdef Py_ssize_t records = 0, held = 0, live_bytes = 0
+    cdef Py_ssize_t records = 0, live_bytes = 0
     cdef bytes answer
     cdef unsigned char *a
     try:
@@ -1740,7 +1740,6 @@ def tank_produce(payload, bint with_seq, dict topics, dict next_offset, Py_ssize
             key = (part.topic, part.address)
             at = next_offset.get(key, 0)
             block = _seal_tank(bundle, scan, <uint64_t>at, start if i == 0 else -1)
-            held += len((<memoryview>block).obj) if i == 0 and start >= 0 else PyBytes_GET_SIZE(block)
             blocks.append((part.topic, part.address, block))
             records += <Py_ssize_t>scan[1]
             if scan[6] is not None:
@@ -1762,7 +1761,7 @@ def tank_produce(payload, bint with_seq, dict topics, dict next_offset, Py_ssize
         a[7] = <unsigned char>((req_id >> 16) & 0xFF)
         a[8] = <unsigned char>(req_id >> 24)
         memset(a + 9, 0, partitions)  # every partition OK
-        return needs, answer, records, held, live_bytes
+        return needs, answer, records, live_bytes
     finally:
         PyBuffer_Release(&view)
 

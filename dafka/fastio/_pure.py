@@ -732,7 +732,7 @@ _U64_LIMIT = (1 << 64) - 1
 
 def tank_produce(payload: Any, with_seq: bool, topics: dict[str, list[Any]], next_offset: dict[Any, int],
                  max_record_bytes: int, budget: int, live: Callable[[Any], bool], live_room: int,
-                 blocks: list[Any], publish: list[Any], reserved: str) -> tuple[dict[Any, int], bytes, int, int, int] | None:
+                 blocks: list[Any], publish: list[Any], reserved: str) -> tuple[dict[Any, int], bytes, int, int] | None:
     """The Tank gateway's produce request in one call, where it is the common one: every
     partition it names exists and is owned (``topics``: the partitions of each topic by id;
     ``reserved``: a topic never written here), every bundle is well formed and within the
@@ -744,9 +744,9 @@ def tank_produce(payload: Any, with_seq: bool, topics: dict[str, list[Any]], nex
     address, block)``; a partition ``live`` says is read on the mesh (while ``live_room``
     content bytes are left) also gets ``(key, first offset, contents)`` in ``publish``.
 
-    Returns ``(needs, answer, records, held, live bytes)``: the head each partition must
-    reach before ``answer`` (the whole produce response frame, every partition OK) goes,
-    the records and buffer bytes the blocks hold, the content bytes put in ``publish``.
+    Returns ``(needs, answer, records, live bytes)``: the head each partition must reach
+    before ``answer`` (the whole produce response frame, every partition OK) goes, the
+    records the blocks hold, the content bytes put in ``publish``.
     None, with nothing changed and nothing written: anything else (an unknown or
     not-owned partition, a malformed or refused bundle, a seq that does not continue, a
     request that is not plainly well formed): the caller's general path decides.
@@ -797,17 +797,15 @@ def tank_produce(payload: Any, with_seq: bool, topics: dict[str, list[Any]], nex
         if type(first_bundle) is memoryview and 2 * len(first_bundle) >= len(first_bundle.obj):  # type: ignore[arg-type]
             start = view_start(first_bundle)
     needs: dict[Any, int] = {}
-    records = held = live_bytes = 0
+    records = live_bytes = 0
     for i, (part, bundle, scan, _first) in enumerate(plan):
         key = (part.topic, part.address)
         at = next_offset.get(key, 0)
         block: bytes | memoryview
         if i == 0 and start >= HEADER_SIZE:
             block = tank_seal_in_place(bundle, start, scan, at)
-            held += len(block.obj)  # type: ignore[arg-type]  # (it keeps the request's buffer)
         else:
             block = tank_seal(bundle, scan, at)
-            held += len(block)
         blocks.append((part.topic, part.address, block))
         records += scan[1]
         if scan[6] is not None:
@@ -817,4 +815,4 @@ def tank_produce(payload: Any, with_seq: bool, topics: dict[str, list[Any]], nex
         next_offset[key] = at
         needs[key] = at - 1
     answer = _PRODUCE_ANSWER.pack(1, 4 + partitions, req.req_id) + bytes(partitions)
-    return needs, answer, records, held, live_bytes
+    return needs, answer, records, live_bytes

@@ -398,9 +398,14 @@ class Store(PartitionReader):
     def queue_block(self, topic: str, partition: str, block: bytes | memoryview, records: int) -> None:
         """Queue a ready-made block (validated by its maker, offsets in its header) for the
         next commit (:meth:`dafka.store.db.RecordDB.append_blocks`); ``records`` it holds."""
-        self._blocks.append((topic, partition, block))
+        self.queue_blocks([(topic, partition, block)], records)
+
+    def queue_blocks(self, blocks: list[_Block], records: int) -> None:
+        """Queue ready-made ``(topic, partition, block)`` entries (see :meth:`queue_block`);
+        ``records`` they hold in all."""
+        self._blocks.extend(blocks)
         self._blocks_held += records
-        self._blocks_bytes += _held_bytes(block)
+        self._blocks_bytes += sum(_held_bytes(b[2]) for b in blocks)
 
     def heads(self) -> dict[tuple[str, str], int]:
         """Committed head per (topic, partition)."""
@@ -1031,11 +1036,8 @@ class Store(PartitionReader):
         hdr = VALUE_HEADER.pack(ts, 0)
         values = [hdr + content for _seq, content in records]
         n = len(values)
-        made = [(subject, partition, block) for _key, block in fastio.store_blocks(values, 0, n, pid, records[0][0],
-                                                                                   BLOCK_BYTES, -1)]
-        self._blocks.extend(made)
-        self._blocks_held += n
-        self._blocks_bytes += sum(_held_bytes(b[2]) for b in made)
+        self.queue_blocks([(subject, partition, block) for _key, block in fastio.store_blocks(
+            values, 0, n, pid, records[0][0], BLOCK_BYTES, -1)], n)
 
     def read_data(self, sock: zmq.Socket, prefixes: dict[bytes, Any] | None) -> None:
         # The hot path: the next records of known partitions join the batch

@@ -874,16 +874,16 @@ class Gateway(Store):
         general path (:meth:`_on_produce`) decides."""
         if self.storage_error is not None:
             return False
+        made: list[Block] = []
         done = tank_produce(
             payload, msg_id == MsgId.PRODUCE_WITH_SEQNUM, self.pmap.by_topic, self._next_offset,
             self.config.max_record_bytes, INFLATE_BUDGET, self._live, MAX_LIVE_HELD_BYTES - self._live_held,
-            self._blocks, self._to_publish, PARTITIONS_TOPIC,
+            made, self._to_publish, PARTITIONS_TOPIC,
         )
         if done is None:
             return False
-        needs, answer, records, held, live_bytes = done
-        self._blocks_held += records  # (what queue_block counts, for the blocks it queued)
-        self._blocks_bytes += held
+        needs, answer, records, live_bytes = done
+        self.queue_blocks(made, records)
         self._live_held += live_bytes  # given back when published
         if needs:
             self._pending.append(_PendingProduce(conn, answer, needs))
