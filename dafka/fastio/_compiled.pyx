@@ -1590,6 +1590,27 @@ cdef inline object _utf8_or_none(const unsigned char *p, Py_ssize_t n):
         return None
 
 
+cdef inline bint _bundle_length(const unsigned char *buf, Py_ssize_t *pos, Py_ssize_t end,
+                                uint64_t *out) noexcept:
+    """As :func:`dafka.fastio._pure._plain_varint`: False when it is not a plain one."""
+    cdef uint64_t v = 0
+    cdef int shift = 0, k
+    cdef unsigned char b
+    for k in range(5):
+        if pos[0] >= end:
+            return False
+        b = buf[pos[0]]
+        pos[0] += 1
+        v |= <uint64_t>(b & 0x7F) << shift
+        if b < 0x80:
+            if v > 0xFFFFFFFF:
+                return False
+            out[0] = v
+            return True
+        shift += 7
+    return False
+
+
 cdef object _seal_tank(object bundle, tuple scan, uint64_t first, Py_ssize_t start):
     """A Tank block of ``bundle`` (walked: ``scan``) at offset ``first``: a copy behind its
     header, or, ``start`` >= 0, its header written into the bytearray it views, in the
@@ -1684,11 +1705,7 @@ def tank_produce(payload, bint with_seq, dict topics, dict next_offset, Py_ssize
                     return None
                 pid = buf[pos] | buf[pos + 1] << 8
                 pos += 2
-                try:
-                    size = _tank_varint(buf, &pos, end)  # (at most 5 bytes)
-                except ProtocolError:
-                    return None
-                if size > 0xFFFFFFFF:  # (as the checked reader: a length is 32 bits)
+                if not _bundle_length(buf, &pos, end, &size):
                     return None
                 seq = None
                 if with_seq:
