@@ -1592,7 +1592,8 @@ cdef inline object _utf8_or_none(const unsigned char *p, Py_ssize_t n):
 
 cdef inline bint _bundle_length(const unsigned char *buf, Py_ssize_t *pos, Py_ssize_t end,
                                 uint64_t *out) noexcept:
-    """As :func:`dafka.fastio._pure._plain_varint`: False when it is not a plain one."""
+    """A bundle length as the plain decoder reads it (at most 5 bytes, 32 bits): False when
+    it is not one.  (Not _tank_varint in a try: a request took about 1 µs longer so, measured.)"""
     cdef uint64_t v = 0
     cdef int shift = 0, k
     cdef unsigned char b

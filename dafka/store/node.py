@@ -403,9 +403,12 @@ class Store(PartitionReader):
     def queue_blocks(self, blocks: list[_Block], records: int) -> None:
         """Queue ready-made ``(topic, partition, block)`` entries (see :meth:`queue_block`);
         ``records`` they hold in all."""
-        self._blocks.extend(blocks)
+        self._blocks += blocks
         self._blocks_held += records
-        self._blocks_bytes += sum(_held_bytes(b[2]) for b in blocks)
+        held = self._blocks_bytes
+        for entry in blocks:  # (a loop, not sum() of a generator: once a Tank produce)
+            held += _held_bytes(entry[2])
+        self._blocks_bytes = held
 
     def heads(self) -> dict[tuple[str, str], int]:
         """Committed head per (topic, partition)."""
