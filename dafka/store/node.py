@@ -180,6 +180,8 @@ class Store(PartitionReader):
 
     kind = "store"
     holds_records = True
+    # Partitions whose producer is this very node (a gateway's own; see _on_committed).
+    _self_produced: Collection[tuple[str, str]] = ()
 
     def interest(self) -> beacon.Interest:
         """Everyone: a store hears every producer and consumer, and the other stores."""
@@ -753,8 +755,11 @@ class Store(PartitionReader):
         if fills or skips:
             self._on_holes_changed(filled)
         # Partitions of leaves connected here get their ACK on the leaf port: none
-        # on the mesh (nobody there reads it), nor a STORE-STATUS.
+        # on the mesh (nobody there reads it), nor a STORE-STATUS.  Those this node
+        # produces itself (a gateway's own) get no ACK either: only their producer
+        # subscribes to it, and that is us.
         leaf_served = self.leaves.sessions() if self.leaves is not None else ()
+        own = self._self_produced
         self._status_keys.update(k for k in heads if k not in leaf_served)
         if self._refused:
             for key in heads:
@@ -766,14 +771,14 @@ class Store(PartitionReader):
             if self.ready_pairs and key not in self._pids:
                 self._learn_pid(key)
             # One cumulative ACK per partition per commit, after the commit.
-            if key not in leaf_served:
+            if key not in leaf_served and key not in own:
                 self._unsent_acks[key] = head
         if fills:
             # Records written into holes may let an ACK capped below them move on
             # (see dafka.store.holes): the producer hears at once, not at its next HEAD.
             for key in {(f[0], f[1]) for f in fills}:
                 head = self._heads.get(key)
-                if head is not None and key not in heads and key not in leaf_served:
+                if head is not None and key not in heads and key not in leaf_served and key not in own:
                     self._unsent_acks[key] = max(head, self._unsent_acks.get(key, -1))
         self._send_acks()
         if self.leaves is not None:

@@ -234,6 +234,7 @@ class Gateway(Store):
         self.map_path = os.path.join(rdb.path, FILE_NAME)
         self.pmap = PartitionMap.load(self.map_path)
         self._owned = {(p.topic, p.address): p for p in self.pmap.owned()}
+        self._self_produced = self._owned  # (the same dict: partitions created later count)
         self.compress = compress
         self.started_at = time.time()
         self._conns: dict[socket.socket, _Conn] = {}
