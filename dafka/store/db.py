@@ -321,6 +321,10 @@ def _keep_freed_heap() -> None:
         log.debug("mallopt(M_TRIM_THRESHOLD) refused")
 
 
+class _NotPlain(Exception):
+    """Raised in :meth:`RecordDB._append_blocks_plainly`'s transaction: not its case (aborted)."""
+
+
 class _Dbs(NamedTuple):
     """Handles of the four sub-databases."""
 
@@ -910,7 +914,71 @@ class RecordDB:
         """
         if not blocks:
             return {}
+        if not skips:
+            heads = self._append_blocks_plainly(blocks, gate)
+            if heads is not None:
+                return heads
         return self._append_units([], skips, rejected, gate=gate, blocks=blocks)
+
+    def _append_blocks_plainly(
+        self,
+        blocks: Sequence[tuple[str, str, bytes | memoryview]],
+        gate: AbstractContextManager[Any] | None,
+    ) -> dict[tuple[str, str], int] | None:
+        """:meth:`append_blocks`' common case in a lean transaction: every header well formed,
+        every partition stored already, and its blocks, in the order given, continuing its head
+        exactly (a Tank produce's blocks).  None when anything else is met, nothing written: the
+        general path (:meth:`_append_units`) decides then, refusals and all.
+
+        The general path's partition states, refusal bookkeeping and per-partition dicts cost
+        the Tank gateway's inline commit about a tenth of its publish rate (measured)."""
+        runs: dict[tuple[str, str], list[tuple[BlockHeader, bytes | memoryview]]] = {}
+        for topic, partition, block in blocks:
+            try:
+                hdr = decode_header(block)
+            except (ProtocolError, TypeError, struct.error):
+                return None
+            tp = (topic, partition)
+            run = runs.get(tp)
+            if run is None:
+                runs[tp] = [(hdr, block)]
+            else:
+                run.append((hdr, block))
+        pack_key, pack_info, unpack_info = BLOCK_KEY.pack, PARTITION_INFO.pack, PARTITION_INFO.unpack
+
+        def body(txn: lmdb.Transaction) -> dict[tuple[str, str], int]:
+            dbs = self._dbs
+            assert dbs is not None
+            parts_db = dbs.partitions
+            heads: dict[tuple[str, str], int] = {}
+            entries: list[tuple[bytes, bytes | memoryview]] = []
+            for tp, run in runs.items():
+                pkey = self._pkey(*tp)
+                raw = txn.get(pkey, db=parts_db)
+                if raw is None:
+                    raise _NotPlain
+                pid, first, last, count, nbytes = unpack_info(raw)
+                for hdr, block in run:
+                    if hdr.first_offset != last + 1:
+                        raise _NotPlain  # a duplicate, an overlap or a gap
+                    if count == 0:
+                        first = hdr.first_offset  # emptied by retention
+                    count += hdr.record_count
+                    nbytes += block_payload(hdr, block)
+                    last = hdr.last_offset
+                    entries.append((pack_key(pid, hdr.first_offset), block))
+                txn.put(pkey, pack_info(pid, first, last, count, nbytes), db=parts_db)
+                heads[tp] = last
+            if len(runs) > 1:
+                entries.sort(key=itemgetter(0))  # (pid, offset) keys: the general path's order
+            self._put_blocks(txn, dbs, entries, gate)
+            return heads
+
+        try:
+            with self._write_lock:
+                return self._write(body)
+        except _NotPlain:
+            return None
 
     def _append_units(
         self,
@@ -1084,23 +1152,33 @@ class RecordDB:
                 blocks.extend(ready.get(pid, ()))
                 blocks.extend(given.get(pid, ()))
         if blocks:  # (none when every ready-made block was stored already: see _account_blocks)
-            cur = txn.cursor(db=dbs.blocks)
-            tail = cur.key() if cur.last() else b""
-            # MDB_APPEND is only valid past the last key of the whole table (the newest
-            # partition's blocks); older partitions get no-overwrite puts.
-            split = bisect.bisect_right(blocks, tail, key=itemgetter(0)) if blocks[0][0] <= tail else 0
-            added = 0
-            with gate if gate is not None else nullcontext():
-                if split:
-                    added += cur.putmulti(blocks[:split], overwrite=False)[1]
-                if split < len(blocks):
-                    added += cur.putmulti(blocks if not split else blocks[split:], append=True)[1]
-            if added != len(blocks):
-                raise StorageError(
-                    f"{self.path}: {len(blocks) - added} blocks already present past a head "
-                    "(database inconsistent)"
-                )
+            self._put_blocks(txn, dbs, blocks, gate)
         return {tp: st.last for tp, st in states.items()}, dups
+
+    def _put_blocks(
+        self,
+        txn: lmdb.Transaction,
+        dbs: _Dbs,
+        blocks: Sequence[tuple[bytes, bytes | memoryview]],
+        gate: AbstractContextManager[Any] | None,
+    ) -> None:
+        """Put ``(key, block)`` entries, sorted by key, none present yet."""
+        cur = txn.cursor(db=dbs.blocks)
+        tail = cur.key() if cur.last() else b""
+        # MDB_APPEND is only valid past the last key of the whole table (the newest
+        # partition's blocks); older partitions get no-overwrite puts.
+        split = bisect.bisect_right(blocks, tail, key=itemgetter(0)) if blocks[0][0] <= tail else 0
+        added = 0
+        with gate if gate is not None else nullcontext():
+            if split:
+                added += cur.putmulti(blocks[:split], overwrite=False)[1]
+            if split < len(blocks):
+                added += cur.putmulti(blocks if not split else blocks[split:], append=True)[1]
+        if added != len(blocks):
+            raise StorageError(
+                f"{self.path}: {len(blocks) - added} blocks already present past a head "
+                "(database inconsistent)"
+            )
 
     def _append_pair_runs(
         self,
