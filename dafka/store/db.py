@@ -322,7 +322,7 @@ def _keep_freed_heap() -> None:
 
 
 class _NotPlain(Exception):
-    """Raised in :meth:`RecordDB._append_blocks_plainly`'s transaction: not its case (aborted)."""
+    """Raised in :meth:`RecordDB.append_plain_blocks`'s transaction: not its case (aborted)."""
 
 
 class _Dbs(NamedTuple):
@@ -915,23 +915,24 @@ class RecordDB:
         if not blocks:
             return {}
         if not skips:
-            heads = self._append_blocks_plainly(blocks, gate)
+            heads = self.append_plain_blocks(blocks, gate)
             if heads is not None:
                 return heads
         return self._append_units([], skips, rejected, gate=gate, blocks=blocks)
 
-    def _append_blocks_plainly(
+    def append_plain_blocks(
         self,
         blocks: Sequence[tuple[str, str, bytes | memoryview]],
-        gate: AbstractContextManager[Any] | None,
+        gate: AbstractContextManager[Any] | None = None,
     ) -> dict[tuple[str, str], int] | None:
         """:meth:`append_blocks`' common case in a lean transaction: every header well formed,
         every partition stored already, and its blocks, in the order given, continuing its head
         exactly (a Tank produce's blocks).  None when anything else is met, nothing written: the
-        general path (:meth:`_append_units`) decides then, refusals and all.
+        general path (:meth:`append_blocks`) decides then, refusals and all.  Raises as
+        :meth:`append` does for a write that fails (:class:`StorageFullError`).
 
         The general path's partition states, refusal bookkeeping and per-partition dicts cost
-        the Tank gateway's inline commit about a tenth of its publish rate (measured)."""
+        the Tank gateway's inline commit about 10 µs a bundle of its 146 (measured in-process)."""
         runs: dict[tuple[str, str], list[tuple[BlockHeader, bytes | memoryview]]] = {}
         for topic, partition, block in blocks:
             try:

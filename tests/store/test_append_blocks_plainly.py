@@ -1,4 +1,4 @@
-"""RecordDB.append_blocks' lean transaction (``_append_blocks_plainly``) against the general
+"""RecordDB.append_blocks' lean transaction (``append_plain_blocks``) against the general
 path: the same heads, refusals, duplicates and database, whatever blocks come; real LMDB."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ CALLS = st.lists(
 def test_the_lean_transaction_stores_exactly_what_the_general_path_stores(calls: list[Any]) -> None:
     with tempfile.TemporaryDirectory(dir="/tmp") as d:
         with RecordDB(Path(d) / "lean", sync=False) as lean, RecordDB(Path(d) / "general", sync=False) as general:
-            general._append_blocks_plainly = lambda blocks, gate: None  # type: ignore[method-assign]
+            general.append_plain_blocks = lambda blocks, gate: None  # type: ignore[method-assign]
             heads: dict[str, int] = {}  # the general database's, to aim the next offsets
             for i, (spec, with_skip, refuse) in enumerate(calls):
                 blocks: list[tuple[str, str, bytes]] = []
@@ -89,14 +89,14 @@ def test_the_lean_transaction_stores_exactly_what_the_general_path_stores(calls:
 def test_blocks_continuing_stored_partitions_take_the_lean_transaction(tmp_path: Path) -> None:
     with RecordDB(tmp_path / "db") as db:
         taken: list[bool] = []
-        plainly = db._append_blocks_plainly
+        plainly = db.append_plain_blocks
 
         def watched(blocks: Any, gate: Any) -> Any:
             got = plainly(blocks, gate)
             taken.append(got is not None)
             return got
 
-        db._append_blocks_plainly = watched  # type: ignore[method-assign]
+        db.append_plain_blocks = watched  # type: ignore[method-assign]
         # New partitions: the general path creates them.
         assert db.append_blocks([("t", P, sblock(0, 2, 0)), ("u", P, sblock(5, 1, 0))]) == {("t", P): 1, ("u", P): 5}
         # Continuing them, two blocks of one partition and one of another: lean.

@@ -5,6 +5,7 @@ commits: a flush there would stop every other client for its duration."""
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -13,13 +14,16 @@ from typing import Any
 import pytest
 
 from dafka.config import NodeConfig
+from dafka.errors import StorageFullError
 from dafka.store.pipeline import Work
-from dafka.tank.client import TankClient, TankConnectionError
+from dafka.tank.bundle import encode_bundle
+from dafka.tank.client import TankClient, TankConnectionError, TankTimeoutError
 from dafka.tank.gateway import Gateway
 from dafka.tank.messages import ProduceResponse
 from tests.conftest import wait_until
 from tests.tank.test_gateway import HOST, consume_all, values
 from tests.tank.test_pipelined_commit import bundle_of, produce_request
+from tests.test_store_diskfull import _mount, _resize
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -452,3 +456,82 @@ def test_a_failure_answering_a_commit_still_reports_it_to_the_writer(
             assert isinstance(resp, ProduceResponse) and resp.topics[0].partitions[0].error == 0
     finally:
         gw.close()
+
+
+def test_a_full_disk_under_the_inline_commit_answers_nothing_unwritten_and_loses_nothing(
+    cfg: NodeConfig, tmp_path: Path
+) -> None:
+    """The inline commit's lean transaction (RecordDB.append_plain_blocks) fails on a real full
+    tmpfs (ENOSPC): nothing of it is answered, the blocks are kept, new produces are refused
+    (error 2); once there is room again every kept produce is answered OK and every record
+    answered OK reads back, in order."""
+    mnt = tmp_path / "fs"
+    if not _mount(mnt, 3 << 20):
+        pytest.skip("needs root (mount -t tmpfs)")
+    try:
+        gw = CommitThreads(mnt / "gw", cfg, listen=(HOST, 0), sync=False)
+        try:
+            lean_failures: list[Exception] = []
+            plain = gw.db.append_plain_blocks
+
+            def watched(blocks: Any, gate: Any = None) -> Any:
+                try:
+                    return plain(blocks, gate)
+                except Exception as exc:
+                    lean_failures.append(exc)
+                    raise
+
+            gw.db.append_plain_blocks = watched  # type: ignore[method-assign]
+            payload = bytes(range(256)) * 40  # 10 KB
+            with TankClient(HOST, gw.tank_port, timeout=60) as c:
+                c.create_topic("full", 1)
+                contents: list[list[bytes]] = []
+                stored: list[bool] = []  # per bundle: OK (stored), or refused while the disk is full
+                inflight: list[tuple[int, int]] = []  # (request, bundle)
+                abandoned: int | None = None
+
+                def answer(req: int, i: int, timeout: float | None = None) -> None:
+                    resp = c.wait(req, timeout=timeout)
+                    assert isinstance(resp, ProduceResponse)
+                    code = resp.topics[0].partitions[0].error
+                    assert code in (0, 2), code  # 2 (system): refused while the store cannot write
+                    stored[i] = code == 0
+
+                for i in range(400):  # 4 MB at most, past the 3 MB disk
+                    contents.append([b"%d-%d|" % (i, j) + payload for j in range(10)])
+                    stored.append(True)  # (a produce never answered is kept: it is written later)
+                    bundle = encode_bundle([(None, 0, None, r) for r in contents[i]])
+                    inflight.append((c.send(produce_request(c, "full", bundle)), i))
+                    if len(inflight) == 4:
+                        req, k = inflight[0]
+                        try:
+                            answer(req, k, timeout=5)
+                        except TankTimeoutError:  # the disk is full: its answer is dropped, it is kept
+                            abandoned = inflight.pop(0)[1]
+                            break
+                        inflight.pop(0)
+                        if gw.storage_error is not None:
+                            break
+                wait_until(lambda: gw.storage_error is not None)
+                assert len(gw.commits) > 2  # the lean transaction committed before the disk filled...
+                assert any(isinstance(e, StorageFullError) for e in lean_failures)  # ...and met it full
+                # What was answered OK is in the database now (a read transaction sees only commits).
+                address = gw.pmap.get("full", 0).address
+                first_unanswered = abandoned if abandoned is not None else next((k for _r, k in inflight), len(contents))
+                oks = sum(stored[:first_unanswered]) * 10
+                assert len(gw.db.fetch("full", address, 0, oks)[1]) == oks
+                _resize(mnt, 64 << 20)
+                for req, k in inflight:
+                    answer(req, k)
+                wait_until(lambda: gw.storage_error is None)
+                # The partition goes on: a produce now is answered OK and stored after the rest.
+                contents.append([b"after"])
+                stored.append(True)
+                assert c.produce("full", 0, [b"after"]) == 0
+                got = values(consume_all(c, "full", 0))
+            want = [r for i, recs in enumerate(contents) if stored[i] for r in recs]
+            assert got == want
+        finally:
+            gw.close()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
