@@ -128,3 +128,20 @@ def test_the_lean_transaction_grows_a_full_map_and_commits_everything(tmp_path: 
         info = db.info("t", P)
         assert info is not None and (info.first, info.last, info.count) == (0, first - 1, first)
         assert db.fetch("t", P, first - 1, 1) == (first - 1, [bytes(60_000)])
+
+
+def test_a_name_no_partition_can_have_refuses_that_partition_alone_as_the_general_path_does(tmp_path: Path) -> None:
+    """A partition whose name cannot be stored (a topic over 255 bytes, one holding NUL) is
+    refused alone with a rejected dict, the others commit; without one, a ValueError and
+    nothing written: the lean transaction leaves such a call to the general path."""
+    with RecordDB(tmp_path / "db", sync=False) as db:
+        assert db.append_blocks([("t", P, sblock(0, 1, 0))]) == {("t", P): 0}
+        for n, bad in enumerate(("x" * 300, "a\x00b"), start=1):
+            rejected: dict[tuple[str, str], str] = {}
+            heads = db.append_blocks([("t", P, sblock(n, 1, n)), (bad, P, sblock(0, 1, n))], rejected=rejected)
+            assert heads == {("t", P): n}
+            assert list(rejected) == [(bad, P)]
+            assert db.fetch("t", P, n, 1) == (n, [b"%d-%d-0" % (n, n)])
+        with pytest.raises(ValueError, match="NUL"):
+            db.append_blocks([("t", P, sblock(3, 1, 3)), ("a\x00b", P, sblock(0, 1, 3))])
+        assert db.head("t", P) == 2 and db.partitions() == [db.info("t", P)]
