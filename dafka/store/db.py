@@ -933,6 +933,8 @@ class RecordDB:
 
         The general path's partition states, refusal bookkeeping and per-partition dicts cost
         the Tank gateway's inline commit about 10 µs a bundle of its 146 (measured in-process)."""
+        if not blocks:
+            return {}  # (as append_blocks: no transaction)
         runs: dict[tuple[str, str], list[tuple[BlockHeader, bytes | memoryview]]] = {}
         pkeys: dict[tuple[str, str], bytes] = {}
         for topic, partition, block in blocks:

@@ -145,3 +145,9 @@ def test_a_name_no_partition_can_have_refuses_that_partition_alone_as_the_genera
         with pytest.raises(ValueError, match="NUL"):
             db.append_blocks([("t", P, sblock(3, 1, 3)), ("a\x00b", P, sblock(0, 1, 3))])
         assert db.head("t", P) == 2 and db.partitions() == [db.info("t", P)]
+
+
+def test_no_blocks_is_nothing_to_do(tmp_path: Path) -> None:
+    with RecordDB(tmp_path / "db", sync=False) as db:
+        assert db.append_plain_blocks([]) == {}
+        assert db.append_blocks([]) == {}
