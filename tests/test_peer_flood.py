@@ -159,8 +159,11 @@ class LyingTower(RogueTower):
             self.xsub.send(subscription)
 
 
-def test_doctor_marks_what_the_tower_says_and_summarises_many_peers() -> None:
-    """Issue 35.13: a tower announcing 200 made-up peers and a made-up reflection."""
+@pytest.mark.parametrize("wait", [2.0, 4.0])
+def test_doctor_marks_what_the_tower_says_and_summarises_many_peers(wait: float) -> None:
+    """Issue 35.13: a tower announcing 200 made-up peers and a made-up reflection.  By 4 s
+    every made-up peer has failed and been dropped (on a loaded machine, by 2 s): the doctor
+    said "no other node on the mesh" and passed."""
     from dafka.cli import doctor
 
     sinks = Sinks(200)
@@ -173,7 +176,7 @@ def test_doctor_marks_what_the_tower_says_and_summarises_many_peers() -> None:
             beacon_timeout=2.0,
         )
         lines: list[str] = []
-        assert not doctor.check(cfg, 2.0, lines.append, [])
+        assert not doctor.check(cfg, wait, lines.append, [])
         text = "\n".join(lines)
         assert len(lines) < 25, text
         said = [line for line in lines if "10.66.66.66" in line]
@@ -182,7 +185,8 @@ def test_doctor_marks_what_the_tower_says_and_summarises_many_peers() -> None:
         assert not any(line.startswith("ok ") and "10.66.66.66" in line and "tower's word" not in line for line in lines)
         assert any(line.startswith("info the tower announced 200 peer(s) (the tower's word") for line in lines), text
         assert any(line.startswith("info 200 peers: 0 reached, 200 not; examples:") for line in lines), text
-        assert sum(line.startswith("FAIL cannot reach peer") for line in lines) == doctor.EXAMPLES
+        examples = sum(line.startswith("FAIL cannot reach peer") for line in lines)
+        assert examples == doctor.EXAMPLES or "every one failed" in text, text  # (all dropped: none listed)
         assert "FAIL cannot reach 200 of 200 peer(s) announced by the tower" in text
         assert "relays what nodes send, as the C reference tower does" in text
     finally:

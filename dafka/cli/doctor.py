@@ -119,15 +119,15 @@ def check(cfg: NodeConfig, wait: float, say: Callable[[str], None], unreached_to
                 ok = False
         peers = node.peers.items()
         announced = r.endpoint if r is not None else node._bound
-        if not peers:
+        # Peers dropped after failing while others waited were announced and tried too.
+        benched = node.peers.benched
+        if not peers and not benched:
             say(
                 "info no other node on the mesh: the peer checks need one"
                 " (start a node, or run `dafka doctor` on another host at the same time)"
             )
             return ok
         waiting = node.peers.waiting
-        # Peers dropped after failing while others waited were announced and tried too.
-        benched = node.peers.benched
         tried = len(peers) + benched
         say(
             f"info the tower announced {tried + waiting} peer(s) {TOWER_SAYS}; this node tried"
@@ -137,6 +137,10 @@ def check(cfg: NodeConfig, wait: float, say: Callable[[str], None], unreached_to
         connected = node.inbound.handshakes
         if connected:
             say(f"ok   reachable from peers: {connected} connection(s) from the {len(peers)} peer(s) on the mesh")
+        elif not peers:
+            # Every announced peer failed and was dropped (a tower announcing only peers nobody
+            # can reach said "no other node" and passed once the wait outlasted them).
+            say("info no announced peer is left to connect to this node: every one failed (not checked)")
         else:
             say(
                 f"FAIL not reachable from any peer: {len(peers)} peer(s) on the mesh, none connected to"
