@@ -71,15 +71,8 @@ new_bytearray = _impl.new_bytearray  # type: ignore[attr-defined]
 view_start = _impl.view_start  # type: ignore[attr-defined]
 tank_produce = _impl.tank_produce  # type: ignore[attr-defined]
 
-
-def _frame_buffer() -> type[_FrameBuffer]:
-    if COMPILED:
-        return _impl.FrameBuffer  # type: ignore[attr-defined,no-any-return]
-    return _FrameBuffer
-
-
 #: Tank frames from a byte stream (:class:`dafka.tank.codec.FrameBuffer`), compiled when built.
-FrameBuffer: type[_FrameBuffer] = _frame_buffer()
+FrameBuffer: type[_FrameBuffer] = _impl.FrameBuffer if COMPILED else _FrameBuffer  # type: ignore[attr-defined]
 
 _warned = False
 

@@ -1741,6 +1741,7 @@ def tank_produce(payload, bint with_seq, dict topics, dict next_offset, Py_ssize
             part, bundle, scan, first = entry
             key = (part.topic, part.address)
             at = ahead[key] if key in ahead else next_offset.get(key, 0)
+            # (dafka.store.block.tank_seqs_continue, written out here)
             if first is not None and (first != at + 1 or (scan[2] is not None and (scan[2] != first or scan[3] != first + scan[1] - 1))):
                 return None
             if at < 0 or at + (scan[1] if scan[2] is None else scan[3] - scan[2] + 1) - 1 > 0xFFFFFFFFFFFFFFFF:

@@ -751,7 +751,13 @@ def tank_produce(payload: Any, with_seq: bool, topics: dict[str, list[Any]], nex
     not-owned partition, a malformed or refused bundle, a seq that does not continue, a
     request that is not plainly well formed): the caller's general path decides.
     """
-    from dafka.store.block import HEADER_SIZE, tank_seal, tank_seal_in_place, tank_span
+    from dafka.store.block import (
+        HEADER_SIZE,
+        tank_seal,
+        tank_seal_in_place,
+        tank_seqs_continue,
+        tank_span,
+    )
     from dafka.tank.messages import ProduceRequest, ProduceWithSeqnumRequest
 
     cls = ProduceWithSeqnumRequest if with_seq else ProduceRequest
@@ -785,12 +791,11 @@ def tank_produce(payload: Any, with_seq: bool, topics: dict[str, list[Any]], nex
     for part, _bundle, scan, first in plan:
         key = (part.topic, part.address)
         at = ahead[key] if key in ahead else next_offset.get(key, 0)
-        count = scan[1]
-        if first is not None and (first != at + 1 or (scan[2] is not None and (scan[2] != first or scan[3] != first + count - 1))):
+        if not tank_seqs_continue(first, at + 1, scan):
             return None
         if at < 0 or at + tank_span(scan) - 1 > _U64_LIMIT:
             return None
-        ahead[key] = at + count
+        ahead[key] = at + scan[1]
     start = -1
     if plan:
         first_bundle = plan[0][1]

@@ -438,6 +438,21 @@ def tank_span(scan: Sequence[object]) -> int:
     return scan[3] - scan[2] + 1  # type: ignore[operator,no-any-return]
 
 
+def tank_seqs_continue(first: int | None, next_seq: int, scan: Sequence[object]) -> bool:
+    """Whether a bundle (its :func:`dafka.fastio.tank_scan` result) continues a partition whose
+    next seq is ``next_seq``, given the first seq its request names (a ProduceWithSeqnum's) or
+    its own (a sparse bundle's); ``first`` None (neither): it always does.  It must start at
+    that seq and, when sparse, also start there itself and span exactly its count: at or below
+    the head is a resend, Dafka offsets have no gaps, and a block spanning more offsets than
+    the partition moves on by was overlapped by the next produce's and dropped.  (The compiled
+    ``tank_produce`` writes the same test.)"""
+    if first is None:
+        return True
+    if first != next_seq:
+        return False
+    return scan[2] is None or (scan[2] == first and scan[3] == first + scan[1] - 1)  # type: ignore[operator]
+
+
 def tank_seal(bundle: bytes | memoryview, scan: Sequence[object], first_offset: int) -> bytes:
     """The block of a bundle already walked by :func:`dafka.fastio.tank_scan` (``scan`` is its
     result), its first message at ``first_offset``: the header computed from the walk, the

@@ -80,6 +80,7 @@ from dafka.store.block import (
     HEADER_SIZE,
     tank_seal,
     tank_seal_in_place,
+    tank_seqs_continue,
 )
 from dafka.store.block import records as block_records
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
@@ -959,11 +960,7 @@ class Gateway(Store):
             key = (part.topic, part.address)
             n = self._next_offset.get(key, 0)
             count = got[1]
-            # A sparse bundle (or a ProduceWithSeqnum) must start at hwm + 1 and leave no gap:
-            # at or below the hwm is a resend, and Dafka offsets have none.  A sparse bundle's
-            # own first seq must be that one too (else its block spans more offsets than the
-            # partition moves on by: the next produce's block overlapped it and was dropped).
-            if first is not None and (first != n + 1 or (got[2] is not None and (got[2] != first or got[3] != first + count - 1))):
+            if not tank_seqs_continue(first, n + 1, got):
                 res.error = ProduceError.INVALID_SEQNUM
                 if got[6] is not None:
                     self._live_held -= sum(map(len, got[6]))
