@@ -37,6 +37,10 @@ from dafka.store.layout import (
 
 __all__ = ["block_payload", "block_run", "block_values", "convert_block", "fetch_values", "kafka_batches", "seek"]
 
+#: Bytes an encoder of stored values (``encode``) counts a record at least: its stored
+#: value's 9-byte header and 8 more (:func:`dafka.kafka.records.encode_batch`).
+_MIN_RECORD_COST = 17
+
 _pack = BLOCK_KEY.pack
 _unpack = BLOCK_KEY.unpack
 
@@ -210,6 +214,9 @@ def kafka_batches(
         if hdr.first_offset > last:
             break
         room = limit - size
+        # Records that can go in ``room``: converting more only to drop them cost the
+        # whole rest of a block (millions of records in a large Tank bundle) per fetch.
+        most = max(room, 1) // _MIN_RECORD_COST + 1
         values: list[bytes] | None = None
         whole = hdr.codec == CODEC_KAFKA and hdr.first_offset >= first  # not the partial front block
         if whole and hdr.body_size > room:
@@ -218,7 +225,7 @@ def kafka_batches(
             if exact:
                 off = max(nxt, hdr.first_offset)
                 values = kafka_values(memoryview(value)[HEADER_SIZE:], hdr.first_offset, off,
-                                      min(hdr.last_offset, last) - off + 1)
+                                      min(min(hdr.last_offset, last) - off + 1, most))
         if whole and values is None:
             out.append(memoryview(value)[HEADER_SIZE:])  # zero-copy in a buffers transaction
             size += hdr.body_size
@@ -226,7 +233,7 @@ def kafka_batches(
         else:
             off = max(nxt, hdr.first_offset)
             if values is None:
-                values = block_values(value, hdr, off, min(hdr.last_offset, last) - off + 1)
+                values = block_values(value, hdr, off, min(min(hdr.last_offset, last) - off + 1, most))
             if not values:
                 break
             batch = encode(off, values, max(room, 1))

@@ -299,3 +299,81 @@ def test_delete_records_drops_the_batches_read_ahead_for_its_partition(kgw: Kafk
     assert wait_until(lambda: key in kgw.kafka._ahead, 10)
     assert delete_records(kgw.kafka_port, "ahead", 7) == (Err.NONE, 7)
     assert key not in kgw.kafka._ahead
+
+
+def _converted_counts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Spy on the store reader's conversions of a block's records into stored values: the
+    number of records each is asked for."""
+    from dafka.store import reader
+
+    asked: list[int] = []
+    block_values, kafka_values = reader.block_values, reader.kafka_values
+
+    def spy_block(value: Any, hdr: Any, offset: int, n: int) -> list[bytes]:
+        asked.append(n)
+        return block_values(value, hdr, offset, n)
+
+    def spy_kafka(batch: Any, first_offset: int, offset: int, n: int) -> list[bytes] | None:
+        asked.append(n)
+        return kafka_values(batch, first_offset, offset, n)
+
+    monkeypatch.setattr(reader, "block_values", spy_block)
+    monkeypatch.setattr(reader, "kafka_values", spy_kafka)
+    return asked
+
+
+def test_a_small_fetch_from_a_large_tank_bundle_converts_only_what_its_answer_can_hold(
+    kgw: KafkaGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block of another codec is encoded into a batch for a Kafka fetch.  Before the fix the
+    whole rest of the block became stored values first (100,000 Python objects for an answer
+    of 4 KiB, and again for every next fetch: reading a 64 MiB bundle of millions of small
+    messages took the gateway minutes, each fetch holding its event loop and memory in
+    proportion to the bundle, not to the answer)."""
+    from kafka.protocol.consumer import FetchResponse
+    from kafka.record import MemoryRecords
+
+    from tests.kafka.test_gateway import read_frame
+    from tests.kafka.test_hostile import fetch_frame
+
+    kgw.create_topic("bundle", 1)
+    n = 100_000
+    with TankClient(HOST, kgw.tank_port) as t:
+        t.produce("bundle", 0, [b"m%d" % i for i in range(n)])  # one bundle: one block
+    wait_until(lambda: kgw.head("bundle", kgw.pmap.get("bundle", 0).address) == n - 1)
+    asked = _converted_counts(monkeypatch)
+    with socket.create_connection((HOST, kgw.kafka_port)) as s:
+        for corr, off in enumerate((0, 10, 5_000, n - 3)):
+            s.sendall(fetch_frame(corr, "bundle", off, max_bytes=4096))
+            p = FetchResponse.decode(read_frame(s)[4:], version=11).responses[0].partitions[0]
+            got = [(r.offset, r.value) for rb in MemoryRecords(bytes(p.records)) for r in rb]
+            assert p.error_code == 0 and got[0][0] == off and len(got) == min(n - off, len(got)) > 1
+            assert got == [(o, b"m%d" % o) for o in range(off, off + len(got))]
+            assert sum(len(v) + 8 for _o, v in got) < 4096 + 200  # about the answer's bytes
+    assert asked and max(asked) <= 4096  # before: the rest of the block, up to 100,000
+
+
+def test_a_fetch_bounded_by_the_gateways_output_room_converts_only_what_fits(
+    make_kgw: Any, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    """When the gateway's output room, not the client, bounds an answer, a stored Kafka batch
+    larger than it is sliced; before the fix the whole batch from the fetch offset on was
+    converted first (up to ``kafka_max_produce_records`` records for a few KiB)."""
+    from kafka.protocol.consumer import FetchResponse
+    from kafka.record import MemoryRecords
+
+    from dafka.tank.limits import GatewayLimits
+    from tests.kafka.test_gateway import read_frame
+    from tests.kafka.test_hostile import fetch_frame
+
+    gw = make_kgw(limits=GatewayLimits(kafka_max_output_bytes=4096))
+    gw.create_topic("room", 1)
+    n = 50_000
+    with socket.create_connection((HOST, gw.kafka_port)) as s:
+        assert produce_raw(s, 1, "room", bytes(batch_of(n))).base_offset == 0
+        asked = _converted_counts(monkeypatch)
+        s.sendall(fetch_frame(2, "room", 7, max_bytes=1 << 20))
+        p = FetchResponse.decode(read_frame(s)[4:], version=11).responses[0].partitions[0]
+    got = [r.offset for rb in MemoryRecords(bytes(p.records)) for r in rb]
+    assert p.error_code == 0 and got == list(range(7, 7 + len(got))) and 1 < len(got) < 1000
+    assert asked and max(asked) <= 4096  # before: 49,993
