@@ -209,6 +209,10 @@ class KafkaGateway(Gateway):
     def first(self, topic: str, address: str) -> int | None:
         return self.db.first(topic, address)
 
+    def stored_bytes(self, topic: str, address: str) -> int:
+        info = self.db.info(topic, address)
+        return 0 if info is None else info.bytes
+
     def fetch_raw(self, topic: str, address: str, offset: int, count: int) -> tuple[int, list[bytes]]:
         return self.db.fetch_raw(topic, address, offset, count)
 

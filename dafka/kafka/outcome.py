@@ -3,7 +3,7 @@ the handlers' mixins, :mod:`dafka.kafka.txn_api`, use it without importing the s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 #: An encoded answer: one byte string, or several to send back to back (a fetch's).
@@ -34,3 +34,8 @@ class ParkedFetch:
     deadline: float  # monotonic seconds
     keys: list[tuple[str, str]]
     min_bytes: int
+    #: Record bytes of its answer when it parked (the partitions not at their end).
+    size: int = 0
+    #: Each partition it waits on, as it was when it parked: ``(head, stored bytes, byte
+    #: limit in this answer)`` (:meth:`dafka.kafka.serving.KafkaServer.retry_fetch`).
+    marks: dict[tuple[str, str], tuple[int, int, int]] = field(default_factory=dict)

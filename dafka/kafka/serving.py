@@ -129,6 +129,7 @@ class Backend(Protocol):
 
     def head(self, topic: str, address: str) -> int | None: ...
     def first(self, topic: str, address: str) -> int | None: ...
+    def stored_bytes(self, topic: str, address: str) -> int: ...
     def fetch_raw(self, topic: str, address: str, offset: int, count: int) -> tuple[int, list[bytes]]: ...
     def fetch_batches(
         self, topic: str, address: str, offset: int, limit: int, exact: bool = False
@@ -701,21 +702,49 @@ class KafkaServer(AdminHandlers, TxnHandlers, TxnAdminHandlers):
         data, size, waiting, faulted = self.fetch_answer(corr, v, req, self.backend.output_room(token))
         if faulted or size >= max(1, req.min_bytes) or not waiting or req.max_wait_ms <= 0:
             return Outcome(data)
-        return Outcome(park=ParkedFetch(corr, v, req, now + min(req.max_wait_ms, 300_000) / 1000.0, waiting, req.min_bytes))
+        backend = self.backend
+        marks = {}
+        for key, cap in waiting.items():
+            head = backend.head(*key)
+            marks[key] = (-1 if head is None else head, backend.stored_bytes(*key), cap)
+        return Outcome(park=ParkedFetch(corr, v, req, now + min(req.max_wait_ms, 300_000) / 1000.0, list(waiting),
+                                        req.min_bytes, size, marks))
 
     def retry_fetch(self, parked: ParkedFetch, timed_out: bool, room: int | None = None) -> list[bytes] | None:
         """The answer of a parked fetch, or None while it should wait on (``room``: as for
-        :meth:`fetch_answer`)."""
-        data, size, _, faulted = self.fetch_answer(parked.correlation_id, parked.version, parked.request, room)
-        if size < max(1, parked.min_bytes) and not timed_out and not faulted:
+        :meth:`fetch_answer`).
+
+        Before its time is up, the answer is built only once the partitions it waits on
+        have taken enough bytes since it parked to make ``min_bytes`` with what it had
+        (their stored bytes and records, from the partitions' metadata: no record is
+        read), and then it goes, as Kafka's broker completes a delayed fetch on its
+        estimate.  Building it at every commit (reading the other partitions' records
+        again and again, for a min_bytes they may never reach) let a client make each
+        produce cost the gateway as many answers as it had fetches parked."""
+        if not timed_out and parked.size + self._arrived(parked) < max(1, parked.min_bytes):
             return None
+        data, _size, _, _faulted = self.fetch_answer(parked.correlation_id, parked.version, parked.request, room)
         return data
+
+    def _arrived(self, parked: ParkedFetch) -> int:
+        """About the bytes an answer would now hold from the partitions ``parked`` waits on
+        (stored bytes since it parked, 8 more a record and a batch header each, within each
+        partition's limit in the answer)."""
+        backend = self.backend
+        total = 0
+        for key, (head, nbytes, cap) in parked.marks.items():
+            now = backend.head(*key)
+            if now is None or now <= head:
+                continue
+            total += min(cap, max(0, backend.stored_bytes(*key) - nbytes) + 8 * (now - head) + 61)
+        return total
 
     def fetch_answer(
         self, corr: int, v: int, req: Any, room: int | None = None
-    ) -> tuple[list[bytes], int, list[tuple[str, str]], bool]:
+    ) -> tuple[list[bytes], int, dict[tuple[str, str], int], bool]:
         """The answer as things are now (its parts, :func:`~dafka.kafka.codec.encode_fetch_parts`),
-        its record bytes, the partitions at their end, any fault.
+        its record bytes, the partitions at their end (each with its byte limit in the
+        answer), any fault.
 
         ``room``: answer bytes the gateway may still hold (its output budget);
         the answer carries no more records than that, but one record at least.
@@ -726,7 +755,7 @@ class KafkaServer(AdminHandlers, TxnHandlers, TxnAdminHandlers):
             budget = room
             tight = True
         size = 0
-        waiting: list[tuple[str, str]] = []
+        waiting: dict[tuple[str, str], int] = {}
         faulted = False
         topics = []
         committed = v >= 4 and req.isolation_level == 1
@@ -771,7 +800,7 @@ class KafkaServer(AdminHandlers, TxnHandlers, TxnAdminHandlers):
                     size += len(records)
                     budget -= len(records)
                 elif off >= end:
-                    waiting.append(key)
+                    waiting[key] = max(1, min(p.partition_max_bytes, self.partition_cap, budget))
                 out.append((p.partition, 0, hwm, start, records, lso))
             topics.append((t.topic, out))
         return encode_fetch_parts(corr, v, topics), size, waiting, faulted

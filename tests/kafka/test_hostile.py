@@ -21,6 +21,8 @@ from dafka.config import NodeConfig
 from dafka.kafka.codec import Err
 from dafka.kafka.gateway import KafkaGateway
 from dafka.kafka.groups import Coordinator
+from dafka.tank.client import TankClient
+from tests.conftest import wait_until
 from tests.kafka.test_gateway import HOST, closed, frame, produce_raw
 
 pytestmark = pytest.mark.timeout(120)
@@ -339,3 +341,69 @@ def test_a_client_that_leaves_its_answers_unread_is_closed_after_the_timeout(cfg
             assert produce_raw(s, 9, "hog", client_batch_of([b"x"])).error_code == 0
     finally:
         gw.close()
+
+
+def parked_fetch_frame(corr: int, parts: list[tuple[str, int]], min_bytes: int, max_wait_ms: int = 60_000,
+                       max_bytes: int = 1 << 20) -> bytes:
+    from kafka.protocol.consumer import FetchRequest
+
+    req = FetchRequest[11](
+        replica_id=-1, max_wait_ms=max_wait_ms, min_bytes=min_bytes, max_bytes=max_bytes, isolation_level=0,
+        session_id=0, session_epoch=-1, forgotten_topics_data=[], rack_id="",
+        topics=[FetchRequest.FetchTopic(topic=topic, partitions=[FetchRequest.FetchTopic.FetchPartition(
+            partition=0, current_leader_epoch=-1, fetch_offset=offset, log_start_offset=-1,
+            partition_max_bytes=max_bytes)]) for topic, offset in parts],
+    )
+    return frame(1, 11, corr, bytes(req.encode(version=11)))
+
+
+def test_parked_fetches_that_cannot_reach_min_bytes_do_not_read_the_store_again_at_every_commit(
+    kgw: KafkaGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fetch waits (parks) while its answer holds fewer than min_bytes; each commit to a
+    partition it waits on retried it by building its whole answer again.  Before the fix a
+    client parking fetches with a min_bytes they can never reach, naming a partition with a
+    backlog (1 MiB read, converted and thrown away each time) and one a tiny produce can
+    wake, made every such produce cost the gateway 200 answers: 4 ms a produce became
+    330 ms, all clients stalled.  Now a retry looks at how many bytes came since (partition
+    metadata) and builds the answer only when they can make min_bytes, as Kafka's broker
+    does; the answer goes then, or at max_wait."""
+    from tests.kafka.test_gateway import read_frame
+
+    kgw.create_topic("idle", 1)
+    kgw.create_topic("backlog", 1)
+    with TankClient(HOST, kgw.tank_port) as t:
+        t.produce("backlog", 0, [b"b%05d" % i + b"z" * 50 for i in range(20_000)])
+        t.produce("idle", 0, [b"x"])
+    reads: list[int] = []
+    fetch_batches = kgw.fetch_batches
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        reads.append(args[2])
+        return fetch_batches(*args, **kw)
+
+    monkeypatch.setattr(kgw, "fetch_batches", counted)
+    n = 50
+    with socket.create_connection((HOST, kgw.kafka_port)) as hog, socket.create_connection(
+        (HOST, kgw.kafka_port)
+    ) as s, TankClient(HOST, kgw.tank_port) as t:
+        for i in range(n):
+            hog.sendall(parked_fetch_frame(i, [("idle", 1), ("backlog", 0)], min_bytes=2**31 - 1))
+        wait_until(lambda: len(kgw._kparked) == n, 20)
+        before = len(reads)
+        for _ in range(10):
+            t.produce("idle", 0, [b"y"])
+        # A legitimate long poll on the same partition is answered as soon as a record comes,
+        # even one of no bytes; one with min_bytes when enough bytes came.
+        s.sendall(parked_fetch_frame(100, [("idle", 11)], min_bytes=1))
+        wait_until(lambda: len(kgw._kparked) == n + 1, 20)
+        t.produce("idle", 0, [b""])
+        assert read_frame(s)[:4] == (100).to_bytes(4, "big")
+        s.sendall(parked_fetch_frame(101, [("idle", 12)], min_bytes=3000))
+        wait_until(lambda: len(kgw._kparked) == n + 1, 20)
+        t.produce("idle", 0, [b"w" * 1000])
+        t.produce("idle", 0, [b"w" * 1000])
+        assert len(kgw._kparked) == n + 1  # not enough yet
+        t.produce("idle", 0, [b"w" * 1000])
+        assert read_frame(s)[:4] == (101).to_bytes(4, "big")
+    assert len(reads) - before < n  # before: 10 produces x 50 parked fetches read the backlog again
