@@ -42,7 +42,7 @@ import socket
 import time
 from bisect import bisect_left, bisect_right
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import itemgetter
 from typing import Any
@@ -182,6 +182,9 @@ class _Parked:
     request: ConsumeRequest
     deadline: float
     keys: list[tuple[str, str]]
+    size: int = 0  # chunk bytes of its answer when it parked
+    # each partition it waits on when it parked: (head, stored bytes, its fetch size)
+    marks: dict[tuple[str, str], tuple[int, int, int]] = field(default_factory=dict)
 
 
 class Gateway(Store):
@@ -1079,7 +1082,12 @@ class Gateway(Store):
             return
         # Park until one of the partitions at their tail gets data, or max_wait.
         deadline = time.monotonic() + req.max_wait_ms / 1000.0
-        parked = _Parked(conn, req, deadline, waiting)
+        marks = {}
+        for key, cap in waiting.items():
+            if key != _VIRTUAL_KEY:
+                info = self.db.info(*key)
+                marks[key] = (self._heads.get(key, -1), 0 if info is None else info.bytes, cap)
+        parked = _Parked(conn, req, deadline, list(waiting), size, marks)
         conn.parked_entries += entries
         self._parked_all.append(parked)
         for key in waiting:
@@ -1094,21 +1102,50 @@ class Gateway(Store):
             for parked in self._parked.get(key, ()):
                 if parked not in woken:
                     woken.append(parked)
+        stored: dict[tuple[str, str], int] = {}  # stored bytes of the woken partitions, read once
         for parked in woken:
-            self._answer_parked(parked, timed_out=False)
+            self._answer_parked(parked, timed_out=False, stored=stored)
 
-    def _answer_parked(self, parked: _Parked, timed_out: bool) -> None:
+    def _answer_parked(self, parked: _Parked, timed_out: bool, stored: dict[tuple[str, str], int] | None = None) -> None:
+        """Answer a parked consume, or leave it parked.  Before its time is up it is
+        answered only once the partitions it waits on have taken enough bytes since it
+        parked to make min_bytes with what it had (their stored bytes and messages, from
+        the partitions' metadata: nothing read), and then whatever its answer holds.
+        Building the answer at every commit (reading its other partitions again and again,
+        for a min_bytes it may never reach) let a client make each produce cost the
+        gateway as many answers as it had consumes parked."""
         conn = parked.conn
         if not conn.closed:
+            if not timed_out and parked.size + self._arrived(parked, {} if stored is None else stored) < max(
+                    1, parked.request.min_bytes):
+                return  # not enough yet
             budget = answer_budget(conn.out_size, self.limits, self._out_held)
             if budget == 0 and not timed_out:
                 conn.deferred = True  # answered once its earlier answers are taken
                 return
-            response, size, _, faulted = self._consume_answer(parked.request, timed_out, budget)
-            if size < max(1, parked.request.min_bytes) and not timed_out and not faulted and size < budget:
-                return  # not enough yet
+            response, *_ = self._consume_answer(parked.request, timed_out, budget)
             self._write(conn, response.encode())
         self._unpark(parked)
+
+    def _arrived(self, parked: _Parked, stored: dict[tuple[str, str], int]) -> int:
+        """About the chunk bytes the partitions ``parked`` waits on would now add to its
+        answer: their stored bytes since it parked and a byte a message, each within its
+        fetch size (the partition map's virtual partition: always enough).  ``stored``:
+        partitions' stored bytes read already (filled here)."""
+        total = 0
+        for key in parked.keys:
+            mark = parked.marks.get(key)
+            if mark is None:
+                return 1 << 62  # the virtual partition: answered from memory, at once
+            head, nbytes, cap = mark
+            now = self._heads.get(key, -1)
+            if now > head:
+                nbytes_now = stored.get(key)
+                if nbytes_now is None:
+                    info = self.db.info(*key)
+                    nbytes_now = stored[key] = 0 if info is None else info.bytes
+                total += min(cap, max(0, nbytes_now - nbytes) + now - head)
+        return total
 
     def _unpark(self, parked: _Parked) -> None:
         try:
@@ -1125,7 +1162,7 @@ class Gateway(Store):
 
     def _consume_answer(
         self, req: ConsumeRequest, timed_out: bool, budget: int
-    ) -> tuple[ConsumeResponse, int, list[tuple[str, str]], bool]:
+    ) -> tuple[ConsumeResponse, int, dict[tuple[str, str], int], bool]:
         """The answer as things are now, its chunk bytes, the partitions at their
         tail, and whether any topic or partition is answered with a fault.
 
@@ -1138,7 +1175,7 @@ class Gateway(Store):
         """
         topics = []
         size = 0
-        waiting: list[tuple[str, str]] = []
+        waiting: dict[tuple[str, str], int] = {}  # partitions at their tail: their fetch size
         faulted = False
         seen: set[tuple[str, int]] = set()
         for t in req.topics:
@@ -1170,7 +1207,8 @@ class Gateway(Store):
                 if res.chunk:
                     size += len(res.chunk)
                 elif at_tail:
-                    waiting.append(_VIRTUAL_KEY if part is None else (t.name, part.address))
+                    waiting[_VIRTUAL_KEY if part is None else (t.name, part.address)] = min(
+                        max(p.fetch_size, 1), MAX_ANSWER_BYTES)
                 elif res.flags == ConsumeFlag.OK:
                     size = max(size, budget)  # had data, but no room for it: the answer is full
                 results.append(res)

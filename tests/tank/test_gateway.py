@@ -735,6 +735,63 @@ def test_min_bytes_keeps_a_long_poll_parked(gw: Gateway, client: TankClient) -> 
     assert [(m[0], bytes(m[3])) for m in p.decode_chunk().records] == [(3, b"z")]
 
 
+def test_parked_consumes_that_cannot_reach_min_bytes_do_not_read_the_store_again_at_every_commit(
+    gw: Gateway, client: TankClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A consume waiting at a partition's tail (parked) for min_bytes was answered anew at
+    every commit to that partition, its other partitions read again each time.  Before the
+    fix a client parking consumes with a min_bytes they never reach, naming a partition with
+    a backlog (1 MiB read and thrown away each time) and one a tiny produce wakes, made each
+    such produce cost the gateway as many answers (200 parked: 3 ms a produce became 120 ms,
+    every client stalled).  Now a woken consume is answered only once the bytes stored since
+    it parked (partition metadata) can make min_bytes with what it had, or at max_wait."""
+    client.create_topic("idle", 1)
+    client.create_topic("backlog", 1)
+    client.produce("backlog", 0, [b"b%05d" % i + b"z" * 50 for i in range(20_000)])
+    client.produce("idle", 0, [b"x"])
+    reads: list[int] = []
+    read_blocks = gw.db.read_blocks
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        reads.append(args[2])
+        return read_blocks(*args, **kw)
+
+    monkeypatch.setattr(gw.db, "read_blocks", counted)
+    n = 50
+    hog = connect_raw(gw.tank_port)
+    s = connect_raw(gw.tank_port)
+    try:
+        for i in range(n):
+            hog.sendall(ConsumeRequest(i + 1, [ConsumeTopic("idle", [ConsumePartition(0, SEQ_TAIL, 1 << 20)]),
+                                               ConsumeTopic("backlog", [ConsumePartition(0, 1, 1 << 20)])],
+                                       "", 60_000, 2**31 - 1).encode())
+        wait_until(lambda: len(gw._parked_all) == n, 20)
+        before = len(reads)
+        for _ in range(10):
+            assert client.produce("idle", 0, [b"y"]) == 0
+        # Long polls on the same partition are answered when they should: min_bytes 1 as soon
+        # as a message comes (even an empty one), min_bytes 2500 once that much came.
+        s.sendall(consume_frame(1, "idle", 0, SEQ_TAIL, max_wait_ms=60_000, min_bytes=1))
+        wait_until(lambda: len(gw._parked_all) == n + 1, 20)
+        assert client.produce("idle", 0, [b""]) == 0
+        msg_id, payload = recv_frame(s)
+        assert msg_id == MsgId.CONSUME and ConsumeResponse.decode(payload).req_id == 1
+        s.sendall(consume_frame(2, "idle", 0, SEQ_TAIL, max_wait_ms=60_000, min_bytes=2500))
+        wait_until(lambda: len(gw._parked_all) == n + 1, 20)
+        assert client.produce("idle", 0, [b"w" * 1000]) == 0
+        assert client.produce("idle", 0, [b"w" * 1000]) == 0
+        s.sendall(StatusRequest(3).encode())  # a premature answer would come before Status's
+        assert recv_frame(s)[0] == MsgId.STATUS
+        assert client.produce("idle", 0, [b"w" * 1000]) == 0
+        msg_id, payload = recv_frame(s)
+        p = ConsumeResponse.decode(payload).topics[0].partitions[0]
+        assert msg_id == MsgId.CONSUME and [bytes(m[3]) for m in p.decode_chunk().records] == [b"w" * 1000] * 3
+    finally:
+        s.close()
+        hog.close()
+    assert len(reads) - before < n  # before: 10 produces x 50 parked consumes read the backlog again
+
+
 def test_parked_fetches_of_a_closed_connection_are_dropped(gw: Gateway, client: TankClient) -> None:
     client.create_topic("idle", 1)
     for _ in range(3):
