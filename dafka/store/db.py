@@ -138,7 +138,7 @@ import lmdb
 
 from dafka.errors import ClosedError, ProtocolError, StorageError, StorageFullError
 from dafka.fastio import fetch_blocks, store_blocks
-from dafka.store.block import BLOCK_KEY, BlockHeader, decode_header, store_payload
+from dafka.store.block import BLOCK_KEY, HEADER_SIZE, BlockHeader, decode_header, store_payload
 from dafka.store.blocktable import OverlapError, put_block
 from dafka.store.compaction import Cleaned, Planner, Scanned, clean_txn, scan_txn
 from dafka.store.layout import (
@@ -295,6 +295,61 @@ class _Gate:
 KEEP_FREED_HEAP = 32 << 20
 _M_TRIM_THRESHOLD = -1  # glibc's malloc.h
 _heap_kept = False
+
+
+#: Records of a client's block converted at once for a slice that does not take them all ...
+CONVERT_WINDOW = 65_536
+#: ... of which no more than this many bytes are kept for the next slices ...
+CONVERT_WINDOW_BYTES = 4 << 20
+#: ... in at most this many windows (readers of different blocks at once), the oldest
+#: dropped first.
+CONVERT_WINDOWS = 4
+
+#: ``(database, pid, block header) -> (first offset, values, whether they run to the block's
+#: end)``.
+_windows: dict[tuple[int, int, bytes], tuple[int, list[bytes], bool]] = {}
+_windows_lock = threading.Lock()
+
+
+class _WindowConvert:
+    """:func:`dafka.store.reader.convert_block` for :meth:`RecordDB.fetch_raw`'s slices.
+
+    A client's block (a Tank bundle, a Kafka batch) is not sliced where it lies: each
+    conversion inflates and walks it from its start.  Read in slices (a mesh FETCH answer
+    takes 2,000 records a turn), a bundle of millions of messages was walked whole once a
+    slice.  So a slice converts a window of up to :data:`CONVERT_WINDOW` records, kept for
+    the next slices of the same block (its database, its partition and its header, whose
+    CRC covers its records)."""
+
+    __slots__ = ("db", "pid")
+
+    def __init__(self, db: int, pid: int) -> None:
+        self.db = db
+        self.pid = pid
+
+    def __call__(self, value: Any, offset: int, n: int) -> list[bytes]:
+        key = (self.db, self.pid, bytes(value[:HEADER_SIZE]))
+        win = _windows.get(key)
+        if win is not None and win[0] <= offset:
+            i = offset - win[0]
+            if i + n <= len(win[1]) or (win[2] and i < len(win[1])):
+                return win[1][i : i + n]
+        if n >= CONVERT_WINDOW or n < 64:
+            return convert_block(value, offset, n)  # all of it at once, or a look at one record
+        values = convert_block(value, offset, CONVERT_WINDOW)
+        if len(values) > n:
+            kept, size = len(values), sum(map(len, values))
+            while kept > n and size > CONVERT_WINDOW_BYTES:
+                kept -= 1
+                size -= len(values[kept])
+            entry = (offset, values[:kept] if kept < len(values) else values,
+                     kept == len(values) and len(values) < CONVERT_WINDOW)
+            with _windows_lock:
+                _windows.pop(key, None)
+                while len(_windows) >= CONVERT_WINDOWS:
+                    del _windows[next(iter(_windows))]
+                _windows[key] = entry
+        return values[:n]
 
 
 def _keep_freed_heap() -> None:
@@ -1494,7 +1549,8 @@ class RecordDB:
             n = count
         if n <= 0:
             return start, []
-        got: tuple[int, list[bytes]] = fetch_blocks(txn.cursor(db=dbs.blocks), pid, start, last, n, convert_block)
+        got: tuple[int, list[bytes]] = fetch_blocks(txn.cursor(db=dbs.blocks), pid, start, last, n,
+                                                    _WindowConvert(id(dbs), pid))
         return got
 
     def read_blocks(
@@ -1546,7 +1602,7 @@ class RecordDB:
             if start > last:
                 return start, start, []
             nxt, batches = kafka_batches(txn.cursor(db=dbs.blocks), pid, start, last, limit, encode, count, exact,
-                                         first)
+                                         first, _WindowConvert(id(dbs), pid))
             # One copy out of the map, while the transaction holds the views (a batch
             # each: a transactional reader drops aborted ones).
             return start, nxt, [bytes(b) for b in batches]

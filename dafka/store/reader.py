@@ -186,7 +186,7 @@ def block_run(cur: Any, pid: int, start: int, last: int, max_bytes: int,
 def kafka_batches(
     cur: Any, pid: int, start: int, last: int, limit: int,
     encode: Callable[[int, list[bytes], int], bytes], count: Callable[[bytes], int], exact: bool = False,
-    first: int = 0,
+    first: int = 0, convert: Callable[[Any, int, int], list[bytes]] | None = None,
 ) -> tuple[int, list[bytes | memoryview]]:
     """Kafka record batches of ``pid`` from the block holding ``start`` (or the next one
     held) up to offset ``last``: ``(next offset, batches)``, about ``limit`` bytes (a stored
@@ -203,7 +203,9 @@ def kafka_batches(
     least.  ``first``: the partition's first offset; a Kafka block beginning below it
     (the partial front block a DeleteRecords leaves) is sliced and encoded from
     ``start`` too, so no deleted record goes out (only the first block read can be
-    one).  One ``set_range`` (and one step back), then a cursor walk.
+    one).  ``convert``: what takes a block's records from an offset instead of
+    :func:`convert_block` (:meth:`dafka.store.db.RecordDB.fetch_kafka`'s keeps a window of
+    them for the next fetches).  One ``set_range`` (and one step back), then a cursor walk.
     """
     found = seek(cur, pid, start)
     out: list[bytes | memoryview] = []
@@ -233,7 +235,8 @@ def kafka_batches(
         else:
             off = max(nxt, hdr.first_offset)
             if values is None:
-                values = block_values(value, hdr, off, min(min(hdr.last_offset, last) - off + 1, most))
+                n = min(min(hdr.last_offset, last) - off + 1, most)
+                values = block_values(value, hdr, off, n) if convert is None else convert(value, off, n)
             if not values:
                 break
             batch = encode(off, values, max(room, 1))
