@@ -702,11 +702,9 @@ class KafkaServer(AdminHandlers, TxnHandlers, TxnAdminHandlers):
         data, size, waiting, faulted = self.fetch_answer(corr, v, req, self.backend.output_room(token))
         if faulted or size >= max(1, req.min_bytes) or not waiting or req.max_wait_ms <= 0:
             return Outcome(data)
-        backend = self.backend
-        marks = {}
-        for key, cap in waiting.items():
-            head = backend.head(*key)
-            marks[key] = (-1 if head is None else head, backend.stored_bytes(*key), cap)
+        committed = v >= 4 and req.isolation_level == 1
+        marks = {key: (self._readable_last(key, committed), self.backend.stored_bytes(*key), cap)
+                 for key, cap in waiting.items()}
         return Outcome(park=ParkedFetch(corr, v, req, now + min(req.max_wait_ms, 300_000) / 1000.0, list(waiting),
                                         req.min_bytes, size, marks))
 
@@ -730,14 +728,23 @@ class KafkaServer(AdminHandlers, TxnHandlers, TxnAdminHandlers):
         """About the bytes an answer would now hold from the partitions ``parked`` waits on
         (stored bytes since it parked, 8 more a record and a batch header each, within each
         partition's limit in the answer)."""
-        backend = self.backend
+        committed = parked.version >= 4 and parked.request.isolation_level == 1
         total = 0
         for key, (head, nbytes, cap) in parked.marks.items():
-            now = backend.head(*key)
-            if now is None or now <= head:
-                continue
-            total += min(cap, max(0, backend.stored_bytes(*key) - nbytes) + 8 * (now - head) + 61)
+            now = self._readable_last(key, committed)
+            if now > head:
+                total += min(cap, max(0, self.backend.stored_bytes(*key) - nbytes) + 8 * (now - head) + 61)
         return total
+
+    def _readable_last(self, key: tuple[str, str], committed: bool) -> int:
+        """The last offset of a partition a fetch can read now (-1: none): its head, or
+        for read_committed before its last stable offset."""
+        head = self.backend.head(*key)
+        if head is None:
+            return -1
+        if committed and key in self.txn.touched:
+            return self.txn.lso(key, head + 1) - 1
+        return head
 
     def fetch_answer(
         self, corr: int, v: int, req: Any, room: int | None = None

@@ -170,6 +170,44 @@ def test_an_open_transaction_holds_read_committed_readers_at_its_first_offset(ga
     assert [v for _, _, v in ck_read(gateway, "tx-lso", "read_committed")] == [b"before", b"pending", b"after"]
 
 
+def test_a_read_committed_long_poll_waits_for_the_transaction_not_for_its_batches(gateway: str) -> None:
+    """A read_committed fetch parked at the last stable offset: batches of the open
+    transaction come (the head moves, the last stable offset does not) and it waits on; it
+    is answered when the transaction commits.  (A parked fetch is retried on the partitions'
+    metadata: counted on the head, it went out empty at each batch.)"""
+    import socket
+
+    from kafka.protocol.consumer import FetchRequest, FetchResponse
+    from kafka.record import MemoryRecords
+
+    from tests.kafka.test_gateway import frame, read_frame
+
+    create(gateway, "tx-poll")
+    p = txn_producer(gateway, "poll")
+    p.begin_transaction()
+    p.produce("tx-poll", b"t0", partition=0)
+    p.flush(30)
+    req = FetchRequest[11](
+        replica_id=-1, max_wait_ms=30_000, min_bytes=1, max_bytes=1 << 20, isolation_level=1, session_id=0,
+        session_epoch=-1, forgotten_topics_data=[], rack_id="",
+        topics=[FetchRequest.FetchTopic(topic="tx-poll", partitions=[FetchRequest.FetchTopic.FetchPartition(
+            partition=0, current_leader_epoch=-1, fetch_offset=0, log_start_offset=-1, partition_max_bytes=1 << 20)])],
+    )
+    host, port = gateway.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(frame(1, 11, 7, bytes(req.encode(version=11))))
+        for i in range(1, 4):
+            p.produce("tx-poll", b"t%d" % i, partition=0)
+            p.flush(30)
+        s.settimeout(1.0)
+        with pytest.raises(TimeoutError):
+            s.recv(1)  # no answer while the transaction is open
+        p.commit_transaction(30)
+        answer = FetchResponse.decode(read_frame(s)[4:], version=11).responses[0].partitions[0]
+    assert [r.value for rb in MemoryRecords(bytes(answer.records)) for r in rb if not rb.is_control_batch][:4] == [
+        b"t0", b"t1", b"t2", b"t3"]
+
+
 def test_kafka_python_commits_and_aborts(gateway: str) -> None:
     create(gateway, "tx-kp")
     p = KafkaProducer(bootstrap_servers=gateway, transactional_id="kp")
