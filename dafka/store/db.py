@@ -1553,6 +1553,21 @@ class RecordDB:
                                                     _WindowConvert(id(dbs), pid))
         return got
 
+    def holds_any(self, topic: str, partition: str, first: int, last: int) -> bool:
+        """Whether any record of offsets ``first..last`` is stored: the block headers say so
+        (one seek), no record is decoded (a client's block is not inflated)."""
+        pkey = self._pkey(topic, partition)
+        with self._read_txn(buffers=True) as (txn, dbs):
+            raw = txn.get(pkey, db=dbs.partitions)
+            if raw is None:
+                return False
+            pid, pfirst, plast, _stored, _bytes = PARTITION_INFO.unpack(raw)
+            start = first if first > pfirst else pfirst
+            if start > last or start > plast:
+                return False
+            found = seek(txn.cursor(db=dbs.blocks), pid, start)
+            return found is not None and found[0].first_offset <= last
+
     def read_blocks(
         self, topic: str, partition: str, offset: int, max_bytes: int, max_blocks: int = 256
     ) -> tuple[int, int, list[tuple[BlockHeader, bytes]]]:

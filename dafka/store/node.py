@@ -1194,10 +1194,9 @@ class Store(PartitionReader):
         if head < first:
             return True
         try:
-            start, values = self.db.fetch_raw(key[0], key[1], first, 1)
+            return not self.db.holds_any(key[0], key[1], first, last)  # (headers only: no record decoded)
         except StorageError:
             return False
-        return not values or start > last
 
     def _on_fetch(self, fetch: wire.Fetch) -> None:
         self.fetches_received += 1

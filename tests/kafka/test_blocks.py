@@ -380,3 +380,25 @@ def test_a_fetch_bounded_by_the_gateways_output_room_converts_only_what_fits(
     got = [r.offset for rb in MemoryRecords(bytes(p.records)) for r in rb]
     assert p.error_code == 0 and got == list(range(7, 7 + len(got))) and 1 < len(got) < 1000
     assert asked and max(asked) <= 4096  # before: 49,993
+
+
+def test_a_store_says_whether_it_holds_a_fetched_range_without_inflating_a_bundle(
+    kgw: KafkaGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each FETCH a store receives is first checked for a range it holds none of (it says
+    VOID then).  That read the range's first record, inflating and walking a Tank bundle to
+    it (25 ms a FETCH inside a bundle of 2 million messages, for any peer): before the fix
+    each of these looks converted the bundle; now the block headers answer."""
+    from dafka.store import db as dbmod
+
+    kgw.create_topic("held", 1)
+    with TankClient(HOST, kgw.tank_port) as t:
+        t.produce("held", 0, [b"m%d" % i for i in range(10_000)])
+    key = ("held", kgw.pmap.get("held", 0).address)
+    wait_until(lambda: kgw.head(*key) == 9_999)
+    calls: list[int] = []
+    convert = dbmod.convert_block
+    monkeypatch.setattr(dbmod, "convert_block", lambda v, o, n: calls.append(o) or convert(v, o, n))
+    assert [kgw._holds_none(key, a, b) for a, b in [(0, 0), (5_000, 5_001), (9_999, 20_000), (10_000, 20_000)]] == [
+        False, False, False, True]
+    assert calls == []  # before: [0, 5000, 9999]

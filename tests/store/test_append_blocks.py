@@ -152,3 +152,29 @@ def test_a_large_client_block_read_in_slices_is_converted_once_a_window_not_once
         # Read again from the middle, and a window's last record: taken as they are.
         assert db.fetch("t", "p", 70_000, 3)[1] == [b"m70000", b"m70001", b"m70002"]
         assert db.fetch("t", "p", n - 1, 5) == (n - 1, [b"m%d" % (n - 1)])
+
+
+def test_whether_a_range_is_held_is_read_from_block_headers_without_decoding_a_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store asked for a range (a FETCH) first says whether it holds none of it (VOID).
+    That looked at the range's first record through fetch_raw, which inflates and walks a
+    client's block to it: 25 ms a FETCH inside a bundle of 2 million messages, for any peer
+    sending FETCHes.  Now the block headers answer."""
+    from dafka.store import db as dbmod
+    from dafka.store.block import tank_block
+
+    calls: list[int] = []
+    convert = dbmod.convert_block
+    monkeypatch.setattr(dbmod, "convert_block", lambda v, o, n: calls.append(o) or convert(v, o, n))
+    bundle = encode_bundle([(None, 1000, None, b"m%d" % i) for i in range(1000)], codec=1)
+    with RecordDB(tmp_path / "db", sync=False) as db:
+        assert not db.holds_any("t", "p", 0, 10)  # no such partition
+        db.append_blocks([("t", "p", tank_block(bundle, 100)), ("t", "p", sblock(1100, [b"a", b"b"]))])
+        cases = {(0, 99): False, (0, 100): True, (500, 500): True, (1099, 1101): True, (1101, 5000): True,
+                 (1102, 5000): False, (50, 40): False}
+        assert {r: db.holds_any("t", "p", *r) for r in cases} == cases
+        assert db.delete_front("t", "p", 600) == (600, True)  # the bundle is the partial front block now
+        cases = {(0, 599): False, (0, 600): True, (599, 700): True}
+        assert {r: db.holds_any("t", "p", *r) for r in cases} == cases
+        assert calls == []
