@@ -301,6 +301,13 @@ def _gateway_batch(messages: list[tuple], topic: str, partition: str) -> pa.Reco
     )
 
 
+def _first_seq(client: Any, topic: str, pid: int) -> int:
+    """The first seq the gateway holds of a partition now (its next one when it holds
+    none)."""
+    first_avail, hwm = client.discover_partitions(topic)[pid]
+    return int(first_avail) if first_avail else int(hwm) + 1
+
+
 def _read_gateway(
     transport: Transport, rng: ReadRange, fail_on_data_loss: bool
 ) -> Iterator[pa.RecordBatch]:
@@ -336,10 +343,16 @@ def _read_gateway(
                     f"{seq - 1} (high-water mark {res.hwm})"
                 )
             if msgs[0][0] > seq:
-                report_losses(
-                    [Loss(rng.topic, rng.partition, seq - 1, min(msgs[0][0], last_seq + 1) - 1)],
-                    fail_on_data_loss,
-                )
+                # Records from seq on missing: retention removed them after the range was
+                # planned (a loss), or they are a gap compaction left (superseded by later
+                # records of their keys) or a hole (never stored): not records removed.  The
+                # answer does not say which; the partition's first seq now does.
+                first = _first_seq(client, rng.topic, rng.pid)
+                if first > seq:
+                    report_losses(
+                        [Loss(rng.topic, rng.partition, seq - 1, min(first, msgs[0][0], last_seq + 1) - 1)],
+                        fail_on_data_loss,
+                    )
             if msgs[-1][0] > last_seq:
                 msgs = [m for m in msgs if m[0] <= last_seq]
             pending.extend(msgs)
