@@ -82,6 +82,7 @@ from dafka.kafka.records import (
 from dafka.kafka.txn import TxnCoordinator
 from dafka.kafka.txn_admin import TxnAdminHandlers
 from dafka.kafka.txn_api import TxnHandlers
+from dafka.store.block import CODEC_KAFKA
 from dafka.store.layout import MAX_NAME, MAX_OFFSET
 from dafka.tank.mapping import (
     PARTITIONS_TOPIC,
@@ -130,6 +131,7 @@ class Backend(Protocol):
     def head(self, topic: str, address: str) -> int | None: ...
     def first(self, topic: str, address: str) -> int | None: ...
     def stored_bytes(self, topic: str, address: str) -> int: ...
+    def packed_since(self, key: tuple[str, str], mark: int, codec: int) -> bool: ...
     def fetch_raw(self, topic: str, address: str, offset: int, count: int) -> tuple[int, list[bytes]]: ...
     def fetch_batches(
         self, topic: str, address: str, offset: int, limit: int, exact: bool = False
@@ -727,13 +729,24 @@ class KafkaServer(AdminHandlers, TxnHandlers, TxnAdminHandlers):
     def _arrived(self, parked: ParkedFetch) -> int:
         """About the bytes an answer would now hold from the partitions ``parked`` waits on
         (stored bytes since it parked, 8 more a record and a batch header each, within each
-        partition's limit in the answer)."""
+        partition's limit in the answer).  A partition that stores fewer bytes than when it
+        parked (DeleteRecords, retention or compaction removed some since) cannot tell what
+        came from its bytes, nor compressed blocks of another codec (a Tank producer's snappy
+        bundles, converted for a Kafka answer), nor one whose last offset went back (deleted and created
+        again): either counts as its whole limit once anything is readable, so the answer
+        is built and goes (it waited to max_wait, whatever came)."""
         committed = parked.version >= 4 and parked.request.isolation_level == 1
         total = 0
         for key, (head, nbytes, cap) in parked.marks.items():
             now = self._readable_last(key, committed)
             if now > head:
-                total += min(cap, max(0, self.backend.stored_bytes(*key) - nbytes) + 8 * (now - head) + 61)
+                stored = self.backend.stored_bytes(*key)
+                if stored < nbytes or self.backend.packed_since(key, head, CODEC_KAFKA):
+                    total += cap
+                else:
+                    total += min(cap, stored - nbytes + 8 * (now - head) + 61)
+            elif 0 <= now < head:
+                total += cap
         return total
 
     def _readable_last(self, key: tuple[str, str], committed: bool) -> int:

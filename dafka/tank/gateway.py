@@ -258,6 +258,9 @@ class Gateway(Store):
         self._pending: deque[_PendingProduce] = deque()
         self._parked: dict[tuple[str, str], list[_Parked]] = {}
         self._parked_all: list[_Parked] = []
+        # (topic, address, a reader's codec) -> (scanned from, scanned up to, last offset of
+        # the newest compressed block of another codec): see packed_since.
+        self._packed: dict[tuple[str, str, int], tuple[int, int, int]] = {}
         self.listener = socket.create_server(listen, backlog=256)
         self.listener.setblocking(False)
         self.tank_port = self.listener.getsockname()[1]
@@ -1130,8 +1133,13 @@ class Gateway(Store):
     def _arrived(self, parked: _Parked, stored: dict[tuple[str, str], int]) -> int:
         """About the chunk bytes the partitions ``parked`` waits on would now add to its
         answer: their stored bytes since it parked and a byte a message, each within its
-        fetch size (the partition map's virtual partition: always enough).  ``stored``:
-        partitions' stored bytes read already (filled here)."""
+        fetch size (the partition map's virtual partition: always enough).  A partition that
+        stores fewer bytes than when it parked (DeleteRecords, retention or compaction
+        removed some since) cannot tell what came from its bytes, nor compressed blocks of
+        another codec (a Kafka producer's, re-encoded for a Tank answer), nor a head that
+        went back (deleted and created again): each counts as its whole fetch size once it has
+        anything new, so the consume is answered (it waited to max_wait, whatever came).
+        ``stored``: partitions' stored bytes read already (filled here)."""
         total = 0
         for key in parked.keys:
             mark = parked.marks.get(key)
@@ -1144,8 +1152,35 @@ class Gateway(Store):
                 if nbytes_now is None:
                     info = self.db.info(*key)
                     nbytes_now = stored[key] = 0 if info is None else info.bytes
-                total += min(cap, max(0, nbytes_now - nbytes) + now - head)
+                if nbytes_now < nbytes or self.packed_since(key, head, CODEC_TANK):
+                    total += cap
+                else:
+                    total += min(cap, nbytes_now - nbytes + now - head)
+            elif 0 <= now < head:
+                total += cap
         return total
+
+    def packed_since(self, key: tuple[str, str], mark: int, codec: int) -> bool:
+        """Whether a compressed block of another codec than ``codec`` (a reader's) holds
+        records of partition ``key`` past offset ``mark``: its stored bytes are then a
+        fraction of what that reader's answer holds, so a parked long poll cannot count
+        what came from them.  From the block headers, each block looked at once per reader
+        codec however many long polls wait on the partition (bounded: about one entry a
+        partition waited on)."""
+        head = self._heads.get(key, -1)
+        slot = (key[0], key[1], codec)
+        entry = self._packed.get(slot)
+        if entry is None or mark < entry[0] or head < entry[1]:
+            entry = (mark, mark, -1)  # first look, an earlier mark, or the partition went back
+        start, upto, newest = entry
+        if upto < head:
+            try:
+                upto, found = self.db.newest_packed(key[0], key[1], upto + 1, head, codec)
+            except StorageError:
+                upto, found = head, head
+            entry = (start, upto, max(newest, found))
+        self._packed[slot] = entry
+        return entry[2] > mark
 
     def _unpark(self, parked: _Parked) -> None:
         try:

@@ -407,3 +407,104 @@ def test_parked_fetches_that_cannot_reach_min_bytes_do_not_read_the_store_again_
         t.produce("idle", 0, [b"w" * 1000])
         assert read_frame(s)[:4] == (101).to_bytes(4, "big")
     assert len(reads) - before < n  # before: 10 produces x 50 parked fetches read the backlog again
+
+
+def test_a_parked_fetch_is_answered_when_records_come_after_delete_records_shrank_its_partition(
+    kgw: KafkaGateway,
+) -> None:
+    """A parked fetch counts the bytes its partition stored since it parked (partition
+    metadata).  DeleteRecords (or retention, or compaction) lowering those bytes while it
+    waited hid what came next: before the fix, 10 KB produced after a DeleteRecords of
+    200 KB left a fetch with min_bytes 5000 parked until its max_wait (30 s)."""
+    from tests.kafka.test_admin import delete_records
+    from tests.kafka.test_gateway import read_frame
+
+    kgw.create_topic("shrink", 1)
+    with TankClient(HOST, kgw.tank_port) as t, socket.create_connection((HOST, kgw.kafka_port)) as s:
+        for _ in range(4):
+            t.produce("shrink", 0, [b"o" * 1000] * 50)
+        s.sendall(parked_fetch_frame(7, [("shrink", 200)], min_bytes=5000, max_wait_ms=30_000))
+        wait_until(lambda: len(kgw._kparked) == 1, 20)
+        assert delete_records(kgw.kafka_port, "shrink", 200) == (Err.NONE, 200)
+        t.produce("shrink", 0, [b"n" * 1000] * 10)
+        started = time.monotonic()
+        answer = read_frame(s, timeout=10)
+        assert answer[:4] == (7).to_bytes(4, "big")
+        assert time.monotonic() - started < 5  # before: at max_wait
+        assert answer.count(b"n" * 1000) == 10
+
+
+def test_a_parked_tank_consume_is_answered_when_messages_come_after_delete_records_shrank_its_partition(
+    kgw: KafkaGateway,
+) -> None:
+    """The Tank side of the same estimate: a consume parked at the tail with min_bytes 5000
+    waited to its max_wait (30 s) for 10 KB produced after a DeleteRecords of 200 KB."""
+    from dafka.tank.messages import ConsumeResponse, MsgId
+    from tests.kafka.test_admin import delete_records
+    from tests.tank.test_gateway import connect_raw, consume_frame, recv_frame
+
+    kgw.create_topic("tshrink", 1)
+    with TankClient(HOST, kgw.tank_port) as t:
+        for _ in range(4):
+            t.produce("tshrink", 0, [b"o" * 1000] * 50)
+        s = connect_raw(kgw.tank_port)
+        try:
+            s.sendall(consume_frame(7, "tshrink", 0, 201, max_wait_ms=30_000, min_bytes=5000))
+            wait_until(lambda: len(kgw._parked_all) == 1, 20)
+            assert delete_records(kgw.kafka_port, "tshrink", 200) == (Err.NONE, 200)
+            t.produce("tshrink", 0, [b"n" * 1000] * 10)
+            started = time.monotonic()
+            s.settimeout(10)
+            msg_id, payload = recv_frame(s)
+            assert time.monotonic() - started < 5  # before: at max_wait
+            p = ConsumeResponse.decode(payload).topics[0].partitions[0]
+            assert msg_id == MsgId.CONSUME and [bytes(m[3]) for m in p.decode_chunk().records] == [b"n" * 1000] * 10
+        finally:
+            s.close()
+
+
+def test_a_parked_fetch_counts_what_a_snappy_tank_bundle_holds_not_its_stored_bytes(kgw: KafkaGateway) -> None:
+    """A Tank producer's snappy bundle stores a fraction of the bytes a Kafka fetch answers
+    with (its records, converted).  A fetch parked with min_bytes 20,000 for a bundle of
+    1,000 messages of 100 bytes (about 100 KB answered, 5 KB stored)."""
+    from dafka.tank.bundle import CODEC_SNAPPY
+    from tests.kafka.test_gateway import read_frame
+
+    kgw.create_topic("squeezed", 1)
+    with TankClient(HOST, kgw.tank_port) as t, socket.create_connection((HOST, kgw.kafka_port)) as s:
+        t.produce("squeezed", 0, [b"first"])
+        s.sendall(parked_fetch_frame(8, [("squeezed", 1)], min_bytes=20_000, max_wait_ms=30_000))
+        wait_until(lambda: len(kgw._kparked) == 1, 20)
+        t.produce("squeezed", 0, [b"%03d" % (i % 1000) + b"s" * 97 for i in range(1000)], codec=CODEC_SNAPPY)
+        assert kgw.db.info("squeezed", kgw.pmap.get("squeezed", 0).address).bytes < 20_000
+        started = time.monotonic()
+        answer = read_frame(s, timeout=10)
+        assert answer[:4] == (8).to_bytes(4, "big") and len(answer) > 20_000
+        assert time.monotonic() - started < 5  # before: at max_wait
+
+
+def test_a_parked_tank_consume_counts_what_a_gzip_kafka_batch_holds_not_its_stored_bytes(kgw: KafkaGateway) -> None:
+    """The other way round: a Kafka producer's gzip batch is re-encoded for a Tank answer,
+    its stored bytes a fraction of the chunk.  A consume parked with min_bytes 20,000 for a
+    batch of 50 KB of records that gzip stores in well under 20,000 bytes."""
+    from dafka.tank.messages import ConsumeResponse, MsgId
+    from tests.kafka.test_gateway import client_batch_of
+    from tests.tank.test_gateway import connect_raw, consume_frame, recv_frame
+
+    kgw.create_topic("gzipped", 1)
+    s = connect_raw(kgw.tank_port)
+    try:
+        with socket.create_connection((HOST, kgw.kafka_port)) as k:
+            assert produce_raw(k, 1, "gzipped", client_batch_of([b"first"])).error_code == 0
+            s.sendall(consume_frame(9, "gzipped", 0, 2, max_wait_ms=30_000, min_bytes=20_000))
+            wait_until(lambda: len(kgw._parked_all) == 1, 20)
+            assert produce_raw(k, 2, "gzipped", gzip_batch(b"g" * 50_000)).error_code == 0
+        assert kgw.db.info("gzipped", kgw.pmap.get("gzipped", 0).address).bytes < 20_000
+        started = time.monotonic()
+        s.settimeout(10)
+        msg_id, payload = recv_frame(s)
+        assert time.monotonic() - started < 5  # before: at max_wait
+        p = ConsumeResponse.decode(payload).topics[0].partitions[0]
+        assert msg_id == MsgId.CONSUME and [bytes(m[3]) for m in p.decode_chunk().records] == [b"g" * 50_000]
+    finally:
+        s.close()
