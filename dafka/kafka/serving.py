@@ -769,7 +769,7 @@ class KafkaServer(AdminHandlers, TxnHandlers, TxnAdminHandlers):
         ``room``: answer bytes the gateway may still hold (its output budget);
         the answer carries no more records than that, but one record at least.
         """
-        budget = min(req.max_bytes if v >= 3 else self.fetch_cap, self.fetch_cap)
+        budget = wanted = min(req.max_bytes if v >= 3 else self.fetch_cap, self.fetch_cap)
         tight = False  # the gateway's output room, not the client, bounds this answer
         if room is not None and room < budget:
             budget = room
@@ -820,7 +820,9 @@ class KafkaServer(AdminHandlers, TxnHandlers, TxnAdminHandlers):
                     size += len(records)
                     budget -= len(records)
                 elif off >= end:
-                    waiting[key] = max(1, min(p.partition_max_bytes, self.partition_cap, budget))
+                    # (the client's limit, not the output room now: a parked fetch's estimate
+                    # keeps it, and a room spent when it parked would hold it to max_wait)
+                    waiting[key] = max(1, min(p.partition_max_bytes, self.partition_cap, wanted - size))
                 out.append((p.partition, 0, hwm, start, records, lso))
             topics.append((t.topic, out))
         return encode_fetch_parts(corr, v, topics), size, waiting, faulted

@@ -508,3 +508,42 @@ def test_a_parked_tank_consume_counts_what_a_gzip_kafka_batch_holds_not_its_stor
         assert msg_id == MsgId.CONSUME and [bytes(m[3]) for m in p.decode_chunk().records] == [b"g" * 50_000]
     finally:
         s.close()
+
+
+def test_a_fetch_parked_while_the_output_budget_was_spent_is_answered_once_enough_comes(
+    cfg: NodeConfig, tmp_path: Path
+) -> None:
+    """A parked fetch's limit on each partition it waits on was the answer's budget when it
+    parked, the gateway's output room included: parked while other clients' unread answers
+    held the whole budget, each limit was 1 byte, so no produce could make its min_bytes
+    (4,000 here) and it waited to max_wait (30 s) though the room came back and 5 KB came."""
+    from dafka.tank.limits import GatewayLimits
+    from tests.kafka.test_gateway import client_batch_of, read_frame
+
+    budget = 64 << 10
+    gw = KafkaGateway(tmp_path / "gw", cfg, listen=(HOST, 0), kafka_listen=(HOST, 0),
+                      limits=GatewayLimits(kafka_max_output_bytes=budget))
+    try:
+        gw.create_topic("hog", 1)
+        gw.create_topic("tail", 1)
+        with socket.create_connection((HOST, gw.kafka_port)) as k:
+            assert produce_raw(k, 1, "hog", client_batch_of([bytes(1024)] * 1024)).error_code == 0
+            assert produce_raw(k, 2, "tail", client_batch_of([b"first"])).error_code == 0
+        hog = socket.socket()
+        hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        hog.connect((HOST, gw.kafka_port))
+        hog.sendall(b"".join(parked_fetch_frame(c, [("hog", 0)], min_bytes=1) for c in range(200)))
+        wait_until(lambda: gw.kafka_queued_bytes >= budget - 1024, timeout=30)
+        with socket.create_connection((HOST, gw.kafka_port)) as s:
+            s.sendall(parked_fetch_frame(5, [("tail", 1)], min_bytes=4000, max_wait_ms=30_000))
+            wait_until(lambda: len(gw._kparked) == 1, 20)
+            hog.close()
+            wait_until(lambda: gw.kafka_queued_bytes == 0, timeout=30)
+            with socket.create_connection((HOST, gw.kafka_port)) as k:
+                assert produce_raw(k, 3, "tail", client_batch_of([b"t" * 1000] * 5)).error_code == 0
+            started = time.monotonic()
+            answer = read_frame(s, timeout=10)
+            assert answer[:4] == (5).to_bytes(4, "big") and answer.count(b"t" * 1000) == 5
+            assert time.monotonic() - started < 5  # before: at max_wait
+    finally:
+        gw.close()
