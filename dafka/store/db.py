@@ -334,16 +334,29 @@ class _WindowConvert:
             i = offset - win[0]
             if i + n <= len(win[1]) or (win[2] and i < len(win[1])):
                 return win[1][i : i + n]
-        if n >= CONVERT_WINDOW or n < 64:
-            return convert_block(value, offset, n)  # all of it at once, or a look at one record
-        values = convert_block(value, offset, CONVERT_WINDOW)
+        values = convert_block(value, offset, n)
+        if n >= CONVERT_WINDOW or n < 64 or len(values) < n:
+            return values  # all of it at once, a look at one record, or the block's end
+        # The window holds as many records as CONVERT_WINDOW_BYTES does, at the slice's mean
+        # size (converting CONVERT_WINDOW records of 1 KB to keep 4 MiB of them converted the
+        # rest of the block again at every window; a compressed block's header cannot tell).
+        want = min(CONVERT_WINDOW, CONVERT_WINDOW_BYTES // max(1, sum(map(len, values)) // n))
+        if want <= n:
+            return values
+        hdr = decode_header(value)
+        if hdr.record_count == hdr.last_offset - hdr.first_offset + 1:
+            values += convert_block(value, offset + n, want - n)  # dense: the rest follows on
+        else:
+            values = convert_block(value, offset, want)
         if len(values) > n:
             kept, size = len(values), sum(map(len, values))
             while kept > n and size > CONVERT_WINDOW_BYTES:
                 kept -= 1
                 size -= len(values[kept])
-            entry = (offset, values[:kept] if kept < len(values) else values,
-                     kept == len(values) and len(values) < CONVERT_WINDOW)
+            # (It runs to the block's end only if the conversion gave fewer than asked: a
+            # window taken for the end would cut the next slices short, and a reader would
+            # go on at the next block.)
+            entry = (offset, values[:kept] if kept < len(values) else values, kept == len(values) < want)
             with _windows_lock:
                 _windows.pop(key, None)
                 while len(_windows) >= CONVERT_WINDOWS:
