@@ -152,6 +152,7 @@ UNBOUNDED = 1 << 62  # no record size limit: the second walk of a refused bundle
 # FETCH it): snappy bundles inflate up to 21 times, so a 64 MiB request could make the
 # gateway hold over a GiB for a subscribed reader.
 MAX_LIVE_HELD_BYTES = 64 << 20
+MAX_PACKED_ENTRIES = 4096  # partitions x reader codecs whose compressed blocks packed_since remembers
 OWNED_HEADS_INTERVAL = 1.0  # HEADs of owned partitions, for consumers that missed the tail
 _PING = Ping().encode()
 _PRODUCE_IDS = (MsgId.PRODUCE, MsgId.PRODUCE_WITH_SEQNUM)
@@ -1179,6 +1180,8 @@ class Gateway(Store):
             except StorageError:
                 upto, found = head, head
             entry = (start, upto, max(newest, found))
+        if slot not in self._packed and len(self._packed) >= MAX_PACKED_ENTRIES:
+            self._packed.clear()  # (a cache: partitions come and go; its entries are rebuilt from the marks)
         self._packed[slot] = entry
         return entry[2] > mark
 

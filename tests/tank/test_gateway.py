@@ -1562,3 +1562,15 @@ def test_records_deleted_from_inside_a_bundle_never_come_back(gw: Gateway, clien
             stored = [bytes(v) for _k, v in txn.cursor(db=dbs.blocks)]
         last = stored[-1][HEADER_SIZE:]
         assert p.chunk.endswith(encode_varint(len(last)) + last)
+
+
+def test_what_packed_since_remembers_is_bounded(gw: Gateway) -> None:
+    """packed_since keeps an entry per partition and reader codec a parked long poll asked
+    about; partitions come and go (a client creating and deleting topics while it parks polls
+    on them), so the entries are a bounded cache (they grew with every partition ever asked)."""
+    from dafka.store.block import CODEC_TANK
+    from dafka.tank.gateway import MAX_PACKED_ENTRIES
+
+    for i in range(MAX_PACKED_ENTRIES + 10):
+        assert gw.packed_since((f"gone{i}", "p"), -1, CODEC_TANK) is False
+    assert len(gw._packed) <= MAX_PACKED_ENTRIES
