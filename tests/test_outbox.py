@@ -261,7 +261,10 @@ def test_killed_offline_device_resumes_and_every_record_is_stored_once_in_order(
     dev = _device(cfg, outbox, total, sync)
     first = _read_until(dev, lambda line: line.startswith("start"))
     assert first[0].split()[1:] == [str(held["next"]), address]
-    _read_until(dev, lambda line: line == f"published {total - 1}")
+    if held["next"] < total:
+        # (On a loaded machine the device may have published all of them before the kill
+        # reached it: then it has nothing left to publish and waits for the ACKs at once.)
+        _read_until(dev, lambda line: line == f"published {total - 1}")
     # The mesh comes back: a store starts, everything is acknowledged.
     store = start_store_process(cfg, tmp_path / "db")
     assert _read_until(dev, lambda line: line in ("acked", "not acked"))[-1] == "acked"
