@@ -52,6 +52,7 @@ from typing import Any, Protocol
 
 from dafka.errors import ProtocolError
 from dafka.gateway.connections import LogLimiter
+from dafka.gateway.parking import arrived
 from dafka.kafka.admin import (
     ALTERABLE_KEYS,
     CLEANUP_KEYS,
@@ -736,18 +737,12 @@ class KafkaServer(AdminHandlers, TxnHandlers, TxnAdminHandlers):
         again): either counts as its whole limit once anything is readable, so the answer
         is built and goes (it waited to max_wait, whatever came)."""
         committed = parked.version >= 4 and parked.request.isolation_level == 1
-        total = 0
-        for key, (head, nbytes, cap) in parked.marks.items():
-            now = self._readable_last(key, committed)
-            if now > head:
-                stored = self.backend.stored_bytes(*key)
-                if stored < nbytes or self.backend.packed_since(key, head, CODEC_KAFKA):
-                    total += cap
-                else:
-                    total += min(cap, stored - nbytes + 8 * (now - head) + 61)
-            elif 0 <= now < head:
-                total += cap
-        return total
+        backend = self.backend
+        return sum(
+            arrived(mark, self._readable_last(key, committed), lambda k=key: backend.stored_bytes(*k),
+                    lambda k=key, m=mark: backend.packed_since(k, m[0], CODEC_KAFKA), 8, 61)
+            for key, mark in parked.marks.items()
+        )
 
     def _readable_last(self, key: tuple[str, str], committed: bool) -> int:
         """The last offset of a partition a fetch can read now (-1: none): its head, or

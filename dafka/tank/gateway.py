@@ -73,6 +73,7 @@ from dafka.gateway.connections import (
     send,
     unread_for,
 )
+from dafka.gateway.parking import arrived
 from dafka.nodes.node import new_address
 from dafka.store.block import (
     CODEC_TANK,
@@ -1141,24 +1142,20 @@ class Gateway(Store):
         went back (deleted and created again): each counts as its whole fetch size once it has
         anything new, so the consume is answered (it waited to max_wait, whatever came).
         ``stored``: partitions' stored bytes read already (filled here)."""
+        def stored_bytes(key: tuple[str, str]) -> int:
+            nbytes = stored.get(key)
+            if nbytes is None:
+                info = self.db.info(*key)
+                nbytes = stored[key] = 0 if info is None else info.bytes
+            return nbytes
+
         total = 0
         for key in parked.keys:
             mark = parked.marks.get(key)
             if mark is None:
                 return 1 << 62  # the virtual partition: answered from memory, at once
-            head, nbytes, cap = mark
-            now = self._heads.get(key, -1)
-            if now > head:
-                nbytes_now = stored.get(key)
-                if nbytes_now is None:
-                    info = self.db.info(*key)
-                    nbytes_now = stored[key] = 0 if info is None else info.bytes
-                if nbytes_now < nbytes or self.packed_since(key, head, CODEC_TANK):
-                    total += cap
-                else:
-                    total += min(cap, nbytes_now - nbytes + now - head)
-            elif 0 <= now < head:
-                total += cap
+            total += arrived(mark, self._heads.get(key, -1), lambda k=key: stored_bytes(k),
+                             lambda k=key, m=mark: self.packed_since(k, m[0], CODEC_TANK), 1, 0)
         return total
 
     def packed_since(self, key: tuple[str, str], mark: int, codec: int) -> bool:
