@@ -116,6 +116,34 @@ def test_blocks_commit_with_records_of_the_same_partition_in_offset_order(tmp_pa
         assert info is not None and info.count == 5 and info.bytes == 7
 
 
+def _spy_conversions(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Each conversion of a client's block from now on: (offset, records converted)."""
+    from dafka.store import db as dbmod
+
+    convert = dbmod.convert_block
+    done: list[tuple[int, int]] = []
+
+    def spy(value: object, offset: int, count: int) -> list[bytes]:
+        got: list[bytes] = convert(value, offset, count)  # type: ignore[arg-type]
+        done.append((offset, len(got)))
+        return got
+
+    monkeypatch.setattr(dbmod, "convert_block", spy)
+    return done
+
+
+def _read_in_slices(db: RecordDB, off: int, end: int, size: int = 2_000) -> list[bytes]:
+    """Partition t/p's values from ``off`` until ``end``, ``size`` at a time (a FETCH answer's
+    reads), each slice starting where the last ended."""
+    got: list[bytes] = []
+    while off < end:
+        start, values = db.fetch("t", "p", off, size)
+        assert start == off and values
+        got += values
+        off += len(values)
+    return got
+
+
 @pytest.mark.parametrize("codec", [None, 1])  # plain, snappy
 def test_a_large_client_block_read_in_slices_is_converted_once_a_window_not_once_a_slice(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codec: int | None
@@ -126,28 +154,14 @@ def test_a_large_client_block_read_in_slices_is_converted_once_a_window_not_once
     small messages (an 8.6 MB produce) cost 1,000 walks of the whole bundle (35 s of the
     gateway's loop).  Now a slice converts a window of the block's records and the next
     slices are taken from it."""
-    from dafka.store import db as dbmod
     from dafka.store.block import tank_block
 
     n = 100_000
     bundle = encode_bundle([(None, 1000, None, b"m%d" % i) for i in range(n)], codec=codec)
-    calls: list[int] = []
-    convert = dbmod.convert_block
-
-    def spy(value: object, offset: int, count: int) -> list[bytes]:
-        calls.append(offset)
-        return convert(value, offset, count)  # type: ignore[arg-type]
-
     with RecordDB(tmp_path / "db", sync=False) as db:
         db.append_blocks([("t", "p", tank_block(bundle, 0))])
-        monkeypatch.setattr(dbmod, "convert_block", spy)
-        off, got = 5, []
-        while off < n:
-            start, values = db.fetch("t", "p", off, 2_000)
-            assert start == off and values
-            got += values
-            off += len(values)
-        assert got == [b"m%d" % i for i in range(5, n)]
+        calls = _spy_conversions(monkeypatch)
+        assert _read_in_slices(db, 5, n) == [b"m%d" % i for i in range(5, n)]
         assert len(calls) <= 4  # before: 50, one a slice (now two a window: the slice, then the rest)
         # Read again from the middle, and a window's last record: taken as they are.
         assert db.fetch("t", "p", 70_000, 3)[1] == [b"m70000", b"m70001", b"m70002"]
@@ -162,30 +176,15 @@ def test_a_window_of_large_records_is_sized_by_its_bytes_not_only_its_count(tmp_
     converted about three times over in 2,000-record slices (a 60,000 x 1 KB bundle took
     2.5 s, 1.3 s without the window).  Now a window takes about as many records as its bytes
     hold, from the block's mean record size."""
-    from dafka.store import db as dbmod
     from dafka.store.block import tank_block
 
     n = 20_000
     bundle = encode_bundle([(None, 1000, None, b"%06d" % i + b"." * 1000) for i in range(n)])
-    converted: list[int] = []
-    convert = dbmod.convert_block
-
-    def spy(value: object, offset: int, count: int) -> list[bytes]:
-        got = convert(value, offset, count)  # type: ignore[arg-type]
-        converted.append(len(got))
-        return got
-
     with RecordDB(tmp_path / "db", sync=False) as db:
         db.append_blocks([("t", "p", tank_block(bundle, 0))])
-        monkeypatch.setattr(dbmod, "convert_block", spy)
-        off, got = 0, []
-        while off < n:
-            start, values = db.fetch("t", "p", off, 2_000)
-            assert start == off and values
-            got += values
-            off += len(values)
-        assert got == [b"%06d" % i + b"." * 1000 for i in range(n)]
-    assert sum(converted) <= n * 1.2, converted  # before: 60,000 records converted for 20,000
+        converted = _spy_conversions(monkeypatch)
+        assert _read_in_slices(db, 0, n) == [b"%06d" % i + b"." * 1000 for i in range(n)]
+    assert sum(c for _o, c in converted) <= n * 1.2, converted  # before: 60,000 records converted for 20,000
 
 
 @pytest.mark.parametrize("seed", range(6))
