@@ -1567,38 +1567,32 @@ class RecordDB:
         return got
 
     def newest_packed(self, topic: str, partition: str, first: int, last: int, codec: int,
-                      max_blocks: int = 64) -> tuple[int, int]:
+                      max_blocks: int = 64) -> int:
         """The last offset of the newest compressed block of another codec than ``codec``
-        among the blocks holding offsets ``first..last`` (-1: none): ``(last, that offset)``.
-        Such a block stores a fraction of the bytes a reader of ``codec`` is answered with
-        (its records converted).  Headers only; past ``max_blocks`` blocks the rest is
-        taken as compressed (``(last, last)``)."""
+        among the blocks holding offsets ``first..last`` (-1: none).  Such a block stores a
+        fraction of the bytes a reader of ``codec`` is answered with (its records converted).
+        Headers only; past ``max_blocks`` blocks the rest is taken as compressed (``last``)."""
         pkey = self._pkey(topic, partition)
         newest = -1
         with self._read_txn(buffers=True) as (txn, dbs):
             raw = txn.get(pkey, db=dbs.partitions)
             if raw is None or first > last:
-                return last, newest
+                return newest
             pid = PARTITION_INFO.unpack(raw)[0]
             cur = txn.cursor(db=dbs.blocks)
             found = seek(cur, pid, first)
+            hdr = None if found is None else found[0]
             seen = 0
-            while found is not None:
-                hdr = found[0]
-                if hdr.first_offset > last:
-                    break
+            while hdr is not None and hdr.first_offset <= last:
                 seen += 1
                 if seen > max_blocks:
-                    return last, last
+                    return last
                 if hdr.compression and hdr.codec != codec:
                     newest = hdr.last_offset
-                if not cur.next():
+                if not cur.next() or BLOCK_KEY.unpack(cur.key())[0] != pid:
                     break
-                key = cur.key()
-                if BLOCK_KEY.unpack(key)[0] != pid:
-                    break
-                found = decode_header(cur.value()), None
-        return last, newest
+                hdr = decode_header(cur.value())
+        return newest
 
     def holds_any(self, topic: str, partition: str, first: int, last: int) -> bool:
         """Whether any record of offsets ``first..last`` is stored: the block headers say so

@@ -1173,10 +1173,10 @@ class Gateway(Store):
         start, upto, newest = entry
         if upto < head:
             try:
-                upto, found = self.db.newest_packed(key[0], key[1], upto + 1, head, codec)
+                found = self.db.newest_packed(key[0], key[1], upto + 1, head, codec)
             except StorageError:
-                upto, found = head, head
-            entry = (start, upto, max(newest, found))
+                found = head
+            entry = (start, head, max(newest, found))
         if slot not in self._packed and len(self._packed) >= MAX_PACKED_ENTRIES:
             self._packed.clear()  # (a cache: partitions come and go; its entries are rebuilt from the marks)
         self._packed[slot] = entry
