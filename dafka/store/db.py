@@ -137,7 +137,7 @@ from typing import Any, NamedTuple, TypeVar
 import lmdb
 
 from dafka.errors import ClosedError, ProtocolError, StorageError, StorageFullError
-from dafka.fastio import fetch_blocks, store_blocks
+from dafka.fastio import store_blocks
 from dafka.store.block import BLOCK_KEY, HEADER_SIZE, BlockHeader, decode_header, store_payload
 from dafka.store.blocktable import OverlapError, put_block
 from dafka.store.compaction import Cleaned, Planner, Scanned, clean_txn, scan_txn
@@ -160,7 +160,14 @@ from dafka.store.layout import (
     unpack_partition_key,
 )
 from dafka.store.lockfile import WriterLock
-from dafka.store.reader import block_payload, block_run, convert_block, kafka_batches, seek
+from dafka.store.reader import (
+    block_payload,
+    block_run,
+    convert_block,
+    fetch_blocks_past_gaps,
+    kafka_batches,
+    seek,
+)
 from dafka.store.retention import (
     Retention,
     RetentionPolicy,
@@ -1562,9 +1569,7 @@ class RecordDB:
             n = count
         if n <= 0:
             return start, []
-        got: tuple[int, list[bytes]] = fetch_blocks(txn.cursor(db=dbs.blocks), pid, start, last, n,
-                                                    _WindowConvert(id(dbs), pid))
-        return got
+        return fetch_blocks_past_gaps(txn.cursor(db=dbs.blocks), pid, start, last, n, _WindowConvert(id(dbs), pid))
 
     def newest_packed(self, topic: str, partition: str, first: int, last: int, codec: int,
                       max_blocks: int = 64) -> int:

@@ -87,7 +87,7 @@ from dafka.store.block import records as block_records
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.node import Store
 from dafka.store.pipeline import Block
-from dafka.store.reader import block_values
+from dafka.store.reader import values_from
 from dafka.tank.codec import encode_varint
 from dafka.tank.limits import SMALL_REQUEST, GatewayLimits, answer_budget, slowest_holder, too_slow
 from dafka.tank.mapping import (
@@ -1312,7 +1312,8 @@ class Gateway(Store):
             else:
                 at = max(first, hdr.first_offset)
                 room = budget - size if (pieces or not first_data) else max(budget, 1)
-                values = block_values(value, hdr, at, min(MAX_ANSWER_RECORDS, max(1, min(limit, room) // 64)))
+                # (at moves on when it lies in a gap inside a sparse bundle: values go at their own seqs)
+                at, values = values_from(value, hdr, at, min(MAX_ANSWER_RECORDS, max(1, min(limit, room) // 64)))
                 values = _whole_values(values, limit - size, room, bool(pieces) or not first_data)
                 if not values:
                     break
