@@ -81,6 +81,7 @@ from dafka.store.block import (
     HEADER_SIZE,
     tank_seal,
     tank_seal_in_place,
+    tank_seqs_are_offsets,
     tank_seqs_continue,
 )
 from dafka.store.block import records as block_records
@@ -1304,7 +1305,7 @@ class Gateway(Store):
                 break
             whole = hdr.codec == CODEC_TANK and hdr.first_offset >= front and (
                 bool(pieces) or not first_data or len(value) - HEADER_SIZE <= budget
-            )
+            ) and tank_seqs_are_offsets(value, hdr)
             if whole:
                 body = memoryview(value)[HEADER_SIZE:]
                 piece: list[Any] = [encode_varint(len(body)), body]

@@ -290,3 +290,16 @@ def test_a_sparse_bundles_records_are_served_at_their_own_offsets_from_anywhere(
                 assert batches
                 got += [(x.offset, bytes(x.value)) for b in batches for x in DefaultRecordBatch(b)]
             assert got == [(o, b"r%d" % o) for o in held if o >= offset], offset
+
+
+def test_whether_a_bundle_sent_whole_shows_its_records_at_their_offsets_is_read_from_its_header() -> None:
+    from dafka.store.block import tank_seqs_are_offsets
+
+    many = [1, 2, 3, *range(10, 30)]  # 23 messages: the count is a varint after the flags
+    for seqs, first in (([11, 12, 15, 16, 20], 10), (many, 0), ([1, 2, 3], 0)):
+        bundle = encode_bundle([(q, 1000, None, b"x") for q in seqs], sparse=True)
+        at_own, elsewhere = tank_block(bundle, first), tank_block(bundle, first + 5)
+        assert tank_seqs_are_offsets(at_own, decode_header(at_own))
+        assert not tank_seqs_are_offsets(elsewhere, decode_header(elsewhere))
+    plain = tank_block(encode_bundle([(None, 1000, None, b"x")] * 3), 7)  # its seqs come from the answer's base
+    assert tank_seqs_are_offsets(plain, decode_header(plain))
