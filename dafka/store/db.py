@@ -312,9 +312,9 @@ CONVERT_WINDOW_BYTES = 4 << 20
 #: dropped first.
 CONVERT_WINDOWS = 4
 
-#: ``(database, pid, block header) -> (first offset, values, whether they run to the block's
-#: end)``.
-_windows: dict[tuple[int, int, bytes], tuple[int, list[bytes], bool]] = {}
+#: ``(database, partition (its pid, or its key), block header) -> (first offset, values,
+#: whether they run to the block's end)``.
+_windows: dict[tuple[int, int | bytes, bytes], tuple[int, list[bytes], bool]] = {}
 _windows_lock = threading.Lock()
 
 
@@ -328,11 +328,12 @@ class _WindowConvert:
     the next slices of the same block (its database, its partition and its header, whose
     CRC covers its records)."""
 
-    __slots__ = ("db", "pid")
+    __slots__ = ("db", "eager", "pid")
 
-    def __init__(self, db: int, pid: int) -> None:
+    def __init__(self, db: int, pid: int | bytes, eager: bool = False) -> None:
         self.db = db
         self.pid = pid
+        self.eager = eager  # a window even for a slice of fewer than 64 records (not a look at one)
 
     def __call__(self, value: Any, offset: int, n: int) -> list[bytes]:
         key = (self.db, self.pid, bytes(value[:HEADER_SIZE]))
@@ -342,7 +343,7 @@ class _WindowConvert:
             if i + n <= len(win[1]) or (win[2] and i < len(win[1])):
                 return win[1][i : i + n]
         values = convert_block(value, offset, n)
-        if n >= CONVERT_WINDOW or n < 64 or len(values) < n:
+        if n >= CONVERT_WINDOW or (n < 64 and not self.eager) or len(values) < n:
             return values  # all of it at once, a look at one record, or the block's end
         # The window holds as many records as CONVERT_WINDOW_BYTES does, at the slice's mean
         # size (converting CONVERT_WINDOW records of 1 KB to keep 4 MiB of them converted the
@@ -1570,6 +1571,14 @@ class RecordDB:
         if n <= 0:
             return start, []
         return fetch_blocks_past_gaps(txn.cursor(db=dbs.blocks), pid, start, last, n, _WindowConvert(id(dbs), pid))
+
+    def window_convert(self, topic: str, partition: str) -> Callable[[Any, int, int], list[bytes]]:
+        """:func:`dafka.store.reader.convert_block` for a reader that takes a partition's client
+        blocks (:meth:`read_blocks`) and converts slices of them itself (the Tank gateway's
+        bundles over an answer's budget): a slice converts a window of the block, kept for the
+        next slices (:class:`_WindowConvert`), however few records it takes (a Tank client's
+        small ``fetch_size``)."""
+        return _WindowConvert(id(self._dbs), self._pkey(topic, partition), eager=True)
 
     def newest_packed(self, topic: str, partition: str, first: int, last: int, codec: int,
                       max_blocks: int = 64) -> int:

@@ -76,6 +76,7 @@ from dafka.gateway.connections import (
 from dafka.gateway.parking import arrived
 from dafka.nodes.node import new_address
 from dafka.store.block import (
+    CODEC_STORE,
     CODEC_TANK,
     DEFAULT_BUDGET,
     HEADER_SIZE,
@@ -1313,8 +1314,13 @@ class Gateway(Store):
             else:
                 at = max(first, hdr.first_offset)
                 room = budget - size if (pieces or not first_data) else max(budget, 1)
-                # (at moves on when it lies in a gap inside a sparse bundle: values go at their own seqs)
-                at, values = values_from(value, hdr, at, min(MAX_ANSWER_RECORDS, max(1, min(limit, room) // 64)))
+                n = min(MAX_ANSWER_RECORDS, max(1, min(limit, room) // 64))
+                # A client's block (a bundle over the budget, the partial front block) is walked
+                # from its start at each conversion: a window of its records is kept for the
+                # next consumes (read in N consumes, a bundle was walked N times).  (``at`` moves
+                # on when it lies in a gap inside a sparse bundle: values go at their own seqs.)
+                at, values = values_from(value, hdr, at, n, None if hdr.codec == CODEC_STORE
+                                         else self.db.window_convert(topic, part.address))
                 values = _whole_values(values, limit - size, room, bool(pieces) or not first_data)
                 if not values:
                     break
