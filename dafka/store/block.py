@@ -100,6 +100,7 @@ __all__ = [
     "store_values",
     "tank_block",
     "tank_seal",
+    "tank_seqs_are_offsets",
     "tank_span",
     "unpack_block_key",
     "validate",
@@ -451,6 +452,24 @@ def tank_seqs_continue(first: int | None, next_seq: int, scan: Sequence[object])
     if first != next_seq:
         return False
     return scan[2] is None or (scan[2] == first and scan[3] == first + scan[1] - 1)  # type: ignore[operator]
+
+
+def tank_seqs_are_offsets(value: bytes | memoryview, hdr: BlockHeader) -> bool:
+    """Whether a stored Tank block's bundle, sent whole, shows a Tank client its records at
+    their offsets + 1 (the seqs the store serves them at).  A plain bundle does (its seqs are
+    given by the answer's base); a sparse one carries its own first seq, which must be its
+    first offset + 1.  The gateway takes a sparse bundle only so today, but stored one at
+    another offset before 29c6a24 (a ProduceWithSeqnum's sparse bundle beginning below the
+    request's first seq: a bundle with gaps).  Reads the bundle's header only."""
+    head = bytes(value[HEADER_SIZE : HEADER_SIZE + 14])  # flags, a count of 5 bytes at most, the first seq
+    if not head or not head[0] & _TANK_SPARSE:
+        return True
+    pos = 1
+    if not (head[0] >> _TANK_COUNT_SHIFT) & 0x0F:
+        _count, pos = _uvarint(head, pos, len(head), 5)
+    if pos + 8 > len(head):
+        return False
+    return bool(_TS.unpack_from(head, pos)[0] == hdr.first_offset + 1)
 
 
 def tank_seal(bundle: bytes | memoryview, scan: Sequence[object], first_offset: int) -> bytes:

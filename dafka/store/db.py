@@ -137,7 +137,7 @@ from typing import Any, NamedTuple, TypeVar
 import lmdb
 
 from dafka.errors import ClosedError, ProtocolError, StorageError, StorageFullError
-from dafka.fastio import fetch_blocks, store_blocks
+from dafka.fastio import store_blocks
 from dafka.store.block import BLOCK_KEY, HEADER_SIZE, BlockHeader, decode_header, store_payload
 from dafka.store.blocktable import OverlapError, put_block
 from dafka.store.compaction import Cleaned, Planner, Scanned, clean_txn, scan_txn
@@ -160,7 +160,14 @@ from dafka.store.layout import (
     unpack_partition_key,
 )
 from dafka.store.lockfile import WriterLock
-from dafka.store.reader import block_payload, block_run, convert_block, kafka_batches, seek
+from dafka.store.reader import (
+    block_payload,
+    block_run,
+    convert_block,
+    fetch_blocks_past_gaps,
+    kafka_batches,
+    seek,
+)
 from dafka.store.retention import (
     Retention,
     RetentionPolicy,
@@ -305,9 +312,9 @@ CONVERT_WINDOW_BYTES = 4 << 20
 #: dropped first.
 CONVERT_WINDOWS = 4
 
-#: ``(database, pid, block header) -> (first offset, values, whether they run to the block's
-#: end)``.
-_windows: dict[tuple[int, int, bytes], tuple[int, list[bytes], bool]] = {}
+#: ``(database, partition (its pid, or its key), block header) -> (first offset, values,
+#: whether they run to the block's end)``.
+_windows: dict[tuple[int, int | bytes, bytes], tuple[int, list[bytes], bool]] = {}
 _windows_lock = threading.Lock()
 
 
@@ -321,11 +328,12 @@ class _WindowConvert:
     the next slices of the same block (its database, its partition and its header, whose
     CRC covers its records)."""
 
-    __slots__ = ("db", "pid")
+    __slots__ = ("db", "eager", "pid")
 
-    def __init__(self, db: int, pid: int) -> None:
+    def __init__(self, db: int, pid: int | bytes, eager: bool = False) -> None:
         self.db = db
         self.pid = pid
+        self.eager = eager  # a window even for a slice of fewer than 64 records (not a look at one)
 
     def __call__(self, value: Any, offset: int, n: int) -> list[bytes]:
         key = (self.db, self.pid, bytes(value[:HEADER_SIZE]))
@@ -335,7 +343,7 @@ class _WindowConvert:
             if i + n <= len(win[1]) or (win[2] and i < len(win[1])):
                 return win[1][i : i + n]
         values = convert_block(value, offset, n)
-        if n >= CONVERT_WINDOW or n < 64 or len(values) < n:
+        if n >= CONVERT_WINDOW or (n < 64 and not self.eager) or len(values) < n:
             return values  # all of it at once, a look at one record, or the block's end
         # The window holds as many records as CONVERT_WINDOW_BYTES does, at the slice's mean
         # size (converting CONVERT_WINDOW records of 1 KB to keep 4 MiB of them converted the
@@ -1562,9 +1570,15 @@ class RecordDB:
             n = count
         if n <= 0:
             return start, []
-        got: tuple[int, list[bytes]] = fetch_blocks(txn.cursor(db=dbs.blocks), pid, start, last, n,
-                                                    _WindowConvert(id(dbs), pid))
-        return got
+        return fetch_blocks_past_gaps(txn.cursor(db=dbs.blocks), pid, start, last, n, _WindowConvert(id(dbs), pid))
+
+    def window_convert(self, topic: str, partition: str) -> Callable[[Any, int, int], list[bytes]]:
+        """:func:`dafka.store.reader.convert_block` for a reader that takes a partition's client
+        blocks (:meth:`read_blocks`) and converts slices of them itself (the Tank gateway's
+        bundles over an answer's budget): a slice converts a window of the block, kept for the
+        next slices (:class:`_WindowConvert`), however few records it takes (a Tank client's
+        small ``fetch_size``)."""
+        return _WindowConvert(id(self._dbs), self._pkey(topic, partition), eager=True)
 
     def newest_packed(self, topic: str, partition: str, first: int, last: int, codec: int,
                       max_blocks: int = 64) -> int:

@@ -35,7 +35,10 @@ from dafka.store.layout import (
     VALUE_HEADER,
 )
 
-__all__ = ["block_payload", "block_run", "block_values", "convert_block", "fetch_values", "kafka_batches", "seek"]
+__all__ = [
+    "InGap", "block_payload", "block_run", "block_values", "convert_block", "fetch_blocks_past_gaps", "fetch_values",
+    "kafka_batches", "seek", "values_from",
+]
 
 #: Bytes an encoder of stored values (``encode``) counts a record at least: its stored
 #: value's 9-byte header and 8 more (:func:`dafka.kafka.records.encode_batch`).
@@ -79,12 +82,24 @@ def _as_value(codec: int, ts: int, key: bytes | None, content: bytes | None, hea
     return VALUE_HEADER.pack(ts, flags | FLAG_KEY) + bytes((len(key),)) + key + content
 
 
+class InGap(Exception):
+    """``offset`` lies in a gap inside a sparse Tank bundle's block (no record there):
+    ``next`` is the offset of the block's next record (:func:`block_values`)."""
+
+    def __init__(self, next_offset: int) -> None:
+        super().__init__(next_offset)
+        self.next = next_offset
+
+
 def block_values(value: bytes | memoryview, hdr: BlockHeader, offset: int, n: int) -> list[bytes]:
     """Up to ``n`` format-1 values of consecutive offsets from ``offset`` (inside the block) on.
 
     A CODEC_STORE block is sliced (C-level passes), a Tank bundle without gaps walked once in
     the compiled extension (:func:`dafka.fastio.tank_values`); other client blocks (Kafka, a
-    sparse bundle with gaps) are converted record by record.
+    sparse bundle with gaps) are converted record by record.  In a sparse bundle with gaps
+    the values stop at the next gap, and an ``offset`` in a gap raises :class:`InGap` (the
+    caller goes on from the next record: :func:`values_from`), so that every value is read at
+    its own offset.
     """
     if hdr.codec == CODEC_STORE:
         return store_values(value, hdr, offset, n)
@@ -100,13 +115,27 @@ def block_values(value: bytes | memoryview, hdr: BlockHeader, offset: int, n: in
     out: list[bytes] = []
     expect = offset
     for rec in records(value, offset):
-        if len(out) >= n or (out and rec.offset != expect):
+        if rec.offset != expect:
+            if not out:
+                raise InGap(rec.offset)  # labelled from ``offset``, it would be read at another
+            break  # a gap: the next read starts past it
+        if len(out) >= n:
             break
-        if not out:
-            expect = rec.offset
         out.append(_as_value(hdr.codec, rec.ts_ms, rec.key, rec.value, rec.headers))
         expect += 1
     return out
+
+
+def values_from(value: bytes | memoryview, hdr: BlockHeader, offset: int, n: int,
+                convert: Callable[[Any, int, int], list[bytes]] | None = None) -> tuple[int, list[bytes]]:
+    """``(first offset, values)``: :func:`block_values` (or ``convert(value, offset, n)``) from
+    the block's first record at or after ``offset``, which is ``offset`` itself unless it lies
+    in a gap inside a sparse bundle."""
+    try:
+        return offset, block_values(value, hdr, offset, n) if convert is None else convert(value, offset, n)
+    except InGap as gap:
+        offset = gap.next
+    return offset, block_values(value, hdr, offset, n) if convert is None else convert(value, offset, n)
 
 
 def seek(cur: Any, pid: int, offset: int) -> tuple[BlockHeader, bytes | memoryview] | None:
@@ -153,8 +182,22 @@ def fetch_values(cur: Any, pid: int, start: int, last: int, n: int) -> tuple[int
     The block holding ``start`` is one ``set_range`` away (and one step back when it lands on
     the block after it); a read within one block is that seek and one slice, in the
     compiled extension (:func:`dafka.fastio.fetch_blocks`)."""
-    got: tuple[int, list[bytes]] = fetch_blocks(cur, pid, start, last, n, convert_block)
-    return got
+    return fetch_blocks_past_gaps(cur, pid, start, last, n, convert_block)
+
+
+def fetch_blocks_past_gaps(cur: Any, pid: int, start: int, last: int, n: int,
+                           convert: Callable[[Any, int, int], list[bytes]]) -> tuple[int, list[bytes]]:
+    """:func:`dafka.fastio.fetch_blocks`, from the next record when ``start`` lies in a gap
+    inside a sparse bundle (its ``convert`` raised :class:`InGap`: the values would have been
+    labelled from ``start``).  Blocks without such gaps never raise it: no cost for them."""
+    while True:
+        try:
+            got: tuple[int, list[bytes]] = fetch_blocks(cur, pid, start, last, n, convert)
+            return got
+        except InGap as gap:
+            if gap.next <= start:
+                raise  # (cannot happen: the next record is past the gap)
+            start = gap.next
 
 
 def block_run(cur: Any, pid: int, start: int, last: int, max_bytes: int,
@@ -236,7 +279,12 @@ def kafka_batches(
             off = max(nxt, hdr.first_offset)
             if values is None:
                 n = min(min(hdr.last_offset, last) - off + 1, most)
-                values = block_values(value, hdr, off, n) if convert is None else convert(value, off, n)
+                at, values = values_from(value, hdr, off, n, convert)
+                if at != off:  # off was in a gap inside a sparse bundle: its values begin at its next record
+                    off = at
+                    if off > last:
+                        break
+                    values = values[: min(hdr.last_offset, last) - off + 1]
             if not values:
                 break
             batch = encode(off, values, max(room, 1))

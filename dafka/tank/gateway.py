@@ -76,18 +76,20 @@ from dafka.gateway.connections import (
 from dafka.gateway.parking import arrived
 from dafka.nodes.node import new_address
 from dafka.store.block import (
+    CODEC_STORE,
     CODEC_TANK,
     DEFAULT_BUDGET,
     HEADER_SIZE,
     tank_seal,
     tank_seal_in_place,
+    tank_seqs_are_offsets,
     tank_seqs_continue,
 )
 from dafka.store.block import records as block_records
 from dafka.store.db import RecordDB, RetentionPolicy, StorageError
 from dafka.store.node import Store
 from dafka.store.pipeline import Block
-from dafka.store.reader import block_values
+from dafka.store.reader import values_from
 from dafka.tank.codec import encode_varint
 from dafka.tank.limits import SMALL_REQUEST, GatewayLimits, answer_budget, slowest_holder, too_slow
 from dafka.tank.mapping import (
@@ -1304,7 +1306,7 @@ class Gateway(Store):
                 break
             whole = hdr.codec == CODEC_TANK and hdr.first_offset >= front and (
                 bool(pieces) or not first_data or len(value) - HEADER_SIZE <= budget
-            )
+            ) and tank_seqs_are_offsets(value, hdr)
             if whole:
                 body = memoryview(value)[HEADER_SIZE:]
                 piece: list[Any] = [encode_varint(len(body)), body]
@@ -1312,7 +1314,13 @@ class Gateway(Store):
             else:
                 at = max(first, hdr.first_offset)
                 room = budget - size if (pieces or not first_data) else max(budget, 1)
-                values = block_values(value, hdr, at, min(MAX_ANSWER_RECORDS, max(1, min(limit, room) // 64)))
+                n = min(MAX_ANSWER_RECORDS, max(1, min(limit, room) // 64))
+                # A client's block (a bundle over the budget, the partial front block) is walked
+                # from its start at each conversion: a window of its records is kept for the
+                # next consumes (read in N consumes, a bundle was walked N times).  (``at`` moves
+                # on when it lies in a gap inside a sparse bundle: values go at their own seqs.)
+                at, values = values_from(value, hdr, at, n, None if hdr.codec == CODEC_STORE
+                                         else self.db.window_convert(topic, part.address))
                 values = _whole_values(values, limit - size, room, bool(pieces) or not first_data)
                 if not values:
                     break

@@ -26,10 +26,12 @@ from dafka.kafka.codec import Err
 from dafka.kafka.gateway import KafkaGateway
 from dafka.nodes.consumer import Consumer
 from dafka.store.block import CODEC_KAFKA, decode_header
+from dafka.store.db import RecordDB
 from dafka.tank.client import TankClient
 from tests.conftest import dafka_cmd, spawned, subprocess_env, tower_flag, wait_until
 from tests.kafka.test_gateway import HOST, ck_produce, closed, produce_raw
 from tests.kafka.test_hostile_input import make_kgw  # noqa: F401 (a fixture)
+from tests.store.test_append_blocks import sparse_partition
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -402,3 +404,33 @@ def test_a_store_says_whether_it_holds_a_fetched_range_without_inflating_a_bundl
     assert [kgw._holds_none(key, a, b) for a, b in [(0, 0), (5_000, 5_001), (9_999, 20_000), (10_000, 20_000)]] == [
         False, False, False, True]
     assert calls == []  # before: [0, 5000, 9999]
+
+
+def test_a_stored_sparse_bundle_with_gaps_is_fetched_at_its_own_offsets(make_kgw: Any, tmp_path: Path) -> None:  # noqa: F811
+    """A sparse Tank bundle with gaps inside (offsets 10, 11, 14, 15, 19; the Tank gateway
+    stored some before 29c6a24), fetched by a Kafka client from before it and from inside its
+    gaps: its records were encoded from the offset asked for (r14 as offset 12), and the next
+    fetch went on from there (r15 again as 13, ...)."""
+    gw = make_kgw("sp")
+    with TankClient(HOST, gw.tank_port) as c:
+        c.create_topic("sp", 1)
+    address = gw.pmap.get("sp", 0).address
+    gw.close()
+    with RecordDB(tmp_path / "sp", sync=False) as db:
+        held = sparse_partition(db, "sp", address)
+    gw = make_kgw("sp")
+    tp = KTopicPartition("sp", 0)
+    for start in (0, 12, 16):
+        k = KafkaConsumer(bootstrap_servers=f"{HOST}:{gw.kafka_port}", group_id=None, enable_auto_commit=False,
+                          consumer_timeout_ms=5000)
+        try:
+            k.assign([tp])
+            k.seek(tp, start)
+            got = []
+            for r in k:
+                got.append((r.offset, r.value))
+                if r.offset >= 21:
+                    break
+        finally:
+            k.close()
+        assert got == [(o, b"r%d" % o) for o in held if o >= start], start

@@ -6,8 +6,10 @@ import time
 from pathlib import Path
 
 import pytest
-from kafka.record.default_records import DefaultRecordBatchBuilder
+from kafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
 
+from dafka.kafka.gateway import encode_batch
+from dafka.kafka.records import batch_record_count
 from dafka.store.block import (
     CODEC_KAFKA,
     decode_header,
@@ -236,3 +238,68 @@ def test_whether_a_range_is_held_is_read_from_block_headers_without_decoding_a_r
         cases = {(0, 599): False, (0, 600): True, (599, 700): True}
         assert {r: db.holds_any("t", "p", *r) for r in cases} == cases
         assert calls == []
+
+
+# A sparse Tank bundle whose seqs leave gaps inside it: offsets 10, 11, 14, 15 and 19 of a
+# block spanning 10..19.  The gateway takes no such bundle today, but its general path and its
+# one-call produce stored one (a ProduceWithSeqnum whose sparse bundle began below the
+# request's first seq) from 2026-11-29 (b831848) until 29c6a24, so a store written then holds
+# them, and the format allows them (count < last - first + 1).
+SPARSE_HELD = [10, 11, 14, 15, 19]
+
+
+def sparse_partition(db: RecordDB, topic: str = "t", partition: str = "p", codec: int | None = None) -> list[int]:
+    """Offsets 0..9 (the store's block), the sparse bundle, then 20 and 21: the offsets held."""
+    bundle = encode_bundle([(o + 1, 1000, None, b"r%d" % o) for o in SPARSE_HELD], sparse=True, codec=codec)
+    db.append_blocks([(topic, partition, sblock(0, [b"r%d" % o for o in range(10)]))])
+    db.append_blocks([(topic, partition, tank_block(bundle, 10))])
+    db.append_blocks([(topic, partition, sblock(20, [b"r20", b"r21"]))])
+    return [*range(10), *SPARSE_HELD, 20, 21]
+
+
+def _run_from(held: list[int], offset: int, n: int) -> tuple[int, list[int]]:
+    """What an exact-range read from ``offset`` gets: the first offset held at or after it,
+    then the offsets following it without a gap, ``n`` at most."""
+    start = next(o for o in held if o >= offset)
+    run = [start]
+    while len(run) < n and run[-1] + 1 in held:
+        run.append(run[-1] + 1)
+    return start, run
+
+
+@pytest.mark.parametrize("codec", [0, 1])  # plain, snappy
+def test_a_sparse_bundles_records_are_served_at_their_own_offsets_from_anywhere(tmp_path: Path, codec: int) -> None:
+    """Readers labelled a sparse bundle's records by position: a FETCH from inside a gap
+    (12) got r14 as offset 12, r15 as 13; the Kafka fetch did the same, and went on from the
+    offset after the mislabelled ones (so r15 came again as 13, then 14 ...)."""
+    with RecordDB(tmp_path / "db", sync=False) as db:
+        held = sparse_partition(db, codec=codec)
+        info = db.info("t", "p")
+        assert info is not None and (info.first, info.last, info.count) == (0, 21, len(held))
+        for offset in range(22):
+            for n in (1, 2, 3, 100):
+                start, run = _run_from(held, offset, n)
+                assert db.fetch("t", "p", offset, n) == (start, [b"r%d" % o for o in run]), (offset, n)
+        # Read through as a Dafka FETCH answer (or replay, or Spark) does: each record once.
+        assert [(x.offset, x.content) for x in db.read("t", "p", 0, 100)] == [(o, b"r%d" % o) for o in held]
+        # Kafka fetches from every offset, each going on from the offset the last one returned.
+        for offset in range(22):
+            got, nxt = [], offset
+            while nxt <= 21:
+                _start, nxt, batches = db.fetch_kafka("t", "p", nxt, 1 << 20, encode_batch, batch_record_count)
+                assert batches
+                got += [(x.offset, bytes(x.value)) for b in batches for x in DefaultRecordBatch(b)]
+            assert got == [(o, b"r%d" % o) for o in held if o >= offset], offset
+
+
+def test_whether_a_bundle_sent_whole_shows_its_records_at_their_offsets_is_read_from_its_header() -> None:
+    from dafka.store.block import tank_seqs_are_offsets
+
+    many = [1, 2, 3, *range(10, 30)]  # 23 messages: the count is a varint after the flags
+    for seqs, first in (([11, 12, 15, 16, 20], 10), (many, 0), ([1, 2, 3], 0)):
+        bundle = encode_bundle([(q, 1000, None, b"x") for q in seqs], sparse=True)
+        at_own, elsewhere = tank_block(bundle, first), tank_block(bundle, first + 5)
+        assert tank_seqs_are_offsets(at_own, decode_header(at_own))
+        assert not tank_seqs_are_offsets(elsewhere, decode_header(elsewhere))
+    plain = tank_block(encode_bundle([(None, 1000, None, b"x")] * 3), 7)  # its seqs come from the answer's base
+    assert tank_seqs_are_offsets(plain, decode_header(plain))

@@ -28,7 +28,7 @@ from dafka.config import NodeConfig
 from dafka.core import wire
 from dafka.nodes.consumer import Consumer
 from dafka.nodes.producer import Producer
-from dafka.store.block import HEADER_SIZE
+from dafka.store.block import HEADER_SIZE, tank_block
 from dafka.store.db import RecordDB
 from dafka.tank.bundle import CODEC_NONE, CODEC_SNAPPY, Record, decode_chunk, encode_bundle
 from dafka.tank.client import TankClient, TankError, UnknownTopicError
@@ -70,6 +70,7 @@ from dafka.tank.messages import (
     response_request_id,
 )
 from tests.conftest import dafka_cmd, subprocess_env, tower_flag, wait_until
+from tests.store.test_append_blocks import sparse_partition
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -674,6 +675,37 @@ def test_consume_rules(gw: Gateway, client: TankClient) -> None:
         got.append([m[3] for m in r.messages])
         seq = r.next_seq
     assert got == [[b"a"], [b"b", b"c"], [b"d"]] and seq == 5
+
+
+@pytest.mark.parametrize("budget", [None, 30], ids=["whole", "sliced"])
+def test_a_stored_sparse_bundle_with_gaps_is_consumed_at_its_own_seqs(make_gateway: Any, tmp_path: Path,
+                                                                       budget: int | None) -> None:
+    """A sparse bundle with gaps inside (offsets 10, 11, 14, 15, 19; as the gateway stored
+    some before 29c6a24), consumed from every seq.  Whole, the client reads the bundle's own
+    seqs; sliced (a bundle over the answer's budget), its records were labelled by position
+    from the seq asked for: a consume at seq 13 (offset 12, a gap) got r14 as seq 13.  A
+    bundle whose own seqs are not its offsets + 1 goes sliced: sent whole, the client read it
+    at the seqs the bundle names."""
+    gw = make_gateway("sp")
+    with TankClient(HOST, gw.tank_port) as c:
+        c.create_topic("sp", 2)
+    addresses = [gw.pmap.get("sp", i).address for i in range(2)]
+    gw.close()
+    with RecordDB(tmp_path / "sp", sync=False) as db:
+        held = sparse_partition(db, "sp", addresses[0])
+        # The bundle of the produce 29c6a24 refuses: seqs 0 and 2, given offset 0 by a
+        # ProduceWithSeqnum at seq 1: stored as offsets 0 and 2 (seqs 1 and 3), its own seqs
+        # one below.  Sent whole, a client read s0 at seq 0, before the seq it asked for.
+        bundle = encode_bundle([(0, TS, None, b"s0"), (2, TS, None, b"s2")], sparse=True)
+        db.append_blocks([("sp", addresses[1], tank_block(bundle, 0))])
+    gw = make_gateway("sp", **({} if budget is None else {"limits": GatewayLimits(max_answer_bytes=budget)}))
+    with TankClient(HOST, gw.tank_port) as c:
+        for seq in range(1, 23):
+            got = consume_all(c, "sp", 0, seq)
+            assert [(r[0], r[3]) for r in got] == [(o + 1, b"r%d" % o) for o in held if o + 1 >= seq], seq
+        for seq in range(1, 4):
+            got = consume_all(c, "sp", 1, seq)
+            assert [(r[0], r[3]) for r in got] == [(q, v) for q, v in [(1, b"s0"), (3, b"s2")] if q >= seq], seq
 
 
 def test_long_poll_does_not_hold_up_later_requests_on_its_connection(gw: Gateway, client: TankClient) -> None:

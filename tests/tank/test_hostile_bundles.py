@@ -14,6 +14,7 @@ import pytest
 
 from dafka.core import wire
 from dafka.tank.bundle import CODEC_NONE, CODEC_SNAPPY, encode_bundle
+from dafka.tank.client import TankClient
 from dafka.tank.gateway import Gateway
 from dafka.tank.limits import GatewayLimits, answer_budget
 from dafka.tank.messages import (
@@ -30,6 +31,7 @@ from dafka.tank.messages import (
 )
 from tests.conftest import wait_until
 from tests.tank.test_gateway import (
+    HOST,
     TS,
     connect_raw,
     consume_all,
@@ -168,3 +170,37 @@ def test_an_answer_at_a_bundle_larger_than_its_budget_is_sliced_not_sent_whole(m
         assert intact(gw, kept)
     finally:
         w.close()
+
+
+@pytest.mark.parametrize(("codec", "n", "fetch_size"), [(CODEC_NONE, 30_000, 64 << 10), (CODEC_SNAPPY, 30_000, 64 << 10),
+                                                      (CODEC_NONE, 3_000, 1)])
+def test_a_bundle_over_the_answer_budget_consumed_in_pieces_is_walked_once_a_window_not_once_a_consume(
+    make_gateway: Any, monkeypatch: pytest.MonkeyPatch, codec: int, n: int, fetch_size: int
+) -> None:
+    # A bundle over the answer's budget goes sliced (above), and each consume converted its
+    # slice afresh: the walk (and a snappy bundle's inflation) from the bundle's start to the
+    # seq asked for, then up to 16,384 records of which fetch_size kept a few hundred.  Read in
+    # N consumes, a bundle of R records cost about N x R / 2 records walked (here ~25 x R).
+    # Now a consume converts a window of the bundle's records, kept for the next consumes
+    # (db._WindowConvert, as fetch_raw and fetch_kafka do): about R walked in all.
+    from dafka.store import reader
+
+    walked: list[tuple[int, int]] = []  # per walk of the bundle: (records skipped, records converted)
+    tank_values = reader.tank_values
+
+    def spy(bundle: Any, skip: int, n: int) -> list[bytes]:
+        got: list[bytes] = tank_values(bundle, skip, n)
+        walked.append((skip, len(got)))
+        return got
+
+    gw: Gateway = make_gateway(limits=GatewayLimits(max_answer_bytes=256 << 10))
+    records = [b"%05d" % i + os.urandom(95) for i in range(n)]  # 3 MB (0.3 MB), snappy or not: over the budget
+    with TankClient(HOST, gw.tank_port) as c:
+        c.create_topic("big", 1)
+        assert c.produce("big", 0, records, codec=codec) == 0
+        monkeypatch.setattr(reader, "tank_values", spy)
+        got = consume_all(c, "big", 0, 1, fetch_size=fetch_size)  # about 50 consumes (3,000: a record each)
+    assert [r[0] for r in got] == list(range(1, n + 1)) and [r[3] for r in got] == records
+    # Before: 788,128 records walked in 50 walks (64 KiB), 4.5 million in 3,000 (a record each).
+    assert sum(s + k for s, k in walked) <= 2 * n, walked
+    assert len(walked) <= 4, walked
