@@ -296,6 +296,66 @@ def test_a_linger_ends_after_a_quiet_spell_or_its_bound() -> None:
     assert pipe3.due(0.0015) == 0.0
 
 
+def _cycle(pipe: CommitPipe, first: int, t: float, took: float, refill: float, n: int = 4) -> tuple[int, float]:
+    """A windowed client's round with ``pipe``: a commit of its ``n`` records takes ``took``,
+    the answer goes at once, and its ``n`` records come again ``refill`` after the commit
+    returned.  Returns the next offset and the time the refill came."""
+    work = pipe.take()
+    assert work is not None
+    end = t + took
+    pipe.finish(work, clean=True, now=end, began=t)
+    pipe.report(end)
+    pipe.offer(tuples(P, first, n), end + refill)
+    return first + n, end + refill
+
+
+def test_the_writer_lingers_only_while_refills_come_sooner_than_a_commit_takes() -> None:
+    """Lingering idles the disk until the refill comes; taking at once costs one more commit's
+    fixed part.  Refills slower than the shortest recent commit: take at once."""
+    slow = CommitPipe(max_linger=1.0, linger=1.0, quiet=0.0001)
+    slow.offer(tuples(P, 0, 4), 0.0)
+    off, t = 4, 0.0
+    for _ in range(4):  # commits of 1 ms, refills of 3 ms (a window of many bundles)
+        off, t = _cycle(slow, off, t, 0.001, 0.003)
+    before = slow.lingers
+    work = slow.take()
+    assert work is not None
+    slow.offer(tuples(P, off, 2), t + 0.0001)  # part of the refill, at the commit's start
+    slow.finish(work, clean=True, now=t + 0.001, began=t)
+    assert slow.due(t + 0.001) == 0.0  # taken at once: no linger
+    assert slow.lingers == before
+
+    fast = CommitPipe(max_linger=1.0, linger=1.0, quiet=0.0001)
+    fast.offer(tuples(P, 0, 4), 0.0)
+    off, t = 4, 0.0
+    for _ in range(4):  # commits of 1 ms, refills of 0.3 ms (a few requests in flight)
+        off, t = _cycle(fast, off, t, 0.001, 0.0003)
+    before = fast.lingers
+    work = fast.take()
+    assert work is not None
+    fast.offer(tuples(P, off, 2), t + 0.0001)
+    fast.finish(work, clean=True, now=t + 0.001, began=t)
+    assert (fast.due(t + 0.001) or 0) > 0  # lingers for the rest of the refill
+    assert fast.lingers == before + 1
+
+
+def test_a_refill_that_never_comes_whole_counts_as_slow() -> None:
+    """Answered senders that send less than they were answered (a client going quiet): its
+    refill is timed as at least until the next commit returned, not as never."""
+    pipe = CommitPipe(max_linger=1.0, linger=1.0, quiet=0.0001)
+    pipe.offer(tuples(P, 0, 2), 0.0)
+    off, t = 2, 0.0
+    for _ in range(4):  # commits of 2 records, 1 ms; one record queued before each answer, one after
+        work = pipe.take()
+        assert work is not None and work.records == 2
+        pipe.finish(work, clean=True, now=t + 0.001, began=t)
+        pipe.offer(tuples(P, off, 1), t + 0.001)
+        pipe.report(t + 0.001)
+        pipe.offer(tuples(P, off + 1, 1), t + 0.0011)
+        off, t = off + 2, t + 0.0011
+    assert pipe.lingers == 1  # only after the first commit, before any refill was timed
+
+
 def test_nothing_is_due_while_halted() -> None:
     pipe = CommitPipe()
     first = tuples(P, 0, 1)
