@@ -164,7 +164,7 @@ class CommitPipe:
 
     __slots__ = ("committing", "staged", "halted", "max_records", "max_bytes", "merges", "holds",
                  "linger", "max_linger", "quiet", "lingers", "_arrived", "_until", "_streaming", "_reported", "_refilled",
-                 "_target", "_durations", "_refills", "_open", "_commits", "_answered")
+                 "_target", "_durations", "_refills", "_open", "_commits", "_answered", "_full")
 
     def __init__(
         self,
@@ -201,6 +201,7 @@ class CommitPipe:
         self._open: deque[list[Any]] = deque()
         self._commits = 0  # commits finished ...
         self._answered = 0  # ... and of them answered (report), in commit order
+        self._full = False  # an offer was held back: the staged work can take no more of it
 
     def offer(self, work: Work, now: float = 0.0) -> Offer:
         """The I/O thread's queued records (the writer has them only unless HELD)."""
@@ -216,6 +217,7 @@ class CommitPipe:
             or out_of_order(staged, work)
         ):
             self.holds += 1
+            self._full = True  # (no linger waits for records that cannot join)
             return Offer.HELD
         else:
             staged.merge(work)
@@ -253,7 +255,8 @@ class CommitPipe:
         nothing to take).  See the module doc."""
         if self.peek() is None:
             return None
-        if self._streaming or now >= self._until or self.staged is not None and self.staged.records >= self._target:
+        if (self._streaming or now >= self._until or self._full
+                or self.staged is not None and self.staged.records >= self._target):
             return 0.0
         if not self._reported or self._refilled is None:
             return self._until - now  # (woken by the report and by offers)
@@ -271,6 +274,7 @@ class CommitPipe:
         work = self.peek()
         if work is not None:
             self.committing, self.staged = work, None
+            self._full = False
         return work
 
     def finish(self, work: Work, clean: bool, now: float = 0.0, began: float = 0.0) -> None:
@@ -316,6 +320,7 @@ class CommitPipe:
         """The I/O thread takes back the staged work (after a failure: it goes again, after the
         failed one, when the store writes again)."""
         work, self.staged = self.staged, None
+        self._full = False
         return work
 
     def resume(self) -> None:

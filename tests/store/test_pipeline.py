@@ -472,3 +472,18 @@ def test_model_the_linger_is_bounded_whatever_the_timing(steps: list[Any]) -> No
             assert pipe.due(now + pipe.max_linger) == 0.0
         assert len(pipe._open) <= 16 + 1
         assert pipe._answered <= pipe._commits
+
+
+def test_the_writer_lingers_not_for_records_that_cannot_join_the_staged_work() -> None:
+    """A staged work at its bounds: the refill that comes is held back by the I/O thread (no
+    merge may pass them) and cannot join it.  The writer lingered all the same, for the whole
+    linger (the held offers set no refill time), the disk idle with a full transaction ready."""
+    pipe = CommitPipe(max_records=10, max_linger=1.0, linger=1.0, quiet=0.0001)
+    first = tuples(P, 0, 4)
+    pipe.offer(first, 0.0)
+    assert pipe.take() is first
+    assert pipe.offer(tuples(P, 4, 8), 0.0005) is Offer.STAGED  # early in the commit: a window
+    pipe.finish(first, clean=True, now=0.008, began=0.0)
+    pipe.report(0.0081)
+    assert pipe.offer(tuples(P, 12, 4), 0.0082) is Offer.HELD  # the refill: over the bounds
+    assert pipe.due(0.0082) == 0.0
