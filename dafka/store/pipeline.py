@@ -40,7 +40,9 @@ answers.  So the writer **lingers**: until the I/O thread has answered the commi
 then until as many records as that commit held have come since (each answered request is
 sent again), or records have come and then none for ``quiet``, at most ``linger`` of the last
 commit's duration and :data:`MAX_LINGER`.  A linger costs at most that
-much latency; the simulator takes with :meth:`CommitPipe.take` directly.
+much latency; the simulator takes with :meth:`CommitPipe.take` directly.  An offer held
+back (the staged work at its bounds, or out of order) ends the linger: what is held cannot
+join the staged work until it is taken.
 
 **The linger is a bet, and the pipe keeps its odds.**  Lingering leaves the disk idle until
 the refill has come; taking at once splits the refill over one more commit, which costs one
@@ -51,7 +53,10 @@ again, the median of the last :data:`RECENT`) came sooner than the shortest of t
 in flight refills faster than a sync and gets its window into one commit; one with many (32 Tank
 bundles of 100 KB: 1.5 ms to refill) has the staged work taken at once, as lingering for it
 left the disk idle for a fifth of its fsync'd publish.  Before any refill was seen the writer
-lingers.
+lingers.  Answers are counted one a commit, in commit order (two commits may be answered in
+one turn of the I/O thread): the records offered after them refill the oldest answered commit
+first, each refill timed from its own commit's return; nothing is timed across a failed or
+refusing commit (the I/O thread then offers again what it took back, no refill).
 """
 
 from __future__ import annotations
