@@ -460,15 +460,20 @@ def tank_seqs_are_offsets(value: bytes | memoryview, hdr: BlockHeader) -> bool:
     given by the answer's base); a sparse one carries its own first seq, which must be its
     first offset + 1.  The gateway takes a sparse bundle only so today, but stored one at
     another offset before 29c6a24 (a ProduceWithSeqnum's sparse bundle beginning below the
-    request's first seq: a bundle with gaps).  Reads the bundle's header only."""
+    request's first seq: a bundle with gaps).  Reads the bundle's header only; one it cannot
+    read (a damaged store: blocks are checked when written) is relayed as stored, as every
+    bundle was before (the gateway does not walk what it relays)."""
     head = bytes(value[HEADER_SIZE : HEADER_SIZE + 14])  # flags, a count of 5 bytes at most, the first seq
     if not head or not head[0] & _TANK_SPARSE:
         return True
     pos = 1
     if not (head[0] >> _TANK_COUNT_SHIFT) & 0x0F:
-        _count, pos = _uvarint(head, pos, len(head), 5)
+        try:
+            _count, pos = _uvarint(head, pos, len(head), 5)
+        except ProtocolError:
+            return True
     if pos + 8 > len(head):
-        return False
+        return True
     return bool(_TS.unpack_from(head, pos)[0] == hdr.first_offset + 1)
 
 

@@ -311,6 +311,11 @@ CONVERT_WINDOW_BYTES = 4 << 20
 #: ... in at most this many windows (readers of different blocks at once), the oldest
 #: dropped first.
 CONVERT_WINDOWS = 4
+#: Records at most of the window a slice of fewer than 64 records converts (an eager reader:
+#: a Tank client's small fetch_size).  Readers of more blocks than there are windows find
+#: theirs dropped every time: each slice of one record converted the rest of its block (up to
+#: CONVERT_WINDOW records, 4 MiB) for one.
+EAGER_WINDOW = 4096
 
 #: ``(database, partition (its pid, or its key), block header) -> (first offset, values,
 #: whether they run to the block's end)``.
@@ -349,6 +354,8 @@ class _WindowConvert:
         # size (converting CONVERT_WINDOW records of 1 KB to keep 4 MiB of them converted the
         # rest of the block again at every window; a compressed block's header cannot tell).
         want = min(CONVERT_WINDOW, CONVERT_WINDOW_BYTES // max(1, sum(map(len, values)) // n))
+        if n < 64:
+            want = min(want, EAGER_WINDOW)  # (eager): see EAGER_WINDOW
         if want <= n:
             return values
         hdr = decode_header(value)

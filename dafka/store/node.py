@@ -634,11 +634,12 @@ class Store(PartitionReader):
         work = Work(self._batch, self._pairs, self._segs, skips, fills, self._blocks, self._blocks_held)
         with self._writer_cond:
             outcome = self._pipe.offer(work, time.monotonic())
-            if outcome is not Offer.HELD:
-                if self._wake_deferred:
-                    self._wake_owed = True
-                else:
-                    self._writer_cond.notify()  # (a writer lingering for more counts the offers)
+            # (A writer lingering for more counts the offers; one held back ends its linger:
+            # the staged work can take no more.)
+            if self._wake_deferred:
+                self._wake_owed = True
+            else:
+                self._writer_cond.notify()
         if outcome is Offer.HELD:
             return  # still queued here, for a later transaction
         self._batch, self._pairs, self._segs, self._skips, self._blocks = [], [], [], later, []

@@ -40,7 +40,9 @@ answers.  So the writer **lingers**: until the I/O thread has answered the commi
 then until as many records as that commit held have come since (each answered request is
 sent again), or records have come and then none for ``quiet``, at most ``linger`` of the last
 commit's duration and :data:`MAX_LINGER`.  A linger costs at most that
-much latency; the simulator takes with :meth:`CommitPipe.take` directly.
+much latency; the simulator takes with :meth:`CommitPipe.take` directly.  An offer held
+back (the staged work at its bounds, or out of order) ends the linger: what is held cannot
+join the staged work until it is taken.
 
 **The linger is a bet, and the pipe keeps its odds.**  Lingering leaves the disk idle until
 the refill has come; taking at once splits the refill over one more commit, which costs one
@@ -51,7 +53,10 @@ again, the median of the last :data:`RECENT`) came sooner than the shortest of t
 in flight refills faster than a sync and gets its window into one commit; one with many (32 Tank
 bundles of 100 KB: 1.5 ms to refill) has the staged work taken at once, as lingering for it
 left the disk idle for a fifth of its fsync'd publish.  Before any refill was seen the writer
-lingers.
+lingers.  Answers are counted one a commit, in commit order (two commits may be answered in
+one turn of the I/O thread): the records offered after them refill the oldest answered commit
+first, each refill timed from its own commit's return; nothing is timed across a failed or
+refusing commit (the I/O thread then offers again what it took back, no refill).
 """
 
 from __future__ import annotations
@@ -164,7 +169,7 @@ class CommitPipe:
 
     __slots__ = ("committing", "staged", "halted", "max_records", "max_bytes", "merges", "holds",
                  "linger", "max_linger", "quiet", "lingers", "_arrived", "_until", "_streaming", "_reported", "_refilled",
-                 "_target", "_durations", "_refills", "_finished", "_goal", "_since")
+                 "_target", "_durations", "_refills", "_open", "_commits", "_answered", "_full")
 
     def __init__(
         self,
@@ -193,9 +198,15 @@ class CommitPipe:
         self._target = 0  # records staged once the answered senders sent as much again
         self._durations: deque[float] = deque(maxlen=RECENT)  # of the last commits, seconds
         self._refills: deque[float] = deque(maxlen=RECENT)  # seconds from a commit's return to its refill
-        self._finished = 0.0  # when the last commit returned
-        self._goal = 0  # records that commit held: its refill is as many offered since
-        self._since = -1  # records offered since it returned (-1: its refill was timed)
+        # The commits whose refills are still to be timed, oldest first: [its number, when it
+        # returned, records it held, records offered since its answer].  A refill is that
+        # commit's records offered again after its answer: the records offered after answers
+        # go to the oldest answered commit first (two commits answered in one turn of the I/O
+        # thread are refilled in order, each timed from its own return).
+        self._open: deque[list[Any]] = deque()
+        self._commits = 0  # commits finished ...
+        self._answered = 0  # ... and of them answered (report), in commit order
+        self._full = False  # an offer was held back: the staged work can take no more of it
 
     def offer(self, work: Work, now: float = 0.0) -> Offer:
         """The I/O thread's queued records (the writer has them only unless HELD)."""
@@ -211,6 +222,7 @@ class CommitPipe:
             or out_of_order(staged, work)
         ):
             self.holds += 1
+            self._full = True  # (no linger waits for records that cannot join)
             return Offer.HELD
         else:
             staged.merge(work)
@@ -218,24 +230,38 @@ class CommitPipe:
         self._arrived = now
         if self._reported:
             self._refilled = now
-            if self._since >= 0:
-                self._since += work.records
-                if self._since >= self._goal:
-                    self._refills.append(now - self._finished)
-                    self._since = -1
+        opened = self._open
+        if opened and opened[0][0] <= self._answered:
+            n = work.records
+            while True:
+                c = opened[0]
+                c[3] += n
+                if c[3] < c[2]:
+                    break
+                self._refills.append(now - c[1])
+                n = c[3] - c[2]  # the next answered commit's
+                opened.popleft()
+                if not opened or opened[0][0] > self._answered:
+                    break
         return Offer.STAGED if staged is None else Offer.MERGED
 
     def report(self, now: float = 0.0) -> None:
         """The I/O thread has answered the last commit (its senders may now send again)."""
         del now  # (for symmetry: what comes after is timed by offer())
-        self._reported = True
+        # Answers come in commit order, one per commit: the last one's when all are answered.
+        # (One flag set by any report took the answer of the commit before the last for the
+        # last one's, when the writer had finished two before the I/O thread answered.)
+        if self._answered < self._commits:
+            self._answered += 1
+        self._reported = self._answered == self._commits
 
     def due(self, now: float) -> float | None:
         """Seconds the writer waits before taking the staged work (0: take it now; None:
         nothing to take).  See the module doc."""
         if self.peek() is None:
             return None
-        if self._streaming or now >= self._until or self.staged is not None and self.staged.records >= self._target:
+        if (self._streaming or now >= self._until or self._full
+                or self.staged is not None and self.staged.records >= self._target):
             return 0.0
         if not self._reported or self._refilled is None:
             return self._until - now  # (woken by the report and by offers)
@@ -253,6 +279,7 @@ class CommitPipe:
         work = self.peek()
         if work is not None:
             self.committing, self.staged = work, None
+            self._full = False
         return work
 
     def finish(self, work: Work, clean: bool, now: float = 0.0, began: float = 0.0) -> None:
@@ -271,12 +298,22 @@ class CommitPipe:
         self._streaming = self.staged is not None and (now - arrived < self.quiet or arrived >= (began + now) / 2)
         took = max(0.0, now - began)
         self._durations.append(took)
-        if self._since >= 0 and self._reported:  # the last refill never came whole: at least this long
-            self._refills.append(now - self._finished)
+        opened = self._open
+        while opened and opened[0][0] <= self._answered:  # answered, refill never came whole: at least this long
+            self._refills.append(now - opened.popleft()[1])
         self._until = now
         if not self._refills or median(self._refills) < min(self._durations):
             self._until += min(self.max_linger, self.linger * took)
-        self._finished, self._goal, self._since = now, work.records, 0
+        self._commits += 1
+        if not clean:
+            # What the I/O thread offers after a failure is the failed work and the staged
+            # work it took back (records that came before this commit returned), not the
+            # answered senders' refills: nothing is timed across it.
+            opened.clear()
+        elif work.records:
+            opened.append([self._commits, now, work.records, 0])
+            if len(opened) > RECENT:  # (commits never answered: a store's simulator, a test)
+                opened.popleft()
         self._reported = False
         self._refilled = None
         # Senders with a window send again as much as they were answered.
@@ -288,6 +325,7 @@ class CommitPipe:
         """The I/O thread takes back the staged work (after a failure: it goes again, after the
         failed one, when the store writes again)."""
         work, self.staged = self.staged, None
+        self._full = False
         return work
 
     def resume(self) -> None:

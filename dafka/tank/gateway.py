@@ -1319,8 +1319,18 @@ class Gateway(Store):
                 # from its start at each conversion: a window of its records is kept for the
                 # next consumes (read in N consumes, a bundle was walked N times).  (``at`` moves
                 # on when it lies in a gap inside a sparse bundle: values go at their own seqs.)
-                at, values = values_from(value, hdr, at, n, None if hdr.codec == CODEC_STORE
-                                         else self.db.window_convert(topic, part.address))
+                try:
+                    at, values = values_from(value, hdr, at, n, None if hdr.codec == CODEC_STORE
+                                             else self.db.window_convert(topic, part.address))
+                except ProtocolError as exc:  # a damaged store (blocks are checked when written)
+                    # Its partition alone is answered with a fault: raised, it closed the
+                    # connection as if the client had sent bad input, with the answers of
+                    # the request's other partitions.
+                    self._limited.emit(logging.ERROR, "read-damaged", "cannot read a stored block of %s at %d: %s",
+                                       shown(topic), hdr.first_offset, exc)
+                    if pieces:
+                        break  # those before it go: the next consume begins at it
+                    return None
                 values = _whole_values(values, limit - size, room, bool(pieces) or not first_data)
                 if not values:
                     break

@@ -364,3 +364,126 @@ def test_nothing_is_due_while_halted() -> None:
     pipe.offer(tuples(P, 1, 1), 0.001)
     pipe.finish(first, clean=False, now=0.002, began=0.0)
     assert pipe.due(1.0) is None
+
+
+def _probe_lingers(pipe: CommitPipe, off: int, t: float) -> bool:
+    """A commit of 1 ms with part of a refill at its start (not a stream): does the writer
+    linger after it?"""
+    work = pipe.take()
+    assert work is not None
+    pipe.offer(tuples(P, off, 2), t + 0.0001)
+    pipe.finish(work, clean=True, now=t + 0.001, began=t)
+    return (pipe.due(t + 0.001) or 0) > 0
+
+
+def test_refills_are_timed_from_the_commit_they_answer() -> None:
+    """Two commits of a window in flight (its halves), answered together (the I/O thread was
+    busy while the second ran): each half comes again after its own commit returned, 1.8 ms
+    and 1.1 ms later, slower than any commit (1 ms): taking at once pays.  The first half's
+    refill was timed from the second commit's return (one report marked both answered): 0.8
+    ms, a bet won that never was, and the writer lingered."""
+    pipe = CommitPipe(max_linger=1.0, linger=1.0, quiet=0.0001)
+    pipe.offer(tuples(P, 0, 4), 0.0)
+    off, t = 4, 0.0
+    for _ in range(12):
+        a = pipe.take()
+        assert a is not None and a.records == 4
+        pipe.offer(tuples(P, off, 4), t + 0.0003)  # the other half (the last one's refill)
+        pipe.finish(a, clean=True, now=t + 0.001, began=t)
+        b = pipe.take()
+        assert b is not None and b.records == 4
+        pipe.finish(b, clean=True, now=t + 0.002, began=t + 0.001)
+        pipe.report(t + 0.002)  # a's answer ...
+        pipe.report(t + 0.002)  # ... and b's, in one turn
+        pipe.offer(tuples(P, off + 4, 4), t + 0.0028)  # a's records again, 1.8 ms after it returned
+        off, t = off + 8, t + 0.0028
+    assert not _probe_lingers(pipe, off, t)
+
+
+def test_what_a_failed_commit_gives_back_is_no_refill() -> None:
+    """After a refused commit the I/O thread takes back the staged work and offers it again at
+    once: records that came before the commit returned, no answered sender's refill.  Timed
+    as a refill of 0.05 ms, refusals (a client producing to a refused partition) made the
+    writer bet on refills that are 3 ms slow."""
+    pipe = CommitPipe(max_linger=1.0, linger=1.0, quiet=0.0001)
+    pipe.offer(tuples(P, 0, 4), 0.0)
+    off, t = 4, 0.0
+    for _ in range(4):  # commits of 1 ms, refills of 3 ms
+        off, t = _cycle(pipe, off, t, 0.001, 0.003)
+    for _ in range(10):  # refused commits, the staged work behind each taken back and offered again
+        work = pipe.take()
+        assert work is not None
+        pipe.offer(tuples(Q, off, 4), t + 0.0002)
+        pipe.finish(work, clean=False, now=t + 0.001, began=t)
+        staged = pipe.reclaim()
+        assert staged is not None
+        pipe.resume()
+        pipe.report(t + 0.001)
+        assert pipe.offer(staged, t + 0.00105) is Offer.STAGED
+        off, t = off + 4, t + 0.00105
+    assert not _probe_lingers(pipe, off, t)
+
+
+timed_step = st.one_of(
+    st.tuples(st.just("offer"), st.integers(0, 6), st.floats(0, 0.004)),
+    st.tuples(st.just("take"), st.floats(0, 0.004)),
+    st.tuples(st.just("finish"), st.booleans(), st.floats(0, 0.004)),
+    st.tuples(st.just("report"), st.floats(0, 0.004)),
+)
+
+
+@settings(max_examples=300)
+@given(st.lists(timed_step, max_size=80))
+def test_model_the_linger_is_bounded_whatever_the_timing(steps: list[Any]) -> None:
+    """Offers, commits and answers at random moments (answers in commit order, one a commit,
+    as the store gives them): the writer never waits past the linger's bound, what is staged
+    is taken once that has passed, and the pipe keeps no more than a few commits' timings."""
+    pipe = CommitPipe(max_records=20, max_bytes=10**6)
+    now = 0.0
+    off = 0
+    unanswered = 0
+    queued: Work | None = None
+    for s in steps:
+        now += s[-1]
+        if s[0] == "offer" and s[1]:
+            w = tuples(P, off, s[1]) if queued is None else queued
+            if queued is None:
+                off += s[1]
+            queued = w if pipe.offer(w, now) is Offer.HELD else None
+        elif s[0] == "take" and (pipe.due(now) or 0) <= 0:
+            pipe.take()
+        elif s[0] == "finish" and pipe.committing is not None:
+            began = now - s[-1]
+            pipe.finish(pipe.committing, clean=s[1], now=now, began=began)
+            unanswered += 1
+            if not s[1]:
+                staged = pipe.reclaim()
+                if staged is not None:
+                    queued = staged if queued is None else then(staged, queued)
+                pipe.resume()
+        elif s[0] == "report" and unanswered:
+            unanswered -= 1
+            pipe.report(now)
+        due = pipe.due(now)
+        if pipe.peek() is None:
+            assert due is None
+        else:
+            assert due is not None and 0 <= due <= pipe.max_linger
+            assert pipe.due(now + pipe.max_linger) == 0.0
+        assert len(pipe._open) <= 16 + 1
+        assert pipe._answered <= pipe._commits
+
+
+def test_the_writer_lingers_not_for_records_that_cannot_join_the_staged_work() -> None:
+    """A staged work at its bounds: the refill that comes is held back by the I/O thread (no
+    merge may pass them) and cannot join it.  The writer lingered all the same, for the whole
+    linger (the held offers set no refill time), the disk idle with a full transaction ready."""
+    pipe = CommitPipe(max_records=10, max_linger=1.0, linger=1.0, quiet=0.0001)
+    first = tuples(P, 0, 4)
+    pipe.offer(first, 0.0)
+    assert pipe.take() is first
+    assert pipe.offer(tuples(P, 4, 8), 0.0005) is Offer.STAGED  # early in the commit: a window
+    pipe.finish(first, clean=True, now=0.008, began=0.0)
+    pipe.report(0.0081)
+    assert pipe.offer(tuples(P, 12, 4), 0.0082) is Offer.HELD  # the refill: over the bounds
+    assert pipe.due(0.0082) == 0.0

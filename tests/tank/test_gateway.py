@@ -28,7 +28,7 @@ from dafka.config import NodeConfig
 from dafka.core import wire
 from dafka.nodes.consumer import Consumer
 from dafka.nodes.producer import Producer
-from dafka.store.block import HEADER_SIZE, tank_block
+from dafka.store.block import CODEC_TANK, HEADER_SIZE, _seal, tank_block
 from dafka.store.db import RecordDB
 from dafka.tank.bundle import CODEC_NONE, CODEC_SNAPPY, Record, decode_chunk, encode_bundle
 from dafka.tank.client import TankClient, TankError, UnknownTopicError
@@ -706,6 +706,43 @@ def test_a_stored_sparse_bundle_with_gaps_is_consumed_at_its_own_seqs(make_gatew
         for seq in range(1, 4):
             got = consume_all(c, "sp", 1, seq)
             assert [(r[0], r[3]) for r in got] == [(q, v) for q, v in [(1, b"s0"), (3, b"s2")] if q >= seq], seq
+
+
+@pytest.mark.parametrize(("body", "seq", "budget"), [
+    (b"\x40" + b"\x80" * 13, 1, None),  # sparse, its count a varint of more than 5 bytes: relayed whole
+    (b"\x44\x01\x02\x03", 1, None),  # sparse, one message, its first seq cut short: relayed whole
+    (b"\x40" + b"\x80" * 13, 2, 8),  # over the answer's budget: converted, which fails
+], ids=["count-varint", "truncated-seq", "converted"])
+def test_a_stored_bundle_that_cannot_be_read_costs_its_partition_only(
+        make_gateway: Any, tmp_path: Path, body: bytes, seq: int, budget: int | None) -> None:
+    """A stored Tank bundle whose header cannot be read (a damaged store: blocks are checked
+    when they are written) in a consume of two partitions.  Reading a sparse bundle's first
+    seq (279d31f) raised, and so does converting it: the connection was closed as if the client
+    had sent bad input, the other partition's records never went, and every consume touching
+    the bundle cost the client its connection.  Now the bundle is relayed as stored (as before
+    279d31f), or its partition alone is answered with a system error."""
+    gw = make_gateway("cx")
+    with TankClient(HOST, gw.tank_port) as c:
+        c.create_topic("cx", 2)
+    addresses = [gw.pmap.get("cx", i).address for i in range(2)]
+    gw.close()
+    with RecordDB(tmp_path / "cx", sync=False) as db:
+        db.append_blocks([("cx", addresses[0], tank_block(encode_bundle([(None, TS, None, b"a")]), 0))])
+        db.append_blocks([("cx", addresses[0], _seal(CODEC_TANK, 0, 1, 1, 1, TS, TS, body))])  # unchecked
+        db.append_blocks([("cx", addresses[1], tank_block(encode_bundle([(None, TS, None, b"b")]), 0))])
+    gw = make_gateway("cx", **({} if budget is None else {"limits": GatewayLimits(max_answer_bytes=budget)}))
+    with TankClient(HOST, gw.tank_port) as c:
+        req = ConsumeRequest(c.next_request_id(), [ConsumeTopic("cx", [ConsumePartition(0, seq, 1 << 20),
+                                                                       ConsumePartition(1, 1, 1 << 20)])])
+        resp = c.request(req, 5.0)
+        assert isinstance(resp, ConsumeResponse)
+        damaged, other = resp.topics[0].partitions
+        assert [m[3] for m in other.decode_chunk().records] == [b"b"]
+        if budget is None:
+            assert damaged.flags == ConsumeFlag.OK and damaged.chunk.endswith(body)  # as stored
+        else:
+            assert damaged.flags == ConsumeFlag.SYSTEM_ERROR
+        assert values(c.consume("cx", 1, 1).messages) == [b"b"]  # the connection goes on
 
 
 def test_long_poll_does_not_hold_up_later_requests_on_its_connection(gw: Gateway, client: TankClient) -> None:

@@ -204,3 +204,38 @@ def test_a_bundle_over_the_answer_budget_consumed_in_pieces_is_walked_once_a_win
     # Before: 788,128 records walked in 50 walks (64 KiB), 4.5 million in 3,000 (a record each).
     assert sum(s + k for s, k in walked) <= 2 * n, walked
     assert len(walked) <= 4, walked
+
+
+def test_readers_of_more_bundles_than_the_windows_a_record_a_consume_convert_little_each(
+    make_gateway: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A window of a bundle's records is kept for the next consumes, in at most 4 windows (the
+    # oldest dropped first).  A consume of one record (fetch_size 1) made a window too
+    # (0fbe8b0): as many records as 4 MiB holds, up to 65,536.  Five readers of five bundles
+    # in turn find none of theirs kept, every time: each consume of one record converted the
+    # rest of its bundle (here 20,000 records, 2 MB; 1.3 ms a consume where the walk to the
+    # record took 0.3).  A slice of a few records now converts a window of at most 4,096.
+    from dafka.store import reader
+
+    converted: list[int] = []
+    tank_values = reader.tank_values
+
+    def spy(bundle: Any, skip: int, n: int) -> list[bytes]:
+        got: list[bytes] = tank_values(bundle, skip, n)
+        converted.append(len(got))
+        return got
+
+    gw: Gateway = make_gateway(limits=GatewayLimits(max_answer_bytes=256 << 10))
+    n = 20_000
+    with TankClient(HOST, gw.tank_port) as c:
+        c.create_topic("five", 5)
+        bundles = [[b"%d:%05d" % (p, i) + bytes(93) for i in range(n)] for p in range(5)]
+        for p, records in enumerate(bundles):
+            assert c.produce("five", p, records, codec=CODEC_NONE) == 0  # 2 MB each: over the budget
+        monkeypatch.setattr(reader, "tank_values", spy)
+        for seq in range(1, 21):
+            for p in range(5):
+                r = c.consume("five", p, seq, fetch_size=1)
+                assert [bytes(m[3]) for m in r.messages][:1] == [bundles[p][seq - 1]]
+    assert len(converted) <= 2 * 100
+    assert sum(converted) <= 100 * 4_097, f"{sum(converted):,} records converted for 100 consumes of one"
