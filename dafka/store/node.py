@@ -308,6 +308,7 @@ class Store(PartitionReader):
         self._wake_owed = False
         self._outstanding: deque[Work] = deque()
         self._reported: Work | None = None
+        self._answers = 0  # commits answered (_report), one each
         self._writer_stop = False
         self._writer = threading.Thread(target=self._write_loop, name="dafka-store-writer", daemon=True)
         # Counters for the periodic log and `dafka status`.
@@ -705,6 +706,24 @@ class Store(PartitionReader):
         rejected: dict[tuple[str, str], str] | None = None,
         filled: tuple[int, int] = (0, 0),
     ) -> None:
+        """Answer a commit's result (:meth:`_answer_commit`), and tell the writer it is
+        answered even when answering raised: the pipe counts one answer a commit, and one
+        never told would leave it a commit behind for good (every later linger to its bound)."""
+        answers = self._answers
+        try:
+            self._answer_commit(work, heads, error, rejected, filled)
+        finally:
+            if self._answers == answers:
+                self._report()
+
+    def _answer_commit(
+        self,
+        work: Work,
+        heads: dict[tuple[str, str], int],
+        error: StorageError | None,
+        rejected: dict[tuple[str, str], str] | None,
+        filled: tuple[int, int],
+    ) -> None:
         if self._outstanding and self._outstanding[0] is work:
             self._outstanding.popleft()
         else:  # (the simulator and tests may commit a work taken by hand)
@@ -825,6 +844,7 @@ class Store(PartitionReader):
         for the refills its answers bring).  Woken only when it has work it could take: after
         an inline commit it has none, and a wake for nothing cost a thread switch and the GIL
         handed over and back each commit (offers wake it when work comes)."""
+        self._answers += 1
         with self._writer_cond:
             self._pipe.report(time.monotonic())
             if self._pipe.peek() is not None:

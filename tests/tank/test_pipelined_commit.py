@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from dafka.config import NodeConfig
-from dafka.store.db import RecordDB
+from dafka.store.db import RecordDB, StorageError
 from dafka.tank.bundle import encode_bundle
 from dafka.tank.client import TankClient
 from dafka.tank.gateway import Gateway
@@ -219,5 +219,37 @@ def test_a_client_with_a_window_gets_it_into_one_commit_when_commits_are_slow(cf
         assert sum(sizes) == n
         steady = sorted(sizes[2:-1])  # (the first commits hold what came first, the last the rest)
         assert steady[len(steady) // 2] == window, sizes
+    finally:
+        gw.close()
+
+
+def test_a_commit_whose_answering_raised_still_counts_as_answered(cfg: NodeConfig, tmp_path: Path) -> None:
+    """The pipe counts one answer a commit: a commit whose answering raised (a bug; here in
+    telling the mesh why writes failed) and so was never told left it a commit behind for
+    good (every later commit's linger ran to its bound, no refill timed)."""
+    gw = Gateway(tmp_path / "gw", cfg, listen=(HOST, 0))
+    try:
+        append, send_status = gw.db.append, gw._send_status
+        failed = threading.Event()
+
+        def first_append_fails(batch: Any, **kw: Any) -> Any:
+            if not failed.is_set():
+                failed.set()
+                raise StorageError("disk full (test)")
+            return append(batch, **kw)
+
+        def status_raises_once(now: float) -> None:
+            gw._send_status = send_status  # type: ignore[method-assign]
+            raise RuntimeError("a bug while answering")
+
+        gw.db.append = first_append_fails  # type: ignore[method-assign]
+        gw._send_status = status_raises_once  # type: ignore[method-assign]
+        with TankClient(HOST, gw.tank_port, timeout=20) as c:
+            c.create_topic("t", 1)
+            first = c.send(produce_request(c, "t", bundle_of(0, 3)))
+            assert isinstance(c.wait(first), ProduceResponse)  # (kept and written again)
+            assert isinstance(c.wait(c.send(produce_request(c, "t", bundle_of(1, 3)))), ProduceResponse)
+        assert failed.is_set()
+        assert gw._pipe._answered == gw._pipe._commits >= 2
     finally:
         gw.close()
