@@ -171,7 +171,9 @@ HISTOGRAMS: list[tuple[str, str, str]] = [
     (
         "dafka_ack_latency_seconds",
         "ack_latency",
-        "Oldest record of a commit received -> its ACK sent",
+        "First record of a commit received -> its ACK sent (mesh records: the store's receive"
+        " stamp; a Kafka client's single records: their own timestamp; client blocks stored as"
+        " sent are not observed)",
     ),
 ]
 

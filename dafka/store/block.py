@@ -463,9 +463,9 @@ def tank_seqs_are_offsets(value: bytes | memoryview, hdr: BlockHeader) -> bool:
     request's first seq: a bundle with gaps).  Reads the bundle's header only; one it cannot
     read (a damaged store: blocks are checked when written) is relayed as stored, as every
     bundle was before (the gateway does not walk what it relays)."""
+    if len(value) <= HEADER_SIZE or not value[HEADER_SIZE] & _TANK_SPARSE:
+        return True  # (a plain bundle: nothing copied)
     head = bytes(value[HEADER_SIZE : HEADER_SIZE + 14])  # flags, a count of 5 bytes at most, the first seq
-    if not head or not head[0] & _TANK_SPARSE:
-        return True
     pos = 1
     if not (head[0] >> _TANK_COUNT_SHIFT) & 0x0F:
         try:
