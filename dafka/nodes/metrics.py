@@ -172,7 +172,7 @@ HISTOGRAMS: list[tuple[str, str, str]] = [
         "dafka_ack_latency_seconds",
         "ack_latency",
         "First record of a commit received -> its ACK sent (mesh records: the store's receive"
-        " stamp; a Kafka client's single records: their own timestamp; client blocks stored as"
+        " stamp; records a Kafka client sent one at a time: their timestamp; client blocks stored as"
         " sent are not observed)",
     ),
 ]
