@@ -171,9 +171,8 @@ HISTOGRAMS: list[tuple[str, str, str]] = [
     (
         "dafka_ack_latency_seconds",
         "ack_latency",
-        "First record of a commit received -> its ACK sent (mesh records: the store's receive"
-        " stamp; records a Kafka client sent one at a time: their timestamp; client blocks stored as"
-        " sent are not observed)",
+        "First record of a commit received (the store's receive stamp of mesh records) -> its ACK"
+        " sent; gateways' client blocks (Tank bundles, Kafka batches) are not observed",
     ),
 ]
 
