@@ -52,6 +52,7 @@ from dafka.config import NodeConfig, default_node_config
 from dafka.core import beacon, wire
 from dafka.core.gaps import KnownStores, PartitionTracker
 from dafka.errors import ConfigError, ProtocolError
+from dafka.gateway.connections import LogLimiter
 from dafka.nodes.metrics import SECONDS_BUCKETS, SIZE_BUCKETS, Histogram
 from dafka.nodes.node import DRAIN, read_subscriptions
 from dafka.nodes.reader import PartitionReader, unheard_may_wait
@@ -279,6 +280,7 @@ class Store(PartitionReader):
         self._ts = 0  # receive time (ms) of the records being read
         self._jobs: deque[FetchJob] = deque()
         self._job_of: dict[tuple[str, str, str], FetchJob] = {}  # (requester, subject, partition)
+        self._read_limited = LogLimiter(log)  # stored blocks that cannot be read (see _serve)
         self._job_counts: dict[tuple[str, str, str], int] = {}  # jobs in self._jobs per key
         self.fetches_refused = 0  # FETCHes over MAX_JOBS_PER_REQUESTER or MAX_FETCH_JOBS
         self._stats_refused = 0
@@ -1297,13 +1299,22 @@ class Store(PartitionReader):
                 log.error("cannot serve FETCH of %s/%s: %s", job.topic, job.partition, exc)
                 self._job_done(job)
                 continue
+            except Exception as exc:  # a damaged stored block (checked when written, not when read)
+                self._unreadable(job, exc)
+                continue
             if not values:
                 self._job_done(job)
                 continue
-            if self.filters_answers and self._serve_filtered(job, start, values):
-                if self._blocked:
-                    return
-                continue
+            if self.filters_answers:
+                try:
+                    filtered = self._serve_filtered(job, start, values)
+                except ValueError as exc:  # (as below)
+                    self._unreadable(job, exc)
+                    continue
+                if filtered:
+                    if self._blocked:
+                        return
+                    continue
             gap = start > job.offset and self._compacted_gap(job, start)
             if gap:
                 pass  # said with a VOID kind 2 (_compacted_gap): no warning, the answer goes on past it
@@ -1318,10 +1329,14 @@ class Store(PartitionReader):
             if not job.batched and self.batches_for(job.single, answer=True):
                 # Its subscriptions were read since: it takes batches (one cached lookup a slice).
                 job.prefix, job.batched = wire.batch_prefix(job.single), True
-            if job.batched:
-                sent = fastio.send_batches(self.publisher, job.prefix, start, values, noblock=True, stored=True)
-            else:
-                sent = fastio.send_values(self.publisher, job.prefix, start, values, True)
+            try:
+                if job.batched:
+                    sent = fastio.send_batches(self.publisher, job.prefix, start, values, noblock=True, stored=True)
+                else:
+                    sent = fastio.send_values(self.publisher, job.prefix, start, values, True)
+            except ValueError as exc:  # a stored value shorter than its header: a damaged block
+                self._unreadable(job, exc)
+                continue
             if sent < len(values):
                 # A reader is full: resume from here on the next tick.
                 self._blocked = True
@@ -1334,6 +1349,21 @@ class Store(PartitionReader):
                 self._job_done(job)
             if self._blocked:
                 return
+
+    def _unreadable(self, job: FetchJob, exc: Exception) -> None:
+        """``job`` reached a stored block that cannot be read (bit rot, a bug of an older
+        version: blocks are checked when written): its answer ends here, logged (rate-limited:
+        a reader asks again).  Raised into the loop, it left the job in ``_job_of`` while
+        it was served no more: every later FETCH of that requester and partition joined it,
+        and none was answered again, past the damage either."""
+        self._read_limited.emit(logging.ERROR, "unreadable", "cannot serve FETCH of %s/%s from %d: a stored block"
+                                " cannot be read (%s: %s)", job.topic, job.partition, job.offset,
+                                type(exc).__name__, exc)
+        self.unreadable_reads += 1
+        self._job_done(job)
+
+    #: FETCH answers that ended at a stored block that cannot be read (:meth:`_unreadable`).
+    unreadable_reads = 0
 
     #: Whether :meth:`_serve_filtered` may answer some FETCHes itself (a Kafka gateway's
     #: partitions written by transactions); one attribute check a slice otherwise.

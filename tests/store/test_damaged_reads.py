@@ -1,0 +1,153 @@
+"""A damaged stored block (bit rot, a bug of an older version: blocks are checked when they
+are written, not when read) costs its partition's answer, nothing more.
+
+Each case plants a healthy block, a damaged one and a healthy one in a partition of a real
+LMDB store, and a healthy block in another partition; then asks for them over the mesh (a
+FETCH, real ZeroMQ sockets).
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+from crc32c import crc32c
+
+from dafka.config import NodeConfig
+from dafka.core import wire
+from dafka.kafka._codec import encode_batch
+from dafka.store.block import (
+    CODEC_TANK,
+    COMPRESSION_GZIP,
+    COMPRESSION_SNAPPY,
+    HEADER_SIZE,
+    _seal,
+    decode_header,
+    kafka_block,
+    store_block,
+)
+from dafka.store.db import RecordDB
+from dafka.store.layout import VALUE_HEADER
+from dafka.store.node import Store
+from dafka.tank.bundle import CODEC_SNAPPY, encode_bundle
+
+pytestmark = pytest.mark.timeout(120)
+
+TS = 1_700_000_000_000
+DAMAGED = "D" * 32
+HEALTHY = "H" * 32
+
+
+def value(content: bytes) -> bytes:
+    return VALUE_HEADER.pack(TS, 0) + content
+
+
+def healthy(first: int, contents: list[bytes]) -> bytes:
+    return store_block(first, [value(c) for c in contents], sum(map(len, contents)))
+
+
+def _reseal(block: bytes, body: bytes) -> bytes:
+    """``block`` with another body, its header's fields kept and its CRC right (so that
+    only decoding the records finds the damage)."""
+    h = decode_header(block)
+    return _seal(h.codec, h.compression, h.first_offset, h.last_offset, h.record_count, h.first_ts, h.max_ts, body)
+
+
+def _kafka_batch(first: int, contents: list[bytes], gzipped: bool = False) -> bytes:
+    batch = encode_batch(first, [value(c) for c in contents])
+    if gzipped:
+        records = gzip.compress(batch[61:])
+        head = bytearray(batch[:61])
+        struct.pack_into(">i", head, 8, 49 + len(records))
+        struct.pack_into(">h", head, 21, struct.unpack_from(">h", head, 21)[0] | COMPRESSION_GZIP)
+        rest = bytes(head[21:]) + records
+        batch = bytes(head[:17]) + struct.pack(">I", crc32c(rest)) + rest
+    return batch
+
+
+def damaged(kind: str, first: int) -> bytes:
+    """A block of 3 records at ``first`` that passes a header check and cannot be read."""
+    if kind == "count-varint":  # a Tank bundle whose count varint runs over 5 bytes
+        return _seal(CODEC_TANK, 0, first, first + 2, 3, TS, TS, b"\x00" + b"\x80" * 13)
+    if kind == "truncated-bundle":
+        bundle = encode_bundle([(None, TS, None, b"m%d" % i * 20) for i in range(3)], codec=0)
+        return _seal(CODEC_TANK, 0, first, first + 2, 3, TS, TS, bundle[:-15])
+    if kind == "snappy-payload":
+        bundle = encode_bundle([(None, TS, None, b"s%d" % i * 400) for i in range(3)], codec=CODEC_SNAPPY)
+        bad = bytearray(bundle)
+        for i in range(len(bad) // 2, len(bad)):
+            bad[i] ^= 0x5A
+        return _seal(CODEC_TANK, COMPRESSION_SNAPPY, first, first + 2, 3, TS, TS, bytes(bad))
+    if kind == "kafka-records":  # a Kafka batch whose records do not decode
+        block = kafka_block(_kafka_batch(first, [b"k0", b"k1", b"k2"]), first)
+        body = bytearray(block[HEADER_SIZE:])
+        body[61:] = b"\xff" * (len(body) - 61)
+        return _reseal(block, bytes(body))
+    if kind == "kafka-gzip":  # a gzipped Kafka batch, its compressed bytes altered
+        block = kafka_block(_kafka_batch(first, [b"g0" * 50, b"g1" * 50, b"g2" * 50], gzipped=True), first)
+        body = bytearray(block[HEADER_SIZE:])
+        for i in range(75, len(body) - 8):
+            body[i] ^= 0x33
+        return _reseal(block, bytes(body))
+    if kind == "store-ends":  # a store block whose ends table goes backwards
+        block = bytearray(healthy(first, [b"e0", b"e1", b"e2"]))
+        base = HEADER_SIZE + 8
+        struct.pack_into(">I", block, base + 4, struct.unpack_from(">I", block, base + 4)[0] + 100)
+        return _reseal(bytes(block), bytes(block[HEADER_SIZE:]))
+    if kind == "store-short":  # a store block whose records are shorter than a value's header
+        block = bytearray(healthy(first, [b"e0", b"e1", b"e2"]))
+        base = HEADER_SIZE + 8
+        lo = base + 12
+        struct.pack_into(">III", block, base, lo + 3, lo + 6, len(block))
+        return _reseal(bytes(block), bytes(block[HEADER_SIZE:]))
+    raise AssertionError(kind)
+
+
+KINDS = ["count-varint", "truncated-bundle", "snappy-payload", "kafka-records", "kafka-gzip", "store-ends",
+         "store-short"]
+
+
+def plant(path: Path, kind: str) -> None:
+    """Partition DAMAGED: offsets 0-1 healthy, 2-4 damaged, 5-6 healthy; HEALTHY: 0-2."""
+    with RecordDB(path, sync=False) as db:
+        db.append_blocks([
+            ("t", DAMAGED, healthy(0, [b"a0", b"a1"])),
+            ("t", DAMAGED, damaged(kind, 2)),
+            ("t", DAMAGED, healthy(5, [b"a5", b"a6"])),
+            ("t", HEALTHY, healthy(0, [b"b0", b"b1", b"b2"])),
+        ])
+        assert db.head("t", DAMAGED) == 6 and db.head("t", HEALTHY) == 2
+
+
+def got(peer: Any, partition: str) -> list[tuple[int, bytes]]:
+    return [(m.sequence, m.content) for m in peer.messages(wire.DirectRecord) if m.address == partition]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_damaged_block_costs_its_fetch_answer_only(cfg: NodeConfig, tmp_path: Path, raw_peer: Any,
+                                                    caplog: pytest.LogCaptureFixture, kind: str) -> None:
+    """A FETCH reaching the damaged block: the node lives, the other partition and the
+    records past the damage are served, the error is logged (not once a FETCH)."""
+    plant(tmp_path / "db", kind)
+    caplog.set_level(logging.ERROR)
+    with Store(tmp_path / "db", cfg) as store:
+        peer = raw_peer([wire.P_DIRECT_RECORD, wire.P_VOID])
+        peer.wait_for(lambda q: len(q.peers) >= 1 and len(store.peers) >= 1)
+        peer.wait_for(lambda q: q.subscribed(b"F") and q.subscribed(b"W" + store.address.encode()))
+        for _ in range(30):  # a reader asking again and again
+            peer.send(wire.Fetch(DAMAGED, peer.address, "t", 0, 10))
+        peer.send(wire.Fetch(HEALTHY, peer.address, "t", 0, 10))
+        peer.wait_for(lambda q: len(got(q, HEALTHY)) >= 3)
+        assert got(peer, HEALTHY) == [(0, b"b0"), (1, b"b1"), (2, b"b2")]
+        # Past the damage: answered (a FETCH of the same requester and partition).
+        peer.send(wire.Fetch(DAMAGED, peer.address, "t", 5, 2))
+        peer.wait_for(lambda q: (5, b"a5") in got(q, DAMAGED) and (6, b"a6") in got(q, DAMAGED))
+        assert not any(off in (2, 3, 4) for off, _ in got(peer, DAMAGED))
+        assert store.running
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert errors, "the damaged block is not logged"
+        assert len(errors) <= 10, [r.getMessage() for r in errors]
