@@ -1300,7 +1300,7 @@ class Store(PartitionReader):
                 self._job_done(job)
                 continue
             except Exception as exc:  # a damaged stored block (checked when written, not when read)
-                self._unreadable(job, exc)
+                self._unreadable(job, exc, past=True)
                 continue
             if not values:
                 self._job_done(job)
@@ -1350,17 +1350,39 @@ class Store(PartitionReader):
             if self._blocked:
                 return
 
-    def _unreadable(self, job: FetchJob, exc: Exception) -> None:
+    def _unreadable(self, job: FetchJob, exc: Exception, past: bool = False) -> None:
         """``job`` reached a stored block that cannot be read (bit rot, a bug of an older
-        version: blocks are checked when written): its answer ends here, logged (rate-limited:
-        a reader asks again).  Raised into the loop, it left the job in ``_job_of`` while
-        it was served no more: every later FETCH of that requester and partition joined it,
-        and none was answered again, past the damage either."""
+        version: blocks are checked when written), logged (rate-limited: a reader asks again).
+        ``past``: the block is the first one read from ``job.offset`` (a read stops before a
+        damaged block after others, :func:`dafka.fastio.fetch_blocks`): the requester is told
+        that this store has none of its offsets (a VOID kind 0: a reader asks another store,
+        or passes them when every store said so) and the answer goes on past it.  Otherwise,
+        or when the block's header cannot be read either, the answer ends.  (Raised into the
+        loop, the job stayed in ``_job_of`` while served no more: every later FETCH of that
+        requester and partition joined it and none was answered again.)"""
         self._read_limited.emit(logging.ERROR, "unreadable", "cannot serve FETCH of %s/%s from %d: a stored block"
                                 " cannot be read (%s: %s)", job.topic, job.partition, job.offset,
                                 type(exc).__name__, exc)
         self.unreadable_reads += 1
-        self._job_done(job)
+        hdr = None
+        if past:
+            try:
+                blocks = self.db.read_blocks(job.topic, job.partition, job.offset, 1, 1)[2]
+                hdr = blocks[0][0] if blocks else None
+            except Exception:  # its header too
+                hdr = None
+        if hdr is None or hdr.last_offset < job.offset:
+            self._job_done(job)
+            return
+        lo = max(job.offset, hdr.first_offset)
+        self._send_checked(wire.Void(job.key[0], job.partition, job.topic, lo, hdr.last_offset, self.address,
+                                     wire.VOID_STORE))
+        stop = job.offset + job.remaining
+        job.offset, job.remaining = hdr.last_offset + 1, stop - hdr.last_offset - 1
+        if job.remaining > 0:
+            self._jobs.append(job)  # (served from there on the next turn)
+        else:
+            self._job_done(job)
 
     #: FETCH answers that ended at a stored block that cannot be read (:meth:`_unreadable`).
     unreadable_reads = 0
