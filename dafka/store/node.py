@@ -36,6 +36,7 @@ group the store holds (POSITIONS).
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 import time
 import zlib
@@ -1300,7 +1301,9 @@ class Store(PartitionReader):
                 self._job_done(job)
                 continue
             except Exception as exc:  # a damaged stored block (checked when written, not when read)
-                self._unreadable(job, exc, past=True)
+                # (An answer goes past the block only for an error of decoding: ProtocolError is
+                # a ValueError; an LMDB error may pass, and the block may be sound.)
+                self._unreadable(job, exc, past=isinstance(exc, (ValueError, struct.error, IndexError)))
                 continue
             if not values:
                 self._job_done(job)

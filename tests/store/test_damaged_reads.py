@@ -14,6 +14,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import pytest
 from crc32c import crc32c
 
@@ -172,3 +173,27 @@ def test_a_damaged_block_costs_its_fetch_answer_only(cfg: NodeConfig, tmp_path: 
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert errors, "the damaged block is not logged"
         assert len(errors) <= 10, [r.getMessage() for r in errors]
+
+
+def test_a_read_failing_otherwise_ends_its_answer_without_a_void(cfg: NodeConfig, tmp_path: Path, raw_peer: Any,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read that fails other than by decoding (an LMDB error) says nothing of the records:
+    they may be sound.  Its answer ends (a reader asks again), and the next is served."""
+    plant(tmp_path / "db", "store-ends")
+    with Store(tmp_path / "db", cfg) as store:
+        peer = raw_peer([wire.P_DIRECT_RECORD, wire.P_VOID])
+        peer.wait_for(lambda q: len(q.peers) >= 1 and len(store.peers) >= 1)
+        peer.wait_for(lambda q: q.subscribed(b"F") and q.subscribed(b"W" + store.address.encode()))
+        fetch_raw = store.db.fetch_raw
+
+        def failing(*args: Any) -> Any:
+            monkeypatch.setattr(store.db, "fetch_raw", fetch_raw)  # once
+            raise lmdb.ReadersFullError("readers full")
+
+        monkeypatch.setattr(store.db, "fetch_raw", failing)
+        peer.send(wire.Fetch(HEALTHY, peer.address, "t", 0, 10))
+        peer.wait_for(lambda q: store.unreadable_reads >= 1)
+        peer.send(wire.Fetch(HEALTHY, peer.address, "t", 0, 10))
+        peer.wait_for(lambda q: len(got(q, HEALTHY)) >= 3)
+        assert got(peer, HEALTHY) == [(0, b"b0"), (1, b"b1"), (2, b"b2")]
+        assert not [v for v in peer.messages(wire.Void) if v.address == HEALTHY]
