@@ -16,10 +16,11 @@ from typing import Any
 
 import lmdb
 import pytest
+import zmq
 from crc32c import crc32c
 
 from dafka.config import NodeConfig
-from dafka.core import wire
+from dafka.core import leafwire, wire
 from dafka.kafka._codec import encode_batch
 from dafka.store.block import (
     CODEC_TANK,
@@ -112,16 +113,16 @@ KINDS = ["count-varint", "truncated-bundle", "snappy-payload", "kafka-records", 
          "store-short"]
 
 
-def plant(path: Path, kind: str) -> None:
+def plant(path: Path, kind: str, topic: str = "t") -> None:
     """Partition DAMAGED: offsets 0-1 healthy, 2-4 damaged, 5-6 healthy; HEALTHY: 0-2."""
     with RecordDB(path, sync=False) as db:
         db.append_blocks([
-            ("t", DAMAGED, healthy(0, [b"a0", b"a1"])),
-            ("t", DAMAGED, damaged(kind, 2)),
-            ("t", DAMAGED, healthy(5, [b"a5", b"a6"])),
-            ("t", HEALTHY, healthy(0, [b"b0", b"b1", b"b2"])),
+            (topic, DAMAGED, healthy(0, [b"a0", b"a1"])),
+            (topic, DAMAGED, damaged(kind, 2)),
+            (topic, DAMAGED, healthy(5, [b"a5", b"a6"])),
+            (topic, HEALTHY, healthy(0, [b"b0", b"b1", b"b2"])),
         ])
-        assert db.head("t", DAMAGED) == 6 and db.head("t", HEALTHY) == 2
+        assert db.head(topic, DAMAGED) == 6 and db.head(topic, HEALTHY) == 2
 
 
 def got(peer: Any, partition: str) -> list[tuple[int, bytes]]:
@@ -197,3 +198,36 @@ def test_a_read_failing_otherwise_ends_its_answer_without_a_void(cfg: NodeConfig
         peer.wait_for(lambda q: len(got(q, HEALTHY)) >= 3)
         assert got(peer, HEALTHY) == [(0, b"b0"), (1, b"b1"), (2, b"b2")]
         assert not [v for v in peer.messages(wire.Void) if v.address == HEALTHY]
+
+
+@pytest.mark.parametrize("kind", ["kafka-records", "store-ends"])
+def test_a_damaged_block_costs_a_leaf_reader_its_answer_only(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                             kind: str) -> None:
+    """A leaf reader (the store's leaf port, a DEALER) asking for the damaged records again
+    and again: the port lives, answers the other partition and other readers, takes a leaf
+    producer's records, and logs the damage a bounded number of times."""
+    from tests.test_leaf_read import CMD, RawReader, publish_leaf
+
+    plant(tmp_path / "db", kind, CMD)
+    caplog.set_level(logging.ERROR)
+    ctx = zmq.Context()
+    store = Store(str(tmp_path / "db"), leaves="127.0.0.1:0")
+    try:
+        r = RawReader(ctx, store)
+        assert isinstance(r.read(), leafwire.LeafReading)
+        for _ in range(30):
+            r.send(wire.Fetch(DAMAGED, r.address, CMD, 2, 10))
+            r.send(wire.Fetch(HEALTHY, r.address, CMD, 0, 10))
+        got = [m for m in r.drain(0.5) if isinstance(m, wire.DirectRecord)]
+        assert {(m.address, m.sequence) for m in got} == {(HEALTHY, 0), (HEALTHY, 1), (HEALTHY, 2)}
+        other = RawReader(ctx, store)
+        assert isinstance(other.read(), leafwire.LeafReading)
+        other.send(wire.Fetch(DAMAGED, other.address, CMD, 0, 10))
+        got = [(m.address, m.sequence) for m in other.drain() if isinstance(m, wire.DirectRecord)]
+        assert got == [(DAMAGED, 0), (DAMAGED, 1)]  # before the damage
+        publish_leaf(store, "telemetry", 3)  # acknowledged
+        errors = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+        assert errors and len(errors) <= 10, [rec.getMessage() for rec in errors]
+    finally:
+        store.close()
+        ctx.destroy(0)
