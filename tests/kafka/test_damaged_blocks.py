@@ -6,6 +6,7 @@ LMDB store): its partition's answer is a KAFKA_STORAGE_ERROR from the damage on,
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -13,12 +14,14 @@ from typing import Any
 import pytest
 from kafka import KafkaConsumer, TopicPartition
 from kafka.errors import CorruptRecordError
+from kafka.protocol.consumer import ListOffsetsRequest, ListOffsetsResponse
 
 from dafka.config import NodeConfig
+from dafka.kafka.codec import Err
 from dafka.kafka.gateway import KafkaGateway
 from dafka.store.db import RecordDB
-from tests.kafka.test_gateway import HOST
-from tests.store.test_damaged_reads import damaged, healthy
+from tests.kafka.test_gateway import HOST, frame, read_frame
+from tests.store.test_damaged_reads import TS, damaged, healthy
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -91,4 +94,29 @@ def test_a_damaged_kafka_batch_goes_as_stored_and_its_client_says_so(
         assert isinstance(exc, CorruptRecordError) and "at offset 2" in str(exc)
     finally:
         c.close()
+        gw.close()
+
+
+def list_offsets_at(s: socket.socket, corr: int, ts: int) -> list[int]:
+    """ListOffsets v1 of ``kx`` partitions 0 and 1 for timestamp ``ts``: their error codes."""
+    part = ListOffsetsRequest.ListOffsetsTopic.ListOffsetsPartition
+    req = ListOffsetsRequest[1](replica_id=-1, topics=[ListOffsetsRequest.ListOffsetsTopic(
+        name="kx", partitions=[part(partition_index=0, timestamp=ts), part(partition_index=1, timestamp=ts)])])
+    s.sendall(frame(2, 1, corr, bytes(req.encode(version=1))))
+    r = ListOffsetsResponse.decode(read_frame(s)[4:], version=1)
+    return [p.error_code for p in r.topics[0].partitions]
+
+
+def test_a_damaged_block_met_by_a_lookup_by_time_costs_its_partition_not_the_connection(
+        cfg: NodeConfig, tmp_path: Path) -> None:
+    """ListOffsets by timestamp reads records (a binary search); one in a damaged block
+    raised into the request: the connection was closed as if the client had sent bad input,
+    with the answers of the request's other partitions.  Now its partition alone is answered
+    with KAFKA_STORAGE_ERROR."""
+    gw = damaged_gateway(cfg, tmp_path / "gw", "count-varint")
+    try:
+        with socket.create_connection((HOST, gw.kafka_port)) as s:
+            assert list_offsets_at(s, 1, TS) == [Err.KAFKA_STORAGE_ERROR, Err.NONE]
+            assert list_offsets_at(s, 2, -1) == [Err.NONE, Err.NONE]  # the connection goes on
+    finally:
         gw.close()
