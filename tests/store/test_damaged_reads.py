@@ -231,3 +231,30 @@ def test_a_damaged_block_costs_a_leaf_reader_its_answer_only(tmp_path: Path, cap
     finally:
         store.close()
         ctx.destroy(0)
+
+
+@pytest.mark.parametrize("fail_on_data_loss", [True, False])
+def test_the_spark_path_transport_names_a_damaged_block_or_skips_it(tmp_path: Path, fail_on_data_loss: bool,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Spark's ``path`` transport reading a partition with a damaged block: the error named
+    neither the partition nor the offset (a bare 'malformed or truncated varint').  Now it is
+    data loss as retention's is: DataLossError naming them, or, for failOnDataLoss=false, a
+    warning and the records past the block."""
+    pytest.importorskip("pyarrow")
+    from dafka.spark.offsets import DataLossError, ReadRange
+    from dafka.spark.transport import _read_store
+
+    plant(tmp_path / "db", "count-varint")
+    batches = _read_store(str(tmp_path / "db"), ReadRange("t", DAMAGED, 0, 7), fail_on_data_loss)
+    got: list[tuple[int, bytes]] = []
+    if fail_on_data_loss:
+        with pytest.raises(DataLossError, match=f"t/{DAMAGED}: the stored block holding offset 2 .*records 2..4"):
+            for b in batches:
+                got += zip(b.column("offset").to_pylist(), b.column("value").to_pylist(), strict=True)
+        assert got == [(0, b"a0"), (1, b"a1")]
+    else:
+        caplog.set_level(logging.WARNING)
+        for b in batches:
+            got += zip(b.column("offset").to_pylist(), b.column("value").to_pylist(), strict=True)
+        assert got == [(0, b"a0"), (1, b"a1"), (5, b"a5"), (6, b"a6")]
+        assert any("records 2..4, a damaged block" in r.getMessage() for r in caplog.records)
