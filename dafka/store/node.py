@@ -1219,7 +1219,8 @@ class Store(PartitionReader):
             return True
         try:
             return not self.db.holds_any(key[0], key[1], first, last)  # (headers only: no record decoded)
-        except StorageError:
+        except (StorageError, ValueError, struct.error):  # (ValueError: a damaged block's header)
+            # Raised, it dropped the rest of the messages read with the FETCH (records, FETCHes).
             return False
 
     def _on_fetch(self, fetch: wire.Fetch) -> None:
