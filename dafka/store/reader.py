@@ -220,7 +220,10 @@ def block_run(cur: Any, pid: int, start: int, last: int, max_bytes: int,
         if npid != pid or nfirst != hdr.last_offset + 1:
             break  # another partition, or a hole: the next read starts past it
         value = cur.value()
-        hdr = decode_header(value)
+        try:
+            hdr = decode_header(value)
+        except ValueError:
+            break  # a damaged block's header (checked when written): the next read, starting at it, raises
         out.append((hdr, bytes(value)))
         size += len(value)
     return out

@@ -116,18 +116,19 @@ KINDS = ["count-varint", "truncated-bundle", "snappy-payload", "kafka-records", 
          "store-short"]
 
 
-def plant(path: Path, kind: str, topic: str = "t") -> None:
+def plant(path: Path, kind: str, topic: str = "t", partitions: tuple[str, str] = (DAMAGED, HEALTHY)) -> None:
     """Partition DAMAGED: offsets 0-1 healthy, 2-4 damaged, 5-6 healthy; HEALTHY: 0-2."""
+    bad, good = partitions
     with RecordDB(path, sync=False) as db:
         db.append_blocks([
-            (topic, DAMAGED, healthy(0, [b"a0", b"a1"])),
-            (topic, DAMAGED, damaged(kind, 2)),
-            (topic, DAMAGED, healthy(5, [b"a5", b"a6"])),
-            (topic, HEALTHY, healthy(0, [b"b0", b"b1", b"b2"])),
+            (topic, bad, healthy(0, [b"a0", b"a1"])),
+            (topic, bad, damaged(kind, 2)),
+            (topic, bad, healthy(5, [b"a5", b"a6"])),
+            (topic, good, healthy(0, [b"b0", b"b1", b"b2"])),
         ])
-        assert db.head(topic, DAMAGED) == 6 and db.head(topic, HEALTHY) == 2
+        assert db.head(topic, bad) == 6 and db.head(topic, good) == 2
         if kind == "header":  # its header too: not a block (its magic bit-rotten)
-            pid = db.info(topic, DAMAGED).pid
+            pid = db.info(topic, bad).pid
             db._write(lambda txn: txn.put(block_key(pid, 2), b"XB" + damaged("store-ends", 2)[2:],
                                           db=db._dbs.blocks))
 
