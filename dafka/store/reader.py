@@ -312,5 +312,8 @@ def kafka_batches(
         if _unpack(key)[0] != pid:
             break
         value = cur.value()
-        found = decode_header(value), value
+        try:
+            found = decode_header(value), value
+        except ValueError:
+            break  # a damaged block's header (checked when written): the next read, starting at it, raises
     return nxt, out

@@ -19,9 +19,8 @@ from kafka.protocol.consumer import ListOffsetsRequest, ListOffsetsResponse
 from dafka.config import NodeConfig
 from dafka.kafka.codec import Err
 from dafka.kafka.gateway import KafkaGateway
-from dafka.store.db import RecordDB
 from tests.kafka.test_gateway import HOST, frame, read_frame
-from tests.store.test_damaged_reads import TS, damaged, healthy
+from tests.store.test_damaged_reads import TS, plant
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -33,9 +32,7 @@ def damaged_gateway(cfg: NodeConfig, path: Path, kind: str) -> KafkaGateway:
     gw.create_topic("kx", 2)
     a = [gw.pmap.get("kx", i).address for i in range(2)]
     gw.close()
-    with RecordDB(path, sync=False) as db:
-        db.append_blocks([("kx", a[0], healthy(0, [b"a0", b"a1"])), ("kx", a[0], damaged(kind, 2)),
-                          ("kx", a[0], healthy(5, [b"a5", b"a6"])), ("kx", a[1], healthy(0, [b"b0", b"b1", b"b2"]))])
+    plant(path, kind, "kx", (a[0], a[1]))
     return KafkaGateway(path, cfg, listen=(HOST, 0), kafka_listen=(HOST, 0))
 
 
@@ -55,7 +52,7 @@ def poll_for(c: KafkaConsumer, seconds: float) -> tuple[list[tuple[int, int, byt
     return got, None
 
 
-@pytest.mark.parametrize("kind", ["count-varint", "snappy-payload", "store-ends"])
+@pytest.mark.parametrize("kind", ["count-varint", "snappy-payload", "store-ends", "header"])
 def test_a_damaged_converted_block_costs_its_partition_from_the_damage_on(
         cfg: NodeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture, kind: str) -> None:
     """A block the gateway converts into a Kafka batch (a Tank bundle, the store's own).
