@@ -278,3 +278,27 @@ def test_the_spark_path_transport_names_a_damaged_block_or_skips_it(tmp_path: Pa
             got += zip(b.column("offset").to_pylist(), b.column("value").to_pylist(), strict=True)
         assert got == [(0, b"a0"), (1, b"a1"), (5, b"a5"), (6, b"a6")]
         assert any("records 2..4, a damaged block" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("impl", ["pure", "compiled"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fetch_blocks_stops_before_a_damaged_block_and_raises_from_it(tmp_path: Path, impl: str, kind: str) -> None:
+    """Both twins of fetch_blocks: from before the damage, the records before it; from it, its
+    error (a ValueError: ProtocolError is one); past it, the records past it."""
+    from dafka.fastio import _pure
+    from dafka.store.reader import convert_block
+
+    fetch_blocks = _pure.fetch_blocks if impl == "pure" else pytest.importorskip("dafka.fastio._compiled").fetch_blocks
+    plant(tmp_path / "db", kind)
+    with RecordDB(tmp_path / "db", sync=False) as db, db._read_txn(buffers=True) as (txn, dbs):
+        pid = db.info("t", DAMAGED).pid
+
+        def read(start: int) -> tuple[int, list[bytes]]:
+            got: tuple[int, list[bytes]] = fetch_blocks(txn.cursor(db=dbs.blocks), pid, start, 6, 7 - start,
+                                                        convert_block)
+            return got
+
+        assert read(0) == (0, [value(b"a0"), value(b"a1")])
+        with pytest.raises(ValueError):
+            read(2)
+        assert read(5) == (5, [value(b"a5"), value(b"a6")])
