@@ -1359,8 +1359,9 @@ class Store(PartitionReader):
         version: blocks are checked when written), logged (rate-limited: a reader asks again).
         ``past``: the block is the first one read from ``job.offset`` (a read stops before a
         damaged block after others, :func:`dafka.fastio.fetch_blocks`): the requester is told
-        that this store has none of its offsets (a VOID kind 0: a reader asks another store,
-        or passes them when every store said so) and the answer goes on past it.  Otherwise,
+        that this store has none of its offsets (a VOID kind 0, as for offsets it lacks: a
+        Dafka reader gets them from another store, or passes them after ``skip_after``; a
+        store's hole repair counts it) and the answer goes on past it.  Otherwise,
         or when the block's header cannot be read either, the answer ends.  (Raised into the
         loop, the job stayed in ``_job_of`` while served no more: every later FETCH of that
         requester and partition joined it and none was answered again.)"""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import logging
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -302,3 +303,22 @@ def test_fetch_blocks_stops_before_a_damaged_block_and_raises_from_it(tmp_path: 
         with pytest.raises(ValueError):
             read(2)
         assert read(5) == (5, [value(b"a5"), value(b"a6")])
+
+
+def test_a_consumer_gets_the_records_around_a_damaged_block(cfg: NodeConfig, tmp_path: Path) -> None:
+    """A Dafka consumer of a partition with a damaged block, from a store that holds no other
+    copy: it gets the records before and after it, passing the damaged offsets after
+    ``skip_after`` as any gap nobody fills (a VOID kind 0 makes a reader pass nothing but a
+    restarted producer's hole).  Before, it got neither: the store's answer stopped for good."""
+    from dafka.nodes.consumer import Consumer
+
+    plant(tmp_path / "db", "snappy-payload")
+    with Store(tmp_path / "db", cfg) as store, Consumer("t", cfg, offset_reset="earliest", skip_after=2.0) as c:
+        got: list[tuple[str, int, bytes]] = []
+        deadline = time.monotonic() + 30
+        while len([r for r in got if r[0] == DAMAGED]) < 4 and time.monotonic() < deadline:
+            got += [(r.partition, r.offset, bytes(r.content)) for r in c.poll_batch(100, 0.2)]
+        assert sorted(r for r in got if r[0] == DAMAGED) == [(DAMAGED, 0, b"a0"), (DAMAGED, 1, b"a1"),
+                                                             (DAMAGED, 5, b"a5"), (DAMAGED, 6, b"a6")]
+        assert sorted(r for r in got if r[0] == HEALTHY) == [(HEALTHY, i, b"b%d" % i) for i in range(3)]
+        assert store.unreadable_reads >= 1
