@@ -993,7 +993,7 @@ cdef tuple _slice(object value, uint64_t offset, Py_ssize_t n):
             raise ProtocolError("a CODEC_STORE block's ends table points outside it")
         for k in range(i, j):
             b = _be32(p + _STORE_BASE + 4 * k)
-            if b < a or b > <uint64_t>size:
+            if b < a + 9 or b > <uint64_t>size:  # (9: a stored value's header, dafka.store.layout)
                 raise ProtocolError("a CODEC_STORE block's ends table points outside it")
             out.append(PyBytes_FromStringAndSize(<const char *>(p + a), <Py_ssize_t>(b - a)))
             a = b
@@ -1068,7 +1068,10 @@ def fetch_blocks(cur, unsigned int pid, uint64_t start, last, Py_ssize_t n, conv
     while len(values) < n and expect == block_last + 1 and cur.next():
         if not _key_pid(cur.key(), pid, &kfirst) or kfirst != expect:
             break  # another partition, or a hole: the next call starts past it
-        got = _block_values(cur.value(), kfirst, n - len(values), convert)
+        try:
+            got = _block_values(cur.value(), kfirst, n - len(values), convert)
+        except Exception:
+            break  # a damaged block (see fetch_blocks): what precedes it goes, the next call raises
         more = got[2]
         if not more:
             break

@@ -575,7 +575,8 @@ def block_slice(value: Any, offset: int, n: int) -> tuple[int, int, list[bytes] 
     checked for shape (:func:`dafka.store.block.decode_header`) and, for a CODEC_STORE block,
     up to ``n`` format-1 values from ``offset`` (clamped to the block's first) on; ``values``
     is None for the other codecs (their records need decoding).  Raises ProtocolError for a
-    bad header or an ends table that points outside the block or backwards."""
+    bad header or an ends table that points outside the block, backwards, or at a value
+    shorter than its header."""
     from dafka.store.block import CODEC_STORE, HEADER_SIZE, decode_header
 
     hdr = decode_header(value)
@@ -591,7 +592,8 @@ def block_slice(value: Any, offset: int, n: int) -> tuple[int, int, list[bytes] 
         raise ProtocolError("a CODEC_STORE block's ends table runs past its end")
     ends = struct.unpack_from(f">{j - i + (1 if i else 0)}I", value, HEADER_SIZE + 8 + 4 * (i - 1 if i else 0))
     bounds = ends if i else (base, *ends)
-    if bounds[0] < base or bounds[-1] > len(value) or list(bounds) != sorted(bounds):
+    if bounds[0] < base or bounds[-1] > len(value) or any(b < a + 9 for a, b in zip(bounds, bounds[1:], strict=False)):
+        # (9: a stored value's header, dafka.store.layout)
         raise ProtocolError("a CODEC_STORE block's ends table points outside it")
     return first, hdr.last_offset, [bytes(value[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
 
@@ -613,7 +615,10 @@ def fetch_blocks(cur: Any, pid: int, start: int, last: int, n: int,
 
     One ``set_range`` finds the block (one step back when it lands on the block after it);
     CODEC_STORE blocks are sliced (:func:`block_slice`), others given to
-    ``convert(value, offset, n)``.
+    ``convert(value, offset, n)``.  A block that cannot be read (a damaged store: blocks are
+    checked when written) raises what its reading raised when it is the first one read;
+    after others, the values stop before it (the next call, starting at it, raises): the
+    records before a damaged block are served.
     """
     key = _BLOCK_KEY.pack(pid, start)
     pkey = key[:4]
@@ -649,7 +654,10 @@ def fetch_blocks(cur: Any, pid: int, start: int, last: int, n: int,
         kpid, kfirst = _BLOCK_KEY.unpack(cur.key())
         if kpid != pid or kfirst != expect:
             break  # another partition, or a hole: the next call starts past it
-        _first, block_last, got = _block_values(cur.value(), kfirst, n - len(values), convert)
+        try:
+            _first, block_last, got = _block_values(cur.value(), kfirst, n - len(values), convert)
+        except Exception:
+            break  # a damaged block: what precedes it goes, the next call (starting at it) raises
         if not got:
             break
         values.extend(got)

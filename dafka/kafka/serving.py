@@ -676,7 +676,15 @@ class KafkaServer(AdminHandlers, TxnHandlers, TxnAdminHandlers):
                     if v >= 2 and req.isolation_level == 1 and p.timestamp == -1:
                         offset = self.txn.lso((part.topic, part.address), hwm)
                 else:
-                    offset, ts = self._offset_for_time(part, start, hwm, p.timestamp)
+                    try:
+                        offset, ts = self._offset_for_time(part, start, hwm, p.timestamp)
+                    except Exception as exc:  # a damaged stored block, StorageError, LMDB errors
+                        # Its partition alone: raised, it closed the connection as bad input.
+                        self._limited.emit(logging.ERROR, "read-failed", "cannot read %s for a Kafka ListOffsets:"
+                                           " %s", shown(part.topic), exc)
+                        out.append(N(partition_index=p.partition_index, error_code=Err.KAFKA_STORAGE_ERROR,
+                                     old_style_offsets=[], timestamp=-1, offset=-1, leader_epoch=-1))
+                        continue
                 out.append(N(partition_index=p.partition_index, error_code=0,
                              old_style_offsets=[offset], timestamp=ts, offset=offset, leader_epoch=-1))
             topics.append(N(name=t.name, partitions=out))

@@ -17,6 +17,7 @@ import array
 import json
 import logging
 import os
+import struct
 import sys
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -185,7 +186,11 @@ def _read_store(path: str, rng: ReadRange, fail_on_data_loss: bool) -> Iterator[
     db = shared_db(path)
     nxt = rng.start
     while nxt < rng.end:
-        start, values = db.fetch_raw(rng.topic, rng.partition, nxt, min(BATCH_RECORDS, rng.end - nxt))
+        try:
+            start, values = db.fetch_raw(rng.topic, rng.partition, nxt, min(BATCH_RECORDS, rng.end - nxt))
+        except (ValueError, struct.error, IndexError) as exc:  # a damaged stored block (ProtocolError is a ValueError)
+            nxt = _past_damaged(db, path, rng, nxt, exc, fail_on_data_loss)
+            continue
         if start > nxt and not (values and db.compacted_gap(rng.topic, rng.partition, nxt, start - 1)):
             # Retention removed records after the range was planned (a gap compaction left
             # is no loss: later records of the same keys superseded them).
@@ -199,6 +204,29 @@ def _read_store(path: str, rng: ReadRange, fail_on_data_loss: bool) -> Iterator[
             )
         yield _store_batch(values, start, rng.topic, rng.partition)
         nxt = start + len(values)
+
+
+def _past_damaged(db: RecordDB, path: str, rng: ReadRange, nxt: int, exc: Exception, fail_on_data_loss: bool) -> int:
+    """The offset after the stored block holding ``nxt``, which cannot be read (a damaged
+    store: blocks are checked when written; a read stops before one after others, so it is
+    the first one read from ``nxt``): its records are lost to this read, as records retention
+    removed are (DataLossError, or skipped with a warning for ``failOnDataLoss=false``).  Its
+    error named neither the partition nor the offset."""
+    what = f"{rng.topic}/{rng.partition}: the stored block holding offset {nxt} in the store at {path!r} cannot be read"
+    try:
+        blocks = db.read_blocks(rng.topic, rng.partition, nxt, 1, 1)[2]
+    except Exception:  # its header too
+        blocks = []
+    if not blocks or blocks[0][0].last_offset < nxt:
+        raise DafkaError(f"{what} ({exc})") from exc
+    first = max(nxt, blocks[0][0].first_offset)
+    last = min(blocks[0][0].last_offset, rng.end - 1)
+    if fail_on_data_loss:
+        raise DataLossError(f"{what} (records {first}..{last}, a damaged block: {exc}). Set failOnDataLoss=false to"
+                            " skip them and go on.") from exc
+    log.warning("%s (records %d..%d, a damaged block: %s); skipping them (failOnDataLoss=false)", what, first, last,
+                exc)
+    return last + 1
 
 
 # ---------------------------------------------------------------- gateway

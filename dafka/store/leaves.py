@@ -267,6 +267,15 @@ class LeafEndpoint:
             except StorageError as exc:
                 log.error("cannot serve leaf reader %s of %s/%s: %s", act.reader[:8], act.subject, act.partition, exc)
                 return
+            except Exception as exc:  # a damaged stored block (checked when written, not when read)
+                # Its reader goes without (it asks again; the records before the damage are read
+                # by a FETCH from before it: fetch_blocks stops there).  Raised, it cost the rest
+                # of the turn's actions: other readers' answers, leaf producers' records and ACKs.
+                self.store._read_limited.emit(logging.ERROR, "unreadable", "cannot serve leaf reader %s of %s/%s"
+                                              " from %d: a stored block cannot be read (%s: %s)", act.reader[:8],
+                                              act.subject, act.partition, act.first, type(exc).__name__, exc)
+                self.store.unreadable_reads += 1
+                return
         start, values = got
         prefix = wire.record_prefix(wire.DIRECT_RECORD, act.reader, act.partition, act.subject)
         budget = act.max_bytes

@@ -36,6 +36,7 @@ group the store holds (POSITIONS).
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 import time
 import zlib
@@ -52,6 +53,7 @@ from dafka.config import NodeConfig, default_node_config
 from dafka.core import beacon, wire
 from dafka.core.gaps import KnownStores, PartitionTracker
 from dafka.errors import ConfigError, ProtocolError
+from dafka.gateway.connections import LogLimiter
 from dafka.nodes.metrics import SECONDS_BUCKETS, SIZE_BUCKETS, Histogram
 from dafka.nodes.node import DRAIN, read_subscriptions
 from dafka.nodes.reader import PartitionReader, unheard_may_wait
@@ -279,6 +281,7 @@ class Store(PartitionReader):
         self._ts = 0  # receive time (ms) of the records being read
         self._jobs: deque[FetchJob] = deque()
         self._job_of: dict[tuple[str, str, str], FetchJob] = {}  # (requester, subject, partition)
+        self._read_limited = LogLimiter(log)  # stored blocks that cannot be read (see _serve)
         self._job_counts: dict[tuple[str, str, str], int] = {}  # jobs in self._jobs per key
         self.fetches_refused = 0  # FETCHes over MAX_JOBS_PER_REQUESTER or MAX_FETCH_JOBS
         self._stats_refused = 0
@@ -1216,7 +1219,8 @@ class Store(PartitionReader):
             return True
         try:
             return not self.db.holds_any(key[0], key[1], first, last)  # (headers only: no record decoded)
-        except StorageError:
+        except (StorageError, ValueError, struct.error):  # (ValueError: a damaged block's header)
+            # Raised, it dropped the rest of the messages read with the FETCH (records, FETCHes).
             return False
 
     def _on_fetch(self, fetch: wire.Fetch) -> None:
@@ -1297,13 +1301,24 @@ class Store(PartitionReader):
                 log.error("cannot serve FETCH of %s/%s: %s", job.topic, job.partition, exc)
                 self._job_done(job)
                 continue
+            except Exception as exc:  # a damaged stored block (checked when written, not when read)
+                # (An answer goes past the block only for an error of decoding: ProtocolError is
+                # a ValueError; an LMDB error may pass, and the block may be sound.)
+                self._unreadable(job, exc, past=isinstance(exc, (ValueError, struct.error, IndexError)))
+                continue
             if not values:
                 self._job_done(job)
                 continue
-            if self.filters_answers and self._serve_filtered(job, start, values):
-                if self._blocked:
-                    return
-                continue
+            if self.filters_answers:
+                try:
+                    filtered = self._serve_filtered(job, start, values)
+                except ValueError as exc:  # (as below)
+                    self._unreadable(job, exc)
+                    continue
+                if filtered:
+                    if self._blocked:
+                        return
+                    continue
             gap = start > job.offset and self._compacted_gap(job, start)
             if gap:
                 pass  # said with a VOID kind 2 (_compacted_gap): no warning, the answer goes on past it
@@ -1318,10 +1333,14 @@ class Store(PartitionReader):
             if not job.batched and self.batches_for(job.single, answer=True):
                 # Its subscriptions were read since: it takes batches (one cached lookup a slice).
                 job.prefix, job.batched = wire.batch_prefix(job.single), True
-            if job.batched:
-                sent = fastio.send_batches(self.publisher, job.prefix, start, values, noblock=True, stored=True)
-            else:
-                sent = fastio.send_values(self.publisher, job.prefix, start, values, True)
+            try:
+                if job.batched:
+                    sent = fastio.send_batches(self.publisher, job.prefix, start, values, noblock=True, stored=True)
+                else:
+                    sent = fastio.send_values(self.publisher, job.prefix, start, values, True)
+            except ValueError as exc:  # a stored value shorter than its header: a damaged block
+                self._unreadable(job, exc)
+                continue
             if sent < len(values):
                 # A reader is full: resume from here on the next tick.
                 self._blocked = True
@@ -1334,6 +1353,44 @@ class Store(PartitionReader):
                 self._job_done(job)
             if self._blocked:
                 return
+
+    def _unreadable(self, job: FetchJob, exc: Exception, past: bool = False) -> None:
+        """``job`` reached a stored block that cannot be read (bit rot, a bug of an older
+        version: blocks are checked when written), logged (rate-limited: a reader asks again).
+        ``past``: the block is the first one read from ``job.offset`` (a read stops before a
+        damaged block after others, :func:`dafka.fastio.fetch_blocks`): the requester is told
+        that this store has none of its offsets (a VOID kind 0, as for offsets it lacks: a
+        Dafka reader gets them from another store, or passes them after ``skip_after``; a
+        store's hole repair counts it) and the answer goes on past it.  Otherwise,
+        or when the block's header cannot be read either, the answer ends.  (Raised into the
+        loop, the job stayed in ``_job_of`` while served no more: every later FETCH of that
+        requester and partition joined it and none was answered again.)"""
+        self._read_limited.emit(logging.ERROR, "unreadable", "cannot serve FETCH of %s/%s from %d: a stored block"
+                                " cannot be read (%s: %s)", job.topic, job.partition, job.offset,
+                                type(exc).__name__, exc)
+        self.unreadable_reads += 1
+        hdr = None
+        if past:
+            try:
+                blocks = self.db.read_blocks(job.topic, job.partition, job.offset, 1, 1)[2]
+                hdr = blocks[0][0] if blocks else None
+            except Exception:  # its header too
+                hdr = None
+        if hdr is None or hdr.last_offset < job.offset:
+            self._job_done(job)
+            return
+        lo = max(job.offset, hdr.first_offset)
+        self._send_checked(wire.Void(job.key[0], job.partition, job.topic, lo, hdr.last_offset, self.address,
+                                     wire.VOID_STORE))
+        stop = job.offset + job.remaining
+        job.offset, job.remaining = hdr.last_offset + 1, stop - hdr.last_offset - 1
+        if job.remaining > 0:
+            self._jobs.append(job)  # (served from there on the next turn)
+        else:
+            self._job_done(job)
+
+    #: FETCH answers that ended at a stored block that cannot be read (:meth:`_unreadable`).
+    unreadable_reads = 0
 
     #: Whether :meth:`_serve_filtered` may answer some FETCHes itself (a Kafka gateway's
     #: partitions written by transactions); one attribute check a slice otherwise.

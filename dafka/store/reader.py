@@ -220,7 +220,10 @@ def block_run(cur: Any, pid: int, start: int, last: int, max_bytes: int,
         if npid != pid or nfirst != hdr.last_offset + 1:
             break  # another partition, or a hole: the next read starts past it
         value = cur.value()
-        hdr = decode_header(value)
+        try:
+            hdr = decode_header(value)
+        except ValueError:
+            break  # a damaged block's header (checked when written): the next read, starting at it, raises
         out.append((hdr, bytes(value)))
         size += len(value)
     return out
@@ -249,6 +252,9 @@ def kafka_batches(
     one).  ``convert``: what takes a block's records from an offset instead of
     :func:`convert_block` (:meth:`dafka.store.db.RecordDB.fetch_kafka`'s keeps a window of
     them for the next fetches).  One ``set_range`` (and one step back), then a cursor walk.
+    A block that cannot be converted (a damaged store: blocks are checked when written)
+    raises what its conversion raised when it is the first one read; after others, the
+    batches stop before it (the next read, starting at it, raises).
     """
     found = seek(cur, pid, start)
     out: list[bytes | memoryview] = []
@@ -277,17 +283,22 @@ def kafka_batches(
             nxt = hdr.last_offset + 1
         else:
             off = max(nxt, hdr.first_offset)
-            if values is None:
-                n = min(min(hdr.last_offset, last) - off + 1, most)
-                at, values = values_from(value, hdr, off, n, convert)
-                if at != off:  # off was in a gap inside a sparse bundle: its values begin at its next record
-                    off = at
-                    if off > last:
-                        break
-                    values = values[: min(hdr.last_offset, last) - off + 1]
-            if not values:
-                break
-            batch = encode(off, values, max(room, 1))
+            try:
+                if values is None:
+                    n = min(min(hdr.last_offset, last) - off + 1, most)
+                    at, values = values_from(value, hdr, off, n, convert)
+                    if at != off:  # off was in a gap inside a sparse bundle: its values begin at its next record
+                        off = at
+                        if off > last:
+                            break
+                        values = values[: min(hdr.last_offset, last) - off + 1]
+                if not values:
+                    break
+                batch = encode(off, values, max(room, 1))
+            except Exception:
+                if out:
+                    break  # a damaged block (checked when written): those before it go, the next read raises
+                raise
             if out and len(batch) > room:
                 break
             out.append(batch)
@@ -301,5 +312,8 @@ def kafka_batches(
         if _unpack(key)[0] != pid:
             break
         value = cur.value()
-        found = decode_header(value), value
+        try:
+            found = decode_header(value), value
+        except ValueError:
+            break  # a damaged block's header (checked when written): the next read, starting at it, raises
     return nxt, out

@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import time
 from bisect import bisect_left, bisect_right
 from collections import deque
@@ -1283,7 +1284,7 @@ class Gateway(Store):
             return self._consume_values(topic, part, p, start.seq - 1, limit, budget, first_data, bounds)
         try:
             first, front, blocks = self.db.read_blocks(topic, part.address, start.seq - 1, min(limit, budget))
-        except StorageError as exc:
+        except (StorageError, ValueError) as exc:  # (ValueError: a damaged block's header)
             self._limited.emit(logging.ERROR, "read-failed", "cannot read %s for a Tank fetch: %s", shown(topic), exc)
             return None
         if not blocks:  # retention ran meanwhile
@@ -1322,19 +1323,20 @@ class Gateway(Store):
                 try:
                     at, values = values_from(value, hdr, at, n, None if hdr.codec == CODEC_STORE
                                              else self.db.window_convert(topic, part.address))
-                except ProtocolError as exc:  # a damaged store (blocks are checked when written)
+                    values = _whole_values(values, limit - size, room, bool(pieces) or not first_data)
+                    if not values:
+                        break
+                    bundle = stored_bundle(values, self.compress)
+                except (ValueError, IndexError, struct.error) as exc:  # a damaged store (blocks are checked when written)
                     # Its partition alone is answered with a fault: raised, it closed the
                     # connection as if the client had sent bad input, with the answers of
-                    # the request's other partitions.
+                    # the request's other partitions (ProtocolError), or left the request
+                    # unanswered (a store block's values that do not parse: IndexError).
                     self._limited.emit(logging.ERROR, "read-damaged", "cannot read a stored block of %s at %d: %s",
                                        shown(topic), hdr.first_offset, exc)
                     if pieces:
                         break  # those before it go: the next consume begins at it
                     return None
-                values = _whole_values(values, limit - size, room, bool(pieces) or not first_data)
-                if not values:
-                    break
-                bundle = stored_bundle(values, self.compress)
                 piece = [encode_varint(len(bundle)), bundle]
             n = len(piece[0]) + len(piece[1])
             if pieces and (size >= limit or size + n > budget):
