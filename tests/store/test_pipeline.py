@@ -309,34 +309,23 @@ def _cycle(pipe: CommitPipe, first: int, t: float, took: float, refill: float, n
     return first + n, end + refill
 
 
-def test_the_writer_lingers_only_while_refills_come_sooner_than_a_commit_takes() -> None:
+@pytest.mark.parametrize(("refill", "lingers"), [(0.003, False), (0.0003, True)],
+                         ids=["many-bundles-in-flight", "a-few-requests-in-flight"])
+def test_the_writer_lingers_only_while_refills_come_sooner_than_a_commit_takes(refill: float, lingers: bool) -> None:
     """Lingering idles the disk until the refill comes; taking at once costs one more commit's
-    fixed part.  Refills slower than the shortest recent commit: take at once."""
-    slow = CommitPipe(max_linger=1.0, linger=1.0, quiet=0.0001)
-    slow.offer(tuples(P, 0, 4), 0.0)
+    fixed part.  Refills slower than the shortest recent commit (1 ms here): take at once."""
+    pipe = CommitPipe(max_linger=1.0, linger=1.0, quiet=0.0001)
+    pipe.offer(tuples(P, 0, 4), 0.0)
     off, t = 4, 0.0
-    for _ in range(4):  # commits of 1 ms, refills of 3 ms (a window of many bundles)
-        off, t = _cycle(slow, off, t, 0.001, 0.003)
-    before = slow.lingers
-    work = slow.take()
+    for _ in range(4):
+        off, t = _cycle(pipe, off, t, 0.001, refill)
+    before = pipe.lingers
+    work = pipe.take()
     assert work is not None
-    slow.offer(tuples(P, off, 2), t + 0.0001)  # part of the refill, at the commit's start
-    slow.finish(work, clean=True, now=t + 0.001, began=t)
-    assert slow.due(t + 0.001) == 0.0  # taken at once: no linger
-    assert slow.lingers == before
-
-    fast = CommitPipe(max_linger=1.0, linger=1.0, quiet=0.0001)
-    fast.offer(tuples(P, 0, 4), 0.0)
-    off, t = 4, 0.0
-    for _ in range(4):  # commits of 1 ms, refills of 0.3 ms (a few requests in flight)
-        off, t = _cycle(fast, off, t, 0.001, 0.0003)
-    before = fast.lingers
-    work = fast.take()
-    assert work is not None
-    fast.offer(tuples(P, off, 2), t + 0.0001)
-    fast.finish(work, clean=True, now=t + 0.001, began=t)
-    assert (fast.due(t + 0.001) or 0) > 0  # lingers for the rest of the refill
-    assert fast.lingers == before + 1
+    pipe.offer(tuples(P, off, 2), t + 0.0001)  # part of the refill, at the commit's start
+    pipe.finish(work, clean=True, now=t + 0.001, began=t)
+    assert ((pipe.due(t + 0.001) or 0) > 0) is lingers  # lingers for the rest of the refill, or takes at once
+    assert pipe.lingers == before + lingers
 
 
 def test_a_refill_that_never_comes_whole_counts_as_slow() -> None:

@@ -12,15 +12,9 @@ from typing import Any
 import pytest
 
 from dafka.tank.client import TankClient
-from dafka.tank.messages import (
-    ConsumeFlag,
-    ConsumePartition,
-    ConsumeRequest,
-    ConsumeResponse,
-    ConsumeTopic,
-)
+from dafka.tank.messages import ConsumeFlag
 from tests.store.test_damaged_reads import plant
-from tests.tank.test_gateway import HOST, make_gateway  # noqa: F401, F811 (a fixture)
+from tests.tank.test_gateway import HOST, consume_both, created_partitions, make_gateway  # noqa: F401, F811 (a fixture)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,19 +28,11 @@ def test_a_damaged_block_costs_its_partition_only(make_gateway: Any, tmp_path: P
     unanswered (the client timed out); a damaged header closed the connection as bad input.
     Now the records before it go (a consume from before it), or its partition is answered
     with a system error (from it), and the other partition and the connection go on."""
-    gw = make_gateway("cx")
-    with TankClient(HOST, gw.tank_port) as c:
-        c.create_topic("cx", 2)
-    addresses = [gw.pmap.get("cx", i).address for i in range(2)]
-    gw.close()
+    addresses = created_partitions(make_gateway, "cx")
     plant(tmp_path / "cx", kind, "cx", partitions=(addresses[0], addresses[1]))
     gw = make_gateway("cx")
     with TankClient(HOST, gw.tank_port) as c:
-        req = ConsumeRequest(c.next_request_id(), [ConsumeTopic("cx", [ConsumePartition(0, seq, 1 << 20),
-                                                                       ConsumePartition(1, 1, 1 << 20)])])
-        resp = c.request(req, 5.0)
-        assert isinstance(resp, ConsumeResponse)
-        damaged, other = resp.topics[0].partitions
+        damaged, other = consume_both(c, "cx", seq)
         assert [m[3] for m in other.decode_chunk().records] == [b"b0", b"b1", b"b2"]
         if seq == 1:  # the records before the damage
             assert damaged.flags == ConsumeFlag.OK

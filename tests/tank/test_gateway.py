@@ -202,6 +202,28 @@ def values(records: list[Record]) -> list[bytes]:
     return [r[3] for r in records]
 
 
+def created_partitions(make_gateway: Any, topic: str) -> list[str]:
+    """Create ``topic`` with 2 partitions on a gateway from ``make_gateway``, closed after:
+    the partitions' addresses (a test then writes its blocks into the database itself)."""
+    gw = make_gateway(topic)
+    with TankClient(HOST, gw.tank_port) as c:
+        c.create_topic(topic, 2)
+    addresses = [gw.pmap.get(topic, i).address for i in range(2)]
+    gw.close()
+    return addresses
+
+
+def consume_both(c: TankClient, topic: str, seq: int) -> tuple[Any, Any]:
+    """One consume of ``topic``'s partition 0 from ``seq`` and partition 1 from 1: their
+    answers."""
+    req = ConsumeRequest(c.next_request_id(), [ConsumeTopic(topic, [ConsumePartition(0, seq, 1 << 20),
+                                                                    ConsumePartition(1, 1, 1 << 20)])])
+    resp = c.request(req, 5.0)
+    assert isinstance(resp, ConsumeResponse)
+    first, second = resp.topics[0].partitions
+    return first, second
+
+
 def the_map(c: TankClient) -> list[tuple[bytes, dict]]:
     """``__dafka_partitions`` as (key, decoded JSON value) pairs."""
     return [(k, json.loads(v)) for _s, _t, k, v in consume_all(c, PARTITIONS_TOPIC, 0)]
@@ -686,11 +708,7 @@ def test_a_stored_sparse_bundle_with_gaps_is_consumed_at_its_own_seqs(make_gatew
     from the seq asked for: a consume at seq 13 (offset 12, a gap) got r14 as seq 13.  A
     bundle whose own seqs are not its offsets + 1 goes sliced: sent whole, the client read it
     at the seqs the bundle names."""
-    gw = make_gateway("sp")
-    with TankClient(HOST, gw.tank_port) as c:
-        c.create_topic("sp", 2)
-    addresses = [gw.pmap.get("sp", i).address for i in range(2)]
-    gw.close()
+    addresses = created_partitions(make_gateway, "sp")
     with RecordDB(tmp_path / "sp", sync=False) as db:
         held = sparse_partition(db, "sp", addresses[0])
         # The bundle of the produce 29c6a24 refuses: seqs 0 and 2, given offset 0 by a
@@ -721,22 +739,14 @@ def test_a_stored_bundle_that_cannot_be_read_costs_its_partition_only(
     had sent bad input, the other partition's records never went, and every consume touching
     the bundle cost the client its connection.  Now the bundle is relayed as stored (as before
     279d31f), or its partition alone is answered with a system error."""
-    gw = make_gateway("cx")
-    with TankClient(HOST, gw.tank_port) as c:
-        c.create_topic("cx", 2)
-    addresses = [gw.pmap.get("cx", i).address for i in range(2)]
-    gw.close()
+    addresses = created_partitions(make_gateway, "cx")
     with RecordDB(tmp_path / "cx", sync=False) as db:
         db.append_blocks([("cx", addresses[0], tank_block(encode_bundle([(None, TS, None, b"a")]), 0))])
         db.append_blocks([("cx", addresses[0], _seal(CODEC_TANK, 0, 1, 1, 1, TS, TS, body))])  # unchecked
         db.append_blocks([("cx", addresses[1], tank_block(encode_bundle([(None, TS, None, b"b")]), 0))])
     gw = make_gateway("cx", **({} if budget is None else {"limits": GatewayLimits(max_answer_bytes=budget)}))
     with TankClient(HOST, gw.tank_port) as c:
-        req = ConsumeRequest(c.next_request_id(), [ConsumeTopic("cx", [ConsumePartition(0, seq, 1 << 20),
-                                                                       ConsumePartition(1, 1, 1 << 20)])])
-        resp = c.request(req, 5.0)
-        assert isinstance(resp, ConsumeResponse)
-        damaged, other = resp.topics[0].partitions
+        damaged, other = consume_both(c, "cx", seq)
         assert [m[3] for m in other.decode_chunk().records] == [b"b"]
         if budget is None:
             assert damaged.flags == ConsumeFlag.OK and damaged.chunk.endswith(body)  # as stored
