@@ -92,6 +92,11 @@ def _options() -> dict[str, tuple[str, dict[str, Any]]]:
                                           " where the gateway's database goes (what `dd bs=1M conv=fdatasync`"
                                           " measures), and print the publish in record bytes as a share of it"
                                           " (0: no disk measured)"}),
+        "bound": ("--bound", {"action": "store_true",
+                              "help": "with fsync: before each run, also measure a minimal store that syncs"
+                                      " before it answers (LMDB group commits behind one TCP connection, nothing"
+                                      " parsed) with the same bundles and window, and print the gateway's"
+                                      " publish as a ratio of it"}),
         "warm_mb": ("--warm-mb", {"type": int, "default": 2000,
                                   "help": "--against: MB written and deleted before every run, so that both"
                                           " sides start with the same page-cache state (0: none)"}),
@@ -109,7 +114,7 @@ _BENCHMARKS: dict[str, tuple[str, tuple[str, ...], dict[str, str]]] = {
     "replay": ("a consumer reading stored records from the beginning", ("secure", "no_batches"), {}),
     "storedb": ("the store's database layer alone: append and read, in CPU time", ("sync",), {}),
     "tank": ("publish and fetch through the Tank gateway (records/s)",
-             ("no_sync", "broker", "window", "against", "warm_mb", "disk_mb"), {}),
+             ("no_sync", "broker", "window", "against", "warm_mb", "disk_mb", "bound"), {}),
     "kafka": ("a Kafka client through the Kafka gateway (records/s)", ("no_sync", "broker", "client"),
               {"broker": "measure a running Kafka gateway (or broker) there instead of one started here;"
                          " each run creates a topic"}),

@@ -153,6 +153,24 @@ def _compare(args: argparse.Namespace) -> dict[str, list[float]]:
     return {"tank publish (broker)": broker, "tank publish (gateway)": gateway}
 
 
+def _share(record_bytes_per_s: float, disk: float | None) -> str:
+    """``: N% of the disk's ...`` when the disk was measured (MB/s), else nothing."""
+    if disk is None:
+        return ""
+    return (f": {record_bytes_per_s / 1e6 / disk:.0%} of the disk's {disk:,.0f} MB/s fdatasync'd,"
+            " in record bytes")
+
+
+def _synced_bound(records: int, size: int, window: int) -> float:
+    """Records/s a minimal store that syncs before it answers makes of the same bundles at
+    the same window (:mod:`dafka.bench.synced`), its database where the gateway's goes."""
+    from dafka.bench.synced import synced_store_run
+
+    bundles = _tank_bundles(size, 1000)
+    run = synced_store_run(bundles, max(1, records // 1000), window, tempfile.gettempdir())
+    return run.per_second(1000)
+
+
 def bench_tank(args: argparse.Namespace) -> dict[str, list[float]]:
     """Through a gateway process: publish (bundles of 1000, acknowledged) and fetch; or a
     running broker (``--broker``); or the two compared (``--against``)."""
@@ -174,26 +192,40 @@ def bench_tank(args: argparse.Namespace) -> dict[str, list[float]]:
             print(f"run {run}: fetch {rate:,.0f} records/s ({args.broker})", flush=True)
         return {"tank publish": publish, "tank fetch": fetch}
     disk_mb = 0 if args.no_sync else getattr(args, "disk_mb", 0)
+    bound = getattr(args, "bound", False)
+    if bound and args.no_sync:
+        raise SystemExit("--bound measures a store that syncs: not with --no-sync")
+    window = getattr(args, "window", 8)
     shares: list[float] = []
+    of_bound: list[float] = []
     for run in range(args.runs):
         # The disk is measured right before each run, where the gateway's database goes.
         disk = disk_mb_s(tempfile.gettempdir(), disk_mb) if disk_mb > 0 else None
+        if bound:
+            best = _synced_bound(args.records, args.size, window)
+            print(f"run {run}: a minimal store that syncs before it answers (window {window}):"
+                  f" {best:,.0f} records/s" + _share(best * args.size, disk), flush=True)
         with _local_gateway(not args.no_sync) as tank_port:
             topic = f"bench-tank-{run}"
-            rate = _tank_publish(tank_port, topic, args.records, args.size, 1000, getattr(args, "window", 8))
+            rate = _tank_publish(tank_port, topic, args.records, args.size, 1000, window)
             publish.append(rate)
-            if disk is None:
-                print(f"run {run}: publish {rate:,.0f} records/s acknowledged", flush=True)
-            else:
+            line = f"run {run}: publish {rate:,.0f} records/s acknowledged"
+            if disk is not None:
                 shares.append(rate * args.size / 1e6 / disk)
-                print(f"run {run}: publish {rate:,.0f} records/s acknowledged: {shares[-1]:.0%} of the disk's"
-                      f" {disk:,.0f} MB/s fdatasync'd ({disk_mb} MiB), in record bytes", flush=True)
+                line += _share(rate * args.size, disk)
+            if bound:
+                of_bound.append(rate / best)
+                line += f"; {of_bound[-1]:.2f}x the minimal store"
+            print(line, flush=True)
             rate = _tank_fetch(tank_port, topic, args.records // 1000 * 1000, 8 << 20)
             fetch.append(rate)
             print(f"run {run}: fetch {rate:,.0f} records/s", flush=True)
-    if shares:
-        import statistics
+    import statistics
 
+    if shares:
         print(f"tank publish / disk: median {statistics.median(shares):.0%}"
               f" ({min(shares):.0%}-{max(shares):.0%}) over {len(shares)} runs")
+    if of_bound:
+        print(f"tank publish / minimal synced store: median {statistics.median(of_bound):.2f}x"
+              f" ({min(of_bound):.2f}-{max(of_bound):.2f}) over {len(of_bound)} runs")
     return {"tank publish": publish, "tank fetch": fetch}
