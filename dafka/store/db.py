@@ -161,6 +161,7 @@ from dafka.store.layout import (
 )
 from dafka.store.lockfile import WriterLock
 from dafka.store.reader import (
+    block_after,
     block_payload,
     block_run,
     convert_block,
@@ -1629,6 +1630,19 @@ class RecordDB:
                 return False
             found = seek(txn.cursor(db=dbs.blocks), pid, start)
             return found is not None and found[0].first_offset <= last
+
+    def block_after(self, topic: str, partition: str, offset: int) -> int | None:
+        """Where a reader goes on past a stored block that cannot be read: the first offset
+        of the next block after the one a read from ``max(offset, first)`` reaches first
+        (:func:`dafka.store.reader.block_after`: keys only, a damaged header is passed too),
+        or None when that block is the partition's last (or the partition is unknown)."""
+        pkey = self._pkey(topic, partition)
+        with self._read_txn(buffers=True) as (txn, dbs):
+            raw = txn.get(pkey, db=dbs.partitions)
+            if raw is None:
+                return None
+            pid, first = PARTITION_INFO.unpack(raw)[:2]
+            return block_after(txn.cursor(db=dbs.blocks), pid, offset if offset > first else first)
 
     def read_blocks(
         self, topic: str, partition: str, offset: int, max_bytes: int, max_blocks: int = 256

@@ -61,6 +61,7 @@ SNDHWM = 64  # messages (ACKs, WELCOMEs) queued for a leaf that does not read
 DRAIN = 2048  # messages read before the loop looks at the other sockets
 LINGER_BELOW = 64  # a read of fewer messages than this is small: the port rests (see read)
 TICK = 0.5
+UNREADABLE_STEPS = 8  # damaged stored blocks in a row one reader's answer goes on past (see _read)
 HOLE_WATCH = 60.0  # seconds a leaf's stated restart hole is watched for records beyond it (see _pass_holes)
 ZAP_DOMAIN = b"dafka-leaves"
 _EVENT = struct.Struct("=HI")
@@ -129,6 +130,8 @@ class LeafHost(Protocol):
     _trickle: Any
     repair: Any
     linger: float
+    unreadable_reads: int
+    _read_limited: Any
 
     def every(self, interval: float, fn: Callable[[float], None]) -> None: ...
     def watch_events(self, sock: object, events: int) -> None: ...
@@ -262,26 +265,17 @@ class LeafEndpoint:
         key = (act.subject, act.partition, act.first, act.count)
         got = read.get(key)
         if got is None:
-            try:
-                got = read[key] = self.store.db.fetch_raw(act.subject, act.partition, act.first, act.count)
-            except StorageError as exc:
-                log.error("cannot serve leaf reader %s of %s/%s: %s", act.reader[:8], act.subject, act.partition, exc)
-                return
-            except Exception as exc:  # a damaged stored block (checked when written, not when read)
-                # Its reader goes without (it asks again; the records before the damage are read
-                # by a FETCH from before it: fetch_blocks stops there).  Raised, it cost the rest
-                # of the turn's actions: other readers' answers, leaf producers' records and ACKs.
-                self.store._read_limited.emit(logging.ERROR, "unreadable", "cannot serve leaf reader %s of %s/%s"
-                                              " from %d: a stored block cannot be read (%s: %s)", act.reader[:8],
-                                              act.subject, act.partition, act.first, type(exc).__name__, exc)
-                self.store.unreadable_reads += 1
-                return
+            got = read[key] = self._read(act)
         start, values = got
         prefix = wire.record_prefix(wire.DIRECT_RECORD, act.reader, act.partition, act.subject)
         budget = act.max_bytes
         sock, peer = self.sock, act.peer
         for i, value in enumerate(values):
-            content = bytes(value_content(value))
+            try:
+                content = bytes(value_content(value))
+            except ValueError as exc:  # a stored value shorter than its header: a damaged block
+                self._unreadable(act, start + i, exc)
+                return
             if i and len(content) > budget:
                 break
             budget -= len(content)
@@ -290,6 +284,53 @@ class LeafEndpoint:
             except zmq.ZMQError:
                 return
             self.served += 1
+
+    def _read(self, act: leaf.Serve) -> tuple[int, list[bytes]]:
+        """``(start, values)`` of ``act`` from the database (:meth:`RecordDB.fetch_raw`).
+
+        A stored block that cannot be decoded (bit rot, a bug of an older version: blocks
+        are checked when written, not when read) is passed, as a mesh FETCH's answer goes on
+        past it after its VOID (``Store._unreadable``): the records before it came in the
+        read that stopped before it (the reader asks on from there), so a read starting at it
+        goes on with ``act.count`` records from the next block (beyond the offsets asked for
+        when the block is wider: a reader asks for at most ``max_answer``).  The reader holds
+        them, and passes the damaged offsets after its ``skip_after`` as any gap nobody fills
+        (another endpoint may hold them; the leaf wire carries no VOID to readers, and a
+        VOID kind 0 passes nothing at once anyway).  At most :data:`UNREADABLE_STEPS` blocks
+        in a row are passed in one answer.  An error of another kind (LMDB's) says nothing
+        of the block: the answer ends, the reader asks again.  Counted in the store's
+        ``unreadable_reads``, logged rate-limited (a reader asks again and again)."""
+        db = self.store.db
+        first = act.first
+        for _ in range(UNREADABLE_STEPS):
+            try:
+                got: tuple[int, list[bytes]] = db.fetch_raw(act.subject, act.partition, first, act.count)
+                return got
+            except StorageError as exc:
+                self.store._read_limited.emit(logging.ERROR, "leaf-storage", "cannot serve leaf reader %s of %s/%s:"
+                                              " %s", act.reader[:8], act.subject, act.partition, exc)
+                return first, []
+            except (ValueError, struct.error, IndexError) as exc:  # (ProtocolError is a ValueError)
+                self._unreadable(act, first, exc)
+                try:
+                    after = db.block_after(act.subject, act.partition, first)
+                except Exception:  # (StorageError, LMDB's: the answer ends)
+                    after = None
+                if after is None or after <= first:
+                    return first, []
+                first = after
+            except Exception as exc:  # an LMDB error: the block may be sound
+                # Raised, it cost the rest of the turn's actions: other readers' answers,
+                # leaf producers' records and ACKs.
+                self._unreadable(act, first, exc)
+                return first, []
+        return first, []
+
+    def _unreadable(self, act: leaf.Serve, offset: int, exc: Exception) -> None:
+        self.store._read_limited.emit(logging.ERROR, "unreadable", "cannot serve leaf reader %s of %s/%s from %d: a"
+                                      " stored block cannot be read (%s: %s)", act.reader[:8], act.subject,
+                                      act.partition, offset, type(exc).__name__, exc)
+        self.store.unreadable_reads += 1
 
     def _refusal(self) -> str:
         error = self.store.storage_error

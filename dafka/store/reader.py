@@ -36,8 +36,8 @@ from dafka.store.layout import (
 )
 
 __all__ = [
-    "InGap", "block_payload", "block_run", "block_values", "convert_block", "fetch_blocks_past_gaps", "fetch_values",
-    "kafka_batches", "seek", "values_from",
+    "InGap", "block_after", "block_payload", "block_run", "block_values", "convert_block", "fetch_blocks_past_gaps",
+    "fetch_values", "kafka_batches", "seek", "values_from",
 ]
 
 #: Bytes an encoder of stored values (``encode``) counts a record at least: its stored
@@ -198,6 +198,38 @@ def fetch_blocks_past_gaps(cur: Any, pid: int, start: int, last: int, n: int,
             if gap.next <= start:
                 raise  # (cannot happen: the next record is past the gap)
             start = gap.next
+
+
+def block_after(cur: Any, pid: int, start: int) -> int | None:
+    """Where the next block of ``pid`` begins after the one a read from ``start`` reaches
+    first (:func:`dafka.fastio.fetch_blocks`: the block holding ``start``, or in a hole the
+    first block after it), or None when that block is the partition's last.
+
+    For a reader going on past a block that cannot be read (a damaged store: blocks are
+    checked when written): keys only, so a block whose header cannot be read either is
+    passed too (its header is read only to tell whether it holds ``start``; one that cannot
+    be read is taken to hold it, as the read that failed read it first).  One ``set_range``,
+    at most a step back and two forward; no record is decoded.
+    """
+    key = _pack(pid, start)
+    if not cur.set_range(key):
+        return None  # nothing keyed from ``start`` on: the block reached is the partition's last
+    if cur.key() != key and cur.prev():
+        if _unpack(cur.key())[0] == pid:
+            try:
+                holds = decode_header(cur.value()).last_offset >= start
+            except ValueError:
+                holds = True  # the block that failed, read first (see above)
+            if not holds:
+                cur.next()  # ``start`` lies in a hole: the block reached is the one after it
+        else:
+            cur.next()
+    elif cur.key() != key:
+        cur.set_range(key)  # nothing keyed before (the table's first entry)
+    if _unpack(cur.key())[0] != pid or not cur.next():
+        return None
+    npid, first = _unpack(cur.key())
+    return first if npid == pid else None
 
 
 def block_run(cur: Any, pid: int, start: int, last: int, max_bytes: int,

@@ -23,6 +23,7 @@ from crc32c import crc32c
 from dafka.config import NodeConfig
 from dafka.core import leafwire, wire
 from dafka.kafka._codec import encode_batch
+from dafka.nodes.leafread import LeafConsumer
 from dafka.store.block import (
     CODEC_TANK,
     COMPRESSION_GZIP,
@@ -221,12 +222,16 @@ def test_a_read_failing_otherwise_ends_its_answer_without_a_void(cfg: NodeConfig
         assert not [v for v in peer.messages(wire.Void) if v.address == HEALTHY]
 
 
-@pytest.mark.parametrize("kind", ["kafka-records", "store-ends"])
+@pytest.mark.parametrize("kind", ["kafka-records", "snappy-payload", "store-short", "header"])
 def test_a_damaged_block_costs_a_leaf_reader_its_answer_only(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                              kind: str) -> None:
     """A leaf reader (the store's leaf port, a DEALER) asking for the damaged records again
     and again: the port lives, answers the other partition and other readers, takes a leaf
-    producer's records, and logs the damage a bounded number of times."""
+    producer's records, and logs the damage a bounded number of times.  Each answer from the
+    damage goes on past it (the records after it, never more than asked for, never one of
+    the damaged offsets), as the mesh's does after its VOID: the port keeps nothing for it
+    and counts each (``unreadable_reads``).  Before, an answer starting at the damage was
+    empty: a leaf reader never got past it."""
     from tests.test_leaf_read import CMD, RawReader, publish_leaf
 
     plant(tmp_path / "db", kind, CMD)
@@ -236,22 +241,49 @@ def test_a_damaged_block_costs_a_leaf_reader_its_answer_only(tmp_path: Path, cap
     try:
         r = RawReader(ctx, store)
         assert isinstance(r.read(), leafwire.LeafReading)
-        for _ in range(30):
-            r.send(wire.Fetch(DAMAGED, r.address, CMD, 2, 10))
+        for _ in range(12):  # (within the connection's burst of 50 FETCHes, the answers within its queue of 64)
+            r.send(wire.Fetch(DAMAGED, r.address, CMD, 2, 1))
             r.send(wire.Fetch(HEALTHY, r.address, CMD, 0, 10))
-        got = [m for m in r.drain(0.5) if isinstance(m, wire.DirectRecord)]
-        assert {(m.address, m.sequence) for m in got} == {(HEALTHY, 0), (HEALTHY, 1), (HEALTHY, 2)}
+        got = [(m.address, m.sequence) for m in r.drain(0.5) if isinstance(m, wire.DirectRecord)]
+        assert sorted(set(got)) == [(DAMAGED, 5), (HEALTHY, 0), (HEALTHY, 1), (HEALTHY, 2)]
+        assert got.count((DAMAGED, 5)) == 12  # one record each: no more than asked for
+        assert store.unreadable_reads >= 12
         other = RawReader(ctx, store)
         assert isinstance(other.read(), leafwire.LeafReading)
         other.send(wire.Fetch(DAMAGED, other.address, CMD, 0, 10))
         got = [(m.address, m.sequence) for m in other.drain() if isinstance(m, wire.DirectRecord)]
-        assert got == [(DAMAGED, 0), (DAMAGED, 1)]  # before the damage
+        assert got == [(DAMAGED, 0), (DAMAGED, 1)]  # before the damage: the read stops before it
+        other.send(wire.Fetch(DAMAGED, other.address, CMD, 2, 10))
+        got = [(m.address, m.sequence, m.content) for m in other.drain() if isinstance(m, wire.DirectRecord)]
+        assert got == [(DAMAGED, 5, b"a5"), (DAMAGED, 6, b"a6")]  # from the damage: past it
         publish_leaf(store, "telemetry", 3)  # acknowledged
         errors = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
         assert errors and len(errors) <= 10, [rec.getMessage() for rec in errors]
+        assert store.running
     finally:
         store.close()
         ctx.destroy(0)
+
+
+@pytest.mark.parametrize("kind", ["kafka-records", "header"])
+def test_block_after_passes_a_damaged_block_by_its_keys(tmp_path: Path, kind: str) -> None:
+    """Where a read goes on past the block it reached first: the next block's first offset,
+    from inside the damaged block, from a hole before it, from below the partition's first;
+    None past the partition's last block."""
+    plant(tmp_path / "db", kind)
+    with RecordDB(tmp_path / "db", sync=False) as db:
+        for offset in (2, 3, 4):
+            assert db.block_after("t", DAMAGED, offset) == 5
+        assert db.block_after("t", DAMAGED, 0) == 2
+        assert db.block_after("t", DAMAGED, 5) is None
+        assert db.block_after("t", DAMAGED, 99) is None
+        assert db.block_after("t", HEALTHY, 0) is None
+        assert db.block_after("t", "nobody", 0) is None
+    with RecordDB(tmp_path / "hole", sync=False) as db:  # 0-1, a hole 2-9, damaged 10-12, 13-14
+        db.append_blocks([("t", DAMAGED, healthy(0, [b"a0", b"a1"])), ("t", DAMAGED, damaged("kafka-records", 10)),
+                          ("t", DAMAGED, healthy(13, [b"a13", b"a14"]))], skips=[("t", DAMAGED, 2, 9)])
+        assert db.block_after("t", DAMAGED, 4) == 13  # the read from the hole reaches the damaged block
+        assert db.block_after("t", DAMAGED, 11) == 13
 
 
 @pytest.mark.parametrize("fail_on_data_loss", [True, False])
@@ -322,3 +354,54 @@ def test_a_consumer_gets_the_records_around_a_damaged_block(cfg: NodeConfig, tmp
                                                              (DAMAGED, 5, b"a5"), (DAMAGED, 6, b"a6")]
         assert sorted(r for r in got if r[0] == HEALTHY) == [(HEALTHY, i, b"b%d" % i) for i in range(3)]
         assert store.unreadable_reads >= 1
+
+
+def _plant_wide(path: Path, topic: str) -> None:
+    """As :func:`plant`, the damaged block 100 records wide (more than a leaf reader's FETCH
+    asks for: 32): DAMAGED 0-1 healthy, 2-101 damaged, 102-103 healthy; HEALTHY 0-2."""
+    block = kafka_block(_kafka_batch(2, [b"w%d" % i for i in range(100)]), 2)  # (converted whole)
+    body = bytearray(block[HEADER_SIZE:])
+    body[61:] = b"\xff" * (len(body) - 61)
+    with RecordDB(path, sync=False) as db:
+        db.append_blocks([
+            (topic, DAMAGED, healthy(0, [b"a0", b"a1"])),
+            (topic, DAMAGED, _reseal(block, bytes(body))),
+            (topic, DAMAGED, healthy(102, [b"a102", b"a103"])),
+            (topic, HEALTHY, healthy(0, [b"b0", b"b1", b"b2"])),
+        ])
+
+
+@pytest.mark.parametrize("kind", ["snappy-payload", "kafka-records", "header", "wide"])
+def test_a_leaf_consumer_gets_the_records_around_a_damaged_block(tmp_path: Path, kind: str) -> None:
+    """A leaf consumer (the device's LeafConsumer, a real store's leaf port) of a partition
+    with a damaged block, from a store that holds no other copy: it gets the records before
+    and after the block, passing its offsets after ``skip_after`` as any gap nobody fills
+    (not at once: another endpoint may hold them).  Before, it got the records before the
+    block and then nothing: an answer starting at the block was empty, so the reader never
+    held a record past the gap to give it up for, and asked again forever."""
+    from tests.test_leaf_read import CMD
+
+    if kind == "wide":
+        _plant_wide(tmp_path / "db", CMD)
+        after = [(102, b"a102"), (103, b"a103")]
+    else:
+        plant(tmp_path / "db", kind, CMD)
+        after = [(5, b"a5"), (6, b"a6")]
+    want = [(0, b"a0"), (1, b"a1"), *after]
+    store = Store(str(tmp_path / "db"), leaves="127.0.0.1:0")
+    try:
+        assert store.leaves is not None
+        endpoint = f"127.0.0.1:{store.leaves.port}"
+        started = time.monotonic()
+        with LeafConsumer(CMD, leaf=endpoint, skip_after=1.5, retry_interval=0.2) as c:
+            got: list[tuple[str, int, bytes]] = []
+            deadline = time.monotonic() + 20
+            while len([r for r in got if r[0] == DAMAGED]) < len(want) and time.monotonic() < deadline:
+                got += [(r.partition, r.offset, bytes(r.content)) for r in c.poll_batch(100, 0.2)]
+            assert [(o, v) for p, o, v in got if p == DAMAGED] == want
+            assert [(o, v) for p, o, v in got if p == HEALTHY] == [(i, b"b%d" % i) for i in range(3)]
+            assert time.monotonic() - started >= 1.5  # passed after skip_after, not at once
+            assert c.reader.skipped == want[2][0] - 2
+        assert store.unreadable_reads >= 1
+    finally:
+        store.close()
