@@ -2,28 +2,35 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 
-import pytest
-
-from dafka.bench.synced import synced_store_run
+from dafka.bench.synced import MinimalSyncedStore
+from dafka.bench.tank import _tank_publish
+from dafka.tank.client import TankClient
+from dafka.tank.messages import Ping
 from tests.conftest import dafka_cmd, subprocess_env
 
 
-def test_the_minimal_store_answers_every_frame_after_group_commits(tmp_path) -> None:
-    run = synced_store_run([b"x" * 1000, b"y" * 70_000, b""], 60, 4, str(tmp_path))
-    assert run.frames == 60
-    assert 1 <= run.commits <= 60
-    assert run.seconds > 0
-    assert run.per_second(10) == pytest.approx(600 / run.seconds)
+def test_the_minimal_store_answers_every_request_after_group_commits(tmp_path) -> None:
+    with MinimalSyncedStore(str(tmp_path)) as store:
+        rate = _tank_publish(store.port, "bound", 40_000, 100, 1000, 8)
+    assert rate > 0
+    assert store.result is not None
+    assert store.result.requests == 40
+    assert 1 <= store.result.commits <= 40
     assert list(tmp_path.iterdir()) == []  # its database is removed
 
 
-def test_the_minimal_store_refuses_nonsense() -> None:
-    with pytest.raises(ValueError):
-        synced_store_run([b"x"], 0, 4)
-    with pytest.raises(ValueError):
-        synced_store_run([b"x"], 5, 0)
+def test_the_minimal_store_closes_on_what_it_does_not_answer(tmp_path) -> None:
+    with MinimalSyncedStore(str(tmp_path)) as store:
+        with TankClient("127.0.0.1", store.port, timeout=10) as client:
+            client.create_topic("t", 1)  # answered
+        with socket.create_connection(("127.0.0.1", store.port), timeout=10) as conn:
+            assert conn.recv(5) == Ping().encode()  # the greeting
+            conn.sendall(b"\x02\x04\x00\x00\x00abcd")  # a consume: not answered, closed
+            assert conn.recv(100) == b""
+    assert store.result is not None and store.result.requests == 0
 
 
 def test_bench_tank_bound_prints_the_gateway_against_it() -> None:

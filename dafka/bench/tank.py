@@ -162,13 +162,15 @@ def _share(record_bytes_per_s: float, disk: float | None) -> str:
 
 
 def _synced_bound(records: int, size: int, window: int) -> float:
-    """Records/s a minimal store that syncs before it answers makes of the same bundles at
-    the same window (:mod:`dafka.bench.synced`), its database where the gateway's goes."""
-    from dafka.bench.synced import synced_store_run
+    """Records/s the same client publishes to a minimal store that syncs before it answers
+    (:mod:`dafka.bench.synced`), its database where the gateway's goes."""
+    from dafka.bench.synced import MinimalSyncedStore
 
-    bundles = _tank_bundles(size, 1000)
-    run = synced_store_run(bundles, max(1, records // 1000), window, tempfile.gettempdir())
-    return run.per_second(1000)
+    with MinimalSyncedStore(tempfile.gettempdir()) as store:
+        rate = _tank_publish(store.port, "bound", records, size, 1000, window)
+    if store.result is None or store.result.requests != records // 1000:
+        raise RuntimeError(f"the minimal store answered {store.result} of {records // 1000} requests")
+    return rate
 
 
 def bench_tank(args: argparse.Namespace) -> dict[str, list[float]]:
