@@ -1644,6 +1644,21 @@ class RecordDB:
             pid, first = PARTITION_INFO.unpack(raw)[:2]
             return block_after(txn.cursor(db=dbs.blocks), pid, offset if offset > first else first)
 
+    def past_block(self, topic: str, partition: str, offset: int) -> int | None:
+        """Where a reader goes on past a stored block that cannot be read, its header
+        included: :meth:`block_after`, or, when that block is the partition's last, its
+        ``last`` + 1 (the head it has stored: the offsets up to it lie in that block or in a
+        hole after it, and nothing past it is stored yet), read in the same transaction (a
+        block committed meanwhile is not passed).  None for an unknown partition."""
+        pkey = self._pkey(topic, partition)
+        with self._read_txn(buffers=True) as (txn, dbs):
+            raw = txn.get(pkey, db=dbs.partitions)
+            if raw is None:
+                return None
+            pid, first, last = PARTITION_INFO.unpack(raw)[:3]
+            after = block_after(txn.cursor(db=dbs.blocks), pid, offset if offset > first else first)
+            return last + 1 if after is None else after
+
     def read_blocks(
         self, topic: str, partition: str, offset: int, max_bytes: int, max_blocks: int = 256
     ) -> tuple[int, int, list[tuple[BlockHeader, bytes]]]:
