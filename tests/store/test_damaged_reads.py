@@ -437,3 +437,71 @@ def test_a_leaf_consumer_gets_the_records_around_a_damaged_block(tmp_path: Path,
         assert store.unreadable_reads >= 1
     finally:
         store.close()
+
+
+def _rotten_length(bundle: bytes, claim: int) -> bytes:
+    """``bundle`` (snappy) with its message set's length varint saying ``claim`` bytes."""
+    from dafka.tank.bundle import decode_varint, parse_bundle_header
+
+    h = parse_bundle_header(bundle)
+    _size, end = decode_varint(bundle, h.msgset_start, h.end)
+    enc = bytearray()
+    while claim >= 0x80:
+        enc.append((claim & 0x7F) | 0x80)
+        claim >>= 7
+    enc.append(claim)
+    return bundle[:h.msgset_start] + bytes(enc) + bundle[end:]
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_rotten_snappy_length_is_refused_at_the_stored_budget_not_24_times_the_body(tmp_path: Path,
+                                                                                     sparse: bool) -> None:
+    """A stored Tank bundle whose snappy length field rotted to claim more than the budget it
+    was checked against when stored (64 MiB, ``block.DEFAULT_BUDGET``), though less than 24
+    times its body (all the read bound before): every read of it (a mesh or leaf FETCH, a
+    Tank consume's slice, a Kafka fetch, Spark) allocated the claimed size before failing, 90
+    MiB for a 4 MiB bundle here (1.5 GiB for one of the 64 MiB request limit), again at each
+    ask of a hostile reader.  Now refused before inflating, by both twins of the walk and by
+    the per-record path of a sparse bundle with gaps; a read of it fails as any damaged
+    block's (a ValueError: the mesh VOIDs it and goes on past it)."""
+    import os
+    import tracemalloc
+
+    from dafka.errors import ProtocolError
+    from dafka.fastio import _pure
+    from dafka.store.block import DEFAULT_BUDGET, records
+    from dafka.store.reader import block_values
+
+    n = 1000
+    seqs = [*range(1, 501), *range(502, n + 2)] if sparse else [None] * n
+    msgs = [(s, TS, None, os.urandom(4000)) for s in seqs]  # 4 MB that do not compress
+    bundle = _rotten_length(encode_bundle(msgs, codec=CODEC_SNAPPY, sparse=sparse), 90 << 20)
+    assert DEFAULT_BUDGET < 90 << 20 < 24 * len(bundle)
+    last = 2 + (n if sparse else n - 1)
+    block = _seal(CODEC_TANK, COMPRESSION_SNAPPY, 2, last, n, TS, TS, bundle)
+    over = "over the budget of 67108864"
+    with RecordDB(tmp_path / "db", sync=False) as db:
+        db.append_blocks([("t", DAMAGED, healthy(0, [b"a0", b"a1"])), ("t", DAMAGED, block)])
+        assert db.fetch_raw("t", DAMAGED, 0, 10) == (0, [value(b"a0"), value(b"a1")])
+        tracemalloc.start()
+        try:
+            for _ in range(3):  # a reader asking again and again
+                with pytest.raises(ValueError):
+                    db.fetch_raw("t", DAMAGED, 2, 10)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 32 << 20, peak  # (the block's 4 MB value, copied; not the 90 MiB claimed)
+        with pytest.raises(ValueError, match=over):
+            db.fetch_raw("t", DAMAGED, 2, 10)
+    hdr = decode_header(block)
+    with pytest.raises(ProtocolError, match=over):
+        block_values(block, hdr, 2, 10)  # the compiled walk (or its pure twin), or records() when sparse
+    with pytest.raises(ProtocolError, match=over):
+        list(records(block))
+    if not sparse:
+        with pytest.raises(ProtocolError, match=over):
+            _pure.tank_values(bundle, 0, 10)
+        compiled = pytest.importorskip("dafka.fastio._compiled")
+        with pytest.raises(ProtocolError, match=over):
+            compiled.tank_values(bundle, 0, 10)
