@@ -209,7 +209,7 @@ def test_a_last_block_whose_header_is_damaged_is_voided_up_to_the_head(cfg: Node
         db._write(lambda txn: txn.put(block_key(pid, 2), b"XB" + damaged("store-ends", 2)[2:], db=db._dbs.blocks))
         assert db.head("t", DAMAGED) == 4
         assert db.past_block("t", DAMAGED, 2) == db.past_block("t", DAMAGED, 3) == 5
-        assert db.past_block("t", DAMAGED, 0) == 2 and db.past_block("t", "nobody", 0) is None
+        assert db.past_block("t", DAMAGED, 0) is None and db.past_block("t", "nobody", 0) is None  # (0-1 read)
     with Store(path, cfg) as store:
         peer = raw_peer([wire.P_DIRECT_RECORD, wire.P_VOID])
         peer.wait_for(lambda q: len(q.peers) >= 1 and len(store.peers) >= 1)
@@ -312,6 +312,27 @@ def test_block_after_passes_a_damaged_block_by_its_keys(tmp_path: Path, kind: st
                           ("t", DAMAGED, healthy(13, [b"a13", b"a14"]))], skips=[("t", DAMAGED, 2, 9)])
         assert db.block_after("t", DAMAGED, 4) == 13  # the read from the hole reaches the damaged block
         assert db.block_after("t", DAMAGED, 11) == 13
+
+
+def test_past_block_passes_a_block_whose_header_is_damaged_and_no_other(tmp_path: Path) -> None:
+    """Where a mesh answer goes on past a block whose header cannot be read: the next
+    block's key, from the block, from inside it, from a hole before it; None when the block
+    a read reaches reads (a healthy one, or a damaged one whose header reads: the caller
+    has its header's range): the answer then ends rather than pass records that are held."""
+    plant(tmp_path / "db", "header")
+    with RecordDB(tmp_path / "db", sync=False) as db:
+        assert [db.past_block("t", DAMAGED, o) for o in (2, 3, 4)] == [5, 5, 5]
+        assert db.past_block("t", DAMAGED, 0) is None  # 0-1 read
+        assert db.past_block("t", DAMAGED, 5) is None and db.past_block("t", HEALTHY, 0) is None
+    with RecordDB(tmp_path / "hole", sync=False) as db:  # 0-1, a hole 2-9, header-damaged 10-12, 13-14
+        db.append_blocks([("t", DAMAGED, healthy(0, [b"a0", b"a1"])), ("t", DAMAGED, healthy(10, [b"x", b"y", b"z"])),
+                          ("t", DAMAGED, healthy(13, [b"a13", b"a14"]))], skips=[("t", DAMAGED, 2, 9)])
+        pid = db.info("t", DAMAGED).pid
+        db._write(lambda txn: txn.put(block_key(pid, 10), b"XB" + damaged("store-ends", 10)[2:], db=db._dbs.blocks))
+        assert db.past_block("t", DAMAGED, 4) == db.past_block("t", DAMAGED, 11) == 13
+    plant(tmp_path / "rec", "kafka-records")
+    with RecordDB(tmp_path / "rec", sync=False) as db:
+        assert db.past_block("t", DAMAGED, 2) is None
 
 
 @pytest.mark.parametrize("fail_on_data_loss", [True, False])
