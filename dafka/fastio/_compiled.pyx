@@ -1106,6 +1106,12 @@ cdef enum:
 cdef enum:
     _SNAPPY_MAX_RATIO = 24
 
+# What a stored bundle's snappy message set may claim to inflate to when read (tank_values):
+# the budget every stored bundle was checked against (the Tank gateway's INFLATE_BUDGET).
+# Only 24x the stored body bounded it: a bit-rotten length of a 4 MiB bundle claimed 90 MiB,
+# allocated at every read of it (1.5 GiB for a bundle of the 64 MiB request limit).
+from dafka.store.block import DEFAULT_BUDGET as _READ_BUDGET
+
 
 cdef inline uint64_t _le64(const unsigned char *p) noexcept nogil:
     return (<uint64_t>p[0] | <uint64_t>p[1] << 8 | <uint64_t>p[2] << 16 | <uint64_t>p[3] << 24
@@ -1166,7 +1172,7 @@ def tank_values(bundle, Py_ssize_t skip, Py_ssize_t n):
     """See :func:`dafka.fastio._pure.tank_values`."""
     if skip < 0 or n < 0:
         raise ValueError("tank_values: negative skip or count")
-    return _tank_walk(bundle, 0x3FFFFFFFFFFFFFFF, 0x3FFFFFFFFFFFFFFF, 2, skip, n)[6]
+    return _tank_walk(bundle, 0x3FFFFFFFFFFFFFFF, _READ_BUDGET, 2, skip, n)[6]
 
 
 cdef tuple _tank_walk(object bundle, Py_ssize_t max_record_bytes, Py_ssize_t budget, int mode,

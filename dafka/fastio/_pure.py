@@ -717,13 +717,16 @@ def tank_values(bundle: Any, skip: int, n: int) -> list[bytes]:
     """Format-1 stored values (:mod:`dafka.store.layout`: the producer's timestamp, the key)
     of a Tank bundle's messages ``skip .. skip + n - 1`` (fewer past its end): what readers of
     stored values take from a Tank block.  Raises ProtocolError for a malformed bundle (no
-    size or inflation bound: the bundle was checked when it was stored)."""
+    size bound: the bundle was checked when it was stored; its snappy message set may claim
+    at most the budget it was checked against, :data:`dafka.store.block.DEFAULT_BUDGET`: a
+    bit-rotten length is refused before inflating)."""
+    from dafka.store.block import DEFAULT_BUDGET
     from dafka.store.layout import FLAG_KEY, FLAG_PRODUCER_TS, VALUE_HEADER
     from dafka.tank.bundle import decode_bundle
 
     if skip < 0 or n < 0:
         raise ValueError("tank_values: negative skip or count")
-    tank_scan(bundle, 1 << 62, 1 << 62)  # the same verdict as the compiled walk
+    tank_scan(bundle, 1 << 62, DEFAULT_BUDGET)  # the same verdict as the compiled walk
     out = []
     for _seq, ts, key, content in decode_bundle(bytes(bundle))[skip:skip + n]:
         if key is None:

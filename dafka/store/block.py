@@ -840,8 +840,16 @@ def records(value: bytes | memoryview, start: int = 0) -> Iterator[BlockRecord]:
 
 
 def _tank_records(body: bytes, hdr: BlockHeader, start: int) -> Iterator[BlockRecord]:
-    from dafka.tank.bundle import decode_bundle
+    from dafka.tank.bundle import CODEC_SNAPPY, decode_bundle, parse_bundle_header
+    from dafka.tank.codec import decode_varint
 
+    bundle = parse_bundle_header(body)
+    if bundle.codec == CODEC_SNAPPY:
+        # A stored bundle was checked against DEFAULT_BUDGET: a larger claim is a damaged
+        # length, refused before inflating (decode_bundle bounds it at 24x the body only).
+        size = decode_varint(body, bundle.msgset_start, bundle.end)[0]
+        if size > DEFAULT_BUDGET:
+            raise ProtocolError(f"a snappy bundle claims {size} bytes, over the budget of {DEFAULT_BUDGET}")
     msgs = decode_bundle(body, base_seq=0)
     first_seq = msgs[0][0] or 0
     for seq, ts, key, val in msgs:
@@ -851,7 +859,7 @@ def _tank_records(body: bytes, hdr: BlockHeader, start: int) -> Iterator[BlockRe
 
 
 def _kafka_records(body: bytes, hdr: BlockHeader, start: int) -> Iterator[BlockRecord]:
-    k = _scan_kafka(body, 1 << 31, 1 << 31)
+    k = _scan_kafka(body, 1 << 31, DEFAULT_BUDGET)  # (what it was checked against when stored)
     buf, pos = k.body, k.start
     for i in range(k.record_count):
         rlen, pos = _zvarint(buf, pos, len(buf))

@@ -212,6 +212,7 @@ MAX_DBS = 8
 MAX_READERS = 512  # concurrent read transactions over all processes
 READ_CHUNK = 1024  # records per read transaction in read()
 _PKEY_CACHE_MAX = 65536
+_MAX_U64 = (1 << 64) - 1
 
 # errno values that mean "the write did not fit" (LMDB reports short writes as EIO).
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
@@ -1643,6 +1644,39 @@ class RecordDB:
                 return None
             pid, first = PARTITION_INFO.unpack(raw)[:2]
             return block_after(txn.cursor(db=dbs.blocks), pid, offset if offset > first else first)
+
+    def past_block(self, topic: str, partition: str, offset: int) -> int | None:
+        """Where a reader goes on past a stored block whose header cannot be read:
+        :meth:`block_after`, or, when that block is the partition's last, its ``last`` + 1
+        (the head it has stored: the offsets up to it lie in that block or in a hole after
+        it, and nothing past it is stored yet), read in the same transaction (a block
+        committed meanwhile is not passed).  None for an unknown partition, or when the
+        block a read from ``offset`` reaches has a header that reads (it is not the block a
+        read failed at a moment ago: retention or compaction replaced it meanwhile, and its
+        offsets may be held: the caller's answer ends, the reader asks again)."""
+        pkey = self._pkey(topic, partition)
+        with self._read_txn(buffers=True) as (txn, dbs):
+            raw = txn.get(pkey, db=dbs.partitions)
+            if raw is None:
+                return None
+            pid, first, last = PARTITION_INFO.unpack(raw)[:3]
+            cur = txn.cursor(db=dbs.blocks)
+            after = block_after(cur, pid, offset if offset > first else first)
+            # The block reached: the one keyed just before ``after`` (or the partition's last).
+            probe = BLOCK_KEY.pack(pid, _MAX_U64 if after is None else after)
+            if not cur.set_range(probe):
+                on = cur.last()
+            elif after is None and cur.key() == probe:
+                on = True
+            else:
+                on = cur.prev()
+            if not on or BLOCK_KEY.unpack(cur.key())[0] != pid:
+                return None
+            try:
+                decode_header(cur.value())
+            except (ValueError, struct.error):
+                return last + 1 if after is None else after
+            return None
 
     def read_blocks(
         self, topic: str, partition: str, offset: int, max_bytes: int, max_blocks: int = 256

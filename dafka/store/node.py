@@ -1361,29 +1361,47 @@ class Store(PartitionReader):
         damaged block after others, :func:`dafka.fastio.fetch_blocks`): the requester is told
         that this store has none of its offsets (a VOID kind 0, as for offsets it lacks: a
         Dafka reader gets them from another store, or passes them after ``skip_after``; a
-        store's hole repair counts it) and the answer goes on past it.  Otherwise,
-        or when the block's header cannot be read either, the answer ends.  (Raised into the
-        loop, the job stayed in ``_job_of`` while served no more: every later FETCH of that
-        requester and partition joined it and none was answered again.)"""
+        store's hole repair counts it) and the answer goes on past it.  When the block's
+        header cannot be read either, where the block ends is not known: the VOID covers
+        from ``job.offset`` up to just before the next block's key (none of those offsets
+        is readable here: a hole, the block, a hole), and the answer goes on there
+        (:meth:`RecordDB.past_block`); when the block is the partition's last, up to the
+        head it has stored, and the answer ends there (never past it: this store may yet
+        receive those offsets).  Before, the answer ended at such a block with no VOID and
+        a reader never got past it.  Otherwise (an error that says nothing of the block:
+        LMDB's) the answer ends.  (Raised into the loop, the job stayed in ``_job_of``
+        while served no more: every later FETCH of that requester and partition joined it
+        and none was answered again.)"""
         self._read_limited.emit(logging.ERROR, "unreadable", "cannot serve FETCH of %s/%s from %d: a stored block"
                                 " cannot be read (%s: %s)", job.topic, job.partition, job.offset,
                                 type(exc).__name__, exc)
         self.unreadable_reads += 1
-        hdr = None
-        if past:
-            try:
-                blocks = self.db.read_blocks(job.topic, job.partition, job.offset, 1, 1)[2]
-                hdr = blocks[0][0] if blocks else None
-            except Exception:  # its header too
-                hdr = None
-        if hdr is None or hdr.last_offset < job.offset:
+        if not past:
             self._job_done(job)
             return
-        lo = max(job.offset, hdr.first_offset)
-        self._send_checked(wire.Void(job.key[0], job.partition, job.topic, lo, hdr.last_offset, self.address,
-                                     wire.VOID_STORE))
+        lo = job.offset
+        try:
+            blocks = self.db.read_blocks(job.topic, job.partition, lo, 1, 1)[2]
+            hdr = blocks[0][0] if blocks else None
+            if hdr is None or hdr.last_offset < lo:
+                self._job_done(job)
+                return
+            lo, upto = max(lo, hdr.first_offset), hdr.last_offset
+        except (ValueError, struct.error, IndexError):  # its header too: pass it by its key
+            try:
+                after = self.db.past_block(job.topic, job.partition, lo)
+            except Exception:  # (StorageError, LMDB's: the answer ends)
+                after = None
+            if after is None or after <= lo:
+                self._job_done(job)
+                return
+            upto = after - 1
+        except Exception:  # (StorageError, LMDB's: the answer ends)
+            self._job_done(job)
+            return
+        self._send_checked(wire.Void(job.key[0], job.partition, job.topic, lo, upto, self.address, wire.VOID_STORE))
         stop = job.offset + job.remaining
-        job.offset, job.remaining = hdr.last_offset + 1, stop - hdr.last_offset - 1
+        job.offset, job.remaining = upto + 1, stop - upto - 1
         if job.remaining > 0:
             self._jobs.append(job)  # (served from there on the next turn)
         else:

@@ -164,28 +164,25 @@ def test_a_damaged_block_costs_its_fetch_answer_only(cfg: NodeConfig, tmp_path: 
         def sixes(q: Any) -> int:
             return sum(off == 6 for off, _ in got(q, DAMAGED))
 
-        if kind == "header":
-            # Not even its header can be read: where it ends is not known, so no VOID, and the
-            # answer ends.  Before, telling whether the store holds any of the offsets asked
-            # for (a header read) raised out of the FETCH's handling, and the messages read
-            # with it were dropped: the other FETCH here went unanswered.
-            for _ in range(30):
-                peer.send(wire.Fetch(DAMAGED, peer.address, "t", 2, 10))
-            peer.send(wire.Fetch(HEALTHY, peer.address, "t", 1, 1))
-            peer.wait_for(lambda q: got(q, HEALTHY).count((1, b"b1")) >= 2 and store.unreadable_reads >= 1)
-            assert not [v for v in peer.messages(wire.Void) if v.address == DAMAGED and v.first == 2]
-        else:
-            # From the damage on (the answer stopped before it, as at a hole: a reader asks on
-            # from there): a VOID for the damaged offsets (this store has none of them: a reader
-            # asks another, or passes them), and the records past them in the same answer.
+        # From the damage on (the answer stopped before it, as at a hole: a reader asks on
+        # from there): a VOID for the damaged offsets (this store has none of them: a reader
+        # asks another, or passes them), and the records past them in the same answer.  A
+        # block whose header is damaged too ("header") is passed by its key: where it ends is
+        # not known, so the VOID covers up to just before the next block.  Before, that
+        # answer ended at it with no VOID.
+        peer.send(wire.Fetch(DAMAGED, peer.address, "t", 2, 10))
+        peer.wait_for(lambda q: (5, b"a5") in got(q, DAMAGED) and (6, b"a6") in got(q, DAMAGED))
+        voids = [(v.first, v.last, v.kind) for v in peer.messages(wire.Void) if v.address == DAMAGED]
+        assert (2, 4, wire.VOID_STORE) in voids
+        n = sixes(peer)
+        for _ in range(30):  # a reader asking for the damaged records again and again
             peer.send(wire.Fetch(DAMAGED, peer.address, "t", 2, 10))
-            peer.wait_for(lambda q: (5, b"a5") in got(q, DAMAGED) and (6, b"a6") in got(q, DAMAGED))
-            voids = [(v.first, v.last, v.kind) for v in peer.messages(wire.Void) if v.address == DAMAGED]
-            assert (2, 4, wire.VOID_STORE) in voids
-            n = sixes(peer)
-            for _ in range(30):  # a reader asking for the damaged records again and again
-                peer.send(wire.Fetch(DAMAGED, peer.address, "t", 2, 10))
-            peer.wait_for(lambda q: sixes(q) > n and store.unreadable_reads >= 2)
+        peer.send(wire.Fetch(HEALTHY, peer.address, "t", 1, 1))
+        peer.wait_for(lambda q: sixes(q) > n and store.unreadable_reads >= 2 and (1, b"b1") in got(q, HEALTHY))
+        if kind == "header":  # from inside it too (the read steps back onto its header)
+            peer.send(wire.Fetch(DAMAGED, peer.address, "t", 3, 3))
+            peer.wait_for(lambda q: any(v.address == DAMAGED and (v.first, v.last) == (3, 4)
+                                        for v in q.messages(wire.Void)))
         # Past the damage: answered (a FETCH of the same requester and partition).
         n = sixes(peer)
         peer.send(wire.Fetch(DAMAGED, peer.address, "t", 5, 2))
@@ -196,6 +193,37 @@ def test_a_damaged_block_costs_its_fetch_answer_only(cfg: NodeConfig, tmp_path: 
         assert errors, "the damaged block is not logged"
         assert len(errors) <= 10, [r.getMessage() for r in errors]
         assert not [r for r in errors if r.getMessage().startswith("store failed")]  # (the loop's catch-alls)
+
+
+def test_a_last_block_whose_header_is_damaged_is_voided_up_to_the_head(cfg: NodeConfig, tmp_path: Path,
+                                                                        raw_peer: Any) -> None:
+    """The partition's last block, its header damaged: no next block to go on at.  The VOID
+    covers from the offset asked for up to the head the store has stored (those offsets lie in
+    that block), never past it (this store may yet receive those: a producer goes on), and the
+    answer ends.  Before, it ended with no VOID."""
+    path = tmp_path / "db"
+    with RecordDB(path, sync=False) as db:
+        db.append_blocks([("t", DAMAGED, healthy(0, [b"a0", b"a1"])), ("t", DAMAGED, damaged("header", 2)),
+                          ("t", HEALTHY, healthy(0, [b"b0"]))])
+        pid = db.info("t", DAMAGED).pid
+        db._write(lambda txn: txn.put(block_key(pid, 2), b"XB" + damaged("store-ends", 2)[2:], db=db._dbs.blocks))
+        assert db.head("t", DAMAGED) == 4
+        assert db.past_block("t", DAMAGED, 2) == db.past_block("t", DAMAGED, 3) == 5
+        assert db.past_block("t", DAMAGED, 0) is None and db.past_block("t", "nobody", 0) is None  # (0-1 read)
+    with Store(path, cfg) as store:
+        peer = raw_peer([wire.P_DIRECT_RECORD, wire.P_VOID])
+        peer.wait_for(lambda q: len(q.peers) >= 1 and len(store.peers) >= 1)
+        peer.wait_for(lambda q: q.subscribed(b"F") and q.subscribed(b"W" + store.address.encode()))
+        peer.send(wire.Fetch(DAMAGED, peer.address, "t", 0, 10))
+        peer.wait_for(lambda q: got(q, DAMAGED) == [(0, b"a0"), (1, b"a1")])
+        peer.send(wire.Fetch(DAMAGED, peer.address, "t", 2, 10))
+        peer.wait_for(lambda q: any(v.address == DAMAGED for v in q.messages(wire.Void)))
+        peer.send(wire.Fetch(HEALTHY, peer.address, "t", 0, 1))  # answered after it: the answer ended
+        peer.wait_for(lambda q: got(q, HEALTHY) == [(0, b"b0")])
+        assert [(v.first, v.last, v.kind) for v in peer.messages(wire.Void)
+                if v.address == DAMAGED] == [(2, 4, wire.VOID_STORE)]
+        assert got(peer, DAMAGED) == [(0, b"a0"), (1, b"a1")]
+        assert store.running and not store._jobs
 
 
 def test_a_read_failing_otherwise_ends_its_answer_without_a_void(cfg: NodeConfig, tmp_path: Path, raw_peer: Any,
@@ -286,6 +314,27 @@ def test_block_after_passes_a_damaged_block_by_its_keys(tmp_path: Path, kind: st
         assert db.block_after("t", DAMAGED, 11) == 13
 
 
+def test_past_block_passes_a_block_whose_header_is_damaged_and_no_other(tmp_path: Path) -> None:
+    """Where a mesh answer goes on past a block whose header cannot be read: the next
+    block's key, from the block, from inside it, from a hole before it; None when the block
+    a read reaches reads (a healthy one, or a damaged one whose header reads: the caller
+    has its header's range): the answer then ends rather than pass records that are held."""
+    plant(tmp_path / "db", "header")
+    with RecordDB(tmp_path / "db", sync=False) as db:
+        assert [db.past_block("t", DAMAGED, o) for o in (2, 3, 4)] == [5, 5, 5]
+        assert db.past_block("t", DAMAGED, 0) is None  # 0-1 read
+        assert db.past_block("t", DAMAGED, 5) is None and db.past_block("t", HEALTHY, 0) is None
+    with RecordDB(tmp_path / "hole", sync=False) as db:  # 0-1, a hole 2-9, header-damaged 10-12, 13-14
+        db.append_blocks([("t", DAMAGED, healthy(0, [b"a0", b"a1"])), ("t", DAMAGED, healthy(10, [b"x", b"y", b"z"])),
+                          ("t", DAMAGED, healthy(13, [b"a13", b"a14"]))], skips=[("t", DAMAGED, 2, 9)])
+        pid = db.info("t", DAMAGED).pid
+        db._write(lambda txn: txn.put(block_key(pid, 10), b"XB" + damaged("store-ends", 10)[2:], db=db._dbs.blocks))
+        assert db.past_block("t", DAMAGED, 4) == db.past_block("t", DAMAGED, 11) == 13
+    plant(tmp_path / "rec", "kafka-records")
+    with RecordDB(tmp_path / "rec", sync=False) as db:
+        assert db.past_block("t", DAMAGED, 2) is None
+
+
 @pytest.mark.parametrize("fail_on_data_loss", [True, False])
 def test_the_spark_path_transport_names_a_damaged_block_or_skips_it(tmp_path: Path, fail_on_data_loss: bool,
                                                                      caplog: pytest.LogCaptureFixture) -> None:
@@ -337,14 +386,18 @@ def test_fetch_blocks_stops_before_a_damaged_block_and_raises_from_it(tmp_path: 
         assert read(5) == (5, [value(b"a5"), value(b"a6")])
 
 
-def test_a_consumer_gets_the_records_around_a_damaged_block(cfg: NodeConfig, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["snappy-payload", "header"])
+def test_a_consumer_gets_the_records_around_a_damaged_block(cfg: NodeConfig, tmp_path: Path, kind: str) -> None:
     """A Dafka consumer of a partition with a damaged block, from a store that holds no other
     copy: it gets the records before and after it, passing the damaged offsets after
     ``skip_after`` as any gap nobody fills (a VOID kind 0 makes a reader pass nothing but a
-    restarted producer's hole).  Before, it got neither: the store's answer stopped for good."""
+    restarted producer's hole).  Before, it got neither: the store's answer stopped for good.
+    A block whose header is damaged too ("header"): the answer goes on at the next block's key
+    (:meth:`RecordDB.past_block`); before, it ended there, and the consumer got only the
+    records before the block, for good."""
     from dafka.nodes.consumer import Consumer
 
-    plant(tmp_path / "db", "snappy-payload")
+    plant(tmp_path / "db", kind)
     with Store(tmp_path / "db", cfg) as store, Consumer("t", cfg, offset_reset="earliest", skip_after=2.0) as c:
         got: list[tuple[str, int, bytes]] = []
         deadline = time.monotonic() + 30
@@ -405,3 +458,71 @@ def test_a_leaf_consumer_gets_the_records_around_a_damaged_block(tmp_path: Path,
         assert store.unreadable_reads >= 1
     finally:
         store.close()
+
+
+def _rotten_length(bundle: bytes, claim: int) -> bytes:
+    """``bundle`` (snappy) with its message set's length varint saying ``claim`` bytes."""
+    from dafka.tank.bundle import decode_varint, parse_bundle_header
+
+    h = parse_bundle_header(bundle)
+    _size, end = decode_varint(bundle, h.msgset_start, h.end)
+    enc = bytearray()
+    while claim >= 0x80:
+        enc.append((claim & 0x7F) | 0x80)
+        claim >>= 7
+    enc.append(claim)
+    return bundle[:h.msgset_start] + bytes(enc) + bundle[end:]
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_rotten_snappy_length_is_refused_at_the_stored_budget_not_24_times_the_body(tmp_path: Path,
+                                                                                     sparse: bool) -> None:
+    """A stored Tank bundle whose snappy length field rotted to claim more than the budget it
+    was checked against when stored (64 MiB, ``block.DEFAULT_BUDGET``), though less than 24
+    times its body (all the read bound before): every read of it (a mesh or leaf FETCH, a
+    Tank consume's slice, a Kafka fetch, Spark) allocated the claimed size before failing, 90
+    MiB for a 4 MiB bundle here (1.5 GiB for one of the 64 MiB request limit), again at each
+    ask of a hostile reader.  Now refused before inflating, by both twins of the walk and by
+    the per-record path of a sparse bundle with gaps; a read of it fails as any damaged
+    block's (a ValueError: the mesh VOIDs it and goes on past it)."""
+    import os
+    import tracemalloc
+
+    from dafka.errors import ProtocolError
+    from dafka.fastio import _pure
+    from dafka.store.block import DEFAULT_BUDGET, records
+    from dafka.store.reader import block_values
+
+    n = 1000
+    seqs = [*range(1, 501), *range(502, n + 2)] if sparse else [None] * n
+    msgs = [(s, TS, None, os.urandom(4000)) for s in seqs]  # 4 MB that do not compress
+    bundle = _rotten_length(encode_bundle(msgs, codec=CODEC_SNAPPY, sparse=sparse), 90 << 20)
+    assert DEFAULT_BUDGET < 90 << 20 < 24 * len(bundle)
+    last = 2 + (n if sparse else n - 1)
+    block = _seal(CODEC_TANK, COMPRESSION_SNAPPY, 2, last, n, TS, TS, bundle)
+    over = "over the budget of 67108864"
+    with RecordDB(tmp_path / "db", sync=False) as db:
+        db.append_blocks([("t", DAMAGED, healthy(0, [b"a0", b"a1"])), ("t", DAMAGED, block)])
+        assert db.fetch_raw("t", DAMAGED, 0, 10) == (0, [value(b"a0"), value(b"a1")])
+        tracemalloc.start()
+        try:
+            for _ in range(3):  # a reader asking again and again
+                with pytest.raises(ValueError):
+                    db.fetch_raw("t", DAMAGED, 2, 10)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 32 << 20, peak  # (the block's 4 MB value, copied; not the 90 MiB claimed)
+        with pytest.raises(ValueError, match=over):
+            db.fetch_raw("t", DAMAGED, 2, 10)
+    hdr = decode_header(block)
+    with pytest.raises(ProtocolError, match=over):
+        block_values(block, hdr, 2, 10)  # the compiled walk (or its pure twin), or records() when sparse
+    with pytest.raises(ProtocolError, match=over):
+        list(records(block))
+    if not sparse:
+        with pytest.raises(ProtocolError, match=over):
+            _pure.tank_values(bundle, 0, 10)
+        compiled = pytest.importorskip("dafka.fastio._compiled")
+        with pytest.raises(ProtocolError, match=over):
+            compiled.tank_values(bundle, 0, 10)
