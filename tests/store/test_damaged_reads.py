@@ -108,13 +108,23 @@ def damaged(kind: str, first: int) -> bytes:
         lo = base + 12
         struct.pack_into(">III", block, base, lo + 3, lo + 6, len(block))
         return _reseal(bytes(block), bytes(block[HEADER_SIZE:]))
+    if kind == "store-crossed":  # a store block whose first two ends are swapped: each inside the block
+        block = bytearray(healthy(first, [b"c0" * 8, b"c1" * 8, b"c2" * 8]))
+        base = HEADER_SIZE + 8
+        e0, e1 = struct.unpack_from(">II", block, base)
+        struct.pack_into(">II", block, base, e1, e0)
+        return _reseal(bytes(block), bytes(block[HEADER_SIZE:]))
+    if kind == "store-count":  # a store block of 4 values whose header says 3: its table is read short
+        block = healthy(first, [b"n0" * 8, b"n1" * 8, b"n2" * 8, b"n3" * 8])
+        h = decode_header(block)
+        return _seal(h.codec, h.compression, first, first + 2, 3, h.first_ts, h.max_ts, block[HEADER_SIZE:])
     if kind == "header":  # planted sound, then altered (see plant): append_blocks checks headers
         return healthy(first, [b"h0", b"h1", b"h2"])
     raise AssertionError(kind)
 
 
 KINDS = ["count-varint", "truncated-bundle", "snappy-payload", "kafka-records", "kafka-gzip", "store-ends", "header",
-         "store-short"]
+         "store-short", "store-crossed", "store-count"]
 
 
 def plant(path: Path, kind: str, topic: str = "t", partitions: tuple[str, str] = (DAMAGED, HEALTHY)) -> None:
@@ -322,3 +332,47 @@ def test_a_consumer_gets_the_records_around_a_damaged_block(cfg: NodeConfig, tmp
                                                              (DAMAGED, 5, b"a5"), (DAMAGED, 6, b"a6")]
         assert sorted(r for r in got if r[0] == HEALTHY) == [(HEALTHY, i, b"b%d" % i) for i in range(3)]
         assert store.unreadable_reads >= 1
+
+
+@pytest.mark.parametrize("kind", ["store-ends", "store-short", "store-crossed", "store-count"])
+def test_a_damaged_ends_table_is_refused_by_every_slicer_not_read_as_other_records(kind: str) -> None:
+    """A CODEC_STORE block's ends table, damaged with its entries inside the block (crossed, or
+    a header whose count is not the table's), is refused with a ProtocolError (a ValueError,
+    what every reader of stored blocks serves around) by the pure-Python slicer the Tank and
+    Kafka gateways convert through (``store_values``) as by both twins of ``block_slice``.
+    Before, ``store_values`` checked nothing: it read ``store-count``'s first record from
+    inside the ends table and ``store-crossed``'s first two records as one, silently."""
+    from dafka.errors import ProtocolError
+    from dafka.fastio import _pure
+    from dafka.store.block import store_values
+    from dafka.store.reader import block_values
+
+    slicers = [_pure.block_slice]
+    try:
+        from dafka.fastio import _compiled  # type: ignore[attr-defined]
+
+        slicers.append(_compiled.block_slice)
+    except ImportError:
+        pass
+    block = damaged(kind, 2)
+    hdr = decode_header(block)
+
+    for at in range(2, 5):
+        for n in range(1, 4):  # whatever the slice, every slicer refuses the block
+            for v in (block, memoryview(block)):
+                with pytest.raises(ProtocolError):
+                    store_values(v, hdr, at, n)
+                with pytest.raises(ProtocolError):
+                    block_values(v, hdr, at, n)
+            for block_slice in slicers:
+                with pytest.raises(ProtocolError):
+                    block_slice(block, at, n)
+    # Sound blocks are sliced as before, from any offset, bytes or a zero-copy view.
+    sound = healthy(2, [b"x" * k for k in range(5)])
+    want = [value(b"x" * k) for k in range(5)]
+    for at in range(2, 7):
+        for n in range(1, 6):
+            for v in (sound, memoryview(sound)):
+                assert store_values(v, decode_header(sound), at, n) == want[at - 2:at - 2 + n]
+            for block_slice in slicers:
+                assert block_slice(sound, at, n)[2] == want[at - 2:at - 2 + n]
