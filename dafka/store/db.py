@@ -1916,11 +1916,13 @@ class RecordDB:
 
     # ------------------------------------------------------------------ compaction
 
-    def compaction_scan(self, pid: int, planner: Planner, step_bytes: int) -> Scanned:
+    def compaction_scan(self, pid: int, planner: Planner, step_bytes: int,
+                        report: Callable[[int, int, str], None] | None = None) -> Scanned:
         """Feed ``planner`` about ``step_bytes`` of partition ``pid``'s blocks, in one read
-        transaction (:func:`dafka.store.compaction.scan_txn`)."""
+        transaction (:func:`dafka.store.compaction.scan_txn`; ``report`` is told of a block
+        that cannot be read)."""
         with self._read_txn() as (txn, dbs):
-            return scan_txn(txn, dbs.blocks, pid, planner, step_bytes)
+            return scan_txn(txn, dbs.blocks, pid, planner, step_bytes, report)
 
     def compacted_gap(self, topic: str, partition: str, lo: int, hi: int) -> bool:
         """Whether offsets ``lo..hi``, where a read found no record, are a gap compaction left
@@ -1948,7 +1950,8 @@ class RecordDB:
             hpid, _hfirst = BLOCK_KEY.unpack(cur.key())
             return hpid != pid or U64.unpack(cur.value())[0] < lo
 
-    def compaction_clean(self, pkey: bytes, planner: Planner, offset: int, step_bytes: int) -> Cleaned:
+    def compaction_clean(self, pkey: bytes, planner: Planner, offset: int, step_bytes: int,
+                         report: Callable[[int, int, str], None] | None = None) -> Cleaned:
         """Rewrite about ``step_bytes`` of a partition's blocks from ``offset`` without what
         ``planner`` drops, in one committed write transaction
         (:func:`dafka.store.compaction.clean_txn`): after a crash, each block is either as it
@@ -1961,7 +1964,7 @@ class RecordDB:
             # it at open from the gaps between blocks (written before it existed), which
             # would take compaction's gaps for holes.
             self._holes_table(txn)
-            return clean_txn(txn, dbs.partitions, dbs.blocks, pkey, planner, offset, step_bytes)
+            return clean_txn(txn, dbs.partitions, dbs.blocks, pkey, planner, offset, step_bytes, report)
 
         result: Cleaned = self._write(body)
         return result

@@ -595,8 +595,13 @@ class Store(PartitionReader):
         while True:
             try:
                 more = self.compactor.step(int(time.time() * 1000))
-            except Exception:  # a damaged block, a full disk, a bug: never the writer thread's end
-                log.exception("compaction failed; the partition waits for new records before the next round")
+            except Exception as exc:  # a full disk, a bug: never the writer thread's end
+                # (A damaged block raises nothing: the round passes it, logged once, and goes on.)
+                rnd = self.compactor.round
+                self.compactor.limiter.emit(
+                    logging.ERROR, "compaction-failed", "compaction of %s failed (%s); the partition waits for new"
+                    " records before the next round", "?" if rnd is None else f"{rnd.topic}/{rnd.partition}", exc,
+                    exc_info=True)
                 self.compactor.give_up()
                 break
             if not more or time.monotonic() >= deadline or self._to_write is not None:
