@@ -75,6 +75,7 @@ from dafka.store.block import (
     HEADER_SIZE,
     BlockHeader,
     _zvarint,
+    crc_matches,
     decode_header,
     kafka_block_of,
     records,
@@ -429,9 +430,6 @@ DAMAGE = (ValueError, struct.error, IndexError, zlib.error)
 #: ``report(pid, first_offset, why)``: a stored block compaction cannot read, left as it is.
 Report = Callable[[int, int, str], None]
 
-_CRC_AT = HEADER_SIZE - 4
-
-
 def _ignore(_pid: int, _first: int, _why: str) -> None:
     pass
 
@@ -444,8 +442,7 @@ def _sound(first: int, value: bytes | memoryview) -> tuple[BlockHeader, list[Rec
         hdr = decode_header(value)
         if hdr.first_offset != first:
             return f"its header says offset {hdr.first_offset}"
-        mv = memoryview(value)
-        if crc32c(mv[HEADER_SIZE:], crc32c(mv[:_CRC_AT])) != hdr.crc:
+        if not crc_matches(value):
             return "its CRC-32C does not match"
         return hdr, block_infos(hdr, value)
     except DAMAGE as exc:

@@ -1630,6 +1630,31 @@ class RecordDB:
             found = seek(txn.cursor(db=dbs.blocks), pid, start)
             return found is not None and found[0].first_offset <= last
 
+    def block_span(self, topic: str, partition: str, offset: int) -> tuple[int, int] | None:
+        """``(first, last)`` offsets of the stored block holding ``offset`` (or the first one
+        after it), by its header alone (its CRC and records unread: for a reader passing a
+        block that cannot be read), ``last`` bounded by the next block's first offset (the
+        header may be what is damaged); None when there is none or its header cannot be read."""
+        pkey = self._pkey(topic, partition)
+        with self._read_txn(buffers=True) as (txn, dbs):
+            raw = txn.get(pkey, db=dbs.partitions)
+            if raw is None:
+                return None
+            pid = PARTITION_INFO.unpack(raw)[0]
+            cur = txn.cursor(db=dbs.blocks)
+            try:
+                found = seek(cur, pid, offset)
+            except (ValueError, struct.error):  # its header too
+                return None
+            if found is None:
+                return None
+            first, last = found[0].first_offset, found[0].last_offset
+            if cur.next():
+                npid, nfirst = BLOCK_KEY.unpack(cur.key())
+                if npid == pid and nfirst <= last:
+                    last = nfirst - 1
+            return first, last
+
     def read_blocks(
         self, topic: str, partition: str, offset: int, max_bytes: int, max_blocks: int = 256
     ) -> tuple[int, int, list[tuple[BlockHeader, bytes]]]:

@@ -1374,21 +1374,19 @@ class Store(PartitionReader):
                                 " cannot be read (%s: %s)", job.topic, job.partition, job.offset,
                                 type(exc).__name__, exc)
         self.unreadable_reads += 1
-        hdr = None
+        span = None
         if past:
             try:
-                blocks = self.db.read_blocks(job.topic, job.partition, job.offset, 1, 1)[2]
-                hdr = blocks[0][0] if blocks else None
-            except Exception:  # its header too
-                hdr = None
-        if hdr is None or hdr.last_offset < job.offset:
+                span = self.db.block_span(job.topic, job.partition, job.offset)  # (its header alone)
+            except Exception:  # noqa: BLE001 (an LMDB error: the answer ends)
+                span = None
+        if span is None or span[1] < job.offset:
             self._job_done(job)
             return
-        lo = max(job.offset, hdr.first_offset)
-        self._send_checked(wire.Void(job.key[0], job.partition, job.topic, lo, hdr.last_offset, self.address,
-                                     wire.VOID_STORE))
+        lo, last = max(job.offset, span[0]), span[1]
+        self._send_checked(wire.Void(job.key[0], job.partition, job.topic, lo, last, self.address, wire.VOID_STORE))
         stop = job.offset + job.remaining
-        job.offset, job.remaining = hdr.last_offset + 1, stop - hdr.last_offset - 1
+        job.offset, job.remaining = last + 1, stop - last - 1
         if job.remaining > 0:
             self._jobs.append(job)  # (served from there on the next turn)
         else:

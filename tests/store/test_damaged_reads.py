@@ -33,6 +33,7 @@ from dafka.store.block import (
     decode_header,
     kafka_block,
     store_block,
+    tank_block,
 )
 from dafka.store.db import RecordDB
 from dafka.store.layout import VALUE_HEADER
@@ -118,13 +119,17 @@ def damaged(kind: str, first: int) -> bytes:
         block = healthy(first, [b"n0" * 8, b"n1" * 8, b"n2" * 8, b"n3" * 8])
         h = decode_header(block)
         return _seal(h.codec, h.compression, first, first + 2, 3, h.first_ts, h.max_ts, block[HEADER_SIZE:])
+    if kind == "store-crc":  # planted sound, then a record byte altered (see plant): its records still parse
+        return healthy(first, [b"r0", b"r1", b"r2"])
+    if kind == "tank-crc":  # planted sound, then a message byte altered (see plant): the bundle still parses
+        return tank_block(encode_bundle([(None, TS, None, b"t%d" % i * 20) for i in range(3)], codec=0), first)
     if kind == "header":  # planted sound, then altered (see plant): append_blocks checks headers
         return healthy(first, [b"h0", b"h1", b"h2"])
     raise AssertionError(kind)
 
 
 KINDS = ["count-varint", "truncated-bundle", "snappy-payload", "kafka-records", "kafka-gzip", "store-ends", "header",
-         "store-short", "store-crossed", "store-count"]
+         "store-short", "store-crossed", "store-count", "store-crc", "tank-crc"]
 
 
 def plant(path: Path, kind: str, topic: str = "t", partitions: tuple[str, str] = (DAMAGED, HEALTHY)) -> None:
@@ -142,6 +147,11 @@ def plant(path: Path, kind: str, topic: str = "t", partitions: tuple[str, str] =
             pid = db.info(topic, bad).pid
             db._write(lambda txn: txn.put(block_key(pid, 2), b"XB" + damaged("store-ends", 2)[2:],
                                           db=db._dbs.blocks))
+        if kind.endswith("-crc"):  # bit rot in its last record's content: only its CRC-32C finds it
+            pid = db.info(topic, bad).pid
+            rotten = bytearray(damaged(kind, 2))
+            rotten[-2] ^= 0x01
+            db._write(lambda txn: txn.put(block_key(pid, 2), bytes(rotten), db=db._dbs.blocks))
 
 
 def got(peer: Any, partition: str) -> list[tuple[int, bytes]]:
