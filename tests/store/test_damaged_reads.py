@@ -121,6 +121,8 @@ def damaged(kind: str, first: int) -> bytes:
         return _seal(h.codec, h.compression, first, first + 2, 3, h.first_ts, h.max_ts, block[HEADER_SIZE:])
     if kind == "store-crc":  # planted sound, then a record byte altered (see plant): its records still parse
         return healthy(first, [b"r0", b"r1", b"r2"])
+    if kind == "kafka-crc":  # planted sound, then a record byte altered (see plant): its batch's CRC fails too
+        return kafka_block(_kafka_batch(first, [b"k0", b"k1", b"k2"]), first)
     if kind == "tank-crc":  # planted sound, then a message byte altered (see plant): the bundle still parses
         return tank_block(encode_bundle([(None, TS, None, b"t%d" % i * 20) for i in range(3)], codec=0), first)
     if kind == "header":  # planted sound, then altered (see plant): append_blocks checks headers
@@ -129,7 +131,8 @@ def damaged(kind: str, first: int) -> bytes:
 
 
 KINDS = ["count-varint", "truncated-bundle", "snappy-payload", "kafka-records", "kafka-gzip", "store-ends", "header",
-         "store-short", "store-crossed", "store-count", "store-crc", "tank-crc"]
+         "store-short", "store-crossed", "store-count", "store-crc", "tank-crc",
+         "kafka-crc"]
 
 
 def plant(path: Path, kind: str, topic: str = "t", partitions: tuple[str, str] = (DAMAGED, HEALTHY)) -> None:
