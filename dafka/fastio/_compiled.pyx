@@ -837,6 +837,7 @@ from cpython.tuple cimport PyTuple_Check, PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from crc32c import crc32c as _crc32c
 
 from dafka.errors import ProtocolError
+from dafka.store.block import CRC_MISMATCH as _CRC_MISMATCH
 from dafka.store.block import decode_header as _decode_header
 
 cdef enum:
@@ -978,6 +979,9 @@ cdef tuple _slice(object value, uint64_t offset, Py_ssize_t n):
         if count < 1 or last < first or last - first < count - 1 or tsmax < ts0:
             _decode_header(value)
             raise ProtocolError("bad block header")
+        mv = memoryview(value)
+        if _crc32c(mv[_HEADER_SIZE:], _crc32c(mv[:_HEADER_SIZE - 4])) != _be32(p + _HEADER_SIZE - 4):
+            raise ProtocolError(_CRC_MISMATCH)
         if p[3] != _CODEC_STORE:
             return first, last, None
         out = []
@@ -988,13 +992,17 @@ cdef tuple _slice(object value, uint64_t offset, Py_ssize_t n):
         base = _STORE_BASE + 4 * count
         if base > <uint64_t>size:
             raise ProtocolError("a CODEC_STORE block's ends table runs past its end")
+        if _be32(p + base - 4) != <uint64_t>size:  # (the header's count is not the table's)
+            raise ProtocolError("a CODEC_STORE block's ends table does not end at the block's end")
+        a = base
+        for k in range(count):  # the whole table, whatever the slice (see the pure twin)
+            b = _be32(p + _STORE_BASE + 4 * k)
+            if b < a + 9:  # (9: a stored value's header, dafka.store.layout)
+                raise ProtocolError("a CODEC_STORE block's ends table points outside it")
+            a = b
         a = base if i == 0 else _be32(p + _STORE_BASE + 4 * (i - 1))
-        if a < base:
-            raise ProtocolError("a CODEC_STORE block's ends table points outside it")
         for k in range(i, j):
             b = _be32(p + _STORE_BASE + 4 * k)
-            if b < a + 9 or b > <uint64_t>size:  # (9: a stored value's header, dafka.store.layout)
-                raise ProtocolError("a CODEC_STORE block's ends table points outside it")
             out.append(PyBytes_FromStringAndSize(<const char *>(p + a), <Py_ssize_t>(b - a)))
             a = b
         return first, last, out

@@ -8,6 +8,7 @@ next one.  ``recv(copy=False)`` gives each frame's ``more`` flag without the
 
 from __future__ import annotations
 
+import operator
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -572,14 +573,17 @@ def store_blocks(items: Sequence[Any], lo: int, hi: int, pid: int, first_offset:
 
 def block_slice(value: Any, offset: int, n: int) -> tuple[int, int, list[bytes] | None]:
     """``(first offset, last offset, values)`` of a stored block (bytes or a buffer): its header
-    checked for shape (:func:`dafka.store.block.decode_header`) and, for a CODEC_STORE block,
+    checked for shape (:func:`dafka.store.block.decode_header`) and its CRC-32C
+    (:func:`dafka.store.block.check_crc`), and, for a CODEC_STORE block,
     up to ``n`` format-1 values from ``offset`` (clamped to the block's first) on; ``values``
     is None for the other codecs (their records need decoding).  Raises ProtocolError for a
     bad header or an ends table that points outside the block, backwards, or at a value
-    shorter than its header."""
-    from dafka.store.block import CODEC_STORE, HEADER_SIZE, decode_header
+    shorter than its header, or whose last entry is not the block's end (a table of another
+    count than the header's): the whole table is checked, whatever the slice."""
+    from dafka.store.block import CODEC_STORE, HEADER_SIZE, check_crc, decode_header
 
     hdr = decode_header(value)
+    check_crc(value)
     first, count = hdr.first_offset, hdr.record_count
     if hdr.codec != CODEC_STORE:
         return first, hdr.last_offset, None
@@ -590,11 +594,13 @@ def block_slice(value: Any, offset: int, n: int) -> tuple[int, int, list[bytes] 
     base = HEADER_SIZE + 8 + 4 * count  # payload:u64, then ends:u32 * count
     if base > len(value):
         raise ProtocolError("a CODEC_STORE block's ends table runs past its end")
-    ends = struct.unpack_from(f">{j - i + (1 if i else 0)}I", value, HEADER_SIZE + 8 + 4 * (i - 1 if i else 0))
-    bounds = ends if i else (base, *ends)
-    if bounds[0] < base or bounds[-1] > len(value) or any(b < a + 9 for a, b in zip(bounds, bounds[1:], strict=False)):
-        # (9: a stored value's header, dafka.store.layout)
+    ends = struct.unpack_from(f">{count}I", value, HEADER_SIZE + 8)
+    if ends[-1] != len(value):  # (the header's count is not the table's)
+        raise ProtocolError("a CODEC_STORE block's ends table does not end at the block's end")
+    if ends[0] < base + 9 or (count > 1 and min(map(operator.sub, ends[1:], ends)) < 9):
+        # (9: a stored value's header, dafka.store.layout; the whole table, whatever the slice)
         raise ProtocolError("a CODEC_STORE block's ends table points outside it")
+    bounds = ends[i - 1:j] if i else (base, *ends[:j])
     return first, hdr.last_offset, [bytes(value[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 

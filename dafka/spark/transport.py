@@ -214,13 +214,13 @@ def _past_damaged(db: RecordDB, path: str, rng: ReadRange, nxt: int, exc: Except
     error named neither the partition nor the offset."""
     what = f"{rng.topic}/{rng.partition}: the stored block holding offset {nxt} in the store at {path!r} cannot be read"
     try:
-        blocks = db.read_blocks(rng.topic, rng.partition, nxt, 1, 1)[2]
-    except Exception:  # its header too
-        blocks = []
-    if not blocks or blocks[0][0].last_offset < nxt:
+        span = db.block_span(rng.topic, rng.partition, nxt)  # (its header alone)
+    except Exception:  # noqa: BLE001 (an LMDB error)
+        span = None
+    if span is None or span[1] < nxt:
         raise DafkaError(f"{what} ({exc})") from exc
-    first = max(nxt, blocks[0][0].first_offset)
-    last = min(blocks[0][0].last_offset, rng.end - 1)
+    first = max(nxt, span[0])
+    last = min(span[1], rng.end - 1)
     if fail_on_data_loss:
         raise DataLossError(f"{what} (records {first}..{last}, a damaged block: {exc}). Set failOnDataLoss=false to"
                             " skip them and go on.") from exc

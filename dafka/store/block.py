@@ -57,14 +57,16 @@ header's range), timestamps (``first_ts``/``max_ts`` are computed, never
 taken from the client), each record's size against ``max_record_bytes``, and
 decompression against a byte budget checked before inflating.  A block that
 lies is refused with :class:`~dafka.errors.ProtocolError` and nothing of it
-is kept.
+is kept.  Readers check a stored block's CRC (:func:`check_crc`) and, for a
+CODEC_STORE block, its whole ends table (:func:`store_values`) before they
+serve any of it.
 """
 
 from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate, islice
 from typing import NamedTuple
 
@@ -90,6 +92,8 @@ __all__ = [
     "BlockHeader",
     "BlockRecord",
     "block_key",
+    "check_crc",
+    "crc_matches",
     "dafka_block",
     "decode_header",
     "kafka_block",
@@ -190,6 +194,27 @@ def _sealed_head(codec: int, compression: int, first: int, last: int, count: int
 def _seal(codec: int, compression: int, first: int, last: int, count: int,
           first_ts: int, max_ts: int, body: bytes | memoryview) -> bytes:
     return _sealed_head(codec, compression, first, last, count, first_ts, max_ts, body) + body
+
+
+def crc_matches(value: bytes | memoryview) -> bool:
+    """Whether a block's CRC-32C (of its header's first 48 bytes and its body) is the one its
+    header holds: a block altered after it was sealed (bit rot) is found without decoding it
+    (hardware CRC-32C: about 30 GB/s here, 35 us a MiB)."""
+    mv = memoryview(value)
+    return bool(crc32c(mv[HEADER_SIZE:], crc32c(mv[:_CRC_AT])) == _CRC.unpack_from(mv, _CRC_AT)[0])
+
+
+def check_crc(value: bytes | memoryview) -> None:
+    """Raise ProtocolError when a stored block's CRC-32C does not match (:func:`crc_matches`):
+    blocks are checked whole when written, and every reader checks this (bit rot) before it
+    serves any of a block (:func:`dafka.fastio.block_slice`, :func:`dafka.store.reader.block_run`,
+    :func:`dafka.store.reader.kafka_batches`)."""
+    if not crc_matches(value):
+        raise ProtocolError(CRC_MISMATCH)
+
+
+#: What a reader of a block whose CRC-32C does not match raises (the compiled twin too).
+CRC_MISMATCH = "a stored block's CRC-32C does not match: it was altered after it was written"
 
 
 def decode_header(value: bytes | memoryview) -> BlockHeader:
@@ -741,29 +766,29 @@ def store_block(first_offset: int, values: Sequence[bytes], payload: int, *, che
 
 
 def store_values(value: bytes | memoryview, hdr: BlockHeader, offset: int, n: int) -> list[bytes]:
-    """Up to ``n`` format-1 values (bytes) of a CODEC_STORE block from ``offset`` (inside the block) on."""
-    count = hdr.record_count
+    """Up to ``n`` format-1 values (bytes) of a CODEC_STORE block from ``offset`` (inside the block) on.
+
+    Sliced by :func:`dafka.fastio.block_slice` (compiled, or its pure-Python twin), which
+    checks the block's whole ends table first, whatever the slice: blocks are checked when
+    written, not when read, and a damaged table (not increasing by a value's header at least,
+    pointing outside the block, or whose last entry is not the block's end, as when the
+    header's count is not the table's) raises ProtocolError rather than slicing wrong records.
+    """
     i = offset - hdr.first_offset
-    j = i + n if i + n < count else count
-    if i < 0 or i >= j:
+    if i < 0 or n <= 0 or i >= hdr.record_count:
         return []
-    if i:  # the end of record i - 1 is where record i starts
-        bounds = _ends(j - i + 1).unpack_from(value, _STORE_BASE + 4 * (i - 1))
-    else:
-        bounds = (_STORE_BASE + 4 * count, *_ends(j).unpack_from(value, _STORE_BASE))
-    lo = bounds[0]
-    if isinstance(value, memoryview):  # a zero-copy LMDB value: copy out about what is asked
-        hi = bounds[-1]
-        if j - i == 1:
-            return [value[lo:hi].tobytes()]
-        if lo < hi - lo:  # copying from the block's start costs less than shifting every bound
-            value = value[:hi].tobytes()
-        else:
-            chunk = value[lo:hi].tobytes()
-            return [chunk[a - lo:b - lo] for a, b in zip(bounds, bounds[1:], strict=False)]
-    if j - i == 1:
-        return [value[lo:bounds[1]]]
-    return [value[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    global _block_slice
+    if _block_slice is None:  # not at import: the compiled extension imports this module
+        from dafka.fastio import block_slice
+
+        _block_slice = block_slice
+    values: list[bytes] | None = _block_slice(value, offset, n)[2]
+    if values is None:
+        raise ProtocolError(f"a block of codec {hdr.codec} is not a CODEC_STORE block")
+    return values
+
+
+_block_slice: Callable[[bytes | memoryview, int, int], tuple[int, int, list[bytes] | None]] | None = None
 
 
 def store_payload(value: bytes | memoryview) -> int:

@@ -65,6 +65,7 @@ import snappy
 from crc32c import crc32c
 
 from dafka.errors import ProtocolError
+from dafka.gateway.connections import LogLimiter
 from dafka.kafka import _codec
 from dafka.store.block import (
     BLOCK_KEY,
@@ -74,6 +75,7 @@ from dafka.store.block import (
     HEADER_SIZE,
     BlockHeader,
     _zvarint,
+    crc_matches,
     decode_header,
     kafka_block_of,
     records,
@@ -89,7 +91,7 @@ from dafka.store.layout import (
     PARTITION_INFO,
     VALUE_HEADER,
 )
-from dafka.store.reader import _as_value, block_payload, seek
+from dafka.store.reader import _as_value, block_payload
 
 __all__ = [
     "CONTROL",
@@ -421,32 +423,102 @@ class Scanned(NamedTuple):
     bytes: int
 
 
-def scan_txn(txn: Any, blocks_db: Any, pid: int, planner: Planner, step_bytes: int) -> Scanned:
+#: What reading a damaged stored block raises (ProtocolError is a ValueError): blocks are
+#: checked when written, not when read (bit rot, a bug of an older version).
+DAMAGE = (ValueError, struct.error, IndexError, zlib.error)
+
+#: ``report(pid, first_offset, why)``: a stored block compaction cannot read, left as it is.
+Report = Callable[[int, int, str], None]
+
+def _ignore(_pid: int, _first: int, _why: str) -> None:
+    pass
+
+
+def _sound(first: int, value: bytes | memoryview) -> tuple[BlockHeader, list[RecordInfo]] | str:
+    """A stored block's header and records, or why it cannot be read: its header, its CRC-32C
+    (a block compaction rewrites is sealed again, so damage it read would pass for sound from
+    then on), its records."""
+    try:
+        hdr = decode_header(value)
+        if hdr.first_offset != first:
+            return f"its header says offset {hdr.first_offset}"
+        if not crc_matches(value):
+            return "its CRC-32C does not match"
+        return hdr, block_infos(hdr, value)
+    except DAMAGE as exc:
+        return str(exc) or type(exc).__name__
+
+
+def _seek_any(cur: Any, pid: int, offset: int) -> bool:
+    """Put ``cur`` on the block of ``pid`` holding ``offset``, else on its first block after it
+    (False: none), as :func:`~dafka.store.reader.seek` does, but reading no more than the
+    header of the block keyed below ``offset``: one whose header cannot be read is taken to
+    hold everything up to the next block (it is then read, and found damaged, by the caller)."""
+    key = BLOCK_KEY.pack(pid, offset + 1)
+    landed = offset < (1 << 64) - 1 and bool(cur.set_range(key))
+    on = bool(cur.prev()) if landed else bool(cur.last())
+    if on and BLOCK_KEY.unpack(cur.key())[0] == pid:  # the last block keyed at or below offset
+        try:
+            holds = decode_header(cur.value()).last_offset >= offset
+        except DAMAGE:
+            holds = True
+        if holds:
+            return True
+        return landed and bool(cur.next()) and BLOCK_KEY.unpack(cur.key())[0] == pid
+    if not landed:
+        return False
+    moved = bool(cur.next()) if on else bool(cur.set_range(key))  # back on the block it landed on
+    return moved and BLOCK_KEY.unpack(cur.key())[0] == pid
+
+
+def _next_first(cur: Any, pid: int) -> int | None:
+    """The first offset of ``pid``'s block after the cursor's (the cursor moves onto it), or None."""
+    if cur.next():
+        kpid, first = BLOCK_KEY.unpack(cur.key())
+        if kpid == pid:
+            return int(first)
+    return None
+
+
+def scan_txn(txn: Any, blocks_db: Any, pid: int, planner: Planner, step_bytes: int,
+             report: Report | None = None) -> Scanned:
     """Feed ``planner`` the records of ``pid`` from its :attr:`~Planner.map_end`, about
-    ``step_bytes`` of blocks (at least one), in a read (or write) transaction."""
+    ``step_bytes`` of blocks (at least one), in a read (or write) transaction.
+
+    A block that cannot be read (:func:`_sound`) is ``report``-ed and passed: its records are
+    not in the map (a record before it that one of them supersedes stays), the scan goes on
+    from the next block."""
+    report = report or _ignore
     cur = txn.cursor(db=blocks_db)
     nblocks = nbytes = 0
-    offset = planner.map_end
-    found = seek(cur, pid, offset)
-    while found is not None and not planner.scan_done:
-        hdr, value = found
-        if hdr.first_offset > planner.upto:
+    if not _seek_any(cur, pid, planner.map_end):
+        planner.scanned_through(planner.upto)  # nothing more is stored
+        return Scanned(0, 0)
+    while not planner.scan_done:
+        first = BLOCK_KEY.unpack(cur.key())[1]
+        if first > planner.upto:
             planner.scanned_through(planner.upto)
             break
-        if not planner.feed(block_infos(hdr, value)):
-            break
-        planner.scanned_through(hdr.last_offset)
+        value = cur.value()
+        got = _sound(first, value)
         nblocks += 1
         nbytes += len(value)
-        if nbytes >= step_bytes or not cur.next():
+        if isinstance(got, str):
+            report(pid, first, got)
+            nxt = _next_first(cur, pid)
+            planner.scanned_through(planner.upto if nxt is None else nxt - 1)
+            if nxt is None:
+                break
+        else:
+            hdr, infos = got
+            if not planner.feed(infos):
+                break
+            planner.scanned_through(hdr.last_offset)
+            if _next_first(cur, pid) is None:
+                planner.scanned_through(planner.upto)  # nothing more is stored
+                break
+        if nbytes >= step_bytes:
             break
-        key = cur.key()
-        if BLOCK_KEY.unpack(key)[0] != pid:
-            break
-        value = cur.value()
-        found = decode_header(value), value
-    if found is None:
-        planner.scanned_through(planner.upto)  # nothing more is stored
     return Scanned(nblocks, nbytes)
 
 
@@ -461,11 +533,16 @@ class Cleaned(NamedTuple):
 
 
 def clean_txn(txn: Any, parts_db: Any, blocks_db: Any, pkey: bytes, planner: Planner, offset: int,
-              step_bytes: int) -> Cleaned:
+              step_bytes: int, report: Report | None = None) -> Cleaned:
     """Drop what ``planner`` does not keep from the blocks of partition ``pkey`` from ``offset``
     (at least the partition's ``first``) up to its ``map_end``, about ``step_bytes`` of blocks,
     in the write transaction ``txn``, updating the partition's ``count`` and ``bytes`` (its
-    ``first`` stays, as Kafka's log start offset does under compaction)."""
+    ``first`` stays, as Kafka's log start offset does under compaction).
+
+    A block that cannot be read (:func:`_sound`), or whose rewrite fails on its records, is
+    ``report``-ed and left as it is (never deleted or rewritten: what it holds is unknown);
+    the step goes on from the next block."""
+    report = report or _ignore
     raw = txn.get(pkey, db=parts_db)
     if raw is None:
         return Cleaned(offset, True, 0, 0, 0)
@@ -478,22 +555,42 @@ def clean_txn(txn: Any, parts_db: Any, blocks_db: Any, pkey: bytes, planner: Pla
         if offset >= planner.map_end:
             done = True
             break
-        found = seek(cur, pid, offset)
-        if found is None or found[0].first_offset >= planner.map_end:
+        if not _seek_any(cur, pid, offset):
             done = True
             break
-        hdr, value = found
+        kfirst = BLOCK_KEY.unpack(cur.key())[1]
+        if kfirst >= planner.map_end:
+            done = True
+            break
+        value = cur.value()
         seen += len(value)
+        got = _sound(kfirst, value)
+        if isinstance(got, str):
+            report(pid, kfirst, got)
+            nxt = _next_first(cur, pid)
+            if nxt is None:
+                done = True
+                break
+            offset = nxt
+            if seen >= step_bytes:
+                break
+            continue
+        hdr, infos = got
         offset = hdr.last_offset + 1
         if hdr.first_offset < first:
             continue  # the partial front block of a DeleteRecords: left alone
-        infos = block_infos(hdr, value)
         keep = [planner.keep(r) for r in infos]
         if all(keep):
             if seen >= step_bytes:
                 break
             continue
-        new = rewrite_block(hdr, value, infos, keep)
+        try:
+            new = rewrite_block(hdr, value, infos, keep)
+        except DAMAGE as exc:
+            report(pid, kfirst, str(exc) or type(exc).__name__)
+            if seen >= step_bytes:
+                break
+            continue
         old_payload = block_payload(hdr, value)
         new_payload = sum(block_payload(decode_header(b), b) for b in new)
         cur.delete()
@@ -542,7 +639,8 @@ class Compactor:
 
     def __init__(self, db: Any, policy: Callable[[], CompactionPolicy], *,
                  bounds: Callable[[str, str, int], tuple[int, Sequence[tuple[int, int]] | None]] | None = None,
-                 max_keys: int = DEFAULT_MAX_KEYS, step_bytes: int = DEFAULT_STEP_BYTES) -> None:
+                 max_keys: int = DEFAULT_MAX_KEYS, step_bytes: int = DEFAULT_STEP_BYTES,
+                 limiter: LogLimiter | None = None) -> None:
         self.db = db
         self.policy = policy
         self.bounds = bounds or (lambda _t, _p, head: (head, None))
@@ -556,6 +654,24 @@ class Compactor:
         self._last = b""  # the partition key of the last round started
         self.dropped = 0  # records removed, in all
         self.rounds = 0  # rounds completed
+        #: Stored blocks found damaged (each counted and logged once), left as they are.
+        self.damaged = 0
+        self._reported: set[tuple[int, int]] = set()
+        self.limiter = limiter or LogLimiter(log)
+
+    def _damaged(self, pid: int, first: int, why: str) -> None:
+        """A stored block the round cannot read: left as it is, logged (rate-limited, one line)
+        and counted the first time it is met (every round of its partition passes it again)."""
+        if (pid, first) in self._reported:
+            return
+        if len(self._reported) >= 4096:  # bounded: past it, a block may be logged once more
+            self._reported.clear()
+        self._reported.add((pid, first))
+        self.damaged += 1
+        rnd = self.round
+        where = f"{rnd.topic}/{rnd.partition}" if rnd is not None else f"partition id {pid}"
+        self.limiter.emit(logging.ERROR, "compaction-damaged", "compaction of %s passes the stored block at offset %d"
+                          " and leaves it as it is: it cannot be read (%s)", where, first, why)
 
     def _due(self, now_ms: int) -> _Round | None:
         policy = self.policy()
@@ -599,8 +715,9 @@ class Compactor:
         return None
 
     def give_up(self) -> None:
-        """The round in progress failed (its step raised): drop it, and leave its partition
-        alone until it gets new records (a damaged block is not read again every second)."""
+        """The round in progress failed (its step raised: a full disk, a bug; a damaged block
+        does not raise, it is passed): drop it, and leave its partition alone until it gets
+        new records (the failure is not met again every second)."""
         rnd = self.round
         if rnd is not None:
             self.blocked[rnd.pkey] = rnd.planner.head
@@ -620,7 +737,7 @@ class Compactor:
                 return False
         pl = rnd.planner
         if not rnd.cleaning:
-            self.db.compaction_scan(rnd.pid, pl, self.step_bytes)
+            self.db.compaction_scan(rnd.pid, pl, self.step_bytes, self._damaged)
             if pl.scan_done:
                 rnd.cleaning = True
                 if pl.map_end <= pl.start and rnd.pkey in self.done_upto and not self._tombstones_due(rnd, now_ms):
@@ -630,7 +747,7 @@ class Compactor:
                     self.round = None
                     return False
             return True
-        res = self.db.compaction_clean(rnd.pkey, pl, rnd.clean_from, self.step_bytes)
+        res = self.db.compaction_clean(rnd.pkey, pl, rnd.clean_from, self.step_bytes, self._damaged)
         self.dropped += res.dropped
         rnd.clean_from = res.next
         if res.dropped:

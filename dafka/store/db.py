@@ -138,7 +138,15 @@ import lmdb
 
 from dafka.errors import ClosedError, ProtocolError, StorageError, StorageFullError
 from dafka.fastio import store_blocks
-from dafka.store.block import BLOCK_KEY, HEADER_SIZE, BlockHeader, decode_header, store_payload
+from dafka.store.block import (
+    BLOCK_KEY,
+    HEADER_SIZE,
+    BlockHeader,
+    crc_matches,
+    decode_header,
+    records,
+    store_payload,
+)
 from dafka.store.blocktable import OverlapError, put_block
 from dafka.store.compaction import Cleaned, Planner, Scanned, clean_txn, scan_txn
 from dafka.store.layout import (
@@ -422,6 +430,19 @@ class _Dbs(NamedTuple):
 _DB_NAMES = tuple(name.encode() for name in _Dbs._fields)
 POSITIONS_DB = b"positions"
 HOLES_DB = b"holes"
+
+
+def _sound(value: bytes | memoryview) -> bool:
+    """Whether a stored block reads whole: its CRC matches and every record decodes (what
+    :meth:`RecordDB.block_span` asks before it lets a reader pass a block's offsets)."""
+    try:
+        if not crc_matches(value):
+            return False
+        for _ in records(value):
+            pass
+    except (ValueError, struct.error, IndexError):
+        return False
+    return True
 
 
 class RecordDB:
@@ -1678,6 +1699,38 @@ class RecordDB:
                 return last + 1 if after is None else after
             return None
 
+    def block_span(self, topic: str, partition: str, offset: int) -> tuple[int, int] | None:
+        """``(first, last)`` offsets of the stored block holding ``offset`` (or the first one
+        after it), by its header alone (its CRC and records unread: for a reader passing a
+        block that cannot be read), ``last`` bounded by the next block's first offset (the
+        header may be what is damaged); None when there is none or its header cannot be read.
+
+        Also None when that block is sound (its CRC matches and its records decode) or
+        ``offset`` is below the partition's first: it is not the block a read failed at a
+        moment ago (retention removed that one meanwhile), and its offsets are held: passing
+        them would make readers skip acknowledged records."""
+        pkey = self._pkey(topic, partition)
+        with self._read_txn(buffers=True) as (txn, dbs):
+            raw = txn.get(pkey, db=dbs.partitions)
+            if raw is None:
+                return None
+            pid, pfirst = PARTITION_INFO.unpack(raw)[:2]
+            if offset < pfirst:
+                return None
+            cur = txn.cursor(db=dbs.blocks)
+            try:
+                found = seek(cur, pid, offset)
+            except (ValueError, struct.error):  # its header too
+                return None
+            if found is None or _sound(found[1]):
+                return None
+            first, last = found[0].first_offset, found[0].last_offset
+            if cur.next():
+                npid, nfirst = BLOCK_KEY.unpack(cur.key())
+                if npid == pid and nfirst <= last:
+                    last = nfirst - 1
+            return first, last
+
     def read_blocks(
         self, topic: str, partition: str, offset: int, max_bytes: int, max_blocks: int = 256
     ) -> tuple[int, int, list[tuple[BlockHeader, bytes]]]:
@@ -1964,11 +2017,13 @@ class RecordDB:
 
     # ------------------------------------------------------------------ compaction
 
-    def compaction_scan(self, pid: int, planner: Planner, step_bytes: int) -> Scanned:
+    def compaction_scan(self, pid: int, planner: Planner, step_bytes: int,
+                        report: Callable[[int, int, str], None] | None = None) -> Scanned:
         """Feed ``planner`` about ``step_bytes`` of partition ``pid``'s blocks, in one read
-        transaction (:func:`dafka.store.compaction.scan_txn`)."""
+        transaction (:func:`dafka.store.compaction.scan_txn`; ``report`` is told of a block
+        that cannot be read)."""
         with self._read_txn() as (txn, dbs):
-            return scan_txn(txn, dbs.blocks, pid, planner, step_bytes)
+            return scan_txn(txn, dbs.blocks, pid, planner, step_bytes, report)
 
     def compacted_gap(self, topic: str, partition: str, lo: int, hi: int) -> bool:
         """Whether offsets ``lo..hi``, where a read found no record, are a gap compaction left
@@ -1996,7 +2051,8 @@ class RecordDB:
             hpid, _hfirst = BLOCK_KEY.unpack(cur.key())
             return hpid != pid or U64.unpack(cur.value())[0] < lo
 
-    def compaction_clean(self, pkey: bytes, planner: Planner, offset: int, step_bytes: int) -> Cleaned:
+    def compaction_clean(self, pkey: bytes, planner: Planner, offset: int, step_bytes: int,
+                         report: Callable[[int, int, str], None] | None = None) -> Cleaned:
         """Rewrite about ``step_bytes`` of a partition's blocks from ``offset`` without what
         ``planner`` drops, in one committed write transaction
         (:func:`dafka.store.compaction.clean_txn`): after a crash, each block is either as it
@@ -2009,7 +2065,7 @@ class RecordDB:
             # it at open from the gaps between blocks (written before it existed), which
             # would take compaction's gaps for holes.
             self._holes_table(txn)
-            return clean_txn(txn, dbs.partitions, dbs.blocks, pkey, planner, offset, step_bytes)
+            return clean_txn(txn, dbs.partitions, dbs.blocks, pkey, planner, offset, step_bytes, report)
 
         result: Cleaned = self._write(body)
         return result

@@ -595,8 +595,13 @@ class Store(PartitionReader):
         while True:
             try:
                 more = self.compactor.step(int(time.time() * 1000))
-            except Exception:  # a damaged block, a full disk, a bug: never the writer thread's end
-                log.exception("compaction failed; the partition waits for new records before the next round")
+            except Exception as exc:  # a full disk, a bug: never the writer thread's end
+                # (A damaged block raises nothing: the round passes it, logged once, and goes on.)
+                rnd = self.compactor.round
+                self.compactor.limiter.emit(
+                    logging.ERROR, "compaction-failed", "compaction of %s failed (%s); the partition waits for new"
+                    " records before the next round", "?" if rnd is None else f"{rnd.topic}/{rnd.partition}", exc,
+                    exc_info=True)
                 self.compactor.give_up()
                 break
             if not more or time.monotonic() >= deadline or self._to_write is not None:
@@ -1381,24 +1386,24 @@ class Store(PartitionReader):
             return
         lo = job.offset
         try:
-            blocks = self.db.read_blocks(job.topic, job.partition, lo, 1, 1)[2]
-            hdr = blocks[0][0] if blocks else None
-            if hdr is None or hdr.last_offset < lo:
+            span = self.db.block_span(job.topic, job.partition, lo)  # (its header alone)
+        except Exception:  # noqa: BLE001 (an LMDB error: the answer ends)
+            self._job_done(job)
+            return
+        if span is not None:
+            if span[1] < lo:
                 self._job_done(job)
                 return
-            lo, upto = max(lo, hdr.first_offset), hdr.last_offset
-        except (ValueError, struct.error, IndexError):  # its header too: pass it by its key
+            lo, upto = max(lo, span[0]), span[1]
+        else:  # its header cannot be read either (or the block is sound: see below): pass it by its key
             try:
                 after = self.db.past_block(job.topic, job.partition, lo)
-            except Exception:  # (StorageError, LMDB's: the answer ends)
+            except Exception:  # noqa: BLE001 (StorageError, LMDB's: the answer ends)
                 after = None
             if after is None or after <= lo:
                 self._job_done(job)
                 return
             upto = after - 1
-        except Exception:  # (StorageError, LMDB's: the answer ends)
-            self._job_done(job)
-            return
         self._send_checked(wire.Void(job.key[0], job.partition, job.topic, lo, upto, self.address, wire.VOID_STORE))
         stop = job.offset + job.remaining
         job.offset, job.remaining = upto + 1, stop - upto - 1

@@ -34,6 +34,7 @@ from dafka.store.block import (
     decode_header,
     kafka_block,
     store_block,
+    tank_block,
 )
 from dafka.store.db import RecordDB
 from dafka.store.layout import VALUE_HEADER
@@ -109,13 +110,30 @@ def damaged(kind: str, first: int) -> bytes:
         lo = base + 12
         struct.pack_into(">III", block, base, lo + 3, lo + 6, len(block))
         return _reseal(bytes(block), bytes(block[HEADER_SIZE:]))
+    if kind == "store-crossed":  # a store block whose first two ends are swapped: each inside the block
+        block = bytearray(healthy(first, [b"c0" * 8, b"c1" * 8, b"c2" * 8]))
+        base = HEADER_SIZE + 8
+        e0, e1 = struct.unpack_from(">II", block, base)
+        struct.pack_into(">II", block, base, e1, e0)
+        return _reseal(bytes(block), bytes(block[HEADER_SIZE:]))
+    if kind == "store-count":  # a store block of 4 values whose header says 3: its table is read short
+        block = healthy(first, [b"n0" * 8, b"n1" * 8, b"n2" * 8, b"n3" * 8])
+        h = decode_header(block)
+        return _seal(h.codec, h.compression, first, first + 2, 3, h.first_ts, h.max_ts, block[HEADER_SIZE:])
+    if kind == "store-crc":  # planted sound, then a record byte altered (see plant): its records still parse
+        return healthy(first, [b"r0", b"r1", b"r2"])
+    if kind == "kafka-crc":  # planted sound, then a record byte altered (see plant): its batch's CRC fails too
+        return kafka_block(_kafka_batch(first, [b"k0", b"k1", b"k2"]), first)
+    if kind == "tank-crc":  # planted sound, then a message byte altered (see plant): the bundle still parses
+        return tank_block(encode_bundle([(None, TS, None, b"t%d" % i * 20) for i in range(3)], codec=0), first)
     if kind == "header":  # planted sound, then altered (see plant): append_blocks checks headers
         return healthy(first, [b"h0", b"h1", b"h2"])
     raise AssertionError(kind)
 
 
 KINDS = ["count-varint", "truncated-bundle", "snappy-payload", "kafka-records", "kafka-gzip", "store-ends", "header",
-         "store-short"]
+         "store-short", "store-crossed", "store-count", "store-crc", "tank-crc",
+         "kafka-crc"]
 
 
 def plant(path: Path, kind: str, topic: str = "t", partitions: tuple[str, str] = (DAMAGED, HEALTHY)) -> None:
@@ -133,6 +151,11 @@ def plant(path: Path, kind: str, topic: str = "t", partitions: tuple[str, str] =
             pid = db.info(topic, bad).pid
             db._write(lambda txn: txn.put(block_key(pid, 2), b"XB" + damaged("store-ends", 2)[2:],
                                           db=db._dbs.blocks))
+        if kind.endswith("-crc"):  # bit rot in its last record's content: only its CRC-32C finds it
+            pid = db.info(topic, bad).pid
+            rotten = bytearray(damaged(kind, 2))
+            rotten[-2] ^= 0x01
+            db._write(lambda txn: txn.put(block_key(pid, 2), bytes(rotten), db=db._dbs.blocks))
 
 
 def got(peer: Any, partition: str) -> list[tuple[int, bytes]]:
@@ -540,3 +563,66 @@ def test_a_rotten_snappy_length_is_refused_at_the_stored_budget_not_24_times_the
         compiled = pytest.importorskip("dafka.fastio._compiled")
         with pytest.raises(ProtocolError, match=over):
             compiled.tank_values(bundle, 0, 10)
+
+
+@pytest.mark.parametrize("kind", ["store-ends", "store-short", "store-crossed", "store-count"])
+def test_a_damaged_ends_table_is_refused_by_every_slicer_not_read_as_other_records(kind: str) -> None:
+    """A CODEC_STORE block's ends table, damaged with its entries inside the block (crossed, or
+    a header whose count is not the table's), is refused with a ProtocolError (a ValueError,
+    what every reader of stored blocks serves around) by the pure-Python slicer the Tank and
+    Kafka gateways convert through (``store_values``) as by both twins of ``block_slice``.
+    Before, ``store_values`` checked nothing: it read ``store-count``'s first record from
+    inside the ends table and ``store-crossed``'s first two records as one, silently."""
+    from dafka.errors import ProtocolError
+    from dafka.fastio import _pure
+    from dafka.store.block import store_values
+    from dafka.store.reader import block_values
+
+    slicers = [_pure.block_slice]
+    try:
+        from dafka.fastio import _compiled  # type: ignore[attr-defined]
+
+        slicers.append(_compiled.block_slice)
+    except ImportError:
+        pass
+    block = damaged(kind, 2)
+    hdr = decode_header(block)
+
+    for at in range(2, 5):
+        for n in range(1, 4):  # whatever the slice, every slicer refuses the block
+            for v in (block, memoryview(block)):
+                with pytest.raises(ProtocolError):
+                    store_values(v, hdr, at, n)
+                with pytest.raises(ProtocolError):
+                    block_values(v, hdr, at, n)
+            for block_slice in slicers:
+                with pytest.raises(ProtocolError):
+                    block_slice(block, at, n)
+    # Sound blocks are sliced as before, from any offset, bytes or a zero-copy view.
+    sound = healthy(2, [b"x" * k for k in range(5)])
+    want = [value(b"x" * k) for k in range(5)]
+    for at in range(2, 7):
+        for n in range(1, 6):
+            for v in (sound, memoryview(sound)):
+                assert store_values(v, decode_header(sound), at, n) == want[at - 2:at - 2 + n]
+            for block_slice in slicers:
+                assert block_slice(sound, at, n)[2] == want[at - 2:at - 2 + n]
+
+
+@pytest.mark.parametrize("kind", ["store-crc", "kafka-records", "store-ends"])
+def test_block_span_passes_only_a_block_that_cannot_be_read(tmp_path: Path, kind: str) -> None:
+    """``RecordDB.block_span`` gives the span a mesh answer VOIDs past a block that failed to
+    read.  It gives none for a block that reads whole (CRC and records), nor from below the
+    partition's first: between the failed read and the span, retention may have removed the
+    damaged block, and the block a read reaches then is a sound one whose offsets are held.
+    Before, such a block's span came back, and a FETCH answer VOIDed acknowledged records."""
+    plant(tmp_path / "db", kind)
+    with RecordDB(tmp_path / "db", sync=False) as db:
+        assert db.block_span("t", DAMAGED, 2) == (2, 4)  # the damaged block
+        assert db.block_span("t", DAMAGED, 3) == (2, 4)
+        assert db.block_span("t", DAMAGED, 0) is None  # sound blocks: never passed
+        assert db.block_span("t", DAMAGED, 5) is None
+        assert db.block_span("t", HEALTHY, 0) is None
+        db.delete_front("t", DAMAGED, 5)  # retention: the damaged block is gone
+        assert db.block_span("t", DAMAGED, 2) is None  # (the read would reach 5-6, sound)
+        assert db.block_span("t", DAMAGED, 5) is None
