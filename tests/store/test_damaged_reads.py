@@ -540,3 +540,87 @@ def test_a_rotten_snappy_length_is_refused_at_the_stored_budget_not_24_times_the
         compiled = pytest.importorskip("dafka.fastio._compiled")
         with pytest.raises(ProtocolError, match=over):
             compiled.tank_values(bundle, 0, 10)
+
+
+def _plant_hole_after(path: Path, kind: str, topic: str = "t") -> None:
+    """Partition DAMAGED: 0-1 healthy, 2-4 damaged (its header reads), a hole 5-7, 8-9 and
+    10-11 healthy; HEALTHY: 0-2."""
+    with RecordDB(path, sync=False) as db:
+        db.append_blocks([
+            (topic, DAMAGED, healthy(0, [b"a0", b"a1"])),
+            (topic, DAMAGED, damaged(kind, 2)),
+            (topic, DAMAGED, healthy(8, [b"a8", b"a9"])),
+            (topic, DAMAGED, healthy(10, [b"a10", b"a11"])),
+            (topic, HEALTHY, healthy(0, [b"b0", b"b1", b"b2"])),
+        ], skips=[(topic, DAMAGED, 5, 7)])
+        assert db.head(topic, DAMAGED) == 11
+
+
+HOLE_KINDS = ["count-varint", "truncated-bundle", "snappy-payload", "kafka-gzip"]
+
+
+@pytest.mark.parametrize("impl", ["pure", "compiled"])
+@pytest.mark.parametrize("kind", HOLE_KINDS)
+def test_a_read_from_a_hole_after_a_damaged_block_does_not_decode_it(tmp_path: Path, impl: str, kind: str) -> None:
+    """A read starting in a hole after a damaged client block (its header reads) steps back
+    onto that block only to see that it ends before the read: the records after the hole
+    are read.  Before, both twins converted the block stepped back onto (a Tank bundle, a
+    Kafka batch) whatever the offset, and its damage raised from a read that holds none of
+    its offsets; the callers took the block after the hole for the damaged one (below)."""
+    from dafka.fastio import _pure
+    from dafka.store.reader import convert_block
+
+    fetch_blocks = _pure.fetch_blocks if impl == "pure" else pytest.importorskip("dafka.fastio._compiled").fetch_blocks
+    _plant_hole_after(tmp_path / "db", kind)
+    with RecordDB(tmp_path / "db", sync=False) as db, db._read_txn(buffers=True) as (txn, dbs):
+        pid = db.info("t", DAMAGED).pid
+        for start in (5, 6, 7):
+            assert fetch_blocks(txn.cursor(db=dbs.blocks), pid, start, 11, 10, convert_block) == (
+                8, [value(b"a8"), value(b"a9"), value(b"a10"), value(b"a11")])
+        with pytest.raises(ValueError):
+            fetch_blocks(txn.cursor(db=dbs.blocks), pid, 3, 11, 10, convert_block)
+
+
+@pytest.mark.parametrize("kind", ["count-varint", "snappy-payload"])
+def test_a_mesh_answer_past_a_damaged_block_and_a_hole_voids_no_held_record(cfg: NodeConfig, tmp_path: Path,
+                                                                            raw_peer: Any, kind: str) -> None:
+    """A FETCH from the damaged block (2) and one from the hole after it (5): the VOIDs
+    cover the damaged offsets and the hole, never 8-9 or 10-11, which this store holds and
+    serves.  Before, the read from the hole raised (the block stepped back onto was decoded)
+    and the VOID was cut from the block ``read_blocks`` found from there: the healthy 8-9,
+    a VOID kind 0 (readers pass it after skip_after: acknowledged records skipped)."""
+    _plant_hole_after(tmp_path / "db", kind)
+    with Store(tmp_path / "db", cfg) as store:
+        peer = raw_peer([wire.P_DIRECT_RECORD, wire.P_VOID])
+        peer.wait_for(lambda q: len(q.peers) >= 1 and len(store.peers) >= 1)
+        peer.wait_for(lambda q: q.subscribed(b"F") and q.subscribed(b"W" + store.address.encode()))
+        for n, start in enumerate((2, 5), 1):
+            peer.send(wire.Fetch(DAMAGED, peer.address, "t", start, 10))
+            peer.send(wire.Fetch(HEALTHY, peer.address, "t", 0, 1))  # (answered after: the store went on)
+            peer.wait_for(lambda q, n=n: sum(off == 11 for off, _ in got(q, DAMAGED)) >= n
+                          and sum(off == 0 for off, _ in got(q, HEALTHY)) >= n)
+        voids = [(v.first, v.last) for v in peer.messages(wire.Void) if v.address == DAMAGED]
+        assert not [v for v in voids if v[1] >= 8], voids
+        assert [off for off, _ in got(peer, DAMAGED)] == [8, 9, 10, 11, 8, 9, 10, 11]
+        assert store.running
+
+
+@pytest.mark.parametrize("kind", ["count-varint", "snappy-payload"])
+def test_a_leaf_answer_from_a_hole_after_a_damaged_block_skips_no_held_record(tmp_path: Path, kind: str) -> None:
+    """A leaf reader asking from the hole after the damaged block gets 8-11.  Before, the
+    read from the hole raised (the block before it was decoded), the port took the block it
+    reached (8-9) for the damaged one and went on at 10: 8 and 9 were never sent."""
+    from tests.test_leaf_read import CMD, RawReader
+
+    _plant_hole_after(tmp_path / "db", kind, CMD)
+    ctx = zmq.Context()
+    store = Store(str(tmp_path / "db"), leaves="127.0.0.1:0")
+    try:
+        r = RawReader(ctx, store)
+        assert isinstance(r.read(), leafwire.LeafReading)
+        r.send(wire.Fetch(DAMAGED, r.address, CMD, 5, 4))
+        assert [(m.address, m.sequence) for m in _records(r, 4)] == [(DAMAGED, o) for o in (8, 9, 10, 11)]
+        assert store.running
+    finally:
+        store.close()
+        ctx.destroy(0)
