@@ -163,6 +163,7 @@ from dafka.store.lockfile import WriterLock
 from dafka.store.reader import (
     block_after,
     block_payload,
+    block_reads,
     block_run,
     convert_block,
     fetch_blocks_past_gaps,
@@ -1636,14 +1637,41 @@ class RecordDB:
         """Where a reader goes on past a stored block that cannot be read: the first offset
         of the next block after the one a read from ``max(offset, first)`` reaches first
         (:func:`dafka.store.reader.block_after`: keys only, a damaged header is passed too),
-        or None when that block is the partition's last (or the partition is unknown)."""
+        or None when that block is the partition's last (or the partition is unknown), or
+        when that block reads (:func:`dafka.store.reader.block_reads`, in the same
+        transaction: it is not the block a read failed at a moment ago, which retention or
+        compaction replaced meanwhile; passed, its readable records were skipped)."""
         pkey = self._pkey(topic, partition)
         with self._read_txn(buffers=True) as (txn, dbs):
             raw = txn.get(pkey, db=dbs.partitions)
             if raw is None:
                 return None
             pid, first = PARTITION_INFO.unpack(raw)[:2]
-            return block_after(txn.cursor(db=dbs.blocks), pid, offset if offset > first else first)
+            start = offset if offset > first else first
+            if block_reads(txn.cursor(db=dbs.blocks), pid, start) is not False:
+                return None
+            return block_after(txn.cursor(db=dbs.blocks), pid, start)
+
+    def unreadable_block(self, topic: str, partition: str, offset: int) -> BlockHeader | None:
+        """The header of the block a read from ``max(offset, first)`` reaches first, when its
+        records cannot be read (:func:`dafka.store.reader.block_reads`), in one transaction;
+        None when it reads (retention or compaction replaced the block a read failed at a
+        moment ago), or there is none.  Raises what decoding its header raises when that
+        cannot be read either (:meth:`past_block` then)."""
+        pkey = self._pkey(topic, partition)
+        with self._read_txn(buffers=True) as (txn, dbs):
+            raw = txn.get(pkey, db=dbs.partitions)
+            if raw is None:
+                return None
+            pid, first, last = PARTITION_INFO.unpack(raw)[:3]
+            start = offset if offset > first else first
+            if start > last:
+                return None
+            cur = txn.cursor(db=dbs.blocks)
+            found = seek(cur, pid, start)  # (raises for a damaged header)
+            if found is None or block_reads(cur, pid, start) is not False:
+                return None
+            return found[0]
 
     def past_block(self, topic: str, partition: str, offset: int) -> int | None:
         """Where a reader goes on past a stored block whose header cannot be read:

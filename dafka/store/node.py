@@ -1381,8 +1381,9 @@ class Store(PartitionReader):
             return
         lo = job.offset
         try:
-            blocks = self.db.read_blocks(job.topic, job.partition, lo, 1, 1)[2]
-            hdr = blocks[0][0] if blocks else None
+            # (The block found now, checked unreadable in the same transaction: retention may
+            # have replaced the one the read failed at, and a VOID of held records passes them.)
+            hdr = self.db.unreadable_block(job.topic, job.partition, lo)
             if hdr is None or hdr.last_offset < lo:
                 self._job_done(job)
                 return

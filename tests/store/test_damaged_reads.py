@@ -311,12 +311,12 @@ def test_a_damaged_block_costs_a_leaf_reader_its_answer_only(tmp_path: Path, cap
 def test_block_after_passes_a_damaged_block_by_its_keys(tmp_path: Path, kind: str) -> None:
     """Where a read goes on past the block it reached first: the next block's first offset,
     from inside the damaged block, from a hole before it, from below the partition's first;
-    None past the partition's last block."""
+    None past the partition's last block, and when the block reached reads."""
     plant(tmp_path / "db", kind)
     with RecordDB(tmp_path / "db", sync=False) as db:
         for offset in (2, 3, 4):
             assert db.block_after("t", DAMAGED, offset) == 5
-        assert db.block_after("t", DAMAGED, 0) == 2
+        assert db.block_after("t", DAMAGED, 0) is None  # the block reached (0-1) reads: never passed
         assert db.block_after("t", DAMAGED, 5) is None
         assert db.block_after("t", DAMAGED, 99) is None
         assert db.block_after("t", HEALTHY, 0) is None
@@ -620,6 +620,75 @@ def test_a_leaf_answer_from_a_hole_after_a_damaged_block_skips_no_held_record(tm
         assert isinstance(r.read(), leafwire.LeafReading)
         r.send(wire.Fetch(DAMAGED, r.address, CMD, 5, 4))
         assert [(m.address, m.sequence) for m in _records(r, 4)] == [(DAMAGED, o) for o in (8, 9, 10, 11)]
+        assert store.running
+    finally:
+        store.close()
+        ctx.destroy(0)
+
+
+def _retention_after_failed_read(monkeypatch: pytest.MonkeyPatch, db: RecordDB, topic: str, before: int) -> list[int]:
+    """``db.fetch_raw`` of DAMAGED from 2 fails (the damaged block) and, before its caller
+    looks where to go on, retention deletes the partition's front below ``before`` (the
+    store's writer thread commits between two read transactions of the serving thread)."""
+    fetch_raw, done = db.fetch_raw, []
+
+    def racing(t: str, p: str, offset: int, count: int) -> Any:
+        try:
+            return fetch_raw(t, p, offset, count)
+        except ValueError:
+            if p == DAMAGED and not done:
+                done.append(db.delete_front(topic, DAMAGED, before)[0])
+            raise
+
+    monkeypatch.setattr(db, "fetch_raw", racing)
+    return done
+
+
+def test_retention_between_a_failed_read_and_its_void_voids_no_held_record(
+        cfg: NodeConfig, tmp_path: Path, raw_peer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The damaged block (2-4) is deleted by retention (the front moves to 8) between the
+    read that failed at it and the look for its range: the block found from 2 now is the
+    healthy 8-9.  No VOID covers 8-9 (it is not the block that failed: the answer ends, the
+    reader asks again and gets 8-11).  Before, the VOID said 8-9 (``read_blocks`` from the
+    offset asked for, no check that the block found is the one that cannot be read), and the
+    answer went on at 10: held, acknowledged records passed by every reader."""
+    _plant_hole_after(tmp_path / "db", "snappy-payload")
+    with Store(tmp_path / "db", cfg) as store:
+        done = _retention_after_failed_read(monkeypatch, store.db, "t", 8)
+        peer = raw_peer([wire.P_DIRECT_RECORD, wire.P_VOID])
+        peer.wait_for(lambda q: len(q.peers) >= 1 and len(store.peers) >= 1)
+        peer.wait_for(lambda q: q.subscribed(b"F") and q.subscribed(b"W" + store.address.encode()))
+        peer.send(wire.Fetch(DAMAGED, peer.address, "t", 2, 10))
+        peer.send(wire.Fetch(HEALTHY, peer.address, "t", 0, 1))
+        peer.wait_for(lambda q: done == [8] and (0, b"b0") in got(q, HEALTHY))
+        peer.send(wire.Fetch(DAMAGED, peer.address, "t", 2, 10))  # (asks again)
+        peer.wait_for(lambda q: (11, b"a11") in got(q, DAMAGED))
+        voids = [(v.first, v.last) for v in peer.messages(wire.Void) if v.address == DAMAGED]
+        assert not [v for v in voids if v[1] >= 8], voids
+        assert (8, b"a8") in got(peer, DAMAGED) and (9, b"a9") in got(peer, DAMAGED)
+        assert store.running
+
+
+def test_retention_between_a_failed_leaf_read_and_its_step_skips_no_held_record(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, for the leaf port: after the read from 2 fails, retention moves the front to
+    8; the port's step past the damaged block must not take the healthy 8-9 for it.  Before,
+    ``block_after`` from 2 (now 8) went on at 10: the answer was 10-11, 8 and 9 never sent."""
+    from tests.test_leaf_read import CMD, RawReader
+
+    _plant_hole_after(tmp_path / "db", "snappy-payload", CMD)
+    ctx = zmq.Context()
+    store = Store(str(tmp_path / "db"), leaves="127.0.0.1:0")
+    try:
+        done = _retention_after_failed_read(monkeypatch, store.db, CMD, 8)
+        r = RawReader(ctx, store)
+        assert isinstance(r.read(), leafwire.LeafReading)
+        r.send(wire.Fetch(DAMAGED, r.address, CMD, 2, 4))
+        first = [m.sequence for m in _records(r, 0)]
+        assert done == [8]
+        assert 10 not in first and 11 not in first, first
+        r.send(wire.Fetch(DAMAGED, r.address, CMD, 2, 4))  # (asks again)
+        assert [m.sequence for m in _records(r, 4)] == [8, 9, 10, 11]
         assert store.running
     finally:
         store.close()
