@@ -1671,7 +1671,15 @@ class RecordDB:
             found = seek(cur, pid, start)  # (raises for a damaged header)
             if found is None or block_reads(cur, pid, start) is not False:
                 return None
-            return found[0]
+            hdr = seek(cur, pid, start)[0]  # type: ignore[index]  # (back on it)
+            # Its header reads but is not checked against its CRC on reads: rot may claim
+            # offsets past the next block's key, which the block cannot hold (a VOID cut from
+            # that claim passed the next block's held records).
+            if cur.next():
+                npid, nfirst = BLOCK_KEY.unpack(cur.key())
+                if npid == pid and nfirst <= hdr.last_offset:
+                    hdr = hdr._replace(last_offset=nfirst - 1)
+            return hdr if hdr.first_offset <= hdr.last_offset else None
 
     def past_block(self, topic: str, partition: str, offset: int) -> int | None:
         """Where a reader goes on past a stored block whose header cannot be read:

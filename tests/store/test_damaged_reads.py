@@ -693,3 +693,30 @@ def test_retention_between_a_failed_leaf_read_and_its_step_skips_no_held_record(
     finally:
         store.close()
         ctx.destroy(0)
+
+
+def test_a_damaged_block_whose_header_claims_too_far_voids_no_later_block(cfg: NodeConfig, tmp_path: Path,
+                                                                         raw_peer: Any) -> None:
+    """A damaged block (2-4, its records unreadable) whose header still has the shape of a
+    header but claims offsets up to 6 (rot there too: a header is checked for shape, not
+    against its CRC, on reads): the next block is keyed at 5, so the block holds at most
+    2-4.  The VOID ends before the next block's key; 5-6 are served.  Before, the VOID said
+    2-6 from the rotten header and the answer went on at 7: held records passed."""
+    path = tmp_path / "db"
+    with RecordDB(path, sync=False) as db:
+        db.append_blocks([("t", DAMAGED, healthy(0, [b"a0", b"a1"])), ("t", DAMAGED, damaged("count-varint", 2)),
+                          ("t", DAMAGED, healthy(5, [b"a5", b"a6"])), ("t", DAMAGED, healthy(7, [b"a7"]))])
+        pid = db.info("t", DAMAGED).pid
+        rotten = bytearray(damaged("count-varint", 2))
+        struct.pack_into(">Q", rotten, 16, 6)  # its last offset
+        assert decode_header(bytes(rotten)).last_offset == 6
+        db._write(lambda txn: txn.put(block_key(pid, 2), bytes(rotten), db=db._dbs.blocks))
+    with Store(path, cfg) as store:
+        peer = raw_peer([wire.P_DIRECT_RECORD, wire.P_VOID])
+        peer.wait_for(lambda q: len(q.peers) >= 1 and len(store.peers) >= 1)
+        peer.wait_for(lambda q: q.subscribed(b"F") and q.subscribed(b"W" + store.address.encode()))
+        peer.send(wire.Fetch(DAMAGED, peer.address, "t", 2, 10))
+        peer.wait_for(lambda q: (7, b"a7") in got(q, DAMAGED))
+        voids = [(v.first, v.last) for v in peer.messages(wire.Void) if v.address == DAMAGED]
+        assert voids == [(2, 4)], voids
+        assert [off for off, _ in got(peer, DAMAGED)] == [5, 6, 7]
