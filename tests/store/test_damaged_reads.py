@@ -720,3 +720,26 @@ def test_a_damaged_block_whose_header_claims_too_far_voids_no_later_block(cfg: N
         voids = [(v.first, v.last) for v in peer.messages(wire.Void) if v.address == DAMAGED]
         assert voids == [(2, 4)], voids
         assert [off for off, _ in got(peer, DAMAGED)] == [5, 6, 7]
+
+
+def test_retention_between_a_failed_spark_read_and_its_skip_skips_no_held_record(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Spark's ``path`` transport, failOnDataLoss=false: retention moves the front to 8 (the
+    store's process, on the same LMDB) between the read that failed at the damaged block and
+    the look for its range.  The records 8-11 are read (2-7 are reported lost, as retention's
+    loss); before, the range skipped was cut from the block found from 2 now, the healthy
+    8-9: "records 8..9, a damaged block", and they were never read."""
+    pytest.importorskip("pyarrow")
+    from dafka.spark import transport
+
+    _plant_hole_after(tmp_path / "db", "snappy-payload")
+    caplog.set_level(logging.WARNING)
+    with RecordDB(tmp_path / "db", sync=False) as db:
+        done = _retention_after_failed_read(monkeypatch, db, "t", 8)
+        monkeypatch.setattr(transport, "shared_db", lambda path: db)
+        got: list[int] = []
+        for b in transport._read_store(str(tmp_path / "db"), transport.ReadRange("t", DAMAGED, 0, 12), False):
+            got += b.column("offset").to_pylist()
+        assert done == [8]
+        assert got == [0, 1, 8, 9, 10, 11]
+        assert not [r for r in caplog.records if "records 8..9" in r.getMessage()]
