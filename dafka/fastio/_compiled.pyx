@@ -1019,6 +1019,8 @@ cdef tuple _block_values(object value, uint64_t offset, Py_ssize_t n, object con
     cdef tuple found = _slice(value, offset, n)
     if found[2] is None:
         first = found[0]
+        if offset > <uint64_t>found[1]:  # (see dafka.fastio._pure._block_values)
+            return (first, found[1], [])
         found = (first, found[1], convert(value, offset if offset > first else first, n))
     return found
 

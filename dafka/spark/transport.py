@@ -185,11 +185,14 @@ def _store_batch(values: Sequence[bytes], start: int, topic: str, partition: str
 def _read_store(path: str, rng: ReadRange, fail_on_data_loss: bool) -> Iterator[pa.RecordBatch]:
     db = shared_db(path)
     nxt = rng.start
+    retried = -1
     while nxt < rng.end:
         try:
             start, values = db.fetch_raw(rng.topic, rng.partition, nxt, min(BATCH_RECORDS, rng.end - nxt))
         except (ValueError, struct.error, IndexError) as exc:  # a damaged stored block (ProtocolError is a ValueError)
-            nxt = _past_damaged(db, path, rng, nxt, exc, fail_on_data_loss)
+            past = _past_damaged(db, path, rng, nxt, exc, fail_on_data_loss, retried == nxt)
+            retried = nxt
+            nxt = past
             continue
         if start > nxt and not (values and db.compacted_gap(rng.topic, rng.partition, nxt, start - 1)):
             # Retention removed records after the range was planned (a gap compaction left
@@ -206,21 +209,27 @@ def _read_store(path: str, rng: ReadRange, fail_on_data_loss: bool) -> Iterator[
         nxt = start + len(values)
 
 
-def _past_damaged(db: RecordDB, path: str, rng: ReadRange, nxt: int, exc: Exception, fail_on_data_loss: bool) -> int:
+def _past_damaged(db: RecordDB, path: str, rng: ReadRange, nxt: int, exc: Exception, fail_on_data_loss: bool,
+                  retried: bool = False) -> int:
     """The offset after the stored block holding ``nxt``, which cannot be read (a damaged
     store: blocks are checked when written; a read stops before one after others, so it is
     the first one read from ``nxt``): its records are lost to this read, as records retention
     removed are (DataLossError, or skipped with a warning for ``failOnDataLoss=false``).  Its
-    error named neither the partition nor the offset."""
+    error named neither the partition nor the offset.  The block is found unreadable in the
+    transaction its range is taken from (:meth:`RecordDB.unreadable_block`): the store's
+    retention or compaction may have replaced the one the read failed at, and a block that
+    reads now is read again (``nxt``, once: ``retried``), never skipped."""
     what = f"{rng.topic}/{rng.partition}: the stored block holding offset {nxt} in the store at {path!r} cannot be read"
     try:
-        span = db.block_span(rng.topic, rng.partition, nxt)  # (its header alone)
-    except Exception:  # noqa: BLE001 (an LMDB error)
-        span = None
-    if span is None or span[1] < nxt:
+        hdr = db.unreadable_block(rng.topic, rng.partition, nxt)
+    except Exception:  # its header too
         raise DafkaError(f"{what} ({exc})") from exc
-    first = max(nxt, span[0])
-    last = min(span[1], rng.end - 1)
+    if hdr is None and not retried:
+        return nxt  # (it reads now: replaced since the read failed)
+    if hdr is None or hdr.last_offset < nxt:
+        raise DafkaError(f"{what} ({exc})") from exc
+    first = max(nxt, hdr.first_offset)
+    last = min(hdr.last_offset, rng.end - 1)
     if fail_on_data_loss:
         raise DataLossError(f"{what} (records {first}..{last}, a damaged block: {exc}). Set failOnDataLoss=false to"
                             " skip them and go on.") from exc

@@ -142,9 +142,7 @@ from dafka.store.block import (
     BLOCK_KEY,
     HEADER_SIZE,
     BlockHeader,
-    crc_matches,
     decode_header,
-    records,
     store_payload,
 )
 from dafka.store.blocktable import OverlapError, put_block
@@ -171,6 +169,7 @@ from dafka.store.lockfile import WriterLock
 from dafka.store.reader import (
     block_after,
     block_payload,
+    block_reads,
     block_run,
     convert_block,
     fetch_blocks_past_gaps,
@@ -430,19 +429,6 @@ class _Dbs(NamedTuple):
 _DB_NAMES = tuple(name.encode() for name in _Dbs._fields)
 POSITIONS_DB = b"positions"
 HOLES_DB = b"holes"
-
-
-def _sound(value: bytes | memoryview) -> bool:
-    """Whether a stored block reads whole: its CRC matches and every record decodes (what
-    :meth:`RecordDB.block_span` asks before it lets a reader pass a block's offsets)."""
-    try:
-        if not crc_matches(value):
-            return False
-        for _ in records(value):
-            pass
-    except (ValueError, struct.error, IndexError):
-        return False
-    return True
 
 
 class RecordDB:
@@ -1657,14 +1643,49 @@ class RecordDB:
         """Where a reader goes on past a stored block that cannot be read: the first offset
         of the next block after the one a read from ``max(offset, first)`` reaches first
         (:func:`dafka.store.reader.block_after`: keys only, a damaged header is passed too),
-        or None when that block is the partition's last (or the partition is unknown)."""
+        or None when that block is the partition's last (or the partition is unknown), or
+        when that block reads (:func:`dafka.store.reader.block_reads`, in the same
+        transaction: it is not the block a read failed at a moment ago, which retention or
+        compaction replaced meanwhile; passed, its readable records were skipped)."""
         pkey = self._pkey(topic, partition)
         with self._read_txn(buffers=True) as (txn, dbs):
             raw = txn.get(pkey, db=dbs.partitions)
             if raw is None:
                 return None
             pid, first = PARTITION_INFO.unpack(raw)[:2]
-            return block_after(txn.cursor(db=dbs.blocks), pid, offset if offset > first else first)
+            start = offset if offset > first else first
+            if block_reads(txn.cursor(db=dbs.blocks), pid, start) is not False:
+                return None
+            return block_after(txn.cursor(db=dbs.blocks), pid, start)
+
+    def unreadable_block(self, topic: str, partition: str, offset: int) -> BlockHeader | None:
+        """The header of the block a read from ``max(offset, first)`` reaches first, when its
+        records cannot be read (:func:`dafka.store.reader.block_reads`), in one transaction;
+        None when it reads (retention or compaction replaced the block a read failed at a
+        moment ago), or there is none.  Raises what decoding its header raises when that
+        cannot be read either (:meth:`past_block` then)."""
+        pkey = self._pkey(topic, partition)
+        with self._read_txn(buffers=True) as (txn, dbs):
+            raw = txn.get(pkey, db=dbs.partitions)
+            if raw is None:
+                return None
+            pid, first, last = PARTITION_INFO.unpack(raw)[:3]
+            start = offset if offset > first else first
+            if start > last:
+                return None
+            cur = txn.cursor(db=dbs.blocks)
+            found = seek(cur, pid, start)  # (raises for a damaged header)
+            if found is None or block_reads(cur, pid, start) is not False:
+                return None
+            hdr = seek(cur, pid, start)[0]  # type: ignore[index]  # (back on it)
+            # Its header reads but is not checked against its CRC on reads: rot may claim
+            # offsets past the next block's key, which the block cannot hold (a VOID cut from
+            # that claim passed the next block's held records).
+            if cur.next():
+                npid, nfirst = BLOCK_KEY.unpack(cur.key())
+                if npid == pid and nfirst <= hdr.last_offset:
+                    hdr = hdr._replace(last_offset=nfirst - 1)
+            return hdr if hdr.first_offset <= hdr.last_offset else None
 
     def past_block(self, topic: str, partition: str, offset: int) -> int | None:
         """Where a reader goes on past a stored block whose header cannot be read:
@@ -1698,38 +1719,6 @@ class RecordDB:
             except (ValueError, struct.error):
                 return last + 1 if after is None else after
             return None
-
-    def block_span(self, topic: str, partition: str, offset: int) -> tuple[int, int] | None:
-        """``(first, last)`` offsets of the stored block holding ``offset`` (or the first one
-        after it), by its header alone (its CRC and records unread: for a reader passing a
-        block that cannot be read), ``last`` bounded by the next block's first offset (the
-        header may be what is damaged); None when there is none or its header cannot be read.
-
-        Also None when that block is sound (its CRC matches and its records decode) or
-        ``offset`` is below the partition's first: it is not the block a read failed at a
-        moment ago (retention removed that one meanwhile), and its offsets are held: passing
-        them would make readers skip acknowledged records."""
-        pkey = self._pkey(topic, partition)
-        with self._read_txn(buffers=True) as (txn, dbs):
-            raw = txn.get(pkey, db=dbs.partitions)
-            if raw is None:
-                return None
-            pid, pfirst = PARTITION_INFO.unpack(raw)[:2]
-            if offset < pfirst:
-                return None
-            cur = txn.cursor(db=dbs.blocks)
-            try:
-                found = seek(cur, pid, offset)
-            except (ValueError, struct.error):  # its header too
-                return None
-            if found is None or _sound(found[1]):
-                return None
-            first, last = found[0].first_offset, found[0].last_offset
-            if cur.next():
-                npid, nfirst = BLOCK_KEY.unpack(cur.key())
-                if npid == pid and nfirst <= last:
-                    last = nfirst - 1
-            return first, last
 
     def read_blocks(
         self, topic: str, partition: str, offset: int, max_bytes: int, max_blocks: int = 256

@@ -1386,24 +1386,25 @@ class Store(PartitionReader):
             return
         lo = job.offset
         try:
-            span = self.db.block_span(job.topic, job.partition, lo)  # (its header alone)
-        except Exception:  # noqa: BLE001 (an LMDB error: the answer ends)
-            self._job_done(job)
-            return
-        if span is not None:
-            if span[1] < lo:
+            # (The block found now, checked unreadable in the same transaction: retention may
+            # have replaced the one the read failed at, and a VOID of held records passes them.)
+            hdr = self.db.unreadable_block(job.topic, job.partition, lo)
+            if hdr is None or hdr.last_offset < lo:
                 self._job_done(job)
                 return
-            lo, upto = max(lo, span[0]), span[1]
-        else:  # its header cannot be read either (or the block is sound: see below): pass it by its key
+            lo, upto = max(lo, hdr.first_offset), hdr.last_offset
+        except (ValueError, struct.error, IndexError):  # its header too: pass it by its key
             try:
                 after = self.db.past_block(job.topic, job.partition, lo)
-            except Exception:  # noqa: BLE001 (StorageError, LMDB's: the answer ends)
+            except Exception:  # (StorageError, LMDB's: the answer ends)
                 after = None
             if after is None or after <= lo:
                 self._job_done(job)
                 return
             upto = after - 1
+        except Exception:  # (StorageError, LMDB's: the answer ends)
+            self._job_done(job)
+            return
         self._send_checked(wire.Void(job.key[0], job.partition, job.topic, lo, upto, self.address, wire.VOID_STORE))
         stop = job.offset + job.remaining
         job.offset, job.remaining = upto + 1, stop - upto - 1

@@ -9,11 +9,12 @@ after it).
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from typing import Any
 
 from dafka.errors import ProtocolError
-from dafka.fastio import fetch_blocks, tank_values
+from dafka.fastio import block_slice, fetch_blocks, tank_values
 from dafka.kafka._codec import kafka_values
 from dafka.store.block import (
     BLOCK_KEY,
@@ -40,7 +41,7 @@ from dafka.store.layout import (
 )
 
 __all__ = [
-    "InGap", "block_after", "block_payload", "block_run", "block_values", "convert_block", "fetch_blocks_past_gaps",
+    "InGap", "block_after", "block_payload", "block_reads", "block_run", "block_values", "convert_block", "fetch_blocks_past_gaps",
     "fetch_values", "kafka_batches", "seek", "values_from",
 ]
 
@@ -234,6 +235,30 @@ def block_after(cur: Any, pid: int, start: int) -> int | None:
         return None
     npid, first = _unpack(cur.key())
     return first if npid == pid else None
+
+
+def block_reads(cur: Any, pid: int, start: int) -> bool | None:
+    """Whether the block a read from ``start`` reaches first (:func:`seek`: the one holding
+    it, or in a hole the first after it) reads, its records from ``start`` on decoded as a
+    read decodes them: False when its header or its records cannot be read (a damaged
+    block), None when ``pid`` has no block there.
+
+    A reader passes a block that cannot be read only once this says so in the transaction
+    it takes the block's range from: a read that failed a moment ago, in another
+    transaction, may have failed at a block retention or compaction has replaced since
+    (the writer commits meanwhile), and the block found now may hold readable records.
+    """
+    try:
+        found = seek(cur, pid, start)
+        if found is None:
+            return None
+        hdr, value = found
+        offset = start if start > hdr.first_offset else hdr.first_offset
+        if block_slice(value, offset, hdr.record_count)[2] is None:
+            values_from(value, hdr, offset, hdr.record_count)
+    except (ValueError, struct.error, IndexError):  # (ProtocolError is a ValueError)
+        return False
+    return True
 
 
 def block_run(cur: Any, pid: int, start: int, last: int, max_bytes: int,

@@ -334,12 +334,12 @@ def test_a_damaged_block_costs_a_leaf_reader_its_answer_only(tmp_path: Path, cap
 def test_block_after_passes_a_damaged_block_by_its_keys(tmp_path: Path, kind: str) -> None:
     """Where a read goes on past the block it reached first: the next block's first offset,
     from inside the damaged block, from a hole before it, from below the partition's first;
-    None past the partition's last block."""
+    None past the partition's last block, and when the block reached reads."""
     plant(tmp_path / "db", kind)
     with RecordDB(tmp_path / "db", sync=False) as db:
         for offset in (2, 3, 4):
             assert db.block_after("t", DAMAGED, offset) == 5
-        assert db.block_after("t", DAMAGED, 0) == 2
+        assert db.block_after("t", DAMAGED, 0) is None  # the block reached (0-1) reads: never passed
         assert db.block_after("t", DAMAGED, 5) is None
         assert db.block_after("t", DAMAGED, 99) is None
         assert db.block_after("t", HEALTHY, 0) is None
@@ -609,20 +609,223 @@ def test_a_damaged_ends_table_is_refused_by_every_slicer_not_read_as_other_recor
                 assert block_slice(sound, at, n)[2] == want[at - 2:at - 2 + n]
 
 
-@pytest.mark.parametrize("kind", ["store-crc", "kafka-records", "store-ends"])
-def test_block_span_passes_only_a_block_that_cannot_be_read(tmp_path: Path, kind: str) -> None:
-    """``RecordDB.block_span`` gives the span a mesh answer VOIDs past a block that failed to
-    read.  It gives none for a block that reads whole (CRC and records), nor from below the
-    partition's first: between the failed read and the span, retention may have removed the
-    damaged block, and the block a read reaches then is a sound one whose offsets are held.
-    Before, such a block's span came back, and a FETCH answer VOIDed acknowledged records."""
+@pytest.mark.parametrize("kind", ["store-crc", "tank-crc", "kafka-crc", "kafka-records", "store-ends"])
+def test_unreadable_block_is_only_a_block_that_cannot_be_read(tmp_path: Path, kind: str) -> None:
+    """``RecordDB.unreadable_block`` gives the header a mesh answer VOIDs past when a read
+    failed: only for a block that cannot be read, its CRC included (a block altered after it
+    was sealed may still decode), and none for a sound block nor once retention removed the
+    damaged one (the block a read reaches then is sound, its offsets held)."""
     plant(tmp_path / "db", kind)
     with RecordDB(tmp_path / "db", sync=False) as db:
-        assert db.block_span("t", DAMAGED, 2) == (2, 4)  # the damaged block
-        assert db.block_span("t", DAMAGED, 3) == (2, 4)
-        assert db.block_span("t", DAMAGED, 0) is None  # sound blocks: never passed
-        assert db.block_span("t", DAMAGED, 5) is None
-        assert db.block_span("t", HEALTHY, 0) is None
+        for at in (2, 3):
+            hdr = db.unreadable_block("t", DAMAGED, at)
+            assert hdr is not None and (hdr.first_offset, hdr.last_offset) == (2, 4)
+        assert db.unreadable_block("t", DAMAGED, 0) is None  # sound blocks: never passed
+        assert db.unreadable_block("t", DAMAGED, 5) is None
+        assert db.unreadable_block("t", HEALTHY, 0) is None
         db.delete_front("t", DAMAGED, 5)  # retention: the damaged block is gone
-        assert db.block_span("t", DAMAGED, 2) is None  # (the read would reach 5-6, sound)
-        assert db.block_span("t", DAMAGED, 5) is None
+        assert db.unreadable_block("t", DAMAGED, 2) is None  # (the read would reach 5-6, sound)
+        assert db.unreadable_block("t", DAMAGED, 5) is None
+
+
+def _plant_hole_after(path: Path, kind: str, topic: str = "t") -> None:
+    """Partition DAMAGED: 0-1 healthy, 2-4 damaged (its header reads), a hole 5-7, 8-9 and
+    10-11 healthy; HEALTHY: 0-2."""
+    with RecordDB(path, sync=False) as db:
+        db.append_blocks([
+            (topic, DAMAGED, healthy(0, [b"a0", b"a1"])),
+            (topic, DAMAGED, damaged(kind, 2)),
+            (topic, DAMAGED, healthy(8, [b"a8", b"a9"])),
+            (topic, DAMAGED, healthy(10, [b"a10", b"a11"])),
+            (topic, HEALTHY, healthy(0, [b"b0", b"b1", b"b2"])),
+        ], skips=[(topic, DAMAGED, 5, 7)])
+        assert db.head(topic, DAMAGED) == 11
+
+
+HOLE_KINDS = ["count-varint", "truncated-bundle", "snappy-payload", "kafka-gzip"]
+
+
+@pytest.mark.parametrize("impl", ["pure", "compiled"])
+@pytest.mark.parametrize("kind", HOLE_KINDS)
+def test_a_read_from_a_hole_after_a_damaged_block_does_not_decode_it(tmp_path: Path, impl: str, kind: str) -> None:
+    """A read starting in a hole after a damaged client block (its header reads) steps back
+    onto that block only to see that it ends before the read: the records after the hole
+    are read.  Before, both twins converted the block stepped back onto (a Tank bundle, a
+    Kafka batch) whatever the offset, and its damage raised from a read that holds none of
+    its offsets; the callers took the block after the hole for the damaged one (below)."""
+    from dafka.fastio import _pure
+    from dafka.store.reader import convert_block
+
+    fetch_blocks = _pure.fetch_blocks if impl == "pure" else pytest.importorskip("dafka.fastio._compiled").fetch_blocks
+    _plant_hole_after(tmp_path / "db", kind)
+    with RecordDB(tmp_path / "db", sync=False) as db, db._read_txn(buffers=True) as (txn, dbs):
+        pid = db.info("t", DAMAGED).pid
+        for start in (5, 6, 7):
+            assert fetch_blocks(txn.cursor(db=dbs.blocks), pid, start, 11, 10, convert_block) == (
+                8, [value(b"a8"), value(b"a9"), value(b"a10"), value(b"a11")])
+        with pytest.raises(ValueError):
+            fetch_blocks(txn.cursor(db=dbs.blocks), pid, 3, 11, 10, convert_block)
+
+
+@pytest.mark.parametrize("kind", ["count-varint", "snappy-payload"])
+def test_a_mesh_answer_past_a_damaged_block_and_a_hole_voids_no_held_record(cfg: NodeConfig, tmp_path: Path,
+                                                                            raw_peer: Any, kind: str) -> None:
+    """A FETCH from the damaged block (2) and one from the hole after it (5): the VOIDs
+    cover the damaged offsets and the hole, never 8-9 or 10-11, which this store holds and
+    serves.  Before, the read from the hole raised (the block stepped back onto was decoded)
+    and the VOID was cut from the block ``read_blocks`` found from there: the healthy 8-9,
+    a VOID kind 0 (readers pass it after skip_after: acknowledged records skipped)."""
+    _plant_hole_after(tmp_path / "db", kind)
+    with Store(tmp_path / "db", cfg) as store:
+        peer = raw_peer([wire.P_DIRECT_RECORD, wire.P_VOID])
+        peer.wait_for(lambda q: len(q.peers) >= 1 and len(store.peers) >= 1)
+        peer.wait_for(lambda q: q.subscribed(b"F") and q.subscribed(b"W" + store.address.encode()))
+        for n, start in enumerate((2, 5), 1):
+            peer.send(wire.Fetch(DAMAGED, peer.address, "t", start, 10))
+            peer.send(wire.Fetch(HEALTHY, peer.address, "t", 0, 1))  # (answered after: the store went on)
+            peer.wait_for(lambda q, n=n: sum(off == 11 for off, _ in got(q, DAMAGED)) >= n
+                          and sum(off == 0 for off, _ in got(q, HEALTHY)) >= n)
+        voids = [(v.first, v.last) for v in peer.messages(wire.Void) if v.address == DAMAGED]
+        assert not [v for v in voids if v[1] >= 8], voids
+        assert [off for off, _ in got(peer, DAMAGED)] == [8, 9, 10, 11, 8, 9, 10, 11]
+        assert store.running
+
+
+@pytest.mark.parametrize("kind", ["count-varint", "snappy-payload"])
+def test_a_leaf_answer_from_a_hole_after_a_damaged_block_skips_no_held_record(tmp_path: Path, kind: str) -> None:
+    """A leaf reader asking from the hole after the damaged block gets 8-11.  Before, the
+    read from the hole raised (the block before it was decoded), the port took the block it
+    reached (8-9) for the damaged one and went on at 10: 8 and 9 were never sent."""
+    from tests.test_leaf_read import CMD, RawReader
+
+    _plant_hole_after(tmp_path / "db", kind, CMD)
+    ctx = zmq.Context()
+    store = Store(str(tmp_path / "db"), leaves="127.0.0.1:0")
+    try:
+        r = RawReader(ctx, store)
+        assert isinstance(r.read(), leafwire.LeafReading)
+        r.send(wire.Fetch(DAMAGED, r.address, CMD, 5, 4))
+        assert [(m.address, m.sequence) for m in _records(r, 4)] == [(DAMAGED, o) for o in (8, 9, 10, 11)]
+        assert store.running
+    finally:
+        store.close()
+        ctx.destroy(0)
+
+
+def _retention_after_failed_read(monkeypatch: pytest.MonkeyPatch, db: RecordDB, topic: str, before: int) -> list[int]:
+    """``db.fetch_raw`` of DAMAGED from 2 fails (the damaged block) and, before its caller
+    looks where to go on, retention deletes the partition's front below ``before`` (the
+    store's writer thread commits between two read transactions of the serving thread)."""
+    fetch_raw, done = db.fetch_raw, []
+
+    def racing(t: str, p: str, offset: int, count: int) -> Any:
+        try:
+            return fetch_raw(t, p, offset, count)
+        except ValueError:
+            if p == DAMAGED and not done:
+                done.append(db.delete_front(topic, DAMAGED, before)[0])
+            raise
+
+    monkeypatch.setattr(db, "fetch_raw", racing)
+    return done
+
+
+def test_retention_between_a_failed_read_and_its_void_voids_no_held_record(
+        cfg: NodeConfig, tmp_path: Path, raw_peer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The damaged block (2-4) is deleted by retention (the front moves to 8) between the
+    read that failed at it and the look for its range: the block found from 2 now is the
+    healthy 8-9.  No VOID covers 8-9 (it is not the block that failed: the answer ends, the
+    reader asks again and gets 8-11).  Before, the VOID said 8-9 (``read_blocks`` from the
+    offset asked for, no check that the block found is the one that cannot be read), and the
+    answer went on at 10: held, acknowledged records passed by every reader."""
+    _plant_hole_after(tmp_path / "db", "snappy-payload")
+    with Store(tmp_path / "db", cfg) as store:
+        done = _retention_after_failed_read(monkeypatch, store.db, "t", 8)
+        peer = raw_peer([wire.P_DIRECT_RECORD, wire.P_VOID])
+        peer.wait_for(lambda q: len(q.peers) >= 1 and len(store.peers) >= 1)
+        peer.wait_for(lambda q: q.subscribed(b"F") and q.subscribed(b"W" + store.address.encode()))
+        peer.send(wire.Fetch(DAMAGED, peer.address, "t", 2, 10))
+        peer.send(wire.Fetch(HEALTHY, peer.address, "t", 0, 1))
+        peer.wait_for(lambda q: done == [8] and (0, b"b0") in got(q, HEALTHY))
+        peer.send(wire.Fetch(DAMAGED, peer.address, "t", 2, 10))  # (asks again)
+        peer.wait_for(lambda q: (11, b"a11") in got(q, DAMAGED))
+        voids = [(v.first, v.last) for v in peer.messages(wire.Void) if v.address == DAMAGED]
+        assert not [v for v in voids if v[1] >= 8], voids
+        assert (8, b"a8") in got(peer, DAMAGED) and (9, b"a9") in got(peer, DAMAGED)
+        assert store.running
+
+
+def test_retention_between_a_failed_leaf_read_and_its_step_skips_no_held_record(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, for the leaf port: after the read from 2 fails, retention moves the front to
+    8; the port's step past the damaged block must not take the healthy 8-9 for it.  Before,
+    ``block_after`` from 2 (now 8) went on at 10: the answer was 10-11, 8 and 9 never sent."""
+    from tests.test_leaf_read import CMD, RawReader
+
+    _plant_hole_after(tmp_path / "db", "snappy-payload", CMD)
+    ctx = zmq.Context()
+    store = Store(str(tmp_path / "db"), leaves="127.0.0.1:0")
+    try:
+        done = _retention_after_failed_read(monkeypatch, store.db, CMD, 8)
+        r = RawReader(ctx, store)
+        assert isinstance(r.read(), leafwire.LeafReading)
+        r.send(wire.Fetch(DAMAGED, r.address, CMD, 2, 4))
+        first = [m.sequence for m in _records(r, 0)]
+        assert done == [8]
+        assert 10 not in first and 11 not in first, first
+        r.send(wire.Fetch(DAMAGED, r.address, CMD, 2, 4))  # (asks again)
+        assert [m.sequence for m in _records(r, 4)] == [8, 9, 10, 11]
+        assert store.running
+    finally:
+        store.close()
+        ctx.destroy(0)
+
+
+def test_a_damaged_block_whose_header_claims_too_far_voids_no_later_block(cfg: NodeConfig, tmp_path: Path,
+                                                                         raw_peer: Any) -> None:
+    """A damaged block (2-4, its records unreadable) whose header still has the shape of a
+    header but claims offsets up to 6 (rot there too: a header is checked for shape, not
+    against its CRC, on reads): the next block is keyed at 5, so the block holds at most
+    2-4.  The VOID ends before the next block's key; 5-6 are served.  Before, the VOID said
+    2-6 from the rotten header and the answer went on at 7: held records passed."""
+    path = tmp_path / "db"
+    with RecordDB(path, sync=False) as db:
+        db.append_blocks([("t", DAMAGED, healthy(0, [b"a0", b"a1"])), ("t", DAMAGED, damaged("count-varint", 2)),
+                          ("t", DAMAGED, healthy(5, [b"a5", b"a6"])), ("t", DAMAGED, healthy(7, [b"a7"]))])
+        pid = db.info("t", DAMAGED).pid
+        rotten = bytearray(damaged("count-varint", 2))
+        struct.pack_into(">Q", rotten, 16, 6)  # its last offset
+        assert decode_header(bytes(rotten)).last_offset == 6
+        db._write(lambda txn: txn.put(block_key(pid, 2), bytes(rotten), db=db._dbs.blocks))
+    with Store(path, cfg) as store:
+        peer = raw_peer([wire.P_DIRECT_RECORD, wire.P_VOID])
+        peer.wait_for(lambda q: len(q.peers) >= 1 and len(store.peers) >= 1)
+        peer.wait_for(lambda q: q.subscribed(b"F") and q.subscribed(b"W" + store.address.encode()))
+        peer.send(wire.Fetch(DAMAGED, peer.address, "t", 2, 10))
+        peer.wait_for(lambda q: (7, b"a7") in got(q, DAMAGED))
+        voids = [(v.first, v.last) for v in peer.messages(wire.Void) if v.address == DAMAGED]
+        assert voids == [(2, 4)], voids
+        assert [off for off, _ in got(peer, DAMAGED)] == [5, 6, 7]
+
+
+def test_retention_between_a_failed_spark_read_and_its_skip_skips_no_held_record(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Spark's ``path`` transport, failOnDataLoss=false: retention moves the front to 8 (the
+    store's process, on the same LMDB) between the read that failed at the damaged block and
+    the look for its range.  The records 8-11 are read (2-7 are reported lost, as retention's
+    loss); before, the range skipped was cut from the block found from 2 now, the healthy
+    8-9: "records 8..9, a damaged block", and they were never read."""
+    pytest.importorskip("pyarrow")
+    from dafka.spark import transport
+
+    _plant_hole_after(tmp_path / "db", "snappy-payload")
+    caplog.set_level(logging.WARNING)
+    with RecordDB(tmp_path / "db", sync=False) as db:
+        done = _retention_after_failed_read(monkeypatch, db, "t", 8)
+        monkeypatch.setattr(transport, "shared_db", lambda path: db)
+        got: list[int] = []
+        for b in transport._read_store(str(tmp_path / "db"), transport.ReadRange("t", DAMAGED, 0, 12), False):
+            got += b.column("offset").to_pylist()
+        assert done == [8]
+        assert got == [0, 1, 8, 9, 10, 11]
+        assert not [r for r in caplog.records if "records 8..9" in r.getMessage()]
