@@ -17,7 +17,6 @@ hundred KB in flight.  It answers one topic of one partition a request: the benc
 from __future__ import annotations
 
 import multiprocessing as mp
-import selectors
 import shutil
 import socket
 import tempfile
@@ -44,14 +43,13 @@ class SyncedStore:
 
 
 def _store_process(directory: str, port: Any, done: Any, result: Any) -> None:
-    """The minimal store: a selector loop (this thread) reading frames, and a writer thread."""
+    """The minimal store: an accepting loop (this thread), a reader thread a connection, a writer thread."""
     import lmdb
 
     env = lmdb.open(directory, map_size=16 << 30, sync=True, metasync=True, writemap=False)
     listener = socket.create_server(("127.0.0.1", 0))
-    listener.setblocking(False)
     port.put(listener.getsockname()[1])
-    pending: list[tuple[socket.socket, int, bytes]] = []
+    pending: list[tuple[socket.socket, int, bytearray]] = []
     ready = threading.Condition()
     counts = {"requests": 0, "commits": 0}
     stop = threading.Event()
@@ -80,11 +78,8 @@ def _store_process(directory: str, port: Any, done: Any, result: Any) -> None:
 
     writer = threading.Thread(target=write, name="minimal-store-writer")
     writer.start()
-    sel = selectors.DefaultSelector()
-    sel.register(listener, selectors.EVENT_READ)
-    buffers: dict[socket.socket, bytearray] = {}
 
-    def on_frame(conn: socket.socket, msg_id: int, payload: bytes) -> bool:
+    def on_frame(conn: socket.socket, msg_id: int, payload: bytearray) -> bool:
         if msg_id in (MsgId.PRODUCE, MsgId.PRODUCE_WITH_SEQNUM):
             # version u16, request id u32, client id str8, acks u8, timeout u32, topics u8
             client_len = payload[6]
@@ -97,63 +92,62 @@ def _store_process(directory: str, port: Any, done: Any, result: Any) -> None:
                 ready.notify()
             return True
         if msg_id == MsgId.CREATE_TOPIC:
-            req = decode_request(msg_id, payload)
+            req = decode_request(msg_id, bytes(payload))
             assert isinstance(req, CreateTopicRequest)
             conn.sendall(CreateTopicResponse(req.req_id, req.topic).encode())
             return True
         return False
 
+    conns: list[socket.socket] = []
     deadline = time.monotonic() + _DEADLINE
+    listener.settimeout(0.2)
     try:
         while not done.is_set() and time.monotonic() < deadline:
-            for key, _ in sel.select(0.2):
-                sock = key.fileobj
-                assert isinstance(sock, socket.socket)
-                if sock is listener:
-                    conn, _ = listener.accept()
-                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    conn.sendall(Ping().encode())  # the greeting Tank clients wait for
-                    buffers[conn] = bytearray()
-                    sel.register(conn, selectors.EVENT_READ)
-                    continue
-                if not _read_frames(sock, buffers[sock], on_frame):
-                    sel.unregister(sock)
-                    del buffers[sock]
-                    sock.close()
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.sendall(Ping().encode())  # the greeting Tank clients wait for
+            conns.append(conn)
+            threading.Thread(target=_read_frames, args=(conn, on_frame), daemon=True).start()
     finally:
         stop.set()
         with ready:
             ready.notify()
         writer.join(_DEADLINE)
-        for sock in buffers:
-            sock.close()
+        for conn in conns:
+            conn.close()
         listener.close()
         env.close()
         result.put(SyncedStore(counts["requests"], counts["commits"]))
 
 
-def _read_frames(conn: socket.socket, buf: bytearray, on_frame: Callable[[socket.socket, int, bytes], bool]) -> bool:
-    """Read what ``conn`` has and hand over its whole frames; False: close it."""
-    try:
-        got = conn.recv(1 << 20)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    if not got:
-        return False
-    buf += got
-    while len(buf) >= FRAME_HEADER_SIZE:
-        msg_id, size = FRAME_HEADER.unpack_from(buf)
-        if size > _MAX_FRAME:
+def _read_exactly(conn: socket.socket, buf: bytearray) -> bool:
+    """Fill ``buf`` from ``conn`` (received in place: one copy, as the gateway's large frames)."""
+    view, got = memoryview(buf), 0
+    while got < len(buf):
+        n = conn.recv_into(view[got:])
+        if not n:
             return False
-        if len(buf) < FRAME_HEADER_SIZE + size:
-            break
-        payload = bytes(buf[FRAME_HEADER_SIZE:FRAME_HEADER_SIZE + size])
-        del buf[:FRAME_HEADER_SIZE + size]
-        if not on_frame(conn, msg_id, payload):
-            return False
+        got += n
     return True
+
+
+def _read_frames(conn: socket.socket, on_frame: Callable[[socket.socket, int, bytearray], bool]) -> None:
+    """A connection's reader thread: its frames to ``on_frame`` until it ends, an error, or
+    ``on_frame`` refuses one (the connection is then shut)."""
+    head = bytearray(FRAME_HEADER_SIZE)
+    try:
+        while _read_exactly(conn, head):
+            msg_id, size = FRAME_HEADER.unpack(head)
+            payload = bytearray(size if size <= _MAX_FRAME else 0)
+            if size > _MAX_FRAME or not _read_exactly(conn, payload) or not on_frame(conn, msg_id, payload):
+                break
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # (closed by the store's end, or the client's)
 
 
 class MinimalSyncedStore:
