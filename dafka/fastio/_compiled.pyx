@@ -837,7 +837,6 @@ from cpython.tuple cimport PyTuple_Check, PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from crc32c import crc32c as _crc32c
 
 from dafka.errors import ProtocolError
-from dafka.store.block import CRC_MISMATCH as _CRC_MISMATCH
 from dafka.store.block import decode_header as _decode_header
 
 cdef enum:
@@ -979,9 +978,6 @@ cdef tuple _slice(object value, uint64_t offset, Py_ssize_t n):
         if count < 1 or last < first or last - first < count - 1 or tsmax < ts0:
             _decode_header(value)
             raise ProtocolError("bad block header")
-        mv = memoryview(value)
-        if _crc32c(mv[_HEADER_SIZE:], _crc32c(mv[:_HEADER_SIZE - 4])) != _be32(p + _HEADER_SIZE - 4):
-            raise ProtocolError(_CRC_MISMATCH)
         if p[3] != _CODEC_STORE:
             return first, last, None
         out = []

@@ -13,7 +13,6 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from dafka.errors import ProtocolError
 from dafka.fastio import block_slice, fetch_blocks, tank_values
 from dafka.kafka._codec import kafka_values
 from dafka.store.block import (
@@ -21,11 +20,8 @@ from dafka.store.block import (
     CODEC_KAFKA,
     CODEC_STORE,
     CODEC_TANK,
-    CRC_MISMATCH,
     HEADER_SIZE,
     BlockHeader,
-    check_crc,
-    crc_matches,
     decode_header,
     records,
     store_payload,
@@ -274,7 +270,6 @@ def block_run(cur: Any, pid: int, start: int, last: int, max_bytes: int,
     if found is None:
         return []
     hdr, value = found
-    check_crc(value)  # (blocks are checked whole when written; readers check their CRC-32C)
     out = [(hdr, bytes(value))]
     size = len(value)
     while size < max_bytes and len(out) < max_blocks and hdr.last_offset < last and cur.next():
@@ -286,8 +281,6 @@ def block_run(cur: Any, pid: int, start: int, last: int, max_bytes: int,
             hdr = decode_header(value)
         except ValueError:
             break  # a damaged block's header (checked when written): the next read, starting at it, raises
-        if not crc_matches(value):
-            break  # a damaged block: the next read, starting at it, raises
         out.append((hdr, bytes(value)))
         size += len(value)
     return out
@@ -328,10 +321,6 @@ def kafka_batches(
         hdr, value = found
         if hdr.first_offset > last:
             break
-        if hdr.codec != CODEC_STORE and not crc_matches(value):  # (a store block's slicer checks it)
-            if out:
-                break  # a damaged block: those before it go, the next read raises
-            raise ProtocolError(CRC_MISMATCH)
         room = limit - size
         # Records that can go in ``room``: converting more only to drop them cost the
         # whole rest of a block (millions of records in a large Tank bundle) per fetch.

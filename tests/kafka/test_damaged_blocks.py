@@ -52,8 +52,7 @@ def poll_for(c: KafkaConsumer, seconds: float) -> tuple[list[tuple[int, int, byt
     return got, None
 
 
-@pytest.mark.parametrize("kind", ["count-varint", "snappy-payload", "store-ends", "header", "store-count",
-                                  "store-crc", "tank-crc", "kafka-crc"])
+@pytest.mark.parametrize("kind", ["count-varint", "snappy-payload", "store-ends", "header", "store-count"])
 def test_a_damaged_converted_block_costs_its_partition_from_the_damage_on(
         cfg: NodeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture, kind: str) -> None:
     """A block the gateway converts into a Kafka batch (a Tank bundle, the store's own).

@@ -19,8 +19,7 @@ from tests.tank.test_gateway import HOST, consume_both, created_partitions, make
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.mark.parametrize("kind", ["header", "store-ends", "store-short", "store-crossed", "store-count", "store-crc",
-                                  "tank-crc"])
+@pytest.mark.parametrize("kind", ["header", "store-ends", "store-short", "store-crossed", "store-count"])
 @pytest.mark.parametrize("seq", [1, 3], ids=["from-before", "at-the-damage"])
 def test_a_damaged_block_costs_its_partition_only(make_gateway: Any, tmp_path: Path, kind: str,  # noqa: F811
                                                   seq: int) -> None:
