@@ -1335,13 +1335,10 @@ class Store(PartitionReader):
             if gap:
                 pass  # said with a VOID kind 2 (_compacted_gap): no warning, the answer goes on past it
             elif start > job.offset == job.asked:
-                log.warning(
-                    "FETCH %s/%s from %d: offsets below %d were removed by retention or skipped (a hole)",
-                    job.topic,
-                    job.partition,
-                    job.offset,
-                    start,
-                )
+                # Rate-limited: a reader may ask for removed offsets again and again.
+                self._read_limited.warning(
+                    "below-start", "FETCH %s/%s from %d: offsets below %d were removed by retention or skipped"
+                    " (a hole)", job.topic, job.partition, job.offset, start)
             if not job.batched and self.batches_for(job.single, answer=True):
                 # Its subscriptions were read since: it takes batches (one cached lookup a slice).
                 job.prefix, job.batched = wire.batch_prefix(job.single), True

@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from dafka.config import NodeConfig
+from dafka.core import wire
 from dafka.store.block import block_key
 from dafka.store.db import RecordDB
 from dafka.store.node import Store
 from dafka.store.retention import Retention, RetentionPolicy
 from tests.conftest import wait_until
-from tests.store.test_damaged_reads import DAMAGED, HEALTHY, TS, damaged, healthy
+from tests.store.test_damaged_reads import DAMAGED, HEALTHY, TS, damaged, got, healthy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -107,3 +109,24 @@ def test_delete_records_at_a_damaged_front_block_deletes_it_only_when_it_is_whol
         assert db.info("t", DAMAGED).count > 0
         assert db.delete_front("t", DAMAGED, 4) == (4, True)  # past the head: all of it
         assert db.info("t", DAMAGED).count == 0
+
+
+def test_fetches_from_below_the_start_are_logged_rate_limited(cfg: NodeConfig, tmp_path: Path, raw_peer: Any,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A reader asking again and again for offsets retention removed: each FETCH is answered
+    from the start, but the warning that they were removed is logged rate-limited, not once a
+    FETCH (a hostile reader flooded the log).  Before, 40 FETCHes logged 40 lines."""
+    with RecordDB(tmp_path / "db", sync=False) as db:
+        db.append_blocks([("t", HEALTHY, healthy(0, [b"b0", b"b1", b"b2"])), ("t", HEALTHY, healthy(3, [b"b3"]))])
+        assert db.delete_front("t", HEALTHY, 3) == (3, True)
+    caplog.set_level(logging.WARNING)
+    with Store(tmp_path / "db", cfg) as store:
+        peer = raw_peer([wire.P_DIRECT_RECORD, wire.P_VOID])
+        peer.wait_for(lambda q: len(q.peers) >= 1 and len(store.peers) >= 1)
+        peer.wait_for(lambda q: q.subscribed(b"F") and q.subscribed(b"W" + store.address.encode()))
+        for i in range(40):
+            peer.send(wire.Fetch(HEALTHY, peer.address, "t", 0, 1))
+            peer.wait_for(lambda q, n=i + 1: len(got(q, HEALTHY)) >= n)
+        assert set(got(peer, HEALTHY)) == {(3, b"b3")}
+        lines = [r for r in caplog.records if "removed by retention" in r.getMessage()]
+        assert 1 <= len(lines) <= 11, len(lines)
