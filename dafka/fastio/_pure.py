@@ -579,10 +579,16 @@ def block_slice(value: Any, offset: int, n: int) -> tuple[int, int, list[bytes] 
     is None for the other codecs (their records need decoding).  Raises ProtocolError for a
     bad header or an ends table that points outside the block, backwards, or at a value
     shorter than its header, or whose last entry is not the block's end (a table of another
-    count than the header's): the whole table is checked, whatever the slice."""
+    count than the header's): the whole table is checked, whatever the slice.  A block that
+    ends before ``offset`` gives no values and is not checked further than its header: none
+    of it is served (a read from a hole steps back onto the block before it only to see
+    that; its damage raised from a read holding none of its offsets, and the callers
+    refused the records after the hole, again and again)."""
     from dafka.store.block import CODEC_STORE, HEADER_SIZE, check_crc, decode_header
 
     hdr = decode_header(value)
+    if offset > hdr.last_offset:
+        return hdr.first_offset, hdr.last_offset, []
     check_crc(value)
     first, count = hdr.first_offset, hdr.record_count
     if hdr.codec != CODEC_STORE:
