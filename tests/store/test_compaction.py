@@ -683,3 +683,27 @@ def test_a_stored_kafka_batch_is_rewritten_within_the_budget_it_was_stored_under
     infos = [RecordInfo(0, b"a", False, TS, PLAIN), RecordInfo(1, b"a", False, TS, PLAIN)]
     with pytest.raises(ProtocolError):
         rewrite_block(decode_header(value), value, infos, [False, True])
+
+
+def test_compaction_checks_a_store_blocks_crc_once_a_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store block compaction reads has its CRC-32C checked once, by the slicer that reads
+    its records (block_slice), not again before it (the CRC is checked once a block read).
+    Before, ``_sound`` checked it, then the slicer did, for every store block of every
+    round.  The damage is still found (test_a_damaged_store_block_is_neither_rewritten_nor_deleted)."""
+    from dafka.store import compaction
+
+    calls: list[int] = []
+    crc_matches = compaction.crc_matches
+
+    def counted(value: Any) -> bool:
+        calls.append(decode_header(value).codec)
+        return crc_matches(value)
+
+    monkeypatch.setattr(compaction, "crc_matches", counted)
+    with RecordDB(tmp_path / "db", sync=False) as db:
+        for rnd in range(3):  # three store blocks of the same five keys
+            db.append([("t", "p", rnd * 5 + i, b"r%d-%d" % (rnd, i), 1_700_000_000_000, b"k%d" % i)
+                       for i in range(5)])
+        c = compact_all(db, CompactionPolicy(frozenset({"t"})))
+        assert c.rounds == 1 and sorted(_blocks(db, "t")) == [10]
+    assert CODEC_STORE not in calls, calls
