@@ -269,12 +269,18 @@ def block_run(cur: Any, pid: int, start: int, last: int, max_bytes: int,
     it included) or ``max_blocks``.  For readers that take whole blocks (a Tank consume:
     its clients skip what precedes their offset, as with the broker).  One seek, then one
     cursor step and one header a block; no record is decoded.
+
+    A client's block's CRC-32C is checked here (it goes whole); a CODEC_STORE block's is
+    not: it never goes whole, and the slicer that reads its records checks it (the CRC is
+    checked once a block read; the Tank gateway, the one caller, slices them), so a damaged
+    one is found there, by the caller, which serves the blocks before it.
     """
     found = seek(cur, pid, start)
     if found is None:
         return []
     hdr, value = found
-    check_crc(value)  # (blocks are checked whole when written; readers check their CRC-32C)
+    if hdr.codec != CODEC_STORE:
+        check_crc(value)  # (blocks are checked whole when written; readers check their CRC-32C)
     out = [(hdr, bytes(value))]
     size = len(value)
     while size < max_bytes and len(out) < max_blocks and hdr.last_offset < last and cur.next():
@@ -286,7 +292,7 @@ def block_run(cur: Any, pid: int, start: int, last: int, max_bytes: int,
             hdr = decode_header(value)
         except ValueError:
             break  # a damaged block's header (checked when written): the next read, starting at it, raises
-        if not crc_matches(value):
+        if hdr.codec != CODEC_STORE and not crc_matches(value):
             break  # a damaged block: the next read, starting at it, raises
         out.append((hdr, bytes(value)))
         size += len(value)

@@ -77,3 +77,30 @@ def test_a_mesh_answer_past_a_block_failing_its_crc_and_a_hole_serves_the_rest(c
         voids = [(v.first, v.last) for v in peer.messages(wire.Void) if v.address == DAMAGED]
         assert not [v for v in voids if v[1] >= 8], voids
         assert store.running
+
+
+def test_a_whole_block_read_checks_a_store_blocks_crc_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``RecordDB.read_blocks`` (a Tank consume) leaves a store block's CRC-32C to the slicer
+    its reader reads its records with (checked once a block read); a client's block, which
+    goes whole, is checked there.  Before, a store block's CRC was checked by block_run,
+    then again by the slicer, on every Tank consume of records written through the mesh."""
+    from dafka.store import reader
+    from dafka.store.block import CODEC_STORE, decode_header, tank_block
+    from dafka.tank.bundle import encode_bundle
+    from tests.store.test_damaged_reads import TS
+
+    checked: list[int] = []
+    for name in ("check_crc", "crc_matches"):
+        real = getattr(reader, name)
+
+        def counted(v: Any, real: Any = real) -> Any:
+            checked.append(decode_header(v).codec)
+            return real(v)
+
+        monkeypatch.setattr(reader, name, counted)
+    with RecordDB(tmp_path / "db", sync=False) as db:
+        db.append_blocks([("t", "p", healthy(0, [b"a0", b"a1"])), ("t", "p", healthy(2, [b"a2"])),
+                          ("t", "p", tank_block(encode_bundle([(None, TS, None, b"t3")], codec=0), 3))])
+        blocks = db.read_blocks("t", "p", 0, 1 << 20)[2]
+        assert [h.first_offset for h, _v in blocks] == [0, 2, 3]
+    assert CODEC_STORE not in checked and len(checked) == 1, checked
