@@ -978,6 +978,8 @@ cdef tuple _slice(object value, uint64_t offset, Py_ssize_t n):
         if count < 1 or last < first or last - first < count - 1 or tsmax < ts0:
             _decode_header(value)
             raise ProtocolError("bad block header")
+        if offset > last:  # (nothing of it is served: see the pure twin)
+            return first, last, []
         if p[3] != _CODEC_STORE:
             return first, last, None
         out = []

@@ -64,11 +64,12 @@ compaction checks it before it drops or rewrites anything).
 
 from __future__ import annotations
 
+import operator
 import struct
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from itertools import accumulate, islice
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import snappy
 from crc32c import crc32c
@@ -100,6 +101,7 @@ __all__ = [
     "scan_kafka",
     "records",
     "store_block",
+    "slice_block",
     "store_values",
     "tank_block",
     "tank_seal",
@@ -758,27 +760,58 @@ def store_block(first_offset: int, values: Sequence[bytes], payload: int, *, che
 def store_values(value: bytes | memoryview, hdr: BlockHeader, offset: int, n: int) -> list[bytes]:
     """Up to ``n`` format-1 values (bytes) of a CODEC_STORE block from ``offset`` (inside the block) on.
 
-    Sliced by :func:`dafka.fastio.block_slice` (compiled, or its pure-Python twin), which
-    checks the block's whole ends table first, whatever the slice: blocks are checked when
-    written, not when read, and a damaged table (not increasing by a value's header at least,
-    pointing outside the block, or whose last entry is not the block's end, as when the
-    header's count is not the table's) raises ProtocolError rather than slicing wrong records.
+    Sliced by :func:`slice_block`, which checks the block's whole ends table first, whatever
+    the slice: blocks are checked when written, not when read, and a damaged table (not
+    increasing by a value's header at least, pointing outside the block, or whose last entry
+    is not the block's end, as when the header's count is not the table's) raises
+    ProtocolError rather than slicing wrong records.  (Readers on a hot path use the
+    compiled twin, ``dafka.fastio.block_slice``: :func:`dafka.store.reader.block_values`.)
     """
     i = offset - hdr.first_offset
     if i < 0 or n <= 0 or i >= hdr.record_count:
         return []
-    global _block_slice
-    if _block_slice is None:  # not at import: the compiled extension imports this module
-        from dafka.fastio import block_slice
-
-        _block_slice = block_slice
-    values: list[bytes] | None = _block_slice(value, offset, n)[2]
+    values = slice_block(value, offset, n)[2]
     if values is None:
         raise ProtocolError(f"a block of codec {hdr.codec} is not a CODEC_STORE block")
     return values
 
 
-_block_slice: Callable[[bytes | memoryview, int, int], tuple[int, int, list[bytes] | None]] | None = None
+def slice_block(value: Any, offset: int, n: int) -> tuple[int, int, list[bytes] | None]:
+    """``(first offset, last offset, values)`` of a stored block (bytes or a buffer), the pure-Python
+    twin of the compiled ``dafka.fastio.block_slice`` (that twin is this function): its header
+    checked for shape (:func:`decode_header`), and, for a CODEC_STORE block,
+    up to ``n`` format-1 values from ``offset`` (clamped to the block's first) on; ``values``
+    is None for the other codecs (their records need decoding).  Raises ProtocolError for a
+    bad header or an ends table that points outside the block, backwards, or at a value
+    shorter than its header, or whose last entry is not the block's end (a table of another
+    count than the header's): the whole table is checked, whatever the slice (crossed
+    entries inside the block bound wrong records that a check of the slice's own entries
+    passes).  A block that ends before ``offset`` gives no values and is not checked further
+    than its header: none of it is served (a read from a hole steps back onto the block
+    before it only to see that; its damage raised from a read holding none of its offsets,
+    and the callers refused the records after the hole, again and again).  The block's CRC
+    is not checked on reads (see :func:`crc_matches`)."""
+    hdr = decode_header(value)
+    if offset > hdr.last_offset:
+        return hdr.first_offset, hdr.last_offset, []
+    first, count = hdr.first_offset, hdr.record_count
+    if hdr.codec != CODEC_STORE:
+        return first, hdr.last_offset, None
+    i = offset - first if offset > first else 0
+    j = i + n if i + n < count else count
+    if n <= 0 or i >= j:
+        return first, hdr.last_offset, []
+    base = HEADER_SIZE + 8 + 4 * count  # payload:u64, then ends:u32 * count
+    if base > len(value):
+        raise ProtocolError("a CODEC_STORE block's ends table runs past its end")
+    ends = struct.unpack_from(f">{count}I", value, HEADER_SIZE + 8)
+    if ends[-1] != len(value):  # (the header's count is not the table's)
+        raise ProtocolError("a CODEC_STORE block's ends table does not end at the block's end")
+    if ends[0] < base + 9 or (count > 1 and min(map(operator.sub, ends[1:], ends)) < 9):
+        # (9: a stored value's header, dafka.store.layout; the whole table, whatever the slice)
+        raise ProtocolError("a CODEC_STORE block's ends table points outside it")
+    bounds = ends[i - 1:j] if i else (base, *ends[:j])
+    return first, hdr.last_offset, [bytes(value[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def store_payload(value: bytes | memoryview) -> int:

@@ -351,7 +351,10 @@ def _kafka_runs(value: bytes | memoryview, keep: Sequence[bool]) -> list[bytes]:
     body = bytes(memoryview(value)[HEADER_SIZE:])
     (base, _length, _epoch, _magic, _crc, attrs, _last_delta, base_ts, max_ts_hdr, pid, pepoch, bseq,
      _count) = _BATCH_HEAD.unpack_from(body)
-    k = scan_kafka(body, 1 << 31, 1 << 31, control=True)
+    # Inflated within the budget it was checked against when stored (block.DEFAULT_BUDGET),
+    # as block_infos does: never more in the writer thread.  (Its records are not bounded
+    # again: the gateway's max_record_bytes, whatever it was, passed them.)
+    k = scan_kafka(body, 1 << 31, DEFAULT_BUDGET, control=True)
     buf, pos = k.body, k.start
     kept: list[tuple[int, int, bytes, bytes]] = []  # (offset, ts, attr+tsDelta bytes, the rest)
     for i in range(k.record_count):
@@ -385,7 +388,7 @@ def _kafka_runs(value: bytes | memoryview, keep: Sequence[bool]) -> list[bytes]:
         tail = struct.pack(">hiqqqhii", (attrs & ~_ATTR_CODEC) | codec, n - 1, base_ts, max_ts, pid, pepoch, seq,
                            n) + payload
         batch = struct.pack(">qiib", first, len(tail) + 9, -1, 2) + struct.pack(">I", crc32c(tail)) + tail
-        out.append(kafka_block_of(batch, scan_kafka(batch, 1 << 31, 1 << 31, control=True), first))
+        out.append(kafka_block_of(batch, scan_kafka(batch, 1 << 31, DEFAULT_BUDGET, control=True), first))
     return out
 
 
@@ -442,7 +445,7 @@ def _sound(first: int, value: bytes | memoryview) -> tuple[BlockHeader, list[Rec
         hdr = decode_header(value)
         if hdr.first_offset != first:
             return f"its header says offset {hdr.first_offset}"
-        if not crc_matches(value):
+        if not crc_matches(value):  # (readers do not check it: see block.crc_matches)
             return "its CRC-32C does not match"
         return hdr, block_infos(hdr, value)
     except DAMAGE as exc:

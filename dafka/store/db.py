@@ -1976,7 +1976,8 @@ class RecordDB:
     # ------------------------------------------------------------------ retention
 
     def enforce_retention(
-        self, now_ms: int, policy: RetentionPolicy, *, max_records: int = 10_000
+        self, now_ms: int, policy: RetentionPolicy, *, max_records: int = 10_000,
+        damaged: list[tuple[str, str, int]] | None = None,
     ) -> RetentionResult:
         """Delete records that ``policy`` no longer keeps, at most ``max_records``.
 
@@ -1986,7 +1987,9 @@ class RecordDB:
         payload total exceeds ``max_bytes``, the front record with the oldest
         timestamp among the topic's partitions.  Heads never change.
 
-        Runs in one write transaction; call again while ``more`` is true.
+        Runs in one write transaction; call again while ``more`` is true.  A partition whose
+        front block cannot be read (bit rot) keeps it and stops there, its ``(topic,
+        partition, offset)`` appended to ``damaged`` when given; the others go on.
         """
         if max_records <= 0:
             return RetentionResult(0, 0, False)
@@ -1997,7 +2000,10 @@ class RecordDB:
         def body(txn: lmdb.Transaction) -> RetentionResult:
             dbs = self._dbs
             assert dbs is not None
-            return retention_txn(txn, dbs.partitions, dbs.blocks, self._holes_db, now_ms, policy, max_records)
+            if damaged is not None:
+                del damaged[:]  # (a transaction run again after the map grew)
+            return retention_txn(txn, dbs.partitions, dbs.blocks, self._holes_db, now_ms, policy, max_records,
+                                 damaged)
 
         result = self._write(body)
         if result.deleted:

@@ -282,6 +282,7 @@ class Store(PartitionReader):
         self._jobs: deque[FetchJob] = deque()
         self._job_of: dict[tuple[str, str, str], FetchJob] = {}  # (requester, subject, partition)
         self._read_limited = LogLimiter(log)  # stored blocks that cannot be read (see _serve)
+        self._retention_limited = LogLimiter(log)  # the writer thread's (see _enforce_retention)
         self._job_counts: dict[tuple[str, str, str], int] = {}  # jobs in self._jobs per key
         self.fetches_refused = 0  # FETCHes over MAX_JOBS_PER_REQUESTER or MAX_FETCH_JOBS
         self._stats_refused = 0
@@ -560,11 +561,17 @@ class Store(PartitionReader):
         deadline = time.monotonic() + self.retention_budget
         deleted = freed = 0
         while True:
+            damaged: list[tuple[str, str, int]] = []
             try:
-                result = self.db.enforce_retention(int(time.time() * 1000), self.retention)
-            except StorageError:
-                log.exception("retention failed")
+                result = self.db.enforce_retention(int(time.time() * 1000), self.retention, damaged=damaged)
+            except Exception as exc:  # a full disk, a bug: never the writer thread's end
+                self._retention_limited.emit(logging.ERROR, "retention-failed", "retention failed (%s)", exc,
+                                             exc_info=True)
                 break
+            for topic, partition, offset in damaged:
+                self._retention_limited.emit(
+                    logging.ERROR, "retention-damaged", "retention of %s/%s stops at offset %d: its stored block"
+                    " cannot be read (kept; the other partitions go on)", topic, partition, offset)
             deleted += result.deleted
             freed += result.freed_bytes
             if not result.more or time.monotonic() >= deadline or self._pipe.staged is not None:
@@ -1328,13 +1335,10 @@ class Store(PartitionReader):
             if gap:
                 pass  # said with a VOID kind 2 (_compacted_gap): no warning, the answer goes on past it
             elif start > job.offset == job.asked:
-                log.warning(
-                    "FETCH %s/%s from %d: offsets below %d were removed by retention or skipped (a hole)",
-                    job.topic,
-                    job.partition,
-                    job.offset,
-                    start,
-                )
+                # Rate-limited: a reader may ask for removed offsets again and again.
+                self._read_limited.warning(
+                    "below-start", "FETCH %s/%s from %d: offsets below %d were removed by retention or skipped"
+                    " (a hole)", job.topic, job.partition, job.offset, start)
             if not job.batched and self.batches_for(job.single, answer=True):
                 # Its subscriptions were read since: it takes batches (one cached lookup a slice).
                 job.prefix, job.batched = wire.batch_prefix(job.single), True

@@ -25,7 +25,6 @@ from dafka.store.block import (
     decode_header,
     records,
     store_payload,
-    store_values,
 )
 from dafka.store.layout import (
     FLAG_KAFKA,
@@ -103,7 +102,10 @@ def block_values(value: bytes | memoryview, hdr: BlockHeader, offset: int, n: in
     its own offset.
     """
     if hdr.codec == CODEC_STORE:
-        return store_values(value, hdr, offset, n)
+        if offset < hdr.first_offset or n <= 0:
+            return []
+        sliced: list[bytes] = block_slice(value, offset, n)[2]  # (compiled: the checks of store_values)
+        return sliced
     if hdr.codec == CODEC_TANK and hdr.record_count == hdr.last_offset - hdr.first_offset + 1:
         # A bundle without gaps (every one the gateway stores): one compiled walk.
         values: list[bytes] = tank_values(memoryview(value)[HEADER_SIZE:], max(0, offset - hdr.first_offset), n)
@@ -265,6 +267,11 @@ def block_run(cur: Any, pid: int, start: int, last: int, max_bytes: int,
     it included) or ``max_blocks``.  For readers that take whole blocks (a Tank consume:
     its clients skip what precedes their offset, as with the broker).  One seek, then one
     cursor step and one header a block; no record is decoded.
+
+    A client's block's CRC-32C is checked here (it goes whole); a CODEC_STORE block's is
+    not: it never goes whole, and the slicer that reads its records checks it (the CRC is
+    checked once a block read; the Tank gateway, the one caller, slices them), so a damaged
+    one is found there, by the caller, which serves the blocks before it.
     """
     found = seek(cur, pid, start)
     if found is None:

@@ -8,13 +8,14 @@ no record is decoded.
 from __future__ import annotations
 
 import heapq
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from dafka.store.block import BLOCK_KEY, BlockHeader, decode_header, records
-from dafka.store.layout import PARTITION_INFO
-from dafka.store.reader import block_payload, seek
+from dafka.store.block import BLOCK_KEY, HEADER_SIZE, BlockHeader, decode_header, records
+from dafka.store.layout import PARTITION_INFO, unpack_partition_key
+from dafka.store.reader import block_payload
 
 __all__ = ["Retention", "RetentionPolicy", "RetentionResult", "delete_front_txn", "retention_txn", "visible"]
 
@@ -74,6 +75,49 @@ def _forget_holes(txn: Any, holes_db: Any, pid: int, first: int) -> None:
             pass
 
 
+def _reached(cur: Any, pid: int, offset: int) -> tuple[BlockHeader | None, Any] | None:
+    """:func:`dafka.store.reader.seek`, whose header is None when it cannot be read (bit rot)
+    rather than raise: the block keyed before ``offset`` is then taken to hold it (as
+    :func:`dafka.store.reader.block_after` does).  The cursor on the block; None when none."""
+    key = BLOCK_KEY.pack(pid, offset)
+    landed = cur.set_range(key)
+    if landed and cur.key() == key:
+        value = cur.value()
+        return _header(value), value
+    if (cur.prev() if landed else cur.last()) and BLOCK_KEY.unpack(cur.key())[0] == pid:
+        value = cur.value()
+        hdr = _header(value)
+        if hdr is None or hdr.last_offset >= offset:
+            return hdr, value
+    if not landed or not cur.set_range(key) or BLOCK_KEY.unpack(cur.key())[0] != pid:
+        return None
+    value = cur.value()
+    return _header(value), value
+
+
+def _header(value: Any) -> BlockHeader | None:
+    try:
+        return decode_header(value)
+    except (ValueError, struct.error):
+        return None
+
+
+def _damaged_front(cur: Any, pid: int, last: int) -> tuple[int, int]:
+    """At a block whose header cannot be read (the cursor on it), holding ``first`` or the
+    first after it: ``(its key, where it certainly ends + 1)``, by the keys: the next
+    block's key, or the head + 1 when it is the partition's last (``last``); the cursor
+    back on it."""
+    key = BLOCK_KEY.unpack(cur.key())[1]
+    if cur.next():
+        npid, nkey = BLOCK_KEY.unpack(cur.key())
+        cur.prev()
+        if npid == pid:
+            return key, nkey
+    else:
+        cur.last()
+    return key, last + 1
+
+
 def delete_front_txn(
     txn: Any, parts_db: Any, blocks_db: Any, holes_db: Any, pkey: bytes, before: int, budget: int
 ) -> tuple[int, bool]:
@@ -96,11 +140,31 @@ def delete_front_txn(
         return first, True
     cur = txn.cursor(db=blocks_db)
     while first < stop and budget > 0 and count > 0:
-        found = seek(cur, pid, first)
+        found = _reached(cur, pid, first)
         if found is None:
             count = 0
             break
         hdr, value = found
+        if hdr is None:
+            # Its header cannot be read (bit rot): by the keys it ends before the next
+            # block (or holds up to the head).  Deleted whole only when that is below the
+            # new start; else the start moves into it, the block kept.  Its records are
+            # not known: it counts one (at least, when none is hidden yet), never more
+            # (the count must not reach 0 while records are held).
+            key, end = _damaged_front(cur, pid, last)
+            if key > first:
+                first = key  # past a hole
+                continue
+            if end <= stop:
+                nbytes -= len(value) - HEADER_SIZE
+                cur.delete()
+                count -= 1 if key == first else 0
+                budget -= end - first
+                first = end
+                continue
+            budget -= stop - first
+            first = stop
+            break
         if hdr.first_offset > first:
             first = hdr.first_offset  # past a hole
             continue
@@ -118,9 +182,11 @@ def delete_front_txn(
         budget -= new_first - first
         first = new_first
     if count > 0:
-        found = seek(cur, pid, first)
+        found = _reached(cur, pid, first)
         if found is None:
             count = 0
+        elif found[0] is None:
+            first = max(first, BLOCK_KEY.unpack(cur.key())[1])  # (its header cannot be read)
         elif found[0].first_offset > first:
             first = found[0].first_offset  # the next record held (past a hole)
     if count <= 0:
@@ -131,7 +197,8 @@ def delete_front_txn(
 
 
 def retention_txn(
-    txn: Any, parts_db: Any, blocks_db: Any, holes_db: Any, now_ms: int, policy: RetentionPolicy, budget: int
+    txn: Any, parts_db: Any, blocks_db: Any, holes_db: Any, now_ms: int, policy: RetentionPolicy, budget: int,
+    damaged: list[tuple[str, str, int]] | None = None,
 ) -> RetentionResult:
     """Delete the blocks ``policy`` no longer keeps, about ``budget`` records at most.
 
@@ -142,6 +209,12 @@ def retention_txn(
     topic's partitions.  A block leaves whole: up to one block per partition may outlive
     its limit.  Heads never change.  A block leaves only when its records fit what is
     left of ``budget``, except the first of a call (so every call makes progress).
+
+    A front block that cannot be read (its header: bit rot) stops its partition's
+    retention there, kept whole (its range and age are not known: deleting it might take
+    records the policy keeps), its ``(topic, partition, offset)`` appended to ``damaged``
+    when given; the other partitions go on (by size, the topic's others pass it, its bytes
+    still counted).
     """
     by_topic: dict[bytes, list[list[Any]]] = {}
     for key, raw in txn.cursor(db=parts_db).iternext():
@@ -153,18 +226,38 @@ def retention_txn(
     deleted = freed = 0
     more = False
 
-    def front(st: list[Any]) -> tuple[Any, bytes]:
-        """The header and value of partition ``st``'s first block (the cursor on it)."""
+    if damaged is None:
+        damaged = []
+
+    def stuck(st: list[Any]) -> None:
+        """Partition ``st``'s retention stops at its front block, which cannot be read."""
+        where = (*unpack_partition_key(bytes(st[0])), st[2])
+        if where not in damaged:
+            damaged.append(where)
+
+    def front(st: list[Any]) -> tuple[Any, bytes] | None:
+        """The header and value of partition ``st``'s first block (the cursor on it), or None
+        when its header cannot be read (noted in ``damaged``: the partition's retention stops
+        there, the others go on; where it ends and how old it is are not known)."""
         if not cur.set_range(pack_key(st[1], 0)) or unpack_key(cur.key())[0] != st[1]:
             raise ValueError(f"partition pid {st[1]} counts {st[4]} records and holds no block")
         value = cur.value()
-        return decode_header(value), value
+        try:
+            return decode_header(value), value
+        except (ValueError, struct.error):
+            stuck(st)
+            return None
 
-    def drop(st: list[Any], hdr: Any, value: bytes) -> None:
-        """Delete the block under the cursor, the front of partition ``st``."""
+    def drop(st: list[Any], hdr: Any, value: bytes) -> bool:
+        """Delete the block under the cursor, the front of partition ``st``; False (nothing
+        deleted, noted in ``damaged``) when a partial front block's records cannot be counted."""
         nonlocal deleted, freed, budget
         size = block_payload(hdr, value)
-        held = visible(hdr, value, st[2])  # less than its count if it is a partial front block
+        try:
+            held = visible(hdr, value, st[2])  # less than its count if it is a partial front block
+        except (ValueError, struct.error):
+            stuck(st)
+            return False
         cur.delete()  # the cursor moves to the next entry
         st[4] -= held
         key = cur.key()
@@ -178,6 +271,7 @@ def retention_txn(
         deleted += held
         freed += size
         budget -= held
+        return True
 
     for tprefix, states in by_topic.items():
         rule = policy.for_topic(bytes(tprefix[1:]).decode("utf-8"))
@@ -185,13 +279,17 @@ def retention_txn(
             cutoff = now_ms - rule.max_age_ms
             for st in states:
                 while st[4]:
-                    hdr, value = front(st)
+                    got = front(st)
+                    if got is None:
+                        break
+                    hdr, value = got
                     if hdr.max_ts >= cutoff:
                         break
                     if hdr.record_count > budget and deleted:
                         more = True
                         break
-                    drop(st, hdr, value)
+                    if not drop(st, hdr, value):
+                        break
                 if more:
                     break
         if more:
@@ -200,23 +298,27 @@ def retention_txn(
             total = sum(st[5] for st in states)
             heap = []
             for i, st in enumerate(states):
-                if st[4]:
-                    heap.append((front(st)[0].first_ts, st[2], i))
+                if st[4] and (got := front(st)) is not None:
+                    heap.append((got[0].first_ts, st[2], i))
             heapq.heapify(heap)
             while total > rule.max_bytes and heap:
                 _ts, _off, i = heapq.heappop(heap)
                 st = states[i]
                 before = st[5]
-                hdr, value = front(st)
+                got = front(st)
+                if got is None:
+                    continue  # (read when pushed, in this transaction: cannot happen)
+                hdr, value = got
                 if total - block_payload(hdr, value) < rule.max_bytes:
                     break  # the oldest block outlives the limit: without it the topic would hold less
                 if hdr.record_count > budget and deleted:
                     more = True
                     break
-                drop(st, hdr, value)
+                if not drop(st, hdr, value):
+                    continue  # this partition stops at it; the topic's others go on
                 total -= before - st[5]
-                if st[4]:
-                    heapq.heappush(heap, (front(st)[0].first_ts, st[2], i))
+                if st[4] and (got := front(st)) is not None:
+                    heapq.heappush(heap, (got[0].first_ts, st[2], i))
             if more:
                 break
     for states in by_topic.values():

@@ -659,3 +659,27 @@ def test_compaction_on_lmdb_matches_the_model(
             assert all(before[o] == c for o, _k, c in after)
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_stored_kafka_batch_is_rewritten_within_the_budget_it_was_stored_under(tmp_path: Path) -> None:
+    """Compaction's rewrite of a stored Kafka batch inflates it at most as far as the batch was
+    checked when stored (block.DEFAULT_BUDGET, 64 MiB), not 2 GiB: a gzip bomb in a block (an
+    older version's, altered with its CRCs right) is refused as damage, in the writer thread.
+    Read from a real store.  Before, it was inflated whole (65 MiB) and rewritten."""
+    from dafka.errors import ProtocolError
+    from dafka.store.block import DEFAULT_BUDGET, block_key, decode_header, kafka_block
+    from dafka.store.compaction import PLAIN, RecordInfo, rewrite_block
+    from tests.store.test_damaged_reads import TS, _kafka_batch
+
+    big = b"z" * (DEFAULT_BUDGET + (1 << 20))
+    bomb = kafka_block(_kafka_batch(0, [b"k0", big], gzipped=True), 0, max_record_bytes=1 << 30, budget=1 << 30)
+    assert len(bomb) < DEFAULT_BUDGET // 64
+    with RecordDB(tmp_path / "db", sync=False) as db:
+        db.append_blocks([("t", "p", kafka_block(_kafka_batch(0, [b"k0", b"k1"]), 0))])
+        pid = db.info("t", "p").pid
+        db._write(lambda txn: txn.put(block_key(pid, 0), bomb, db=db._dbs.blocks))
+        with db._read_txn(buffers=False) as (txn, dbs):
+            value = bytes(txn.get(block_key(pid, 0), db=dbs.blocks))
+    infos = [RecordInfo(0, b"a", False, TS, PLAIN), RecordInfo(1, b"a", False, TS, PLAIN)]
+    with pytest.raises(ProtocolError):
+        rewrite_block(decode_header(value), value, infos, [False, True])

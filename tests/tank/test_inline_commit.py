@@ -167,7 +167,7 @@ class SlowRetention(Gateway):
         super().__init__(*args, **kwargs)
         real_write = self.db._write
 
-        def step(now_ms: int, policy: Any, *, max_records: int = 10_000) -> Any:
+        def step(now_ms: int, policy: Any, *, max_records: int = 10_000, damaged: Any = None) -> Any:
             from dafka.store.retention import RetentionResult
 
             real_write(lambda txn: time.sleep(0.02))
