@@ -266,12 +266,10 @@ def block_run(cur: Any, pid: int, start: int, last: int, max_bytes: int,
     hole and up to ``last``, until ``max_bytes`` of values are taken (the block that passes
     it included) or ``max_blocks``.  For readers that take whole blocks (a Tank consume:
     its clients skip what precedes their offset, as with the broker).  One seek, then one
-    cursor step and one header a block; no record is decoded.
-
-    A client's block's CRC-32C is checked here (it goes whole); a CODEC_STORE block's is
-    not: it never goes whole, and the slicer that reads its records checks it (the CRC is
-    checked once a block read; the Tank gateway, the one caller, slices them), so a damaged
-    one is found there, by the caller, which serves the blocks before it.
+    cursor step and one header a block; no record is decoded (nor its CRC checked: see
+    :func:`dafka.store.block.crc_matches`).  A CODEC_STORE block never goes whole: the
+    caller (the Tank gateway) slices it, and a damaged one is found there, which serves the
+    blocks before it.
     """
     found = seek(cur, pid, start)
     if found is None:
