@@ -33,6 +33,28 @@ def test_the_minimal_store_closes_on_what_it_does_not_answer(tmp_path) -> None:
     assert store.result is not None and store.result.requests == 0
 
 
+def test_the_minimal_store_closes_a_short_frame_and_connections_past_its_cap(tmp_path) -> None:
+    """Hostile: a produce frame too short for its fields closes its connection (before, its
+    reader thread died on an IndexError and the connection stayed open, unanswered), and
+    connections past the first eight are closed at once; the store still answers."""
+    from dafka.bench import synced
+
+    with MinimalSyncedStore(str(tmp_path)) as store:
+        with socket.create_connection(("127.0.0.1", store.port), timeout=10) as conn:
+            assert conn.recv(5) == Ping().encode()
+            conn.sendall(b"\x01\x03\x00\x00\x00abc")  # a produce of 3 bytes
+            assert conn.recv(100) == b""
+        extra = [socket.create_connection(("127.0.0.1", store.port), timeout=10)
+                 for _ in range(synced._MAX_CONNECTIONS)]
+        try:
+            assert all(c.recv(5) == Ping().encode() for c in extra[:-1])
+            assert extra[-1].recv(5) == b""  # the ninth
+        finally:
+            for c in extra:
+                c.close()
+    assert store.result is not None and store.result.requests == 0
+
+
 def test_bench_tank_bound_prints_the_gateway_against_it() -> None:
     cmd = dafka_cmd("--log-level", "WARNING", "bench", "tank", "--records", "20000", "--runs", "1",
                     "--bound", "--disk-mb", "2")

@@ -5,7 +5,8 @@ and window.  A minimal Tank store in a process of its own reads frames from its 
 a produce request's payload (its bundle, unparsed) goes into LMDB as one value (append order,
 sync on) in group commits (everything that arrived while the last commit ran), and each
 request is answered "no error" once the commit holding it returned.  A CreateTopic is
-answered "created", a new connection greeted with a Ping; anything else closes the connection.
+answered "created", a new connection greeted with a Ping; anything else (or a frame
+too short for what it says, or a connection past the first eight) closes the connection.
 
 Nothing is validated, indexed or kept per partition, so what this makes is what a store that
 answers only after its writes are synced can make on this disk, at this window, with this
@@ -19,6 +20,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import shutil
 import socket
+import struct
 import tempfile
 import threading
 import time
@@ -31,6 +33,8 @@ from dafka.tank.messages import CreateTopicRequest, CreateTopicResponse, MsgId, 
 
 _DEADLINE = 300.0  # seconds: no run of this bench is meant to take longer
 _MAX_FRAME = 64 << 20
+_MAX_CONNECTIONS = 8  # accepted over the store's life (the bench opens one); more are closed
+_MAX_PENDING = 256 << 20  # bytes received and not yet committed: a reader waits past it
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,7 @@ def _store_process(directory: str, port: Any, done: Any, result: Any) -> None:
     port.put(listener.getsockname()[1])
     pending: list[tuple[socket.socket, int, bytearray]] = []
     ready = threading.Condition()
-    counts = {"requests": 0, "commits": 0}
+    counts = {"requests": 0, "commits": 0, "pending": 0}
     stop = threading.Event()
 
     def write() -> None:
@@ -62,6 +66,8 @@ def _store_process(directory: str, port: Any, done: Any, result: Any) -> None:
                     continue
                 taken = pending[:]
                 pending.clear()
+                counts["pending"] = 0
+                ready.notify_all()  # (readers waiting for room)
             if not taken:
                 continue
             with env.begin(write=True) as txn:  # commits with sync on, on leaving
@@ -80,22 +86,31 @@ def _store_process(directory: str, port: Any, done: Any, result: Any) -> None:
     writer.start()
 
     def on_frame(conn: socket.socket, msg_id: int, payload: bytearray) -> bool:
-        if msg_id in (MsgId.PRODUCE, MsgId.PRODUCE_WITH_SEQNUM):
-            # version u16, request id u32, client id str8, acks u8, timeout u32, topics u8
-            client_len = payload[6]
-            topics_at = 7 + client_len + 5
-            name_len = payload[topics_at + 1]
-            if payload[topics_at] != 1 or payload[topics_at + 2 + name_len] != 1:
-                return False  # the answer is one partition's
-            with ready:
-                pending.append((conn, U32.unpack_from(payload, 2)[0], payload))
-                ready.notify()
-            return True
-        if msg_id == MsgId.CREATE_TOPIC:
-            req = decode_request(msg_id, bytes(payload))
-            assert isinstance(req, CreateTopicRequest)
-            conn.sendall(CreateTopicResponse(req.req_id, req.topic).encode())
-            return True
+        """Queue a produce request, answer a CreateTopic; False (close it): anything else, or
+        a frame too short for what it says."""
+        try:
+            if msg_id in (MsgId.PRODUCE, MsgId.PRODUCE_WITH_SEQNUM):
+                # version u16, request id u32, client id str8, acks u8, timeout u32, topics u8
+                client_len = payload[6]
+                topics_at = 7 + client_len + 5
+                name_len = payload[topics_at + 1]
+                if payload[topics_at] != 1 or payload[topics_at + 2 + name_len] != 1:
+                    return False  # the answer is one partition's
+                req_id = U32.unpack_from(payload, 2)[0]
+                with ready:
+                    if not ready.wait_for(lambda: counts["pending"] < _MAX_PENDING or stop.is_set(), _DEADLINE):
+                        return False
+                    pending.append((conn, req_id, payload))
+                    counts["pending"] += len(payload)
+                    ready.notify_all()
+                return True
+            if msg_id == MsgId.CREATE_TOPIC:
+                req = decode_request(msg_id, bytes(payload))
+                assert isinstance(req, CreateTopicRequest)
+                conn.sendall(CreateTopicResponse(req.req_id, req.topic).encode())
+                return True
+        except (IndexError, struct.error, ValueError):  # (ProtocolError is a ValueError)
+            return False
         return False
 
     conns: list[socket.socket] = []
@@ -106,6 +121,9 @@ def _store_process(directory: str, port: Any, done: Any, result: Any) -> None:
             try:
                 conn, _ = listener.accept()
             except TimeoutError:
+                continue
+            if len(conns) >= _MAX_CONNECTIONS:
+                conn.close()
                 continue
             conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
