@@ -80,7 +80,7 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
                 file=sys.stderr,
             )
         if interrupt.stop.is_set():
-            return _produce_interrupted(producer, args, read, count, start)
+            return _produce_interrupted(producer, args, read, count, start, interrupt)
         if args.no_ack:
             time.sleep(args.linger)  # answer late FETCHes from the kept records
             producer.close(0)
@@ -109,15 +109,24 @@ def cmd_produce(args: argparse.Namespace, settings: Settings) -> int:
 
 
 class _FirstInterrupt:
-    """The first Ctrl-C sets ``stop`` (the command ends cleanly); a second one raises KeyboardInterrupt."""
+    """The first Ctrl-C sets ``stop`` (the command ends cleanly); a second one sets ``again``
+    and, unless ``waiting``, raises KeyboardInterrupt.  While waiting for acknowledgements it
+    raises nothing: raised inside the producer's wait (a lock held by the main thread while
+    its I/O thread needs it), it left ``close`` waiting for good (the test of a second Ctrl-C
+    timed out once in the whole suite)."""
 
     def __init__(self) -> None:
         self.stop = threading.Event()
+        self.again = threading.Event()
+        self.waiting = False
         self._before = signal.signal(signal.SIGINT, self._handler)
 
     def _handler(self, signum: int, frame: Any) -> None:
         if self.stop.is_set():
-            raise KeyboardInterrupt
+            self.again.set()
+            if not self.waiting:
+                raise KeyboardInterrupt
+            return
         self.stop.set()
 
     def restore(self) -> None:
@@ -136,16 +145,27 @@ def _interrupted_line(producer: Any, args: argparse.Namespace, read: int, count:
     return f"error: {head}, {acked} acknowledged ({count - acked} not{kept})"
 
 
-def _produce_interrupted(producer: Any, args: argparse.Namespace, read: int, count: int, start: int) -> int:
-    """After a Ctrl-C: wait up to ``--timeout`` for what was published, then say what came of the lines."""
+def _produce_interrupted(producer: Any, args: argparse.Namespace, read: int, count: int, start: int,
+                         interrupt: _FirstInterrupt) -> int:
+    """After a Ctrl-C: wait up to ``--timeout`` for what was published (a second Ctrl-C ends
+    the wait), then say what came of the lines."""
     if not args.no_ack and producer.acked_offset < producer.next_offset - 1:
         waiting = producer.next_offset - 1 - max(producer.acked_offset, start - 1)
+        interrupt.waiting = True
         print(
             f"interrupted: waiting up to {args.timeout:g}s for {waiting} acknowledgements (Ctrl-C again to stop now)",
             file=sys.stderr,
             flush=True,
         )
-        producer.flush(args.timeout)
+        deadline = time.monotonic() + args.timeout
+        # In slices: the second Ctrl-C is seen between them (see _FirstInterrupt).
+        while not interrupt.again.is_set():
+            step = min(0.1, deadline - time.monotonic())
+            if step <= 0:
+                break
+            began = time.monotonic()
+            if producer.flush(step) or time.monotonic() - began < step / 2:
+                break  # all acknowledged, or the producer failed (flush answers False at once)
     print(_interrupted_line(producer, args, read, count, start), file=sys.stderr)
     return EXIT_INTERRUPTED
 
